@@ -1,0 +1,199 @@
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <functional>
+
+#include "bindings/common.hpp"
+#include "moriio_native/layout.hpp"
+
+namespace py = pybind11;
+
+namespace moriio_native::bindings {
+namespace {
+
+using IdArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+CacheKind ParseKind(const std::string& kind) {
+  if (kind == "kv") return CacheKind::kKeyValue;
+  if (kind == "mla") return CacheKind::kLatent;
+  throw StatusError(InvalidArgumentError("CacheSpec.kind must be 'kv' or 'mla', got '" + kind + "'"));
+}
+
+std::string KindName(CacheKind kind) { return kind == CacheKind::kKeyValue ? "kv" : "mla"; }
+
+KvPlaneAxis ParsePlaneAxis(const std::string& axis) {
+  if (axis == "auto") return KvPlaneAxis::kAuto;
+  if (axis == "separated") return KvPlaneAxis::kSeparated;
+  if (axis == "interleaved") return KvPlaneAxis::kInterleaved;
+  throw StatusError(InvalidArgumentError(
+      "kv_plane_axis must be 'auto', 'separated' or 'interleaved', got '" + axis + "'"));
+}
+
+std::span<const std::int64_t> Ids(const IdArray& a) {
+  if (a.ndim() != 1) throw StatusError(InvalidArgumentError("block ids must be one-dimensional"));
+  return {a.data(), static_cast<std::size_t>(a.size())};
+}
+
+// A view of one of the plan's arrays that keeps the plan object alive.
+py::array_t<std::int64_t> PlanArray(const py::object& owner, const std::vector<std::int64_t>& v) {
+  return py::array_t<std::int64_t>({static_cast<py::ssize_t>(v.size())}, {sizeof(std::int64_t)},
+                                   v.data(), owner);
+}
+
+py::dict ParamsDict(const LayoutParams& p) {
+  py::dict d;
+  d["kind"] = KindName(p.kind);
+  d["num_blocks"] = p.num_blocks;
+  d["block_size"] = p.block_size;
+  d["kernel_block_size"] = p.kernel_block_size;
+  d["num_heads"] = p.num_heads;
+  d["dtype_bytes"] = p.dtype_bytes;
+  d["block_stride"] = p.block_stride;
+  d["kernel_block_stride"] = p.kernel_block_stride;
+  d["head_stride"] = p.head_stride;
+  d["token_stride"] = p.token_stride;
+  d["plane_offset"] = py::make_tuple(p.plane_offset[0], p.plane_offset[1]);
+  d["plane_bytes"] = py::make_tuple(p.plane_bytes[0], p.plane_bytes[1]);
+  return d;
+}
+
+std::size_t HashLayout(const LayerLayout& l) {
+  std::size_t h = std::hash<std::string>{}(l.name());
+  const LayoutParams& p = l.params();
+  for (std::int64_t v : {p.num_blocks, p.block_stride, p.kernel_block_stride, p.head_stride,
+                         p.token_stride, p.plane_offset[1], static_cast<std::int64_t>(l.LogicalFingerprint())}) {
+    h = h * 1000003u ^ std::hash<std::int64_t>{}(v);
+  }
+  return h;
+}
+
+}  // namespace
+
+void BindLayout(py::module_& m) {
+  py::class_<CacheSpec>(m, "CacheSpec", "Logical description of one layer's KV cache.")
+      .def(py::init([](const std::string& kind, std::int64_t block_size,
+                       std::optional<std::int64_t> num_kv_heads, std::optional<std::int64_t> head_size,
+                       std::int64_t dtype_bytes, std::optional<std::int64_t> head_size_v) {
+             CacheSpec s{ParseKind(kind), block_size, num_kv_heads, head_size, dtype_bytes, head_size_v};
+             ThrowIfError(s.Validate());
+             return s;
+           }),
+           py::kw_only(), py::arg("kind") = "kv", py::arg("block_size"),
+           py::arg("num_kv_heads") = py::none(), py::arg("head_size") = py::none(),
+           py::arg("dtype_bytes"), py::arg("head_size_v") = py::none())
+      .def_property_readonly("kind", [](const CacheSpec& s) { return KindName(s.kind); })
+      .def_readonly("block_size", &CacheSpec::block_size)
+      .def_readonly("num_kv_heads", &CacheSpec::num_kv_heads)
+      .def_readonly("head_size", &CacheSpec::head_size)
+      .def_readonly("dtype_bytes", &CacheSpec::dtype_bytes)
+      .def_readonly("head_size_v", &CacheSpec::head_size_v)
+      .def("__repr__", [](const CacheSpec& s) {
+        auto opt = [](const std::optional<std::int64_t>& v) {
+          return v ? std::to_string(*v) : std::string("None");
+        };
+        return "CacheSpec(kind='" + KindName(s.kind) + "', block_size=" + std::to_string(s.block_size) +
+               ", num_kv_heads=" + opt(s.num_kv_heads) + ", head_size=" + opt(s.head_size) +
+               ", dtype_bytes=" + std::to_string(s.dtype_bytes) + ", head_size_v=" + opt(s.head_size_v) + ")";
+      });
+
+  py::class_<TensorGeometry>(m, "TensorGeometry", "Shape and strides (in elements) of a tensor.")
+      .def(py::init([](std::vector<std::int64_t> shape, std::vector<std::int64_t> strides,
+                       std::int64_t element_size, std::uint64_t data_ptr) {
+             return TensorGeometry{std::move(shape), std::move(strides), element_size, data_ptr};
+           }),
+           py::arg("shape"), py::arg("strides"), py::arg("element_size"), py::arg("data_ptr") = 0)
+      .def_readonly("shape", &TensorGeometry::shape)
+      .def_readonly("strides", &TensorGeometry::strides)
+      .def_readonly("element_size", &TensorGeometry::element_size)
+      .def_readonly("data_ptr", &TensorGeometry::data_ptr)
+      .def("__repr__", [](const TensorGeometry& g) {
+        return "TensorGeometry(shape=" + py::repr(py::cast(g.shape)).cast<std::string>() +
+               ", strides=" + py::repr(py::cast(g.strides)).cast<std::string>() +
+               ", element_size=" + std::to_string(g.element_size) + ")";
+      });
+
+  py::class_<LayerLayout>(m, "LayerLayout", "A validated layer layout (immutable).")
+      .def_property_readonly("name", &LayerLayout::name)
+      .def_property_readonly("kind", [](const LayerLayout& l) { return KindName(l.kind()); })
+      .def_property_readonly("num_blocks", &LayerLayout::num_blocks)
+      .def_property_readonly("block_size", &LayerLayout::block_size)
+      .def_property_readonly("num_heads", &LayerLayout::num_heads)
+      .def_property_readonly("block_stride", &LayerLayout::block_stride)
+      .def_property_readonly("block_bytes", &LayerLayout::block_bytes)
+      .def_property_readonly("span_bytes", &LayerLayout::span_bytes)
+      .def_property_readonly("fingerprint", &LayerLayout::LogicalFingerprint)
+      .def_property_readonly("params", [](const LayerLayout& l) { return ParamsDict(l.params()); })
+      .def("describe", &LayerLayout::DescribeLogical)
+      .def("__eq__", [](const LayerLayout& a, const LayerLayout& b) {
+        return a.name() == b.name() && a.params() == b.params();
+      })
+      .def("__hash__", &HashLayout)
+      .def("__repr__", [](const LayerLayout& l) {
+        return "LayerLayout('" + l.name() + "', " + l.DescribeLogical() +
+               " num_blocks=" + std::to_string(l.num_blocks()) +
+               " block_stride=" + std::to_string(l.block_stride()) + ")";
+      });
+
+  m.def("_describe_layer",
+        [](std::string name, const TensorGeometry& g, const CacheSpec& spec, const std::string& axis) {
+          return Unwrap(DescribeLayer(std::move(name), g, spec, ParsePlaneAxis(axis)));
+        },
+        py::arg("name"), py::arg("geometry"), py::arg("spec"), py::arg("kv_plane_axis") = "auto");
+
+  py::class_<CopyPlan, std::shared_ptr<CopyPlan>>(m, "CopyPlan",
+                                                  "Runs sorted by local offset (bytes from each layer base).")
+      .def_property_readonly("local_offsets",
+                             [](py::object self) { return PlanArray(self, self.cast<CopyPlan&>().local_offsets); })
+      .def_property_readonly("remote_offsets",
+                             [](py::object self) { return PlanArray(self, self.cast<CopyPlan&>().remote_offsets); })
+      .def_property_readonly("sizes",
+                             [](py::object self) { return PlanArray(self, self.cast<CopyPlan&>().sizes); })
+      .def_property_readonly("total_bytes", &CopyPlan::total_bytes)
+      .def("__len__", &CopyPlan::size)
+      .def("runs", [](const CopyPlan& p) {
+        py::list out;
+        for (std::size_t i = 0; i < p.size(); ++i) {
+          out.append(py::make_tuple(p.local_offsets[i], p.remote_offsets[i], p.sizes[i]));
+        }
+        return out;
+      }, "The runs as a list of (local_offset, remote_offset, size) tuples.")
+      .def("__repr__", [](const CopyPlan& p) {
+        return "CopyPlan(runs=" + std::to_string(p.size()) + ", bytes=" + std::to_string(p.total_bytes()) + ")";
+      });
+
+  py::class_<BlockPairs>(m, "BlockPairs",
+                         "A request's (local, remote) block pairs, validated and sorted once.")
+      .def(py::init([](const IdArray& local_ids, const IdArray& remote_ids) {
+             return Unwrap(BlockPairs::Create(Ids(local_ids), Ids(remote_ids)));
+           }),
+           py::arg("local_block_ids"), py::arg("remote_block_ids"))
+      .def("__len__", &BlockPairs::size);
+
+  py::class_<BlockTemplate>(m, "BlockTemplate", "The runs that copy one block of a layer pair.")
+      .def(py::init([](const LayerLayout& local, const LayerLayout& remote) {
+             return Unwrap(BlockTemplate::Build(local, remote));
+           }),
+           py::arg("local"), py::arg("remote"))
+      .def_property_readonly("runs", [](const BlockTemplate& t) {
+        py::list out;
+        for (const CopyRun& r : t.runs()) out.append(py::make_tuple(r.local, r.remote, r.size));
+        return out;
+      })
+      .def("plan",
+           [](const BlockTemplate& t, const IdArray& local_ids, const IdArray& remote_ids) {
+             auto plan = std::make_shared<CopyPlan>();
+             Status st;
+             {
+               // Pure C++ on arrays this call holds: no Python object is touched.
+               py::gil_scoped_release release;
+               Result<BlockPairs> pairs = BlockPairs::Create(Ids(local_ids), Ids(remote_ids));
+               st = pairs.ok() ? StampBlockCopies(t, *pairs, plan.get()) : pairs.status();
+             }
+             ThrowIfError(st);
+             return plan;
+           },
+           py::arg("local_block_ids"), py::arg("remote_block_ids"));
+
+}
+
+}  // namespace moriio_native::bindings

@@ -1,0 +1,632 @@
+#include "moriio_native/layout.hpp"
+
+#include <algorithm>
+#include <functional>
+#include <numeric>
+#include <sstream>
+
+#include "checked_math.hpp"
+
+namespace moriio_native {
+namespace {
+
+using detail::CheckedAdd;
+using detail::CheckedMul;
+
+// Limits on what any layout may claim. They bound every product below, so a peer's metadata
+// cannot make us allocate or compute beyond them.
+constexpr std::int64_t kMaxBlocks = std::int64_t{1} << 40;
+constexpr std::int64_t kMaxBlockSize = std::int64_t{1} << 20;
+constexpr std::int64_t kMaxHeads = std::int64_t{1} << 16;
+constexpr std::int64_t kMaxCellsPerBlock = std::int64_t{1} << 24;
+constexpr std::int64_t kMaxBytes = std::int64_t{1} << 56;
+
+std::string ShapeString(const std::vector<std::int64_t>& v) {
+  std::ostringstream os;
+  os << '[';
+  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
+  os << ']';
+  return os.str();
+}
+
+std::string LayerPrefix(const std::string& name) { return "layer '" + name + "'"; }
+
+// One axis of a strided object: `size` steps of `stride` bytes.
+struct Axis {
+  std::int64_t size;
+  std::int64_t stride;
+};
+
+// True when no two distinct index tuples of `axes` (each addressing `unit` contiguous bytes)
+// overlap: sorted by stride, each axis must step past everything the inner axes cover.
+bool AxesDoNotOverlap(std::vector<Axis> axes, std::int64_t unit) {
+  std::erase_if(axes, [](const Axis& a) { return a.size <= 1; });
+  std::sort(axes.begin(), axes.end(), [](const Axis& a, const Axis& b) { return a.stride < b.stride; });
+  std::int64_t covered = unit;
+  for (const Axis& a : axes) {
+    if (a.stride < covered) return false;
+    std::int64_t extent = 0;
+    if (!CheckedMul(a.stride, a.size - 1, &extent) || !CheckedAdd(extent, covered, &covered)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// Where the token axis of a K/V or latent tensor is, and how blocks split into kernel blocks.
+struct TokenAxis {
+  int axis = -1;
+  int head_axis = -1;
+  std::int64_t kernel_block_size = 0;
+};
+
+bool KernelSizeFits(std::int64_t kernel_tokens, std::int64_t block_size) {
+  return kernel_tokens > 0 && kernel_tokens <= block_size && block_size % kernel_tokens == 0;
+}
+
+bool HeadsFit(std::int64_t heads, const CacheSpec& spec) {
+  return !spec.num_kv_heads || *spec.num_kv_heads == heads;
+}
+
+// Picks which of axes a, b carries tokens (the other carries heads), driven by the spec: a full
+// block first, then a kernel block that divides the manager block.
+Result<TokenAxis> ResolveTokenAxis(const std::string& name, const TensorGeometry& g,
+                                   const CacheSpec& spec, int a, int b) {
+  const auto& s = g.shape;
+  const bool direct_a = s[a] == spec.block_size && HeadsFit(s[b], spec);
+  const bool direct_b = s[b] == spec.block_size && HeadsFit(s[a], spec);
+  // Equal sizes cannot be told apart by shape; vLLM's logical order puts tokens first.
+  if (direct_a) return TokenAxis{a, b, s[a]};
+  if (direct_b) return TokenAxis{b, a, s[b]};
+  const bool kernel_a = KernelSizeFits(s[a], spec.block_size) && HeadsFit(s[b], spec);
+  const bool kernel_b = KernelSizeFits(s[b], spec.block_size) && HeadsFit(s[a], spec);
+  if (kernel_a && kernel_b && s[a] != s[b]) {
+    return InvalidArgumentError("Ambiguous kernel-block cache shape for " + LayerPrefix(name) +
+                                ": " + ShapeString(s) + " (both axes " + std::to_string(a) +
+                                " and " + std::to_string(b) + " fit block_size " +
+                                std::to_string(spec.block_size) +
+                                "); set num_kv_heads in the spec to disambiguate");
+  }
+  if (kernel_a) return TokenAxis{a, b, s[a]};
+  if (kernel_b) return TokenAxis{b, a, s[b]};
+  return InvalidArgumentError("Unsupported cache shape for " + LayerPrefix(name) + ": " +
+                              ShapeString(s) + " has no token axis matching block_size " +
+                              std::to_string(spec.block_size) +
+                              (spec.num_kv_heads ? " with num_kv_heads " +
+                                                       std::to_string(*spec.num_kv_heads)
+                                                 : std::string()));
+}
+
+Status CheckGeometry(const std::string& name, const TensorGeometry& g, const CacheSpec& spec) {
+  if (g.shape.size() != g.strides.size()) {
+    return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(g.shape) +
+                                " and strides " + ShapeString(g.strides) + " differ in rank");
+  }
+  if (g.element_size != spec.dtype_bytes) {
+    return InvalidArgumentError(LayerPrefix(name) + ": tensor element size " +
+                                std::to_string(g.element_size) + " != spec dtype_bytes " +
+                                std::to_string(spec.dtype_bytes));
+  }
+  for (std::size_t i = 0; i < g.shape.size(); ++i) {
+    if (g.shape[i] <= 0 || g.strides[i] < 0) {
+      return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(g.shape) +
+                                  " strides " + ShapeString(g.strides) +
+                                  " must have positive sizes and non-negative strides");
+    }
+  }
+  if (!g.shape.empty() && g.shape.back() > 1 && g.strides.back() != 1) {
+    return InvalidArgumentError(LayerPrefix(name) + ": the last (head content) dimension must be "
+                                "contiguous, got strides " + ShapeString(g.strides));
+  }
+  std::vector<Axis> axes;
+  for (std::size_t i = 0; i < g.shape.size(); ++i) {
+    std::int64_t stride_bytes = 0;
+    if (!CheckedMul(g.strides[i], g.element_size, &stride_bytes)) {
+      return InvalidArgumentError(LayerPrefix(name) + ": strides overflow");
+    }
+    axes.push_back({g.shape[i], stride_bytes});
+  }
+  if (!AxesDoNotOverlap(axes, g.element_size)) {
+    return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(g.shape) +
+                                " with strides " + ShapeString(g.strides) +
+                                " addresses some bytes twice (overlapping view)");
+  }
+  return Status::OK();
+}
+
+// Fills the block, kernel-block, head and token fields shared by every branch.
+Status FillBlockFields(const std::string& name, const TensorGeometry& g, const CacheSpec& spec,
+                       int block_axis, const TokenAxis& tokens, LayoutParams* p) {
+  const std::int64_t es = g.element_size;
+  const std::int64_t kernel_per_block = spec.block_size / tokens.kernel_block_size;
+  if (g.shape[block_axis] % kernel_per_block != 0) {
+    return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(g.shape) + " has " +
+                                std::to_string(g.shape[block_axis]) +
+                                " kernel blocks, not divisible by " +
+                                std::to_string(kernel_per_block) + " kernel blocks per block");
+  }
+  p->num_blocks = g.shape[block_axis] / kernel_per_block;
+  p->block_size = spec.block_size;
+  p->kernel_block_size = tokens.kernel_block_size;
+  p->dtype_bytes = es;
+  p->kernel_block_stride = g.strides[block_axis] * es;
+  p->block_stride = p->kernel_block_stride * kernel_per_block;
+  p->token_stride = g.strides[tokens.axis] * es;
+  p->num_heads = tokens.head_axis >= 0 ? g.shape[tokens.head_axis] : 1;
+  p->head_stride = tokens.head_axis >= 0 ? g.strides[tokens.head_axis] * es : 0;
+  return Status::OK();
+}
+
+Result<LayoutParams> DescribeKeyValue(const std::string& name, const TensorGeometry& g,
+                                      const CacheSpec& spec, KvPlaneAxis plane_axis) {
+  const auto& s = g.shape;
+  const std::int64_t es = g.element_size;
+  LayoutParams p;
+  p.kind = CacheKind::kKeyValue;
+  if (s.size() == 5) {
+    int plane = -1;
+    if (plane_axis == KvPlaneAxis::kSeparated) plane = 0;
+    if (plane_axis == KvPlaneAxis::kInterleaved) plane = 1;
+    if (plane_axis == KvPlaneAxis::kAuto) {
+      if (s[0] == 2 && s[1] == 2) {
+        return InvalidArgumentError("Ambiguous K/V plane axis for " + LayerPrefix(name) + ": " +
+                                    ShapeString(s) +
+                                    " (both leading axes are 2); pass kv_plane_axis");
+      }
+      plane = s[0] == 2 ? 0 : (s[1] == 2 ? 1 : -1);
+    }
+    if (plane < 0 || s[plane] != 2) {
+      return InvalidArgumentError("Unsupported K/V cache shape for " + LayerPrefix(name) + ": " +
+                                  ShapeString(s) + " has no K/V axis of size 2 in front");
+    }
+    const std::int64_t d = s[4];
+    if ((spec.head_size && *spec.head_size != d) || (spec.head_size_v && *spec.head_size_v != d)) {
+      return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(s) +
+                                  " has head size " + std::to_string(d) +
+                                  ", the spec says otherwise");
+    }
+    MORIIO_ASSIGN_OR_RETURN(TokenAxis tokens, ResolveTokenAxis(name, g, spec, 2, 3));
+    MORIIO_RETURN_IF_ERROR(FillBlockFields(name, g, spec, 1 - plane, tokens, &p));
+    p.plane_offset = {0, g.strides[plane] * es};
+    p.plane_bytes = {d * es, d * es};
+    return p;
+  }
+  if (s.size() == 4) {
+    const std::int64_t c = s[3];
+    std::int64_t dk = 0;
+    std::int64_t dv = 0;
+    if (spec.head_size) {
+      dk = *spec.head_size;
+      dv = spec.head_size_v.value_or(dk);
+    } else if (spec.head_size_v) {
+      dv = *spec.head_size_v;
+      dk = c - dv;
+    } else if (c % 2 == 0) {
+      dk = dv = c / 2;
+    }
+    if (dk <= 0 || dv <= 0 || dk + dv != c) {
+      return InvalidArgumentError(LayerPrefix(name) + ": packed K|V shape " + ShapeString(s) +
+                                  " has content " + std::to_string(c) +
+                                  ", which does not split into head_size + head_size_v");
+    }
+    if (!HeadsFit(s[1], spec)) {
+      return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(s) + " has " +
+                                  std::to_string(s[1]) + " heads, the spec says " +
+                                  std::to_string(*spec.num_kv_heads));
+    }
+    if (!KernelSizeFits(s[2], spec.block_size)) {
+      return InvalidArgumentError("Unsupported K/V cache shape for " + LayerPrefix(name) + ": " +
+                                  ShapeString(s) + " token axis does not divide block_size " +
+                                  std::to_string(spec.block_size));
+    }
+    MORIIO_RETURN_IF_ERROR(FillBlockFields(name, g, spec, 0, TokenAxis{2, 1, s[2]}, &p));
+    p.plane_offset = {0, dk * es};
+    p.plane_bytes = {dk * es, dv * es};
+    return p;
+  }
+  return InvalidArgumentError("Unsupported K/V cache shape for " + LayerPrefix(name) + ": " +
+                              ShapeString(s) + " (expected 4 or 5 dimensions)");
+}
+
+Result<LayoutParams> DescribeLatent(const std::string& name, const TensorGeometry& g,
+                                    const CacheSpec& spec) {
+  const auto& s = g.shape;
+  if (s.size() != 3 && s.size() != 4) {
+    return InvalidArgumentError("Unsupported latent (mla) cache shape for " + LayerPrefix(name) +
+                                ": " + ShapeString(s) + " (expected [N,B,D] or [N,H,B,D])");
+  }
+  const int token_axis = s.size() == 3 ? 1 : 2;
+  const int head_axis = s.size() == 3 ? -1 : 1;
+  const std::int64_t heads = head_axis >= 0 ? s[head_axis] : 1;
+  const std::int64_t c = s.back();
+  if (!HeadsFit(heads, spec) || (spec.head_size && *spec.head_size != c)) {
+    return InvalidArgumentError(LayerPrefix(name) + ": latent shape " + ShapeString(s) +
+                                " does not match the spec's heads/head_size");
+  }
+  if (!KernelSizeFits(s[token_axis], spec.block_size)) {
+    return InvalidArgumentError("Unsupported latent (mla) cache shape for " + LayerPrefix(name) +
+                                ": " + ShapeString(s) + " token axis does not divide block_size " +
+                                std::to_string(spec.block_size));
+  }
+  LayoutParams p;
+  p.kind = CacheKind::kLatent;
+  MORIIO_RETURN_IF_ERROR(
+      FillBlockFields(name, g, spec, 0, TokenAxis{token_axis, head_axis, s[token_axis]}, &p));
+  p.plane_offset = {0, 0};
+  p.plane_bytes = {c * g.element_size, 0};
+  return p;
+}
+
+}  // namespace
+
+Status CacheSpec::Validate() const {
+  auto positive = [](std::string_view field, std::int64_t v) -> Status {
+    if (v > 0) return Status::OK();
+    return InvalidArgumentError("CacheSpec." + std::string(field) + " must be positive, got " +
+                                std::to_string(v));
+  };
+  MORIIO_RETURN_IF_ERROR(positive("block_size", block_size));
+  MORIIO_RETURN_IF_ERROR(positive("dtype_bytes", dtype_bytes));
+  if (num_kv_heads) MORIIO_RETURN_IF_ERROR(positive("num_kv_heads", *num_kv_heads));
+  if (head_size) MORIIO_RETURN_IF_ERROR(positive("head_size", *head_size));
+  if (head_size_v) MORIIO_RETURN_IF_ERROR(positive("head_size_v", *head_size_v));
+  if (kind == CacheKind::kLatent && head_size_v) {
+    return InvalidArgumentError("CacheSpec.head_size_v is only meaningful for kind 'kv'");
+  }
+  return Status::OK();
+}
+
+Result<LayerLayout> LayerLayout::FromParams(std::string name, const LayoutParams& p) {
+  const std::string where = LayerPrefix(name);
+  auto in_range = [&](std::string_view field, std::int64_t v, std::int64_t lo,
+                      std::int64_t hi) -> Status {
+    if (v >= lo && v <= hi) return Status::OK();
+    return InvalidArgumentError(where + ": " + std::string(field) + " = " + std::to_string(v) +
+                                " outside [" + std::to_string(lo) + ", " + std::to_string(hi) +
+                                "]");
+  };
+  if (p.kind != CacheKind::kKeyValue && p.kind != CacheKind::kLatent) {
+    return InvalidArgumentError(where + ": unknown cache kind");
+  }
+  MORIIO_RETURN_IF_ERROR(in_range("num_blocks", p.num_blocks, 1, kMaxBlocks));
+  MORIIO_RETURN_IF_ERROR(in_range("block_size", p.block_size, 1, kMaxBlockSize));
+  MORIIO_RETURN_IF_ERROR(in_range("kernel_block_size", p.kernel_block_size, 1, p.block_size));
+  if (p.block_size % p.kernel_block_size != 0) {
+    return InvalidArgumentError(where + ": kernel_block_size " +
+                                std::to_string(p.kernel_block_size) + " does not divide block_size " +
+                                std::to_string(p.block_size));
+  }
+  MORIIO_RETURN_IF_ERROR(in_range("num_heads", p.num_heads, 1, kMaxHeads));
+  MORIIO_RETURN_IF_ERROR(in_range("dtype_bytes", p.dtype_bytes, 1, 64));
+  for (std::int64_t v : {p.block_stride, p.kernel_block_stride, p.head_stride, p.token_stride}) {
+    MORIIO_RETURN_IF_ERROR(in_range("stride", v, 0, kMaxBytes));
+  }
+  const int planes = p.num_planes();
+  if (p.plane_offset[0] != 0) return InvalidArgumentError(where + ": plane 0 must start at 0");
+  for (int i = 0; i < planes; ++i) {
+    MORIIO_RETURN_IF_ERROR(in_range("plane_bytes", p.plane_bytes[i], 1, kMaxBytes));
+    MORIIO_RETURN_IF_ERROR(in_range("plane_offset", p.plane_offset[i], 0, kMaxBytes));
+  }
+  if (planes == 1 && (p.plane_offset[1] != 0 || p.plane_bytes[1] != 0)) {
+    return InvalidArgumentError(where + ": a latent layout has one plane");
+  }
+  const std::int64_t kernel_per_block = p.block_size / p.kernel_block_size;
+  std::int64_t cells = 0;
+  if (!CheckedMul(p.num_heads * planes, p.block_size, &cells) || cells > kMaxCellsPerBlock) {
+    return InvalidArgumentError(where + ": too many cells per block");
+  }
+  // Cells must not overlap, within a block or across blocks. K|V packed in one content axis is
+  // one unit of plane_offset[1] + plane_bytes[1] bytes when V directly follows K's room.
+  std::int64_t unit = std::max(p.plane_bytes[0], p.plane_bytes[1]);
+  std::vector<Axis> axes = {{p.num_blocks, p.block_stride},
+                            {kernel_per_block, p.kernel_block_stride},
+                            {p.num_heads, p.head_stride},
+                            {p.kernel_block_size, p.token_stride}};
+  if (planes == 2) {
+    if (p.plane_offset[1] >= p.plane_bytes[0] && p.plane_offset[1] < unit) {
+      unit = p.plane_offset[1] + p.plane_bytes[1];
+    } else {
+      axes.push_back({2, p.plane_offset[1]});
+    }
+  }
+  if (!AxesDoNotOverlap(axes, unit)) {
+    return InvalidArgumentError(where + ": layout cells overlap (strides too small for sizes)");
+  }
+  // Extent of the layer from its base: the farthest cell end. The first four axes are the
+  // block, kernel-block, head and token axes; the planes are accounted for in last_cell_end.
+  std::int64_t span = 0;
+  for (std::size_t i = 0; i < 4; ++i) {
+    std::int64_t step = 0;
+    if (axes[i].size > 1 &&
+        (!CheckedMul(axes[i].stride, axes[i].size - 1, &step) || !CheckedAdd(span, step, &span))) {
+      return InvalidArgumentError(where + ": layout extent overflows");
+    }
+  }
+  std::int64_t last_cell_end = 0;
+  for (int i = 0; i < planes; ++i) {
+    last_cell_end = std::max(last_cell_end, p.plane_offset[i] + p.plane_bytes[i]);
+  }
+  if (!CheckedAdd(span, last_cell_end, &span) || span > kMaxBytes) {
+    return InvalidArgumentError(where + ": layout extent overflows");
+  }
+  return LayerLayout(std::move(name), p, span);
+}
+
+std::int64_t LayerLayout::block_bytes() const {
+  const std::int64_t per_token = params_.plane_bytes[0] + params_.plane_bytes[1];
+  return per_token * params_.num_heads * params_.block_size;
+}
+
+std::uint64_t LayerLayout::LogicalFingerprint() const {
+  // FNV-1a over the logical fields only; stable across processes and builds.
+  std::uint64_t h = 1469598103934665603ULL;
+  auto mix = [&h](std::int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<std::uint64_t>(v >> (8 * i)) & 0xff;
+      h *= 1099511628211ULL;
+    }
+  };
+  mix(static_cast<std::int64_t>(params_.kind));
+  mix(params_.block_size);
+  mix(params_.num_heads);
+  mix(params_.plane_bytes[0]);
+  mix(params_.plane_bytes[1]);
+  mix(params_.dtype_bytes);
+  return h;
+}
+
+std::string LayerLayout::DescribeLogical() const {
+  std::ostringstream os;
+  os << "kind=" << (params_.kind == CacheKind::kKeyValue ? "kv" : "mla")
+     << " block_size=" << params_.block_size << " heads=" << params_.num_heads;
+  if (params_.kind == CacheKind::kKeyValue) {
+    os << " K=" << params_.plane_bytes[0] << "B V=" << params_.plane_bytes[1] << "B";
+  } else {
+    os << " latent=" << params_.plane_bytes[0] << "B";
+  }
+  os << " dtype_bytes=" << params_.dtype_bytes;
+  return os.str();
+}
+
+Result<LayerLayout> DescribeLayer(std::string name, const TensorGeometry& geometry,
+                                  const CacheSpec& spec, KvPlaneAxis plane_axis) {
+  MORIIO_RETURN_IF_ERROR(spec.Validate().WithContext(LayerPrefix(name)));
+  MORIIO_RETURN_IF_ERROR(CheckGeometry(name, geometry, spec));
+  Result<LayoutParams> params = spec.kind == CacheKind::kKeyValue
+                                    ? DescribeKeyValue(name, geometry, spec, plane_axis)
+                                    : DescribeLatent(name, geometry, spec);
+  if (!params.ok()) return params.status();
+  return LayerLayout::FromParams(std::move(name), *params);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block templates and plans.
+
+namespace {
+
+std::int64_t CellOffset(const LayoutParams& p, int plane, std::int64_t head, std::int64_t token) {
+  return p.plane_offset[plane] + head * p.head_stride +
+         (token / p.kernel_block_size) * p.kernel_block_stride +
+         (token % p.kernel_block_size) * p.token_stride;
+}
+
+// Appends a run, extending the previous one when it continues it on both sides.
+inline void AppendRun(std::vector<CopyRun>* runs, const CopyRun& r) {
+  if (!runs->empty()) {
+    CopyRun& last = runs->back();
+    if (last.local + last.size == r.local && last.remote + last.size == r.remote) {
+      last.size += r.size;
+      return;
+    }
+  }
+  runs->push_back(r);
+}
+
+}  // namespace
+
+Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const LayerLayout& remote) {
+  if (local.LogicalFingerprint() != remote.LogicalFingerprint() ||
+      local.DescribeLogical() != remote.DescribeLogical()) {
+    return IncompatibleError("layer '" + local.name() + "': local layout (" +
+                             local.DescribeLogical() + ") and remote layer '" + remote.name() +
+                             "' (" + remote.DescribeLogical() + ") hold different content");
+  }
+  const LayoutParams& lp = local.params();
+  const LayoutParams& rp = remote.params();
+  std::vector<CopyRun> cells;
+  cells.reserve(static_cast<std::size_t>(lp.num_planes() * lp.num_heads * lp.block_size));
+  for (int plane = 0; plane < lp.num_planes(); ++plane) {
+    for (std::int64_t h = 0; h < lp.num_heads; ++h) {
+      for (std::int64_t t = 0; t < lp.block_size; ++t) {
+        cells.push_back({CellOffset(lp, plane, h, t), CellOffset(rp, plane, h, t),
+                         lp.plane_bytes[plane]});
+      }
+    }
+  }
+  std::sort(cells.begin(), cells.end(),
+            [](const CopyRun& a, const CopyRun& b) { return a.local < b.local; });
+  BlockTemplate t;
+  for (const CopyRun& c : cells) AppendRun(&t.runs_, c);
+  t.runs_.shrink_to_fit();
+  t.local_block_stride_ = lp.block_stride;
+  t.remote_block_stride_ = rp.block_stride;
+  t.local_num_blocks_ = lp.num_blocks;
+  t.remote_num_blocks_ = rp.num_blocks;
+  t.local_name_ = local.name();
+  // A group holds runs that fit within one local block stride of its first run; stamping a group
+  // for all (sorted) blocks before the next group keeps the output sorted for every layout vLLM
+  // produces (StampBlockCopies still checks, and sorts when a layout defeats this).
+  const std::int64_t window = std::max<std::int64_t>(lp.block_stride, 1);
+  std::uint32_t begin = 0;
+  for (std::uint32_t i = 1; i <= t.runs_.size(); ++i) {
+    if (i == t.runs_.size() ||
+        t.runs_[i].local + t.runs_[i].size > t.runs_[begin].local + window) {
+      t.groups_.emplace_back(begin, i);
+      begin = i;
+    }
+  }
+  return t;
+}
+
+Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
+                                      std::span<const std::int64_t> remote_ids) {
+  if (local_ids.size() > remote_ids.size()) {
+    return InvalidArgumentError("local_block_ids longer than remote_block_ids: " +
+                                std::to_string(local_ids.size()) + " > " +
+                                std::to_string(remote_ids.size()));
+  }
+  const std::size_t n = local_ids.size();
+  BlockPairs pairs;
+  pairs.local_.assign(local_ids.begin(), local_ids.end());
+  pairs.remote_.assign(remote_ids.begin(), remote_ids.begin() + static_cast<std::ptrdiff_t>(n));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (pairs.local_[i] < 0 || pairs.remote_[i] < 0) {
+      return OutOfRangeError("negative block id at position " + std::to_string(i) + ": local " +
+                             std::to_string(pairs.local_[i]) + ", remote " +
+                             std::to_string(pairs.remote_[i]));
+    }
+  }
+  if (!std::is_sorted(pairs.local_.begin(), pairs.local_.end())) {
+    std::vector<std::uint32_t> order(n);
+    std::iota(order.begin(), order.end(), 0u);
+    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
+      return pairs.local_[a] < pairs.local_[b];
+    });
+    std::vector<std::int64_t> local(n);
+    std::vector<std::int64_t> remote(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      local[i] = pairs.local_[order[i]];
+      remote[i] = pairs.remote_[order[i]];
+    }
+    pairs.local_.swap(local);
+    pairs.remote_.swap(remote);
+  }
+  if (auto dup = std::adjacent_find(pairs.local_.begin(), pairs.local_.end());
+      dup != pairs.local_.end()) {
+    return InvalidArgumentError("duplicate local block id " + std::to_string(*dup));
+  }
+  // Remote ids usually ascend with local ids; only otherwise pay for a sorted copy.
+  const bool remote_ascending =
+      std::adjacent_find(pairs.remote_.begin(), pairs.remote_.end(),
+                         std::greater_equal<std::int64_t>()) == pairs.remote_.end();
+  std::vector<std::int64_t> remote_sorted;
+  if (!remote_ascending) {
+    remote_sorted = pairs.remote_;
+    std::sort(remote_sorted.begin(), remote_sorted.end());
+    if (auto dup = std::adjacent_find(remote_sorted.begin(), remote_sorted.end());
+        dup != remote_sorted.end()) {
+      return InvalidArgumentError("duplicate remote block id " + std::to_string(*dup));
+    }
+  }
+  if (n > 0) {
+    pairs.max_local_ = pairs.local_.back();
+    pairs.max_remote_ = remote_ascending ? pairs.remote_.back() : remote_sorted.back();
+  }
+  return pairs;
+}
+
+void CopyPlan::clear() {
+  local_offsets.clear();
+  remote_offsets.clear();
+  sizes.clear();
+}
+
+std::int64_t CopyPlan::total_bytes() const {
+  return std::accumulate(sizes.begin(), sizes.end(), std::int64_t{0});
+}
+
+namespace {
+
+// Sorts a plan by local offset and merges runs that became adjacent. Only layouts whose block
+// groups interleave across blocks need this; it keeps StampBlockCopies correct for all inputs.
+void SortAndMerge(CopyPlan* plan) {
+  const std::size_t n = plan->size();
+  std::vector<CopyRun> runs(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    runs[i] = {plan->local_offsets[i], plan->remote_offsets[i], plan->sizes[i]};
+  }
+  std::sort(runs.begin(), runs.end(),
+            [](const CopyRun& a, const CopyRun& b) { return a.local < b.local; });
+  std::vector<CopyRun> merged;
+  merged.reserve(n);
+  for (const CopyRun& r : runs) AppendRun(&merged, r);
+  plan->clear();
+  for (const CopyRun& r : merged) {
+    plan->local_offsets.push_back(r.local);
+    plan->remote_offsets.push_back(r.remote);
+    plan->sizes.push_back(r.size);
+  }
+}
+
+}  // namespace
+
+Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, CopyPlan* out) {
+  out->clear();
+  if (pairs.empty()) return Status::OK();
+  if (pairs.max_local() >= tmpl.local_num_blocks()) {
+    return OutOfRangeError("local block id " + std::to_string(pairs.max_local()) +
+                           " out of range for layer '" + tmpl.local_name() + "' with " +
+                           std::to_string(tmpl.local_num_blocks()) + " blocks");
+  }
+  if (pairs.max_remote() >= tmpl.remote_num_blocks()) {
+    return OutOfRangeError("remote block id " + std::to_string(pairs.max_remote()) +
+                           " out of range for layer '" + tmpl.local_name() +
+                           "': the remote cache holds " +
+                           std::to_string(tmpl.remote_num_blocks()) + " blocks");
+  }
+  const std::size_t upper = pairs.size() * tmpl.runs().size();
+  out->local_offsets.reserve(upper);
+  out->remote_offsets.reserve(upper);
+  out->sizes.reserve(upper);
+  const std::int64_t ls = tmpl.local_block_stride();
+  const std::int64_t rs = tmpl.remote_block_stride();
+  const std::span<const std::int64_t> local = pairs.local_sorted();
+  const std::span<const std::int64_t> remote = pairs.remote_by_local();
+  const CopyRun* runs = tmpl.runs().data();
+  // The merge state lives in registers; vectors are only appended to.
+  std::int64_t cur_l = 0, cur_r = 0, cur_s = 0;
+  bool have = false;
+  bool sorted = true;
+  auto flush = [&] {
+    out->local_offsets.push_back(cur_l);
+    out->remote_offsets.push_back(cur_r);
+    out->sizes.push_back(cur_s);
+  };
+  for (const auto& [begin, end] : tmpl.groups()) {
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      const std::int64_t lbase = local[i] * ls;
+      const std::int64_t rbase = remote[i] * rs;
+      for (std::uint32_t k = begin; k < end; ++k) {
+        const std::int64_t l = lbase + runs[k].local;
+        const std::int64_t r = rbase + runs[k].remote;
+        if (have && l == cur_l + cur_s && r == cur_r + cur_s) {
+          cur_s += runs[k].size;
+          continue;
+        }
+        if (have) {
+          sorted &= l >= cur_l + cur_s;
+          flush();
+        }
+        cur_l = l;
+        cur_r = r;
+        cur_s = runs[k].size;
+        have = true;
+      }
+    }
+  }
+  flush();
+  if (!sorted) SortAndMerge(out);
+  return Status::OK();
+}
+
+Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,
+                                 std::span<const std::int64_t> local_ids,
+                                 std::span<const std::int64_t> remote_ids) {
+  MORIIO_ASSIGN_OR_RETURN(BlockPairs pairs, BlockPairs::Create(local_ids, remote_ids));
+  MORIIO_ASSIGN_OR_RETURN(BlockTemplate tmpl, BlockTemplate::Build(local, remote));
+  CopyPlan plan;
+  MORIIO_RETURN_IF_ERROR(StampBlockCopies(tmpl, pairs, &plan));
+  return plan;
+}
+
+}  // namespace moriio_native

@@ -1,0 +1,118 @@
+#pragma once
+
+/// The transfer engine: registers a process's KV caches, exchanges metadata with peers, turns
+/// (request, blocks) into batched transfers on a backend and tracks every transfer to exactly
+/// one terminal state. Completions are queued as plain events; nothing calls back into the user.
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "moriio_native/backend.hpp"
+#include "moriio_native/layout.hpp"
+#include "moriio_native/status.hpp"
+
+namespace moriio_native {
+
+/// One layer to register: its view, spec, and the allocation the view lives in.
+struct LayerRegistration {
+  std::string name;
+  TensorGeometry geometry;  ///< data_ptr must be set
+  CacheSpec spec;
+  KvPlaneAxis plane_axis = KvPlaneAxis::kAuto;
+  MemoryRange allocation;  ///< the whole allocation (base, size, memory kind, device)
+};
+
+struct EngineConfig {
+  std::string engine_id;             ///< unique name peers know us by
+  std::string backend = "loopback";  ///< "loopback", "ucx", "mori"
+  BackendOptions options;            ///< backend keys (ucx_tls, mori_backend, ...)
+  std::chrono::milliseconds transfer_timeout{30000};
+  std::size_t terminal_history = 65536;  ///< terminal transfer ids remembered to drop late events
+  std::uint64_t page_size = 4096;
+};
+
+enum class TransferKind : std::uint8_t { kRead = 0, kWrite = 1 };
+enum class TransferState : std::uint8_t { kPending = 0, kDone, kFailed, kAborted, kTimedOut };
+
+std::string_view TransferStateName(TransferState state);
+
+/// A transfer reached its terminal state (exactly one event per transfer).
+struct TransferEvent {
+  std::string transfer_id;
+  TransferKind kind = TransferKind::kRead;
+  TransferState state = TransferState::kDone;
+  std::string peer;
+  std::string message;  ///< why, for every state but done
+  std::int64_t bytes = 0;
+  std::int64_t runs = 0;
+  std::int64_t batches = 0;
+  double seconds = 0.0;  ///< from the first submit to the terminal state
+};
+
+/// Thread-safe: every method may be called from any thread. Methods block only where noted.
+class Engine {
+ public:
+  /// Creates the backend (BackendUnavailable with the reason when it cannot run here).
+  static Result<std::unique_ptr<Engine>> Create(EngineConfig config);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  const std::string& engine_id() const;
+  const std::string& backend_name() const;
+
+  /// Registers every layer (once; layers sharing an allocation share one memory region) and
+  /// returns the local metadata peers need. Nothing is registered if any layer is invalid.
+  /// Blocks while the backend registers memory.
+  Result<std::vector<std::uint8_t>> RegisterKvCaches(std::span<const LayerRegistration> layers);
+
+  /// The metadata returned by RegisterKvCaches (FailedPrecondition before it).
+  Result<std::vector<std::uint8_t>> LocalMetadata() const;
+
+  /// Validates a peer's metadata (every number), checks each of our layers has a peer layer of
+  /// the same name and logical content, connects, and returns the peer's engine id. On error
+  /// nothing changes. Adding a peer again with identical metadata is a no-op. Blocks on connect.
+  Result<std::string> AddPeer(std::span<const std::uint8_t> metadata);
+  Status RemovePeer(std::string_view peer);
+  std::vector<std::string> Peers() const;
+
+  /// READ: pull `remote_blocks` of every layer (or of `layers` when given) from `peer` into
+  /// `local_blocks`. One batch per (local region, remote region). Never blocks on transfer.
+  Status Read(std::string_view transfer_id, std::string_view peer,
+              std::span<const std::int64_t> local_blocks,
+              std::span<const std::int64_t> remote_blocks,
+              std::span<const std::string> layers = {});
+
+  /// WRITE: push one layer's blocks to `peer`. Returns false (and does nothing) when this
+  /// (transfer, layer) was scheduled before. Never blocks on transfer.
+  Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
+                          std::string_view peer, std::span<const std::int64_t> local_blocks,
+                          std::span<const std::int64_t> remote_blocks);
+
+  /// WRITE: no more layers will be scheduled; the transfer completes once every scheduled write
+  /// finished (immediately when none was). Creates the transfer when nothing was scheduled.
+  Status Seal(std::string_view transfer_id, std::string_view peer = {});
+
+  /// Ends a pending transfer as aborted (its event follows once in-flight batches drained).
+  Status Abort(std::string_view transfer_id);
+
+  /// Terminal events, oldest first. Waits up to `wait` for the first one (in slices; the Python
+  /// binding releases the GIL and checks signals between slices).
+  std::vector<TransferEvent> PollEvents(std::size_t max_events, std::chrono::milliseconds wait);
+
+  /// Number of transfers not yet terminal.
+  std::size_t PendingTransfers() const;
+
+  struct Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace moriio_native

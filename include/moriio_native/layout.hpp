@@ -1,0 +1,198 @@
+#pragma once
+
+/// Layout engine: from a strided KV-cache tensor plus its spec to the byte offsets of every
+/// (plane, head, token) cell of every block, and from two layers' layouts to copy plans.
+///
+/// All offsets are bytes relative to the layer's base (the tensor's data pointer). Everything in
+/// this header is a pure function or an immutable value: thread-safe, never blocks.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "moriio_native/status.hpp"
+
+namespace moriio_native {
+
+/// What one block of a layer holds.
+enum class CacheKind : std::uint8_t {
+  kKeyValue = 0,  ///< two planes, K and V
+  kLatent = 1,    ///< one plane: MLA latent, key-only or indexer cache
+};
+
+/// The logical description of a layer's cache, as the model (not the tensor) defines it.
+/// Head fields may be unknown; they are then read from the tensor's shape.
+struct CacheSpec {
+  CacheKind kind = CacheKind::kKeyValue;
+  std::int64_t block_size = 0;                 ///< tokens per manager (scheduler) block
+  std::optional<std::int64_t> num_kv_heads;    ///< heads stored per token (1 for MLA)
+  std::optional<std::int64_t> head_size;       ///< elements of K (or of the latent) per head
+  std::int64_t dtype_bytes = 0;                ///< bytes per element
+  std::optional<std::int64_t> head_size_v;     ///< elements of V per head (default head_size)
+
+  /// Checks the numbers are positive where given. Returns InvalidArgument naming the field.
+  Status Validate() const;
+};
+
+/// A strided tensor as torch describes it: shape and strides in elements.
+struct TensorGeometry {
+  std::vector<std::int64_t> shape;
+  std::vector<std::int64_t> strides;
+  std::int64_t element_size = 0;
+  std::uint64_t data_ptr = 0;
+};
+
+/// How a 5-D K/V tensor places its K/V plane axis. kAuto reads it from the shape and fails with
+/// "Ambiguous" when both leading axes have size 2.
+enum class KvPlaneAxis : std::uint8_t { kAuto = 0, kSeparated = 1, kInterleaved = 2 };
+
+/// Every number that places a layer's bytes; what peers exchange in their metadata.
+/// Cell (plane p, head h, token t) of block b starts at
+///   b*block_stride + plane_offset[p] + h*head_stride
+///   + (t / kernel_block_size)*kernel_block_stride + (t % kernel_block_size)*token_stride
+/// and is plane_bytes[p] contiguous bytes long.
+struct LayoutParams {
+  CacheKind kind = CacheKind::kKeyValue;
+  std::int64_t num_blocks = 0;
+  std::int64_t block_size = 0;
+  std::int64_t kernel_block_size = 0;
+  std::int64_t num_heads = 0;
+  std::int64_t dtype_bytes = 0;
+  std::int64_t block_stride = 0;
+  std::int64_t kernel_block_stride = 0;
+  std::int64_t head_stride = 0;
+  std::int64_t token_stride = 0;
+  std::array<std::int64_t, 2> plane_offset{0, 0};
+  std::array<std::int64_t, 2> plane_bytes{0, 0};
+
+  int num_planes() const { return kind == CacheKind::kKeyValue ? 2 : 1; }
+  friend bool operator==(const LayoutParams&, const LayoutParams&) = default;
+};
+
+/// A validated layer layout. Immutable value; cheap to copy.
+class LayerLayout {
+ public:
+  /// Validates `params` (positive sizes, no overflow, no two cells overlapping, cells inside
+  /// their block's stride pattern). Used for layouts received from peers: every number is
+  /// untrusted. Errors name the layer.
+  static Result<LayerLayout> FromParams(std::string name, const LayoutParams& params);
+
+  const std::string& name() const { return name_; }
+  const LayoutParams& params() const { return params_; }
+  CacheKind kind() const { return params_.kind; }
+  std::int64_t num_blocks() const { return params_.num_blocks; }
+  std::int64_t block_size() const { return params_.block_size; }
+  std::int64_t num_heads() const { return params_.num_heads; }
+  /// Bytes between consecutive manager blocks.
+  std::int64_t block_stride() const { return params_.block_stride; }
+  /// Logical bytes of one block, all planes, heads and tokens.
+  std::int64_t block_bytes() const;
+  /// One past the last byte any cell of any block touches (the layer's extent from its base).
+  std::int64_t span_bytes() const { return span_bytes_; }
+  /// Hash of the logical content (kind, heads, block size, plane bytes, dtype): two layers can
+  /// exchange blocks iff their fingerprints match. Independent of physical strides.
+  std::uint64_t LogicalFingerprint() const;
+  /// "kind=kv blocks=.. block_size=.. heads=.. K=..B V=..B dtype=.." for error messages.
+  std::string DescribeLogical() const;
+
+ private:
+  LayerLayout(std::string name, LayoutParams params, std::int64_t span)
+      : name_(std::move(name)), params_(params), span_bytes_(span) {}
+  std::string name_;
+  LayoutParams params_;
+  std::int64_t span_bytes_ = 0;
+};
+
+/// Reads a layer's layout from its tensor and spec. Recognised (shape as torch reports it, any
+/// strides): K/V `[2,N,B,H,D]`, `[2,N,H,B,D]`, `[N,2,B,H,D]`, `[N,2,H,B,D]`, packed/standardized
+/// `[N,H,B,Dk+Dv]`; latent `[N,B,D]` and `[N,H,B,D]`; each with kernel blocks (N = blocks *
+/// block_size/kb, B = kb). Errors name the layer and shape.
+Result<LayerLayout> DescribeLayer(std::string name, const TensorGeometry& geometry,
+                                  const CacheSpec& spec, KvPlaneAxis plane_axis = KvPlaneAxis::kAuto);
+
+/// One contiguous copy: `size` bytes from local offset to remote offset (or back).
+struct CopyRun {
+  std::int64_t local = 0;
+  std::int64_t remote = 0;
+  std::int64_t size = 0;
+};
+
+/// The runs that copy one local block to one remote block of the same logical layer, sorted by
+/// local offset, merged where contiguous on both sides. Immutable; build once per layer pair.
+class BlockTemplate {
+ public:
+  /// Fails with Incompatible naming both layouts when their logical content differs.
+  static Result<BlockTemplate> Build(const LayerLayout& local, const LayerLayout& remote);
+
+  std::span<const CopyRun> runs() const { return runs_; }
+  std::int64_t local_block_stride() const { return local_block_stride_; }
+  std::int64_t remote_block_stride() const { return remote_block_stride_; }
+  std::int64_t local_num_blocks() const { return local_num_blocks_; }
+  std::int64_t remote_num_blocks() const { return remote_num_blocks_; }
+  /// Index ranges [begin, end) of runs() stamped together for all blocks before the next group,
+  /// so that stamped output stays sorted by local offset (e.g. the K and V planes of a
+  /// separated layout form two groups).
+  std::span<const std::pair<std::uint32_t, std::uint32_t>> groups() const { return groups_; }
+  const std::string& local_name() const { return local_name_; }
+
+ private:
+  BlockTemplate() = default;
+  std::vector<CopyRun> runs_;
+  std::vector<std::pair<std::uint32_t, std::uint32_t>> groups_;
+  std::int64_t local_block_stride_ = 0;
+  std::int64_t remote_block_stride_ = 0;
+  std::int64_t local_num_blocks_ = 0;
+  std::int64_t remote_num_blocks_ = 0;
+  std::string local_name_;
+};
+
+/// A request's block pairs, validated for duplicates and sorted by local id once, then stamped
+/// for every layer. Immutable.
+class BlockPairs {
+ public:
+  /// Pairs local_ids[i] with remote_ids[i] for i < len(local_ids). Errors: local longer than
+  /// remote ("longer than remote"), negative ids, duplicate local or remote ids.
+  static Result<BlockPairs> Create(std::span<const std::int64_t> local_ids,
+                                   std::span<const std::int64_t> remote_ids);
+
+  std::size_t size() const { return local_.size(); }
+  bool empty() const { return local_.empty(); }
+  std::span<const std::int64_t> local_sorted() const { return local_; }
+  std::span<const std::int64_t> remote_by_local() const { return remote_; }
+  std::int64_t max_local() const { return max_local_; }
+  std::int64_t max_remote() const { return max_remote_; }
+
+ private:
+  BlockPairs() = default;
+  std::vector<std::int64_t> local_;
+  std::vector<std::int64_t> remote_;
+  std::int64_t max_local_ = -1;
+  std::int64_t max_remote_ = -1;
+};
+
+/// A copy plan in structure-of-arrays form (what transfer engines take), sorted by local offset.
+struct CopyPlan {
+  std::vector<std::int64_t> local_offsets;
+  std::vector<std::int64_t> remote_offsets;
+  std::vector<std::int64_t> sizes;
+
+  std::size_t size() const { return sizes.size(); }
+  void clear();
+  /// Total bytes of all runs.
+  std::int64_t total_bytes() const;
+};
+
+/// Stamps `tmpl` for every pair into `out` (cleared first). Block ids are checked against both
+/// sides' num_blocks before anything is written; on error `out` is left empty. No allocation per
+/// block: `out` grows at most once.
+Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, CopyPlan* out);
+
+/// Convenience: Build + Create + Stamp.
+Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,
+                                 std::span<const std::int64_t> local_ids,
+                                 std::span<const std::int64_t> remote_ids);
+
+}  // namespace moriio_native

@@ -1,0 +1,68 @@
+"""moriio-native: KV-cache transfer for prefill/decode disaggregated LLM serving.
+
+The native core (layout engine, registration planning, transfer engine, backends) is reached
+through this package; ``moriio_native._native`` is private.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from moriio_native.errors import (
+    AbortedError,
+    AlreadyExistsError,
+    BackendUnavailableError,
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    InternalError,
+    InvalidArgumentError,
+    MoriioError,
+    NotFoundError,
+    OutOfRangeError,
+    TransferTimeoutError,
+    TransportError,
+)
+from moriio_native.layout import (
+    BlockPairs,
+    BlockTemplate,
+    CacheSpec,
+    CopyPlan,
+    LayerLayout,
+    TensorGeometry,
+    block_template,
+    describe_layer,
+    plan_block_copies,
+)
+from moriio_native.memory import RegistrationPlan, allocate_kv_backing, plan_registration
+
+__version__ = "0.1.0"
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+__all__ = [
+    "AbortedError",
+    "AlreadyExistsError",
+    "BackendUnavailableError",
+    "BlockPairs",
+    "BlockTemplate",
+    "CacheSpec",
+    "CopyPlan",
+    "FailedPreconditionError",
+    "IncompatiblePeerError",
+    "InternalError",
+    "InvalidArgumentError",
+    "LayerLayout",
+    "MoriioError",
+    "NotFoundError",
+    "OutOfRangeError",
+    "RegistrationPlan",
+    "TensorGeometry",
+    "TransferTimeoutError",
+    "TransportError",
+    "__version__",
+    "allocate_kv_backing",
+    "block_template",
+    "describe_layer",
+    "plan_block_copies",
+    "plan_registration",
+]

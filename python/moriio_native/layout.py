@@ -1,0 +1,86 @@
+"""Layout engine facade: describe a layer's KV cache and plan block copies between two layers.
+
+The work happens in the native core; this module adapts torch tensors (read through their
+``shape``/``stride()``/``element_size()``/``data_ptr()``, without importing torch) and caches
+one block template per (local layout, remote layout) pair.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from moriio_native import _native
+from moriio_native._native import BlockPairs, BlockTemplate, CacheSpec, CopyPlan, LayerLayout, TensorGeometry
+
+KvPlaneAxis = Literal["auto", "separated", "interleaved"]
+BlockIds = Sequence[int] | Any  # any 1-D integer sequence or array
+
+_TEMPLATE_CACHE_SIZE = 4096
+
+
+def geometry_of(tensor_or_geometry: Any) -> TensorGeometry:
+    """A TensorGeometry from a TensorGeometry or any tensor-like object (torch.Tensor)."""
+    if isinstance(tensor_or_geometry, TensorGeometry):
+        return tensor_or_geometry
+    t = tensor_or_geometry
+    try:
+        return TensorGeometry(
+            shape=list(t.shape),
+            strides=list(t.stride()),
+            element_size=int(t.element_size()),
+            data_ptr=int(t.data_ptr()),
+        )
+    except AttributeError as exc:
+        raise TypeError(
+            f"expected a TensorGeometry or a tensor with shape/stride()/element_size()/data_ptr(), "
+            f"got {type(t).__name__}"
+        ) from exc
+
+
+def describe_layer(
+    name: str, tensor_or_geometry: Any, spec: CacheSpec, kv_plane_axis: KvPlaneAxis = "auto"
+) -> LayerLayout:
+    """Read a layer's layout from its tensor (or geometry) and spec.
+
+    Raises InvalidArgumentError naming the layer and shape when the tensor does not match the
+    spec, or when the shape is ambiguous ("Ambiguous ...").
+    """
+    return _native._describe_layer(name, geometry_of(tensor_or_geometry), spec, kv_plane_axis)
+
+
+@functools.lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
+def block_template(local: LayerLayout, remote: LayerLayout) -> BlockTemplate:
+    """The (cached) runs that copy one block of ``local`` to one block of ``remote``."""
+    return BlockTemplate(local, remote)
+
+
+def plan_block_copies(
+    local_layout: LayerLayout,
+    remote_layout: LayerLayout,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds,
+) -> CopyPlan:
+    """Byte runs that copy ``local_block_ids[i]`` <-> ``remote_block_ids[i]`` of one layer.
+
+    Offsets are relative to each side's layer base, sorted by local offset, merged where both
+    sides are contiguous. A local list longer than the remote one is an error; a shorter one
+    pairs with the first remote ids.
+    """
+    return block_template(local_layout, remote_layout).plan(local_block_ids, remote_block_ids)
+
+
+__all__ = [
+    "BlockPairs",
+    "BlockTemplate",
+    "CacheSpec",
+    "CopyPlan",
+    "KvPlaneAxis",
+    "LayerLayout",
+    "TensorGeometry",
+    "block_template",
+    "describe_layer",
+    "geometry_of",
+    "plan_block_copies",
+]
