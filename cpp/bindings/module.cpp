@@ -31,4 +31,5 @@ PYBIND11_MODULE(_native, m) {
   moriio_native::bindings::RegisterErrors(m);
   moriio_native::bindings::BindLayout(m);
   moriio_native::bindings::BindMemory(m);
+  moriio_native::bindings::BindEngine(m);
 }

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import logging
 
+from moriio_native.engine import (
+    BackendInfo,
+    Engine,
+    LayerRegistration,
+    TransferEvent,
+    available_backends,
+)
 from moriio_native.errors import (
     AbortedError,
     AlreadyExistsError,
@@ -42,25 +49,30 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 __all__ = [
     "AbortedError",
     "AlreadyExistsError",
+    "BackendInfo",
     "BackendUnavailableError",
     "BlockPairs",
     "BlockTemplate",
     "CacheSpec",
     "CopyPlan",
+    "Engine",
     "FailedPreconditionError",
     "IncompatiblePeerError",
     "InternalError",
     "InvalidArgumentError",
     "LayerLayout",
+    "LayerRegistration",
     "MoriioError",
     "NotFoundError",
     "OutOfRangeError",
     "RegistrationPlan",
     "TensorGeometry",
+    "TransferEvent",
     "TransferTimeoutError",
     "TransportError",
     "__version__",
     "allocate_kv_backing",
+    "available_backends",
     "block_template",
     "describe_layer",
     "plan_block_copies",

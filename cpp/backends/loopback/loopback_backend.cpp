@@ -1,0 +1,294 @@
+#include <unistd.h>
+
+#include <charconv>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "backends/loopback/loopback_backend.hpp"
+
+namespace moriio_native::detail {
+namespace {
+
+// Loopback peers find each other through this process-wide directory: an address names a
+// backend instance, and a remote key names one of its registered regions. Imports are checked
+// against it, so a forged key or range fails like it would on a real transport.
+struct RegionRecord {
+  MemoryRange range;
+};
+
+class Directory {
+ public:
+  static Directory& Get() {
+    static Directory* d = new Directory();  // never destroyed: backends may outlive statics
+    return *d;
+  }
+  std::uint64_t AddInstance() {
+    std::lock_guard lock(mu_);
+    return next_instance_++;
+  }
+  void RemoveInstance(std::uint64_t instance) {
+    std::lock_guard lock(mu_);
+    live_.erase(instance);
+    std::erase_if(regions_, [&](const auto& kv) { return kv.first.first == instance; });
+  }
+  void MarkLive(std::uint64_t instance) {
+    std::lock_guard lock(mu_);
+    live_[instance] = true;
+  }
+  bool IsLive(std::uint64_t instance) {
+    std::lock_guard lock(mu_);
+    return live_.count(instance) > 0;
+  }
+  void AddRegion(std::uint64_t instance, std::uint64_t handle, const MemoryRange& range) {
+    std::lock_guard lock(mu_);
+    regions_[{instance, handle}] = RegionRecord{range};
+  }
+  void RemoveRegion(std::uint64_t instance, std::uint64_t handle) {
+    std::lock_guard lock(mu_);
+    regions_.erase({instance, handle});
+  }
+  // The registered range, or nullopt when the region is gone.
+  std::optional<MemoryRange> FindRegion(std::uint64_t instance, std::uint64_t handle) {
+    std::lock_guard lock(mu_);
+    auto it = regions_.find({instance, handle});
+    if (it == regions_.end()) return std::nullopt;
+    return it->second.range;
+  }
+
+ private:
+  std::mutex mu_;
+  std::uint64_t next_instance_ = 1;
+  std::map<std::uint64_t, bool> live_;
+  std::map<std::pair<std::uint64_t, std::uint64_t>, RegionRecord> regions_;
+};
+
+// Wire forms: address = "loopback:<pid>:<instance>", key = "<instance>:<handle>".
+std::vector<std::uint8_t> Bytes(const std::string& s) { return {s.begin(), s.end()}; }
+
+bool ParseU64(std::string_view s, std::uint64_t* out) {
+  auto [p, ec] = std::from_chars(s.data(), s.data() + s.size(), *out);
+  return ec == std::errc() && p == s.data() + s.size();
+}
+
+bool ParsePair(std::string_view s, std::uint64_t* a, std::uint64_t* b) {
+  const auto colon = s.find(':');
+  return colon != std::string_view::npos && ParseU64(s.substr(0, colon), a) &&
+         ParseU64(s.substr(colon + 1), b);
+}
+
+bool RunInside(std::int64_t offset, std::int64_t size, std::uint64_t region_size) {
+  return offset >= 0 && size > 0 && static_cast<std::uint64_t>(offset) <= region_size &&
+         static_cast<std::uint64_t>(size) <= region_size - static_cast<std::uint64_t>(offset);
+}
+
+class LoopbackBackend final : public Backend {
+ public:
+  LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms)
+      : sink_(std::move(sink)), delay_ms_(delay_ms), instance_(Directory::Get().AddInstance()) {
+    Directory::Get().MarkLive(instance_);
+    worker_ = std::thread([this] { Run(); });
+  }
+
+  ~LoopbackBackend() override {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+    Directory::Get().RemoveInstance(instance_);
+  }
+
+  std::string_view name() const override { return "loopback"; }
+  BackendCapabilities capabilities() const override {
+    return {.host_memory = true, .unaligned_registration = true};
+  }
+
+  Result<std::vector<std::uint8_t>> LocalAddress() override {
+    return Bytes("loopback:" + std::to_string(::getpid()) + ":" + std::to_string(instance_));
+  }
+
+  Result<RegisteredRegion> RegisterMemory(const MemoryRange& range) override {
+    if (range.kind != MemoryKind::kHost) {
+      return InvalidArgumentError("the loopback backend registers host memory only");
+    }
+    if (range.address == 0 || range.size == 0) {
+      return InvalidArgumentError("cannot register an empty or null memory range");
+    }
+    std::lock_guard lock(mu_);
+    const std::uint64_t handle = next_handle_++;
+    regions_[handle] = range;
+    Directory::Get().AddRegion(instance_, handle, range);
+    return RegisteredRegion{handle, Bytes(std::to_string(instance_) + ":" + std::to_string(handle))};
+  }
+
+  Status DeregisterMemory(std::uint64_t handle) override {
+    std::lock_guard lock(mu_);
+    if (!regions_.count(handle)) return NotFoundError("no registered region " + std::to_string(handle));
+    regions_.erase(handle);
+    Directory::Get().RemoveRegion(instance_, handle);
+    return Status::OK();
+  }
+
+  Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) override {
+    const std::string_view text(reinterpret_cast<const char*>(address.data()), address.size());
+    std::uint64_t pid = 0;
+    std::uint64_t instance = 0;
+    if (!text.starts_with("loopback:") || !ParsePair(text.substr(9), &pid, &instance)) {
+      return InvalidArgumentError("malformed loopback peer address");
+    }
+    if (pid != static_cast<std::uint64_t>(::getpid())) {
+      return TransportError("loopback peers must live in the same process (peer pid " +
+                            std::to_string(pid) + ")");
+    }
+    if (!Directory::Get().IsLive(instance)) {
+      return TransportError("loopback peer instance " + std::to_string(instance) + " is gone");
+    }
+    std::lock_guard lock(mu_);
+    const std::uint64_t peer = next_handle_++;
+    peers_[peer] = instance;
+    return peer;
+  }
+
+  Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
+                                           std::span<const std::uint8_t> key) override {
+    const std::string_view text(reinterpret_cast<const char*>(key.data()), key.size());
+    std::uint64_t instance = 0;
+    std::uint64_t handle = 0;
+    if (!ParsePair(text, &instance, &handle)) return InvalidArgumentError("malformed loopback key");
+    std::lock_guard lock(mu_);
+    auto it = peers_.find(peer);
+    if (it == peers_.end()) return NotFoundError("unknown loopback peer " + std::to_string(peer));
+    if (it->second != instance) return InvalidArgumentError("loopback key belongs to another peer");
+    const auto registered = Directory::Get().FindRegion(instance, handle);
+    if (!registered || registered->address != range.address || registered->size != range.size) {
+      return InvalidArgumentError("loopback key does not match a region the peer registered");
+    }
+    const std::uint64_t remote = next_handle_++;
+    remotes_[remote] = RemoteRegion{peer, instance, handle, range};
+    return remote;
+  }
+
+  Status DisconnectPeer(std::uint64_t peer) override {
+    std::lock_guard lock(mu_);
+    if (!peers_.erase(peer)) return NotFoundError("unknown loopback peer " + std::to_string(peer));
+    std::erase_if(remotes_, [&](const auto& kv) { return kv.second.peer == peer; });
+    return Status::OK();
+  }
+
+  Status Submit(std::shared_ptr<const Batch> batch) override {
+    if (!batch || batch->sizes.size() != batch->local_offsets.size() ||
+        batch->sizes.size() != batch->remote_offsets.size()) {
+      return InvalidArgumentError("batch offset and size arrays differ in length");
+    }
+    std::lock_guard lock(mu_);
+    if (stopping_) return AbortedError("loopback backend is shutting down");
+    if (!regions_.count(batch->local_region)) {
+      return NotFoundError("batch names unknown local region " + std::to_string(batch->local_region));
+    }
+    if (!remotes_.count(batch->remote_region)) {
+      return NotFoundError("batch names unknown remote region " + std::to_string(batch->remote_region));
+    }
+    queue_.push_back(std::move(batch));
+    cv_.notify_one();
+    return Status::OK();
+  }
+
+ private:
+  struct RemoteRegion {
+    std::uint64_t peer;
+    std::uint64_t instance;
+    std::uint64_t handle;
+    MemoryRange range;
+  };
+
+  // Copies one batch; the remote region is re-checked against the directory so a peer that
+  // deregistered (or died) fails the batch instead of being written.
+  Status Execute(const Batch& b) {
+    MemoryRange local;
+    RemoteRegion remote;
+    {
+      std::lock_guard lock(mu_);
+      auto l = regions_.find(b.local_region);
+      auto r = remotes_.find(b.remote_region);
+      if (l == regions_.end()) return TransportError("local region deregistered during transfer");
+      if (r == remotes_.end()) return TransportError("peer disconnected during transfer");
+      local = l->second;
+      remote = r->second;
+    }
+    if (!Directory::Get().FindRegion(remote.instance, remote.handle)) {
+      return TransportError("the peer deregistered the remote region");
+    }
+    for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+      if (!RunInside(b.local_offsets[i], b.sizes[i], local.size) ||
+          !RunInside(b.remote_offsets[i], b.sizes[i], remote.range.size)) {
+        return InvalidArgumentError("run " + std::to_string(i) + " lies outside its region");
+      }
+    }
+    for (std::size_t i = 0; i < b.sizes.size(); ++i) {
+      auto* l = reinterpret_cast<std::uint8_t*>(local.address + b.local_offsets[i]);
+      auto* r = reinterpret_cast<std::uint8_t*>(remote.range.address + b.remote_offsets[i]);
+      if (b.op == TransferOp::kRead) {
+        std::memcpy(l, r, static_cast<std::size_t>(b.sizes[i]));
+      } else {
+        std::memcpy(r, l, static_cast<std::size_t>(b.sizes[i]));
+      }
+    }
+    return Status::OK();
+  }
+
+  void Run() {
+    std::unique_lock lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping and drained
+      std::shared_ptr<const Batch> batch = std::move(queue_.front());
+      queue_.pop_front();
+      const bool abort = stopping_;
+      lock.unlock();
+      Status status = abort ? AbortedError("loopback backend shut down before the batch ran")
+                            : Status::OK();
+      if (!abort) {
+        if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
+        status = Execute(*batch);
+      }
+      sink_->OnBatchComplete(batch->token, std::move(status));
+      lock.lock();
+    }
+  }
+
+  const std::shared_ptr<CompletionSink> sink_;
+  const int delay_ms_;
+  const std::uint64_t instance_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stopping_ = false;
+  std::uint64_t next_handle_ = 1;
+  std::map<std::uint64_t, MemoryRange> regions_;
+  std::map<std::uint64_t, std::uint64_t> peers_;  // peer handle -> peer instance
+  std::map<std::uint64_t, RemoteRegion> remotes_;
+  std::deque<std::shared_ptr<const Batch>> queue_;
+  std::thread worker_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& options,
+                                                       std::shared_ptr<CompletionSink> sink) {
+  int delay_ms = 0;
+  if (auto it = options.find("loopback_delay_ms"); it != options.end()) {
+    auto [p, ec] = std::from_chars(it->second.data(), it->second.data() + it->second.size(), delay_ms);
+    if (ec != std::errc() || p != it->second.data() + it->second.size() || delay_ms < 0) {
+      return InvalidArgumentError("loopback_delay_ms must be a non-negative integer, got '" +
+                                  it->second + "'");
+    }
+  }
+  if (!sink) return InvalidArgumentError("a completion sink is required");
+  return std::unique_ptr<Backend>(std::make_unique<LoopbackBackend>(std::move(sink), delay_ms));
+}
+
+}  // namespace moriio_native::detail

@@ -1,0 +1,16 @@
+#pragma once
+
+// The loopback backend: peers are other loopback backends in the same process; transfers are
+// real memcpy on a worker thread, so completions arrive asynchronously as with a real transport.
+
+#include <memory>
+
+#include "moriio_native/backend.hpp"
+
+namespace moriio_native::detail {
+
+/// Options: "loopback_delay_ms" (sleep before each batch, for tests of pending/timeout paths).
+Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& options,
+                                                       std::shared_ptr<CompletionSink> sink);
+
+}  // namespace moriio_native::detail

@@ -1,0 +1,191 @@
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include "bindings/common.hpp"
+#include "moriio_native/backend.hpp"
+#include "moriio_native/engine.hpp"
+
+namespace py = pybind11;
+
+namespace moriio_native::bindings {
+namespace {
+
+using IdArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
+
+MemoryKind ParseMemory(const std::string& memory) {
+  if (memory == "host" || memory == "cpu") return MemoryKind::kHost;
+  if (memory == "cuda") return MemoryKind::kCuda;
+  if (memory == "rocm" || memory == "hip") return MemoryKind::kRocm;
+  throw StatusError(
+      InvalidArgumentError("memory must be 'host', 'cuda' or 'rocm', got '" + memory + "'"));
+}
+
+std::span<const std::int64_t> Ids(const IdArray& a) {
+  if (a.ndim() != 1) throw StatusError(InvalidArgumentError("block ids must be one-dimensional"));
+  return {a.data(), static_cast<std::size_t>(a.size())};
+}
+
+std::span<const std::uint8_t> ByteSpan(const py::bytes& b, std::string& holder) {
+  holder = b;  // a copy: the bytes object may not outlive a GIL-free section otherwise
+  return {reinterpret_cast<const std::uint8_t*>(holder.data()), holder.size()};
+}
+
+py::bytes ToBytes(const std::vector<std::uint8_t>& v) {
+  return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
+}
+
+}  // namespace
+
+void BindEngine(py::module_& m) {
+  m.def("available_backends", [](const std::map<std::string, std::string>& options) {
+        BackendOptions opts(options.begin(), options.end());
+        std::vector<BackendAvailability> all;
+        {
+          py::gil_scoped_release release;  // probing may dlopen libraries
+          all = AvailableBackends(opts);
+        }
+        py::list out;
+        for (const auto& b : all) out.append(py::make_tuple(b.name, b.available, b.reason));
+        return out;
+      },
+      py::arg("options") = std::map<std::string, std::string>{},
+      "List of (name, available, reason) for every known backend.");
+
+  py::class_<LayerRegistration>(m, "_LayerRegistration")
+      .def(py::init([](std::string name, TensorGeometry geometry, CacheSpec spec,
+                       const std::string& axis, std::uint64_t base, std::uint64_t size,
+                       const std::string& memory, int device) {
+             KvPlaneAxis plane = KvPlaneAxis::kAuto;
+             if (axis == "separated") plane = KvPlaneAxis::kSeparated;
+             else if (axis == "interleaved") plane = KvPlaneAxis::kInterleaved;
+             else if (axis != "auto") {
+               throw StatusError(InvalidArgumentError("unknown kv_plane_axis '" + axis + "'"));
+             }
+             return LayerRegistration{std::move(name), std::move(geometry), spec, plane,
+                                      MemoryRange{base, size, ParseMemory(memory), device}};
+           }),
+           py::arg("name"), py::arg("geometry"), py::arg("spec"), py::arg("kv_plane_axis"),
+           py::arg("allocation_base"), py::arg("allocation_size"), py::arg("memory"),
+           py::arg("device"));
+
+  py::class_<TransferEvent>(m, "TransferEvent", "A transfer reached its terminal state.")
+      .def_readonly("transfer_id", &TransferEvent::transfer_id)
+      .def_property_readonly("kind", [](const TransferEvent& e) {
+        return e.kind == TransferKind::kRead ? "read" : "write";
+      })
+      .def_property_readonly("state", [](const TransferEvent& e) {
+        return std::string(TransferStateName(e.state));
+      })
+      .def_readonly("peer", &TransferEvent::peer)
+      .def_readonly("message", &TransferEvent::message)
+      .def_readonly("bytes", &TransferEvent::bytes)
+      .def_readonly("runs", &TransferEvent::runs)
+      .def_readonly("batches", &TransferEvent::batches)
+      .def_readonly("seconds", &TransferEvent::seconds)
+      .def("__repr__", [](const TransferEvent& e) {
+        return "TransferEvent('" + e.transfer_id + "', " +
+               (e.kind == TransferKind::kRead ? "read" : "write") + ", " +
+               std::string(TransferStateName(e.state)) + ", bytes=" + std::to_string(e.bytes) +
+               (e.message.empty() ? "" : ", '" + e.message + "'") + ")";
+      });
+
+  py::class_<Engine>(m, "_Engine")
+      .def(py::init([](std::string engine_id, std::string backend,
+                       const std::map<std::string, std::string>& options, double timeout_s,
+                       std::size_t terminal_history, std::uint64_t page_size) {
+             EngineConfig config;
+             config.engine_id = std::move(engine_id);
+             config.backend = std::move(backend);
+             config.options = BackendOptions(options.begin(), options.end());
+             config.transfer_timeout =
+                 std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000.0));
+             config.terminal_history = terminal_history;
+             config.page_size = page_size;
+             Result<std::unique_ptr<Engine>> engine = [&] {
+               py::gil_scoped_release release;
+               return Engine::Create(std::move(config));
+             }();
+             return Unwrap(std::move(engine));
+           }),
+           py::arg("engine_id"), py::arg("backend"), py::arg("options"),
+           py::arg("transfer_timeout"), py::arg("terminal_history"), py::arg("page_size"))
+      .def_property_readonly("engine_id", &Engine::engine_id)
+      .def_property_readonly("backend", &Engine::backend_name)
+      .def("register_kv_caches",
+           [](Engine& e, const std::vector<LayerRegistration>& layers) {
+             Result<std::vector<std::uint8_t>> meta = [&] {
+               py::gil_scoped_release release;
+               return e.RegisterKvCaches(layers);
+             }();
+             return ToBytes(Unwrap(std::move(meta)));
+           })
+      .def("local_metadata", [](const Engine& e) { return ToBytes(Unwrap(e.LocalMetadata())); })
+      .def("add_peer",
+           [](Engine& e, const py::bytes& metadata) {
+             std::string holder;
+             auto span = ByteSpan(metadata, holder);
+             Result<std::string> peer = [&] {
+               py::gil_scoped_release release;
+               return e.AddPeer(span);
+             }();
+             return Unwrap(std::move(peer));
+           })
+      .def("remove_peer", [](Engine& e, const std::string& peer) {
+        Status st;
+        {
+          py::gil_scoped_release release;
+          st = e.RemovePeer(peer);
+        }
+        ThrowIfError(st);
+      })
+      .def("peers", &Engine::Peers)
+      .def("read",
+           [](Engine& e, const std::string& tid, const std::string& peer, const IdArray& local,
+              const IdArray& remote, const std::vector<std::string>& layers) {
+             const auto local_ids = Ids(local);
+             const auto remote_ids = Ids(remote);
+             Status st;
+             {
+               py::gil_scoped_release release;
+               st = e.Read(tid, peer, local_ids, remote_ids, layers);
+             }
+             ThrowIfError(st);
+           })
+      .def("write_layer",
+           [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
+              const IdArray& local, const IdArray& remote) {
+             const auto local_ids = Ids(local);
+             const auto remote_ids = Ids(remote);
+             Result<bool> r = [&] {
+               py::gil_scoped_release release;
+               return e.WriteLayer(tid, layer, peer, local_ids, remote_ids);
+             }();
+             return Unwrap(std::move(r));
+           })
+      .def("seal", [](Engine& e, const std::string& tid, const std::string& peer) {
+        ThrowIfError(e.Seal(tid, peer));
+      })
+      .def("abort", [](Engine& e, const std::string& tid) { ThrowIfError(e.Abort(tid)); })
+      .def("poll_events",
+           [](Engine& e, std::size_t max_events, double timeout_s) {
+             // Wait in short slices with the GIL released, checking for Ctrl-C between them.
+             const auto until = std::chrono::steady_clock::now() +
+                                std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6));
+             while (true) {
+               const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+                   until - std::chrono::steady_clock::now());
+               std::vector<TransferEvent> events;
+               {
+                 py::gil_scoped_release release;
+                 events = e.PollEvents(max_events, std::clamp(left, std::chrono::milliseconds(0),
+                                                              std::chrono::milliseconds(100)));
+               }
+               if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
+               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+             }
+           },
+           py::arg("max_events"), py::arg("timeout"))
+      .def_property_readonly("pending_transfers", &Engine::PendingTransfers);
+}
+
+}  // namespace moriio_native::bindings

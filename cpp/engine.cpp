@@ -1,0 +1,468 @@
+#include "moriio_native/engine.hpp"
+
+#include <algorithm>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+
+#include "moriio_native/memory.hpp"
+#include "msgpack_lite.hpp"
+#include "peer_metadata.hpp"
+#include "transfer_tracker.hpp"
+
+namespace moriio_native {
+
+std::string_view TransferStateName(TransferState state) {
+  switch (state) {
+    case TransferState::kPending: return "pending";
+    case TransferState::kDone: return "done";
+    case TransferState::kFailed: return "failed";
+    case TransferState::kAborted: return "aborted";
+    case TransferState::kTimedOut: return "timed_out";
+  }
+  return "unknown";
+}
+
+namespace {
+
+using detail::EngineMetadata;
+using detail::LayerRecord;
+using detail::RegionRecord;
+
+// Forwards backend completions to the tracker; maps backend peer handles to peer ids.
+class Sink final : public CompletionSink {
+ public:
+  explicit Sink(std::shared_ptr<detail::TransferTracker> tracker) : tracker_(std::move(tracker)) {}
+  void OnBatchComplete(std::uint64_t token, Status status) override {
+    tracker_->OnBatchComplete(token, status);
+  }
+  void OnPeerFailure(std::uint64_t peer, Status status) override {
+    std::string id;
+    {
+      std::lock_guard lock(mu_);
+      auto it = peers_.find(peer);
+      if (it == peers_.end()) return;
+      id = it->second;
+    }
+    tracker_->FailPeer(id, status);
+  }
+  void MapPeer(std::uint64_t handle, const std::string& id) {
+    std::lock_guard lock(mu_);
+    peers_[handle] = id;
+  }
+  void UnmapPeer(std::uint64_t handle) {
+    std::lock_guard lock(mu_);
+    peers_.erase(handle);
+  }
+
+ private:
+  std::shared_ptr<detail::TransferTracker> tracker_;
+  std::mutex mu_;
+  std::unordered_map<std::uint64_t, std::string> peers_;
+};
+
+struct LocalRegion {
+  std::uint64_t handle = 0;
+  MemoryRange range;
+  bool aligned = false;
+  std::vector<std::uint8_t> key;
+};
+
+struct LocalLayer {
+  LayerLayout layout;
+  std::uint32_t region = 0;
+  std::int64_t offset = 0;  // layer base - region start
+};
+
+// A connected peer. Immutable after AddPeer; shared with in-progress submissions.
+struct Peer {
+  std::string id;
+  std::uint64_t handle = 0;
+  std::vector<std::uint64_t> remote_regions;  // imported handles, by peer region index
+  // For each of OUR layers (same index as Impl::layers): the peer layer's region, offset and
+  // the block template from our layer to it.
+  struct LayerLink {
+    std::uint32_t region = 0;
+    std::int64_t offset = 0;
+    BlockTemplate tmpl;
+  };
+  std::vector<LayerLink> links;
+  std::vector<std::uint8_t> metadata;
+};
+
+// Collects one request's runs per (local region, remote region) into batches.
+class BatchBuilder {
+ public:
+  BatchBuilder(TransferOp op, const Peer& peer) : op_(op), peer_(peer) {}
+
+  void Add(const LocalLayer& layer, const Peer::LayerLink& link, const CopyPlan& plan) {
+    auto& batch = batches_[{layer.region, link.region}];
+    if (!batch) {
+      batch = std::make_shared<Batch>();
+      batch->op = op_;
+      batch->peer = peer_.handle;
+      batch->remote_region = peer_.remote_regions[link.region];
+    }
+    for (std::size_t i = 0; i < plan.size(); ++i) {
+      batch->local_offsets.push_back(plan.local_offsets[i] + layer.offset);
+      batch->remote_offsets.push_back(plan.remote_offsets[i] + link.offset);
+      batch->sizes.push_back(plan.sizes[i]);
+    }
+    bytes_[{layer.region, link.region}] += plan.total_bytes();
+  }
+
+  // Local region handles are filled by the caller, which knows them.
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::shared_ptr<Batch>>& batches() {
+    return batches_;
+  }
+  std::int64_t bytes(const std::pair<std::uint32_t, std::uint32_t>& key) { return bytes_[key]; }
+
+ private:
+  TransferOp op_;
+  const Peer& peer_;
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::shared_ptr<Batch>> batches_;
+  std::map<std::pair<std::uint32_t, std::uint32_t>, std::int64_t> bytes_;
+};
+
+}  // namespace
+
+struct Engine::Impl {
+  EngineConfig config;
+  std::shared_ptr<detail::TransferTracker> tracker;
+  std::shared_ptr<Sink> sink;
+  std::unique_ptr<Backend> backend;
+
+  mutable std::mutex mu;
+  bool registered = false;
+  std::vector<LocalRegion> regions;
+  std::vector<LocalLayer> layers;
+  std::unordered_map<std::string, std::size_t> layer_index;
+  std::vector<std::uint8_t> metadata;
+  std::map<std::string, std::shared_ptr<const Peer>, std::less<>> peers;
+
+  ~Impl() {
+    // The backend completes (or aborts) every outstanding batch while the tracker still lives.
+    backend.reset();
+  }
+
+  Result<std::shared_ptr<const Peer>> FindPeer(std::string_view id) const {
+    std::lock_guard lock(mu);
+    auto it = peers.find(id);
+    if (it == peers.end()) return NotFoundError("unknown peer '" + std::string(id) + "'");
+    return it->second;
+  }
+
+  Result<std::size_t> FindLayer(std::string_view name) const {
+    auto it = layer_index.find(std::string(name));
+    if (it == layer_index.end()) return NotFoundError("unknown layer '" + std::string(name) + "'");
+    return it->second;
+  }
+
+  Status CheckRegistered() const {
+    std::lock_guard lock(mu);
+    if (!registered) return FailedPreconditionError("register_kv_caches has not been called");
+    return Status::OK();
+  }
+
+  // Submits prepared batches of one transfer; a batch that cannot be submitted completes as
+  // failed so the transfer still ends exactly once.
+  void SubmitAll(BatchBuilder& builder, std::string_view transfer_id,
+                 const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t)>& add) {
+    for (auto& [key, batch] : builder.batches()) {
+      batch->local_region = regions[key.first].handle;
+      Result<std::uint64_t> token = add(builder.bytes(key), static_cast<std::int64_t>(batch->sizes.size()));
+      if (!token.ok()) return;  // the transfer ended meanwhile (deadline, abort)
+      batch->token = *token;
+      Status st = backend->Submit(batch);
+      if (!st.ok()) {
+        tracker->OnBatchComplete(*token,
+                                 st.WithContext("transfer '" + std::string(transfer_id) + "'"));
+      }
+    }
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
+  if (config.engine_id.empty() || config.engine_id.size() > detail::kMaxNameBytes) {
+    return InvalidArgumentError("engine_id must be 1.." + std::to_string(detail::kMaxNameBytes) +
+                                " bytes");
+  }
+  if (config.transfer_timeout.count() <= 0) {
+    return InvalidArgumentError("transfer_timeout must be positive");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->tracker = std::make_shared<detail::TransferTracker>(config.transfer_timeout,
+                                                            config.terminal_history);
+  impl->sink = std::make_shared<Sink>(impl->tracker);
+  MORIIO_ASSIGN_OR_RETURN(impl->backend, CreateBackend(config.backend, config.options, impl->sink));
+  impl->config = std::move(config);
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+const std::string& Engine::engine_id() const { return impl_->config.engine_id; }
+const std::string& Engine::backend_name() const { return impl_->config.backend; }
+
+Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
+    std::span<const LayerRegistration> layers) {
+  Impl& d = *impl_;
+  {
+    std::lock_guard lock(d.mu);
+    if (d.registered) return FailedPreconditionError("KV caches are registered already");
+  }
+  if (layers.empty()) return InvalidArgumentError("no layers to register");
+  // Validate everything before registering anything.
+  std::vector<LocalLayer> local;
+  std::unordered_map<std::string, std::size_t> index;
+  struct AllocKey {
+    std::uint64_t base, size;
+    MemoryKind kind;
+    int device;
+    auto operator<=>(const AllocKey&) const = default;
+  };
+  std::map<AllocKey, std::vector<std::size_t>> by_allocation;
+  for (const LayerRegistration& l : layers) {
+    if (!index.emplace(l.name, local.size()).second) {
+      return InvalidArgumentError("layer '" + l.name + "' is listed twice");
+    }
+    MORIIO_ASSIGN_OR_RETURN(LayerLayout layout,
+                            DescribeLayer(l.name, l.geometry, l.spec, l.plane_axis));
+    const std::uint64_t ptr = l.geometry.data_ptr;
+    const std::uint64_t end = ptr + static_cast<std::uint64_t>(layout.span_bytes());
+    if (ptr == 0 || ptr < l.allocation.address || end < ptr ||
+        end > l.allocation.address + l.allocation.size) {
+      return InvalidArgumentError("layer '" + l.name + "' (" + std::to_string(layout.span_bytes()) +
+                                  " bytes at data_ptr " + std::to_string(ptr) +
+                                  ") does not lie inside its allocation");
+    }
+    by_allocation[{l.allocation.address, l.allocation.size, l.allocation.kind, l.allocation.device}]
+        .push_back(local.size());
+    local.push_back({std::move(layout), 0, 0});
+  }
+  const BackendCapabilities caps = d.backend->capabilities();
+  std::vector<LocalRegion> regions;
+  for (const auto& [alloc, members] : by_allocation) {
+    std::vector<ViewRange> views;
+    for (std::size_t i : members) {
+      views.push_back({layers[i].geometry.data_ptr,
+                       static_cast<std::uint64_t>(local[i].layout.span_bytes())});
+    }
+    MORIIO_ASSIGN_OR_RETURN(RegistrationPlan plan,
+                            PlanRegistration(alloc.base, alloc.size, views, d.config.page_size,
+                                             caps.unaligned_registration));
+    const auto region_index = static_cast<std::uint32_t>(regions.size());
+    const PlannedRegion& r = plan.regions.front();
+    regions.push_back({0, {r.start, r.size, alloc.kind, alloc.device}, r.aligned, {}});
+    for (std::size_t k = 0; k < members.size(); ++k) {
+      local[members[k]].region = region_index;
+      local[members[k]].offset = static_cast<std::int64_t>(plan.placements[k].offset);
+    }
+  }
+  // Register; undo on the first failure so a failed call leaves nothing behind.
+  for (std::size_t i = 0; i < regions.size(); ++i) {
+    Result<RegisteredRegion> reg = d.backend->RegisterMemory(regions[i].range);
+    if (!reg.ok()) {
+      for (std::size_t k = 0; k < i; ++k) (void)d.backend->DeregisterMemory(regions[k].handle);
+      return reg.status().WithContext("registering memory region " + std::to_string(i));
+    }
+    regions[i].handle = reg->handle;
+    regions[i].key = std::move(reg->remote_key);
+  }
+  EngineMetadata meta;
+  meta.engine_id = d.config.engine_id;
+  meta.backend = d.config.backend;
+  MORIIO_ASSIGN_OR_RETURN(meta.address, d.backend->LocalAddress());
+  for (const LocalRegion& r : regions) meta.regions.push_back({r.range, r.aligned, r.key});
+  for (const LocalLayer& l : local) meta.layers.push_back({l.layout, l.region, l.offset});
+  std::lock_guard lock(d.mu);
+  d.regions = std::move(regions);
+  d.layers = std::move(local);
+  d.layer_index = std::move(index);
+  d.metadata = detail::EncodeMetadata(meta);
+  d.registered = true;
+  return d.metadata;
+}
+
+Result<std::vector<std::uint8_t>> Engine::LocalMetadata() const {
+  MORIIO_RETURN_IF_ERROR(impl_->CheckRegistered());
+  std::lock_guard lock(impl_->mu);
+  return impl_->metadata;
+}
+
+Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
+  Impl& d = *impl_;
+  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  MORIIO_ASSIGN_OR_RETURN(EngineMetadata meta, detail::DecodeMetadata(metadata));
+  if (meta.backend != d.config.backend) {
+    return IncompatibleError("peer '" + meta.engine_id + "' uses backend '" + meta.backend +
+                             "', this engine uses '" + d.config.backend + "'");
+  }
+  if (meta.engine_id == d.config.engine_id) {
+    return InvalidArgumentError("peer metadata carries this engine's own id '" + meta.engine_id + "'");
+  }
+  {
+    std::lock_guard lock(d.mu);
+    if (auto it = d.peers.find(meta.engine_id); it != d.peers.end()) {
+      if (std::equal(it->second->metadata.begin(), it->second->metadata.end(), metadata.begin(),
+                     metadata.end())) {
+        return meta.engine_id;  // the same handshake again
+      }
+      return AlreadyExistsError("peer '" + meta.engine_id +
+                                "' is connected with different metadata; remove it first");
+    }
+  }
+  // Every one of our layers needs a peer layer of the same name and logical content.
+  auto peer = std::make_shared<Peer>();
+  peer->id = meta.engine_id;
+  peer->metadata.assign(metadata.begin(), metadata.end());
+  std::unordered_map<std::string, const LayerRecord*> peer_layers;
+  for (const LayerRecord& l : meta.layers) peer_layers[l.layout.name()] = &l;
+  for (const LocalLayer& mine : d.layers) {
+    auto it = peer_layers.find(mine.layout.name());
+    if (it == peer_layers.end()) {
+      return IncompatibleError("peer '" + meta.engine_id + "' has no layer '" +
+                               mine.layout.name() + "'");
+    }
+    Result<BlockTemplate> tmpl = BlockTemplate::Build(mine.layout, it->second->layout);
+    if (!tmpl.ok()) return tmpl.status().WithContext("peer '" + meta.engine_id + "'");
+    peer->links.push_back({it->second->region, it->second->offset, std::move(tmpl).value()});
+  }
+  // Connect and import; undo on failure.
+  MORIIO_ASSIGN_OR_RETURN(peer->handle, d.backend->ConnectPeer(meta.address));
+  for (const RegionRecord& r : meta.regions) {
+    Result<std::uint64_t> imported = d.backend->ImportRemoteRegion(peer->handle, r.range, r.key);
+    if (!imported.ok()) {
+      (void)d.backend->DisconnectPeer(peer->handle);
+      return imported.status().WithContext("peer '" + meta.engine_id + "' region " +
+                                           std::to_string(peer->remote_regions.size()));
+    }
+    peer->remote_regions.push_back(*imported);
+  }
+  std::lock_guard lock(d.mu);
+  if (!d.peers.emplace(peer->id, peer).second) {
+    (void)d.backend->DisconnectPeer(peer->handle);
+    return AlreadyExistsError("peer '" + peer->id + "' was added concurrently");
+  }
+  d.sink->MapPeer(peer->handle, peer->id);
+  return peer->id;
+}
+
+Status Engine::RemovePeer(std::string_view id) {
+  Impl& d = *impl_;
+  std::shared_ptr<const Peer> peer;
+  {
+    std::lock_guard lock(d.mu);
+    auto it = d.peers.find(id);
+    if (it == d.peers.end()) return NotFoundError("unknown peer '" + std::string(id) + "'");
+    peer = it->second;
+    d.peers.erase(it);
+  }
+  d.sink->UnmapPeer(peer->handle);
+  d.tracker->FailPeer(peer->id, AbortedError("peer removed"));
+  return d.backend->DisconnectPeer(peer->handle);
+}
+
+std::vector<std::string> Engine::Peers() const {
+  std::lock_guard lock(impl_->mu);
+  std::vector<std::string> out;
+  for (const auto& [id, peer] : impl_->peers) out.push_back(id);
+  return out;
+}
+
+Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
+                    std::span<const std::int64_t> local_blocks,
+                    std::span<const std::int64_t> remote_blocks,
+                    std::span<const std::string> layer_names) {
+  Impl& d = *impl_;
+  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
+  const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
+  Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
+  if (!pairs.ok()) return pairs.status().WithContext(ctx);
+  std::vector<std::size_t> selected;
+  if (layer_names.empty()) {
+    for (std::size_t i = 0; i < d.layers.size(); ++i) selected.push_back(i);
+  } else {
+    for (const std::string& name : layer_names) {
+      MORIIO_ASSIGN_OR_RETURN(std::size_t i, d.FindLayer(name));
+      selected.push_back(i);
+    }
+  }
+  // Plan every layer before anything starts: a bad block id fails the call, not the transfer.
+  BatchBuilder builder(TransferOp::kRead, *peer);
+  CopyPlan plan;
+  for (std::size_t i : selected) {
+    Status st = StampBlockCopies(peer->links[i].tmpl, *pairs, &plan);
+    if (!st.ok()) return st.WithContext(ctx);
+    builder.Add(d.layers[i], peer->links[i], plan);
+  }
+  MORIIO_RETURN_IF_ERROR(d.tracker->BeginRead(transfer_id, peer->id));
+  d.SubmitAll(builder, transfer_id, [&](std::int64_t bytes, std::int64_t runs) {
+    return d.tracker->AddBatch(transfer_id, bytes, runs);
+  });
+  d.tracker->CloseRead(transfer_id);
+  return Status::OK();
+}
+
+Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view layer,
+                                std::string_view peer_id,
+                                std::span<const std::int64_t> local_blocks,
+                                std::span<const std::int64_t> remote_blocks) {
+  Impl& d = *impl_;
+  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
+  MORIIO_ASSIGN_OR_RETURN(std::size_t i, d.FindLayer(layer));
+  const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
+  Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
+  if (!pairs.ok()) return pairs.status().WithContext(ctx);
+  CopyPlan plan;
+  Status st = StampBlockCopies(peer->links[i].tmpl, *pairs, &plan);
+  if (!st.ok()) return st.WithContext(ctx);
+  BatchBuilder builder(TransferOp::kWrite, *peer);
+  builder.Add(d.layers[i], peer->links[i], plan);
+  auto& [key, batch] = *builder.batches().begin();
+  std::optional<std::uint64_t> token = d.tracker->ScheduleWrite(
+      transfer_id, layer, peer->id, plan.total_bytes(), static_cast<std::int64_t>(plan.size()));
+  if (!token) return false;
+  if (plan.size() == 0) {
+    d.tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
+    return true;
+  }
+  batch->local_region = d.regions[key.first].handle;
+  batch->token = *token;
+  Status submitted = d.backend->Submit(batch);
+  if (!submitted.ok()) d.tracker->OnBatchComplete(*token, submitted.WithContext(ctx));
+  return true;
+}
+
+Status Engine::Seal(std::string_view transfer_id, std::string_view peer) {
+  if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  impl_->tracker->Seal(transfer_id, peer);
+  return Status::OK();
+}
+
+Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abort(transfer_id); }
+
+std::vector<TransferEvent> Engine::PollEvents(std::size_t max_events,
+                                              std::chrono::milliseconds wait) {
+  // Deadlines are checked in slices so a wait never sleeps past one.
+  constexpr std::chrono::milliseconds kSlice{10};
+  const auto until = std::chrono::steady_clock::now() + wait;
+  while (true) {
+    impl_->tracker->ExpireDeadlines(std::chrono::steady_clock::now());
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    std::vector<TransferEvent> events =
+        impl_->tracker->Drain(max_events, std::clamp(left, std::chrono::milliseconds(0), kSlice));
+    if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
+  }
+}
+
+std::size_t Engine::PendingTransfers() const { return impl_->tracker->pending(); }
+
+}  // namespace moriio_native
