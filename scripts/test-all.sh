@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs everything the tests need and runs every test: C++ suites (plain, ASan+UBSan, TSan),
+# the installed wheel's Python suite (vLLM connector, UCX two-process, control plane, ...), the
+# downstream CMake example and ruff. .ci/run runs exactly this. Needs root (or sudo) for apt.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+JOBS=${JOBS:-$(nproc)}
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+step() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
+
+step "system packages"
+SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
+$SUDO apt-get update -qq
+# gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them).
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev >/dev/null
+
+step "python packages"
+python3 -m pip install -q -r requirements-test.txt
+
+step "MoRI-IO package (headers + libraries to build and link the mori plugin)"
+MORI_ROOT=$(bash scripts/fetch_mori.sh "$ROOT/.deps/mori")
+export MORI_ROOT
+echo "MORI_ROOT=$MORI_ROOT"
+
+CMAKE_COMMON=(-G Ninja -DMORIIO_NATIVE_BUILD_TESTS=ON -DMORIIO_NATIVE_WITH_UCX=ON
+  -DMORIIO_NATIVE_WITH_MORI=ON -DMORIIO_NATIVE_WITH_CUDA=AUTO)
+
+step "C++ build + ctest"
+cmake -S . -B build/ci "${CMAKE_COMMON[@]}" -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+cmake --build build/ci -j"$JOBS"
+ctest --test-dir build/ci -j"$JOBS" --output-on-failure
+
+step "C++ build + ctest under AddressSanitizer + UndefinedBehaviorSanitizer"
+cmake -S . -B build/ci-asan "${CMAKE_COMMON[@]}" -DMORIIO_NATIVE_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug \
+  -DMORIIO_NATIVE_SANITIZE="address;undefined" >/dev/null
+cmake --build build/ci-asan -j"$JOBS"
+ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1 \
+  ctest --test-dir build/ci-asan -j"$JOBS" --output-on-failure
+
+step "threaded C++ tests under ThreadSanitizer"
+cmake -S . -B build/ci-tsan -G Ninja -DMORIIO_NATIVE_BUILD_TESTS=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
+  -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug \
+  -DMORIIO_NATIVE_SANITIZE=thread >/dev/null
+TSAN_TESTS=(transfer_tracker_test engine_test)
+cmake --build build/ci-tsan -j"$JOBS" --target "${TSAN_TESTS[@]}"
+for t in "${TSAN_TESTS[@]}"; do TSAN_OPTIONS=halt_on_error=1 "build/ci-tsan/$t"; done
+
+step "install the package (wheel built from source, with the UCX and MoRI plugins)"
+python3 -m pip install -q --force-reinstall --no-deps .
+
+step "downstream CMake consumer (examples/embed) against the installed package"
+cmake -S examples/embed -B build/embed -G Ninja -DCMAKE_PREFIX_PATH="$(moriio-native cmake-dir)" >/dev/null
+cmake --build build/embed
+build/embed/embed
+
+step "ruff"
+ruff check python tests/py bench examples
+
+step "pytest (installed package)"
+# Run outside the source tree's python/ so the installed wheel is what gets imported.
+python3 -m pytest tests/py -q -p no:cacheprovider -o addopts=""

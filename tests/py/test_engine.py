@@ -1,0 +1,248 @@
+"""Engine behaviour through the loopback backend: a mixed model on ONE shared backing per side,
+different physical layouts and block counts on the two sides, READ and WRITE verified byte for
+byte over the whole backing (so bytes outside the requested blocks must be unchanged too)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moriio_native as mn
+from moriio_native import kvcache as kc
+
+
+@pytest.fixture()
+def pair() -> tuple[kc.KvCacheSet, kc.KvCacheSet, mn.Engine, mn.Engine]:
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=12)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=20)
+    kc.fill_random(prefill, seed=1)
+    kc.fill_random(decode, seed=2)
+    ep = mn.Engine("prefill-0", "loopback")
+    ed = mn.Engine("decode-0", "loopback")
+    meta_p = ep.register_kv_caches(prefill.registrations())
+    meta_d = ed.register_kv_caches(decode.registrations())
+    assert ed.add_peer(meta_p) == "prefill-0"
+    assert ep.add_peer(meta_d) == "decode-0"
+    return prefill, decode, ep, ed
+
+
+def test_mixed_model_has_every_generation() -> None:
+    shapes = kc.mixed_model("prefill") + kc.mixed_model("decode")
+    generations = {s.generation for s in shapes}
+    assert {"separated_nhd", "separated_hnd", "interleaved_nhd", "interleaved_hnd", "standardized",
+            "latent", "latent_standardized"} <= generations
+    assert len(kc.mixed_model("prefill")) >= 6
+
+
+def test_read_pulls_exact_bytes(pair) -> None:
+    prefill, decode, _, ed = pair
+    local, remote = [19, 0, 5, 6], [3, 7, 1, 11]
+    expected = kc.expected_after_copy(decode, prefill, local, remote)
+    ed.read("req-read", "prefill-0", local, remote)
+    events = ed.wait(["req-read"], timeout=10)
+    event = events["req-read"]
+    assert (event.kind, event.state) == ("read", "done")
+    assert event.bytes == len(local) * prefill.total_block_bytes()
+    assert torch.equal(decode.backing, expected)
+
+
+def test_read_of_selected_layers_touches_only_them(pair) -> None:
+    prefill, decode, _, ed = pair
+    before = decode.backing.clone()
+    ed.read("req-some", "prefill-0", [4], [2], layers=["mla.0"])
+    assert ed.wait(["req-some"], timeout=10)["req-some"].state == "done"
+    only_mla = kc.KvCacheSet(decode.backing, [s for s in decode.shapes if s.name == "mla.0"],
+                             decode.num_blocks, decode.views)
+    src_mla = kc.KvCacheSet(prefill.backing, [s for s in prefill.shapes if s.name == "mla.0"],
+                            prefill.num_blocks, prefill.views)
+    decode.backing.copy_(before)
+    expected = kc.expected_after_copy(only_mla, src_mla, [4], [2])
+    ed.read("req-some-2", "prefill-0", [4], [2], layers=["mla.0"])
+    assert ed.wait(["req-some-2"], timeout=10)["req-some-2"].state == "done"
+    assert torch.equal(decode.backing, expected)
+
+
+def test_write_pushes_each_layer_and_completes_once_after_seal(pair) -> None:
+    prefill, decode, ep, _ = pair
+    local, remote = [0, 1, 2, 11], [2, 4, 8, 19]
+    expected = kc.expected_after_copy(decode, prefill, remote, local)
+    for shape in prefill.shapes:
+        assert ep.write_layer("req-w", shape.name, "decode-0", local, remote) is True
+    # A layer scheduled twice is refused and moves nothing more.
+    assert ep.write_layer("req-w", prefill.shapes[0].name, "decode-0", local, remote) is False
+    assert ep.wait(["req-w"], timeout=0.3) == {}  # not sealed: no completion yet
+    ep.seal("req-w")
+    events = ep.wait(["req-w"], timeout=10)
+    assert events["req-w"].state == "done"
+    assert events["req-w"].bytes == len(local) * prefill.total_block_bytes()
+    assert torch.equal(decode.backing, expected)
+    assert ep.poll_events(timeout=0.2) == []  # exactly one event
+    # Late writes and seals for the finished transfer are ignored.
+    assert ep.write_layer("req-w", prefill.shapes[1].name, "decode-0", local, remote) is False
+    ep.seal("req-w")
+    assert ep.poll_events(timeout=0.1) == []
+
+
+def test_seal_without_writes_completes_immediately(pair) -> None:
+    _, _, ep, _ = pair
+    ep.seal("req-empty", "decode-0")
+    event = ep.wait(["req-empty"], timeout=5)["req-empty"]
+    assert (event.kind, event.state, event.bytes) == ("write", "done", 0)
+
+
+def test_empty_read_is_notify_only(pair) -> None:
+    _, decode, _, ed = pair
+    before = decode.backing.clone()
+    ed.read("req-none", "prefill-0", [], [5, 6])
+    assert ed.wait(["req-none"], timeout=5)["req-none"].state == "done"
+    assert torch.equal(decode.backing, before)
+
+
+@pytest.mark.parametrize(
+    ("local", "remote", "error", "text"),
+    [
+        ([0, 1, 2], [0, 1], mn.InvalidArgumentError, "longer than remote"),
+        ([20], [0], mn.OutOfRangeError, "local block id 20"),
+        ([0], [12], mn.OutOfRangeError, "remote block id 12"),
+        ([-1], [0], mn.OutOfRangeError, "negative"),
+        ([1, 1], [2, 3], mn.InvalidArgumentError, "duplicate local"),
+        ([1, 2], [3, 3], mn.InvalidArgumentError, "duplicate remote"),
+    ],
+)
+def test_bad_block_ids_fail_the_call_and_create_nothing(pair, local, remote, error, text) -> None:
+    _, decode, _, ed = pair
+    before = decode.backing.clone()
+    with pytest.raises(error, match=text):
+        ed.read("req-bad", "prefill-0", local, remote)
+    assert ed.pending_transfers == 0
+    assert ed.poll_events(timeout=0.05) == []
+    assert torch.equal(decode.backing, before)
+    # The id was never used, so it is still free.
+    ed.read("req-bad", "prefill-0", [0], [0])
+    assert ed.wait(["req-bad"], timeout=5)["req-bad"].state == "done"
+
+
+def test_unknown_peer_layer_and_duplicate_transfer(pair) -> None:
+    _, _, ep, ed = pair
+    with pytest.raises(mn.NotFoundError, match="unknown peer 'nobody'"):
+        ed.read("req-x", "nobody", [0], [0])
+    with pytest.raises(mn.NotFoundError, match="unknown layer 'nope'"):
+        ep.write_layer("req-x", "nope", "decode-0", [0], [0])
+    ed.read("req-dup", "prefill-0", [0], [0])
+    with pytest.raises(mn.AlreadyExistsError, match="req-dup"):
+        ed.read("req-dup", "prefill-0", [1], [1])
+    assert ed.wait(["req-dup"], timeout=5)["req-dup"].state == "done"
+
+
+def test_abort_and_timeout_release_transfers() -> None:
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
+    ep = mn.Engine("p", "loopback")
+    ed = mn.Engine("d", "loopback", options={"loopback_delay_ms": 300}, transfer_timeout=0.1)
+    ep.register_kv_caches(prefill.registrations())
+    ed.register_kv_caches(decode.registrations())
+    ed.add_peer(ep.local_metadata())
+    # Deadline: the loopback worker sleeps past the 0.1 s timeout.
+    ed.read("req-slow", "p", [0], [0])
+    event = ed.wait(["req-slow"], timeout=5)["req-slow"]
+    assert event.state == "timed_out"
+    assert "in flight" in event.message
+    # Abort of a WRITE before seal: one aborted event, later writes refused.
+    ep.add_peer(ed.local_metadata())
+    assert ep.write_layer("req-a", "dense.0", "d", [0], [1]) is True
+    ep.abort("req-a")
+    event = ep.wait(["req-a"], timeout=5)["req-a"]
+    assert event.state == "aborted"
+    assert ep.write_layer("req-a", "dense.1", "d", [0], [1]) is False
+    with pytest.raises(mn.NotFoundError):
+        ep.abort("never-started")
+
+
+def test_incompatible_peer_names_the_layer() -> None:
+    mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    other_shapes = [
+        s if s.name != "dense.1" else kc.LayerShape("dense.1", "interleaved_nhd", block_size=16, head_size=8, num_heads=4)
+        for s in kc.mixed_model("decode")
+    ]
+    theirs = kc.build_caches(other_shapes, num_blocks=4)
+    a = mn.Engine("a", "loopback")
+    b = mn.Engine("b", "loopback")
+    a.register_kv_caches(mine.registrations())
+    meta_b = b.register_kv_caches(theirs.registrations())
+    with pytest.raises(mn.IncompatiblePeerError, match="dense.1.*heads=2.*heads=4"):
+        a.add_peer(meta_b)
+    assert a.peers() == []
+
+
+def test_peer_missing_a_layer_is_incompatible() -> None:
+    mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    theirs = kc.build_caches(kc.mixed_model("decode")[:-1], num_blocks=4)
+    a, b = mn.Engine("a", "loopback"), mn.Engine("b", "loopback")
+    a.register_kv_caches(mine.registrations())
+    with pytest.raises(mn.IncompatiblePeerError, match="no layer 'mla.0'"):
+        a.add_peer(b.register_kv_caches(theirs.registrations()))
+
+
+@pytest.mark.parametrize(
+    "mutate",
+    [
+        lambda m: m[: len(m) // 2],
+        lambda m: b"",
+        lambda m: b"\x93\x01\x02",
+        lambda m: m + b"\x00",
+    ],
+)
+def test_malformed_metadata_is_rejected_without_state_change(pair, mutate) -> None:
+    _, _, _, ed = pair
+    peers_before = ed.peers()
+    with pytest.raises(mn.InvalidArgumentError, match="msgpack|metadata"):
+        ed.add_peer(mutate(ed.local_metadata()))
+    assert ed.peers() == peers_before
+
+
+def test_metadata_fields_are_validated(pair) -> None:
+    import msgpack
+
+    _, _, ep, ed = pair
+    meta = msgpack.unpackb(ep.local_metadata())
+
+    def rejected(doc: dict, error: type[Exception], text: str) -> None:
+        with pytest.raises(error, match=text):
+            ed.add_peer(msgpack.packb(doc))
+
+    other = dict(meta, engine_id="other")
+    rejected(dict(other, version=2), mn.IncompatiblePeerError, "version 2")
+    rejected(dict(other, backend="ucx"), mn.IncompatiblePeerError, "backend 'ucx'")
+    bad_offset = dict(other, layers=[dict(meta["layers"][0], offset=meta["regions"][0]["size"])] + meta["layers"][1:])
+    rejected(bad_offset, mn.InvalidArgumentError, "exceed region")
+    params = list(meta["layers"][0]["params"])
+    params[1] = 1 << 62
+    huge = dict(other, layers=[dict(meta["layers"][0], params=params)] + meta["layers"][1:])
+    rejected(huge, mn.InvalidArgumentError, "num_blocks")
+    rejected(dict(other, layers=meta["layers"] + meta["layers"][:1]), mn.InvalidArgumentError, "twice")
+    assert ed.peers() == ["prefill-0"]
+
+
+def test_register_twice_and_layer_outside_allocation() -> None:
+    cache = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    e = mn.Engine("x", "loopback")
+    regs = cache.registrations()
+    bad = [
+        mn.LayerRegistration(r.name, r.tensor, r.spec, (r.allocation[0], 64)) if i == 2 else r
+        for i, r in enumerate(regs)
+    ]
+    with pytest.raises(mn.InvalidArgumentError, match="dense.2.*inside its allocation"):
+        e.register_kv_caches(bad)
+    e.register_kv_caches(regs)  # the failed call left nothing registered
+    with pytest.raises(mn.FailedPreconditionError, match="registered already"):
+        e.register_kv_caches(regs)
+
+
+def test_unknown_backend_and_available_backends() -> None:
+    with pytest.raises(mn.NotFoundError, match="unknown backend 'carrier-pigeon'"):
+        mn.Engine("x", "carrier-pigeon")
+    names = {b.name: b for b in mn.available_backends()}
+    assert names["loopback"].available
+    assert {"ucx", "mori"} <= set(names)
+    for b in names.values():
+        assert b.available or b.reason
