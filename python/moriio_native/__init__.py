@@ -40,7 +40,12 @@ from moriio_native.layout import (
     describe_layer,
     plan_block_copies,
 )
-from moriio_native.memory import RegistrationPlan, allocate_kv_backing, plan_registration
+from moriio_native.memory import (
+    RegistrationPlan,
+    allocate_host_backing,
+    allocate_kv_backing,
+    plan_registration,
+)
 
 __version__ = "0.1.0"
 
@@ -71,6 +76,7 @@ __all__ = [
     "TransferTimeoutError",
     "TransportError",
     "__version__",
+    "allocate_host_backing",
     "allocate_kv_backing",
     "available_backends",
     "block_template",

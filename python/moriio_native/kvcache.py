@@ -1,12 +1,14 @@
-"""KV caches the way vLLM lays them out, on one shared backing, for the demo, benchmarks and tests.
+"""KV caches the way vLLM lays them out, on one shared host backing, for the demo, benchmarks and
+tests (numpy only: no torch needed).
 
 A :class:`LayerShape` names a layer's cache geometry (which vLLM generation it mimics, heads,
 head size, block size, kernel block size, dtype, physical order, page padding). :func:`build_caches`
-carves every layer out of ONE page-aligned backing tensor (as vLLM's shared KV backing does) and
-returns the views, specs and registrations. :func:`logical_view` re-indexes any layer's tensor as
-``[num_blocks, planes, heads, kernel_blocks_per_block, kernel_block_size, head_dim]`` with plain
-torch indexing -- an implementation independent of the native layout engine, used to verify
-every transferred byte.
+carves every layer out of ONE page-aligned backing array (as vLLM's shared KV backing does) and
+returns the views, specs and registrations. Element types are carried as same-sized integers
+(bf16 as int16, fp8 as uint8): only bytes matter here. :func:`logical_view` re-indexes any layer
+as ``[num_blocks, planes, heads, kernel_blocks_per_block, kernel_block_size, head_dim]`` from the
+generation's axis roles alone -- independent of the native layout engine, so it can verify every
+transferred byte.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from typing import Any, Literal
 
 from moriio_native.engine import LayerRegistration, MemoryKind
 from moriio_native.layout import CacheSpec
-from moriio_native.memory import DEFAULT_PAGE_SIZE, allocate_kv_backing
+import numpy as np
+
+from moriio_native.memory import DEFAULT_PAGE_SIZE, allocate_host_backing
 
 Generation = Literal[
     "separated_nhd",  # [2, N, B, H, D]
@@ -64,7 +68,7 @@ class LayerShape:
             block_size=self.block_size,
             num_kv_heads=self.num_heads,
             head_size=self.head_size,
-            dtype_bytes=_dtype(self.dtype).itemsize,
+            dtype_bytes=_itemsize(self.dtype),
         )
 
     def logical_shape(self, num_blocks: int) -> tuple[int, ...]:
@@ -87,79 +91,69 @@ class LayerShape:
         return 1 if self.generation.startswith("separated") else 0
 
     def block_bytes(self) -> int:
-        return self.planes * self.num_heads * self.block_size * self.head_size * _dtype(self.dtype).itemsize
+        return self.planes * self.num_heads * self.block_size * self.head_size * _itemsize(self.dtype)
 
 
-def _dtype(name: str) -> Any:
-    import torch
+_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+_CONTAINER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
-    return getattr(torch, name)
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return _ITEMSIZE[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; known: {sorted(_ITEMSIZE)}") from None
 
 
 def _layer_strides(shape: LayerShape, num_blocks: int) -> tuple[tuple[int, ...], list[int], int]:
-    """(logical shape, element strides, bytes spanned) of ``shape`` laid out physically."""
-    es = _dtype(shape.dtype).itemsize
+    """(logical shape, BYTE strides, bytes spanned) of ``shape`` laid out physically."""
+    es = _itemsize(shape.dtype)
     logical = shape.logical_shape(num_blocks)
     order = shape.order or tuple(range(len(logical)))
     strides = [0] * len(logical)
-    step = 1
+    step = es
     for dim in reversed(order):
         strides[dim] = step
         step *= logical[dim]
-    nbytes = step * es
+    nbytes = step
     if shape.pad_bytes:
         axis = shape.block_axis()
         # Padding after each block keeps the view non-overlapping only with the block axis
         # outermost.
         if shape.pad_bytes % es or order[0] != axis:
             raise ValueError(f"{shape.name}: padding needs whole elements and the block axis outermost")
-        strides[axis] += shape.pad_bytes // es
-        nbytes = logical[axis] * strides[axis] * es
+        strides[axis] += shape.pad_bytes
+        nbytes = logical[axis] * strides[axis]
     return logical, strides, nbytes
 
 
-def _layer_tensor(backing: Any, offset: int, shape: LayerShape, num_blocks: int) -> Any:
-    """A view of ``backing`` at byte ``offset`` laid out as ``shape``."""
-    import torch
-
-    logical, strides, nbytes = _layer_strides(shape, num_blocks)
-    flat = backing[offset : offset + nbytes].view(_dtype(shape.dtype))
-    return torch.as_strided(flat, size=logical, stride=strides)
-
-
-def bits(tensor: Any) -> Any:
-    """The same bytes as an integer tensor (exact comparison and indexing for any dtype)."""
-    import torch
-
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return tensor.view(ints[tensor.element_size()])
+def _strided(base: np.ndarray, offset: int, dtype: type, shape: tuple[int, ...], strides: list[int]) -> np.ndarray:
+    """A writable strided view of ``base`` starting ``offset`` bytes in (strides in bytes)."""
+    flat = base[offset:]
+    usable = flat.nbytes - flat.nbytes % np.dtype(dtype).itemsize
+    return np.lib.stride_tricks.as_strided(flat[:usable].view(dtype), shape=shape, strides=strides)
 
 
 @dataclass
 class KvCacheSet:
-    """Layer views carved from one backing tensor."""
+    """Layer views carved from one backing array."""
 
-    backing: Any
+    backing: np.ndarray
     shapes: list[LayerShape]
     num_blocks: int
-    views: dict[str, Any] = field(default_factory=dict)
-    memory: MemoryKind = "host"
-    device_index: int = -1
+    views: dict[str, np.ndarray] = field(default_factory=dict)
+    offsets: dict[str, int] = field(default_factory=dict)
 
     def registrations(self) -> list[LayerRegistration]:
-        base = self.backing.data_ptr()
-        size = self.backing.numel()
+        base = self.backing.ctypes.data
+        size = self.backing.nbytes
         return [
-            LayerRegistration(
-                name=s.name,
-                tensor=self.views[s.name],
-                spec=s.spec(),
-                allocation=(base, size),
-                memory=self.memory,
-                device=self.device_index,
-            )
+            LayerRegistration(name=s.name, tensor=self.views[s.name], spec=s.spec(), allocation=(base, size))
             for s in self.shapes
         ]
+
+    def shape(self, name: str) -> LayerShape:
+        return next(s for s in self.shapes if s.name == name)
 
     def total_block_bytes(self) -> int:
         return sum(s.block_bytes() for s in self.shapes)
@@ -168,14 +162,11 @@ class KvCacheSet:
 def build_caches(
     shapes: Sequence[LayerShape],
     num_blocks: int,
-    device: Any = "cpu",
     page_size: int = DEFAULT_PAGE_SIZE,
     gap_bytes: int = 256,
 ) -> KvCacheSet:
     """Carve every layer out of ONE page-aligned backing; layers start ``gap_bytes`` apart (so
     views are not page aligned, as in vLLM) and the gaps are bytes no transfer may touch."""
-    import torch
-
     offsets: list[int] = []
     total = 0
     for s in shapes:
@@ -183,85 +174,68 @@ def build_caches(
         offsets.append(total)
         total += _layer_strides(s, num_blocks)[2]
     total += gap_bytes
-    backing = allocate_kv_backing(total, device=device, page_size=page_size)
-    dev = torch.device(device)
-    cache = KvCacheSet(
-        backing=backing,
-        shapes=list(shapes),
-        num_blocks=num_blocks,
-        memory="cuda" if dev.type == "cuda" else "host",
-        device_index=dev.index if dev.type == "cuda" and dev.index is not None else (0 if dev.type == "cuda" else -1),
-    )
+    cache = KvCacheSet(backing=allocate_host_backing(total, page_size), shapes=list(shapes), num_blocks=num_blocks)
     for s, off in zip(shapes, offsets, strict=True):
-        cache.views[s.name] = _layer_tensor(backing, off, s, num_blocks)
+        logical, strides, _ = _layer_strides(s, num_blocks)
+        cache.views[s.name] = _strided(cache.backing, off, _CONTAINER[_itemsize(s.dtype)], logical, strides)
+        cache.offsets[s.name] = off
     return cache
 
 
-def logical_view(tensor: Any, shape: LayerShape) -> Any:
-    """``tensor`` (laid out as ``shape``) viewed as [blocks, planes, heads, kb_per_block,
+def logical_view(array: np.ndarray, shape: LayerShape) -> np.ndarray:
+    """``array`` (laid out as ``shape``) viewed as [blocks, planes, heads, kb_per_block,
     kernel_block_size, head_dim] -- a view, so assignment writes through."""
     kb = shape.kernel
     per = shape.block_size // kb
+    st = array.strides
+    d = shape.head_size
+    es = array.itemsize
     g = shape.generation
-    if g == "separated_nhd":  # [2, NK, KB, H, D] -> [NK, 2, H, KB, D]
-        v = tensor.permute(1, 0, 3, 2, 4)
-    elif g == "separated_hnd":  # [2, NK, H, KB, D]
-        v = tensor.permute(1, 0, 2, 3, 4)
-    elif g == "interleaved_nhd":  # [NK, 2, KB, H, D]
-        v = tensor.permute(0, 1, 3, 2, 4)
-    elif g == "interleaved_hnd":  # [NK, 2, H, KB, D]
-        v = tensor
-    elif g == "standardized":  # [NK, H, KB, 2D] -> [NK, H, KB, 2, D] -> [NK, 2, H, KB, D]
-        nk, h, kbs, two_d = tensor.shape
-        v = tensor.unflatten(3, (2, two_d // 2)).permute(0, 3, 1, 2, 4)
-    elif g == "latent":  # [NK, KB, D] -> [NK, 1, 1, KB, D]
-        v = tensor.unsqueeze(1).unsqueeze(1)
-    else:  # latent_standardized [NK, 1, KB, D] -> [NK, 1, 1, KB, D]
-        v = tensor.unsqueeze(1)
-    nk = v.shape[0]
-    # [NK, P, H, KB, D] -> [NB, per, P, H, KB, D] -> [NB, P, H, per, KB, D]
-    return v.unflatten(0, (nk // per, per)).permute(0, 2, 3, 1, 4, 5)
+    # (block, plane, head, token, content) byte strides per generation; 0 for absent axes.
+    if g.startswith("separated"):
+        head, tok = (3, 2) if g.endswith("nhd") else (2, 3)
+        roles = (st[1], st[0], st[head], st[tok], st[4])
+    elif g.startswith("interleaved"):
+        head, tok = (3, 2) if g.endswith("nhd") else (2, 3)
+        roles = (st[0], st[1], st[head], st[tok], st[4])
+    elif g == "standardized":  # K|V packed in the content axis: V starts d elements in
+        roles = (st[0], d * es, st[1], st[2], st[3])
+    elif g == "latent":
+        roles = (st[0], 0, 0, st[1], st[2])
+    else:  # latent_standardized
+        roles = (st[0], 0, st[1], st[2], st[3])
+    sb, sp, sh, stok, sd = roles
+    out_shape = (array.shape[shape.block_axis()] // per, shape.planes, shape.num_heads, per, kb, d)
+    out_strides = (sb * per, sp, sh, sb, stok, sd)
+    return np.lib.stride_tricks.as_strided(array, shape=out_shape, strides=out_strides)
 
 
 def expected_after_copy(
-    dst: KvCacheSet, src: KvCacheSet, dst_blocks: Sequence[int], src_blocks: Sequence[int]
-) -> Any:
-    """The destination backing as it must look after copying ``src_blocks[i]`` of every layer of
-    ``src`` to ``dst_blocks[i]`` of ``dst`` -- computed with torch indexing only."""
-    import torch
-
-    expected = dst.backing.clone()
+    dst: KvCacheSet, src: KvCacheSet, dst_blocks: Sequence[int], src_blocks: Sequence[int],
+    layers: Sequence[str] | None = None,
+) -> np.ndarray:
+    """The destination backing as it must look after copying ``src_blocks[i]`` of every layer
+    (or of ``layers``) of ``src`` to ``dst_blocks[i]`` of ``dst`` -- plain numpy indexing."""
+    expected = dst.backing.copy()
     for s in dst.shapes:
-        src_shape = next(x for x in src.shapes if x.name == s.name)
-        target = logical_view(bits(_rebase(dst.views[s.name], dst.backing, expected)), s)
-        source = logical_view(bits(src.views[s.name]), src_shape)
-        idx_dst = torch.as_tensor(list(dst_blocks), dtype=torch.long, device=target.device)
-        idx_src = torch.as_tensor(list(src_blocks), dtype=torch.long, device=source.device)
+        if layers is not None and s.name not in layers:
+            continue
+        view = dst.views[s.name]
+        target_base = _strided(expected, dst.offsets[s.name], view.dtype.type, view.shape, list(view.strides))
+        target = logical_view(target_base, s)
+        src_shape = src.shape(s.name)
+        source = logical_view(src.views[s.name], src_shape)
         # The two sides may split blocks into kernel blocks differently: copy token by token.
         kt, ks = s.kernel, src_shape.kernel
+        idx_dst, idx_src = np.asarray(dst_blocks, dtype=np.int64), np.asarray(src_blocks, dtype=np.int64)
         for t in range(s.block_size):
-            target[idx_dst, :, :, t // kt, t % kt] = source[idx_src, :, :, t // ks, t % ks].to(
-                target.device
-            )
+            target[idx_dst, :, :, t // kt, t % kt] = source[idx_src, :, :, t // ks, t % ks]
     return expected
-
-
-def _rebase(view: Any, old_backing: Any, new_backing: Any) -> Any:
-    """The same strided view, over ``new_backing`` instead of ``old_backing``."""
-    import torch
-
-    offset_bytes = view.data_ptr() - old_backing.data_ptr()
-    flat = new_backing[offset_bytes:].view(view.dtype)
-    return torch.as_strided(flat, size=view.shape, stride=view.stride())
 
 
 def fill_random(cache: KvCacheSet, seed: int) -> None:
     """Fill the whole backing (gaps included) with reproducible random bytes."""
-    import torch
-
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    data = torch.randint(0, 256, (cache.backing.numel(),), dtype=torch.uint8, generator=gen)
-    cache.backing.copy_(data.to(cache.backing.device))
+    cache.backing[:] = np.random.default_rng(seed).integers(0, 256, cache.backing.nbytes, dtype=np.uint8)
 
 
 # Mixed model used by tests: every layout generation on one backing, with different physical
@@ -292,7 +266,6 @@ __all__ = [
     "Generation",
     "KvCacheSet",
     "LayerShape",
-    "bits",
     "build_caches",
     "expected_after_copy",
     "fill_random",

@@ -11,6 +11,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
+
 from moriio_native import _native
 from moriio_native._native import BlockPairs, BlockTemplate, CacheSpec, CopyPlan, LayerLayout, TensorGeometry
 
@@ -21,10 +23,19 @@ _TEMPLATE_CACHE_SIZE = 4096
 
 
 def geometry_of(tensor_or_geometry: Any) -> TensorGeometry:
-    """A TensorGeometry from a TensorGeometry or any tensor-like object (torch.Tensor)."""
+    """A TensorGeometry from a TensorGeometry, a numpy array or a torch.Tensor (duck-typed)."""
     if isinstance(tensor_or_geometry, TensorGeometry):
         return tensor_or_geometry
     t = tensor_or_geometry
+    if isinstance(t, np.ndarray):
+        if any(stride % t.itemsize for stride in t.strides):
+            raise TypeError("numpy array strides must be whole elements")
+        return TensorGeometry(
+            shape=list(t.shape),
+            strides=[stride // t.itemsize for stride in t.strides],
+            element_size=t.itemsize,
+            data_ptr=t.ctypes.data,
+        )
     try:
         return TensorGeometry(
             shape=list(t.shape),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from moriio_native._native import RegistrationPlan, plan_registration
 from moriio_native.errors import InvalidArgumentError
 
@@ -29,4 +31,22 @@ def allocate_kv_backing(nbytes: int, device: Any = "cpu", page_size: int = DEFAU
     return raw[shift : shift + padded]
 
 
-__all__ = ["DEFAULT_PAGE_SIZE", "RegistrationPlan", "allocate_kv_backing", "plan_registration"]
+def allocate_host_backing(nbytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> np.ndarray:
+    """A zeroed host ``numpy.uint8`` array like :func:`allocate_kv_backing`, without torch."""
+    if nbytes <= 0:
+        raise InvalidArgumentError(f"allocate_host_backing: nbytes must be positive, got {nbytes}")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise InvalidArgumentError(f"allocate_host_backing: page_size must be a power of two, got {page_size}")
+    padded = -(-nbytes // page_size) * page_size
+    raw = np.zeros(padded + page_size, dtype=np.uint8)
+    shift = (-raw.ctypes.data) % page_size
+    return raw[shift : shift + padded]
+
+
+__all__ = [
+    "DEFAULT_PAGE_SIZE",
+    "RegistrationPlan",
+    "allocate_host_backing",
+    "allocate_kv_backing",
+    "plan_registration",
+]

@@ -1,0 +1,514 @@
+"""Peer addresses as the vLLM MoRIIO proxy/router passes them, and ``kv_transfer_params``.
+
+The router tells each instance where its peer is in two ways, both kept compatible with vLLM's
+MoRIIO connector so existing routers (vllm-router ``--kv-connector moriio``, the toy proxy)
+keep working:
+
+* embedded in the request id::
+
+      [prefix]___prefill_addr_{P}___decode_addr_{D}_{32 hex uuid}[-suffix]
+
+  where ``{P}``/``{D}`` are *zmq addresses* ``host:{ip},handshake:{port},notify:{port}`` and
+  vLLM may wrap the id (``cmpl-`` prefix, ``-<n>-<8 hex>`` suffix);
+* explicitly in ``kv_transfer_params`` (``remote_host``, ``remote_handshake_port``,
+  ``remote_notify_port``), as llm-d style sidecars do.
+
+Unlike vLLM, every part is validated strictly: a host must be an IP literal or an RFC 1123
+host name, a port 1..65535, each marker must appear exactly once and in order, and anything
+else raises :class:`~moriio_native.errors.InvalidArgumentError` naming what was wrong. Where a
+validated address may then be dialled is decided by
+:class:`moriio_native.control.security.PeerAllowlist`, never by this module.
+
+Contents (all pure functions / immutable values, safe from any thread):
+
+* :func:`validate_host` -- an IP literal (canonical form) or a host name, else an error.
+* :func:`validate_port` -- an int 1..65535 (decimal strings accepted), else an error.
+* :class:`ZmqAddress` -- ``host``/``handshake_port``/``notify_port``; ``format()``/``parse()``.
+* :class:`RequestAddresses` -- both peers plus the uuid; :func:`format_request_id`,
+  :func:`parse_request_id` (``None`` when the id embeds no addresses),
+  :func:`peer_address_from_request_id` (the *other* side's address).
+* ``KEY_*`` constants and :data:`KV_TRANSFER_PARAM_KEYS` -- the exact key names.
+* :class:`KvTransferParams` -- the typed form of ``kv_transfer_params``;
+  :func:`parse_kv_transfer_params` validates a mapping into it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moriio_native.errors import InvalidArgumentError
+
+MAX_HOST_LEN = 253
+MAX_ID_LEN = 256
+MAX_REQUEST_ID_LEN = 2048
+MAX_BLOCK_ID = 2**31 - 1
+MAX_BLOCK_IDS = 1 << 20
+MAX_KV_GROUPS = 64
+MAX_PARALLEL_SIZE = 1 << 16
+
+PREFILL_MARKER = "___prefill_addr_"
+DECODE_MARKER = "___decode_addr_"
+
+# ---- kv_transfer_params key names (exactly as vLLM's MoRIIO connector and proxy use them) ---
+KEY_TRANSFER_ID = "transfer_id"
+KEY_DO_REMOTE_PREFILL = "do_remote_prefill"
+KEY_DO_REMOTE_DECODE = "do_remote_decode"
+KEY_REMOTE_BLOCK_IDS = "remote_block_ids"
+KEY_REMOTE_ENGINE_ID = "remote_engine_id"
+KEY_REMOTE_HOST = "remote_host"
+KEY_REMOTE_HANDSHAKE_PORT = "remote_handshake_port"
+KEY_REMOTE_NOTIFY_PORT = "remote_notify_port"
+KEY_REMOTE_DP_RANK = "remote_dp_rank"
+KEY_REMOTE_TP_SIZE = "remote_tp_size"
+KEY_REMOTE_DP_SIZE = "remote_dp_size"
+#: Older name of ``remote_tp_size``; vLLM's prefill side still returns it. Read, never written.
+KEY_LEGACY_TP_SIZE = "tp_size"
+
+KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
+    KEY_TRANSFER_ID,
+    KEY_DO_REMOTE_PREFILL,
+    KEY_DO_REMOTE_DECODE,
+    KEY_REMOTE_BLOCK_IDS,
+    KEY_REMOTE_ENGINE_ID,
+    KEY_REMOTE_HOST,
+    KEY_REMOTE_HANDSHAKE_PORT,
+    KEY_REMOTE_NOTIFY_PORT,
+    KEY_REMOTE_DP_RANK,
+    KEY_REMOTE_TP_SIZE,
+    KEY_REMOTE_DP_SIZE,
+)
+
+_HOST_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+_DIGITS_RE = re.compile(r"[0-9]{1,5}")
+# What may surround the embedded addresses: vLLM's "cmpl-"/"chatcmpl-" prefixes and
+# "-<n>-<hex>" style suffixes. Deliberately no ':' ',' or whitespace.
+_AFFIX_RE = re.compile(r"[A-Za-z0-9._-]*")
+_DECODE_TAIL_RE = re.compile(r"(?P<addr>[^_]+)_(?P<uid>[0-9a-f]{32})(?P<suffix>-[A-Za-z0-9._-]*)?")
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validate_host(host: Any, *, what: str = "host") -> str:
+    """``host`` as an IP literal in canonical form, or a lower-cased RFC 1123 host name.
+
+    IPv6 literals may come bracketed (``[::1]``); zone ids (``%eth0``) are refused. Raises
+    InvalidArgumentError naming ``what`` on anything else (empty, too long, ``_``, spaces...).
+    """
+    if not isinstance(host, str):
+        raise InvalidArgumentError(f"{what} must be a string, got {type(host).__name__}")
+    text = host.strip()
+    if text.startswith("[") and text.endswith("]"):
+        text = text[1:-1]
+    if not text or len(text) > MAX_HOST_LEN:
+        raise InvalidArgumentError(f"{what} {_describe(host)} is empty or too long")
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    if ":" in text or "%" in text:
+        raise InvalidArgumentError(f"{what} {_describe(host)} is not a valid IP address")
+    labels = text.rstrip(".").split(".")
+    if not all(_HOST_LABEL_RE.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        raise InvalidArgumentError(
+            f"{what} {_describe(host)} is neither an IP address nor a valid host name"
+        )
+    return text.rstrip(".").lower()
+
+
+def validate_port(port: Any, *, what: str = "port") -> int:
+    """``port`` as an int in 1..65535. Decimal strings are accepted (vLLM passes its
+    ``kv_connector_extra_config`` ports through as strings); bools and floats are not."""
+    if isinstance(port, str) and _DIGITS_RE.fullmatch(port.strip()):
+        value = int(port.strip())
+    elif isinstance(port, int) and not isinstance(port, bool):
+        value = port
+    else:
+        raise InvalidArgumentError(f"{what} must be an integer 1..65535, got {_describe(port)}")
+    if not 1 <= value <= 65535:
+        raise InvalidArgumentError(f"{what} {value} is outside 1..65535")
+    return value
+
+
+def _validate_int(value: Any, *, what: str, lo: int, hi: int) -> int:
+    if isinstance(value, str) and _DIGITS_RE.fullmatch(value.strip()):
+        value = int(value.strip())
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidArgumentError(f"{what} must be an integer, got {_describe(value)}")
+    if not lo <= value <= hi:
+        raise InvalidArgumentError(f"{what} {value} is outside {lo}..{hi}")
+    return value
+
+
+def validate_id(value: Any, *, what: str, max_len: int = MAX_ID_LEN) -> str:
+    """A non-empty printable string of at most ``max_len`` characters (ids end up in logs and
+    socket names, so control characters are refused)."""
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a string, got {type(value).__name__}")
+    if not value or len(value) > max_len or not value.isprintable():
+        raise InvalidArgumentError(
+            f"{what} {_describe(value)} must be 1..{max_len} printable characters"
+        )
+    return value
+
+
+def validate_block_ids(value: Any, *, what: str) -> tuple[tuple[int, ...], ...]:
+    """Block ids as one tuple per KV-cache group.
+
+    Accepts a flat list (one group, the common case and what vLLM sends without HMA) or a
+    list of lists (one per group). Every id must be an int 0..2**31-1; at most 64 groups and
+    2**20 ids in all.
+    """
+    if not isinstance(value, (list, tuple)):
+        raise InvalidArgumentError(f"{what} must be a list of ints or of int lists")
+    nested = bool(value) and all(isinstance(g, (list, tuple)) for g in value)
+    groups = value if nested else [value]
+    if len(groups) > MAX_KV_GROUPS:
+        raise InvalidArgumentError(f"{what} has {len(groups)} groups (at most {MAX_KV_GROUPS})")
+    total = 0
+    out: list[tuple[int, ...]] = []
+    for gi, group in enumerate(groups):
+        total += len(group)
+        if total > MAX_BLOCK_IDS:
+            raise InvalidArgumentError(f"{what} holds more than {MAX_BLOCK_IDS} block ids")
+        for bi, block in enumerate(group):
+            if (
+                not isinstance(block, int)
+                or isinstance(block, bool)
+                or not 0 <= block <= MAX_BLOCK_ID
+            ):
+                where = f"[{gi}][{bi}]" if nested else f"[{bi}]"
+                raise InvalidArgumentError(
+                    f"{what}{where} = {_describe(block)} is not a block id 0..{MAX_BLOCK_ID}"
+                )
+        out.append(tuple(group))
+    return tuple(out)
+
+
+def block_ids_to_wire(groups: tuple[tuple[int, ...], ...]) -> list[int] | list[list[int]]:
+    """The wire form vLLM uses: a flat list for one group, a list of lists otherwise."""
+    if len(groups) == 1:
+        return list(groups[0])
+    return [list(g) for g in groups]
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqAddress:
+    """Where one instance's control plane listens: ``host:{ip},handshake:{port},notify:{port}``.
+
+    The ports are *base* ports; the rank of the peer picks the actual port with
+    :mod:`moriio_native.control.ports`. Immutable; validated on construction.
+    """
+
+    host: str
+    handshake_port: int
+    notify_port: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "host", validate_host(self.host, what="zmq address host"))
+        object.__setattr__(
+            self, "handshake_port", validate_port(self.handshake_port, what="handshake port")
+        )
+        object.__setattr__(self, "notify_port", validate_port(self.notify_port, what="notify port"))
+
+    def format(self) -> str:
+        """The wire form, ``host:{host},handshake:{port},notify:{port}``."""
+        return f"host:{self.host},handshake:{self.handshake_port},notify:{self.notify_port}"
+
+    @classmethod
+    def parse(cls, text: Any) -> ZmqAddress:
+        """Parse the wire form. Exactly the keys ``host``, ``handshake`` and ``notify``, each
+        once; each segment splits on its first ``:`` so ``host:::1`` is the IPv6 host ``::1``.
+        Raises InvalidArgumentError naming the address and the problem."""
+        if not isinstance(text, str) or len(text) > 512:
+            raise InvalidArgumentError(f"zmq address {_describe(text)} is not a short string")
+        parts: dict[str, str] = {}
+        for segment in text.split(","):
+            key, sep, value = segment.partition(":")
+            key = key.strip()
+            if not sep or key not in ("host", "handshake", "notify"):
+                raise InvalidArgumentError(
+                    f"malformed zmq address {_describe(text)}: unexpected segment "
+                    f"{_describe(segment)} (expected 'host:IP,handshake:PORT,notify:PORT')"
+                )
+            if key in parts:
+                raise InvalidArgumentError(
+                    f"malformed zmq address {_describe(text)}: '{key}' appears twice"
+                )
+            parts[key] = value.strip()
+        missing = [k for k in ("host", "handshake", "notify") if k not in parts]
+        if missing:
+            raise InvalidArgumentError(
+                f"malformed zmq address {_describe(text)}: missing {', '.join(missing)}"
+            )
+        port_texts = (parts["handshake"], parts["notify"])
+        if not all(_DIGITS_RE.fullmatch(p) for p in port_texts):
+            raise InvalidArgumentError(
+                f"malformed zmq address {_describe(text)}: ports must be decimal 1..65535"
+            )
+        return cls(parts["host"], int(parts["handshake"]), int(parts["notify"]))
+
+
+@dataclass(frozen=True, slots=True)
+class RequestAddresses:
+    """The two peer addresses and the uuid a request id embeds. Immutable."""
+
+    prefill: ZmqAddress
+    decode: ZmqAddress
+    uid: str
+
+    def peer(self, *, is_producer: bool) -> ZmqAddress:
+        """The *other* side: the decode address for the producer (prefill), else prefill's."""
+        return self.decode if is_producer else self.prefill
+
+
+def format_request_id(prefill: ZmqAddress, decode: ZmqAddress, uid: str | None = None) -> str:
+    """``___prefill_addr_{P}___decode_addr_{D}_{uid}`` as vLLM's MoRIIO proxy builds it.
+
+    ``uid`` must be 32 lower-case hex digits; a fresh uuid4 when omitted.
+    """
+    uid = uuid.uuid4().hex if uid is None else uid
+    if not isinstance(uid, str) or not re.fullmatch(r"[0-9a-f]{32}", uid):
+        raise InvalidArgumentError(f"request id uid {_describe(uid)} must be 32 lower-case hex")
+    return f"{PREFILL_MARKER}{prefill.format()}{DECODE_MARKER}{decode.format()}_{uid}"
+
+
+def parse_request_id(request_id: Any) -> RequestAddresses | None:
+    """The addresses embedded in ``request_id``, or ``None`` when it embeds none.
+
+    Tolerates vLLM's wrapping (a ``[A-Za-z0-9._-]*`` prefix and a ``-...`` suffix after the
+    uuid). An id that carries a marker but is otherwise malformed -- a marker twice, markers
+    out of order, a bad address, no 32-hex uuid, odd characters around them -- raises
+    InvalidArgumentError: it is a crafted or corrupted id, not an id without addresses.
+    """
+    if not isinstance(request_id, str):
+        raise InvalidArgumentError(f"request id must be a string, got {type(request_id).__name__}")
+    n_prefill = request_id.count(PREFILL_MARKER)
+    n_decode = request_id.count(DECODE_MARKER)
+    if n_prefill == 0 and n_decode == 0:
+        return None
+    shown = _describe(request_id)
+    if len(request_id) > MAX_REQUEST_ID_LEN:
+        raise InvalidArgumentError(f"request id {shown} is longer than {MAX_REQUEST_ID_LEN}")
+    if n_prefill != 1 or n_decode != 1:
+        raise InvalidArgumentError(
+            f"request id {shown} must embed exactly one prefill and one decode address"
+        )
+    prefix, rest = request_id.split(PREFILL_MARKER)
+    if DECODE_MARKER not in rest:
+        raise InvalidArgumentError(f"request id {shown}: decode address precedes prefill address")
+    prefill_text, tail = rest.split(DECODE_MARKER)
+    match = _DECODE_TAIL_RE.fullmatch(tail)
+    if not _AFFIX_RE.fullmatch(prefix) or match is None:
+        raise InvalidArgumentError(
+            f"request id {shown} is not '[prefix]{PREFILL_MARKER}<addr>{DECODE_MARKER}<addr>"
+            f"_<32 hex>[-suffix]'"
+        )
+    try:
+        prefill = ZmqAddress.parse(prefill_text)
+        decode = ZmqAddress.parse(match.group("addr"))
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"request id {shown}: {exc}") from exc
+    return RequestAddresses(prefill, decode, match.group("uid"))
+
+
+def peer_address_from_request_id(request_id: Any, *, is_producer: bool) -> ZmqAddress | None:
+    """The peer's address embedded in ``request_id`` (decode's for the producer, prefill's for
+    the consumer); ``None`` when the id embeds none; InvalidArgumentError when malformed."""
+    parsed = parse_request_id(request_id)
+    return None if parsed is None else parsed.peer(is_producer=is_producer)
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferParams:
+    """``kv_transfer_params`` of one request, validated. Immutable.
+
+    ``remote_tp_size == 0`` means "unknown" (treat as the same TP size as ours), as in vLLM.
+    ``remote_block_ids`` is one tuple per KV-cache group, or ``None`` when not yet known
+    (WRITE mode: the decode side allocates its own blocks).
+    """
+
+    transfer_id: str
+    do_remote_prefill: bool = False
+    do_remote_decode: bool = False
+    remote_block_ids: tuple[tuple[int, ...], ...] | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_handshake_port: int | None = None
+    remote_notify_port: int | None = None
+    remote_dp_rank: int = 0
+    remote_tp_size: int = 0
+    remote_dp_size: int = 1
+
+    def __post_init__(self) -> None:
+        validate_id(self.transfer_id, what=KEY_TRANSFER_ID)
+        for key in (KEY_DO_REMOTE_PREFILL, KEY_DO_REMOTE_DECODE):
+            if not isinstance(getattr(self, key), bool):
+                raise InvalidArgumentError(f"{key} must be a bool")
+        if self.do_remote_prefill and self.do_remote_decode:
+            raise InvalidArgumentError(
+                f"transfer {self.transfer_id}: {KEY_DO_REMOTE_PREFILL} and "
+                f"{KEY_DO_REMOTE_DECODE} cannot both be true"
+            )
+        if self.remote_block_ids is not None:
+            object.__setattr__(
+                self,
+                "remote_block_ids",
+                validate_block_ids(self.remote_block_ids, what=KEY_REMOTE_BLOCK_IDS),
+            )
+        if self.remote_engine_id is not None:
+            validate_id(self.remote_engine_id, what=KEY_REMOTE_ENGINE_ID)
+        if self.remote_host is not None:
+            object.__setattr__(
+                self, "remote_host", validate_host(self.remote_host, what=KEY_REMOTE_HOST)
+            )
+        for key in (KEY_REMOTE_HANDSHAKE_PORT, KEY_REMOTE_NOTIFY_PORT):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, validate_port(getattr(self, key), what=key))
+        dp_size = _validate_int(
+            self.remote_dp_size, what=KEY_REMOTE_DP_SIZE, lo=1, hi=MAX_PARALLEL_SIZE
+        )
+        object.__setattr__(self, "remote_dp_size", dp_size)
+        object.__setattr__(
+            self,
+            "remote_tp_size",
+            _validate_int(self.remote_tp_size, what=KEY_REMOTE_TP_SIZE, lo=0, hi=MAX_PARALLEL_SIZE),
+        )
+        dp_rank = _validate_int(self.remote_dp_rank, what=KEY_REMOTE_DP_RANK, lo=0, hi=dp_size - 1)
+        object.__setattr__(self, "remote_dp_rank", dp_rank)
+
+    def explicit_peer(self) -> ZmqAddress | None:
+        """The peer address from ``remote_host``/``remote_*_port``; ``None`` if none of the three
+        is set; InvalidArgumentError naming the missing key if only some are."""
+        values = {
+            KEY_REMOTE_HOST: self.remote_host,
+            KEY_REMOTE_HANDSHAKE_PORT: self.remote_handshake_port,
+            KEY_REMOTE_NOTIFY_PORT: self.remote_notify_port,
+        }
+        missing = [k for k, v in values.items() if v is None]
+        if len(missing) == len(values):
+            return None
+        if missing:
+            raise InvalidArgumentError(
+                f"transfer {self.transfer_id}: kv_transfer_params lacks {', '.join(missing)} "
+                f"(needed with {', '.join(k for k in values if k not in missing)})"
+            )
+        assert self.remote_host is not None
+        assert self.remote_handshake_port is not None and self.remote_notify_port is not None
+        return ZmqAddress(self.remote_host, self.remote_handshake_port, self.remote_notify_port)
+
+    def peer_address(self, request_id: str, *, is_producer: bool) -> ZmqAddress:
+        """Where the peer listens: the address embedded in ``request_id`` when there is one
+        (vLLM's order), else the explicit ``remote_*`` keys. Raises InvalidArgumentError when
+        neither gives a complete address or the embedded one is malformed."""
+        embedded = peer_address_from_request_id(request_id, is_producer=is_producer)
+        if embedded is not None:
+            return embedded
+        explicit = self.explicit_peer()
+        if explicit is None:
+            raise InvalidArgumentError(
+                f"transfer {self.transfer_id}: request id {_describe(request_id)} embeds no peer "
+                f"address and kv_transfer_params has no {KEY_REMOTE_HOST}/"
+                f"{KEY_REMOTE_HANDSHAKE_PORT}/{KEY_REMOTE_NOTIFY_PORT}"
+            )
+        return explicit
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``kv_transfer_params`` dict with vLLM's key names (``None`` fields omitted, except
+        ``remote_block_ids``/``remote_engine_id`` which vLLM always carries)."""
+        out: dict[str, Any] = {
+            KEY_TRANSFER_ID: self.transfer_id,
+            KEY_DO_REMOTE_PREFILL: self.do_remote_prefill,
+            KEY_DO_REMOTE_DECODE: self.do_remote_decode,
+            KEY_REMOTE_BLOCK_IDS: (
+                None if self.remote_block_ids is None else block_ids_to_wire(self.remote_block_ids)
+            ),
+            KEY_REMOTE_ENGINE_ID: self.remote_engine_id,
+            KEY_REMOTE_DP_RANK: self.remote_dp_rank,
+            KEY_REMOTE_TP_SIZE: self.remote_tp_size,
+            KEY_REMOTE_DP_SIZE: self.remote_dp_size,
+        }
+        for key in (KEY_REMOTE_HOST, KEY_REMOTE_HANDSHAKE_PORT, KEY_REMOTE_NOTIFY_PORT):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+
+def parse_kv_transfer_params(params: Any) -> KvTransferParams:
+    """Validate ``params`` (a request's ``kv_transfer_params``) into a :class:`KvTransferParams`.
+
+    ``transfer_id`` is required; every other key is optional, and a ``None`` value counts as
+    absent (vLLM's proxy sends ``remote_engine_id: None``). ``tp_size`` is read when
+    ``remote_tp_size`` is absent. Keys this module does not know are ignored (vLLM and routers
+    add their own). Raises InvalidArgumentError naming the first bad key; never mutates
+    ``params``.
+    """
+    if not isinstance(params, Mapping):
+        raise InvalidArgumentError(
+            f"kv_transfer_params must be a mapping, got {type(params).__name__}"
+        )
+    if params.get(KEY_TRANSFER_ID) is None:
+        raise InvalidArgumentError(f"kv_transfer_params lacks the required key '{KEY_TRANSFER_ID}'")
+
+    def get(key: str, default: Any) -> Any:
+        value = params.get(key)
+        return default if value is None else value
+
+    tp_size = get(KEY_REMOTE_TP_SIZE, get(KEY_LEGACY_TP_SIZE, 0))
+    block_ids = params.get(KEY_REMOTE_BLOCK_IDS)
+    if block_ids is not None and not isinstance(block_ids, Sequence):
+        raise InvalidArgumentError(f"{KEY_REMOTE_BLOCK_IDS} must be a list")
+    try:
+        return KvTransferParams(
+            transfer_id=params[KEY_TRANSFER_ID],
+            do_remote_prefill=get(KEY_DO_REMOTE_PREFILL, False),
+            do_remote_decode=get(KEY_DO_REMOTE_DECODE, False),
+            remote_block_ids=block_ids,
+            remote_engine_id=params.get(KEY_REMOTE_ENGINE_ID),
+            remote_host=params.get(KEY_REMOTE_HOST),
+            remote_handshake_port=params.get(KEY_REMOTE_HANDSHAKE_PORT),
+            remote_notify_port=params.get(KEY_REMOTE_NOTIFY_PORT),
+            remote_dp_rank=get(KEY_REMOTE_DP_RANK, 0),
+            remote_tp_size=tp_size,
+            remote_dp_size=get(KEY_REMOTE_DP_SIZE, 1),
+        )
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"invalid kv_transfer_params: {exc}") from exc
+
+
+__all__ = [
+    "DECODE_MARKER",
+    "KEY_DO_REMOTE_DECODE",
+    "KEY_DO_REMOTE_PREFILL",
+    "KEY_LEGACY_TP_SIZE",
+    "KEY_REMOTE_BLOCK_IDS",
+    "KEY_REMOTE_DP_RANK",
+    "KEY_REMOTE_DP_SIZE",
+    "KEY_REMOTE_ENGINE_ID",
+    "KEY_REMOTE_HANDSHAKE_PORT",
+    "KEY_REMOTE_HOST",
+    "KEY_REMOTE_NOTIFY_PORT",
+    "KEY_REMOTE_TP_SIZE",
+    "KEY_TRANSFER_ID",
+    "KV_TRANSFER_PARAM_KEYS",
+    "PREFILL_MARKER",
+    "KvTransferParams",
+    "RequestAddresses",
+    "ZmqAddress",
+    "block_ids_to_wire",
+    "format_request_id",
+    "parse_kv_transfer_params",
+    "parse_request_id",
+    "peer_address_from_request_id",
+    "validate_block_ids",
+    "validate_host",
+    "validate_id",
+    "validate_port",
+]

@@ -1,0 +1,776 @@
+"""ZMQ sockets and threads of the control plane: listeners, the handshake client, the notify
+sender and the proxy pinger.
+
+Every listener is a ROUTER socket owned by one background thread that polls with a short
+timeout. A message that fails authentication or its schema is logged (sender address and
+reason, rate limited) and dropped; the thread keeps running. ``close()`` stops the thread,
+closes its socket with linger 0 and joins it within a bounded time. Nothing here terminates
+the ZMQ context (by default the process-wide ``zmq.Context.instance()``), so several
+components -- and other libraries -- can share it.
+
+Contents:
+
+* :class:`NotifyListener` -- receives :data:`~.messages.NotifyMessage` s into a bounded queue;
+  drops duplicates and messages of transfers marked terminal. ``drain``/``get``/
+  ``mark_terminal``/``stats``/``close`` are thread-safe. When the queue is full the listener
+  stops reading (ZMQ's own high-water marks then push back on senders) rather than dropping.
+* :class:`HandshakeServer` -- answers handshake requests with the metadata a provider callable
+  returns; learns the source address of every accepted requester into the allowlist. The
+  provider runs on the server thread. ``close``/``stats`` are thread-safe.
+* :func:`fetch_metadata` -- the handshake client: allowlist check, one request, bounded wait.
+  Blocks the calling thread at most ``timeout`` seconds (in 100 ms slices, so Ctrl-C works).
+* :class:`NotifySender` -- sends notify messages; allowlist check before any socket; an LRU of
+  DEALER sockets (one per peer endpoint). Thread-safe (one lock); never blocks on the network.
+* :class:`ProxyPinger` -- a thread that sends a :class:`~.messages.ProxyRegistration` to the
+  proxy every ``interval`` seconds (first one at once). ``start``/``stop`` are thread-safe.
+* :func:`zmq_endpoint` -- ``tcp://host:port`` with IPv6 literals bracketed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from types import TracebackType
+
+import zmq
+
+from moriio_native.errors import (
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    MoriioError,
+    TransferTimeoutError,
+    TransportError,
+)
+
+from .addressing import validate_host, validate_port
+from .messages import (
+    MAX_HANDSHAKE_REQUEST_BYTES,
+    MAX_HANDSHAKE_RESPONSE_BYTES,
+    MAX_NOTIFY_BYTES,
+    MAX_REASON_LEN,
+    NOTIFY_TYPES,
+    PROTOCOL_VERSION,
+    HandshakeRejected,
+    HandshakeRequest,
+    HandshakeResponse,
+    InvalidMessageError,
+    NotifyMessage,
+    ProxyRegistration,
+    decode,
+    encode,
+)
+from .security import AuthenticationError, ControlSecurity, PeerAllowlist
+
+logger = logging.getLogger("moriio_native.control.channel")
+
+_POLL_MS = 100
+_MAX_TAG_FRAME = 64
+
+
+def zmq_endpoint(host: str, port: int) -> str:
+    """``tcp://host:port`` for a validated host (IPv6 literals in brackets) and port."""
+    host = validate_host(host)
+    port = validate_port(port)
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+class _DropLog:
+    """Logs dropped messages, at most ``burst`` lines per ``window_s`` per component, so a
+    flood of garbage cannot flood the log too; the suppressed count is reported later."""
+
+    def __init__(self, component: str, burst: int = 20, window_s: float = 10.0) -> None:
+        self._component = component
+        self._burst = burst
+        self._window_s = window_s
+        self._window_start = time.monotonic()
+        self._in_window = 0
+        self._suppressed = 0
+
+    def drop(self, peer: str, reason: str) -> None:
+        now = time.monotonic()
+        if now - self._window_start >= self._window_s:
+            if self._suppressed:
+                logger.warning(
+                    "%s: %d more bad messages were dropped without logging",
+                    self._component,
+                    self._suppressed,
+                )
+            self._window_start, self._in_window, self._suppressed = now, 0, 0
+        if self._in_window < self._burst:
+            self._in_window += 1
+            logger.warning("%s: dropped message from %s: %s", self._component, peer, reason)
+        else:
+            self._suppressed += 1
+
+
+def _peer_of(frames: list[zmq.Frame]) -> tuple[str, str | None]:
+    """A printable sender description and its IP (``None`` if ZMQ does not know it)."""
+    ident = frames[0].bytes.hex() if frames else "?"
+    try:
+        ip: str | None = frames[-1].get("Peer-Address")
+    except (zmq.ZMQError, AttributeError, KeyError):
+        ip = None
+    return (f"{ip or 'unknown address'} (identity {ident[:16]})", ip)
+
+
+class _RouterThread:
+    """A bound ROUTER socket and the thread that reads it. Subclasses implement ``_handle``."""
+
+    _name = "router"
+    _extra_stats: tuple[str, ...] = ()
+
+    def __init__(
+        self,
+        port: int,
+        *,
+        bind_host: str,
+        max_message_bytes: int,
+        context: zmq.Context | None,
+    ) -> None:
+        if port != 0:
+            validate_port(port, what=f"{self._name} port")
+        self._context = context if context is not None else zmq.Context.instance()
+        self._max_message_bytes = max_message_bytes
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._state_lock = threading.Lock()
+        self._stats: dict[str, int] = dict.fromkeys(
+            ("received", "dropped_malformed", "dropped_auth", *self._extra_stats), 0
+        )
+        self._drops = _DropLog(self._name)
+        host = "*" if bind_host == "*" else validate_host(bind_host, what="bind host")
+        sock = self._context.socket(zmq.ROUTER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            # Transport-level cap: ZMQ disconnects a peer that sends more. The application
+            # check below is tighter, so ordinary oversize messages are logged, not silent.
+            sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+            if ":" in host:
+                sock.setsockopt(zmq.IPV6, 1)
+            shown = f"[{host}]" if ":" in host else host
+            endpoint = f"tcp://{shown}:{port if port else '*'}"
+            try:
+                sock.bind(endpoint)
+            except zmq.ZMQError as exc:
+                raise TransportError(f"{self._name}: cannot bind {endpoint}: {exc}") from exc
+            last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(last.rsplit(":", 1)[1])
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        self._sock: zmq.Socket | None = sock
+        self._thread = threading.Thread(
+            target=self._run, name=f"moriio-{self._name}-{self._port}", daemon=True
+        )
+        self._thread.start()
+        logger.info("%s listening on port %d", self._name, self._port)
+
+    @property
+    def port(self) -> int:
+        """The bound port (the chosen one when constructed with port 0)."""
+        return self._port
+
+    def stats(self) -> dict[str, int]:
+        """Counters: messages received, delivered/answered, and dropped by reason."""
+        with self._state_lock:
+            return dict(self._stats)
+
+    def _count(self, key: str) -> None:
+        with self._state_lock:
+            self._stats[key] = self._stats.get(key, 0) + 1
+
+    def _wait_ready(self) -> bool:
+        """Whether the loop may read another message now (subclasses add backpressure)."""
+        return True
+
+    def _handle(
+        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
+    ) -> None:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        sock = self._sock
+        assert sock is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not self._wait_ready() or not poller.poll(_POLL_MS):
+                    continue
+                try:
+                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    continue
+                self._count("received")
+                peer, ip = _peer_of(frames)
+                try:
+                    self._dispatch(sock, frames, peer, ip)
+                except Exception as exc:  # the listener must survive anything one message does
+                    self._count("dropped_malformed")
+                    logger.exception(
+                        "%s: error handling message from %s: %r", self._name, peer, exc
+                    )
+        except zmq.ZMQError as exc:
+            if not self._stop.is_set():
+                logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
+        finally:
+            sock.close(linger=0)
+
+    def _dispatch(
+        self, sock: zmq.Socket, frames: list[zmq.Frame], peer: str, ip: str | None
+    ) -> None:
+        identity, rest = frames[0].bytes, frames[1:]
+        if not 1 <= len(rest) <= 2:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, f"{len(rest)} frames, expected 1 or 2")
+            return
+        if len(rest[0]) > self._max_message_bytes:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, f"{len(rest[0])} bytes, more than {self._max_message_bytes}")
+            return
+        if len(rest) == 2 and len(rest[1]) > _MAX_TAG_FRAME:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, "oversized second frame")
+            return
+        self._handle(sock, identity, [f.bytes for f in rest], peer, ip)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop the thread and close the socket; waits at most ``timeout`` seconds (the loop
+        notices within ~100 ms). Idempotent; thread-safe."""
+        self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                logger.error(
+                    "%s on port %d did not stop within %.1fs", self._name, self._port, timeout
+                )
+
+    def __enter__(self) -> _RouterThread:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class NotifyListener(_RouterThread):
+    """Receives notify messages on ``port`` and queues them for :meth:`drain`/:meth:`get`.
+
+    Delivery promise: each distinct notification is delivered at most once -- a copy with the
+    same ``dedup_key`` (same type and transfer, and same writer/consumer rank where the
+    message has one) is dropped -- and nothing is delivered for a transfer after
+    :meth:`mark_terminal` (also not what was still queued). Both memories are bounded LRUs.
+    """
+
+    _name = "notify listener"
+    _extra_stats = ("delivered", "dropped_duplicate", "dropped_late")
+
+    def __init__(
+        self,
+        port: int,
+        security: ControlSecurity,
+        *,
+        bind_host: str = "*",
+        max_pending: int = 65536,
+        dedup_capacity: int = 65536,
+        terminal_capacity: int = 65536,
+        max_message_bytes: int = MAX_NOTIFY_BYTES,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and starts
+        the thread. Raises TransportError when the port cannot be bound."""
+        if min(max_pending, dedup_capacity, terminal_capacity, max_message_bytes) < 1:
+            raise InvalidArgumentError("notify listener bounds must be positive")
+        self._security = security
+        self._cond = threading.Condition()
+        self._pending: deque[NotifyMessage] = deque()
+        self._max_pending = max_pending
+        self._seen: OrderedDict[tuple[str, ...], None] = OrderedDict()
+        self._seen_capacity = dedup_capacity
+        self._terminal: OrderedDict[str, None] = OrderedDict()
+        self._terminal_capacity = terminal_capacity
+        super().__init__(
+            port, bind_host=bind_host, max_message_bytes=max_message_bytes, context=context
+        )
+
+    def _wait_ready(self) -> bool:
+        with self._cond:
+            if len(self._pending) < self._max_pending:
+                return True
+            self._cond.wait(_POLL_MS / 1000)
+            return len(self._pending) < self._max_pending
+
+    def _handle(
+        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
+    ) -> None:
+        try:
+            payload = self._security.auth.open(body)
+        except AuthenticationError as exc:
+            self._count("dropped_auth")
+            self._drops.drop(peer, str(exc))
+            return
+        try:
+            message = decode(payload, NOTIFY_TYPES, max_bytes=self._max_message_bytes)
+        except InvalidMessageError as exc:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, str(exc))
+            return
+        with self._cond:
+            if message.transfer_id in self._terminal:
+                outcome = "dropped_late"
+            elif message.dedup_key in self._seen:
+                outcome = "dropped_duplicate"
+            else:
+                outcome = "delivered"
+                self._seen[message.dedup_key] = None
+                if len(self._seen) > self._seen_capacity:
+                    self._seen.popitem(last=False)
+                self._pending.append(message)
+                self._cond.notify_all()
+        self._count(outcome)
+        if outcome != "delivered":
+            logger.debug("notify listener: %s %s from %s", outcome, message, peer)
+
+    def drain(self, max_items: int | None = None) -> list[NotifyMessage]:
+        """All queued messages (at most ``max_items``), oldest first, without waiting."""
+        out: list[NotifyMessage] = []
+        late = 0
+        with self._cond:
+            while self._pending and (max_items is None or len(out) < max_items):
+                message = self._pending.popleft()
+                if message.transfer_id in self._terminal:
+                    late += 1
+                else:
+                    out.append(message)
+            self._cond.notify_all()
+        if late:
+            with self._state_lock:
+                self._stats["delivered"] -= late
+                self._stats["dropped_late"] += late
+        return out
+
+    def get(self, timeout: float) -> NotifyMessage | None:
+        """The oldest queued message, waiting up to ``timeout`` seconds; ``None`` on timeout."""
+        deadline = time.monotonic() + max(0.0, timeout)
+        with self._cond:
+            while True:
+                while self._pending:
+                    message = self._pending.popleft()
+                    self._cond.notify_all()
+                    if message.transfer_id not in self._terminal:
+                        return message
+                    with self._state_lock:
+                        self._stats["delivered"] -= 1
+                        self._stats["dropped_late"] += 1
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._cond.wait(min(remaining, _POLL_MS / 1000))
+
+    def mark_terminal(self, transfer_id: str) -> None:
+        """From now on drop every message of ``transfer_id`` (it is done/failed/aborted)."""
+        with self._cond:
+            self._terminal[transfer_id] = None
+            self._terminal.move_to_end(transfer_id)
+            if len(self._terminal) > self._terminal_capacity:
+                self._terminal.popitem(last=False)
+
+    def __enter__(self) -> NotifyListener:
+        return self
+
+
+MetadataProvider = Callable[[HandshakeRequest], HandshakeResponse]
+
+
+def _reason_text(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    text = "".join(ch if ch.isprintable() else "?" for ch in text)
+    return text[:MAX_REASON_LEN]
+
+
+class HandshakeServer(_RouterThread):
+    """Answers handshake requests on ``port`` with ``provider(request)``.
+
+    ``provider`` runs on the server thread and returns the :class:`HandshakeResponse` to send
+    (its nonce is filled in here). If it raises a :class:`MoriioError` -- say, KV caches not
+    registered yet -- the requester gets a :class:`HandshakeRejected` with the message; any
+    other exception is logged and rejected as an internal error. Requests that fail
+    authentication or the schema get no answer (the requester times out). When
+    ``learn_peers`` is true, the source IP of each accepted request is added to the
+    allowlist, so this side may later notify that peer.
+    """
+
+    _name = "handshake server"
+    _extra_stats = ("answered", "rejected")
+
+    def __init__(
+        self,
+        port: int,
+        provider: MetadataProvider,
+        security: ControlSecurity,
+        *,
+        bind_host: str = "*",
+        learn_peers: bool = True,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """Binds ``bind_host:port`` (``port=0``: any free port) and starts the thread. Raises
+        TransportError when the port cannot be bound."""
+        self._provider = provider
+        self._security = security
+        self._learn_peers = learn_peers
+        super().__init__(
+            port,
+            bind_host=bind_host,
+            max_message_bytes=MAX_HANDSHAKE_REQUEST_BYTES,
+            context=context,
+        )
+
+    def _handle(
+        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
+    ) -> None:
+        try:
+            payload = self._security.auth.open(body)
+        except AuthenticationError as exc:
+            self._count("dropped_auth")
+            self._drops.drop(peer, str(exc))
+            return
+        try:
+            request = decode(payload, (HandshakeRequest,), max_bytes=MAX_HANDSHAKE_REQUEST_BYTES)
+        except InvalidMessageError as exc:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, str(exc))
+            return
+        reply: HandshakeResponse | HandshakeRejected
+        if request.protocol_version != PROTOCOL_VERSION:
+            reply = HandshakeRejected(
+                f"protocol version {request.protocol_version} is not supported "
+                f"(this side speaks {PROTOCOL_VERSION})",
+                request.nonce,
+            )
+        else:
+            try:
+                response = self._provider(request)
+                if not isinstance(response, HandshakeResponse):
+                    raise TypeError(f"provider returned {type(response).__name__}")
+                reply = dataclasses.replace(response, nonce=request.nonce)
+            except MoriioError as exc:
+                logger.warning("handshake from %s rejected: %s", peer, exc)
+                reply = HandshakeRejected(_reason_text(exc), request.nonce)
+            except Exception:
+                logger.exception("handshake provider failed for %s", peer)
+                reply = HandshakeRejected("internal error on the serving side", request.nonce)
+        if isinstance(reply, HandshakeResponse) and self._learn_peers and ip:
+            self._security.allowlist.learn(ip)
+        sock.send_multipart([identity, b"", *self._security.auth.seal(encode(reply))])
+        self._count("answered" if isinstance(reply, HandshakeResponse) else "rejected")
+        logger.debug(
+            "handshake %s for %s (%s)",
+            "answered" if isinstance(reply, HandshakeResponse) else "rejected",
+            request.requester_engine_id,
+            peer,
+        )
+
+    def __enter__(self) -> HandshakeServer:
+        return self
+
+
+def _check_seconds(value: float, what: str) -> float:
+    if (
+        not isinstance(value, (int, float))
+        or isinstance(value, bool)
+        or not 0 < value < float("inf")
+    ):
+        raise InvalidArgumentError(f"{what} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def fetch_metadata(
+    host: str,
+    port: int,
+    *,
+    timeout: float,
+    security: ControlSecurity,
+    requester_engine_id: str,
+    context: zmq.Context | None = None,
+    max_response_bytes: int = MAX_HANDSHAKE_RESPONSE_BYTES,
+) -> HandshakeResponse:
+    """Ask the handshake server at ``host:port`` for its metadata.
+
+    Checks the allowlist first (PeerNotAllowedError, no socket created). Then one request,
+    waiting at most ``timeout`` seconds: TransferTimeoutError when no reply came (dead port,
+    unreachable host), TransportError for a malformed reply, AuthenticationError for a reply
+    with a bad tag or one not answering our nonce, FailedPreconditionError when the peer
+    rejected the request (its reason included), IncompatiblePeerError for another protocol
+    version. Blocks the calling thread; thread-safe (uses its own socket).
+    """
+    port = validate_port(port, what="handshake port")
+    timeout = _check_seconds(timeout, "timeout")
+    target = f"{host}:{port}"
+    host = security.allowlist.require(host, purpose=f"handshake with {target}")
+    request = HandshakeRequest(requester_engine_id)
+    ctx = context if context is not None else zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    try:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_response_bytes + 4096)
+        sock.connect(zmq_endpoint(host, port))
+        try:
+            sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            raise TransportError(f"handshake with {target}: cannot send: {exc}") from exc
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TransferTimeoutError(
+                    f"handshake with {target}: no reply within {timeout:.3g}s "
+                    "(is the peer running and the port right?)"
+                )
+            if not sock.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))):
+                continue
+            frames = sock.recv_multipart()
+            if len(frames) < 2 or frames[0] != b"":
+                raise TransportError(f"handshake with {target}: reply is not [b'', payload]")
+            payload = security.auth.open(frames[1:])
+            try:
+                reply = decode(
+                    payload, (HandshakeResponse, HandshakeRejected), max_bytes=max_response_bytes
+                )
+            except InvalidMessageError as exc:
+                raise TransportError(f"handshake with {target}: bad reply: {exc}") from exc
+            if reply.nonce != request.nonce:
+                raise AuthenticationError(
+                    f"handshake with {target}: reply does not answer our request (nonce mismatch)"
+                )
+            if isinstance(reply, HandshakeRejected):
+                raise FailedPreconditionError(
+                    f"handshake with {target} rejected by the peer: {reply.reason}"
+                )
+            if reply.protocol_version != PROTOCOL_VERSION:
+                raise IncompatiblePeerError(
+                    f"handshake with {target}: peer speaks protocol {reply.protocol_version}, "
+                    f"we speak {PROTOCOL_VERSION}"
+                )
+            return reply
+    finally:
+        sock.close(linger=0)
+
+
+class NotifySender:
+    """Sends notify messages to peers' notify listeners, fire-and-forget.
+
+    One DEALER socket per ``(host, port)``, kept in an LRU of ``max_peers`` (the oldest is
+    closed when full). A socket queues messages while its connection is being (re)made, up
+    to ``send_hwm``; beyond that :meth:`send` raises TransportError instead of blocking.
+    Closing a socket lets ZMQ try to flush queued messages for ``linger_ms`` in the
+    background. Thread-safe: one lock serialises all socket use.
+    """
+
+    def __init__(
+        self,
+        security: ControlSecurity,
+        *,
+        max_peers: int = 256,
+        send_hwm: int = 10000,
+        linger_ms: int = 1000,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if max_peers < 1 or send_hwm < 1 or linger_ms < 0:
+            raise InvalidArgumentError("max_peers and send_hwm must be >= 1, linger_ms >= 0")
+        self._security = security
+        self._context = context if context is not None else zmq.Context.instance()
+        self._max_peers = max_peers
+        self._send_hwm = send_hwm
+        self._linger_ms = linger_ms
+        self._lock = threading.Lock()
+        self._sockets: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+        self._closed = False
+
+    def send(self, host: str, port: int, message: NotifyMessage) -> None:
+        """Queue ``message`` for the notify listener at ``host:port``.
+
+        Raises InvalidArgumentError for a bad port or non-notify message, PeerNotAllowedError
+        when ``host`` is not allowlisted (logged; no socket created), TransportError when the
+        peer's queue is full or ZMQ fails, FailedPreconditionError after :meth:`close`. Never
+        blocks on the network.
+        """
+        port = validate_port(port, what="notify port")
+        if not isinstance(message, NOTIFY_TYPES):
+            raise InvalidArgumentError(f"{type(message).__name__} is not a notify message")
+        target = f"{host}:{port}"
+        host = self._security.allowlist.require(
+            host, purpose=f"{message.TYPE} of transfer {message.transfer_id} to {target}"
+        )
+        frames = self._security.auth.seal(encode(message))
+        key = (host, port)
+        with self._lock:
+            if self._closed:
+                raise FailedPreconditionError("notify sender is closed")
+            sock = self._sockets.get(key)
+            if sock is None:
+                sock = self._open(host, port)
+                self._sockets[key] = sock
+                while len(self._sockets) > self._max_peers:
+                    _, old = self._sockets.popitem(last=False)
+                    old.close(linger=self._linger_ms)
+            self._sockets.move_to_end(key)
+            try:
+                sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.Again as exc:
+                raise TransportError(
+                    f"{message.TYPE} of transfer {message.transfer_id} to {target}: send queue "
+                    f"full ({self._send_hwm} messages; is the peer's listener running?)"
+                ) from exc
+            except zmq.ZMQError as exc:
+                self._sockets.pop(key, None)
+                sock.close(linger=0)
+                raise TransportError(
+                    f"{message.TYPE} of transfer {message.transfer_id} to {target}: {exc}"
+                ) from exc
+
+    def _open(self, host: str, port: int) -> zmq.Socket:
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, self._linger_ms)
+            sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(zmq_endpoint(host, port))
+        except BaseException:
+            sock.close(linger=0)
+            raise
+        return sock
+
+    def close(self) -> None:
+        """Close every socket (queued messages get ``linger_ms`` to flush, in the background).
+        Idempotent; later :meth:`send` calls raise FailedPreconditionError."""
+        with self._lock:
+            self._closed = True
+            sockets, self._sockets = list(self._sockets.values()), OrderedDict()
+        for sock in sockets:
+            sock.close(linger=self._linger_ms)
+
+    def __enter__(self) -> NotifySender:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class ProxyPinger:
+    """Registers this instance with vLLM's MoRIIO proxy/router: sends ``registration`` to
+    ``proxy_host:proxy_port`` now and then every ``interval`` seconds until :meth:`stop`.
+
+    Pings are untagged (the proxy knows no secret) and never queue up while the proxy is
+    down (``ZMQ_IMMEDIATE``): a missed ping is simply skipped. Only one worker per instance
+    (world rank 0) should run one. When an allowlist is given, the proxy host must pass it.
+    """
+
+    def __init__(
+        self,
+        proxy_host: str,
+        proxy_port: int,
+        registration: ProxyRegistration,
+        *,
+        interval: float = 3.0,
+        allowlist: PeerAllowlist | None = None,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """Validates the arguments (InvalidArgumentError) and, with an allowlist, the proxy
+        host (PeerNotAllowedError); does not start the thread."""
+        if not isinstance(registration, ProxyRegistration):
+            raise InvalidArgumentError("registration must be a ProxyRegistration")
+        self._interval = _check_seconds(interval, "interval")
+        proxy_port = validate_port(proxy_port, what="proxy_ping_port")
+        host = validate_host(proxy_host, what="proxy_ip")
+        if allowlist is not None:
+            host = allowlist.require(host, purpose=f"proxy registration to {host}:{proxy_port}")
+        self._endpoint = zmq_endpoint(host, proxy_port)
+        self._payload = encode(registration)
+        self._context = context if context is not None else zmq.Context.instance()
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._sent = 0
+
+    @property
+    def pings_sent(self) -> int:
+        """How many pings were handed to ZMQ so far."""
+        with self._lock:
+            return self._sent
+
+    def start(self) -> ProxyPinger:
+        """Start the thread (once; later calls do nothing). Returns self."""
+        with self._lock:
+            if self._thread is None and not self._stop.is_set():
+                self._thread = threading.Thread(
+                    target=self._run, name="moriio-proxy-pinger", daemon=True
+                )
+                self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        sock = self._context.socket(zmq.DEALER)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.IMMEDIATE, 1)
+            sock.setsockopt(zmq.SNDHWM, 1)
+            sock.setsockopt(zmq.IPV6, 1)
+            sock.connect(self._endpoint)
+            while not self._stop.is_set():
+                try:
+                    sock.send(self._payload, flags=zmq.NOBLOCK)
+                    with self._lock:
+                        self._sent += 1
+                except zmq.Again:
+                    logger.debug("proxy %s not reachable yet; ping skipped", self._endpoint)
+                except zmq.ZMQError as exc:
+                    logger.warning("proxy ping to %s failed: %s", self._endpoint, exc)
+                self._stop.wait(self._interval)
+        finally:
+            sock.close(linger=0)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop pinging and join the thread (at most ``timeout`` s). Idempotent."""
+        self._stop.set()
+        with self._lock:
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def __enter__(self) -> ProxyPinger:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+
+__all__ = [
+    "HandshakeServer",
+    "MetadataProvider",
+    "NotifyListener",
+    "NotifySender",
+    "ProxyPinger",
+    "fetch_metadata",
+    "zmq_endpoint",
+]

@@ -1,0 +1,301 @@
+"""Who may talk to us and whom we may dial: message authentication and the peer allowlist.
+
+Message authentication (optional). With a shared secret configured on every instance
+(``auth_secret`` in the connector config, else the environment variable
+``MORIIO_NATIVE_AUTH_SECRET``), every control message between prefill and decode carries one
+extra ZMQ frame: ``HMAC-SHA256(secret, b"moriio-native/control/v1\\0" + payload)``. A receiver
+drops (and logs) a message whose tag is missing or wrong, compared in constant time. Without a
+secret, messages are one frame, as in vLLM's MoRIIO connector. The payload itself is never
+altered, so what the tag covers is exactly what the schema check reads. Replays of a valid
+message are not detected here; the receivers make them harmless (duplicates are dropped,
+messages for finished transfers are ignored, handshake replies echo a fresh nonce). The proxy
+registration ping is never tagged: the proxy is vLLM's router, which knows no secret.
+
+Peer allowlist. Before ANY outgoing connection (handshake fetch, notify, release) the target
+host must pass :meth:`PeerAllowlist.require`; refusing logs the target and raises without
+opening a socket or doing a DNS lookup. A host is allowed when
+
+* it lies in one of the configured CIDRs (``allowed_peers``; ``"*"`` allows everything and is
+  logged as a warning), or equals a configured host *name* exactly; or
+* it was *learned*: the source address of a peer whose handshake request we accepted (and
+  authenticated, when a secret is set). Learning the real TCP source address of a peer that
+  already reached us cannot point us at any third party. At most ``max_learned`` hosts are
+  kept (least recently learned dropped first).
+
+With nothing configured, only learned hosts are allowed: dialling a peer named in a request
+needs ``allowed_peers`` to cover it. That is the point -- vLLM's connector dialled whatever a
+request named.
+
+Contents:
+
+* :data:`ENV_AUTH_SECRET`, :data:`MIN_SECRET_BYTES`
+* :class:`AuthenticationError`, :class:`PeerNotAllowedError`
+* :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``; immutable,
+  safe from any thread.
+* :class:`PeerAllowlist` -- ``check``, ``require``, ``learn``; internally locked, safe from any
+  thread.
+* :class:`ControlSecurity` -- both, built from a config mapping by ``from_config``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from moriio_native.errors import InvalidArgumentError, MoriioError
+
+from .addressing import validate_host
+
+logger = logging.getLogger("moriio_native.control.security")
+
+ENV_AUTH_SECRET = "MORIIO_NATIVE_AUTH_SECRET"
+CONFIG_AUTH_SECRET = "auth_secret"
+CONFIG_ALLOWED_PEERS = "allowed_peers"
+MIN_SECRET_BYTES = 16
+TAG_BYTES = 32
+_MAC_DOMAIN = b"moriio-native/control/v1\x00"
+
+IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+
+
+class AuthenticationError(MoriioError, PermissionError):
+    """A control message's authentication tag is missing, malformed or wrong."""
+
+
+class PeerNotAllowedError(MoriioError, PermissionError):
+    """A host is not in the peer allowlist; nothing was dialled."""
+
+
+class MessageAuth:
+    """Tags outgoing payloads and checks incoming ones with an optional shared secret.
+
+    Immutable after construction; safe to share between threads. ``MessageAuth(None)`` is the
+    no-secret mode: one frame out, exactly one frame accepted.
+    """
+
+    __slots__ = ("_key",)
+
+    def __init__(self, secret: bytes | str | None) -> None:
+        """``secret``: at least 16 bytes (str is UTF-8 encoded), or ``None`` for no
+        authentication. Raises InvalidArgumentError for a shorter or wrongly typed secret."""
+        if isinstance(secret, str):
+            secret = secret.encode("utf-8")
+        if secret is not None:
+            if not isinstance(secret, bytes):
+                raise InvalidArgumentError(
+                    f"{CONFIG_AUTH_SECRET} must be str or bytes, got {type(secret).__name__}"
+                )
+            if len(secret) < MIN_SECRET_BYTES:
+                raise InvalidArgumentError(
+                    f"{CONFIG_AUTH_SECRET} is {len(secret)} bytes; use at least "
+                    f"{MIN_SECRET_BYTES} random bytes"
+                )
+        self._key = secret
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None = None) -> MessageAuth:
+        """The secret from ``config["auth_secret"]``, else ``$MORIIO_NATIVE_AUTH_SECRET``, else
+        none. An empty environment variable counts as unset; an empty config value is an
+        error (it is almost certainly a templating mistake)."""
+        value = None if config is None else config.get(CONFIG_AUTH_SECRET)
+        if value is not None:
+            return cls(value)
+        env = os.environ.get(ENV_AUTH_SECRET)
+        return cls(env if env else None)
+
+    @property
+    def enabled(self) -> bool:
+        """True when a secret is configured."""
+        return self._key is not None
+
+    def _tag(self, payload: bytes) -> bytes:
+        assert self._key is not None
+        return hmac.new(self._key, _MAC_DOMAIN + payload, hashlib.sha256).digest()
+
+    def seal(self, payload: bytes) -> list[bytes]:
+        """The frames to send for ``payload``: ``[payload]`` or ``[payload, tag]``."""
+        if self._key is None:
+            return [payload]
+        return [payload, self._tag(payload)]
+
+    def open(self, frames: Sequence[bytes]) -> bytes:
+        """The payload of ``frames`` (identity and delimiter frames already removed).
+
+        Raises AuthenticationError when a secret is set and the tag is missing or wrong, or
+        when no secret is set but the sender tagged its message (the two ends disagree on
+        configuration -- say so rather than fail on the schema).
+        """
+        if self._key is None:
+            if len(frames) == 2 and len(frames[1]) == TAG_BYTES:
+                raise AuthenticationError(
+                    "message carries an authentication tag but no auth_secret is configured here"
+                )
+            if len(frames) != 1:
+                raise AuthenticationError(f"expected 1 frame, got {len(frames)}")
+            return frames[0]
+        if len(frames) != 2:
+            raise AuthenticationError(
+                f"expected payload and authentication tag (2 frames), got {len(frames)} "
+                "(is auth_secret configured on the sender?)"
+            )
+        payload, tag = frames
+        if not hmac.compare_digest(self._tag(payload), tag):
+            raise AuthenticationError("authentication tag does not match (wrong or forged)")
+        return payload
+
+
+def _ip_or_none(host: str) -> IpAddress | None:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class PeerAllowlist:
+    """Configured CIDRs and host names plus hosts learned from accepted handshakes.
+
+    All methods are thread-safe (one internal lock); none blocks on the network.
+    """
+
+    def __init__(self, allowed: Iterable[str] = (), *, max_learned: int = 4096) -> None:
+        """``allowed``: CIDRs (``10.0.0.0/16``), single addresses, exact host names, or ``"*"``
+        for everything. Raises InvalidArgumentError naming the first bad entry."""
+        if isinstance(allowed, str):
+            raise InvalidArgumentError(f"{CONFIG_ALLOWED_PEERS} must be a list of strings")
+        if max_learned < 0:
+            raise InvalidArgumentError("max_learned must be >= 0")
+        networks: list[IpNetwork] = []
+        names: set[str] = set()
+        for entry in allowed:
+            if not isinstance(entry, str) or not entry.strip():
+                raise InvalidArgumentError(
+                    f"{CONFIG_ALLOWED_PEERS} entry {entry!r} is not a non-empty string"
+                )
+            text = entry.strip()
+            if text == "*":
+                logger.warning(
+                    "%s contains '*': any peer named in a request may be dialled",
+                    CONFIG_ALLOWED_PEERS,
+                )
+                networks += [ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")]
+                continue
+            try:
+                networks.append(ipaddress.ip_network(text, strict=False))
+                continue
+            except ValueError:
+                pass
+            try:
+                names.add(validate_host(text, what=f"{CONFIG_ALLOWED_PEERS} entry"))
+            except InvalidArgumentError as exc:
+                raise InvalidArgumentError(
+                    f"{CONFIG_ALLOWED_PEERS} entry {text!r} is neither a CIDR, an IP address "
+                    "nor a host name"
+                ) from exc
+        self._networks: tuple[IpNetwork, ...] = tuple(networks)
+        self._names = frozenset(names)
+        self._learned: OrderedDict[IpAddress, None] = OrderedDict()
+        self._max_learned = max_learned
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None = None) -> PeerAllowlist:
+        """From ``config["allowed_peers"]``: a list of strings or one comma-separated string."""
+        value = None if config is None else config.get(CONFIG_ALLOWED_PEERS)
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)):
+            raise InvalidArgumentError(
+                f"{CONFIG_ALLOWED_PEERS} must be a list or a comma-separated string, "
+                f"got {type(value).__name__}"
+            )
+        return cls(value)
+
+    def learn(self, host: str) -> bool:
+        """Allow ``host`` (an IP literal: the source address of an accepted handshake) from now
+        on. Returns False (and learns nothing) when it is not an IP literal."""
+        ip = _ip_or_none(host.strip("[]")) if isinstance(host, str) else None
+        if ip is None or self._max_learned == 0:
+            return False
+        with self._lock:
+            self._learned[ip] = None
+            self._learned.move_to_end(ip)
+            while len(self._learned) > self._max_learned:
+                self._learned.popitem(last=False)
+        return True
+
+    def check(self, host: str) -> bool:
+        """Whether ``host`` may be dialled. Never raises for odd input (it is just not allowed)
+        and never resolves names."""
+        try:
+            normalized = validate_host(host)
+        except InvalidArgumentError:
+            return False
+        ip = _ip_or_none(normalized)
+        if ip is None:
+            return normalized in self._names
+        if any(ip.version == net.version and ip in net for net in self._networks):
+            return True
+        with self._lock:
+            return ip in self._learned
+
+    def require(self, host: str, *, purpose: str) -> str:
+        """``host`` normalized (canonical IP / lower-case name), or PeerNotAllowedError.
+
+        ``purpose`` (e.g. ``"release to 10.0.0.7:61005"``) goes into the log line and the
+        error. Call this before creating any socket toward ``host``.
+        """
+        if not self.check(host):
+            logger.warning("refusing to connect for %s: peer %r is not allowed", purpose, host)
+            raise PeerNotAllowedError(
+                f"peer {host!r} is not in the allowlist ({purpose}); add it or its subnet to "
+                f"'{CONFIG_ALLOWED_PEERS}', or let it handshake with us first"
+            )
+        return validate_host(host)
+
+    def describe(self) -> str:
+        """A one-line summary for logs (no learned hosts listed)."""
+        with self._lock:
+            n_learned = len(self._learned)
+        nets = ", ".join(str(n) for n in self._networks) or "none"
+        return f"networks: {nets}; names: {len(self._names)}; learned hosts: {n_learned}"
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSecurity:
+    """The authentication mode and the allowlist one worker uses for all its channels."""
+
+    auth: MessageAuth
+    allowlist: PeerAllowlist
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any] | None = None) -> ControlSecurity:
+        """From a connector config mapping (``auth_secret``, ``allowed_peers``) and the
+        environment. Raises InvalidArgumentError for a bad value."""
+        return cls(MessageAuth.from_config(config), PeerAllowlist.from_config(config))
+
+
+__all__ = [
+    "CONFIG_ALLOWED_PEERS",
+    "CONFIG_AUTH_SECRET",
+    "ENV_AUTH_SECRET",
+    "MIN_SECRET_BYTES",
+    "AuthenticationError",
+    "ControlSecurity",
+    "MessageAuth",
+    "PeerAllowlist",
+    "PeerNotAllowedError",
+]

@@ -1,0 +1,329 @@
+"""The scheduler-side half of MoRIIONativeConnector (runs in vLLM's scheduler process).
+
+It decides, per request, what the workers must move and when vLLM may free blocks; it never
+touches the network. Flows (P = prefill instance, D = decode instance):
+
+READ (D pulls, synchronously before the forward that needs the KV)
+  D ``get_num_new_matched_tokens`` -> ``(covered - computed, False)`` with ``covered`` the
+  prompt minus its last token, capped by the blocks P advertised. ``update_state_after_alloc``
+  pairs D's blocks with P's blocks *by position in the request* and skips the blocks D already
+  holds from its own prefix cache (local ids are never replaced by remote ids). P's
+  ``request_finished`` keeps P's blocks (``delay_free``) and returns the ``kv_transfer_params``
+  D needs; they are freed when D's release arrives (or after ``abort_timeout``).
+
+WRITE (P pushes each layer into D's blocks; D waits asynchronously)
+  D ``get_num_new_matched_tokens`` -> ``(prompt - computed, True)``; after allocation D's
+  worker announces the blocks to P -- only the tail D does not hold yet, so P maps them onto
+  the end of its own prompt blocks. P's scheduler hands the prompt blocks to its workers in the
+  step that computes the last prompt chunk, and keeps them after the request finishes until
+  its workers report the writes done (or failed, or ``abort_timeout`` passed).
+
+Prefix hits: a full hit (nothing to load) becomes a notify-only task that makes P release.
+Aborts: a D request that ends before it was scheduled also sends P a release; a P request
+aborted while its writes are in flight is aborted in the engine and freed once reported.
+
+Thread-safety: vLLM calls every method from its scheduler thread; no locking here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.request import RequestStatus
+
+from moriio_native.control.addressing import (
+    KEY_DO_REMOTE_DECODE,
+    KEY_DO_REMOTE_PREFILL,
+    KEY_LEGACY_TP_SIZE,
+    KEY_REMOTE_BLOCK_IDS,
+    KEY_REMOTE_DP_RANK,
+    KEY_REMOTE_DP_SIZE,
+    KEY_REMOTE_ENGINE_ID,
+    KEY_REMOTE_HANDSHAKE_PORT,
+    KEY_REMOTE_HOST,
+    KEY_REMOTE_NOTIFY_PORT,
+    KEY_REMOTE_TP_SIZE,
+    KEY_TRANSFER_ID,
+    KvTransferParams,
+    ZmqAddress,
+    parse_kv_transfer_params,
+)
+from moriio_native.errors import InvalidArgumentError
+from moriio_native.vllm.config import ConnectorConfig
+from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("moriio_native.vllm.scheduler")
+
+_ABORTED = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_IGNORED)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerSide:
+    """Per-request planning for the scheduler process. Not thread-safe (vLLM's scheduler
+    thread is the only caller)."""
+
+    def __init__(self, config: ConnectorConfig, block_size: int, dp_rank: int) -> None:
+        self.config = config
+        self.block_size = block_size
+        self.dp_rank = dp_rank
+        self._kv_cache_manager: KVCacheManager | None = None
+        # Locally computed tokens D reported to get_num_new_matched_tokens, per request.
+        self._local_tokens: dict[str, int] = {}
+        # D requests whose load (or release) is planned; a second allocation is ignored.
+        self._planned: set[str] = set()
+        # P (WRITE) requests not yet at their last prompt chunk.
+        self._to_save: dict[str, tuple[Request, KvTransferParams]] = {}
+        # P (WRITE) requests whose blocks went to the workers.
+        self._saved: set[str] = set()
+        self._invalid_logged: set[str] = set()
+        self._recv: list[RecvTask] = []
+        self._send: list[SendTask] = []
+
+    def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
+        self._kv_cache_manager = manager
+
+    # ---- helpers ------------------------------------------------------------------------------
+
+    def _params(self, request: Request) -> KvTransferParams | None:
+        """The request's validated kv_transfer_params, or None (absent or invalid: a request
+        with bad params is served as an ordinary request, after one warning)."""
+        raw = request.kv_transfer_params
+        if not raw:
+            return None
+        try:
+            return parse_kv_transfer_params(raw)
+        except InvalidArgumentError as exc:
+            if request.request_id not in self._invalid_logged:
+                self._invalid_logged.add(request.request_id)
+                logger.warning(
+                    "request %s: ignoring kv_transfer_params (%s); it runs without KV transfer",
+                    request.request_id,
+                    exc,
+                )
+            return None
+
+    def _prefill_peer(self, request: Request, params: KvTransferParams) -> ZmqAddress | None:
+        try:
+            return params.peer_address(request.request_id, is_producer=False)
+        except InvalidArgumentError as exc:
+            if request.request_id not in self._invalid_logged:
+                self._invalid_logged.add(request.request_id)
+                logger.warning(
+                    "request %s (transfer %s): no usable prefill address (%s); computing locally",
+                    request.request_id,
+                    params.transfer_id,
+                    exc,
+                )
+            return None
+
+    def _is_remote_prefill(self, params: KvTransferParams | None) -> bool:
+        return params is not None and params.do_remote_prefill and self.config.is_consumer
+
+    def _is_remote_decode(self, params: KvTransferParams | None) -> bool:
+        return params is not None and params.do_remote_decode and self.config.is_producer
+
+    def _read_coverage(self, request: Request, params: KvTransferParams) -> int:
+        """Tokens a READ may load: the prompt minus its last token (recomputed locally so the
+        next token can be sampled), capped by the blocks the prefill advertised."""
+        groups = params.remote_block_ids or ()
+        if len(groups) != 1 or params.remote_engine_id is None:
+            return 0
+        return min(request.num_prompt_tokens - 1, len(groups[0]) * self.block_size)
+
+    def _release_task(self, request: Request, params: KvTransferParams, peer: ZmqAddress) -> RecvTask:
+        return RecvTask(
+            req_id=request.request_id,
+            transfer_id=params.transfer_id,
+            peer=peer,
+            remote_engine_id=params.remote_engine_id,
+            remote_dp_rank=params.remote_dp_rank,
+            remote_tp_size=params.remote_tp_size,
+        )
+
+    # ---- vLLM hooks ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = self._params(request)
+        rid = request.request_id
+        if not self._is_remote_prefill(params) or rid in self._planned:
+            return 0, False
+        assert params is not None
+        if self._prefill_peer(request, params) is None:
+            return 0, False
+        if self.config.mode == "read":
+            covered = self._read_coverage(request, params)
+            if covered <= 0:
+                if rid not in self._invalid_logged:
+                    self._invalid_logged.add(rid)
+                    logger.warning(
+                        "request %s (transfer %s): READ needs remote_engine_id and one group of "
+                        "remote_block_ids; computing locally",
+                        rid,
+                        params.transfer_id,
+                    )
+                return 0, False
+            self._local_tokens[rid] = num_computed_tokens
+            return max(covered - num_computed_tokens, 0), False
+        self._local_tokens[rid] = num_computed_tokens
+        count = max(request.num_prompt_tokens - num_computed_tokens, 0)
+        return count, count > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = self._params(request)
+        rid = request.request_id
+        if self._is_remote_decode(params):
+            assert params is not None
+            if self.config.mode == "write" and rid not in self._saved:
+                self._to_save[rid] = (request, params)
+            return
+        if not self._is_remote_prefill(params) or rid in self._planned:
+            return
+        assert params is not None
+        peer = self._prefill_peer(request, params)
+        if peer is None:
+            return
+        self._planned.add(rid)
+        local_tokens = self._local_tokens.pop(rid, None)
+        if num_external_tokens <= 0:
+            # Full local prefix hit (or nothing loadable): the prefill only needs its release.
+            self._recv.append(self._release_task(request, params, peer))
+            return
+        block_ids = list(blocks.get_block_ids()[0])
+        if self.config.mode == "read":
+            end_default = self._read_coverage(request, params)
+        else:
+            end_default = request.num_prompt_tokens
+        if local_tokens is None:
+            local_tokens = end_default - num_external_tokens
+        end = local_tokens + num_external_tokens
+        first, last = local_tokens // self.block_size, _cdiv(end, self.block_size)
+        local_ids = tuple(block_ids[first:last])
+        remote_ids: tuple[int, ...] = ()
+        if self.config.mode == "read":
+            assert params.remote_block_ids is not None
+            remote_ids = tuple(params.remote_block_ids[0][first:last])
+        if len(local_ids) != last - first or (self.config.mode == "read" and len(remote_ids) != len(local_ids)):
+            # Cannot happen with vLLM's allocator; refuse to guess rather than move wrong blocks.
+            raise InvalidArgumentError(
+                f"request {rid} (transfer {params.transfer_id}): blocks {first}..{last} needed, "
+                f"{len(block_ids)} local / "
+                f"{len(params.remote_block_ids[0]) if params.remote_block_ids else 0} remote"
+            )
+        self._recv.append(
+            RecvTask(
+                req_id=rid,
+                transfer_id=params.transfer_id,
+                peer=peer,
+                remote_engine_id=params.remote_engine_id,
+                remote_dp_rank=params.remote_dp_rank,
+                remote_tp_size=params.remote_tp_size,
+                local_block_ids=local_ids,
+                remote_block_ids=remote_ids,
+                report_done=self.config.mode == "write",
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MoRIIONativeMetadata:
+        meta = MoRIIONativeMetadata(recv=self._recv, send=self._send)
+        self._recv, self._send = [], []
+        scheduled = scheduler_output.num_scheduled_tokens
+        for rid, (request, params) in list(self._to_save.items()):
+            n = scheduled.get(rid, 0)
+            if n <= 0 or request.num_computed_tokens + n < request.num_prompt_tokens:
+                continue
+            del self._to_save[rid]
+            meta.save.append(self._save_task(request, params, scheduler_output))
+            self._saved.add(rid)
+        return meta
+
+    def _save_task(
+        self, request: Request, params: KvTransferParams, scheduler_output: SchedulerOutput
+    ) -> SaveTask:
+        rid = request.request_id
+        groups = None
+        state = getattr(scheduler_output, "kv_connector_block_state", None)
+        if state is not None:
+            groups = state.get_block_ids(rid)
+        if groups is None:
+            assert self._kv_cache_manager is not None, "the KV cache manager is not bound"
+            groups = self._kv_cache_manager.get_block_ids(rid)
+        n_prompt = _cdiv(request.num_prompt_tokens, self.block_size)
+        try:
+            peer: ZmqAddress | None = params.peer_address(rid, is_producer=True)
+        except InvalidArgumentError as exc:
+            logger.warning("request %s: no decode address in the request (%s)", rid, exc)
+            peer = None
+        return SaveTask(
+            req_id=rid,
+            transfer_id=params.transfer_id,
+            block_ids=tuple(groups[0][:n_prompt]),
+            num_prompt_blocks=n_prompt,
+            peer=peer,
+            remote_tp_size=params.remote_tp_size,
+        )
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._local_tokens.pop(rid, None)
+        self._invalid_logged.discard(rid)
+        params = self._params(request)
+        if self._is_remote_prefill(params):
+            assert params is not None
+            if rid not in self._planned:
+                # Ended before it was ever scheduled: the prefill still holds its blocks.
+                peer = self._prefill_peer(request, params)
+                if peer is not None:
+                    self._recv.append(self._release_task(request, params, peer))
+            self._planned.discard(rid)
+            return False, None
+        if not self._is_remote_decode(params):
+            return False, None
+        assert params is not None
+        self._to_save.pop(rid, None)
+        aborted = request.status in _ABORTED
+        if self.config.mode == "write":
+            if rid not in self._saved:
+                return False, None  # nothing was handed to the workers, nothing is in flight
+            self._saved.discard(rid)
+            self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
+            return True, None if aborted else self._returned_params(params, block_ids)
+        if aborted or not block_ids:
+            return False, None
+        self._send.append(SendTask(rid, params.transfer_id))
+        return True, self._returned_params(params, block_ids)
+
+    def _returned_params(self, params: KvTransferParams, block_ids: list[int]) -> dict[str, Any]:
+        """What the proxy forwards to the decode instance (vLLM MoRIIO key names)."""
+        cfg = self.config
+        return {
+            KEY_DO_REMOTE_PREFILL: True,
+            KEY_DO_REMOTE_DECODE: False,
+            KEY_REMOTE_BLOCK_IDS: list(block_ids),
+            KEY_REMOTE_ENGINE_ID: cfg.engine_id,
+            KEY_REMOTE_HOST: cfg.host_ip,
+            KEY_REMOTE_HANDSHAKE_PORT: cfg.handshake_port,
+            KEY_REMOTE_NOTIFY_PORT: cfg.notify_port,
+            KEY_REMOTE_DP_RANK: self.dp_rank,
+            KEY_REMOTE_DP_SIZE: cfg.dp_size,
+            KEY_REMOTE_TP_SIZE: cfg.tp_size,
+            KEY_LEGACY_TP_SIZE: cfg.tp_size,
+            KEY_TRANSFER_ID: params.transfer_id,
+        }
+
+    def has_pending_sends(self) -> bool:
+        """Whether requests still wait to be handed to the workers."""
+        return bool(self._send or self._recv)
+
+
+__all__ = ["SchedulerSide"]

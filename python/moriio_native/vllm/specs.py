@@ -1,0 +1,130 @@
+"""vLLM KV-cache specs -> :class:`moriio_native.CacheSpec`, layer by layer.
+
+vLLM 0.33 hands every attention layer a standardized ``[B, H, N, C]`` view (blocks, head
+slots, stored states, content) of one shared backing. The mapping reads the spec, never the
+shape, so a tensor that does not match its spec is an error that names the layer:
+
+================================================ ====== =========================================
+vLLM spec                                        kind   fields
+================================================ ====== =========================================
+AttentionSpec / FullAttentionSpec /              "kv"   num_kv_heads, head_size, head_size_v,
+SlidingWindowSpec / ChunkedLocal... (dense K|V)         dtype bytes, block_size
+MLAAttentionSpec, SlidingWindowMLASpec, any      "mla"  heads = spec.num_heads, head_size = the
+AttentionSpec with ``head_size_v == 0``                 latent width (key-only: MLA, indexer)
+(key-only)
+AttentionSpec with a packed page                 "mla"  the page is moved as opaque bytes:
+(``num_head_slots``, ``state_content_bytes``)           heads = H, head_size = C / dtype bytes
+``tokens_per_state != 1``                        either block_size = states per block
+MambaSpec and other non-attention specs          --     refused (:class:`UnsupportedSpecError`)
+================================================ ====== =========================================
+
+Contents: :func:`layer_specs` (layer name -> vLLM spec for every transferable layer),
+:func:`to_cache_spec`, :func:`cache_specs`. Pure functions, thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from moriio_native.errors import InvalidArgumentError
+from moriio_native.layout import CacheSpec
+
+
+class UnsupportedSpecError(InvalidArgumentError):
+    """A layer's KV-cache spec has no transfer mapping here (e.g. Mamba state)."""
+
+
+def _dtype_bytes(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if not isinstance(size, int) or size <= 0:
+        raise InvalidArgumentError(f"cannot tell the element size of dtype {dtype!r}")
+    return size
+
+
+def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Layer name -> its own vLLM spec, for every layer of every group that takes part in KV
+    transfer (``enable_kv_transfer``); ``UniformTypeKVCacheSpecs`` groups are split per layer."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    out: dict[str, Any] = {}
+    for group in kv_cache_config.kv_cache_groups:
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        spec = group.kv_cache_spec
+        for name in group.layer_names:
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                out[name] = spec.kv_cache_specs[name]
+            else:
+                out[name] = spec
+    return out
+
+
+def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
+    """The CacheSpec of one layer. Raises UnsupportedSpecError naming the layer and spec type
+    for specs without a per-layer attention cache."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    if not isinstance(spec, AttentionSpec):
+        raise UnsupportedSpecError(
+            f"layer {layer_name}: {type(spec).__name__} caches cannot be transferred by "
+            "MoRIIONativeConnector (attention K/V and MLA/indexer caches only)"
+        )
+    dtype_bytes = _dtype_bytes(spec.dtype)
+    # The token axis of the view holds stored states, not tokens, when states compress tokens.
+    states = int(spec.num_states)
+    packed = spec.num_head_slots is not None or spec.state_content_bytes is not None
+    if packed or spec.tokens_per_state != 1:
+        content = int(spec.state_content_size_bytes)
+        if content % dtype_bytes:
+            raise UnsupportedSpecError(
+                f"layer {layer_name}: packed content of {content} bytes is not a whole number "
+                f"of {dtype_bytes}-byte elements"
+            )
+        if not packed and not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) and spec.head_size_v:
+            return CacheSpec(
+                kind="kv",
+                block_size=states,
+                num_kv_heads=int(spec.num_heads),
+                head_size=int(spec.head_size),
+                head_size_v=int(spec.head_size_v),
+                dtype_bytes=dtype_bytes,
+            )
+        return CacheSpec(
+            kind="mla",
+            block_size=states,
+            num_kv_heads=int(spec.num_heads),
+            head_size=content // dtype_bytes,
+            dtype_bytes=dtype_bytes,
+        )
+    if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) or not spec.head_size_v:
+        return CacheSpec(
+            kind="mla",
+            block_size=states,
+            num_kv_heads=int(spec.num_heads),
+            head_size=int(spec.head_size),
+            dtype_bytes=dtype_bytes,
+        )
+    return CacheSpec(
+        kind="kv",
+        block_size=states,
+        num_kv_heads=int(spec.num_kv_heads),
+        head_size=int(spec.head_size),
+        head_size_v=int(spec.head_size_v),
+        dtype_bytes=dtype_bytes,
+    )
+
+
+def cache_specs(specs: Mapping[str, Any], layers: Iterable[str] | None = None) -> dict[str, CacheSpec]:
+    """:func:`to_cache_spec` for every layer of ``specs`` (or of ``layers``)."""
+    names = list(specs) if layers is None else list(layers)
+    missing = [n for n in names if n not in specs]
+    if missing:
+        raise InvalidArgumentError(
+            f"no KV-cache spec for layer(s) {', '.join(missing[:4])}: the KV cache config and the "
+            "registered caches disagree"
+        )
+    return {name: to_cache_spec(name, specs[name]) for name in names}
+
+
+__all__ = ["UnsupportedSpecError", "cache_specs", "layer_specs", "to_cache_spec"]
