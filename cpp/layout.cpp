@@ -1,7 +1,6 @@
 #include "moriio_native/layout.hpp"
 
 #include <algorithm>
-#include <functional>
 #include <numeric>
 #include <sstream>
 
@@ -468,6 +467,30 @@ Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const Layer
   return t;
 }
 
+namespace {
+
+// First id that occurs twice in `ids` (all in [0, max_id]), or -1. A bitmap when it is small
+// against the input (the common case: ids below the cache's block count), else a sorted copy.
+std::int64_t FirstDuplicate(std::span<const std::int64_t> ids, std::int64_t max_id) {
+  const auto words = static_cast<std::size_t>(max_id / 64 + 1);
+  if (words <= std::max<std::size_t>(ids.size() * 4, 4096)) {
+    std::vector<std::uint64_t> seen(words, 0);
+    for (std::int64_t id : ids) {
+      std::uint64_t& w = seen[static_cast<std::size_t>(id / 64)];
+      const std::uint64_t bit = std::uint64_t{1} << (id % 64);
+      if (w & bit) return id;
+      w |= bit;
+    }
+    return -1;
+  }
+  std::vector<std::int64_t> sorted(ids.begin(), ids.end());
+  std::sort(sorted.begin(), sorted.end());
+  auto dup = std::adjacent_find(sorted.begin(), sorted.end());
+  return dup == sorted.end() ? -1 : *dup;
+}
+
+}  // namespace
+
 Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
                                       std::span<const std::int64_t> remote_ids) {
   if (local_ids.size() > remote_ids.size()) {
@@ -476,51 +499,41 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
                                 std::to_string(remote_ids.size()));
   }
   const std::size_t n = local_ids.size();
+  remote_ids = remote_ids.first(n);
   BlockPairs pairs;
-  pairs.local_.assign(local_ids.begin(), local_ids.end());
-  pairs.remote_.assign(remote_ids.begin(), remote_ids.begin() + static_cast<std::ptrdiff_t>(n));
+  bool local_sorted = true;
+  bool remote_ascending = true;
   for (std::size_t i = 0; i < n; ++i) {
-    if (pairs.local_[i] < 0 || pairs.remote_[i] < 0) {
+    if (local_ids[i] < 0 || remote_ids[i] < 0) {
       return OutOfRangeError("negative block id at position " + std::to_string(i) + ": local " +
-                             std::to_string(pairs.local_[i]) + ", remote " +
-                             std::to_string(pairs.remote_[i]));
+                             std::to_string(local_ids[i]) + ", remote " +
+                             std::to_string(remote_ids[i]));
+    }
+    pairs.max_local_ = std::max(pairs.max_local_, local_ids[i]);
+    pairs.max_remote_ = std::max(pairs.max_remote_, remote_ids[i]);
+    if (i > 0) {
+      local_sorted &= local_ids[i - 1] < local_ids[i];
+      remote_ascending &= remote_ids[i - 1] < remote_ids[i];
     }
   }
-  if (!std::is_sorted(pairs.local_.begin(), pairs.local_.end())) {
-    std::vector<std::uint32_t> order(n);
-    std::iota(order.begin(), order.end(), 0u);
-    std::sort(order.begin(), order.end(), [&](std::uint32_t a, std::uint32_t b) {
-      return pairs.local_[a] < pairs.local_[b];
-    });
-    std::vector<std::int64_t> local(n);
-    std::vector<std::int64_t> remote(n);
-    for (std::size_t i = 0; i < n; ++i) {
-      local[i] = pairs.local_[order[i]];
-      remote[i] = pairs.remote_[order[i]];
+  // Strictly ascending ids cannot repeat; otherwise check explicitly.
+  if (!local_sorted) {
+    if (std::int64_t dup = FirstDuplicate(local_ids, pairs.max_local_); dup >= 0) {
+      return InvalidArgumentError("duplicate local block id " + std::to_string(dup));
     }
-    pairs.local_.swap(local);
-    pairs.remote_.swap(remote);
   }
-  if (auto dup = std::adjacent_find(pairs.local_.begin(), pairs.local_.end());
-      dup != pairs.local_.end()) {
-    return InvalidArgumentError("duplicate local block id " + std::to_string(*dup));
-  }
-  // Remote ids usually ascend with local ids; only otherwise pay for a sorted copy.
-  const bool remote_ascending =
-      std::adjacent_find(pairs.remote_.begin(), pairs.remote_.end(),
-                         std::greater_equal<std::int64_t>()) == pairs.remote_.end();
-  std::vector<std::int64_t> remote_sorted;
   if (!remote_ascending) {
-    remote_sorted = pairs.remote_;
-    std::sort(remote_sorted.begin(), remote_sorted.end());
-    if (auto dup = std::adjacent_find(remote_sorted.begin(), remote_sorted.end());
-        dup != remote_sorted.end()) {
-      return InvalidArgumentError("duplicate remote block id " + std::to_string(*dup));
+    if (std::int64_t dup = FirstDuplicate(remote_ids, pairs.max_remote_); dup >= 0) {
+      return InvalidArgumentError("duplicate remote block id " + std::to_string(dup));
     }
   }
-  if (n > 0) {
-    pairs.max_local_ = pairs.local_.back();
-    pairs.max_remote_ = remote_ascending ? pairs.remote_.back() : remote_sorted.back();
+  pairs.local_.assign(local_ids.begin(), local_ids.end());
+  pairs.remote_.assign(remote_ids.begin(), remote_ids.end());
+  if (!local_sorted) {
+    std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
+    for (std::size_t i = 0; i < n; ++i) zipped[i] = {local_ids[i], remote_ids[i]};
+    std::sort(zipped.begin(), zipped.end());  // local ids are unique: a total order
+    for (std::size_t i = 0; i < n; ++i) std::tie(pairs.local_[i], pairs.remote_[i]) = zipped[i];
   }
   return pairs;
 }

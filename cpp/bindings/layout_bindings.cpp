@@ -181,19 +181,32 @@ void BindLayout(py::module_& m) {
       })
       .def("plan",
            [](const BlockTemplate& t, const IdArray& local_ids, const IdArray& remote_ids) {
+             const auto local = Ids(local_ids);
+             const auto remote = Ids(remote_ids);
              auto plan = std::make_shared<CopyPlan>();
              Status st;
              {
                // Pure C++ on arrays this call holds: no Python object is touched.
                py::gil_scoped_release release;
-               Result<BlockPairs> pairs = BlockPairs::Create(Ids(local_ids), Ids(remote_ids));
+               Result<BlockPairs> pairs = BlockPairs::Create(local, remote);
                st = pairs.ok() ? StampBlockCopies(t, *pairs, plan.get()) : pairs.status();
              }
              ThrowIfError(st);
              return plan;
            },
-           py::arg("local_block_ids"), py::arg("remote_block_ids"));
-
+           py::arg("local_block_ids"), py::arg("remote_block_ids"))
+      .def("plan",
+           [](const BlockTemplate& t, const BlockPairs& pairs) {
+             auto plan = std::make_shared<CopyPlan>();
+             Status st;
+             {
+               py::gil_scoped_release release;
+               st = StampBlockCopies(t, pairs, plan.get());
+             }
+             ThrowIfError(st);
+             return plan;
+           },
+           py::arg("pairs"), "Plan a request whose pairs were prepared once for all layers.");
 }
 
 }  // namespace moriio_native::bindings
