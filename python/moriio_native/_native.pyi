@@ -1,0 +1,244 @@
+"""
+moriio_native native core (private; use the moriio_native package)
+"""
+from __future__ import annotations
+import collections.abc
+import numpy
+import numpy.typing
+import typing
+__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'plan_registration']
+class CacheSpec:
+    """
+    Logical description of one layer's KV cache.
+    """
+    def __init__(self, *, kind: str = 'kv', block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex | None = None, head_size: typing.SupportsInt | typing.SupportsIndex | None = None, dtype_bytes: typing.SupportsInt | typing.SupportsIndex, head_size_v: typing.SupportsInt | typing.SupportsIndex | None = None) -> None:
+        ...
+    def __repr__(self) -> str:
+        ...
+    @property
+    def block_size(self) -> int:
+        ...
+    @property
+    def dtype_bytes(self) -> int:
+        ...
+    @property
+    def head_size(self) -> int | None:
+        ...
+    @property
+    def head_size_v(self) -> int | None:
+        ...
+    @property
+    def kind(self) -> str:
+        ...
+    @property
+    def num_kv_heads(self) -> int | None:
+        ...
+class TensorGeometry:
+    """
+    Shape and strides (in elements) of a tensor.
+    """
+    def __init__(self, shape: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], strides: collections.abc.Sequence[typing.SupportsInt | typing.SupportsIndex], element_size: typing.SupportsInt | typing.SupportsIndex, data_ptr: typing.SupportsInt | typing.SupportsIndex = 0) -> None:
+        ...
+    def __repr__(self) -> str:
+        ...
+    @property
+    def data_ptr(self) -> int:
+        ...
+    @property
+    def element_size(self) -> int:
+        ...
+    @property
+    def shape(self) -> list[int]:
+        ...
+    @property
+    def strides(self) -> list[int]:
+        ...
+class LayerLayout:
+    """
+    A validated layer layout (immutable).
+    """
+    def __eq__(self, arg0: LayerLayout) -> bool:
+        ...
+    def __hash__(self) -> int:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def describe(self) -> str:
+        ...
+    @property
+    def block_bytes(self) -> int:
+        ...
+    @property
+    def block_size(self) -> int:
+        ...
+    @property
+    def block_stride(self) -> int:
+        ...
+    @property
+    def fingerprint(self) -> int:
+        ...
+    @property
+    def kind(self) -> str:
+        ...
+    @property
+    def name(self) -> str:
+        ...
+    @property
+    def num_blocks(self) -> int:
+        ...
+    @property
+    def num_heads(self) -> int:
+        ...
+    @property
+    def params(self) -> dict:
+        ...
+    @property
+    def span_bytes(self) -> int:
+        ...
+class CopyPlan:
+    """
+    Runs sorted by local offset (bytes from each layer base).
+    """
+    def __len__(self) -> int:
+        ...
+    def __repr__(self) -> str:
+        ...
+    def runs(self) -> list:
+        """
+        The runs as a list of (local_offset, remote_offset, size) tuples.
+        """
+    @property
+    def local_offsets(self) -> numpy.typing.NDArray[numpy.int64]:
+        ...
+    @property
+    def remote_offsets(self) -> numpy.typing.NDArray[numpy.int64]:
+        ...
+    @property
+    def sizes(self) -> numpy.typing.NDArray[numpy.int64]:
+        ...
+    @property
+    def total_bytes(self) -> int:
+        ...
+class BlockPairs:
+    """
+    A request's (local, remote) block pairs, validated and sorted once.
+    """
+    def __init__(self, local_block_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], remote_block_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64]) -> None:
+        ...
+    def __len__(self) -> int:
+        ...
+class BlockTemplate:
+    """
+    The runs that copy one block of a layer pair.
+    """
+    def __init__(self, local: LayerLayout, remote: LayerLayout) -> None:
+        ...
+    @typing.overload
+    def plan(self, local_block_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], remote_block_ids: typing.Annotated[numpy.typing.ArrayLike, numpy.int64]) -> CopyPlan:
+        ...
+    @typing.overload
+    def plan(self, pairs: BlockPairs) -> CopyPlan:
+        """
+        Plan a request whose pairs were prepared once for all layers.
+        """
+    @property
+    def runs(self) -> list:
+        ...
+class RegistrationPlan:
+    """
+    Regions to register and where each view lands.
+    """
+    def __repr__(self) -> str:
+        ...
+    @property
+    def placements(self) -> list:
+        """
+        For each input view, in order: (region_index, offset_in_region).
+        """
+    @property
+    def regions(self) -> list:
+        """
+        List of (start, size, aligned).
+        """
+class _LayerRegistration:
+    def __init__(self, name: str, geometry: TensorGeometry, spec: CacheSpec, kv_plane_axis: str, allocation_base: typing.SupportsInt | typing.SupportsIndex, allocation_size: typing.SupportsInt | typing.SupportsIndex, memory: str, device: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+class TransferEvent:
+    """
+    A transfer reached its terminal state.
+    """
+    def __repr__(self) -> str:
+        ...
+    @property
+    def batches(self) -> int:
+        ...
+    @property
+    def bytes(self) -> int:
+        ...
+    @property
+    def kind(self) -> str:
+        ...
+    @property
+    def message(self) -> str:
+        ...
+    @property
+    def peer(self) -> str:
+        ...
+    @property
+    def runs(self) -> int:
+        ...
+    @property
+    def seconds(self) -> float:
+        ...
+    @property
+    def state(self) -> str:
+        ...
+    @property
+    def transfer_id(self) -> str:
+        ...
+class _Engine:
+    def __init__(self, engine_id: str, backend: str, options: collections.abc.Mapping[str, str], transfer_timeout: typing.SupportsFloat | typing.SupportsIndex, terminal_history: typing.SupportsInt | typing.SupportsIndex, page_size: typing.SupportsInt | typing.SupportsIndex) -> None:
+        ...
+    def abort(self, arg0: str) -> None:
+        ...
+    def add_peer(self, arg0: bytes) -> str:
+        ...
+    def local_metadata(self) -> bytes:
+        ...
+    def peers(self) -> list[str]:
+        ...
+    def poll_events(self, max_events: typing.SupportsInt | typing.SupportsIndex, timeout: typing.SupportsFloat | typing.SupportsIndex) -> list[TransferEvent]:
+        ...
+    def read(self, arg0: str, arg1: str, arg2: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], arg3: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], arg4: collections.abc.Sequence[str]) -> None:
+        ...
+    def register_kv_caches(self, arg0: collections.abc.Sequence[_LayerRegistration]) -> bytes:
+        ...
+    def remove_peer(self, arg0: str) -> None:
+        ...
+    def seal(self, arg0: str, arg1: str) -> None:
+        ...
+    def write_layer(self, arg0: str, arg1: str, arg2: str, arg3: typing.Annotated[numpy.typing.ArrayLike, numpy.int64], arg4: typing.Annotated[numpy.typing.ArrayLike, numpy.int64]) -> bool:
+        ...
+    @property
+    def backend(self) -> str:
+        ...
+    @property
+    def engine_id(self) -> str:
+        ...
+    @property
+    def pending_transfers(self) -> int:
+        ...
+def _describe_layer(name: str, geometry: TensorGeometry, spec: CacheSpec, kv_plane_axis: str = 'auto') -> LayerLayout:
+    ...
+def _raise_status(arg0: str, arg1: str) -> None:
+    """
+    Raise the exception of a status code (for testing the error mapping).
+    """
+def available_backends(options: collections.abc.Mapping[str, str] = {}) -> list:
+    """
+    List of (name, available, reason) for every known backend.
+    """
+def plan_registration(allocation_base: typing.SupportsInt | typing.SupportsIndex, allocation_size: typing.SupportsInt | typing.SupportsIndex, regions: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], page_size: typing.SupportsInt | typing.SupportsIndex = 4096, allow_unaligned: bool = True) -> RegistrationPlan:
+    """
+    Plan one memory region for views (ptr, nbytes) that share one allocation.
+    """
