@@ -314,21 +314,22 @@ Result<LayerLayout> LayerLayout::FromParams(std::string name, const LayoutParams
   if (!CheckedMul(p.num_heads * planes, p.block_size, &cells) || cells > kMaxCellsPerBlock) {
     return InvalidArgumentError(where + ": too many cells per block");
   }
-  // Cells must not overlap, within a block or across blocks. K|V packed in one content axis is
-  // one unit of plane_offset[1] + plane_bytes[1] bytes when V directly follows K's room.
-  std::int64_t unit = std::max(p.plane_bytes[0], p.plane_bytes[1]);
-  std::vector<Axis> axes = {{p.num_blocks, p.block_stride},
-                            {kernel_per_block, p.kernel_block_stride},
-                            {p.num_heads, p.head_stride},
-                            {p.kernel_block_size, p.token_stride}};
-  if (planes == 2) {
-    if (p.plane_offset[1] >= p.plane_bytes[0] && p.plane_offset[1] < unit) {
-      unit = p.plane_offset[1] + p.plane_bytes[1];
-    } else {
-      axes.push_back({2, p.plane_offset[1]});
-    }
+  // Cells must not overlap, within a block or across blocks. Either test proves it: (a) K and V
+  // of a cell as ONE unit of plane_offset[1] + plane_bytes[1] bytes when V starts after K ends
+  // (packed K|V, any widths); (b) the plane as an axis of stride plane_offset[1] over units of
+  // the wider plane (separated planes).
+  const std::vector<Axis> axes = {{p.num_blocks, p.block_stride},
+                                  {kernel_per_block, p.kernel_block_stride},
+                                  {p.num_heads, p.head_stride},
+                                  {p.kernel_block_size, p.token_stride}};
+  bool disjoint = planes == 2 && p.plane_offset[1] >= p.plane_bytes[0] &&
+                  AxesDoNotOverlap(axes, p.plane_offset[1] + p.plane_bytes[1]);
+  if (!disjoint) {
+    std::vector<Axis> with_plane = axes;
+    if (planes == 2) with_plane.push_back({2, p.plane_offset[1]});
+    disjoint = AxesDoNotOverlap(with_plane, std::max(p.plane_bytes[0], p.plane_bytes[1]));
   }
-  if (!AxesDoNotOverlap(axes, unit)) {
+  if (!disjoint) {
     return InvalidArgumentError(where + ": layout cells overlap (strides too small for sizes)");
   }
   // Extent of the layer from its base: the farthest cell end. The first four axes are the

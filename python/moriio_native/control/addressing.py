@@ -109,11 +109,13 @@ def validate_host(host: Any, *, what: str = "host") -> str:
         text = text[1:-1]
     if not text or len(text) > MAX_HOST_LEN:
         raise InvalidArgumentError(f"{what} {_describe(host)} is empty or too long")
+    if "%" in text:
+        raise InvalidArgumentError(f"{what} {_describe(host)}: IP address zone ids are not allowed")
     try:
         return str(ipaddress.ip_address(text))
     except ValueError:
         pass
-    if ":" in text or "%" in text:
+    if ":" in text:
         raise InvalidArgumentError(f"{what} {_describe(host)} is not a valid IP address")
     labels = text.rstrip(".").split(".")
     if not all(_HOST_LABEL_RE.fullmatch(label) for label in labels) or labels[-1].isdigit():

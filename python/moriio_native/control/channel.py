@@ -133,7 +133,7 @@ class _RouterThread:
         context: zmq.Context | None,
     ) -> None:
         if port != 0:
-            validate_port(port, what=f"{self._name} port")
+            port = validate_port(port, what=f"{self._name} port")
         self._context = context if context is not None else zmq.Context.instance()
         self._max_message_bytes = max_message_bytes
         self._stop = threading.Event()
@@ -158,8 +158,8 @@ class _RouterThread:
                 sock.bind(endpoint)
             except zmq.ZMQError as exc:
                 raise TransportError(f"{self._name}: cannot bind {endpoint}: {exc}") from exc
-            last = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._port = int(last.rsplit(":", 1)[1])
+            self._endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._port = int(self._endpoint.rsplit(":", 1)[1])
         except BaseException:
             sock.close(linger=0)
             raise
@@ -176,7 +176,11 @@ class _RouterThread:
         return self._port
 
     def stats(self) -> dict[str, int]:
-        """Counters: messages received, delivered/answered, and dropped by reason."""
+        """A snapshot of the counters: ``received`` (messages read off the socket),
+        ``dropped_malformed`` (framing, size or schema), ``dropped_auth`` (missing or bad tag);
+        the notify listener adds ``delivered`` (queued for drain/get, less those later
+        dropped because their transfer ended), ``dropped_duplicate`` and ``dropped_late``;
+        the handshake server ``answered`` and ``rejected``. Thread-safe."""
         with self._state_lock:
             return dict(self._stats)
 
@@ -207,8 +211,9 @@ class _RouterThread:
                 except zmq.Again:
                     continue
                 self._count("received")
-                peer, ip = _peer_of(frames)
+                peer = "unknown sender"
                 try:
+                    peer, ip = _peer_of(frames)
                     self._dispatch(sock, frames, peer, ip)
                 except Exception as exc:  # the listener must survive anything one message does
                     self._count("dropped_malformed")
@@ -219,7 +224,24 @@ class _RouterThread:
             if not self._stop.is_set():
                 logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
         finally:
-            sock.close(linger=0)
+            self._release(sock)
+
+    def _release(self, sock: zmq.Socket) -> None:
+        # ZMQ closes a listening socket asynchronously in its I/O thread. Wait (bounded) for
+        # the CLOSED event so the port is really free when close() returns and a restarted
+        # listener can bind it again at once.
+        try:
+            monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED)
+            try:
+                sock.unbind(self._endpoint)
+                if monitor.poll(1000):
+                    monitor.recv_multipart()
+            finally:
+                sock.disable_monitor()
+                monitor.close(linger=0)
+        except zmq.ZMQError as exc:
+            logger.debug("%s on port %d: unbind: %s", self._name, self._port, exc)
+        sock.close(linger=0)
 
     def _dispatch(
         self, sock: zmq.Socket, frames: list[zmq.Frame], peer: str, ip: str | None
@@ -336,8 +358,10 @@ class NotifyListener(_RouterThread):
                 if len(self._seen) > self._seen_capacity:
                     self._seen.popitem(last=False)
                 self._pending.append(message)
-                self._cond.notify_all()
-        self._count(outcome)
+            # Counted before waking consumers, so a consumer that got the message also sees it
+            # in stats().
+            self._count(outcome)
+            self._cond.notify_all()
         if outcome != "delivered":
             logger.debug("notify listener: %s %s from %s", outcome, message, peer)
 
@@ -471,8 +495,9 @@ class HandshakeServer(_RouterThread):
                 reply = HandshakeRejected("internal error on the serving side", request.nonce)
         if isinstance(reply, HandshakeResponse) and self._learn_peers and ip:
             self._security.allowlist.learn(ip)
-        sock.send_multipart([identity, b"", *self._security.auth.seal(encode(reply))])
+        # Counted before replying, so a requester that got the reply also sees it in stats().
         self._count("answered" if isinstance(reply, HandshakeResponse) else "rejected")
+        sock.send_multipart([identity, b"", *self._security.auth.seal(encode(reply))])
         logger.debug(
             "handshake %s for %s (%s)",
             "answered" if isinstance(reply, HandshakeResponse) else "rejected",

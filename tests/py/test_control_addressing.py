@@ -1,0 +1,242 @@
+"""Peer addresses in request ids and kv_transfer_params validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from moriio_native.control.addressing import (
+    KV_TRANSFER_PARAM_KEYS,
+    KvTransferParams,
+    ZmqAddress,
+    format_request_id,
+    parse_kv_transfer_params,
+    parse_request_id,
+    peer_address_from_request_id,
+)
+from moriio_native.errors import InvalidArgumentError
+
+P = ZmqAddress("10.0.0.1", 6301, 61005)
+D = ZmqAddress("10.0.0.2", 7301, 7501)
+UID = "0123456789abcdef0123456789abcdef"
+
+
+def test_zmq_address_round_trip():
+    for addr in (P, ZmqAddress("::1", 1, 65535), ZmqAddress("prefill-0.svc", 6301, 61005)):
+        assert ZmqAddress.parse(addr.format()) == addr
+    assert ZmqAddress.parse("host:::1,handshake:1,notify:2").host == "::1"
+    assert ZmqAddress.parse(" host: 10.0.0.1 , handshake: 6301 ,notify:61005") == P
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("host:10.0.0.1,handshake:6301", "missing notify"),
+        ("host:10.0.0.1,handshake:6301,notify:61005,host:6.6.6.6", "twice"),
+        ("host:10.0.0.1,handshake:6301,notify:61005,extra:1", "unexpected segment"),
+        ("host:10.0.0.1,handshake:0,notify:61005", "outside 1..65535"),
+        ("host:10.0.0.1,handshake:65536,notify:61005", "outside 1..65535"),
+        ("host:10.0.0.1,handshake:-1,notify:61005", "decimal"),
+        ("host:10.0.0.1,handshake:0x10,notify:61005", "decimal"),
+        ("host:,handshake:1,notify:2", "empty"),
+        ("host:evil_host,handshake:1,notify:2", "host name"),
+        ("host:a b,handshake:1,notify:2", "host name"),
+        ("host:1.2.3.4.5,handshake:1,notify:2", "host name"),
+        ("host:fe80::1%eth0,handshake:1,notify:2", "zone ids"),
+    ],
+)
+def test_zmq_address_parse_rejects(text, needle):
+    with pytest.raises(InvalidArgumentError, match=needle):
+        ZmqAddress.parse(text)
+
+
+def test_request_id_round_trip_and_peer_selection():
+    rid = format_request_id(P, D, UID)
+    assert rid == (
+        "___prefill_addr_host:10.0.0.1,handshake:6301,notify:61005"
+        "___decode_addr_host:10.0.0.2,handshake:7301,notify:7501_" + UID
+    )
+    parsed = parse_request_id(rid)
+    assert parsed is not None and (parsed.prefill, parsed.decode, parsed.uid) == (P, D, UID)
+    assert peer_address_from_request_id(rid, is_producer=True) == D
+    assert peer_address_from_request_id(rid, is_producer=False) == P
+
+
+def test_request_id_tolerates_vllm_wrapping():
+    rid = "cmpl-" + format_request_id(P, D, UID) + "-0-1a2b3c4d"
+    parsed = parse_request_id(rid)
+    assert parsed is not None and parsed.decode == D and parsed.uid == UID
+
+
+def test_request_id_without_addresses_is_none():
+    assert parse_request_id("cmpl-1234-0-abcd") is None
+    assert peer_address_from_request_id("chatcmpl-xyz", is_producer=True) is None
+
+
+def test_fresh_uid_is_random_hex():
+    a, b = format_request_id(P, D), format_request_id(P, D)
+    assert a != b and parse_request_id(a) is not None
+
+
+GOOD = format_request_id(P, D, UID)
+
+
+@pytest.mark.parametrize(
+    "crafted",
+    [
+        # A second decode marker trying to make a greedy parser pick the attacker's address.
+        GOOD + "___decode_addr_host:6.6.6.6,handshake:1,notify:2_" + UID,
+        GOOD.replace("___prefill_addr_", "___prefill_addr____prefill_addr_"),
+        # Decode before prefill.
+        f"___decode_addr_{D.format()}___prefill_addr_{P.format()}_{UID}",
+        # Only one marker.
+        f"___prefill_addr_{P.format()}_{UID}",
+        f"___decode_addr_{D.format()}_{UID}",
+        # No / short / upper-case uuid.
+        f"___prefill_addr_{P.format()}___decode_addr_{D.format()}",
+        f"___prefill_addr_{P.format()}___decode_addr_{D.format()}_{UID[:31]}",
+        f"___prefill_addr_{P.format()}___decode_addr_{D.format()}_{UID.upper()}",
+        # Suffix without a dash, odd characters around the addresses.
+        GOOD + "x",
+        "a b" + GOOD,
+        GOOD + "-0 ; rm",
+        # Bad embedded addresses: extra key, duplicate key, bad port, missing port.
+        GOOD.replace("notify:7501", "notify:7501,host:6.6.6.6"),
+        GOOD.replace("handshake:6301", "handshake:99999"),
+        GOOD.replace(",notify:61005", ""),
+        # Too long.
+        "x" * 3000 + GOOD,
+    ],
+)
+def test_crafted_request_ids_are_rejected(crafted):
+    with pytest.raises(InvalidArgumentError):
+        parse_request_id(crafted)
+
+
+@pytest.mark.vllm
+def test_agrees_with_vllms_parser_on_valid_ids():
+    common = pytest.importorskip(
+        "vllm.distributed.kv_transfer.kv_connector.v1.moriio.moriio_common"
+    )
+    for rid in (
+        GOOD,
+        "cmpl-" + GOOD + "-0-1a2b3c4d",
+        format_request_id(ZmqAddress("::1", 5, 6), D),
+    ):
+        for is_producer in (True, False):
+            theirs = common.parse_moriio_zmq_address(
+                common.get_peer_zmq_from_request_id(rid, is_producer)
+            )
+            ours = peer_address_from_request_id(rid, is_producer=is_producer)
+            assert ours is not None
+            assert (ours.host, ours.handshake_port, ours.notify_port) == theirs
+
+
+def test_kv_transfer_params_key_names():
+    assert KV_TRANSFER_PARAM_KEYS == (
+        "transfer_id",
+        "do_remote_prefill",
+        "do_remote_decode",
+        "remote_block_ids",
+        "remote_engine_id",
+        "remote_host",
+        "remote_handshake_port",
+        "remote_notify_port",
+        "remote_dp_rank",
+        "remote_tp_size",
+        "remote_dp_size",
+    )
+
+
+def test_prefill_response_params_parse():
+    # What a prefill instance returns in request_finished (ports as strings, legacy tp_size).
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": [4, 5, 6],
+        "remote_engine_id": "10.0.0.1:6301",
+        "remote_host": "10.0.0.1",
+        "remote_handshake_port": "6301",
+        "remote_notify_port": "61005",
+        "remote_dp_size": 1,
+        "tp_size": 4,
+        "transfer_id": "tx-42",
+        "_p_side_truncated": True,  # vLLM-internal keys are ignored
+    }
+    kv = parse_kv_transfer_params(params)
+    assert kv.remote_block_ids == ((4, 5, 6),)
+    assert kv.remote_tp_size == 4 and kv.remote_handshake_port == 6301
+    assert kv.peer_address("cmpl-plain-id", is_producer=False) == P
+    assert parse_kv_transfer_params(kv.to_dict()) == kv
+
+
+def test_proxy_to_decode_params_with_nones():
+    params = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "transfer_id": "tx-1",
+        "remote_dp_size": 2,
+        "remote_tp_size": 8,
+        "remote_dp_rank": 1,
+    }
+    kv = parse_kv_transfer_params(params)
+    assert kv.remote_block_ids is None and kv.remote_engine_id is None
+    # WRITE mode: the address comes from the request id.
+    assert kv.peer_address(GOOD, is_producer=False) == P
+    with pytest.raises(InvalidArgumentError, match="embeds no peer address"):
+        kv.peer_address("cmpl-plain", is_producer=False)
+
+
+def test_request_id_address_wins_over_explicit_keys():
+    kv = parse_kv_transfer_params(
+        {
+            "transfer_id": "t",
+            "remote_host": "10.9.9.9",
+            "remote_handshake_port": 1,
+            "remote_notify_port": 2,
+        }
+    )
+    assert kv.peer_address(GOOD, is_producer=True) == D
+
+
+@pytest.mark.parametrize(
+    ("update", "needle"),
+    [
+        ({"transfer_id": None}, "transfer_id"),
+        ({"transfer_id": 12}, "transfer_id"),
+        ({"transfer_id": "a\x00b"}, "transfer_id"),
+        ({"do_remote_prefill": "yes"}, "do_remote_prefill"),
+        ({"do_remote_prefill": True, "do_remote_decode": True}, "cannot both be true"),
+        ({"remote_block_ids": [1, -1]}, "remote_block_ids"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"remote_block_ids": [1, 2.0]}, "remote_block_ids"),
+        ({"remote_engine_id": ""}, "remote_engine_id"),
+        ({"remote_host": "evil host"}, "remote_host"),
+        ({"remote_handshake_port": 0}, "remote_handshake_port"),
+        ({"remote_notify_port": "80x"}, "remote_notify_port"),
+        ({"remote_notify_port": True}, "remote_notify_port"),
+        ({"remote_dp_rank": 2, "remote_dp_size": 2}, "remote_dp_rank"),
+        ({"remote_dp_size": 0}, "remote_dp_size"),
+        ({"remote_tp_size": -1}, "remote_tp_size"),
+    ],
+)
+def test_bad_kv_transfer_params_name_the_key(update, needle):
+    params = {"transfer_id": "tx-1", **update}
+    before = dict(params)
+    with pytest.raises(InvalidArgumentError, match=needle):
+        parse_kv_transfer_params(params)
+    assert params == before
+
+
+def test_partial_explicit_address_names_missing_keys():
+    kv = parse_kv_transfer_params({"transfer_id": "t", "remote_host": "10.0.0.1"})
+    with pytest.raises(InvalidArgumentError, match="remote_handshake_port, remote_notify_port"):
+        kv.peer_address("plain", is_producer=True)
+
+
+def test_non_mapping_params_are_rejected():
+    with pytest.raises(InvalidArgumentError, match="mapping"):
+        parse_kv_transfer_params([("transfer_id", "t")])
+    with pytest.raises(InvalidArgumentError, match="transfer_id"):
+        KvTransferParams(transfer_id="")

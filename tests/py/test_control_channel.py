@@ -1,0 +1,669 @@
+"""Control-plane sockets over real ZMQ on 127.0.0.1 (random free ports, bounded waits)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import msgpack
+import pytest
+import zmq
+
+from moriio_native.control.addressing import (
+    ZmqAddress,
+    format_request_id,
+    parse_kv_transfer_params,
+    peer_address_from_request_id,
+)
+from moriio_native.control.channel import (
+    HandshakeServer,
+    NotifyListener,
+    NotifySender,
+    ProxyPinger,
+    fetch_metadata,
+)
+from moriio_native.control.messages import (
+    HandshakeRejected,
+    HandshakeRequest,
+    HandshakeResponse,
+    ProxyRegistration,
+    Release,
+    RemoteBlocks,
+    WriteDone,
+    WriteFailed,
+    decode,
+    encode,
+)
+from moriio_native.control.ports import PortPlan, rank_port
+from moriio_native.control.security import (
+    AuthenticationError,
+    ControlSecurity,
+    MessageAuth,
+    PeerAllowlist,
+    PeerNotAllowedError,
+)
+from moriio_native.errors import (
+    FailedPreconditionError,
+    TransferTimeoutError,
+    TransportError,
+)
+
+WAIT = 5.0  # upper bound for anything that should arrive; never reached when things work
+SECRET = "test-secret-0123456789"
+LOCAL = "127.0.0.1"
+
+
+def security(secret=None, allowed=("127.0.0.0/8",)):
+    return ControlSecurity(MessageAuth(secret), PeerAllowlist(list(allowed)))
+
+
+class CountingContext:
+    """A zmq context wrapper that records every socket created through it."""
+
+    def __init__(self):
+        self.created = []
+
+    def socket(self, socket_type):
+        sock = zmq.Context.instance().socket(socket_type)
+        self.created.append(socket_type)
+        return sock
+
+
+@pytest.fixture
+def raw_dealer():
+    socks = []
+
+    def connect(port):
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{LOCAL}:{port}")
+        socks.append(sock)
+        return sock
+
+    yield connect
+    for sock in socks:
+        sock.close(linger=0)
+
+
+def wait_until(predicate):
+    deadline = time.monotonic() + WAIT
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind((LOCAL, 0))
+        return s.getsockname()[1]
+
+
+# ---- notify channel ---------------------------------------------------------------------------
+
+NOTIFIES = [
+    RemoteBlocks("tx-1", ((1, 2, 3), (9,)), "decode-0", decode_dp_rank=1, req_id="r"),
+    WriteDone("tx-1", writer_rank=2, num_writers=4),
+    WriteFailed("tx-2", reason="deferred write expired"),
+    Release("tx-3", consumer_tp_size=2, consumer_tp_rank=1),
+]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "hmac"])
+def test_every_notify_message_arrives_intact(secret):
+    sec = security(secret)
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
+        for message in NOTIFIES:
+            sender.send(LOCAL, listener.port, message)
+        received = [listener.get(WAIT) for _ in NOTIFIES]
+    assert received == NOTIFIES
+
+
+def test_listener_survives_bad_messages_and_keeps_delivering(raw_dealer, caplog):
+    sec = security(SECRET)
+    auth = sec.auth
+    good = Release("tx-ok")
+    bad_frames = [
+        [b"\xc1not msgpack"],  # no tag at all
+        [b"\x00" * 100],  # no tag
+        auth.seal(b"\xc1not msgpack"),  # tagged garbage
+        auth.seal(msgpack.packb({"type": "nope", "transfer_id": "x"})),  # unknown type
+        auth.seal(msgpack.packb({"type": "release"})),  # missing key
+        auth.seal(msgpack.packb({"type": "release", "transfer_id": "x", "evil": 1})),
+        auth.seal(b"\x91" * 5000 + b"\x00"),  # deeply nested
+        auth.seal(b"x" * 3000),  # oversized for this listener (max 2048)
+        [*auth.seal(encode(good)), b"third frame"],
+        [encode(good), b"\x00" * 32],  # forged tag
+        [encode(good), auth.seal(encode(Release("other")))[1]],  # tag of another message
+    ]
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    with NotifyListener(0, sec, bind_host=LOCAL, max_message_bytes=2048) as listener:
+        dealer = raw_dealer(listener.port)
+        for frames in bad_frames:
+            dealer.send_multipart(frames)
+        dealer.send_multipart(auth.seal(encode(good)))
+        assert listener.get(WAIT) == good
+        assert listener.drain() == []
+        stats = listener.stats()
+    assert stats["delivered"] == 1
+    assert stats["dropped_auth"] == 4
+    assert stats["dropped_malformed"] == len(bad_frames) - 4
+    assert stats["received"] == len(bad_frames) + 1
+    dropped_lines = [r.getMessage() for r in caplog.records if "dropped message" in r.getMessage()]
+    assert len(dropped_lines) == len(bad_frames)
+    assert all(LOCAL in line for line in dropped_lines)  # the sender is named
+
+
+def test_plain_listener_drops_tagged_messages(raw_dealer):
+    with NotifyListener(0, security(None), bind_host=LOCAL) as listener:
+        dealer = raw_dealer(listener.port)
+        dealer.send_multipart(MessageAuth(SECRET).seal(encode(Release("tagged"))))
+        dealer.send(encode(Release("plain")))
+        assert listener.get(WAIT) == Release("plain")
+        assert listener.stats()["dropped_auth"] == 1
+
+
+def test_duplicates_are_delivered_once_but_fan_in_is_kept():
+    sec = security()
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
+        for message in (
+            Release("tx-1", 2, 0),
+            Release("tx-1", 2, 0),  # duplicate
+            Release("tx-1", 2, 1),  # second consumer rank: a distinct ack
+            RemoteBlocks("tx-2", ((1,),), "d"),
+            RemoteBlocks("tx-2", ((1,),), "d"),  # duplicate
+            WriteDone("tx-3", 0, 2),
+            WriteDone("tx-3", 1, 2),
+            WriteDone("tx-3", 1, 2),  # duplicate
+            Release("marker"),
+        ):
+            sender.send(LOCAL, listener.port, message)
+        got = []
+        while not got or got[-1] != Release("marker"):
+            message = listener.get(WAIT)
+            assert message is not None
+            got.append(message)
+        assert got == [
+            Release("tx-1", 2, 0),
+            Release("tx-1", 2, 1),
+            RemoteBlocks("tx-2", ((1,),), "d"),
+            WriteDone("tx-3", 0, 2),
+            WriteDone("tx-3", 1, 2),
+            Release("marker"),
+        ]
+        assert listener.stats()["dropped_duplicate"] == 3
+
+
+def test_messages_of_terminal_transfers_are_not_delivered():
+    sec = security()
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
+        sender.send(LOCAL, listener.port, RemoteBlocks("tx-late", ((1,),), "d"))
+        sender.send(LOCAL, listener.port, Release("sync-1"))
+        assert listener.get(WAIT) == RemoteBlocks("tx-late", ((1,),), "d")
+        assert listener.get(WAIT) == Release("sync-1")
+        sender.send(LOCAL, listener.port, Release("tx-queued"))
+        sender.send(LOCAL, listener.port, Release("sync-2"))
+        # Wait until both are queued, then end tx-queued before anyone drained it.
+        wait_until(lambda: listener.stats()["delivered"] == 4)
+        listener.mark_terminal("tx-queued")
+        listener.mark_terminal("tx-late")
+        sender.send(LOCAL, listener.port, WriteDone("tx-late"))  # after the transfer ended
+        sender.send(LOCAL, listener.port, Release("sync-3"))
+        assert listener.get(WAIT) == Release("sync-2")
+        assert listener.get(WAIT) == Release("sync-3")
+        assert listener.drain() == []
+        assert listener.stats()["dropped_late"] == 2
+
+
+def test_refused_peer_gets_no_socket_and_no_message():
+    ctx = CountingContext()
+    refusing = security(allowed=["10.0.0.0/8"])
+    with NotifyListener(0, security(), bind_host=LOCAL) as listener:
+        sender = NotifySender(refusing, context=ctx)
+        with pytest.raises(PeerNotAllowedError, match=r"127\.0\.0\.1.*release of transfer tx-1"):
+            sender.send(LOCAL, listener.port, Release("tx-1"))
+        assert ctx.created == []
+        sender.close()
+        # The listener saw nothing from the refused sender: the first message it ever
+        # receives is one sent afterwards by an allowed sender.
+        with NotifySender(security()) as allowed:
+            allowed.send(LOCAL, listener.port, Release("tx-2"))
+            assert listener.get(WAIT) == Release("tx-2")
+        assert listener.stats()["received"] == 1
+
+
+def test_full_listener_pushes_back_instead_of_dropping():
+    sec = security()
+    n = 50
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL, max_pending=2) as listener,
+        NotifySender(sec) as sender,
+    ):
+        for i in range(n):
+            sender.send(LOCAL, listener.port, Release(f"tx-{i}"))
+        got = [listener.get(WAIT) for _ in range(n)]
+    assert got == [Release(f"tx-{i}") for i in range(n)]
+
+
+def test_evicted_sender_sockets_still_flush_their_messages():
+    sec = security()
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as a,
+        NotifyListener(0, sec, bind_host=LOCAL) as b,
+        NotifySender(sec, max_peers=1) as sender,
+    ):
+        for i in range(10):
+            sender.send(LOCAL, a.port, Release(f"a-{i}"))
+            sender.send(LOCAL, b.port, Release(f"b-{i}"))
+        got_a = sorted(m.transfer_id for m in (a.get(WAIT) for _ in range(10)) if m)
+        got_b = sorted(m.transfer_id for m in (b.get(WAIT) for _ in range(10)) if m)
+    assert got_a == sorted(f"a-{i}" for i in range(10))
+    assert got_b == sorted(f"b-{i}" for i in range(10))
+
+
+def test_sender_reports_a_full_queue_instead_of_blocking():
+    port = free_port()  # nobody listens there, so messages pile up in the socket's queue
+    with (
+        NotifySender(security(), send_hwm=1) as sender,
+        pytest.raises(TransportError, match="queue full"),
+    ):
+        for i in range(100_000):
+            sender.send(LOCAL, port, Release(f"tx-{i}"))
+
+
+def test_sender_after_close_and_bad_input():
+    sender = NotifySender(security())
+    with pytest.raises(Exception, match="notify port"):
+        sender.send(LOCAL, 0, Release("t"))
+    with pytest.raises(Exception, match="not a notify message"):
+        sender.send(LOCAL, 5555, HandshakeRequest("x"))  # type: ignore[arg-type]
+    sender.close()
+    with pytest.raises(FailedPreconditionError):
+        sender.send(LOCAL, 5555, Release("t"))
+
+
+def test_close_joins_thread_and_frees_the_port():
+    listener = NotifyListener(0, security(), bind_host=LOCAL)
+    port = listener.port
+    thread = listener._thread
+    listener.close()
+    listener.close()  # idempotent
+    assert thread is not None and not thread.is_alive()
+    with NotifyListener(port, security(), bind_host=LOCAL) as again:
+        assert again.port == port
+
+
+def test_port_in_use_is_a_transport_error():
+    with (
+        NotifyListener(0, security(), bind_host=LOCAL) as listener,
+        pytest.raises(TransportError, match="cannot bind"),
+    ):
+        NotifyListener(listener.port, security(), bind_host=LOCAL)
+
+
+# ---- handshake --------------------------------------------------------------------------------
+
+
+def provider_for(engine_id="prefill-0", metadata=b"\x01native-metadata\x00" * 100):
+    def provide(request):
+        return HandshakeResponse(engine_id, metadata, 1, 3, 2, 4, "READ")
+
+    return provide
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "hmac"])
+def test_fetch_metadata_round_trip(secret):
+    server_sec = security(secret, allowed=())
+    with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
+        assert not server_sec.allowlist.check(LOCAL)
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=security(secret), requester_engine_id="d0"
+        )
+        assert reply.engine_id == "prefill-0"
+        assert reply.engine_metadata == b"\x01native-metadata\x00" * 100
+        assert (reply.dp_rank, reply.tp_rank, reply.dp_size, reply.tp_size) == (1, 3, 2, 4)
+        # The server learned the requester: it may now notify it.
+        assert server_sec.allowlist.check(LOCAL)
+        assert server.stats()["answered"] == 1
+
+
+def test_fetch_from_dead_port_times_out():
+    with pytest.raises(TransferTimeoutError, match="no reply within"):
+        fetch_metadata(
+            LOCAL, free_port(), timeout=0.3, security=security(), requester_engine_id="d0"
+        )
+
+
+def test_fetch_to_refused_host_opens_no_socket():
+    ctx = CountingContext()
+    with pytest.raises(PeerNotAllowedError, match="handshake"):
+        fetch_metadata(
+            "203.0.113.9",
+            6301,
+            timeout=1.0,
+            security=security(allowed=["10.0.0.0/8"]),
+            requester_engine_id="d0",
+            context=ctx,
+        )
+    assert ctx.created == []
+
+
+def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
+    with HandshakeServer(0, provider_for(), security(SECRET), bind_host=LOCAL) as server:
+        with pytest.raises(TransferTimeoutError):
+            fetch_metadata(
+                LOCAL,
+                server.port,
+                timeout=0.3,
+                security=security("another-secret-0123456789"),
+                requester_engine_id="intruder",
+            )
+        # Over one connection (so in order): untagged, wrongly tagged, then a good request.
+        dealer = raw_dealer(server.port)
+        untagged, wrong, good = (HandshakeRequest(n) for n in ("a", "b", "c"))
+        dealer.send(encode(untagged))
+        dealer.send_multipart(MessageAuth("another-secret-0123456789").seal(encode(wrong)))
+        dealer.send_multipart(MessageAuth(SECRET).seal(encode(good)))
+        assert dealer.poll(int(WAIT * 1000))
+        frames = dealer.recv_multipart()
+        reply = decode(
+            MessageAuth(SECRET).open(frames[1:]), (HandshakeResponse,), max_bytes=1 << 20
+        )
+        assert reply.nonce == good.nonce  # only the good request was answered
+        assert not dealer.poll(200)  # and nothing else
+        stats = server.stats()
+    assert stats["answered"] == 1 and stats["dropped_auth"] >= 2
+
+
+def test_unauthenticated_requester_is_not_learned(raw_dealer):
+    server_sec = security(SECRET, allowed=())
+    with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
+        dealer = raw_dealer(server.port)
+        dealer.send(encode(HandshakeRequest("intruder")))  # no tag
+        dealer.send_multipart(server_sec.auth.seal(b"\xc1"))  # tagged but malformed: a marker
+        wait_until(lambda: server.stats()["dropped_malformed"] == 1)
+        assert server.stats()["dropped_auth"] == 1
+        assert not server_sec.allowlist.check(LOCAL)
+
+
+def test_server_survives_garbage_then_answers(raw_dealer):
+    with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
+        dealer = raw_dealer(server.port)
+        dealer.send(b"get_meta_msg")  # vLLM's raw command is not our protocol
+        dealer.send(b"\xc1")
+        dealer.send_multipart([b"a", b"b", b"c"])
+        dealer.send(b"x" * 10_000)
+        dealer.send(encode(Release("wrong channel")))
+        request = HandshakeRequest("d0")
+        dealer.send(encode(request))  # same connection: processed after all the garbage
+        assert dealer.poll(int(WAIT * 1000))
+        _empty, payload = dealer.recv_multipart()
+        reply = decode(payload, (HandshakeResponse,), max_bytes=1 << 20)
+        assert reply.engine_id == "prefill-0" and reply.nonce == request.nonce
+        assert server.stats()["dropped_malformed"] == 5
+        # And a regular client is still served.
+        assert (
+            fetch_metadata(
+                LOCAL, server.port, timeout=WAIT, security=security(), requester_engine_id="d1"
+            ).engine_id
+            == "prefill-0"
+        )
+
+
+def test_provider_errors_reach_the_requester():
+    def not_ready(request):
+        raise FailedPreconditionError("KV caches are not registered yet")
+
+    def broken(request):
+        raise ZeroDivisionError("bug")
+
+    for provider, needle in ((not_ready, "not registered yet"), (broken, "internal error")):
+        with (
+            HandshakeServer(0, provider, security(), bind_host=LOCAL) as server,
+            pytest.raises(FailedPreconditionError, match=needle),
+        ):
+            fetch_metadata(
+                LOCAL, server.port, timeout=WAIT, security=security(), requester_engine_id="d"
+            )
+
+
+def test_other_protocol_version_is_rejected(raw_dealer):
+    with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
+        dealer = raw_dealer(server.port)
+        dealer.send(encode(HandshakeRequest("d", protocol_version=2)))
+        assert dealer.poll(int(WAIT * 1000))
+        empty, payload = dealer.recv_multipart()
+        reply = decode(payload, (HandshakeResponse, HandshakeRejected), max_bytes=1 << 20)
+        assert empty == b"" and isinstance(reply, HandshakeRejected)
+        assert "protocol version 2" in reply.reason
+
+
+def _fake_server_reply(make_reply):
+    """Run fetch_metadata against a raw ROUTER that answers with make_reply(request)."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port(f"tcp://{LOCAL}")
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(
+                fetch_metadata,
+                LOCAL,
+                port,
+                timeout=WAIT,
+                security=security(),
+                requester_engine_id="d0",
+            )
+            assert router.poll(int(WAIT * 1000))
+            identity, payload = router.recv_multipart()
+            request = decode(payload, (HandshakeRequest,), max_bytes=4096)
+            router.send_multipart([identity, *make_reply(request)])
+            return future.result(timeout=WAIT)
+    finally:
+        router.close(linger=0)
+
+
+def test_reply_to_another_request_is_refused():
+    stale = HandshakeResponse("p", b"m", nonce=b"z" * 16)
+    with pytest.raises(AuthenticationError, match="nonce"):
+        _fake_server_reply(lambda req: [b"", encode(stale)])
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"not-empty", b"x"],
+        [b"", b"\xc1"],
+        [b"", msgpack.packb({"type": "handshake_response", "engine_id": "p"})],
+    ],
+)
+def test_malformed_reply_is_a_transport_error(frames):
+    with pytest.raises(TransportError):
+        _fake_server_reply(lambda req: frames)
+
+
+# ---- proxy ping -------------------------------------------------------------------------------
+
+REGISTRATION = ProxyRegistration(
+    "D", "127.0.0.1:8200", ZmqAddress("127.0.0.1", 7301, 7501), 1, 4, "READ"
+)
+
+
+def test_proxy_pinger_sends_vllm_registration_until_stopped():
+    ctx = zmq.Context.instance()
+    proxy = ctx.socket(zmq.ROUTER)
+    proxy.setsockopt(zmq.LINGER, 0)
+    port = proxy.bind_to_random_port(f"tcp://{LOCAL}")
+    try:
+        pinger = ProxyPinger(LOCAL, port, REGISTRATION, interval=0.05).start()
+        received = []
+        for _ in range(2):
+            assert proxy.poll(int(WAIT * 1000))
+            _identity, payload = proxy.recv_multipart()  # exactly one payload frame, no tag
+            received.append(msgpack.unpackb(payload))
+        pinger.stop()
+        assert pinger._thread is not None and not pinger._thread.is_alive()
+        assert pinger.pings_sent >= 2
+    finally:
+        proxy.close(linger=0)
+    assert (
+        received[0]
+        == received[1]
+        == {
+            "type": "D",
+            "http_address": "127.0.0.1:8200",
+            "zmq_address": "host:127.0.0.1,handshake:7301,notify:7501",
+            "dp_size": 1,
+            "tp_size": 4,
+            "transfer_mode": "READ",
+        }
+    )
+
+
+def test_proxy_pinger_without_proxy_stops_cleanly():
+    pinger = ProxyPinger(LOCAL, free_port(), REGISTRATION, interval=0.02).start()
+    pinger.stop()
+    assert pinger._thread is not None and not pinger._thread.is_alive()
+
+
+def test_proxy_pinger_checks_allowlist_and_arguments():
+    with pytest.raises(PeerNotAllowedError):
+        ProxyPinger("203.0.113.1", 36367, REGISTRATION, allowlist=PeerAllowlist(["10.0.0.0/8"]))
+    with pytest.raises(Exception, match="interval"):
+        ProxyPinger(LOCAL, 36367, REGISTRATION, interval=0)
+    with pytest.raises(Exception, match="proxy_ping_port"):
+        ProxyPinger(LOCAL, 0, REGISTRATION)
+
+
+# ---- end to end: what the connector does with these pieces ------------------------------------
+
+
+def free_bases(count, n):
+    """``count`` distinct base ports, each followed by n-1 more free ports (all held open while
+    choosing, so the blocks cannot overlap)."""
+    held, bases = [], []
+    try:
+        while len(bases) < count:
+            probe = socket.socket()
+            probe.bind((LOCAL, 0))
+            base = probe.getsockname()[1]
+            held.append(probe)
+            block = []
+            try:
+                for p in range(base + 1, base + n):
+                    s = socket.socket()
+                    block.append(s)
+                    s.bind((LOCAL, p))
+            except OSError:
+                continue
+            finally:
+                held.extend(block)
+            bases.append(base)
+    finally:
+        for s in held:
+            s.close()
+    return bases
+
+
+def test_read_mode_flow_across_tp_ranks():
+    tp = 2
+    hs_base, nf_base = free_bases(2, tp)
+    p_plan = PortPlan(hs_base, nf_base, dp_size=1, tp_size=tp)
+    p_sec = security(SECRET, allowed=())  # prefill dials nobody in READ mode
+    d_sec = security(SECRET)
+
+    def provider(rank):
+        return lambda req: HandshakeResponse(f"p-tp{rank}", b"meta%d" % rank, 0, rank, 1, tp)
+
+    servers = [
+        HandshakeServer(p_plan.handshake_port(0, t), provider(t), p_sec, bind_host=LOCAL)
+        for t in range(tp)
+    ]
+    listeners = [
+        NotifyListener(p_plan.notify_port(0, t), p_sec, bind_host=LOCAL) for t in range(tp)
+    ]
+    try:
+        # The router embeds P's base ports (and D's) in the request id.
+        rid = (
+            "cmpl-"
+            + format_request_id(
+                ZmqAddress(LOCAL, p_plan.handshake_base, p_plan.notify_base),
+                ZmqAddress(LOCAL, 7301, 7501),
+            )
+            + "-0-deadbeef"
+        )
+        params = parse_kv_transfer_params(
+            {
+                "transfer_id": "tx-7",
+                "do_remote_prefill": True,
+                "remote_block_ids": [3, 4],
+                "remote_engine_id": "p",
+                "remote_tp_size": tp,
+                "remote_dp_size": 1,
+                "remote_dp_rank": 0,
+            }
+        )
+        peer = params.peer_address(rid, is_producer=False)
+        assert not p_sec.allowlist.check(peer.host)  # nothing configured, nothing learned yet
+        remote = PortPlan(peer.handshake_port, peer.notify_port, params.remote_dp_size, tp)
+        with NotifySender(d_sec) as sender:
+            for t in range(tp):  # each decode rank talks to its prefill counterpart
+                meta = fetch_metadata(
+                    peer.host,
+                    remote.handshake_port(params.remote_dp_rank, t),
+                    timeout=WAIT,
+                    security=d_sec,
+                    requester_engine_id=f"d-tp{t}",
+                )
+                assert (meta.engine_id, meta.tp_rank, meta.engine_metadata) == (
+                    f"p-tp{t}",
+                    t,
+                    b"meta%d" % t,
+                )
+                sender.send(
+                    peer.host,
+                    remote.notify_port(params.remote_dp_rank, t),
+                    Release(params.transfer_id, consumer_tp_size=tp, consumer_tp_rank=t),
+                )
+        for t, listener in enumerate(listeners):
+            assert listener.get(WAIT) == Release("tx-7", tp, t)
+        # Every prefill rank learned the decode host from its handshake.
+        assert p_sec.allowlist.check(LOCAL)
+    finally:
+        for item in (*servers, *listeners):
+            item.close()
+
+
+def test_write_mode_flow_blocks_then_done():
+    bases = free_bases(4, 1)
+    p_plan = PortPlan(bases[0], bases[1])
+    d_plan = PortPlan(bases[2], bases[3])
+    rid = format_request_id(
+        ZmqAddress(LOCAL, p_plan.handshake_base, p_plan.notify_base),
+        ZmqAddress(LOCAL, d_plan.handshake_base, d_plan.notify_base),
+    )
+    sec = security(SECRET)
+    with (
+        NotifyListener(p_plan.notify_port(0, 0), sec, bind_host=LOCAL) as p_listener,
+        NotifyListener(d_plan.notify_port(0, 0), sec, bind_host=LOCAL) as d_listener,
+        NotifySender(sec) as d_sender,
+        NotifySender(sec) as p_sender,
+    ):
+        # D allocates and tells P where to write.
+        p_addr = peer_address_from_request_id(rid, is_producer=False)
+        assert p_addr is not None
+        d_sender.send(
+            p_addr.host, p_addr.notify_port, RemoteBlocks("tx-w", ((5, 6),), "d0", req_id=rid)
+        )
+        blocks = p_listener.get(WAIT)
+        assert blocks == RemoteBlocks("tx-w", ((5, 6),), "d0", req_id=rid)
+        # P writes, then reports to the decode rank found in the request id.
+        d_addr = peer_address_from_request_id(blocks.req_id, is_producer=True)
+        assert d_addr is not None
+        p_sender.send(
+            d_addr.host,
+            rank_port(d_addr.notify_port, blocks.decode_dp_rank, 0, tp_size=1),
+            WriteDone("tx-w"),
+        )
+        assert d_listener.get(WAIT) == WriteDone("tx-w")

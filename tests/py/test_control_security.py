@@ -1,0 +1,137 @@
+"""Message authentication (HMAC) and the peer allowlist."""
+
+from __future__ import annotations
+
+import pytest
+
+from moriio_native.control.security import (
+    ENV_AUTH_SECRET,
+    AuthenticationError,
+    ControlSecurity,
+    MessageAuth,
+    PeerAllowlist,
+    PeerNotAllowedError,
+)
+from moriio_native.errors import InvalidArgumentError
+
+SECRET = "0123456789abcdef-shared"
+
+
+def test_sealed_payload_opens_with_the_same_secret():
+    auth = MessageAuth(SECRET)
+    frames = auth.seal(b"payload")
+    assert frames[0] == b"payload" and len(frames) == 2
+    assert auth.open(frames) == b"payload"
+
+
+def test_forged_tag_is_refused():
+    auth = MessageAuth(SECRET)
+    payload, tag = auth.seal(b"payload")
+    forged = bytes([tag[0] ^ 1]) + tag[1:]
+    with pytest.raises(AuthenticationError, match="does not match"):
+        auth.open([payload, forged])
+    # A tag made with another secret, and a tampered payload with the original tag.
+    with pytest.raises(AuthenticationError):
+        auth.open(MessageAuth("another-secret-of-16+").seal(b"payload"))
+    with pytest.raises(AuthenticationError):
+        auth.open([b"payloaD", tag])
+
+
+def test_missing_tag_is_refused_when_a_secret_is_set():
+    with pytest.raises(AuthenticationError, match="2 frames"):
+        MessageAuth(SECRET).open([b"payload"])
+
+
+def test_tag_without_local_secret_names_the_misconfiguration():
+    tagged = MessageAuth(SECRET).seal(b"payload")
+    with pytest.raises(AuthenticationError, match="no auth_secret is configured"):
+        MessageAuth(None).open(tagged)
+    assert MessageAuth(None).open([b"payload"]) == b"payload"
+
+
+def test_short_or_bad_secrets_are_rejected():
+    with pytest.raises(InvalidArgumentError, match="at least 16"):
+        MessageAuth("short")
+    with pytest.raises(InvalidArgumentError, match="at least 16"):
+        MessageAuth.from_config({"auth_secret": ""})
+    with pytest.raises(InvalidArgumentError, match="str or bytes"):
+        MessageAuth(1234)  # type: ignore[arg-type]
+
+
+def test_secret_comes_from_config_then_environment(monkeypatch):
+    monkeypatch.delenv(ENV_AUTH_SECRET, raising=False)
+    assert not MessageAuth.from_config({}).enabled
+    monkeypatch.setenv(ENV_AUTH_SECRET, "environment-secret-1234")
+    from_env = MessageAuth.from_config({})
+    assert from_env.open(MessageAuth("environment-secret-1234").seal(b"x")) == b"x"
+    from_config = MessageAuth.from_config({"auth_secret": SECRET})
+    with pytest.raises(AuthenticationError):
+        from_config.open(from_env.seal(b"x"))
+    monkeypatch.setenv(ENV_AUTH_SECRET, "")
+    assert not MessageAuth.from_config(None).enabled
+
+
+def test_allowlist_cidrs_names_and_nothing_else():
+    allow = PeerAllowlist(["10.0.0.0/16", "fd00::/8", "192.168.1.7", "prefill-0.svc.local"])
+    for host in (
+        "10.0.3.4",
+        "fd00::1",
+        "[fd00::2]",
+        "192.168.1.7",
+        "Prefill-0.svc.local",
+        "::ffff:10.0.0.9",
+    ):
+        assert allow.check(host), host
+    for host in ("10.1.0.1", "192.168.1.8", "127.0.0.1", "::1", "prefill-1.svc.local", "evil.com"):
+        assert not allow.check(host), host
+
+
+@pytest.mark.parametrize("garbage", ["", " ", "a b", "1.2.3.4:80", "host_x", None, 5, "x" * 300])
+def test_allowlist_check_refuses_garbage_without_raising(garbage):
+    assert not PeerAllowlist(["0.0.0.0/0"]).check(garbage)
+
+
+def test_empty_allowlist_allows_only_learned_hosts():
+    allow = PeerAllowlist()
+    assert not allow.check("10.0.0.5")
+    assert allow.learn("10.0.0.5")
+    assert allow.check("10.0.0.5")
+    assert not allow.check("10.0.0.6")
+    assert not allow.learn("some-host-name")  # only real source addresses are learned
+
+
+def test_learned_hosts_are_bounded():
+    allow = PeerAllowlist(max_learned=2)
+    for host in ("10.0.0.1", "10.0.0.2", "10.0.0.3"):
+        allow.learn(host)
+    assert not allow.check("10.0.0.1")
+    assert allow.check("10.0.0.2") and allow.check("10.0.0.3")
+
+
+def test_require_raises_and_names_the_peer():
+    allow = PeerAllowlist(["10.0.0.0/8"])
+    assert allow.require("10.9.8.7", purpose="test") == "10.9.8.7"
+    with pytest.raises(PeerNotAllowedError, match=r"'203\.0\.113\.5'.*release to 203"):
+        allow.require("203.0.113.5", purpose="release to 203.0.113.5:61005")
+
+
+def test_star_allows_everything():
+    allow = PeerAllowlist(["*"])
+    assert allow.check("203.0.113.5") and allow.check("2001:db8::1")
+
+
+@pytest.mark.parametrize("entry", ["10.0.0.0/33", "not a host", "", 7])
+def test_bad_allowlist_entries_are_named(entry):
+    with pytest.raises(InvalidArgumentError, match="allowed_peers"):
+        PeerAllowlist([entry])
+
+
+def test_control_security_from_config(monkeypatch):
+    monkeypatch.delenv(ENV_AUTH_SECRET, raising=False)
+    sec = ControlSecurity.from_config(
+        {"allowed_peers": "10.0.0.0/8, 127.0.0.1", "auth_secret": SECRET}
+    )
+    assert sec.auth.enabled
+    assert sec.allowlist.check("127.0.0.1") and sec.allowlist.check("10.2.3.4")
+    with pytest.raises(InvalidArgumentError, match="allowed_peers"):
+        ControlSecurity.from_config({"allowed_peers": 5})
