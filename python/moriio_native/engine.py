@@ -43,8 +43,10 @@ def _ucx_wheel_library_dir() -> str | None:
 def _backend_options(backend: str, options: Mapping[str, Any] | None) -> dict[str, str]:
     """String options for the native backend, with the UCX library found in the Python env."""
     opts = {str(k): str(v) for k, v in (options or {}).items()}
-    if backend == "ucx" and "ucx_library_path" not in opts and not os.environ.get(
-        "MORIIO_NATIVE_UCX_LIBRARY_PATH"
+    if (
+        backend == "ucx"
+        and "ucx_library_path" not in opts
+        and not os.environ.get("MORIIO_NATIVE_UCX_LIBRARY_PATH")
     ):
         wheel_lib = _ucx_wheel_library_dir()
         if wheel_lib:

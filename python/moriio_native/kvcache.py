@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
-from moriio_native.engine import LayerRegistration, MemoryKind
-from moriio_native.layout import CacheSpec
 import numpy as np
 
+from moriio_native.engine import LayerRegistration
+from moriio_native.layout import CacheSpec
 from moriio_native.memory import DEFAULT_PAGE_SIZE, allocate_host_backing
 
 Generation = Literal[
@@ -91,10 +91,20 @@ class LayerShape:
         return 1 if self.generation.startswith("separated") else 0
 
     def block_bytes(self) -> int:
-        return self.planes * self.num_heads * self.block_size * self.head_size * _itemsize(self.dtype)
+        return (
+            self.planes * self.num_heads * self.block_size * self.head_size * _itemsize(self.dtype)
+        )
 
 
-_ITEMSIZE = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+_ITEMSIZE = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
 _CONTAINER = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
@@ -121,13 +131,17 @@ def _layer_strides(shape: LayerShape, num_blocks: int) -> tuple[tuple[int, ...],
         # Padding after each block keeps the view non-overlapping only with the block axis
         # outermost.
         if shape.pad_bytes % es or order[0] != axis:
-            raise ValueError(f"{shape.name}: padding needs whole elements and the block axis outermost")
+            raise ValueError(
+                f"{shape.name}: padding needs whole elements and the block axis outermost"
+            )
         strides[axis] += shape.pad_bytes
         nbytes = logical[axis] * strides[axis]
     return logical, strides, nbytes
 
 
-def _strided(base: np.ndarray, offset: int, dtype: type, shape: tuple[int, ...], strides: list[int]) -> np.ndarray:
+def _strided(
+    base: np.ndarray, offset: int, dtype: type, shape: tuple[int, ...], strides: list[int]
+) -> np.ndarray:
     """A writable strided view of ``base`` starting ``offset`` bytes in (strides in bytes)."""
     flat = base[offset:]
     usable = flat.nbytes - flat.nbytes % np.dtype(dtype).itemsize
@@ -148,7 +162,9 @@ class KvCacheSet:
         base = self.backing.ctypes.data
         size = self.backing.nbytes
         return [
-            LayerRegistration(name=s.name, tensor=self.views[s.name], spec=s.spec(), allocation=(base, size))
+            LayerRegistration(
+                name=s.name, tensor=self.views[s.name], spec=s.spec(), allocation=(base, size)
+            )
             for s in self.shapes
         ]
 
@@ -174,10 +190,14 @@ def build_caches(
         offsets.append(total)
         total += _layer_strides(s, num_blocks)[2]
     total += gap_bytes
-    cache = KvCacheSet(backing=allocate_host_backing(total, page_size), shapes=list(shapes), num_blocks=num_blocks)
+    cache = KvCacheSet(
+        backing=allocate_host_backing(total, page_size), shapes=list(shapes), num_blocks=num_blocks
+    )
     for s, off in zip(shapes, offsets, strict=True):
         logical, strides, _ = _layer_strides(s, num_blocks)
-        cache.views[s.name] = _strided(cache.backing, off, _CONTAINER[_itemsize(s.dtype)], logical, strides)
+        cache.views[s.name] = _strided(
+            cache.backing, off, _CONTAINER[_itemsize(s.dtype)], logical, strides
+        )
         cache.offsets[s.name] = off
     return cache
 
@@ -211,7 +231,10 @@ def logical_view(array: np.ndarray, shape: LayerShape) -> np.ndarray:
 
 
 def expected_after_copy(
-    dst: KvCacheSet, src: KvCacheSet, dst_blocks: Sequence[int], src_blocks: Sequence[int],
+    dst: KvCacheSet,
+    src: KvCacheSet,
+    dst_blocks: Sequence[int],
+    src_blocks: Sequence[int],
     layers: Sequence[str] | None = None,
 ) -> np.ndarray:
     """The destination backing as it must look after copying ``src_blocks[i]`` of every layer
@@ -221,13 +244,18 @@ def expected_after_copy(
         if layers is not None and s.name not in layers:
             continue
         view = dst.views[s.name]
-        target_base = _strided(expected, dst.offsets[s.name], view.dtype.type, view.shape, list(view.strides))
+        target_base = _strided(
+            expected, dst.offsets[s.name], view.dtype.type, view.shape, list(view.strides)
+        )
         target = logical_view(target_base, s)
         src_shape = src.shape(s.name)
         source = logical_view(src.views[s.name], src_shape)
         # The two sides may split blocks into kernel blocks differently: copy token by token.
         kt, ks = s.kernel, src_shape.kernel
-        idx_dst, idx_src = np.asarray(dst_blocks, dtype=np.int64), np.asarray(src_blocks, dtype=np.int64)
+        idx_dst, idx_src = (
+            np.asarray(dst_blocks, dtype=np.int64),
+            np.asarray(src_blocks, dtype=np.int64),
+        )
         for t in range(s.block_size):
             target[idx_dst, :, :, t // kt, t % kt] = source[idx_src, :, :, t // ks, t % ks]
     return expected
@@ -235,7 +263,9 @@ def expected_after_copy(
 
 def fill_random(cache: KvCacheSet, seed: int) -> None:
     """Fill the whole backing (gaps included) with reproducible random bytes."""
-    cache.backing[:] = np.random.default_rng(seed).integers(0, 256, cache.backing.nbytes, dtype=np.uint8)
+    cache.backing[:] = np.random.default_rng(seed).integers(
+        0, 256, cache.backing.nbytes, dtype=np.uint8
+    )
 
 
 # Mixed model used by tests: every layout generation on one backing, with different physical
@@ -247,17 +277,43 @@ def mixed_model(side: Literal["prefill", "decode"]) -> list[LayerShape]:
         return [
             LayerShape("dense.0", "separated_nhd", block_size=16, head_size=8, num_heads=2),
             LayerShape("dense.1", "interleaved_nhd", block_size=16, head_size=8, num_heads=2),
-            LayerShape("dense.2", "standardized", block_size=16, head_size=8, num_heads=2, order=(0, 2, 1, 3)),
-            LayerShape("dense.3", "separated_hnd", block_size=16, head_size=8, num_heads=2, kernel_block_size=8),
+            LayerShape(
+                "dense.2",
+                "standardized",
+                block_size=16,
+                head_size=8,
+                num_heads=2,
+                order=(0, 2, 1, 3),
+            ),
+            LayerShape(
+                "dense.3",
+                "separated_hnd",
+                block_size=16,
+                head_size=8,
+                num_heads=2,
+                kernel_block_size=8,
+            ),
             LayerShape("indexer.0", "latent", block_size=16, head_size=12, dtype="float8_e4m3fn"),
             LayerShape("mla.0", "latent_standardized", block_size=16, head_size=24, pad_bytes=64),
         ]
     return [
         LayerShape("dense.0", "interleaved_hnd", block_size=16, head_size=8, num_heads=2),
         LayerShape("dense.1", "standardized", block_size=16, head_size=8, num_heads=2),
-        LayerShape("dense.2", "separated_nhd", block_size=16, head_size=8, num_heads=2, kernel_block_size=4),
-        LayerShape("dense.3", "standardized", block_size=16, head_size=8, num_heads=2, order=(0, 2, 1, 3), pad_bytes=32),
-        LayerShape("indexer.0", "latent_standardized", block_size=16, head_size=12, dtype="float8_e4m3fn"),
+        LayerShape(
+            "dense.2", "separated_nhd", block_size=16, head_size=8, num_heads=2, kernel_block_size=4
+        ),
+        LayerShape(
+            "dense.3",
+            "standardized",
+            block_size=16,
+            head_size=8,
+            num_heads=2,
+            order=(0, 2, 1, 3),
+            pad_bytes=32,
+        ),
+        LayerShape(
+            "indexer.0", "latent_standardized", block_size=16, head_size=12, dtype="float8_e4m3fn"
+        ),
         LayerShape("mla.0", "latent", block_size=16, head_size=24, kernel_block_size=8),
     ]
 

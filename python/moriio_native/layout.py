@@ -14,7 +14,14 @@ from typing import Any, Literal
 import numpy as np
 
 from moriio_native import _native
-from moriio_native._native import BlockPairs, BlockTemplate, CacheSpec, CopyPlan, LayerLayout, TensorGeometry
+from moriio_native._native import (
+    BlockPairs,
+    BlockTemplate,
+    CacheSpec,
+    CopyPlan,
+    LayerLayout,
+    TensorGeometry,
+)
 
 KvPlaneAxis = Literal["auto", "separated", "interleaved"]
 BlockIds = Sequence[int] | Any  # any 1-D integer sequence or array

@@ -12,7 +12,9 @@ from moriio_native.errors import InvalidArgumentError
 DEFAULT_PAGE_SIZE = 4096
 
 
-def allocate_kv_backing(nbytes: int, device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE) -> Any:
+def allocate_kv_backing(
+    nbytes: int, device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE
+) -> Any:
     """A zeroed ``torch.uint8`` tensor of ``nbytes`` whose data pointer is page aligned.
 
     It over-allocates by up to one page and returns a view that starts at the first page boundary
@@ -24,7 +26,9 @@ def allocate_kv_backing(nbytes: int, device: Any = "cpu", page_size: int = DEFAU
     if nbytes <= 0:
         raise InvalidArgumentError(f"allocate_kv_backing: nbytes must be positive, got {nbytes}")
     if page_size <= 0 or page_size & (page_size - 1):
-        raise InvalidArgumentError(f"allocate_kv_backing: page_size must be a power of two, got {page_size}")
+        raise InvalidArgumentError(
+            f"allocate_kv_backing: page_size must be a power of two, got {page_size}"
+        )
     padded = -(-nbytes // page_size) * page_size
     raw = torch.zeros(padded + page_size, dtype=torch.uint8, device=device)
     shift = (-raw.data_ptr()) % page_size
@@ -36,7 +40,9 @@ def allocate_host_backing(nbytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> np
     if nbytes <= 0:
         raise InvalidArgumentError(f"allocate_host_backing: nbytes must be positive, got {nbytes}")
     if page_size <= 0 or page_size & (page_size - 1):
-        raise InvalidArgumentError(f"allocate_host_backing: page_size must be a power of two, got {page_size}")
+        raise InvalidArgumentError(
+            f"allocate_host_backing: page_size must be a power of two, got {page_size}"
+        )
     padded = -(-nbytes // page_size) * page_size
     raw = np.zeros(padded + page_size, dtype=np.uint8)
     shift = (-raw.ctypes.data) % page_size

@@ -4,8 +4,8 @@ byte over the whole backing (so bytes outside the requested blocks must be uncha
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 
 import moriio_native as mn
 from moriio_native import kvcache as kc
@@ -29,8 +29,15 @@ def pair() -> tuple[kc.KvCacheSet, kc.KvCacheSet, mn.Engine, mn.Engine]:
 def test_mixed_model_has_every_generation() -> None:
     shapes = kc.mixed_model("prefill") + kc.mixed_model("decode")
     generations = {s.generation for s in shapes}
-    assert {"separated_nhd", "separated_hnd", "interleaved_nhd", "interleaved_hnd", "standardized",
-            "latent", "latent_standardized"} <= generations
+    assert {
+        "separated_nhd",
+        "separated_hnd",
+        "interleaved_nhd",
+        "interleaved_hnd",
+        "standardized",
+        "latent",
+        "latent_standardized",
+    } <= generations
     assert len(kc.mixed_model("prefill")) >= 6
 
 
@@ -153,7 +160,9 @@ def test_abort_and_timeout_release_transfers() -> None:
 def test_incompatible_peer_names_the_layer() -> None:
     mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
     other_shapes = [
-        s if s.name != "dense.1" else kc.LayerShape("dense.1", "interleaved_nhd", block_size=16, head_size=8, num_heads=4)
+        s
+        if s.name != "dense.1"
+        else kc.LayerShape("dense.1", "interleaved_nhd", block_size=16, head_size=8, num_heads=4)
         for s in kc.mixed_model("decode")
     ]
     theirs = kc.build_caches(other_shapes, num_blocks=4)
@@ -161,7 +170,7 @@ def test_incompatible_peer_names_the_layer() -> None:
     b = mn.Engine("b", "loopback")
     a.register_kv_caches(mine.registrations())
     meta_b = b.register_kv_caches(theirs.registrations())
-    with pytest.raises(mn.IncompatiblePeerError, match="dense.1.*heads=2.*heads=4"):
+    with pytest.raises(mn.IncompatiblePeerError, match=r"dense\.1.*heads=2.*heads=4"):
         a.add_peer(meta_b)
     assert a.peers() == []
 
@@ -171,7 +180,7 @@ def test_peer_missing_a_layer_is_incompatible() -> None:
     theirs = kc.build_caches(kc.mixed_model("decode")[:-1], num_blocks=4)
     a, b = mn.Engine("a", "loopback"), mn.Engine("b", "loopback")
     a.register_kv_caches(mine.registrations())
-    with pytest.raises(mn.IncompatiblePeerError, match="no layer 'mla.0'"):
+    with pytest.raises(mn.IncompatiblePeerError, match=r"no layer 'mla\.0'"):
         a.add_peer(b.register_kv_caches(theirs.registrations()))
 
 
@@ -187,7 +196,7 @@ def test_peer_missing_a_layer_is_incompatible() -> None:
 def test_malformed_metadata_is_rejected_without_state_change(pair, mutate) -> None:
     _, _, _, ed = pair
     peers_before = ed.peers()
-    with pytest.raises(mn.InvalidArgumentError, match="msgpack|metadata"):
+    with pytest.raises(mn.InvalidArgumentError, match=r"msgpack|metadata"):
         ed.add_peer(mutate(ed.local_metadata()))
     assert ed.peers() == peers_before
 
@@ -205,13 +214,18 @@ def test_metadata_fields_are_validated(pair) -> None:
     other = dict(meta, engine_id="other")
     rejected(dict(other, version=2), mn.IncompatiblePeerError, "version 2")
     rejected(dict(other, backend="ucx"), mn.IncompatiblePeerError, "backend 'ucx'")
-    bad_offset = dict(other, layers=[dict(meta["layers"][0], offset=meta["regions"][0]["size"])] + meta["layers"][1:])
+    bad_offset = dict(
+        other,
+        layers=[dict(meta["layers"][0], offset=meta["regions"][0]["size"]), *meta["layers"][1:]],
+    )
     rejected(bad_offset, mn.InvalidArgumentError, "exceed region")
     params = list(meta["layers"][0]["params"])
     params[1] = 1 << 62
-    huge = dict(other, layers=[dict(meta["layers"][0], params=params)] + meta["layers"][1:])
+    huge = dict(other, layers=[dict(meta["layers"][0], params=params), *meta["layers"][1:]])
     rejected(huge, mn.InvalidArgumentError, "num_blocks")
-    rejected(dict(other, layers=meta["layers"] + meta["layers"][:1]), mn.InvalidArgumentError, "twice")
+    rejected(
+        dict(other, layers=meta["layers"] + meta["layers"][:1]), mn.InvalidArgumentError, "twice"
+    )
     assert ed.peers() == ["prefill-0"]
 
 
@@ -223,7 +237,7 @@ def test_register_twice_and_layer_outside_allocation() -> None:
         mn.LayerRegistration(r.name, r.tensor, r.spec, (r.allocation[0], 64)) if i == 2 else r
         for i, r in enumerate(regs)
     ]
-    with pytest.raises(mn.InvalidArgumentError, match="dense.2.*inside its allocation"):
+    with pytest.raises(mn.InvalidArgumentError, match=r"dense\.2.*inside its allocation"):
         e.register_kv_caches(bad)
     e.register_kv_caches(regs)  # the failed call left nothing registered
     with pytest.raises(mn.FailedPreconditionError, match="registered already"):
