@@ -43,7 +43,7 @@ step "threaded C++ tests under ThreadSanitizer"
 cmake -S . -B build/ci-tsan -G Ninja -DMORIIO_NATIVE_BUILD_TESTS=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
   -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_WITH_CUDA=OFF -DCMAKE_BUILD_TYPE=Debug \
   -DMORIIO_NATIVE_SANITIZE=thread >/dev/null
-TSAN_TESTS=(transfer_tracker_test engine_test)
+TSAN_TESTS=(transfer_tracker_test engine_test mori_mapping_test)
 cmake --build build/ci-tsan -j"$JOBS" --target "${TSAN_TESTS[@]}"
 for t in "${TSAN_TESTS[@]}"; do TSAN_OPTIONS=halt_on_error=1 "build/ci-tsan/$t"; done
 
