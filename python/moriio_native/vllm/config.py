@@ -134,7 +134,10 @@ def _port(value: Any, key: str) -> int:
 
 def local_ip() -> str:
     """This host's outward-facing IP (no packet is sent), or 127.0.0.1 when there is none."""
-    for family, probe in ((socket.AF_INET, ("192.0.2.1", 9)), (socket.AF_INET6, ("2001:db8::1", 9))):
+    for family, probe in (
+        (socket.AF_INET, ("192.0.2.1", 9)),
+        (socket.AF_INET6, ("2001:db8::1", 9)),
+    ):
         try:
             with socket.socket(family, socket.SOCK_DGRAM) as s:
                 s.connect(probe)
@@ -172,9 +175,13 @@ class ConnectorConfig:
 
     def __post_init__(self) -> None:
         if self.role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise InvalidArgumentError(f"kv_role must be kv_producer/kv_consumer/kv_both, got {self.role!r}")
+            raise InvalidArgumentError(
+                f"kv_role must be kv_producer/kv_consumer/kv_both, got {self.role!r}"
+            )
         if self.mode not in ("read", "write"):
-            raise InvalidArgumentError(f"kv_connector_extra_config.mode must be 'read' or 'write', got {self.mode!r}")
+            raise InvalidArgumentError(
+                f"kv_connector_extra_config.mode must be 'read' or 'write', got {self.mode!r}"
+            )
         if self.backend not in BACKENDS:
             raise InvalidArgumentError(
                 f"kv_connector_extra_config.backend must be one of {', '.join(BACKENDS)}, "
@@ -243,7 +250,9 @@ class ConnectorConfig:
             and not k.startswith(BACKEND_OPTION_PREFIXES)
         )
         if unknown:
-            logger.warning("ignoring unknown kv_connector_extra_config keys: %s", ", ".join(unknown))
+            logger.warning(
+                "ignoring unknown kv_connector_extra_config keys: %s", ", ".join(unknown)
+            )
         legacy = sorted(k for k in extra if k in _IGNORED_LEGACY_KEYS)
         if legacy:
             logger.info("kv_connector_extra_config keys without effect here: %s", ", ".join(legacy))
@@ -260,14 +269,18 @@ class ConnectorConfig:
             return None if value is None or value == "" else value
 
         host = get("host_ip")
-        host_ip = validate_host(host, what="kv_connector_extra_config.host_ip") if host else local_ip()
+        host_ip = (
+            validate_host(host, what="kv_connector_extra_config.host_ip") if host else local_ip()
+        )
         proxy = get("proxy_ip")
         abort = get("abort_timeout") if get("abort_timeout") is not None else get("defer_timeout")
         options: dict[str, str] = {}
         raw_options = get("engine_options")
         if raw_options is not None:
             if not isinstance(raw_options, Mapping):
-                raise InvalidArgumentError("kv_connector_extra_config.engine_options must be a mapping")
+                raise InvalidArgumentError(
+                    "kv_connector_extra_config.engine_options must be a mapping"
+                )
             options.update({str(k): str(v) for k, v in raw_options.items()})
         options.update(
             {k: str(v) for k, v in extra.items() if k.startswith(BACKEND_OPTION_PREFIXES)}
@@ -293,9 +306,15 @@ class ConnectorConfig:
             host_ip=host_ip,
             handshake_port=_port(get("handshake_port") or DEFAULT_HANDSHAKE_PORT, "handshake_port"),
             notify_port=_port(get("notify_port") or DEFAULT_NOTIFY_PORT, "notify_port"),
-            proxy_ip=validate_host(proxy, what="kv_connector_extra_config.proxy_ip") if proxy else None,
-            proxy_ping_port=_port(get("proxy_ping_port") or DEFAULT_PROXY_PING_PORT, "proxy_ping_port"),
-            http_port=_port(get("http_port"), "http_port") if get("http_port") is not None else None,
+            proxy_ip=validate_host(proxy, what="kv_connector_extra_config.proxy_ip")
+            if proxy
+            else None,
+            proxy_ping_port=_port(
+                get("proxy_ping_port") or DEFAULT_PROXY_PING_PORT, "proxy_ping_port"
+            ),
+            http_port=_port(get("http_port"), "http_port")
+            if get("http_port") is not None
+            else None,
             ping_interval=_seconds(get("ping_interval") or DEFAULT_PING_INTERVAL, "ping_interval"),
             transfer_timeout=_seconds(
                 get("transfer_timeout") or DEFAULT_TRANSFER_TIMEOUT, "transfer_timeout"

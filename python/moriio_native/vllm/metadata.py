@@ -41,6 +41,7 @@ class RecvTask:
     local_block_ids: tuple[int, ...] = ()
     remote_block_ids: tuple[int, ...] = ()  # READ only, paired with local_block_ids by index
     report_done: bool = False  # async (WRITE) load: report finished_recving to vLLM
+    error: str = ""  # set: the load cannot be planned -- report it failed, release the prefill
 
     @property
     def notify_only(self) -> bool:

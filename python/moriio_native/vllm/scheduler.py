@@ -60,7 +60,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("moriio_native.vllm.scheduler")
 
-_ABORTED = (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR, RequestStatus.FINISHED_IGNORED)
+_ABORTED = (
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+    RequestStatus.FINISHED_IGNORED,
+)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -84,6 +88,8 @@ class SchedulerSide:
         self._to_save: dict[str, tuple[Request, KvTransferParams]] = {}
         # P (WRITE) requests whose blocks went to the workers.
         self._saved: set[str] = set()
+        # P requests finished with delay_free whose blocks the workers have not released yet.
+        self._held: set[str] = set()
         self._invalid_logged: set[str] = set()
         self._recv: list[RecvTask] = []
         self._send: list[SendTask] = []
@@ -139,7 +145,9 @@ class SchedulerSide:
             return 0
         return min(request.num_prompt_tokens - 1, len(groups[0]) * self.block_size)
 
-    def _release_task(self, request: Request, params: KvTransferParams, peer: ZmqAddress) -> RecvTask:
+    def _release_task(
+        self, request: Request, params: KvTransferParams, peer: ZmqAddress
+    ) -> RecvTask:
         return RecvTask(
             req_id=request.request_id,
             transfer_id=params.transfer_id,
@@ -151,7 +159,9 @@ class SchedulerSide:
 
     # ---- vLLM hooks ---------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
         params = self._params(request)
         rid = request.request_id
         if not self._is_remote_prefill(params) or rid in self._planned:
@@ -213,13 +223,20 @@ class SchedulerSide:
         if self.config.mode == "read":
             assert params.remote_block_ids is not None
             remote_ids = tuple(params.remote_block_ids[0][first:last])
-        if len(local_ids) != last - first or (self.config.mode == "read" and len(remote_ids) != len(local_ids)):
-            # Cannot happen with vLLM's allocator; refuse to guess rather than move wrong blocks.
-            raise InvalidArgumentError(
-                f"request {rid} (transfer {params.transfer_id}): blocks {first}..{last} needed, "
-                f"{len(block_ids)} local / "
+        if len(local_ids) != last - first or (
+            self.config.mode == "read" and len(remote_ids) != len(local_ids)
+        ):
+            # Cannot happen with vLLM's allocator. Refuse to guess which blocks pair: the load
+            # is reported failed (vLLM recomputes) and the prefill is released.
+            error = (
+                f"blocks {first}..{last} needed, {len(block_ids)} local / "
                 f"{len(params.remote_block_ids[0]) if params.remote_block_ids else 0} remote"
             )
+            logger.error("request %s (transfer %s): %s", rid, params.transfer_id, error)
+            local_ids = tuple(block_ids[first:last]) or tuple(block_ids[first:])
+            remote_ids = ()
+        else:
+            error = ""
         self._recv.append(
             RecvTask(
                 req_id=rid,
@@ -231,6 +248,7 @@ class SchedulerSide:
                 local_block_ids=local_ids,
                 remote_block_ids=remote_ids,
                 report_done=self.config.mode == "write",
+                error=error,
             )
         )
 
@@ -273,7 +291,9 @@ class SchedulerSide:
             remote_tp_size=params.remote_tp_size,
         )
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._local_tokens.pop(rid, None)
         self._invalid_logged.discard(rid)
@@ -297,10 +317,12 @@ class SchedulerSide:
                 return False, None  # nothing was handed to the workers, nothing is in flight
             self._saved.discard(rid)
             self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
+            self._held.add(rid)
             return True, None if aborted else self._returned_params(params, block_ids)
         if aborted or not block_ids:
             return False, None
         self._send.append(SendTask(rid, params.transfer_id))
+        self._held.add(rid)
         return True, self._returned_params(params, block_ids)
 
     def _returned_params(self, params: KvTransferParams, block_ids: list[int]) -> dict[str, Any]:
@@ -321,9 +343,15 @@ class SchedulerSide:
             KEY_TRANSFER_ID: params.transfer_id,
         }
 
-    def has_pending_sends(self) -> bool:
-        """Whether requests still wait to be handed to the workers."""
-        return bool(self._send or self._recv)
+    def update_connector_output(self, finished_sending: set[str] | None) -> None:
+        """The workers released these requests' blocks (vLLM frees them now)."""
+        if finished_sending:
+            self._held.difference_update(finished_sending)
+
+    def has_pending_block_frees(self) -> bool:
+        """Whether finished requests still hold blocks that a transfer will release (bounded
+        by abort_timeout), so vLLM may wait for them instead of preempting."""
+        return bool(self._held)
 
 
 __all__ = ["SchedulerSide"]

@@ -81,7 +81,11 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
                 f"layer {layer_name}: packed content of {content} bytes is not a whole number "
                 f"of {dtype_bytes}-byte elements"
             )
-        if not packed and not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) and spec.head_size_v:
+        if (
+            not packed
+            and not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
+            and spec.head_size_v
+        ):
             return CacheSpec(
                 kind="kv",
                 block_size=states,
@@ -115,7 +119,9 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
     )
 
 
-def cache_specs(specs: Mapping[str, Any], layers: Iterable[str] | None = None) -> dict[str, CacheSpec]:
+def cache_specs(
+    specs: Mapping[str, Any], layers: Iterable[str] | None = None
+) -> dict[str, CacheSpec]:
     """:func:`to_cache_spec` for every layer of ``specs`` (or of ``layers``)."""
     names = list(specs) if layers is None else list(layers)
     missing = [n for n in names if n not in specs]

@@ -1,0 +1,41 @@
+# Shared settings of the launch recipe (sourced by prefill.sh and decode.sh; see docs/vllm.md).
+# Every value can be overridden from the environment.
+MODEL=${MODEL:-Qwen/Qwen3-8B}
+MODE=${MODE:-read}                     # read | write -- the same on both instances
+BACKEND=${BACKEND:-auto}               # auto (mori if available, else ucx) | ucx | mori
+TP=${TP:-1}                            # tensor parallel size -- the same on both instances
+HOST_IP=${HOST_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}
+HOST_IP=${HOST_IP:-127.0.0.1}
+PROXY_IP=${PROXY_IP:-127.0.0.1}
+PROXY_PING_PORT=${PROXY_PING_PORT:-36367}
+# Hosts this instance may dial (CIDRs or IPs, comma separated). The decode must cover its
+# prefill instances; a prefill learns its decodes from their handshakes.
+ALLOWED_PEERS=${ALLOWED_PEERS:-127.0.0.1/32}
+# Optional: the same secret on every instance tags every control message (HMAC-SHA256).
+#   export MORIIO_NATIVE_AUTH_SECRET=$(openssl rand -hex 32)
+
+# kv_transfer_config JSON for: role http_port handshake_port notify_port
+kv_transfer_config() {
+  python3 - "$@" <<'PY'
+import json, os, sys
+role, http_port, handshake_port, notify_port = sys.argv[1:5]
+print(json.dumps({
+    "kv_connector": "MoRIIONativeConnector",
+    "kv_connector_module_path": "moriio_native.vllm",
+    "kv_role": role,
+    "kv_load_failure_policy": "recompute",
+    "kv_connector_extra_config": {
+        "mode": os.environ["MODE"],
+        "backend": os.environ["BACKEND"],
+        "host_ip": os.environ["HOST_IP"],
+        "proxy_ip": os.environ["PROXY_IP"],
+        "proxy_ping_port": int(os.environ["PROXY_PING_PORT"]),
+        "http_port": int(http_port),
+        "handshake_port": int(handshake_port),
+        "notify_port": int(notify_port),
+        "allowed_peers": os.environ["ALLOWED_PEERS"],
+    },
+}))
+PY
+}
+export MODE BACKEND HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS

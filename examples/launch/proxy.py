@@ -1,0 +1,270 @@
+"""A small prefill/decode proxy for MoRIIONativeConnector (and vLLM's MoRIIO protocol).
+
+It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can replace it:
+
+* service discovery: instances register by sending msgpack pings
+  ``{"type": "P"|"D", "http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"}``
+  to this proxy's ZMQ ROUTER port (``--discovery-port``, default 36367); every ping is
+  schema-checked and a bad one is logged and dropped;
+* per request: the request id embeds both instances' control addresses
+  (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``), a fresh ``transfer_id`` goes to both legs;
+  the prefill leg runs with ``max_tokens=1``; in READ mode the decode leg waits for the prefill's
+  ``kv_transfer_params`` (block ids, engine id), in WRITE mode both legs start at once;
+* the decode instance's answer is streamed back to the client.
+
+Usage::
+
+    python examples/launch/proxy.py --port 10001 --discovery-port 36367
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
+``GET /instances``. Needs only what vLLM already installs (fastapi, uvicorn, aiohttp, pyzmq,
+msgpack) plus moriio-native for the message schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import uvicorn
+import zmq
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from moriio_native.control.addressing import format_request_id
+from moriio_native.control.messages import (
+    MAX_PING_BYTES,
+    InvalidMessageError,
+    ProxyRegistration,
+    decode,
+)
+
+logger = logging.getLogger("moriio_native.proxy")
+
+STALE_AFTER_S = 30.0
+
+
+@dataclass
+class Instance:
+    registration: ProxyRegistration
+    last_seen: float
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.registration.http_address}"
+
+
+class Registry:
+    """Instances that pinged recently. Thread-safe (one lock)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._instances: dict[str, Instance] = {}
+        self._mode: str | None = None
+        self._rr = itertools.count()
+
+    def update(self, reg: ProxyRegistration) -> None:
+        with self._lock:
+            if self._mode is None:
+                self._mode = reg.transfer_mode
+            elif reg.transfer_mode != self._mode:
+                logger.warning(
+                    "ignoring %s: it runs %s mode, the other instances %s",
+                    reg.http_address,
+                    reg.transfer_mode,
+                    self._mode,
+                )
+                return
+            if reg.http_address not in self._instances:
+                logger.info("registered %s instance %s", reg.role, reg.http_address)
+            self._instances[reg.http_address] = Instance(reg, time.monotonic())
+
+    def pick(self) -> tuple[Instance, Instance, str] | None:
+        """A (prefill, decode) pair, round robin among live instances, and the mode."""
+        now = time.monotonic()
+        with self._lock:
+            live = [i for i in self._instances.values() if now - i.last_seen < STALE_AFTER_S]
+            prefills = [i for i in live if i.registration.role == "P"]
+            decodes = [i for i in live if i.registration.role == "D"]
+            if not prefills or not decodes or self._mode is None:
+                return None
+            n = next(self._rr)
+            return prefills[n % len(prefills)], decodes[n % len(decodes)], self._mode
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return [i.registration.to_wire() for i in self._instances.values()]
+
+
+def discovery_loop(registry: Registry, port: int, stop: threading.Event) -> None:
+    """Receive registration pings until ``stop``; bad pings are logged and dropped."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.bind(f"tcp://*:{port}")
+    try:
+        while not stop.is_set():
+            if not sock.poll(200):
+                continue
+            frames = sock.recv_multipart()
+            try:
+                if len(frames) != 2:
+                    raise InvalidMessageError(f"{len(frames) - 1} payload frames")
+                registry.update(decode(frames[1], (ProxyRegistration,), max_bytes=MAX_PING_BYTES))
+            except InvalidMessageError as exc:
+                logger.warning("dropped registration: %s", exc)
+    finally:
+        sock.close(linger=0)
+
+
+def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    out = dict(body)
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out.pop("stream_options", None)
+    out["kv_transfer_params"] = params
+    return out
+
+
+def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
+    state: dict[str, aiohttp.ClientSession] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if "s" in state:
+            await state.pop("s").close()
+
+    app = FastAPI(lifespan=lifespan)
+
+    async def session() -> aiohttp.ClientSession:
+        if "s" not in state:
+            state["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+        return state["s"]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response("ok")
+
+    @app.get("/instances")
+    async def instances() -> JSONResponse:
+        return JSONResponse(registry.snapshot())
+
+    async def handle(request: Request, path: str) -> Response:
+        picked = registry.pick()
+        if picked is None:
+            return JSONResponse(
+                {"error": "no prefill or decode instance is registered"}, status_code=503
+            )
+        prefill, decode_inst, mode = picked
+        body = await request.json()
+        p_reg, d_reg = prefill.registration, decode_inst.registration
+        request_id = format_request_id(p_reg.zmq_address, d_reg.zmq_address)
+        tid = f"tx-{uuid.uuid4()}"
+        http = await session()
+        headers = {"X-Request-Id": request_id}
+        p_params = {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "remote_dp_size": d_reg.dp_size,
+            "remote_tp_size": d_reg.tp_size,
+            "transfer_id": tid,
+        }
+
+        async def run_prefill() -> dict[str, Any]:
+            async with http.post(
+                prefill.url + path, json=_prefill_body(body, p_params), headers=headers
+            ) as resp:
+                resp.raise_for_status()
+                return await resp.json()
+
+        d_params: dict[str, Any] = {
+            "do_remote_decode": False,
+            "do_remote_prefill": True,
+            "remote_engine_id": None,
+            "remote_block_ids": None,
+            "transfer_id": tid,
+            "remote_dp_size": p_reg.dp_size,
+            "remote_tp_size": p_reg.tp_size,
+            "remote_dp_rank": 0,
+        }
+        prefill_task: asyncio.Task[dict[str, Any]] | None = None
+        try:
+            if mode == "READ":
+                answer = await run_prefill()
+                returned = answer.get("kv_transfer_params") or {}
+                for key in ("remote_engine_id", "remote_block_ids", "transfer_id"):
+                    d_params[key] = returned.get(key)
+            else:
+                prefill_task = asyncio.create_task(run_prefill())
+        except aiohttp.ClientError as exc:
+            logger.error("prefill %s failed: %s", prefill.url, exc)
+            return JSONResponse({"error": f"prefill failed: {exc}"}, status_code=502)
+        d_body = dict(body)
+        d_body["kv_transfer_params"] = d_params
+        resp = await http.post(decode_inst.url + path, json=d_body, headers=headers)
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in resp.content.iter_any():
+                    yield chunk
+            finally:
+                resp.release()
+                if prefill_task is not None:
+                    try:
+                        await prefill_task
+                    except Exception as exc:  # the decode still answered; just log
+                        logger.warning("prefill %s failed: %s", prefill.url, exc)
+
+        return StreamingResponse(
+            relay(),
+            status_code=resp.status,
+            media_type=resp.headers.get("Content-Type", "application/json"),
+        )
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await handle(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await handle(request, "/v1/chat/completions")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=10001, help="HTTP port for clients")
+    parser.add_argument("--discovery-port", type=int, default=36367, help="registration port")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    registry = Registry()
+    stop = threading.Event()
+    thread = threading.Thread(
+        target=discovery_loop, args=(registry, args.discovery_port, stop), daemon=True
+    )
+    thread.start()
+    try:
+        uvicorn.run(make_app(registry), host=args.host, port=args.port, log_level="warning")
+    finally:
+        stop.set()
+        thread.join(5)
+
+
+if __name__ == "__main__":
+    main()

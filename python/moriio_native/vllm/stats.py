@@ -1,0 +1,94 @@
+"""Connector statistics in vLLM's ``KVConnectorStats`` form.
+
+Each worker accumulates one :class:`MoRIIONativeStats` per logging interval (vLLM fetches it
+with ``get_kv_connector_stats`` every step and aggregates across workers). The payload is a
+plain dict of numbers so it crosses process boundaries unchanged:
+
+=================== ===============================================================
+key                 meaning
+=================== ===============================================================
+``transfers``       transfers that completed (READ pulls and WRITE pushes)
+``failures``        transfers that failed, timed out or were aborted
+``bytes``           bytes moved by completed transfers
+``seconds``         summed duration of completed transfers (first submit -> done)
+``runs``            contiguous copy runs (descriptors) of completed transfers
+``batches``         backend batches posted for completed transfers
+``handshakes``      metadata handshakes that succeeded
+=================== ===============================================================
+
+Not thread-safe by itself; the worker guards its instance with its own lock.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+_COUNTERS = ("transfers", "failures", "bytes", "seconds", "runs", "batches", "handshakes")
+
+
+def _empty() -> dict[str, Any]:
+    return {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
+
+
+class MoRIIONativeStats(KVConnectorStats):
+    """Transfer counters of one interval; ``aggregate`` sums, ``reduce`` summarises."""
+
+    def __init__(self, data: dict[str, Any] | None = None) -> None:
+        merged = _empty()
+        for key, value in (data or {}).items():
+            if key in merged:
+                merged[key] = value
+        super().__init__(data=merged)
+
+    def record(
+        self, *, ok: bool, nbytes: int = 0, seconds: float = 0.0, runs: int = 0, batches: int = 0
+    ) -> None:
+        """Count one terminal transfer."""
+        if ok:
+            self.data["transfers"] += 1
+            self.data["bytes"] += int(nbytes)
+            self.data["seconds"] += float(seconds)
+            self.data["runs"] += int(runs)
+            self.data["batches"] += int(batches)
+        else:
+            self.data["failures"] += 1
+
+    def record_handshake(self) -> None:
+        self.data["handshakes"] += 1
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for key in _COUNTERS:
+            self.data[key] += other.data.get(key, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        n = d["transfers"]
+        secs = d["seconds"]
+        return {
+            "Num successful transfers": n,
+            "Num failed transfers": d["failures"],
+            "Total MB transferred": round(d["bytes"] / 2**20, 3),
+            "Avg transfer time (ms)": round(1000.0 * secs / n, 3) if n else 0.0,
+            "Avg throughput (GB/s)": round(d["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0,
+            "Avg runs per transfer": round(d["runs"] / n, 1) if n else 0.0,
+            "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
+            "Handshakes": d["handshakes"],
+        }
+
+    def is_empty(self) -> bool:
+        return not (self.data["transfers"] or self.data["failures"] or self.data["handshakes"])
+
+    def clone_and_reset(self) -> MoRIIONativeStats:
+        """A copy of the counters; this instance starts a new interval."""
+        out = MoRIIONativeStats(dict(self.data))
+        self.reset()
+        return out
+
+
+__all__ = ["MoRIIONativeStats"]

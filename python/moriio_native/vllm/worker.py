@@ -1,0 +1,1014 @@
+"""The worker-side half of MoRIIONativeConnector (one per vLLM worker process / GPU).
+
+It owns the native :class:`~moriio_native.Engine` (the registered KV caches), this rank's
+control-plane endpoints (handshake server, notify listener, notify sender, and on rank 0 the
+proxy pinger) and the state of every transfer this rank takes part in.
+
+Decode side
+  READ: ``start_load_kv`` handshakes the prefill rank with the same TP rank (once per peer,
+  over the allowlist) and posts one engine READ per request; ``wait_for_layer_load`` waits
+  for this step's reads (bounded by ``transfer_timeout``). A read that fails leaves its blocks
+  in ``get_block_ids_with_load_errors`` so vLLM recomputes them. Done or not, the prefill gets
+  a ``release`` (its engine id and address come from the handshake, checked against what the
+  request named).
+  WRITE: ``start_load_kv`` handshakes the prefill rank (which lets it dial us back) and sends
+  ``remote_blocks``; ``write_done`` makes the request finished-receiving, ``write_failed`` or
+  ``abort_timeout`` finished-and-failed (vLLM recomputes).
+
+Prefill side
+  READ: passive; blocks are held until the decode's ``release`` (or ``abort_timeout``).
+  WRITE: ``save_kv_layer`` records the layer's CUDA event (GPU tensors) and queues the layer;
+  once the decode's ``remote_blocks`` arrived and its metadata was fetched, a writer thread
+  waits for each event and posts the layer's write; ``wait_for_save`` queues layers whose hook
+  did not run and seals. When the engine reports the transfer, exactly one ``write_done`` (or
+  ``write_failed``) goes to the decode and the request's blocks are released.
+
+Threads: a notify thread (control messages), an events thread (engine completions and
+timeouts), a writer thread (WRITE pushes in order) and a small pool for handshakes. All state
+is guarded by one lock; vLLM's hooks are called from the model-runner thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from moriio_native.control.addressing import ZmqAddress, validate_host
+from moriio_native.control.channel import (
+    HandshakeServer,
+    NotifyListener,
+    NotifySender,
+    ProxyPinger,
+    fetch_metadata,
+)
+from moriio_native.control.messages import (
+    HandshakeRequest,
+    HandshakeResponse,
+    NotifyMessage,
+    ProxyRegistration,
+    Release,
+    RemoteBlocks,
+    WriteDone,
+    WriteFailed,
+)
+from moriio_native.control.ports import rank_port
+from moriio_native.control.security import ControlSecurity
+from moriio_native.engine import Engine, LayerRegistration, available_backends
+from moriio_native.errors import (
+    BackendUnavailableError,
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    MoriioError,
+)
+from moriio_native.vllm.config import ConnectorConfig
+from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
+from moriio_native.vllm.specs import cache_specs
+from moriio_native.vllm.stats import MoRIIONativeStats
+
+logger = logging.getLogger("moriio_native.vllm.worker")
+
+_WAIT_SLICE_S = 0.1
+_DRAIN_GRACE_S = 5.0
+_MAX_EARLY_MESSAGES = 65536
+_WRITER_QUEUE = 65536
+_RETRY_HANDSHAKE_AFTER_S = 5.0
+
+
+@dataclass
+class _Peer:
+    """A handshaken peer rank."""
+
+    engine_peer: str  # the native engine id, for Engine.read / write_layer
+    host: str
+    notify_port: int
+    response: HandshakeResponse
+
+
+@dataclass
+class _Read:
+    task: RecvTask
+    started: float
+    peer: _Peer | None = None
+    state: str | None = None  # terminal state once known
+    message: str = ""
+
+
+@dataclass
+class _Await:
+    """Decode WRITE: waiting for the prefill's writes."""
+
+    task: RecvTask
+    deadline: float
+
+
+@dataclass
+class _Send:
+    """Prefill READ: blocks held for the decode's release."""
+
+    task: SendTask
+    deadline: float
+
+
+@dataclass
+class _WriteJob:
+    """Prefill WRITE: one request's push to one decode rank."""
+
+    transfer_id: str
+    created: float
+    save: SaveTask | None = None
+    remote: RemoteBlocks | None = None
+    peer: _Peer | None = None
+    connecting: bool = False
+    pending: list[tuple[str, Any]] = field(default_factory=list)  # (layer, cuda event | None)
+    seen: set[str] = field(default_factory=set)
+    submitted: int = 0
+    forward_done: bool = False
+    sealed: bool = False
+    local_ids: tuple[int, ...] = ()
+    remote_ids: tuple[int, ...] = ()
+    send: SendTask | None = None
+    deadline: float = 0.0
+    failed: str | None = None
+    released: bool = False  # the decode said it needs nothing (release)
+    terminal: bool = False
+
+
+def _memory_kind(tensor: Any) -> tuple[str, int]:
+    device = tensor.device
+    if device.type == "cpu":
+        return "host", -1
+    import torch
+
+    kind = "rocm" if getattr(torch.version, "hip", None) else "cuda"
+    return kind, device.index if device.index is not None else torch.cuda.current_device()
+
+
+def choose_backend(name: str, options: Mapping[str, str]) -> str:
+    """The backend to use: ``name``, or for ``auto`` the first available of mori, ucx."""
+    if name != "auto":
+        return name
+    infos = {info.name: info for info in available_backends(options)}
+    for candidate in ("mori", "ucx"):
+        info = infos.get(candidate)
+        if info is not None and info.available:
+            return candidate
+    reasons = "; ".join(f"{n}: {i.reason}" for n, i in infos.items() if not i.available)
+    raise BackendUnavailableError(f"no transfer backend available for backend=auto ({reasons})")
+
+
+class WorkerSide:
+    """Transfers of one vLLM worker. Thread-safe (one lock); vLLM calls the hooks from its
+    model-runner thread, the control and engine threads feed completions in."""
+
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        specs: Mapping[str, Any],
+        *,
+        dp_rank: int = 0,
+        tp_rank: int = 0,
+    ) -> None:
+        self.cfg = config
+        self.dp_rank = dp_rank
+        self.tp_rank = tp_rank
+        self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
+        self._specs = dict(specs)
+        self._security = ControlSecurity.from_config(config.control_config())
+        self._sender = NotifySender(self._security)
+        self._lock = threading.RLock()
+        self._cond = threading.Condition(self._lock)
+        self._stop = threading.Event()
+        self._engine: Engine | None = None
+        self._layers: list[str] = []
+        self._server: HandshakeServer | None = None
+        self._listener: NotifyListener | None = None
+        self._pinger: ProxyPinger | None = None
+        self._threads: list[threading.Thread] = []
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="moriio-native-handshake")
+        self._writer_q: queue.Queue[tuple[str, _WriteJob, str, Any]] = queue.Queue(_WRITER_QUEUE)
+        self._peers: dict[tuple[str, int], _Peer] = {}
+        self._failed_peers: dict[tuple[str, int], tuple[float, MoriioError]] = {}
+        # decode side
+        self._reads: dict[str, _Read] = {}
+        self._step_reads: list[str] = []
+        self._awaiting: dict[str, _Await] = {}
+        self._invalid_blocks: set[int] = set()
+        self._done_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
+        # prefill side
+        self._sends: dict[str, _Send] = {}
+        self._jobs: dict[str, _WriteJob] = {}
+        self._step_jobs: list[_WriteJob] = []
+        self._early_releases: OrderedDict[str, float] = OrderedDict()
+        self._done_sending: set[str] = set()
+        self._stats = MoRIIONativeStats()
+        self._gpu = False
+        self._pending_recv: list[RecvTask] = []
+
+    # ---- setup --------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> Engine:
+        if self._engine is None:
+            raise FailedPreconditionError("KV caches are not registered yet")
+        return self._engine
+
+    @property
+    def layers(self) -> list[str]:
+        return list(self._layers)
+
+    def register_kv_caches(self, kv_caches: Mapping[str, Any]) -> None:
+        """Register every transferable layer with the engine (layers viewing one backing share
+        one memory region) and open this rank's control endpoints. Raises on any bad layer
+        before anything is registered."""
+        if self._engine is not None:
+            raise FailedPreconditionError("register_kv_caches was called twice")
+        names = [n for n in kv_caches if n in self._specs]
+        skipped = [n for n in kv_caches if n not in self._specs]
+        if skipped:
+            logger.info(
+                "not transferring %d layer(s) outside transfer groups: %s",
+                len(skipped),
+                skipped[:4],
+            )
+        if not names:
+            raise InvalidArgumentError(
+                "register_kv_caches: no layer belongs to a KV-transfer group"
+            )
+        specs = cache_specs(self._specs, names)
+        regs = []
+        for name in names:
+            tensor = kv_caches[name]
+            storage = tensor.untyped_storage()
+            memory, device = _memory_kind(tensor)
+            regs.append(
+                LayerRegistration(
+                    name=name,
+                    tensor=tensor,
+                    spec=specs[name],
+                    allocation=(storage.data_ptr(), storage.nbytes()),
+                    memory=memory,  # type: ignore[arg-type]
+                    device=device,
+                )
+            )
+        backend = choose_backend(self.cfg.backend, self.cfg.engine_options)
+        engine = Engine(
+            self.engine_id,
+            backend,
+            options=self.cfg.engine_options,
+            transfer_timeout=self.cfg.transfer_timeout,
+        )
+        engine.register_kv_caches(regs)
+        self._engine = engine
+        self._layers = names
+        self._gpu = any(r.memory != "host" for r in regs)
+        ports = self.cfg.ports
+        self._server = HandshakeServer(
+            ports.handshake_port(self.dp_rank, self.tp_rank),
+            self._handshake_response,
+            self._security,
+        )
+        self._listener = NotifyListener(
+            ports.notify_port(self.dp_rank, self.tp_rank), self._security
+        )
+        for target, name in (
+            (self._notify_loop, "notify"),
+            (self._events_loop, "events"),
+            (self._writer_loop, "writer"),
+        ):
+            thread = threading.Thread(target=target, name=f"moriio-native-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        if self.cfg.proxy_ip is not None and self.dp_rank == 0 and self.tp_rank == 0:
+            role = "D" if self.cfg.role == "kv_consumer" else "P"
+            assert self.cfg.http_port is not None
+            registration = ProxyRegistration(
+                role=role,
+                http_address=f"{self.cfg.host_ip}:{self.cfg.http_port}",
+                zmq_address=ZmqAddress(
+                    self.cfg.host_ip, self.cfg.handshake_port, self.cfg.notify_port
+                ),
+                dp_size=self.cfg.dp_size,
+                tp_size=self.cfg.tp_size,
+                transfer_mode=self.cfg.transfer_mode,
+            )
+            self._pinger = ProxyPinger(
+                self.cfg.proxy_ip,
+                self.cfg.proxy_ping_port,
+                registration,
+                interval=self.cfg.ping_interval,
+            ).start()
+        logger.info(
+            "engine %s (%s, %s mode) registered %d layers; handshake port %d, notify port %d",
+            self.engine_id,
+            backend,
+            self.cfg.mode,
+            len(names),
+            self._server.port,
+            self._listener.port,
+        )
+
+    def _handshake_response(self, request: HandshakeRequest) -> HandshakeResponse:
+        return HandshakeResponse(
+            engine_id=self.engine_id,
+            engine_metadata=self.engine.local_metadata(),
+            dp_rank=self.dp_rank,
+            tp_rank=self.tp_rank,
+            dp_size=self.cfg.dp_size,
+            tp_size=self.cfg.tp_size,
+            transfer_mode=self.cfg.transfer_mode,
+        )
+
+    def _connect(
+        self,
+        address: ZmqAddress,
+        remote_dp_rank: int,
+        remote_tp_size: int,
+        expect_engine: str | None,
+    ) -> _Peer:
+        """The peer rank that pairs with ours at ``address`` (handshake once, then cached).
+        Blocks up to ``transfer_timeout``; raises on a refused, unreachable or incompatible
+        peer. The notify target is derived from the handshaken host, never from a message."""
+        tp_size = remote_tp_size or self.cfg.tp_size
+        if tp_size != self.cfg.tp_size:
+            raise FailedPreconditionError(
+                f"peer {address.host}: TP size {tp_size} differs from ours ({self.cfg.tp_size}); "
+                "heterogeneous TP is not supported"
+            )
+        host = validate_host(address.host)
+        hs_port = rank_port(address.handshake_port, remote_dp_rank, self.tp_rank, tp_size)
+        key = (host, hs_port)
+        with self._lock:
+            cached = self._peers.get(key)
+            failed = self._failed_peers.get(key)
+        if cached is not None:
+            self._check_engine(cached, expect_engine)
+            return cached
+        if failed is not None and time.monotonic() < failed[0]:
+            # A peer that just failed its handshake fails fast for a moment instead of
+            # stalling every request's step for transfer_timeout again.
+            raise failed[1]
+        try:
+            response = fetch_metadata(
+                host,
+                hs_port,
+                timeout=self.cfg.transfer_timeout,
+                security=self._security,
+                requester_engine_id=self.engine_id,
+            )
+        except MoriioError as exc:
+            with self._lock:
+                self._failed_peers[key] = (time.monotonic() + _RETRY_HANDSHAKE_AFTER_S, exc)
+            raise
+        if response.transfer_mode != self.cfg.transfer_mode:
+            raise IncompatiblePeerError(
+                f"peer {response.engine_id} at {host}:{hs_port} runs {response.transfer_mode} "
+                f"mode, we run {self.cfg.transfer_mode}; set the same 'mode' on both instances"
+            )
+        if (response.dp_rank, response.tp_rank, response.tp_size) != (
+            remote_dp_rank,
+            self.tp_rank,
+            tp_size,
+        ):
+            raise IncompatiblePeerError(
+                f"peer at {host}:{hs_port} is dp{response.dp_rank}/tp{response.tp_rank} of "
+                f"{response.tp_size}, expected dp{remote_dp_rank}/tp{self.tp_rank} of {tp_size} "
+                "(do both sides use the same handshake base port?)"
+            )
+        peer_id = self.engine.add_peer(response.engine_metadata)
+        peer = _Peer(
+            engine_peer=peer_id,
+            host=host,
+            notify_port=rank_port(address.notify_port, remote_dp_rank, self.tp_rank, tp_size),
+            response=response,
+        )
+        self._check_engine(peer, expect_engine)
+        with self._lock:
+            self._peers[key] = peer
+            self._stats.record_handshake()
+        logger.info("handshake with %s at %s:%d done", response.engine_id, host, hs_port)
+        return peer
+
+    @staticmethod
+    def _check_engine(peer: _Peer, expect_engine: str | None) -> None:
+        if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
+            raise IncompatiblePeerError(
+                f"the request names engine {expect_engine!r} but {peer.host} serves "
+                f"{peer.response.engine_id!r}"
+            )
+
+    def _forget_peer(self, peer: _Peer | None) -> None:
+        """Drop a cached handshake after a failure (the peer may have restarted)."""
+        if peer is None:
+            return
+        with self._lock:
+            for key, value in list(self._peers.items()):
+                if value is peer:
+                    del self._peers[key]
+
+    # ---- per-step entry points ----------------------------------------------------------------
+
+    def bind_metadata(self, meta: MoRIIONativeMetadata) -> None:
+        """Take in one step's metadata (once per step). Prefill tasks take effect at once
+        (saves happen during the forward); decode loads start in :meth:`start_load_kv`."""
+        now = time.monotonic()
+        with self._lock:
+            self._step_jobs = []
+            for save in meta.save:
+                job = self._job(save.transfer_id, now)
+                job.save = save
+                self._step_jobs.append(job)
+                self._advance(job)
+            for send in meta.send:
+                self._on_send_task(send, now)
+            self._pending_recv.extend(meta.recv)
+
+    def start_load_kv(self) -> None:
+        with self._lock:
+            tasks, self._pending_recv = self._pending_recv, []
+        for task in tasks:
+            if task.error:
+                self._fail_unplanned(task)
+            elif not task.notify_only and self.cfg.mode == "read":
+                self._start_read(task)
+            elif not task.notify_only:
+                with self._lock:
+                    self._awaiting[task.transfer_id] = _Await(
+                        task, time.monotonic() + self.cfg.abort_timeout
+                    )
+                self._pool.submit(self._announce, task)
+            else:
+                self._pool.submit(self._release_only, task)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self._finish_step_reads()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any) -> None:
+        if not self._step_jobs or layer_name not in self._specs:
+            return
+        event = self._record_event(kv_layer)
+        with self._lock:
+            for job in self._step_jobs:
+                if layer_name not in job.seen:
+                    job.seen.add(layer_name)
+                    job.pending.append((layer_name, event))
+                    self._advance(job)
+
+    def wait_for_save(self) -> None:
+        """Queue every layer whose save hook did not run (after the whole forward) and seal."""
+        if not self._step_jobs:
+            return
+        event = None
+        if self._engine is not None and self._layers:
+            event = self._record_event(None)
+        with self._lock:
+            for job in self._step_jobs:
+                for name in self._layers:
+                    if name not in job.seen:
+                        job.seen.add(name)
+                        job.pending.append((name, event))
+                job.forward_done = True
+                self._advance(job)
+            self._step_jobs = []
+
+    def get_finished(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving) since the last call."""
+        self._finish_step_reads()
+        self._check_timeouts(time.monotonic())
+        with self._lock:
+            out = (self._done_sending, self._done_recving, self._failed_recving)
+            self._done_sending, self._done_recving, self._failed_recving = set(), set(), set()
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._invalid_blocks = self._invalid_blocks, set()
+        return out
+
+    def get_stats(self) -> MoRIIONativeStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            return self._stats.clone_and_reset()
+
+    # ---- decode side --------------------------------------------------------------------------
+
+    def _start_read(self, task: RecvTask) -> None:
+        read = _Read(task, time.monotonic())
+        with self._lock:
+            self._reads[task.transfer_id] = read
+            self._step_reads.append(task.transfer_id)
+        try:
+            read.peer = self._connect(
+                task.peer, task.remote_dp_rank, task.remote_tp_size, task.remote_engine_id
+            )
+            self.engine.read(
+                task.transfer_id, read.peer.engine_peer, task.local_block_ids, task.remote_block_ids
+            )
+        except Exception as exc:  # any failure: recompute locally, free the prefill
+            logger.error(
+                "request %s (transfer %s): READ from %s not started: %s",
+                task.req_id,
+                task.transfer_id,
+                task.peer.host,
+                exc,
+            )
+            self._forget_peer(read.peer)
+            self._finish_read(task.transfer_id, "failed", str(exc))
+
+    def _fail_unplanned(self, task: RecvTask) -> None:
+        """A load the scheduler could not plan: its blocks are recomputed, the prefill freed."""
+        with self._lock:
+            self._invalid_blocks.update(task.local_block_ids)
+            if task.report_done:
+                self._done_recving.add(task.req_id)
+                self._failed_recving.add(task.req_id)
+            self._stats.record(ok=False)
+        self._pool.submit(self._release_only, task)
+
+    def _finish_read(self, transfer_id: str, state: str, message: str, event: Any = None) -> None:
+        """Record a READ's terminal state once: release the prefill, and on failure mark the
+        blocks for recomputation."""
+        with self._lock:
+            read = self._reads.get(transfer_id)
+            if read is None or read.state is not None:
+                return
+            read.state, read.message = state, message
+            ok = state == "done"
+            if ok and event is not None:
+                self._stats.record(
+                    ok=True,
+                    nbytes=event.bytes,
+                    seconds=event.seconds,
+                    runs=event.runs,
+                    batches=event.batches,
+                )
+            elif not ok:
+                self._stats.record(ok=False)
+                self._invalid_blocks.update(read.task.local_block_ids)
+            self._cond.notify_all()
+        if not ok:
+            logger.warning(
+                "request %s (transfer %s): READ %s (%s); its %d blocks will be recomputed",
+                read.task.req_id,
+                transfer_id,
+                state,
+                message,
+                len(read.task.local_block_ids),
+            )
+        self._send_release(read.task, read.peer)
+
+    def _finish_step_reads(self) -> None:
+        """Wait until every READ posted this step is terminal (at most transfer_timeout plus a
+        grace for the engine's own timeout to drain it)."""
+        with self._lock:
+            if not self._step_reads:
+                return
+            ids, self._step_reads = self._step_reads, []
+        for tid in ids:
+            with self._lock:
+                read = self._reads.get(tid)
+                if read is None:
+                    continue
+                deadline = read.started + self.cfg.transfer_timeout + _DRAIN_GRACE_S
+                while (
+                    read.state is None and time.monotonic() < deadline and not self._stop.is_set()
+                ):
+                    self._cond.wait(_WAIT_SLICE_S)
+                state = read.state
+            if state is None:
+                with contextlib.suppress(MoriioError):
+                    self.engine.abort(tid)
+                self._finish_read(
+                    tid, "timed_out", f"no completion within {self.cfg.transfer_timeout:.3g}s"
+                )
+            with self._lock:
+                self._reads.pop(tid, None)
+
+    def _send_release(self, task: RecvTask, peer: _Peer | None) -> None:
+        tp_size = task.remote_tp_size or self.cfg.tp_size
+        try:
+            if peer is not None:
+                host, port = peer.host, peer.notify_port
+            else:
+                host = task.peer.host
+                port = rank_port(task.peer.notify_port, task.remote_dp_rank, self.tp_rank, tp_size)
+            self._sender.send(
+                host,
+                port,
+                Release(
+                    task.transfer_id,
+                    consumer_tp_size=self.cfg.tp_size,
+                    consumer_tp_rank=self.tp_rank,
+                ),
+            )
+        except MoriioError as exc:
+            logger.warning(
+                "request %s (transfer %s): release to the prefill not sent (%s); it frees its "
+                "blocks after its abort_timeout",
+                task.req_id,
+                task.transfer_id,
+                exc,
+            )
+
+    def _release_only(self, task: RecvTask) -> None:
+        self._send_release(task, None)
+
+    def _announce(self, task: RecvTask) -> None:
+        """Decode WRITE: handshake the prefill rank, then tell it where to write."""
+        peer = None
+        try:
+            peer = self._connect(
+                task.peer, task.remote_dp_rank, task.remote_tp_size, task.remote_engine_id
+            )
+            self._sender.send(
+                peer.host,
+                peer.notify_port,
+                RemoteBlocks(
+                    transfer_id=task.transfer_id,
+                    block_ids=(task.local_block_ids,),
+                    decode_engine_id=self.engine_id,
+                    decode_dp_rank=self.dp_rank,
+                    req_id=task.req_id,
+                ),
+            )
+        except Exception as exc:
+            logger.error(
+                "request %s (transfer %s): cannot announce blocks to %s: %s; computing locally",
+                task.req_id,
+                task.transfer_id,
+                task.peer.host,
+                exc,
+            )
+            self._forget_peer(peer)
+            self._finish_await(task.transfer_id, ok=False)
+
+    def _finish_await(self, transfer_id: str, ok: bool) -> None:
+        with self._lock:
+            waiting = self._awaiting.pop(transfer_id, None)
+            if waiting is None:
+                return
+            self._done_recving.add(waiting.task.req_id)
+            if not ok:
+                # Both signals: failed_recving (request level) and the blocks (for callers of
+                # get_finished, which has no failure channel) -- vLLM recomputes either way.
+                self._failed_recving.add(waiting.task.req_id)
+                self._invalid_blocks.update(waiting.task.local_block_ids)
+                self._stats.record(ok=False)
+        if self._listener is not None:
+            self._listener.mark_terminal(transfer_id)
+
+    # ---- prefill side -------------------------------------------------------------------------
+
+    def _job(self, transfer_id: str, now: float) -> _WriteJob:
+        job = self._jobs.get(transfer_id)
+        if job is None:
+            job = self._jobs[transfer_id] = _WriteJob(transfer_id, created=now)
+        return job
+
+    def _on_send_task(self, send: SendTask, now: float) -> None:
+        """The scheduler finished the request and holds its blocks for us (lock held)."""
+        tid = send.transfer_id
+        deadline = now + self.cfg.abort_timeout
+        if self.cfg.mode == "read":
+            if self._early_releases.pop(tid, None) is not None or send.aborted:
+                self._done_sending.add(send.req_id)
+                return
+            self._sends[tid] = _Send(send, deadline)
+            return
+        job = self._job(tid, now)
+        job.send, job.deadline = send, deadline
+        if job.terminal:
+            self._done_sending.add(send.req_id)
+            self._jobs.pop(tid, None)
+        elif send.aborted:
+            self._fail_job(job, "the request was aborted")
+
+    def _record_event(self, tensor: Any) -> Any:
+        """A CUDA event after the work queued so far on the current stream, when the caches are
+        on a GPU; None on CPU (the forward already ran synchronously)."""
+        on_gpu = self._gpu if tensor is None else bool(getattr(tensor, "is_cuda", False))
+        if not on_gpu:
+            return None
+        import torch
+
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event
+
+    def _advance(self, job: _WriteJob) -> None:
+        """Move a WRITE job as far as its inputs allow (lock held). Writes and the seal go to
+        the writer thread in order, so a seal never overtakes a write."""
+        if job.terminal or job.failed is not None:
+            return
+        if job.remote is None or job.save is None:
+            return
+        if job.peer is None:
+            if not job.connecting:
+                if job.save.peer is None:
+                    self._fail_job(job, "the request names no decode address")
+                    return
+                job.connecting = True
+                self._pool.submit(self._connect_job, job)
+            return
+        if not job.local_ids and not job.remote_ids:
+            groups = job.remote.block_ids
+            wanted = groups[0] if len(groups) == 1 else None
+            have = job.save.block_ids
+            if wanted is None or len(wanted) > len(have) or not wanted:
+                self._fail_job(
+                    job,
+                    f"decode asked for {len(groups)} group(s) / "
+                    f"{sum(len(g) for g in groups)} blocks, the prompt has {len(have)}",
+                )
+                return
+            # The decode announces the tail of the prompt it lacks: align it to our tail.
+            job.local_ids = tuple(have[len(have) - len(wanted) :])
+            job.remote_ids = tuple(wanted)
+        for layer, event in job.pending:
+            self._writer_q.put(("write", job, layer, event))
+            job.submitted += 1
+        job.pending = []
+        if job.forward_done and not job.sealed:
+            job.sealed = True
+            self._writer_q.put(("seal", job, "", None))
+
+    def _connect_job(self, job: _WriteJob) -> None:
+        assert job.save is not None and job.save.peer is not None and job.remote is not None
+        peer = None
+        try:
+            peer = self._connect(
+                job.save.peer, job.remote.decode_dp_rank, job.save.remote_tp_size, None
+            )
+            if peer.response.engine_id != job.remote.decode_engine_id:
+                raise IncompatiblePeerError(
+                    f"remote_blocks came from engine {job.remote.decode_engine_id!r}, but the "
+                    f"decode address of the request serves {peer.response.engine_id!r}"
+                )
+        except Exception as exc:
+            logger.error("transfer %s: cannot reach the decode rank: %s", job.transfer_id, exc)
+            self._forget_peer(peer)
+            with self._lock:
+                job.peer = peer if isinstance(exc, IncompatiblePeerError) else None
+                self._fail_job(job, str(exc))
+            return
+        with self._lock:
+            job.peer = peer
+            self._advance(job)
+
+    def _fail_job(self, job: _WriteJob, reason: str) -> None:
+        """End a WRITE job as failed (lock held). With writes in flight the engine is aborted
+        and its terminal event finishes the job; otherwise it finishes now."""
+        if job.terminal or job.failed is not None:
+            return
+        job.failed = reason
+        logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, reason)
+        if job.submitted or job.sealed:
+            try:
+                self.engine.abort(job.transfer_id)
+                return  # the aborted event completes the job
+            except MoriioError:
+                pass
+        self._complete_job(job, ok=False, reason=reason)
+
+    def _complete_job(
+        self, job: _WriteJob, *, ok: bool, reason: str = "", event: Any = None
+    ) -> None:
+        """Terminal WRITE job (lock held): one write_done/write_failed to the decode, then the
+        blocks are reported as sent once the scheduler finished the request."""
+        if job.terminal:
+            return
+        job.terminal = True
+        if ok and event is not None:
+            self._stats.record(
+                ok=True,
+                nbytes=event.bytes,
+                seconds=event.seconds,
+                runs=event.runs,
+                batches=event.batches,
+            )
+        elif not ok and not job.released:
+            self._stats.record(ok=False)
+        if job.peer is not None and not job.released:
+            message: NotifyMessage = (
+                WriteDone(job.transfer_id, writer_rank=self.tp_rank, num_writers=1)
+                if ok
+                else WriteFailed(
+                    job.transfer_id, writer_rank=self.tp_rank, reason=reason[:1000] or "failed"
+                )
+            )
+            try:
+                self._sender.send(job.peer.host, job.peer.notify_port, message)
+            except MoriioError as exc:
+                logger.warning("transfer %s: %s not sent: %s", job.transfer_id, message.TYPE, exc)
+        if self._listener is not None:
+            self._listener.mark_terminal(job.transfer_id)
+        if job.send is not None:
+            self._done_sending.add(job.send.req_id)
+            self._jobs.pop(job.transfer_id, None)
+
+    def _writer_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                op, job, layer, event = self._writer_q.get(timeout=_WAIT_SLICE_S)
+            except queue.Empty:
+                continue
+            with self._lock:
+                if job.failed is not None or job.terminal:
+                    continue
+                peer = job.peer
+            assert peer is not None
+            try:
+                if event is not None:
+                    event.synchronize()
+                if op == "write":
+                    self.engine.write_layer(
+                        job.transfer_id, layer, peer.engine_peer, job.local_ids, job.remote_ids
+                    )
+                else:
+                    self.engine.seal(job.transfer_id, peer.engine_peer)
+            except Exception as exc:
+                with self._lock:
+                    self._fail_job(job, f"{op} {layer}: {exc}".strip())
+
+    # ---- background threads -------------------------------------------------------------------
+
+    def _notify_loop(self) -> None:
+        listener = self._listener
+        assert listener is not None
+        while not self._stop.is_set():
+            message = listener.get(_WAIT_SLICE_S)
+            if message is None:
+                continue
+            try:
+                self._on_message(message)
+            except Exception:  # one message must never stop the thread
+                logger.exception("error handling %s", message)
+
+    def _on_message(self, message: NotifyMessage) -> None:
+        tid = message.transfer_id
+        now = time.monotonic()
+        if isinstance(message, (WriteDone, WriteFailed)):
+            if not self.cfg.is_consumer:
+                logger.warning(
+                    "ignoring %s for transfer %s: this instance is not a consumer",
+                    message.TYPE,
+                    tid,
+                )
+                return
+            if isinstance(message, WriteFailed):
+                logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
+            self._finish_await(tid, ok=isinstance(message, WriteDone))
+            return
+        if not self.cfg.is_producer:
+            logger.warning(
+                "ignoring %s for transfer %s: this instance is not a producer", message.TYPE, tid
+            )
+            return
+        with self._lock:
+            if isinstance(message, Release):
+                send = self._sends.pop(tid, None)
+                job = self._jobs.get(tid)
+                if send is not None:
+                    self._done_sending.add(send.task.req_id)
+                elif job is not None:
+                    job.released = True
+                    self._fail_job(job, "the decode released the transfer")
+                else:
+                    self._early_releases[tid] = now
+                    while len(self._early_releases) > _MAX_EARLY_MESSAGES:
+                        self._early_releases.popitem(last=False)
+                    return
+                if self._listener is not None:
+                    self._listener.mark_terminal(tid)
+                return
+            assert isinstance(message, RemoteBlocks)
+            if self.cfg.mode != "write":
+                logger.warning(
+                    "ignoring remote_blocks for transfer %s: this instance runs READ mode", tid
+                )
+                return
+            job = self._job(tid, now)
+            if job.remote is not None:
+                return
+            job.remote = message
+            if not any(message.block_ids):
+                job.released = True
+                self._fail_job(job, "the decode needs no blocks")
+                return
+            self._advance(job)
+
+    def _events_loop(self) -> None:
+        last_check = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                events = self.engine.poll_events(timeout=_WAIT_SLICE_S)
+            except Exception:
+                logger.exception("poll_events failed")
+                time.sleep(_WAIT_SLICE_S)
+                continue
+            for event in events:
+                try:
+                    self._on_event(event)
+                except Exception:
+                    logger.exception("error handling %s", event)
+            now = time.monotonic()
+            if now - last_check >= 0.5:
+                last_check = now
+                self._check_timeouts(now)
+
+    def _on_event(self, event: Any) -> None:
+        tid = event.transfer_id
+        ok = event.state == "done"
+        with self._lock:
+            if tid in self._reads:
+                pass
+            else:
+                job = self._jobs.get(tid)
+                if job is not None and not job.terminal:
+                    reason = job.failed or f"{event.state}: {event.message}"
+                    self._complete_job(
+                        job, ok=ok and job.failed is None, reason=reason, event=event
+                    )
+                return
+        self._finish_read(tid, event.state, event.message, event)
+
+    def _check_timeouts(self, now: float) -> None:
+        expired_awaits: list[_Await] = []
+        with self._lock:
+            for waiting in list(self._awaiting.values()):
+                if now > waiting.deadline:
+                    expired_awaits.append(waiting)
+            for tid, send in list(self._sends.items()):
+                if now > send.deadline:
+                    del self._sends[tid]
+                    self._done_sending.add(send.task.req_id)
+                    logger.warning(
+                        "request %s (transfer %s): no release within abort_timeout (%.0fs); "
+                        "freeing",
+                        send.task.req_id,
+                        tid,
+                        self.cfg.abort_timeout,
+                    )
+            for tid, job in list(self._jobs.items()):
+                if job.terminal:
+                    continue
+                if job.send is not None and now > job.deadline:
+                    self._fail_job(
+                        job, f"not finished within abort_timeout ({self.cfg.abort_timeout:.0f}s)"
+                    )
+                elif (
+                    job.send is None
+                    and job.save is None
+                    and now > job.created + self.cfg.abort_timeout
+                ):
+                    del self._jobs[tid]  # remote_blocks for a request we never saw
+            for key, (until, _exc) in list(self._failed_peers.items()):
+                if now >= until:
+                    del self._failed_peers[key]
+            while self._early_releases:
+                tid, seen = next(iter(self._early_releases.items()))
+                if now - seen <= self.cfg.abort_timeout:
+                    break
+                self._early_releases.popitem(last=False)
+        for waiting in expired_awaits:
+            logger.warning(
+                "request %s (transfer %s): the prefill's KV did not arrive within abort_timeout "
+                "(%.0fs); computing locally",
+                waiting.task.req_id,
+                waiting.task.transfer_id,
+                self.cfg.abort_timeout,
+            )
+            self._finish_await(waiting.task.transfer_id, ok=False)
+            self._send_release(waiting.task, None)
+
+    # ---- teardown -----------------------------------------------------------------------------
+
+    def shutdown(self) -> None:
+        """Stop the threads and close every socket. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for closer in (self._pinger, self._listener, self._server):
+            if closer is not None:
+                try:
+                    closer.stop() if isinstance(closer, ProxyPinger) else closer.close()
+                except Exception:
+                    logger.exception("error closing %s", type(closer).__name__)
+        self._sender.close()
+        logger.info("engine %s shut down", self.engine_id)
+
+
+__all__ = ["WorkerSide", "choose_backend"]

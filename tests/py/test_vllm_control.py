@@ -1,0 +1,242 @@
+"""The connector's control plane under bad input: the listeners survive and nothing changes.
+
+Messages are injected with a raw ZMQ DEALER into a prefill instance's notify and handshake
+ports while one of its requests holds blocks, then the tests check that the blocks are still
+held (vLLM frees nothing), that a genuine message afterwards still works, and that duplicates
+and late copies free nothing twice (vLLM's scheduler asserts on a double free).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import msgpack
+import pytest
+import zmq
+
+pytest.importorskip("vllm")
+
+from moriio_native.control.messages import MAX_NOTIFY_BYTES, Release, RemoteBlocks, encode
+from test_vllm_support import (
+    Side,
+    decode_params,
+    pd_request_id,
+    prefill_params,
+    transfer_id,
+    write_model_dir,
+)
+
+pytestmark = pytest.mark.vllm
+
+SECRET = "correct horse battery staple 0123"
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_model_dir(Path(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def sides() -> Iterator[list[Side]]:
+    made: list[Side] = []
+    yield made
+    for side in made:
+        side.shutdown()
+
+
+@pytest.fixture
+def dealer() -> Iterator[Callable[[int, list[bytes]], None]]:
+    ctx = zmq.Context.instance()
+    sockets: dict[int, zmq.Socket] = {}
+
+    def send(port: int, frames: list[bytes]) -> None:
+        if port not in sockets:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{port}")
+            sockets[port] = sock
+        sockets[port].send_multipart(frames)
+
+    yield send
+    for sock in sockets.values():
+        sock.close(linger=0)
+
+
+def wait_for(cond: Callable[[], bool], what: str, limit: float = 20.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def listener_stats(side: Side) -> dict[str, int]:
+    return side.worker.worker._listener.stats()
+
+
+def server_stats(side: Side) -> dict[str, int]:
+    return side.worker.worker._server.stats()
+
+
+def held_prefill(
+    sides: list[Side], model_dir: str, mode: str = "read", **extra: object
+) -> tuple[Side, Side, str, str, dict]:
+    p = Side("prefill", "kv_producer", mode, model_dir, salt=1, extra=dict(extra))
+    sides.append(p)
+    d = Side("decode", "kv_consumer", mode, model_dir, salt=2, extra=dict(extra))
+    sides.append(d)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, list(range(1, 41)), params=prefill_params(tid), max_tokens=1)
+    result = p.step()
+    returned = result.finished()[rid].kv_transfer_params
+    assert p.free_blocks() == p.initial_free - 3
+    return p, d, rid, tid, returned
+
+
+def assert_still_held(p: Side, rid: str, steps: int = 3) -> None:
+    for _ in range(steps):
+        assert not p.step().transfer.finished_sending
+    assert p.free_blocks() == p.initial_free - 3 and rid in p.scheduler.requests
+
+
+def test_bad_notify_messages_are_dropped_and_the_listener_survives(
+    sides: list[Side], model_dir: str, dealer: Callable[[int, list[bytes]], None]
+) -> None:
+    p, _, rid, tid, _ = held_prefill(sides, model_dir)
+    port = p.notify_port
+    bad = [
+        [b"\xc1\xff not msgpack"],
+        [msgpack.packb([1, 2, 3])],
+        [msgpack.packb({"type": "self_destruct", "transfer_id": tid})],
+        [msgpack.packb({"type": "release", "transfer_id": tid, "consumer_tp_size": "many"})],
+        [msgpack.packb({"type": "release", "transfer_id": tid, "extra": 1})],
+        [msgpack.packb({"type": "release"})],
+        [b"x" * (MAX_NOTIFY_BYTES + 1)],
+        [encode(Release(tid)), b"a", b"b"],
+        [encode(Release(tid)), b"\x00" * 32],  # a tag although no secret is configured
+    ]
+    for frames in bad:
+        dealer(port, frames)
+    wait_for(lambda: listener_stats(p)["received"] >= len(bad), "the bad messages")
+    stats = listener_stats(p)
+    assert stats["delivered"] == 0
+    assert stats["dropped_malformed"] + stats["dropped_auth"] == len(bad)
+    assert_still_held(p, rid)
+
+    # A release for a transfer nobody knows changes nothing either.
+    dealer(port, [encode(Release("tx-unknown"))])
+    wait_for(lambda: listener_stats(p)["delivered"] == 1, "unknown release")
+    assert_still_held(p, rid)
+
+    # The listener is alive: a genuine release frees the blocks, exactly once.
+    dealer(port, [encode(Release(tid))])
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+    dealer(port, [encode(Release(tid))])  # duplicate
+    dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=1))])  # late
+    wait_for(lambda: listener_stats(p)["received"] >= len(bad) + 4, "the late copies")
+    for _ in range(3):
+        assert not p.step().transfer.finished_sending  # a second report would crash vLLM
+    assert p.free_blocks() == p.initial_free
+
+
+def test_forged_or_missing_hmac_is_dropped(
+    sides: list[Side], model_dir: str, dealer: Callable[[int, list[bytes]], None]
+) -> None:
+    p, d, rid, tid, returned = held_prefill(sides, model_dir, auth_secret=SECRET)
+    payload = encode(Release(tid))
+    forged = hmac.new(
+        b"not the secret at all 0123456789",
+        b"moriio-native/control/v1\x00" + payload,
+        hashlib.sha256,
+    ).digest()
+    dealer(p.notify_port, [payload])
+    dealer(p.notify_port, [payload, forged])
+    dealer(p.notify_port, [payload, forged[:16]])
+    wait_for(lambda: listener_stats(p)["received"] >= 3, "forged messages")
+    assert listener_stats(p)["dropped_auth"] == 3
+    assert_still_held(p, rid)
+    # The genuine decode (same secret) reads and releases.
+    d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
+    first = d.step()
+    assert first.invalid_blocks == set()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="authenticated release")
+
+
+def test_handshake_with_the_wrong_secret_fails_closed(sides: list[Side], model_dir: str) -> None:
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra={"auth_secret": SECRET})
+    sides.append(p)
+    d = Side(
+        "decode",
+        "kv_consumer",
+        "read",
+        model_dir,
+        salt=2,
+        extra={"auth_secret": "another secret of 32 bytes!!!!!", "transfer_timeout": 1},
+    )
+    sides.append(d)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    prompt = list(range(3, 40))
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    returned = p.step().finished()[rid].kv_transfer_params
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
+    first = d.step()
+    assert first.invalid_blocks  # nothing was loaded: vLLM recomputes
+    assert server_stats(p)["dropped_auth"] >= 1 and server_stats(p)["answered"] == 0
+    assert d.step().scheduled == {rid: len(prompt)}
+
+
+def test_garbage_on_the_handshake_port_does_not_stop_the_server(
+    sides: list[Side], model_dir: str, dealer: Callable[[int, list[bytes]], None]
+) -> None:
+    p, d, rid, tid, returned = held_prefill(sides, model_dir)
+    for frames in (
+        [b"get_meta_msg"],
+        [msgpack.packb({"type": "handshake_request"})],
+        [b"\x00" * 10000],
+    ):
+        dealer(p.handshake_port, frames)
+    wait_for(lambda: server_stats(p)["received"] >= 3, "garbage handshakes")
+    assert server_stats(p)["answered"] == 0
+    d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
+    assert d.step().invalid_blocks == set()
+    assert server_stats(p)["answered"] == 1
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+
+
+def test_forged_remote_blocks_cannot_redirect_writes(
+    sides: list[Side],
+    model_dir: str,
+    dealer: Callable[[int, list[bytes]], None],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    p = Side("prefill", "kv_producer", "write", model_dir, salt=1)
+    sides.append(p)
+    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    sides.append(d)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    prompt = list(range(5, 50))
+    # Someone else claims the transfer first, naming an engine that is not the request's decode.
+    dealer(
+        p.notify_port,
+        [encode(RemoteBlocks(tid, ((1, 2, 3),), decode_engine_id="127.0.0.1:1/dp0/tp0"))],
+    )
+    wait_for(lambda: listener_stats(p)["delivered"] == 1, "forged remote_blocks")
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=1)
+    d.step()
+    with caplog.at_level(logging.WARNING, logger="moriio_native"):
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.step()
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="refused job")
+    assert "127.0.0.1:1/dp0/tp0" in caplog.text
+    assert p.free_blocks() == p.initial_free
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, what="write_failed")
+    assert rid in res[-1].transfer.finished_recving
+    # No byte of the prefill reached the decode's blocks; the decode computes the prompt itself.
+    assert not any(d.slot_matches(rid, range(len(prompt)), p.salt, prompt))
+    assert d.step().scheduled == {rid: len(prompt)}

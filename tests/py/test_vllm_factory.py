@@ -1,0 +1,338 @@
+"""Loading MoRIIONativeConnector through vLLM, its configuration, spec mapping and stats."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+import torch
+
+from moriio_native.errors import InvalidArgumentError
+from moriio_native.vllm import CONNECTOR_NAME, register
+from moriio_native.vllm.config import (
+    DEFAULT_ABORT_TIMEOUT,
+    DEFAULT_HANDSHAKE_PORT,
+    DEFAULT_NOTIFY_PORT,
+    DEFAULT_TRANSFER_TIMEOUT,
+    ConnectorConfig,
+)
+from test_vllm_support import dense_specs, make_kv_cache_config, make_vllm_config, write_model_dir
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_model_dir(Path(tmp_path_factory.mktemp("model")))
+
+
+def test_targets_vllm_0_33_0() -> None:
+    import vllm
+
+    assert vllm.__version__ == "0.33.0"
+
+
+# ---- loading ----------------------------------------------------------------------------------
+
+
+def test_factory_loads_connector_from_module_path(model_dir: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from moriio_native.vllm.connector import MoRIIONativeConnector
+
+    config = make_vllm_config(
+        model_dir, role="kv_consumer", extra={"backend": "loopback", "mode": "read"}
+    )
+    kv_cache_config = make_kv_cache_config(config, dense_specs(), 16, "LBNHC")
+    assert (
+        KVConnectorFactory.get_connector_class(config.kv_transfer_config) is MoRIIONativeConnector
+    )
+    connector = KVConnectorFactory.create_connector(
+        config, KVConnectorRole.SCHEDULER, kv_cache_config
+    )
+    assert isinstance(connector, MoRIIONativeConnector)
+    assert connector.config.mode == "read" and connector.config.role == "kv_consumer"
+    # Not SupportsHMA: vLLM turns its hybrid allocator off for this connector.
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is True
+
+
+def test_register_makes_the_name_loadable_without_module_path(model_dir: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from moriio_native.vllm.connector import MoRIIONativeConnector
+
+    register()
+    register()  # idempotent
+    config = make_vllm_config(
+        model_dir, role="kv_producer", extra={"backend": "loopback"}, module_path=None
+    )
+    assert config.kv_transfer_config.kv_connector_module_path is None
+    assert (
+        KVConnectorFactory.get_connector_class(config.kv_transfer_config) is MoRIIONativeConnector
+    )
+
+
+def test_plugin_entry_point_resolves_to_register() -> None:
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    target = project["project"]["entry-points"]["vllm.general_plugins"]["moriio_native"]
+    module, _, attr = target.partition(":")
+    hook = getattr(importlib.import_module(module), attr)
+    assert (hook.__module__, hook.__name__) == ("moriio_native.vllm", "register")
+    hook()  # callable the way vLLM's plugin loader calls it
+
+
+def test_importing_the_package_does_not_import_vllm() -> None:
+    code = (
+        "import sys, moriio_native.vllm as m; assert callable(m.register); "
+        "print('vllm' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+# ---- configuration ----------------------------------------------------------------------------
+
+
+def test_config_defaults() -> None:
+    cfg = ConnectorConfig.from_extra_config({"host_ip": "10.1.2.3"}, role="kv_producer")
+    assert cfg.mode == "write" and cfg.backend == "auto"
+    assert (cfg.handshake_port, cfg.notify_port) == (DEFAULT_HANDSHAKE_PORT, DEFAULT_NOTIFY_PORT)
+    assert (
+        cfg.transfer_timeout == DEFAULT_TRANSFER_TIMEOUT
+        and cfg.abort_timeout == DEFAULT_ABORT_TIMEOUT
+    )
+    assert cfg.proxy_ip is None and cfg.allowed_peers == () and cfg.auth_secret is None
+    assert cfg.engine_id == "10.1.2.3:6301"
+
+
+def test_config_reads_strings_legacy_keys_and_backend_options(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("MORIIO_NATIVE_AUTH_SECRET", raising=False)
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "read_mode": "True",
+            "handshake_port": "7301",
+            "notify_port": "7501",
+            "proxy_ip": "127.0.0.1",
+            "proxy_ping_port": "36367",
+            "http_port": "8200",
+            "defer_timeout": "45",
+            "allowed_peers": "10.0.0.0/8, 192.168.1.7",
+            "ucx_tls": "tcp",
+            "engine_options": {"progress_mode": "busy"},
+            "qp_per_transfer": 2,
+        },
+        role="kv_consumer",
+        tp_size=4,
+    )
+    assert cfg.mode == "read" and cfg.handshake_port == 7301 and cfg.notify_port == 7501
+    assert cfg.abort_timeout == 45.0 and cfg.http_port == 8200
+    assert cfg.allowed_peers == ("10.0.0.0/8", "192.168.1.7")
+    assert dict(cfg.engine_options) == {"progress_mode": "busy", "ucx_tls": "tcp"}
+    assert cfg.ports.notify_port(0, 3) == 7504
+
+
+def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MORIIO_NATIVE_AUTH_SECRET", "s" * 32)
+    assert ConnectorConfig.from_extra_config({}, role="kv_both").auth_secret == "s" * 32
+    assert "s" * 32 not in repr(ConnectorConfig.from_extra_config({}, role="kv_both"))
+
+
+@pytest.mark.parametrize(
+    ("extra", "needle"),
+    [
+        ({"mode": "push"}, "mode"),
+        ({"backend": "rdma"}, "backend"),
+        ({"handshake_port": "70000"}, "handshake_port"),
+        ({"notify_port": "abc"}, "notify_port"),
+        ({"transfer_timeout": "-1"}, "transfer_timeout"),
+        ({"abort_timeout": "soon"}, "abort_timeout"),
+        ({"proxy_ip": "127.0.0.1"}, "http_port"),
+        ({"host_ip": "not a host"}, "host_ip"),
+        ({"allowed_peers": ["10.0.0.0/33x"]}, "allowed_peers"),
+        ({"auth_secret": "short"}, "auth_secret"),
+        ({"handshake_port": 6301, "notify_port": 6302}, "overlap"),
+    ],
+)
+def test_config_rejects_bad_values_naming_the_key(extra: dict, needle: str) -> None:
+    with pytest.raises(InvalidArgumentError, match=needle):
+        ConnectorConfig.from_extra_config(extra, role="kv_producer", tp_size=2)
+
+
+def test_config_warns_about_unknown_keys(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="moriio_native.vllm.config"):
+        ConnectorConfig.from_extra_config({"handshake_prot": 1}, role="kv_producer")
+    assert "handshake_prot" in caplog.text
+
+
+# ---- spec mapping -----------------------------------------------------------------------------
+
+
+def test_spec_mapping_for_vllm_specs() -> None:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        SparseCacheRole,
+    )
+
+    from moriio_native.vllm.specs import to_cache_spec
+
+    dense = to_cache_spec(
+        "a", FullAttentionSpec(block_size=16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    )
+    assert (
+        dense.kind,
+        dense.block_size,
+        dense.num_kv_heads,
+        dense.head_size,
+        dense.head_size_v,
+        dense.dtype_bytes,
+    ) == ("kv", 16, 8, 128, 128, 2)
+    swa = to_cache_spec(
+        "b",
+        SlidingWindowSpec(
+            block_size=32,
+            num_kv_heads=4,
+            head_size=64,
+            head_size_v=32,
+            dtype=torch.float16,
+            sliding_window=128,
+        ),
+    )
+    assert (swa.kind, swa.head_size, swa.head_size_v) == ("kv", 64, 32)
+    mla = to_cache_spec(
+        "c", MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    )
+    assert (mla.kind, mla.num_kv_heads, mla.head_size, mla.dtype_bytes) == ("mla", 1, 576, 2)
+    indexer = to_cache_spec(
+        "d",
+        MLAAttentionSpec(
+            block_size=64,
+            num_kv_heads=1,
+            head_size=132,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+        ),
+    )
+    assert (indexer.kind, indexer.head_size, indexer.dtype_bytes) == ("mla", 132, 1)
+    packed = to_cache_spec(
+        "e",
+        FullAttentionSpec(
+            block_size=16,
+            num_kv_heads=2,
+            head_size=128,
+            dtype=torch.uint8,
+            state_content_bytes=300,
+            num_head_slots=2,
+        ),
+    )
+    assert (packed.kind, packed.num_kv_heads, packed.head_size) == ("mla", 2, 300)
+
+
+def test_spec_mapping_refuses_state_caches_naming_the_layer() -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from moriio_native.vllm.specs import UnsupportedSpecError, to_cache_spec
+
+    spec = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    with pytest.raises(UnsupportedSpecError, match=r"model\.layers\.3\.mixer"):
+        to_cache_spec("model.layers.3.mixer", spec)
+
+
+def test_layer_specs_split_uniform_groups_and_skip_non_transfer_groups() -> None:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MLAAttentionSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    from moriio_native.vllm.specs import layer_specs
+
+    dense = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=48, dtype=torch.float16)
+    uniform = UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs={"a": dense, "b": mla})
+    config = KVCacheConfig(
+        num_blocks=8,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            KVCacheGroupSpec(["a", "b"], uniform),
+            KVCacheGroupSpec(["draft"], dense, enable_kv_transfer=False),
+        ],
+    )
+    assert layer_specs(config) == {"a": dense, "b": mla}
+
+
+# ---- stats ------------------------------------------------------------------------------------
+
+
+def test_stats_aggregate_and_reduce() -> None:
+    from moriio_native.vllm.connector import MoRIIONativeConnector
+
+    a = MoRIIONativeConnector.build_kv_connector_stats()
+    assert a is not None and a.is_empty()
+    a.record(ok=True, nbytes=2_000_000, seconds=0.002, runs=10, batches=1)
+    b = MoRIIONativeConnector.build_kv_connector_stats(dict(a.data))
+    b.record(ok=False)
+    merged = a.aggregate(b)
+    summary = merged.reduce()
+    assert summary["Num successful transfers"] == 2
+    assert summary["Num failed transfers"] == 1
+    assert summary["Avg throughput (GB/s)"] == pytest.approx(1.0)
+    assert summary["Avg runs per transfer"] == 10.0
+
+
+def test_connector_name_constant() -> None:
+    assert CONNECTOR_NAME == "MoRIIONativeConnector"
+
+
+# ---- the launch recipe ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("role", "mode"), [("kv_producer", "read"), ("kv_consumer", "write")])
+def test_launch_recipe_config_is_accepted_by_vllm_and_the_connector(
+    model_dir: str, role: str, mode: str, tmp_path: Path
+) -> None:
+    import json
+    import os
+
+    from vllm.config import KVTransferConfig
+
+    env = dict(os.environ, MODE=mode, HOST_IP="10.0.0.5", ALLOWED_PEERS="10.0.0.0/24")
+    script = (
+        f"source {ROOT}/examples/launch/common.sh && kv_transfer_config {role} 20005 6301 61005"
+    )
+    out = subprocess.run(
+        ["bash", "-c", script], env=env, capture_output=True, text=True, check=True
+    )
+    raw = json.loads(out.stdout)
+    ktc = KVTransferConfig(**raw)
+    assert ktc.kv_connector == "MoRIIONativeConnector" and ktc.kv_load_failure_policy == "recompute"
+    cfg = ConnectorConfig.from_extra_config(ktc.kv_connector_extra_config, role=role)
+    assert (cfg.mode, cfg.host_ip, cfg.http_port, cfg.proxy_ip) == (
+        mode,
+        "10.0.0.5",
+        20005,
+        "127.0.0.1",
+    )
+    assert cfg.allowed_peers == ("10.0.0.0/24",)
+    assert (
+        f'--kv-transfer-config "$(kv_transfer_config {role}'
+        in (
+            ROOT / "examples/launch" / ("prefill.sh" if role == "kv_producer" else "decode.sh")
+        ).read_text()
+    )

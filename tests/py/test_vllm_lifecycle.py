@@ -1,0 +1,403 @@
+"""Full request lifecycles through vLLM 0.33's real Scheduler with MoRIIONativeConnector.
+
+Each test builds a prefill and a decode instance (real Scheduler + worker connector + caches
+from vLLM's allocator, loopback engines, real ZMQ control plane on 127.0.0.1), plays the
+proxy between them, and checks what a user would notice: the tokens vLLM schedules, the KV
+bytes that arrive (and those that must not be touched), and the blocks vLLM frees.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from test_vllm_support import (
+    BLOCK_SIZE,
+    Side,
+    decode_params,
+    pd_request_id,
+    prefill_params,
+    transfer_id,
+    write_model_dir,
+)
+
+pytestmark = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return write_model_dir(Path(tmp_path_factory.mktemp("model")))
+
+
+@pytest.fixture
+def sides(model_dir: str) -> Iterator[list[Side]]:
+    made: list[Side] = []
+    yield made
+    for side in made:
+        side.shutdown()
+
+
+def make_pair(sides: list[Side], model_dir: str, mode: str, **kw: object) -> tuple[Side, Side]:
+    p_extra = dict(kw.pop("p_extra", {}) or {})  # type: ignore[call-overload]
+    d_extra = dict(kw.pop("d_extra", {}) or {})  # type: ignore[call-overload]
+    p = Side("prefill", "kv_producer", mode, model_dir, salt=1, extra=p_extra, **kw)  # type: ignore[arg-type]
+    sides.append(p)
+    d = Side("decode", "kv_consumer", mode, model_dir, salt=2, extra=d_extra, **kw)  # type: ignore[arg-type]
+    sides.append(d)
+    return p, d
+
+
+def prompt_of(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + i * 13) % 251 + 1 for i in range(n)]
+
+
+def run_prefill(p: Side, rid: str, prompt: list[int], tid: str) -> dict:
+    """Prefill leg: one step computes the prompt and finishes the request (max_tokens=1)."""
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    result = p.step()
+    assert result.scheduled == {rid: len(prompt)}
+    finished = result.finished()
+    assert rid in finished
+    params = finished[rid].kv_transfer_params
+    assert params is not None
+    return params
+
+
+# ---- READ -------------------------------------------------------------------------------------
+
+
+def test_read_prefill_then_decode(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    n_blocks = -(-len(prompt) // BLOCK_SIZE)
+    # The prefill keeps its blocks for the decode and says where they are.
+    assert returned["do_remote_prefill"] is True and returned["transfer_id"] == tid
+    assert returned["remote_block_ids"] == p.block_ids(rid)[:n_blocks]
+    assert returned["remote_engine_id"] == f"127.0.0.1:{p.handshake_port}"
+    assert p.free_blocks() == p.initial_free - n_blocks
+    assert p.connector.has_pending_block_frees()  # vLLM may wait for them instead of preempting
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=3)
+    first = d.step()
+    # Only the last prompt token is computed locally; the rest was loaded before the forward.
+    assert first.scheduled == {rid: 1}
+    assert first.invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    assert d.slot_matches(rid, range(len(prompt) - 1, len(prompt)), d.salt, prompt) == [True]
+    assert first.stats is not None and first.stats.data["transfers"] == 1
+    assert first.stats.data["bytes"] == n_blocks * sum(s.page_size_bytes for s in d.specs.values())
+
+    # The decode's release frees the prefill's blocks (reported once, then nothing held).
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+    assert rid not in p.scheduler.requests
+    assert not p.connector.has_pending_block_frees()
+
+    results = d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert all(r.scheduled.get(rid, 1) == 1 for r in results)
+    assert d.free_blocks() == d.initial_free
+
+
+def test_read_prefix_hit_loads_only_missing_blocks(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(70, seed=3)
+    # The decode computed the first 2 blocks' worth of this prompt itself earlier.
+    d.add_request("warm", prompt[:40], max_tokens=1)
+    d.run_until(lambda r: "warm" in r.finished(), what="warm-up")
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    first = d.step()
+    assert first.scheduled == {rid: 1}
+    cached = 2 * BLOCK_SIZE
+    # The cached prefix keeps the decode's own KV; only the rest came from the prefill.
+    assert all(d.slot_matches(rid, range(cached), d.salt, prompt))
+    assert all(d.slot_matches(rid, range(cached, len(prompt) - 1), p.salt, prompt))
+    loaded_blocks = -(-len(prompt) // BLOCK_SIZE) - 2
+    per_block = sum(s.page_size_bytes for s in d.specs.values())
+    assert first.stats.data["bytes"] == loaded_blocks * per_block
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_full_prefix_hit_is_notify_only(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(33, seed=5)  # 32 tokens to load = exactly the 2 cached blocks
+    d.add_request("warm", [*prompt[:32], 99], max_tokens=1)
+    d.run_until(lambda r: "warm" in r.finished(), what="warm-up")
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    first = d.step()
+    assert first.scheduled == {rid: 1}
+    assert first.stats is None or first.stats.data["transfers"] == 0
+    assert all(d.slot_matches(rid, range(32), d.salt, prompt))
+    # Nothing was read, but the prefill still gets its release.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_decode_aborted_before_scheduling_releases_prefill(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(20, seed=7)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    assert p.free_blocks() < p.initial_free
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned))
+    d.abort(rid)
+    d.step()  # carries the release to the worker
+    assert d.free_blocks() == d.initial_free
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after abort")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=9)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    # A block id the prefill never had: the engine refuses the read before moving anything.
+    bad = dict(returned)
+    bad["remote_block_ids"] = [p.num_blocks + 5, *returned["remote_block_ids"][1:]]
+    d.add_request(rid, prompt, params=decode_params(tid, bad), max_tokens=2)
+    first = d.step()
+    loaded = d.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    assert first.invalid_blocks == set(loaded)
+    # vLLM rolls the request back and computes the whole prompt itself.
+    second = d.step()
+    assert second.scheduled == {rid: len(prompt)}
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    # The prefill is released all the same.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after failure")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(
+        sides,
+        model_dir,
+        "read",
+        d_extra={"allowed_peers": ["10.9.9.0/24"]},
+        p_extra={"abort_timeout": 2},
+    )
+    prompt = prompt_of(24, seed=11)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
+    first = d.step()
+    assert first.invalid_blocks  # refused before any connection: the blocks are recomputed
+    server = p.worker.worker._server
+    assert server is not None and server.stats()["received"] == 0
+    assert p.worker.worker._listener.stats()["received"] == 0
+    # The prefill frees its blocks after its abort_timeout instead.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="abort timeout")
+    assert p.free_blocks() == p.initial_free
+
+
+# ---- WRITE ------------------------------------------------------------------------------------
+
+
+def test_write_prefill_and_decode_concurrently(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(45, seed=13)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    # The proxy sends both legs at once; the decode allocates and waits.
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=3)
+    first = d.step()
+    assert first.scheduled == {}
+    assert d.free_blocks() == d.initial_free - 3
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    result = p.step()
+    assert rid in result.finished()
+    # Prefill blocks stay until the writes are done.
+    res = p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    assert p.free_blocks() == p.initial_free
+    assert sum(r.stats.data["transfers"] for r in res if r.stats) == 1
+
+    got = d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert got[-1].scheduled == {rid: 1}  # the last prompt token is recomputed
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+def test_write_prefix_hit_announces_only_missing_tail(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(60, seed=17)
+    d.add_request("warm", prompt[:35], max_tokens=1)
+    d.run_until(lambda r: "warm" in r.finished(), what="warm-up")
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.step()
+    res = p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    per_block = sum(s.page_size_bytes for s in p.specs.values())
+    moved = sum(r.stats.data["bytes"] for r in res if r.stats)
+    layers = len(p.specs)
+    assert moved == (4 - 2) * per_block, (moved, per_block, layers)
+    d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert all(d.slot_matches(rid, range(32), d.salt, prompt))
+    assert all(d.slot_matches(rid, range(32, len(prompt) - 1), p.salt, prompt))
+
+
+def test_write_decode_aborted_while_waiting_frees_once(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(30, seed=19)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=3)
+    d.step()
+    held = d.initial_free - d.free_blocks()
+    assert held == 2
+    d.abort(rid)
+    # The prefill may still be writing into those blocks: vLLM keeps them until we report.
+    assert d.free_blocks() == d.initial_free - held
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.step()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    d.run_until(lambda r: rid in r.transfer.finished_recving, what="write_done after abort")
+    assert d.free_blocks() == d.initial_free
+    assert rid not in d.scheduler.requests
+    for _ in range(3):  # nothing is freed twice
+        d.step()
+    assert d.free_blocks() == d.initial_free
+
+
+def test_write_decode_aborted_before_scheduling_releases_prefill(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(30, seed=23)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()
+    assert p.free_blocks() < p.initial_free
+    d.add_request(rid, prompt, params=decode_params(tid))
+    d.abort(rid)
+    d.step()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_write_prefill_failure_makes_decode_recompute(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(36, seed=29)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    engine = p.worker.worker.engine
+
+    def broken_write(*args: object, **kwargs: object) -> bool:
+        raise RuntimeError("injected transport failure")
+
+    engine.write_layer = broken_write  # type: ignore[method-assign]
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.step()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="failed job reported")
+    assert p.free_blocks() == p.initial_free
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, what="write_failed")
+    assert rid in res[-1].transfer.finished_recving
+    nxt = d.step()
+    assert nxt.scheduled == {rid: len(prompt)}  # recomputed from scratch
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+
+
+def test_write_prefill_aborted_mid_prefill_decode_times_out(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(
+        sides, model_dir, "write", d_extra={"abort_timeout": 2}, max_num_batched_tokens=32
+    )
+    prompt = prompt_of(80, seed=31)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert p.step().scheduled == {rid: 32}  # first chunk only
+    p.abort(rid)
+    p.step()
+    assert p.free_blocks() == p.initial_free  # nothing was handed over: freed at once
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, what="decode abort_timeout")
+    assert rid in res[-1].transfer.finished_recving
+    assert d.step().scheduled == {rid: 32}  # recomputing (chunked)
+
+
+def test_write_posts_each_layer_only_after_its_event(
+    sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU each layer's write waits for the CUDA event recorded after that layer; here a
+    stand-in event holds the writer until the test lets it go."""
+    p, d = make_pair(sides, model_dir, "write")
+    gate = threading.Event()
+    synchronized: list[int] = []
+
+    class HeldEvent:
+        def synchronize(self) -> None:
+            synchronized.append(1)
+            gate.wait(60)
+
+    monkeypatch.setattr(p.worker.worker, "_record_event", lambda tensor: HeldEvent())
+    prompt = prompt_of(40, seed=37)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.step()
+    deadline = time.monotonic() + 20
+    while not synchronized and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert synchronized  # the writer is waiting on the first layer's event
+    for _ in range(3):
+        assert not p.step().transfer.finished_sending
+        assert not d.step().transfer.finished_recving
+    assert not any(d.slot_matches(rid, range(len(prompt)), p.salt, prompt))  # nothing written
+    gate.set()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes after the events")
+    assert len(synchronized) == len(p.layer_names)
+    d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+
+
+def test_unplannable_load_is_recomputed_not_guessed(
+    sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If block lists ever disagree with the token counts, nothing is moved: the blocks are
+    reported failed (vLLM recomputes) and the prefill is released."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    real = d.connector.scheduler.update_state_after_alloc
+
+    class Short:
+        def __init__(self, blocks: object) -> None:
+            self.ids = blocks.get_block_ids()  # type: ignore[attr-defined]
+
+        def get_block_ids(self) -> tuple[list[int], ...]:
+            return (self.ids[0][:1],)  # one block where three are needed
+
+    monkeypatch.setattr(
+        d.connector.scheduler,
+        "update_state_after_alloc",
+        lambda request, blocks, n: real(request, Short(blocks), n),
+    )
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
+    first = d.step()
+    assert first.invalid_blocks == {d.block_ids(rid)[0]}
+    assert first.stats is not None and first.stats.data["transfers"] == 0
+    assert d.step().scheduled == {rid: len(prompt)}
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free

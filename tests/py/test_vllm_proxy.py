@@ -1,0 +1,184 @@
+"""The example proxy (examples/launch/proxy.py) against fake prefill/decode HTTP servers.
+
+Checks the protocol the connector relies on: registration pings from the connector's own
+pinger, both legs getting the same transfer id and a request id that embeds both control
+addresses, the prefill leg forced to one token, READ waiting for the prefill's
+``kv_transfer_params`` and WRITE starting both legs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")  # the proxy uses the web stack vLLM brings
+pytest.importorskip("fastapi")
+pytest.importorskip("aiohttp")
+
+from aiohttp import web
+from fastapi.testclient import TestClient
+
+from moriio_native.control.addressing import ZmqAddress, parse_request_id
+from moriio_native.control.channel import ProxyPinger
+from moriio_native.control.messages import ProxyRegistration
+
+pytestmark = pytest.mark.vllm
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def load_proxy() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "moriio_example_proxy", ROOT / "examples/launch/proxy.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class FakeInstance:
+    """An HTTP server that records what it is sent and answers like vLLM would."""
+
+    def __init__(self, role: str) -> None:
+        self.role = role
+        self.requests: list[tuple[Any, dict[str, Any], float]] = []
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        assert self.ready.wait(10)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.requests.append((request.headers.copy(), body, time.monotonic()))
+        if self.role == "P":
+            params = dict(body["kv_transfer_params"])
+            params.update(
+                do_remote_prefill=True,
+                do_remote_decode=False,
+                remote_block_ids=[4, 5],
+                remote_engine_id="10.0.0.1:6301",
+            )
+            return web.json_response({"choices": [{"text": "x"}], "kv_transfer_params": params})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for word in ("data: one\n\n", "data: two\n\n"):
+            await resp.write(word.encode())
+        await resp.write_eof()
+        return resp
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._handle)
+        runner = web.AppRunner(app)
+        self.loop.run_until_complete(runner.setup())
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.ready.set()
+        self.loop.run_forever()
+
+    def registration(self, mode: str, hs: int, notify: int) -> ProxyRegistration:
+        return ProxyRegistration(
+            role=self.role,
+            http_address=f"127.0.0.1:{self.port}",
+            zmq_address=ZmqAddress("127.0.0.1", hs, notify),
+            dp_size=1,
+            tp_size=2,
+            transfer_mode=mode,
+        )
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+@pytest.fixture
+def fakes() -> Iterator[tuple[FakeInstance, FakeInstance]]:
+    p, d = FakeInstance("P"), FakeInstance("D")
+    yield p, d
+    p.stop()
+    d.stop()
+
+
+@pytest.mark.parametrize("mode", ["READ", "WRITE"])
+def test_proxy_routes_both_legs(fakes: tuple[FakeInstance, FakeInstance], mode: str) -> None:
+    proxy = load_proxy()
+    p, d = fakes
+    registry = proxy.Registry()
+    registry.update(p.registration(mode, 6301, 61005))
+    registry.update(d.registration(mode, 7301, 7501))
+    with TestClient(proxy.make_app(registry)) as client:
+        resp = client.post(
+            "/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 9, "stream": True}
+        )
+        assert resp.status_code == 200
+        assert resp.text == "data: one\n\ndata: two\n\n"
+    (p_headers, p_body, _), (d_headers, d_body, _) = p.requests[0], d.requests[0]
+    # Same request id on both legs, embedding both control addresses.
+    assert p_headers["X-Request-Id"] == d_headers["X-Request-Id"]
+    addrs = parse_request_id(p_headers["X-Request-Id"])
+    assert addrs is not None
+    assert (addrs.prefill.handshake_port, addrs.decode.notify_port) == (6301, 7501)
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert p_body["kv_transfer_params"]["remote_tp_size"] == 2
+    tid = p_body["kv_transfer_params"]["transfer_id"]
+    dp = d_body["kv_transfer_params"]
+    assert dp["transfer_id"] == tid and dp["do_remote_prefill"] is True
+    assert d_body["max_tokens"] == 9
+    if mode == "READ":
+        assert dp["remote_block_ids"] == [4, 5] and dp["remote_engine_id"] == "10.0.0.1:6301"
+    else:
+        assert dp["remote_block_ids"] is None
+
+
+def test_proxy_without_instances_answers_503() -> None:
+    proxy = load_proxy()
+    with TestClient(proxy.make_app(proxy.Registry())) as client:
+        resp = client.post("/v1/completions", json={"prompt": "hi"})
+    assert resp.status_code == 503
+
+
+def test_connector_pings_register_with_the_proxy(fakes: tuple[FakeInstance, FakeInstance]) -> None:
+    import socket
+
+    proxy = load_proxy()
+    p, _ = fakes
+    registry = proxy.Registry()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    stop = threading.Event()
+    thread = threading.Thread(target=proxy.discovery_loop, args=(registry, port, stop), daemon=True)
+    thread.start()
+    pinger = ProxyPinger(
+        "127.0.0.1", port, p.registration("WRITE", 6301, 61005), interval=0.05
+    ).start()
+    try:
+        deadline = time.monotonic() + 20
+        while not registry.snapshot() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        snap = registry.snapshot()
+        assert len(snap) == 1
+        assert snap[0]["type"] == "P" and snap[0]["transfer_mode"] == "WRITE"
+        assert (
+            json.loads(json.dumps(snap[0]))["zmq_address"]
+            == "host:127.0.0.1,handshake:6301,notify:61005"
+        )
+    finally:
+        pinger.stop()
+        stop.set()
+        thread.join(5)

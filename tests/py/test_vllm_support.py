@@ -1,0 +1,628 @@
+"""Harness for the vLLM connector tests (no tests here).
+
+A :class:`Side` is one vLLM instance reduced to what the connector touches: vLLM's real
+``Scheduler`` (which creates the scheduler-side connector through vLLM's connector factory),
+a worker-side connector made by the same factory, and KV caches allocated by vLLM's own
+``allocate_kv_cache`` on CPU. :meth:`Side.step` runs one engine step the way vLLM's model
+runner drives a connector (bind metadata, start_load_kv, per layer wait_for_layer_load /
+"attention" / save_kv_layer, wait_for_save, get_transfer_results, load errors, stats) and
+feeds the result back through ``Scheduler.update_from_output``.
+
+The fake attention writes a pattern into each computed token's slot that depends on the
+token, its position, the layer and a per-instance ``salt``: after a transfer, the decode's
+slots must hold the prefill's pattern exactly where the KV was loaded and its own pattern
+where it computed (or had cached) the tokens itself.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+LAYERS_DENSE = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "num_hidden_layers": 2,
+    "vocab_size": 256,
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float16",
+}
+BLOCK_SIZE = 16
+
+
+def write_model_dir(path: Path) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    return str(path)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def dense_specs() -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return {
+        name: FullAttentionSpec(
+            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16
+        )
+        for name in LAYERS_DENSE
+    }
+
+
+def mixed_specs() -> dict[str, Any]:
+    """Dense K|V layers plus an MLA latent layer and an fp8-style indexer (uint8) layer."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    specs = dense_specs()
+    specs["model.layers.2.self_attn.mla"] = MLAAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=1, head_size=48, dtype=torch.float16
+    )
+    specs["model.layers.2.self_attn.indexer"] = MLAAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=1,
+        head_size=132,
+        dtype=torch.uint8,
+        cache_role=SparseCacheRole.INDEXER,
+    )
+    return specs
+
+
+def make_vllm_config(
+    model_dir: str,
+    *,
+    role: str,
+    extra: Mapping[str, Any],
+    module_path: str | None = "moriio_native.vllm",
+    max_num_batched_tokens: int = 256,
+    max_model_len: int = 1024,
+    failure_policy: str = "recompute",
+    enable_prefix_caching: bool = True,
+) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(
+        model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16"
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=16,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=max_model_len,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    kv_transfer_config = KVTransferConfig(
+        kv_connector="MoRIIONativeConnector",
+        kv_connector_module_path=module_path,
+        kv_role=role,
+        kv_connector_extra_config=dict(extra),
+        kv_load_failure_policy=failure_policy,
+    )
+    return VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_transfer_config=kv_transfer_config,
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def make_kv_cache_config(
+    vllm_config: Any, specs: Mapping[str, Any], num_blocks: int, layout: str
+) -> Any:
+    """vLLM's own grouping and tensor planning for ``specs``, with ``num_blocks`` blocks."""
+    from vllm.v1.attention.backends.utils import resolve_kv_cache_layout
+    from vllm.v1.core.kv_cache_planning import get_kv_cache_config_from_groups, get_kv_cache_groups
+
+    resolve_kv_cache_layout(vllm_config, [[layout]], specs.values())
+    groups = get_kv_cache_groups(vllm_config, dict(specs))
+    per_block = sum(spec.page_size_bytes for spec in specs.values())
+    config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+    assert config.num_blocks == num_blocks, (config.num_blocks, num_blocks)
+    vllm_config.cache_config.num_gpu_blocks = num_blocks
+    return config
+
+
+def pattern(
+    token: torch.Tensor,
+    pos: torch.Tensor,
+    layer: int,
+    salt: int,
+    cell: tuple[int, ...],
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """[len(pos), *cell] values for the given tokens/positions; exact in fp16 and uint8."""
+    base = (token.long() * 7 + pos.long() * 3 + layer * 11 + salt * 101) % 997
+    offsets = torch.arange(int(torch.tensor(cell).prod())).reshape(cell) % 5
+    values = base.reshape(-1, *([1] * len(cell))) + offsets
+    if dtype == torch.uint8:
+        values = values % 251
+    return values.to(dtype)
+
+
+@dataclass
+class StepResult:
+    output: Any  # SchedulerOutput
+    engine_outputs: dict[int, Any]
+    transfer: Any  # KVConnectorTransferResults
+    invalid_blocks: set[int]
+    stats: Any
+
+    @property
+    def scheduled(self) -> dict[str, int]:
+        return dict(self.output.num_scheduled_tokens)
+
+    def finished(self) -> dict[str, Any]:
+        """request id -> its EngineCoreOutput, for requests that finished this step."""
+        out = {}
+        for outputs in self.engine_outputs.values():
+            for o in outputs.outputs:
+                if o.finish_reason is not None:
+                    out[o.request_id] = o
+        return out
+
+
+@dataclass
+class Side:
+    """One vLLM instance's scheduler + one worker, connected through MoRIIONativeConnector."""
+
+    name: str
+    role: str
+    mode: str
+    model_dir: str
+    num_blocks: int = 64
+    salt: int = 1
+    specs: dict[str, Any] = field(default_factory=dense_specs)
+    layout: str = "LBNHC"
+    extra: dict[str, Any] = field(default_factory=dict)
+    module_path: str | None = "moriio_native.vllm"
+    max_num_batched_tokens: int = 256
+    failure_policy: str = "recompute"
+
+    def __post_init__(self) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.utils.hashing import sha256
+        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, init_none_hash
+        from vllm.v1.core.sched.scheduler import Scheduler
+        from vllm.v1.structured_output import StructuredOutputManager
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        init_none_hash(sha256)
+        self.hash_fn = sha256
+        self.handshake_port = free_port()
+        self.notify_port = free_port()
+        extra = {
+            "mode": self.mode,
+            "backend": "loopback",
+            "host_ip": "127.0.0.1",
+            "handshake_port": self.handshake_port,
+            "notify_port": self.notify_port,
+            "allowed_peers": ["127.0.0.1/32"],
+            "transfer_timeout": 10,
+            "abort_timeout": 30,
+        }
+        extra.update(self.extra)
+        self.vllm_config = make_vllm_config(
+            self.model_dir,
+            role=self.role,
+            extra=extra,
+            module_path=self.module_path,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            failure_policy=self.failure_policy,
+        )
+        self.kv_cache_config = make_kv_cache_config(
+            self.vllm_config, self.specs, self.num_blocks, self.layout
+        )
+        # As vLLM's engine core does: the scheduler sees one spec per group.
+        self.scheduler = Scheduler(
+            vllm_config=self.vllm_config,
+            kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config]),
+            structured_output_manager=StructuredOutputManager(self.vllm_config),
+            block_size=BLOCK_SIZE,
+            log_stats=True,
+        )
+        self.connector = self.scheduler.connector
+        self.worker = KVConnectorFactory.create_connector(
+            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
+        )
+        self.caches = allocate_kv_cache(
+            self.kv_cache_config,
+            torch.device("cpu"),
+            self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
+        )
+        self.worker.register_kv_caches(self.caches)
+        self.layer_names = list(self.specs)
+        self.initial_free = self.free_blocks()
+        self.sampled = 7
+
+    # ---- addresses ----------------------------------------------------------------------------
+
+    def zmq_address(self) -> Any:
+        from moriio_native.control.addressing import ZmqAddress
+
+        return ZmqAddress("127.0.0.1", self.handshake_port, self.notify_port)
+
+    def free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return list(self.scheduler.kv_cache_manager.get_block_ids(req_id)[0])
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt: list[int],
+        *,
+        params: dict[str, Any] | None = None,
+        max_tokens: int = 4,
+    ) -> Any:
+        from vllm.sampling_params import SamplingParams
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+        from vllm.v1.request import Request
+
+        sampling = SamplingParams(
+            max_tokens=max_tokens,
+            ignore_eos=True,
+            extra_args={"kv_transfer_params": params} if params is not None else None,
+        )
+        request = Request(
+            request_id=req_id,
+            prompt_token_ids=list(prompt),
+            sampling_params=sampling,
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
+        )
+        self.scheduler.add_request(request)
+        return request
+
+    def abort(self, req_id: str) -> None:
+        from vllm.v1.request import RequestStatus
+
+        self.scheduler.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    # ---- one engine step ----------------------------------------------------------------------
+
+    def _attention(self, output: Any, layer_index: int, layer: str) -> None:
+        """Write the pattern of every token computed this step into its slot of ``layer``."""
+        cache = self.caches[layer]
+        for req_id, n in output.num_scheduled_tokens.items():
+            request = self.scheduler.requests[req_id]
+            end = request.num_computed_tokens  # already advanced by the scheduler
+            start = end - n
+            pos = torch.arange(start, end)
+            tokens = torch.tensor(request.all_token_ids[start:end])
+            blocks = torch.tensor(self.block_ids(req_id))[pos // BLOCK_SIZE]
+            slots = pos % BLOCK_SIZE
+            cell = (cache.shape[1], cache.shape[3])
+            values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
+            cache[blocks, :, slots, :] = values
+
+    def step(self, before_forward: Callable[[], None] | None = None) -> StepResult:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        output = self.scheduler.schedule()
+        w = self.worker
+        w.bind_connector_metadata(output.kv_connector_metadata)
+        sync = output.has_sync_kv_loads
+        if sync:
+            w.start_load_kv(None)
+        if before_forward is not None:
+            before_forward()
+        if output.num_scheduled_tokens:
+            for i, layer in enumerate(self.layer_names):
+                w.wait_for_layer_load(layer)
+                self._attention(output, i, layer)
+                w.save_kv_layer(layer, self.caches[layer], None)
+        if not sync:
+            w.start_load_kv(None)
+        w.wait_for_save()
+        transfer = w.get_transfer_results(output.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        stats = w.get_kv_connector_stats()
+        w.clear_connector_metadata()
+        req_ids = list(output.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            request = self.scheduler.requests[rid]
+            sampled.append(
+                [self.sampled] if request.num_computed_tokens >= request.num_tokens else []
+            )
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=transfer.finished_sending or None,
+                finished_recving=transfer.finished_recving or None,
+                failed_recving=set(transfer.failed_recving),
+                invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+            ),
+        )
+        engine_outputs = self.scheduler.update_from_output(output, runner_output)
+        return StepResult(output, engine_outputs, transfer, invalid, stats)
+
+    def run_until(
+        self, cond: Callable[[StepResult], bool], *, max_wait: float = 30.0, what: str = ""
+    ) -> list[StepResult]:
+        """Step until ``cond(last step)`` holds; fails (no hang) after ``max_wait`` seconds."""
+        results = []
+        deadline = time.monotonic() + max_wait
+        while True:
+            result = self.step()
+            results.append(result)
+            if cond(result):
+                return results
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.name}: gave up waiting for {what or cond}")
+            time.sleep(0.005)
+
+    # ---- checks -------------------------------------------------------------------------------
+
+    def slot_matches(
+        self, req_id: str, positions: range, salt: int, tokens: list[int]
+    ) -> list[bool]:
+        """For each position: do all layers hold the pattern of ``salt`` there?"""
+        blocks = self.block_ids(req_id)
+        out = []
+        for p in positions:
+            ok = True
+            for i, layer in enumerate(self.layer_names):
+                cache = self.caches[layer]
+                cell = (cache.shape[1], cache.shape[3])
+                want = pattern(
+                    torch.tensor([tokens[p]]), torch.tensor([p]), i, salt, cell, cache.dtype
+                )[0]
+                got = cache[blocks[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :]
+                ok = ok and torch.equal(got, want)
+            out.append(ok)
+        return out
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+def transfer_id() -> str:
+    return f"tx-{uuid.uuid4()}"
+
+
+def pd_request_id(prefill: Side, decode: Side) -> str:
+    from moriio_native.control.addressing import format_request_id
+
+    return format_request_id(prefill.zmq_address(), decode.zmq_address())
+
+
+def prefill_params(tid: str) -> dict[str, Any]:
+    """What vLLM's MoRIIO proxy sends the prefill instance."""
+    return {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_dp_size": 1,
+        "remote_tp_size": 1,
+        "transfer_id": tid,
+    }
+
+
+def decode_params(tid: str, prefill_result: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What the proxy sends the decode instance: in READ mode with the prefill's answer."""
+    params: dict[str, Any] = {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "transfer_id": tid,
+        "remote_dp_size": 1,
+        "remote_tp_size": 1,
+        "remote_dp_rank": 0,
+    }
+    if prefill_result is not None:
+        for key in ("remote_engine_id", "remote_block_ids", "transfer_id"):
+            params[key] = prefill_result[key]
+    return params
+
+
+# ---- a Side in another process (for the two-process UCX test) ---------------------------------
+
+
+def backing_of(side: Side) -> torch.Tensor:
+    """The one shared KV backing every layer of ``side`` views, as flat bytes."""
+    storage = next(iter(side.caches.values())).untyped_storage()
+    return torch.tensor([], dtype=torch.uint8).set_(storage)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.view(ints[t.element_size()])
+
+
+def logical_blocks(side: Side, blocks: list[int]) -> dict[str, torch.Tensor]:
+    """Each layer's [len(blocks), H, N, C] content (as integers), independent of the physical
+    layout, copied out of the backing."""
+    index = torch.tensor(blocks, dtype=torch.long)
+    return {name: _bits(cache)[index].clone() for name, cache in side.caches.items()}
+
+
+def expected_backing(
+    side: Side, before: torch.Tensor, blocks: list[int], content: Mapping[str, torch.Tensor]
+) -> torch.Tensor:
+    """``before`` with ``content`` written into ``blocks`` of every layer, using torch views of
+    the same strides -- nothing else may differ after a transfer."""
+    expected = before.clone()
+    base = backing_of(side).data_ptr()
+    index = torch.tensor(blocks, dtype=torch.long)
+    for name, cache in side.caches.items():
+        es = cache.element_size()
+        sizes = (*cache.shape[:-1], cache.shape[-1] * es)
+        strides = (*(s * es for s in cache.stride()[:-1]), 1)
+        view = torch.as_strided(expected, sizes, strides, cache.data_ptr() - base)
+        _bits(view.view(cache.dtype))[index] = content[name]
+    return expected
+
+
+def fill_random(side: Side, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    backing = backing_of(side)
+    backing.copy_(torch.randint(0, 256, backing.shape, dtype=torch.uint8, generator=gen))
+
+
+def _cmd_prefill(side: Side, rid: str, prompt: list[int], params: dict[str, Any]) -> Any:
+    side.add_request(rid, prompt, params=params, max_tokens=1)
+    out = side.step().finished()[rid].kv_transfer_params
+    n = -(-len(prompt) // BLOCK_SIZE)
+    return out, logical_blocks(side, side.block_ids(rid)[:n])
+
+
+def _cmd_until_sent(side: Side, rid: str) -> int:
+    side.run_until(lambda r: rid in r.transfer.finished_sending, what="sent")
+    return side.free_blocks()
+
+
+def _cmd_decode_read(
+    side: Side, rid: str, prompt: list[int], params: dict[str, Any], content: Any
+) -> dict[str, Any]:
+    """READ leg: snapshot the backing right after the load (before the forward writes the
+    last prompt token) and count bytes that differ from the expected backing."""
+    fill_random(side, 7)
+    before = backing_of(side).clone()
+    side.add_request(rid, prompt, params=params, max_tokens=2)
+    loaded: dict[str, Any] = {}
+
+    def snapshot() -> None:
+        side.worker.wait_for_layer_load(side.layer_names[0])
+        loaded["backing"] = backing_of(side).clone()
+
+    result = side.step(before_forward=snapshot)
+    blocks = side.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    want = expected_backing(side, before, blocks, content)
+    return {
+        "scheduled": result.scheduled,
+        "differing_bytes": int((want != loaded["backing"]).sum()),
+        "invalid": sorted(result.invalid_blocks),
+        "blocks": blocks,
+        "stats": dict(result.stats.data) if result.stats else None,
+    }
+
+
+def _cmd_decode_write_start(
+    side: Side, snapshots: dict[str, torch.Tensor], rid: str, prompt: list[int], params: Any
+) -> dict[str, Any]:
+    while side.scheduler.get_num_unfinished_requests():  # quiesce older requests
+        side.step()
+    fill_random(side, 9)
+    snapshots[rid] = backing_of(side).clone()
+    side.add_request(rid, prompt, params=params, max_tokens=2)
+    result = side.step()
+    return {"scheduled": result.scheduled, "blocks": side.block_ids(rid)}
+
+
+def _cmd_decode_write_finish(
+    side: Side, snapshots: dict[str, torch.Tensor], rid: str, content: Any
+) -> dict[str, Any]:
+    results = side.run_until(lambda r: rid in r.transfer.finished_recving, what="write_done")
+    want = expected_backing(side, snapshots[rid], side.block_ids(rid), content)
+    return {
+        "differing_bytes": int((want != backing_of(side)).sum()),
+        "failed": rid in results[-1].transfer.failed_recving,
+    }
+
+
+def _serve(conn: Any, model_dir: str) -> None:
+    """Child process: build Sides on request and run scripted legs of a P/D exchange."""
+    import logging
+    import traceback
+
+    logging.basicConfig(level=logging.WARNING)
+    sides: dict[str, Side] = {}
+    snapshots: dict[str, torch.Tensor] = {}
+    try:
+        while True:
+            cmd, name, args = conn.recv()
+            try:
+                if cmd == "make":
+                    side = Side(name, model_dir=model_dir, specs=mixed_specs(), **args)
+                    sides[name] = side
+                    conn.send(("ok", (side.handshake_port, side.notify_port, side.initial_free)))
+                elif cmd == "quit":
+                    for each in sides.values():
+                        each.shutdown()
+                    conn.send(("ok", None))
+                    return
+                elif cmd == "prefill":
+                    conn.send(("ok", _cmd_prefill(sides[name], *args)))
+                elif cmd == "until_sent":
+                    conn.send(("ok", _cmd_until_sent(sides[name], *args)))
+                elif cmd == "decode_read":
+                    conn.send(("ok", _cmd_decode_read(sides[name], *args)))
+                elif cmd == "decode_write_start":
+                    conn.send(("ok", _cmd_decode_write_start(sides[name], snapshots, *args)))
+                elif cmd == "decode_write_finish":
+                    conn.send(("ok", _cmd_decode_write_finish(sides[name], snapshots, *args)))
+                else:
+                    conn.send(("error", f"unknown command {cmd}"))
+            except Exception as exc:  # report to the test, keep serving
+                conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        conn.close()
+
+
+class RemoteSides:
+    """A child process serving :func:`_serve`; ``call`` raises what the child raised."""
+
+    def __init__(self, model_dir: str, timeout: float = 180.0) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(child, model_dir), daemon=True)
+        self._proc.start()
+        child.close()
+        self._timeout = timeout
+
+    def call(self, cmd: str, name: str, args: Any = None) -> Any:
+        self._conn.send((cmd, name, args))
+        if not self._conn.poll(self._timeout):
+            raise AssertionError(f"child did not answer {cmd} for {name} within {self._timeout}s")
+        status, value = self._conn.recv()
+        if status != "ok":
+            raise AssertionError(f"child failed {cmd} for {name}: {value}")
+        return value
+
+    def close(self) -> None:
+        try:
+            if self._proc.is_alive():
+                self.call("quit", "")
+        finally:
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
