@@ -294,10 +294,8 @@ def _print_bench(console: Any, doc: dict[str, Any]) -> None:
         ):
             table.add_column(col, justify="right")
         for r in transfer["rows"]:
-            size = r["run_bytes"]
-            label = f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
             table.add_row(
-                label,
+                _size_label(r["run_bytes"]),
                 str(r["runs"]),
                 f"{r['memcpy_gbps']:.2f}",
                 f"{r['gather_gbps']:.2f}",
@@ -310,6 +308,10 @@ def _print_bench(console: Any, doc: dict[str, Any]) -> None:
         console.print(table)
 
 
+def _size_label(n: int) -> str:
+    return f"{n >> 20} MiB" if n >= 1 << 20 else f"{n >> 10} KiB"
+
+
 def write_plot(doc: dict[str, Any], path: str) -> None:
     """Throughput vs run size and planning time vs context length (log scales) as a PNG.
     Raises ImportError with the install hint when matplotlib is missing."""
@@ -318,6 +320,7 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib import ticker
     except ImportError as exc:
         raise ImportError(
             "--plot needs matplotlib: pip install 'moriio-native[bench]' (or matplotlib)"
@@ -339,9 +342,15 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
                 ax.plot(sizes, [r[key] for r in t["rows"]], style, label=label)
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
-            ax.set_xlabel("run size (bytes)")
+            ax.set_xticks(sizes, [_size_label(n) for n in sizes])
+            plain = ticker.FuncFormatter(lambda v, _pos: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+            ax.set_xlabel("run size")
             ax.set_ylabel("GB/s")
-            ax.set_title(f"transfer throughput vs run size ({t['processes']} process(es))")
+            where = "2 processes" if t["processes"] > 1 else "1 process"
+            tls = f", UCX_TLS={t['ucx_tls_env']}" if t.get("ucx_tls_env") else ""
+            ax.set_title(f"transfer throughput vs run size ({where}{tls})")
         else:
             p = doc["planning"]
             by_preset: dict[str, list[dict[str, Any]]] = {}
@@ -376,6 +385,10 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
                     )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            contexts = sorted(
+                {c for rows in by_preset.values() for c in (r["context_tokens"] for r in rows)}
+            )
+            ax.set_xticks(contexts, [f"{c // 1024}K" for c in contexts])
             ax.set_xlabel("context length (tokens)")
             ax.set_ylabel("seconds per request (all layers)")
             ax.set_title("copy-plan computation vs context length")
@@ -389,6 +402,7 @@ def write_plot(doc: dict[str, Any], path: str) -> None:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
+    import importlib.util
     import json
 
     from rich.console import Console
@@ -396,6 +410,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from moriio_native.errors import MoriioError
 
     console = Console(stderr=args.json)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        console.print(
+            "[red]bench could not run:[/red] --plot needs matplotlib: "
+            "pip install 'moriio-native[bench]' (or matplotlib)"
+        )
+        return 3
     try:
         doc = run_bench(args, console)
     except (MoriioError, ImportError) as exc:

@@ -3,7 +3,8 @@
 For each run size (4 KiB .. 2 MiB) one key-only cache is laid out so that one block is exactly
 one run. A transfer moves ``bytes_per_transfer`` bytes: the local blocks are every other block of
 a cache twice that size (so no two runs merge) and the remote blocks a random sample in random
-order (a fragmented allocator). Timed in the same run, medians of ``repeats``:
+order (a fragmented allocator). Timed in the same run, medians of ``repeats`` rounds
+(the four methods interleaved within each round):
 
 * ``memcpy``: one contiguous ``numpy.copyto`` of the same number of bytes (the memory-bandwidth
   ceiling of this machine);
@@ -25,10 +26,12 @@ wait.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import logging
 import multiprocessing
+import os
 import statistics
 import sys
 import time
@@ -66,7 +69,10 @@ class Case:
     def shape(self) -> kc.LayerShape:
         # Key-only [N, B, D] with 1-byte elements: one block = 16 tokens x D bytes = one run.
         return kc.LayerShape(
-            _LAYER, "latent", block_size=_BLOCK_TOKENS, head_size=self.run_bytes // _BLOCK_TOKENS,
+            _LAYER,
+            "latent",
+            block_size=_BLOCK_TOKENS,
+            head_size=self.run_bytes // _BLOCK_TOKENS,
             dtype="uint8",
         )
 
@@ -74,7 +80,9 @@ class Case:
 def _rows(cache: kc.KvCacheSet, case: Case) -> np.ndarray:
     """The cache as [blocks, run_bytes] bytes (a view)."""
     off = cache.offsets[_LAYER]
-    return cache.backing[off : off + case.blocks * case.run_bytes].reshape(case.blocks, case.run_bytes)
+    return cache.backing[off : off + case.blocks * case.run_bytes].reshape(
+        case.blocks, case.run_bytes
+    )
 
 
 def _digest(rows: np.ndarray) -> str:
@@ -131,7 +139,9 @@ class _Peer:
             ctx = multiprocessing.get_context("spawn")
             self.conn, child = ctx.Pipe()
             self.proc = ctx.Process(
-                target=_peer_main, args=(child, backend, timeout), name="moriio-bench-peer",
+                target=_peer_main,
+                args=(child, backend, timeout),
+                name="moriio-bench-peer",
                 daemon=True,
             )
             self.proc.start()
@@ -168,10 +178,8 @@ class _Peer:
         self.local = None
         if self.proc is None:
             return
-        try:
+        with contextlib.suppress(MoriioError, OSError, EOFError):
             self._call("quit", None, 10.0)
-        except (MoriioError, OSError, EOFError):
-            pass
         self.proc.join(10.0)
         if self.proc.is_alive():
             self.proc.terminate()
@@ -181,15 +189,6 @@ class _Peer:
             self.proc.join(5.0)
         assert self.conn is not None
         self.conn.close()
-
-
-def _median_seconds(fn: Callable[[], None], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def pick_backend(choice: str) -> str:
@@ -234,8 +233,9 @@ def _bench_case(
         event = engine.wait([tid], timeout=timeout).get(tid)
         if event is None:
             engine.abort(tid)
-            raise MoriioError(f"{kind} of {nbytes} bytes in {case.runs} runs: no completion "
-                              f"within {timeout}s")
+            raise MoriioError(
+                f"{kind} of {nbytes} bytes in {case.runs} runs: no completion within {timeout}s"
+            )
         if event.state != "done":
             raise MoriioError(f"{kind} {tid} {event.state}: {event.message}")
         last[kind] = event
@@ -247,20 +247,39 @@ def _bench_case(
     transfer("write")
     write_ok = _digest(rows[local]) == peer.digest(remote)
 
-    read_s = _median_seconds(lambda: transfer("read"), repeats)
-    write_s = _median_seconds(lambda: transfer("write"), repeats)
     src = np.random.default_rng(seed).integers(0, 256, 2 * nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    memcpy_s = _median_seconds(lambda: np.copyto(dst[:nbytes], src[:nbytes]), repeats)
+    dst = np.zeros_like(src)
     src_rows = src[: case.blocks * case.run_bytes].reshape(case.blocks, case.run_bytes)
     dst_rows = dst[: case.blocks * case.run_bytes].reshape(case.blocks, case.run_bytes)
 
     def gather() -> None:
         dst_rows[local] = src_rows[remote]
 
-    gather_s = _median_seconds(gather, repeats)
-    gbps = {k: nbytes / s / 1e9 for k, s in
-            (("memcpy", memcpy_s), ("gather", gather_s), ("read", read_s), ("write", write_s))}
+    methods: dict[str, Callable[[], None]] = {
+        "read": lambda: transfer("read"),
+        "write": lambda: transfer("write"),
+        "memcpy": lambda: np.copyto(dst[:nbytes], src[:nbytes]),
+        "gather": gather,
+    }
+    # Interleaved, so a noisy neighbour slows every method alike rather than one of them.
+    times: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(repeats):
+        for key, fn in methods.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(time.perf_counter() - start)
+    read_s, write_s, memcpy_s, gather_s = (
+        statistics.median(times[k]) for k in ("read", "write", "memcpy", "gather")
+    )
+    gbps = {
+        k: nbytes / s / 1e9
+        for k, s in (
+            ("memcpy", memcpy_s),
+            ("gather", gather_s),
+            ("read", read_s),
+            ("write", write_s),
+        )
+    }
     return {
         "run_bytes": case.run_bytes,
         "runs": case.runs,
@@ -288,11 +307,12 @@ def run_transfer_bench(
     seed: int = 0,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Benchmark every run size; returns ``{"backend", "processes", "bytes_per_transfer",
-    "repeats", "rows": [...]}``. Each row: run_bytes, runs, bytes_per_transfer, engine_runs and
-    engine_batches (of one read), memcpy_gbps, gather_gbps, read_gbps, write_gbps, the four
-    ratios ``{read,write}_vs_{memcpy,gather}`` and ``verified`` (both directions' bytes
-    matched). ``progress(done, total)`` is called after each size.
+    """Benchmark every run size; returns ``{"backend", "processes", "ucx_tls_env" (UCX_TLS as
+    set in the environment, or None), "bytes_per_transfer", "repeats", "rows": [...]}``. Each
+    row: run_bytes, runs, bytes_per_transfer, engine_runs and engine_batches (of one read),
+    memcpy_gbps, gather_gbps, read_gbps, write_gbps, the four ratios
+    ``{read,write}_vs_{memcpy,gather}`` and ``verified`` (both directions' bytes matched).
+    ``progress(done, total)`` is called after each size.
 
     Raises InvalidArgumentError for a run size that is not a positive multiple of 16 or a
     bad count, BackendUnavailableError when ``ucx`` was asked for but cannot run.
@@ -300,7 +320,12 @@ def run_transfer_bench(
     if repeats < 1 or bytes_per_transfer < 1:
         raise InvalidArgumentError("repeats and bytes_per_transfer must be positive")
     for size in run_sizes:
-        if isinstance(size, bool) or not isinstance(size, int) or size < _BLOCK_TOKENS or size % _BLOCK_TOKENS:
+        if (
+            isinstance(size, bool)
+            or not isinstance(size, int)
+            or size < _BLOCK_TOKENS
+            or size % _BLOCK_TOKENS
+        ):
             raise InvalidArgumentError(f"run size {size!r} must be a positive multiple of 16 bytes")
     chosen = pick_backend(backend)
     peer = _Peer(chosen, timeout)
@@ -317,6 +342,7 @@ def run_transfer_bench(
     return {
         "backend": chosen,
         "processes": peer.processes,
+        "ucx_tls_env": os.environ.get("UCX_TLS") if chosen == "ucx" else None,
         "bytes_per_transfer": bytes_per_transfer,
         "repeats": repeats,
         "rows": rows,
@@ -329,32 +355,52 @@ def _size(n: int) -> str:
 
 def format_table(result: dict[str, Any]) -> str:
     """A plain-text table of a ``run_transfer_bench`` result."""
-    header = ("run", "runs", "memcpy GB/s", "gather GB/s", "read GB/s", "write GB/s",
-              "read/memcpy", "read/gather", "verified")
+    header = (
+        "run",
+        "runs",
+        "memcpy GB/s",
+        "gather GB/s",
+        "read GB/s",
+        "write GB/s",
+        "read/memcpy",
+        "read/gather",
+        "verified",
+    )
     lines = [header]
     for r in result["rows"]:
-        lines.append((
-            _size(r["run_bytes"]), str(r["runs"]), f"{r['memcpy_gbps']:.2f}",
-            f"{r['gather_gbps']:.2f}", f"{r['read_gbps']:.2f}", f"{r['write_gbps']:.2f}",
-            f"{r['read_vs_memcpy']:.2f}", f"{r['read_vs_gather']:.2f}",
-            "yes" if r["verified"] else "NO",
-        ))
+        lines.append(
+            (
+                _size(r["run_bytes"]),
+                str(r["runs"]),
+                f"{r['memcpy_gbps']:.2f}",
+                f"{r['gather_gbps']:.2f}",
+                f"{r['read_gbps']:.2f}",
+                f"{r['write_gbps']:.2f}",
+                f"{r['read_vs_memcpy']:.2f}",
+                f"{r['read_vs_gather']:.2f}",
+                "yes" if r["verified"] else "NO",
+            )
+        )
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in lines]
     out.insert(1, "-" * len(out[0]))
-    out.append(f"backend {result['backend']} ({result['processes']} process(es)), "
-               f"{_size(result['bytes_per_transfer'])} per transfer, median of "
-               f"{result['repeats']}")
+    out.append(
+        f"backend {result['backend']} ({result['processes']} process(es)), "
+        f"{_size(result['bytes_per_transfer'])} per transfer, median of "
+        f"{result['repeats']}"
+    )
     return "\n".join(out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moriio_native.bench.transfer",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m moriio_native.bench.transfer", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--backend", default="auto", choices=("auto", "ucx", "loopback"))
     parser.add_argument("--sizes", type=int, nargs="+", default=list(DEFAULT_RUN_SIZES))
-    parser.add_argument("--mib", type=int, default=DEFAULT_BYTES_PER_TRANSFER >> 20,
-                        help="MiB per transfer")
+    parser.add_argument(
+        "--mib", type=int, default=DEFAULT_BYTES_PER_TRANSFER >> 20, help="MiB per transfer"
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
