@@ -135,6 +135,7 @@ struct Engine::Impl {
 
   mutable std::mutex mu;
   bool registered = false;
+  bool registering = false;
   std::vector<LocalRegion> regions;
   std::vector<LocalLayer> layers;
   std::unordered_map<std::string, std::size_t> layer_index;
@@ -209,11 +210,21 @@ const std::string& Engine::backend_name() const { return impl_->config.backend; 
 Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
     std::span<const LayerRegistration> layers) {
   Impl& d = *impl_;
+  if (layers.empty()) return InvalidArgumentError("no layers to register");
   {
     std::lock_guard lock(d.mu);
-    if (d.registered) return FailedPreconditionError("KV caches are registered already");
+    if (d.registered || d.registering) {
+      return FailedPreconditionError("KV caches are registered already");
+    }
+    d.registering = true;  // one registration at a time; cleared on every exit below
   }
-  if (layers.empty()) return InvalidArgumentError("no layers to register");
+  struct ClearRegistering {
+    Impl& d;
+    ~ClearRegistering() {
+      std::lock_guard lock(d.mu);
+      d.registering = false;
+    }
+  } clear_registering{d};
   // Validate everything before registering anything.
   std::vector<LocalLayer> local;
   std::unordered_map<std::string, std::size_t> index;
@@ -342,9 +353,11 @@ Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
     peer->remote_regions.push_back(*imported);
   }
   std::lock_guard lock(d.mu);
-  if (!d.peers.emplace(peer->id, peer).second) {
+  if (auto [it, inserted] = d.peers.emplace(peer->id, peer); !inserted) {
+    // Another thread added this peer meanwhile: identical metadata is the same handshake.
     (void)d.backend->DisconnectPeer(peer->handle);
-    return AlreadyExistsError("peer '" + peer->id + "' was added concurrently");
+    if (it->second->metadata == peer->metadata) return peer->id;
+    return AlreadyExistsError("peer '" + peer->id + "' was added concurrently with other metadata");
   }
   d.sink->MapPeer(peer->handle, peer->id);
   return peer->id;
@@ -387,8 +400,11 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   if (layer_names.empty()) {
     for (std::size_t i = 0; i < d.layers.size(); ++i) selected.push_back(i);
   } else {
+    std::vector<bool> seen(d.layers.size(), false);
     for (const std::string& name : layer_names) {
       MORIIO_ASSIGN_OR_RETURN(std::size_t i, d.FindLayer(name));
+      if (seen[i]) return InvalidArgumentError(ctx + ": layer '" + name + "' listed twice");
+      seen[i] = true;
       selected.push_back(i);
     }
   }
@@ -426,8 +442,10 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   BatchBuilder builder(TransferOp::kWrite, *peer);
   builder.Add(d.layers[i], peer->links[i], plan);
   auto& [key, batch] = *builder.batches().begin();
-  std::optional<std::uint64_t> token = d.tracker->ScheduleWrite(
-      transfer_id, layer, peer->id, plan.total_bytes(), static_cast<std::int64_t>(plan.size()));
+  MORIIO_ASSIGN_OR_RETURN(
+      std::optional<std::uint64_t> token,
+      d.tracker->ScheduleWrite(transfer_id, layer, peer->id, plan.total_bytes(),
+                               static_cast<std::int64_t>(plan.size())));
   if (!token) return false;
   if (plan.size() == 0) {
     d.tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
@@ -450,6 +468,7 @@ Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abor
 
 std::vector<TransferEvent> Engine::PollEvents(std::size_t max_events,
                                               std::chrono::milliseconds wait) {
+  if (max_events == 0) return {};
   // Deadlines are checked in slices so a wait never sleeps past one.
   constexpr std::chrono::milliseconds kSlice{10};
   const auto until = std::chrono::steady_clock::now() + wait;

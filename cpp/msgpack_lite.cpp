@@ -1,6 +1,7 @@
 #include "msgpack_lite.hpp"
 
 #include <limits>
+#include <unordered_set>
 
 namespace moriio_native::detail::msgpack {
 
@@ -197,11 +198,14 @@ class Reader {
   Status ReadMap(Value* out, std::uint64_t n, int depth) {
     MORIIO_RETURN_IF_ERROR(Need(2 * n));  // n < 2^32: no overflow
     Map entries(n);
+    std::unordered_set<std::string> keys;
     for (auto& [key, value] : entries) {
       Value k;
       MORIIO_RETURN_IF_ERROR(Read(&k, depth - 1));
       if (!std::holds_alternative<std::string>(k.v)) return Error("map key is not a string");
       key = std::get<std::string>(std::move(k.v));
+      // Two parsers that pick different duplicates would disagree on what a peer said.
+      if (!keys.insert(key).second) return Error("duplicate map key '" + key + "'");
       MORIIO_RETURN_IF_ERROR(Read(&value, depth - 1));
     }
     out->v = std::move(entries);

@@ -34,20 +34,25 @@ void TransferTracker::CloseRead(std::string_view id_view) {
   MaybeFinishLocked(id, it->second);
 }
 
-std::optional<std::uint64_t> TransferTracker::ScheduleWrite(std::string_view id_view,
-                                                            std::string_view layer,
-                                                            std::string_view peer,
-                                                            std::int64_t bytes, std::int64_t runs) {
+Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_view id_view,
+                                                                    std::string_view layer,
+                                                                    std::string_view peer,
+                                                                    std::int64_t bytes,
+                                                                    std::int64_t runs) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
-  if (terminal_.count(id)) return std::nullopt;
+  if (terminal_.count(id)) return std::optional<std::uint64_t>();
   auto it = pending_.find(id);
+  if (it != pending_.end() && it->second.peer != peer) {
+    return InvalidArgumentError("transfer '" + id + "' writes to peer '" + it->second.peer +
+                                "', not '" + std::string(peer) + "'");
+  }
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
   if (t.kind != TransferKind::kWrite || !t.open || !t.failure.empty() || t.aborted) {
-    return std::nullopt;
+    return std::optional<std::uint64_t>();
   }
-  if (!t.layers.emplace(layer).second) return std::nullopt;
-  return AddBatchLocked(id, t, bytes, runs);
+  if (!t.layers.emplace(layer).second) return std::optional<std::uint64_t>();
+  return std::optional<std::uint64_t>(AddBatchLocked(id, t, bytes, runs));
 }
 
 void TransferTracker::Seal(std::string_view id_view, std::string_view peer) {
@@ -76,6 +81,7 @@ std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t
                                               std::int64_t bytes, std::int64_t runs) {
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
+  t.tokens.push_back(token);
   ++t.in_flight;
   ++t.batches;
   t.bytes += bytes;
@@ -168,6 +174,9 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.batches = t.batches;
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
   events_.push_back(std::move(e));
+  // Tokens still in flight (a deadline ended the transfer) are forgotten now, so a transport
+  // that never completes them cannot grow the map; their late completions are unknown tokens.
+  for (std::uint64_t token : t.tokens) tokens_.erase(token);
   pending_.erase(id);  // `t` dangles from here on
   RememberTerminalLocked(id);
   events_cv_.notify_all();

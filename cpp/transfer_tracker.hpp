@@ -45,9 +45,10 @@ class TransferTracker {
   /// WRITE: atomically records that (id, layer) is scheduled (creating the transfer) and adds its
   /// in-flight batch. Returns the batch token, or nullopt when the layer was scheduled before or
   /// the transfer is sealed, failed, aborted or terminal (nothing recorded then).
-  std::optional<std::uint64_t> ScheduleWrite(std::string_view id, std::string_view layer,
-                                             std::string_view peer, std::int64_t bytes,
-                                             std::int64_t runs);
+  /// InvalidArgument when the transfer already writes to another peer.
+  Result<std::optional<std::uint64_t>> ScheduleWrite(std::string_view id, std::string_view layer,
+                                                     std::string_view peer, std::int64_t bytes,
+                                                     std::int64_t runs);
   /// WRITE: fixes the expected writes to those scheduled; creates an empty transfer (which
   /// completes at once) when none was scheduled. Ignored for terminal ids.
   void Seal(std::string_view id, std::string_view peer);
@@ -86,6 +87,7 @@ class TransferTracker {
     std::int64_t bytes = 0;
     std::int64_t runs = 0;
     std::unordered_set<std::string> layers;  // WRITE: scheduled layers
+    std::vector<std::uint64_t> tokens;       // every batch token, to forget them at the end
   };
 
   // Emits the terminal event if `t` can end now; returns true when it ended. Holds mu_.

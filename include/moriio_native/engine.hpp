@@ -81,15 +81,18 @@ class Engine {
   Status RemovePeer(std::string_view peer);
   std::vector<std::string> Peers() const;
 
-  /// READ: pull `remote_blocks` of every layer (or of `layers` when given) from `peer` into
-  /// `local_blocks`. One batch per (local region, remote region). Never blocks on transfer.
+  /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from
+  /// `peer` into `local_blocks`. One batch per (local region, remote region). Every argument is
+  /// checked before anything starts: on error no transfer exists. Never blocks on transfer.
   Status Read(std::string_view transfer_id, std::string_view peer,
               std::span<const std::int64_t> local_blocks,
               std::span<const std::int64_t> remote_blocks,
               std::span<const std::string> layers = {});
 
   /// WRITE: push one layer's blocks to `peer`. Returns false (and does nothing) when this
-  /// (transfer, layer) was scheduled before. Never blocks on transfer.
+  /// (transfer, layer) was scheduled before, or the transfer is sealed, failed, aborted or
+  /// terminal; InvalidArgument when the transfer already writes to another peer. A submission
+  /// failure fails the transfer (its event says why). Never blocks on transfer.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks);

@@ -38,8 +38,9 @@ struct RegistrationPlan {
 };
 
 /// Plans the registration of `views`, all inside [allocation_base, allocation_base +
-/// allocation_size). The views share ONE region: page aligned (start rounded up, end rounded
-/// down inside the allocation) when that still covers every view; otherwise, if
+/// allocation_size). The views share ONE region: the smallest page-aligned range covering every
+/// view, when that range lies inside the allocation (it never extends before or after it);
+/// otherwise, if
 /// `allow_unaligned`, the exact span of the views marked unaligned; otherwise InvalidArgument
 /// telling the caller to allocate the backing with the aligned allocator. Views outside the
 /// allocation, empty views, a zero or non-power-of-two page size, or overflow are errors.

@@ -263,9 +263,8 @@ def expected_after_copy(
 
 def fill_random(cache: KvCacheSet, seed: int) -> None:
     """Fill the whole backing (gaps included) with reproducible random bytes."""
-    cache.backing[:] = np.random.default_rng(seed).integers(
-        0, 256, cache.backing.nbytes, dtype=np.uint8
-    )
+    random_bytes = np.random.default_rng(seed).bytes(cache.backing.nbytes)
+    cache.backing[:] = np.frombuffer(random_bytes, dtype=np.uint8)
 
 
 # Mixed model used by tests: every layout generation on one backing, with different physical

@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 import moriio_native as mn
+from moriio_native import presets as model_presets
 
 logger = logging.getLogger("moriio_native.bench.planning")
 
@@ -71,41 +72,35 @@ class Preset:
         return sum(g.count for g in self.groups)
 
 
+def _from_model(model: model_presets.Preset) -> Preset:
+    """The model preset's caches as layer groups: one group per cache of a transformer layer,
+    every layer sharing that geometry (so the demo and this benchmark cannot drift apart)."""
+    groups = []
+    for shape in model.shapes(layers=1):
+        spec = shape.spec()
+        groups.append(
+            LayerGroup(
+                "indexer" if "indexer" in shape.name else ("mla" if shape.is_latent else "dense"),
+                model.num_layers,
+                spec.kind,
+                spec.num_kv_heads or 1,
+                spec.head_size or 0,
+                spec.dtype_bytes,
+            )
+        )
+    return Preset(model.name, model.description, model.block_size, tuple(groups))
+
+
 PRESETS: dict[str, Preset] = {
-    p.name: p
-    for p in (
-        Preset(
-            "llama3-8b",
-            "Llama-3-8B: 32 dense layers, 8 KV heads x 128, bf16, block 16",
-            16,
-            (LayerGroup("dense", 32, "kv", 8, 128, 2),),
-        ),
-        Preset(
-            "deepseek-v3",
-            "DeepSeek-V3: 61 MLA layers, latent 576 (512 + 64 rope), bf16, block 64",
-            64,
-            (LayerGroup("mla", 61, "mla", 1, 576, 2),),
-        ),
-        Preset(
-            # Plausible numbers, not a published config: the shape of the problem MiniMax-M3 P/D
-            # hit (dense K/V layers mixed with key-only indexer caches in one model).
-            "minimax-m3",
-            "MiniMax-M3-like (assumed numbers): 62 dense layers, 8 KV heads x 128, bf16 + 62 "
-            "key-only indexer caches of 132 B (fp8 key 128 + fp32 scale), block 64",
-            64,
-            (
-                LayerGroup("dense", 62, "kv", 8, 128, 2),
-                LayerGroup("indexer", 62, "mla", 1, 132, 1),
-            ),
-        ),
-        Preset(
-            "dense-61",
-            "Dense-like 61 layers, 8 KV heads x 128, bf16, block 16 (the issue's dense case)",
-            16,
-            (LayerGroup("dense", 61, "kv", 8, 128, 2),),
-        ),
-    )
+    name: _from_model(model) for name, model in model_presets.PRESETS.items()
 }
+# The issue's dense case: 61 layers of Llama-like dense K/V.
+PRESETS["dense-61"] = Preset(
+    "dense-61",
+    "Dense-like 61 layers, 8 KV heads x 128, bf16, block 16 (the issue's dense case)",
+    16,
+    (LayerGroup("dense", 61, "kv", 8, 128, 2),),
+)
 
 DEFAULT_PRESETS = ("llama3-8b", "deepseek-v3", "minimax-m3")
 DEFAULT_CONTEXTS = (1024, 4096, 16384, 32768, 65536, 131072)

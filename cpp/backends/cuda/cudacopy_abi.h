@@ -1,0 +1,50 @@
+#pragma once
+
+/* C ABI between a backend and libmoriio_native_cudacopy.so, the CUDA gather/scatter copy plugin.
+ *
+ * Why a plugin: the kernel needs nvcc and the CUDA runtime, which neither the core nor the UCX
+ * plugin may depend on (the wheel must import on CPU-only machines). The UCX backend dlopens this
+ * library only when both ends of a batch are CUDA memory that ucp_rkey_ptr mapped into this
+ * process (CUDA IPC on one node), and then moves the whole batch with one kernel launch instead
+ * of one UCX operation per run.
+ *
+ * Threading: a queue is used by one thread at a time (the UCX progress thread); different queues
+ * are independent. Nothing here blocks except destroy_queue (waits for the queue's kernels).
+ * Errors: functions return 0 on success and a negative value on error, writing a NUL-terminated
+ * message into `err` (`err_len` bytes, may be 0). */
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define MORIIO_CUDACOPY_ABI_VERSION 1u
+#define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
+
+typedef struct moriio_cudacopy_api {
+  uint32_t abi_version; /* MORIIO_CUDACOPY_ABI_VERSION */
+  /* 0 when a CUDA driver and at least one device are usable in this process. */
+  int (*probe)(char* err, size_t err_len);
+  /* A copy queue (a non-blocking stream plus reusable offset buffers) on `device`. */
+  int (*create_queue)(int device, void** queue, char* err, size_t err_len);
+  /* Waits for the queue's work, then frees it. Outstanding ops must be released first. */
+  void (*destroy_queue)(void* queue);
+  /* Enqueues ONE kernel that copies runs[i]: sizes[i] bytes from src[i] to dst[i] (device
+   * pointers, possibly IPC-mapped from another process). The arrays are copied before it
+   * returns. `*op` is polled with poll_op and released with release_op. */
+  int (*submit)(void* queue, const uint64_t* dst, const uint64_t* src, const uint64_t* sizes,
+                uint64_t count, void** op, char* err, size_t err_len);
+  /* 1: finished OK; 0: still running; negative: failed (err says why). Never blocks. */
+  int (*poll_op)(void* op, char* err, size_t err_len);
+  /* Frees an op; a running op is waited for first. */
+  void (*release_op)(void* op);
+} moriio_cudacopy_api;
+
+/* The plugin exports: const moriio_cudacopy_api* moriio_native_cudacopy_api(void); */
+typedef const moriio_cudacopy_api* (*moriio_cudacopy_entry_fn)(void);
+
+#ifdef __cplusplus
+}
+#endif

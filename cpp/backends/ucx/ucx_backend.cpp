@@ -1,0 +1,1340 @@
+#include "ucx_backend.hpp"
+
+#include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <future>
+#include <list>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cudacopy_abi.h"
+#include "ucx_api.hpp"
+#include "ucx_options.hpp"
+#include "ucx_wire.hpp"
+
+namespace moriio_native::detail::ucx {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// UCX keeps a request per operation in flight; beyond a few hundred more requests only cost
+// memory (the per-op cost is CPU-bound, see research/ucx_gpu_probe.md).
+constexpr std::size_t kMaxOutstandingOps = 512;
+// Runs posted per batch before moving to the next batch, so one huge batch cannot starve others.
+constexpr std::size_t kOpsPerBatchPerRound = 64;
+// Bytes copied by the direct (rkey_ptr) path per loop iteration, so commands and UCX progress
+// still get the thread every millisecond or so.
+constexpr std::uint64_t kDirectCopyBudget = 8ull << 20;
+// How long the thread keeps spinning after the last activity before it sleeps on the event fd.
+constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
+// How long teardown (destructor, DisconnectPeer) waits for operations already posted to finish
+// before it force-closes the endpoint, which cancels them.
+constexpr auto kDrainDeadline = std::chrono::seconds(5);
+// How long teardown then waits for UCX to report the operations the forced close cancelled.
+constexpr auto kCancelDeadline = std::chrono::seconds(1);
+
+ucs_memory_type_t ToUcs(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kHost: return UCS_MEMORY_TYPE_HOST;
+    case MemoryKind::kCuda: return UCS_MEMORY_TYPE_CUDA;
+    case MemoryKind::kRocm: return UCS_MEMORY_TYPE_ROCM;
+  }
+  return UCS_MEMORY_TYPE_UNKNOWN;
+}
+
+const char* KindName(MemoryKind kind) {
+  switch (kind) {
+    case MemoryKind::kHost: return "host";
+    case MemoryKind::kCuda: return "cuda";
+    case MemoryKind::kRocm: return "rocm";
+  }
+  return "unknown";
+}
+
+std::string Hex(std::uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "0x%llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+std::string RangeText(const MemoryRange& r) {
+  return std::string(KindName(r.kind)) + " [" + Hex(r.address) + ", +" + std::to_string(r.size) +
+         ")";
+}
+
+/// Whether process_vm_readv works in this process at all. A seccomp profile (docker's default)
+/// or a missing CAP_SYS_PTRACE refuses it even on our own pid, and then UCX's cma transport fails
+/// every operation instead of stepping aside. (Yama's ptrace_scope UCX checks by itself.)
+bool CmaUsable() {
+  char src[16] = "moriio-cma-test";
+  char dst[16] = {};
+  iovec local{dst, sizeof(dst)};
+  iovec remote{src, sizeof(src)};
+  return ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) ==
+         static_cast<ssize_t>(sizeof(src));
+}
+
+bool CudaDriverPresent() {
+  void* h = ::dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
+  if (h == nullptr) return false;
+  ::dlclose(h);
+  return true;
+}
+
+/// The CUDA gather/scatter plugin, loaded from the directory of this plugin on first need.
+struct CudaCopy {
+  const moriio_cudacopy_api* api = nullptr;
+  std::string why_not;  // when api is null
+};
+
+const CudaCopy& LoadCudaCopy() {
+  static const CudaCopy loaded = [] {
+    CudaCopy out;
+    Dl_info info{};
+    if (::dladdr(reinterpret_cast<void*>(&LoadCudaCopy), &info) == 0 || info.dli_fname == nullptr) {
+      out.why_not = "cannot locate the ucx plugin's own directory";
+      return out;
+    }
+    std::string dir = info.dli_fname;
+    dir = dir.substr(0, dir.rfind('/') + 1);
+    std::string path = dir + "libmoriio_native_cudacopy.so";
+    void* h = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      const char* e = ::dlerror();
+      out.why_not = "cannot load " + path + ": " + (e ? e : "unknown error");
+      return out;
+    }
+    auto entry = reinterpret_cast<moriio_cudacopy_entry_fn>(::dlsym(h, MORIIO_CUDACOPY_SYMBOL));
+    const moriio_cudacopy_api* api = entry ? entry() : nullptr;
+    if (api == nullptr || api->abi_version != MORIIO_CUDACOPY_ABI_VERSION) {
+      out.why_not = path + " has no compatible " MORIIO_CUDACOPY_SYMBOL;
+      return out;
+    }
+    char err[256] = {};
+    if (api->probe(err, sizeof(err)) != 0) {
+      out.why_not = std::string("CUDA copy plugin unusable: ") + err;
+      return out;
+    }
+    out.api = api;
+    return out;
+  }();
+  return loaded;
+}
+
+std::atomic<std::uint64_t> g_path_batches[3];
+
+}  // namespace
+
+void PathCounters(std::uint64_t out[3]) {
+  for (int i = 0; i < 3; ++i) out[i] = g_path_batches[i].load(std::memory_order_relaxed);
+}
+
+class UcxBackend;
+
+/// Memory from Allocate (UCP_MEM_MAP_ALLOCATE). Regions registered inside it share its memh, so
+/// their rkeys carry the shared-memory segment that same-host peers map with ucp_rkey_ptr.
+struct Allocation {
+  std::uint64_t address = 0;
+  std::uint64_t size = 0;
+  ucp_mem_h memh = nullptr;
+  int registrations = 0;  // guarded by UcxBackend::mutex_
+};
+
+struct LocalRegion {
+  std::uint64_t id = 0;
+  MemoryRange range;
+  ucp_mem_h memh = nullptr;
+  std::shared_ptr<Allocation> alloc;  // set: memh belongs to the allocation
+  int inflight = 0;                   // batches using it; guarded by UcxBackend::mutex_
+};
+
+struct PeerState {
+  std::uint64_t id = 0;
+  UcxBackend* owner = nullptr;
+  ucp_ep_h ep = nullptr;           // worker thread only
+  std::atomic<bool> closed{false};  // DisconnectPeer started: no new batches
+  bool failed = false;              // worker thread only
+  bool failure_reported = false;    // worker thread only
+  Status failure;                   // worker thread only
+};
+
+struct RemoteRegion {
+  std::uint64_t id = 0;
+  std::shared_ptr<PeerState> peer;
+  MemoryRange range;
+  ucp_rkey_h rkey = nullptr;      // worker thread only after import
+  std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
+};
+
+enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy };
+
+/// A submitted batch while the worker thread drives it. Worker thread only.
+struct ActiveBatch {
+  UcxBackend* owner = nullptr;
+  std::shared_ptr<const Batch> batch;
+  std::shared_ptr<LocalRegion> local;
+  std::shared_ptr<RemoteRegion> remote;
+  Path path = Path::kOps;
+  std::size_t next_run = 0;     // first run not yet posted / copied
+  std::size_t outstanding = 0;  // UCX requests (ops + flush) not yet completed
+  bool needs_flush = false;     // WRITE over UCX ops: remote completion needs an ep flush
+  bool flush_posted = false;
+  void* cuda_op = nullptr;
+  bool stop = false;  // post nothing more (error, disconnect, shutdown)
+  Status error;
+
+  std::size_t runs() const { return batch->sizes.size(); }
+  bool Finished() const {
+    if (outstanding != 0 || cuda_op != nullptr) return false;
+    if (stop) return true;
+    return next_run == runs() && (!needs_flush || flush_posted);
+  }
+};
+
+class UcxBackend final : public Backend {
+ public:
+  UcxBackend(const UcxApi* api, UcxOptions options, std::shared_ptr<CompletionSink> sink)
+      : api_(api), options_(std::move(options)), sink_(std::move(sink)) {}
+
+  Status Init();
+  ~UcxBackend() override;
+
+  std::string_view name() const override { return "ucx"; }
+  BackendCapabilities capabilities() const override { return caps_; }
+  Result<std::vector<std::uint8_t>> LocalAddress() override { return local_address_; }
+  Result<RegisteredRegion> RegisterMemory(const MemoryRange& range) override;
+  Status DeregisterMemory(std::uint64_t handle) override;
+  Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) override;
+  Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
+                                           std::span<const std::uint8_t> remote_key) override;
+  Status DisconnectPeer(std::uint64_t peer) override;
+  Status Submit(std::shared_ptr<const Batch> batch) override;
+  Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
+  Status Free(const MemoryRange& range) override;
+
+ private:
+  struct Pending {
+    std::shared_ptr<const Batch> batch;
+    std::shared_ptr<LocalRegion> local;
+    std::shared_ptr<RemoteRegion> remote;
+  };
+
+  static void OnOpDone(void* request, ucs_status_t status, void* user_data);
+  static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
+
+  std::string UcsText(ucs_status_t st) const { return api_->status_string(st); }
+
+  /// Runs `fn` on the worker thread (inline when already there) and returns its result. Every
+  /// UCX call goes through here or happens in the loop, so the worker runs in
+  /// UCS_THREAD_MODE_SINGLE without locks inside UCX.
+  template <typename F>
+  auto OnWorker(F fn) -> decltype(fn());
+
+  void Wake();
+  void Loop();
+  bool RunCommands();
+  bool ActivateSubmitted();
+  bool IssueOps();
+  void PostRun(ActiveBatch& ab);
+  void PostFlush(ActiveBatch& ab);
+  bool DirectHostCopies();
+  bool PollCudaCopies();
+  bool HandlePeerFailures();
+  bool FinishBatches();
+  void StartCudaCopy(ActiveBatch& ab);
+  /// Progresses the worker until `done()` or the deadline; true when done() held.
+  bool ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline);
+  void CloseEndpoint(ucp_ep_h ep);
+  void Shutdown();
+
+  const UcxApi* api_;
+  const UcxOptions options_;
+  std::shared_ptr<CompletionSink> sink_;
+  BackendCapabilities caps_;
+  std::vector<std::uint8_t> local_address_;
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  bool pass_memh_ = false;
+
+  std::thread thread_;
+  std::atomic<std::thread::id> worker_id_{};
+
+  // Registry: what Submit validates against. Mutated on the worker thread, read anywhere.
+  mutable std::mutex mutex_;
+  std::uint64_t next_id_ = 1;
+  std::unordered_map<std::uint64_t, std::shared_ptr<LocalRegion>> regions_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<PeerState>> peers_;
+  std::unordered_map<std::uint64_t, std::shared_ptr<RemoteRegion>> remotes_;
+  std::map<std::uint64_t, std::shared_ptr<Allocation>> allocations_;  // by address
+
+  // Work queues, filled by any thread and drained by the worker.
+  std::mutex queue_mutex_;
+  std::deque<std::function<void()>> commands_;
+  std::deque<Pending> submitted_;
+  std::atomic<std::uint64_t> queued_{0};
+  bool stopping_ = false;  // guarded by queue_mutex_
+
+  // Worker thread only.
+  std::list<ActiveBatch> active_;
+  std::size_t outstanding_ops_ = 0;
+  std::vector<std::uint64_t> failed_peers_;
+  std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
+};
+
+// ---- construction -----------------------------------------------------------------------------
+
+Status UcxBackend::Init() {
+  ucp_config_t* config = nullptr;
+  ucs_status_t st = api_->config_read(nullptr, nullptr, &config);
+  if (st != UCS_OK) return BackendUnavailableError("ucp_config_read failed: " + UcsText(st));
+
+  // Explicit options override the environment; defaults apply only where nothing was said.
+  std::vector<std::pair<std::string, std::string>> settings;
+  auto user_set = [&](const std::string& name) {
+    if (std::getenv(("UCX_" + name).c_str()) != nullptr) return true;
+    for (const auto& [n, v] : options_.config) {
+      if (n == name) return true;
+    }
+    return (name == "TLS" && !options_.tls.empty()) ||
+           (name == "NET_DEVICES" && !options_.net_devices.empty());
+  };
+  if (!user_set("TLS") && !CmaUsable()) settings.emplace_back("TLS", "^cma");
+  if (CudaDriverPresent()) {
+    // Without these, ucp_get_nbx from peer GPU memory is software-emulated (~0.8 GB/s) and hangs
+    // while the peer does not progress; with emulation off a missing zero-copy path is an error.
+    if (!user_set("CUDA_IPC_ENABLE_GET_ZCOPY")) {
+      settings.emplace_back("CUDA_IPC_ENABLE_GET_ZCOPY", "y");
+    }
+    if (!user_set("PROTO_EMULATION_ENABLE")) settings.emplace_back("PROTO_EMULATION_ENABLE", "n");
+  }
+  const std::size_t first_explicit = settings.size();
+  if (!options_.tls.empty()) settings.emplace_back("TLS", options_.tls);
+  if (!options_.net_devices.empty()) settings.emplace_back("NET_DEVICES", options_.net_devices);
+  for (const auto& kv : options_.config) settings.push_back(kv);
+  for (std::size_t i = 0; i < settings.size(); ++i) {
+    const auto& [n, v] = settings[i];
+    st = api_->config_modify(config, n.c_str(), v.c_str());
+    // A default this UCX does not know (older version, module not loaded) is skipped; an explicit
+    // setting that UCX rejects is the user's error.
+    if (st != UCS_OK && i >= first_explicit) {
+      api_->config_release(config);
+      return InvalidArgumentError("UCX rejected setting " + n + "=" + v + ": " + UcsText(st));
+    }
+  }
+
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA;
+  if (options_.progress_mode == ProgressMode::kThread) params.features |= UCP_FEATURE_WAKEUP;
+  st = api_->init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
+  api_->config_release(config);
+  if (st != UCS_OK) {
+    context_ = nullptr;
+    return BackendUnavailableError("ucp_init failed (UCX " +
+                                   std::string(api_->get_version_string()) + " from " +
+                                   api_->library_path + "): " + UcsText(st));
+  }
+
+  ucp_context_attr_t attr{};
+  attr.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+  std::uint64_t mem_types = 1ull << UCS_MEMORY_TYPE_HOST;
+  if (api_->context_query(context_, &attr) == UCS_OK) mem_types = attr.memory_types;
+  caps_.host_memory = true;
+  caps_.cuda_memory = (mem_types & (1ull << UCS_MEMORY_TYPE_CUDA)) != 0;
+  caps_.rocm_memory = (mem_types & (1ull << UCS_MEMORY_TYPE_ROCM)) != 0;
+  caps_.unaligned_registration = true;
+  caps_.allocation = true;
+  // memh in ucp_request_param_t saves a registration-cache lookup per op; UCX 1.15+ honours it.
+  pass_memh_ = api_->version() >= ((1u << 16) | (15u << 8));
+
+  ucp_worker_params_t wparams{};
+  wparams.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wparams.thread_mode = UCS_THREAD_MODE_SINGLE;
+  st = api_->worker_create(context_, &wparams, &worker_);
+  if (st != UCS_OK) {
+    worker_ = nullptr;
+    return BackendUnavailableError("ucp_worker_create failed: " + UcsText(st));
+  }
+
+  ucp_address_t* addr = nullptr;
+  std::size_t addr_len = 0;
+  st = api_->worker_get_address(worker_, &addr, &addr_len);
+  if (st != UCS_OK) return TransportError("ucp_worker_get_address failed: " + UcsText(st));
+  local_address_ = EncodeAddress(api_->version(), LocalHostId(),
+                                 {reinterpret_cast<const std::uint8_t*>(addr), addr_len});
+  api_->worker_release_address(worker_, addr);
+
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  epoll_fd_ = ::epoll_create1(EPOLL_CLOEXEC);
+  if (wake_fd_ < 0 || epoll_fd_ < 0) {
+    return InternalError(std::string("eventfd/epoll_create1 failed: ") + std::strerror(errno));
+  }
+  epoll_event ev{};
+  ev.events = EPOLLIN;
+  ev.data.fd = wake_fd_;
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &ev);
+  if (options_.progress_mode == ProgressMode::kThread) {
+    int efd = -1;
+    st = api_->worker_get_efd(worker_, &efd);
+    if (st != UCS_OK) return TransportError("ucp_worker_get_efd failed: " + UcsText(st));
+    ev.data.fd = efd;
+    ::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, efd, &ev);
+  }
+
+  thread_ = std::thread([this] { Loop(); });
+  worker_id_.store(thread_.get_id());
+  ::pthread_setname_np(thread_.native_handle(), "moriio-ucx");
+  return Status::OK();
+}
+
+UcxBackend::~UcxBackend() {
+  if (thread_.joinable()) {
+    MORIIO_CHECK(std::this_thread::get_id() != thread_.get_id(),
+                 "the ucx backend was destroyed from its own progress thread (a completion sink "
+                 "dropped the last reference); destroy it from another thread");
+    {
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      stopping_ = true;
+    }
+    queued_.fetch_add(1);
+    Wake();
+    thread_.join();
+  } else {
+    // Init failed part way: nothing ran on a thread, release what exists.
+    if (worker_ != nullptr) api_->worker_destroy(worker_);
+    if (context_ != nullptr) api_->cleanup(context_);
+  }
+  if (epoll_fd_ >= 0) ::close(epoll_fd_);
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+template <typename F>
+auto UcxBackend::OnWorker(F fn) -> decltype(fn()) {
+  using R = decltype(fn());
+  if (std::this_thread::get_id() == worker_id_.load()) return fn();
+  auto task = std::make_shared<std::packaged_task<R()>>(std::move(fn));
+  std::future<R> result = task->get_future();
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (stopping_) return R(AbortedError("the ucx backend is shutting down"));
+    commands_.emplace_back([task] { (*task)(); });
+  }
+  queued_.fetch_add(1);
+  Wake();
+  return result.get();
+}
+
+void UcxBackend::Wake() {
+  std::uint64_t one = 1;
+  // A full counter (never in practice) still leaves the fd readable, which is all we need.
+  [[maybe_unused]] ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+}
+
+// ---- public API -------------------------------------------------------------------------------
+
+Result<RegisteredRegion> UcxBackend::RegisterMemory(const MemoryRange& range) {
+  if (range.address == 0 || range.size == 0 || range.address + range.size < range.address) {
+    return InvalidArgumentError("cannot register " + RangeText(range) +
+                                ": null address, empty or wrapping range");
+  }
+  if ((range.kind == MemoryKind::kCuda && !caps_.cuda_memory) ||
+      (range.kind == MemoryKind::kRocm && !caps_.rocm_memory)) {
+    return InvalidArgumentError("cannot register " + RangeText(range) + ": UCX (" +
+                                api_->library_path + ") has no " + KindName(range.kind) +
+                                " memory support on this machine");
+  }
+  return OnWorker([&]() -> Result<RegisteredRegion> {
+    std::shared_ptr<Allocation> alloc;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = allocations_.upper_bound(range.address);
+      if (it != allocations_.begin()) {
+        const auto& a = *std::prev(it)->second;
+        const bool starts_inside = range.address < a.address + a.size;
+        if (starts_inside && range.address + range.size > a.address + a.size) {
+          return InvalidArgumentError("cannot register " + RangeText(range) +
+                                      ": it runs past the end of the backend allocation [" +
+                                      Hex(a.address) + ", +" + std::to_string(a.size) + ")");
+        }
+        if (starts_inside) alloc = std::prev(it)->second;
+      }
+      if (!alloc && it != allocations_.end() && range.address + range.size > it->first) {
+        return InvalidArgumentError("cannot register " + RangeText(range) +
+                                    ": it overlaps the start of a backend allocation at " +
+                                    Hex(it->first));
+      }
+    }
+    auto region = std::make_shared<LocalRegion>();
+    region->range = range;
+    if (alloc) {
+      region->memh = alloc->memh;
+      region->alloc = alloc;
+    } else {
+      ucp_mem_map_params_t mp{};
+      mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH |
+                      UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+      mp.address = reinterpret_cast<void*>(range.address);
+      mp.length = range.size;
+      mp.memory_type = ToUcs(range.kind);
+      ucs_status_t st = api_->mem_map(context_, &mp, &region->memh);
+      if (st != UCS_OK) {
+        return TransportError("ucp_mem_map of " + RangeText(range) + " failed: " + UcsText(st));
+      }
+    }
+    void* packed = nullptr;
+    std::size_t packed_len = 0;
+    ucs_status_t st = api_->rkey_pack(context_, region->memh, &packed, &packed_len);
+    if (st != UCS_OK) {
+      if (!alloc) api_->mem_unmap(context_, region->memh);
+      return TransportError("ucp_rkey_pack for " + RangeText(range) + " failed: " + UcsText(st));
+    }
+    WireKey key;
+    key.kind = range.kind;
+    key.flags = alloc ? kKeyFlagAllocated : 0;
+    key.region_start = range.address;
+    key.region_size = range.size;
+    key.blob = {static_cast<const std::uint8_t*>(packed), packed_len};
+    RegisteredRegion out;
+    out.remote_key = EncodeKey(key);
+    api_->rkey_buffer_release(packed);
+
+    std::lock_guard<std::mutex> lock(mutex_);
+    region->id = next_id_++;
+    out.handle = region->id;
+    if (alloc) alloc->registrations++;
+    regions_.emplace(region->id, std::move(region));
+    return out;
+  });
+}
+
+Status UcxBackend::DeregisterMemory(std::uint64_t handle) {
+  return OnWorker([&]() -> Status {
+    std::shared_ptr<LocalRegion> region;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = regions_.find(handle);
+      if (it == regions_.end()) {
+        return NotFoundError("local region " + std::to_string(handle) + " is not registered");
+      }
+      if (it->second->inflight > 0) {
+        return FailedPreconditionError("local region " + std::to_string(handle) + " has " +
+                                       std::to_string(it->second->inflight) +
+                                       " batch(es) in flight; deregister after they complete");
+      }
+      region = it->second;
+      regions_.erase(it);
+      if (region->alloc) region->alloc->registrations--;
+    }
+    if (!region->alloc) {
+      ucs_status_t st = api_->mem_unmap(context_, region->memh);
+      region->memh = nullptr;
+      if (st != UCS_OK) return TransportError("ucp_mem_unmap failed: " + UcsText(st));
+    }
+    return Status::OK();
+  });
+}
+
+Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> address) {
+  MORIIO_ASSIGN_OR_RETURN(WireAddress wire, DecodeAddress(address));
+  return OnWorker([&]() -> Result<std::uint64_t> {
+    auto peer = std::make_shared<PeerState>();
+    peer->owner = this;
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(wire.blob.data());
+    // PEER mode makes a dead peer fail its operations instead of aborting this process, but in
+    // UCX 1.22 no shared-memory transport (sysv, posix, cma, cuda_ipc) supports it: asking for it
+    // on one host turns every put/get into software emulation over tcp. On one host a dead peer
+    // fails cma operations with an error anyway, and the direct paths need no peer at all.
+    const bool same_host = wire.host == LocalHostId();
+    const bool want_peer_mode =
+        options_.error_handling == ErrorHandling::kPeer ||
+        (options_.error_handling == ErrorHandling::kAuto && !same_host);
+    ep.err_mode = want_peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+    ep.err_handler.cb = &UcxBackend::OnPeerError;
+    ep.err_handler.arg = peer.get();
+    ucs_status_t st = api_->ep_create(worker_, &ep, &peer->ep);
+    if (st == UCS_ERR_UNREACHABLE && want_peer_mode &&
+        options_.error_handling == ErrorHandling::kAuto) {
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      st = api_->ep_create(worker_, &ep, &peer->ep);
+    }
+    if (st != UCS_OK) {
+      return TransportError("cannot create a UCX endpoint to the peer (its UCX is " +
+                            std::to_string(wire.ucx_version >> 16) + "." +
+                            std::to_string((wire.ucx_version >> 8) & 0xff) + "): " +
+                            UcsText(st) +
+                            "; check that ucx_tls allows a transport both sides share");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    peer->id = next_id_++;
+    peers_.emplace(peer->id, peer);
+    return peer->id;
+  });
+}
+
+Result<std::uint64_t> UcxBackend::ImportRemoteRegion(std::uint64_t peer_id,
+                                                     const MemoryRange& range,
+                                                     std::span<const std::uint8_t> remote_key) {
+  MORIIO_ASSIGN_OR_RETURN(WireKey key, DecodeKey(remote_key));
+  if (key.kind != range.kind) {
+    return InvalidArgumentError("remote key of peer " + std::to_string(peer_id) + " is for " +
+                                KindName(key.kind) + " memory but the region is " +
+                                RangeText(range));
+  }
+  if (range.size == 0 || range.address < key.region_start ||
+      range.address + range.size < range.address ||
+      range.address + range.size > key.region_start + key.region_size) {
+    return InvalidArgumentError("remote region " + RangeText(range) + " of peer " +
+                                std::to_string(peer_id) + " is not inside the region its key " +
+                                "covers [" + Hex(key.region_start) + ", +" +
+                                std::to_string(key.region_size) + ")");
+  }
+  const bool want_cuda_copy = options_.direct_copy && range.kind == MemoryKind::kCuda &&
+                              LoadCudaCopy().api != nullptr;
+  return OnWorker([&]() -> Result<std::uint64_t> {
+    std::shared_ptr<PeerState> peer;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = peers_.find(peer_id);
+      if (it == peers_.end() || it->second->closed.load()) {
+        return NotFoundError("peer " + std::to_string(peer_id) + " is not connected");
+      }
+      peer = it->second;
+    }
+    if (peer->failed) return peer->failure;
+    auto remote = std::make_shared<RemoteRegion>();
+    remote->peer = peer;
+    remote->range = range;
+    ucs_status_t st = api_->ep_rkey_unpack(peer->ep, key.blob.data(), &remote->rkey);
+    if (st != UCS_OK) {
+      return InvalidArgumentError("UCX rejected the remote key of peer " +
+                                  std::to_string(peer_id) + " for " + RangeText(range) + ": " +
+                                  UcsText(st));
+    }
+    if (options_.direct_copy && (range.kind == MemoryKind::kHost || want_cuda_copy)) {
+      void* first = nullptr;
+      void* last = nullptr;
+      // Both ends must map, contiguously: the mapping covers the whole region, not just a page.
+      if (api_->rkey_ptr(remote->rkey, range.address, &first) == UCS_OK &&
+          api_->rkey_ptr(remote->rkey, range.address + range.size - 1, &last) == UCS_OK &&
+          static_cast<std::uint8_t*>(last) - static_cast<std::uint8_t*>(first) ==
+              static_cast<std::ptrdiff_t>(range.size - 1)) {
+        remote->direct = static_cast<std::uint8_t*>(first);
+      }
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    remote->id = next_id_++;
+    remotes_.emplace(remote->id, remote);
+    return remote->id;
+  });
+}
+
+Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
+  return OnWorker([&]() -> Status {
+    std::shared_ptr<PeerState> peer;
+    std::vector<std::shared_ptr<RemoteRegion>> imports;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = peers_.find(peer_id);
+      if (it == peers_.end() || it->second->closed.load()) {
+        return NotFoundError("peer " + std::to_string(peer_id) + " is not connected");
+      }
+      peer = it->second;
+      peer->closed.store(true);  // Submit refuses it from here on
+      for (auto r = remotes_.begin(); r != remotes_.end();) {
+        if (r->second->peer == peer) {
+          imports.push_back(r->second);
+          r = remotes_.erase(r);
+        } else {
+          ++r;
+        }
+      }
+    }
+    std::vector<ActiveBatch*> mine;
+    for (auto& ab : active_) {
+      if (ab.remote->peer != peer) continue;
+      ab.stop = true;
+      if (ab.error.ok() && !ab.Finished()) {
+        ab.error = AbortedError("peer " + std::to_string(peer_id) +
+                                " was disconnected while the batch was in flight");
+      }
+      mine.push_back(&ab);
+    }
+    // Operations already posted read or write through the rkeys: let them finish first.
+    const bool drained = ProgressUntil(
+        [&] {
+          PollCudaCopies();
+          for (auto* ab : mine) {
+            if (ab->outstanding != 0 || ab->cuda_op != nullptr) return false;
+          }
+          return true;
+        },
+        Clock::now() + kDrainDeadline);
+    auto destroy_rkeys = [&] {
+      for (auto& r : imports) {
+        if (r->rkey != nullptr) api_->rkey_destroy(r->rkey);
+        r->rkey = nullptr;
+        r->direct = nullptr;
+      }
+    };
+    // UCX wants rkeys destroyed before their endpoint; only operations stuck past the deadline
+    // (a hung peer) force the reverse order, since the forced close is what cancels them.
+    if (drained) destroy_rkeys();
+    CloseEndpoint(peer->ep);
+    peer->ep = nullptr;
+    if (!drained) destroy_rkeys();
+    std::lock_guard<std::mutex> lock(mutex_);
+    peers_.erase(peer_id);
+    return Status::OK();
+  });
+}
+
+Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
+  if (!batch) return InvalidArgumentError("Submit: null batch");
+  const Batch& b = *batch;
+  const std::size_t n = b.sizes.size();
+  if (b.local_offsets.size() != n || b.remote_offsets.size() != n) {
+    return InvalidArgumentError("batch " + std::to_string(b.token) + ": " +
+                                std::to_string(b.local_offsets.size()) + " local offsets, " +
+                                std::to_string(b.remote_offsets.size()) +
+                                " remote offsets and " + std::to_string(n) +
+                                " sizes; they must be equal");
+  }
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto l = regions_.find(b.local_region);
+    if (l == regions_.end()) {
+      return NotFoundError("batch " + std::to_string(b.token) + ": local region " +
+                           std::to_string(b.local_region) + " is not registered");
+    }
+    auto r = remotes_.find(b.remote_region);
+    if (r == remotes_.end()) {
+      return NotFoundError("batch " + std::to_string(b.token) + ": remote region " +
+                           std::to_string(b.remote_region) + " is not imported");
+    }
+    if (r->second->peer->id != b.peer || r->second->peer->closed.load()) {
+      return InvalidArgumentError("batch " + std::to_string(b.token) + ": remote region " +
+                                  std::to_string(b.remote_region) + " does not belong to peer " +
+                                  std::to_string(b.peer));
+    }
+    const std::uint64_t lsize = l->second->range.size;
+    const std::uint64_t rsize = r->second->range.size;
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::int64_t lo = b.local_offsets[i], ro = b.remote_offsets[i], sz = b.sizes[i];
+      if (sz <= 0 || lo < 0 || ro < 0 || static_cast<std::uint64_t>(sz) > lsize ||
+          static_cast<std::uint64_t>(lo) > lsize - static_cast<std::uint64_t>(sz) ||
+          static_cast<std::uint64_t>(sz) > rsize ||
+          static_cast<std::uint64_t>(ro) > rsize - static_cast<std::uint64_t>(sz)) {
+        return OutOfRangeError("batch " + std::to_string(b.token) + " run " + std::to_string(i) +
+                               " (local offset " + std::to_string(lo) + ", remote offset " +
+                               std::to_string(ro) + ", size " + std::to_string(sz) +
+                               ") does not fit the local region (" + std::to_string(lsize) +
+                               " bytes) and the remote region (" + std::to_string(rsize) +
+                               " bytes)");
+      }
+    }
+    l->second->inflight++;
+    p.local = l->second;
+    p.remote = r->second;
+  }
+  p.batch = std::move(batch);
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    if (stopping_) {
+      std::lock_guard<std::mutex> rl(mutex_);
+      p.local->inflight--;
+      return AbortedError("the ucx backend is shutting down");
+    }
+    submitted_.push_back(std::move(p));
+  }
+  queued_.fetch_add(1);
+  Wake();
+  return Status::OK();
+}
+
+Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {
+  if (kind != MemoryKind::kHost) {
+    return InvalidArgumentError(
+        std::string("the ucx backend allocates host memory only (asked for ") + KindName(kind) +
+        " memory on device " + std::to_string(device) +
+        "); allocate device memory with the framework and register it");
+  }
+  if (size == 0) return InvalidArgumentError("Allocate: size must be positive");
+  return OnWorker([&]() -> Result<MemoryRange> {
+    auto alloc = std::make_shared<Allocation>();
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_LENGTH | UCP_MEM_MAP_PARAM_FIELD_FLAGS |
+                    UCP_MEM_MAP_PARAM_FIELD_MEMORY_TYPE;
+    mp.length = size;
+    mp.flags = UCP_MEM_MAP_ALLOCATE;
+    mp.memory_type = UCS_MEMORY_TYPE_HOST;
+    ucs_status_t st = api_->mem_map(context_, &mp, &alloc->memh);
+    if (st != UCS_OK) {
+      return TransportError("UCX could not allocate " + std::to_string(size) +
+                            " bytes of host memory: " + UcsText(st) +
+                            " (shared-memory limits: /dev/shm size, kernel.shmmax)");
+    }
+    ucp_mem_attr_t attr{};
+    attr.field_mask = UCP_MEM_ATTR_FIELD_ADDRESS | UCP_MEM_ATTR_FIELD_LENGTH;
+    st = api_->mem_query(alloc->memh, &attr);
+    if (st != UCS_OK || attr.length < size) {
+      api_->mem_unmap(context_, alloc->memh);
+      return TransportError("ucp_mem_query on a fresh allocation failed: " + UcsText(st));
+    }
+    alloc->address = reinterpret_cast<std::uint64_t>(attr.address);
+    alloc->size = size;
+    if (alloc->address % 4096 != 0) {
+      // Every UCX allocator hands out whole pages; the engine relies on it.
+      api_->mem_unmap(context_, alloc->memh);
+      return InternalError("UCX returned an allocation that is not page aligned: " +
+                           Hex(alloc->address));
+    }
+    MemoryRange out{alloc->address, alloc->size, MemoryKind::kHost, -1};
+    std::lock_guard<std::mutex> lock(mutex_);
+    allocations_.emplace(alloc->address, std::move(alloc));
+    return out;
+  });
+}
+
+Status UcxBackend::Free(const MemoryRange& range) {
+  return OnWorker([&]() -> Status {
+    std::shared_ptr<Allocation> alloc;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = allocations_.find(range.address);
+      if (it == allocations_.end()) {
+        return NotFoundError("Free: " + Hex(range.address) +
+                             " is not the start of an allocation of this backend");
+      }
+      if (range.size != 0 && range.size != it->second->size) {
+        return InvalidArgumentError("Free: allocation at " + Hex(range.address) + " has " +
+                                    std::to_string(it->second->size) + " bytes, not " +
+                                    std::to_string(range.size));
+      }
+      if (it->second->registrations > 0) {
+        return FailedPreconditionError("Free: allocation at " + Hex(range.address) + " still has " +
+                                       std::to_string(it->second->registrations) +
+                                       " registered region(s); deregister them first");
+      }
+      alloc = it->second;
+      allocations_.erase(it);
+    }
+    ucs_status_t st = api_->mem_unmap(context_, alloc->memh);
+    if (st != UCS_OK) return TransportError("ucp_mem_unmap failed: " + UcsText(st));
+    return Status::OK();
+  });
+}
+
+// ---- worker thread ----------------------------------------------------------------------------
+
+void UcxBackend::OnOpDone(void* request, ucs_status_t status, void* user_data) {
+  auto* ab = static_cast<ActiveBatch*>(user_data);
+  UcxBackend* self = ab->owner;
+  ab->outstanding--;
+  self->outstanding_ops_--;
+  if (status != UCS_OK && ab->error.ok()) {
+    std::string hint;
+    if (status == UCS_ERR_IO_ERROR && ab->local->range.kind == MemoryKind::kHost) {
+      hint = " (on one host this means the peer process exited, or process_vm_readv/writev "
+             "was refused by ptrace restrictions: see docs/backends-ucx.md)";
+    }
+    ab->error = TransportError(std::string("UCX ") +
+                               (ab->batch->op == TransferOp::kWrite ? "write" : "read") +
+                               " of batch " + std::to_string(ab->batch->token) + " with peer " +
+                               std::to_string(ab->batch->peer) + " failed: " +
+                               self->UcsText(status) + hint);
+    ab->stop = true;
+  }
+  // Freed here and only here: freeing a request still in flight would suppress this callback.
+  self->api_->request_free(request);
+}
+
+void UcxBackend::OnPeerError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
+  auto* peer = static_cast<PeerState*>(arg);
+  if (peer->failed) return;
+  peer->failed = true;
+  peer->failure = TransportError("UCX connection to peer " + std::to_string(peer->id) +
+                                 " failed: " + peer->owner->UcsText(status));
+  peer->owner->failed_peers_.push_back(peer->id);
+}
+
+void UcxBackend::Loop() {
+  auto last_activity = Clock::now();
+  for (;;) {
+    bool did = false;
+    if (queued_.load(std::memory_order_acquire) != 0) {
+      did |= RunCommands();
+      did |= ActivateSubmitted();
+      std::lock_guard<std::mutex> lock(queue_mutex_);
+      if (stopping_) break;
+    }
+    did |= IssueOps();
+    did |= DirectHostCopies();
+    did |= PollCudaCopies();
+    if (api_->worker_progress(worker_) != 0) did = true;
+    did |= HandlePeerFailures();
+    did |= FinishBatches();
+
+    if (did) {
+      last_activity = Clock::now();
+      continue;
+    }
+    if (options_.progress_mode == ProgressMode::kBusy) continue;
+    if (Clock::now() - last_activity < kSpinBeforeSleep) continue;
+    bool cuda_pending = false;
+    for (const auto& ab : active_) cuda_pending |= ab.cuda_op != nullptr;
+    if (cuda_pending) {
+      // Kernels signal no fd; poll them without hogging the CPU from the other threads.
+      sched_yield();
+      continue;
+    }
+    if (api_->worker_arm(worker_) == UCS_ERR_BUSY) continue;
+    // The timeout is a safety net against a transport that signals no event; the wake fd and
+    // the worker fd are what normally end the wait.
+    const int timeout_ms = (outstanding_ops_ != 0 || !active_.empty()) ? 1 : 100;
+    epoll_event events[4];
+    int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
+    for (int i = 0; i < n; ++i) {
+      if (events[i].data.fd == wake_fd_) {
+        std::uint64_t v;
+        [[maybe_unused]] ssize_t r = ::read(wake_fd_, &v, sizeof(v));
+      }
+    }
+    last_activity = Clock::now();
+  }
+  Shutdown();
+}
+
+bool UcxBackend::RunCommands() {
+  std::deque<std::function<void()>> cmds;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    cmds.swap(commands_);
+  }
+  if (cmds.empty()) return false;
+  queued_.fetch_sub(cmds.size(), std::memory_order_acq_rel);
+  for (auto& c : cmds) c();
+  return true;
+}
+
+bool UcxBackend::ActivateSubmitted() {
+  std::deque<Pending> batches;
+  {
+    std::lock_guard<std::mutex> lock(queue_mutex_);
+    batches.swap(submitted_);
+  }
+  if (batches.empty()) return false;
+  queued_.fetch_sub(batches.size(), std::memory_order_acq_rel);
+  for (auto& p : batches) {
+    ActiveBatch& ab = active_.emplace_back();
+    ab.owner = this;
+    ab.batch = std::move(p.batch);
+    ab.local = std::move(p.local);
+    ab.remote = std::move(p.remote);
+    PeerState& peer = *ab.remote->peer;
+    if (peer.closed.load()) {
+      ab.stop = true;
+      ab.error = AbortedError("peer " + std::to_string(peer.id) +
+                              " was disconnected before batch " +
+                              std::to_string(ab.batch->token) + " started");
+      continue;
+    }
+    if (peer.failed) {
+      ab.stop = true;
+      ab.error = peer.failure;
+      continue;
+    }
+    const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
+    if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
+      ab.path = Path::kHostCopy;
+    } else if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kCuda &&
+               LoadCudaCopy().api != nullptr) {
+      ab.path = Path::kCudaCopy;
+      StartCudaCopy(ab);
+    } else {
+      ab.path = Path::kOps;
+      ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
+    }
+    g_path_batches[static_cast<int>(ab.path)].fetch_add(1, std::memory_order_relaxed);
+  }
+  return true;
+}
+
+void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
+  const moriio_cudacopy_api* cc = LoadCudaCopy().api;
+  const int device = ab.local->range.device < 0 ? 0 : ab.local->range.device;
+  void*& queue = cuda_queues_[device];
+  char err[256] = {};
+  if (queue == nullptr && cc->create_queue(device, &queue, err, sizeof(err)) != 0) {
+    queue = nullptr;
+    ab.stop = true;
+    ab.error = TransportError(std::string("CUDA copy queue on device ") + std::to_string(device) +
+                              ": " + err);
+    return;
+  }
+  const Batch& b = *ab.batch;
+  const std::size_t n = b.sizes.size();
+  std::vector<std::uint64_t> dst(n), src(n), sizes(n);
+  const std::uint64_t lbase = ab.local->range.address;
+  const auto rbase = reinterpret_cast<std::uint64_t>(ab.remote->direct);
+  const bool write = b.op == TransferOp::kWrite;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t l = lbase + static_cast<std::uint64_t>(b.local_offsets[i]);
+    const std::uint64_t r = rbase + static_cast<std::uint64_t>(b.remote_offsets[i]);
+    dst[i] = write ? r : l;
+    src[i] = write ? l : r;
+    sizes[i] = static_cast<std::uint64_t>(b.sizes[i]);
+  }
+  if (n == 0) {
+    ab.next_run = 0;
+    return;
+  }
+  if (cc->submit(queue, dst.data(), src.data(), sizes.data(), n, &ab.cuda_op, err, sizeof(err)) !=
+      0) {
+    ab.cuda_op = nullptr;
+    ab.stop = true;
+    ab.error = TransportError(std::string("CUDA gather/scatter copy of batch ") +
+                              std::to_string(b.token) + " failed to start: " + err);
+    return;
+  }
+  ab.next_run = n;  // all runs are in the one kernel
+}
+
+bool UcxBackend::PollCudaCopies() {
+  bool did = false;
+  const moriio_cudacopy_api* cc = nullptr;
+  for (auto& ab : active_) {
+    if (ab.cuda_op == nullptr) continue;
+    if (cc == nullptr) cc = LoadCudaCopy().api;
+    char err[256] = {};
+    int r = cc->poll_op(ab.cuda_op, err, sizeof(err));
+    if (r == 0) continue;
+    cc->release_op(ab.cuda_op);
+    ab.cuda_op = nullptr;
+    if (r < 0 && ab.error.ok()) {
+      ab.error = TransportError("CUDA gather/scatter copy of batch " +
+                                std::to_string(ab.batch->token) + " failed: " + err);
+      ab.stop = true;
+    }
+    did = true;
+  }
+  return did;
+}
+
+bool UcxBackend::IssueOps() {
+  bool did = false;
+  bool more = true;
+  // Round robin: each pass gives every batch up to kOpsPerBatchPerRound runs.
+  while (more && outstanding_ops_ < kMaxOutstandingOps) {
+    more = false;
+    for (auto& ab : active_) {
+      if (ab.path != Path::kOps || ab.stop) continue;
+      std::size_t quota = kOpsPerBatchPerRound;
+      while (ab.next_run < ab.runs() && quota > 0 && !ab.stop &&
+             outstanding_ops_ < kMaxOutstandingOps) {
+        PostRun(ab);
+        --quota;
+        did = true;
+      }
+      if (ab.next_run == ab.runs() && ab.needs_flush && !ab.flush_posted && !ab.stop) {
+        PostFlush(ab);
+        did = true;
+      }
+      if (ab.next_run < ab.runs() && !ab.stop) more = true;
+      if (outstanding_ops_ >= kMaxOutstandingOps) break;
+    }
+  }
+  return did;
+}
+
+void UcxBackend::PostRun(ActiveBatch& ab) {
+  const Batch& b = *ab.batch;
+  const std::size_t i = ab.next_run++;
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+  p.cb.send = &UcxBackend::OnOpDone;
+  p.user_data = &ab;
+  p.memory_type = ToUcs(ab.local->range.kind);
+  if (pass_memh_) {
+    p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+    p.memh = ab.local->memh;
+  }
+  void* local = reinterpret_cast<void*>(ab.local->range.address +
+                                        static_cast<std::uint64_t>(b.local_offsets[i]));
+  const std::uint64_t remote =
+      ab.remote->range.address + static_cast<std::uint64_t>(b.remote_offsets[i]);
+  const auto size = static_cast<std::size_t>(b.sizes[i]);
+  ucp_ep_h ep = ab.remote->peer->ep;
+  ucs_status_ptr_t r = b.op == TransferOp::kWrite
+                           ? api_->put_nbx(ep, local, size, remote, ab.remote->rkey, &p)
+                           : api_->get_nbx(ep, local, size, remote, ab.remote->rkey, &p);
+  if (r == nullptr) return;  // completed in place
+  if (UCS_PTR_IS_ERR(r)) {
+    ab.stop = true;
+    if (ab.error.ok()) {
+      ab.error = TransportError(std::string("UCX ") + (b.op == TransferOp::kWrite ? "put" : "get") +
+                                " of batch " + std::to_string(b.token) + " run " +
+                                std::to_string(i) + " (" + std::to_string(size) +
+                                " bytes) to peer " + std::to_string(b.peer) +
+                                " failed: " + UcsText(UCS_PTR_STATUS(r)));
+    }
+    return;
+  }
+  ab.outstanding++;
+  outstanding_ops_++;
+}
+
+void UcxBackend::PostFlush(ActiveBatch& ab) {
+  ab.flush_posted = true;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+  p.cb.send = &UcxBackend::OnOpDone;
+  p.user_data = &ab;
+  ucs_status_ptr_t r = api_->ep_flush_nbx(ab.remote->peer->ep, &p);
+  if (r == nullptr) return;
+  if (UCS_PTR_IS_ERR(r)) {
+    ab.stop = true;
+    if (ab.error.ok()) {
+      ab.error = TransportError("UCX flush after the writes of batch " +
+                                std::to_string(ab.batch->token) + " failed: " +
+                                UcsText(UCS_PTR_STATUS(r)));
+    }
+    return;
+  }
+  ab.outstanding++;
+  outstanding_ops_++;
+}
+
+bool UcxBackend::DirectHostCopies() {
+  std::uint64_t budget = kDirectCopyBudget;
+  bool did = false;
+  for (auto& ab : active_) {
+    if (ab.path != Path::kHostCopy || ab.stop || ab.next_run == ab.runs()) continue;
+    const Batch& b = *ab.batch;
+    auto* local = reinterpret_cast<std::uint8_t*>(ab.local->range.address);
+    std::uint8_t* remote = ab.remote->direct;
+    const bool write = b.op == TransferOp::kWrite;
+    while (ab.next_run < ab.runs() && budget > 0) {
+      const std::size_t i = ab.next_run++;
+      std::uint8_t* l = local + b.local_offsets[i];
+      std::uint8_t* r = remote + b.remote_offsets[i];
+      const auto size = static_cast<std::size_t>(b.sizes[i]);
+      if (write) {
+        std::memcpy(r, l, size);
+      } else {
+        std::memcpy(l, r, size);
+      }
+      budget -= std::min<std::uint64_t>(budget, size);
+    }
+    // Make the copied bytes visible before the completion lets anyone announce them.
+    if (ab.next_run == ab.runs()) std::atomic_thread_fence(std::memory_order_seq_cst);
+    did = true;
+    if (budget == 0) break;
+  }
+  return did;
+}
+
+bool UcxBackend::HandlePeerFailures() {
+  if (failed_peers_.empty()) return false;
+  std::vector<std::uint64_t> ids;
+  ids.swap(failed_peers_);
+  std::vector<std::pair<std::uint64_t, Status>> reports;
+  for (std::uint64_t id : ids) {
+    for (auto& ab : active_) {
+      PeerState& peer = *ab.remote->peer;
+      if (peer.id != id) continue;
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = peer.failure;
+    }
+    std::shared_ptr<PeerState> peer;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      auto it = peers_.find(id);
+      if (it != peers_.end()) peer = it->second;
+    }
+    if (peer && !peer->failure_reported && !peer->closed.load()) {
+      peer->failure_reported = true;
+      reports.emplace_back(id, peer->failure);
+    }
+  }
+  for (auto& [id, st] : reports) sink_->OnPeerFailure(id, st);
+  return true;
+}
+
+bool UcxBackend::FinishBatches() {
+  std::vector<std::pair<std::uint64_t, Status>> done;
+  for (auto it = active_.begin(); it != active_.end();) {
+    if (!it->Finished()) {
+      ++it;
+      continue;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      it->local->inflight--;
+    }
+    done.emplace_back(it->batch->token, std::move(it->error));
+    it = active_.erase(it);
+  }
+  // The sink runs with no lock held and after the list is consistent: it may submit more work
+  // or call back into this backend.
+  for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
+  return !done.empty();
+}
+
+bool UcxBackend::ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline) {
+  while (!done()) {
+    if (Clock::now() >= deadline) return false;
+    // Only teardown waits here; a short sleep keeps a stuck peer from costing a whole core.
+    if (api_->worker_progress(worker_) == 0) {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  return true;
+}
+
+void UcxBackend::CloseEndpoint(ucp_ep_h ep) {
+  if (ep == nullptr) return;
+  ucp_request_param_t p{};
+  p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+  // FORCE: no handshake with a peer that may be gone; anything still posted is cancelled.
+  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  ucs_status_ptr_t r = api_->ep_close_nbx(ep, &p);
+  if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
+  while (api_->request_check_status(r) == UCS_INPROGRESS) api_->worker_progress(worker_);
+  api_->request_free(r);
+}
+
+void UcxBackend::Shutdown() {
+  // Batches never started complete as aborted.
+  RunCommands();
+  ActivateSubmitted();
+  for (auto& ab : active_) {
+    if (!ab.Finished()) {
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = AbortedError("the ucx backend was destroyed");
+    }
+  }
+  const bool drained = ProgressUntil(
+      [&] {
+        PollCudaCopies();
+        return outstanding_ops_ == 0 &&
+               std::none_of(active_.begin(), active_.end(),
+                            [](const ActiveBatch& ab) { return ab.cuda_op != nullptr; });
+      },
+      Clock::now() + kDrainDeadline);
+
+  std::vector<std::shared_ptr<PeerState>> peers;
+  std::vector<std::shared_ptr<RemoteRegion>> remotes;
+  std::vector<std::shared_ptr<LocalRegion>> regions;
+  std::vector<std::shared_ptr<Allocation>> allocations;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (auto& [id, p] : peers_) peers.push_back(p);
+    for (auto& [id, r] : remotes_) remotes.push_back(r);
+    for (auto& [id, r] : regions_) regions.push_back(r);
+    for (auto& [addr, a] : allocations_) allocations.push_back(a);
+    peers_.clear();
+    remotes_.clear();
+    regions_.clear();
+    allocations_.clear();
+  }
+  auto destroy_rkeys = [&] {
+    for (auto& r : remotes) {
+      if (r->rkey != nullptr) api_->rkey_destroy(r->rkey);
+      r->rkey = nullptr;
+    }
+  };
+  if (drained) destroy_rkeys();
+  for (auto& p : peers) {
+    p->closed.store(true);
+    CloseEndpoint(p->ep);
+    p->ep = nullptr;
+  }
+  if (!drained) destroy_rkeys();
+  // Operations the forced close cancelled report through their callbacks.
+  ProgressUntil([&] { return outstanding_ops_ == 0; }, Clock::now() + kCancelDeadline);
+  for (auto& ab : active_) {
+    if (ab.cuda_op != nullptr) {
+      LoadCudaCopy().api->release_op(ab.cuda_op);  // waits for the kernel
+      ab.cuda_op = nullptr;
+    }
+  }
+  failed_peers_.clear();
+  FinishBatches();
+  // Every batch completes exactly once, also one whose operations UCX never returned. Those stay
+  // allocated until the worker is gone: UCX may still call their callbacks while it is destroyed.
+  std::list<ActiveBatch> stuck;
+  std::vector<std::pair<std::uint64_t, Status>> stuck_done;
+  for (auto& ab : active_) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ab.local->inflight--;
+    }
+    Status st = ab.error.ok() ? AbortedError("the ucx backend was destroyed") : ab.error;
+    stuck_done.emplace_back(ab.batch->token, std::move(st));
+  }
+  stuck.splice(stuck.end(), active_);
+  for (auto& [token, st] : stuck_done) sink_->OnBatchComplete(token, std::move(st));
+  for (auto& [device, queue] : cuda_queues_) LoadCudaCopy().api->destroy_queue(queue);
+  cuda_queues_.clear();
+  for (auto& r : regions) {
+    if (!r->alloc && r->memh != nullptr) api_->mem_unmap(context_, r->memh);
+    r->memh = nullptr;
+  }
+  for (auto& a : allocations) {
+    api_->mem_unmap(context_, a->memh);
+    a->memh = nullptr;
+  }
+  api_->worker_destroy(worker_);
+  worker_ = nullptr;
+  api_->cleanup(context_);
+  context_ = nullptr;
+  stuck.clear();
+}
+
+// ---- entry points -----------------------------------------------------------------------------
+
+Status ProbeUcx(const BackendOptions& options) {
+  MORIIO_ASSIGN_OR_RETURN(UcxOptions opts, ParseUcxOptions(options));
+  MORIIO_ASSIGN_OR_RETURN(const UcxApi* api, LoadUcx(opts.library_path));
+  (void)api;
+  return Status::OK();
+}
+
+Result<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options,
+                                                  std::shared_ptr<CompletionSink> sink) {
+  if (!sink) return InvalidArgumentError("the ucx backend needs a completion sink");
+  MORIIO_ASSIGN_OR_RETURN(UcxOptions opts, ParseUcxOptions(options));
+  MORIIO_ASSIGN_OR_RETURN(const UcxApi* api, LoadUcx(opts.library_path));
+  auto backend = std::make_unique<UcxBackend>(api, std::move(opts), std::move(sink));
+  MORIIO_RETURN_IF_ERROR(backend->Init());
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace moriio_native::detail::ucx

@@ -1,0 +1,92 @@
+#include "ucx_options.hpp"
+
+#include <cctype>
+#include <string_view>
+
+namespace moriio_native::detail::ucx {
+namespace {
+
+std::string Trim(std::string_view s) {
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.front()))) s.remove_prefix(1);
+  while (!s.empty() && std::isspace(static_cast<unsigned char>(s.back()))) s.remove_suffix(1);
+  return std::string(s);
+}
+
+const std::string* Find(const BackendOptions& options, std::string_view key) {
+  auto it = options.find(key);
+  return it == options.end() ? nullptr : &it->second;
+}
+
+bool ValidName(std::string_view name) {
+  if (name.empty()) return false;
+  for (char ch : name) {
+    const auto c = static_cast<unsigned char>(ch);
+    if (!(std::isupper(c) || std::isdigit(c) || c == '_')) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+Result<UcxOptions> ParseUcxOptions(const BackendOptions& options) {
+  UcxOptions out;
+  if (const auto* v = Find(options, "ucx_library_path")) out.library_path = Trim(*v);
+  if (const auto* v = Find(options, "ucx_tls")) out.tls = Trim(*v);
+  if (const auto* v = Find(options, "ucx_net_devices")) out.net_devices = Trim(*v);
+  if (const auto* v = Find(options, "progress_mode")) {
+    std::string mode = Trim(*v);
+    if (mode.empty() || mode == "thread") {
+      out.progress_mode = ProgressMode::kThread;
+    } else if (mode == "busy") {
+      out.progress_mode = ProgressMode::kBusy;
+    } else {
+      return InvalidArgumentError("option progress_mode='" + *v +
+                                  "' is not valid for the ucx backend: use 'thread' or 'busy'");
+    }
+  }
+  if (const auto* v = Find(options, "ucx_direct_copy")) {
+    std::string mode = Trim(*v);
+    if (mode.empty() || mode == "auto" || mode == "on") {
+      out.direct_copy = true;
+    } else if (mode == "off") {
+      out.direct_copy = false;
+    } else {
+      return InvalidArgumentError("option ucx_direct_copy='" + *v +
+                                  "' is not valid: use 'auto' or 'off'");
+    }
+  }
+  if (const auto* v = Find(options, "ucx_error_handling")) {
+    std::string mode = Trim(*v);
+    if (mode.empty() || mode == "auto") {
+      out.error_handling = ErrorHandling::kAuto;
+    } else if (mode == "peer") {
+      out.error_handling = ErrorHandling::kPeer;
+    } else if (mode == "none") {
+      out.error_handling = ErrorHandling::kNone;
+    } else {
+      return InvalidArgumentError("option ucx_error_handling='" + *v +
+                                  "' is not valid: use 'auto', 'peer' or 'none'");
+    }
+  }
+  if (const auto* v = Find(options, "ucx_config")) {
+    std::string_view rest = *v;
+    while (!rest.empty()) {
+      std::size_t semi = rest.find(';');
+      std::string item = Trim(rest.substr(0, semi));
+      rest = semi == std::string_view::npos ? std::string_view() : rest.substr(semi + 1);
+      if (item.empty()) continue;
+      std::size_t eq = item.find('=');
+      std::string name =
+          eq == std::string::npos ? item : Trim(std::string_view(item).substr(0, eq));
+      if (name.rfind("UCX_", 0) == 0) name = name.substr(4);
+      if (eq == std::string::npos || !ValidName(name)) {
+        return InvalidArgumentError("option ucx_config: item '" + item +
+                                    "' is not NAME=VALUE with an upper-case UCX setting name");
+      }
+      out.config.emplace_back(name, Trim(std::string_view(item).substr(eq + 1)));
+    }
+  }
+  return out;
+}
+
+}  // namespace moriio_native::detail::ucx

@@ -1,0 +1,64 @@
+#pragma once
+
+/// Configuration keys of the UCX backend (BackendOptions, i.e. the connector's extra config).
+///
+///   ucx_library_path  libucp to load: the file, or the directory holding libucp.so.0. Empty: the
+///                     environment variable MORIIO_NATIVE_UCX_LIBRARY_PATH, then the system's
+///                     libucp.so.0. The Python facade fills it in from the libucx wheel when that
+///                     is installed and the key is not set.
+///   ucx_tls           UCX transports (UCX_TLS syntax, e.g. "sm,self" or "^cma"). Overrides the
+///                     environment variable UCX_TLS. Empty: UCX's default selection.
+///   ucx_net_devices   Network devices (UCX_NET_DEVICES syntax, e.g. "mlx5_0:1" or "lo").
+///                     Overrides UCX_NET_DEVICES. Empty: all.
+///   progress_mode     "thread" (default): one progress thread per backend that sleeps on the
+///                     worker's event fd when idle. "busy": the thread never sleeps (lowest
+///                     latency, burns one core).
+///   ucx_direct_copy   "auto" (default): when ucp_rkey_ptr maps a peer region into this process
+///                     (same host and the peer allocated it through UCX, or CUDA IPC), copy with
+///                     memcpy / one gather-scatter kernel instead of one UCX operation per run.
+///                     "off": always use ucp_put/ucp_get.
+///   ucx_error_handling
+///                     "auto" (default): endpoints to a peer on another host detect its death
+///                     (UCP_ERR_HANDLING_MODE_PEER) and fail its batches; endpoints on one host
+///                     do not ask for it, because UCX's shared-memory transports (sysv, posix,
+///                     cma, cuda_ipc) cannot provide it and RMA would fall back to emulation over
+///                     tcp (a dead same-host peer still fails cma operations with an error).
+///                     "peer": always ask (and fail to connect when impossible). "none": never
+///                     ask (UCX may then abort the process when a remote peer dies).
+///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
+///                     prefix), applied with ucp_config_modify after the environment is read.
+///
+/// Defaults applied only when neither the environment (UCX_<NAME>) nor ucx_config sets them:
+///   CUDA_IPC_ENABLE_GET_ZCOPY=y and PROTO_EMULATION_ENABLE=n on machines with a CUDA driver
+///   (reads of GPU memory would otherwise be emulated at < 1 GB/s and hang on a passive peer);
+///   TLS=^cma when process_vm_readv is refused in this process (seccomp, missing CAP_SYS_PTRACE).
+/// Unknown keys are ignored: the options map is shared with the other backends.
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "moriio_native/backend.hpp"
+#include "moriio_native/status.hpp"
+
+namespace moriio_native::detail::ucx {
+
+enum class ProgressMode { kThread, kBusy };
+enum class ErrorHandling { kAuto, kPeer, kNone };
+
+struct UcxOptions {
+  std::string library_path;
+  std::string tls;
+  std::string net_devices;
+  ProgressMode progress_mode = ProgressMode::kThread;
+  bool direct_copy = true;
+  ErrorHandling error_handling = ErrorHandling::kAuto;
+  /// NAME (without UCX_) -> VALUE, in the order given.
+  std::vector<std::pair<std::string, std::string>> config;
+};
+
+/// Parses and validates the keys above. InvalidArgument names the key and the bad value.
+/// Pure function: thread-safe, never blocks.
+Result<UcxOptions> ParseUcxOptions(const BackendOptions& options);
+
+}  // namespace moriio_native::detail::ucx

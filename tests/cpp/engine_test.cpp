@@ -1,0 +1,1217 @@
+// Tests of Engine (include/moriio_native/engine.hpp) on the loopback backend: two engines in one
+// process, a prefill side "P" and a decode side "D", each with ONE host buffer holding several
+// layers of different geometry and physical layout (DESIGN.md §2 items 1-3, §3.1-3.3).
+//
+// Expected bytes are computed here by hand-indexing every (block, plane, head, token, byte) of
+// every layer through the tensor's own shape and strides; nothing asks the library for an
+// offset. Every transfer test also checks that no byte outside the requested blocks changed.
+
+#include "moriio_native/engine.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <random>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "msgpack_lite.hpp"
+#include "peer_metadata.hpp"
+
+namespace moriio_native {
+// Readable gtest messages for the enums compared below (found by argument-dependent lookup).
+inline void PrintTo(StatusCode code, std::ostream* os) { *os << StatusCodeName(code); }
+inline void PrintTo(TransferState state, std::ostream* os) { *os << TransferStateName(state); }
+}  // namespace moriio_native
+
+namespace moriio_native {
+namespace {
+
+using namespace std::chrono_literals;
+namespace mp = detail::msgpack;
+
+// ---- memory --------------------------------------------------------------------------------
+
+// A page-aligned host allocation (the KV backing every layer of one side lives in).
+class AlignedBuffer {
+ public:
+  explicit AlignedBuffer(std::size_t size) : size_((size + 4095) / 4096 * 4096) {
+    data_.reset(static_cast<std::uint8_t*>(std::aligned_alloc(4096, size_)));
+    if (!data_) std::abort();
+  }
+  std::uint8_t* data() const { return data_.get(); }
+  std::size_t size() const { return size_; }
+  std::uint64_t address() const { return reinterpret_cast<std::uint64_t>(data_.get()); }
+  std::vector<std::uint8_t> Snapshot() const { return {data(), data() + size_}; }
+  void Fill(std::uint32_t seed) {
+    std::mt19937 rng(seed);
+    for (std::size_t i = 0; i < size_; ++i) data_[i] = static_cast<std::uint8_t>(rng());
+  }
+
+ private:
+  struct Free {
+    void operator()(std::uint8_t* p) const { std::free(p); }
+  };
+  std::size_t size_;
+  std::unique_ptr<std::uint8_t[], Free> data_;
+};
+
+// ---- layers, described the way torch describes them ----------------------------------------
+
+// What each tensor dimension indexes.
+enum class Role { kPlane, kBlock, kToken, kHead, kContent, kPackedContent };
+
+// A test layer: logical content plus one physical tensor for it.
+struct TestLayer {
+  std::string name;
+  CacheKind kind = CacheKind::kKeyValue;
+  std::int64_t heads = 1;
+  std::int64_t block_size = 0;
+  std::int64_t head_size = 0;  // elements per head per plane
+  std::int64_t elem = 0;       // bytes per element
+  std::int64_t num_blocks = 0;
+  std::vector<std::int64_t> shape;
+  std::vector<Role> roles;
+  std::vector<std::int64_t> strides;  // elements
+  std::uint64_t offset = 0;           // byte offset of data_ptr inside the side's buffer
+
+  int planes() const { return kind == CacheKind::kKeyValue ? 2 : 1; }
+  std::int64_t BlockBytes() const { return planes() * heads * block_size * head_size * elem; }
+
+  // Byte offset (from data_ptr) of byte `byte` of element `d` of cell (plane, head, token) of
+  // `block`: sum of index * stride over the tensor's dimensions.
+  std::int64_t Offset(std::int64_t block, int plane, std::int64_t head, std::int64_t token,
+                      std::int64_t d, std::int64_t byte) const {
+    std::int64_t element = 0;
+    for (std::size_t i = 0; i < shape.size(); ++i) {
+      std::int64_t idx = 0;
+      switch (roles[i]) {
+        case Role::kPlane:
+          idx = plane;
+          break;
+        case Role::kBlock:
+          idx = block;
+          break;
+        case Role::kToken:
+          idx = token;
+          break;
+        case Role::kHead:
+          idx = head;
+          break;
+        case Role::kContent:
+          idx = d;
+          break;
+        case Role::kPackedContent:
+          idx = plane * head_size + d;
+          break;
+      }
+      element += idx * strides[i];
+    }
+    return element * elem + byte;
+  }
+
+  // One past the farthest byte the tensor addresses.
+  std::int64_t SpanBytes() const {
+    std::int64_t last = 0;
+    for (std::size_t i = 0; i < shape.size(); ++i) last += (shape[i] - 1) * strides[i];
+    return (last + 1) * elem;
+  }
+};
+
+// Physical layouts used below; the shape is what torch reports, `order` the physical nesting
+// (outermost first), `block_pad` extra elements added to the block stride (padded pages).
+enum class Physical {
+  kSeparated,       // [2, N, B, H, D]
+  kSeparatedHB,     // [2, N, H, B, D]
+  kInterleaved,     // [N, 2, B, H, D]
+  kInterleavedHB,   // [N, 2, H, B, D]
+  kPacked,          // [N, H, B, 2D]
+  kPackedPermuted,  // [N, H, B, 2D] stored as [N, B, H, 2D]
+  kLatent,          // [N, B, D]
+};
+
+TestLayer MakeLayer(std::string name, Physical physical, std::int64_t num_blocks,
+                    std::int64_t heads, std::int64_t block_size, std::int64_t head_size,
+                    std::int64_t elem, std::int64_t block_pad = 0) {
+  TestLayer l;
+  l.name = std::move(name);
+  l.kind = physical == Physical::kLatent ? CacheKind::kLatent : CacheKind::kKeyValue;
+  l.heads = heads;
+  l.block_size = block_size;
+  l.head_size = head_size;
+  l.elem = elem;
+  l.num_blocks = num_blocks;
+  const std::int64_t n = num_blocks, h = heads, b = block_size, d = head_size;
+  std::vector<std::size_t> order;  // physical nesting, outermost first (indices into shape)
+  switch (physical) {
+    case Physical::kSeparated:
+      l.shape = {2, n, b, h, d};
+      l.roles = {Role::kPlane, Role::kBlock, Role::kToken, Role::kHead, Role::kContent};
+      order = {0, 1, 2, 3, 4};
+      break;
+    case Physical::kSeparatedHB:
+      l.shape = {2, n, h, b, d};
+      l.roles = {Role::kPlane, Role::kBlock, Role::kHead, Role::kToken, Role::kContent};
+      order = {0, 1, 2, 3, 4};
+      break;
+    case Physical::kInterleaved:
+      l.shape = {n, 2, b, h, d};
+      l.roles = {Role::kBlock, Role::kPlane, Role::kToken, Role::kHead, Role::kContent};
+      order = {0, 1, 2, 3, 4};
+      break;
+    case Physical::kInterleavedHB:
+      l.shape = {n, 2, h, b, d};
+      l.roles = {Role::kBlock, Role::kPlane, Role::kHead, Role::kToken, Role::kContent};
+      order = {0, 1, 2, 3, 4};
+      break;
+    case Physical::kPacked:
+      l.shape = {n, h, b, 2 * d};
+      l.roles = {Role::kBlock, Role::kHead, Role::kToken, Role::kPackedContent};
+      order = {0, 1, 2, 3};
+      break;
+    case Physical::kPackedPermuted:
+      l.shape = {n, h, b, 2 * d};
+      l.roles = {Role::kBlock, Role::kHead, Role::kToken, Role::kPackedContent};
+      order = {0, 2, 1, 3};  // tokens outside heads in memory
+      break;
+    case Physical::kLatent:
+      l.shape = {n, b, d};
+      l.roles = {Role::kBlock, Role::kToken, Role::kContent};
+      order = {0, 1, 2};
+      break;
+  }
+  l.strides.assign(l.shape.size(), 0);
+  std::int64_t running = 1;
+  for (std::size_t k = order.size(); k-- > 0;) {
+    const std::size_t dim = order[k];
+    if (l.roles[dim] == Role::kBlock) running += block_pad;
+    l.strides[dim] = running;
+    running *= l.shape[dim];
+  }
+  return l;
+}
+
+CacheSpec SpecOf(const TestLayer& l) {
+  CacheSpec s;
+  s.kind = l.kind;
+  s.block_size = l.block_size;
+  s.num_kv_heads = l.heads;
+  s.head_size = l.head_size;
+  s.dtype_bytes = l.elem;
+  return s;
+}
+
+// One side: a buffer with its layers at increasing, deliberately unaligned offsets.
+struct Side {
+  std::unique_ptr<AlignedBuffer> buffer;
+  std::vector<TestLayer> layers;
+  std::unique_ptr<Engine> engine;  // declared after the buffer: destroyed before it
+  std::vector<std::uint8_t> metadata;
+  std::uint64_t split = 0;  // non-zero: byte offset where the second allocation starts
+
+  Side() = default;
+  Side(Side&&) = default;
+  // Engines first: a transport may still be copying into the buffer until its engine is gone.
+  Side& operator=(Side&& other) {
+    engine.reset();
+    buffer = std::move(other.buffer);
+    layers = std::move(other.layers);
+    engine = std::move(other.engine);
+    metadata = std::move(other.metadata);
+    split = other.split;
+    return *this;
+  }
+  ~Side() { engine.reset(); }
+
+  const TestLayer& Layer(const std::string& name) const {
+    for (const TestLayer& l : layers) {
+      if (l.name == name) return l;
+    }
+    std::abort();
+  }
+
+  std::vector<LayerRegistration> Registrations() const {
+    std::vector<LayerRegistration> regs;
+    for (const TestLayer& l : layers) {
+      LayerRegistration r;
+      r.name = l.name;
+      r.geometry = {l.shape, l.strides, l.elem, buffer->address() + l.offset};
+      r.spec = SpecOf(l);
+      if (split == 0) {
+        r.allocation = {buffer->address(), buffer->size(), MemoryKind::kHost, -1};
+      } else if (l.offset < split) {
+        r.allocation = {buffer->address(), split, MemoryKind::kHost, -1};
+      } else {
+        r.allocation = {buffer->address() + split, buffer->size() - split, MemoryKind::kHost, -1};
+      }
+      regs.push_back(std::move(r));
+    }
+    return regs;
+  }
+};
+
+// Destroys the engines of several sides before any of their buffers (declare after the sides).
+class EnginesFirst {
+ public:
+  explicit EnginesFirst(std::initializer_list<Side*> sides) : sides_(sides) {}
+  ~EnginesFirst() {
+    for (Side* s : sides_) s->engine.reset();
+  }
+
+ private:
+  std::vector<Side*> sides_;
+};
+
+// Places `layers` one after another in a fresh buffer (first at byte 104, 72-byte gaps, so no
+// layer starts on a page boundary) and fills the buffer with a seeded pattern.
+// With `split_before` = k > 0, layers k.. live in a second allocation (the buffer's upper part,
+// from a page boundary on), as when a model's caches come from two allocators.
+void Place(Side& side, std::vector<TestLayer> layers, std::uint32_t seed, int split_before = -1) {
+  std::uint64_t cursor = 104;
+  side.split = 0;
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    TestLayer& l = layers[i];
+    if (static_cast<int>(i) == split_before) {
+      side.split = (cursor + 4095) / 4096 * 4096;
+      cursor = side.split + 24;
+    }
+    l.offset = cursor;
+    cursor += static_cast<std::uint64_t>(l.SpanBytes()) + 72;
+    cursor = (cursor + 7) / 8 * 8;
+  }
+  side.layers = std::move(layers);
+  side.buffer = std::make_unique<AlignedBuffer>(cursor + 200);
+  side.buffer->Fill(seed);
+}
+
+// The model used on both sides: same names and logical content, different physical layouts
+// and different numbers of blocks (P has 6 blocks per layer, D has 9).
+std::vector<TestLayer> PrefillLayers() {
+  return {
+      MakeLayer("attn.0", Physical::kSeparated, 6, /*heads=*/2, /*block=*/4, /*d=*/8, /*elem=*/2),
+      MakeLayer("attn.1", Physical::kPackedPermuted, 6, 2, 8, 4, 4),
+      MakeLayer("mla.0", Physical::kLatent, 6, 1, 4, 16, 2, /*block_pad=*/24),
+      MakeLayer("attn.2", Physical::kInterleavedHB, 6, 1, 4, 8, 1),
+  };
+}
+
+std::vector<TestLayer> DecodeLayers() {
+  return {
+      MakeLayer("attn.0", Physical::kInterleaved, 9, 2, 4, 8, 2),
+      MakeLayer("attn.1", Physical::kSeparatedHB, 9, 2, 8, 4, 4),
+      MakeLayer("mla.0", Physical::kLatent, 9, 1, 4, 16, 2),
+      MakeLayer("attn.2", Physical::kPacked, 9, 1, 4, 8, 1, /*block_pad=*/8),
+  };
+}
+
+std::unique_ptr<Engine> MakeEngine(const std::string& id, BackendOptions options = {},
+                                   std::chrono::milliseconds timeout = 60s,
+                                   std::size_t history = 65536) {
+  EngineConfig config;
+  config.engine_id = id;
+  config.backend = "loopback";
+  config.options = std::move(options);
+  config.transfer_timeout = timeout;
+  config.terminal_history = history;
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(std::move(config));
+  EXPECT_TRUE(engine.ok()) << engine.status().ToString();
+  return engine.ok() ? std::move(engine).value() : nullptr;
+}
+
+// Creates, registers and returns one side.
+void SetUpSide(Side& side, const std::string& id, std::vector<TestLayer> layers, std::uint32_t seed,
+               BackendOptions options = {}, std::chrono::milliseconds timeout = 60s,
+               int split_before = -1) {
+  Place(side, std::move(layers), seed, split_before);
+  side.engine = MakeEngine(id, std::move(options), timeout);
+  ASSERT_NE(side.engine, nullptr);
+  std::vector<LayerRegistration> regs = side.Registrations();
+  Result<std::vector<std::uint8_t>> meta = side.engine->RegisterKvCaches(regs);
+  ASSERT_TRUE(meta.ok()) << id << ": " << meta.status().ToString();
+  side.metadata = *meta;
+}
+
+// Collects events of one engine; Wait() polls until the transfer's event arrived.
+class Events {
+ public:
+  explicit Events(Engine* engine) : engine_(engine) {}
+
+  // The terminal event of `id`. Fails the test if none arrives within a minute (a hang guard,
+  // not a timing assertion).
+  TransferEvent Wait(const std::string& id) {
+    const auto give_up = std::chrono::steady_clock::now() + 60s;
+    while (true) {
+      for (const TransferEvent& e : seen_) {
+        if (e.transfer_id == id) return e;
+      }
+      if (std::chrono::steady_clock::now() > give_up) break;
+      Poll(100ms);
+    }
+    ADD_FAILURE() << "no event for transfer '" << id << "'";
+    TransferEvent none;
+    none.transfer_id = id;
+    none.state = TransferState::kPending;
+    return none;
+  }
+
+  void Poll(std::chrono::milliseconds wait) {
+    for (TransferEvent& e : engine_->PollEvents(64, wait)) seen_.push_back(std::move(e));
+  }
+
+  std::size_t Count(const std::string& id) const {
+    return static_cast<std::size_t>(std::count_if(
+        seen_.begin(), seen_.end(), [&](const TransferEvent& e) { return e.transfer_id == id; }));
+  }
+  const std::vector<TransferEvent>& seen() const { return seen_; }
+
+ private:
+  Engine* engine_;
+  std::vector<TransferEvent> seen_;
+};
+
+// Expected content of `dst` after copying blocks of the named layers from `src`: for every block
+// pair and every logical byte, dst[dst offset] = src[src offset]. Returns the number of bytes.
+std::int64_t ApplyReference(const Side& dst, const Side& src,
+                            const std::vector<std::string>& layer_names,
+                            const std::vector<std::int64_t>& dst_blocks,
+                            const std::vector<std::int64_t>& src_blocks,
+                            std::vector<std::uint8_t>* expected, std::vector<bool>* touched) {
+  std::int64_t bytes = 0;
+  const std::uint8_t* s = src.buffer->data();
+  for (const std::string& name : layer_names) {
+    const TestLayer& dl = dst.Layer(name);
+    const TestLayer& sl = src.Layer(name);
+    for (std::size_t i = 0; i < dst_blocks.size(); ++i) {
+      for (int p = 0; p < dl.planes(); ++p) {
+        for (std::int64_t h = 0; h < dl.heads; ++h) {
+          for (std::int64_t t = 0; t < dl.block_size; ++t) {
+            for (std::int64_t d = 0; d < dl.head_size; ++d) {
+              for (std::int64_t b = 0; b < dl.elem; ++b) {
+                const std::uint64_t to = dl.offset + dl.Offset(dst_blocks[i], p, h, t, d, b);
+                const std::uint64_t from = sl.offset + sl.Offset(src_blocks[i], p, h, t, d, b);
+                EXPECT_FALSE((*touched)[to]) << "reference writes byte " << to << " twice";
+                (*expected)[to] = s[from];
+                (*touched)[to] = true;
+                ++bytes;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return bytes;
+}
+
+// Compares `actual` with `expected` byte by byte, reporting the first few differences with
+// whether the byte was supposed to be written.
+void ExpectBytes(const std::vector<std::uint8_t>& actual, const std::vector<std::uint8_t>& expected,
+                 const std::vector<bool>& touched) {
+  ASSERT_EQ(actual.size(), expected.size());
+  int reported = 0;
+  std::size_t wrong_written = 0, wrong_untouched = 0;
+  for (std::size_t i = 0; i < actual.size(); ++i) {
+    if (actual[i] == expected[i]) continue;
+    (touched[i] ? wrong_written : wrong_untouched)++;
+    if (reported++ < 8) {
+      ADD_FAILURE() << "byte " << i << (touched[i] ? " (copied)" : " (outside the blocks)")
+                    << ": got " << int(actual[i]) << ", expected " << int(expected[i]);
+    }
+  }
+  EXPECT_EQ(wrong_written, 0u) << "bytes that should have arrived but differ";
+  EXPECT_EQ(wrong_untouched, 0u) << "bytes outside the requested blocks that changed";
+}
+
+std::vector<std::string> Names(const Side& side) {
+  std::vector<std::string> names;
+  for (const TestLayer& l : side.layers) names.push_back(l.name);
+  return names;
+}
+
+// Re-encodes a decoded msgpack value (the test's own writer over msgpack_lite's Writer).
+void Encode(mp::Writer& w, const mp::Value& v) {
+  struct Visitor {
+    mp::Writer& w;
+    void operator()(std::monostate) const { w.Nil(); }
+    void operator()(bool b) const { w.Bool(b); }
+    void operator()(std::int64_t i) const { w.Int(i); }
+    void operator()(std::uint64_t u) const { w.UInt(u); }
+    void operator()(const std::string& s) const { w.Str(s); }
+    void operator()(const mp::Bytes& b) const { w.Bin(b); }
+    void operator()(const mp::Array& a) const {
+      w.ArrayHeader(static_cast<std::uint32_t>(a.size()));
+      for (const mp::Value& x : a) Encode(w, x);
+    }
+    void operator()(const mp::Map& m) const {
+      w.MapHeader(static_cast<std::uint32_t>(m.size()));
+      for (const auto& [k, x] : m) {
+        w.Str(k);
+        Encode(w, x);
+      }
+    }
+  };
+  std::visit(Visitor{w}, v.v);
+}
+
+mp::Value* FieldOf(mp::Value& map, const std::string& key) {
+  for (auto& [k, v] : std::get<mp::Map>(map.v)) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+std::vector<std::uint8_t> WithTopLevelString(const std::vector<std::uint8_t>& meta,
+                                             const std::string& key, const std::string& value) {
+  Result<mp::Value> root = mp::Decode(meta);
+  EXPECT_TRUE(root.ok()) << root.status().ToString();
+  mp::Value v = std::move(root).value();
+  mp::Value* f = FieldOf(v, key);
+  EXPECT_NE(f, nullptr) << key;
+  if (f) f->v = value;
+  mp::Writer w;
+  Encode(w, v);
+  return w.Take();
+}
+
+// ---- the fixture: P and D registered and connected both ways -------------------------------
+
+class EnginePair : public ::testing::Test {
+ protected:
+  void SetUp() override { Build({}, {}); }
+
+  void Build(BackendOptions p_options, BackendOptions d_options,
+             std::chrono::milliseconds timeout = 60s) {
+    p_ = Side{};
+    d_ = Side{};
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(p_, "P", PrefillLayers(), 1, std::move(p_options), timeout));
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(d_, "D", DecodeLayers(), 2, std::move(d_options), timeout));
+    Result<std::string> a = p_.engine->AddPeer(d_.metadata);
+    ASSERT_TRUE(a.ok()) << a.status().ToString();
+    EXPECT_EQ(*a, "D");
+    Result<std::string> b = d_.engine->AddPeer(p_.metadata);
+    ASSERT_TRUE(b.ok()) << b.status().ToString();
+    EXPECT_EQ(*b, "P");
+  }
+
+  // Both engines go before either buffer: one side's transport may target the other's memory.
+  void TearDown() override {
+    p_.engine.reset();
+    d_.engine.reset();
+  }
+
+  // Nothing was created by a failed call: no pending transfer, no event, no byte moved.
+  void ExpectNothingHappened(const std::vector<std::uint8_t>& p_before,
+                             const std::vector<std::uint8_t>& d_before) {
+    EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+    EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+    EXPECT_TRUE(p_.engine->PollEvents(16, 0ms).empty());
+    EXPECT_TRUE(d_.engine->PollEvents(16, 0ms).empty());
+    EXPECT_EQ(p_.buffer->Snapshot(), p_before);
+    EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+  }
+
+  Side p_;
+  Side d_;
+};
+
+// ---- READ ---------------------------------------------------------------------------------
+
+TEST_F(EnginePair, ReadPullsEveryLayerIntoTheRequestedBlocksOnly) {
+  const std::vector<std::uint8_t> p_before = p_.buffer->Snapshot();
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  // Unsorted ids; the remote list may be longer than the local one (extra ids are ignored).
+  const std::vector<std::int64_t> local = {7, 2, 8, 0};
+  const std::vector<std::int64_t> remote = {0, 5, 3, 4, 1};
+  const std::int64_t bytes = ApplyReference(
+      d_, p_, Names(d_), local, {remote.begin(), remote.begin() + 4}, &expected, &touched);
+
+  ASSERT_TRUE(d_.engine->Read("req-1", "P", local, remote).ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("req-1");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.kind, TransferKind::kRead);
+  EXPECT_EQ(e.peer, "P");
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_GE(e.batches, 1);
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+  EXPECT_EQ(p_.buffer->Snapshot(), p_before) << "a READ modified its source";
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("req-1"), 1u);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+}
+
+TEST_F(EnginePair, ReadOfSelectedLayersTouchesOnlyThem) {
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::string> layers = {"mla.0", "attn.1"};
+  const std::vector<std::int64_t> local = {3, 4};
+  const std::vector<std::int64_t> remote = {5, 0};
+  const std::int64_t bytes = ApplyReference(d_, p_, layers, local, remote, &expected, &touched);
+  ASSERT_TRUE(d_.engine->Read("req-sel", "P", local, remote, layers).ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("req-sel");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+}
+
+TEST_F(EnginePair, ReadInTheOtherDirectionUsesThePeersGeometry) {
+  // P pulls from D: now P's 6 blocks are local and D's 9 remote.
+  std::vector<std::uint8_t> expected = p_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::int64_t> local = {5, 0, 1};
+  const std::vector<std::int64_t> remote = {8, 6, 2};
+  ApplyReference(p_, d_, Names(p_), local, remote, &expected, &touched);
+  ASSERT_TRUE(p_.engine->Read("pull-back", "D", local, remote).ok());
+  Events events(p_.engine.get());
+  EXPECT_EQ(events.Wait("pull-back").state, TransferState::kDone);
+  ExpectBytes(p_.buffer->Snapshot(), expected, touched);
+}
+
+TEST_F(EnginePair, ReadWithNoBlocksCompletesWithoutMovingBytes) {
+  const std::vector<std::uint8_t> d_before = d_.buffer->Snapshot();
+  ASSERT_TRUE(d_.engine->Read("empty", "P", {}, {}).ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("empty");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, 0);
+  EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+}
+
+TEST(EngineRegions, LayersInTwoAllocationsMoveOneBatchPerRegionPair) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  // P's layers attn.0, attn.1 live in one allocation and mla.0, attn.2 in another.
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {}, 60s, /*split_before=*/2));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  Result<detail::EngineMetadata> pm = detail::DecodeMetadata(p.metadata);
+  ASSERT_TRUE(pm.ok()) << pm.status().ToString();
+  ASSERT_EQ(pm->regions.size(), 2u) << "one region per allocation";
+  for (const detail::RegionRecord& r : pm->regions) {
+    // Each region lies inside its own allocation.
+    const bool low = r.range.address < p.buffer->address() + p.split;
+    const std::uint64_t lo = low ? p.buffer->address() : p.buffer->address() + p.split;
+    const std::uint64_t hi =
+        low ? p.buffer->address() + p.split : p.buffer->address() + p.buffer->size();
+    EXPECT_GE(r.range.address, lo);
+    EXPECT_LE(r.range.address + r.range.size, hi);
+  }
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+
+  // D pulls every layer: its one region from P's two regions = two batches.
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::int64_t> d_ids = {6, 1};
+  const std::vector<std::int64_t> p_ids = {2, 5};
+  ApplyReference(d, p, Names(d), d_ids, p_ids, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("r", "P", d_ids, p_ids).ok());
+  Events d_events(d.engine.get());
+  TransferEvent e = d_events.Wait("r");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, 2);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+
+  // P pulls back into both of its allocations.
+  std::vector<std::uint8_t> p_expected = p.buffer->Snapshot();
+  std::vector<bool> p_touched(p_expected.size(), false);
+  ApplyReference(p, d, Names(p), {0, 3}, {8, 4}, &p_expected, &p_touched);
+  ASSERT_TRUE(
+      p.engine->Read("back", "D", std::vector<std::int64_t>{0, 3}, std::vector<std::int64_t>{8, 4})
+          .ok());
+  Events p_events(p.engine.get());
+  e = p_events.Wait("back");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, 2);
+  ExpectBytes(p.buffer->Snapshot(), p_expected, p_touched);
+}
+
+// ---- WRITE --------------------------------------------------------------------------------
+
+TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
+  const std::vector<std::uint8_t> p_before = p_.buffer->Snapshot();
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::int64_t> local = {4, 1};
+  const std::vector<std::int64_t> remote = {0, 8};
+  const std::int64_t bytes = ApplyReference(d_, p_, Names(p_), remote, local, &expected, &touched);
+
+  for (const TestLayer& l : p_.layers) {
+    Result<bool> scheduled = p_.engine->WriteLayer("w-1", l.name, "D", local, remote);
+    ASSERT_TRUE(scheduled.ok()) << l.name << ": " << scheduled.status().ToString();
+    EXPECT_TRUE(*scheduled) << l.name;
+    // Scheduling the same layer again (a retry) is refused and moves nothing more.
+    Result<bool> again = p_.engine->WriteLayer("w-1", l.name, "D", local, remote);
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_FALSE(*again) << l.name;
+  }
+  ASSERT_TRUE(p_.engine->Seal("w-1", "D").ok());
+  Events events(p_.engine.get());
+  TransferEvent e = events.Wait("w-1");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.kind, TransferKind::kWrite);
+  EXPECT_EQ(e.peer, "D");
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.batches, static_cast<std::int64_t>(p_.layers.size()));
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+  EXPECT_EQ(p_.buffer->Snapshot(), p_before) << "a WRITE modified its source";
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("w-1"), 1u);
+  // Late calls for a finished write neither restart it nor produce another event.
+  Result<bool> late = p_.engine->WriteLayer("w-1", "attn.0", "D", local, remote);
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  EXPECT_FALSE(*late);
+  EXPECT_TRUE(p_.engine->Seal("w-1", "D").ok());
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("w-1"), 1u);
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+}
+
+TEST_F(EnginePair, WriteIsDoneOnlyAfterSealAndEveryScheduledLayer) {
+  // Slow transport on P: the seal arrives while writes are in flight; "done" must still mean
+  // that every scheduled layer's bytes are at D.
+  Build({{"loopback_delay_ms", "30"}}, {});
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::string> layers = {"attn.0", "mla.0", "attn.2"};
+  const std::vector<std::int64_t> local = {2, 3, 5};
+  const std::vector<std::int64_t> remote = {1, 2, 7};
+  ApplyReference(d_, p_, layers, remote, local, &expected, &touched);
+  Events events(p_.engine.get());
+  for (const std::string& name : layers) {
+    ASSERT_TRUE(p_.engine->WriteLayer("w-2", name, "D", local, remote).ok());
+    events.Poll(0ms);
+    EXPECT_EQ(events.Count("w-2"), 0u) << "done before the seal";
+  }
+  ASSERT_TRUE(p_.engine->Seal("w-2", "D").ok());
+  TransferEvent e = events.Wait("w-2");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, 3);
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+}
+
+TEST_F(EnginePair, SealWithNothingScheduledIsDoneAtOnce) {
+  const std::vector<std::uint8_t> d_before = d_.buffer->Snapshot();
+  ASSERT_TRUE(p_.engine->Seal("nothing", "D").ok());
+  Events events(p_.engine.get());
+  TransferEvent e = events.Wait("nothing");
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.bytes, 0);
+  EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+  // Layers scheduled after the (empty) seal are refused.
+  const std::vector<std::int64_t> ids = {0};
+  Result<bool> late = p_.engine->WriteLayer("nothing", "attn.0", "D", ids, ids);
+  ASSERT_TRUE(late.ok()) << late.status().ToString();
+  EXPECT_FALSE(*late);
+  EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+}
+
+TEST_F(EnginePair, ManyConcurrentTransfersEachEndOnce) {
+  // Threads issue reads (D) and layer writes + seals (P) at the same time. Under TSan this
+  // covers the engine's locking around peers, plans, the tracker and the backend.
+  constexpr int kThreads = 4;
+  constexpr int kPerThread = 25;
+  std::vector<std::thread> threads;
+  for (int th = 0; th < kThreads; ++th) {
+    threads.emplace_back([&, th] {
+      std::mt19937 rng(th);
+      for (int k = 0; k < kPerThread; ++k) {
+        const std::string id = "t" + std::to_string(th) + "-" + std::to_string(k);
+        // Reads fill D blocks 0-3 from P blocks 0-2; writes fill D blocks 5-8 from P blocks
+        // 3-5. No byte is written by two engines' transports at once (that would be a race in
+        // the caller, as it would be on real hardware); concurrent reads of a source are fine.
+        const bool read = th % 2 == 0;
+        const std::int64_t p_block = read ? rng() % 3 : 3 + rng() % 3;
+        const std::int64_t d_block = read ? rng() % 4 : 5 + rng() % 4;
+        if (read) {
+          EXPECT_TRUE(d_.engine
+                          ->Read(id, "P", std::vector<std::int64_t>{d_block},
+                                 std::vector<std::int64_t>{p_block})
+                          .ok());
+        } else {
+          for (const TestLayer& l : p_.layers) {
+            Result<bool> r =
+                p_.engine->WriteLayer(id, l.name, "D", std::vector<std::int64_t>{p_block},
+                                      std::vector<std::int64_t>{d_block});
+            EXPECT_TRUE(r.ok() && *r) << id;
+          }
+          EXPECT_TRUE(p_.engine->Seal(id, "D").ok());
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  Events p_events(p_.engine.get());
+  Events d_events(d_.engine.get());
+  for (int th = 0; th < kThreads; ++th) {
+    Events& ev = th % 2 == 0 ? d_events : p_events;
+    for (int k = 0; k < kPerThread; ++k) {
+      const std::string id = "t" + std::to_string(th) + "-" + std::to_string(k);
+      EXPECT_EQ(ev.Wait(id).state, TransferState::kDone) << id;
+    }
+  }
+  p_events.Poll(20ms);
+  d_events.Poll(20ms);
+  EXPECT_EQ(p_events.seen().size() + d_events.seen().size(),
+            static_cast<std::size_t>(kThreads * kPerThread));
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+}
+
+// ---- errors that must create nothing -------------------------------------------------------
+
+TEST_F(EnginePair, UnknownPeerOrLayerIsNotFoundAndCreatesNothing) {
+  const auto p_before = p_.buffer->Snapshot();
+  const auto d_before = d_.buffer->Snapshot();
+  const std::vector<std::int64_t> ids = {1};
+  Status st = d_.engine->Read("x", "nobody", ids, ids);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_NE(st.message().find("nobody"), std::string::npos) << st.ToString();
+  const std::vector<std::string> bad_layers = {"attn.0", "no.such.layer"};
+  st = d_.engine->Read("x", "P", ids, ids, bad_layers);
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_NE(st.message().find("no.such.layer"), std::string::npos) << st.ToString();
+  Result<bool> w = p_.engine->WriteLayer("x", "attn.0", "nobody", ids, ids);
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
+  w = p_.engine->WriteLayer("x", "no.such.layer", "D", ids, ids);
+  EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("no.such.layer"), std::string::npos);
+  ExpectNothingHappened(p_before, d_before);
+  // The id was not used up by the failed calls.
+  ASSERT_TRUE(d_.engine->Read("x", "P", ids, ids).ok());
+  Events events(d_.engine.get());
+  EXPECT_EQ(events.Wait("x").state, TransferState::kDone);
+}
+
+TEST_F(EnginePair, BadBlockIdsFailTheCallAndCreateNoTransfer) {
+  const auto p_before = p_.buffer->Snapshot();
+  const auto d_before = d_.buffer->Snapshot();
+  struct Case {
+    const char* what;
+    std::vector<std::int64_t> local, remote;
+    StatusCode code;
+  };
+  // D reads from P: local ids are D's (9 blocks), remote ids are P's (6 blocks).
+  const std::vector<Case> cases = {
+      {"local id == local num_blocks", {1, 9}, {0, 1}, StatusCode::kOutOfRange},
+      {"local id far out of range", {1 << 30}, {0}, StatusCode::kOutOfRange},
+      {"remote id == remote num_blocks", {0, 1}, {2, 6}, StatusCode::kOutOfRange},
+      {"remote id valid locally but not remotely", {0}, {8}, StatusCode::kOutOfRange},
+      {"negative local id", {-1}, {0}, StatusCode::kOutOfRange},
+      {"negative remote id", {0}, {-3}, StatusCode::kOutOfRange},
+      {"local longer than remote", {0, 1, 2}, {0, 1}, StatusCode::kInvalidArgument},
+      {"duplicate local id", {3, 3}, {0, 1}, StatusCode::kInvalidArgument},
+      {"duplicate remote id", {3, 4}, {1, 1}, StatusCode::kInvalidArgument},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Status st = d_.engine->Read("bad", "P", c.local, c.remote);
+    EXPECT_EQ(st.code(), c.code) << st.ToString();
+    EXPECT_NE(st.message().find("bad"), std::string::npos)
+        << "names the transfer: " << st.ToString();
+    // P writes to D: local ids are P's (6 blocks), remote ids are D's (9), so the case's lists
+    // swap roles; except for the length case, whose point is the order of the lists.
+    const bool length_case = c.local.size() > c.remote.size();
+    Result<bool> w = length_case ? p_.engine->WriteLayer("bad-w", "attn.1", "D", c.local, c.remote)
+                                 : p_.engine->WriteLayer("bad-w", "attn.1", "D", c.remote, c.local);
+    EXPECT_FALSE(w.ok()) << "WriteLayer accepted: " << c.what;
+    ExpectNothingHappened(p_before, d_before);
+  }
+  // Neither id was recorded: both start normally now.
+  const std::vector<std::int64_t> ok_ids = {0};
+  const std::vector<std::int64_t> other_d_block = {1};  // not the block the read fills
+  ASSERT_TRUE(d_.engine->Read("bad", "P", ok_ids, ok_ids).ok());
+  Result<bool> w = p_.engine->WriteLayer("bad-w", "attn.1", "D", ok_ids, other_d_block);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_TRUE(*w) << "the failed calls recorded the layer as scheduled";
+  ASSERT_TRUE(p_.engine->Seal("bad-w", "D").ok());
+  Events d_events(d_.engine.get());
+  Events p_events(p_.engine.get());
+  EXPECT_EQ(d_events.Wait("bad").state, TransferState::kDone);
+  EXPECT_EQ(p_events.Wait("bad-w").state, TransferState::kDone);
+}
+
+TEST_F(EnginePair, ReadNamingALayerTwiceIsRejected) {
+  // A request that lists a layer twice is malformed (it would move and count the layer twice);
+  // like every bad input it must fail with an error naming the layer and create nothing.
+  const auto p_before = p_.buffer->Snapshot();
+  const auto d_before = d_.buffer->Snapshot();
+  const std::vector<std::int64_t> ids = {1};
+  const std::vector<std::string> layers = {"attn.0", "mla.0", "attn.0"};
+  Status st = d_.engine->Read("twice", "P", ids, ids, layers);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("attn.0"), std::string::npos) << st.ToString();
+  if (st.ok()) Events(d_.engine.get()).Wait("twice");  // drain it before the checks below
+  ExpectNothingHappened(p_before, st.ok() ? d_.buffer->Snapshot() : d_before);
+}
+
+TEST_F(EnginePair, EmptyTransferIdIsRejected) {
+  const std::vector<std::int64_t> ids = {0};
+  EXPECT_EQ(d_.engine->Read("", "P", ids, ids).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->WriteLayer("", "attn.0", "D", ids, ids).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->Seal("", "D").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+}
+
+TEST_F(EnginePair, DuplicateReadIdIsAlreadyExistsWhilePendingAndAfterEnd) {
+  Build({}, {{"loopback_delay_ms", "200"}});  // D's reads stay pending for a while
+  const auto d_before = d_.buffer->Snapshot();
+  const std::vector<std::int64_t> ids = {1};
+  ASSERT_TRUE(d_.engine->Read("dup", "P", ids, ids).ok());
+  Status st = d_.engine->Read("dup", "P", ids, ids);
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << st.ToString();
+  EXPECT_NE(st.message().find("dup"), std::string::npos);
+  Events events(d_.engine.get());
+  EXPECT_EQ(events.Wait("dup").state, TransferState::kDone);
+  st = d_.engine->Read("dup", "P", ids, ids);
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << st.ToString();
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("dup"), 1u);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+}
+
+TEST_F(EnginePair, AbortWithBatchesInFlightEndsAbortedOnce) {
+  // The batch sleeps 500 ms in the transport, so the abort below lands while it is in flight.
+  Build({}, {{"loopback_delay_ms", "500"}});
+  const std::vector<std::int64_t> ids = {1, 2};
+  ASSERT_TRUE(d_.engine->Read("ab", "P", ids, ids).ok());
+  ASSERT_TRUE(d_.engine->Abort("ab").ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("ab");
+  EXPECT_EQ(e.state, TransferState::kAborted);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+  EXPECT_TRUE(d_.engine->Abort("ab").ok()) << "abort after the end is a no-op";
+  EXPECT_EQ(d_.engine->Abort("never").code(), StatusCode::kNotFound);
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("ab"), 1u);
+}
+
+TEST_F(EnginePair, DeadlineTimesOutATransferWhoseBatchesAreStillInFlight) {
+  // D's transport sleeps far longer than the transfer timeout.
+  Build({}, {{"loopback_delay_ms", "1000"}}, /*timeout=*/20ms);
+  const std::vector<std::int64_t> ids = {1};
+  ASSERT_TRUE(d_.engine->Read("slow", "P", ids, ids).ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("slow");
+  EXPECT_EQ(e.state, TransferState::kTimedOut) << e.message;
+  EXPECT_FALSE(e.message.empty());
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+  // The batch completes later: ignored; the id stays terminal.
+  events.Poll(1500ms);
+  EXPECT_EQ(events.Count("slow"), 1u);
+  EXPECT_EQ(d_.engine->Read("slow", "P", ids, ids).code(), StatusCode::kAlreadyExists);
+}
+
+TEST_F(EnginePair, TerminalHistoryIsBoundedByConfig) {
+  d_ = Side{};
+  Place(d_, DecodeLayers(), 2);
+  d_.engine = MakeEngine("D", {}, 60s, /*history=*/4);
+  ASSERT_NE(d_.engine, nullptr);
+  ASSERT_TRUE(d_.engine->RegisterKvCaches(d_.Registrations()).ok());
+  ASSERT_TRUE(d_.engine->AddPeer(p_.metadata).ok());
+  Events events(d_.engine.get());
+  const std::vector<std::int64_t> ids = {0};
+  for (int i = 0; i < 6; ++i) {
+    const std::string id = "h" + std::to_string(i);
+    ASSERT_TRUE(d_.engine->Read(id, "P", ids, ids).ok());
+    EXPECT_EQ(events.Wait(id).state, TransferState::kDone);
+  }
+  EXPECT_TRUE(d_.engine->Read("h0", "P", ids, ids).ok()) << "oldest id should be forgotten";
+  EXPECT_EQ(d_.engine->Read("h5", "P", ids, ids).code(), StatusCode::kAlreadyExists);
+}
+
+// ---- registration ---------------------------------------------------------------------------
+
+TEST(EngineRegistration, RegisterTwiceIsFailedPreconditionAndKeepsTheFirstMetadata) {
+  Side side;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(side, "P", PrefillLayers(), 1));
+  Result<std::vector<std::uint8_t>> again = side.engine->RegisterKvCaches(side.Registrations());
+  EXPECT_EQ(again.status().code(), StatusCode::kFailedPrecondition) << again.status().ToString();
+  Result<std::vector<std::uint8_t>> meta = side.engine->LocalMetadata();
+  ASSERT_TRUE(meta.ok());
+  EXPECT_EQ(*meta, side.metadata);
+}
+
+TEST(EngineRegistration, NothingWorksBeforeRegistration) {
+  std::unique_ptr<Engine> engine = MakeEngine("fresh");
+  ASSERT_NE(engine, nullptr);
+  EXPECT_EQ(engine->LocalMetadata().status().code(), StatusCode::kFailedPrecondition);
+  Side other;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(other, "other", PrefillLayers(), 3));
+  EXPECT_EQ(engine->AddPeer(other.metadata).status().code(), StatusCode::kFailedPrecondition);
+  const std::vector<std::int64_t> ids = {0};
+  EXPECT_EQ(engine->Read("r", "other", ids, ids).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine->WriteLayer("w", "attn.0", "other", ids, ids).status().code(),
+            StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(engine->Peers().empty());
+  EXPECT_EQ(engine->PendingTransfers(), 0u);
+}
+
+TEST(EngineRegistration, InvalidLayersRegisterNothing) {
+  Side side;
+  Place(side, PrefillLayers(), 1);
+  side.engine = MakeEngine("P");
+  ASSERT_NE(side.engine, nullptr);
+  const std::vector<LayerRegistration> good = side.Registrations();
+
+  struct Case {
+    const char* what;
+    std::vector<LayerRegistration> regs;
+  };
+  std::vector<Case> cases;
+  {
+    auto regs = good;  // last layer's view runs 1 byte past the allocation
+    regs.back().allocation.size = regs.back().geometry.data_ptr - side.buffer->address() +
+                                  static_cast<std::uint64_t>(side.layers.back().SpanBytes()) - 1;
+    for (auto& r : regs) r.allocation.size = regs.back().allocation.size;
+    cases.push_back({"layer ends after its allocation", regs});
+  }
+  {
+    auto regs = good;  // allocation starts after the view
+    regs[1].allocation.address = regs[1].geometry.data_ptr + 8;
+    regs[1].allocation.size = side.buffer->size();
+    cases.push_back({"layer starts before its allocation", regs});
+  }
+  {
+    auto regs = good;
+    regs[2].name = regs[0].name;
+    cases.push_back({"layer listed twice", regs});
+  }
+  {
+    auto regs = good;
+    regs[3].spec.head_size = 7;  // shape says 8
+    cases.push_back({"spec disagrees with the shape", regs});
+  }
+  {
+    auto regs = good;
+    regs[0].geometry.data_ptr = 0;
+    regs[0].allocation.address = 0;
+    cases.push_back({"null data pointer", regs});
+  }
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Result<std::vector<std::uint8_t>> r = side.engine->RegisterKvCaches(c.regs);
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().ToString();
+    EXPECT_EQ(side.engine->LocalMetadata().status().code(), StatusCode::kFailedPrecondition)
+        << "a failed registration left metadata behind";
+  }
+  // The layer named in the error: an outside layer names itself.
+  Result<std::vector<std::uint8_t>> r = side.engine->RegisterKvCaches(cases[0].regs);
+  EXPECT_NE(r.status().message().find(good.back().name), std::string::npos)
+      << r.status().ToString();
+  // Nothing was registered by the failures: the good registration still works.
+  Result<std::vector<std::uint8_t>> ok = side.engine->RegisterKvCaches(good);
+  ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+// ---- peers ----------------------------------------------------------------------------------
+
+// A decode side whose layer `changed` differs logically from the prefill model.
+std::vector<TestLayer> DecodeLayersWith(const std::string& changed, std::int64_t heads,
+                                        std::int64_t block_size, std::int64_t elem) {
+  std::vector<TestLayer> layers = DecodeLayers();
+  for (TestLayer& l : layers) {
+    if (l.name == changed) {
+      l = MakeLayer(changed, Physical::kSeparatedHB, 9, heads, block_size, l.head_size, elem);
+    }
+  }
+  return layers;
+}
+
+TEST(EnginePeers, IncompatibleLayerIsRejectedNamingIt) {
+  struct Case {
+    const char* what;
+    std::int64_t heads, block_size, elem;
+  };
+  // attn.1 on P: 2 heads, block 8, 4-byte elements.
+  const std::vector<Case> cases = {{"different heads", 4, 8, 4},
+                                   {"different block size", 2, 16, 4},
+                                   {"different dtype", 2, 8, 2}};
+  Side p;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Side bad;
+    ASSERT_NO_FATAL_FAILURE(
+        SetUpSide(bad, "D-bad", DecodeLayersWith("attn.1", c.heads, c.block_size, c.elem), 2));
+    Result<std::string> r = p.engine->AddPeer(bad.metadata);
+    EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().ToString();
+    EXPECT_NE(r.status().message().find("attn.1"), std::string::npos) << r.status().ToString();
+    EXPECT_TRUE(p.engine->Peers().empty());
+    // And the other way round.
+    Result<std::string> back = bad.engine->AddPeer(p.metadata);
+    EXPECT_EQ(back.status().code(), StatusCode::kIncompatible) << back.status().ToString();
+    EXPECT_TRUE(bad.engine->Peers().empty());
+  }
+}
+
+TEST(EnginePeers, PeerMissingOneOfOurLayersIsIncompatible) {
+  Side p;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  std::vector<TestLayer> layers = DecodeLayers();
+  layers.erase(layers.begin() + 2);  // no mla.0
+  Side partial;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(partial, "D-partial", layers, 2));
+  Result<std::string> r = p.engine->AddPeer(partial.metadata);
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("mla.0"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(p.engine->Peers().empty());
+  // A peer with MORE layers than ours is fine: the partial side can talk to P.
+  Result<std::string> ok = partial.engine->AddPeer(p.metadata);
+  EXPECT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+TEST(EnginePeers, PeerOnAnotherBackendIsRejected) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  const std::vector<std::uint8_t> ucx = WithTopLevelString(d.metadata, "backend", "ucx");
+  Result<std::string> r = p.engine->AddPeer(ucx);
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("ucx"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(p.engine->Peers().empty());
+}
+
+TEST(EnginePeers, MetadataWithOurOwnEngineIdIsRejected) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  Result<std::string> self = p.engine->AddPeer(p.metadata);
+  EXPECT_EQ(self.status().code(), StatusCode::kInvalidArgument) << self.status().ToString();
+  // Another engine's metadata claiming our id.
+  Result<std::string> spoof = p.engine->AddPeer(WithTopLevelString(d.metadata, "engine_id", "P"));
+  EXPECT_FALSE(spoof.ok());
+  EXPECT_TRUE(p.engine->Peers().empty());
+}
+
+TEST(EnginePeers, AddingTheSamePeerAgainIsANoOpButDifferentMetadataIsNot) {
+  Side p, d, d2;
+  EnginesFirst guard({&p, &d, &d2});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d2, "D", DecodeLayers(), 3));  // same id, other memory
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  Result<std::string> again = p.engine->AddPeer(d.metadata);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_EQ(*again, "D");
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
+  Result<std::string> other = p.engine->AddPeer(d2.metadata);
+  EXPECT_EQ(other.status().code(), StatusCode::kAlreadyExists) << other.status().ToString();
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
+}
+
+TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1};
+  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());  // in flight, unsealed
+  ASSERT_TRUE(p.engine->RemovePeer("D").ok());
+  EXPECT_TRUE(p.engine->Peers().empty());
+  Events events(p.engine.get());
+  TransferEvent e = events.Wait("w");
+  EXPECT_NE(e.state, TransferState::kDone) << "a transfer to a removed peer cannot succeed";
+  EXPECT_NE(e.state, TransferState::kPending);
+  events.Poll(150ms);
+  EXPECT_EQ(events.Count("w"), 1u);
+  EXPECT_EQ(p.engine->PendingTransfers(), 0u);
+  EXPECT_EQ(p.engine->Read("r", "D", ids, ids).code(), StatusCode::kNotFound);
+  EXPECT_EQ(p.engine->RemovePeer("D").code(), StatusCode::kNotFound);
+}
+
+TEST(EngineWrite, OneFailedLayerFailsTheWholeTransferOnce) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1};
+  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());
+  // The decode engine goes away (its memory is deregistered from the transport); the next
+  // layer's write cannot land, so the transfer must fail, not report done.
+  d.engine.reset();
+  // Scheduled (true), or refused (false) when attn.0's batch already failed because it ran
+  // after the peer left: a failed WRITE refuses further layers. Either way it must end failed.
+  Result<bool> second = p.engine->WriteLayer("w", "attn.1", "D", ids, ids);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+  Events events(p.engine.get());
+  TransferEvent e = events.Wait("w");
+  EXPECT_EQ(e.state, TransferState::kFailed) << e.message;
+  EXPECT_FALSE(e.message.empty());
+  events.Poll(50ms);
+  EXPECT_EQ(events.Count("w"), 1u);
+  EXPECT_EQ(p.engine->PendingTransfers(), 0u);
+}
+
+// ---- shutdown -------------------------------------------------------------------------------
+
+TEST(EngineShutdown, DestroyingEnginesWithTransfersInFlightNeitherHangsNorLeaks) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "20"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2, {{"loopback_delay_ms", "20"}}));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  for (int i = 0; i < 5; ++i) {
+    // Reads fill D block i, writes fill D block i + 4: no destination byte is shared.
+    const std::vector<std::int64_t> ids = {i};
+    const std::vector<std::int64_t> write_to = {i + 4};
+    const std::string id = "t" + std::to_string(i);
+    ASSERT_TRUE(d.engine->Read(id, "P", ids, ids).ok());
+    for (const TestLayer& l : p.layers) {
+      ASSERT_TRUE(p.engine->WriteLayer(id, l.name, "D", ids, write_to).ok());
+    }
+    if (i % 2 == 0) {
+      ASSERT_TRUE(p.engine->Seal(id, "D").ok());  // some sealed, some not
+    }
+  }
+  EXPECT_GT(p.engine->PendingTransfers() + d.engine->PendingTransfers(), 0u);
+  // Destroy the initiators first, each with batches queued; ASan reports leaks at exit.
+  p.engine.reset();
+  d.engine.reset();
+}
+
+TEST(EngineShutdown, PeerDestroyedWhileWritesAreInFlightEndsThemOnce) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "50"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1, 2};
+  for (const TestLayer& l : p.layers) {
+    ASSERT_TRUE(p.engine->WriteLayer("w", l.name, "D", ids, ids).ok());
+  }
+  ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+  d.engine.reset();  // the decode side goes away; its buffer stays allocated (test-owned)
+  Events events(p.engine.get());
+  TransferEvent e = events.Wait("w");
+  EXPECT_TRUE(e.state == TransferState::kFailed || e.state == TransferState::kDone)
+      << TransferStateName(e.state) << ": " << e.message;
+  events.Poll(100ms);
+  EXPECT_EQ(events.Count("w"), 1u);
+  EXPECT_EQ(p.engine->PendingTransfers(), 0u);
+  p.engine.reset();
+}
+
+}  // namespace
+}  // namespace moriio_native

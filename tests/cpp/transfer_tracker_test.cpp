@@ -1,0 +1,734 @@
+// Tests of detail::TransferTracker, the completion tracker behind the engine.
+//
+// Expectations come from the class comment in cpp/transfer_tracker.hpp (the terminal rules) and
+// DESIGN.md §3.3: every transfer ends in exactly one terminal state, a WRITE finishes when its
+// sealed number of writes completed, late messages are ignored, nothing ends while the transport
+// still owns its blocks (except by deadline). Deadlines are driven through ExpireDeadlines with an
+// explicit time point, so no test here depends on the wall clock.
+
+#include "transfer_tracker.hpp"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <latch>
+#include <map>
+#include <mutex>
+#include <optional>
+#include <ostream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace moriio_native {
+// Readable gtest messages for the enums compared below (found by argument-dependent lookup).
+inline void PrintTo(StatusCode code, std::ostream* os) { *os << StatusCodeName(code); }
+inline void PrintTo(TransferState state, std::ostream* os) { *os << TransferStateName(state); }
+}  // namespace moriio_native
+
+namespace moriio_native::detail {
+namespace {
+
+using namespace std::chrono_literals;
+
+constexpr auto kLongTimeout = std::chrono::milliseconds(std::chrono::hours(1));
+
+// Everything queued right now (never waits).
+std::vector<TransferEvent> DrainNow(TransferTracker& t) { return t.Drain(1 << 20, 0ms); }
+
+// The single event queued now; fails the test unless exactly one is queued.
+TransferEvent OnlyEvent(TransferTracker& t) {
+  std::vector<TransferEvent> events = DrainNow(t);
+  EXPECT_EQ(events.size(), 1u);
+  if (events.empty()) {
+    TransferEvent none;
+    none.transfer_id = "<none>";
+    none.state = TransferState::kPending;
+    return none;
+  }
+  return events.front();
+}
+
+void ExpectNoEvent(TransferTracker& t, const char* when) {
+  std::vector<TransferEvent> events = DrainNow(t);
+  EXPECT_TRUE(events.empty()) << when << ": unexpected event for '" << events.front().transfer_id
+                              << "' state " << TransferStateName(events.front().state);
+}
+
+std::uint64_t Schedule(TransferTracker& t, const std::string& id, const std::string& layer,
+                       std::int64_t bytes = 100, std::int64_t runs = 2,
+                       const std::string& peer = "decode-0") {
+  std::optional<std::uint64_t> token = t.ScheduleWrite(id, layer, peer, bytes, runs).value();
+  EXPECT_TRUE(token.has_value()) << "ScheduleWrite(" << id << ", " << layer << ") was refused";
+  return token.value_or(0);
+}
+
+// ---- WRITE ---------------------------------------------------------------------------------
+
+TEST(TransferTrackerWrite, DuplicateScheduleOfALayerIsRefusedAndCountsOnce) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t a = Schedule(t, "req-1", "layer.0", 64, 1);
+  EXPECT_FALSE(t.ScheduleWrite("req-1", "layer.0", "decode-0", 64, 1).value().has_value());
+  const std::uint64_t b = Schedule(t, "req-1", "layer.1", 32, 1);
+  EXPECT_NE(a, b);
+  t.Seal("req-1", "decode-0");
+  t.OnBatchComplete(a, Status::OK());
+  ExpectNoEvent(t, "one of two sealed writes done");
+  t.OnBatchComplete(b, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.transfer_id, "req-1");
+  EXPECT_EQ(e.kind, TransferKind::kWrite);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 2);  // the refused duplicate is not counted
+  EXPECT_EQ(e.bytes, 96);
+  EXPECT_EQ(e.runs, 2);
+  EXPECT_EQ(e.peer, "decode-0");
+}
+
+TEST(TransferTrackerWrite, OneTransferWritesToOnePeerOnly) {
+  TransferTracker t(kLongTimeout, 16);
+  Schedule(t, "req-1", "layer.0", 64, 1, "decode-0");
+  auto other = t.ScheduleWrite("req-1", "layer.1", "decode-1", 64, 1);
+  ASSERT_FALSE(other.ok());
+  EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(other.status().message().find("decode-0"), std::string::npos);
+  EXPECT_EQ(t.pending(), 1u);
+}
+
+TEST(TransferTrackerWrite, CompletesOnceAndOnlyAfterTheSealedCount) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0", 10, 1);
+  const std::uint64_t l1 = Schedule(t, "req", "l1", 20, 2);
+  const std::uint64_t l2 = Schedule(t, "req", "l2", 30, 3);
+  t.OnBatchComplete(l0, Status::OK());
+  t.OnBatchComplete(l1, Status::OK());
+  ExpectNoEvent(t, "two of three writes done, not sealed");
+  t.Seal("req", "decode-0");
+  ExpectNoEvent(t, "sealed with one write in flight");
+  EXPECT_EQ(t.pending(), 1u);
+  EXPECT_FALSE(t.IsTerminal("req"));
+  t.OnBatchComplete(l2, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.transfer_id, "req");
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.bytes, 60);
+  EXPECT_EQ(e.runs, 6);
+  EXPECT_EQ(e.batches, 3);
+  EXPECT_TRUE(e.message.empty());
+  EXPECT_EQ(t.pending(), 0u);
+  EXPECT_TRUE(t.IsTerminal("req"));
+  ExpectNoEvent(t, "after the done event");
+}
+
+TEST(TransferTrackerWrite, AllWritesFinishedBeforeSealWaitsForSeal) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.OnBatchComplete(l0, Status::OK());
+  // More layers may still come from the forward pass: not done yet.
+  ExpectNoEvent(t, "every scheduled write done, not sealed");
+  const std::uint64_t l1 = Schedule(t, "req", "l1");
+  t.OnBatchComplete(l1, Status::OK());
+  ExpectNoEvent(t, "still not sealed");
+  t.Seal("req", "decode-0");
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 2);
+}
+
+TEST(TransferTrackerWrite, SealWithNothingScheduledIsDoneAtOnce) {
+  TransferTracker t(kLongTimeout, 16);
+  t.Seal("empty", "decode-3");
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.transfer_id, "empty");
+  EXPECT_EQ(e.kind, TransferKind::kWrite);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.peer, "decode-3");
+  EXPECT_EQ(e.bytes, 0);
+  EXPECT_EQ(e.batches, 0);
+  EXPECT_EQ(t.pending(), 0u);
+  // A late write for it must not start the transfer anew.
+  EXPECT_FALSE(t.ScheduleWrite("empty", "l0", "decode-3", 1, 1).value().has_value());
+  t.Seal("empty", "decode-3");
+  ExpectNoEvent(t, "late schedule/seal after done");
+  EXPECT_EQ(t.pending(), 0u);
+}
+
+TEST(TransferTrackerWrite, FailureFailsOnceAfterInFlightWritesDrained) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  const std::uint64_t l1 = Schedule(t, "req", "l1");
+  const std::uint64_t l2 = Schedule(t, "req", "l2");
+  t.OnBatchComplete(l0, TransportError("nic down on layer l0"));
+  ExpectNoEvent(t, "failure with two writes still in flight");
+  // Later writes of a failed transfer are refused (nothing recorded).
+  EXPECT_FALSE(t.ScheduleWrite("req", "l3", "decode-0", 1, 1).value().has_value());
+  t.OnBatchComplete(l1, TransportError("second failure"));
+  ExpectNoEvent(t, "failure with one write still in flight");
+  t.OnBatchComplete(l2, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_NE(e.message.find("nic down on layer l0"), std::string::npos) << e.message;
+  EXPECT_EQ(e.batches, 3);
+  // Not sealed: the failure alone ended it. A late seal changes nothing.
+  t.Seal("req", "decode-0");
+  ExpectNoEvent(t, "seal after failure");
+  EXPECT_EQ(t.pending(), 0u);
+}
+
+TEST(TransferTrackerWrite, FailureWithNothingInFlightEndsWithoutSeal) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.OnBatchComplete(l0, TransportError("rkey rejected"));
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_NE(e.message.find("rkey rejected"), std::string::npos) << e.message;
+}
+
+TEST(TransferTrackerWrite, AbortWithInFlightWritesEndsOnlyAfterTheyComplete) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  const std::uint64_t l1 = Schedule(t, "req", "l1");
+  ASSERT_TRUE(t.Abort("req").ok());
+  ExpectNoEvent(t, "abort with two writes in flight");
+  EXPECT_EQ(t.pending(), 1u);
+  EXPECT_FALSE(t.ScheduleWrite("req", "l2", "decode-0", 1, 1).value().has_value());
+  t.OnBatchComplete(l0, Status::OK());
+  ExpectNoEvent(t, "abort with one write in flight");
+  t.OnBatchComplete(l1, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kAborted);
+  EXPECT_FALSE(e.message.empty());
+  EXPECT_EQ(t.pending(), 0u);
+}
+
+TEST(TransferTrackerWrite, AbortBeatsFailure) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  const std::uint64_t l1 = Schedule(t, "req", "l1");
+  t.OnBatchComplete(l0, TransportError("boom"));
+  ASSERT_TRUE(t.Abort("req").ok());
+  t.OnBatchComplete(l1, Status::OK());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kAborted);
+}
+
+TEST(TransferTrackerWrite, AbortWithNothingInFlightEndsAtOnce) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.OnBatchComplete(l0, Status::OK());
+  ASSERT_TRUE(t.Abort("req").ok());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kAborted);
+  EXPECT_EQ(e.batches, 1);
+}
+
+TEST(TransferTrackerWrite, AbortOfUnknownIdIsNotFoundAndOfTerminalIdIsANoOp) {
+  TransferTracker t(kLongTimeout, 16);
+  Status st = t.Abort("never-seen");
+  EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+  EXPECT_NE(st.message().find("never-seen"), std::string::npos) << st.ToString();
+  ExpectNoEvent(t, "abort of an unknown id");
+  t.Seal("done-one", "p");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+  EXPECT_TRUE(t.Abort("done-one").ok());
+  ExpectNoEvent(t, "abort after done");
+}
+
+TEST(TransferTrackerWrite, MessagesAfterTerminalAreIgnored) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.Seal("req", "decode-0");
+  t.OnBatchComplete(l0, Status::OK());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+
+  t.OnBatchComplete(l0, TransportError("late duplicate completion"));
+  t.OnBatchComplete(l0, Status::OK());
+  EXPECT_FALSE(t.ScheduleWrite("req", "l0", "decode-0", 1, 1).value().has_value());
+  EXPECT_FALSE(t.ScheduleWrite("req", "l9", "decode-0", 1, 1).value().has_value());
+  t.Seal("req", "decode-0");
+  EXPECT_TRUE(t.Abort("req").ok());
+  t.FailPeer("decode-0", TransportError("peer lost"));
+  EXPECT_EQ(t.BeginRead("req", "decode-0").code(), StatusCode::kAlreadyExists);
+  t.ExpireDeadlines(TransferTracker::Clock::now() + std::chrono::hours(2));
+  ExpectNoEvent(t, "late messages after done");
+  EXPECT_EQ(t.pending(), 0u);
+  EXPECT_TRUE(t.IsTerminal("req"));
+}
+
+TEST(TransferTrackerWrite, UnknownTokensAreIgnored) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.OnBatchComplete(l0 + 1000, TransportError("stray"));
+  t.OnBatchComplete(0, TransportError("stray"));
+  t.Seal("req", "decode-0");
+  ExpectNoEvent(t, "stray tokens");
+  t.OnBatchComplete(l0, Status::OK());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+}
+
+TEST(TransferTrackerWrite, ScheduleOnAReadIdIsRefused) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  EXPECT_FALSE(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).value().has_value());
+  t.CloseRead("rd");
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.kind, TransferKind::kRead);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 0);
+}
+
+// ---- deadlines ----------------------------------------------------------------------------
+
+TEST(TransferTrackerDeadline, PendingTransferTimesOutEvenWithInFlightBatches) {
+  TransferTracker t(50ms, 16);
+  const auto start = TransferTracker::Clock::now();
+  const std::uint64_t w = Schedule(t, "wr", "l0");
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  Result<std::uint64_t> r = t.AddBatch("rd", 8, 1);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+
+  t.ExpireDeadlines(start);  // before any deadline
+  ExpectNoEvent(t, "before the deadline");
+  EXPECT_EQ(t.pending(), 2u);
+
+  t.ExpireDeadlines(start + std::chrono::hours(1));
+  std::vector<TransferEvent> events = DrainNow(t);
+  ASSERT_EQ(events.size(), 2u);
+  for (const TransferEvent& e : events) {
+    EXPECT_EQ(e.state, TransferState::kTimedOut) << e.transfer_id;
+    EXPECT_FALSE(e.message.empty());
+  }
+  EXPECT_EQ(t.pending(), 0u);
+
+  // The transport finishes later: ignored, and the ids are not reusable for new work.
+  t.OnBatchComplete(w, Status::OK());
+  t.OnBatchComplete(*r, TransportError("late"));
+  EXPECT_FALSE(t.ScheduleWrite("wr", "l1", "decode-0", 1, 1).value().has_value());
+  t.Seal("wr", "decode-0");
+  t.CloseRead("rd");
+  EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  t.ExpireDeadlines(start + std::chrono::hours(3));
+  ExpectNoEvent(t, "after time out");
+}
+
+TEST(TransferTrackerDeadline, AbortedTransferWaitingForBatchesStillTimesOutOnce) {
+  TransferTracker t(50ms, 16);
+  const std::uint64_t w = Schedule(t, "wr", "l0");
+  ASSERT_TRUE(t.Abort("wr").ok());
+  ExpectNoEvent(t, "aborted, in flight");
+  t.ExpireDeadlines(TransferTracker::Clock::now() + std::chrono::hours(1));
+  std::vector<TransferEvent> events = DrainNow(t);
+  ASSERT_EQ(events.size(), 1u);
+  // Either label is defensible; what matters is exactly one terminal event, then silence.
+  EXPECT_TRUE(events[0].state == TransferState::kTimedOut ||
+              events[0].state == TransferState::kAborted)
+      << TransferStateName(events[0].state);
+  t.OnBatchComplete(w, Status::OK());
+  ExpectNoEvent(t, "completion after the deadline");
+}
+
+// ---- READ -------------------------------------------------------------------------------
+
+TEST(TransferTrackerRead, CompletesWhenClosedAndEveryBatchFinished) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-1").ok());
+  Result<std::uint64_t> a = t.AddBatch("rd", 100, 3);
+  Result<std::uint64_t> b = t.AddBatch("rd", 50, 2);
+  ASSERT_TRUE(a.ok() && b.ok());
+  t.OnBatchComplete(*a, Status::OK());
+  ExpectNoEvent(t, "open read, one batch done");
+  t.CloseRead("rd");
+  ExpectNoEvent(t, "closed read, one batch in flight");
+  t.OnBatchComplete(*b, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.kind, TransferKind::kRead);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.peer, "prefill-1");
+  EXPECT_EQ(e.bytes, 150);
+  EXPECT_EQ(e.runs, 5);
+  EXPECT_EQ(e.batches, 2);
+}
+
+TEST(TransferTrackerRead, FailsOnceIfAnyBatchFailed) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-1").ok());
+  Result<std::uint64_t> a = t.AddBatch("rd", 100, 3);
+  Result<std::uint64_t> b = t.AddBatch("rd", 50, 2);
+  ASSERT_TRUE(a.ok() && b.ok());
+  t.CloseRead("rd");
+  t.OnBatchComplete(*a, TransportError("remote region gone"));
+  ExpectNoEvent(t, "failed batch, another in flight");
+  t.OnBatchComplete(*b, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_NE(e.message.find("remote region gone"), std::string::npos) << e.message;
+}
+
+TEST(TransferTrackerRead, FailureWhileStillOpenEndsFailedOnce) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-1").ok());
+  Result<std::uint64_t> a = t.AddBatch("rd", 100, 3);
+  ASSERT_TRUE(a.ok());
+  t.OnBatchComplete(*a, TransportError("x"));
+  t.CloseRead("rd");
+  t.CloseRead("rd");
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+}
+
+TEST(TransferTrackerRead, ReadWithoutBatchesIsDoneWhenClosed) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "p").ok());
+  ExpectNoEvent(t, "open read without batches");
+  t.CloseRead("rd");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+}
+
+TEST(TransferTrackerRead, DuplicateIdAndBatchesOnClosedOrUnknownReads) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "p").ok());
+  Status dup = t.BeginRead("rd", "p");
+  EXPECT_EQ(dup.code(), StatusCode::kAlreadyExists) << dup.ToString();
+  EXPECT_NE(dup.message().find("rd"), std::string::npos);
+  Result<std::uint64_t> a = t.AddBatch("rd", 1, 1);
+  ASSERT_TRUE(a.ok());
+  t.CloseRead("rd");
+  EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(t.AddBatch("nope", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  // A write id is not an open read either.
+  Schedule(t, "wr", "l0");
+  EXPECT_EQ(t.AddBatch("wr", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  t.OnBatchComplete(*a, Status::OK());
+  std::vector<TransferEvent> events = DrainNow(t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "rd");
+  EXPECT_EQ(events[0].batches, 1);  // refused AddBatch calls added nothing
+  EXPECT_EQ(t.BeginRead("rd", "p").code(), StatusCode::kAlreadyExists);
+}
+
+TEST(TransferTrackerRead, AbortOfReadWithInFlightBatch) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "p").ok());
+  Result<std::uint64_t> a = t.AddBatch("rd", 1, 1);
+  ASSERT_TRUE(a.ok());
+  ASSERT_TRUE(t.Abort("rd").ok());
+  EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  ExpectNoEvent(t, "aborted read with a batch in flight");
+  t.OnBatchComplete(*a, Status::OK());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kAborted);
+}
+
+// ---- peers, history, draining -------------------------------------------------------------
+
+TEST(TransferTrackerPeer, FailPeerFailsOnlyThatPeersTransfersOnceTheyDrain) {
+  TransferTracker t(kLongTimeout, 16);
+  // Peer A: an idle unsealed write, a write with a batch in flight and a read in flight.
+  const std::uint64_t idle = Schedule(t, "a-idle", "l0", 1, 1, "A");
+  t.OnBatchComplete(idle, Status::OK());
+  const std::uint64_t busy = Schedule(t, "a-busy", "l0", 1, 1, "A");
+  ASSERT_TRUE(t.BeginRead("a-read", "A").ok());
+  Result<std::uint64_t> rd = t.AddBatch("a-read", 1, 1);
+  ASSERT_TRUE(rd.ok());
+  // Peer B: unaffected.
+  const std::uint64_t b = Schedule(t, "b-write", "l0", 1, 1, "B");
+
+  t.FailPeer("A", TransportError("endpoint closed"));
+  std::vector<TransferEvent> events = DrainNow(t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "a-idle");
+  EXPECT_EQ(events[0].state, TransferState::kFailed);
+  EXPECT_NE(events[0].message.find("endpoint closed"), std::string::npos) << events[0].message;
+
+  EXPECT_FALSE(t.ScheduleWrite("a-busy", "l1", "A", 1, 1).value().has_value());
+  t.OnBatchComplete(busy, Status::OK());  // even a successful completion cannot save it
+  t.OnBatchComplete(*rd, Status::OK());
+  events = DrainNow(t);
+  ASSERT_EQ(events.size(), 2u);
+  std::map<std::string, TransferState> states;
+  for (const TransferEvent& e : events) states[e.transfer_id] = e.state;
+  EXPECT_EQ(states["a-busy"], TransferState::kFailed);
+  EXPECT_EQ(states["a-read"], TransferState::kFailed);
+
+  EXPECT_EQ(t.pending(), 1u);
+  t.Seal("b-write", "B");
+  t.OnBatchComplete(b, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.transfer_id, "b-write");
+  EXPECT_EQ(e.state, TransferState::kDone);
+}
+
+TEST(TransferTrackerHistory, TerminalSetIsBounded) {
+  constexpr std::size_t kHistory = 8;
+  constexpr std::size_t kExtra = 3;
+  TransferTracker t(kLongTimeout, kHistory);
+  for (std::size_t i = 0; i < kHistory + kExtra; ++i) {
+    const std::string id = "t" + std::to_string(i);
+    ASSERT_TRUE(t.BeginRead(id, "p").ok()) << id;
+    t.CloseRead(id);
+  }
+  EXPECT_EQ(DrainNow(t).size(), kHistory + kExtra);
+  // The oldest kExtra ids are forgotten: they can start again.
+  for (std::size_t i = 0; i < kExtra; ++i) {
+    const std::string id = "t" + std::to_string(i);
+    EXPECT_FALSE(t.IsTerminal(id)) << id;
+    EXPECT_TRUE(t.BeginRead(id, "p").ok()) << id;
+  }
+  // The newest kHistory ids are still remembered.
+  for (std::size_t i = kExtra; i < kHistory + kExtra; ++i) {
+    const std::string id = "t" + std::to_string(i);
+    EXPECT_TRUE(t.IsTerminal(id)) << id;
+    EXPECT_EQ(t.BeginRead(id, "p").code(), StatusCode::kAlreadyExists) << id;
+    EXPECT_FALSE(t.ScheduleWrite(id, "l0", "p", 1, 1).value().has_value()) << id;
+  }
+  ExpectNoEvent(t, "after re-beginning forgotten ids (still open)");
+}
+
+TEST(TransferTrackerDrain, OldestFirstAndBoundedByMaxEvents) {
+  TransferTracker t(kLongTimeout, 64);
+  for (int i = 0; i < 5; ++i) t.Seal("s" + std::to_string(i), "p");
+  std::vector<TransferEvent> first = t.Drain(2, 0ms);
+  ASSERT_EQ(first.size(), 2u);
+  EXPECT_EQ(first[0].transfer_id, "s0");
+  EXPECT_EQ(first[1].transfer_id, "s1");
+  std::vector<TransferEvent> rest = t.Drain(100, 0ms);
+  ASSERT_EQ(rest.size(), 3u);
+  EXPECT_EQ(rest[0].transfer_id, "s2");
+  EXPECT_EQ(rest[2].transfer_id, "s4");
+}
+
+TEST(TransferTrackerDrain, WaitingDrainWakesForAnEventFromAnotherThread) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t token = Schedule(t, "req", "l0");
+  t.Seal("req", "p");
+  std::thread completer([&] {
+    std::this_thread::sleep_for(20ms);
+    t.OnBatchComplete(token, Status::OK());
+  });
+  // The generous wait only bounds a hang; the event must be what ends it.
+  std::vector<TransferEvent> events = t.Drain(10, std::chrono::milliseconds(60000));
+  completer.join();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "req");
+}
+
+// ---- concurrency ----------------------------------------------------------------------------
+
+// Several threads drive many transfers at once: schedulers add writes (and reads), completers
+// finish batches (some with errors), a sealer, an aborter and a peer-failure thread race them, and
+// a drainer collects events concurrently. Afterwards every transfer must have produced exactly
+// one terminal event, with a state consistent with what happened to it. Meaningful under TSan:
+// every call crosses threads on shared transfers.
+TEST(TransferTrackerStress, ExactlyOneTerminalEventPerTransfer) {
+  constexpr int kWrites = 2000;
+  constexpr int kReads = 600;
+  constexpr int kLayers = 4;
+  TransferTracker t(kLongTimeout, 1 << 16);
+
+  struct Token {
+    std::uint64_t token;
+    int transfer;
+  };
+  std::mutex tokens_mu;
+  std::vector<Token> tokens;  // in flight, to be completed
+  std::atomic<bool> producing{true};
+  // Progress of the producers, so that the sealer and aborter act on transfers in flight.
+  std::atomic<int> write_progress{0};    // first scheduler
+  std::atomic<int> write_progress_2{0};  // second scheduler
+  std::atomic<int> read_progress{kWrites};
+  // What each thread did to each transfer, for the consistency check at the end.
+  std::vector<std::atomic<bool>> aborted(kWrites + kReads);
+  std::vector<std::atomic<bool>> failed_batch(kWrites + kReads);
+  std::vector<std::atomic<bool>> peer_failed(kWrites + kReads);
+  auto name = [](int i) { return (i < kWrites ? "w" : "r") + std::to_string(i); };
+  auto peer_of = [](int i) { return "peer" + std::to_string(i % 7); };
+
+  auto push = [&](std::uint64_t token, int transfer) {
+    std::lock_guard lock(tokens_mu);
+    tokens.push_back({token, transfer});
+  };
+
+  constexpr int kActors = 7;  // threads created below, drainer excluded
+  std::latch start(kActors);  // all actors begin together so that they really interleave
+  std::vector<std::thread> threads;
+  // Two write schedulers, interleaving layers of the same transfers.
+  for (int s = 0; s < 2; ++s) {
+    threads.emplace_back([&, s] {
+      start.arrive_and_wait();
+      std::mt19937 rng(100 + s);
+      for (int i = 0; i < kWrites; ++i) {
+        for (int l = s; l < kLayers; l += 2) {
+          std::optional<std::uint64_t> tok =
+              t.ScheduleWrite(name(i), "layer" + std::to_string(l), peer_of(i), 10, 1).value();
+          if (tok) push(*tok, i);
+          // A duplicate of the same layer is never accepted.
+          if (rng() % 8 == 0) {
+            EXPECT_FALSE(t.ScheduleWrite(name(i), "layer" + std::to_string(l), peer_of(i), 10, 1).value());
+          }
+        }
+        if (s == 0) write_progress = i + 1;
+        if (s == 1) write_progress_2 = i + 1;
+      }
+    });
+  }
+  // One read producer.
+  threads.emplace_back([&] {
+    start.arrive_and_wait();
+    for (int i = kWrites; i < kWrites + kReads; ++i) {
+      ASSERT_TRUE(t.BeginRead(name(i), peer_of(i)).ok());
+      for (int b = 0; b < 3; ++b) {
+        Result<std::uint64_t> tok = t.AddBatch(name(i), 5, 1);
+        if (tok.ok()) push(*tok, i);  // refused once aborted or failed by peer
+      }
+      if (i % 10 != 5) t.CloseRead(name(i));
+      read_progress = i + 1;
+    }
+  });
+  // Two completers; about 3% of batches fail.
+  for (int c = 0; c < 2; ++c) {
+    threads.emplace_back([&, c] {
+      start.arrive_and_wait();
+      std::mt19937 rng(200 + c);
+      while (true) {
+        std::optional<Token> tok;
+        {
+          std::lock_guard lock(tokens_mu);
+          if (!tokens.empty()) {
+            const std::size_t k = rng() % tokens.size();
+            tok = tokens[k];
+            tokens[k] = tokens.back();
+            tokens.pop_back();
+          }
+        }
+        if (!tok) {
+          if (!producing.load()) {
+            std::lock_guard lock(tokens_mu);
+            if (tokens.empty()) return;
+            continue;
+          }
+          std::this_thread::yield();
+          continue;
+        }
+        if (rng() % 32 == 0) {
+          failed_batch[tok->transfer] = true;
+          t.OnBatchComplete(tok->token, TransportError("injected"));
+        } else {
+          t.OnBatchComplete(tok->token, Status::OK());
+        }
+        if (rng() % 16 == 0) t.OnBatchComplete(tok->token, Status::OK());  // duplicate: ignored
+      }
+    });
+  }
+  // Sealer: seals each write once the first scheduler has scheduled its layers, racing the
+  // second scheduler (whose layers of that transfer are then refused or counted).
+  threads.emplace_back([&] {
+    start.arrive_and_wait();
+    for (int i = 0; i < kWrites; ++i) {
+      while (write_progress.load() <= i) std::this_thread::yield();
+      if (i % 10 != 5) t.Seal(name(i), peer_of(i));
+    }
+  });
+  // Aborter and peer-failure thread. Every tenth transfer (i % 10 == 5) is never sealed or
+  // closed by its producer; this thread aborts it once it exists, racing its in-flight batches.
+  threads.emplace_back([&] {
+    start.arrive_and_wait();
+    std::mt19937 rng(400);
+    int next_w = 5;
+    int next_r = kWrites + 5;
+    int aborts = 0;
+    while (next_w < kWrites || next_r < kWrites + kReads) {
+      int target = -1;
+      if (next_w < kWrites && write_progress.load() > next_w) {
+        target = next_w;
+        next_w += 10;
+      } else if (next_r < kWrites + kReads && read_progress.load() > next_r) {
+        target = next_r;
+        next_r += 10;
+      }
+      if (target < 0) {
+        std::this_thread::yield();
+        continue;
+      }
+      Status st = t.Abort(name(target));
+      EXPECT_TRUE(st.ok()) << st.ToString();
+      aborted[target] = true;
+      if (++aborts % 60 == 0 && aborts <= 120) {
+        const std::string p = "peer" + std::to_string(rng() % 7);
+        t.FailPeer(p, TransportError("lost"));
+        // FailPeer may have failed any transfer of this peer that existed meanwhile: one a
+        // producer had started by now (+1: the one it is working on).
+        const int writes_started = std::max(write_progress.load(), write_progress_2.load()) + 1;
+        const int reads_started = read_progress.load() + 1;
+        for (int j = 0; j < kWrites + kReads; ++j) {
+          const bool started = j < kWrites ? j < writes_started : j < reads_started;
+          if (started && peer_of(j) == p) peer_failed[j] = true;
+        }
+      }
+    }
+  });
+  // A concurrent drainer.
+  std::mutex events_mu;
+  std::vector<TransferEvent> events;
+  std::atomic<bool> draining{true};
+  std::thread drainer([&] {
+    while (draining.load()) {
+      std::vector<TransferEvent> got = t.Drain(64, 1ms);
+      std::lock_guard lock(events_mu);
+      for (TransferEvent& e : got) events.push_back(std::move(e));
+    }
+  });
+
+  // Completers exit once producers are done and the queue is empty.
+  const std::size_t completer_begin = 3;
+  for (std::size_t i = 0; i < threads.size(); ++i) {
+    if (i == completer_begin || i == completer_begin + 1) continue;
+    threads[i].join();
+  }
+  producing = false;
+  threads[completer_begin].join();
+  threads[completer_begin + 1].join();
+  // Every batch completed and every transfer is aborted, sealed or closed; late seals and closes
+  // of terminal transfers are ignored.
+  for (int i = 0; i < kWrites; ++i) t.Seal(name(i), peer_of(i));
+  for (int i = kWrites; i < kWrites + kReads; ++i) t.CloseRead(name(i));
+  draining = false;
+  drainer.join();
+  for (TransferEvent& e : DrainNow(t)) events.push_back(std::move(e));
+
+  EXPECT_EQ(t.pending(), 0u);
+  std::map<std::string, std::vector<TransferState>> by_id;
+  for (const TransferEvent& e : events) by_id[e.transfer_id].push_back(e.state);
+  EXPECT_EQ(events.size(), static_cast<std::size_t>(kWrites + kReads));
+  std::map<std::string_view, int> state_counts;
+  for (int i = 0; i < kWrites + kReads; ++i) {
+    auto it = by_id.find(name(i));
+    ASSERT_NE(it, by_id.end()) << name(i) << " never ended";
+    ASSERT_EQ(it->second.size(), 1u) << name(i) << " ended " << it->second.size() << " times";
+    const TransferState s = it->second.front();
+    SCOPED_TRACE(name(i) + " ended " + std::string(TransferStateName(s)));
+    if (!aborted[i] && !peer_failed[i] && !failed_batch[i]) {
+      EXPECT_EQ(s, TransferState::kDone) << name(i);
+    }
+    if (failed_batch[i] && !aborted[i]) {
+      EXPECT_EQ(s, TransferState::kFailed) << name(i);
+    }
+    if (s == TransferState::kAborted) {
+      EXPECT_TRUE(aborted[i]) << name(i);
+    }
+    if (i % 10 == 5 && !failed_batch[i] && !peer_failed[i]) {
+      EXPECT_EQ(s, TransferState::kAborted) << name(i);  // it could not end before its abort
+    }
+    ++state_counts[TransferStateName(s)];
+    EXPECT_NE(s, TransferState::kTimedOut) << name(i);
+  }
+  for (const auto& [state, n] : state_counts) {
+    RecordProperty(std::string(state), n);
+    std::printf("  %s: %d\n", std::string(state).c_str(), n);
+  }
+}
+
+}  // namespace
+}  // namespace moriio_native::detail
