@@ -140,7 +140,12 @@ def test_config_reads_strings_legacy_keys_and_backend_options(
     assert cfg.mode == "read" and cfg.handshake_port == 7301 and cfg.notify_port == 7501
     assert cfg.abort_timeout == 45.0 and cfg.http_port == 8200
     assert cfg.allowed_peers == ("10.0.0.0/8", "192.168.1.7")
-    assert dict(cfg.engine_options) == {"progress_mode": "busy", "ucx_tls": "tcp"}
+    # MoRI's unprefixed tuning keys reach the backend like ucx_*/mori_* keys do.
+    assert dict(cfg.engine_options) == {
+        "progress_mode": "busy",
+        "ucx_tls": "tcp",
+        "qp_per_transfer": "2",
+    }
     assert cfg.ports.notify_port(0, 3) == 7504
 
 

@@ -29,7 +29,9 @@ key                   default      meaning
 ``auth_secret``       unset        shared secret (>= 16 bytes) -> HMAC-SHA256 on every control
                                    message; else ``$MORIIO_NATIVE_AUTH_SECRET``
 ``engine_options``    ``{}``       extra options for the native backend (string -> string)
-``ucx_*``, ``mori_*`` --           passed through to the backend as engine options
+``ucx_*``, ``mori_*`` --           passed through to the backend as engine options, as are
+                                   ``qp_per_transfer``, ``post_batch_size``, ``num_workers``,
+                                   ``poll_mode`` (MoRI) and ``progress_mode`` (UCX)
 ===================== ============ ==============================================================
 
 Port formula for every (dp_rank, tp_rank): ``base + dp_rank * tp_size + tp_rank``
@@ -69,6 +71,11 @@ DEFAULT_TRANSFER_TIMEOUT = 30.0
 DEFAULT_ABORT_TIMEOUT = 120.0
 BACKENDS = ("auto", "ucx", "mori", "loopback")
 BACKEND_OPTION_PREFIXES = ("ucx_", "mori_")
+# Backend tuning keys without a prefix (vLLM's MoRIIO connector spells MoRI's this way; the UCX
+# backend's progress_mode): passed through to the engine like the prefixed ones.
+BACKEND_OPTION_KEYS = frozenset(
+    {"qp_per_transfer", "post_batch_size", "num_workers", "poll_mode", "progress_mode"}
+)
 
 _KNOWN_KEYS = frozenset(
     {
@@ -92,9 +99,7 @@ _KNOWN_KEYS = frozenset(
 )
 # Keys of vLLM's MoRIIO connector that have no meaning here; accepted so configurations can be
 # switched over unchanged, and logged once.
-_IGNORED_LEGACY_KEYS = frozenset(
-    {"qp_per_transfer", "post_batch_size", "num_workers", "recv_abort_timeout"}
-)
+_IGNORED_LEGACY_KEYS = frozenset({"recv_abort_timeout"})
 
 
 def _truthy(value: Any, key: str) -> bool:
@@ -247,6 +252,7 @@ class ConnectorConfig:
             for k in extra
             if k not in _KNOWN_KEYS
             and k not in _IGNORED_LEGACY_KEYS
+            and k not in BACKEND_OPTION_KEYS
             and not k.startswith(BACKEND_OPTION_PREFIXES)
         )
         if unknown:
@@ -283,7 +289,11 @@ class ConnectorConfig:
                 )
             options.update({str(k): str(v) for k, v in raw_options.items()})
         options.update(
-            {k: str(v) for k, v in extra.items() if k.startswith(BACKEND_OPTION_PREFIXES)}
+            {
+                k: str(v)
+                for k, v in extra.items()
+                if k.startswith(BACKEND_OPTION_PREFIXES) or k in BACKEND_OPTION_KEYS
+            }
         )
         allowed = get("allowed_peers")
         if isinstance(allowed, str):
