@@ -56,7 +56,7 @@ cmake --build build/embed
 build/embed/embed
 
 step "ruff"
-ruff check python tests/py bench examples
+ruff check .
 
 step "pytest (installed package)"
 # Run outside the source tree's python/ so the installed wheel is what gets imported.
