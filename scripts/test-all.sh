@@ -59,5 +59,8 @@ step "ruff"
 ruff check .
 
 step "pytest (installed package)"
-# Run outside the source tree's python/ so the installed wheel is what gets imported.
-python3 -m pytest tests/py -q -p no:cacheprovider -o addopts=""
+# Run outside the source tree's python/ so the installed wheel is what gets imported. amd-mori
+# has no wheel for this Python, so its libraries join the search path as an installed package's
+# would: the mori plugin then loads MoRI and stops, truthfully, at the missing ROCm runtime.
+LD_LIBRARY_PATH="$MORI_ROOT/mori${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
+  python3 -m pytest tests/py -q -p no:cacheprovider -o addopts=""
