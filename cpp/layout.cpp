@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <numeric>
-#include <sstream>
 
 #include "checked_math.hpp"
 
@@ -21,11 +20,11 @@ constexpr std::int64_t kMaxCellsPerBlock = std::int64_t{1} << 24;
 constexpr std::int64_t kMaxBytes = std::int64_t{1} << 56;
 
 std::string ShapeString(const std::vector<std::int64_t>& v) {
-  std::ostringstream os;
-  os << '[';
-  for (std::size_t i = 0; i < v.size(); ++i) os << (i ? ", " : "") << v[i];
-  os << ']';
-  return os.str();
+  // Plain string building: iostreams misbehave when the host process (e.g. torch) loaded another
+  // libstdc++ first.
+  std::string out = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) out += (i ? ", " : "") + std::to_string(v[i]);
+  return out + "]";
 }
 
 std::string LayerPrefix(const std::string& name) { return "layer '" + name + "'"; }
@@ -376,16 +375,17 @@ std::uint64_t LayerLayout::LogicalFingerprint() const {
 }
 
 std::string LayerLayout::DescribeLogical() const {
-  std::ostringstream os;
-  os << "kind=" << (params_.kind == CacheKind::kKeyValue ? "kv" : "mla")
-     << " block_size=" << params_.block_size << " heads=" << params_.num_heads;
+  std::string out = std::string("kind=") +
+                    (params_.kind == CacheKind::kKeyValue ? "kv" : "mla") +
+                    " block_size=" + std::to_string(params_.block_size) +
+                    " heads=" + std::to_string(params_.num_heads);
   if (params_.kind == CacheKind::kKeyValue) {
-    os << " K=" << params_.plane_bytes[0] << "B V=" << params_.plane_bytes[1] << "B";
+    out += " K=" + std::to_string(params_.plane_bytes[0]) + "B V=" +
+           std::to_string(params_.plane_bytes[1]) + "B";
   } else {
-    os << " latent=" << params_.plane_bytes[0] << "B";
+    out += " latent=" + std::to_string(params_.plane_bytes[0]) + "B";
   }
-  os << " dtype_bytes=" << params_.dtype_bytes;
-  return os.str();
+  return out + " dtype_bytes=" + std::to_string(params_.dtype_bytes);
 }
 
 Result<LayerLayout> DescribeLayer(std::string name, const TensorGeometry& geometry,

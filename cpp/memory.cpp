@@ -1,15 +1,16 @@
 #include "moriio_native/memory.hpp"
 
 #include <algorithm>
-#include <sstream>
+#include <charconv>
+#include <string>
 
 namespace moriio_native {
 namespace {
 
 std::string Hex(std::uint64_t v) {
-  std::ostringstream os;
-  os << "0x" << std::hex << v;
-  return os.str();
+  char digits[17];
+  auto [end, ec] = std::to_chars(digits, digits + sizeof(digits), v, 16);
+  return "0x" + std::string(digits, end);
 }
 
 std::string RangeString(std::uint64_t begin, std::uint64_t end) {

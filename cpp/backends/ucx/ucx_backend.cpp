@@ -100,6 +100,43 @@ bool CudaDriverPresent() {
   return true;
 }
 
+/// Makes device `device`'s primary CUDA context current on the calling thread (the progress
+/// thread), through the driver API loaded at runtime. UCX's CUDA transports register, map
+/// (cuda_ipc) and query device memory in the caller's current context; a thread that never
+/// touched CUDA has none. Returns "" or why it failed. The context is retained for the process.
+std::string BindCudaDevice(int device) {
+  using CUresult = int;
+  struct Driver {
+    CUresult (*init)(unsigned) = nullptr;
+    CUresult (*device_get)(int*, int) = nullptr;
+    CUresult (*retain)(void**, int) = nullptr;
+    CUresult (*set_current)(void*) = nullptr;
+    bool ok = false;
+  };
+  static const Driver driver = [] {
+    Driver d;
+    void* h = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) return d;
+    d.init = reinterpret_cast<decltype(d.init)>(::dlsym(h, "cuInit"));
+    d.device_get = reinterpret_cast<decltype(d.device_get)>(::dlsym(h, "cuDeviceGet"));
+    d.retain = reinterpret_cast<decltype(d.retain)>(::dlsym(h, "cuDevicePrimaryCtxRetain"));
+    d.set_current = reinterpret_cast<decltype(d.set_current)>(::dlsym(h, "cuCtxSetCurrent"));
+    d.ok = d.init && d.device_get && d.retain && d.set_current && d.init(0) == 0;
+    return d;
+  }();
+  if (!driver.ok) return "no usable CUDA driver (libcuda.so.1)";
+  thread_local int bound = -1;
+  if (bound == device) return "";
+  int dev = 0;
+  void* ctx = nullptr;
+  if (driver.device_get(&dev, device) != 0 || driver.retain(&ctx, dev) != 0 ||
+      driver.set_current(ctx) != 0) {
+    return "cannot make the primary context of CUDA device " + std::to_string(device) + " current";
+  }
+  bound = device;
+  return "";
+}
+
 /// The CUDA gather/scatter plugin, loaded from the directory of this plugin on first need.
 struct CudaCopy {
   const moriio_cudacopy_api* api = nullptr;
@@ -301,6 +338,7 @@ class UcxBackend final : public Backend {
   std::size_t outstanding_ops_ = 0;
   std::vector<std::uint64_t> failed_peers_;
   std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
+  int cuda_device_ = 0;               // device of our CUDA registrations (last one registered)
 };
 
 // ---- construction -----------------------------------------------------------------------------
@@ -466,6 +504,11 @@ Result<RegisteredRegion> UcxBackend::RegisterMemory(const MemoryRange& range) {
                                 " memory support on this machine");
   }
   return OnWorker([&]() -> Result<RegisteredRegion> {
+    if (range.kind == MemoryKind::kCuda) {
+      cuda_device_ = range.device < 0 ? 0 : range.device;
+      const std::string why = BindCudaDevice(cuda_device_);
+      if (!why.empty()) return TransportError("cannot register " + RangeText(range) + ": " + why);
+    }
     std::shared_ptr<Allocation> alloc;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -616,6 +659,12 @@ Result<std::uint64_t> UcxBackend::ImportRemoteRegion(std::uint64_t peer_id,
   const bool want_cuda_copy = options_.direct_copy && range.kind == MemoryKind::kCuda &&
                               LoadCudaCopy().api != nullptr;
   return OnWorker([&]() -> Result<std::uint64_t> {
+    if (range.kind == MemoryKind::kCuda) {
+      // UCX maps a peer's GPU memory (cuda_ipc) into the current context: use the device our
+      // own GPU regions live on, where the copy kernels run.
+      const std::string why = BindCudaDevice(cuda_device_);
+      if (!why.empty()) return TransportError("cannot import " + RangeText(range) + ": " + why);
+    }
     std::shared_ptr<PeerState> peer;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -988,6 +1037,7 @@ bool UcxBackend::ActivateSubmitted() {
 void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
   const moriio_cudacopy_api* cc = LoadCudaCopy().api;
   const int device = ab.local->range.device < 0 ? 0 : ab.local->range.device;
+  BindCudaDevice(device);
   void*& queue = cuda_queues_[device];
   char err[256] = {};
   if (queue == nullptr && cc->create_queue(device, &queue, err, sizeof(err)) != 0) {

@@ -1,0 +1,324 @@
+"""GPU benchmark of the UCX backend: two processes on one node, KV caches as torch CUDA tensors.
+
+Prefill and decode each own one page-aligned CUDA backing holding every layer's cache in a vLLM
+layout (Llama-3-8B-like dense K/V, or DeepSeek-V3-like MLA latent). For each request of
+``--blocks`` random, non-contiguous block ids the decode READs (pulls) and the prefill WRITEs
+(pushes, one ``write_layer`` per layer, then ``seal``); every destination block is verified on
+the GPU against a regenerated copy of the source. GB/s is printed beside one large
+``torch`` device copy measured in the same run, for the batched-kernel path (``ucp_rkey_ptr``
+mapping + one gather/scatter kernel per batch) and the per-run UCX path (``ucx_direct_copy=off``).
+
+Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
+
+    python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger("moriio_native.bench.gpu")
+
+# Same geometry as moriio_native.presets, as torch tensors.
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama3-8b": {"layers": 32, "kind": "kv", "heads": 8, "head": 128, "block": 16},
+    "deepseek-v3": {"layers": 61, "kind": "mla", "heads": 1, "head": 576, "block": 64},
+}
+
+
+@dataclass
+class Row:
+    preset: str
+    layout: str
+    path: str
+    op: str
+    blocks: int
+    run_bytes: int
+    bytes: int
+    gbps: float
+    ratio_to_device_copy: float
+    verified: bool
+
+
+def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: int) -> list[Any]:
+    """Every layer's cache as a view into ``backing`` (bf16), in the vLLM layout asked for."""
+    import torch
+
+    h, d, b = preset["heads"], preset["head"], preset["block"]
+    planes = 2 if preset["kind"] == "kv" else 1
+    per_layer = num_blocks * planes * h * b * d * 2
+    views = []
+    for layer in range(preset["layers"]):
+        flat = backing[layer * per_layer : (layer + 1) * per_layer].view(torch.bfloat16)
+        if preset["kind"] == "mla":  # standardized [N, 1, B, D]
+            views.append(flat.view(num_blocks, 1, b, d))
+        elif layout == "separated":  # [2, N, B, H, D]: K and V planes of 32 KiB per block
+            views.append(flat.view(2, num_blocks, b, h, d))
+        else:  # standardized [N, H, B, 2D] over block-outermost physical [N, B, H, 2D]
+            views.append(flat.view(num_blocks, b, h, 2 * d).permute(0, 2, 1, 3))
+    return views
+
+
+def _backing_bytes(preset: dict[str, Any], num_blocks: int) -> int:
+    planes = 2 if preset["kind"] == "kv" else 1
+    return (
+        preset["layers"]
+        * num_blocks
+        * planes
+        * preset["heads"]
+        * preset["block"]
+        * preset["head"]
+        * 2
+    )
+
+
+def _block_bytes(preset: dict[str, Any]) -> int:
+    return _backing_bytes(preset, 1)
+
+
+def _filled_backing(nbytes: int, seed: int) -> Any:
+    import torch
+
+    from moriio_native import allocate_kv_backing
+
+    backing = allocate_kv_backing(nbytes, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    backing.random_(0, 256, generator=gen)
+    return backing
+
+
+def _block_axis(preset: dict[str, Any], layout: str) -> int:
+    return 1 if preset["kind"] == "kv" and layout == "separated" else 0
+
+
+def _verify(
+    dst_views: list[Any], src_views: list[Any], dst_ids: Any, src_ids: Any, axis: int
+) -> bool:
+    import torch
+
+    for dst, src in zip(dst_views, src_views, strict=True):
+        got = dst.index_select(axis, dst_ids)
+        want = src.index_select(axis, src_ids)
+        if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+            return False
+    return True
+
+
+def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
+    """One side: registers its caches, exchanges metadata over ``conn``, then serves commands."""
+    import torch
+
+    import moriio_native as mn
+
+    torch.cuda.set_device(0)
+    preset = PRESETS[cfg["preset"]]
+    seed = {"prefill": 1, "decode": 2}[role]
+    backing = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), seed)
+    views = _layer_views(backing, preset, cfg["layout"], cfg["num_blocks"])
+    spec = mn.CacheSpec(
+        kind=preset["kind"],
+        block_size=preset["block"],
+        num_kv_heads=preset["heads"],
+        head_size=preset["head"],
+        dtype_bytes=2,
+    )
+    regs = [
+        mn.LayerRegistration(
+            f"layer.{i}", v, spec, (backing.data_ptr(), backing.numel()), memory="cuda", device=0
+        )
+        for i, v in enumerate(views)
+    ]
+    options = {"ucx_direct_copy": cfg["direct_copy"]}
+    engine = mn.Engine(role, "ucx", options=options, transfer_timeout=120.0)
+    conn.send(engine.register_kv_caches(regs))
+    engine.add_peer(conn.recv())
+    peer = "decode" if role == "prefill" else "prefill"
+    mirror_views = None
+    while True:
+        cmd, *args = conn.recv()
+        if cmd == "quit":
+            break
+        if cmd == "read":
+            tid, local, remote = args
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            engine.read(tid, peer, local, remote)
+            event = engine.wait([tid], timeout=300)[tid]
+            conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
+        elif cmd == "write":
+            tid, local, remote = args
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for i in range(len(views)):
+                engine.write_layer(tid, f"layer.{i}", peer, local, remote)
+            engine.seal(tid)
+            event = engine.wait([tid], timeout=300)[tid]
+            conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
+        elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
+            dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
+            if mirror_views is None:
+                mirror = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), 1)
+                mirror_views = _layer_views(mirror, preset, cfg["layout"], cfg["num_blocks"])
+            axis = _block_axis(preset, cfg["layout"])
+            conn.send(_verify(views, mirror_views, dst_ids, src_ids, axis))
+    engine.remove_peer(peer)
+    conn.send("bye")
+
+
+def _device_copy_gbps(nbytes: int) -> float:
+    """One large device-to-device torch copy: the HBM ceiling for moving ``nbytes``."""
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return best
+
+
+def _recv(conn: Any, procs: list[Any], timeout: float = 300.0) -> Any:
+    """The next message on ``conn``; raises when a worker died or nothing came in time."""
+    deadline = time.monotonic() + timeout
+    while not conn.poll(0.5):
+        dead = [p for p in procs if not p.is_alive()]
+        if dead:
+            raise RuntimeError(f"worker {dead[0].name} exited with code {dead[0].exitcode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no answer from a worker within {timeout} s")
+    return conn.recv()
+
+
+def run_case(
+    preset_name: str, layout: str, direct_copy: str, args: argparse.Namespace, device_copy: float
+) -> list[Row]:
+    import numpy as np
+
+    preset = PRESETS[preset_name]
+    cfg = {
+        "preset": preset_name,
+        "layout": layout,
+        "direct_copy": direct_copy,
+        "num_blocks": args.num_blocks,
+    }
+    ctx = mp.get_context("spawn")
+    conns = {}
+    procs = []
+    for role in ("prefill", "decode"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
+        p.start()
+        conns[role] = parent
+        procs.append(p)
+    conns["decode"].send(_recv(conns["prefill"], procs))
+    conns["prefill"].send(_recv(conns["decode"], procs))
+    rng = np.random.default_rng(7)
+    requests = args.requests if direct_copy == "auto" else args.per_run_requests
+    rows: list[Row] = []
+    path = "batched-kernel" if direct_copy == "auto" else "per-run ucx"
+    run_bytes = (
+        _block_bytes(preset)
+        // preset["layers"]
+        // (2 if layout == "separated" and preset["kind"] == "kv" else 1)
+    )
+    for op in ("read", "write"):
+        samples, verified, total = [], True, 0
+        for r in range(requests + 1):  # request 0 warms up (IPC mapping, kernel load)
+            src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
+            dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
+            tid = f"{op}-{direct_copy}-{r}"
+            if op == "read":  # decode pulls prefill's src into its dst
+                conns["decode"].send(("read", tid, dst, src))
+                seconds, state, nbytes, msg = _recv(conns["decode"], procs)
+            else:  # prefill pushes its src into decode's dst
+                conns["prefill"].send(("write", tid, src, dst))
+                seconds, state, nbytes, msg = _recv(conns["prefill"], procs)
+            if state != "done":
+                raise RuntimeError(f"{tid} ended {state}: {msg}")
+            conns["decode"].send(("verify", dst, src))
+            verified &= bool(_recv(conns["decode"], procs))
+            if r > 0:
+                samples.append(nbytes / seconds / 1e9)
+                total = nbytes
+        gbps = statistics.median(samples)
+        rows.append(
+            Row(
+                preset_name,
+                layout,
+                path,
+                op,
+                args.blocks,
+                run_bytes,
+                total,
+                gbps,
+                gbps / device_copy,
+                verified,
+            )
+        )
+    for role in ("prefill", "decode"):
+        conns[role].send(("quit",))
+    for role in ("prefill", "decode"):
+        _recv(conns[role], procs)
+    for p in procs:
+        p.join(timeout=30)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", action="append", choices=sorted(PRESETS))
+    parser.add_argument("--layout", default="standardized", choices=["standardized", "separated"])
+    parser.add_argument("--blocks", type=int, default=2048, help="blocks per request")
+    parser.add_argument("--num-blocks", type=int, default=4096, help="blocks per cache")
+    parser.add_argument("--requests", type=int, default=5)
+    parser.add_argument("--per-run-requests", type=int, default=1)
+    parser.add_argument("--skip-per-run", action="store_true")
+    parser.add_argument("--json", help="write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    presets = args.preset or ["llama3-8b", "deepseek-v3"]
+    rows: list[Row] = []
+    for name in presets:
+        request_bytes = _block_bytes(PRESETS[name]) * args.blocks
+        device_copy = _device_copy_gbps(request_bytes)
+        logger.info(
+            "%s: one %.2f GB torch device copy: %.0f GB/s", name, request_bytes / 1e9, device_copy
+        )
+        layout = args.layout if PRESETS[name]["kind"] == "kv" else "standardized"
+        for direct in ("auto",) if args.skip_per_run else ("auto", "off"):
+            for row in run_case(name, layout, direct, args, device_copy):
+                rows.append(row)
+                logger.info(
+                    "%-12s %-13s %-15s %-5s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx device "
+                    "copy, verified=%s",
+                    row.preset,
+                    row.layout,
+                    row.path,
+                    row.op,
+                    row.blocks,
+                    row.run_bytes,
+                    row.gbps,
+                    row.ratio_to_device_copy,
+                    row.verified,
+                )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0 if all(r.verified for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

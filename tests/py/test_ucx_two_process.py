@@ -1,0 +1,304 @@
+"""The UCX backend through the Engine between two real processes.
+
+Each process carves a mixed model (dense separated 5-D, dense interleaved, key-only latent
+[N, B, D], standardized [B, H, N, C] views, kernel-block splits, padded pages) out of ONE shared
+host backing, with a different physical layout on each side. Metadata travels through a
+multiprocessing Pipe. READ and WRITE go over UCX in both directions, and every byte of the
+destination backing -- gaps and untouched blocks included -- is compared with what plain numpy
+indexing says it must be; the source backing must be unchanged.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+from typing import Any
+
+import numpy as np
+import pytest
+
+import moriio_native as mn
+from moriio_native import kvcache as kc
+from moriio_native.layout import geometry_of
+
+pytestmark = pytest.mark.ucx
+
+NUM_BLOCKS = {"prefill": 12, "decode": 20}
+SEEDS = {"prefill": 11, "decode": 22}
+TIMEOUT = 60.0  # hang guard for one step, not a performance bound
+
+
+def _caches(role: str) -> kc.KvCacheSet:
+    caches = kc.build_caches(kc.mixed_model(role), num_blocks=NUM_BLOCKS[role])  # type: ignore[arg-type]
+    kc.fill_random(caches, SEEDS[role])
+    return caches
+
+
+class GpuMirror:
+    """A KvCacheSet's exact layout on ONE CUDA backing: every layer view at the same offset, with
+    the same shape and strides, inside a device copy of the host backing."""
+
+    def __init__(self, caches: kc.KvCacheSet) -> None:
+        import torch
+
+        self.caches = caches
+        self.backing = torch.from_numpy(caches.backing).to("cuda")
+
+    def registrations(self) -> list[mn.LayerRegistration]:
+        host, dev = self.caches.backing.ctypes.data, self.backing.data_ptr()
+        out = []
+        for reg in self.caches.registrations():
+            g = geometry_of(reg.tensor)
+            gpu_view = mn.TensorGeometry(
+                g.shape, g.strides, g.element_size, g.data_ptr - host + dev
+            )
+            out.append(
+                mn.LayerRegistration(
+                    reg.name,
+                    gpu_view,
+                    reg.spec,
+                    allocation=(dev, self.backing.numel()),
+                    memory="cuda",
+                    device=0,
+                )
+            )
+        return out
+
+    def to_host(self) -> np.ndarray:
+        return self.backing.cpu().numpy()
+
+
+def _child_main(conn: Connection, role: str, options: dict[str, str], cuda: bool = False) -> None:
+    """The other process: owns `role`'s caches (host, or mirrored on the GPU) and engine; serves
+    commands from the test."""
+    caches = _caches(role)
+    gpu = GpuMirror(caches) if cuda else None
+    engine = mn.Engine(f"{role}-child", "ucx", options)
+    conn.send(engine.register_kv_caches(gpu.registrations() if gpu else caches.registrations()))
+    while True:
+        cmd, arg = conn.recv()
+        try:
+            if cmd == "add_peer":
+                conn.send(engine.add_peer(arg))
+            elif cmd == "dump":
+                conn.send(gpu.to_host().tobytes() if gpu else caches.backing.tobytes())
+            elif cmd == "refill":
+                kc.fill_random(caches, SEEDS[role])
+                if gpu:
+                    gpu.backing.copy_(torch_from(caches.backing))
+                conn.send(True)
+            elif cmd == "read":
+                tid, peer, local, remote = arg
+                engine.read(tid, peer, local, remote)
+                event = engine.wait([tid], timeout=TIMEOUT).get(tid)
+                conn.send(None if event is None else (event.state, event.message, event.bytes))
+            elif cmd == "quit":
+                conn.send(True)
+                return
+        except mn.MoriioError as exc:  # report, keep serving
+            conn.send(exc)
+
+
+def torch_from(array: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(array)
+
+
+class Child:
+    """The test's handle on the other process."""
+
+    def __init__(self, role: str, options: dict[str, str], cuda: bool = False) -> None:
+        ctx = mp.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(
+            target=_child_main, args=(child_conn, role, options, cuda), daemon=True
+        )
+        self.proc.start()
+        child_conn.close()
+        self.engine_id = f"{role}-child"
+        self.metadata: bytes = self.call_raw()
+
+    def call_raw(self) -> Any:
+        if not self.conn.poll(TIMEOUT):
+            raise TimeoutError("child process did not answer")
+        out = self.conn.recv()
+        if isinstance(out, BaseException):
+            raise out
+        return out
+
+    def call(self, cmd: str, arg: Any = None) -> Any:
+        self.conn.send((cmd, arg))
+        return self.call_raw()
+
+    def backing(self) -> np.ndarray:
+        return np.frombuffer(self.call("dump"), dtype=np.uint8)
+
+    def stop(self) -> int | None:
+        if self.proc.is_alive():
+            self.call("quit")
+        self.proc.join(TIMEOUT)
+        return self.proc.exitcode
+
+
+# Default: cma zero-copy on this VM. posix,self: no cma, so UCX emulates RMA with active
+# messages that only progress while the passive side's progress thread runs (emulation allowed
+# explicitly: the backend disables it by default on machines with a CUDA driver).
+OPTION_SETS = {
+    "default": {},
+    "emulated_rma": {"ucx_tls": "posix,self", "ucx_config": "PROTO_EMULATION_ENABLE=y"},
+}
+
+
+@pytest.fixture(params=list(OPTION_SETS), ids=list(OPTION_SETS))
+def options(request: pytest.FixtureRequest) -> dict[str, str]:
+    return dict(OPTION_SETS[request.param])
+
+
+@pytest.fixture()
+def prefill_child(options: dict[str, str]) -> Iterator[Child]:
+    child = Child("prefill", options)
+    yield child
+    assert child.stop() == 0
+
+
+@pytest.fixture()
+def decode_child(options: dict[str, str]) -> Iterator[Child]:
+    child = Child("decode", options)
+    yield child
+    assert child.stop() == 0
+
+
+def test_decode_reads_from_prefill_process(prefill_child: Child, options: dict[str, str]) -> None:
+    decode = _caches("decode")
+    engine = mn.Engine("decode-0", "ucx", options)
+    engine.register_kv_caches(decode.registrations())
+    assert engine.add_peer(prefill_child.metadata) == "prefill-child"
+    prefill_replica = _caches("prefill")  # same seed: the child's bytes
+
+    local, remote = [19, 0, 5, 6, 7, 12], [3, 7, 1, 11, 0, 2]
+    expected = kc.expected_after_copy(decode, prefill_replica, local, remote)
+    assert not np.array_equal(decode.backing, expected)  # the transfer has something to do
+    engine.read("req-r1", "prefill-child", local, remote)
+    event = engine.wait(["req-r1"], timeout=TIMEOUT)["req-r1"]
+    assert (event.kind, event.state) == ("read", "done"), event.message
+    assert event.bytes == len(local) * prefill_replica.total_block_bytes()
+    np.testing.assert_array_equal(decode.backing, expected)
+    np.testing.assert_array_equal(prefill_child.backing(), prefill_replica.backing)
+
+    # A second read into the same blocks from other remote blocks, only two layers.
+    expected = kc.expected_after_copy(
+        decode, prefill_replica, [0, 1], [10, 9], layers=["dense.2", "indexer.0"]
+    )
+    engine.read("req-r2", "prefill-child", [0, 1], [10, 9], layers=["dense.2", "indexer.0"])
+    assert engine.wait(["req-r2"], timeout=TIMEOUT)["req-r2"].state == "done"
+    np.testing.assert_array_equal(decode.backing, expected)
+
+
+def test_prefill_writes_layer_by_layer_into_decode_process(
+    decode_child: Child, options: dict[str, str]
+) -> None:
+    prefill = _caches("prefill")
+    engine = mn.Engine("prefill-0", "ucx", options)
+    engine.register_kv_caches(prefill.registrations())
+    assert engine.add_peer(decode_child.metadata) == "decode-child"
+    decode_replica = _caches("decode")
+
+    local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
+    expected = kc.expected_after_copy(decode_replica, prefill, remote, local)
+    assert not np.array_equal(decode_replica.backing, expected)
+    for shape in prefill.shapes:
+        assert engine.write_layer("req-w", shape.name, "decode-child", local, remote) is True
+    engine.seal("req-w")
+    event = engine.wait(["req-w"], timeout=TIMEOUT)["req-w"]
+    assert (event.kind, event.state) == ("write", "done"), event.message
+    assert event.bytes == len(local) * prefill.total_block_bytes()
+    np.testing.assert_array_equal(decode_child.backing(), expected)
+    np.testing.assert_array_equal(prefill.backing, _caches("prefill").backing)
+
+
+def test_child_pulls_while_this_process_only_waits(
+    decode_child: Child, options: dict[str, str]
+) -> None:
+    """This process (prefill) is the passive target: its Python thread blocks in a pipe read
+    while the decode process reads from it."""
+    prefill = _caches("prefill")
+    engine = mn.Engine("prefill-0", "ucx", options)
+    meta = engine.register_kv_caches(prefill.registrations())
+    assert decode_child.call("add_peer", meta) == "prefill-0"
+    decode_replica = _caches("decode")
+
+    local, remote = [3, 4, 18, 9], [11, 0, 6, 5]
+    expected = kc.expected_after_copy(decode_replica, prefill, local, remote)
+    state, message, nbytes = decode_child.call("read", ("req-c", "prefill-0", local, remote))
+    assert state == "done", message
+    assert nbytes == len(local) * prefill.total_block_bytes()
+    np.testing.assert_array_equal(decode_child.backing(), expected)
+
+
+def test_bad_remote_blocks_fail_before_anything_moves(
+    prefill_child: Child, options: dict[str, str]
+) -> None:
+    decode = _caches("decode")
+    engine = mn.Engine("decode-0", "ucx", options)
+    engine.register_kv_caches(decode.registrations())
+    engine.add_peer(prefill_child.metadata)
+    before = decode.backing.copy()
+    with pytest.raises(mn.OutOfRangeError, match="remote block id 12"):
+        engine.read("req-bad", "prefill-child", [0], [12])
+    assert engine.poll_events(timeout=0.1) == []
+    np.testing.assert_array_equal(decode.backing, before)
+
+
+def test_unavailable_library_is_reported_not_raised_at_import() -> None:
+    infos = {i.name: i for i in mn.available_backends({"ucx_library_path": "/no/such/ucx/lib"})}
+    assert infos["ucx"].available is False
+    assert "/no/such/ucx/lib" in infos["ucx"].reason
+    with pytest.raises(mn.BackendUnavailableError, match="/no/such/ucx/lib"):
+        mn.Engine("x", "ucx", {"ucx_library_path": "/no/such/ucx/lib"})
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
+def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
+    """Both processes hold their caches in CUDA memory (one device backing each, same mixed
+    layouts as above): READ and WRITE over UCX (CUDA IPC on one node; the gather/scatter kernel
+    when ucp_rkey_ptr maps the peer), every byte of both backings checked."""
+    prefill_child = Child("prefill", {}, cuda=True)
+    try:
+        decode = _caches("decode")
+        gpu = GpuMirror(decode)
+        engine = mn.Engine("decode-0", "ucx", {})
+        engine.register_kv_caches(gpu.registrations())
+        assert engine.add_peer(prefill_child.metadata) == "prefill-child"
+        prefill_replica = _caches("prefill")
+
+        local, remote = [19, 0, 5, 6, 7, 12], [3, 7, 1, 11, 0, 2]
+        expected = kc.expected_after_copy(decode, prefill_replica, local, remote)
+        engine.read("req-gr", "prefill-child", local, remote)
+        event = engine.wait(["req-gr"], timeout=TIMEOUT)["req-gr"]
+        assert (event.kind, event.state) == ("read", "done"), event.message
+        np.testing.assert_array_equal(gpu.to_host(), expected)
+        np.testing.assert_array_equal(prefill_child.backing(), prefill_replica.backing)
+
+        # WRITE back: decode pushes its (now updated) blocks into the prefill process.
+        decode.backing[:] = gpu.to_host()
+        engine.add_peer(prefill_child.metadata)  # same metadata again: a no-op
+        expected_remote = kc.expected_after_copy(prefill_replica, decode, [4, 8], [2, 18])
+        for shape in decode.shapes:
+            assert engine.write_layer("req-gw", shape.name, "prefill-child", [2, 18], [4, 8])
+        engine.seal("req-gw")
+        event = engine.wait(["req-gw"], timeout=TIMEOUT)["req-gw"]
+        assert (event.kind, event.state) == ("write", "done"), event.message
+        np.testing.assert_array_equal(prefill_child.backing(), expected_remote)
+    finally:
+        assert prefill_child.stop() == 0
