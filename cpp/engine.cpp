@@ -141,6 +141,7 @@ struct Engine::Impl {
   std::unordered_map<std::string, std::size_t> layer_index;
   std::vector<std::uint8_t> metadata;
   std::map<std::string, std::shared_ptr<const Peer>, std::less<>> peers;
+  std::map<std::uint64_t, MemoryRange> allocations;  // AllocateBacking, by address
 
   ~Impl() {
     // The backend completes (or aborts) every outstanding batch while the tracker still lives.
@@ -480,6 +481,42 @@ std::vector<TransferEvent> Engine::PollEvents(std::size_t max_events,
         impl_->tracker->Drain(max_events, std::clamp(left, std::chrono::milliseconds(0), kSlice));
     if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
   }
+}
+
+Result<MemoryRange> Engine::AllocateBacking(std::uint64_t size, MemoryKind kind, int device) {
+  Impl& d = *impl_;
+  if (!d.backend->capabilities().allocation) {
+    return FailedPreconditionError("backend '" + d.config.backend + "' does not allocate memory");
+  }
+  MORIIO_ASSIGN_OR_RETURN(MemoryRange range, d.backend->Allocate(size, kind, device));
+  std::lock_guard lock(d.mu);
+  d.allocations[range.address] = range;
+  return range;
+}
+
+Status Engine::FreeBacking(std::uint64_t address) {
+  Impl& d = *impl_;
+  MemoryRange range;
+  {
+    std::lock_guard lock(d.mu);
+    auto it = d.allocations.find(address);
+    if (it == d.allocations.end()) {
+      return NotFoundError("no backing allocated by this engine at " + std::to_string(address));
+    }
+    if (d.registered) {
+      for (const LocalRegion& r : d.regions) {
+        if (r.range.address >= address && r.range.address < address + it->second.size) {
+          return FailedPreconditionError("the backing at " + std::to_string(address) +
+                                         " holds registered KV caches");
+        }
+      }
+    }
+    range = it->second;
+  }
+  MORIIO_RETURN_IF_ERROR(d.backend->Free(range));
+  std::lock_guard lock(d.mu);
+  d.allocations.erase(address);
+  return Status::OK();
 }
 
 std::size_t Engine::PendingTransfers() const { return impl_->tracker->pending(); }

@@ -185,6 +185,24 @@ void BindEngine(py::module_& m) {
              }
            },
            py::arg("max_events"), py::arg("timeout"))
+      .def("allocate_backing",
+           [](Engine& e, std::uint64_t size, const std::string& memory, int device) {
+             Result<MemoryRange> range = [&] {
+               py::gil_scoped_release release;
+               return e.AllocateBacking(size, ParseMemory(memory), device);
+             }();
+             MemoryRange r = Unwrap(std::move(range));
+             return py::make_tuple(r.address, r.size);
+           },
+           py::arg("size"), py::arg("memory"), py::arg("device"))
+      .def("free_backing", [](Engine& e, std::uint64_t address) {
+        Status st;
+        {
+          py::gil_scoped_release release;
+          st = e.FreeBacking(address);
+        }
+        ThrowIfError(st);
+      })
       .def_property_readonly("pending_transfers", &Engine::PendingTransfers);
 }
 

@@ -108,6 +108,15 @@ class Engine {
   /// binding releases the GIL and checks signals between slices).
   std::vector<TransferEvent> PollEvents(std::size_t max_events, std::chrono::milliseconds wait);
 
+  /// Allocates `size` bytes through the backend for use as a KV backing: memory the transport
+  /// reaches fastest (UCX: shared memory that same-host peers map and copy with memcpy). Valid
+  /// until FreeBacking or the engine's destruction. FailedPrecondition when the backend cannot
+  /// allocate (capabilities().allocation is false). Blocks while the backend allocates.
+  Result<MemoryRange> AllocateBacking(std::uint64_t size, MemoryKind kind = MemoryKind::kHost,
+                                      int device = -1);
+  /// Frees memory from AllocateBacking (FailedPrecondition while KV caches registered in it).
+  Status FreeBacking(std::uint64_t address);
+
   /// Number of transfers not yet terminal.
   std::size_t PendingTransfers() const;
 

@@ -9,11 +9,14 @@ per layer) transfers. Every transfer ends in exactly one :class:`TransferEvent` 
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
+
+import numpy as np
 
 from moriio_native import _native
 from moriio_native._native import CacheSpec, TransferEvent
@@ -123,6 +126,18 @@ class Engine:
     @property
     def pending_transfers(self) -> int:
         return self._engine.pending_transfers
+
+    def allocate_host_backing(self, nbytes: int) -> np.ndarray:
+        """A ``numpy.uint8`` array of ``nbytes`` allocated by the backend for a KV backing.
+
+        With UCX this is shared memory that a peer on the same host maps and copies with plain
+        memcpy (the fastest host path). The array keeps this engine alive; the memory lives until
+        the engine is destroyed. FailedPreconditionError when the backend cannot allocate.
+        """
+        address, size = self._engine.allocate_backing(int(nbytes), "host", -1)
+        buffer = (ctypes.c_uint8 * size).from_address(address)
+        buffer._owner = self  # type: ignore[attr-defined]  # the memory dies with the engine
+        return np.frombuffer(buffer, dtype=np.uint8)
 
     def register_kv_caches(self, layers: Sequence[LayerRegistration]) -> bytes:
         """Register every layer (once) and return the metadata peers need."""

@@ -13,7 +13,7 @@ transferred byte.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -180,9 +180,13 @@ def build_caches(
     num_blocks: int,
     page_size: int = DEFAULT_PAGE_SIZE,
     gap_bytes: int = 256,
+    allocate: Callable[[int], np.ndarray] | None = None,
 ) -> KvCacheSet:
     """Carve every layer out of ONE page-aligned backing; layers start ``gap_bytes`` apart (so
-    views are not page aligned, as in vLLM) and the gaps are bytes no transfer may touch."""
+    views are not page aligned, as in vLLM) and the gaps are bytes no transfer may touch.
+
+    ``allocate(nbytes)`` provides the backing (e.g. ``Engine.allocate_host_backing``, memory a
+    same-host peer copies with memcpy); default: a page-aligned numpy allocation."""
     offsets: list[int] = []
     total = 0
     for s in shapes:
@@ -190,9 +194,10 @@ def build_caches(
         offsets.append(total)
         total += _layer_strides(s, num_blocks)[2]
     total += gap_bytes
-    cache = KvCacheSet(
-        backing=allocate_host_backing(total, page_size), shapes=list(shapes), num_blocks=num_blocks
-    )
+    backing = allocate(total) if allocate else allocate_host_backing(total, page_size)
+    if backing.nbytes < total or backing.dtype != np.uint8:
+        raise ValueError(f"the backing must be at least {total} uint8 bytes, got {backing.nbytes}")
+    cache = KvCacheSet(backing=backing[:total], shapes=list(shapes), num_blocks=num_blocks)
     for s, off in zip(shapes, offsets, strict=True):
         logical, strides, _ = _layer_strides(s, num_blocks)
         cache.views[s.name] = _strided(

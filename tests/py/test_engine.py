@@ -252,3 +252,8 @@ def test_unknown_backend_and_available_backends() -> None:
     assert {"ucx", "mori"} <= set(names)
     for b in names.values():
         assert b.available or b.reason
+
+
+def test_backend_without_allocation_refuses_clearly() -> None:
+    with pytest.raises(mn.FailedPreconditionError, match="'loopback' does not allocate"):
+        mn.Engine("x", "loopback").allocate_host_backing(4096)

@@ -29,8 +29,13 @@ SEEDS = {"prefill": 11, "decode": 22}
 TIMEOUT = 60.0  # hang guard for one step, not a performance bound
 
 
-def _caches(role: str) -> kc.KvCacheSet:
-    caches = kc.build_caches(kc.mixed_model(role), num_blocks=NUM_BLOCKS[role])  # type: ignore[arg-type]
+def _caches(role: str, engine: mn.Engine | None = None) -> kc.KvCacheSet:
+    """`role`'s caches; on memory the engine's backend allocated when `engine` is given."""
+    caches = kc.build_caches(
+        kc.mixed_model(role),  # type: ignore[arg-type]
+        num_blocks=NUM_BLOCKS[role],
+        allocate=engine.allocate_host_backing if engine else None,
+    )
     kc.fill_random(caches, SEEDS[role])
     return caches
 
@@ -69,12 +74,14 @@ class GpuMirror:
         return self.backing.cpu().numpy()
 
 
-def _child_main(conn: Connection, role: str, options: dict[str, str], cuda: bool = False) -> None:
-    """The other process: owns `role`'s caches (host, or mirrored on the GPU) and engine; serves
-    commands from the test."""
-    caches = _caches(role)
-    gpu = GpuMirror(caches) if cuda else None
+def _child_main(
+    conn: Connection, role: str, options: dict[str, str], cuda: bool = False, allocate: bool = False
+) -> None:
+    """The other process: owns `role`'s caches (host, mirrored on the GPU, or on memory its UCX
+    backend allocated) and engine; serves commands from the test."""
     engine = mn.Engine(f"{role}-child", "ucx", options)
+    caches = _caches(role, engine if allocate else None)
+    gpu = GpuMirror(caches) if cuda else None
     conn.send(engine.register_kv_caches(gpu.registrations() if gpu else caches.registrations()))
     while True:
         cmd, arg = conn.recv()
@@ -109,11 +116,13 @@ def torch_from(array: np.ndarray) -> Any:
 class Child:
     """The test's handle on the other process."""
 
-    def __init__(self, role: str, options: dict[str, str], cuda: bool = False) -> None:
+    def __init__(
+        self, role: str, options: dict[str, str], cuda: bool = False, allocate: bool = False
+    ) -> None:
         ctx = mp.get_context("spawn")
         self.conn, child_conn = ctx.Pipe()
         self.proc = ctx.Process(
-            target=_child_main, args=(child_conn, role, options, cuda), daemon=True
+            target=_child_main, args=(child_conn, role, options, cuda, allocate), daemon=True
         )
         self.proc.start()
         child_conn.close()
@@ -249,6 +258,32 @@ def test_bad_remote_blocks_fail_before_anything_moves(
         engine.read("req-bad", "prefill-child", [0], [12])
     assert engine.poll_events(timeout=0.1) == []
     np.testing.assert_array_equal(decode.backing, before)
+
+
+def test_both_sides_on_backend_allocated_memory_read_and_write() -> None:
+    """Backings allocated by UCX (shared memory): the peer maps them and copies with memcpy."""
+    child = Child("prefill", {}, allocate=True)
+    try:
+        engine = mn.Engine("decode-0", "ucx")
+        decode = _caches("decode", engine)
+        engine.register_kv_caches(decode.registrations())
+        engine.add_peer(child.metadata)
+        child.call("add_peer", engine.local_metadata())
+        prefill_replica = _caches("prefill")
+        local, remote = [19, 0, 5, 6], [3, 7, 1, 11]
+        expected = kc.expected_after_copy(decode, prefill_replica, local, remote)
+        engine.read("alloc-r", "prefill-child", local, remote)
+        assert engine.wait(["alloc-r"], timeout=TIMEOUT)["alloc-r"].state == "done"
+        np.testing.assert_array_equal(decode.backing, expected)
+        # WRITE from this process into the child's allocated memory.
+        expected_child = kc.expected_after_copy(prefill_replica, decode, [2, 4], [0, 19])
+        for shape in decode.shapes:
+            assert engine.write_layer("alloc-w", shape.name, "prefill-child", [0, 19], [2, 4])
+        engine.seal("alloc-w")
+        assert engine.wait(["alloc-w"], timeout=TIMEOUT)["alloc-w"].state == "done"
+        np.testing.assert_array_equal(child.backing(), expected_child)
+    finally:
+        assert child.stop() == 0
 
 
 def test_unavailable_library_is_reported_not_raised_at_import() -> None:
