@@ -93,6 +93,36 @@ void Writer::MapHeader(std::uint32_t n) {
   }
 }
 
+void Writer::Write(const Value& v) {
+  struct Visitor {
+    Writer& w;
+    void operator()(std::monostate) const { w.Nil(); }
+    void operator()(bool b) const { w.Bool(b); }
+    void operator()(std::int64_t i) const { w.Int(i); }
+    void operator()(std::uint64_t u) const { w.UInt(u); }
+    void operator()(const std::string& s) const { w.Str(s); }
+    void operator()(const Bytes& b) const { w.Bin(b); }
+    void operator()(const Array& a) const {
+      w.ArrayHeader(static_cast<std::uint32_t>(a.size()));
+      for (const Value& x : a) w.Write(x);
+    }
+    void operator()(const Map& m) const {
+      w.MapHeader(static_cast<std::uint32_t>(m.size()));
+      for (const auto& [k, x] : m) {
+        w.Str(k);
+        w.Write(x);
+      }
+    }
+  };
+  std::visit(Visitor{*this}, v.v);
+}
+
+Bytes Encode(const Value& v) {
+  Writer w;
+  w.Write(v);
+  return w.Take();
+}
+
 namespace {
 
 class Reader {

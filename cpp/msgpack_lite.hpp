@@ -27,6 +27,8 @@ class Writer {
   void Bin(std::span<const std::uint8_t> b);
   void ArrayHeader(std::uint32_t n);
   void MapHeader(std::uint32_t n);
+  /// Writes a decoded value back (round trip: Decode(Encode(v)) == v).
+  void Write(const struct Value& v);
   std::vector<std::uint8_t> Take() { return std::move(buf_); }
 
  private:
@@ -44,6 +46,9 @@ using Bytes = std::vector<std::uint8_t>;
 struct Value {
   std::variant<std::monostate, bool, std::int64_t, std::uint64_t, std::string, Bytes, Array, Map> v;
 };
+
+/// Encodes one value.
+Bytes Encode(const Value& v);
 
 /// Decodes exactly one value spanning all of `data`. Errors are InvalidArgument with the byte
 /// offset. Thread-safe.

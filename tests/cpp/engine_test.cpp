@@ -440,31 +440,6 @@ std::vector<std::string> Names(const Side& side) {
   return names;
 }
 
-// Re-encodes a decoded msgpack value (the test's own writer over msgpack_lite's Writer).
-void Encode(mp::Writer& w, const mp::Value& v) {
-  struct Visitor {
-    mp::Writer& w;
-    void operator()(std::monostate) const { w.Nil(); }
-    void operator()(bool b) const { w.Bool(b); }
-    void operator()(std::int64_t i) const { w.Int(i); }
-    void operator()(std::uint64_t u) const { w.UInt(u); }
-    void operator()(const std::string& s) const { w.Str(s); }
-    void operator()(const mp::Bytes& b) const { w.Bin(b); }
-    void operator()(const mp::Array& a) const {
-      w.ArrayHeader(static_cast<std::uint32_t>(a.size()));
-      for (const mp::Value& x : a) Encode(w, x);
-    }
-    void operator()(const mp::Map& m) const {
-      w.MapHeader(static_cast<std::uint32_t>(m.size()));
-      for (const auto& [k, x] : m) {
-        w.Str(k);
-        Encode(w, x);
-      }
-    }
-  };
-  std::visit(Visitor{w}, v.v);
-}
-
 mp::Value* FieldOf(mp::Value& map, const std::string& key) {
   for (auto& [k, v] : std::get<mp::Map>(map.v)) {
     if (k == key) return &v;
@@ -480,9 +455,7 @@ std::vector<std::uint8_t> WithTopLevelString(const std::vector<std::uint8_t>& me
   mp::Value* f = FieldOf(v, key);
   EXPECT_NE(f, nullptr) << key;
   if (f) f->v = value;
-  mp::Writer w;
-  Encode(w, v);
-  return w.Take();
+  return mp::Encode(v);
 }
 
 // ---- the fixture: P and D registered and connected both ways -------------------------------

@@ -41,36 +41,6 @@ using Bytes = std::vector<std::uint8_t>;
 
 // ---- msgpack helpers -----------------------------------------------------------------------
 
-void Encode(mp::Writer& w, const mp::Value& v) {
-  struct Visitor {
-    mp::Writer& w;
-    void operator()(std::monostate) const { w.Nil(); }
-    void operator()(bool b) const { w.Bool(b); }
-    void operator()(std::int64_t i) const { w.Int(i); }
-    void operator()(std::uint64_t u) const { w.UInt(u); }
-    void operator()(const std::string& s) const { w.Str(s); }
-    void operator()(const mp::Bytes& b) const { w.Bin(b); }
-    void operator()(const mp::Array& a) const {
-      w.ArrayHeader(static_cast<std::uint32_t>(a.size()));
-      for (const mp::Value& x : a) Encode(w, x);
-    }
-    void operator()(const mp::Map& m) const {
-      w.MapHeader(static_cast<std::uint32_t>(m.size()));
-      for (const auto& [k, x] : m) {
-        w.Str(k);
-        Encode(w, x);
-      }
-    }
-  };
-  std::visit(Visitor{w}, v.v);
-}
-
-Bytes Encoded(const mp::Value& v) {
-  mp::Writer w;
-  Encode(w, v);
-  return w.Take();
-}
-
 // Structural equality, with the decoder's rule that non-negative integers are uint64.
 bool Same(const mp::Value& a, const mp::Value& b) {
   auto as_u = [](const mp::Value& v) -> std::optional<std::uint64_t> {
@@ -315,11 +285,11 @@ TEST(MsgpackLite, RandomValuesRoundTrip) {
   std::mt19937_64 rng(7);
   for (int iter = 0; iter < 3000; ++iter) {
     const mp::Value v = RandomValue(rng, 3);
-    const Bytes bytes = Encoded(v);
+    const Bytes bytes = mp::Encode(v);
     Result<mp::Value> back = mp::Decode(bytes, 8);
     ASSERT_TRUE(back.ok()) << "iteration " << iter << ": " << back.status().ToString();
     ASSERT_TRUE(Same(v, *back)) << "iteration " << iter << " decoded to a different value";
-    ASSERT_EQ(Encoded(*back), bytes) << "iteration " << iter;
+    ASSERT_EQ(mp::Encode(*back), bytes) << "iteration " << iter;
   }
 }
 
@@ -329,7 +299,7 @@ TEST(MsgpackLite, LongContainersUseTheirWideHeaders) {
   mp::Map m(70000);
   for (std::size_t i = 0; i < m.size(); ++i) m[i].first = "k" + std::to_string(i);
   for (const mp::Value& v : {mp::Value{a}, mp::Value{m}}) {
-    const Bytes bytes = Encoded(v);
+    const Bytes bytes = mp::Encode(v);
     Result<mp::Value> back = mp::Decode(bytes);
     ASSERT_TRUE(back.ok()) << back.status().ToString();
     EXPECT_TRUE(Same(v, *back));
@@ -413,13 +383,13 @@ TEST(MetadataFuzz, DecoderAndAddPeerSurviveHostileBytes) {
           Undo discard;
           MutateLeaf(copy, rng, discard);
           MutateLeaf(copy, rng, discard);
-          input = Encoded(copy);
+          input = mp::Encode(copy);
         } else {
           MutateLeaf(seed, rng, undo);
-          input = Encoded(seed);
+          input = mp::Encode(seed);
           undo.Restore();
           if (iter % 4096 == 3) {
-            ASSERT_EQ(Encoded(seed), valid) << "the seed was not restored";
+            ASSERT_EQ(mp::Encode(seed), valid) << "the seed was not restored";
           }
         }
       }

@@ -88,36 +88,6 @@ std::unique_ptr<Engine> NewEngine(const std::string& id) {
 
 // ---- msgpack editing -----------------------------------------------------------------------
 
-void Encode(mp::Writer& w, const mp::Value& v) {
-  struct Visitor {
-    mp::Writer& w;
-    void operator()(std::monostate) const { w.Nil(); }
-    void operator()(bool b) const { w.Bool(b); }
-    void operator()(std::int64_t i) const { w.Int(i); }
-    void operator()(std::uint64_t u) const { w.UInt(u); }
-    void operator()(const std::string& s) const { w.Str(s); }
-    void operator()(const mp::Bytes& b) const { w.Bin(b); }
-    void operator()(const mp::Array& a) const {
-      w.ArrayHeader(static_cast<std::uint32_t>(a.size()));
-      for (const mp::Value& x : a) Encode(w, x);
-    }
-    void operator()(const mp::Map& m) const {
-      w.MapHeader(static_cast<std::uint32_t>(m.size()));
-      for (const auto& [k, x] : m) {
-        w.Str(k);
-        Encode(w, x);
-      }
-    }
-  };
-  std::visit(Visitor{w}, v.v);
-}
-
-Bytes Encoded(const mp::Value& v) {
-  mp::Writer w;
-  Encode(w, v);
-  return w.Take();
-}
-
 mp::Value& At(mp::Value& map, const std::string& key) {
   for (auto& [k, v] : std::get<mp::Map>(map.v)) {
     if (k == key) return v;
@@ -204,7 +174,7 @@ class BadMetadata : public ::testing::Test {
     EXPECT_EQ(ours_->PendingTransfers(), 0u);
   }
   void ExpectRejected(const mp::Value& tree, StatusCode code, const std::string& needle = "") {
-    ExpectRejected(Encoded(tree), code, needle);
+    ExpectRejected(mp::Encode(tree), code, needle);
   }
 
   Buffer our_buffer_ = NewBuffer();
@@ -232,7 +202,7 @@ TEST_F(BadMetadata, ValidMetadataDecodesToWhatWasRegistered) {
   EXPECT_EQ(m->regions[0].range.address + m->layers[0].offset, base + 200);
   EXPECT_EQ(m->regions[0].range.address + m->layers[1].offset, base + 200 + 1024 + 40);
   // The re-encoded tree (the path every test below takes) is still accepted.
-  ASSERT_TRUE(detail::DecodeMetadata(Encoded(Tree())).ok());
+  ASSERT_TRUE(detail::DecodeMetadata(mp::Encode(Tree())).ok());
 }
 
 TEST_F(BadMetadata, EveryTruncatedPrefixIsRejected) {
@@ -357,7 +327,7 @@ TEST_F(BadMetadata, LayerRangeOutsideItsRegionIsRejected) {
     // Exactly at the end is fine for the decoder (it fits); we only check it is not rejected.
     mp::Value t = Tree();
     At(Layer(t, layer), "offset") = UInt(region_size - span);
-    EXPECT_TRUE(detail::DecodeMetadata(Encoded(t)).ok()) << name << " ending exactly at the end";
+    EXPECT_TRUE(detail::DecodeMetadata(mp::Encode(t)).ok()) << name << " ending exactly at the end";
   }
   // A region shrunk below its layers.
   mp::Value t = Tree();

@@ -55,6 +55,16 @@ class MoRIIONativeStats(KVConnectorStats):
         else:
             self.data["failures"] += 1
 
+    def record_transfer(self, event: Any) -> None:
+        """Count a successful transfer from its engine TransferEvent."""
+        self.record(
+            ok=True,
+            nbytes=event.bytes,
+            seconds=event.seconds,
+            runs=event.runs,
+            batches=event.batches,
+        )
+
     def record_handshake(self) -> None:
         self.data["handshakes"] += 1
 

@@ -545,13 +545,7 @@ class WorkerSide:
             read.state, read.message = state, message
             ok = state == "done"
             if ok and event is not None:
-                self._stats.record(
-                    ok=True,
-                    nbytes=event.bytes,
-                    seconds=event.seconds,
-                    runs=event.runs,
-                    batches=event.batches,
-                )
+                self._stats.record_transfer(event)
             elif not ok:
                 self._stats.record(ok=False)
                 self._invalid_blocks.update(read.task.local_block_ids)
@@ -789,13 +783,7 @@ class WorkerSide:
             return
         job.terminal = True
         if ok and event is not None:
-            self._stats.record(
-                ok=True,
-                nbytes=event.bytes,
-                seconds=event.seconds,
-                runs=event.runs,
-                batches=event.batches,
-            )
+            self._stats.record_transfer(event)
         elif not ok and not job.released:
             self._stats.record(ok=False)
         if job.peer is not None and not job.released:
