@@ -3,8 +3,9 @@
 // Why one kernel: every cudaMemcpyAsync or UCX cuda_ipc operation costs ~5-7 us of host CPU, so
 // a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
 // copies (research/ucx_gpu_probe.md). Here the run table goes to the GPU once and the grid walks
-// it: each CTA takes 64 KiB chunks of runs, copies with 16-byte vector loads and stores when the
-// two ends share their alignment, and the host only polls an event.
+// it: each CTA takes 64 KiB chunks of runs (listed on the host, one table entry per chunk),
+// copies with 16-byte vector loads and stores when the two ends share their alignment, and the
+// host only polls an event.
 
 #include <cuda_runtime.h>
 
@@ -21,6 +22,9 @@ namespace {
 
 constexpr std::uint64_t kChunk = 64 * 1024;  // bytes of one run one CTA copies per step
 constexpr int kThreads = 256;
+// A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a CTA finds its
+// work with one load (a binary search over prefix sums cost ~16 dependent loads per chunk).
+constexpr int kChunkBits = 20;  // runs up to 2^20 chunks = 64 GiB
 
 void SetError(char* err, size_t len, const char* what, cudaError_t e) {
   if (err != nullptr && len != 0) {
@@ -77,28 +81,19 @@ __device__ void CopyChunk(unsigned char* d, const unsigned char* s, std::uint64_
   CopyBytes(d + done, s + done, n - done);
 }
 
-/// table: dst[n], src[n], size[n], first_chunk[n + 1] (prefix sums of ceil(size / kChunk)).
-__global__ void GatherScatter(const std::uint64_t* table, std::uint64_t n) {
+/// table: dst[n], src[n], size[n], chunk[chunks] (see kChunkBits).
+__global__ void GatherScatter(const std::uint64_t* table, std::uint64_t n, std::uint64_t chunks) {
   const std::uint64_t* dst = table;
   const std::uint64_t* src = table + n;
   const std::uint64_t* size = table + 2 * n;
-  const std::uint64_t* first = table + 3 * n;
-  const std::uint64_t chunks = first[n];
+  const std::uint64_t* chunk = table + 3 * n;
   for (std::uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    // The run holding chunk c: the last r with first[r] <= c (same for every thread of the CTA).
-    std::uint64_t lo = 0, hi = n;
-    while (hi - lo > 1) {
-      const std::uint64_t mid = (lo + hi) / 2;
-      if (first[mid] <= c) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
-    const std::uint64_t off = (c - first[lo]) * kChunk;
-    const std::uint64_t len = Min(kChunk, size[lo] - off);
-    CopyChunk(reinterpret_cast<unsigned char*>(dst[lo] + off),
-              reinterpret_cast<const unsigned char*>(src[lo] + off), len);
+    const std::uint64_t entry = chunk[c];
+    const std::uint64_t r = entry >> kChunkBits;
+    const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
+    const std::uint64_t len = Min(kChunk, size[r] - off);
+    CopyChunk(reinterpret_cast<unsigned char*>(dst[r] + off),
+              reinterpret_cast<const unsigned char*>(src[r] + off), len);
   }
 }
 
@@ -191,7 +186,16 @@ int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
     SetError(err, err_len, "cudaSetDevice", e);
     return -1;
   }
-  const std::size_t words = 4 * count + 1;
+  std::uint64_t chunks = 0;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::uint64_t run_chunks = (sizes[i] + kChunk - 1) / kChunk;
+    if (run_chunks >> kChunkBits) {
+      if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "a run exceeds 64 GiB");
+      return -1;
+    }
+    chunks += run_chunks;
+  }
+  const std::size_t words = 3 * count + chunks;
   Slot slot;
   for (std::size_t i = 0; i < q->free_slots.size(); ++i) {
     if (q->free_slots[i].capacity >= words) {
@@ -216,12 +220,10 @@ int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
   std::memcpy(t, dst, count * 8);
   std::memcpy(t + count, src, count * 8);
   std::memcpy(t + 2 * count, sizes, count * 8);
-  std::uint64_t* first = t + 3 * count;
-  first[0] = 0;
+  std::uint64_t* chunk = t + 3 * count;
   for (std::uint64_t i = 0; i < count; ++i) {
-    first[i + 1] = first[i] + (sizes[i] + kChunk - 1) / kChunk;
+    for (std::uint64_t j = 0; j * kChunk < sizes[i]; ++j) *chunk++ = (i << kChunkBits) | j;
   }
-  const std::uint64_t chunks = first[count];
 
   cudaEvent_t ev = nullptr;
   if (!q->free_events.empty()) {
@@ -238,7 +240,7 @@ int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
   e = cudaMemcpyAsync(slot.device, slot.host, words * 8, cudaMemcpyHostToDevice, q->stream);
   if (e == cudaSuccess && chunks > 0) {
     const auto grid = static_cast<unsigned>(std::min<std::uint64_t>(chunks, q->max_ctas));
-    GatherScatter<<<grid, kThreads, 0, q->stream>>>(slot.device, count);
+    GatherScatter<<<grid, kThreads, 0, q->stream>>>(slot.device, count, chunks);
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaEventRecord(ev, q->stream);
