@@ -91,38 +91,63 @@ struct Peer {
   std::vector<std::uint8_t> metadata;
 };
 
-// Collects one request's runs per (local region, remote region) into batches.
+// Collects one request's runs per (local region, remote region) into batches: every layer's
+// plan is stamped straight into its region pair's batch, shifted to region offsets.
 class BatchBuilder {
  public:
+  using Key = std::pair<std::uint32_t, std::uint32_t>;  // (local region, peer region)
+
+  struct Entry {
+    std::shared_ptr<Batch> batch;
+    CopyPlan plan;
+    std::int64_t bytes = 0;
+    std::size_t reserve = 0;
+  };
+
   BatchBuilder(TransferOp op, const Peer& peer) : op_(op), peer_(peer) {}
 
-  void Add(const LocalLayer& layer, const Peer::LayerLink& link, const CopyPlan& plan) {
-    auto& batch = batches_[{layer.region, link.region}];
-    if (!batch) {
-      batch = std::make_shared<Batch>();
-      batch->op = op_;
-      batch->peer = peer_.handle;
-      batch->remote_region = peer_.remote_regions[link.region];
-    }
-    for (std::size_t i = 0; i < plan.size(); ++i) {
-      batch->local_offsets.push_back(plan.local_offsets[i] + layer.offset);
-      batch->remote_offsets.push_back(plan.remote_offsets[i] + link.offset);
-      batch->sizes.push_back(plan.sizes[i]);
-    }
-    bytes_[{layer.region, link.region}] += plan.total_bytes();
+  /// Room for this layer's runs in its batch; calling it for every layer before Add keeps Add
+  /// free of reallocation.
+  void Reserve(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
+    entries_[{layer.region, link.region}].reserve += pairs.size() * link.tmpl.runs().size();
   }
 
-  // Local region handles are filled by the caller, which knows them.
-  std::map<std::pair<std::uint32_t, std::uint32_t>, std::shared_ptr<Batch>>& batches() {
-    return batches_;
+  /// Stamps the layer's block template for `pairs`. On error nothing was added.
+  Status Add(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
+    Entry& e = entries_[{layer.region, link.region}];
+    if (!e.batch) {
+      e.batch = std::make_shared<Batch>();
+      e.batch->op = op_;
+      e.batch->peer = peer_.handle;
+      e.batch->remote_region = peer_.remote_regions[link.region];
+      e.plan.local_offsets.reserve(e.reserve);
+      e.plan.remote_offsets.reserve(e.reserve);
+      e.plan.sizes.reserve(e.reserve);
+    }
+    MORIIO_RETURN_IF_ERROR(
+        AppendBlockCopies(link.tmpl, pairs, layer.offset, link.offset, &e.plan));
+    std::int64_t per_block = 0;
+    for (const CopyRun& r : link.tmpl.runs()) per_block += r.size;
+    e.bytes += per_block * static_cast<std::int64_t>(pairs.size());
+    return Status::OK();
   }
-  std::int64_t bytes(const std::pair<std::uint32_t, std::uint32_t>& key) { return bytes_[key]; }
+
+  /// The batches, their runs moved in; local region handles are filled by the caller.
+  std::map<Key, Entry>& Finish() {
+    for (auto& [key, e] : entries_) {
+      if (!e.batch) continue;
+      e.batch->local_offsets = std::move(e.plan.local_offsets);
+      e.batch->remote_offsets = std::move(e.plan.remote_offsets);
+      e.batch->sizes = std::move(e.plan.sizes);
+    }
+    std::erase_if(entries_, [](const auto& kv) { return !kv.second.batch; });
+    return entries_;
+  }
 
  private:
   TransferOp op_;
   const Peer& peer_;
-  std::map<std::pair<std::uint32_t, std::uint32_t>, std::shared_ptr<Batch>> batches_;
-  std::map<std::pair<std::uint32_t, std::uint32_t>, std::int64_t> bytes_;
+  std::map<Key, Entry> entries_;
 };
 
 }  // namespace
@@ -171,12 +196,13 @@ struct Engine::Impl {
   // failed so the transfer still ends exactly once.
   void SubmitAll(BatchBuilder& builder, std::string_view transfer_id,
                  const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t)>& add) {
-    for (auto& [key, batch] : builder.batches()) {
-      batch->local_region = regions[key.first].handle;
-      Result<std::uint64_t> token = add(builder.bytes(key), static_cast<std::int64_t>(batch->sizes.size()));
+    for (auto& [key, entry] : builder.Finish()) {
+      Batch& batch = *entry.batch;
+      batch.local_region = regions[key.first].handle;
+      Result<std::uint64_t> token = add(entry.bytes, static_cast<std::int64_t>(batch.sizes.size()));
       if (!token.ok()) return;  // the transfer ended meanwhile (deadline, abort)
-      batch->token = *token;
-      Status st = backend->Submit(batch);
+      batch.token = *token;
+      Status st = backend->Submit(entry.batch);
       if (!st.ok()) {
         tracker->OnBatchComplete(*token,
                                  st.WithContext("transfer '" + std::string(transfer_id) + "'"));
@@ -411,11 +437,10 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   }
   // Plan every layer before anything starts: a bad block id fails the call, not the transfer.
   BatchBuilder builder(TransferOp::kRead, *peer);
-  CopyPlan plan;
+  for (std::size_t i : selected) builder.Reserve(d.layers[i], peer->links[i], *pairs);
   for (std::size_t i : selected) {
-    Status st = StampBlockCopies(peer->links[i].tmpl, *pairs, &plan);
+    Status st = builder.Add(d.layers[i], peer->links[i], *pairs);
     if (!st.ok()) return st.WithContext(ctx);
-    builder.Add(d.layers[i], peer->links[i], plan);
   }
   MORIIO_RETURN_IF_ERROR(d.tracker->BeginRead(transfer_id, peer->id));
   d.SubmitAll(builder, transfer_id, [&](std::int64_t bytes, std::int64_t runs) {
@@ -437,24 +462,23 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
   if (!pairs.ok()) return pairs.status().WithContext(ctx);
-  CopyPlan plan;
-  Status st = StampBlockCopies(peer->links[i].tmpl, *pairs, &plan);
-  if (!st.ok()) return st.WithContext(ctx);
   BatchBuilder builder(TransferOp::kWrite, *peer);
-  builder.Add(d.layers[i], peer->links[i], plan);
-  auto& [key, batch] = *builder.batches().begin();
+  Status st = builder.Add(d.layers[i], peer->links[i], *pairs);
+  if (!st.ok()) return st.WithContext(ctx);
+  auto& [key, entry] = *builder.Finish().begin();
+  Batch& batch = *entry.batch;
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
-      d.tracker->ScheduleWrite(transfer_id, layer, peer->id, plan.total_bytes(),
-                               static_cast<std::int64_t>(plan.size())));
+      d.tracker->ScheduleWrite(transfer_id, layer, peer->id, entry.bytes,
+                               static_cast<std::int64_t>(batch.sizes.size())));
   if (!token) return false;
-  if (plan.size() == 0) {
+  if (batch.sizes.empty()) {
     d.tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
     return true;
   }
-  batch->local_region = d.regions[key.first].handle;
-  batch->token = *token;
-  Status submitted = d.backend->Submit(batch);
+  batch.local_region = d.regions[key.first].handle;
+  batch.token = *token;
+  Status submitted = d.backend->Submit(entry.batch);
   if (!submitted.ok()) d.tracker->OnBatchComplete(*token, submitted.WithContext(ctx));
   return true;
 }

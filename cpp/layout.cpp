@@ -553,18 +553,21 @@ namespace {
 
 // Sorts a plan by local offset and merges runs that became adjacent. Only layouts whose block
 // groups interleave across blocks need this; it keeps StampBlockCopies correct for all inputs.
-void SortAndMerge(CopyPlan* plan) {
-  const std::size_t n = plan->size();
+void SortAndMerge(CopyPlan* plan, std::size_t from) {
+  const std::size_t n = plan->size() - from;
   std::vector<CopyRun> runs(n);
   for (std::size_t i = 0; i < n; ++i) {
-    runs[i] = {plan->local_offsets[i], plan->remote_offsets[i], plan->sizes[i]};
+    runs[i] = {plan->local_offsets[from + i], plan->remote_offsets[from + i],
+               plan->sizes[from + i]};
   }
   std::sort(runs.begin(), runs.end(),
             [](const CopyRun& a, const CopyRun& b) { return a.local < b.local; });
   std::vector<CopyRun> merged;
   merged.reserve(n);
   for (const CopyRun& r : runs) AppendRun(&merged, r);
-  plan->clear();
+  plan->local_offsets.resize(from);
+  plan->remote_offsets.resize(from);
+  plan->sizes.resize(from);
   for (const CopyRun& r : merged) {
     plan->local_offsets.push_back(r.local);
     plan->remote_offsets.push_back(r.remote);
@@ -576,6 +579,11 @@ void SortAndMerge(CopyPlan* plan) {
 
 Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, CopyPlan* out) {
   out->clear();
+  return AppendBlockCopies(tmpl, pairs, 0, 0, out);
+}
+
+Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
+                         std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out) {
   if (pairs.empty()) return Status::OK();
   if (pairs.max_local() >= tmpl.local_num_blocks()) {
     return OutOfRangeError("local block id " + std::to_string(pairs.max_local()) +
@@ -588,7 +596,8 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
                            "': the remote cache holds " +
                            std::to_string(tmpl.remote_num_blocks()) + " blocks");
   }
-  const std::size_t upper = pairs.size() * tmpl.runs().size();
+  const std::size_t from = out->size();
+  const std::size_t upper = from + pairs.size() * tmpl.runs().size();
   out->local_offsets.reserve(upper);
   out->remote_offsets.reserve(upper);
   out->sizes.reserve(upper);
@@ -608,8 +617,8 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
   };
   for (const auto& [begin, end] : tmpl.groups()) {
     for (std::size_t i = 0; i < local.size(); ++i) {
-      const std::int64_t lbase = local[i] * ls;
-      const std::int64_t rbase = remote[i] * rs;
+      const std::int64_t lbase = local_shift + local[i] * ls;
+      const std::int64_t rbase = remote_shift + remote[i] * rs;
       for (std::uint32_t k = begin; k < end; ++k) {
         const std::int64_t l = lbase + runs[k].local;
         const std::int64_t r = rbase + runs[k].remote;
@@ -629,7 +638,7 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
     }
   }
   flush();
-  if (!sorted) SortAndMerge(out);
+  if (!sorted) SortAndMerge(out, from);
   return Status::OK();
 }
 

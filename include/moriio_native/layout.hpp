@@ -190,6 +190,12 @@ struct CopyPlan {
 /// block: `out` grows at most once.
 Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, CopyPlan* out);
 
+/// Like StampBlockCopies, but appends to `out` with every local offset shifted by `local_shift`
+/// and every remote offset by `remote_shift` (offsets relative to a region holding the layer).
+/// The appended runs are sorted and merged among themselves; on error nothing is appended.
+Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
+                         std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out);
+
 /// Convenience: Build + Create + Stamp.
 Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,
                                  std::span<const std::int64_t> local_ids,
