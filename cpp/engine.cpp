@@ -219,8 +219,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
     return InvalidArgumentError("engine_id must be 1.." + std::to_string(detail::kMaxNameBytes) +
                                 " bytes");
   }
-  if (config.transfer_timeout.count() <= 0) {
-    return InvalidArgumentError("transfer_timeout must be positive");
+  if (config.transfer_timeout.count() <= 0 || config.transfer_timeout > std::chrono::hours(24 * 365)) {
+    return InvalidArgumentError("transfer_timeout must be positive and at most a year");
   }
   auto impl = std::make_unique<Impl>();
   impl->tracker = std::make_shared<detail::TransferTracker>(config.transfer_timeout,
@@ -299,6 +299,10 @@ Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
       local[members[k]].offset = static_cast<std::int64_t>(plan.placements[k].offset);
     }
   }
+  EngineMetadata meta;
+  meta.engine_id = d.config.engine_id;
+  meta.backend = d.config.backend;
+  MORIIO_ASSIGN_OR_RETURN(meta.address, d.backend->LocalAddress());
   // Register; undo on the first failure so a failed call leaves nothing behind.
   for (std::size_t i = 0; i < regions.size(); ++i) {
     Result<RegisteredRegion> reg = d.backend->RegisterMemory(regions[i].range);
@@ -309,10 +313,6 @@ Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
     regions[i].handle = reg->handle;
     regions[i].key = std::move(reg->remote_key);
   }
-  EngineMetadata meta;
-  meta.engine_id = d.config.engine_id;
-  meta.backend = d.config.backend;
-  MORIIO_ASSIGN_OR_RETURN(meta.address, d.backend->LocalAddress());
   for (const LocalRegion& r : regions) meta.regions.push_back({r.range, r.aligned, r.key});
   for (const LocalLayer& l : local) meta.layers.push_back({l.layout, l.region, l.offset});
   std::lock_guard lock(d.mu);
@@ -494,9 +494,12 @@ Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abor
 std::vector<TransferEvent> Engine::PollEvents(std::size_t max_events,
                                               std::chrono::milliseconds wait) {
   if (max_events == 0) return {};
-  // Deadlines are checked in slices so a wait never sleeps past one.
+  // Deadlines are checked in slices so a wait never sleeps past one. A day bounds "forever" so
+  // now + wait cannot overflow.
   constexpr std::chrono::milliseconds kSlice{10};
-  const auto until = std::chrono::steady_clock::now() + wait;
+  const auto until =
+      std::chrono::steady_clock::now() + std::clamp(wait, std::chrono::milliseconds(0),
+                                                    std::chrono::milliseconds(86'400'000));
   while (true) {
     impl_->tracker->ExpireDeadlines(std::chrono::steady_clock::now());
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
@@ -526,6 +529,9 @@ Status Engine::FreeBacking(std::uint64_t address) {
     auto it = d.allocations.find(address);
     if (it == d.allocations.end()) {
       return NotFoundError("no backing allocated by this engine at " + std::to_string(address));
+    }
+    if (d.registering) {
+      return FailedPreconditionError("KV caches are being registered; free the backing after");
     }
     if (d.registered) {
       for (const LocalRegion& r : d.regions) {

@@ -500,41 +500,42 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
                                 std::to_string(remote_ids.size()));
   }
   const std::size_t n = local_ids.size();
-  remote_ids = remote_ids.first(n);
+  // Validate a private copy: the caller's memory may change meanwhile (another thread).
   BlockPairs pairs;
+  pairs.local_.assign(local_ids.begin(), local_ids.end());
+  pairs.remote_.assign(remote_ids.begin(), remote_ids.begin() + static_cast<std::ptrdiff_t>(n));
+  std::vector<std::int64_t>& local = pairs.local_;
+  std::vector<std::int64_t>& remote = pairs.remote_;
   bool local_sorted = true;
   bool remote_ascending = true;
   for (std::size_t i = 0; i < n; ++i) {
-    if (local_ids[i] < 0 || remote_ids[i] < 0) {
+    if (local[i] < 0 || remote[i] < 0) {
       return OutOfRangeError("negative block id at position " + std::to_string(i) + ": local " +
-                             std::to_string(local_ids[i]) + ", remote " +
-                             std::to_string(remote_ids[i]));
+                             std::to_string(local[i]) + ", remote " + std::to_string(remote[i]));
     }
-    pairs.max_local_ = std::max(pairs.max_local_, local_ids[i]);
-    pairs.max_remote_ = std::max(pairs.max_remote_, remote_ids[i]);
+    pairs.max_local_ = std::max(pairs.max_local_, local[i]);
+    pairs.max_remote_ = std::max(pairs.max_remote_, remote[i]);
     if (i > 0) {
-      local_sorted &= local_ids[i - 1] < local_ids[i];
-      remote_ascending &= remote_ids[i - 1] < remote_ids[i];
+      local_sorted &= local[i - 1] < local[i];
+      remote_ascending &= remote[i - 1] < remote[i];
     }
   }
   // Strictly ascending ids cannot repeat; otherwise check explicitly.
   if (!local_sorted) {
-    if (std::int64_t dup = FirstDuplicate(local_ids, pairs.max_local_); dup >= 0) {
+    if (std::int64_t dup = FirstDuplicate(local, pairs.max_local_); dup >= 0) {
       return InvalidArgumentError("duplicate local block id " + std::to_string(dup));
     }
   }
   if (!remote_ascending) {
-    if (std::int64_t dup = FirstDuplicate(remote_ids, pairs.max_remote_); dup >= 0) {
+    if (std::int64_t dup = FirstDuplicate(remote, pairs.max_remote_); dup >= 0) {
       return InvalidArgumentError("duplicate remote block id " + std::to_string(dup));
     }
   }
-  pairs.local_.assign(local_ids.begin(), local_ids.end());
-  pairs.remote_.assign(remote_ids.begin(), remote_ids.end());
   if (!local_sorted) {
     std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
-    for (std::size_t i = 0; i < n; ++i) zipped[i] = {local_ids[i], remote_ids[i]};
+    for (std::size_t i = 0; i < n; ++i) zipped[i] = {local[i], remote[i]};
     std::sort(zipped.begin(), zipped.end());  // local ids are unique: a total order
-    for (std::size_t i = 0; i < n; ++i) std::tie(pairs.local_[i], pairs.remote_[i]) = zipped[i];
+    for (std::size_t i = 0; i < n; ++i) std::tie(local[i], remote[i]) = zipped[i];
   }
   return pairs;
 }

@@ -1,5 +1,6 @@
 #include "msgpack_lite.hpp"
 
+#include <algorithm>
 #include <limits>
 #include <unordered_set>
 
@@ -127,7 +128,8 @@ namespace {
 
 class Reader {
  public:
-  explicit Reader(std::span<const std::uint8_t> data) : data_(data) {}
+  Reader(std::span<const std::uint8_t> data, std::uint64_t max_elements)
+      : data_(data), max_elements_(max_elements) {}
 
   Status Read(Value* out, int depth) {
     if (depth < 0) return Error("nesting deeper than allowed");
@@ -217,26 +219,46 @@ class Reader {
     pos_ += n;
     return Status::OK();
   }
-  // Every element takes at least one byte, so a count above the remaining input is a lie.
+  // Every element takes at least one byte: the elements declared by all open containers together
+  // may not exceed the bytes left, and no more than `max_elements` values are built in all. So a
+  // lying header fails before it costs memory, and containers grow as their elements arrive.
+  Status Declare(std::uint64_t n) {
+    if (outstanding_ + n > data_.size() - pos_) {
+      return Error(std::to_string(n) + " declared elements exceed the input");
+    }
+    if (elements_ + n > max_elements_) return Error("more elements than allowed");
+    outstanding_ += n;
+    elements_ += n;
+    return Status::OK();
+  }
+  Status ReadElement(Value* v, int depth) {
+    --outstanding_;
+    return Read(v, depth);
+  }
   Status ReadArray(Value* out, std::uint64_t n, int depth) {
-    MORIIO_RETURN_IF_ERROR(Need(n));
-    Array items(n);
-    for (Value& item : items) MORIIO_RETURN_IF_ERROR(Read(&item, depth - 1));
+    MORIIO_RETURN_IF_ERROR(Declare(n));
+    Array items;
+    items.reserve(std::min<std::uint64_t>(n, 4096));
+    for (std::uint64_t i = 0; i < n; ++i) {
+      MORIIO_RETURN_IF_ERROR(ReadElement(&items.emplace_back(), depth - 1));
+    }
     out->v = std::move(items);
     return Status::OK();
   }
   Status ReadMap(Value* out, std::uint64_t n, int depth) {
-    MORIIO_RETURN_IF_ERROR(Need(2 * n));  // n < 2^32: no overflow
-    Map entries(n);
+    MORIIO_RETURN_IF_ERROR(Declare(2 * n));  // n < 2^32: no overflow
+    Map entries;
+    entries.reserve(std::min<std::uint64_t>(n, 4096));
     std::unordered_set<std::string> keys;
-    for (auto& [key, value] : entries) {
+    for (std::uint64_t i = 0; i < n; ++i) {
+      auto& [key, value] = entries.emplace_back();
       Value k;
-      MORIIO_RETURN_IF_ERROR(Read(&k, depth - 1));
+      MORIIO_RETURN_IF_ERROR(ReadElement(&k, depth - 1));
       if (!std::holds_alternative<std::string>(k.v)) return Error("map key is not a string");
       key = std::get<std::string>(std::move(k.v));
       // Two parsers that pick different duplicates would disagree on what a peer said.
       if (!keys.insert(key).second) return Error("duplicate map key '" + key + "'");
-      MORIIO_RETURN_IF_ERROR(Read(&value, depth - 1));
+      MORIIO_RETURN_IF_ERROR(ReadElement(&value, depth - 1));
     }
     out->v = std::move(entries);
     return Status::OK();
@@ -244,6 +266,9 @@ class Reader {
 
   std::span<const std::uint8_t> data_;
   std::size_t pos_ = 0;
+  std::uint64_t outstanding_ = 0;  // declared by open containers, not yet read
+  std::uint64_t elements_ = 0;     // declared in all
+  const std::uint64_t max_elements_;
 };
 
 std::string Expected(std::string_view what, std::string_view type) {
@@ -252,8 +277,9 @@ std::string Expected(std::string_view what, std::string_view type) {
 
 }  // namespace
 
-Result<Value> Decode(std::span<const std::uint8_t> data, int max_depth) {
-  Reader reader(data);
+Result<Value> Decode(std::span<const std::uint8_t> data, int max_depth,
+                     std::uint64_t max_elements) {
+  Reader reader(data, max_elements);
   Value v;
   MORIIO_RETURN_IF_ERROR(reader.Read(&v, max_depth));
   if (!reader.AtEnd()) {

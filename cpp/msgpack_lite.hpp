@@ -50,9 +50,10 @@ struct Value {
 /// Encodes one value.
 Bytes Encode(const Value& v);
 
-/// Decodes exactly one value spanning all of `data`. Errors are InvalidArgument with the byte
-/// offset. Thread-safe.
-Result<Value> Decode(std::span<const std::uint8_t> data, int max_depth = 8);
+/// Decodes exactly one value spanning all of `data`, building at most `max_elements` container
+/// elements. Errors are InvalidArgument with the byte offset. Thread-safe.
+Result<Value> Decode(std::span<const std::uint8_t> data, int max_depth = 8,
+                     std::uint64_t max_elements = std::uint64_t{1} << 22);
 
 // Typed access for schema checks; errors name `what`.
 Result<const Map*> AsMap(const Value& v, std::string_view what);

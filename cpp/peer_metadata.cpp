@@ -70,9 +70,11 @@ Result<RegionRecord> DecodeRegion(const mp::Value& v, std::size_t i) {
   MORIIO_ASSIGN_OR_RETURN(f, mp::Field(*m, "key", what));
   MORIIO_ASSIGN_OR_RETURN(r.key, mp::AsBin(*f, what + " key"));
   std::uint64_t end = 0;
-  if (r.range.size == 0 || r.range.address == 0 ||
+  // Offsets inside a region are int64 everywhere downstream: sizes stay far below 2^63.
+  constexpr std::uint64_t kMaxRegionBytes = std::uint64_t{1} << 56;
+  if (r.range.size == 0 || r.range.address == 0 || r.range.size > kMaxRegionBytes ||
       __builtin_add_overflow(r.range.address, r.range.size, &end)) {
-    return InvalidArgumentError(what + ": empty, null or overflowing range");
+    return InvalidArgumentError(what + ": empty, null, oversized or overflowing range");
   }
   if (kind > static_cast<std::uint64_t>(MemoryKind::kRocm)) {
     return InvalidArgumentError(what + ": unknown memory kind " + std::to_string(kind));

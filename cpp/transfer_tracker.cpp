@@ -134,12 +134,21 @@ void TransferTracker::ExpireDeadlines(Clock::time_point now) {
   std::lock_guard lock(mu_);
   for (auto it = pending_.begin(); it != pending_.end();) {
     auto next = std::next(it);
-    if (it->second.deadline <= now) {
-      const std::string id = it->first;
-      Transfer& t = it->second;
+    Transfer& t = it->second;
+    const std::string id = it->first;
+    if (!t.timed_out && t.deadline <= now) {
+      // Phase 1: the transfer has failed, but its blocks may still be written by batches in
+      // flight; it ends once they drain, so the caller never reuses blocks a transport writes.
+      t.timed_out = true;
+      t.open = false;
+      t.deadline = now + timeout_;
+      MaybeFinishLocked(id, t);
+    } else if (t.timed_out && t.deadline <= now) {
+      // Phase 2: the transport never finished them; end anyway rather than hang, and say so.
       FinishLocked(id, t, TransferState::kTimedOut,
-                   "no completion within " + std::to_string(timeout_.count()) + " ms (" +
-                       std::to_string(t.in_flight) + " batches still in flight)");
+                   "no completion within " + std::to_string(2 * timeout_.count()) + " ms; " +
+                       std::to_string(t.in_flight) +
+                       " batches still in flight: their blocks may still be written");
     }
     it = next;
   }
@@ -149,6 +158,11 @@ bool TransferTracker::MaybeFinishLocked(const std::string& id, Transfer& t) {
   if (t.in_flight > 0) return false;
   if (t.aborted) {
     FinishLocked(id, t, TransferState::kAborted, "aborted");
+    return true;
+  }
+  if (t.timed_out) {
+    FinishLocked(id, t, TransferState::kTimedOut,
+                 "no completion within " + std::to_string(timeout_.count()) + " ms");
     return true;
   }
   const bool write_failed = t.kind == TransferKind::kWrite && !t.failure.empty();

@@ -24,11 +24,12 @@ namespace moriio_native::detail {
 /// - a transfer is "open" while batches may still be added: a READ until CloseRead, a WRITE
 ///   until Seal;
 /// - it never ends while any of its batches is in flight (blocks stay untouched until the
-///   transport is done with them), except by deadline;
-/// - aborted beats failed beats done; done needs closed and every batch finished;
+///   transport is done with them); past its deadline it ends as timed out once they drain, or
+///   after a second timeout period regardless (the event then says batches were in flight);
+/// - aborted beats timed out beats failed beats done; done needs closed and every batch
+///   finished;
 /// - a WRITE fails (once) as soon as a write failed and none is in flight; later writes of it are
 ///   refused;
-/// - at the deadline a pending transfer ends as timed out at once;
 /// - events for unknown or terminal transfers are ignored; the last `terminal_history` terminal
 ///   ids are remembered so late writes/seals for them are ignored rather than starting anew.
 class TransferTracker {
@@ -81,6 +82,7 @@ class TransferTracker {
     Clock::time_point deadline;
     bool open = true;
     bool aborted = false;
+    bool timed_out = false;  // deadline passed; ends when in-flight batches drain
     std::string failure;  // first failure message; non-empty = failed
     std::int64_t in_flight = 0;
     std::int64_t batches = 0;

@@ -10,7 +10,6 @@ namespace py = pybind11;
 namespace moriio_native::bindings {
 namespace {
 
-using IdArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
 
 MemoryKind ParseMemory(const std::string& memory) {
   if (memory == "host" || memory == "cpu") return MemoryKind::kHost;
@@ -18,11 +17,6 @@ MemoryKind ParseMemory(const std::string& memory) {
   if (memory == "rocm" || memory == "hip") return MemoryKind::kRocm;
   throw StatusError(
       InvalidArgumentError("memory must be 'host', 'cuda' or 'rocm', got '" + memory + "'"));
-}
-
-std::span<const std::int64_t> Ids(const IdArray& a) {
-  if (a.ndim() != 1) throw StatusError(InvalidArgumentError("block ids must be one-dimensional"));
-  return {a.data(), static_cast<std::size_t>(a.size())};
 }
 
 std::span<const std::uint8_t> ByteSpan(const py::bytes& b, std::string& holder) {
@@ -93,6 +87,10 @@ void BindEngine(py::module_& m) {
       .def(py::init([](std::string engine_id, std::string backend,
                        const std::map<std::string, std::string>& options, double timeout_s,
                        std::size_t terminal_history, std::uint64_t page_size) {
+             if (!(timeout_s > 0) || timeout_s > 365.0 * 86400.0) {
+               throw StatusError(InvalidArgumentError(
+                   "transfer_timeout must be a positive number of seconds, at most a year"));
+             }
              EngineConfig config;
              config.engine_id = std::move(engine_id);
              config.backend = std::move(backend);
@@ -140,10 +138,10 @@ void BindEngine(py::module_& m) {
       })
       .def("peers", &Engine::Peers)
       .def("read",
-           [](Engine& e, const std::string& tid, const std::string& peer, const IdArray& local,
-              const IdArray& remote, const std::vector<std::string>& layers) {
-             const auto local_ids = Ids(local);
-             const auto remote_ids = Ids(remote);
+           [](Engine& e, const std::string& tid, const std::string& peer, const py::object& local,
+              const py::object& remote, const std::vector<std::string>& layers) {
+             const auto local_ids = BlockIds(local, "local_blocks");
+             const auto remote_ids = BlockIds(remote, "remote_blocks");
              Status st;
              {
                py::gil_scoped_release release;
@@ -153,9 +151,9 @@ void BindEngine(py::module_& m) {
            })
       .def("write_layer",
            [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
-              const IdArray& local, const IdArray& remote) {
-             const auto local_ids = Ids(local);
-             const auto remote_ids = Ids(remote);
+              const py::object& local, const py::object& remote) {
+             const auto local_ids = BlockIds(local, "local_blocks");
+             const auto remote_ids = BlockIds(remote, "remote_blocks");
              Result<bool> r = [&] {
                py::gil_scoped_release release;
                return e.WriteLayer(tid, layer, peer, local_ids, remote_ids);
@@ -168,9 +166,12 @@ void BindEngine(py::module_& m) {
       .def("abort", [](Engine& e, const std::string& tid) { ThrowIfError(e.Abort(tid)); })
       .def("poll_events",
            [](Engine& e, std::size_t max_events, double timeout_s) {
+             if (max_events == 0) return std::vector<TransferEvent>{};
+             // NaN or negative: no wait; longer than a day: a day (no float->int overflow).
+             const double wait_s = timeout_s > 0 ? std::min(timeout_s, 86400.0) : 0.0;
              // Wait in short slices with the GIL released, checking for Ctrl-C between them.
              const auto until = std::chrono::steady_clock::now() +
-                                std::chrono::microseconds(static_cast<std::int64_t>(timeout_s * 1e6));
+                                std::chrono::microseconds(static_cast<std::int64_t>(wait_s * 1e6));
              while (true) {
                const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                    until - std::chrono::steady_clock::now());
@@ -187,9 +188,10 @@ void BindEngine(py::module_& m) {
            py::arg("max_events"), py::arg("timeout"))
       .def("allocate_backing",
            [](Engine& e, std::uint64_t size, const std::string& memory, int device) {
+             const MemoryKind kind = ParseMemory(memory);
              Result<MemoryRange> range = [&] {
                py::gil_scoped_release release;
-               return e.AllocateBacking(size, ParseMemory(memory), device);
+               return e.AllocateBacking(size, kind, device);
              }();
              MemoryRange r = Unwrap(std::move(range));
              return py::make_tuple(r.address, r.size);

@@ -11,7 +11,6 @@ namespace py = pybind11;
 namespace moriio_native::bindings {
 namespace {
 
-using IdArray = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>;
 
 CacheKind ParseKind(const std::string& kind) {
   if (kind == "kv") return CacheKind::kKeyValue;
@@ -27,11 +26,6 @@ KvPlaneAxis ParsePlaneAxis(const std::string& axis) {
   if (axis == "interleaved") return KvPlaneAxis::kInterleaved;
   throw StatusError(InvalidArgumentError(
       "kv_plane_axis must be 'auto', 'separated' or 'interleaved', got '" + axis + "'"));
-}
-
-std::span<const std::int64_t> Ids(const IdArray& a) {
-  if (a.ndim() != 1) throw StatusError(InvalidArgumentError("block ids must be one-dimensional"));
-  return {a.data(), static_cast<std::size_t>(a.size())};
 }
 
 // A view of one of the plan's arrays that keeps the plan object alive.
@@ -163,8 +157,8 @@ void BindLayout(py::module_& m) {
 
   py::class_<BlockPairs>(m, "BlockPairs",
                          "A request's (local, remote) block pairs, validated and sorted once.")
-      .def(py::init([](const IdArray& local_ids, const IdArray& remote_ids) {
-             return Unwrap(BlockPairs::Create(Ids(local_ids), Ids(remote_ids)));
+      .def(py::init([](const py::object& local_ids, const py::object& remote_ids) {
+             return Unwrap(BlockPairs::Create(BlockIds(local_ids, "local_block_ids"), BlockIds(remote_ids, "remote_block_ids")));
            }),
            py::arg("local_block_ids"), py::arg("remote_block_ids"))
       .def("__len__", &BlockPairs::size);
@@ -180,9 +174,9 @@ void BindLayout(py::module_& m) {
         return out;
       })
       .def("plan",
-           [](const BlockTemplate& t, const IdArray& local_ids, const IdArray& remote_ids) {
-             const auto local = Ids(local_ids);
-             const auto remote = Ids(remote_ids);
+           [](const BlockTemplate& t, const py::object& local_ids, const py::object& remote_ids) {
+             const auto local = BlockIds(local_ids, "local_block_ids");
+             const auto remote = BlockIds(remote_ids, "remote_block_ids");
              auto plan = std::make_shared<CopyPlan>();
              Status st;
              {

@@ -140,8 +140,11 @@ class Engine:
         return np.frombuffer(buffer, dtype=np.uint8)
 
     def register_kv_caches(self, layers: Sequence[LayerRegistration]) -> bytes:
-        """Register every layer (once) and return the metadata peers need."""
-        return self._engine.register_kv_caches([layer._native() for layer in layers])
+        """Register every layer (once) and return the metadata peers need. The engine keeps the
+        layers' tensors alive: their memory stays registered and reachable by peers."""
+        metadata = self._engine.register_kv_caches([layer._native() for layer in layers])
+        self._registered = tuple(layers)
+        return metadata
 
     def local_metadata(self) -> bytes:
         return self._engine.local_metadata()

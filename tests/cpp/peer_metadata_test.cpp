@@ -516,3 +516,35 @@ TEST(MsgpackLite, DuplicateMapKeyIsRejected) {
 
 }  // namespace
 }  // namespace moriio_native
+
+namespace moriio_native {
+namespace {
+
+// Nested containers whose headers each claim as many elements as bytes remain: refused at the
+// header, before anything is allocated for them (formerly ~2.5 GiB per level).
+TEST(MsgpackLite, LyingContainerHeadersFailBeforeAllocating) {
+  std::vector<std::uint8_t> bytes;
+  for (int level = 0; level < 8; ++level) {
+    bytes.push_back(0xdd);  // array32
+    for (int k = 0; k < 4; ++k) bytes.push_back(0x7f);
+  }
+  bytes.resize(bytes.size() + (1 << 20), 0x01);  // 1 MiB of fixints: far fewer than declared
+  auto decoded = detail::msgpack::Decode(bytes);
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_NE(decoded.status().message().find("exceed the input"), std::string::npos)
+      << decoded.status().message();
+}
+
+TEST(MsgpackLite, ElementBudgetIsEnforced) {
+  detail::msgpack::Writer w;
+  w.ArrayHeader(100);
+  for (int i = 0; i < 100; ++i) w.UInt(1);
+  const std::vector<std::uint8_t> bytes = w.Take();
+  EXPECT_TRUE(detail::msgpack::Decode(bytes, 8, 100).ok());
+  auto over = detail::msgpack::Decode(bytes, 8, 99);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.status().message().find("more elements than allowed"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace moriio_native

@@ -283,7 +283,7 @@ TEST(TransferTrackerWrite, ScheduleOnAReadIdIsRefused) {
 
 // ---- deadlines ----------------------------------------------------------------------------
 
-TEST(TransferTrackerDeadline, PendingTransferTimesOutEvenWithInFlightBatches) {
+TEST(TransferTrackerDeadline, TimedOutTransferEndsWhenItsBatchesDrainOrAfterASecondPeriod) {
   TransferTracker t(50ms, 16);
   const auto start = TransferTracker::Clock::now();
   const std::uint64_t w = Schedule(t, "wr", "l0");
@@ -295,32 +295,47 @@ TEST(TransferTrackerDeadline, PendingTransferTimesOutEvenWithInFlightBatches) {
   ExpectNoEvent(t, "before the deadline");
   EXPECT_EQ(t.pending(), 2u);
 
-  t.ExpireDeadlines(start + std::chrono::hours(1));
+  // Past the deadline with batches in flight: no event yet (their blocks may still be written),
+  // and no new work is accepted.
+  const auto late = start + std::chrono::hours(1);
+  t.ExpireDeadlines(late);
+  ExpectNoEvent(t, "timed out with batches in flight");
+  EXPECT_FALSE(t.ScheduleWrite("wr", "l1", "decode-0", 1, 1).value().has_value());
+  EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+
+  // The write's batch drains: it ends as timed out, once.
+  t.OnBatchComplete(w, Status::OK());
   std::vector<TransferEvent> events = DrainNow(t);
-  ASSERT_EQ(events.size(), 2u);
-  for (const TransferEvent& e : events) {
-    EXPECT_EQ(e.state, TransferState::kTimedOut) << e.transfer_id;
-    EXPECT_FALSE(e.message.empty());
-  }
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "wr");
+  EXPECT_EQ(events[0].state, TransferState::kTimedOut);
+
+  // The read's batch never completes: after a second period it ends anyway and says so.
+  t.ExpireDeadlines(late + std::chrono::hours(1));
+  events = DrainNow(t);
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "rd");
+  EXPECT_EQ(events[0].state, TransferState::kTimedOut);
+  EXPECT_NE(events[0].message.find("still in flight"), std::string::npos) << events[0].message;
   EXPECT_EQ(t.pending(), 0u);
 
   // The transport finishes later: ignored, and the ids are not reusable for new work.
-  t.OnBatchComplete(w, Status::OK());
   t.OnBatchComplete(*r, TransportError("late"));
-  EXPECT_FALSE(t.ScheduleWrite("wr", "l1", "decode-0", 1, 1).value().has_value());
   t.Seal("wr", "decode-0");
   t.CloseRead("rd");
-  EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
-  t.ExpireDeadlines(start + std::chrono::hours(3));
+  t.ExpireDeadlines(late + std::chrono::hours(3));
   ExpectNoEvent(t, "after time out");
 }
 
-TEST(TransferTrackerDeadline, AbortedTransferWaitingForBatchesStillTimesOutOnce) {
+TEST(TransferTrackerDeadline, AbortedTransferWaitingForBatchesStillEndsOnce) {
   TransferTracker t(50ms, 16);
   const std::uint64_t w = Schedule(t, "wr", "l0");
   ASSERT_TRUE(t.Abort("wr").ok());
   ExpectNoEvent(t, "aborted, in flight");
-  t.ExpireDeadlines(TransferTracker::Clock::now() + std::chrono::hours(1));
+  const auto late = TransferTracker::Clock::now() + std::chrono::hours(1);
+  t.ExpireDeadlines(late);
+  ExpectNoEvent(t, "aborted and timed out, still in flight");
+  t.ExpireDeadlines(late + std::chrono::hours(1));
   std::vector<TransferEvent> events = DrainNow(t);
   ASSERT_EQ(events.size(), 1u);
   // Either label is defensible; what matters is exactly one terminal event, then silence.

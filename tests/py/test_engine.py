@@ -257,3 +257,24 @@ def test_unknown_backend_and_available_backends() -> None:
 def test_backend_without_allocation_refuses_clearly() -> None:
     with pytest.raises(mn.FailedPreconditionError, match="'loopback' does not allocate"):
         mn.Engine("x", "loopback").allocate_host_backing(4096)
+
+
+def test_non_integer_block_ids_are_refused_not_truncated(pair) -> None:
+    _, decode, _, ed = pair
+    before = decode.backing.copy()
+    with pytest.raises(mn.InvalidArgumentError, match=r"local_blocks must be integers"):
+        ed.read("req-float", "prefill-0", np.array([1.7]), [2])
+    assert ed.pending_transfers == 0
+    assert np.array_equal(decode.backing, before)
+
+
+def test_peer_region_larger_than_any_address_space_is_refused(pair) -> None:
+    import msgpack
+
+    _, _, ep, ed = pair
+    meta = msgpack.unpackb(ep.local_metadata())
+    region = dict(meta["regions"][0], size=1 << 62)
+    doc = dict(meta, engine_id="other", regions=[region, *meta["regions"][1:]])
+    with pytest.raises(mn.InvalidArgumentError, match="oversized"):
+        ed.add_peer(msgpack.packb(doc))
+    assert ed.peers() == ["prefill-0"]
