@@ -49,6 +49,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from net_support import free_port
 
 WAIT = 5.0  # upper bound for anything that should arrive; never reached when things work
 SECRET = "test-secret-0123456789"
@@ -92,12 +93,6 @@ def wait_until(predicate):
     while not predicate():
         assert time.monotonic() < deadline, "condition not reached in time"
         time.sleep(0.01)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind((LOCAL, 0))
-        return s.getsockname()[1]
 
 
 # ---- notify channel ---------------------------------------------------------------------------

@@ -20,6 +20,8 @@ from typing import Any
 
 import pytest
 
+from net_support import free_port
+
 pytest.importorskip("vllm")  # the proxy uses the web stack vLLM brings
 pytest.importorskip("fastapi")
 pytest.importorskip("aiohttp")
@@ -153,14 +155,10 @@ def test_proxy_without_instances_answers_503() -> None:
 
 
 def test_connector_pings_register_with_the_proxy(fakes: tuple[FakeInstance, FakeInstance]) -> None:
-    import socket
-
     proxy = load_proxy()
     p, _ = fakes
     registry = proxy.Registry()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     stop = threading.Event()
     thread = threading.Thread(target=proxy.discovery_loop, args=(registry, port, stop), daemon=True)
     thread.start()

@@ -17,7 +17,6 @@ where it computed (or had cached) the tokens itself.
 from __future__ import annotations
 
 import json
-import socket
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from net_support import free_port
 
 LAYERS_DENSE = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 LLAMA_CONFIG = {
@@ -49,12 +50,6 @@ def write_model_dir(path: Path) -> str:
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))
     return str(path)
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def dense_specs() -> dict[str, Any]:

@@ -1,0 +1,28 @@
+"""Ports for the tests' listeners.
+
+A port found by binding to port 0 comes from the kernel's ephemeral range, which every outbound
+connection also draws from: between choosing it and the listener binding it, any connection (a ZMQ
+dial, a demo running alongside) can take it. Ports below that range are only ever taken by
+explicit binds, so choosing one that is bindable now is safe for a test run.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+
+_LOW, _HIGH = 20000, 32000  # below Linux's default ephemeral range (32768-60999)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port in [20000, 32000) that ``host`` can bind right now."""
+    rng = random.Random()
+    for _ in range(500):
+        port = rng.randrange(_LOW, _HIGH)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no bindable port in [{_LOW}, {_HIGH}) on {host}")
