@@ -25,6 +25,7 @@
 
 #include "moriio_native/engine.hpp"
 #include "msgpack_lite.hpp"
+#include "test_buffer.hpp"
 #include "peer_metadata.hpp"
 
 namespace moriio_native {
@@ -140,17 +141,9 @@ mp::Value RandomValue(std::mt19937_64& rng, int depth) {
 
 // ---- a registered engine and its peer's metadata -------------------------------------------
 
-struct FreeDeleter {
-  void operator()(std::uint8_t* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<std::uint8_t[], FreeDeleter>;
-constexpr std::size_t kBufferBytes = 64 * 1024;
-
-Buffer NewBuffer() {
-  Buffer b(static_cast<std::uint8_t*>(std::aligned_alloc(4096, kBufferBytes)));
-  if (!b) std::abort();
-  return b;
-}
+using test_support::Buffer;
+using test_support::kBufferBytes;
+using test_support::NewBuffer;
 
 std::vector<LayerRegistration> Layers(const Buffer& buffer) {
   const auto base = reinterpret_cast<std::uint64_t>(buffer.get());

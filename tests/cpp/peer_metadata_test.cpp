@@ -23,6 +23,7 @@
 
 #include "moriio_native/engine.hpp"
 #include "msgpack_lite.hpp"
+#include "test_buffer.hpp"
 
 namespace moriio_native {
 // Readable gtest messages for the enums compared below (found by argument-dependent lookup).
@@ -41,17 +42,9 @@ constexpr std::uint64_t kU64Max = std::numeric_limits<std::uint64_t>::max();
 
 // ---- a small registered engine -------------------------------------------------------------
 
-struct FreeDeleter {
-  void operator()(std::uint8_t* p) const { std::free(p); }
-};
-using Buffer = std::unique_ptr<std::uint8_t[], FreeDeleter>;
-constexpr std::size_t kBufferBytes = 64 * 1024;
-
-Buffer NewBuffer() {
-  Buffer b(static_cast<std::uint8_t*>(std::aligned_alloc(4096, kBufferBytes)));
-  if (!b) std::abort();
-  return b;
-}
+using test_support::Buffer;
+using test_support::kBufferBytes;
+using test_support::NewBuffer;
 
 // Two layers in one buffer: a K/V layer [2, N=4, B=4, H=2, D=8] and a latent layer [N=4, B=4,
 // D=16], both bf16 and contiguous, at unaligned offsets.
