@@ -10,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "moriio_native/layout.hpp"
 #include "moriio_native/status.hpp"
 
 namespace moriio_native::bindings {
@@ -52,6 +53,15 @@ inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const cha
   }
   auto ints = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(array);
   return std::vector<std::int64_t>(ints.data(), ints.data() + ints.size());
+}
+
+/// "auto" | "separated" | "interleaved" (the Python spelling of KvPlaneAxis).
+inline KvPlaneAxis ParsePlaneAxis(const std::string& axis) {
+  if (axis == "auto") return KvPlaneAxis::kAuto;
+  if (axis == "separated") return KvPlaneAxis::kSeparated;
+  if (axis == "interleaved") return KvPlaneAxis::kInterleaved;
+  throw StatusError(InvalidArgumentError(
+      "kv_plane_axis must be 'auto', 'separated' or 'interleaved', got '" + axis + "'"));
 }
 
 void RegisterErrors(pybind11::module_& m);

@@ -49,12 +49,7 @@ void BindEngine(py::module_& m) {
       .def(py::init([](std::string name, TensorGeometry geometry, CacheSpec spec,
                        const std::string& axis, std::uint64_t base, std::uint64_t size,
                        const std::string& memory, int device) {
-             KvPlaneAxis plane = KvPlaneAxis::kAuto;
-             if (axis == "separated") plane = KvPlaneAxis::kSeparated;
-             else if (axis == "interleaved") plane = KvPlaneAxis::kInterleaved;
-             else if (axis != "auto") {
-               throw StatusError(InvalidArgumentError("unknown kv_plane_axis '" + axis + "'"));
-             }
+             const KvPlaneAxis plane = ParsePlaneAxis(axis);
              return LayerRegistration{std::move(name), std::move(geometry), spec, plane,
                                       MemoryRange{base, size, ParseMemory(memory), device}};
            }),

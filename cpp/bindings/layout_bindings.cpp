@@ -20,14 +20,6 @@ CacheKind ParseKind(const std::string& kind) {
 
 std::string KindName(CacheKind kind) { return kind == CacheKind::kKeyValue ? "kv" : "mla"; }
 
-KvPlaneAxis ParsePlaneAxis(const std::string& axis) {
-  if (axis == "auto") return KvPlaneAxis::kAuto;
-  if (axis == "separated") return KvPlaneAxis::kSeparated;
-  if (axis == "interleaved") return KvPlaneAxis::kInterleaved;
-  throw StatusError(InvalidArgumentError(
-      "kv_plane_axis must be 'auto', 'separated' or 'interleaved', got '" + axis + "'"));
-}
-
 // A view of one of the plan's arrays that keeps the plan object alive.
 py::array_t<std::int64_t> PlanArray(const py::object& owner, const std::vector<std::int64_t>& v) {
   return py::array_t<std::int64_t>({static_cast<py::ssize_t>(v.size())}, {sizeof(std::int64_t)},

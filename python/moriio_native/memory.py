@@ -12,6 +12,22 @@ from moriio_native.errors import InvalidArgumentError
 DEFAULT_PAGE_SIZE = 4096
 
 
+def _padded_size(nbytes: int, page_size: int, what: str) -> int:
+    """``nbytes`` rounded up to whole pages, after checking both arguments."""
+    if nbytes <= 0:
+        raise InvalidArgumentError(f"{what}: nbytes must be positive, got {nbytes}")
+    if page_size <= 0 or page_size & (page_size - 1):
+        raise InvalidArgumentError(f"{what}: page_size must be a power of two, got {page_size}")
+    return -(-nbytes // page_size) * page_size
+
+
+def _page_aligned_window(raw: Any, address: int, padded: int, page_size: int) -> Any:
+    """The ``padded`` bytes of ``raw`` (one page longer) that start at its first page boundary:
+    inside the allocation, never before it."""
+    shift = (-address) % page_size
+    return raw[shift : shift + padded]
+
+
 def allocate_kv_backing(
     nbytes: int, device: Any = "cpu", page_size: int = DEFAULT_PAGE_SIZE
 ) -> Any:
@@ -23,30 +39,16 @@ def allocate_kv_backing(
     """
     import torch  # torch is optional for the core package; only this helper needs it
 
-    if nbytes <= 0:
-        raise InvalidArgumentError(f"allocate_kv_backing: nbytes must be positive, got {nbytes}")
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise InvalidArgumentError(
-            f"allocate_kv_backing: page_size must be a power of two, got {page_size}"
-        )
-    padded = -(-nbytes // page_size) * page_size
+    padded = _padded_size(nbytes, page_size, "allocate_kv_backing")
     raw = torch.zeros(padded + page_size, dtype=torch.uint8, device=device)
-    shift = (-raw.data_ptr()) % page_size
-    return raw[shift : shift + padded]
+    return _page_aligned_window(raw, raw.data_ptr(), padded, page_size)
 
 
 def allocate_host_backing(nbytes: int, page_size: int = DEFAULT_PAGE_SIZE) -> np.ndarray:
     """A zeroed host ``numpy.uint8`` array like :func:`allocate_kv_backing`, without torch."""
-    if nbytes <= 0:
-        raise InvalidArgumentError(f"allocate_host_backing: nbytes must be positive, got {nbytes}")
-    if page_size <= 0 or page_size & (page_size - 1):
-        raise InvalidArgumentError(
-            f"allocate_host_backing: page_size must be a power of two, got {page_size}"
-        )
-    padded = -(-nbytes // page_size) * page_size
+    padded = _padded_size(nbytes, page_size, "allocate_host_backing")
     raw = np.zeros(padded + page_size, dtype=np.uint8)
-    shift = (-raw.ctypes.data) % page_size
-    return raw[shift : shift + padded]
+    return _page_aligned_window(raw, raw.ctypes.data, padded, page_size)
 
 
 __all__ = [
