@@ -583,9 +583,7 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
   return AppendBlockCopies(tmpl, pairs, 0, 0, out);
 }
 
-Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
-                         std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out) {
-  if (pairs.empty()) return Status::OK();
+Status CheckBlockIds(const BlockTemplate& tmpl, const BlockPairs& pairs) {
   if (pairs.max_local() >= tmpl.local_num_blocks()) {
     return OutOfRangeError("local block id " + std::to_string(pairs.max_local()) +
                            " out of range for layer '" + tmpl.local_name() + "' with " +
@@ -597,24 +595,38 @@ Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
                            "': the remote cache holds " +
                            std::to_string(tmpl.remote_num_blocks()) + " blocks");
   }
+  return Status::OK();
+}
+
+Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
+                         std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out) {
+  if (pairs.empty()) return Status::OK();
+  MORIIO_RETURN_IF_ERROR(CheckBlockIds(tmpl, pairs));
   const std::size_t from = out->size();
   const std::size_t upper = from + pairs.size() * tmpl.runs().size();
-  out->local_offsets.reserve(upper);
-  out->remote_offsets.reserve(upper);
-  out->sizes.reserve(upper);
+  out->local_offsets.resize(upper);
+  out->remote_offsets.resize(upper);
+  out->sizes.resize(upper);
   const std::int64_t ls = tmpl.local_block_stride();
   const std::int64_t rs = tmpl.remote_block_stride();
   const std::span<const std::int64_t> local = pairs.local_sorted();
   const std::span<const std::int64_t> remote = pairs.remote_by_local();
   const CopyRun* runs = tmpl.runs().data();
-  // The merge state lives in registers; vectors are only appended to.
+  // The merge state lives in registers and runs are written through raw pointers: push_back
+  // reloads each vector's end after every store (the stores may alias it), which made stamping
+  // several times slower. Every emitted run covers at least one template run, so `upper` holds.
+  std::int64_t* const lo = out->local_offsets.data() + from;
+  std::int64_t* const ro = out->remote_offsets.data() + from;
+  std::int64_t* const so = out->sizes.data() + from;
+  std::size_t emitted = 0;
   std::int64_t cur_l = 0, cur_r = 0, cur_s = 0;
   bool have = false;
   bool sorted = true;
   auto flush = [&] {
-    out->local_offsets.push_back(cur_l);
-    out->remote_offsets.push_back(cur_r);
-    out->sizes.push_back(cur_s);
+    lo[emitted] = cur_l;
+    ro[emitted] = cur_r;
+    so[emitted] = cur_s;
+    ++emitted;
   };
   for (const auto& [begin, end] : tmpl.groups()) {
     for (std::size_t i = 0; i < local.size(); ++i) {
@@ -638,7 +650,10 @@ Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
       }
     }
   }
-  flush();
+  if (have) flush();
+  out->local_offsets.resize(from + emitted);
+  out->remote_offsets.resize(from + emitted);
+  out->sizes.resize(from + emitted);
   if (!sorted) SortAndMerge(out, from);
   return Status::OK();
 }

@@ -82,8 +82,11 @@ class Engine {
   std::vector<std::string> Peers() const;
 
   /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from
-  /// `peer` into `local_blocks`. One batch per (local region, remote region). Every argument is
-  /// checked before anything starts: on error no transfer exists. Never blocks on transfer.
+  /// `peer` into `local_blocks`. One batch per (local region, remote region), cut at a layer
+  /// boundary once it holds 8192 runs; each is submitted as soon as it is planned, so the
+  /// transport starts while later layers are planned. Every argument (every block id against
+  /// every layer) is checked before anything starts: on error no transfer exists. Never blocks
+  /// on transfer.
   Status Read(std::string_view transfer_id, std::string_view peer,
               std::span<const std::int64_t> local_blocks,
               std::span<const std::int64_t> remote_blocks,

@@ -185,6 +185,10 @@ struct CopyPlan {
   std::int64_t total_bytes() const;
 };
 
+/// OutOfRange (naming the layer, the id and the block count) when a block id of `pairs` is past
+/// either side of `tmpl`; the check StampBlockCopies and AppendBlockCopies make first.
+Status CheckBlockIds(const BlockTemplate& tmpl, const BlockPairs& pairs);
+
 /// Stamps `tmpl` for every pair into `out` (cleared first). Block ids are checked against both
 /// sides' num_blocks before anything is written; on error `out` is left empty. No allocation per
 /// block: `out` grows at most once.

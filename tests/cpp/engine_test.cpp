@@ -612,6 +612,60 @@ TEST(EngineRegions, LayersInTwoAllocationsMoveOneBatchPerRegionPair) {
   ExpectBytes(p.buffer->Snapshot(), p_expected, p_touched);
 }
 
+// Four latent layers of one 4-byte run per block. D's last layer is one block shorter, so an id
+// that is valid for the first layers (planned and submitted first) is out of range only there.
+std::vector<TestLayer> LargeLayers(std::int64_t last_layer_blocks) {
+  std::vector<TestLayer> layers;
+  for (int i = 0; i < 4; ++i) {
+    const std::int64_t blocks = i == 3 ? last_layer_blocks : 3000;
+    layers.push_back(MakeLayer("lat." + std::to_string(i), Physical::kLatent, blocks, 1, 1, 2, 2,
+                               /*block_pad=*/i % 2));
+  }
+  return layers;
+}
+
+TEST(EngineLargeRead, ManyRunsAreSubmittedInPiecesAndEveryByteArrives) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", LargeLayers(3000), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", LargeLayers(2999), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+
+  // Local ids ascending, remote ids descending: no two runs merge, one run per block and layer.
+  std::vector<std::int64_t> local(3000), remote(3000);
+  for (std::int64_t i = 0; i < 3000; ++i) {
+    local[i] = i;
+    remote[i] = 2999 - i;
+  }
+  // Block 2999 exists in D's first three layers but not in lat.3: the call fails before any
+  // piece is submitted.
+  const std::vector<std::uint8_t> d_before = d.buffer->Snapshot();
+  Status bad = d.engine->Read("too-far", "P", local, remote);
+  EXPECT_EQ(bad.code(), StatusCode::kOutOfRange) << bad.ToString();
+  EXPECT_NE(bad.message().find("lat.3"), std::string::npos) << bad.ToString();
+  EXPECT_EQ(d.engine->PendingTransfers(), 0u);
+  EXPECT_TRUE(d.engine->PollEvents(16, 0ms).empty());
+  EXPECT_EQ(d.buffer->Snapshot(), d_before);
+
+  local.pop_back();
+  remote.erase(remote.begin());
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::int64_t bytes = ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("large", "P", local, remote).ok());
+  Events events(d.engine.get());
+  TransferEvent e = events.Wait("large");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.runs, 4 * 2999);
+  // 11,996 runs in one region pair: more than one piece (engine.cpp, kPieceRuns), cut at layer
+  // boundaries.
+  EXPECT_GT(e.batches, 1);
+  EXPECT_LE(e.batches, 4);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
 // ---- WRITE --------------------------------------------------------------------------------
 
 TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
@@ -690,6 +744,34 @@ TEST_F(EnginePair, SealWithNothingScheduledIsDoneAtOnce) {
   ASSERT_TRUE(late.ok()) << late.status().ToString();
   EXPECT_FALSE(*late);
   EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+}
+
+TEST_F(EnginePair, WriteLayersOfOneTransferMayNameDifferentBlocks) {
+  // The engine reuses the block pairs of the previous call when the ids repeat; other ids in
+  // between must not be served from it.
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  struct Write {
+    std::string layer;
+    std::vector<std::int64_t> local, remote;
+  };
+  const std::vector<Write> writes = {
+      {"attn.0", {4, 1}, {0, 8}},
+      {"attn.1", {4, 1}, {0, 7}},  // same local ids, other remote ids
+      {"mla.0", {1, 4}, {7, 0}},   // the same pairs listed in another order
+      {"attn.2", {1, 4}, {7, 2}},  // same local ids, other remote ids
+  };
+  for (const Write& w : writes) {
+    ApplyReference(d_, p_, {w.layer}, w.remote, w.local, &expected, &touched);
+    Result<bool> scheduled = p_.engine->WriteLayer("w-ids", w.layer, "D", w.local, w.remote);
+    ASSERT_TRUE(scheduled.ok()) << w.layer << ": " << scheduled.status().ToString();
+    EXPECT_TRUE(*scheduled) << w.layer;
+  }
+  ASSERT_TRUE(p_.engine->Seal("w-ids", "D").ok());
+  Events events(p_.engine.get());
+  TransferEvent e = events.Wait("w-ids");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
 }
 
 TEST_F(EnginePair, ManyConcurrentTransfersEachEndOnce) {
