@@ -112,6 +112,12 @@ def _verify(
     return True
 
 
+def _ids(ids: list[int]) -> Any:
+    import numpy as np
+
+    return np.asarray(ids, dtype=np.int64)
+
+
 def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     """One side: registers its caches, exchanges metadata over ``conn``, then serves commands."""
     import torch
@@ -146,15 +152,17 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         cmd, *args = conn.recv()
         if cmd == "quit":
             break
+        if cmd in ("read", "write"):
+            # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
+            # request, outside the timing).
+            tid, local, remote = args[0], _ids(args[1]), _ids(args[2])
         if cmd == "read":
-            tid, local, remote = args
             torch.cuda.synchronize()
             start = time.perf_counter()
             engine.read(tid, peer, local, remote)
             event = engine.wait([tid], timeout=300)[tid]
             conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
         elif cmd == "write":
-            tid, local, remote = args
             torch.cuda.synchronize()
             start = time.perf_counter()
             for i in range(len(views)):

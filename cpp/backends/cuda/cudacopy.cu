@@ -2,10 +2,11 @@
 //
 // Why one kernel: every cudaMemcpyAsync or UCX cuda_ipc operation costs ~5-7 us of host CPU, so
 // a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
-// copies (research/ucx_gpu_probe.md). Here the run table goes to the GPU once and the grid walks
-// it: each CTA takes 64 KiB chunks of runs (listed on the host, one table entry per chunk),
-// copies with 16-byte vector loads and stores when the two ends share their alignment, and the
-// host only polls an event.
+// copies (research/ucx_gpu_probe.md). Here the host writes the run table once (the engine's offset
+// arrays as they are; bases are kernel arguments) into mapped pinned memory, and the grid walks
+// it: each CTA copies one chunk (a run, or a 128 KiB piece of a longer run) at a time with
+// 16-byte vector loads and stores when the two ends share their alignment; the host only polls
+// an event. Batches alternate between two streams so one kernel's tail overlaps the next one.
 
 #include <cuda_runtime.h>
 
@@ -20,11 +21,13 @@
 
 namespace {
 
-constexpr std::uint64_t kChunk = 64 * 1024;  // bytes of one run one CTA copies per step
+constexpr std::uint64_t kChunk = 128 * 1024;  // most bytes of one run one CTA copies per step
 constexpr int kThreads = 256;
+constexpr int kStreams = 2;
 // A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a CTA finds its
-// work with one load (a binary search over prefix sums cost ~16 dependent loads per chunk).
-constexpr int kChunkBits = 20;  // runs up to 2^20 chunks = 64 GiB
+// work with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
+// table is only built when some run spans several chunks: KV runs (4-128 KiB) map one to one.
+constexpr int kChunkBits = 20;  // runs up to 2^20 chunks = 128 GiB
 
 void SetError(char* err, size_t len, const char* what, cudaError_t e) {
   if (err != nullptr && len != 0) {
@@ -81,27 +84,58 @@ __device__ void CopyChunk(unsigned char* d, const unsigned char* s, std::uint64_
   CopyBytes(d + done, s + done, n - done);
 }
 
-/// table: dst[n], src[n], size[n], chunk[chunks] (see kChunkBits).
-__global__ void GatherScatter(const std::uint64_t* table, std::uint64_t n, std::uint64_t chunks) {
-  const std::uint64_t* dst = table;
-  const std::uint64_t* src = table + n;
-  const std::uint64_t* size = table + 2 * n;
-  const std::uint64_t* chunk = table + 3 * n;
-  for (std::uint64_t c = blockIdx.x; c < chunks; c += gridDim.x) {
-    const std::uint64_t entry = chunk[c];
+/// One chunk's copy: where from, where to, how many bytes.
+struct ChunkCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  std::uint64_t len;
+};
+
+/// table: dst offset[n], src offset[n], size[n], then chunk[chunks] (see kChunkBits) unless
+/// chunks == n (every run is one chunk: chunk c is run c).
+struct RunTable {
+  std::uint64_t dst_base;
+  std::uint64_t src_base;
+  const std::int64_t* table;
+  std::uint64_t n;
+  std::uint64_t chunks;
+
+  __device__ ChunkCopy Chunk(std::uint64_t c) const {
+    const std::int64_t* dst = table;
+    const std::int64_t* src = table + n;
+    const std::int64_t* size = table + 2 * n;
+    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + 3 * n);
+    const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
     const std::uint64_t r = entry >> kChunkBits;
     const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
-    const std::uint64_t len = Min(kChunk, size[r] - off);
-    CopyChunk(reinterpret_cast<unsigned char*>(dst[r] + off),
-              reinterpret_cast<const unsigned char*>(src[r] + off), len);
+    return {reinterpret_cast<unsigned char*>(dst_base + dst[r] + off),
+            reinterpret_cast<const unsigned char*>(src_base + src[r] + off),
+            Min(kChunk, static_cast<std::uint64_t>(size[r]) - off)};
+  }
+};
+
+__global__ void GatherScatter(RunTable t) {
+  std::uint64_t c = blockIdx.x;
+  if (c >= t.chunks) return;
+  ChunkCopy cur = t.Chunk(c);
+  for (; c < t.chunks; c += gridDim.x) {
+    // The next chunk's table entries are loaded before this chunk's copy, so their latency
+    // hides behind it instead of stalling the CTA between chunks.
+    const std::uint64_t next = c + gridDim.x;
+    const ChunkCopy following = next < t.chunks ? t.Chunk(next) : ChunkCopy{};
+    CopyChunk(cur.dst, cur.src, cur.len);
+    cur = following;
   }
 }
 
-/// Run table staging: pinned host memory the table is built in, device memory it is copied to.
+/// A run table in mapped pinned host memory: the host writes it, the kernel reads it in place
+/// (`device` is the same memory as the GPU addresses it). Measured on an H200 VM: a separate
+/// host-to-device copy of the table now and then stalled a batch by ~1 ms, and it cost an
+/// extra API call per batch; each CTA reads only 24 bytes per chunk, one chunk ahead.
 struct Slot {
-  std::uint64_t* host = nullptr;
-  std::uint64_t* device = nullptr;
-  std::size_t capacity = 0;  // uint64 words
+  std::int64_t* host = nullptr;
+  const std::int64_t* device = nullptr;
+  std::size_t capacity = 0;  // 8-byte words
 };
 
 struct Queue;
@@ -115,14 +149,14 @@ struct Op {
 struct Queue {
   int device = 0;
   int max_ctas = 0;
-  cudaStream_t stream = nullptr;
+  cudaStream_t streams[kStreams] = {};
+  int next_stream = 0;
   std::vector<Slot> free_slots;  // reused: pinned allocations cost milliseconds
   std::vector<cudaEvent_t> free_events;
 };
 
 void FreeSlot(const Slot& s) {
   if (s.host != nullptr) cudaFreeHost(s.host);
-  if (s.device != nullptr) cudaFree(s.device);
 }
 
 int Probe(char* err, size_t err_len) {
@@ -156,11 +190,16 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   q->device = device;
   // Enough CTAs to keep every SM busy with several resident blocks; more only adds tail effects.
   q->max_ctas = sms * 8;
-  e = cudaStreamCreateWithFlags(&q->stream, cudaStreamNonBlocking);
-  if (e != cudaSuccess) {
-    SetError(err, err_len, "cudaStreamCreateWithFlags", e);
-    delete q;
-    return -1;
+  for (cudaStream_t& stream : q->streams) {
+    e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      SetError(err, err_len, "cudaStreamCreateWithFlags", e);
+      for (cudaStream_t created : q->streams) {
+        if (created != nullptr) cudaStreamDestroy(created);
+      }
+      delete q;
+      return -1;
+    }
   }
   *out = q;
   return 0;
@@ -170,15 +209,43 @@ void DestroyQueue(void* queue) {
   auto* q = static_cast<Queue*>(queue);
   if (q == nullptr) return;
   cudaSetDevice(q->device);
-  cudaStreamSynchronize(q->stream);
+  for (cudaStream_t stream : q->streams) cudaStreamSynchronize(stream);
   for (const Slot& s : q->free_slots) FreeSlot(s);
   for (cudaEvent_t ev : q->free_events) cudaEventDestroy(ev);
-  cudaStreamDestroy(q->stream);
+  for (cudaStream_t stream : q->streams) cudaStreamDestroy(stream);
   delete q;
 }
 
-int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
-           const std::uint64_t* sizes, std::uint64_t count, void** out, char* err,
+/// A table of at least `words` 8-byte words: a free one reused, or a new one (rounded up to a
+/// power of two, so a queue keeps few sizes).
+bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len) {
+  for (std::size_t i = 0; i < q->free_slots.size(); ++i) {
+    if (q->free_slots[i].capacity >= words) {
+      *out = q->free_slots[i];
+      q->free_slots.erase(q->free_slots.begin() + static_cast<std::ptrdiff_t>(i));
+      return true;
+    }
+  }
+  Slot slot;
+  std::size_t cap = 1024;
+  while (cap < words) cap *= 2;
+  cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&slot.host), cap * 8, cudaHostAllocMapped);
+  void* mapped = nullptr;
+  if (e == cudaSuccess) e = cudaHostGetDevicePointer(&mapped, slot.host, 0);
+  if (e != cudaSuccess) {
+    FreeSlot(slot);
+    SetError(err, err_len, "allocating the run table", e);
+    return false;
+  }
+  slot.device = static_cast<const std::int64_t*>(mapped);
+  slot.capacity = cap;
+  *out = slot;
+  return true;
+}
+
+int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+           const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
+           const std::int64_t* sizes, std::uint64_t count, void** out, char* err,
            size_t err_len) {
   auto* q = static_cast<Queue*>(queue);
   cudaError_t e = cudaSetDevice(q->device);
@@ -188,41 +255,29 @@ int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
   }
   std::uint64_t chunks = 0;
   for (std::uint64_t i = 0; i < count; ++i) {
-    const std::uint64_t run_chunks = (sizes[i] + kChunk - 1) / kChunk;
-    if (run_chunks >> kChunkBits) {
-      if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "a run exceeds 64 GiB");
-      return -1;
-    }
-    chunks += run_chunks;
+    chunks += (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
   }
-  const std::size_t words = 3 * count + chunks;
+  const bool one_chunk_per_run = chunks == count;
+  const std::size_t words = 3 * count + (one_chunk_per_run ? 0 : chunks);
   Slot slot;
-  for (std::size_t i = 0; i < q->free_slots.size(); ++i) {
-    if (q->free_slots[i].capacity >= words) {
-      slot = q->free_slots[i];
-      q->free_slots.erase(q->free_slots.begin() + static_cast<std::ptrdiff_t>(i));
-      break;
-    }
-  }
-  if (slot.host == nullptr) {
-    std::size_t cap = 1024;
-    while (cap < words) cap *= 2;
-    e = cudaHostAlloc(reinterpret_cast<void**>(&slot.host), cap * 8, cudaHostAllocDefault);
-    if (e == cudaSuccess) e = cudaMalloc(reinterpret_cast<void**>(&slot.device), cap * 8);
-    if (e != cudaSuccess) {
-      FreeSlot(slot);
-      SetError(err, err_len, "allocating the run table", e);
-      return -1;
-    }
-    slot.capacity = cap;
-  }
-  std::uint64_t* t = slot.host;
-  std::memcpy(t, dst, count * 8);
-  std::memcpy(t + count, src, count * 8);
+  if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
+  std::int64_t* t = slot.host;
+  std::memcpy(t, dst_offsets, count * 8);
+  std::memcpy(t + count, src_offsets, count * 8);
   std::memcpy(t + 2 * count, sizes, count * 8);
-  std::uint64_t* chunk = t + 3 * count;
-  for (std::uint64_t i = 0; i < count; ++i) {
-    for (std::uint64_t j = 0; j * kChunk < sizes[i]; ++j) *chunk++ = (i << kChunkBits) | j;
+  if (!one_chunk_per_run) {
+    std::int64_t* chunk = t + 3 * count;
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+      if (run_chunks >> kChunkBits) {
+        q->free_slots.push_back(slot);
+        if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "a run exceeds 128 GiB");
+        return -1;
+      }
+      for (std::uint64_t j = 0; j < run_chunks; ++j) {
+        *chunk++ = static_cast<std::int64_t>((i << kChunkBits) | j);
+      }
+    }
   }
 
   cudaEvent_t ev = nullptr;
@@ -237,16 +292,18 @@ int Submit(void* queue, const std::uint64_t* dst, const std::uint64_t* src,
       return -1;
     }
   }
-  e = cudaMemcpyAsync(slot.device, slot.host, words * 8, cudaMemcpyHostToDevice, q->stream);
-  if (e == cudaSuccess && chunks > 0) {
+  cudaStream_t stream = q->streams[q->next_stream];
+  q->next_stream = (q->next_stream + 1) % kStreams;
+  if (chunks > 0) {
     const auto grid = static_cast<unsigned>(std::min<std::uint64_t>(chunks, q->max_ctas));
-    GatherScatter<<<grid, kThreads, 0, q->stream>>>(slot.device, count, chunks);
+    GatherScatter<<<grid, kThreads, 0, stream>>>(
+        RunTable{dst_base, src_base, slot.device, count, chunks});
     e = cudaGetLastError();
   }
-  if (e == cudaSuccess) e = cudaEventRecord(ev, q->stream);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
   if (e != cudaSuccess) {
-    // The stream may still read the table: wait before the slot can be reused.
-    cudaStreamSynchronize(q->stream);
+    // The kernel may still read the table: wait before the slot can be reused.
+    cudaStreamSynchronize(stream);
     q->free_slots.push_back(slot);
     q->free_events.push_back(ev);
     SetError(err, err_len, "launching the gather/scatter kernel", e);

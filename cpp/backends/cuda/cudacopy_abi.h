@@ -20,22 +20,26 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 1u
+#define MORIIO_CUDACOPY_ABI_VERSION 2u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
 
 typedef struct moriio_cudacopy_api {
   uint32_t abi_version; /* MORIIO_CUDACOPY_ABI_VERSION */
   /* 0 when a CUDA driver and at least one device are usable in this process. */
   int (*probe)(char* err, size_t err_len);
-  /* A copy queue (a non-blocking stream plus reusable offset buffers) on `device`. */
+  /* A copy queue (non-blocking streams plus reusable run tables) on `device`. */
   int (*create_queue)(int device, void** queue, char* err, size_t err_len);
   /* Waits for the queue's work, then frees it. Outstanding ops must be released first. */
   void (*destroy_queue)(void* queue);
-  /* Enqueues ONE kernel that copies runs[i]: sizes[i] bytes from src[i] to dst[i] (device
-   * pointers, possibly IPC-mapped from another process). The arrays are copied before it
-   * returns. `*op` is polled with poll_op and released with release_op. */
-  int (*submit)(void* queue, const uint64_t* dst, const uint64_t* src, const uint64_t* sizes,
-                uint64_t count, void** op, char* err, size_t err_len);
+  /* Enqueues ONE kernel that copies, for every i < count, sizes[i] bytes from
+   * src_base + src_offsets[i] to dst_base + dst_offsets[i] (device addresses, the base possibly
+   * IPC-mapped from another process; the caller has checked every run against its regions).
+   * Offsets are taken as the engine plans them, so a batch needs no translation pass on the
+   * host. The arrays are copied before it returns. `*op` is polled with poll_op and released
+   * with release_op. Consecutive submissions may run concurrently: order is not kept. */
+  int (*submit)(void* queue, uint64_t dst_base, uint64_t src_base, const int64_t* dst_offsets,
+                const int64_t* src_offsets, const int64_t* sizes, uint64_t count, void** op,
+                char* err, size_t err_len);
   /* 1: finished OK; 0: still running; negative: failed (err says why). Never blocks. */
   int (*poll_op)(void* op, char* err, size_t err_len);
   /* Frees an op; a running op is waited for first. */

@@ -1049,23 +1049,20 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
   }
   const Batch& b = *ab.batch;
   const std::size_t n = b.sizes.size();
-  std::vector<std::uint64_t> dst(n), src(n), sizes(n);
-  const std::uint64_t lbase = ab.local->range.address;
-  const auto rbase = reinterpret_cast<std::uint64_t>(ab.remote->direct);
-  const bool write = b.op == TransferOp::kWrite;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t l = lbase + static_cast<std::uint64_t>(b.local_offsets[i]);
-    const std::uint64_t r = rbase + static_cast<std::uint64_t>(b.remote_offsets[i]);
-    dst[i] = write ? r : l;
-    src[i] = write ? l : r;
-    sizes[i] = static_cast<std::uint64_t>(b.sizes[i]);
-  }
   if (n == 0) {
     ab.next_run = 0;
     return;
   }
-  if (cc->submit(queue, dst.data(), src.data(), sizes.data(), n, &ab.cuda_op, err, sizeof(err)) !=
-      0) {
+  const std::uint64_t local = ab.local->range.address;
+  const auto remote = reinterpret_cast<std::uint64_t>(ab.remote->direct);
+  const bool write = b.op == TransferOp::kWrite;
+  const int rc = write ? cc->submit(queue, remote, local, b.remote_offsets.data(),
+                                    b.local_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
+                                    sizeof(err))
+                       : cc->submit(queue, local, remote, b.local_offsets.data(),
+                                    b.remote_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
+                                    sizeof(err));
+  if (rc != 0) {
     ab.cuda_op = nullptr;
     ab.stop = true;
     ab.error = TransportError(std::string("CUDA gather/scatter copy of batch ") +

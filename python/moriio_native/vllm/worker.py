@@ -41,6 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from moriio_native.control.addressing import ZmqAddress, validate_host
 from moriio_native.control.channel import (
     HandshakeServer,
@@ -133,8 +135,9 @@ class _WriteJob:
     submitted: int = 0
     forward_done: bool = False
     sealed: bool = False
-    local_ids: tuple[int, ...] = ()
-    remote_ids: tuple[int, ...] = ()
+    # (local, remote) block ids, fixed once the decode said what it lacks; int64 arrays, so the
+    # write of every layer passes them as they are instead of converting a list per layer.
+    block_ids: tuple[np.ndarray, np.ndarray] | None = None
     send: SendTask | None = None
     deadline: float = 0.0
     failed: str | None = None
@@ -714,7 +717,7 @@ class WorkerSide:
                 job.connecting = True
                 self._pool.submit(self._connect_job, job)
             return
-        if not job.local_ids and not job.remote_ids:
+        if job.block_ids is None:
             groups = job.remote.block_ids
             wanted = groups[0] if len(groups) == 1 else None
             have = job.save.block_ids
@@ -726,8 +729,10 @@ class WorkerSide:
                 )
                 return
             # The decode announces the tail of the prompt it lacks: align it to our tail.
-            job.local_ids = tuple(have[len(have) - len(wanted) :])
-            job.remote_ids = tuple(wanted)
+            job.block_ids = (
+                np.asarray(have[len(have) - len(wanted) :], dtype=np.int64),
+                np.asarray(wanted, dtype=np.int64),
+            )
         for layer, event in job.pending:
             self._writer_q.put(("write", job, layer, event))
             job.submitted += 1
@@ -814,13 +819,14 @@ class WorkerSide:
                 if job.failed is not None or job.terminal:
                     continue
                 peer = job.peer
-            assert peer is not None
+            assert peer is not None and job.block_ids is not None
             try:
                 if event is not None:
                     event.synchronize()
                 if op == "write":
+                    local_ids, remote_ids = job.block_ids
                     self.engine.write_layer(
-                        job.transfer_id, layer, peer.engine_peer, job.local_ids, job.remote_ids
+                        job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
                     )
                 else:
                     self.engine.seal(job.transfer_id, peer.engine_peer)

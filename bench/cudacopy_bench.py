@@ -1,0 +1,267 @@
+"""The CUDA gather/scatter plugin alone: what one kernel per batch moves, without UCX or the engine.
+
+Loads ``libmoriio_native_cudacopy.so`` (beside the loaded ``libmoriio_native.so``, or
+``--plugin``) through its C ABI and, for each run size, copies ``--gib`` GiB of runs between
+random blocks of two CUDA caches of twice that size (as a KV transfer names random blocks on
+both sides), in batches of ``--batch-runs`` runs submitted back to back (as the engine submits a
+large request in pieces). Printed per run size: GB/s from the first submit to the last
+completion, the host time spent in ``submit`` per run, and the ratio to one ``torch`` device copy
+of the same bytes measured in the same run. The contents are checked against
+``torch.index_select`` of the same blocks.
+
+Run on a machine with CUDA and torch::
+
+    python3 bench/cudacopy_bench.py --json cudacopy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+logger = logging.getLogger("moriio_native.bench.cudacopy")
+
+_ERR = ctypes.c_char_p
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+class _Api(ctypes.Structure):
+    """``moriio_cudacopy_api`` of cpp/backends/cuda/cudacopy_abi.h (ABI version 2)."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("probe", ctypes.CFUNCTYPE(ctypes.c_int, _ERR, ctypes.c_size_t)),
+        (
+            "create_queue",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), _ERR, ctypes.c_size_t
+            ),
+        ),
+        ("destroy_queue", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+        (
+            "submit",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                _I64P,
+                _I64P,
+                _I64P,
+                ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_void_p),
+                _ERR,
+                ctypes.c_size_t,
+            ),
+        ),
+        ("poll_op", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _ERR, ctypes.c_size_t)),
+        ("release_op", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+    ]
+
+
+@dataclass
+class Row:
+    run_bytes: int
+    runs: int
+    bytes: int
+    gbps: float
+    ratio_to_device_copy: float
+    submit_ns_per_run: float
+    verified: bool
+
+
+def _default_plugin() -> str:
+    """The plugin beside the libmoriio_native.so this process loaded with the package."""
+    import moriio_native._native  # noqa: F401  (loads libmoriio_native.so)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if path.endswith("/libmoriio_native.so"):
+                return os.path.join(os.path.dirname(path), "libmoriio_native_cudacopy.so")
+    raise RuntimeError("libmoriio_native.so is not loaded; pass --plugin")
+
+
+def _load(path: str) -> tuple[Any, _Api]:
+    lib = ctypes.CDLL(path)
+    entry = lib.moriio_native_cudacopy_api
+    entry.restype = ctypes.POINTER(_Api)
+    api = entry().contents
+    if api.abi_version != 2:
+        raise RuntimeError(f"{path}: ABI version {api.abi_version}, this script speaks 2")
+    err = ctypes.create_string_buffer(256)
+    if api.probe(err, 256) != 0:
+        raise RuntimeError(f"{path}: {err.value.decode()}")
+    return lib, api
+
+
+class _Queue:
+    def __init__(self, api: _Api, device: int) -> None:
+        self.api = api
+        self.handle = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(256)
+        if api.create_queue(device, ctypes.byref(self.handle), err, 256) != 0:
+            raise RuntimeError(err.value.decode())
+
+    def gather(self, dst: int, src: int, plans: list[tuple[Any, Any, Any]]) -> float:
+        """Submits every (dst offsets, src offsets, sizes) batch, waits for all; returns the
+        seconds spent inside submit."""
+        err = ctypes.create_string_buffer(256)
+        ops, in_submit = [], 0.0
+        for d, s, n in plans:
+            op = ctypes.c_void_p()
+            t = time.perf_counter()
+            rc = self.api.submit(
+                self.handle,
+                dst,
+                src,
+                d.ctypes.data_as(_I64P),
+                s.ctypes.data_as(_I64P),
+                n.ctypes.data_as(_I64P),
+                len(n),
+                ctypes.byref(op),
+                err,
+                256,
+            )
+            in_submit += time.perf_counter() - t
+            if rc != 0:
+                raise RuntimeError(err.value.decode())
+            ops.append(op)
+        for op in ops:
+            while (r := self.api.poll_op(op, err, 256)) == 0:
+                pass
+            self.api.release_op(op)
+            if r < 0:
+                raise RuntimeError(err.value.decode())
+        return in_submit
+
+    def close(self) -> None:
+        self.api.destroy_queue(self.handle)
+
+
+def _device_copy_gbps(nbytes: int) -> float:
+    import torch
+
+    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    best = 0.0
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+    return best
+
+
+def measure(queue: _Queue, run_bytes: int, args: argparse.Namespace, copy_gbps: float) -> Row:
+    import numpy as np
+    import torch
+
+    runs = int(args.gib * 2**30) // run_bytes
+    src = torch.randint(0, 256, (2 * runs * run_bytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(2 * runs * run_bytes, dtype=torch.uint8, device="cuda")
+    rng = np.random.default_rng(run_bytes)
+    src_blocks = rng.permutation(2 * runs)[:runs].astype(np.int64)
+    dst_blocks = rng.permutation(2 * runs)[:runs].astype(np.int64)
+    # Sorted by destination, as the engine plans a READ (by local offset); a random order on
+    # both sides spreads each moment's accesses over the whole caches and runs slower.
+    order = np.argsort(dst_blocks) if args.order == "destination" else np.arange(runs)
+    src_blocks, dst_blocks = src_blocks[order], dst_blocks[order]
+    src_off = src_blocks * run_bytes
+    dst_off = dst_blocks * run_bytes
+    sizes = np.full(runs, run_bytes, dtype=np.int64)
+    plans = [
+        (
+            dst_off[i : i + args.batch_runs],
+            src_off[i : i + args.batch_runs],
+            sizes[i : i + args.batch_runs],
+        )
+        for i in range(0, runs, args.batch_runs)
+    ]
+    samples, submit = [], []
+    for rep in range(args.repeats + 1):  # the first one warms up (tables, module load)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        in_submit = queue.gather(dst.data_ptr(), src.data_ptr(), plans)
+        seconds = time.perf_counter() - start
+        if rep > 0:
+            samples.append(runs * run_bytes / seconds / 1e9)
+            submit.append(in_submit / runs * 1e9)
+    got = dst.view(2 * runs, run_bytes).index_select(0, torch.as_tensor(dst_blocks, device="cuda"))
+    want = src.view(2 * runs, run_bytes).index_select(0, torch.as_tensor(src_blocks, device="cuda"))
+    verified = bool(torch.equal(got, want))
+    gbps = statistics.median(samples)
+    del src, dst, got, want
+    torch.cuda.empty_cache()
+    return Row(
+        run_bytes,
+        runs,
+        runs * run_bytes,
+        gbps,
+        gbps / copy_gbps,
+        statistics.median(submit),
+        verified,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plugin", help="path of libmoriio_native_cudacopy.so")
+    parser.add_argument(
+        "--run-bytes",
+        type=int,
+        action="append",
+        help="run sizes (default 4 KiB, 32 KiB, 64 KiB, 72 KiB, 256 KiB, 2 MiB)",
+    )
+    parser.add_argument("--gib", type=float, default=4.0, help="GiB gathered per measurement")
+    parser.add_argument("--batch-runs", type=int, default=8192, help="runs per submitted batch")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--order",
+        default="destination",
+        choices=["destination", "random"],
+        help="run order within the request: sorted by destination (as the engine plans) or not",
+    )
+    parser.add_argument("--json", help="write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    sizes = args.run_bytes or [4096, 32768, 65536, 73728, 262144, 2 << 20]
+    _lib, api = _load(args.plugin or _default_plugin())
+    copy_gbps = _device_copy_gbps(int(args.gib * 2**30))
+    logger.info("one %.1f GiB torch device copy: %.0f GB/s", args.gib, copy_gbps)
+    queue = _Queue(api, 0)
+    rows = []
+    try:
+        for run_bytes in sizes:
+            row = measure(queue, run_bytes, args, copy_gbps)
+            rows.append(row)
+            logger.info(
+                "runs of %7d B x %7d: %7.1f GB/s = %.2fx device copy, submit %.1f ns/run, "
+                "verified=%s",
+                row.run_bytes,
+                row.runs,
+                row.gbps,
+                row.ratio_to_device_copy,
+                row.submit_ns_per_run,
+                row.verified,
+            )
+    finally:
+        queue.close()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0 if all(r.verified for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
