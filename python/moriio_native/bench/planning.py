@@ -114,8 +114,12 @@ ISSUE_CASES = (("deepseek-v3", 8192 * 64), ("dense-61", 8192 * 16))
 
 def _cell_offset(p: dict[str, Any], plane: int, head: int, token: int) -> int:
     kb = p["kernel_block_size"]
-    return (p["plane_offset"][plane] + head * p["head_stride"]
-            + (token // kb) * p["kernel_block_stride"] + (token % kb) * p["token_stride"])
+    return (
+        p["plane_offset"][plane]
+        + head * p["head_stride"]
+        + (token // kb) * p["kernel_block_stride"]
+        + (token % kb) * p["token_stride"]
+    )
 
 
 def _merge_sorted(rows: Iterable[tuple[int, int, int]]) -> list[list[int]]:
@@ -148,7 +152,8 @@ def python_block_template(local: mn.LayerLayout, remote: mn.LayerLayout) -> Pyth
     for key in ("kind", "block_size", "num_heads", "plane_bytes", "dtype_bytes"):
         if lp[key] != rp[key]:
             raise mn.IncompatiblePeerError(
-                f"layer '{local.name}': {key} {lp[key]} != remote '{remote.name}' {rp[key]}")
+                f"layer '{local.name}': {key} {lp[key]} != remote '{remote.name}' {rp[key]}"
+            )
     planes = 2 if lp["kind"] == "kv" else 1
     cells = [
         (_cell_offset(lp, plane, h, t), _cell_offset(rp, plane, h, t), lp["plane_bytes"][plane])
@@ -158,22 +163,25 @@ def python_block_template(local: mn.LayerLayout, remote: mn.LayerLayout) -> Pyth
     ]
     cells.sort()
     runs = [(a, b, c) for a, b, c in _merge_sorted(cells)]
-    return PythonTemplate(runs, lp["block_stride"], rp["block_stride"], lp["num_blocks"],
-                          rp["num_blocks"], local.name)
+    return PythonTemplate(
+        runs, lp["block_stride"], rp["block_stride"], lp["num_blocks"], rp["num_blocks"], local.name
+    )
 
 
-def python_plan(tmpl: PythonTemplate, local_ids: Sequence[int],
-                remote_ids: Sequence[int]) -> Runs:
+def python_plan(tmpl: PythonTemplate, local_ids: Sequence[int], remote_ids: Sequence[int]) -> Runs:
     """One layer's plan: validate ids, stamp the template per block pair, sort, merge."""
     n = len(local_ids)
     if n > len(remote_ids):
         raise mn.InvalidArgumentError(
-            f"local_block_ids longer than remote_block_ids: {n} > {len(remote_ids)}")
+            f"local_block_ids longer than remote_block_ids: {n} > {len(remote_ids)}"
+        )
     remote_ids = remote_ids[:n]
     if len(set(local_ids)) != n or len(set(remote_ids)) != n:
         raise mn.InvalidArgumentError(f"layer '{tmpl.name}': duplicate block ids")
-    for side, ids, limit in (("local", local_ids, tmpl.local_blocks),
-                             ("remote", remote_ids, tmpl.remote_blocks)):
+    for side, ids, limit in (
+        ("local", local_ids, tmpl.local_blocks),
+        ("remote", remote_ids, tmpl.remote_blocks),
+    ):
         for b in ids:
             if not 0 <= b < limit:
                 raise mn.OutOfRangeError(f"{side} block id {b} outside [0, {limit})")
@@ -210,8 +218,13 @@ def _contiguous(shape: Sequence[int]) -> list[int]:
 
 def _describe(name: str, group: LayerGroup, block_size: int, cache_blocks: int) -> mn.LayerLayout:
     shape = _cache_shape(group, block_size, cache_blocks)
-    spec = mn.CacheSpec(kind=group.kind, block_size=block_size, num_kv_heads=group.num_kv_heads,
-                        head_size=group.head_size, dtype_bytes=group.dtype_bytes)
+    spec = mn.CacheSpec(
+        kind=group.kind,
+        block_size=block_size,
+        num_kv_heads=group.num_kv_heads,
+        head_size=group.head_size,
+        dtype_bytes=group.dtype_bytes,
+    )
     geometry = mn.TensorGeometry(shape, _contiguous(shape), group.dtype_bytes, 0)
     return mn.describe_layer(name, geometry, spec)
 
@@ -247,20 +260,30 @@ def vllm_planner() -> _VllmPlanner | None:
             logger.info("vLLM baseline unavailable: %s", exc)
             _VLLM.append(None)
         else:
-            _VLLM.append(_VllmPlanner(moriio_layout.compute_block_transfer_offsets, torch,
-                                      FullAttentionSpec, MLAAttentionSpec))
+            _VLLM.append(
+                _VllmPlanner(
+                    moriio_layout.compute_block_transfer_offsets,
+                    torch,
+                    FullAttentionSpec,
+                    MLAAttentionSpec,
+                )
+            )
     return _VLLM[0]
 
 
-def _vllm_layer(v: _VllmPlanner, group: LayerGroup, block_size: int,
-                cache_blocks: int) -> tuple[Any, Any]:
+def _vllm_layer(
+    v: _VllmPlanner, group: LayerGroup, block_size: int, cache_blocks: int
+) -> tuple[Any, Any]:
     torch = v.torch
     dtype = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32}[group.dtype_bytes]
     spec_cls = v.full_spec if group.kind == "kv" else v.mla_spec
-    spec = spec_cls(block_size=block_size, num_kv_heads=group.num_kv_heads,
-                    head_size=group.head_size, dtype=dtype)
-    tensor = torch.empty(_cache_shape(group, block_size, cache_blocks), dtype=dtype,
-                         device="meta")
+    spec = spec_cls(
+        block_size=block_size,
+        num_kv_heads=group.num_kv_heads,
+        head_size=group.head_size,
+        dtype=dtype,
+    )
+    tensor = torch.empty(_cache_shape(group, block_size, cache_blocks), dtype=dtype, device="meta")
     return tensor, spec
 
 
@@ -268,14 +291,16 @@ def _vllm_layer(v: _VllmPlanner, group: LayerGroup, block_size: int,
 # Timing
 
 
-def _median_seconds(fn: Callable[[], object], min_time: float, min_reps: int,
-                    max_reps: int) -> float:
+def _median_seconds(
+    fn: Callable[[], object], min_time: float, min_reps: int, max_reps: int
+) -> float:
     """Median wall time of ``fn`` over at least ``min_reps`` calls and ``min_time`` seconds."""
     fn()  # warm-up: caches, lazy allocations
     samples: list[float] = []
     start = time.perf_counter()
-    while len(samples) < max_reps and (len(samples) < min_reps
-                                       or time.perf_counter() - start < min_time):
+    while len(samples) < max_reps and (
+        len(samples) < min_reps or time.perf_counter() - start < min_time
+    ):
         t0 = time.perf_counter()
         fn()
         samples.append(time.perf_counter() - t0)
@@ -298,9 +323,17 @@ def _supports_pairs(tmpl: Any, pairs: Any) -> bool:
     return True
 
 
-def bench_case(preset: Preset, context_tokens: int, *, seed: int = 0, min_time: float = 0.2,
-               min_reps: int = 3, max_reps: int = 1000, include_vllm: bool = True,
-               baseline_layers: int = 2) -> dict[str, Any]:
+def bench_case(
+    preset: Preset,
+    context_tokens: int,
+    *,
+    seed: int = 0,
+    min_time: float = 0.2,
+    min_reps: int = 3,
+    max_reps: int = 1000,
+    include_vllm: bool = True,
+    baseline_layers: int = 2,
+) -> dict[str, Any]:
     """Time one request's planning for every layer of ``preset`` at ``context_tokens``.
 
     Ours runs the whole request (every layer) per repetition. The baselines are timed on
@@ -331,15 +364,15 @@ def bench_case(preset: Preset, context_tokens: int, *, seed: int = 0, min_time: 
         templates.extend(t for _, _, t in layer_templates)
         local, remote, tmpl = layer_templates[0]
         ours = tmpl.plan(lids_np, rids_np)
-        ours_runs = (ours.local_offsets.tolist(), ours.remote_offsets.tolist(),
-                     ours.sizes.tolist())
+        ours_runs = (ours.local_offsets.tolist(), ours.remote_offsets.tolist(), ours.sizes.tolist())
         runs_total += len(ours) * g.count
 
         # Baselines: one representative layer (all layers of a group plan identically).
         py_tmpl = python_block_template(local, remote)
         matches_python &= python_plan(py_tmpl, lids, rids) == ours_runs
-        py_layers = [python_block_template(lo, re) for lo, re, _ in
-                     layer_templates[:baseline_layers]]
+        py_layers = [
+            python_block_template(lo, re) for lo, re, _ in layer_templates[:baseline_layers]
+        ]
 
         def run_python(tmpls: list[PythonTemplate] = py_layers) -> None:
             for t in tmpls:
@@ -354,40 +387,50 @@ def bench_case(preset: Preset, context_tokens: int, *, seed: int = 0, min_time: 
             names = [f"{g.name}.{i}" for i in range(min(baseline_layers, g.count))]
             layer_to_spec = dict.fromkeys(names, spec)
             got = vllm.compute(names[0], tensor, layer_to_spec, lids, rids, cache_blocks)
-            matches_vllm = bool(matches_vllm) and (
-                tuple(list(x) for x in got) == ours_runs)
+            matches_vllm = bool(matches_vllm) and (tuple(list(x) for x in got) == ours_runs)
 
-            def run_vllm(names: list[str] = names, tensor: Any = tensor,
-                         layer_to_spec: dict = layer_to_spec) -> None:
+            def run_vllm(
+                names: list[str] = names, tensor: Any = tensor, layer_to_spec: dict = layer_to_spec
+            ) -> None:
                 for name in names:
                     vllm.compute(name, tensor, layer_to_spec, lids, rids, cache_blocks)
 
             vllm_s = _median_seconds(run_vllm, min_time, min_reps, max_reps) / len(names)
             vllm_total += vllm_s * g.count
-        groups_out.append({
-            "name": g.name, "layers": g.count, "kind": g.kind,
-            "runs_per_block": len(tmpl.runs), "runs_per_layer_request": len(ours),
-            "python_s_per_layer_request": py_s, "vllm_s_per_layer_request": vllm_s,
-        })
+        groups_out.append(
+            {
+                "name": g.name,
+                "layers": g.count,
+                "kind": g.kind,
+                "runs_per_block": len(tmpl.runs),
+                "runs_per_layer_request": len(ours),
+                "python_s_per_layer_request": py_s,
+                "vllm_s_per_layer_request": vllm_s,
+            }
+        )
 
     probe_pairs = mn.BlockPairs(lids_np, rids_np)
     pairs_once = _supports_pairs(templates[0], probe_pairs)
     if pairs_once:
+
         def run_ours() -> None:
             pairs = mn.BlockPairs(lids_np, rids_np)
             for t in templates:
                 t.plan(pairs)
     else:
-        logger.warning("BlockTemplate.plan() does not take BlockPairs in this build: the native "
-                       "path re-validates and sorts the block ids for every layer")
+        logger.warning(
+            "BlockTemplate.plan() does not take BlockPairs in this build: the native "
+            "path re-validates and sorts the block ids for every layer"
+        )
 
         def run_ours() -> None:
             for t in templates:
                 t.plan(lids_np, rids_np)
 
     ours_request = _median_seconds(run_ours, min_time, min_reps, max_reps)
-    prepare = _median_seconds(lambda: mn.BlockPairs(lids_np, rids_np), min_time / 4, min_reps,
-                              max_reps)
+    prepare = _median_seconds(
+        lambda: mn.BlockPairs(lids_np, rids_np), min_time / 4, min_reps, max_reps
+    )
     layers = preset.num_layers
     return {
         "preset": preset.name,
@@ -415,12 +458,18 @@ def bench_case(preset: Preset, context_tokens: int, *, seed: int = 0, min_time: 
     }
 
 
-def run_planning_bench(presets: Sequence[str] = DEFAULT_PRESETS,
-                       contexts: Sequence[int] = DEFAULT_CONTEXTS, *,
-                       cases: Sequence[tuple[str, int]] = ISSUE_CASES,
-                       include_vllm: bool = True, seed: int = 0, min_time: float = 0.2,
-                       min_reps: int = 3, max_reps: int = 1000,
-                       baseline_layers: int = 2) -> list[dict[str, Any]]:
+def run_planning_bench(
+    presets: Sequence[str] = DEFAULT_PRESETS,
+    contexts: Sequence[int] = DEFAULT_CONTEXTS,
+    *,
+    cases: Sequence[tuple[str, int]] = ISSUE_CASES,
+    include_vllm: bool = True,
+    seed: int = 0,
+    min_time: float = 0.2,
+    min_reps: int = 3,
+    max_reps: int = 1000,
+    baseline_layers: int = 2,
+) -> list[dict[str, Any]]:
     """Run every (preset, context) and every extra ``(preset, context)`` case.
 
     Each result dict holds: preset, description, context_tokens, block_size, blocks (per
@@ -436,16 +485,26 @@ def run_planning_bench(presets: Sequence[str] = DEFAULT_PRESETS,
     unknown = [p for p in [*presets, *(c[0] for c in cases)] if p not in PRESETS]
     if unknown:
         raise mn.InvalidArgumentError(
-            f"unknown planning preset(s) {unknown}; known: {sorted(PRESETS)}")
+            f"unknown planning preset(s) {unknown}; known: {sorted(PRESETS)}"
+        )
     if any(c <= 0 for c in [*contexts, *(c[1] for c in cases)]):
         raise mn.InvalidArgumentError("context lengths must be positive")
     todo = [(p, c) for p in presets for c in contexts] + [tuple(c) for c in cases]
     results = []
     for name, ctx in todo:
         logger.info("planning bench: %s at %d tokens", name, ctx)
-        results.append(bench_case(PRESETS[name], int(ctx), seed=seed, min_time=min_time,
-                                  min_reps=min_reps, max_reps=max_reps,
-                                  include_vllm=include_vllm, baseline_layers=baseline_layers))
+        results.append(
+            bench_case(
+                PRESETS[name],
+                int(ctx),
+                seed=seed,
+                min_time=min_time,
+                min_reps=min_reps,
+                max_reps=max_reps,
+                include_vllm=include_vllm,
+                baseline_layers=baseline_layers,
+            )
+        )
     return results
 
 
@@ -469,48 +528,91 @@ def _fmt_x(x: float | None) -> str:
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of ``run_planning_bench`` results."""
-    header = ("preset", "ctx", "blocks", "layers", "runs", "ours/layer", "ns/run",
-              "python/layer", "vllm/layer", "vs python", "vs vllm", "same")
+    header = (
+        "preset",
+        "ctx",
+        "blocks",
+        "layers",
+        "runs",
+        "ours/layer",
+        "ns/run",
+        "python/layer",
+        "vllm/layer",
+        "vs python",
+        "vs vllm",
+        "same",
+    )
     rows = [header]
     for r in results:
         same = "yes" if r["matches_python"] and r["matches_vllm"] in (True, None) else "NO"
-        rows.append((
-            r["preset"], f"{r['context_tokens'] // 1024}K", str(r["blocks"]), str(r["layers"]),
-            str(r["runs_emitted"]), _fmt_s(r["ours_s_per_layer_request"]),
-            f"{r['ours_ns_per_run']:.2f}", _fmt_s(r["python_s_per_layer_request"]),
-            _fmt_s(r["vllm_s_per_layer_request"]), _fmt_x(r["speedup_vs_python"]),
-            _fmt_x(r["speedup_vs_vllm"]), same,
-        ))
+        rows.append(
+            (
+                r["preset"],
+                f"{r['context_tokens'] // 1024}K",
+                str(r["blocks"]),
+                str(r["layers"]),
+                str(r["runs_emitted"]),
+                _fmt_s(r["ours_s_per_layer_request"]),
+                f"{r['ours_ns_per_run']:.2f}",
+                _fmt_s(r["python_s_per_layer_request"]),
+                _fmt_s(r["vllm_s_per_layer_request"]),
+                _fmt_x(r["speedup_vs_python"]),
+                _fmt_x(r["speedup_vs_vllm"]),
+                same,
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                       enumerate(zip(row, widths, strict=True))) for row in rows]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
     lines.insert(1, "-" * len(lines[0]))
     modes = sorted({r["ours_mode"] for r in results})
     lines.append("")
-    lines.append("ours: native BlockPairs + per-layer template stamping (mode: "
-                 + ", ".join(modes) + "); /layer = one layer of one request; runs = runs "
-                 "emitted by one request over all layers")
+    lines.append(
+        "ours: native BlockPairs + per-layer template stamping (mode: "
+        + ", ".join(modes)
+        + "); /layer = one layer of one request; runs = runs "
+        "emitted by one request over all layers"
+    )
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m moriio_native.bench.planning",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--presets", nargs="+", default=list(DEFAULT_PRESETS),
-                        choices=sorted(PRESETS))
-    parser.add_argument("--contexts", nargs="+", type=int, default=list(DEFAULT_CONTEXTS),
-                        help="context lengths in tokens")
-    parser.add_argument("--no-issue-cases", action="store_true",
-                        help="skip the 61 layers x 8192 blocks cases")
+    parser = argparse.ArgumentParser(
+        prog="python -m moriio_native.bench.planning", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument(
+        "--presets", nargs="+", default=list(DEFAULT_PRESETS), choices=sorted(PRESETS)
+    )
+    parser.add_argument(
+        "--contexts",
+        nargs="+",
+        type=int,
+        default=list(DEFAULT_CONTEXTS),
+        help="context lengths in tokens",
+    )
+    parser.add_argument(
+        "--no-issue-cases", action="store_true", help="skip the 61 layers x 8192 blocks cases"
+    )
     parser.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
-    parser.add_argument("--min-time", type=float, default=0.2,
-                        help="seconds each measurement repeats for at least")
+    parser.add_argument(
+        "--min-time", type=float, default=0.2, help="seconds each measurement repeats for at least"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     results = run_planning_bench(
-        args.presets, args.contexts, cases=() if args.no_issue_cases else ISSUE_CASES,
-        include_vllm=not args.no_vllm, seed=args.seed, min_time=args.min_time)
+        args.presets,
+        args.contexts,
+        cases=() if args.no_issue_cases else ISSUE_CASES,
+        include_vllm=not args.no_vllm,
+        seed=args.seed,
+        min_time=args.min_time,
+    )
     out = json.dumps(results, indent=2) if args.json else format_table(results)
     sys.stdout.write(out + "\n")
     return 0
