@@ -73,18 +73,19 @@ Result<TokenAxis> ResolveTokenAxis(const std::string& name, const TensorGeometry
   const auto& s = g.shape;
   const bool direct_a = s[a] == spec.block_size && HeadsFit(s[b], spec);
   const bool direct_b = s[b] == spec.block_size && HeadsFit(s[a], spec);
-  // Equal sizes cannot be told apart by shape; vLLM's logical order puts tokens first.
-  if (direct_a) return TokenAxis{a, b, s[a]};
-  if (direct_b) return TokenAxis{b, a, s[b]};
   const bool kernel_a = KernelSizeFits(s[a], spec.block_size) && HeadsFit(s[b], spec);
   const bool kernel_b = KernelSizeFits(s[b], spec.block_size) && HeadsFit(s[a], spec);
-  if (kernel_a && kernel_b && s[a] != s[b]) {
+  // Two different readings of the shape would address different bytes: refuse to guess. Equal
+  // sizes cannot be told apart by shape at all; vLLM's logical order puts tokens first there.
+  if (s[a] != s[b] && ((direct_a || kernel_a) && (direct_b || kernel_b))) {
     return InvalidArgumentError("Ambiguous kernel-block cache shape for " + LayerPrefix(name) +
-                                ": " + ShapeString(s) + " (both axes " + std::to_string(a) +
-                                " and " + std::to_string(b) + " fit block_size " +
+                                ": " + ShapeString(s) + " (axis " + std::to_string(a) +
+                                " or axis " + std::to_string(b) + " can hold the tokens of block_size " +
                                 std::to_string(spec.block_size) +
                                 "); set num_kv_heads in the spec to disambiguate");
   }
+  if (direct_a) return TokenAxis{a, b, s[a]};
+  if (direct_b) return TokenAxis{b, a, s[b]};
   if (kernel_a) return TokenAxis{a, b, s[a]};
   if (kernel_b) return TokenAxis{b, a, s[b]};
   return InvalidArgumentError("Unsupported cache shape for " + LayerPrefix(name) + ": " +

@@ -236,6 +236,35 @@ TEST(LayoutTest, AmbiguousKernelBlockShapeIsAnError) {
   EXPECT_TRUE(Contains(r.status().message(), "layers.7.attn")) << r.status().message();
 }
 
+// Without the head count, [2, N, 16, 8, D] is a full block of 16 tokens x 8 heads, or 8-token
+// kernel blocks x 16 heads: the two readings address different bytes, so neither is guessed.
+TEST(LayoutTest, FullBlockAgainstKernelBlockReadingIsAmbiguousWithoutHeads) {
+  Result<LayerLayout> r =
+      DescribeLayer("layers.3.attn", Geo({2, 32, 16, 8, 4}), KvSpec(16, std::nullopt, 4));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(r.status().message(), "Ambiguous")) << r.status().message();
+  EXPECT_TRUE(Contains(r.status().message(), "num_kv_heads")) << r.status().message();
+  // The same holds with the axes the other way round (HND).
+  r = DescribeLayer("layers.3.attn", Geo({2, 32, 8, 16, 4}), KvSpec(16, std::nullopt, 4));
+  ASSERT_FALSE(r.ok());
+  EXPECT_TRUE(Contains(r.status().message(), "Ambiguous")) << r.status().message();
+  // Given the heads, each reading is settled.
+  Result<LayerLayout> nhd =
+      DescribeLayer("layers.3.attn", Geo({2, 32, 16, 8, 4}), KvSpec(16, 8, 4));
+  ASSERT_TRUE(nhd.ok()) << nhd.status().ToString();
+  EXPECT_EQ(nhd->params().kernel_block_size, 16);
+  Result<LayerLayout> kernel =
+      DescribeLayer("layers.3.attn", Geo({2, 32, 16, 8, 4}), KvSpec(16, 16, 4));
+  ASSERT_TRUE(kernel.ok()) << kernel.status().ToString();
+  EXPECT_EQ(kernel->params().kernel_block_size, 8);
+  // A head axis that cannot be a kernel block leaves one reading: no error.
+  Result<LayerLayout> only =
+      DescribeLayer("layers.3.attn", Geo({2, 32, 16, 3, 4}), KvSpec(16, std::nullopt, 4));
+  ASSERT_TRUE(only.ok()) << only.status().ToString();
+  EXPECT_EQ(only->params().kernel_block_size, 16);
+}
+
 TEST(LayoutTest, AmbiguousPlaneAxisIsAnErrorUnlessGiven) {
   // [2,2,4,2,3]: is axis 0 or axis 1 the K/V axis?
   Result<LayerLayout> r = DescribeLayer("l0", Geo({2, 2, 4, 2, 3}), Small());
