@@ -1246,6 +1246,37 @@ TEST(EngineShutdown, DestroyingEnginesWithTransfersInFlightNeitherHangsNorLeaks)
   d.engine.reset();
 }
 
+// The decode side goes away and frees its KV memory while the prefill side is copying into it:
+// the transport must finish (or refuse) its copies before the memory is released, as a real
+// transport finishes DMA before deregistration returns. Under ASan a late copy is a
+// heap-use-after-free.
+TEST(EngineShutdown, PeerMemoryFreedRightAfterItsEngineIsNeverWritten) {
+  // 4 x 3000 tiny runs that never merge (remote ids reversed): the copies take long enough for
+  // the memory to go between two of them.
+  std::vector<std::int64_t> local(3000), remote(3000);
+  for (std::int64_t i = 0; i < 3000; ++i) {
+    local[i] = i;
+    remote[i] = 2999 - i;
+  }
+  for (int round = 0; round < 20; ++round) {
+    Side p, d;
+    EnginesFirst guard({&p, &d});
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", LargeLayers(3000), 1));
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", LargeLayers(3000), 2));
+    ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+    for (const TestLayer& l : p.layers) {
+      ASSERT_TRUE(p.engine->WriteLayer("w", l.name, "D", local, remote).ok());
+    }
+    ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+    d.engine.reset();
+    d.buffer.reset();
+    Events events(p.engine.get());
+    TransferEvent e = events.Wait("w");
+    EXPECT_TRUE(e.state == TransferState::kFailed || e.state == TransferState::kDone)
+        << TransferStateName(e.state) << ": " << e.message;
+  }
+}
+
 TEST(EngineShutdown, PeerDestroyedWhileWritesAreInFlightEndsThemOnce) {
   Side p, d;
   EnginesFirst guard({&p, &d});

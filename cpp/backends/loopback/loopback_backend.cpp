@@ -1,11 +1,13 @@
 #include <unistd.h>
 
+#include <algorithm>
 #include <charconv>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "backends/loopback/loopback_backend.hpp"
@@ -15,9 +17,12 @@ namespace {
 
 // Loopback peers find each other through this process-wide directory: an address names a
 // backend instance, and a remote key names one of its registered regions. Imports are checked
-// against it, so a forged key or range fails like it would on a real transport.
+// against it, so a forged key or range fails like it would on a real transport. A copy pins the
+// two regions it touches; removing a region waits until nothing pins it, as a real transport
+// finishes its DMA before deregistration returns (the owner may free the memory right after).
 struct RegionRecord {
   MemoryRange range;
+  int pins = 0;
 };
 
 class Directory {
@@ -31,8 +36,13 @@ class Directory {
     return next_instance_++;
   }
   void RemoveInstance(std::uint64_t instance) {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
     live_.erase(instance);
+    unpinned_.wait(lock, [&] {
+      return std::ranges::none_of(regions_, [&](const auto& kv) {
+        return kv.first.first == instance && kv.second.pins > 0;
+      });
+    });
     std::erase_if(regions_, [&](const auto& kv) { return kv.first.first == instance; });
   }
   void MarkLive(std::uint64_t instance) {
@@ -48,7 +58,11 @@ class Directory {
     regions_[{instance, handle}] = RegionRecord{range};
   }
   void RemoveRegion(std::uint64_t instance, std::uint64_t handle) {
-    std::lock_guard lock(mu_);
+    std::unique_lock lock(mu_);
+    unpinned_.wait(lock, [&] {
+      auto it = regions_.find({instance, handle});
+      return it == regions_.end() || it->second.pins == 0;
+    });
     regions_.erase({instance, handle});
   }
   // The registered range, or nullopt when the region is gone.
@@ -58,12 +72,47 @@ class Directory {
     if (it == regions_.end()) return std::nullopt;
     return it->second.range;
   }
+  // Like FindRegion, and the region stays registered until Unpin.
+  std::optional<MemoryRange> Pin(std::uint64_t instance, std::uint64_t handle) {
+    std::lock_guard lock(mu_);
+    auto it = regions_.find({instance, handle});
+    if (it == regions_.end()) return std::nullopt;
+    ++it->second.pins;
+    return it->second.range;
+  }
+  void Unpin(std::uint64_t instance, std::uint64_t handle) {
+    {
+      std::lock_guard lock(mu_);
+      --regions_.at({instance, handle}).pins;
+    }
+    unpinned_.notify_all();
+  }
 
  private:
   std::mutex mu_;
+  std::condition_variable unpinned_;
   std::uint64_t next_instance_ = 1;
   std::map<std::uint64_t, bool> live_;
   std::map<std::pair<std::uint64_t, std::uint64_t>, RegionRecord> regions_;
+};
+
+// A region pinned for one copy; empty when the region is no longer registered.
+class PinnedRegion {
+ public:
+  PinnedRegion(std::uint64_t instance, std::uint64_t handle)
+      : instance_(instance), handle_(handle), range_(Directory::Get().Pin(instance, handle)) {}
+  ~PinnedRegion() {
+    if (range_) Directory::Get().Unpin(instance_, handle_);
+  }
+  PinnedRegion(const PinnedRegion&) = delete;
+  PinnedRegion& operator=(const PinnedRegion&) = delete;
+
+  const std::optional<MemoryRange>& range() const { return range_; }
+
+ private:
+  std::uint64_t instance_;
+  std::uint64_t handle_;
+  std::optional<MemoryRange> range_;
 };
 
 // Wire forms: address = "loopback:<pid>:<instance>", key = "<instance>:<handle>".
@@ -206,32 +255,31 @@ class LoopbackBackend final : public Backend {
     MemoryRange range;
   };
 
-  // Copies one batch; the remote region is re-checked against the directory so a peer that
-  // deregistered (or died) fails the batch instead of being written.
+  // Copies one batch with both regions pinned, so neither side can deregister (and free) its
+  // memory during the copy; a region already gone fails the batch instead of being written.
   Status Execute(const Batch& b) {
-    MemoryRange local;
     RemoteRegion remote;
     {
       std::lock_guard lock(mu_);
-      auto l = regions_.find(b.local_region);
       auto r = remotes_.find(b.remote_region);
-      if (l == regions_.end()) return TransportError("local region deregistered during transfer");
       if (r == remotes_.end()) return TransportError("peer disconnected during transfer");
-      local = l->second;
       remote = r->second;
     }
-    if (!Directory::Get().FindRegion(remote.instance, remote.handle)) {
-      return TransportError("the peer deregistered the remote region");
-    }
+    const PinnedRegion local(instance_, b.local_region);
+    if (!local.range()) return TransportError("local region deregistered during transfer");
+    const PinnedRegion peer(remote.instance, remote.handle);
+    if (!peer.range()) return TransportError("the peer deregistered the remote region");
+    const MemoryRange& l_range = *local.range();
+    const MemoryRange& r_range = *peer.range();
     for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-      if (!RunInside(b.local_offsets[i], b.sizes[i], local.size) ||
-          !RunInside(b.remote_offsets[i], b.sizes[i], remote.range.size)) {
+      if (!RunInside(b.local_offsets[i], b.sizes[i], l_range.size) ||
+          !RunInside(b.remote_offsets[i], b.sizes[i], r_range.size)) {
         return InvalidArgumentError("run " + std::to_string(i) + " lies outside its region");
       }
     }
     for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-      auto* l = reinterpret_cast<std::uint8_t*>(local.address + b.local_offsets[i]);
-      auto* r = reinterpret_cast<std::uint8_t*>(remote.range.address + b.remote_offsets[i]);
+      auto* l = reinterpret_cast<std::uint8_t*>(l_range.address + b.local_offsets[i]);
+      auto* r = reinterpret_cast<std::uint8_t*>(r_range.address + b.remote_offsets[i]);
       if (b.op == TransferOp::kRead) {
         std::memcpy(l, r, static_cast<std::size_t>(b.sizes[i]));
       } else {
