@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from device_copy import device_copy_gbps
+
 logger = logging.getLogger("moriio_native.bench.cudacopy")
 
 _ERR = ctypes.c_char_p
@@ -147,22 +149,6 @@ class _Queue:
         self.api.destroy_queue(self.handle)
 
 
-def _device_copy_gbps(nbytes: int) -> float:
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    best = 0.0
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-    return best
-
-
 def measure(queue: _Queue, run_bytes: int, args: argparse.Namespace, copy_gbps: float) -> Row:
     import numpy as np
     import torch
@@ -237,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sizes = args.run_bytes or [4096, 32768, 65536, 73728, 262144, 2 << 20]
     _lib, api = _load(args.plugin or _default_plugin())
-    copy_gbps = _device_copy_gbps(int(args.gib * 2**30))
+    copy_gbps = device_copy_gbps(int(args.gib * 2**30))
     logger.info("one %.1f GiB torch device copy: %.0f GB/s", args.gib, copy_gbps)
     queue = _Queue(api, 0)
     rows = []

@@ -25,6 +25,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from device_copy import device_copy_gbps
+
 logger = logging.getLogger("moriio_native.bench.gpu")
 
 # Same geometry as moriio_native.presets, as torch tensors.
@@ -181,23 +183,6 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     conn.send("bye")
 
 
-def _device_copy_gbps(nbytes: int) -> float:
-    """One large device-to-device torch copy: the HBM ceiling for moving ``nbytes``."""
-    import torch
-
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    best = 0.0
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
-    return best
-
-
 def _recv(conn: Any, procs: list[Any], timeout: float = 300.0) -> Any:
     """The next message on ``conn``; raises when a worker died or nothing came in time."""
     deadline = time.monotonic() + timeout
@@ -301,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for name in presets:
         request_bytes = _block_bytes(PRESETS[name]) * args.blocks
-        device_copy = _device_copy_gbps(request_bytes)
+        device_copy = device_copy_gbps(request_bytes)
         logger.info(
             "%s: one %.2f GB torch device copy: %.0f GB/s", name, request_bytes / 1e9, device_copy
         )
