@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, TypeVar
 
 import msgpack
@@ -120,6 +120,40 @@ def _check_choice(msg_type: str, name: str, value: Any, choices: tuple[str, ...]
 # ---- notify messages --------------------------------------------------------------------------
 
 
+_P = TypeVar("_P", bound="_PlainWire")
+
+
+class _PlainWire:
+    """Wire form of a message whose wire keys are its field names (RemoteBlocks and
+    ProxyRegistration spell theirs out). A field with a default may be left out on the wire
+    unless the class sets ``_EVERY_KEY_REQUIRED`` (handshakes always carry every key)."""
+
+    __slots__ = ()
+    TYPE: ClassVar[str]
+    _EVERY_KEY_REQUIRED: ClassVar[bool] = False
+
+    def to_wire(self) -> dict[str, Any]:
+        names = (f.name for f in fields(self))  # type: ignore[arg-type]
+        return {"type": self.TYPE, **{name: getattr(self, name) for name in names}}
+
+    @classmethod
+    def from_wire(cls: type[_P], d: Mapping[str, Any]) -> _P:
+        names = (f.name for f in fields(cls))  # type: ignore[arg-type]
+        return cls(**{name: d[name] for name in names if name in d})
+
+    @classmethod
+    def wire_keys(cls) -> tuple[frozenset[str], frozenset[str]]:
+        """(required, optional) wire keys besides ``type``."""
+        every = fields(cls)  # type: ignore[arg-type]
+        optional = frozenset(
+            f.name
+            for f in every
+            if not cls._EVERY_KEY_REQUIRED
+            and (f.default is not MISSING or f.default_factory is not MISSING)
+        )
+        return frozenset(f.name for f in every) - optional, optional
+
+
 @dataclass(frozen=True, slots=True)
 class RemoteBlocks:
     """D -> P (WRITE mode): the decode blocks P must write ``transfer_id`` into.
@@ -173,14 +207,15 @@ class RemoteBlocks:
             req_id=d.get("req_id", ""),
         )
 
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset(
-        {"transfer_id", "block_notify_list", "decode_engine_id"}
-    )
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"decode_rank", "req_id"})
+    @classmethod
+    def wire_keys(cls) -> tuple[frozenset[str], frozenset[str]]:
+        """(required, optional) wire keys besides ``type``."""
+        required = frozenset({"transfer_id", "block_notify_list", "decode_engine_id"})
+        return required, frozenset({"decode_rank", "req_id"})
 
 
 @dataclass(frozen=True, slots=True)
-class WriteDone:
+class WriteDone(_PlainWire):
     """P -> D (WRITE mode): writer ``writer_rank`` finished all writes of ``transfer_id``.
 
     D has the KV once ``num_writers`` distinct writers reported (several prefill TP ranks may
@@ -201,24 +236,9 @@ class WriteDone:
     def dedup_key(self) -> tuple[str, ...]:
         return (self.TYPE, self.transfer_id, str(self.writer_rank))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "transfer_id": self.transfer_id,
-            "writer_rank": self.writer_rank,
-            "num_writers": self.num_writers,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> WriteDone:
-        return cls(d["transfer_id"], d.get("writer_rank", 0), d.get("num_writers", 1))
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset({"transfer_id"})
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"writer_rank", "num_writers"})
-
 
 @dataclass(frozen=True, slots=True)
-class WriteFailed:
+class WriteFailed(_PlainWire):
     """P -> D (WRITE mode): writer ``writer_rank`` gave up on ``transfer_id`` (``reason`` says
     why), so D fails the request now instead of waiting for its timeout."""
 
@@ -236,24 +256,9 @@ class WriteFailed:
     def dedup_key(self) -> tuple[str, ...]:
         return (self.TYPE, self.transfer_id, str(self.writer_rank))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "transfer_id": self.transfer_id,
-            "writer_rank": self.writer_rank,
-            "reason": self.reason,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> WriteFailed:
-        return cls(d["transfer_id"], d.get("writer_rank", 0), d.get("reason", ""))
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset({"transfer_id"})
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"writer_rank", "reason"})
-
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class Release(_PlainWire):
     """D -> P: P may free the blocks of ``transfer_id`` (READ finished or failed, or a WRITE
     request ended before D allocated). One per consumer rank that read from this producer
     rank; ``consumer_tp_size`` lets P count the fan-in (see vLLM's expected-ack rule)."""
@@ -274,21 +279,6 @@ class Release:
     def dedup_key(self) -> tuple[str, ...]:
         return (self.TYPE, self.transfer_id, str(self.consumer_tp_rank))
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "transfer_id": self.transfer_id,
-            "consumer_tp_size": self.consumer_tp_size,
-            "consumer_tp_rank": self.consumer_tp_rank,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> Release:
-        return cls(d["transfer_id"], d.get("consumer_tp_size", 1), d.get("consumer_tp_rank", 0))
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset({"transfer_id"})
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset({"consumer_tp_size", "consumer_tp_rank"})
-
 
 NotifyMessage = RemoteBlocks | WriteDone | WriteFailed | Release
 NOTIFY_TYPES: tuple[type[NotifyMessage], ...] = (RemoteBlocks, WriteDone, WriteFailed, Release)
@@ -302,11 +292,12 @@ def new_nonce() -> bytes:
 
 
 @dataclass(frozen=True, slots=True)
-class HandshakeRequest:
+class HandshakeRequest(_PlainWire):
     """Asks a worker for its engine metadata. ``nonce`` must come back in the reply, which
     binds the reply to this request (a replayed reply is refused)."""
 
     TYPE: ClassVar[str] = "handshake_request"
+    _EVERY_KEY_REQUIRED: ClassVar[bool] = True
     requester_engine_id: str
     nonce: bytes = field(default_factory=new_nonce)
     protocol_version: int = PROTOCOL_VERSION
@@ -316,26 +307,9 @@ class HandshakeRequest:
         _check_bytes(self.TYPE, "nonce", self.nonce, NONCE_BYTES, 64)
         _check_int(self.TYPE, "protocol_version", self.protocol_version, 1, 1 << 16)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "protocol_version": self.protocol_version,
-            "requester_engine_id": self.requester_engine_id,
-            "nonce": self.nonce,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> HandshakeRequest:
-        return cls(d["requester_engine_id"], d["nonce"], d["protocol_version"])
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset(
-        {"protocol_version", "requester_engine_id", "nonce"}
-    )
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset()
-
 
 @dataclass(frozen=True, slots=True)
-class HandshakeResponse:
+class HandshakeResponse(_PlainWire):
     """A worker's answer: its native engine metadata (opaque bytes, produced and checked by
     the native engine) and where it sits in its instance.
 
@@ -343,6 +317,7 @@ class HandshakeResponse:
     """
 
     TYPE: ClassVar[str] = "handshake_response"
+    _EVERY_KEY_REQUIRED: ClassVar[bool] = True
     engine_id: str
     engine_metadata: bytes
     dp_rank: int = 0
@@ -366,72 +341,20 @@ class HandshakeResponse:
         _check_bytes(self.TYPE, "nonce", self.nonce, 0, 64)
         _check_int(self.TYPE, "protocol_version", self.protocol_version, 1, 1 << 16)
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
-            "type": self.TYPE,
-            "protocol_version": self.protocol_version,
-            "engine_id": self.engine_id,
-            "engine_metadata": self.engine_metadata,
-            "dp_rank": self.dp_rank,
-            "tp_rank": self.tp_rank,
-            "dp_size": self.dp_size,
-            "tp_size": self.tp_size,
-            "transfer_mode": self.transfer_mode,
-            "nonce": self.nonce,
-        }
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> HandshakeResponse:
-        return cls(
-            engine_id=d["engine_id"],
-            engine_metadata=d["engine_metadata"],
-            dp_rank=d["dp_rank"],
-            tp_rank=d["tp_rank"],
-            dp_size=d["dp_size"],
-            tp_size=d["tp_size"],
-            transfer_mode=d["transfer_mode"],
-            nonce=d["nonce"],
-            protocol_version=d["protocol_version"],
-        )
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset(
-        {
-            "protocol_version",
-            "engine_id",
-            "engine_metadata",
-            "dp_rank",
-            "tp_rank",
-            "dp_size",
-            "tp_size",
-            "transfer_mode",
-            "nonce",
-        }
-    )
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset()
-
 
 @dataclass(frozen=True, slots=True)
-class HandshakeRejected:
+class HandshakeRejected(_PlainWire):
     """The server understood the request but cannot answer (e.g. KV caches not registered
     yet, incompatible protocol version); ``reason`` says why."""
 
     TYPE: ClassVar[str] = "handshake_rejected"
+    _EVERY_KEY_REQUIRED: ClassVar[bool] = True
     reason: str
     nonce: bytes = b""
 
     def __post_init__(self) -> None:
         _check_id(self.TYPE, "reason", self.reason, MAX_REASON_LEN)
         _check_bytes(self.TYPE, "nonce", self.nonce, 0, 64)
-
-    def to_wire(self) -> dict[str, Any]:
-        return {"type": self.TYPE, "reason": self.reason, "nonce": self.nonce}
-
-    @classmethod
-    def from_wire(cls, d: Mapping[str, Any]) -> HandshakeRejected:
-        return cls(d["reason"], d["nonce"])
-
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset({"reason", "nonce"})
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset()
 
 
 # ---- proxy registration -----------------------------------------------------------------------
@@ -500,10 +423,11 @@ class ProxyRegistration:
             transfer_mode=d["transfer_mode"],
         )
 
-    _REQUIRED: ClassVar[frozenset[str]] = frozenset(
-        {"http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"}
-    )
-    _OPTIONAL: ClassVar[frozenset[str]] = frozenset()
+    @classmethod
+    def wire_keys(cls) -> tuple[frozenset[str], frozenset[str]]:
+        """(required, optional) wire keys besides ``type``."""
+        required = frozenset({"http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"})
+        return required, frozenset()
 
 
 # ---- encode / decode --------------------------------------------------------------------------
@@ -571,8 +495,7 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
         )
     cls = by_type[msg_type]
     keys = set(data) - {"type"}
-    required: frozenset[str] = cls._REQUIRED  # type: ignore[attr-defined]
-    optional: frozenset[str] = cls._OPTIONAL  # type: ignore[attr-defined]
+    required, optional = cls.wire_keys()  # type: ignore[attr-defined]
     missing = required - keys
     if missing:
         raise InvalidMessageError(f"{msg_type} message lacks {', '.join(sorted(missing))}")
