@@ -35,6 +35,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from types import TracebackType
+from typing import TypeVar
 
 import zmq
 
@@ -79,6 +80,27 @@ def zmq_endpoint(host: str, port: int) -> str:
     return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
 
 
+_C = TypeVar("_C", bound="_ClosesOnExit")
+
+
+class _ClosesOnExit:
+    """``with`` support: the block's end calls the subclass's ``close()``."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _C) -> _C:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
 class _DropLog:
     """Logs dropped messages, at most ``burst`` lines per ``window_s`` per component, so a
     flood of garbage cannot flood the log too; the suppressed count is reported later."""
@@ -118,7 +140,7 @@ def _peer_of(frames: list[zmq.Frame]) -> tuple[str, str | None]:
     return (f"{ip or 'unknown address'} (identity {ident[:16]})", ip)
 
 
-class _RouterThread:
+class _RouterThread(_ClosesOnExit):
     """A bound ROUTER socket and the thread that reads it. Subclasses implement ``_handle``."""
 
     _name = "router"
@@ -273,17 +295,6 @@ class _RouterThread:
                     "%s on port %d did not stop within %.1fs", self._name, self._port, timeout
                 )
 
-    def __enter__(self) -> _RouterThread:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
-
 
 class NotifyListener(_RouterThread):
     """Receives notify messages on ``port`` and queues them for :meth:`drain`/:meth:`get`.
@@ -409,9 +420,6 @@ class NotifyListener(_RouterThread):
             if len(self._terminal) > self._terminal_capacity:
                 self._terminal.popitem(last=False)
 
-    def __enter__(self) -> NotifyListener:
-        return self
-
 
 MetadataProvider = Callable[[HandshakeRequest], HandshakeResponse]
 
@@ -505,9 +513,6 @@ class HandshakeServer(_RouterThread):
             peer,
         )
 
-    def __enter__(self) -> HandshakeServer:
-        return self
-
 
 def _check_seconds(value: float, what: str) -> float:
     if (
@@ -592,7 +597,7 @@ def fetch_metadata(
         sock.close(linger=0)
 
 
-class NotifySender:
+class NotifySender(_ClosesOnExit):
     """Sends notify messages to peers' notify listeners, fire-and-forget.
 
     One DEALER socket per ``(host, port)``, kept in an LRU of ``max_peers`` (the oldest is
@@ -684,17 +689,6 @@ class NotifySender:
             sockets, self._sockets = list(self._sockets.values()), OrderedDict()
         for sock in sockets:
             sock.close(linger=self._linger_ms)
-
-    def __enter__(self) -> NotifySender:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 class ProxyPinger:
