@@ -115,34 +115,42 @@ class _Queue:
 
     def gather(self, dst: int, src: int, plans: list[tuple[Any, Any, Any]]) -> float:
         """Submits every (dst offsets, src offsets, sizes) batch, waits for all; returns the
-        seconds spent inside submit."""
+        seconds spent inside submit. Every submitted op is released, also on failure (the
+        queue may only be destroyed without outstanding ops)."""
         err = ctypes.create_string_buffer(256)
-        ops, in_submit = [], 0.0
-        for d, s, n in plans:
-            op = ctypes.c_void_p()
-            t = time.perf_counter()
-            rc = self.api.submit(
-                self.handle,
-                dst,
-                src,
-                d.ctypes.data_as(_I64P),
-                s.ctypes.data_as(_I64P),
-                n.ctypes.data_as(_I64P),
-                len(n),
-                ctypes.byref(op),
-                err,
-                256,
-            )
-            in_submit += time.perf_counter() - t
-            if rc != 0:
-                raise RuntimeError(err.value.decode())
-            ops.append(op)
-        for op in ops:
-            while (r := self.api.poll_op(op, err, 256)) == 0:
-                pass
-            self.api.release_op(op)
-            if r < 0:
-                raise RuntimeError(err.value.decode())
+        ops: list[ctypes.c_void_p] = []
+        in_submit = 0.0
+        failure = ""
+        try:
+            for d, s, n in plans:
+                op = ctypes.c_void_p()
+                t = time.perf_counter()
+                rc = self.api.submit(
+                    self.handle,
+                    dst,
+                    src,
+                    d.ctypes.data_as(_I64P),
+                    s.ctypes.data_as(_I64P),
+                    n.ctypes.data_as(_I64P),
+                    len(n),
+                    ctypes.byref(op),
+                    err,
+                    256,
+                )
+                in_submit += time.perf_counter() - t
+                if rc != 0:
+                    raise RuntimeError(err.value.decode())
+                ops.append(op)
+            for op in ops:
+                while (r := self.api.poll_op(op, err, 256)) == 0:
+                    pass
+                if r < 0 and not failure:
+                    failure = err.value.decode()
+        finally:
+            for op in ops:
+                self.api.release_op(op)  # waits for a kernel still running
+        if failure:
+            raise RuntimeError(failure)
         return in_submit
 
     def close(self) -> None:

@@ -4,6 +4,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <new>
 #include <unordered_map>
 
 #include "moriio_native/memory.hpp"
@@ -496,22 +497,34 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   auto add = [&](std::int64_t bytes, std::int64_t runs) {
     return d.tracker->AddBatch(transfer_id, bytes, runs);
   };
-  BatchBuilder builder(TransferOp::kRead, *peer);
-  for (std::size_t i : selected) builder.Reserve(d.layers[i], peer->links[i], *pairs);
-  bool open = true;
-  for (std::size_t k = 0; k < selected.size() && open; ++k) {
-    const std::size_t i = selected[k];
-    Status st = builder.Add(d.layers[i], peer->links[i], *pairs);
-    if (!st.ok()) {
-      // Unreachable after CheckBlockIds; should it happen, the transfer fails with the reason.
-      if (Result<std::uint64_t> token = add(0, 0); token.ok()) {
-        d.tracker->OnBatchComplete(*token, st.WithContext(ctx));
-      }
-      break;
+  // Fails the open transfer with `why` (a batch that failed at once), so it ends now.
+  auto fail = [&](const Status& why) {
+    if (Result<std::uint64_t> token = add(0, 0); token.ok()) {
+      d.tracker->OnBatchComplete(*token, why.WithContext(ctx));
     }
-    open = d.Submit(builder.Take(kPieceRuns), transfer_id, add);
+  };
+  try {
+    BatchBuilder builder(TransferOp::kRead, *peer);
+    for (std::size_t i : selected) builder.Reserve(d.layers[i], peer->links[i], *pairs);
+    bool open = true;
+    for (std::size_t k = 0; k < selected.size() && open; ++k) {
+      const std::size_t i = selected[k];
+      Status st = builder.Add(d.layers[i], peer->links[i], *pairs);
+      if (!st.ok()) {
+        fail(st);  // unreachable after CheckBlockIds; should it happen, the transfer says why
+        open = false;
+        break;
+      }
+      open = d.Submit(builder.Take(kPieceRuns), transfer_id, add);
+    }
+    if (open) d.Submit(builder.Take(0), transfer_id, add);
+  } catch (const std::bad_alloc&) {
+    // Pieces are planned after the transfer began: end it rather than leave it open until its
+    // deadline, then let the caller see the allocation failure.
+    fail(AbortedError("out of memory while planning the request"));
+    d.tracker->CloseRead(transfer_id);
+    throw;
   }
-  if (open) d.Submit(builder.Take(0), transfer_id, add);
   d.tracker->CloseRead(transfer_id);
   return Status::OK();
 }

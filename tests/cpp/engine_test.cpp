@@ -757,9 +757,9 @@ TEST_F(EnginePair, WriteLayersOfOneTransferMayNameDifferentBlocks) {
   };
   const std::vector<Write> writes = {
       {"attn.0", {4, 1}, {0, 8}},
-      {"attn.1", {4, 1}, {0, 7}},  // same local ids, other remote ids
-      {"mla.0", {1, 4}, {7, 0}},   // the same pairs listed in another order
-      {"attn.2", {1, 4}, {7, 2}},  // same local ids, other remote ids
+      {"attn.1", {4, 1}, {0, 8}},  // the same ids: served from the previous call
+      {"mla.0", {4, 1}, {0, 7}},   // same local ids, other remote ids
+      {"attn.2", {1, 4}, {7, 0}},  // the same pairs as mla.0, listed in another order
   };
   for (const Write& w : writes) {
     ApplyReference(d_, p_, {w.layer}, w.remote, w.local, &expected, &touched);
@@ -1248,8 +1248,8 @@ TEST(EngineShutdown, DestroyingEnginesWithTransfersInFlightNeitherHangsNorLeaks)
 
 // The decode side goes away and frees its KV memory while the prefill side is copying into it:
 // the transport must finish (or refuse) its copies before the memory is released, as a real
-// transport finishes DMA before deregistration returns. Under ASan a late copy is a
-// heap-use-after-free.
+// transport finishes DMA before deregistration returns. Only a sanitizer build can see a late
+// copy (ASan: heap-use-after-free); .ci/run runs this suite under ASan.
 TEST(EngineShutdown, PeerMemoryFreedRightAfterItsEngineIsNeverWritten) {
   // 4 x 3000 tiny runs that never merge (remote ids reversed): the copies take long enough for
   // the memory to go between two of them.

@@ -217,14 +217,19 @@ void DestroyQueue(void* queue) {
 }
 
 /// A table of at least `words` 8-byte words: a free one reused, or a new one (rounded up to a
-/// power of two, so a queue keeps few sizes).
+/// power of two, so a queue keeps few sizes; tables stay with the queue until it is destroyed).
 bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len) {
-  for (std::size_t i = 0; i < q->free_slots.size(); ++i) {
-    if (q->free_slots[i].capacity >= words) {
-      *out = q->free_slots[i];
-      q->free_slots.erase(q->free_slots.begin() + static_cast<std::ptrdiff_t>(i));
-      return true;
+  // The smallest free table that fits, so a small batch does not hold a large one.
+  auto best = q->free_slots.end();
+  for (auto it = q->free_slots.begin(); it != q->free_slots.end(); ++it) {
+    if (it->capacity >= words && (best == q->free_slots.end() || it->capacity < best->capacity)) {
+      best = it;
     }
+  }
+  if (best != q->free_slots.end()) {
+    *out = *best;
+    q->free_slots.erase(best);
+    return true;
   }
   Slot slot;
   std::size_t cap = 1024;
@@ -255,8 +260,16 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   }
   std::uint64_t chunks = 0;
   for (std::uint64_t i = 0; i < count; ++i) {
+    if (sizes[i] <= 0) {
+      if (err != nullptr && err_len != 0) {
+        std::snprintf(err, err_len, "run %llu has size %lld; sizes must be positive",
+                      static_cast<unsigned long long>(i), static_cast<long long>(sizes[i]));
+      }
+      return -1;
+    }
     chunks += (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
   }
+  // Every run has at least one chunk, so equal counts mean exactly one each.
   const bool one_chunk_per_run = chunks == count;
   const std::size_t words = 3 * count + (one_chunk_per_run ? 0 : chunks);
   Slot slot;

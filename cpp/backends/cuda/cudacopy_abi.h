@@ -33,7 +33,8 @@ typedef struct moriio_cudacopy_api {
   void (*destroy_queue)(void* queue);
   /* Enqueues ONE kernel that copies, for every i < count, sizes[i] bytes from
    * src_base + src_offsets[i] to dst_base + dst_offsets[i] (device addresses, the base possibly
-   * IPC-mapped from another process; the caller has checked every run against its regions).
+   * IPC-mapped from another process; the caller has checked every run against its regions;
+   * a size <= 0 fails the call).
    * Offsets are taken as the engine plans them, so a batch needs no translation pass on the
    * host. The arrays are copied before it returns. `*op` is polled with poll_op and released
    * with release_op. Consecutive submissions may run concurrently: order is not kept. */

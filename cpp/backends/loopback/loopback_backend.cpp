@@ -23,6 +23,7 @@ namespace {
 struct RegionRecord {
   MemoryRange range;
   int pins = 0;
+  bool removing = false;  // no new pins: a removal waits for the current ones
 };
 
 class Directory {
@@ -38,6 +39,9 @@ class Directory {
   void RemoveInstance(std::uint64_t instance) {
     std::unique_lock lock(mu_);
     live_.erase(instance);
+    for (auto& [key, record] : regions_) {
+      if (key.first == instance) record.removing = true;
+    }
     unpinned_.wait(lock, [&] {
       return std::ranges::none_of(regions_, [&](const auto& kv) {
         return kv.first.first == instance && kv.second.pins > 0;
@@ -59,6 +63,7 @@ class Directory {
   }
   void RemoveRegion(std::uint64_t instance, std::uint64_t handle) {
     std::unique_lock lock(mu_);
+    if (auto it = regions_.find({instance, handle}); it != regions_.end()) it->second.removing = true;
     unpinned_.wait(lock, [&] {
       auto it = regions_.find({instance, handle});
       return it == regions_.end() || it->second.pins == 0;
@@ -72,11 +77,12 @@ class Directory {
     if (it == regions_.end()) return std::nullopt;
     return it->second.range;
   }
-  // Like FindRegion, and the region stays registered until Unpin.
+  // Like FindRegion (also nullopt while a removal waits), and the region stays registered
+  // until Unpin.
   std::optional<MemoryRange> Pin(std::uint64_t instance, std::uint64_t handle) {
     std::lock_guard lock(mu_);
     auto it = regions_.find({instance, handle});
-    if (it == regions_.end()) return std::nullopt;
+    if (it == regions_.end() || it->second.removing) return std::nullopt;
     ++it->second.pins;
     return it->second.range;
   }
@@ -176,9 +182,13 @@ class LoopbackBackend final : public Backend {
   }
 
   Status DeregisterMemory(std::uint64_t handle) override {
-    std::lock_guard lock(mu_);
-    if (!regions_.count(handle)) return NotFoundError("no registered region " + std::to_string(handle));
-    regions_.erase(handle);
+    {
+      std::lock_guard lock(mu_);
+      if (!regions_.erase(handle)) {
+        return NotFoundError("no registered region " + std::to_string(handle));
+      }
+    }
+    // Outside mu_: the wait for copies in flight must not stall this backend's other calls.
     Directory::Get().RemoveRegion(instance_, handle);
     return Status::OK();
   }
