@@ -454,6 +454,29 @@ class MoriMappingTest : public ::testing::Test {
     return b;
   }
 
+  // The two regions most transfer tests use: all of `local_buf_`, and all of `peer_buf_` imported
+  // from peer "B".
+  struct Link {
+    std::uint64_t local = 0;  // handle of the local region
+    std::uint64_t peer = 0;
+    std::uint64_t remote = 0;  // handle of the imported region
+  };
+
+  // Registers, connects and imports them (call it inside ASSERT_NO_FATAL_FAILURE).
+  void LinkWholeBuffers(Link* link) {
+    auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
+    const std::uint64_t peer = Connect();
+    auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
+    ASSERT_TRUE(local.ok() && remote.ok());
+    *link = {local->handle, peer, *remote};
+  }
+
+  // A batch of one run: the first 64 bytes of each side.
+  Status SubmitOneRun(const Link& link, TransferOp op, std::uint64_t token) {
+    return backend_->Submit(
+        MakeBatch(op, link.local, link.peer, link.remote, {0}, {0}, {64}, token));
+  }
+
   World::Post PostAt(std::size_t i) {
     std::lock_guard lock(world_->mu);
     return world_->posts.at(i);
@@ -712,19 +735,14 @@ TEST_F(MoriMappingTest, RegionRegisteredAfterImportGetsItsSessionOnFirstUse) {
   ASSERT_TRUE(remote.ok());
   auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
   ASSERT_TRUE(local.ok());
+  const Link link{local->handle, peer, *remote};
   world_->fail_create_session = true;
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 1))
-          .ok());
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 1).ok());
   Status failed = sink_->Await(1);  // reported as the batch's completion, not by Submit
   EXPECT_EQ(failed.code(), StatusCode::kTransport);
   EXPECT_NE(failed.message().find("token 1"), std::string::npos) << failed.message();
   world_->fail_create_session = false;
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 2))
-          .ok());
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 2).ok());
   EXPECT_TRUE(sink_->Await(2).ok());
   EXPECT_EQ(std::memcmp(local_buf_.data, peer_buf_.data, 64), 0);
 }
@@ -733,12 +751,10 @@ TEST_F(MoriMappingTest, LongRunsAreSplitIntoConsecutiveEntriesOfOnePost) {
   mb::MoriOptions options;
   options.max_run_bytes = 4096;
   Make(options);
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
   ASSERT_TRUE(backend_
-                  ->Submit(MakeBatch(TransferOp::kWrite, local->handle, peer, *remote,
+                  ->Submit(MakeBatch(TransferOp::kWrite, link.local, link.peer, link.remote,
                                      {1000, 30000}, {50, 40000}, {10000, 100}, 3))
                   .ok());
   ASSERT_TRUE(sink_->Await(3).ok());
@@ -791,13 +807,11 @@ TEST_F(MoriMappingTest, BadBatchesAreRefusedBeforeReachingMori) {
 TEST_F(MoriMappingTest, EachBatchIsOnePostAndCompletesOnce) {
   world_->auto_complete = false;
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
   for (std::uint64_t t = 1; t <= 5; ++t) {
     ASSERT_TRUE(backend_
-                    ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote,
+                    ->Submit(MakeBatch(TransferOp::kRead, link.local, link.peer, link.remote,
                                        {static_cast<std::int64_t>(t) * 64}, {0}, {64}, t))
                     .ok());
   }
@@ -819,15 +833,10 @@ TEST_F(MoriMappingTest, EachBatchIsOnePostAndCompletesOnce) {
 TEST_F(MoriMappingTest, SucceededStatusesAreReusedFailedOnesNever) {
   world_->auto_complete = false;
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
   auto submit = [&](std::uint64_t token) {
-    ASSERT_TRUE(backend_
-                    ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0},
-                                       {64}, token))
-                    .ok());
+    ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, token).ok());
     ASSERT_TRUE(world_->WaitPosts(token));
   };
   submit(1);
@@ -856,14 +865,9 @@ TEST_F(MoriMappingTest, SucceededStatusesAreReusedFailedOnesNever) {
 TEST_F(MoriMappingTest, FailedStatusIsATransportErrorAndStaysAliveWhileMoriLives) {
   world_->auto_complete = false;
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kWrite, local->handle, peer, *remote, {0}, {0}, {64}, 7))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kWrite, 7).ok());
   ASSERT_TRUE(world_->WaitPosts(1));
   world_->Complete(0, kRdmaOp, "ibv_post_send: send queue full");
   Status s = sink_->Await(7);
@@ -879,7 +883,7 @@ TEST_F(MoriMappingTest, FailedStatusIsATransportErrorAndStaysAliveWhileMoriLives
     EXPECT_EQ(world_->live_statuses.count(world_->posts[0].status), 1u);
   }
   // The region is free again once the batch completed.
-  ASSERT_TRUE(backend_->DeregisterMemory(local->handle).ok());
+  ASSERT_TRUE(backend_->DeregisterMemory(link.local).ok());
   backend_.reset();
   std::lock_guard lock(world_->mu);
   EXPECT_TRUE(world_->live_statuses.empty());  // freed after MoRI stopped, not leaked
@@ -889,15 +893,10 @@ TEST_F(MoriMappingTest, FailedStatusIsATransportErrorAndStaysAliveWhileMoriLives
 
 TEST_F(MoriMappingTest, RejectedPostIsATransportErrorAndKeepsItsStatus) {
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
   world_->reject_post = true;
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 4))
-          .ok());
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 4).ok());
   Status s = sink_->Await(4);
   EXPECT_EQ(s.code(), StatusCode::kTransport);
   EXPECT_NE(s.message().find("send queue full"), std::string::npos) << s.message();
@@ -916,14 +915,9 @@ TEST_F(MoriMappingTest, UnfinishedBatchTimesOutAndItsStatusOutlivesMori) {
   mb::MoriOptions options;
   options.transfer_timeout = std::chrono::milliseconds(30);
   Make(options);
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 8))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 8).ok());
   Status s = sink_->Await(8);
   EXPECT_EQ(s.code(), StatusCode::kTimeout);
   EXPECT_NE(s.message().find("token 8"), std::string::npos);
@@ -945,14 +939,9 @@ TEST_F(MoriMappingTest, DestroyingTheBackendAbortsWhatMoriDidNotFinishAfterStopp
   mb::MoriOptions options;
   options.drain_timeout = std::chrono::milliseconds(50);
   Make(options);
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 9))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 9).ok());
   ASSERT_TRUE(world_->WaitPosts(1));
   backend_.reset();
   Status s = sink_->Await(9);
@@ -970,14 +959,9 @@ TEST_F(MoriMappingTest, DestroyingTheBackendWaitsForBatchesMoriIsStillFinishing)
   mb::MoriOptions options;
   options.drain_timeout = std::chrono::seconds(30);
   Make(options);
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 10))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 10).ok());
   ASSERT_TRUE(world_->WaitPosts(1));
   std::thread destroy([&] { backend_.reset(); });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let destruction begin
@@ -992,19 +976,14 @@ TEST_F(MoriMappingTest, DestroyingTheBackendWaitsForBatchesMoriIsStillFinishing)
 TEST_F(MoriMappingTest, SubmitAndDeregisterWhileInFlight) {
   world_->auto_complete = false;
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 1))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 1).ok());
   ASSERT_TRUE(world_->WaitPosts(1));
-  EXPECT_EQ(backend_->DeregisterMemory(local->handle).code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(backend_->DeregisterMemory(link.local).code(), StatusCode::kFailedPrecondition);
   world_->Complete(0, kSuccess, "");
   ASSERT_TRUE(sink_->Await(1).ok());
-  EXPECT_TRUE(backend_->DeregisterMemory(local->handle).ok());
+  EXPECT_TRUE(backend_->DeregisterMemory(link.local).ok());
 }
 
 // ---- peers
@@ -1034,16 +1013,11 @@ TEST_F(MoriMappingTest, ConnectRefusesOurselvesDuplicatesAndGarbage) {
 TEST_F(MoriMappingTest, DisconnectAbortsInFlightBatchesOnceMoriIsDoneWithThem) {
   world_->auto_complete = false;
   Make();
-  auto local = backend_->RegisterMemory(local_buf_.range(0, kSize));
-  const std::uint64_t peer = Connect();
-  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), PeerMemory().desc);
-  ASSERT_TRUE(local.ok() && remote.ok());
-  ASSERT_TRUE(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 11))
-          .ok());
+  Link link;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&link));
+  ASSERT_TRUE(SubmitOneRun(link, TransferOp::kRead, 11).ok());
   ASSERT_TRUE(world_->WaitPosts(1));
-  ASSERT_TRUE(backend_->DisconnectPeer(peer).ok());
+  ASSERT_TRUE(backend_->DisconnectPeer(link.peer).ok());
   {
     std::lock_guard lock(world_->mu);
     EXPECT_EQ(world_->deregistered_engines, std::vector<std::string>{"B"});
@@ -1051,11 +1025,7 @@ TEST_F(MoriMappingTest, DisconnectAbortsInFlightBatchesOnceMoriIsDoneWithThem) {
     EXPECT_FALSE(world_->sessions[0].destroyed);
   }
   EXPECT_FALSE(sink_->Completed(11));
-  EXPECT_EQ(
-      backend_
-          ->Submit(MakeBatch(TransferOp::kRead, local->handle, peer, *remote, {0}, {0}, {64}, 12))
-          .code(),
-      StatusCode::kNotFound);
+  EXPECT_EQ(SubmitOneRun(link, TransferOp::kRead, 12).code(), StatusCode::kNotFound);
   world_->Complete(0, kSuccess, "");
   Status s = sink_->Await(11);
   EXPECT_EQ(s.code(), StatusCode::kAborted);
@@ -1085,8 +1055,7 @@ TEST_F(MoriMappingTest, PeerFailureReachesTheSinkAndStopsNewBatches) {
   for (const char* word : {"PEER_UNREACHABLE", "mlx5_0", "retry count exceeded", "'B'"}) {
     EXPECT_NE(failures[0].second.message().find(word), std::string::npos) << word;
   }
-  Status refused = backend_->Submit(
-      MakeBatch(TransferOp::kRead, local->handle, peer_b, *remote, {0}, {0}, {64}, 1));
+  Status refused = SubmitOneRun({local->handle, peer_b, *remote}, TransferOp::kRead, 1);
   EXPECT_EQ(refused.code(), StatusCode::kTransport);
   EXPECT_NE(refused.message().find("PEER_UNREACHABLE"), std::string::npos);
 

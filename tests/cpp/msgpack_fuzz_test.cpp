@@ -23,9 +23,9 @@
 #include <string>
 #include <vector>
 
+#include "metadata_samples.hpp"
 #include "moriio_native/engine.hpp"
 #include "msgpack_lite.hpp"
-#include "test_buffer.hpp"
 #include "peer_metadata.hpp"
 
 namespace moriio_native {
@@ -142,38 +142,14 @@ mp::Value RandomValue(std::mt19937_64& rng, int depth) {
 // ---- a registered engine and its peer's metadata -------------------------------------------
 
 using test_support::Buffer;
-using test_support::kBufferBytes;
 using test_support::NewBuffer;
+using test_support::NewEngine;
 
 std::vector<LayerRegistration> Layers(const Buffer& buffer) {
   const auto base = reinterpret_cast<std::uint64_t>(buffer.get());
-  const MemoryRange allocation{base, kBufferBytes, MemoryKind::kHost, -1};
-  LayerRegistration kv;
-  kv.name = "kv";
-  kv.geometry = {{4, 2, 4, 2, 8}, {128, 64, 16, 8, 1}, 2, base + 64};  // [N,2,B,H,D]
-  kv.spec.kind = CacheKind::kKeyValue;
-  kv.spec.block_size = 4;
-  kv.spec.num_kv_heads = 2;
-  kv.spec.head_size = 8;
-  kv.spec.dtype_bytes = 2;
-  kv.allocation = allocation;
-  LayerRegistration latent;
-  latent.name = "mla";
-  latent.geometry = {{4, 4, 16}, {80, 16, 1}, 2, base + 4096 + 8};  // padded blocks
-  latent.spec.kind = CacheKind::kLatent;
-  latent.spec.block_size = 4;
-  latent.spec.head_size = 16;
-  latent.spec.dtype_bytes = 2;
-  latent.allocation = allocation;
-  return {kv, latent};
-}
-
-std::unique_ptr<Engine> NewEngine(const std::string& id) {
-  EngineConfig config;
-  config.engine_id = id;
-  Result<std::unique_ptr<Engine>> e = Engine::Create(config);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
+  return test_support::SampleLayers(
+      buffer, "kv", {{4, 2, 4, 2, 8}, {128, 64, 16, 8, 1}, 2, base + 64},  // [N,2,B,H,D]
+      "mla", {{4, 4, 16}, {80, 16, 1}, 2, base + 4096 + 8});               // padded blocks
 }
 
 // What one MutateLeaf call changed, so that the seed tree can be restored instead of copied for

@@ -21,9 +21,9 @@
 #include <string>
 #include <vector>
 
+#include "metadata_samples.hpp"
 #include "moriio_native/engine.hpp"
 #include "msgpack_lite.hpp"
-#include "test_buffer.hpp"
 
 namespace moriio_native {
 // Readable gtest messages for the enums compared below (found by argument-dependent lookup).
@@ -45,38 +45,15 @@ constexpr std::uint64_t kU64Max = std::numeric_limits<std::uint64_t>::max();
 using test_support::Buffer;
 using test_support::kBufferBytes;
 using test_support::NewBuffer;
+using test_support::NewEngine;
 
 // Two layers in one buffer: a K/V layer [2, N=4, B=4, H=2, D=8] and a latent layer [N=4, B=4,
 // D=16], both bf16 and contiguous, at unaligned offsets.
 std::vector<LayerRegistration> Layers(const Buffer& buffer) {
   const auto base = reinterpret_cast<std::uint64_t>(buffer.get());
-  const MemoryRange allocation{base, kBufferBytes, MemoryKind::kHost, -1};
-  LayerRegistration kv;
-  kv.name = "model.layers.0.attn";
-  kv.geometry = {{2, 4, 4, 2, 8}, {256, 64, 16, 8, 1}, 2, base + 200};
-  kv.spec.kind = CacheKind::kKeyValue;
-  kv.spec.block_size = 4;
-  kv.spec.num_kv_heads = 2;
-  kv.spec.head_size = 8;
-  kv.spec.dtype_bytes = 2;
-  kv.allocation = allocation;
-  LayerRegistration latent;
-  latent.name = "model.layers.1.mla";
-  latent.geometry = {{4, 4, 16}, {64, 16, 1}, 2, base + 200 + 2 * 256 * 2 + 40};
-  latent.spec.kind = CacheKind::kLatent;
-  latent.spec.block_size = 4;
-  latent.spec.head_size = 16;
-  latent.spec.dtype_bytes = 2;
-  latent.allocation = allocation;
-  return {kv, latent};
-}
-
-std::unique_ptr<Engine> NewEngine(const std::string& id) {
-  EngineConfig config;
-  config.engine_id = id;
-  Result<std::unique_ptr<Engine>> e = Engine::Create(config);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
+  return test_support::SampleLayers(
+      buffer, "model.layers.0.attn", {{2, 4, 4, 2, 8}, {256, 64, 16, 8, 1}, 2, base + 200},
+      "model.layers.1.mla", {{4, 4, 16}, {64, 16, 1}, 2, base + 200 + 2 * 256 * 2 + 40});
 }
 
 // ---- msgpack editing -----------------------------------------------------------------------

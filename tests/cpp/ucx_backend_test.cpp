@@ -643,6 +643,47 @@ struct Mode {
 
 class UcxTwoProcess : public ::testing::TestWithParam<Mode> {};
 
+/// This process's side of a two-process test: its own backend and memory, connected to a target.
+struct Initiator {
+  std::shared_ptr<Sink> sink = std::make_shared<Sink>();
+  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
+  std::unique_ptr<mn::Backend> backend;
+  std::uint64_t local_region = 0;  // `local` registered
+  std::uint64_t peer = 0;
+  std::uint64_t remote_region = 0;  // the target's whole region
+
+  /// Creates the backend, registers `kRegion` bytes of `kind` memory, connects to `target` and
+  /// imports its region. Call inside ASSERT_NO_FATAL_FAILURE.
+  void Connect(const mn::BackendOptions& options, Mem kind, const Target& target) {
+    backend = MakeBackend(options, sink);
+    ASSERT_NE(backend, nullptr);
+    local = Memory::Make(*backend, kRegion, kind);
+    ASSERT_NE(local, nullptr);
+    auto reg = backend->RegisterMemory(local->range);
+    ASSERT_TRUE(reg.ok()) << reg.status().ToString();
+    local_region = reg->handle;
+    auto connected = backend->ConnectPeer(target.address);
+    ASSERT_TRUE(connected.ok()) << connected.status().ToString();
+    peer = *connected;
+    auto remote = backend->ImportRemoteRegion(peer, target.range, target.key);
+    ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+    remote_region = *remote;
+  }
+
+  /// A batch between the two regions with `runs` runs placed by MakeRuns from `seed`.
+  std::shared_ptr<mn::Batch> NewBatch(mn::TransferOp op, std::uint64_t token, std::size_t runs,
+                                      std::uint64_t seed) const {
+    auto b = std::make_shared<mn::Batch>();
+    b->op = op;
+    b->local_region = local_region;
+    b->peer = peer;
+    b->remote_region = remote_region;
+    b->token = token;
+    MakeRuns(*b, kRegion, runs, seed);
+    return b;
+  }
+};
+
 TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
   const Mode& mode = GetParam();
   mn::BackendOptions options = BaseOptions();
@@ -656,18 +697,8 @@ TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
   Target target;  // a separate process with its own backend and memory
   ASSERT_TRUE(target.Start(options, mode.target));
 
-  auto sink = std::make_shared<Sink>();
-  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
-  auto backend = MakeBackend(options, sink);
-  ASSERT_NE(backend, nullptr);
-  local = Memory::Make(*backend, kRegion, mode.local);
-  ASSERT_NE(local, nullptr);
-  auto reg = backend->RegisterMemory(local->range);
-  ASSERT_TRUE(reg.ok()) << reg.status().ToString();
-  auto peer = backend->ConnectPeer(target.address);
-  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  auto remote = backend->ImportRemoteRegion(*peer, target.range, target.key);
-  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, mode.local, target));
 
   std::uint64_t token = 1;
   for (auto op : {mn::TransferOp::kRead, mn::TransferOp::kWrite}) {
@@ -676,30 +707,24 @@ TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
                    std::to_string(runs) + " runs");
       target.Refill();
       std::vector<std::uint8_t> want_local = Pattern(kRegion, 1000 + token);
-      local->Write(want_local);
+      us.local->Write(want_local);
       std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
 
-      auto batch = std::make_shared<mn::Batch>();
-      batch->op = op;
-      batch->local_region = reg->handle;
-      batch->peer = *peer;
-      batch->remote_region = *remote;
-      batch->token = token;
-      MakeRuns(*batch, kRegion, runs, token);
+      auto batch = us.NewBatch(op, token, runs, token);
       Apply(*batch, want_local, want_remote);
 
       const auto before = PathCounters();
-      ASSERT_TRUE(backend->Submit(batch).ok());
-      mn::Status st = sink->Wait(token);
+      ASSERT_TRUE(us.backend->Submit(batch).ok());
+      mn::Status st = us.sink->Wait(token);
       ASSERT_TRUE(st.ok()) << st.ToString();
-      EXPECT_EQ(sink->Count(token), 1);
+      EXPECT_EQ(us.sink->Count(token), 1);
       const auto after = PathCounters();
       EXPECT_EQ(after[static_cast<int>(mode.path)], before[static_cast<int>(mode.path)] + 1)
           << "the batch did not take the expected data path";
 
       std::vector<std::uint8_t> got_remote = target.Dump();
       ASSERT_EQ(got_remote.size(), kRegion);
-      std::vector<std::uint8_t> got_local = local->Read();
+      std::vector<std::uint8_t> got_local = us.local->Read();
       EXPECT_EQ(FirstDiff(got_local.data(), want_local.data(), kRegion), -1)
           << "local bytes differ (READ destination, or WRITE source changed)";
       EXPECT_EQ(FirstDiff(got_remote.data(), want_remote.data(), kRegion), -1)
@@ -708,9 +733,9 @@ TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
     }
   }
 
-  EXPECT_TRUE(backend->DisconnectPeer(*peer).ok());
-  EXPECT_TRUE(backend->DeregisterMemory(reg->handle).ok());
-  backend.reset();
+  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+  us.backend.reset();
   EXPECT_EQ(target.Stop(), 0) << "the target's own teardown failed";
 }
 
@@ -742,35 +767,20 @@ TEST(UcxBackend, TeardownWithOutstandingBatchesCompletesEachOnce) {
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  auto sink = std::make_shared<Sink>();
-  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
-  auto backend = MakeBackend(options, sink);
-  ASSERT_NE(backend, nullptr);
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  ASSERT_TRUE(reg.ok());
-  auto peer = backend->ConnectPeer(target.address);
-  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  auto remote = backend->ImportRemoteRegion(*peer, target.range, target.key);
-  ASSERT_TRUE(remote.ok());
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   constexpr int kBatches = 40;
   for (int i = 0; i < kBatches; ++i) {
-    auto b = std::make_shared<mn::Batch>();
-    b->op = i % 2 ? mn::TransferOp::kWrite : mn::TransferOp::kRead;
-    b->local_region = reg->handle;
-    b->peer = *peer;
-    b->remote_region = *remote;
-    b->token = 100 + i;
-    MakeRuns(*b, kRegion, 2000, i);
-    ASSERT_TRUE(backend->Submit(b).ok());
+    const auto op = i % 2 ? mn::TransferOp::kWrite : mn::TransferOp::kRead;
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(op, 100 + i, 2000, i)).ok());
   }
-  backend.reset();  // must not hang, leak or complete anything twice
+  us.backend.reset();  // must not hang, leak or complete anything twice
   for (int i = 0; i < kBatches; ++i) {
-    EXPECT_EQ(sink->Count(100 + i), 1) << "batch " << i;
-    mn::Status st = sink->StatusOf(100 + i);
+    EXPECT_EQ(us.sink->Count(100 + i), 1) << "batch " << i;
+    mn::Status st = us.sink->StatusOf(100 + i);
     EXPECT_TRUE(st.ok() || st.code() == mn::StatusCode::kAborted) << st.ToString();
   }
-  local.reset();
+  us.local.reset();
   EXPECT_EQ(target.Stop(), 0);
 }
 
@@ -784,30 +794,16 @@ TEST(UcxBackend, TeardownWithOperationsStuckOnAStoppedPeer) {
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  auto sink = std::make_shared<Sink>();
-  std::unique_ptr<Memory> local;
-  auto backend = MakeBackend(options, sink);
-  ASSERT_NE(backend, nullptr);
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  auto peer = backend->ConnectPeer(target.address);
-  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
-  auto remote = backend->ImportRemoteRegion(*peer, target.range, target.key);
-  ASSERT_TRUE(remote.ok());
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   target.Pause();
-  auto b = std::make_shared<mn::Batch>();
-  b->op = mn::TransferOp::kRead;
-  b->local_region = reg->handle;
-  b->peer = *peer;
-  b->remote_region = *remote;
-  b->token = 42;
-  MakeRuns(*b, kRegion, 500, 42);
-  ASSERT_TRUE(backend->Submit(b).ok());
-  EXPECT_EQ(sink->Wait(42, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout)
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 42, 500, 42)).ok());
+  EXPECT_EQ(us.sink->Wait(42, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout)
       << "a read from a stopped process cannot have finished";
-  backend.reset();
-  EXPECT_EQ(sink->Count(42), 1);
-  EXPECT_EQ(sink->StatusOf(42).code(), mn::StatusCode::kAborted) << sink->StatusOf(42).ToString();
+  us.backend.reset();
+  EXPECT_EQ(us.sink->Count(42), 1);
+  EXPECT_EQ(us.sink->StatusOf(42).code(), mn::StatusCode::kAborted)
+      << us.sink->StatusOf(42).ToString();
   // Not resumed: UCX 1.22 in the target then serves the queued emulated gets of an endpoint that
   // is gone and crashes in ucp_ep_set_lanes_failed (a UCX limitation, see docs/backends-ucx.md).
   target.Kill();
@@ -855,45 +851,25 @@ TEST(UcxBackend, DisconnectPeerCompletesPendingBatchesAndDropsItsRegions) {
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  auto sink = std::make_shared<Sink>();
-  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
-  auto backend = MakeBackend(options, sink);
-  ASSERT_NE(backend, nullptr);
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  auto peer = backend->ConnectPeer(target.address);
-  ASSERT_TRUE(peer.ok());
-  auto remote = backend->ImportRemoteRegion(*peer, target.range, target.key);
-  ASSERT_TRUE(remote.ok());
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   for (int i = 0; i < 10; ++i) {
-    auto b = std::make_shared<mn::Batch>();
-    b->op = mn::TransferOp::kRead;
-    b->local_region = reg->handle;
-    b->peer = *peer;
-    b->remote_region = *remote;
-    b->token = i;
-    MakeRuns(*b, kRegion, 2000, i);
-    ASSERT_TRUE(backend->Submit(b).ok());
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, i, 2000, i)).ok());
   }
-  ASSERT_TRUE(backend->DisconnectPeer(*peer).ok());
+  ASSERT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
   for (int i = 0; i < 10; ++i) {
-    mn::Status st = sink->Wait(i);
+    mn::Status st = us.sink->Wait(i);
     EXPECT_TRUE(st.ok() || st.code() == mn::StatusCode::kAborted) << st.ToString();
-    EXPECT_EQ(sink->Count(i), 1);
+    EXPECT_EQ(us.sink->Count(i), 1);
   }
-  auto b = std::make_shared<mn::Batch>();
-  b->local_region = reg->handle;
-  b->peer = *peer;
-  b->remote_region = *remote;
-  b->token = 99;
-  MakeRuns(*b, kRegion, 4, 1);
-  EXPECT_EQ(backend->Submit(b).code(), mn::StatusCode::kNotFound);
-  EXPECT_EQ(backend->DisconnectPeer(*peer).code(), mn::StatusCode::kNotFound);
-  EXPECT_EQ(backend->ImportRemoteRegion(*peer, target.range, target.key).status().code(),
+  EXPECT_EQ(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 99, 4, 1)).code(),
             mn::StatusCode::kNotFound);
-  EXPECT_TRUE(backend->DeregisterMemory(reg->handle).ok());
-  backend.reset();
-  EXPECT_EQ(sink->Count(99), 0) << "a refused Submit must not complete";
+  EXPECT_EQ(us.backend->DisconnectPeer(us.peer).code(), mn::StatusCode::kNotFound);
+  EXPECT_EQ(us.backend->ImportRemoteRegion(us.peer, target.range, target.key).status().code(),
+            mn::StatusCode::kNotFound);
+  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+  us.backend.reset();
+  EXPECT_EQ(us.sink->Count(99), 0) << "a refused Submit must not complete";
   EXPECT_EQ(target.Stop(), 0);
 }
 
@@ -903,32 +879,17 @@ TEST(UcxBackend, DeadPeerFailsTheBatch) {
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  auto sink = std::make_shared<Sink>();
-  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
-  auto backend = MakeBackend(options, sink);
-  ASSERT_NE(backend, nullptr);
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  auto peer = backend->ConnectPeer(target.address);
-  ASSERT_TRUE(peer.ok());
-  auto remote = backend->ImportRemoteRegion(*peer, target.range, target.key);
-  ASSERT_TRUE(remote.ok());
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   target.Kill();
   target.Stop();
-  auto b = std::make_shared<mn::Batch>();
-  b->op = mn::TransferOp::kRead;
-  b->local_region = reg->handle;
-  b->peer = *peer;
-  b->remote_region = *remote;
-  b->token = 5;
-  MakeRuns(*b, kRegion, 64, 5);
-  ASSERT_TRUE(backend->Submit(b).ok());
-  mn::Status st = sink->Wait(5);
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 5, 64, 5)).ok());
+  mn::Status st = us.sink->Wait(5);
   EXPECT_FALSE(st.ok()) << "reading from a dead process cannot succeed";
   RecordProperty("dead_peer_status", st.ToString());
   EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
-  EXPECT_EQ(sink->Count(5), 1);
-  backend.reset();
+  EXPECT_EQ(us.sink->Count(5), 1);
+  us.backend.reset();
 }
 
 // ---- single-process: bad input is refused with a clear error and changes nothing ---------------
