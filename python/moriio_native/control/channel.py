@@ -81,6 +81,7 @@ def zmq_endpoint(host: str, port: int) -> str:
 
 
 _C = TypeVar("_C", bound="_ClosesOnExit")
+_M = TypeVar("_M")
 
 
 class _ClosesOnExit:
@@ -145,6 +146,7 @@ class _RouterThread(_ClosesOnExit):
 
     _name = "router"
     _extra_stats: tuple[str, ...] = ()
+    _security: ControlSecurity  # set by each subclass before it starts the thread
 
     def __init__(
         self,
@@ -213,6 +215,24 @@ class _RouterThread(_ClosesOnExit):
     def _wait_ready(self) -> bool:
         """Whether the loop may read another message now (subclasses add backpressure)."""
         return True
+
+    def _open(
+        self, body: list[bytes], peer: str, accept: tuple[type[_M], ...], max_bytes: int
+    ) -> _M | None:
+        """The authenticated, schema-checked message in ``body``; None (counted and logged as
+        a drop) when the tag or the message is bad."""
+        try:
+            payload = self._security.auth.open(body)
+        except AuthenticationError as exc:
+            self._count("dropped_auth")
+            self._drops.drop(peer, str(exc))
+            return None
+        try:
+            return decode(payload, accept, max_bytes=max_bytes)
+        except InvalidMessageError as exc:
+            self._count("dropped_malformed")
+            self._drops.drop(peer, str(exc))
+            return None
 
     def _handle(
         self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
@@ -346,17 +366,8 @@ class NotifyListener(_RouterThread):
     def _handle(
         self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
     ) -> None:
-        try:
-            payload = self._security.auth.open(body)
-        except AuthenticationError as exc:
-            self._count("dropped_auth")
-            self._drops.drop(peer, str(exc))
-            return
-        try:
-            message = decode(payload, NOTIFY_TYPES, max_bytes=self._max_message_bytes)
-        except InvalidMessageError as exc:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, str(exc))
+        message = self._open(body, peer, NOTIFY_TYPES, self._max_message_bytes)
+        if message is None:
             return
         with self._cond:
             if message.transfer_id in self._terminal:
@@ -470,17 +481,8 @@ class HandshakeServer(_RouterThread):
     def _handle(
         self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
     ) -> None:
-        try:
-            payload = self._security.auth.open(body)
-        except AuthenticationError as exc:
-            self._count("dropped_auth")
-            self._drops.drop(peer, str(exc))
-            return
-        try:
-            request = decode(payload, (HandshakeRequest,), max_bytes=MAX_HANDSHAKE_REQUEST_BYTES)
-        except InvalidMessageError as exc:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, str(exc))
+        request = self._open(body, peer, (HandshakeRequest,), MAX_HANDSHAKE_REQUEST_BYTES)
+        if request is None:
             return
         reply: HandshakeResponse | HandshakeRejected
         if request.protocol_version != PROTOCOL_VERSION:
