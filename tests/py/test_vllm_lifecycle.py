@@ -57,9 +57,9 @@ def prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 13) % 251 + 1 for i in range(n)]
 
 
-def run_prefill(p: Side, rid: str, prompt: list[int], tid: str) -> dict:
+def run_prefill(p: Side, rid: str, prompt: list[int], tid: str, remote_tp_size: int = 1) -> dict:
     """Prefill leg: one step computes the prompt and finishes the request (max_tokens=1)."""
-    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size), max_tokens=1)
     result = p.step()
     assert result.scheduled == {rid: len(prompt)}
     finished = result.finished()
@@ -401,3 +401,53 @@ def test_unplannable_load_is_recomputed_not_guessed(
     assert d.step().scheduled == {rid: len(prompt)}
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
     assert p.free_blocks() == p.initial_free
+
+
+# ---- tensor parallelism -----------------------------------------------------------------------
+# Two TP ranks per instance, each with its own caches holding other bytes (see rank_salt), as
+# each rank holds its own shard of the heads. Rank r must pair with the peer's rank r: its own
+# handshake and notify ports, its own shard, its own release or write_done.
+
+
+def test_read_tp2_each_decode_rank_reads_its_prefill_rank(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read", tp_size=2)
+    prompt = prompt_of(40, seed=5)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2), max_tokens=3)
+    first = d.step()
+    assert first.scheduled == {rid: 1}
+    assert first.invalid_blocks == set()
+    for rank in (0, 1):
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank=rank)), rank
+    assert first.stats is not None and first.stats.data["transfers"] == 2  # one per rank
+
+    # The prefill's blocks are freed only once both decode ranks released them.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="both releases")
+    assert p.free_blocks() == p.initial_free
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+def test_write_tp2_each_prefill_rank_writes_its_decode_rank(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "write", tp_size=2)
+    prompt = prompt_of(45, seed=6)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=2), max_tokens=3)
+    assert d.step().scheduled == {}
+    p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size=2), max_tokens=1)
+    assert rid in p.step().finished()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="both ranks' writes done")
+    assert p.free_blocks() == p.initial_free
+
+    got = d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert got[-1].scheduled == {rid: 1}
+    for rank in (0, 1):
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank=rank)), rank
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free

@@ -91,12 +91,15 @@ def make_vllm_config(
     max_model_len: int = 1024,
     failure_policy: str = "recompute",
     enable_prefix_caching: bool = True,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
         KVTransferConfig,
         ModelConfig,
+        ParallelConfig,
         SchedulerConfig,
         VllmConfig,
     )
@@ -125,6 +128,7 @@ def make_vllm_config(
         cache_config=cache_config,
         kv_transfer_config=kv_transfer_config,
         device_config=DeviceConfig("cpu"),
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size, rank=tp_rank),
     )
 
 
@@ -161,11 +165,26 @@ def pattern(
     return values.to(dtype)
 
 
+def rank_salt(salt: int, rank: int) -> int:
+    """The pattern salt of TP rank ``rank`` of an instance with ``salt``: every rank holds other
+    bytes, so a rank that read another rank's shard is caught."""
+    return salt + 1000 * rank
+
+
+@dataclass
+class Transfers:
+    """What the scheduler hears of the workers' transfers this step (aggregated over ranks)."""
+
+    finished_sending: set[str]
+    finished_recving: set[str]
+    failed_recving: set[str]
+
+
 @dataclass
 class StepResult:
     output: Any  # SchedulerOutput
     engine_outputs: dict[int, Any]
-    transfer: Any  # KVConnectorTransferResults
+    transfer: Transfers
     invalid_blocks: set[int]
     stats: Any
 
@@ -199,9 +218,11 @@ class Side:
     module_path: str | None = "moriio_native.vllm"
     max_num_batched_tokens: int = 256
     failure_policy: str = "recompute"
+    tp_size: int = 1  # workers of this instance, one per TP rank (each with its own caches)
 
     def __post_init__(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, init_none_hash
@@ -224,14 +245,20 @@ class Side:
             "abort_timeout": 30,
         }
         extra.update(self.extra)
-        self.vllm_config = make_vllm_config(
-            self.model_dir,
-            role=self.role,
-            extra=extra,
-            module_path=self.module_path,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            failure_policy=self.failure_policy,
-        )
+
+        def config(rank: int) -> Any:
+            return make_vllm_config(
+                self.model_dir,
+                role=self.role,
+                extra=extra,
+                module_path=self.module_path,
+                max_num_batched_tokens=self.max_num_batched_tokens,
+                failure_policy=self.failure_policy,
+                tp_size=self.tp_size,
+                tp_rank=rank,
+            )
+
+        self.vllm_config = config(0)
         self.kv_cache_config = make_kv_cache_config(
             self.vllm_config, self.specs, self.num_blocks, self.layout
         )
@@ -244,15 +271,24 @@ class Side:
             log_stats=True,
         )
         self.connector = self.scheduler.connector
-        self.worker = KVConnectorFactory.create_connector(
-            self.vllm_config, KVConnectorRole.WORKER, self.kv_cache_config
-        )
-        self.caches = allocate_kv_cache(
-            self.kv_cache_config,
-            torch.device("cpu"),
-            self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
-        )
-        self.worker.register_kv_caches(self.caches)
+        # One worker per TP rank, as vLLM runs them, and the aggregator that merges their
+        # transfer reports for the scheduler (a request is finished once every rank says so).
+        self.workers = []
+        self.rank_caches = []
+        for rank in range(self.tp_size):
+            worker = KVConnectorFactory.create_connector(
+                config(rank), KVConnectorRole.WORKER, self.kv_cache_config
+            )
+            caches = allocate_kv_cache(
+                self.kv_cache_config,
+                torch.device("cpu"),
+                self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
+            )
+            worker.register_kv_caches(caches)
+            self.workers.append(worker)
+            self.rank_caches.append(caches)
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+        self.aggregator = KVOutputAggregator(self.tp_size)
         self.layer_names = list(self.specs)
         self.initial_free = self.free_blocks()
         self.sampled = 7
@@ -306,9 +342,10 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
-    def _attention(self, output: Any, layer_index: int, layer: str) -> None:
-        """Write the pattern of every token computed this step into its slot of ``layer``."""
-        cache = self.caches[layer]
+    def _attention(self, output: Any, layer_index: int, layer: str, rank: int) -> None:
+        """Write the pattern of every token computed this step into its slot of ``layer`` in
+        the caches of TP rank ``rank``."""
+        cache = self.rank_caches[rank][layer]
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # already advanced by the scheduler
@@ -318,14 +355,16 @@ class Side:
             blocks = torch.tensor(self.block_ids(req_id))[pos // BLOCK_SIZE]
             slots = pos % BLOCK_SIZE
             cell = (cache.shape[1], cache.shape[3])
-            values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
+            salt = rank_salt(self.salt, rank)
+            values = pattern(tokens, pos, layer_index, salt, cell, cache.dtype)
             cache[blocks, :, slots, :] = values
 
-    def step(self, before_forward: Callable[[], None] | None = None) -> StepResult:
+    def _run_worker(self, rank: int, output: Any, before_forward: Callable[[], None] | None) -> Any:
+        """One TP rank's part of the step: the connector calls of vLLM's model runner around a
+        forward pass that writes the pattern. Returns that rank's ModelRunnerOutput."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        output = self.scheduler.schedule()
-        w = self.worker
+        w = self.workers[rank]
         w.bind_connector_metadata(output.kv_connector_metadata)
         sync = output.has_sync_kv_loads
         if sync:
@@ -335,8 +374,8 @@ class Side:
         if output.num_scheduled_tokens:
             for i, layer in enumerate(self.layer_names):
                 w.wait_for_layer_load(layer)
-                self._attention(output, i, layer)
-                w.save_kv_layer(layer, self.caches[layer], None)
+                self._attention(output, i, layer, rank)
+                w.save_kv_layer(layer, self.rank_caches[rank][layer], None)
         if not sync:
             w.start_load_kv(None)
         w.wait_for_save()
@@ -351,7 +390,7 @@ class Side:
             sampled.append(
                 [self.sampled] if request.num_computed_tokens >= request.num_tokens else []
             )
-        runner_output = ModelRunnerOutput(
+        return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
@@ -363,8 +402,19 @@ class Side:
                 kv_connector_stats=stats,
             ),
         )
+
+    def step(self, before_forward: Callable[[], None] | None = None) -> StepResult:
+        output = self.scheduler.schedule()
+        per_rank = [self._run_worker(r, output, before_forward) for r in range(self.tp_size)]
+        runner_output = self.aggregator.aggregate(per_rank)
+        kv = runner_output.kv_connector_output
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
-        return StepResult(output, engine_outputs, transfer, invalid, stats)
+        transfers = Transfers(
+            set(kv.finished_sending or ()), set(kv.finished_recving or ()), set(kv.failed_recving)
+        )
+        return StepResult(
+            output, engine_outputs, transfers, set(kv.invalid_block_ids), kv.kv_connector_stats
+        )
 
     def run_until(
         self, cond: Callable[[StepResult], bool], *, max_wait: float = 30.0, what: str = ""
@@ -384,18 +434,24 @@ class Side:
     # ---- checks -------------------------------------------------------------------------------
 
     def slot_matches(
-        self, req_id: str, positions: range, salt: int, tokens: list[int]
+        self, req_id: str, positions: range, salt: int, tokens: list[int], rank: int = 0
     ) -> list[bool]:
-        """For each position: do all layers hold the pattern of ``salt`` there?"""
+        """For each position: do all layers of TP rank ``rank`` hold the pattern that rank
+        ``rank`` of an instance with ``salt`` writes there?"""
         blocks = self.block_ids(req_id)
         out = []
         for p in positions:
             ok = True
             for i, layer in enumerate(self.layer_names):
-                cache = self.caches[layer]
+                cache = self.rank_caches[rank][layer]
                 cell = (cache.shape[1], cache.shape[3])
                 want = pattern(
-                    torch.tensor([tokens[p]]), torch.tensor([p]), i, salt, cell, cache.dtype
+                    torch.tensor([tokens[p]]),
+                    torch.tensor([p]),
+                    i,
+                    rank_salt(salt, rank),
+                    cell,
+                    cache.dtype,
                 )[0]
                 got = cache[blocks[p // BLOCK_SIZE], :, p % BLOCK_SIZE, :]
                 ok = ok and torch.equal(got, want)
@@ -403,7 +459,8 @@ class Side:
         return out
 
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        for worker in self.workers:
+            worker.shutdown()
 
 
 def transfer_id() -> str:
@@ -416,21 +473,24 @@ def pd_request_id(prefill: Side, decode: Side) -> str:
     return format_request_id(prefill.zmq_address(), decode.zmq_address())
 
 
-def prefill_params(tid: str) -> dict[str, Any]:
-    """What vLLM's MoRIIO proxy sends the prefill instance."""
+def prefill_params(tid: str, remote_tp_size: int = 1) -> dict[str, Any]:
+    """What vLLM's MoRIIO proxy sends the prefill instance (with the decode's TP size)."""
     return {
         "do_remote_decode": True,
         "do_remote_prefill": False,
         "remote_engine_id": None,
         "remote_block_ids": None,
         "remote_dp_size": 1,
-        "remote_tp_size": 1,
+        "remote_tp_size": remote_tp_size,
         "transfer_id": tid,
     }
 
 
-def decode_params(tid: str, prefill_result: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """What the proxy sends the decode instance: in READ mode with the prefill's answer."""
+def decode_params(
+    tid: str, prefill_result: Mapping[str, Any] | None = None, remote_tp_size: int = 1
+) -> dict[str, Any]:
+    """What the proxy sends the decode instance (with the prefill's TP size): in READ mode with
+    the prefill's answer."""
     params: dict[str, Any] = {
         "do_remote_decode": False,
         "do_remote_prefill": True,
@@ -438,7 +498,7 @@ def decode_params(tid: str, prefill_result: Mapping[str, Any] | None = None) -> 
         "remote_block_ids": None,
         "transfer_id": tid,
         "remote_dp_size": 1,
-        "remote_tp_size": 1,
+        "remote_tp_size": remote_tp_size,
         "remote_dp_rank": 0,
     }
     if prefill_result is not None:
