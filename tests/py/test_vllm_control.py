@@ -240,3 +240,21 @@ def test_forged_remote_blocks_cannot_redirect_writes(
     # No byte of the prefill reached the decode's blocks; the decode computes the prompt itself.
     assert not any(d.slot_matches(rid, range(len(prompt)), p.salt, prompt))
     assert d.step().scheduled == {rid: len(prompt)}
+
+
+def test_blocks_read_by_two_decode_ranks_wait_for_both_releases(
+    sides: list[Side], model_dir: str, dealer: Callable[[int, list[bytes]], None]
+) -> None:
+    # A decode with TP 2 over this TP-1 prefill: both decode ranks read rank 0's blocks, so the
+    # first release must not free them while the other rank may still be reading.
+    p, _, rid, tid, _ = held_prefill(sides, model_dir)
+    port = p.notify_port
+    dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=0))])
+    wait_for(lambda: listener_stats(p)["delivered"] == 1, "the first release")
+    assert_still_held(p, rid)
+    dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=0))])  # duplicate
+    wait_for(lambda: listener_stats(p)["received"] == 2, "the duplicate")
+    assert_still_held(p, rid)
+    dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=1))])
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the second rank's release")
+    assert p.free_blocks() == p.initial_free

@@ -21,6 +21,7 @@ from test_vllm_support import (
     BLOCK_SIZE,
     Side,
     decode_params,
+    mla_specs,
     pd_request_id,
     prefill_params,
     transfer_id,
@@ -451,3 +452,58 @@ def test_write_tp2_each_prefill_rank_writes_its_decode_rank(
         assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank=rank)), rank
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+# Different TP sizes (READ mode, caches every rank holds whole): decode rank r reads prefill rank
+# r mod P, and every prefill rank, read or not, frees its blocks once its decode ranks released.
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_read_mla_across_tp_sizes(
+    sides: list[Side], model_dir: str, prefill_tp: int, decode_tp: int
+) -> None:
+    p = Side(
+        "prefill", "kv_producer", "read", model_dir, salt=1, specs=mla_specs(), tp_size=prefill_tp
+    )
+    sides.append(p)
+    d = Side(
+        "decode", "kv_consumer", "read", model_dir, salt=2, specs=mla_specs(), tp_size=decode_tp
+    )
+    sides.append(d)
+    prompt = prompt_of(40, seed=7)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=decode_tp)
+
+    params = decode_params(tid, returned, remote_tp_size=prefill_tp)
+    d.add_request(rid, prompt, params=params, max_tokens=3)
+    first = d.step()
+    assert first.scheduled == {rid: 1}
+    assert first.invalid_blocks == set()
+    for rank in range(decode_tp):
+        source = rank % prefill_tp
+        got = d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank, source)
+        assert all(got), (rank, source)
+
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="every prefill rank released")
+    assert p.free_blocks() == p.initial_free
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model_dir: str) -> None:
+    # Dense attention splits heads over ranks: no prefill rank holds a decode rank's heads.
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, tp_size=2)
+    sides.append(p)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, tp_size=1)
+    sides.append(d)
+    prompt = prompt_of(40, seed=8)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=1)
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2), max_tokens=2)
+    first = d.step()
+    assert first.invalid_blocks == set(d.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)])
+    second = d.step()
+    assert second.scheduled == {rid: len(prompt)}  # computed locally, nothing guessed
+    # Both prefill ranks are released all the same.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after refusal")
+    assert p.free_blocks() == p.initial_free

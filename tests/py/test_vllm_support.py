@@ -81,6 +81,12 @@ def mixed_specs() -> dict[str, Any]:
     return specs
 
 
+def mla_specs() -> dict[str, Any]:
+    """Only caches every TP rank holds whole (an MLA latent and an indexer layer): what
+    transfers between different TP sizes need."""
+    return {k: v for k, v in mixed_specs().items() if k not in LAYERS_DENSE}
+
+
 def make_vllm_config(
     model_dir: str,
     *,
@@ -434,10 +440,17 @@ class Side:
     # ---- checks -------------------------------------------------------------------------------
 
     def slot_matches(
-        self, req_id: str, positions: range, salt: int, tokens: list[int], rank: int = 0
+        self,
+        req_id: str,
+        positions: range,
+        salt: int,
+        tokens: list[int],
+        rank: int = 0,
+        writer_rank: int | None = None,
     ) -> list[bool]:
         """For each position: do all layers of TP rank ``rank`` hold the pattern that rank
-        ``rank`` of an instance with ``salt`` writes there?"""
+        ``writer_rank`` (default: ``rank``) of an instance with ``salt`` writes there?"""
+        writer = rank if writer_rank is None else writer_rank
         blocks = self.block_ids(req_id)
         out = []
         for p in positions:
@@ -449,7 +462,7 @@ class Side:
                     torch.tensor([tokens[p]]),
                     torch.tensor([p]),
                     i,
-                    rank_salt(salt, rank),
+                    rank_salt(salt, writer),
                     cell,
                     cache.dtype,
                 )[0]

@@ -133,4 +133,22 @@ def cache_specs(
     return {name: to_cache_spec(name, specs[name]) for name in names}
 
 
-__all__ = ["UnsupportedSpecError", "cache_specs", "layer_specs", "to_cache_spec"]
+def first_split_across_tp(specs: Mapping[str, Any]) -> str | None:
+    """The first layer whose cache TP ranks split (attention heads), or None when every rank
+    holds every layer whole (MLA latent and indexer caches), as transfers across different TP
+    sizes need."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    for name, spec in specs.items():
+        if not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
+            return name
+    return None
+
+
+__all__ = [
+    "UnsupportedSpecError",
+    "cache_specs",
+    "first_split_across_tp",
+    "layer_specs",
+    "to_cache_spec",
+]

@@ -73,8 +73,9 @@ from moriio_native.errors import (
 )
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
-from moriio_native.vllm.specs import cache_specs
+from moriio_native.vllm.specs import cache_specs, first_split_across_tp
 from moriio_native.vllm.stats import MoRIIONativeStats
+from moriio_native.vllm.tp import expected_releases, read_source, release_targets
 
 logger = logging.getLogger("moriio_native.vllm.worker")
 
@@ -114,10 +115,21 @@ class _Await:
 
 @dataclass
 class _Send:
-    """Prefill READ: blocks held for the decode's release."""
+    """Prefill READ: blocks held for the decode's releases (one per decode rank that reads from
+    this rank, see moriio_native.vllm.tp)."""
 
     task: SendTask
     deadline: float
+    released_by: set[int] = field(default_factory=set)  # decode TP ranks
+
+
+@dataclass
+class _EarlyRelease:
+    """Releases that arrived before the scheduler handed us the request."""
+
+    seen: float
+    consumer_tp_size: int
+    ranks: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -211,7 +223,7 @@ class WorkerSide:
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _WriteJob] = {}
         self._step_jobs: list[_WriteJob] = []
-        self._early_releases: OrderedDict[str, float] = OrderedDict()
+        self._early_releases: OrderedDict[str, _EarlyRelease] = OrderedDict()
         self._done_sending: set[str] = set()
         self._stats = MoRIIONativeStats()
         self._gpu = False
@@ -331,6 +343,22 @@ class WorkerSide:
             transfer_mode=self.cfg.transfer_mode,
         )
 
+    def _check_tp_mismatch_allowed(self, host: str, remote_tp_size: int) -> None:
+        """Different TP sizes work only where any peer rank holds what we need: READ mode over
+        caches every rank holds whole (MLA). Raises FailedPreconditionError otherwise."""
+        if self.cfg.mode != "read":
+            raise FailedPreconditionError(
+                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}); "
+                "different TP sizes are supported in READ mode only"
+            )
+        split = first_split_across_tp(self._specs)
+        if split is not None:
+            raise FailedPreconditionError(
+                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}), "
+                f"and layer {split} is split across TP ranks (attention heads); different TP "
+                "sizes need caches every rank holds whole (MLA)"
+            )
+
     def _connect(
         self,
         address: ZmqAddress,
@@ -343,12 +371,10 @@ class WorkerSide:
         peer. The notify target is derived from the handshaken host, never from a message."""
         tp_size = remote_tp_size or self.cfg.tp_size
         if tp_size != self.cfg.tp_size:
-            raise FailedPreconditionError(
-                f"peer {address.host}: TP size {tp_size} differs from ours ({self.cfg.tp_size}); "
-                "heterogeneous TP is not supported"
-            )
+            self._check_tp_mismatch_allowed(address.host, tp_size)
+        remote_rank = read_source(self.tp_rank, tp_size)
         host = validate_host(address.host)
-        hs_port = rank_port(address.handshake_port, remote_dp_rank, self.tp_rank, tp_size)
+        hs_port = rank_port(address.handshake_port, remote_dp_rank, remote_rank, tp_size)
         key = (host, hs_port)
         with self._lock:
             cached = self._peers.get(key)
@@ -379,19 +405,19 @@ class WorkerSide:
             )
         if (response.dp_rank, response.tp_rank, response.tp_size) != (
             remote_dp_rank,
-            self.tp_rank,
+            remote_rank,
             tp_size,
         ):
             raise IncompatiblePeerError(
                 f"peer at {host}:{hs_port} is dp{response.dp_rank}/tp{response.tp_rank} of "
-                f"{response.tp_size}, expected dp{remote_dp_rank}/tp{self.tp_rank} of {tp_size} "
+                f"{response.tp_size}, expected dp{remote_dp_rank}/tp{remote_rank} of {tp_size} "
                 "(do both sides use the same handshake base port?)"
             )
         peer_id = self.engine.add_peer(response.engine_metadata)
         peer = _Peer(
             engine_peer=peer_id,
             host=host,
-            notify_port=rank_port(address.notify_port, remote_dp_rank, self.tp_rank, tp_size),
+            notify_port=rank_port(address.notify_port, remote_dp_rank, remote_rank, tp_size),
             response=response,
         )
         self._check_engine(peer, expect_engine)
@@ -592,30 +618,30 @@ class WorkerSide:
                 self._reads.pop(tid, None)
 
     def _send_release(self, task: RecvTask, peer: _Peer | None) -> None:
+        """Tell the prefill it may free the request's blocks: the rank we read from (at its
+        handshaken address when we have one) and the unread ranks assigned to us when its TP
+        size is larger than ours (moriio_native.vllm.tp)."""
         tp_size = task.remote_tp_size or self.cfg.tp_size
-        try:
-            if peer is not None:
-                host, port = peer.host, peer.notify_port
-            else:
-                host = task.peer.host
-                port = rank_port(task.peer.notify_port, task.remote_dp_rank, self.tp_rank, tp_size)
-            self._sender.send(
-                host,
-                port,
-                Release(
+        host = peer.host if peer is not None else task.peer.host
+        release = Release(
+            task.transfer_id, consumer_tp_size=self.cfg.tp_size, consumer_tp_rank=self.tp_rank
+        )
+        for i, rank in enumerate(release_targets(self.tp_rank, self.cfg.tp_size, tp_size)):
+            try:
+                if i == 0 and peer is not None:
+                    port = peer.notify_port
+                else:
+                    port = rank_port(task.peer.notify_port, task.remote_dp_rank, rank, tp_size)
+                self._sender.send(host, port, release)
+            except MoriioError as exc:
+                logger.warning(
+                    "request %s (transfer %s): release to prefill rank %d not sent (%s); it "
+                    "frees its blocks after its abort_timeout",
+                    task.req_id,
                     task.transfer_id,
-                    consumer_tp_size=self.cfg.tp_size,
-                    consumer_tp_rank=self.tp_rank,
-                ),
-            )
-        except MoriioError as exc:
-            logger.warning(
-                "request %s (transfer %s): release to the prefill not sent (%s); it frees its "
-                "blocks after its abort_timeout",
-                task.req_id,
-                task.transfer_id,
-                exc,
-            )
+                    rank,
+                    exc,
+                )
 
     def _release_only(self, task: RecvTask) -> None:
         self._send_release(task, None)
@@ -672,15 +698,23 @@ class WorkerSide:
             job = self._jobs[transfer_id] = _WriteJob(transfer_id, created=now)
         return job
 
+    def _fully_released(self, send: _Send, release: Release | _EarlyRelease) -> bool:
+        """Whether every decode rank that reads this rank's blocks has released them (the
+        decode's TP size comes with each release)."""
+        readers = expected_releases(self.tp_rank, self.cfg.tp_size, release.consumer_tp_size)
+        return len(send.released_by) >= readers
+
     def _on_send_task(self, send: SendTask, now: float) -> None:
         """The scheduler finished the request and holds its blocks for us (lock held)."""
         tid = send.transfer_id
         deadline = now + self.cfg.abort_timeout
         if self.cfg.mode == "read":
-            if self._early_releases.pop(tid, None) is not None or send.aborted:
+            early = self._early_releases.pop(tid, None)
+            held = _Send(send, deadline, early.ranks if early is not None else set())
+            if send.aborted or (early is not None and self._fully_released(held, early)):
                 self._done_sending.add(send.req_id)
                 return
-            self._sends[tid] = _Send(send, deadline)
+            self._sends[tid] = held
             return
         job = self._job(tid, now)
         job.send, job.deadline = send, deadline
@@ -870,15 +904,22 @@ class WorkerSide:
             return
         with self._lock:
             if isinstance(message, Release):
-                send = self._sends.pop(tid, None)
+                send = self._sends.get(tid)
                 job = self._jobs.get(tid)
                 if send is not None:
+                    send.released_by.add(message.consumer_tp_rank)
+                    if not self._fully_released(send, message):
+                        return  # other decode ranks read this rank's blocks too
+                    del self._sends[tid]
                     self._done_sending.add(send.task.req_id)
                 elif job is not None:
                     job.released = True
                     self._fail_job(job, "the decode released the transfer")
                 else:
-                    self._early_releases[tid] = now
+                    early = self._early_releases.setdefault(
+                        tid, _EarlyRelease(now, message.consumer_tp_size)
+                    )
+                    early.ranks.add(message.consumer_tp_rank)
                     while len(self._early_releases) > _MAX_EARLY_MESSAGES:
                         self._early_releases.popitem(last=False)
                     return
@@ -970,8 +1011,8 @@ class WorkerSide:
                 if now >= until:
                     del self._failed_peers[key]
             while self._early_releases:
-                tid, seen = next(iter(self._early_releases.items()))
-                if now - seen <= self.cfg.abort_timeout:
+                tid, early = next(iter(self._early_releases.items()))
+                if now - early.seen <= self.cfg.abort_timeout:
                     break
                 self._early_releases.popitem(last=False)
         for waiting in expired_awaits:
