@@ -38,8 +38,13 @@ def geo(shape: list[int], strides: list[int] | None = None, es: int = BF16) -> T
 
 def small(**kw: object) -> CacheSpec:
     """block_size 4, 2 KV heads, head size 3, bf16."""
-    args: dict = {"kind": "kv", "block_size": 4, "num_kv_heads": 2, "head_size": 3,
-                  "dtype_bytes": BF16}
+    args: dict = {
+        "kind": "kv",
+        "block_size": 4,
+        "num_kv_heads": 2,
+        "head_size": 3,
+        "dtype_bytes": BF16,
+    }
     args.update(kw)
     return CacheSpec(**args)
 
@@ -50,8 +55,14 @@ def latent(block_size: int = 4, head_size: int = 3) -> CacheSpec:
 
 def runs(local: mn.LayerLayout, remote: mn.LayerLayout, lids: list[int], rids: list[int]):
     plan = mn.plan_block_copies(local, remote, lids, rids)
-    triples = list(zip(plan.local_offsets.tolist(), plan.remote_offsets.tolist(),
-                       plan.sizes.tolist(), strict=True))
+    triples = list(
+        zip(
+            plan.local_offsets.tolist(),
+            plan.remote_offsets.tolist(),
+            plan.sizes.tolist(),
+            strict=True,
+        )
+    )
     # The tuple view and the array view of the plan agree.
     assert [tuple(r) for r in plan.runs()] == triples
     assert plan.total_bytes == sum(s for _, _, s in triples)
@@ -117,7 +128,11 @@ def test_kernel_block_heads_first_block16_heads8() -> None:
     assert (layer.num_blocks, layer.num_heads, layer.block_stride) == (4, 8, 768)
     assert layer.params["kernel_block_size"] == 2
     assert runs(layer, layer, [3, 1], [0, 2]) == [
-        (768, 1536, 768), (2304, 0, 768), (3840, 4608, 768), (5376, 3072, 768)]
+        (768, 1536, 768),
+        (2304, 0, 768),
+        (3840, 4608, 768),
+        (5376, 3072, 768),
+    ]
 
 
 def test_ambiguous_kernel_block_shape() -> None:
@@ -172,12 +187,19 @@ def test_standardized_contiguous_and_permuted() -> None:
             for t in range(4):
                 expected.append((lb * 96 + h * 48 + t * 12, rb * 96 + t * 24 + h * 12, 12))
     # Spelled out for block 1 -> 4 so the formula above is checked against hand numbers too.
-    assert expected[:8] == [(96, 384, 12), (108, 408, 12), (120, 432, 12), (132, 456, 12),
-                            (144, 396, 12), (156, 420, 12), (168, 444, 12), (180, 468, 12)]
+    assert expected[:8] == [
+        (96, 384, 12),
+        (108, 408, 12),
+        (120, 432, 12),
+        (132, 456, 12),
+        (144, 396, 12),
+        (156, 420, 12),
+        (168, 444, 12),
+        (180, 468, 12),
+    ]
     assert runs(local, remote, [1, 3], [4, 5]) == expected
     # Same layout on both sides: a block is one 96 B run. 1->4 (96,384), 3->5 (288,480).
-    remote_same = mn.describe_layer("r1", torch.zeros((16, 2, 4, 6), dtype=torch.bfloat16),
-                                    small())
+    remote_same = mn.describe_layer("r1", torch.zeros((16, 2, 4, 6), dtype=torch.bfloat16), small())
     assert runs(local, remote_same, [1, 3], [4, 5]) == [(96, 384, 96), (288, 480, 96)]
 
 
@@ -240,12 +262,20 @@ def test_unsorted_ids_and_merging() -> None:
     assert runs(local, remote, [3, 1], [5, 4]) == WORKED
     # 3->4, 1->5: block 1 (48) pairs with remote 5 (240), block 3 (144) with 4 (192).
     assert runs(local, remote, [3, 1], [4, 5]) == [
-        (48, 240, 48), (144, 192, 48), (432, 1008, 48), (528, 960, 48)]
+        (48, 240, 48),
+        (144, 192, 48),
+        (432, 1008, 48),
+        (528, 960, 48),
+    ]
     # 1,2,3 -> 4,5,6: one run per plane. K (48,192,144); V (432,960,144).
     assert runs(local, remote, [2, 3, 1], [5, 6, 4]) == [(48, 192, 144), (432, 960, 144)]
     # 1,2 -> 4,6: remote does not touch (192+48 != 288): four runs.
     assert runs(local, remote, [1, 2], [4, 6]) == [
-        (48, 192, 48), (96, 288, 48), (432, 960, 48), (480, 1056, 48)]
+        (48, 192, 48),
+        (96, 288, 48),
+        (432, 960, 48),
+        (480, 1056, 48),
+    ]
     # numpy id arrays work like lists.
     assert runs(local, remote, np.array([1, 3]), np.array([4, 5])) == WORKED
 
@@ -379,17 +409,26 @@ def test_torch_tensor_and_geometry_agree() -> None:
     # Per plane a block is still [0,48): the worked-example runs against a contiguous remote
     # in the same HND order.
     remote = mn.describe_layer(
-        "hnd_r", torch.zeros((2, 16, 2, 4, 3), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4),
-        small())
+        "hnd_r", torch.zeros((2, 16, 2, 4, 3), dtype=torch.bfloat16).permute(0, 1, 3, 2, 4), small()
+    )
     assert runs(layer, remote, [1, 3], [4, 5]) == WORKED
 
 
 def _valid_params() -> dict:
     """The [2,8,4,2,3] bf16 layout's numbers, written by hand."""
     return {
-        "kind": "kv", "num_blocks": 8, "block_size": 4, "kernel_block_size": 4, "num_heads": 2,
-        "dtype_bytes": 2, "block_stride": 48, "kernel_block_stride": 48, "head_stride": 6,
-        "token_stride": 12, "plane_offset": (0, 384), "plane_bytes": (6, 6),
+        "kind": "kv",
+        "num_blocks": 8,
+        "block_size": 4,
+        "kernel_block_size": 4,
+        "num_heads": 2,
+        "dtype_bytes": 2,
+        "block_stride": 48,
+        "kernel_block_stride": 48,
+        "head_stride": 6,
+        "token_stride": 12,
+        "plane_offset": (0, 384),
+        "plane_bytes": (6, 6),
     }
 
 

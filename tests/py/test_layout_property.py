@@ -142,8 +142,9 @@ def cases(draw):
         a = draw(st.integers(0, local.num_blocks - n))
         c = draw(st.integers(0, remote.num_blocks - n))
         lids = list(range(a, a + n))
-        rids_all = list(range(c, c + n)) + [b for b in range(remote.num_blocks)
-                                            if not c <= b < c + n]
+        rids_all = list(range(c, c + n)) + [
+            b for b in range(remote.num_blocks) if not c <= b < c + n
+        ]
     extra = draw(st.integers(0, len(rids_all) - n))
     rids = rids_all[: n + extra]
     seed = draw(st.integers(0, 2**32 - 1))
@@ -152,17 +153,26 @@ def cases(draw):
 
 def _spec(lg: Logical) -> mn.CacheSpec:
     if lg.kind == "mla":
-        return mn.CacheSpec(kind="mla", block_size=lg.block_size, num_kv_heads=lg.heads,
-                            head_size=lg.dk, dtype_bytes=lg.es)
-    return mn.CacheSpec(kind="kv", block_size=lg.block_size, num_kv_heads=lg.heads,
-                        head_size=lg.dk, head_size_v=lg.dv if lg.dv != lg.dk else None,
-                        dtype_bytes=lg.es)
+        return mn.CacheSpec(
+            kind="mla",
+            block_size=lg.block_size,
+            num_kv_heads=lg.heads,
+            head_size=lg.dk,
+            dtype_bytes=lg.es,
+        )
+    return mn.CacheSpec(
+        kind="kv",
+        block_size=lg.block_size,
+        num_kv_heads=lg.heads,
+        head_size=lg.dk,
+        head_size_v=lg.dv if lg.dv != lg.dk else None,
+        dtype_bytes=lg.es,
+    )
 
 
 def _describe(name: str, lg: Logical, side: Side, buf: np.ndarray) -> mn.LayerLayout:
     axis = {"sep": "separated", "int": "interleaved"}.get(side.family[:3], "auto")
-    geometry = mn.TensorGeometry(side.shape, side.strides, lg.es,
-                                 buf.ctypes.data + GUARD)
+    geometry = mn.TensorGeometry(side.shape, side.strides, lg.es, buf.ctypes.data + GUARD)
     return mn.describe_layer(name, geometry, _spec(lg), kv_plane_axis=axis)
 
 
@@ -226,8 +236,9 @@ def test_plan_moves_exactly_the_naive_bytes(case) -> None:
     expected = dst0.copy()
     _naive_copy(lg, local, remote, lids, rids, src, expected)
     actual = dst0.copy()
-    for loc, rem, size in zip(plan.local_offsets.tolist(), plan.remote_offsets.tolist(),
-                              plan.sizes.tolist(), strict=True):
+    for loc, rem, size in zip(
+        plan.local_offsets.tolist(), plan.remote_offsets.tolist(), plan.sizes.tolist(), strict=True
+    ):
         actual[GUARD + rem : GUARD + rem + size] = src[GUARD + loc : GUARD + loc + size]
     # Same bytes everywhere: requested cells copied, guards and other blocks untouched.
     assert np.array_equal(actual, expected)
@@ -236,10 +247,22 @@ def test_plan_moves_exactly_the_naive_bytes(case) -> None:
     # The opposite direction (a READ from the other side) moves the same runs.
     n = len(lids)
     back = mn.plan_block_copies(rlayout, llayout, rids[:n], lids)
-    forward_runs = sorted(zip(plan.local_offsets.tolist(), plan.remote_offsets.tolist(),
-                              plan.sizes.tolist(), strict=True))
-    backward_runs = sorted(zip(back.remote_offsets.tolist(), back.local_offsets.tolist(),
-                               back.sizes.tolist(), strict=True))
+    forward_runs = sorted(
+        zip(
+            plan.local_offsets.tolist(),
+            plan.remote_offsets.tolist(),
+            plan.sizes.tolist(),
+            strict=True,
+        )
+    )
+    backward_runs = sorted(
+        zip(
+            back.remote_offsets.tolist(),
+            back.local_offsets.tolist(),
+            back.sizes.tolist(),
+            strict=True,
+        )
+    )
     assert forward_runs == backward_runs
 
 
@@ -258,5 +281,6 @@ def test_out_of_range_ids_are_refused_without_a_plan(case) -> None:
     spare_local = [b for b in range(local.num_blocks) if b not in lids]
     if spare_local:
         with pytest.raises(mn.OutOfRangeError, match="remote block id"):
-            mn.plan_block_copies(llayout, rlayout, [*lids, spare_local[0]],
-                                 [*rids[:n], remote.num_blocks])
+            mn.plan_block_copies(
+                llayout, rlayout, [*lids, spare_local[0]], [*rids[:n], remote.num_blocks]
+            )

@@ -163,9 +163,11 @@ def test_allocate_kv_backing(nbytes: int, page: int) -> None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 64_000), st.sampled_from(PAGE_SIZES),
-       st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 10_000)), min_size=1,
-                max_size=5))
+@given(
+    st.integers(1, 64_000),
+    st.sampled_from(PAGE_SIZES),
+    st.lists(st.tuples(st.integers(0, 10_000), st.integers(1, 10_000)), min_size=1, max_size=5),
+)
 def test_layers_carved_from_backing_register_as_one_aligned_region(nbytes, page, cuts) -> None:
     # Layers at arbitrary (unaligned) offsets inside an aligned backing: the allocation is the
     # backing's storage; one page-aligned region covers them all, also when unaligned regions
