@@ -247,7 +247,7 @@ def test_blocks_read_by_two_decode_ranks_wait_for_both_releases(
 ) -> None:
     # A decode with TP 2 over this TP-1 prefill: both decode ranks read rank 0's blocks, so the
     # first release must not free them while the other rank may still be reading.
-    p, _, rid, tid, _ = held_prefill(sides, model_dir)
+    p, _, rid, tid, _ = held_prefill(sides, model_dir, abort_timeout=600)
     port = p.notify_port
     dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=0))])
     wait_for(lambda: listener_stats(p)["delivered"] == 1, "the first release")

@@ -21,6 +21,7 @@ from test_vllm_support import (
     BLOCK_SIZE,
     Side,
     decode_params,
+    dense_specs,
     mla_specs,
     pd_request_id,
     prefill_params,
@@ -458,17 +459,24 @@ def test_write_tp2_each_prefill_rank_writes_its_decode_rank(
 # r mod P, and every prefill rank, read or not, frees its blocks once its decode ranks released.
 
 
+def across_tp_side(
+    name: str, role: str, mode: str, model_dir: str, salt: int, tp_size: int, caches: str = "mla"
+) -> Side:
+    """An instance for the different-TP tests, with MLA caches (``caches="mla"``) or the dense
+    ones (``"dense"``), and an abort_timeout far beyond the test: a prefill rank that misses a
+    release keeps its blocks (and run_until fails) instead of a timeout freeing them."""
+    specs = mla_specs() if caches == "mla" else dense_specs()
+    extra = {"abort_timeout": 600}
+    return Side(name, role, mode, model_dir, salt=salt, specs=specs, tp_size=tp_size, extra=extra)
+
+
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
 def test_read_mla_across_tp_sizes(
     sides: list[Side], model_dir: str, prefill_tp: int, decode_tp: int
 ) -> None:
-    p = Side(
-        "prefill", "kv_producer", "read", model_dir, salt=1, specs=mla_specs(), tp_size=prefill_tp
-    )
+    p = across_tp_side("prefill", "kv_producer", "read", model_dir, 1, prefill_tp)
     sides.append(p)
-    d = Side(
-        "decode", "kv_consumer", "read", model_dir, salt=2, specs=mla_specs(), tp_size=decode_tp
-    )
+    d = across_tp_side("decode", "kv_consumer", "read", model_dir, 2, decode_tp)
     sides.append(d)
     prompt = prompt_of(40, seed=7)
     rid, tid = pd_request_id(p, d), transfer_id()
@@ -492,9 +500,9 @@ def test_read_mla_across_tp_sizes(
 
 def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model_dir: str) -> None:
     # Dense attention splits heads over ranks: no prefill rank holds a decode rank's heads.
-    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, tp_size=2)
+    p = across_tp_side("prefill", "kv_producer", "read", model_dir, 1, 2, "dense")
     sides.append(p)
-    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, tp_size=1)
+    d = across_tp_side("decode", "kv_consumer", "read", model_dir, 2, 1, "dense")
     sides.append(d)
     prompt = prompt_of(40, seed=8)
     rid, tid = pd_request_id(p, d), transfer_id()
@@ -506,4 +514,23 @@ def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model
     assert second.scheduled == {rid: len(prompt)}  # computed locally, nothing guessed
     # Both prefill ranks are released all the same.
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after refusal")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_write_across_tp_sizes_is_refused_and_frees_the_prefill(
+    sides: list[Side], model_dir: str
+) -> None:
+    # WRITE pairs a prefill rank with the decode rank of the same index: with other TP sizes
+    # the decode refuses, computes locally and releases every prefill rank at once.
+    p = across_tp_side("prefill", "kv_producer", "write", model_dir, 1, 2)
+    sides.append(p)
+    d = across_tp_side("decode", "kv_consumer", "write", model_dir, 2, 1)
+    sides.append(d)
+    prompt = prompt_of(40, seed=9)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size=1), max_tokens=1)
+    assert rid in p.step().finished()
+    d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=2), max_tokens=2)
+    d.run_until(lambda r: rid in r.scheduled, what="decode to compute locally")
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="both prefill ranks released")
     assert p.free_blocks() == p.initial_free

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from moriio_native.vllm.tp import expected_releases, read_source, release_targets
+from moriio_native.vllm.tp import expected_releases, read_source, release_targets, releases
 
 
 @pytest.mark.parametrize("prefill_tp", range(1, 9))
@@ -22,6 +22,10 @@ def test_every_prefill_rank_gets_exactly_the_releases_it_waits_for(
             received[p] += 1
     for p in range(prefill_tp):
         assert received[p] == expected_releases(p, prefill_tp, decode_tp), p
+        for r in range(decode_tp):
+            assert releases(r, decode_tp, p, prefill_tp) == (
+                p in release_targets(r, decode_tp, prefill_tp)
+            ), (r, p)
 
 
 @pytest.mark.parametrize("tp", range(1, 9))

@@ -124,6 +124,8 @@ class MoRIIONativeConnector(KVConnectorBase_V1):
                 layer_specs(kv_cache_config),
                 dp_rank=dp_rank,
                 tp_rank=_tp_rank(vllm_config),
+                context_parallel=int(getattr(pc, "decode_context_parallel_size", 1)) > 1
+                or int(getattr(pc, "prefill_context_parallel_size", 1)) > 1,
             )
         logger.info(
             "MoRIIONativeConnector %s: role %s, %s mode, engine %s, backend %s",

@@ -24,6 +24,15 @@ def release_targets(tp_rank: int, tp_size: int, remote_tp_size: int) -> list[int
     return [read_source(tp_rank, remote_tp_size), *unread]
 
 
+def releases(tp_rank: int, tp_size: int, prefill_rank: int, prefill_tp_size: int) -> bool:
+    """Whether decode rank ``tp_rank`` (of ``tp_size``) is one that releases prefill rank
+    ``prefill_rank`` (of ``prefill_tp_size``): the same as ``prefill_rank in
+    release_targets(tp_rank, tp_size, prefill_tp_size)``, in constant time."""
+    if read_source(tp_rank, prefill_tp_size) == prefill_rank:
+        return True
+    return prefill_rank >= tp_size and prefill_rank % tp_size == tp_rank
+
+
 def expected_releases(tp_rank: int, tp_size: int, consumer_tp_size: int) -> int:
     """How many decode ranks (of ``consumer_tp_size``) release prefill rank ``tp_rank`` (of
     ``tp_size``): those that read from it, or the one assigned when none does."""

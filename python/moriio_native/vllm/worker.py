@@ -75,13 +75,16 @@ from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
 from moriio_native.vllm.specs import cache_specs, first_split_across_tp
 from moriio_native.vllm.stats import MoRIIONativeStats
-from moriio_native.vllm.tp import expected_releases, read_source, release_targets
+from moriio_native.vllm.tp import expected_releases, read_source, release_targets, releases
 
 logger = logging.getLogger("moriio_native.vllm.worker")
 
 _WAIT_SLICE_S = 0.1
 _DRAIN_GRACE_S = 5.0
 _MAX_EARLY_MESSAGES = 65536
+# Releases one decode rank sends to unread prefill ranks when no handshake confirmed the
+# prefill's TP size (the request's number could name thousands of ranks).
+_MAX_UNCONFIRMED_RELEASES = 16
 _WRITER_QUEUE = 65536
 _RETRY_HANDSHAKE_AFTER_S = 5.0
 
@@ -114,13 +117,21 @@ class _Await:
 
 
 @dataclass
+class _Releases:
+    """The decode ranks that released one transfer on this prefill rank so far."""
+
+    consumer_tp_size: int = 0  # the decode's TP size, from its first release (0: none yet)
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
 class _Send:
-    """Prefill READ: blocks held for the decode's releases (one per decode rank that reads from
+    """Prefill READ: blocks held for the decode's releases (one per decode rank that pairs with
     this rank, see moriio_native.vllm.tp)."""
 
     task: SendTask
     deadline: float
-    released_by: set[int] = field(default_factory=set)  # decode TP ranks
+    released: _Releases = field(default_factory=_Releases)
 
 
 @dataclass
@@ -128,8 +139,7 @@ class _EarlyRelease:
     """Releases that arrived before the scheduler handed us the request."""
 
     seen: float
-    consumer_tp_size: int
-    ranks: set[int] = field(default_factory=set)
+    released: _Releases = field(default_factory=_Releases)
 
 
 @dataclass
@@ -191,10 +201,14 @@ class WorkerSide:
         *,
         dp_rank: int = 0,
         tp_rank: int = 0,
+        context_parallel: bool = False,
     ) -> None:
         self.cfg = config
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
+        # Context parallelism splits every cache by token across ranks: no rank holds a layer
+        # whole, so only equal TP sizes pair.
+        self._context_parallel = context_parallel
         self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._specs = dict(specs)
         self._security = ControlSecurity.from_config(config.control_config())
@@ -350,6 +364,11 @@ class WorkerSide:
             raise FailedPreconditionError(
                 f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}); "
                 "different TP sizes are supported in READ mode only"
+            )
+        if self._context_parallel:
+            raise FailedPreconditionError(
+                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}), "
+                "and context parallelism splits the caches by token across ranks"
             )
         split = first_split_across_tp(self._specs)
         if split is not None:
@@ -621,12 +640,25 @@ class WorkerSide:
         """Tell the prefill it may free the request's blocks: the rank we read from (at its
         handshaken address when we have one) and the unread ranks assigned to us when its TP
         size is larger than ours (moriio_native.vllm.tp)."""
-        tp_size = task.remote_tp_size or self.cfg.tp_size
-        host = peer.host if peer is not None else task.peer.host
+        if peer is not None:  # the TP size the prefill confirmed in the handshake
+            tp_size, host = peer.response.tp_size, peer.host
+        else:  # what the request said: bounded, since nothing confirmed it
+            tp_size, host = task.remote_tp_size or self.cfg.tp_size, task.peer.host
+        targets = release_targets(self.tp_rank, self.cfg.tp_size, tp_size)
+        if peer is None and len(targets) > _MAX_UNCONFIRMED_RELEASES:
+            logger.warning(
+                "request %s (transfer %s): the request names a prefill TP size of %d, which no "
+                "handshake confirmed; releasing only prefill rank %d",
+                task.req_id,
+                task.transfer_id,
+                tp_size,
+                targets[0],
+            )
+            targets = targets[:1]
         release = Release(
             task.transfer_id, consumer_tp_size=self.cfg.tp_size, consumer_tp_rank=self.tp_rank
         )
-        for i, rank in enumerate(release_targets(self.tp_rank, self.cfg.tp_size, tp_size)):
+        for i, rank in enumerate(targets):
             try:
                 if i == 0 and peer is not None:
                     port = peer.notify_port
@@ -674,6 +706,8 @@ class WorkerSide:
             )
             self._forget_peer(peer)
             self._finish_await(task.transfer_id, ok=False)
+            # The prefill holds the blocks for our remote_blocks, which will not come.
+            self._send_release(task, peer)
 
     def _finish_await(self, transfer_id: str, ok: bool) -> None:
         with self._lock:
@@ -698,11 +732,34 @@ class WorkerSide:
             job = self._jobs[transfer_id] = _WriteJob(transfer_id, created=now)
         return job
 
-    def _fully_released(self, send: _Send, release: Release | _EarlyRelease) -> bool:
-        """Whether every decode rank that reads this rank's blocks has released them (the
-        decode's TP size comes with each release)."""
-        readers = expected_releases(self.tp_rank, self.cfg.tp_size, release.consumer_tp_size)
-        return len(send.released_by) >= readers
+    def _record_release(self, released: _Releases, release: Release) -> None:
+        """Counts ``release`` in ``released`` when it can be one of the releases this rank waits
+        for: the decode TP size of the first release, from a decode rank that reads this rank
+        or was assigned to release it (moriio_native.vllm.tp). Others are logged and ignored,
+        so no message can free blocks a decode rank may still be reading."""
+        size, rank = release.consumer_tp_size, release.consumer_tp_rank
+        released.consumer_tp_size = released.consumer_tp_size or size
+        expected_size = released.consumer_tp_size
+        if size != expected_size or not releases(rank, size, self.tp_rank, self.cfg.tp_size):
+            logger.warning(
+                "transfer %s: ignoring a release from decode rank %d of %d (expected releases "
+                "from the decode ranks of %d that pair with prefill rank %d of %d)",
+                release.transfer_id,
+                rank,
+                size,
+                expected_size,
+                self.tp_rank,
+                self.cfg.tp_size,
+            )
+            return
+        released.ranks.add(rank)
+
+    def _fully_released(self, released: _Releases) -> bool:
+        """Whether every decode rank that pairs with this rank has released."""
+        if not released.consumer_tp_size:
+            return False
+        readers = expected_releases(self.tp_rank, self.cfg.tp_size, released.consumer_tp_size)
+        return len(released.ranks) >= readers
 
     def _on_send_task(self, send: SendTask, now: float) -> None:
         """The scheduler finished the request and holds its blocks for us (lock held)."""
@@ -710,19 +767,24 @@ class WorkerSide:
         deadline = now + self.cfg.abort_timeout
         if self.cfg.mode == "read":
             early = self._early_releases.pop(tid, None)
-            held = _Send(send, deadline, early.ranks if early is not None else set())
-            if send.aborted or (early is not None and self._fully_released(held, early)):
+            held = _Send(send, deadline, early.released if early is not None else _Releases())
+            if send.aborted or self._fully_released(held.released):
                 self._done_sending.add(send.req_id)
                 return
             self._sends[tid] = held
             return
         job = self._job(tid, now)
         job.send, job.deadline = send, deadline
+        early = self._early_releases.pop(tid, None)
         if job.terminal:
             self._done_sending.add(send.req_id)
             self._jobs.pop(tid, None)
         elif send.aborted:
             self._fail_job(job, "the request was aborted")
+        elif early is not None and early.released.ranks:
+            # The decode gave up before we had the request (its release came first).
+            job.released = True
+            self._fail_job(job, "the decode released the transfer")
 
     def _record_event(self, tensor: Any) -> Any:
         """A CUDA event after the work queued so far on the current stream, when the caches are
@@ -907,8 +969,8 @@ class WorkerSide:
                 send = self._sends.get(tid)
                 job = self._jobs.get(tid)
                 if send is not None:
-                    send.released_by.add(message.consumer_tp_rank)
-                    if not self._fully_released(send, message):
+                    self._record_release(send.released, message)
+                    if not self._fully_released(send.released):
                         return  # other decode ranks read this rank's blocks too
                     del self._sends[tid]
                     self._done_sending.add(send.task.req_id)
@@ -916,10 +978,8 @@ class WorkerSide:
                     job.released = True
                     self._fail_job(job, "the decode released the transfer")
                 else:
-                    early = self._early_releases.setdefault(
-                        tid, _EarlyRelease(now, message.consumer_tp_size)
-                    )
-                    early.ranks.add(message.consumer_tp_rank)
+                    early = self._early_releases.setdefault(tid, _EarlyRelease(now))
+                    self._record_release(early.released, message)
                     while len(self._early_releases) > _MAX_EARLY_MESSAGES:
                         self._early_releases.popitem(last=False)
                     return
