@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import time
 
-def device_copy_gbps(nbytes: int) -> float:
-    """GB/s of one ``torch`` device-to-device ``copy_`` of ``nbytes`` (best of 5): the HBM
-    ceiling for moving that many bytes on the current device."""
+
+def device_copy_gbps(
+    nbytes: int, src_device: int | None = None, dst_device: int | None = None
+) -> float:
+    """GB/s of one ``torch`` ``copy_`` of ``nbytes`` (best of 5) from ``src_device`` to
+    ``dst_device`` (default: the current device for both): the HBM ceiling for moving that many
+    bytes on one GPU, the peer-to-peer copy rate between two."""
     import torch
 
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
+    src = torch.cuda.current_device() if src_device is None else src_device
+    dst = src if dst_device is None else dst_device
+    a = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{src}")
+    b = torch.empty(nbytes, dtype=torch.uint8, device=f"cuda:{dst}")
     best = 0.0
     for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        # Host timing around both devices' synchronisation: an event pair would see only one
+        # device's stream of a peer copy; a few GB make the host's microseconds negligible.
+        for device in {src, dst}:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
         b.copy_(a)
-        end.record()
-        end.synchronize()
-        best = max(best, nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        for device in {src, dst}:
+            torch.cuda.synchronize(device)
+        best = max(best, nbytes / (time.perf_counter() - start) / 1e9)
     return best

@@ -5,8 +5,10 @@ layout (Llama-3-8B-like dense K/V, or DeepSeek-V3-like MLA latent). For each req
 ``--blocks`` random, non-contiguous block ids the decode READs (pulls) and the prefill WRITEs
 (pushes, one ``write_layer`` per layer, then ``seal``); every destination block is verified on
 the GPU against a regenerated copy of the source. GB/s is printed beside one large
-``torch`` device copy measured in the same run, for the batched-kernel path (``ucp_rkey_ptr``
-mapping + one gather/scatter kernel per batch) and the per-run UCX path (``ucx_direct_copy=off``).
+``torch`` copy measured in the same run (on one device, or from the prefill's device to the
+decode's with ``--devices 0,1``: the peer-to-peer rate), for the batched-kernel path
+(``ucp_rkey_ptr`` mapping + one gather/scatter kernel per batch) and the per-run UCX path
+(``ucx_direct_copy=off``).
 
 Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
 
@@ -114,6 +116,14 @@ def _verify(
     return True
 
 
+def _device_pair(text: str) -> tuple[int, int]:
+    """``"0,1"`` -> (0, 1): the prefill's and the decode's CUDA device."""
+    parts = text.split(",")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected PREFILL,DECODE device indices, got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def _ids(ids: list[int]) -> Any:
     import numpy as np
 
@@ -126,7 +136,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
 
     import moriio_native as mn
 
-    torch.cuda.set_device(0)
+    device = cfg["devices"][role]
+    torch.cuda.set_device(device)
     preset = PRESETS[cfg["preset"]]
     seed = {"prefill": 1, "decode": 2}[role]
     backing = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), seed)
@@ -140,7 +151,12 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     )
     regs = [
         mn.LayerRegistration(
-            f"layer.{i}", v, spec, (backing.data_ptr(), backing.numel()), memory="cuda", device=0
+            f"layer.{i}",
+            v,
+            spec,
+            (backing.data_ptr(), backing.numel()),
+            memory="cuda",
+            device=device,
         )
         for i, v in enumerate(views)
     ]
@@ -206,6 +222,7 @@ def run_case(
         "layout": layout,
         "direct_copy": direct_copy,
         "num_blocks": args.num_blocks,
+        "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
     }
     ctx = mp.get_context("spawn")
     conns = {}
@@ -279,6 +296,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--per-run-requests", type=int, default=1)
     parser.add_argument("--skip-per-run", action="store_true")
+    parser.add_argument(
+        "--devices",
+        type=_device_pair,
+        default=(0, 0),
+        help="CUDA devices of the prefill and decode processes, e.g. 0,1 (default 0,0)",
+    )
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -286,9 +309,13 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     for name in presets:
         request_bytes = _block_bytes(PRESETS[name]) * args.blocks
-        device_copy = device_copy_gbps(request_bytes)
+        device_copy = device_copy_gbps(request_bytes, *args.devices)
         logger.info(
-            "%s: one %.2f GB torch device copy: %.0f GB/s", name, request_bytes / 1e9, device_copy
+            "%s: one %.2f GB torch copy_ from cuda:%d to cuda:%d: %.0f GB/s",
+            name,
+            request_bytes / 1e9,
+            *args.devices,
+            device_copy,
         )
         layout = args.layout if PRESETS[name]["kind"] == "kv" else "standardized"
         for direct in ("auto",) if args.skip_per_run else ("auto", "off"):
