@@ -29,12 +29,7 @@
 
 #include "msgpack_lite.hpp"
 #include "peer_metadata.hpp"
-
-namespace moriio_native {
-// Readable gtest messages for the enums compared below (found by argument-dependent lookup).
-inline void PrintTo(StatusCode code, std::ostream* os) { *os << StatusCodeName(code); }
-inline void PrintTo(TransferState state, std::ostream* os) { *os << TransferStateName(state); }
-}  // namespace moriio_native
+#include "test_printers.hpp"
 
 namespace moriio_native {
 namespace {

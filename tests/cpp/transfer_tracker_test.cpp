@@ -7,6 +7,7 @@
 // explicit time point, so no test here depends on the wall clock.
 
 #include "transfer_tracker.hpp"
+#include "test_printers.hpp"
 
 #include <gtest/gtest.h>
 
@@ -24,12 +25,6 @@
 #include <string>
 #include <thread>
 #include <vector>
-
-namespace moriio_native {
-// Readable gtest messages for the enums compared below (found by argument-dependent lookup).
-inline void PrintTo(StatusCode code, std::ostream* os) { *os << StatusCodeName(code); }
-inline void PrintTo(TransferState state, std::ostream* os) { *os << TransferStateName(state); }
-}  // namespace moriio_native
 
 namespace moriio_native::detail {
 namespace {
