@@ -411,29 +411,6 @@ def test_unplannable_load_is_recomputed_not_guessed(
 # handshake and notify ports, its own shard, its own release or write_done.
 
 
-def test_read_tp2_each_decode_rank_reads_its_prefill_rank(
-    sides: list[Side], model_dir: str
-) -> None:
-    p, d = make_pair(sides, model_dir, "read", tp_size=2)
-    prompt = prompt_of(40, seed=5)
-    rid, tid = pd_request_id(p, d), transfer_id()
-    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
-
-    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2), max_tokens=3)
-    first = d.step()
-    assert first.scheduled == {rid: 1}
-    assert first.invalid_blocks == set()
-    for rank in (0, 1):
-        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank=rank)), rank
-    assert first.stats is not None and first.stats.data["transfers"] == 2  # one per rank
-
-    # The prefill's blocks are freed only once both decode ranks released them.
-    p.run_until(lambda r: rid in r.transfer.finished_sending, what="both releases")
-    assert p.free_blocks() == p.initial_free
-    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
-    assert d.free_blocks() == d.initial_free
-
-
 def test_write_tp2_each_prefill_rank_writes_its_decode_rank(
     sides: list[Side], model_dir: str
 ) -> None:
@@ -455,29 +432,44 @@ def test_write_tp2_each_prefill_rank_writes_its_decode_rank(
     assert d.free_blocks() == d.initial_free
 
 
-# Different TP sizes (READ mode, caches every rank holds whole): decode rank r reads prefill rank
-# r mod P, and every prefill rank, read or not, frees its blocks once its decode ranks released.
+# READ across TP ranks: decode rank r reads prefill rank r mod P (rank r when the sizes are
+# equal; different sizes need caches every rank holds whole), and every prefill rank, read or
+# not, frees its blocks once its decode ranks released.
 
 
-def across_tp_side(
-    name: str, role: str, mode: str, model_dir: str, salt: int, tp_size: int, caches: str = "mla"
-) -> Side:
-    """An instance for the different-TP tests, with MLA caches (``caches="mla"``) or the dense
+def across_tp_pair(
+    sides: list[Side],
+    model_dir: str,
+    mode: str,
+    prefill_tp: int,
+    decode_tp: int,
+    caches: str = "mla",
+) -> tuple[Side, Side]:
+    """A prefill and a decode with these TP sizes, MLA caches (``caches="mla"``) or the dense
     ones (``"dense"``), and an abort_timeout far beyond the test: a prefill rank that misses a
     release keeps its blocks (and run_until fails) instead of a timeout freeing them."""
     specs = mla_specs() if caches == "mla" else dense_specs()
     extra = {"abort_timeout": 600}
-    return Side(name, role, mode, model_dir, salt=salt, specs=specs, tp_size=tp_size, extra=extra)
+    made = []
+    for name, role, salt, tp in (
+        ("prefill", "kv_producer", 1, prefill_tp),
+        ("decode", "kv_consumer", 2, decode_tp),
+    ):
+        side = Side(name, role, mode, model_dir, salt=salt, specs=specs, tp_size=tp, extra=extra)
+        sides.append(side)
+        made.append(side)
+    return made[0], made[1]
 
 
-@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (4, 2)])
-def test_read_mla_across_tp_sizes(
-    sides: list[Side], model_dir: str, prefill_tp: int, decode_tp: int
+@pytest.mark.parametrize(
+    ("caches", "prefill_tp", "decode_tp"),
+    [("dense", 2, 2), ("mla", 2, 1), ("mla", 1, 2), ("mla", 4, 2)],
+)
+def test_read_across_tp_ranks(
+    sides: list[Side], model_dir: str, caches: str, prefill_tp: int, decode_tp: int
 ) -> None:
-    p = across_tp_side("prefill", "kv_producer", "read", model_dir, 1, prefill_tp)
-    sides.append(p)
-    d = across_tp_side("decode", "kv_consumer", "read", model_dir, 2, decode_tp)
-    sides.append(d)
+    # Equal sizes pair rank r with rank r (any caches); MLA caches also pair across sizes.
+    p, d = across_tp_pair(sides, model_dir, "read", prefill_tp, decode_tp, caches)
     prompt = prompt_of(40, seed=7)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid, remote_tp_size=decode_tp)
@@ -491,6 +483,7 @@ def test_read_mla_across_tp_sizes(
         source = rank % prefill_tp
         got = d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank, source)
         assert all(got), (rank, source)
+    assert first.stats is not None and first.stats.data["transfers"] == decode_tp  # one per rank
 
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="every prefill rank released")
     assert p.free_blocks() == p.initial_free
@@ -500,10 +493,7 @@ def test_read_mla_across_tp_sizes(
 
 def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model_dir: str) -> None:
     # Dense attention splits heads over ranks: no prefill rank holds a decode rank's heads.
-    p = across_tp_side("prefill", "kv_producer", "read", model_dir, 1, 2, "dense")
-    sides.append(p)
-    d = across_tp_side("decode", "kv_consumer", "read", model_dir, 2, 1, "dense")
-    sides.append(d)
+    p, d = across_tp_pair(sides, model_dir, "read", 2, 1, "dense")
     prompt = prompt_of(40, seed=8)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid, remote_tp_size=1)
@@ -522,10 +512,7 @@ def test_write_across_tp_sizes_is_refused_and_frees_the_prefill(
 ) -> None:
     # WRITE pairs a prefill rank with the decode rank of the same index: with other TP sizes
     # the decode refuses, computes locally and releases every prefill rank at once.
-    p = across_tp_side("prefill", "kv_producer", "write", model_dir, 1, 2)
-    sides.append(p)
-    d = across_tp_side("decode", "kv_consumer", "write", model_dir, 2, 1)
-    sides.append(d)
+    p, d = across_tp_pair(sides, model_dir, "write", 2, 1)
     prompt = prompt_of(40, seed=9)
     rid, tid = pd_request_id(p, d), transfer_id()
     p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size=1), max_tokens=1)
