@@ -360,22 +360,20 @@ class WorkerSide:
     def _check_tp_mismatch_allowed(self, host: str, remote_tp_size: int) -> None:
         """Different TP sizes work only where any peer rank holds what we need: READ mode over
         caches every rank holds whole (MLA). Raises FailedPreconditionError otherwise."""
+        mismatch = f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size})"
         if self.cfg.mode != "read":
             raise FailedPreconditionError(
-                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}); "
-                "different TP sizes are supported in READ mode only"
+                f"{mismatch}; different TP sizes are supported in READ mode only"
             )
         if self._context_parallel:
             raise FailedPreconditionError(
-                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}), "
-                "and context parallelism splits the caches by token across ranks"
+                f"{mismatch}, and context parallelism splits the caches by token across ranks"
             )
         split = first_split_across_tp(self._specs)
         if split is not None:
             raise FailedPreconditionError(
-                f"peer {host}: TP size {remote_tp_size} differs from ours ({self.cfg.tp_size}), "
-                f"and layer {split} is split across TP ranks (attention heads); different TP "
-                "sizes need caches every rank holds whole (MLA)"
+                f"{mismatch}, and layer {split} is split across TP ranks (attention heads); "
+                "different TP sizes need caches every rank holds whole (MLA)"
             )
 
     def _connect(
