@@ -24,6 +24,11 @@ from moriio_native._native import (
 )
 
 KvPlaneAxis = Literal["auto", "separated", "interleaved"]
+# CacheSpec.axis_order: the order in which the tensor's SHAPE lists a block's tokens (N) and the
+# heads (H) -- "nhd" for [2,N,B,H,D] / [N,2,B,H,D], "hnd" for [2,N,H,B,D] / [N,2,H,B,D] and every
+# 4-D form. The memory order comes from the strides. "auto" reads it from the shape and raises
+# "Ambiguous" when both readings fit (num_kv_heads equal to the block or kernel block size).
+AxisOrder = Literal["auto", "nhd", "hnd"]
 BlockIds = Sequence[int] | Any  # any 1-D integer sequence or array
 
 _TEMPLATE_CACHE_SIZE = 4096
@@ -63,7 +68,8 @@ def describe_layer(
     """Read a layer's layout from its tensor (or geometry) and spec.
 
     Raises InvalidArgumentError naming the layer and shape when the tensor does not match the
-    spec, or when the shape is ambiguous ("Ambiguous ...").
+    spec (or its ``axis_order``), or when the shape is ambiguous ("Ambiguous ...": pass
+    ``axis_order`` in the spec, or ``kv_plane_axis``).
     """
     return _native._describe_layer(name, geometry_of(tensor_or_geometry), spec, kv_plane_axis)
 
@@ -90,6 +96,7 @@ def plan_block_copies(
 
 
 __all__ = [
+    "AxisOrder",
     "BlockPairs",
     "BlockTemplate",
     "CacheSpec",

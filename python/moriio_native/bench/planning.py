@@ -224,6 +224,7 @@ def _describe(name: str, group: LayerGroup, block_size: int, cache_blocks: int) 
         num_kv_heads=group.num_kv_heads,
         head_size=group.head_size,
         dtype_bytes=group.dtype_bytes,
+        axis_order="nhd" if group.kind == "kv" else "hnd",  # the shapes _cache_shape makes
     )
     geometry = mn.TensorGeometry(shape, _contiguous(shape), group.dtype_bytes, 0)
     return mn.describe_layer(name, geometry, spec)
