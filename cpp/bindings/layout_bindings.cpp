@@ -29,18 +29,6 @@ AxisOrder ParseAxisOrder(const std::string& order) {
       "(heads before tokens), got '" + order + "'"));
 }
 
-std::string AxisOrderName(AxisOrder order) {
-  switch (order) {
-    case AxisOrder::kNhd:
-      return "nhd";
-    case AxisOrder::kHnd:
-      return "hnd";
-    case AxisOrder::kAuto:
-      break;
-  }
-  return "auto";
-}
-
 // A view of one of the plan's arrays that keeps the plan object alive.
 py::array_t<std::int64_t> PlanArray(const py::object& owner, const std::vector<std::int64_t>& v) {
   return py::array_t<std::int64_t>({static_cast<py::ssize_t>(v.size())}, {sizeof(std::int64_t)},
@@ -99,7 +87,7 @@ void BindLayout(py::module_& m) {
       .def_readonly("dtype_bytes", &CacheSpec::dtype_bytes)
       .def_readonly("head_size_v", &CacheSpec::head_size_v)
       .def_property_readonly("axis_order",
-                             [](const CacheSpec& s) { return AxisOrderName(s.axis_order); })
+                             [](const CacheSpec& s) { return std::string(AxisOrderName(s.axis_order)); })
       .def("__repr__", [](const CacheSpec& s) {
         auto opt = [](const std::optional<std::int64_t>& v) {
           return v ? std::to_string(*v) : std::string("None");
@@ -107,7 +95,7 @@ void BindLayout(py::module_& m) {
         return "CacheSpec(kind='" + KindName(s.kind) + "', block_size=" + std::to_string(s.block_size) +
                ", num_kv_heads=" + opt(s.num_kv_heads) + ", head_size=" + opt(s.head_size) +
                ", dtype_bytes=" + std::to_string(s.dtype_bytes) + ", head_size_v=" + opt(s.head_size_v) +
-               ", axis_order='" + AxisOrderName(s.axis_order) + "')";
+               ", axis_order='" + std::string(AxisOrderName(s.axis_order)) + "')";
       });
 
   py::class_<TensorGeometry>(m, "TensorGeometry", "Shape and strides (in elements) of a tensor.")

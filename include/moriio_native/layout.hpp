@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moriio_native/status.hpp"
@@ -37,6 +38,9 @@ enum class AxisOrder : std::uint8_t {
   /// Heads before tokens: `[2,N,H,B,D]`, `[N,2,H,B,D]`, and every 4-D form (`[N,H,B,C]`).
   kHnd = 2,
 };
+
+/// "auto", "nhd" or "hnd" (the Python spelling; also used in error messages). Thread-safe.
+std::string_view AxisOrderName(AxisOrder order);
 
 /// The logical description of a layer's cache, as the model (not the tensor) defines it.
 /// Head fields may be unknown; they are then read from the tensor's shape.
@@ -221,7 +225,10 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
 Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
                          std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out);
 
-/// Convenience: Build + Create + Stamp.
+/// Convenience for a one-off plan: Build + Create + Stamp, so every call builds the layer
+/// pair's template and validates and sorts the ids again. A request over many layers builds
+/// each BlockTemplate once per layer pair (cache it) and one BlockPairs per request, then calls
+/// StampBlockCopies per layer: the engine's own path.
 Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,
                                  std::span<const std::int64_t> local_ids,
                                  std::span<const std::int64_t> remote_ids);

@@ -612,6 +612,27 @@ TEST(LayoutTest, StampLeavesOutputEmptyOnError) {
   EXPECT_EQ(out.size(), 0u);
 }
 
+// Unsorted local ids come out ascending with their remote ids carried along, whether the ids
+// are dense (placed by id) or sparse (sorted): both orders of the same pairs give one result.
+TEST(LayoutTest, BlockPairsSortLocalIdsCarryingRemoteIds) {
+  struct Case {
+    Ids local, remote, local_sorted, remote_by_local;
+  };
+  const std::vector<Case> cases = {
+      {{7, 2, 9, 0, 4}, {10, 11, 12, 13, 14}, {0, 2, 4, 7, 9}, {13, 11, 14, 10, 12}},
+      {{900000, 3, 70000, 12}, {1, 2, 3, 4}, {3, 12, 70000, 900000}, {2, 4, 3, 1}},
+      {{5, 1}, {0, 9, 8}, {1, 5}, {9, 0}},  // remote longer: only the first two used
+  };
+  for (const Case& c : cases) {
+    Result<BlockPairs> pairs = BlockPairs::Create(c.local, c.remote);
+    ASSERT_TRUE(pairs.ok()) << pairs.status().ToString();
+    EXPECT_EQ(Ids(pairs->local_sorted().begin(), pairs->local_sorted().end()), c.local_sorted);
+    EXPECT_EQ(Ids(pairs->remote_by_local().begin(), pairs->remote_by_local().end()),
+              c.remote_by_local);
+    EXPECT_EQ(pairs->max_local(), c.local_sorted.back());
+  }
+}
+
 TEST(LayoutTest, DuplicateBlockIdsRejected) {
   LayerLayout local = Describe("l0", Geo({2, 8, 4, 2, 3}), Small());
   LayerLayout remote = Describe("r0", Geo({2, 16, 4, 2, 3}), Small());

@@ -355,6 +355,25 @@ def test_unsorted_ids_and_merging() -> None:
     assert runs(local, remote, np.array([1, 3]), np.array([4, 5])) == WORKED
 
 
+def test_plan_block_copies_takes_a_request_s_block_pairs() -> None:
+    # The worked example again, through one BlockPairs for the request: the same runs, and the
+    # layer pair's template is built once and then served from the cache.
+    local = mn.describe_layer("pairs.l", geo([2, 8, 4, 2, 3]), small())
+    remote = mn.describe_layer("pairs.r", geo([2, 16, 4, 2, 3]), small())
+    pairs = mn.BlockPairs([3, 1], [5, 4])
+    before = mn.block_template.cache_info()
+    for _ in range(3):
+        plan = mn.plan_block_copies(local, remote, pairs)
+        assert [tuple(r) for r in plan.runs()] == WORKED
+    after = mn.block_template.cache_info()
+    assert after.misses == before.misses + 1 and after.hits == before.hits + 2
+    assert runs(local, remote, [3, 1], [5, 4]) == WORKED
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        mn.plan_block_copies(local, remote, pairs, [4, 5])
+    with pytest.raises(InvalidArgumentError, match="remote_block_ids is required"):
+        mn.plan_block_copies(local, remote, [1, 3])
+
+
 def test_block_id_errors() -> None:
     local = mn.describe_layer("l0", geo([2, 8, 4, 2, 3]), small())
     remote = mn.describe_layer("r0", geo([2, 16, 4, 2, 3]), small())
