@@ -52,18 +52,18 @@ inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const cha
   if (PyList_Check(ids.ptr()) || PyTuple_Check(ids.ptr())) {
     // Element by element: numpy would store a list mixing small ids with one past int64 as
     // float64, hiding which id was wrong.
-    const Py_ssize_t n = PySequence_Fast_GET_SIZE(ids.ptr());
-    PyObject** items = PySequence_Fast_ITEMS(ids.ptr());
+    // The size and each item are read afresh, the item held: an __index__ written in Python
+    // may change the list while we walk it.
     std::vector<std::int64_t> out;
-    out.reserve(static_cast<std::size_t>(n));
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      PyObject* item = items[i];
-      if (PyBool_Check(item) || !PyIndex_Check(item)) {
+    out.reserve(static_cast<std::size_t>(PySequence_Fast_GET_SIZE(ids.ptr())));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ids.ptr()); ++i) {
+      const auto item = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(ids.ptr(), i));
+      if (PyBool_Check(item.ptr()) || !PyIndex_Check(item.ptr())) {
         throw StatusError(InvalidArgumentError(
-            std::string(what) + " must be integers, got " + Py_TYPE(item)->tp_name +
+            std::string(what) + " must be integers, got " + Py_TYPE(item.ptr())->tp_name +
             " at position " + std::to_string(i)));
       }
-      py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item));
+      py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
       if (!index) throw py::error_already_set();
       int overflow = 0;
       const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);

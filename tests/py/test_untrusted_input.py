@@ -183,3 +183,18 @@ def test_engine_refuses_page_sizes_that_cannot_align(page_size) -> None:
 @pytest.mark.parametrize("page_size", [4096, 65536, 2**21])
 def test_engine_accepts_power_of_two_page_sizes_of_an_os_page_or_more(page_size) -> None:
     assert mn.Engine("p", page_size=page_size).engine_id == "p"
+
+
+def test_block_id_list_changed_by_index_while_read_is_safe() -> None:
+    ids: list[object] = []
+
+    class Shrinking:
+        """An id whose ``__index__`` empties the list being read."""
+
+        def __index__(self) -> int:
+            ids.clear()
+            return 1
+
+    ids.extend([0, Shrinking(), 2, 3])
+    pairs = mn.BlockPairs(ids, [5, 6, 7, 8])
+    assert len(pairs) == 2  # the ids read before the list was emptied
