@@ -148,6 +148,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         num_kv_heads=preset["heads"],
         head_size=preset["head"],
         dtype_bytes=2,
+        # The shapes _layer_views makes: [2, N, B, H, D] lists tokens first, the 4-D views heads.
+        axis_order="nhd" if preset["kind"] == "kv" and cfg["layout"] == "separated" else "hnd",
     )
     regs = [
         mn.LayerRegistration(

@@ -274,6 +274,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
   if (config.transfer_timeout.count() <= 0 || config.transfer_timeout > std::chrono::hours(24 * 365)) {
     return InvalidArgumentError("transfer_timeout must be positive and at most a year");
   }
+  const std::uint64_t page = config.page_size;
+  if (page < EngineConfig::kMinPageSize || page > EngineConfig::kMaxPageSize ||
+      (page & (page - 1)) != 0) {
+    return InvalidArgumentError("page_size must be a power of two from " +
+                                std::to_string(EngineConfig::kMinPageSize) + " to " +
+                                std::to_string(EngineConfig::kMaxPageSize) + ", got " +
+                                std::to_string(page));
+  }
   auto impl = std::make_unique<Impl>();
   impl->tracker = std::make_shared<detail::TransferTracker>(config.transfer_timeout,
                                                             config.terminal_history);

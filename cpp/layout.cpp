@@ -1,6 +1,7 @@
 #include "moriio_native/layout.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include "checked_math.hpp"
@@ -66,34 +67,70 @@ bool HeadsFit(std::int64_t heads, const CacheSpec& spec) {
   return !spec.num_kv_heads || *spec.num_kv_heads == heads;
 }
 
-// Picks which of axes a, b carries tokens (the other carries heads), driven by the spec: a full
-// block first, then a kernel block that divides the manager block.
+// The reading of `g` with `tokens` as the token axis (a whole block or a kernel block dividing
+// it) and `heads` as the head axis, when the spec allows it.
+std::optional<TokenAxis> TokensAt(const TensorGeometry& g, const CacheSpec& spec, int tokens,
+                                  int heads) {
+  if (!KernelSizeFits(g.shape[tokens], spec.block_size) || !HeadsFit(g.shape[heads], spec)) {
+    return std::nullopt;
+  }
+  return TokenAxis{tokens, heads, g.shape[tokens]};
+}
+
+std::string AxisString(const TensorGeometry& g, int axis) {
+  return "axis " + std::to_string(axis) + " (size " + std::to_string(g.shape[axis]) + ")";
+}
+
+std::string SpecNumbers(const CacheSpec& spec) {
+  return "block_size " + std::to_string(spec.block_size) +
+         (spec.num_kv_heads ? ", num_kv_heads " + std::to_string(*spec.num_kv_heads)
+                            : std::string(", num_kv_heads unknown"));
+}
+
+// Picks which of the 5-D axes a (first) and b carries tokens; the other carries heads. The spec's
+// axis_order decides when given (and must fit the shape); otherwise the shape must admit exactly
+// one reading. Equal sizes (heads == block size or kernel block size) admit both: then the
+// answer is "Ambiguous", never a guess, since the two readings address different bytes.
 Result<TokenAxis> ResolveTokenAxis(const std::string& name, const TensorGeometry& g,
                                    const CacheSpec& spec, int a, int b) {
-  const auto& s = g.shape;
-  const bool direct_a = s[a] == spec.block_size && HeadsFit(s[b], spec);
-  const bool direct_b = s[b] == spec.block_size && HeadsFit(s[a], spec);
-  const bool kernel_a = KernelSizeFits(s[a], spec.block_size) && HeadsFit(s[b], spec);
-  const bool kernel_b = KernelSizeFits(s[b], spec.block_size) && HeadsFit(s[a], spec);
-  // Two different readings of the shape would address different bytes: refuse to guess. Equal
-  // sizes cannot be told apart by shape at all; vLLM's logical order puts tokens first there.
-  if (s[a] != s[b] && ((direct_a || kernel_a) && (direct_b || kernel_b))) {
-    return InvalidArgumentError("Ambiguous kernel-block cache shape for " + LayerPrefix(name) +
-                                ": " + ShapeString(s) + " (axis " + std::to_string(a) +
-                                " or axis " + std::to_string(b) + " can hold the tokens of block_size " +
-                                std::to_string(spec.block_size) +
-                                "); set num_kv_heads in the spec to disambiguate");
+  const std::optional<TokenAxis> nhd = TokensAt(g, spec, a, b);
+  const std::optional<TokenAxis> hnd = TokensAt(g, spec, b, a);
+  if (spec.axis_order != AxisOrder::kAuto) {
+    const bool tokens_first = spec.axis_order == AxisOrder::kNhd;
+    const std::optional<TokenAxis>& chosen = tokens_first ? nhd : hnd;
+    if (chosen) return *chosen;
+    const int tokens = tokens_first ? a : b;
+    const int heads = tokens_first ? b : a;
+    return InvalidArgumentError(LayerPrefix(name) + ": axis_order '" +
+                                std::string(AxisOrderName(spec.axis_order)) +
+                                "' contradicts shape " +
+                                ShapeString(g.shape) + ": tokens at " + AxisString(g, tokens) +
+                                " and heads at " + AxisString(g, heads) + " do not fit " +
+                                SpecNumbers(spec));
   }
-  if (direct_a) return TokenAxis{a, b, s[a]};
-  if (direct_b) return TokenAxis{b, a, s[b]};
-  if (kernel_a) return TokenAxis{a, b, s[a]};
-  if (kernel_b) return TokenAxis{b, a, s[b]};
+  if (nhd && hnd) {
+    // Size-1 axes have no extent: both readings then address the same bytes.
+    if (g.shape[a] == 1 && g.shape[b] == 1) return *nhd;
+    return InvalidArgumentError(
+        "Ambiguous cache shape for " + LayerPrefix(name) + ": " + ShapeString(g.shape) + " (" +
+        AxisString(g, a) + " and " + AxisString(g, b) + " can each hold the tokens of " +
+        SpecNumbers(spec) + "); set the spec's axis_order to 'nhd' (tokens first) or 'hnd' "
+        "(heads first) to say which");
+  }
+  if (nhd) return *nhd;
+  if (hnd) return *hnd;
   return InvalidArgumentError("Unsupported cache shape for " + LayerPrefix(name) + ": " +
-                              ShapeString(s) + " has no token axis matching block_size " +
-                              std::to_string(spec.block_size) +
-                              (spec.num_kv_heads ? " with num_kv_heads " +
-                                                       std::to_string(*spec.num_kv_heads)
-                                                 : std::string()));
+                              ShapeString(g.shape) + " has no token axis matching " +
+                              SpecNumbers(spec));
+}
+
+// Every 4-D form holds heads before tokens ([N,H,B,C]); a caller saying otherwise holds a tensor
+// this shape does not describe.
+Status CheckHeadsFirst(const std::string& name, const TensorGeometry& g, const CacheSpec& spec) {
+  if (spec.axis_order != AxisOrder::kNhd) return Status::OK();
+  return InvalidArgumentError(LayerPrefix(name) + ": axis_order 'nhd' contradicts shape " +
+                              ShapeString(g.shape) +
+                              ": a 4-D cache is [N,H,B,C] (heads before tokens)");
 }
 
 Status CheckGeometry(const std::string& name, const TensorGeometry& g, const CacheSpec& spec) {
@@ -208,6 +245,7 @@ Result<LayoutParams> DescribeKeyValue(const std::string& name, const TensorGeome
                                   " has content " + std::to_string(c) +
                                   ", which does not split into head_size + head_size_v");
     }
+    MORIIO_RETURN_IF_ERROR(CheckHeadsFirst(name, g, spec));
     if (!HeadsFit(s[1], spec)) {
       return InvalidArgumentError(LayerPrefix(name) + ": shape " + ShapeString(s) + " has " +
                                   std::to_string(s[1]) + " heads, the spec says " +
@@ -234,6 +272,7 @@ Result<LayoutParams> DescribeLatent(const std::string& name, const TensorGeometr
     return InvalidArgumentError("Unsupported latent (mla) cache shape for " + LayerPrefix(name) +
                                 ": " + ShapeString(s) + " (expected [N,B,D] or [N,H,B,D])");
   }
+  if (s.size() == 4) MORIIO_RETURN_IF_ERROR(CheckHeadsFirst(name, g, spec));
   const int token_axis = s.size() == 3 ? 1 : 2;
   const int head_axis = s.size() == 3 ? -1 : 1;
   const std::int64_t heads = head_axis >= 0 ? s[head_axis] : 1;
@@ -258,6 +297,18 @@ Result<LayoutParams> DescribeLatent(const std::string& name, const TensorGeometr
 
 }  // namespace
 
+std::string_view AxisOrderName(AxisOrder order) {
+  switch (order) {
+    case AxisOrder::kNhd:
+      return "nhd";
+    case AxisOrder::kHnd:
+      return "hnd";
+    case AxisOrder::kAuto:
+      break;
+  }
+  return "auto";
+}
+
 Status CacheSpec::Validate() const {
   auto positive = [](std::string_view field, std::int64_t v) -> Status {
     if (v > 0) return Status::OK();
@@ -269,6 +320,10 @@ Status CacheSpec::Validate() const {
   if (num_kv_heads) MORIIO_RETURN_IF_ERROR(positive("num_kv_heads", *num_kv_heads));
   if (head_size) MORIIO_RETURN_IF_ERROR(positive("head_size", *head_size));
   if (head_size_v) MORIIO_RETURN_IF_ERROR(positive("head_size_v", *head_size_v));
+  if (axis_order != AxisOrder::kAuto && axis_order != AxisOrder::kNhd &&
+      axis_order != AxisOrder::kHnd) {
+    return InvalidArgumentError("CacheSpec.axis_order has an unknown value");
+  }
   if (kind == CacheKind::kLatent && head_size_v) {
     return InvalidArgumentError("CacheSpec.head_size_v is only meaningful for kind 'kv'");
   }
@@ -491,6 +546,36 @@ std::int64_t FirstDuplicate(std::span<const std::int64_t> ids, std::int64_t max_
   return dup == sorted.end() ? -1 : *dup;
 }
 
+// Sorts the (unique) local ids ascending, carrying their remote ids along. When the ids are
+// dense (the common case: ids below the cache's block count) each pair is placed by its id in
+// O(n + max_id), several times faster than a comparison sort of random ids; otherwise sorted.
+void SortByLocal(std::vector<std::int64_t>* local, std::vector<std::int64_t>* remote,
+                 std::int64_t max_local) {
+  const std::size_t n = local->size();
+  const auto span = static_cast<std::size_t>(max_local) + 1;
+  if (n < std::numeric_limits<std::uint32_t>::max() && span <= std::max<std::size_t>(n * 8, 4096)) {
+    constexpr std::uint32_t kEmpty = std::numeric_limits<std::uint32_t>::max();
+    std::vector<std::uint32_t> position(span, kEmpty);
+    for (std::size_t i = 0; i < n; ++i) {
+      position[static_cast<std::size_t>((*local)[i])] = static_cast<std::uint32_t>(i);
+    }
+    std::vector<std::int64_t> remote_sorted;
+    remote_sorted.reserve(n);
+    std::size_t k = 0;
+    for (std::size_t id = 0; id < span; ++id) {
+      if (position[id] == kEmpty) continue;
+      remote_sorted.push_back((*remote)[position[id]]);
+      (*local)[k++] = static_cast<std::int64_t>(id);
+    }
+    *remote = std::move(remote_sorted);
+    return;
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
+  for (std::size_t i = 0; i < n; ++i) zipped[i] = {(*local)[i], (*remote)[i]};
+  std::sort(zipped.begin(), zipped.end());  // local ids are unique: a total order
+  for (std::size_t i = 0; i < n; ++i) std::tie((*local)[i], (*remote)[i]) = zipped[i];
+}
+
 }  // namespace
 
 Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
@@ -532,12 +617,7 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
       return InvalidArgumentError("duplicate remote block id " + std::to_string(dup));
     }
   }
-  if (!local_sorted) {
-    std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
-    for (std::size_t i = 0; i < n; ++i) zipped[i] = {local[i], remote[i]};
-    std::sort(zipped.begin(), zipped.end());  // local ids are unique: a total order
-    for (std::size_t i = 0; i < n; ++i) std::tie(local[i], remote[i]) = zipped[i];
-  }
+  if (!local_sorted) SortByLocal(&local, &remote, pairs.max_local_);
   return pairs;
 }
 

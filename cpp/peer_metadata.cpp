@@ -1,5 +1,6 @@
 #include "peer_metadata.hpp"
 
+#include <string_view>
 #include <unordered_set>
 
 #include "msgpack_lite.hpp"
@@ -45,10 +46,52 @@ Result<LayoutParams> ParamsFrom(const mp::Array& a, const std::string& what) {
   return p;
 }
 
+// Offset of the first byte of `s` that is not part of well-formed UTF-8 (RFC 3629: no overlong
+// forms, no surrogates, nothing above U+10FFFF), or npos.
+std::size_t FirstInvalidUtf8(std::string_view s) {
+  std::size_t i = 0;
+  while (i < s.size()) {
+    const auto b0 = static_cast<unsigned char>(s[i]);
+    if (b0 < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t len = 0;
+    unsigned char lo = 0x80;  // allowed range of the second byte
+    unsigned char hi = 0xBF;
+    if (b0 >= 0xC2 && b0 <= 0xDF) {
+      len = 2;
+    } else if (b0 >= 0xE0 && b0 <= 0xEF) {
+      len = 3;
+      if (b0 == 0xE0) lo = 0xA0;  // overlong
+      if (b0 == 0xED) hi = 0x9F;  // surrogates
+    } else if (b0 >= 0xF0 && b0 <= 0xF4) {
+      len = 4;
+      if (b0 == 0xF0) lo = 0x90;  // overlong
+      if (b0 == 0xF4) hi = 0x8F;  // above U+10FFFF
+    } else {
+      return i;
+    }
+    if (i + len > s.size()) return i;
+    for (std::size_t k = 1; k < len; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if (b < (k == 1 ? lo : 0x80) || b > (k == 1 ? hi : 0xBF)) return i;
+    }
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+// Names become Python str (peer ids, layer names, error messages): text that is not UTF-8 is
+// refused here, before anything is connected, and never quoted back.
 Result<std::string> BoundedStr(const mp::Value& v, const std::string& what) {
   MORIIO_ASSIGN_OR_RETURN(std::string s, mp::AsStr(v, what));
   if (s.empty() || s.size() > kMaxNameBytes) {
     return InvalidArgumentError(what + " must be 1.." + std::to_string(kMaxNameBytes) + " bytes");
+  }
+  if (const std::size_t bad = FirstInvalidUtf8(s); bad != std::string_view::npos) {
+    return InvalidArgumentError(what + " is not valid UTF-8 (byte " + std::to_string(bad) +
+                                " of " + std::to_string(s.size()) + ")");
   }
   return s;
 }

@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -36,11 +37,44 @@ T Unwrap(Result<T> result) {
   return std::move(result).value();
 }
 
+inline StatusError IdOutOfRange(const char* what, const std::string& id, std::size_t position) {
+  return StatusError(OutOfRangeError(std::string(what) + ": block id " + id + " at position " +
+                                     std::to_string(position) +
+                                     " is out of range (block ids are below 2^63)"));
+}
+
 /// Block ids from any 1-D integer sequence or array, copied (the ids validated are the ids
 /// used, whatever another thread does to the caller's array). Non-integer input is refused
-/// rather than truncated. Call with the GIL held.
+/// rather than truncated, and an id past int64 is OutOfRange naming it (never wrapped into a
+/// "negative" one). Call with the GIL held.
 inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const char* what) {
   namespace py = pybind11;
+  if (PyList_Check(ids.ptr()) || PyTuple_Check(ids.ptr())) {
+    // Element by element: numpy would store a list mixing small ids with one past int64 as
+    // float64, hiding which id was wrong.
+    // The size and each item are read afresh, the item held: an __index__ written in Python
+    // may change the list while we walk it.
+    std::vector<std::int64_t> out;
+    out.reserve(static_cast<std::size_t>(PySequence_Fast_GET_SIZE(ids.ptr())));
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ids.ptr()); ++i) {
+      const auto item = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(ids.ptr(), i));
+      if (PyBool_Check(item.ptr()) || !PyIndex_Check(item.ptr())) {
+        throw StatusError(InvalidArgumentError(
+            std::string(what) + " must be integers, got " + Py_TYPE(item.ptr())->tp_name +
+            " at position " + std::to_string(i)));
+      }
+      py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
+      if (!index) throw py::error_already_set();
+      int overflow = 0;
+      const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+      if (overflow != 0) {
+        throw IdOutOfRange(what, py::str(index).cast<std::string>(), static_cast<std::size_t>(i));
+      }
+      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+      out.push_back(v);
+    }
+    return out;
+  }
   py::array array = py::array::ensure(ids);
   if (!array || array.ndim() != 1) {
     throw StatusError(InvalidArgumentError(std::string(what) +
@@ -50,6 +84,16 @@ inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const cha
   if (array.size() > 0 && kind != 'i' && kind != 'u') {
     throw StatusError(InvalidArgumentError(std::string(what) + " must be integers, got dtype " +
                                            py::str(array.dtype()).cast<std::string>()));
+  }
+  if (kind == 'u' && array.itemsize() == sizeof(std::uint64_t)) {
+    // The int64 cast below would wrap these into "negative" ids.
+    auto wide = py::array_t<std::uint64_t, py::array::c_style | py::array::forcecast>::ensure(array);
+    constexpr auto kMax = static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max());
+    for (py::ssize_t i = 0; i < wide.size(); ++i) {
+      if (wide.data()[i] > kMax) {
+        throw IdOutOfRange(what, std::to_string(wide.data()[i]), static_cast<std::size_t>(i));
+      }
+    }
   }
   auto ints = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(array);
   return std::vector<std::int64_t>(ints.data(), ints.data() + ints.size());

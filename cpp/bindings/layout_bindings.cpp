@@ -20,6 +20,15 @@ CacheKind ParseKind(const std::string& kind) {
 
 std::string KindName(CacheKind kind) { return kind == CacheKind::kKeyValue ? "kv" : "mla"; }
 
+AxisOrder ParseAxisOrder(const std::string& order) {
+  if (order == "auto") return AxisOrder::kAuto;
+  if (order == "nhd") return AxisOrder::kNhd;
+  if (order == "hnd") return AxisOrder::kHnd;
+  throw StatusError(InvalidArgumentError(
+      "CacheSpec.axis_order must be 'auto', 'nhd' (tokens before heads in the shape) or 'hnd' "
+      "(heads before tokens), got '" + order + "'"));
+}
+
 // A view of one of the plan's arrays that keeps the plan object alive.
 py::array_t<std::int64_t> PlanArray(const py::object& owner, const std::vector<std::int64_t>& v) {
   return py::array_t<std::int64_t>({static_cast<py::ssize_t>(v.size())}, {sizeof(std::int64_t)},
@@ -59,27 +68,34 @@ void BindLayout(py::module_& m) {
   py::class_<CacheSpec>(m, "CacheSpec", "Logical description of one layer's KV cache.")
       .def(py::init([](const std::string& kind, std::int64_t block_size,
                        std::optional<std::int64_t> num_kv_heads, std::optional<std::int64_t> head_size,
-                       std::int64_t dtype_bytes, std::optional<std::int64_t> head_size_v) {
-             CacheSpec s{ParseKind(kind), block_size, num_kv_heads, head_size, dtype_bytes, head_size_v};
+                       std::int64_t dtype_bytes, std::optional<std::int64_t> head_size_v,
+                       const std::string& axis_order) {
+             CacheSpec s{ParseKind(kind), block_size,  num_kv_heads,
+                         head_size,       dtype_bytes, head_size_v,
+                         ParseAxisOrder(axis_order)};
              ThrowIfError(s.Validate());
              return s;
            }),
            py::kw_only(), py::arg("kind") = "kv", py::arg("block_size"),
            py::arg("num_kv_heads") = py::none(), py::arg("head_size") = py::none(),
-           py::arg("dtype_bytes"), py::arg("head_size_v") = py::none())
+           py::arg("dtype_bytes"), py::arg("head_size_v") = py::none(),
+           py::arg("axis_order") = "auto")
       .def_property_readonly("kind", [](const CacheSpec& s) { return KindName(s.kind); })
       .def_readonly("block_size", &CacheSpec::block_size)
       .def_readonly("num_kv_heads", &CacheSpec::num_kv_heads)
       .def_readonly("head_size", &CacheSpec::head_size)
       .def_readonly("dtype_bytes", &CacheSpec::dtype_bytes)
       .def_readonly("head_size_v", &CacheSpec::head_size_v)
+      .def_property_readonly("axis_order",
+                             [](const CacheSpec& s) { return std::string(AxisOrderName(s.axis_order)); })
       .def("__repr__", [](const CacheSpec& s) {
         auto opt = [](const std::optional<std::int64_t>& v) {
           return v ? std::to_string(*v) : std::string("None");
         };
         return "CacheSpec(kind='" + KindName(s.kind) + "', block_size=" + std::to_string(s.block_size) +
                ", num_kv_heads=" + opt(s.num_kv_heads) + ", head_size=" + opt(s.head_size) +
-               ", dtype_bytes=" + std::to_string(s.dtype_bytes) + ", head_size_v=" + opt(s.head_size_v) + ")";
+               ", dtype_bytes=" + std::to_string(s.dtype_bytes) + ", head_size_v=" + opt(s.head_size_v) +
+               ", axis_order='" + std::string(AxisOrderName(s.axis_order)) + "')";
       });
 
   py::class_<TensorGeometry>(m, "TensorGeometry", "Shape and strides (in elements) of a tensor.")

@@ -27,7 +27,9 @@ LayerRegistration Layer(std::vector<std::uint8_t>& buffer, bool separated) {
   }
   g.element_size = kDtype;
   g.data_ptr = reinterpret_cast<std::uint64_t>(buffer.data());
-  CacheSpec spec{CacheKind::kKeyValue, kBlockSize, kHeads, kHead, kDtype, std::nullopt};
+  // Both shapes above list tokens before heads.
+  CacheSpec spec{CacheKind::kKeyValue, kBlockSize, kHeads, kHead, kDtype, std::nullopt,
+                 AxisOrder::kNhd};
   return {"layer.0", g, spec, KvPlaneAxis::kAuto,
           MemoryRange{g.data_ptr, buffer.size(), MemoryKind::kHost, -1}};
 }

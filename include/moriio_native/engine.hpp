@@ -24,7 +24,13 @@ struct LayerRegistration {
   TensorGeometry geometry;  ///< data_ptr must be set
   CacheSpec spec;
   KvPlaneAxis plane_axis = KvPlaneAxis::kAuto;
-  MemoryRange allocation;  ///< the whole allocation (base, size, memory kind, device)
+  /// The whole allocation the view lives in (base, size, memory kind, device). The engine
+  /// registers page-aligned regions inside it, never outside, and peers may then read and write
+  /// any byte of those regions: the caller guarantees it is one live allocation this process
+  /// owns, holding the whole view, allocated until the engine is destroyed, and nothing in it
+  /// that peers must not see or change. (The Python facade checks a torch tensor's claim
+  /// against its storage; a raw address cannot be checked.)
+  MemoryRange allocation;
 };
 
 struct EngineConfig {
@@ -33,7 +39,13 @@ struct EngineConfig {
   BackendOptions options;            ///< backend keys (ucx_tls, mori_backend, ...)
   std::chrono::milliseconds transfer_timeout{30000};
   std::size_t terminal_history = 65536;  ///< terminal transfer ids remembered to drop late events
+  /// Alignment of registered regions: a power of two in [kMinPageSize, kMaxPageSize]. The
+  /// minimum is the smallest OS page of any supported host (memory is pinned and registered with
+  /// NICs by whole pages); a smaller value would call unaligned regions aligned.
   std::uint64_t page_size = 4096;
+
+  static constexpr std::uint64_t kMinPageSize = 4096;
+  static constexpr std::uint64_t kMaxPageSize = std::uint64_t{1} << 30;  ///< 1 GiB huge pages
 };
 
 enum class TransferKind : std::uint8_t { kRead = 0, kWrite = 1 };

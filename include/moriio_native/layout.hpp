@@ -11,6 +11,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moriio_native/status.hpp"
@@ -23,6 +24,24 @@ enum class CacheKind : std::uint8_t {
   kLatent = 1,    ///< one plane: MLA latent, key-only or indexer cache
 };
 
+/// The order in which a tensor's SHAPE (as torch reports it: the logical order, whatever the
+/// strides) lists the tokens of a block (N) and the heads (H). The memory order is always read
+/// from the strides; this only says which shape axis is which. (vLLM's get_kv_cache_layout()
+/// names the memory order: it is not this.)
+enum class AxisOrder : std::uint8_t {
+  /// Read it from the shape and the spec. When both readings fit (num_kv_heads equals the block
+  /// size or the kernel block size, or num_kv_heads is unknown), DescribeLayer fails with
+  /// "Ambiguous" naming the layer and shape: it never guesses.
+  kAuto = 0,
+  /// Tokens before heads: `[2,N,B,H,D]`, `[N,2,B,H,D]`.
+  kNhd = 1,
+  /// Heads before tokens: `[2,N,H,B,D]`, `[N,2,H,B,D]`, and every 4-D form (`[N,H,B,C]`).
+  kHnd = 2,
+};
+
+/// "auto", "nhd" or "hnd" (the Python spelling; also used in error messages). Thread-safe.
+std::string_view AxisOrderName(AxisOrder order);
+
 /// The logical description of a layer's cache, as the model (not the tensor) defines it.
 /// Head fields may be unknown; they are then read from the tensor's shape.
 struct CacheSpec {
@@ -32,6 +51,10 @@ struct CacheSpec {
   std::optional<std::int64_t> head_size;       ///< elements of K (or of the latent) per head
   std::int64_t dtype_bytes = 0;                ///< bytes per element
   std::optional<std::int64_t> head_size_v;     ///< elements of V per head (default head_size)
+  /// Which shape axis holds tokens and which heads. Callers that know their tensor's shape
+  /// order (the vLLM adapter always does) pass it; a hint the shape contradicts is an error.
+  /// Layouts without a head axis (latent `[N,B,D]`) are consistent with every value.
+  AxisOrder axis_order = AxisOrder::kAuto;
 
   /// Checks the numbers are positive where given. Returns InvalidArgument naming the field.
   Status Validate() const;
@@ -109,7 +132,9 @@ class LayerLayout {
 /// Reads a layer's layout from its tensor and spec. Recognised (shape as torch reports it, any
 /// strides): K/V `[2,N,B,H,D]`, `[2,N,H,B,D]`, `[N,2,B,H,D]`, `[N,2,H,B,D]`, packed/standardized
 /// `[N,H,B,Dk+Dv]`; latent `[N,B,D]` and `[N,H,B,D]`; each with kernel blocks (N = blocks *
-/// block_size/kb, B = kb). Errors name the layer and shape.
+/// block_size/kb, B = kb). Which 5-D axis holds tokens comes from spec.axis_order, or from the
+/// shape when only one reading fits; otherwise the error is "Ambiguous". Errors name the layer
+/// and shape.
 Result<LayerLayout> DescribeLayer(std::string name, const TensorGeometry& geometry,
                                   const CacheSpec& spec, KvPlaneAxis plane_axis = KvPlaneAxis::kAuto);
 
@@ -200,7 +225,10 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
 Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
                          std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out);
 
-/// Convenience: Build + Create + Stamp.
+/// Convenience for a one-off plan: Build + Create + Stamp, so every call builds the layer
+/// pair's template and validates and sorts the ids again. A request over many layers builds
+/// each BlockTemplate once per layer pair (cache it) and one BlockPairs per request, then calls
+/// StampBlockCopies per layer: the engine's own path.
 Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,
                                  std::span<const std::int64_t> local_ids,
                                  std::span<const std::int64_t> remote_ids);

@@ -11,9 +11,12 @@ class CacheSpec:
     """
     Logical description of one layer's KV cache.
     """
-    def __init__(self, *, kind: str = 'kv', block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex | None = None, head_size: typing.SupportsInt | typing.SupportsIndex | None = None, dtype_bytes: typing.SupportsInt | typing.SupportsIndex, head_size_v: typing.SupportsInt | typing.SupportsIndex | None = None) -> None:
+    def __init__(self, *, kind: str = 'kv', block_size: typing.SupportsInt | typing.SupportsIndex, num_kv_heads: typing.SupportsInt | typing.SupportsIndex | None = None, head_size: typing.SupportsInt | typing.SupportsIndex | None = None, dtype_bytes: typing.SupportsInt | typing.SupportsIndex, head_size_v: typing.SupportsInt | typing.SupportsIndex | None = None, axis_order: str = 'auto') -> None:
         ...
     def __repr__(self) -> str:
+        ...
+    @property
+    def axis_order(self) -> str:
         ...
     @property
     def block_size(self) -> int:

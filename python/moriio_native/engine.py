@@ -20,6 +20,7 @@ import numpy as np
 
 from moriio_native import _native
 from moriio_native._native import CacheSpec, TransferEvent
+from moriio_native.errors import InvalidArgumentError
 from moriio_native.layout import BlockIds, KvPlaneAxis, geometry_of
 
 logger = logging.getLogger("moriio_native.engine")
@@ -63,21 +64,60 @@ def available_backends(options: Mapping[str, Any] | None = None) -> list[Backend
     return [BackendInfo(*row) for row in _native.available_backends(opts)]
 
 
+def _torch_storage(tensor: Any) -> tuple[int, int] | None:
+    """``(data_ptr, nbytes)`` of a torch tensor's whole storage, or None for anything else."""
+    storage = getattr(tensor, "untyped_storage", None)
+    if storage is None or not callable(storage):
+        return None
+    s = storage()
+    return int(s.data_ptr()), int(s.nbytes())
+
+
 @dataclass(frozen=True)
 class LayerRegistration:
     """One layer to register: its cache tensor (or TensorGeometry with data_ptr), its spec and
-    the allocation the view lives in, as ``(base_address, size_bytes)``."""
+    the allocation the view lives in, as ``(base_address, size_bytes)``.
+
+    The engine registers page-aligned regions inside the allocation (never outside it), and
+    everything inside may be exposed to peers for remote reads and writes. For a torch tensor the
+    allocation defaults to the tensor's ``untyped_storage()``, and a claim that does not lie inside
+    that storage is InvalidArgumentError. Any other tensor, or a raw TensorGeometry, must name the
+    allocation, and the caller guarantees it: one live allocation this process owns, that holds the
+    whole view, stays allocated while registered, and whose every byte peers may read and write.
+    """
 
     name: str
     tensor: Any
     spec: CacheSpec
-    allocation: tuple[int, int]
+    allocation: tuple[int, int] | None = None
     memory: MemoryKind = "host"
     device: int = -1
     kv_plane_axis: KvPlaneAxis = "auto"
 
+    def _allocation(self) -> tuple[int, int]:
+        """The checked allocation: the torch storage, or a claim inside it."""
+        storage = _torch_storage(self.tensor)
+        if self.allocation is None:
+            if storage is None:
+                raise InvalidArgumentError(
+                    f"layer {self.name!r}: allocation=(base, size) is required for a "
+                    f"{type(self.tensor).__name__} (only a torch tensor's storage is known)"
+                )
+            return storage
+        base, size = (int(v) for v in self.allocation)
+        if storage is not None:
+            start, nbytes = storage
+            if base < start or size < 0 or base + size > start + nbytes:
+                raise InvalidArgumentError(
+                    f"layer {self.name!r}: the allocation claim ({base:#x}, {size} bytes) is not "
+                    f"inside the tensor's storage ({start:#x}, {nbytes} bytes); registering it "
+                    "would expose memory outside the tensor to peers (omit allocation to use the "
+                    "storage)"
+                )
+        return base, size
+
     def _native(self) -> Any:
-        base, size = self.allocation
+        base, size = self._allocation()
         return _native._LayerRegistration(
             self.name,
             geometry_of(self.tensor),

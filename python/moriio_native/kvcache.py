@@ -20,7 +20,7 @@ from typing import Literal
 import numpy as np
 
 from moriio_native.engine import LayerRegistration
-from moriio_native.layout import CacheSpec
+from moriio_native.layout import AxisOrder, CacheSpec
 from moriio_native.memory import DEFAULT_PAGE_SIZE, allocate_host_backing
 
 Generation = Literal[
@@ -62,6 +62,14 @@ class LayerShape:
     def kernel(self) -> int:
         return self.kernel_block_size or self.block_size
 
+    @property
+    def axis_order(self) -> AxisOrder:
+        """The order the shape lists tokens and heads in (every 4-D form is heads first; the
+        latent [N, B, D] has no head axis, tokens come first)."""
+        if self.generation.endswith("nhd") or self.generation == "latent":
+            return "nhd"
+        return "hnd"
+
     def spec(self) -> CacheSpec:
         return CacheSpec(
             kind="mla" if self.is_latent else "kv",
@@ -69,6 +77,7 @@ class LayerShape:
             num_kv_heads=self.num_heads,
             head_size=self.head_size,
             dtype_bytes=_itemsize(self.dtype),
+            axis_order=self.axis_order,
         )
 
     def logical_shape(self, num_blocks: int) -> tuple[int, ...]:

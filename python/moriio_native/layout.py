@@ -22,8 +22,14 @@ from moriio_native._native import (
     LayerLayout,
     TensorGeometry,
 )
+from moriio_native.errors import InvalidArgumentError
 
 KvPlaneAxis = Literal["auto", "separated", "interleaved"]
+# CacheSpec.axis_order: the order in which the tensor's SHAPE lists a block's tokens (N) and the
+# heads (H) -- "nhd" for [2,N,B,H,D] / [N,2,B,H,D], "hnd" for [2,N,H,B,D] / [N,2,H,B,D] and every
+# 4-D form. The memory order comes from the strides. "auto" reads it from the shape and raises
+# "Ambiguous" when both readings fit (num_kv_heads equal to the block or kernel block size).
+AxisOrder = Literal["auto", "nhd", "hnd"]
 BlockIds = Sequence[int] | Any  # any 1-D integer sequence or array
 
 _TEMPLATE_CACHE_SIZE = 4096
@@ -63,33 +69,56 @@ def describe_layer(
     """Read a layer's layout from its tensor (or geometry) and spec.
 
     Raises InvalidArgumentError naming the layer and shape when the tensor does not match the
-    spec, or when the shape is ambiguous ("Ambiguous ...").
+    spec (or its ``axis_order``), or when the shape is ambiguous ("Ambiguous ...": pass
+    ``axis_order`` in the spec, or ``kv_plane_axis``).
     """
     return _native._describe_layer(name, geometry_of(tensor_or_geometry), spec, kv_plane_axis)
 
 
 @functools.lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
 def block_template(local: LayerLayout, remote: LayerLayout) -> BlockTemplate:
-    """The (cached) runs that copy one block of ``local`` to one block of ``remote``."""
+    """The runs that copy one block of ``local`` to one block of ``remote``, built once per
+    layout pair and cached (keyed on both layouts' full identity: name and every layout number,
+    so two layouts that differ anywhere never share a template)."""
     return BlockTemplate(local, remote)
 
 
 def plan_block_copies(
     local_layout: LayerLayout,
     remote_layout: LayerLayout,
-    local_block_ids: BlockIds,
-    remote_block_ids: BlockIds,
+    local_block_ids: BlockIds | BlockPairs,
+    remote_block_ids: BlockIds | None = None,
 ) -> CopyPlan:
     """Byte runs that copy ``local_block_ids[i]`` <-> ``remote_block_ids[i]`` of one layer.
+
+    The layer pair's block template is cached (:func:`block_template`). The block ids are either
+    two sequences, validated and sorted on every call, or a :class:`BlockPairs` made once per
+    request -- the fast path when a request plans many layers::
+
+        pairs = BlockPairs(local_ids, remote_ids)  # once per request
+        plans = [plan_block_copies(lo, re, pairs) for lo, re in layers]
 
     Offsets are relative to each side's layer base, sorted by local offset, merged where both
     sides are contiguous. A local list longer than the remote one is an error; a shorter one
     pairs with the first remote ids.
     """
-    return block_template(local_layout, remote_layout).plan(local_block_ids, remote_block_ids)
+    template = block_template(local_layout, remote_layout)
+    if isinstance(local_block_ids, BlockPairs):
+        if remote_block_ids is not None:
+            raise InvalidArgumentError(
+                "plan_block_copies: pass a BlockPairs or local and remote block ids, not both"
+            )
+        return template.plan(local_block_ids)
+    if remote_block_ids is None:
+        raise InvalidArgumentError(
+            "plan_block_copies: remote_block_ids is required with local block ids "
+            "(or pass a BlockPairs)"
+        )
+    return template.plan(local_block_ids, remote_block_ids)
 
 
 __all__ = [
+    "AxisOrder",
     "BlockPairs",
     "BlockTemplate",
     "CacheSpec",

@@ -985,6 +985,35 @@ TEST_F(EnginePair, TerminalHistoryIsBoundedByConfig) {
   EXPECT_EQ(d_.engine->Read("h5", "P", ids, ids).code(), StatusCode::kAlreadyExists);
 }
 
+// ---- configuration --------------------------------------------------------------------------
+
+// A page size that is not a power of two cannot align anything, and one below an OS page would
+// call unaligned regions aligned: both are refused when the engine is made, not at registration.
+TEST(EngineConfigCheck, PageSizeIsAPowerOfTwoOfAtLeastOnePage) {
+  for (std::uint64_t page : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{2048},
+                             std::uint64_t{4097}, std::uint64_t{12288}, std::uint64_t{1} << 31}) {
+    SCOPED_TRACE("page_size " + std::to_string(page));
+    EngineConfig config;
+    config.engine_id = "P";
+    config.page_size = page;
+    Result<std::unique_ptr<Engine>> engine = Engine::Create(std::move(config));
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("page_size"), std::string::npos)
+        << engine.status().message();
+    EXPECT_NE(engine.status().message().find(std::to_string(page)), std::string::npos)
+        << engine.status().message();
+  }
+  for (std::uint64_t page : {std::uint64_t{4096}, std::uint64_t{65536}, std::uint64_t{1} << 21,
+                             std::uint64_t{1} << 30}) {
+    SCOPED_TRACE("page_size " + std::to_string(page));
+    EngineConfig config;
+    config.engine_id = "P";
+    config.page_size = page;
+    EXPECT_TRUE(Engine::Create(std::move(config)).ok());
+  }
+}
+
 // ---- registration ---------------------------------------------------------------------------
 
 TEST(EngineRegistration, RegisterTwiceIsFailedPreconditionAndKeepsTheFirstMetadata) {

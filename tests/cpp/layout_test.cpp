@@ -92,6 +92,12 @@ bool Contains(const std::string& haystack, const std::string& needle) {
 // The block size 4 / 2 heads / head size 3 family used by most tests below.
 CacheSpec Small() { return KvSpec(4, 2, 3); }
 
+// `spec` with the shape's token/head axis order stated.
+CacheSpec Ordered(CacheSpec spec, AxisOrder order) {
+  spec.axis_order = order;
+  return spec;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Contiguous K/V caches, one per shape family.
 
@@ -162,7 +168,7 @@ TEST(LayoutTest, InterleavedHeadBlock) {
 //                                = p*384 + b*48 + t*12 + h*6   (the [2,8,4,2,3] layout exactly).
 // So against the [2,16,4,2,3] remote the worked-example runs come out.
 TEST(LayoutTest, KernelBlockSeparated) {
-  LayerLayout local = Describe("l0", Geo({2, 16, 2, 2, 3}), Small());
+  LayerLayout local = Describe("l0", Geo({2, 16, 2, 2, 3}), Ordered(Small(), AxisOrder::kNhd));
   LayerLayout remote = Describe("r0", Geo({2, 16, 4, 2, 3}), Small());
   EXPECT_EQ(local.num_blocks(), 8);
   EXPECT_EQ(local.block_stride(), 48);
@@ -177,8 +183,8 @@ TEST(LayoutTest, KernelBlockSeparated) {
 // Same layout on the remote ([32,2,2,2,3], 16 blocks): the whole block is one run of 96.
 //   1 -> 4: (96,384,96); 3 -> 5: (288,480,96).
 TEST(LayoutTest, KernelBlockInterleaved) {
-  LayerLayout local = Describe("l0", Geo({16, 2, 2, 2, 3}), Small());
-  LayerLayout remote = Describe("r0", Geo({32, 2, 2, 2, 3}), Small());
+  LayerLayout local = Describe("l0", Geo({16, 2, 2, 2, 3}), Ordered(Small(), AxisOrder::kNhd));
+  LayerLayout remote = Describe("r0", Geo({32, 2, 2, 2, 3}), Ordered(Small(), AxisOrder::kNhd));
   EXPECT_EQ(local.num_blocks(), 8);
   EXPECT_EQ(remote.num_blocks(), 16);
   EXPECT_EQ(local.block_stride(), 96);
@@ -194,7 +200,7 @@ TEST(LayoutTest, KernelBlockInterleaved) {
 //   local [72,96) = V tokens 2,3              -> remote 768 + [24,48)      run (72, 792, 24)
 // Stamped at local b*96, remote rb*48: 1 -> 4 adds (96,192); 3 -> 5 adds (288,240).
 TEST(LayoutTest, KernelInterleavedToSeparatedPairsLogicalContent) {
-  LayerLayout local = Describe("l0", Geo({16, 2, 2, 2, 3}), Small());
+  LayerLayout local = Describe("l0", Geo({16, 2, 2, 2, 3}), Ordered(Small(), AxisOrder::kNhd));
   LayerLayout remote = Describe("r0", Geo({2, 16, 4, 2, 3}), Small());
   EXPECT_EQ(Plan(local, remote, {1, 3}, {4, 5}), (std::vector<Triple>{{96, 192, 24},
                                                                    {120, 960, 24},
@@ -263,6 +269,104 @@ TEST(LayoutTest, FullBlockAgainstKernelBlockReadingIsAmbiguousWithoutHeads) {
       DescribeLayer("layers.3.attn", Geo({2, 32, 16, 3, 4}), KvSpec(16, std::nullopt, 4));
   ASSERT_TRUE(only.ok()) << only.status().ToString();
   EXPECT_EQ(only->params().kernel_block_size, 16);
+}
+
+// Heads equal to the block size: [2,N,B,H,D] and [2,N,H,B,D] have the same shape, and the two
+// readings address different bytes, for every 5-D generation. Without the axis order the answer
+// is Ambiguous (naming layer and shape), never tokens-first.
+TEST(LayoutTest, HeadsEqualToBlockSizeAreAmbiguousWithoutAxisOrder) {
+  for (const std::vector<std::int64_t>& shape :
+       {std::vector<std::int64_t>{2, 8, 4, 4, 3}, std::vector<std::int64_t>{8, 2, 4, 4, 3}}) {
+    Result<LayerLayout> r = DescribeLayer("layers.5.attn", Geo(shape), KvSpec(4, 4, 3));
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    const std::string m = r.status().message();
+    EXPECT_TRUE(Contains(m, "Ambiguous")) << m;
+    EXPECT_TRUE(Contains(m, "layers.5.attn")) << m;
+    EXPECT_TRUE(Contains(m, "[" + std::to_string(shape[0]) + ", " + std::to_string(shape[1]) +
+                                ", 4, 4, 3]"))
+        << m;
+    EXPECT_TRUE(Contains(m, "axis_order")) << m;
+  }
+  // Heads equal to the kernel block size: [2,16,2,2,3] with block_size 4 is 2-token kernel
+  // blocks x 2 heads either way round.
+  Result<LayerLayout> kernel = DescribeLayer("layers.6.attn", Geo({2, 16, 2, 2, 3}), Small());
+  ASSERT_FALSE(kernel.ok());
+  EXPECT_TRUE(Contains(kernel.status().message(), "Ambiguous")) << kernel.status().message();
+  // Unknown heads and equal axes: the same.
+  Result<LayerLayout> unknown =
+      DescribeLayer("layers.7.attn", Geo({2, 8, 4, 4, 3}), KvSpec(4, std::nullopt, 3));
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_TRUE(Contains(unknown.status().message(), "Ambiguous")) << unknown.status().message();
+}
+
+// [2,8,4,4,3] contiguous: strides [384,48,12,3,1] elements -> bytes: plane 768, block 96,
+// axis 2 step 24, axis 3 step 6.
+//   nhd (axis 2 = tokens): token stride 24, head stride 6.
+//   hnd (axis 2 = heads):  head stride 24, token stride 6.
+// Interleaved [8,2,4,4,3]: strides [96,48,12,3,1] -> block 192, plane 96, the same two steps.
+// Kernel [2,16,2,2,3], block_size 4, 2 heads: strides [192,12,6,3,1] -> kernel block 24; nhd:
+// token 12, head 6; hnd: head 12, token 6.
+TEST(LayoutTest, AxisOrderSettlesEqualHeadsAndTokens) {
+  const CacheSpec four = KvSpec(4, 4, 3);
+  LayerLayout nhd = Describe("l", Geo({2, 8, 4, 4, 3}), Ordered(four, AxisOrder::kNhd));
+  EXPECT_EQ(nhd.params().token_stride, 24);
+  EXPECT_EQ(nhd.params().head_stride, 6);
+  EXPECT_EQ(nhd.params().plane_offset[1], 768);
+  LayerLayout hnd = Describe("l", Geo({2, 8, 4, 4, 3}), Ordered(four, AxisOrder::kHnd));
+  EXPECT_EQ(hnd.params().token_stride, 6);
+  EXPECT_EQ(hnd.params().head_stride, 24);
+  LayerLayout inter = Describe("l", Geo({8, 2, 4, 4, 3}), Ordered(four, AxisOrder::kHnd));
+  EXPECT_EQ(inter.block_stride(), 192);
+  EXPECT_EQ(inter.params().plane_offset[1], 96);
+  EXPECT_EQ(inter.params().token_stride, 6);
+  EXPECT_EQ(inter.params().head_stride, 24);
+  LayerLayout kernel = Describe("l", Geo({2, 16, 2, 2, 3}), Ordered(Small(), AxisOrder::kHnd));
+  EXPECT_EQ(kernel.params().kernel_block_size, 2);
+  EXPECT_EQ(kernel.params().kernel_block_stride, 24);
+  EXPECT_EQ(kernel.params().head_stride, 12);
+  EXPECT_EQ(kernel.params().token_stride, 6);
+  // The byte-level consequence: token t of head h of the nhd block is the (h, t) cell of the hnd
+  // block. Copying block 1 -> 1 between them moves each 6-byte cell from t*24 + h*6 to h*24 + t*6
+  // (plus 96 for block 1, +768 for V): the diagonal cells stay, the others cross. K, sorted by
+  // local offset, first four cells: (t0,h0) 96->96, (t0,h1) 102->120, (t0,h2) 108->144, ...
+  Result<CopyPlan> plan = PlanBlockCopies(nhd, hnd, Ids{1}, Ids{1});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  ASSERT_EQ(plan->size(), 32u);  // 2 planes x 16 cells, no two contiguous on both sides
+  EXPECT_EQ(Runs(*plan)[0], Triple(96, 96, 6));
+  EXPECT_EQ(Runs(*plan)[1], Triple(102, 120, 6));
+  EXPECT_EQ(Runs(*plan)[2], Triple(108, 144, 6));
+  EXPECT_EQ(Runs(*plan)[4], Triple(120, 102, 6));
+}
+
+// A hint the shape contradicts is an error naming the layer and the shape, never overridden.
+TEST(LayoutTest, AxisOrderContradictingTheShapeIsAnError) {
+  // [2,8,4,2,3], block_size 4, 2 heads: only tokens-first fits.
+  Result<LayerLayout> r =
+      DescribeLayer("layers.2.attn", Geo({2, 8, 4, 2, 3}), Ordered(Small(), AxisOrder::kHnd));
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(Contains(r.status().message(), "layers.2.attn")) << r.status().message();
+  EXPECT_TRUE(Contains(r.status().message(), "[2, 8, 4, 2, 3]")) << r.status().message();
+  EXPECT_TRUE(Contains(r.status().message(), "'hnd' contradicts")) << r.status().message();
+  EXPECT_TRUE(DescribeLayer("l", Geo({2, 8, 4, 2, 3}), Ordered(Small(), AxisOrder::kNhd)).ok());
+  // 4-D caches hold heads before tokens ([N,H,B,C]); latent [N,H,B,D] too.
+  Result<LayerLayout> packed =
+      DescribeLayer("layers.4.attn", Geo({8, 2, 4, 6}), Ordered(Small(), AxisOrder::kNhd));
+  ASSERT_FALSE(packed.ok());
+  EXPECT_TRUE(Contains(packed.status().message(), "layers.4.attn")) << packed.status().message();
+  EXPECT_TRUE(Contains(packed.status().message(), "[8, 2, 4, 6]")) << packed.status().message();
+  EXPECT_TRUE(DescribeLayer("l", Geo({8, 2, 4, 6}), Ordered(Small(), AxisOrder::kHnd)).ok());
+  CacheSpec mla = LatentSpec(4, 3);
+  EXPECT_FALSE(DescribeLayer("mla", Geo({8, 1, 4, 3}), Ordered(mla, AxisOrder::kNhd)).ok());
+  EXPECT_TRUE(DescribeLayer("mla", Geo({8, 1, 4, 3}), Ordered(mla, AxisOrder::kHnd)).ok());
+  // [N,B,D] has no head axis: every order is consistent with it.
+  EXPECT_TRUE(DescribeLayer("mla", Geo({8, 4, 3}), Ordered(mla, AxisOrder::kNhd)).ok());
+  EXPECT_TRUE(DescribeLayer("mla", Geo({8, 4, 3}), Ordered(mla, AxisOrder::kHnd)).ok());
+  // An out-of-range enum value is refused by the spec check.
+  CacheSpec bad = Small();
+  bad.axis_order = static_cast<AxisOrder>(7);
+  EXPECT_FALSE(DescribeLayer("l", Geo({2, 8, 4, 2, 3}), bad).ok());
 }
 
 TEST(LayoutTest, AmbiguousPlaneAxisIsAnErrorUnlessGiven) {
@@ -508,6 +612,27 @@ TEST(LayoutTest, StampLeavesOutputEmptyOnError) {
   EXPECT_EQ(out.size(), 0u);
 }
 
+// Unsorted local ids come out ascending with their remote ids carried along, whether the ids
+// are dense (placed by id) or sparse (sorted): both orders of the same pairs give one result.
+TEST(LayoutTest, BlockPairsSortLocalIdsCarryingRemoteIds) {
+  struct Case {
+    Ids local, remote, local_sorted, remote_by_local;
+  };
+  const std::vector<Case> cases = {
+      {{7, 2, 9, 0, 4}, {10, 11, 12, 13, 14}, {0, 2, 4, 7, 9}, {13, 11, 14, 10, 12}},
+      {{900000, 3, 70000, 12}, {1, 2, 3, 4}, {3, 12, 70000, 900000}, {2, 4, 3, 1}},
+      {{5, 1}, {0, 9, 8}, {1, 5}, {9, 0}},  // remote longer: only the first two used
+  };
+  for (const Case& c : cases) {
+    Result<BlockPairs> pairs = BlockPairs::Create(c.local, c.remote);
+    ASSERT_TRUE(pairs.ok()) << pairs.status().ToString();
+    EXPECT_EQ(Ids(pairs->local_sorted().begin(), pairs->local_sorted().end()), c.local_sorted);
+    EXPECT_EQ(Ids(pairs->remote_by_local().begin(), pairs->remote_by_local().end()),
+              c.remote_by_local);
+    EXPECT_EQ(pairs->max_local(), c.local_sorted.back());
+  }
+}
+
 TEST(LayoutTest, DuplicateBlockIdsRejected) {
   LayerLayout local = Describe("l0", Geo({2, 8, 4, 2, 3}), Small());
   LayerLayout remote = Describe("r0", Geo({2, 16, 4, 2, 3}), Small());
@@ -536,7 +661,7 @@ TEST(LayoutTest, LogicalMismatchNamesBothLayouts) {
   };
   std::vector<Case> cases = {
       {"block size", Geo({2, 8, 8, 2, 3}), KvSpec(8, 2, 3), "block_size=8"},
-      {"heads", Geo({2, 8, 4, 4, 3}), KvSpec(4, 4, 3), "heads=4"},
+      {"heads", Geo({2, 8, 4, 4, 3}), Ordered(KvSpec(4, 4, 3), AxisOrder::kNhd), "heads=4"},
       {"head size", Geo({2, 8, 4, 2, 5}), KvSpec(4, 2, 5), "K=10B"},
       {"dtype", Geo({2, 8, 4, 2, 3}, {}, 4), KvSpec(4, 2, 3, 4), "dtype_bytes=4"},
   };

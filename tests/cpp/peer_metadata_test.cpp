@@ -375,6 +375,41 @@ TEST_F(BadMetadata, DuplicateLayerNamesAreRejected) {
   ExpectRejected(appended, StatusCode::kInvalidArgument, "model.layers.0.attn");
 }
 
+// Names become Python str: bytes that are not UTF-8 are refused by the decoder (so AddPeer
+// connects nothing), in every string field, for each kind of malformed sequence.
+TEST_F(BadMetadata, NonUtf8StringsAreRejected) {
+  const std::vector<std::string> bad = {
+      std::string("peer\xff"),                 // never valid
+      std::string("\xc0\xaf"),                 // overlong '/'
+      std::string("a\xe0\x80\xaf"),            // overlong, 3 bytes
+      std::string("\xed\xa0\x80"),             // surrogate U+D800
+      std::string("\xf4\x90\x80\x80"),         // above U+10FFFF
+      std::string("x\xe2\x82"),                // truncated sequence at the end
+      std::string("\x80"),                     // continuation byte first
+      std::string("\xc3\x28"),                 // bad continuation
+  };
+  for (const std::string& s : bad) {
+    SCOPED_TRACE(::testing::PrintToString(s));
+    mp::Value id = Tree();
+    At(id, "engine_id") = Str(s);
+    ExpectRejected(id, StatusCode::kInvalidArgument, "engine_id is not valid UTF-8");
+    mp::Value backend = Tree();
+    At(backend, "backend") = Str(s);
+    ExpectRejected(backend, StatusCode::kInvalidArgument, "backend is not valid UTF-8");
+    for (std::size_t layer : {0u, 1u}) {
+      mp::Value name = Tree();
+      At(Layer(name, layer), "name") = Str(s);
+      ExpectRejected(name, StatusCode::kInvalidArgument, "name is not valid UTF-8");
+    }
+  }
+  // Well-formed multi-byte names (2, 3 and 4 byte sequences, the largest code point) decode.
+  mp::Value good = Tree();
+  At(good, "engine_id") = Str("d\xc3\xa9" "code-\xe5\xb1\x82-\xf0\x9f\x98\x80-\xf4\x8f\xbf\xbf");
+  Result<detail::EngineMetadata> decoded = detail::DecodeMetadata(mp::Encode(good));
+  ASSERT_TRUE(decoded.ok()) << decoded.status().ToString();
+  EXPECT_EQ(decoded->engine_id, "d\xc3\xa9" "code-\xe5\xb1\x82-\xf0\x9f\x98\x80-\xf4\x8f\xbf\xbf");
+}
+
 TEST_F(BadMetadata, RegionIndexOutOfRangeIsRejected) {
   for (std::uint64_t region : {std::uint64_t{1}, std::uint64_t{4096}, kU64Max}) {
     SCOPED_TRACE("region " + std::to_string(region));

@@ -30,6 +30,10 @@ RESULT_KEYS = {
     "vllm_s_per_layer_request",
     "speedup_vs_python",
     "speedup_vs_vllm",
+    "convenience_ids_s_per_request",
+    "convenience_pairs_s_per_request",
+    "convenience_ids_speedup_vs_vllm",
+    "convenience_pairs_speedup_vs_vllm",
     "matches_python",
     "matches_vllm",
 }
@@ -48,6 +52,8 @@ def _check_common(r: dict) -> None:
         "python_s_per_request",
         "python_s_per_layer_request",
         "speedup_vs_python",
+        "convenience_ids_s_per_request",
+        "convenience_pairs_s_per_request",
     ):
         assert isinstance(r[key], float) and r[key] > 0, key
     assert r["ours_s_per_layer_request"] == pytest.approx(r["ours_s_per_request"] / r["layers"])

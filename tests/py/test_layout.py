@@ -89,29 +89,30 @@ def test_worked_example_separated_block_head() -> None:
 
 
 @pytest.mark.parametrize(
-    ("local_shape", "remote_shape", "expected"),
+    ("local_shape", "remote_shape", "expected", "order"),
     [
         # [2,N,H,B,D]: strides [192,24,12,3,1] -> plane 384, block 48, head 24, token 6. A plane
         # of a block is still [0,48) contiguous: same runs as the worked example.
-        ([2, 8, 2, 4, 3], [2, 16, 2, 4, 3], WORKED),
+        ([2, 8, 2, 4, 3], [2, 16, 2, 4, 3], WORKED, "auto"),
         # [N,2,B,H,D]: strides [48,24,6,3,1] -> block 96, plane 48. K [0,48) and V [48,96)
         # touch on both sides: one 96 B run per block. 1->4: (96,384); 3->5: (288,480).
-        ([8, 2, 4, 2, 3], [16, 2, 4, 2, 3], [(96, 384, 96), (288, 480, 96)]),
+        ([8, 2, 4, 2, 3], [16, 2, 4, 2, 3], [(96, 384, 96), (288, 480, 96)], "auto"),
         # [N,2,H,B,D]: strides [48,24,12,3,1] -> same bytes per block as above.
-        ([8, 2, 2, 4, 3], [16, 2, 2, 4, 3], [(96, 384, 96), (288, 480, 96)]),
+        ([8, 2, 2, 4, 3], [16, 2, 2, 4, 3], [(96, 384, 96), (288, 480, 96)], "auto"),
         # Kernel block [2,16,2,2,3] (block_size 4 = 2 kernel blocks of 2): strides
         # [192,12,6,3,1] -> plane 384, kernel block 24, token 12, head 6. Cell of block b:
         # p*384 + b*48 + (t//2)*24 + (t%2)*12 + h*6 = p*384 + b*48 + t*12 + h*6: the worked
-        # example's bytes. Remote a plain [2,16,4,2,3].
-        ([2, 16, 2, 2, 3], [2, 16, 4, 2, 3], WORKED),
+        # example's bytes. Remote a plain [2,16,4,2,3]. 2 heads = 2-token kernel blocks: the
+        # shape cannot say which axis is which, the spec says tokens first.
+        ([2, 16, 2, 2, 3], [2, 16, 4, 2, 3], WORKED, "nhd"),
         # Kernel block [16,2,2,2,3]: strides [24,12,6,3,1] -> kernel block 48, plane 24, token
         # 12, head 6; manager block 96. Same layout on the remote ([32,2,2,2,3]): one run/block.
-        ([16, 2, 2, 2, 3], [32, 2, 2, 2, 3], [(96, 384, 96), (288, 480, 96)]),
+        ([16, 2, 2, 2, 3], [32, 2, 2, 2, 3], [(96, 384, 96), (288, 480, 96)], "nhd"),
     ],
 )
-def test_contiguous_kv_families(local_shape, remote_shape, expected) -> None:
-    local = mn.describe_layer("l0", geo(local_shape), small())
-    remote = mn.describe_layer("r0", geo(remote_shape), small())
+def test_contiguous_kv_families(local_shape, remote_shape, expected, order) -> None:
+    local = mn.describe_layer("l0", geo(local_shape), small(axis_order=order))
+    remote = mn.describe_layer("r0", geo(remote_shape), small(axis_order=order))
     assert local.num_blocks == 8
     assert remote.num_blocks == 16
     assert runs(local, remote, [1, 3], [4, 5]) == expected
@@ -142,6 +143,80 @@ def test_ambiguous_kernel_block_shape() -> None:
         mn.describe_layer("layers.3.attn", geo([2, 32, 8, 2, 3]), spec)
     assert "layers.3.attn" in str(err.value)
     assert isinstance(err.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        [2, 8, 4, 4, 3],  # [2,N,B,H,D] or [2,N,H,B,D]
+        [8, 2, 4, 4, 3],  # [N,2,B,H,D] or [N,2,H,B,D]
+    ],
+)
+def test_heads_equal_to_block_size_are_ambiguous_without_axis_order(shape) -> None:
+    spec = small(num_kv_heads=4)
+    with pytest.raises(InvalidArgumentError, match="Ambiguous") as err:
+        mn.describe_layer("layers.9.attn", geo(shape), spec)
+    assert "layers.9.attn" in str(err.value)
+    assert str(shape) in str(err.value)
+    assert "axis_order" in str(err.value)
+    # The same with heads equal to the kernel block size: [2,16,2,2,3] = 2-token kernel blocks
+    # of block_size 4 with 2 heads, either way round.
+    with pytest.raises(InvalidArgumentError, match="Ambiguous"):
+        mn.describe_layer("layers.9.attn", geo([2, 16, 2, 2, 3]), small())
+
+
+def test_axis_order_reads_equal_heads_and_tokens() -> None:
+    # [2,8,4,4,3] contiguous: strides [384,48,12,3,1] -> axis 2 steps 24 B, axis 3 steps 6 B.
+    nhd = mn.describe_layer("l", geo([2, 8, 4, 4, 3]), small(num_kv_heads=4, axis_order="nhd"))
+    assert (nhd.params["token_stride"], nhd.params["head_stride"]) == (24, 6)
+    hnd = mn.describe_layer("l", geo([2, 8, 4, 4, 3]), small(num_kv_heads=4, axis_order="hnd"))
+    assert (hnd.params["token_stride"], hnd.params["head_stride"]) == (6, 24)
+    # Kernel blocks [2,16,2,2,3] strides [192,12,6,3,1]: hnd -> head 12 B, token 6 B.
+    kernel = mn.describe_layer("l", geo([2, 16, 2, 2, 3]), small(axis_order="hnd"))
+    assert kernel.params["kernel_block_size"] == 2
+    assert (kernel.params["token_stride"], kernel.params["head_stride"]) == (6, 12)
+    assert small(axis_order="hnd").axis_order == "hnd"
+    assert small().axis_order == "auto"
+    assert "axis_order='nhd'" in repr(small(axis_order="nhd"))
+    with pytest.raises(InvalidArgumentError, match="axis_order"):
+        small(axis_order="bhnd")
+
+
+def test_axis_order_contradicting_the_shape_names_layer_and_shape() -> None:
+    # [2,8,4,2,3]: 4 tokens x 2 heads; heads first cannot hold block_size 4 with 2 heads.
+    with pytest.raises(InvalidArgumentError, match="'hnd' contradicts") as err:
+        mn.describe_layer("layers.1.attn", geo([2, 8, 4, 2, 3]), small(axis_order="hnd"))
+    assert "layers.1.attn" in str(err.value) and "[2, 8, 4, 2, 3]" in str(err.value)
+    # 4-D caches are [N,H,B,C]: heads first, whatever the strides.
+    with pytest.raises(InvalidArgumentError, match="'nhd' contradicts") as err:
+        mn.describe_layer("layers.2.attn", geo([8, 2, 4, 6]), small(axis_order="nhd"))
+    assert "layers.2.attn" in str(err.value) and "[8, 2, 4, 6]" in str(err.value)
+    assert mn.describe_layer("l", geo([8, 2, 4, 6]), small(axis_order="hnd")).num_heads == 2
+
+
+def test_equal_heads_and_block_nhd_to_hnd_read_moves_exact_bytes() -> None:
+    # The loopback reproduction: 4 heads, block_size 4, prefill [2,N,B,H,D] and decode
+    # [2,N,H,B,D]. Tokens-first was assumed for both, so the decode was read transposed and the
+    # READ ended done with wrong bytes. kvcache states each layer's axis order in its spec.
+    from moriio_native import kvcache as kc
+
+    prefill = kc.build_caches(
+        [kc.LayerShape("l", "separated_nhd", block_size=4, head_size=8, num_heads=4)], 8
+    )
+    decode = kc.build_caches(
+        [kc.LayerShape("l", "separated_hnd", block_size=4, head_size=8, num_heads=4)], 8
+    )
+    kc.fill_random(prefill, seed=1)
+    kc.fill_random(decode, seed=2)
+    p, d = mn.Engine("p"), mn.Engine("d")
+    meta_p = p.register_kv_caches(prefill.registrations())
+    meta_d = d.register_kv_caches(decode.registrations())
+    d.add_peer(meta_p)
+    p.add_peer(meta_d)
+    expected = kc.expected_after_copy(decode, prefill, [1], [3])
+    d.read("r", "p", [1], [3])
+    assert d.wait(["r"], timeout=10)["r"].state == "done"
+    assert int((decode.backing != expected).sum()) == 0
 
 
 def test_ambiguous_plane_axis_and_override() -> None:
@@ -280,6 +355,25 @@ def test_unsorted_ids_and_merging() -> None:
     assert runs(local, remote, np.array([1, 3]), np.array([4, 5])) == WORKED
 
 
+def test_plan_block_copies_takes_a_request_s_block_pairs() -> None:
+    # The worked example again, through one BlockPairs for the request: the same runs, and the
+    # layer pair's template is built once and then served from the cache.
+    local = mn.describe_layer("pairs.l", geo([2, 8, 4, 2, 3]), small())
+    remote = mn.describe_layer("pairs.r", geo([2, 16, 4, 2, 3]), small())
+    pairs = mn.BlockPairs([3, 1], [5, 4])
+    before = mn.block_template.cache_info()
+    for _ in range(3):
+        plan = mn.plan_block_copies(local, remote, pairs)
+        assert [tuple(r) for r in plan.runs()] == WORKED
+    after = mn.block_template.cache_info()
+    assert after.misses == before.misses + 1 and after.hits == before.hits + 2
+    assert runs(local, remote, [3, 1], [5, 4]) == WORKED
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        mn.plan_block_copies(local, remote, pairs, [4, 5])
+    with pytest.raises(InvalidArgumentError, match="remote_block_ids is required"):
+        mn.plan_block_copies(local, remote, [1, 3])
+
+
 def test_block_id_errors() -> None:
     local = mn.describe_layer("l0", geo([2, 8, 4, 2, 3]), small())
     remote = mn.describe_layer("r0", geo([2, 16, 4, 2, 3]), small())
@@ -321,7 +415,7 @@ def test_empty_local_gives_empty_plan() -> None:
     ("shape", "spec", "token"),
     [
         ([2, 8, 8, 2, 3], {"block_size": 8}, "block_size=8"),
-        ([2, 8, 4, 4, 3], {"num_kv_heads": 4}, "heads=4"),
+        ([2, 8, 4, 4, 3], {"num_kv_heads": 4, "axis_order": "nhd"}, "heads=4"),
         ([2, 8, 4, 2, 5], {"head_size": 5}, "K=10B"),
     ],
 )

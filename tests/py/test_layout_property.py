@@ -89,10 +89,14 @@ def _byte_offsets(lg: Logical, side: Side, block, plane: int, head, token, elem)
 
 
 @st.composite
-def logicals(draw) -> Logical:
+def logicals(draw, heads_equal_block: bool = False) -> Logical:
     kind = draw(st.sampled_from(["kv", "mla"]))
-    block_size = draw(st.sampled_from([1, 2, 4, 8]))
-    heads = draw(st.integers(1, 3))
+    if heads_equal_block:  # the shapes whose token and head axes only the spec tells apart
+        block_size = draw(st.sampled_from([2, 4]))
+        heads = block_size
+    else:
+        block_size = draw(st.sampled_from([1, 2, 4, 8]))
+        heads = draw(st.integers(1, 3))
     dk = draw(st.integers(1, 4))
     dv = 0
     if kind == "kv":
@@ -107,11 +111,9 @@ def sides(draw, lg: Logical) -> Side:
         families = list(KV_FAMILIES) if lg.dk == lg.dv else ["packed"]
     else:
         families = ["lat3", "lat4"] if lg.heads == 1 else ["lat4"]
+    # Heads equal to the kernel block size (kb == heads) make [.., H, kb, ..] and [.., kb, H, ..]
+    # the same shape: the spec's axis_order (see _describe) tells them apart.
     kb = draw(st.sampled_from([d for d in range(1, lg.block_size + 1) if lg.block_size % d == 0]))
-    if kb == lg.heads:
-        # [.., H, kb, ..] with H == kb cannot be told apart from [.., kb, H, ..]; vLLM's logical
-        # order (tokens first) is what the engine assumes then, so only generate that order.
-        families = [f for f in families if not f.endswith("_hb")]
     family = draw(st.sampled_from(families))
     num_blocks = draw(st.integers(1, 6))
     shape = _shape(lg, family, num_blocks * (lg.block_size // kb), kb)
@@ -130,8 +132,8 @@ def sides(draw, lg: Logical) -> Side:
 
 
 @st.composite
-def cases(draw):
-    lg = draw(logicals())
+def cases(draw, heads_equal_block: bool = False):
+    lg = draw(logicals(heads_equal_block))
     local = draw(sides(lg))
     remote = draw(sides(lg))
     n = draw(st.integers(0, min(local.num_blocks, remote.num_blocks)))
@@ -151,7 +153,7 @@ def cases(draw):
     return lg, local, remote, lids, rids, seed
 
 
-def _spec(lg: Logical) -> mn.CacheSpec:
+def _spec(lg: Logical, axis_order: str) -> mn.CacheSpec:
     if lg.kind == "mla":
         return mn.CacheSpec(
             kind="mla",
@@ -159,6 +161,7 @@ def _spec(lg: Logical) -> mn.CacheSpec:
             num_kv_heads=lg.heads,
             head_size=lg.dk,
             dtype_bytes=lg.es,
+            axis_order=axis_order,
         )
     return mn.CacheSpec(
         kind="kv",
@@ -167,13 +170,20 @@ def _spec(lg: Logical) -> mn.CacheSpec:
         head_size=lg.dk,
         head_size_v=lg.dv if lg.dv != lg.dk else None,
         dtype_bytes=lg.es,
+        axis_order=axis_order,
     )
+
+
+def _axis_order(family: str) -> str:
+    """The order the family's shape lists tokens and heads in (the 4-D ones: heads first)."""
+    return "nhd" if family.endswith("_bh") or family == "lat3" else "hnd"
 
 
 def _describe(name: str, lg: Logical, side: Side, buf: np.ndarray) -> mn.LayerLayout:
     axis = {"sep": "separated", "int": "interleaved"}.get(side.family[:3], "auto")
     geometry = mn.TensorGeometry(side.shape, side.strides, lg.es, buf.ctypes.data + GUARD)
-    return mn.describe_layer(name, geometry, _spec(lg), kv_plane_axis=axis)
+    spec = _spec(lg, _axis_order(side.family))
+    return mn.describe_layer(name, geometry, spec, kv_plane_axis=axis)
 
 
 def _naive_copy(lg: Logical, local: Side, remote: Side, lids, rids, src, dst) -> None:
@@ -216,6 +226,32 @@ def _check_plan_shape(plan, local_bytes: int, remote_bytes: int, expect_bytes: i
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_plan_moves_exactly_the_naive_bytes(case) -> None:
+    _check_plan_moves_exactly_the_naive_bytes(case)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(heads_equal_block=True))
+def test_plan_moves_exactly_the_naive_bytes_with_heads_equal_to_block(case) -> None:
+    _check_plan_moves_exactly_the_naive_bytes(case)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cases(heads_equal_block=True))
+def test_equal_token_and_head_axes_are_ambiguous_without_axis_order(case) -> None:
+    lg, local, _, _, _, _ = case
+    buf = np.zeros(GUARD + local.nbytes + GUARD, dtype=np.uint8)
+    geometry = mn.TensorGeometry(local.shape, local.strides, lg.es, buf.ctypes.data + GUARD)
+    axis = {"sep": "separated", "int": "interleaved"}.get(local.family[:3], "auto")
+    five_d = len(local.shape) == 5
+    if five_d and local.shape[2] == local.shape[3]:
+        with pytest.raises(mn.InvalidArgumentError, match="Ambiguous"):
+            mn.describe_layer("layer", geometry, _spec(lg, "auto"), kv_plane_axis=axis)
+    else:  # the sizes differ (a kernel block smaller than the heads), or a 4-D form
+        layout = mn.describe_layer("layer", geometry, _spec(lg, "auto"), kv_plane_axis=axis)
+        assert layout == _describe("layer", lg, local, buf)
+
+
+def _check_plan_moves_exactly_the_naive_bytes(case) -> None:
     lg, local, remote, lids, rids, seed = case
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, size=GUARD + local.nbytes + GUARD, dtype=np.uint8)

@@ -224,6 +224,7 @@ def _describe(name: str, group: LayerGroup, block_size: int, cache_blocks: int) 
         num_kv_heads=group.num_kv_heads,
         head_size=group.head_size,
         dtype_bytes=group.dtype_bytes,
+        axis_order="nhd" if group.kind == "kv" else "hnd",  # the shapes _cache_shape makes
     )
     geometry = mn.TensorGeometry(shape, _contiguous(shape), group.dtype_bytes, 0)
     return mn.describe_layer(name, geometry, spec)
@@ -349,6 +350,7 @@ def bench_case(
     vllm = vllm_planner() if include_vllm else None
 
     templates: list[Any] = []
+    layouts: list[tuple[mn.LayerLayout, mn.LayerLayout]] = []
     groups_out: list[dict[str, Any]] = []
     runs_total = 0
     matches_python = True
@@ -362,6 +364,7 @@ def bench_case(
             remote = _describe(f"peer.{g.name}.{i}", g, bs, cache_blocks)
             layer_templates.append((local, remote, mn.block_template(local, remote)))
         templates.extend(t for _, _, t in layer_templates)
+        layouts.extend((lo, re) for lo, re, _ in layer_templates)
         local, remote, tmpl = layer_templates[0]
         ours = tmpl.plan(lids_np, rids_np)
         ours_runs = (ours.local_offsets.tolist(), ours.remote_offsets.tolist(), ours.sizes.tolist())
@@ -428,6 +431,20 @@ def bench_case(
                 t.plan(lids_np, rids_np)
 
     ours_request = _median_seconds(run_ours, min_time, min_reps, max_reps)
+
+    # The public one-call planner as a quick-start user calls it for every layer of a request,
+    # with block ids as Python lists: ids validated and sorted per call, or a BlockPairs once.
+    def run_convenience_ids() -> None:
+        for lo, re in layouts:
+            mn.plan_block_copies(lo, re, lids, rids)
+
+    def run_convenience_pairs() -> None:
+        pairs = mn.BlockPairs(lids, rids)
+        for lo, re in layouts:
+            mn.plan_block_copies(lo, re, pairs)
+
+    convenience_ids = _median_seconds(run_convenience_ids, min_time, min_reps, max_reps)
+    convenience_pairs = _median_seconds(run_convenience_pairs, min_time, min_reps, max_reps)
     prepare = _median_seconds(
         lambda: mn.BlockPairs(lids_np, rids_np), min_time / 4, min_reps, max_reps
     )
@@ -453,6 +470,10 @@ def bench_case(
         "vllm_s_per_layer_request": None if vllm_total is None else vllm_total / layers,
         "speedup_vs_python": _ratio(python_total, ours_request),
         "speedup_vs_vllm": _ratio(vllm_total, ours_request),
+        "convenience_ids_s_per_request": convenience_ids,
+        "convenience_pairs_s_per_request": convenience_pairs,
+        "convenience_ids_speedup_vs_vllm": _ratio(vllm_total, convenience_ids),
+        "convenience_pairs_speedup_vs_vllm": _ratio(vllm_total, convenience_pairs),
         "matches_python": matches_python,
         "matches_vllm": matches_vllm,
     }
@@ -479,8 +500,10 @@ def run_planning_bench(
     once per request), ours_s_per_request, ours_s_per_layer_request, ours_ns_per_run,
     python_s_per_request, python_s_per_layer_request, vllm_s_per_request and
     vllm_s_per_layer_request (None without vLLM), speedup_vs_python, speedup_vs_vllm (None
-    without vLLM), matches_python and matches_vllm (the implementations produced identical
-    runs; None without vLLM). Times are medians of repeated runs (time.perf_counter).
+    without vLLM), convenience_ids_s_per_request and convenience_pairs_s_per_request (every layer
+    through ``plan_block_copies`` with list ids per call, or with one ``BlockPairs``) and their
+    convenience_*_speedup_vs_vllm, matches_python and matches_vllm (the implementations produced
+    identical runs; None without vLLM). Times are medians of repeated runs (time.perf_counter).
     """
     unknown = [p for p in [*presets, *(c[0] for c in cases)] if p not in PRESETS]
     if unknown:
@@ -540,6 +563,8 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         "vllm/layer",
         "vs python",
         "vs vllm",
+        "pbc ids vs vllm",
+        "pbc pairs vs vllm",
         "same",
     )
     rows = [header]
@@ -558,6 +583,8 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
                 _fmt_s(r["vllm_s_per_layer_request"]),
                 _fmt_x(r["speedup_vs_python"]),
                 _fmt_x(r["speedup_vs_vllm"]),
+                _fmt_x(r["convenience_ids_speedup_vs_vllm"]),
+                _fmt_x(r["convenience_pairs_speedup_vs_vllm"]),
                 same,
             )
         )
@@ -576,7 +603,8 @@ def format_table(results: Sequence[dict[str, Any]]) -> str:
         "ours: native BlockPairs + per-layer template stamping (mode: "
         + ", ".join(modes)
         + "); /layer = one layer of one request; runs = runs "
-        "emitted by one request over all layers"
+        "emitted by one request over all layers; pbc = plan_block_copies per layer with list "
+        "ids (ids) or one BlockPairs per request (pairs)"
     )
     return "\n".join(lines)
 

@@ -2,7 +2,9 @@
 
 vLLM 0.33 hands every attention layer a standardized ``[B, H, N, C]`` view (blocks, head
 slots, stored states, content) of one shared backing. The mapping reads the spec, never the
-shape, so a tensor that does not match its spec is an error that names the layer:
+shape, so a tensor that does not match its spec is an error that names the layer. Every
+CacheSpec says ``axis_order="hnd"`` (:data:`VLLM_AXIS_ORDER`: the view's shape lists heads
+before tokens for every ``KVCacheLayout``), so equal head and block sizes are never ambiguous:
 
 ================================================ ====== =========================================
 vLLM spec                                        kind   fields
@@ -29,6 +31,13 @@ from typing import Any
 
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.layout import CacheSpec
+
+# vLLM 0.33 hands the connector one logical [B, H, N, C] view per layer whatever the physical
+# KVCacheLayout (vllm/v1/kv_cache_layout.py: "The logical shape is always [L, B, H, N,
+# <content>]"; vllm/v1/kv_cache_interface.py create_kv_cache_views): heads come before tokens
+# in the shape. The physical order is read from the strides. Stating it means a layer whose head
+# count equals its block (or kernel block) size is never ambiguous.
+VLLM_AXIS_ORDER = "hnd"
 
 
 class UnsupportedSpecError(InvalidArgumentError):
@@ -93,6 +102,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
                 head_size=int(spec.head_size),
                 head_size_v=int(spec.head_size_v),
                 dtype_bytes=dtype_bytes,
+                axis_order=VLLM_AXIS_ORDER,
             )
         return CacheSpec(
             kind="mla",
@@ -100,6 +110,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
             num_kv_heads=int(spec.num_heads),
             head_size=content // dtype_bytes,
             dtype_bytes=dtype_bytes,
+            axis_order=VLLM_AXIS_ORDER,
         )
     if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) or not spec.head_size_v:
         return CacheSpec(
@@ -108,6 +119,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
             num_kv_heads=int(spec.num_heads),
             head_size=int(spec.head_size),
             dtype_bytes=dtype_bytes,
+            axis_order=VLLM_AXIS_ORDER,
         )
     return CacheSpec(
         kind="kv",
@@ -116,6 +128,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
         head_size=int(spec.head_size),
         head_size_v=int(spec.head_size_v),
         dtype_bytes=dtype_bytes,
+        axis_order=VLLM_AXIS_ORDER,
     )
 
 
@@ -146,6 +159,7 @@ def first_split_across_tp(specs: Mapping[str, Any]) -> str | None:
 
 
 __all__ = [
+    "VLLM_AXIS_ORDER",
     "UnsupportedSpecError",
     "cache_specs",
     "first_split_across_tp",
