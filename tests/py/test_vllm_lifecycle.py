@@ -521,3 +521,32 @@ def test_write_across_tp_sizes_is_refused_and_frees_the_prefill(
     d.run_until(lambda r: rid in r.scheduled, what="decode to compute locally")
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="both prefill ranks released")
     assert p.free_blocks() == p.initial_free
+
+
+def test_write_backpressure_on_a_full_writer_queue_does_not_deadlock(
+    sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12 defect 6: the prefill computes before the decode's blocks arrive, so their
+    arrival queues every layer's write and the seal at once -- more than a writer queue of one
+    entry holds. The thread queueing them must wait for room without holding the lock the
+    writer thread takes after each get."""
+    import moriio_native.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_WRITER_QUEUE", 1)
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()  # computed; nothing to write to yet
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()  # announces the blocks: the prefill queues both layers and the seal
+    sent = threading.Event()
+
+    def prefill_steps() -> None:
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+        sent.set()
+
+    threading.Thread(target=prefill_steps, daemon=True).start()
+    assert sent.wait(60), "the prefill worker deadlocked on its full writer queue"
+    d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))

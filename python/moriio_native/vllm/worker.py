@@ -25,7 +25,10 @@ Prefill side
 
 Threads: a notify thread (control messages), an events thread (engine completions and
 timeouts), a writer thread (WRITE pushes in order) and a small pool for handshakes. All state
-is guarded by one lock; vLLM's hooks are called from the model-runner thread.
+is guarded by one lock; vLLM's hooks are called from the model-runner thread. Work for the
+writer is staged under the lock and moved into its bounded queue after the lock is released
+(:meth:`WorkerSide._feed_writer`): the writer takes the lock after each get, so a producer that
+waited for room while holding it would deadlock.
 """
 
 from __future__ import annotations
@@ -87,6 +90,9 @@ _MAX_EARLY_MESSAGES = 65536
 _MAX_UNCONFIRMED_RELEASES = 16
 _WRITER_QUEUE = 65536
 _RETRY_HANDSHAKE_AFTER_S = 5.0
+
+
+_WriterOp = tuple[str, "_WriteJob", str, Any]  # ("write" | "seal", job, layer, cuda event)
 
 
 @dataclass
@@ -223,7 +229,10 @@ class WorkerSide:
         self._pinger: ProxyPinger | None = None
         self._threads: list[threading.Thread] = []
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="moriio-native-handshake")
-        self._writer_q: queue.Queue[tuple[str, _WriteJob, str, Any]] = queue.Queue(_WRITER_QUEUE)
+        self._writer_q: queue.Queue[_WriterOp] = queue.Queue(_WRITER_QUEUE)
+        self._writer_staged: list[_WriterOp] = []  # guarded by _lock, fed by _feed_writer
+        # Serialises feeding so staged ops enter the queue in order; the writer never takes it.
+        self._writer_feed = threading.Lock()
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._failed_peers: dict[tuple[str, int], tuple[float, MoriioError]] = {}
         # decode side
@@ -477,6 +486,7 @@ class WorkerSide:
             for send in meta.send:
                 self._on_send_task(send, now)
             self._pending_recv.extend(meta.recv)
+        self._feed_writer()
 
     def start_load_kv(self) -> None:
         with self._lock:
@@ -508,6 +518,7 @@ class WorkerSide:
                     job.seen.add(layer_name)
                     job.pending.append((layer_name, event))
                     self._advance(job)
+        self._feed_writer()
 
     def wait_for_save(self) -> None:
         """Queue every layer whose save hook did not run (after the whole forward) and seal."""
@@ -525,6 +536,7 @@ class WorkerSide:
                 job.forward_done = True
                 self._advance(job)
             self._step_jobs = []
+        self._feed_writer()
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
@@ -797,8 +809,9 @@ class WorkerSide:
         return event
 
     def _advance(self, job: _WriteJob) -> None:
-        """Move a WRITE job as far as its inputs allow (lock held). Writes and the seal go to
-        the writer thread in order, so a seal never overtakes a write."""
+        """Move a WRITE job as far as its inputs allow (lock held). Writes and the seal are
+        staged for the writer thread, in order; the caller feeds them to it after releasing
+        the lock (:meth:`_feed_writer`)."""
         if job.terminal or job.failed is not None:
             return
         if job.remote is None or job.save is None:
@@ -828,12 +841,27 @@ class WorkerSide:
                 np.asarray(wanted, dtype=np.int64),
             )
         for layer, event in job.pending:
-            self._writer_q.put(("write", job, layer, event))
+            self._writer_staged.append(("write", job, layer, event))
             job.submitted += 1
         job.pending = []
         if job.forward_done and not job.sealed:
             job.sealed = True
-            self._writer_q.put(("seal", job, "", None))
+            self._writer_staged.append(("seal", job, "", None))
+
+    def _feed_writer(self) -> None:
+        """Move staged writer work into the bounded writer queue, waiting for room when it is
+        full (backpressure). Must be called without ``_lock`` held: the writer thread takes it
+        after each get, so it could never make room for a producer that held it."""
+        with self._writer_feed:
+            with self._lock:
+                ops, self._writer_staged = self._writer_staged, []
+            for op in ops:
+                while not self._stop.is_set():
+                    try:
+                        self._writer_q.put(op, timeout=_WAIT_SLICE_S)
+                        break
+                    except queue.Full:
+                        continue
 
     def _connect_job(self, job: _WriteJob) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
@@ -857,6 +885,7 @@ class WorkerSide:
         with self._lock:
             job.peer = peer
             self._advance(job)
+        self._feed_writer()
 
     def _fail_job(self, job: _WriteJob, reason: str) -> None:
         """End a WRITE job as failed (lock held). With writes in flight the engine is aborted
@@ -941,6 +970,7 @@ class WorkerSide:
                 self._on_message(message)
             except Exception:  # one message must never stop the thread
                 logger.exception("error handling %s", message)
+            self._feed_writer()
 
     def _on_message(self, message: NotifyMessage) -> None:
         tid = message.transfer_id
