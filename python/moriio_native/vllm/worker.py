@@ -92,7 +92,8 @@ _WRITER_QUEUE = 65536
 _RETRY_HANDSHAKE_AFTER_S = 5.0
 
 
-_WriterOp = tuple[str, "_WriteJob", str, Any]  # ("write" | "seal", job, layer, cuda event)
+# ("write", job, layer, CUDA event or None) or ("seal", job, "", number of writes queued).
+_WriterOp = tuple[str, "_WriteJob", str, Any]
 
 
 @dataclass
@@ -846,7 +847,7 @@ class WorkerSide:
         job.pending = []
         if job.forward_done and not job.sealed:
             job.sealed = True
-            self._writer_staged.append(("seal", job, "", None))
+            self._writer_staged.append(("seal", job, "", job.submitted))
 
     def _feed_writer(self) -> None:
         """Move staged writer work into the bounded writer queue, waiting for room when it is
@@ -935,7 +936,7 @@ class WorkerSide:
     def _writer_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                op, job, layer, event = self._writer_q.get(timeout=_WAIT_SLICE_S)
+                op, job, layer, arg = self._writer_q.get(timeout=_WAIT_SLICE_S)
             except queue.Empty:
                 continue
             with self._lock:
@@ -944,15 +945,17 @@ class WorkerSide:
                 peer = job.peer
             assert peer is not None and job.block_ids is not None
             try:
-                if event is not None:
-                    event.synchronize()
                 if op == "write":
+                    if arg is not None:
+                        arg.synchronize()  # the layer's CUDA event: its KV is computed
                     local_ids, remote_ids = job.block_ids
                     self.engine.write_layer(
                         job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
                     )
                 else:
-                    self.engine.seal(job.transfer_id, peer.engine_peer)
+                    # The seal carries the number of layers queued for the job, so it cannot
+                    # end the transfer before every one of them was written.
+                    self.engine.seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
             except Exception as exc:
                 with self._lock:
                     self._fail_job(job, f"{op} {layer}: {exc}".strip())
