@@ -187,7 +187,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
             start = time.perf_counter()
             for i in range(len(views)):
                 engine.write_layer(tid, f"layer.{i}", peer, local, remote)
-            engine.seal(tid)
+            engine.seal(tid, peer, expected_writes=len(views))
             event = engine.wait([tid], timeout=300)[tid]
             conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks

@@ -296,7 +296,7 @@ def run_variant(
                 tid = f"w-{case.run_bytes}-{rep}"
                 t0 = time.perf_counter()
                 engine.write_layer(tid, "kv", peer, local, remote)
-                engine.seal(tid)
+                engine.seal(tid, peer, expected_writes=1)
                 _wait(engine, tid)
                 if rep:
                     t_write.append(time.perf_counter() - t0)

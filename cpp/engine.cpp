@@ -544,18 +544,27 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
-  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
-  MORIIO_ASSIGN_OR_RETURN(std::size_t i, d.FindLayer(layer));
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
+  // A refused layer fails its transfer: the caller was told this layer will not arrive, so no
+  // later seal may make the transfer done. A READ id is refused without touching the READ.
+  auto refuse = [&](const Status& why) -> Status {
+    const Status st = why.WithContext(ctx + " layer '" + std::string(layer) + "'");
+    MORIIO_RETURN_IF_ERROR(d.tracker->FailWrite(transfer_id, peer_id, st));
+    return st;
+  };
+  Result<std::shared_ptr<const Peer>> peer = d.FindPeer(peer_id);
+  if (!peer.ok()) return refuse(peer.status());
+  Result<std::size_t> i = d.FindLayer(layer);
+  if (!i.ok()) return refuse(i.status());
   Result<std::shared_ptr<const BlockPairs>> pairs = d.write_pairs.Get(local_blocks, remote_blocks);
-  if (!pairs.ok()) return pairs.status().WithContext(ctx);
-  BatchBuilder builder(TransferOp::kWrite, *peer);
-  Status st = builder.Add(d.layers[i], peer->links[i], **pairs);
-  if (!st.ok()) return st.WithContext(ctx);
+  if (!pairs.ok()) return refuse(pairs.status());
+  BatchBuilder builder(TransferOp::kWrite, **peer);
+  Status st = builder.Add(d.layers[*i], (*peer)->links[*i], **pairs);
+  if (!st.ok()) return refuse(st);
   std::vector<BatchBuilder::Piece> pieces = builder.Take(0);
   const std::int64_t runs = static_cast<std::int64_t>(pieces.front().batch->sizes.size());
   MORIIO_ASSIGN_OR_RETURN(std::optional<std::uint64_t> token,
-                          d.tracker->ScheduleWrite(transfer_id, layer, peer->id,
+                          d.tracker->ScheduleWrite(transfer_id, layer, (*peer)->id,
                                                    pieces.front().bytes, runs));
   if (!token) return false;
   if (runs == 0) {
@@ -568,10 +577,14 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   return true;
 }
 
-Status Engine::Seal(std::string_view transfer_id, std::string_view peer) {
+Status Engine::Seal(std::string_view transfer_id, std::string_view peer,
+                    std::int64_t expected_writes) {
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
-  impl_->tracker->Seal(transfer_id, peer);
-  return Status::OK();
+  if (peer.empty()) {
+    return InvalidArgumentError("transfer '" + std::string(transfer_id) +
+                                "': seal needs the peer the transfer writes to");
+  }
+  return impl_->tracker->Seal(transfer_id, peer, expected_writes);
 }
 
 Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abort(transfer_id); }
@@ -634,6 +647,12 @@ Status Engine::FreeBacking(std::uint64_t address) {
   return Status::OK();
 }
 
+std::vector<DrainedTransfer> Engine::PollDrained(std::size_t max_transfers) {
+  return impl_->tracker->DrainQuarantine(max_transfers);
+}
+
 std::size_t Engine::PendingTransfers() const { return impl_->tracker->pending(); }
+
+std::size_t Engine::QuarantinedTransfers() const { return impl_->tracker->quarantined(); }
 
 }  // namespace moriio_native

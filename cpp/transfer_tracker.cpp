@@ -21,6 +21,9 @@ Status TransferTracker::BeginRead(std::string_view id_view, std::string_view pee
   if (pending_.count(id) || terminal_.count(id)) {
     return AlreadyExistsError("transfer '" + id + "' exists already");
   }
+  if (quarantined_.count(id)) {
+    return AlreadyExistsError("transfer '" + id + "' is quarantined: its batches still run");
+  }
   CreateLocked(id, TransferKind::kRead, peer);
   return Status::OK();
 }
@@ -34,6 +37,20 @@ void TransferTracker::CloseRead(std::string_view id_view) {
   MaybeFinishLocked(id, it->second);
 }
 
+Status TransferTracker::CheckNotReadLocked(const std::string& id) const {
+  auto it = pending_.find(id);
+  const bool read = it != pending_.end() ? it->second.kind == TransferKind::kRead
+                                         : terminal_.count(id) && terminal_.at(id) == TransferKind::kRead;
+  if (read) return InvalidArgumentError("transfer '" + id + "' is a READ, not a WRITE");
+  return Status::OK();
+}
+
+void TransferTracker::FailLocked(const std::string& id, Transfer& t, std::string why) {
+  if (t.failure.empty()) t.failure = std::move(why);
+  t.open = false;
+  MaybeFinishLocked(id, t);
+}
+
 Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_view id_view,
                                                                     std::string_view layer,
                                                                     std::string_view peer,
@@ -41,29 +58,80 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
                                                                     std::int64_t runs) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
-  if (terminal_.count(id)) return std::optional<std::uint64_t>();
+  MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
+  if (terminal_.count(id) || quarantined_.count(id)) return std::optional<std::uint64_t>();
   auto it = pending_.find(id);
-  if (it != pending_.end() && it->second.peer != peer) {
-    return InvalidArgumentError("transfer '" + id + "' writes to peer '" + it->second.peer +
-                                "', not '" + std::string(peer) + "'");
-  }
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
-  if (t.kind != TransferKind::kWrite || !t.open || !t.failure.empty() || t.aborted) {
-    return std::optional<std::uint64_t>();
+  if (!t.failure.empty() || t.aborted || t.timed_out) return std::optional<std::uint64_t>();
+  if (t.layers.count(std::string(layer))) return std::optional<std::uint64_t>();
+  Status refused;
+  if (t.peer != peer) {
+    refused = InvalidArgumentError("transfer '" + id + "' writes to peer '" + t.peer + "', not '" +
+                                   std::string(peer) + "'");
+  } else if (t.expected && static_cast<std::int64_t>(t.layers.size()) >= *t.expected) {
+    refused = InvalidArgumentError("transfer '" + id + "' was sealed for " +
+                                   std::to_string(*t.expected) + " writes; layer '" +
+                                   std::string(layer) + "' is one more");
   }
-  if (!t.layers.emplace(layer).second) return std::optional<std::uint64_t>();
-  return std::optional<std::uint64_t>(AddBatchLocked(id, t, bytes, runs));
+  if (!refused.ok()) {
+    FailLocked(id, t, refused.ToString());
+    return refused;
+  }
+  t.layers.emplace(layer);
+  const std::uint64_t token = AddBatchLocked(id, t, bytes, runs);
+  if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
+  return std::optional<std::uint64_t>(token);
 }
 
-void TransferTracker::Seal(std::string_view id_view, std::string_view peer) {
+Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
+                             std::int64_t expected_writes) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
-  if (terminal_.count(id)) return;
+  MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
+  if (expected_writes < 0) {
+    return InvalidArgumentError("transfer '" + id + "': expected_writes must be >= 0, got " +
+                                std::to_string(expected_writes));
+  }
+  if (terminal_.count(id) || quarantined_.count(id)) return Status::OK();  // a late seal
+  auto it = pending_.find(id);
+  if (it != pending_.end()) {
+    Transfer& t = it->second;
+    if (t.peer != peer) {
+      return InvalidArgumentError("transfer '" + id + "' writes to peer '" + t.peer +
+                                  "', not '" + std::string(peer) + "'");
+    }
+    if (t.expected && *t.expected != expected_writes) {
+      return InvalidArgumentError("transfer '" + id + "' was sealed for " +
+                                  std::to_string(*t.expected) + " writes, not " +
+                                  std::to_string(expected_writes));
+    }
+  }
+  Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
+  if (t.expected) return Status::OK();  // the same seal again
+  const auto scheduled = static_cast<std::int64_t>(t.layers.size());
+  if (scheduled > expected_writes) {
+    Status refused = InvalidArgumentError(
+        "transfer '" + id + "' was sealed for " + std::to_string(expected_writes) + " writes but " +
+        std::to_string(scheduled) + " were scheduled");
+    FailLocked(id, t, refused.ToString());
+    return refused;
+  }
+  t.expected = expected_writes;
+  if (scheduled == expected_writes) t.open = false;
+  MaybeFinishLocked(id, t);
+  return Status::OK();
+}
+
+Status TransferTracker::FailWrite(std::string_view id_view, std::string_view peer,
+                                  const Status& why) {
+  std::string id(id_view);
+  std::lock_guard lock(mu_);
+  MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
+  if (terminal_.count(id) || quarantined_.count(id)) return Status::OK();
   auto it = pending_.find(id);
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
-  if (t.kind != TransferKind::kWrite) return;
-  t.open = false;
-  MaybeFinishLocked(id, t);
+  FailLocked(id, t, "a write was refused: " + why.ToString());
+  return Status::OK();
 }
 
 Result<std::uint64_t> TransferTracker::AddBatch(std::string_view id_view, std::int64_t bytes,
@@ -81,7 +149,6 @@ std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t
                                               std::int64_t bytes, std::int64_t runs) {
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
-  t.tokens.push_back(token);
   ++t.in_flight;
   ++t.batches;
   t.bytes += bytes;
@@ -96,7 +163,16 @@ void TransferTracker::OnBatchComplete(std::uint64_t token, const Status& status)
   const std::string id = std::move(tok->second);
   tokens_.erase(tok);
   auto it = pending_.find(id);
-  if (it == pending_.end()) return;  // ended already (deadline): a late completion
+  if (it == pending_.end()) {
+    // Ended already (a deadline) while this batch was in flight: the last one drains it.
+    auto q = quarantined_.find(id);
+    if (q != quarantined_.end() && --q->second.in_flight == 0) {
+      const double seconds = std::chrono::duration<double>(Clock::now() - q->second.start).count();
+      drained_.push_back({id, q->second.kind, std::move(q->second.peer), seconds});
+      quarantined_.erase(q);
+    }
+    return;
+  }
   Transfer& t = it->second;
   --t.in_flight;
   if (!status.ok() && t.failure.empty()) t.failure = status.ToString();
@@ -144,11 +220,15 @@ void TransferTracker::ExpireDeadlines(Clock::time_point now) {
       t.deadline = now + timeout_;
       MaybeFinishLocked(id, t);
     } else if (t.timed_out && t.deadline <= now) {
-      // Phase 2: the transport never finished them; end anyway rather than hang, and say so.
-      FinishLocked(id, t, TransferState::kTimedOut,
+      // Phase 2: the transport has not finished them; end anyway rather than hang, but the
+      // destination is quarantined: the event says so, and DrainQuarantine reports the drain.
+      const std::int64_t in_flight = t.in_flight;
+      quarantined_[id] = Quarantined{t.kind, t.peer, t.start, in_flight};
+      FinishLocked(id, t, t.aborted ? TransferState::kAborted : TransferState::kTimedOut,
                    "no completion within " + std::to_string(2 * timeout_.count()) + " ms; " +
-                       std::to_string(t.in_flight) +
-                       " batches still in flight: their blocks may still be written");
+                       std::to_string(in_flight) +
+                       " batches still in flight: destination quarantined until drained",
+                   /*drained=*/false);
     }
     it = next;
   }
@@ -176,7 +256,7 @@ bool TransferTracker::MaybeFinishLocked(const std::string& id, Transfer& t) {
 }
 
 void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferState state,
-                                   std::string message) {
+                                   std::string message, bool drained) {
   TransferEvent e;
   e.transfer_id = id;
   e.kind = t.kind;
@@ -187,17 +267,18 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.runs = t.runs;
   e.batches = t.batches;
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
+  e.drained = drained;
+  const TransferKind kind = t.kind;
   events_.push_back(std::move(e));
-  // Tokens still in flight (a deadline ended the transfer) are forgotten now, so a transport
-  // that never completes them cannot grow the map; their late completions are unknown tokens.
-  for (std::uint64_t token : t.tokens) tokens_.erase(token);
+  // A quarantined transfer keeps its in-flight tokens: their completions drain it. Every other
+  // transfer ends with none in flight, so its tokens are gone from tokens_ already.
   pending_.erase(id);  // `t` dangles from here on
-  RememberTerminalLocked(id);
+  RememberTerminalLocked(id, kind);
   events_cv_.notify_all();
 }
 
-void TransferTracker::RememberTerminalLocked(const std::string& id) {
-  if (!terminal_.insert(id).second) return;
+void TransferTracker::RememberTerminalLocked(const std::string& id, TransferKind kind) {
+  if (!terminal_.emplace(id, kind).second) return;
   terminal_order_.push_back(id);
   while (terminal_order_.size() > terminal_history_) {
     terminal_.erase(terminal_order_.front());
@@ -217,6 +298,21 @@ std::vector<TransferEvent> TransferTracker::Drain(std::size_t max_events,
     events_.pop_front();
   }
   return out;
+}
+
+std::vector<DrainedTransfer> TransferTracker::DrainQuarantine(std::size_t max) {
+  std::lock_guard lock(mu_);
+  std::vector<DrainedTransfer> out;
+  while (!drained_.empty() && out.size() < max) {
+    out.push_back(std::move(drained_.front()));
+    drained_.pop_front();
+  }
+  return out;
+}
+
+std::size_t TransferTracker::quarantined() const {
+  std::lock_guard lock(mu_);
+  return quarantined_.size();
 }
 
 std::size_t TransferTracker::pending() const {

@@ -22,14 +22,17 @@ namespace moriio_native::detail {
 
 /// Thread-safe (one mutex). Terminal rules:
 /// - a transfer is "open" while batches may still be added: a READ until CloseRead, a WRITE
-///   until Seal;
-/// - it never ends while any of its batches is in flight (blocks stay untouched until the
-///   transport is done with them); past its deadline it ends as timed out once they drain, or
-///   after a second timeout period regardless (the event then says batches were in flight);
-/// - aborted beats timed out beats failed beats done; done needs closed and every batch
-///   finished;
-/// - a WRITE fails (once) as soon as a write failed and none is in flight; later writes of it are
-///   refused;
+///   until it was sealed for N writes and N distinct layers were scheduled;
+/// - a terminal event is reported only when none of the transfer's batches is in flight (the
+///   backend contract: a batch completes once none of its operations can write any more). Past
+///   its deadline a transfer ends as timed out once its batches drain; after a second timeout
+///   period it ends regardless, with `drained` false: its destination is QUARANTINED, and once
+///   its last batch completed the id is reported exactly once by PollDrained;
+/// - aborted beats timed out beats failed beats done; done needs a seal (WRITE), every expected
+///   write scheduled and every batch finished;
+/// - a WRITE fails (once) as soon as a write failed or was refused (FailWrite) and none is in
+///   flight; later writes of it are refused;
+/// - a WRITE id is never a READ id: write calls on a READ id are InvalidArgument, no-ops;
 /// - events for unknown or terminal transfers are ignored; the last `terminal_history` terminal
 ///   ids are remembered so late writes/seals for them are ignored rather than starting anew.
 class TransferTracker {
@@ -45,14 +48,23 @@ class TransferTracker {
 
   /// WRITE: atomically records that (id, layer) is scheduled (creating the transfer) and adds its
   /// in-flight batch. Returns the batch token, or nullopt when the layer was scheduled before or
-  /// the transfer is sealed, failed, aborted or terminal (nothing recorded then).
-  /// InvalidArgument when the transfer already writes to another peer.
+  /// the transfer is failed, aborted, timed out or terminal (nothing recorded then).
+  /// InvalidArgument (nothing recorded) when `id` is a READ; InvalidArgument that also fails the
+  /// transfer when it writes to another peer or this layer is one more than its seal expects.
   Result<std::optional<std::uint64_t>> ScheduleWrite(std::string_view id, std::string_view layer,
                                                      std::string_view peer, std::int64_t bytes,
                                                      std::int64_t runs);
-  /// WRITE: fixes the expected writes to those scheduled; creates an empty transfer (which
-  /// completes at once) when none was scheduled. Ignored for terminal ids.
-  void Seal(std::string_view id, std::string_view peer);
+  /// WRITE: the caller schedules exactly `expected_writes` distinct layers for this transfer
+  /// (before or after this call); it is done once they all completed. 0 says "nothing to send"
+  /// and completes an unwritten transfer at once. Creates the transfer when none exists.
+  /// InvalidArgument (no change) for a READ id, another peer, a negative count or a second seal
+  /// with a different count; InvalidArgument that fails the transfer when more layers were
+  /// scheduled already. Terminal WRITE ids: ignored (a late seal).
+  Status Seal(std::string_view id, std::string_view peer, std::int64_t expected_writes);
+  /// WRITE: a write of this transfer was refused (`why`): the transfer fails (creating it when
+  /// none exists), so a seal can no longer make it done. InvalidArgument (no change) when `id`
+  /// is a READ; ignored for terminal WRITE ids.
+  Status FailWrite(std::string_view id, std::string_view peer, const Status& why);
 
   /// READ: adds an in-flight batch of `bytes` in `runs` runs to an open READ; returns its token
   /// (FailedPrecondition if the transfer is no longer pending, e.g. it timed out).
@@ -70,6 +82,12 @@ class TransferTracker {
 
   /// Up to `max_events` events, oldest first; waits up to `wait` for the first one.
   std::vector<TransferEvent> Drain(std::size_t max_events, std::chrono::milliseconds wait);
+
+  /// Quarantined transfers whose last batch completed since the last call, oldest first (each
+  /// exactly once). Never blocks.
+  std::vector<DrainedTransfer> DrainQuarantine(std::size_t max);
+  /// Number of quarantined transfers whose batches are still in flight.
+  std::size_t quarantined() const;
 
   std::size_t pending() const;
   bool IsTerminal(std::string_view id) const;
@@ -89,16 +107,29 @@ class TransferTracker {
     std::int64_t bytes = 0;
     std::int64_t runs = 0;
     std::unordered_set<std::string> layers;  // WRITE: scheduled layers
-    std::vector<std::uint64_t> tokens;       // every batch token, to forget them at the end
+    std::optional<std::int64_t> expected;     // WRITE: the sealed number of layers
   };
 
   // Emits the terminal event if `t` can end now; returns true when it ended. Holds mu_.
   bool MaybeFinishLocked(const std::string& id, Transfer& t);
-  void FinishLocked(const std::string& id, Transfer& t, TransferState state, std::string message);
-  void RememberTerminalLocked(const std::string& id);
+  void FinishLocked(const std::string& id, Transfer& t, TransferState state, std::string message,
+                    bool drained = true);
+  void RememberTerminalLocked(const std::string& id, TransferKind kind);
   Transfer& CreateLocked(const std::string& id, TransferKind kind, std::string_view peer);
   std::uint64_t AddBatchLocked(const std::string& id, Transfer& t, std::int64_t bytes,
                                std::int64_t runs);
+  // InvalidArgument when `id` (pending or recently terminal) is a READ.
+  Status CheckNotReadLocked(const std::string& id) const;
+  void FailLocked(const std::string& id, Transfer& t, std::string why);
+
+  // A transfer that ended while batches were in flight: reported by DrainQuarantine once the
+  // last of them completed.
+  struct Quarantined {
+    TransferKind kind;
+    std::string peer;
+    Clock::time_point start;
+    std::int64_t in_flight = 0;
+  };
 
   const std::chrono::milliseconds timeout_;
   const std::size_t terminal_history_;
@@ -106,9 +137,11 @@ class TransferTracker {
   std::condition_variable events_cv_;
   std::unordered_map<std::string, Transfer> pending_;
   std::unordered_map<std::uint64_t, std::string> tokens_;  // in-flight batch -> transfer id
-  std::unordered_set<std::string> terminal_;
+  std::unordered_map<std::string, TransferKind> terminal_;
   std::deque<std::string> terminal_order_;
   std::deque<TransferEvent> events_;
+  std::unordered_map<std::string, Quarantined> quarantined_;
+  std::deque<DrainedTransfer> drained_;
   std::uint64_t next_token_ = 1;
 };
 

@@ -71,11 +71,28 @@ void BindEngine(py::module_& m) {
       .def_readonly("runs", &TransferEvent::runs)
       .def_readonly("batches", &TransferEvent::batches)
       .def_readonly("seconds", &TransferEvent::seconds)
+      .def_readonly("drained", &TransferEvent::drained,
+                    "False: the transfer ended with batches in flight; its destination is "
+                    "quarantined until Engine.poll_drained reports it.")
       .def("__repr__", [](const TransferEvent& e) {
         return "TransferEvent('" + e.transfer_id + "', " +
                (e.kind == TransferKind::kRead ? "read" : "write") + ", " +
                std::string(TransferStateName(e.state)) + ", bytes=" + std::to_string(e.bytes) +
+               (e.drained ? "" : ", quarantined") +
                (e.message.empty() ? "" : ", '" + e.message + "'") + ")";
+      });
+
+  py::class_<DrainedTransfer>(m, "DrainedTransfer",
+                              "A quarantined transfer whose last operation completed.")
+      .def_readonly("transfer_id", &DrainedTransfer::transfer_id)
+      .def_property_readonly("kind", [](const DrainedTransfer& d) {
+        return d.kind == TransferKind::kRead ? "read" : "write";
+      })
+      .def_readonly("peer", &DrainedTransfer::peer)
+      .def_readonly("seconds", &DrainedTransfer::seconds)
+      .def("__repr__", [](const DrainedTransfer& d) {
+        return "DrainedTransfer('" + d.transfer_id + "', " +
+               (d.kind == TransferKind::kRead ? "read" : "write") + ", peer='" + d.peer + "')";
       });
 
   py::class_<Engine>(m, "_Engine")
@@ -155,9 +172,15 @@ void BindEngine(py::module_& m) {
              }();
              return Unwrap(std::move(r));
            })
-      .def("seal", [](Engine& e, const std::string& tid, const std::string& peer) {
-        ThrowIfError(e.Seal(tid, peer));
-      })
+      .def(
+          "seal",
+          [](Engine& e, const std::string& tid, const std::string& peer,
+             std::int64_t expected_writes) { ThrowIfError(e.Seal(tid, peer, expected_writes)); },
+          py::arg("transfer_id"), py::arg("peer"), py::arg("expected_writes"))
+      .def(
+          "poll_drained",
+          [](Engine& e, std::size_t max_transfers) { return e.PollDrained(max_transfers); },
+          py::arg("max_transfers"))
       .def("abort", [](Engine& e, const std::string& tid) { ThrowIfError(e.Abort(tid)); })
       .def("poll_events",
            [](Engine& e, std::size_t max_events, double timeout_s) {
@@ -200,7 +223,8 @@ void BindEngine(py::module_& m) {
         }
         ThrowIfError(st);
       })
-      .def_property_readonly("pending_transfers", &Engine::PendingTransfers);
+      .def_property_readonly("pending_transfers", &Engine::PendingTransfers)
+      .def_property_readonly("quarantined_transfers", &Engine::QuarantinedTransfers);
 }
 
 }  // namespace moriio_native::bindings

@@ -64,6 +64,20 @@ struct TransferEvent {
   std::int64_t runs = 0;
   std::int64_t batches = 0;
   double seconds = 0.0;  ///< from the first submit to the terminal state
+  /// True when no operation of this transfer can write any more (always for done and failed).
+  /// False only when the transfer ended (timed out or aborted) while batches were still in
+  /// flight past a second timeout period: its destination is QUARANTINED -- the bytes may still
+  /// change -- until Engine::PollDrained reports this id.
+  bool drained = true;
+};
+
+/// A quarantined transfer (TransferEvent::drained was false) whose last operation completed:
+/// from now on nothing of it writes its destination. Reported exactly once per such transfer.
+struct DrainedTransfer {
+  std::string transfer_id;
+  TransferKind kind = TransferKind::kRead;
+  std::string peer;
+  double seconds = 0.0;  ///< from the transfer's start to the drain
 };
 
 /// Thread-safe: every method may be called from any thread. Methods block only where noted.
@@ -105,16 +119,25 @@ class Engine {
               std::span<const std::string> layers = {});
 
   /// WRITE: push one layer's blocks to `peer`. Returns false (and does nothing) when this
-  /// (transfer, layer) was scheduled before, or the transfer is sealed, failed, aborted or
-  /// terminal; InvalidArgument when the transfer already writes to another peer. A submission
-  /// failure fails the transfer (its event says why). Never blocks on transfer.
+  /// (transfer, layer) was scheduled before, or the transfer failed, was aborted, timed out or
+  /// is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
+  /// Every other refusal (unknown peer or layer, a bad block id, another peer than the
+  /// transfer's, one layer more than the seal said) returns the error AND fails the transfer, so
+  /// a transfer one of whose layers was refused never ends done. A submission failure fails the
+  /// transfer too (its event says why). Never blocks on transfer.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks);
 
-  /// WRITE: no more layers will be scheduled; the transfer completes once every scheduled write
-  /// finished (immediately when none was). Creates the transfer when nothing was scheduled.
-  Status Seal(std::string_view transfer_id, std::string_view peer = {});
+  /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to
+  /// `peer` -- before or after this call (a seal may overtake its writes); the transfer is done
+  /// once all of them completed. `expected_writes == 0` is the explicit "nothing to send" (a
+  /// full prefix hit): the transfer is done at once. Creates the transfer when nothing was
+  /// scheduled yet. InvalidArgument naming the id, with no change, for a READ id, an empty or
+  /// other peer, a negative count or a second seal with another count; InvalidArgument that also
+  /// fails the transfer when more layers than `expected_writes` were scheduled. A seal of a
+  /// terminal WRITE is ignored. Never blocks.
+  Status Seal(std::string_view transfer_id, std::string_view peer, std::int64_t expected_writes);
 
   /// Ends a pending transfer as aborted (its event follows once in-flight batches drained).
   Status Abort(std::string_view transfer_id);
@@ -122,6 +145,11 @@ class Engine {
   /// Terminal events, oldest first. Waits up to `wait` for the first one (in slices; the Python
   /// binding releases the GIL and checks signals between slices).
   std::vector<TransferEvent> PollEvents(std::size_t max_events, std::chrono::milliseconds wait);
+
+  /// Quarantined transfers (see TransferEvent::drained) that drained since the last call, oldest
+  /// first, at most `max_transfers`; each quarantined transfer is reported exactly once. Only
+  /// then may its destination memory be reused. Never blocks.
+  std::vector<DrainedTransfer> PollDrained(std::size_t max_transfers);
 
   /// Allocates `size` bytes through the backend for use as a KV backing: memory the transport
   /// reaches fastest (UCX: shared memory that same-host peers map and copy with memcpy). Valid
@@ -134,6 +162,8 @@ class Engine {
 
   /// Number of transfers not yet terminal.
   std::size_t PendingTransfers() const;
+  /// Number of terminal transfers still quarantined (batches in flight past their event).
+  std::size_t QuarantinedTransfers() const;
 
   struct Impl;
 

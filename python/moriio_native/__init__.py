@@ -10,6 +10,7 @@ import logging
 
 from moriio_native.engine import (
     BackendInfo,
+    DrainedTransfer,
     Engine,
     LayerRegistration,
     TransferEvent,
@@ -60,6 +61,7 @@ __all__ = [
     "BlockTemplate",
     "CacheSpec",
     "CopyPlan",
+    "DrainedTransfer",
     "Engine",
     "FailedPreconditionError",
     "IncompatiblePeerError",

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'plan_registration']
+__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'DrainedTransfer', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'plan_registration']
 class CacheSpec:
     """
     Logical description of one layer's KV cache.
@@ -163,6 +163,24 @@ class RegistrationPlan:
         """
         List of (start, size, aligned).
         """
+class DrainedTransfer:
+    """
+    A quarantined transfer whose last operation completed.
+    """
+    def __repr__(self) -> str:
+        ...
+    @property
+    def kind(self) -> str:
+        ...
+    @property
+    def peer(self) -> str:
+        ...
+    @property
+    def seconds(self) -> float:
+        ...
+    @property
+    def transfer_id(self) -> str:
+        ...
 class _LayerRegistration:
     def __init__(self, name: str, geometry: TensorGeometry, spec: CacheSpec, kv_plane_axis: str, allocation_base: typing.SupportsInt | typing.SupportsIndex, allocation_size: typing.SupportsInt | typing.SupportsIndex, memory: str, device: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
@@ -178,6 +196,11 @@ class TransferEvent:
     @property
     def bytes(self) -> int:
         ...
+    @property
+    def drained(self) -> bool:
+        """
+        False: the transfer ended with batches in flight; its destination is quarantined until Engine.poll_drained reports it.
+        """
     @property
     def kind(self) -> str:
         ...
@@ -214,6 +237,8 @@ class _Engine:
         ...
     def peers(self) -> list[str]:
         ...
+    def poll_drained(self, max_transfers: typing.SupportsInt | typing.SupportsIndex) -> list[DrainedTransfer]:
+        ...
     def poll_events(self, max_events: typing.SupportsInt | typing.SupportsIndex, timeout: typing.SupportsFloat | typing.SupportsIndex) -> list[TransferEvent]:
         ...
     def read(self, arg0: str, arg1: str, arg2: typing.Any, arg3: typing.Any, arg4: collections.abc.Sequence[str]) -> None:
@@ -222,7 +247,7 @@ class _Engine:
         ...
     def remove_peer(self, arg0: str) -> None:
         ...
-    def seal(self, arg0: str, arg1: str) -> None:
+    def seal(self, transfer_id: str, peer: str, expected_writes: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def write_layer(self, arg0: str, arg1: str, arg2: str, arg3: typing.Any, arg4: typing.Any) -> bool:
         ...
@@ -234,6 +259,9 @@ class _Engine:
         ...
     @property
     def pending_transfers(self) -> int:
+        ...
+    @property
+    def quarantined_transfers(self) -> int:
         ...
 def _describe_layer(name: str, geometry: TensorGeometry, spec: CacheSpec, kv_plane_axis: str = 'auto') -> LayerLayout:
     ...

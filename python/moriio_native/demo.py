@@ -528,7 +528,7 @@ class _PrefillWorker:
                 self._engine.write_layer(
                     tid, shape.name, message.decode_engine_id, request.blocks, remote
                 )
-            self._engine.seal(tid, message.decode_engine_id)
+            self._engine.seal(tid, message.decode_engine_id, expected_writes=len(self._shapes))
             event = self._engine.wait([tid], timeout=self._spec.timeout).get(tid)
             if event is None:
                 self._engine.abort(tid)

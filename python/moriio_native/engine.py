@@ -3,8 +3,11 @@
 An :class:`Engine` registers this process's KV caches, exchanges metadata with peers (opaque
 bytes you carry over your own control plane), and moves blocks with READ (pull) or WRITE (push
 per layer) transfers. Every transfer ends in exactly one :class:`TransferEvent` from
-:meth:`Engine.poll_events`. All methods are thread-safe; none waits for a transfer except
-``poll_events`` with a timeout (which releases the GIL and honours Ctrl-C).
+:meth:`Engine.poll_events`. No byte of a transfer lands after its event -- except where the
+event says ``drained=False``: the transfer ended while its operations were still in flight, its
+destination is quarantined, and :meth:`Engine.poll_drained` reports it once nothing of it can
+write any more. All methods are thread-safe; none waits for a transfer except ``poll_events``
+with a timeout (which releases the GIL and honours Ctrl-C).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 
 from moriio_native import _native
-from moriio_native._native import CacheSpec, TransferEvent
+from moriio_native._native import CacheSpec, DrainedTransfer, TransferEvent
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.layout import BlockIds, KvPlaneAxis, geometry_of
 
@@ -167,6 +170,11 @@ class Engine:
     def pending_transfers(self) -> int:
         return self._engine.pending_transfers
 
+    @property
+    def quarantined_transfers(self) -> int:
+        """Transfers that ended with operations in flight and have not drained yet."""
+        return self._engine.quarantined_transfers
+
     def allocate_host_backing(self, nbytes: int) -> np.ndarray:
         """A ``numpy.uint8`` array of ``nbytes`` allocated by the backend for a KV backing.
 
@@ -219,12 +227,22 @@ class Engine:
         local_blocks: BlockIds,
         remote_blocks: BlockIds,
     ) -> bool:
-        """Push one layer's blocks; False when this (transfer, layer) was scheduled before."""
+        """Push one layer's blocks; False when this (transfer, layer) was scheduled before or
+        the transfer failed, ended or was aborted.
+
+        A refused layer (unknown peer or layer, bad block ids, ...) raises AND fails the
+        transfer, so no seal can make it ``done``. InvalidArgumentError, with nothing changed,
+        when ``transfer_id`` is a READ."""
         return self._engine.write_layer(transfer_id, layer, peer, local_blocks, remote_blocks)
 
-    def seal(self, transfer_id: str, peer: str = "") -> None:
-        """No more layers for this WRITE transfer; it completes when the scheduled ones have."""
-        self._engine.seal(transfer_id, peer)
+    def seal(self, transfer_id: str, peer: str, *, expected_writes: int) -> None:
+        """This WRITE transfer consists of exactly ``expected_writes`` distinct layers, scheduled
+        before or after this call; it is ``done`` once all of them completed.
+
+        ``expected_writes=0`` says "nothing to send" (a full prefix hit): the transfer is done at
+        once. InvalidArgumentError for a READ id, another peer or a second seal with another
+        count; more layers than ``expected_writes`` fail the transfer."""
+        self._engine.seal(transfer_id, peer, int(expected_writes))
 
     def abort(self, transfer_id: str) -> None:
         self._engine.abort(transfer_id)
@@ -232,6 +250,12 @@ class Engine:
     def poll_events(self, max_events: int = 1024, timeout: float = 0.0) -> list[TransferEvent]:
         """Terminal events, oldest first, waiting up to ``timeout`` seconds for the first."""
         return self._engine.poll_events(int(max_events), float(timeout))
+
+    def poll_drained(self, max_transfers: int = 1024) -> list[DrainedTransfer]:
+        """Quarantined transfers (their event had ``drained=False``) whose operations have all
+        completed since the last call; each is reported exactly once. Only then may their
+        destination blocks be reused. Never blocks."""
+        return self._engine.poll_drained(int(max_transfers))
 
     def wait(self, transfer_ids: Sequence[str], timeout: float) -> dict[str, TransferEvent]:
         """Poll until every id in ``transfer_ids`` has its event or ``timeout`` passes; returns
@@ -250,4 +274,11 @@ class Engine:
         return seen
 
 
-__all__ = ["BackendInfo", "Engine", "LayerRegistration", "TransferEvent", "available_backends"]
+__all__ = [
+    "BackendInfo",
+    "DrainedTransfer",
+    "Engine",
+    "LayerRegistration",
+    "TransferEvent",
+    "available_backends",
+]

@@ -680,7 +680,8 @@ TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
     ASSERT_TRUE(again.ok()) << again.status().ToString();
     EXPECT_FALSE(*again) << l.name;
   }
-  ASSERT_TRUE(p_.engine->Seal("w-1", "D").ok());
+  const auto n_layers = static_cast<std::int64_t>(p_.layers.size());
+  ASSERT_TRUE(p_.engine->Seal("w-1", "D", n_layers).ok());
   Events events(p_.engine.get());
   TransferEvent e = events.Wait("w-1");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
@@ -696,7 +697,7 @@ TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
   Result<bool> late = p_.engine->WriteLayer("w-1", "attn.0", "D", local, remote);
   ASSERT_TRUE(late.ok()) << late.status().ToString();
   EXPECT_FALSE(*late);
-  EXPECT_TRUE(p_.engine->Seal("w-1", "D").ok());
+  EXPECT_TRUE(p_.engine->Seal("w-1", "D", n_layers).ok());
   events.Poll(20ms);
   EXPECT_EQ(events.Count("w-1"), 1u);
   EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
@@ -718,7 +719,7 @@ TEST_F(EnginePair, WriteIsDoneOnlyAfterSealAndEveryScheduledLayer) {
     events.Poll(0ms);
     EXPECT_EQ(events.Count("w-2"), 0u) << "done before the seal";
   }
-  ASSERT_TRUE(p_.engine->Seal("w-2", "D").ok());
+  ASSERT_TRUE(p_.engine->Seal("w-2", "D", 3).ok());
   TransferEvent e = events.Wait("w-2");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
   EXPECT_EQ(e.batches, 3);
@@ -727,7 +728,7 @@ TEST_F(EnginePair, WriteIsDoneOnlyAfterSealAndEveryScheduledLayer) {
 
 TEST_F(EnginePair, SealWithNothingScheduledIsDoneAtOnce) {
   const std::vector<std::uint8_t> d_before = d_.buffer->Snapshot();
-  ASSERT_TRUE(p_.engine->Seal("nothing", "D").ok());
+  ASSERT_TRUE(p_.engine->Seal("nothing", "D", 0).ok());  // "nothing to send", said explicitly
   Events events(p_.engine.get());
   TransferEvent e = events.Wait("nothing");
   EXPECT_EQ(e.state, TransferState::kDone);
@@ -762,7 +763,7 @@ TEST_F(EnginePair, WriteLayersOfOneTransferMayNameDifferentBlocks) {
     ASSERT_TRUE(scheduled.ok()) << w.layer << ": " << scheduled.status().ToString();
     EXPECT_TRUE(*scheduled) << w.layer;
   }
-  ASSERT_TRUE(p_.engine->Seal("w-ids", "D").ok());
+  ASSERT_TRUE(p_.engine->Seal("w-ids", "D", static_cast<std::int64_t>(writes.size())).ok());
   Events events(p_.engine.get());
   TransferEvent e = events.Wait("w-ids");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
@@ -798,7 +799,8 @@ TEST_F(EnginePair, ManyConcurrentTransfersEachEndOnce) {
                                       std::vector<std::int64_t>{d_block});
             EXPECT_TRUE(r.ok() && *r) << id;
           }
-          EXPECT_TRUE(p_.engine->Seal(id, "D").ok());
+          EXPECT_TRUE(
+              p_.engine->Seal(id, "D", static_cast<std::int64_t>(p_.layers.size())).ok());
         }
       }
     });
@@ -836,10 +838,19 @@ TEST_F(EnginePair, UnknownPeerOrLayerIsNotFoundAndCreatesNothing) {
   EXPECT_NE(st.message().find("no.such.layer"), std::string::npos) << st.ToString();
   Result<bool> w = p_.engine->WriteLayer("x", "attn.0", "nobody", ids, ids);
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
-  w = p_.engine->WriteLayer("x", "no.such.layer", "D", ids, ids);
+  w = p_.engine->WriteLayer("y", "no.such.layer", "D", ids, ids);
   EXPECT_EQ(w.status().code(), StatusCode::kNotFound) << w.status().ToString();
   EXPECT_NE(w.status().message().find("no.such.layer"), std::string::npos);
-  ExpectNothingHappened(p_before, d_before);
+  EXPECT_EQ(p_.buffer->Snapshot(), p_before);
+  EXPECT_EQ(d_.buffer->Snapshot(), d_before);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+  // A refused layer fails its WRITE (no seal may make it done), moving nothing.
+  Events p_events(p_.engine.get());
+  EXPECT_EQ(p_events.Wait("x").state, TransferState::kFailed);
+  EXPECT_EQ(p_events.Wait("y").state, TransferState::kFailed);
+  EXPECT_TRUE(p_.engine->Seal("y", "D", 1).ok());  // late: ignored
+  p_events.Poll(20ms);
+  EXPECT_EQ(p_events.Count("y"), 1u);
   // The id was not used up by the failed calls.
   ASSERT_TRUE(d_.engine->Read("x", "P", ids, ids).ok());
   Events events(d_.engine.get());
@@ -872,26 +883,77 @@ TEST_F(EnginePair, BadBlockIdsFailTheCallAndCreateNoTransfer) {
     EXPECT_EQ(st.code(), c.code) << st.ToString();
     EXPECT_NE(st.message().find("bad"), std::string::npos)
         << "names the transfer: " << st.ToString();
+    EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+    EXPECT_TRUE(d_.engine->PollEvents(16, 0ms).empty()) << "a refused READ created a transfer";
     // P writes to D: local ids are P's (6 blocks), remote ids are D's (9), so the case's lists
     // swap roles; except for the length case, whose point is the order of the lists.
     const bool length_case = c.local.size() > c.remote.size();
     Result<bool> w = length_case ? p_.engine->WriteLayer("bad-w", "attn.1", "D", c.local, c.remote)
                                  : p_.engine->WriteLayer("bad-w", "attn.1", "D", c.remote, c.local);
     EXPECT_FALSE(w.ok()) << "WriteLayer accepted: " << c.what;
-    ExpectNothingHappened(p_before, d_before);
+    EXPECT_NE(w.status().message().find("bad-w"), std::string::npos) << w.status().ToString();
+    EXPECT_EQ(p_.engine->PendingTransfers(), 0u);  // failed at once: nothing was in flight
+    EXPECT_EQ(p_.buffer->Snapshot(), p_before);
+    EXPECT_EQ(d_.buffer->Snapshot(), d_before);
   }
-  // Neither id was recorded: both start normally now.
+  // The read id was not recorded: it starts normally now.
   const std::vector<std::int64_t> ok_ids = {0};
   const std::vector<std::int64_t> other_d_block = {1};  // not the block the read fills
   ASSERT_TRUE(d_.engine->Read("bad", "P", ok_ids, ok_ids).ok());
-  Result<bool> w = p_.engine->WriteLayer("bad-w", "attn.1", "D", ok_ids, other_d_block);
-  ASSERT_TRUE(w.ok()) << w.status().ToString();
-  EXPECT_TRUE(*w) << "the failed calls recorded the layer as scheduled";
-  ASSERT_TRUE(p_.engine->Seal("bad-w", "D").ok());
   Events d_events(d_.engine.get());
-  Events p_events(p_.engine.get());
   EXPECT_EQ(d_events.Wait("bad").state, TransferState::kDone);
-  EXPECT_EQ(p_events.Wait("bad-w").state, TransferState::kDone);
+  // The refused layers failed the WRITE (issue 12 defect 2): later layers and the seal cannot
+  // make it done, and nothing of it reaches D.
+  const auto d_after_read = d_.buffer->Snapshot();
+  Result<bool> w = p_.engine->WriteLayer("bad-w", "attn.0", "D", ok_ids, other_d_block);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_FALSE(*w) << "a layer of a failed WRITE was scheduled";
+  EXPECT_TRUE(p_.engine->Seal("bad-w", "D", 2).ok());
+  Events p_events(p_.engine.get());
+  TransferEvent e = p_events.Wait("bad-w");
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_NE(e.message.find("refused"), std::string::npos) << e.message;
+  p_events.Poll(20ms);
+  EXPECT_EQ(p_events.Count("bad-w"), 1u);
+  EXPECT_EQ(d_.buffer->Snapshot(), d_after_read);
+}
+
+// Issue 12 defect 2: write calls on a READ id are errors naming it and leave the READ alone.
+TEST_F(EnginePair, WriteLayerAndSealOnAReadIdAreInvalidArgument) {
+  Build({}, {{"loopback_delay_ms", "50"}});  // the READ is still pending during the calls
+  const std::vector<std::int64_t> ids = {1};
+  ASSERT_TRUE(d_.engine->Read("rd", "P", ids, ids).ok());
+  Result<bool> w = d_.engine->WriteLayer("rd", "attn.0", "P", ids, ids);
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("'rd'"), std::string::npos) << w.status().ToString();
+  w = d_.engine->WriteLayer("rd", "attn.0", "P", ids, std::vector<std::int64_t>{999});
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << "a bad write must not fail a READ";
+  Status st = d_.engine->Seal("rd", "P", 0);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  Events events(d_.engine.get());
+  EXPECT_EQ(events.Wait("rd").state, TransferState::kDone);
+  EXPECT_EQ(d_.engine->Seal("rd", "P", 0).code(), StatusCode::kInvalidArgument);  // ended READ
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("rd"), 1u);
+}
+
+// Issue 12 defect 2: a seal that overtakes its writes waits for the number it names.
+TEST_F(EnginePair, SealBeforeItsWritesIsDoneOnlyAfterThem) {
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::string> layers = {"attn.0", "mla.0"};
+  const std::vector<std::int64_t> local = {2}, remote = {3};
+  ApplyReference(d_, p_, layers, remote, local, &expected, &touched);
+  ASSERT_TRUE(p_.engine->Seal("early", "D", 2).ok());
+  Events events(p_.engine.get());
+  ASSERT_TRUE(p_.engine->WriteLayer("early", layers[0], "D", local, remote).ok());
+  events.Poll(50ms);
+  EXPECT_EQ(events.Count("early"), 0u) << "done with one of two sealed writes";
+  ASSERT_TRUE(p_.engine->WriteLayer("early", layers[1], "D", local, remote).ok());
+  TransferEvent e = events.Wait("early");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, 2);
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
 }
 
 TEST_F(EnginePair, ReadNamingALayerTwiceIsRejected) {
@@ -913,7 +975,8 @@ TEST_F(EnginePair, EmptyTransferIdIsRejected) {
   EXPECT_EQ(d_.engine->Read("", "P", ids, ids).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p_.engine->WriteLayer("", "attn.0", "D", ids, ids).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(p_.engine->Seal("", "D").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->Seal("", "D", 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->Seal("no-peer", "", 0).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
   EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
 }
@@ -1232,7 +1295,7 @@ TEST(EngineWrite, OneFailedLayerFailsTheWholeTransferOnce) {
   // after the peer left: a failed WRITE refuses further layers. Either way it must end failed.
   Result<bool> second = p.engine->WriteLayer("w", "attn.1", "D", ids, ids);
   ASSERT_TRUE(second.ok()) << second.status().ToString();
-  ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+  ASSERT_TRUE(p.engine->Seal("w", "D", 2).ok());
   Events events(p.engine.get());
   TransferEvent e = events.Wait("w");
   EXPECT_EQ(e.state, TransferState::kFailed) << e.message;
@@ -1261,7 +1324,7 @@ TEST(EngineShutdown, DestroyingEnginesWithTransfersInFlightNeitherHangsNorLeaks)
       ASSERT_TRUE(p.engine->WriteLayer(id, l.name, "D", ids, write_to).ok());
     }
     if (i % 2 == 0) {
-      ASSERT_TRUE(p.engine->Seal(id, "D").ok());  // some sealed, some not
+      ASSERT_TRUE(p.engine->Seal(id, "D", static_cast<std::int64_t>(p.layers.size())).ok());
     }
   }
   EXPECT_GT(p.engine->PendingTransfers() + d.engine->PendingTransfers(), 0u);
@@ -1291,7 +1354,7 @@ TEST(EngineShutdown, PeerMemoryFreedRightAfterItsEngineIsNeverWritten) {
     for (const TestLayer& l : p.layers) {
       ASSERT_TRUE(p.engine->WriteLayer("w", l.name, "D", local, remote).ok());
     }
-    ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+    ASSERT_TRUE(p.engine->Seal("w", "D", static_cast<std::int64_t>(p.layers.size())).ok());
     d.engine.reset();
     d.buffer.reset();
     Events events(p.engine.get());
@@ -1311,7 +1374,7 @@ TEST(EngineShutdown, PeerDestroyedWhileWritesAreInFlightEndsThemOnce) {
   for (const TestLayer& l : p.layers) {
     ASSERT_TRUE(p.engine->WriteLayer("w", l.name, "D", ids, ids).ok());
   }
-  ASSERT_TRUE(p.engine->Seal("w", "D").ok());
+  ASSERT_TRUE(p.engine->Seal("w", "D", static_cast<std::int64_t>(p.layers.size())).ok());
   d.engine.reset();  // the decode side goes away; its buffer stays allocated (test-owned)
   Events events(p.engine.get());
   TransferEvent e = events.Wait("w");

@@ -71,7 +71,7 @@ TEST(TransferTrackerWrite, DuplicateScheduleOfALayerIsRefusedAndCountsOnce) {
   EXPECT_FALSE(t.ScheduleWrite("req-1", "layer.0", "decode-0", 64, 1).value().has_value());
   const std::uint64_t b = Schedule(t, "req-1", "layer.1", 32, 1);
   EXPECT_NE(a, b);
-  t.Seal("req-1", "decode-0");
+  ASSERT_TRUE(t.Seal("req-1", "decode-0", 2).ok());
   t.OnBatchComplete(a, Status::OK());
   ExpectNoEvent(t, "one of two sealed writes done");
   t.OnBatchComplete(b, Status::OK());
@@ -103,7 +103,7 @@ TEST(TransferTrackerWrite, CompletesOnceAndOnlyAfterTheSealedCount) {
   t.OnBatchComplete(l0, Status::OK());
   t.OnBatchComplete(l1, Status::OK());
   ExpectNoEvent(t, "two of three writes done, not sealed");
-  t.Seal("req", "decode-0");
+  ASSERT_TRUE(t.Seal("req", "decode-0", 3).ok());
   ExpectNoEvent(t, "sealed with one write in flight");
   EXPECT_EQ(t.pending(), 1u);
   EXPECT_FALSE(t.IsTerminal("req"));
@@ -129,7 +129,7 @@ TEST(TransferTrackerWrite, AllWritesFinishedBeforeSealWaitsForSeal) {
   const std::uint64_t l1 = Schedule(t, "req", "l1");
   t.OnBatchComplete(l1, Status::OK());
   ExpectNoEvent(t, "still not sealed");
-  t.Seal("req", "decode-0");
+  ASSERT_TRUE(t.Seal("req", "decode-0", 2).ok());
   TransferEvent e = OnlyEvent(t);
   EXPECT_EQ(e.state, TransferState::kDone);
   EXPECT_EQ(e.batches, 2);
@@ -137,7 +137,7 @@ TEST(TransferTrackerWrite, AllWritesFinishedBeforeSealWaitsForSeal) {
 
 TEST(TransferTrackerWrite, SealWithNothingScheduledIsDoneAtOnce) {
   TransferTracker t(kLongTimeout, 16);
-  t.Seal("empty", "decode-3");
+  ASSERT_TRUE(t.Seal("empty", "decode-3", 0).ok());  // "nothing to send", said explicitly
   TransferEvent e = OnlyEvent(t);
   EXPECT_EQ(e.transfer_id, "empty");
   EXPECT_EQ(e.kind, TransferKind::kWrite);
@@ -148,7 +148,7 @@ TEST(TransferTrackerWrite, SealWithNothingScheduledIsDoneAtOnce) {
   EXPECT_EQ(t.pending(), 0u);
   // A late write for it must not start the transfer anew.
   EXPECT_FALSE(t.ScheduleWrite("empty", "l0", "decode-3", 1, 1).value().has_value());
-  t.Seal("empty", "decode-3");
+  EXPECT_TRUE(t.Seal("empty", "decode-3", 0).ok());
   ExpectNoEvent(t, "late schedule/seal after done");
   EXPECT_EQ(t.pending(), 0u);
 }
@@ -170,7 +170,7 @@ TEST(TransferTrackerWrite, FailureFailsOnceAfterInFlightWritesDrained) {
   EXPECT_NE(e.message.find("nic down on layer l0"), std::string::npos) << e.message;
   EXPECT_EQ(e.batches, 3);
   // Not sealed: the failure alone ended it. A late seal changes nothing.
-  t.Seal("req", "decode-0");
+  EXPECT_TRUE(t.Seal("req", "decode-0", 3).ok());
   ExpectNoEvent(t, "seal after failure");
   EXPECT_EQ(t.pending(), 0u);
 }
@@ -227,7 +227,7 @@ TEST(TransferTrackerWrite, AbortOfUnknownIdIsNotFoundAndOfTerminalIdIsANoOp) {
   EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
   EXPECT_NE(st.message().find("never-seen"), std::string::npos) << st.ToString();
   ExpectNoEvent(t, "abort of an unknown id");
-  t.Seal("done-one", "p");
+  ASSERT_TRUE(t.Seal("done-one", "p", 0).ok());
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
   EXPECT_TRUE(t.Abort("done-one").ok());
   ExpectNoEvent(t, "abort after done");
@@ -236,7 +236,7 @@ TEST(TransferTrackerWrite, AbortOfUnknownIdIsNotFoundAndOfTerminalIdIsANoOp) {
 TEST(TransferTrackerWrite, MessagesAfterTerminalAreIgnored) {
   TransferTracker t(kLongTimeout, 16);
   const std::uint64_t l0 = Schedule(t, "req", "l0");
-  t.Seal("req", "decode-0");
+  ASSERT_TRUE(t.Seal("req", "decode-0", 1).ok());
   t.OnBatchComplete(l0, Status::OK());
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
 
@@ -244,7 +244,7 @@ TEST(TransferTrackerWrite, MessagesAfterTerminalAreIgnored) {
   t.OnBatchComplete(l0, Status::OK());
   EXPECT_FALSE(t.ScheduleWrite("req", "l0", "decode-0", 1, 1).value().has_value());
   EXPECT_FALSE(t.ScheduleWrite("req", "l9", "decode-0", 1, 1).value().has_value());
-  t.Seal("req", "decode-0");
+  EXPECT_TRUE(t.Seal("req", "decode-0", 1).ok());
   EXPECT_TRUE(t.Abort("req").ok());
   t.FailPeer("decode-0", TransportError("peer lost"));
   EXPECT_EQ(t.BeginRead("req", "decode-0").code(), StatusCode::kAlreadyExists);
@@ -259,21 +259,88 @@ TEST(TransferTrackerWrite, UnknownTokensAreIgnored) {
   const std::uint64_t l0 = Schedule(t, "req", "l0");
   t.OnBatchComplete(l0 + 1000, TransportError("stray"));
   t.OnBatchComplete(0, TransportError("stray"));
-  t.Seal("req", "decode-0");
+  ASSERT_TRUE(t.Seal("req", "decode-0", 1).ok());
   ExpectNoEvent(t, "stray tokens");
   t.OnBatchComplete(l0, Status::OK());
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
 }
 
-TEST(TransferTrackerWrite, ScheduleOnAReadIdIsRefused) {
+// Write calls on a READ id are errors naming it, and leave the READ alone (pending or ended).
+TEST(TransferTrackerWrite, WriteCallsOnAReadIdAreInvalidArgumentAndChangeNothing) {
   TransferTracker t(kLongTimeout, 16);
   ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
-  EXPECT_FALSE(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).value().has_value());
+  auto expect_refused = [&](const Status& st, const char* what) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << what << ": " << st.ToString();
+    EXPECT_NE(st.message().find("'rd' is a READ"), std::string::npos) << what << ": " << st.ToString();
+  };
+  expect_refused(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).status(), "ScheduleWrite");
+  expect_refused(t.Seal("rd", "prefill-0", 0), "Seal");
+  expect_refused(t.FailWrite("rd", "prefill-0", OutOfRangeError("bad id")), "FailWrite");
+  ExpectNoEvent(t, "write calls on an open READ");
   t.CloseRead("rd");
   TransferEvent e = OnlyEvent(t);
   EXPECT_EQ(e.kind, TransferKind::kRead);
   EXPECT_EQ(e.state, TransferState::kDone);
   EXPECT_EQ(e.batches, 0);
+  expect_refused(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).status(), "ScheduleWrite, ended");
+  expect_refused(t.Seal("rd", "prefill-0", 0), "Seal, ended");
+  ExpectNoEvent(t, "write calls on an ended READ");
+}
+
+// Issue 12 defect 2: a refused layer fails the transfer, so the seal cannot make it done.
+TEST(TransferTrackerWrite, ARefusedLayerFailsTheTransferBeforeAndAfterTheSeal) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  ASSERT_TRUE(t.FailWrite("req", "decode-0", OutOfRangeError("remote block id 99")).ok());
+  ExpectNoEvent(t, "refused layer, one write in flight");
+  EXPECT_FALSE(t.ScheduleWrite("req", "l2", "decode-0", 1, 1).value().has_value());
+  EXPECT_TRUE(t.Seal("req", "decode-0", 2).ok());
+  t.OnBatchComplete(l0, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_NE(e.message.find("remote block id 99"), std::string::npos) << e.message;
+  // A refusal before anything was scheduled creates the transfer, failed at once.
+  ASSERT_TRUE(t.FailWrite("first", "decode-0", NotFoundError("unknown layer 'x'")).ok());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
+  EXPECT_TRUE(t.Seal("first", "decode-0", 1).ok());  // late: ignored
+  ExpectNoEvent(t, "seal after the refusal ended it");
+}
+
+// Issue 12 defect 2: the seal carries the number of writes, so one that overtakes its writes
+// waits for them, and a seal of an unwritten id is not "done" unless it says 0.
+TEST(TransferTrackerWrite, ASealOvertakingItsWritesWaitsForThem) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.Seal("req", "decode-0", 2).ok());
+  ExpectNoEvent(t, "sealed for two writes, none scheduled");
+  EXPECT_TRUE(t.Seal("req", "decode-0", 2).ok());  // the same seal again
+  EXPECT_EQ(t.Seal("req", "decode-0", 3).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("req", "decode-9", 2).code(), StatusCode::kInvalidArgument);
+  const std::uint64_t l0 = Schedule(t, "req", "l0");
+  t.OnBatchComplete(l0, Status::OK());
+  ExpectNoEvent(t, "one of two sealed writes done");
+  const std::uint64_t l1 = Schedule(t, "req", "l1");
+  // A third layer is one more than the seal said: refused, and the transfer fails.
+  auto extra = t.ScheduleWrite("req", "l2", "decode-0", 1, 1);
+  EXPECT_EQ(extra.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(extra.status().message().find("sealed for 2 writes"), std::string::npos);
+  t.OnBatchComplete(l1, Status::OK());
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
+
+  ASSERT_TRUE(t.Seal("ok", "decode-0", 2).ok());
+  t.OnBatchComplete(Schedule(t, "ok", "l0"), Status::OK());
+  t.OnBatchComplete(Schedule(t, "ok", "l1"), Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 2);
+
+  // Sealing for fewer writes than were scheduled fails the transfer.
+  const std::uint64_t m0 = Schedule(t, "more", "l0");
+  Schedule(t, "more", "l1");
+  EXPECT_EQ(t.Seal("more", "decode-0", 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("neg", "decode-0", -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.pending(), 1u);  // "neg" was not created
+  t.OnBatchComplete(m0, Status::OK());
+  ExpectNoEvent(t, "failed, one write in flight");
 }
 
 // ---- deadlines ----------------------------------------------------------------------------
@@ -298,28 +365,63 @@ TEST(TransferTrackerDeadline, TimedOutTransferEndsWhenItsBatchesDrainOrAfterASec
   EXPECT_FALSE(t.ScheduleWrite("wr", "l1", "decode-0", 1, 1).value().has_value());
   EXPECT_EQ(t.AddBatch("rd", 1, 1).status().code(), StatusCode::kFailedPrecondition);
 
-  // The write's batch drains: it ends as timed out, once.
+  // The write's batch drains: it ends as timed out, once, with nothing in flight.
   t.OnBatchComplete(w, Status::OK());
   std::vector<TransferEvent> events = DrainNow(t);
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].transfer_id, "wr");
   EXPECT_EQ(events[0].state, TransferState::kTimedOut);
+  EXPECT_TRUE(events[0].drained);
 
-  // The read's batch never completes: after a second period it ends anyway and says so.
+  // The read's batch does not complete: after a second period it ends anyway, QUARANTINED.
   t.ExpireDeadlines(late + std::chrono::hours(1));
   events = DrainNow(t);
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].transfer_id, "rd");
   EXPECT_EQ(events[0].state, TransferState::kTimedOut);
-  EXPECT_NE(events[0].message.find("still in flight"), std::string::npos) << events[0].message;
+  EXPECT_FALSE(events[0].drained);
+  EXPECT_NE(events[0].message.find("quarantined"), std::string::npos) << events[0].message;
   EXPECT_EQ(t.pending(), 0u);
+  EXPECT_EQ(t.quarantined(), 1u);
+  EXPECT_TRUE(t.DrainQuarantine(16).empty());  // its batch may still write
 
-  // The transport finishes later: ignored, and the ids are not reusable for new work.
+  // The transport finishes later: that drains the quarantine, reported exactly once; the ids
+  // are not reusable for new work.
+  EXPECT_EQ(t.BeginRead("rd", "prefill-0").code(), StatusCode::kAlreadyExists);
   t.OnBatchComplete(*r, TransportError("late"));
-  t.Seal("wr", "decode-0");
+  std::vector<DrainedTransfer> drained = t.DrainQuarantine(16);
+  ASSERT_EQ(drained.size(), 1u);
+  EXPECT_EQ(drained[0].transfer_id, "rd");
+  EXPECT_EQ(drained[0].kind, TransferKind::kRead);
+  EXPECT_EQ(drained[0].peer, "prefill-0");
+  EXPECT_EQ(t.quarantined(), 0u);
+  t.OnBatchComplete(*r, Status::OK());
+  EXPECT_TRUE(t.DrainQuarantine(16).empty());
+  EXPECT_TRUE(t.Seal("wr", "decode-0", 1).ok());
   t.CloseRead("rd");
   t.ExpireDeadlines(late + std::chrono::hours(3));
   ExpectNoEvent(t, "after time out");
+}
+
+// A quarantined transfer drains only when ALL of its in-flight batches completed.
+TEST(TransferTrackerDeadline, QuarantineDrainsAfterTheLastInFlightBatch) {
+  TransferTracker t(50ms, 16);
+  const std::uint64_t a = Schedule(t, "wr", "l0");
+  const std::uint64_t b = Schedule(t, "wr", "l1");
+  const auto late = TransferTracker::Clock::now() + std::chrono::hours(1);
+  t.ExpireDeadlines(late);
+  t.ExpireDeadlines(late + std::chrono::hours(1));
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kTimedOut);
+  EXPECT_FALSE(e.drained);
+  t.OnBatchComplete(a, Status::OK());
+  EXPECT_TRUE(t.DrainQuarantine(16).empty()) << "one batch of two still in flight";
+  EXPECT_FALSE(t.ScheduleWrite("wr", "l2", "decode-0", 1, 1).value().has_value());
+  t.OnBatchComplete(b, Status::OK());
+  std::vector<DrainedTransfer> drained = t.DrainQuarantine(16);
+  ASSERT_EQ(drained.size(), 1u);
+  EXPECT_EQ(drained[0].kind, TransferKind::kWrite);
+  ExpectNoEvent(t, "a drain is not a second terminal event");
 }
 
 TEST(TransferTrackerDeadline, AbortedTransferWaitingForBatchesStillEndsOnce) {
@@ -464,7 +566,7 @@ TEST(TransferTrackerPeer, FailPeerFailsOnlyThatPeersTransfersOnceTheyDrain) {
   EXPECT_EQ(states["a-read"], TransferState::kFailed);
 
   EXPECT_EQ(t.pending(), 1u);
-  t.Seal("b-write", "B");
+  ASSERT_TRUE(t.Seal("b-write", "B", 1).ok());
   t.OnBatchComplete(b, Status::OK());
   TransferEvent e = OnlyEvent(t);
   EXPECT_EQ(e.transfer_id, "b-write");
@@ -492,14 +594,15 @@ TEST(TransferTrackerHistory, TerminalSetIsBounded) {
     const std::string id = "t" + std::to_string(i);
     EXPECT_TRUE(t.IsTerminal(id)) << id;
     EXPECT_EQ(t.BeginRead(id, "p").code(), StatusCode::kAlreadyExists) << id;
-    EXPECT_FALSE(t.ScheduleWrite(id, "l0", "p", 1, 1).value().has_value()) << id;
+    EXPECT_EQ(t.ScheduleWrite(id, "l0", "p", 1, 1).status().code(), StatusCode::kInvalidArgument)
+        << id << " is a READ";
   }
   ExpectNoEvent(t, "after re-beginning forgotten ids (still open)");
 }
 
 TEST(TransferTrackerDrain, OldestFirstAndBoundedByMaxEvents) {
   TransferTracker t(kLongTimeout, 64);
-  for (int i = 0; i < 5; ++i) t.Seal("s" + std::to_string(i), "p");
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(t.Seal("s" + std::to_string(i), "p", 0).ok());
   std::vector<TransferEvent> first = t.Drain(2, 0ms);
   ASSERT_EQ(first.size(), 2u);
   EXPECT_EQ(first[0].transfer_id, "s0");
@@ -512,8 +615,8 @@ TEST(TransferTrackerDrain, OldestFirstAndBoundedByMaxEvents) {
 
 TEST(TransferTrackerDrain, WaitingDrainWakesForAnEventFromAnotherThread) {
   TransferTracker t(kLongTimeout, 16);
-  const std::uint64_t token = Schedule(t, "req", "l0");
-  t.Seal("req", "p");
+  const std::uint64_t token = Schedule(t, "req", "l0", 100, 2, "p");
+  ASSERT_TRUE(t.Seal("req", "p", 1).ok());
   std::thread completer([&] {
     std::this_thread::sleep_for(20ms);
     t.OnBatchComplete(token, Status::OK());
@@ -638,7 +741,9 @@ TEST(TransferTrackerStress, ExactlyOneTerminalEventPerTransfer) {
     start.arrive_and_wait();
     for (int i = 0; i < kWrites; ++i) {
       while (write_progress.load() <= i) std::this_thread::yield();
-      if (i % 10 != 5) t.Seal(name(i), peer_of(i));
+      if (i % 10 != 5) {
+        EXPECT_TRUE(t.Seal(name(i), peer_of(i), kLayers).ok());
+      }
     }
   });
   // Aborter and peer-failure thread. Every tenth transfer (i % 10 == 5) is never sealed or
@@ -702,7 +807,7 @@ TEST(TransferTrackerStress, ExactlyOneTerminalEventPerTransfer) {
   threads[completer_begin + 1].join();
   // Every batch completed and every transfer is aborted, sealed or closed; late seals and closes
   // of terminal transfers are ignored.
-  for (int i = 0; i < kWrites; ++i) t.Seal(name(i), peer_of(i));
+  for (int i = 0; i < kWrites; ++i) EXPECT_TRUE(t.Seal(name(i), peer_of(i), kLayers).ok());
   for (int i = kWrites; i < kWrites + kReads; ++i) t.CloseRead(name(i));
   draining = false;
   drainer.join();

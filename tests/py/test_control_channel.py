@@ -25,6 +25,7 @@ from moriio_native.control.channel import (
     fetch_metadata,
 )
 from moriio_native.control.messages import (
+    AbortWrite,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -209,6 +210,10 @@ def test_messages_of_terminal_transfers_are_not_delivered():
         assert listener.get(WAIT) == Release("sync-3")
         assert listener.drain() == []
         assert listener.stats()["dropped_late"] == 2
+        # An abort_write is answered even for a finished transfer (the decode waits for it).
+        abort = AbortWrite("tx-late", "d0", LOCAL, 7301, 7401)
+        sender.send(LOCAL, listener.port, abort)
+        assert listener.get(WAIT) == abort
 
 
 def test_refused_peer_gets_no_socket_and_no_message():

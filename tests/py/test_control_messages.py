@@ -13,6 +13,7 @@ from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     NOTIFY_TYPES,
+    AbortWrite,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -20,6 +21,7 @@ from moriio_native.control.messages import (
     ProxyRegistration,
     Release,
     RemoteBlocks,
+    WriteAborted,
     WriteDone,
     WriteFailed,
     decode,
@@ -36,6 +38,8 @@ SAMPLES = [
     WriteDone("tx-1", writer_rank=3, num_writers=4),
     WriteFailed("tx-1", writer_rank=0, reason="RDMA transfer timed out"),
     Release("tx-1", consumer_tp_size=4, consumer_tp_rank=2),
+    AbortWrite("tx-1", "d0/dp1/tp0", "10.0.0.2", 7301, 7401, decode_dp_rank=1),
+    WriteAborted("tx-1", writer_rank=2),
     HandshakeRequest("decode-0"),
     HandshakeResponse("p0", b"\x00\x01native", 1, 2, 2, 4, "WRITE", nonce=b"n" * 16),
     HandshakeRejected("caches not registered", b"n" * 16),
@@ -185,6 +189,26 @@ def test_constructors_refuse_invalid_messages():
         ProxyRegistration("P", "no-port", ZmqAddress("1.2.3.4", 1, 2), 1, 1, "READ")
     with pytest.raises(InvalidArgumentError, match="type"):
         ProxyRegistration("X", "1.2.3.4:80", ZmqAddress("1.2.3.4", 1, 2), 1, 1, "READ")
+
+
+def test_abort_write_checks_the_decode_address_and_ids():
+    with pytest.raises(InvalidMessageError, match="decode_handshake_port"):
+        AbortWrite("tx-1", "d0", "10.0.0.2", 0, 7401)
+    with pytest.raises(InvalidMessageError, match="decode_notify_port"):
+        AbortWrite("tx-1", "d0", "10.0.0.2", 7301, 70000)
+    with pytest.raises(InvalidMessageError, match="abort_write"):
+        AbortWrite("tx-1", "d0", "not a host!", 7301, 7401)
+    with pytest.raises(InvalidMessageError, match="decode_engine_id"):
+        AbortWrite("tx-1", "", "10.0.0.2", 7301, 7401)
+    with pytest.raises(InvalidMessageError, match="writer_rank"):
+        WriteAborted("tx-1", writer_rank=-1)
+    wire = encode(AbortWrite("tx-1", "d0", "10.0.0.2", 7301, 7401))
+    body = msgpack.unpackb(wire)
+    body["decode_handshake_port"] = "7301"  # strings are not ports on the wire
+    with pytest.raises(InvalidMessageError, match="decode_handshake_port"):
+        decode(_packed(body), NOTIFY_TYPES, max_bytes=1024)
+    message = decode(wire, NOTIFY_TYPES, max_bytes=1024)
+    assert message.decode_address == ZmqAddress("10.0.0.2", 7301, 7401)
 
 
 def test_proxy_registration_decode_checks_zmq_address():

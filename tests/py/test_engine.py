@@ -70,7 +70,7 @@ def test_write_pushes_each_layer_and_completes_once_after_seal(pair) -> None:
     # A layer scheduled twice is refused and moves nothing more.
     assert ep.write_layer("req-w", prefill.shapes[0].name, "decode-0", local, remote) is False
     assert ep.wait(["req-w"], timeout=0.3) == {}  # not sealed: no completion yet
-    ep.seal("req-w")
+    ep.seal("req-w", "decode-0", expected_writes=len(prefill.shapes))
     events = ep.wait(["req-w"], timeout=10)
     assert events["req-w"].state == "done"
     assert events["req-w"].bytes == len(local) * prefill.total_block_bytes()
@@ -78,13 +78,13 @@ def test_write_pushes_each_layer_and_completes_once_after_seal(pair) -> None:
     assert ep.poll_events(timeout=0.2) == []  # exactly one event
     # Late writes and seals for the finished transfer are ignored.
     assert ep.write_layer("req-w", prefill.shapes[1].name, "decode-0", local, remote) is False
-    ep.seal("req-w")
+    ep.seal("req-w", "decode-0", expected_writes=len(prefill.shapes))
     assert ep.poll_events(timeout=0.1) == []
 
 
-def test_seal_without_writes_completes_immediately(pair) -> None:
+def test_seal_saying_nothing_to_send_completes_immediately(pair) -> None:
     _, _, ep, _ = pair
-    ep.seal("req-empty", "decode-0")
+    ep.seal("req-empty", "decode-0", expected_writes=0)
     event = ep.wait(["req-empty"], timeout=5)["req-empty"]
     assert (event.kind, event.state, event.bytes) == ("write", "done", 0)
 

@@ -116,7 +116,7 @@ def test_read_and_write_in_host_memory_over_mori() -> None:
     expected = kc.expected_after_copy(decode, prefill, dst, src)
     for shape in prefill.shapes:
         assert ep.write_layer("req-write", shape.name, "decode-0", src, dst) is True
-    ep.seal("req-write")
+    ep.seal("req-write", "decode-0", expected_writes=len(prefill.shapes))
     event = ep.wait(["req-write"], timeout=60)["req-write"]
     assert (event.kind, event.state) == ("write", "done"), event.message
     assert np.array_equal(decode.backing, expected)
@@ -184,7 +184,7 @@ def test_read_and_write_in_gpu_memory_over_mori() -> None:
     expected = kc.expected_after_copy(decode, prefill, dst, src)
     for shape in prefill.shapes:
         assert ep.write_layer("gpu-write", shape.name, "decode-0", src, dst) is True
-    ep.seal("gpu-write")
+    ep.seal("gpu-write", "decode-0", expected_writes=len(prefill.shapes))
     event = ep.wait(["gpu-write"], timeout=60)["gpu-write"]
     assert event.state == "done", event.message
     assert np.array_equal(decode_bytes(), expected)

@@ -219,7 +219,7 @@ def test_prefill_writes_layer_by_layer_into_decode_process(
     assert not np.array_equal(decode_replica.backing, expected)
     for shape in prefill.shapes:
         assert engine.write_layer("req-w", shape.name, "decode-child", local, remote) is True
-    engine.seal("req-w")
+    engine.seal("req-w", "decode-child", expected_writes=len(prefill.shapes))
     event = engine.wait(["req-w"], timeout=TIMEOUT)["req-w"]
     assert (event.kind, event.state) == ("write", "done"), event.message
     assert event.bytes == len(local) * prefill.total_block_bytes()
@@ -279,7 +279,7 @@ def test_both_sides_on_backend_allocated_memory_read_and_write() -> None:
         expected_child = kc.expected_after_copy(prefill_replica, decode, [2, 4], [0, 19])
         for shape in decode.shapes:
             assert engine.write_layer("alloc-w", shape.name, "prefill-child", [0, 19], [2, 4])
-        engine.seal("alloc-w")
+        engine.seal("alloc-w", "prefill-child", expected_writes=len(decode.shapes))
         assert engine.wait(["alloc-w"], timeout=TIMEOUT)["alloc-w"].state == "done"
         np.testing.assert_array_equal(child.backing(), expected_child)
     finally:
@@ -331,7 +331,7 @@ def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
         expected_remote = kc.expected_after_copy(prefill_replica, decode, [4, 8], [2, 18])
         for shape in decode.shapes:
             assert engine.write_layer("req-gw", shape.name, "prefill-child", [2, 18], [4, 8])
-        engine.seal("req-gw")
+        engine.seal("req-gw", "prefill-child", expected_writes=len(decode.shapes))
         event = engine.wait(["req-gw"], timeout=TIMEOUT)["req-gw"]
         assert (event.kind, event.state) == ("write", "done"), event.message
         np.testing.assert_array_equal(prefill_child.backing(), expected_remote)

@@ -521,3 +521,122 @@ def test_write_across_tp_sizes_is_refused_and_frees_the_prefill(
     d.run_until(lambda r: rid in r.scheduled, what="decode to compute locally")
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="both prefill ranks released")
     assert p.free_blocks() == p.initial_free
+
+
+def test_write_backpressure_on_a_full_writer_queue_does_not_deadlock(
+    sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 12 defect 6: the prefill computes before the decode's blocks arrive, so their
+    arrival queues every layer's write and the seal at once -- more than a writer queue of one
+    entry holds. The thread queueing them must wait for room without holding the lock the
+    writer thread takes after each get."""
+    import moriio_native.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_WRITER_QUEUE", 1)
+    p, d = make_pair(sides, model_dir, "write")
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()  # computed; nothing to write to yet
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()  # announces the blocks: the prefill queues both layers and the seal
+    sent = threading.Event()
+
+    def prefill_steps() -> None:
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+        sent.set()
+
+    threading.Thread(target=prefill_steps, daemon=True).start()
+    assert sent.wait(60), "the prefill worker deadlocked on its full writer queue"
+    d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+
+
+# ---- quarantine (issue 12 defect 3) -------------------------------------------------------------
+# A delayed loopback backend (each batch sleeps 1.5 s) with a 0.4 s transfer timeout makes the
+# engine end the transfer at 0.8 s while its batches are in flight (drained=False). The tests
+# watch from the outside: while the writer's engine still counts the transfer as quarantined,
+# vLLM must not have been told the load ended (no load error, no finished/failed receive, blocks
+# still allocated); afterwards the blocks are recomputed and freed normally.
+
+DELAYED = {"transfer_timeout": 0.4, "engine_options": {"loopback_delay_ms": "1500"}}
+
+
+def test_read_quarantined_blocks_are_reported_only_after_the_drain(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read", d_extra=DELAYED)
+    prompt = prompt_of(40, seed=3)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    returned = p.step().finished()[rid].kv_transfer_params
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    engine = d.worker.worker.engine
+    results: list = []
+    stepper = threading.Thread(target=lambda: results.append(d.step()), daemon=True)
+    stepper.start()
+    saw_quarantine = False
+    while stepper.is_alive():
+        returned_now = not stepper.is_alive()
+        quarantined = engine.quarantined_transfers
+        # The step (which reports load errors to vLLM) must not end while the READ is
+        # quarantined: vLLM would recompute into blocks the transport may still write.
+        assert not (returned_now and quarantined), "load reported before the drain"
+        saw_quarantine = saw_quarantine or bool(quarantined)
+        time.sleep(0.005)
+    stepper.join(30)
+    assert saw_quarantine, "the READ never ended quarantined (is the delay long enough?)"
+    assert engine.quarantined_transfers == 0
+    first = results[0]
+    loaded = d.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    assert first.invalid_blocks == set(loaded)  # a load error, now that it drained
+    assert first.stats is not None and first.stats.data["quarantined_blocks"] == len(loaded)
+    second = d.step()
+    assert second.scheduled == {rid: len(prompt)}  # recomputed, after the drain
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+def test_write_quarantined_blocks_are_freed_only_after_the_prefill_drained(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "write", p_extra=DELAYED, d_extra={"abort_timeout": 1})
+    prompt = prompt_of(40, seed=5)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    held = d.initial_free - d.free_blocks()
+    assert held == 3
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.step()
+    p_engine = p.worker.worker.engine
+    saw_quarantine = False
+    quarantined_blocks = 0
+    deadline = time.monotonic() + 60
+    while True:
+        result = d.step()
+        if result.stats is not None:
+            quarantined_blocks += result.stats.data["quarantined_blocks"]
+        freed = rid in result.transfer.finished_recving
+        # Read after the step: a quarantine still open now was open when the step ended.
+        quarantined = p_engine.quarantined_transfers
+        saw_quarantine = saw_quarantine or bool(quarantined)
+        if freed:
+            assert not quarantined, "decode blocks handed back while the prefill still writes"
+            assert rid in result.transfer.failed_recving  # recomputed, not used
+            break
+        assert d.free_blocks() == d.initial_free - held, "blocks freed before the drain"
+        assert not result.scheduled, "recomputing into blocks that may still be written"
+        assert time.monotonic() < deadline, "the quarantine never ended"
+        time.sleep(0.01)
+    assert saw_quarantine, "the WRITE never ended quarantined (is the delay long enough?)"
+    assert quarantined_blocks == held
+    nxt = d.step()
+    assert nxt.scheduled == {rid: len(prompt)}  # recomputed from scratch, after the drain
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="prefill blocks after drain")
+    assert p.free_blocks() == p.initial_free
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free

@@ -139,8 +139,12 @@ Result<MoriOptions> ParseMoriOptions(const BackendOptions& options) {
   // MoRI rejects one entry of 4 GiB or more ("exceeds UINT32_MAX"); stay below it.
   MORIIO_RETURN_IF_ERROR(ParseInteger<std::uint64_t>(
       options, "mori_max_run_bytes", 4096, (std::uint64_t{1} << 32) - 4096, &o.max_run_bytes));
+  // Accepted (and checked) for old configurations, but ignored: a posted batch completes only
+  // when MoRI reports it terminal, since only then can none of its writes land any more. A
+  // batch MoRI never finishes leaves its transfer to the engine, which quarantines it.
+  std::chrono::milliseconds ignored_transfer_timeout{0};
   MORIIO_RETURN_IF_ERROR(
-      ParseMilliseconds(options, "mori_transfer_timeout_ms", &o.transfer_timeout));
+      ParseMilliseconds(options, "mori_transfer_timeout_ms", &ignored_transfer_timeout));
   MORIIO_RETURN_IF_ERROR(ParseMilliseconds(options, "mori_drain_timeout_ms", &o.drain_timeout));
   if (auto it = options.find("mori_host"); it != options.end()) o.host = it->second;
   if (auto it = options.find("mori_xgmi_kernel"); it != options.end()) o.xgmi_kernel = it->second;
@@ -230,7 +234,6 @@ struct Work {
   // Set once posted.
   std::uint64_t session = 0;
   std::unique_ptr<MoriTransferStatus> status;
-  Clock::time_point deadline = Clock::time_point::max();
   bool peer_disconnected = false;  // report Aborted once MoRI is done with it
   std::string peer_key;
 };
@@ -750,9 +753,6 @@ class MoriBackend final : public Backend {
           for (auto& [key, entry] : sessions_) {
             if (entry.id == w->session) ++entry.in_flight;
           }
-          if (options_.transfer_timeout.count() > 0) {
-            w->deadline = Clock::now() + options_.transfer_timeout;
-          }
           // The posted offsets are no longer needed; free them while the batch is in flight.
           w->local_offsets = {};
           w->remote_offsets = {};
@@ -811,17 +811,14 @@ class MoriBackend final : public Backend {
         for (auto it = in_flight_.begin(); it != in_flight_.end();) {
           Work& w = **it;
           const std::uint32_t code = w.status->Code();
-          const bool terminal = IsTerminalCode(code);
-          if (!terminal && now < w.deadline) {
+          // Only MoRI's terminal status proves that none of the batch's writes can land any
+          // more (the engine's no-late-write contract): no deadline ends a posted batch here.
+          if (!IsTerminalCode(code)) {
             ++it;
             continue;
           }
           Status status;
-          if (!terminal) {
-            status = TimeoutError(Describe(w) + " not finished after " +
-                                  std::to_string(options_.transfer_timeout.count()) +
-                                  " ms (mori_transfer_timeout_ms)");
-          } else if (w.peer_disconnected) {
+          if (w.peer_disconnected) {
             status = AbortedError("peer '" + w.peer_key + "' was disconnected while " +
                                   Describe(w) + " was in flight");
           } else {

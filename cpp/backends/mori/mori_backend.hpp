@@ -37,9 +37,6 @@ struct MoriOptions {
   /// "mori_max_run_bytes": runs longer than this go to MoRI as several consecutive entries
   /// (MoRI rejects single entries of 4 GiB or more).
   std::uint64_t max_run_bytes = std::uint64_t{1} << 30;
-  /// "mori_transfer_timeout_ms": a posted batch MoRI has not finished by then completes with
-  /// Timeout (its status is kept until the MoRI engine is gone). 0 = never.
-  std::chrono::milliseconds transfer_timeout{120000};
   /// "mori_drain_timeout_ms": how long destruction waits for posted batches before it stops
   /// MoRI and completes what is left as Aborted.
   std::chrono::milliseconds drain_timeout{5000};

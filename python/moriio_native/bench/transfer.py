@@ -229,7 +229,7 @@ def _bench_case(
             engine.read(tid, peer_id, local, remote)
         else:
             engine.write_layer(tid, _LAYER, peer_id, local, remote)
-            engine.seal(tid, peer_id)
+            engine.seal(tid, peer_id, expected_writes=1)
         event = engine.wait([tid], timeout=timeout).get(tid)
         if event is None:
             engine.abort(tid)

@@ -56,6 +56,7 @@ from .messages import (
     MAX_REASON_LEN,
     NOTIFY_TYPES,
     PROTOCOL_VERSION,
+    AbortWrite,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -370,7 +371,7 @@ class NotifyListener(_RouterThread):
         if message is None:
             return
         with self._cond:
-            if message.transfer_id in self._terminal:
+            if self._late(message):
                 outcome = "dropped_late"
             elif message.dedup_key in self._seen:
                 outcome = "dropped_duplicate"
@@ -394,7 +395,7 @@ class NotifyListener(_RouterThread):
         with self._cond:
             while self._pending and (max_items is None or len(out) < max_items):
                 message = self._pending.popleft()
-                if message.transfer_id in self._terminal:
+                if self._late(message):
                     late += 1
                 else:
                     out.append(message)
@@ -413,7 +414,7 @@ class NotifyListener(_RouterThread):
                 while self._pending:
                     message = self._pending.popleft()
                     self._cond.notify_all()
-                    if message.transfer_id not in self._terminal:
+                    if not self._late(message):
                         return message
                     with self._state_lock:
                         self._stats["delivered"] -= 1
@@ -422,6 +423,11 @@ class NotifyListener(_RouterThread):
                 if remaining <= 0:
                     return None
                 self._cond.wait(min(remaining, _POLL_MS / 1000))
+
+    def _late(self, message: NotifyMessage) -> bool:
+        """Whether ``message`` is for a terminal transfer and dropped. An ``abort_write`` is
+        never late: the decode waits for its answer even when the writer finished already."""
+        return message.transfer_id in self._terminal and not isinstance(message, AbortWrite)
 
     def mark_terminal(self, transfer_id: str) -> None:
         """From now on drop every message of ``transfer_id`` (it is done/failed/aborted)."""

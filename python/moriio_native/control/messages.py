@@ -18,6 +18,12 @@ type                  direction  fields (wire name)
 ``write_failed``      P -> D     ``transfer_id``, ``writer_rank``, ``reason``
 ``release``           D -> P     ``transfer_id``, ``consumer_tp_size``, ``consumer_tp_rank``
                       (READ)
+``abort_write``       D -> P     ``transfer_id``, ``decode_engine_id``, ``decode_host``,
+                      (WRITE)    ``decode_handshake_port``, ``decode_notify_port``,
+                                 ``decode_dp_rank``: D gave up on the transfer; P stops
+                                 writing it and acknowledges once drained
+``write_aborted``     P -> D     ``transfer_id``, ``writer_rank``: nothing of the transfer can
+                      (WRITE)    write D's blocks any more (the ack of ``abort_write``)
 ===================== ========== ==============================================================
 
 Handshake channel (request/reply, DEALER <-> ROUTER): ``handshake_request`` (protocol version,
@@ -33,7 +39,8 @@ Contents (all values immutable; functions pure and thread-safe):
 
 * :class:`InvalidMessageError`
 * notify messages :class:`RemoteBlocks`, :class:`WriteDone`, :class:`WriteFailed`,
-  :class:`Release` (union :data:`NotifyMessage`, tuple :data:`NOTIFY_TYPES`)
+  :class:`Release`, :class:`AbortWrite`, :class:`WriteAborted` (union :data:`NotifyMessage`,
+  tuple :data:`NOTIFY_TYPES`)
 * :class:`HandshakeRequest`, :class:`HandshakeResponse`, :class:`HandshakeRejected`
 * :class:`ProxyRegistration`
 * :func:`encode` (message -> bytes), :func:`decode` (bytes -> one of the accepted classes)
@@ -280,8 +287,70 @@ class Release(_PlainWire):
         return (self.TYPE, self.transfer_id, str(self.consumer_tp_rank))
 
 
-NotifyMessage = RemoteBlocks | WriteDone | WriteFailed | Release
-NOTIFY_TYPES: tuple[type[NotifyMessage], ...] = (RemoteBlocks, WriteDone, WriteFailed, Release)
+@dataclass(frozen=True, slots=True)
+class AbortWrite(_PlainWire):
+    """D -> P (WRITE mode): D gave up on ``transfer_id`` (timeout or abort) and keeps its blocks
+    quarantined until P answers :class:`WriteAborted`: P stops the transfer and answers once
+    none of its writes can land any more. ``decode_engine_id`` names the decode rank, so P
+    answers the handshaken peer, never an address from a message."""
+
+    TYPE: ClassVar[str] = "abort_write"
+    transfer_id: str
+    decode_engine_id: str
+    decode_host: str
+    decode_handshake_port: int
+    decode_notify_port: int
+    decode_dp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        _check_id(self.TYPE, "transfer_id", self.transfer_id)
+        _check_id(self.TYPE, "decode_engine_id", self.decode_engine_id)
+        try:
+            object.__setattr__(self, "decode_host", validate_host(self.decode_host))
+        except InvalidArgumentError as exc:
+            raise _fail(self.TYPE, str(exc)) from None
+        _check_int(self.TYPE, "decode_handshake_port", self.decode_handshake_port, 1, 65535)
+        _check_int(self.TYPE, "decode_notify_port", self.decode_notify_port, 1, 65535)
+        _check_int(self.TYPE, "decode_dp_rank", self.decode_dp_rank, 0, MAX_PARALLEL_SIZE - 1)
+
+    @property
+    def decode_address(self) -> ZmqAddress:
+        """The decode instance's base ports: P handshakes it (allowlist and engine id checked)
+        when it has no handshake with that rank yet."""
+        return ZmqAddress(self.decode_host, self.decode_handshake_port, self.decode_notify_port)
+
+    @property
+    def dedup_key(self) -> tuple[str, ...]:
+        return (self.TYPE, self.transfer_id)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteAborted(_PlainWire):
+    """P -> D (WRITE mode): writer ``writer_rank`` stopped ``transfer_id`` and none of its
+    writes can land any more; D may free (recompute) the blocks."""
+
+    TYPE: ClassVar[str] = "write_aborted"
+    transfer_id: str
+    writer_rank: int = 0
+
+    def __post_init__(self) -> None:
+        _check_id(self.TYPE, "transfer_id", self.transfer_id)
+        _check_int(self.TYPE, "writer_rank", self.writer_rank, 0, MAX_PARALLEL_SIZE - 1)
+
+    @property
+    def dedup_key(self) -> tuple[str, ...]:
+        return (self.TYPE, self.transfer_id, str(self.writer_rank))
+
+
+NotifyMessage = RemoteBlocks | WriteDone | WriteFailed | Release | AbortWrite | WriteAborted
+NOTIFY_TYPES: tuple[type[NotifyMessage], ...] = (
+    RemoteBlocks,
+    WriteDone,
+    WriteFailed,
+    Release,
+    AbortWrite,
+    WriteAborted,
+)
 
 # ---- handshake --------------------------------------------------------------------------------
 
@@ -521,6 +590,7 @@ __all__ = [
     "NOTIFY_TYPES",
     "PROTOCOL_VERSION",
     "TRANSFER_MODES",
+    "AbortWrite",
     "HandshakeRejected",
     "HandshakeRequest",
     "HandshakeResponse",
@@ -529,6 +599,7 @@ __all__ = [
     "ProxyRegistration",
     "Release",
     "RemoteBlocks",
+    "WriteAborted",
     "WriteDone",
     "WriteFailed",
     "decode",

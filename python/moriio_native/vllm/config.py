@@ -23,6 +23,12 @@ key                   default      meaning
 ``abort_timeout``     ``120.0``    seconds a stranded request may hold blocks: prefill blocks
                                    nobody released, decode requests whose KV never arrived.
                                    ``defer_timeout`` is read when absent.
+``quarantine_timeout`` ``300.0``   seconds decode blocks stay quarantined at most: a transfer
+                                   into them ended (timed out / aborted) while writes may still
+                                   land, so they are neither recomputed into nor freed until the
+                                   writer proved them drained (its drain ack, its death, or for
+                                   READ our own engine); past this bound a WRITE's blocks are
+                                   freed anyway (logged), a READ's step raises instead
 ``allowed_peers``     none         CIDRs / IPs / host names this instance may dial besides hosts
                                    that handshook with it (list or comma-separated string);
                                    ``"*"`` allows all (insecure)
@@ -69,6 +75,7 @@ DEFAULT_PROXY_PING_PORT = 36367
 DEFAULT_PING_INTERVAL = 3.0
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 DEFAULT_ABORT_TIMEOUT = 120.0
+DEFAULT_QUARANTINE_TIMEOUT = 300.0
 BACKENDS = ("auto", "ucx", "mori", "loopback")
 BACKEND_OPTION_PREFIXES = ("ucx_", "mori_")
 # Backend tuning keys without a prefix (vLLM's MoRIIO connector spells MoRI's this way; the UCX
@@ -92,6 +99,7 @@ _KNOWN_KEYS = frozenset(
         "transfer_timeout",
         "abort_timeout",
         "defer_timeout",
+        "quarantine_timeout",
         "allowed_peers",
         "auth_secret",
         "engine_options",
@@ -172,6 +180,7 @@ class ConnectorConfig:
     ping_interval: float = DEFAULT_PING_INTERVAL
     transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
     abort_timeout: float = DEFAULT_ABORT_TIMEOUT
+    quarantine_timeout: float = DEFAULT_QUARANTINE_TIMEOUT
     allowed_peers: tuple[str, ...] = ()
     auth_secret: str | None = field(default=None, repr=False)
     engine_options: Mapping[str, str] = field(default_factory=dict)
@@ -330,6 +339,9 @@ class ConnectorConfig:
                 get("transfer_timeout") or DEFAULT_TRANSFER_TIMEOUT, "transfer_timeout"
             ),
             abort_timeout=_seconds(abort or DEFAULT_ABORT_TIMEOUT, "abort_timeout"),
+            quarantine_timeout=_seconds(
+                get("quarantine_timeout") or DEFAULT_QUARANTINE_TIMEOUT, "quarantine_timeout"
+            ),
             allowed_peers=allowed_peers,
             auth_secret=str(secret) if secret is not None else None,
             engine_options=options,
@@ -345,6 +357,7 @@ __all__ = [
     "DEFAULT_MODE",
     "DEFAULT_NOTIFY_PORT",
     "DEFAULT_PROXY_PING_PORT",
+    "DEFAULT_QUARANTINE_TIMEOUT",
     "DEFAULT_TRANSFER_TIMEOUT",
     "ConnectorConfig",
     "Mode",

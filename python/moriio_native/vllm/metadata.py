@@ -42,6 +42,9 @@ class RecvTask:
     remote_block_ids: tuple[int, ...] = ()  # READ only, paired with local_block_ids by index
     report_done: bool = False  # async (WRITE) load: report finished_recving to vLLM
     error: str = ""  # set: the load cannot be planned -- report it failed, release the prefill
+    # The request was aborted while its WRITE load may run: give up on it now (the blocks stay
+    # quarantined until the prefill confirms its writes stopped).
+    aborted: bool = False
 
     @property
     def notify_only(self) -> bool:

@@ -27,6 +27,7 @@ Thread-safety: vLLM calls every method from its scheduler thread; no locking her
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -305,6 +306,14 @@ class SchedulerSide:
                 peer = self._prefill_peer(request, params)
                 if peer is not None:
                     self._recv.append(self._release_task(request, params, peer))
+            elif self.config.mode == "write" and request.status in _ABORTED:
+                # Aborted while the prefill may be writing its blocks (vLLM keeps them until the
+                # workers report the load): the workers give up on the WRITE now.
+                peer = self._prefill_peer(request, params)
+                if peer is not None:
+                    self._recv.append(
+                        dataclasses.replace(self._release_task(request, params, peer), aborted=True)
+                    )
             self._planned.discard(rid)
             return False, None
         if not self._is_remote_decode(params):

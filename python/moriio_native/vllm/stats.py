@@ -14,6 +14,9 @@ key                 meaning
 ``runs``            contiguous copy runs (descriptors) of completed transfers
 ``batches``         backend batches posted for completed transfers
 ``handshakes``      metadata handshakes that succeeded
+``quarantined_blocks`` decode blocks put into quarantine: a transfer into them ended while
+                    writes may still land, so they were neither recomputed into nor freed
+                    until the writes were proven drained (or the quarantine bound passed)
 =================== ===============================================================
 
 Not thread-safe by itself; the worker guards its instance with its own lock.
@@ -25,7 +28,16 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-_COUNTERS = ("transfers", "failures", "bytes", "seconds", "runs", "batches", "handshakes")
+_COUNTERS = (
+    "transfers",
+    "failures",
+    "bytes",
+    "seconds",
+    "runs",
+    "batches",
+    "handshakes",
+    "quarantined_blocks",
+)
 
 
 def _empty() -> dict[str, Any]:
@@ -68,6 +80,10 @@ class MoRIIONativeStats(KVConnectorStats):
     def record_handshake(self) -> None:
         self.data["handshakes"] += 1
 
+    def record_quarantine(self, blocks: int) -> None:
+        """Count ``blocks`` decode blocks put into quarantine (once per block and transfer)."""
+        self.data["quarantined_blocks"] += int(blocks)
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -89,10 +105,12 @@ class MoRIIONativeStats(KVConnectorStats):
             "Avg runs per transfer": round(d["runs"] / n, 1) if n else 0.0,
             "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
             "Handshakes": d["handshakes"],
+            "Quarantined blocks": d["quarantined_blocks"],
         }
 
     def is_empty(self) -> bool:
-        return not (self.data["transfers"] or self.data["failures"] or self.data["handshakes"])
+        d = self.data
+        return not (d["transfers"] or d["failures"] or d["handshakes"] or d["quarantined_blocks"])
 
     def clone_and_reset(self) -> MoRIIONativeStats:
         """A copy of the counters; this instance starts a new interval."""

@@ -25,7 +25,10 @@ Prefill side
 
 Threads: a notify thread (control messages), an events thread (engine completions and
 timeouts), a writer thread (WRITE pushes in order) and a small pool for handshakes. All state
-is guarded by one lock; vLLM's hooks are called from the model-runner thread.
+is guarded by one lock; vLLM's hooks are called from the model-runner thread. Work for the
+writer is staged under the lock and moved into its bounded queue after the lock is released
+(:meth:`WorkerSide._feed_writer`): the writer takes the lock after each get, so a producer that
+waited for room while holding it would deadlock.
 """
 
 from __future__ import annotations
@@ -52,24 +55,27 @@ from moriio_native.control.channel import (
     fetch_metadata,
 )
 from moriio_native.control.messages import (
+    AbortWrite,
     HandshakeRequest,
     HandshakeResponse,
     NotifyMessage,
     ProxyRegistration,
     Release,
     RemoteBlocks,
+    WriteAborted,
     WriteDone,
     WriteFailed,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity
-from moriio_native.engine import Engine, LayerRegistration, available_backends
+from moriio_native.engine import DrainedTransfer, Engine, LayerRegistration, available_backends
 from moriio_native.errors import (
     BackendUnavailableError,
     FailedPreconditionError,
     IncompatiblePeerError,
     InvalidArgumentError,
     MoriioError,
+    TransportError,
 )
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
@@ -80,13 +86,19 @@ from moriio_native.vllm.tp import expected_releases, read_source, release_target
 logger = logging.getLogger("moriio_native.vllm.worker")
 
 _WAIT_SLICE_S = 0.1
-_DRAIN_GRACE_S = 5.0
+# A quarantined WRITE's prefill is re-handshaken this often: failing, it is dead (nothing of it
+# can write any more) and the blocks are freed.
+_PROBE_WRITER_EVERY_S = 5.0
 _MAX_EARLY_MESSAGES = 65536
 # Releases one decode rank sends to unread prefill ranks when no handshake confirmed the
 # prefill's TP size (the request's number could name thousands of ranks).
 _MAX_UNCONFIRMED_RELEASES = 16
 _WRITER_QUEUE = 65536
 _RETRY_HANDSHAKE_AFTER_S = 5.0
+
+
+# ("write", job, layer, CUDA event or None) or ("seal", job, "", number of writes queued).
+_WriterOp = tuple[str, "_WriteJob", str, Any]
 
 
 @dataclass
@@ -104,8 +116,9 @@ class _Read:
     task: RecvTask
     started: float
     peer: _Peer | None = None
-    state: str | None = None  # terminal state once known
+    state: str | None = None  # terminal state once known (for a quarantined read: drained)
     message: str = ""
+    quarantined: float | None = None  # when the engine reported it ended undrained
 
 
 @dataclass
@@ -114,6 +127,12 @@ class _Await:
 
     task: RecvTask
     deadline: float
+    peer: _Peer | None = None  # the prefill rank, once the announcement reached it
+    # Set when we gave up: the blocks stay allocated (quarantined) until the prefill says its
+    # writes drained (write_aborted / write_done / write_failed), dies, or the bound passes.
+    quarantined: float | None = None
+    next_probe: float = 0.0
+    probing: bool = False
 
 
 @dataclass
@@ -164,6 +183,8 @@ class _WriteJob:
     deadline: float = 0.0
     failed: str | None = None
     released: bool = False  # the decode said it needs nothing (release)
+    abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
+    undrained: str | None = None  # ended (reason) with writes in flight: waiting for the drain
     terminal: bool = False
 
 
@@ -223,7 +244,10 @@ class WorkerSide:
         self._pinger: ProxyPinger | None = None
         self._threads: list[threading.Thread] = []
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="moriio-native-handshake")
-        self._writer_q: queue.Queue[tuple[str, _WriteJob, str, Any]] = queue.Queue(_WRITER_QUEUE)
+        self._writer_q: queue.Queue[_WriterOp] = queue.Queue(_WRITER_QUEUE)
+        self._writer_staged: list[_WriterOp] = []  # guarded by _lock, fed by _feed_writer
+        # Serialises feeding so staged ops enter the queue in order; the writer never takes it.
+        self._writer_feed = threading.Lock()
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._failed_peers: dict[tuple[str, int], tuple[float, MoriioError]] = {}
         # decode side
@@ -477,12 +501,15 @@ class WorkerSide:
             for send in meta.send:
                 self._on_send_task(send, now)
             self._pending_recv.extend(meta.recv)
+        self._feed_writer()
 
     def start_load_kv(self) -> None:
         with self._lock:
             tasks, self._pending_recv = self._pending_recv, []
         for task in tasks:
-            if task.error:
+            if task.aborted:
+                self._give_up_await(task.transfer_id, "the request was aborted")
+            elif task.error:
                 self._fail_unplanned(task)
             elif not task.notify_only and self.cfg.mode == "read":
                 self._start_read(task)
@@ -508,6 +535,7 @@ class WorkerSide:
                     job.seen.add(layer_name)
                     job.pending.append((layer_name, event))
                     self._advance(job)
+        self._feed_writer()
 
     def wait_for_save(self) -> None:
         """Queue every layer whose save hook did not run (after the whole forward) and seal."""
@@ -525,6 +553,7 @@ class WorkerSide:
                 job.forward_done = True
                 self._advance(job)
             self._step_jobs = []
+        self._feed_writer()
 
     def get_finished(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) since the last call."""
@@ -608,8 +637,12 @@ class WorkerSide:
         self._send_release(read.task, read.peer)
 
     def _finish_step_reads(self) -> None:
-        """Wait until every READ posted this step is terminal (at most transfer_timeout plus a
-        grace for the engine's own timeout to drain it)."""
+        """Wait until every READ posted this step is terminal and drained: vLLM runs the forward
+        over (or recomputes into) these blocks as soon as this returns, so a read the engine
+        ended with operations in flight (quarantined) is waited for until the engine reports
+        it drained. The engine ends every transfer within 2 x transfer_timeout; a quarantine
+        longer than quarantine_timeout raises rather than let vLLM reuse blocks that may
+        still be written."""
         with self._lock:
             if not self._step_reads:
                 return
@@ -619,20 +652,22 @@ class WorkerSide:
                 read = self._reads.get(tid)
                 if read is None:
                     continue
-                deadline = read.started + self.cfg.transfer_timeout + _DRAIN_GRACE_S
+                deadline = (
+                    read.started + 2 * self.cfg.transfer_timeout + self.cfg.quarantine_timeout
+                )
                 while (
                     read.state is None and time.monotonic() < deadline and not self._stop.is_set()
                 ):
                     self._cond.wait(_WAIT_SLICE_S)
                 state = read.state
-            if state is None:
-                with contextlib.suppress(MoriioError):
-                    self.engine.abort(tid)
-                self._finish_read(
-                    tid, "timed_out", f"no completion within {self.cfg.transfer_timeout:.3g}s"
-                )
-            with self._lock:
                 self._reads.pop(tid, None)
+            if state is None and not self._stop.is_set():
+                raise TransportError(
+                    f"request {read.task.req_id} (transfer {tid}): the READ into blocks "
+                    f"{list(read.task.local_block_ids)} was not proven drained within "
+                    f"quarantine_timeout ({self.cfg.quarantine_timeout:.0f}s); refusing to let "
+                    "vLLM reuse blocks that may still be written"
+                )
 
     def _send_release(self, task: RecvTask, peer: _Peer | None) -> None:
         """Tell the prefill it may free the request's blocks: the rank we read from (at its
@@ -683,6 +718,11 @@ class WorkerSide:
             peer = self._connect(
                 task.peer, task.remote_dp_rank, task.remote_tp_size, task.remote_engine_id
             )
+            with self._lock:
+                waiting = self._awaiting.get(task.transfer_id)
+                if waiting is None or waiting.quarantined is not None:
+                    return  # given up before the prefill had our blocks (and released)
+                waiting.peer = peer  # from now on the prefill may write into the blocks
             self._sender.send(
                 peer.host,
                 peer.notify_port,
@@ -797,8 +837,9 @@ class WorkerSide:
         return event
 
     def _advance(self, job: _WriteJob) -> None:
-        """Move a WRITE job as far as its inputs allow (lock held). Writes and the seal go to
-        the writer thread in order, so a seal never overtakes a write."""
+        """Move a WRITE job as far as its inputs allow (lock held). Writes and the seal are
+        staged for the writer thread, in order; the caller feeds them to it after releasing
+        the lock (:meth:`_feed_writer`)."""
         if job.terminal or job.failed is not None:
             return
         if job.remote is None or job.save is None:
@@ -828,12 +869,27 @@ class WorkerSide:
                 np.asarray(wanted, dtype=np.int64),
             )
         for layer, event in job.pending:
-            self._writer_q.put(("write", job, layer, event))
+            self._writer_staged.append(("write", job, layer, event))
             job.submitted += 1
         job.pending = []
         if job.forward_done and not job.sealed:
             job.sealed = True
-            self._writer_q.put(("seal", job, "", None))
+            self._writer_staged.append(("seal", job, "", job.submitted))
+
+    def _feed_writer(self) -> None:
+        """Move staged writer work into the bounded writer queue, waiting for room when it is
+        full (backpressure). Must be called without ``_lock`` held: the writer thread takes it
+        after each get, so it could never make room for a producer that held it."""
+        with self._writer_feed:
+            with self._lock:
+                ops, self._writer_staged = self._writer_staged, []
+            for op in ops:
+                while not self._stop.is_set():
+                    try:
+                        self._writer_q.put(op, timeout=_WAIT_SLICE_S)
+                        break
+                    except queue.Full:
+                        continue
 
     def _connect_job(self, job: _WriteJob) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
@@ -857,6 +913,7 @@ class WorkerSide:
         with self._lock:
             job.peer = peer
             self._advance(job)
+        self._feed_writer()
 
     def _fail_job(self, job: _WriteJob, reason: str) -> None:
         """End a WRITE job as failed (lock held). With writes in flight the engine is aborted
@@ -885,7 +942,9 @@ class WorkerSide:
             self._stats.record_transfer(event)
         elif not ok and not job.released:
             self._stats.record(ok=False)
-        if job.peer is not None and not job.released:
+        if job.abort_requested is not None:
+            self._send_write_aborted(job)
+        elif job.peer is not None and not job.released:
             message: NotifyMessage = (
                 WriteDone(job.transfer_id, writer_rank=self.tp_rank, num_writers=1)
                 if ok
@@ -906,24 +965,31 @@ class WorkerSide:
     def _writer_loop(self) -> None:
         while not self._stop.is_set():
             try:
-                op, job, layer, event = self._writer_q.get(timeout=_WAIT_SLICE_S)
+                op, job, layer, arg = self._writer_q.get(timeout=_WAIT_SLICE_S)
             except queue.Empty:
                 continue
             with self._lock:
                 if job.failed is not None or job.terminal:
                     continue
-                peer = job.peer
-            assert peer is not None and job.block_ids is not None
             try:
-                if event is not None:
-                    event.synchronize()
-                if op == "write":
-                    local_ids, remote_ids = job.block_ids
-                    self.engine.write_layer(
-                        job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
-                    )
-                else:
-                    self.engine.seal(job.transfer_id, peer.engine_peer)
+                if op == "write" and arg is not None:
+                    arg.synchronize()  # the layer's CUDA event: its KV is computed
+                # Posted under the lock (never blocks on the transfer): a job failed meanwhile
+                # (an abort_write already acknowledged) must not start writing after all.
+                with self._lock:
+                    if job.failed is not None or job.terminal:
+                        continue
+                    peer = job.peer
+                    assert peer is not None and job.block_ids is not None
+                    if op == "write":
+                        local_ids, remote_ids = job.block_ids
+                        self.engine.write_layer(
+                            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
+                        )
+                    else:
+                        # The seal carries the number of layers queued for the job, so it
+                        # cannot end the transfer before every one of them was written.
+                        self.engine.seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
             except Exception as exc:
                 with self._lock:
                     self._fail_job(job, f"{op} {layer}: {exc}".strip())
@@ -941,11 +1007,12 @@ class WorkerSide:
                 self._on_message(message)
             except Exception:  # one message must never stop the thread
                 logger.exception("error handling %s", message)
+            self._feed_writer()
 
     def _on_message(self, message: NotifyMessage) -> None:
         tid = message.transfer_id
         now = time.monotonic()
-        if isinstance(message, (WriteDone, WriteFailed)):
+        if isinstance(message, (WriteDone, WriteFailed, WriteAborted)):
             if not self.cfg.is_consumer:
                 logger.warning(
                     "ignoring %s for transfer %s: this instance is not a consumer",
@@ -953,6 +1020,8 @@ class WorkerSide:
                     tid,
                 )
                 return
+            # The prefill sends each of these only once none of its writes can land any more,
+            # so they also end a quarantine.
             if isinstance(message, WriteFailed):
                 logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
             self._finish_await(tid, ok=isinstance(message, WriteDone))
@@ -963,6 +1032,9 @@ class WorkerSide:
             )
             return
         with self._lock:
+            if isinstance(message, AbortWrite):
+                self._on_abort_write(message, now)
+                return
             if isinstance(message, Release):
                 send = self._sends.get(tid)
                 job = self._jobs.get(tid)
@@ -1000,20 +1072,89 @@ class WorkerSide:
                 return
             self._advance(job)
 
+    def _on_abort_write(self, message: AbortWrite, now: float) -> None:
+        """Prefill (lock held): the decode gave up on a WRITE and holds its blocks quarantined.
+        Stop the transfer; once none of its writes can land, answer write_aborted."""
+        if self.cfg.mode != "write":
+            logger.warning(
+                "ignoring abort_write for transfer %s: this instance runs READ mode",
+                message.transfer_id,
+            )
+            return
+        job = self._job(message.transfer_id, now)
+        job.abort_requested = message
+        if job.terminal:
+            self._send_write_aborted(job)  # it ended drained already
+            return
+        self._fail_job(job, "the decode aborted the transfer")
+
+    def _send_write_aborted(self, job: _WriteJob) -> None:
+        """The ack of abort_write (lock held; nothing of the job writes any more), to the decode
+        rank handshaken for this job, or else one handshaken now in the background."""
+        request = job.abort_requested
+        assert request is not None
+        peer = job.peer
+        if peer is None:
+            peer = next(
+                (
+                    p
+                    for p in self._peers.values()
+                    if p.response.engine_id == request.decode_engine_id
+                ),
+                None,
+            )
+        if peer is None:
+            self._pool.submit(self._connect_and_ack, request)
+            return
+        self._ack_abort(peer, request.transfer_id)
+
+    def _connect_and_ack(self, request: AbortWrite) -> None:
+        """Handshake the decode rank that asked (allowlist checked, engine id verified) and ack."""
+        try:
+            peer = self._connect(
+                request.decode_address, request.decode_dp_rank, self.cfg.tp_size, None
+            )
+            if peer.response.engine_id != request.decode_engine_id:
+                raise IncompatiblePeerError(
+                    f"abort_write came from engine {request.decode_engine_id!r}, but its address "
+                    f"serves {peer.response.engine_id!r}"
+                )
+        except Exception as exc:
+            logger.warning(
+                "transfer %s: cannot acknowledge the decode's abort (%s); it frees the blocks "
+                "after its quarantine_timeout",
+                request.transfer_id,
+                exc,
+            )
+            return
+        self._ack_abort(peer, request.transfer_id)
+
+    def _ack_abort(self, peer: _Peer, transfer_id: str) -> None:
+        try:
+            self._sender.send(
+                peer.host, peer.notify_port, WriteAborted(transfer_id, writer_rank=self.tp_rank)
+            )
+        except MoriioError as exc:
+            logger.warning("transfer %s: write_aborted not sent: %s", transfer_id, exc)
+
     def _events_loop(self) -> None:
         last_check = time.monotonic()
         while not self._stop.is_set():
             try:
                 events = self.engine.poll_events(timeout=_WAIT_SLICE_S)
+                drained = self.engine.poll_drained()
             except Exception:
                 logger.exception("poll_events failed")
                 time.sleep(_WAIT_SLICE_S)
                 continue
-            for event in events:
+            for item in (*events, *drained):
                 try:
-                    self._on_event(event)
+                    if isinstance(item, DrainedTransfer):
+                        self._on_drained(item)
+                    else:
+                        self._on_event(item)
                 except Exception:
-                    logger.exception("error handling %s", event)
+                    logger.exception("error handling %s", item)
             now = time.monotonic()
             if now - last_check >= 0.5:
                 last_check = now
@@ -1023,24 +1164,103 @@ class WorkerSide:
         tid = event.transfer_id
         ok = event.state == "done"
         with self._lock:
-            if tid in self._reads:
-                pass
-            else:
+            read = self._reads.get(tid)
+            if read is None:
                 job = self._jobs.get(tid)
-                if job is not None and not job.terminal:
-                    reason = job.failed or f"{event.state}: {event.message}"
-                    self._complete_job(
-                        job, ok=ok and job.failed is None, reason=reason, event=event
+                if job is None or job.terminal:
+                    return
+                reason = job.failed or f"{event.state}: {event.message}"
+                if not event.drained:
+                    # Writes may still land in the decode's blocks (and read ours): nothing is
+                    # reported, nothing freed, until the engine says they drained.
+                    job.undrained = reason
+                    logger.warning(
+                        "transfer %s: WRITE ended with writes in flight (%s); holding it until "
+                        "they drain",
+                        tid,
+                        event.message,
                     )
+                    return
+                self._complete_job(job, ok=ok and job.failed is None, reason=reason, event=event)
                 return
+            if not event.drained:
+                read.quarantined = time.monotonic()
+                self._stats.record_quarantine(len(read.task.local_block_ids))
+                peer = read.peer
+        if not event.drained:
+            self._quarantine_read(read, peer, event)
+            return
         self._finish_read(tid, event.state, event.message, event)
+
+    def _quarantine_read(self, read: _Read, peer: _Peer | None, event: Any) -> None:
+        """A READ ended with operations in flight: its blocks stay unreported (vLLM keeps them
+        and waits in wait_for_layer_load) until the engine reports the drain. Dropping the
+        peer closes the endpoint those operations use, which cancels them."""
+        logger.warning(
+            "request %s (transfer %s): READ %s with operations in flight (%s); its %d blocks "
+            "are quarantined until they drain",
+            read.task.req_id,
+            read.task.transfer_id,
+            event.state,
+            event.message,
+            len(read.task.local_block_ids),
+        )
+        if peer is not None:
+            self._forget_peer(peer)
+            with contextlib.suppress(MoriioError):
+                self.engine.remove_peer(peer.engine_peer)
+
+    def _on_drained(self, drained: DrainedTransfer) -> None:
+        """A quarantined transfer's operations all completed: nothing of it writes any more."""
+        tid = drained.transfer_id
+        with self._lock:
+            read = self._reads.get(tid)
+            job = self._jobs.get(tid)
+            if read is None and job is not None and job.undrained is not None:
+                self._complete_job(job, ok=False, reason=job.undrained)
+                return
+        if read is not None:
+            self._finish_read(
+                tid, "timed_out", f"operations drained {drained.seconds:.3g}s after the start"
+            )
+
+    def _give_up_await(self, transfer_id: str, why: str) -> None:
+        """Decode WRITE: stop waiting for the prefill's writes. Blocks the prefill was told
+        about are quarantined (abort_write) until it confirms; others are recomputed now."""
+        now = time.monotonic()
+        with self._lock:
+            waiting = self._awaiting.get(transfer_id)
+            if waiting is None or waiting.quarantined is not None:
+                return
+            announced = self._quarantine_await(waiting, now)
+        if announced:
+            self._abort_write(waiting, why)
+        else:
+            self._finish_await(transfer_id, ok=False)
+            self._send_release(waiting.task, None)
+
+    def _quarantine_await(self, waiting: _Await, now: float) -> bool:
+        """Quarantine an await whose blocks the prefill may be writing (lock held); False when
+        it never had them (the announcement did not reach it), so nothing can write them."""
+        if waiting.peer is None:
+            waiting.quarantined = now  # stops a late announcement; freed by the caller
+            return False
+        waiting.quarantined = now
+        waiting.next_probe = now + _PROBE_WRITER_EVERY_S
+        self._stats.record_quarantine(len(waiting.task.local_block_ids))
+        return True
 
     def _check_timeouts(self, now: float) -> None:
         expired_awaits: list[_Await] = []
+        to_quarantine: list[_Await] = []
         with self._lock:
             for waiting in list(self._awaiting.values()):
-                if now > waiting.deadline:
-                    expired_awaits.append(waiting)
+                if waiting.quarantined is not None:
+                    self._check_quarantine(waiting, now)
+                elif now > waiting.deadline and self._quarantine_await(waiting, now):
+                    to_quarantine.append(waiting)  # the prefill may be writing our blocks
+                elif now > waiting.deadline:
+                    expired_awaits.append(waiting)  # never announced: nothing can write
             for tid, send in list(self._sends.items()):
                 if now > send.deadline:
                     del self._sends[tid]
@@ -1053,8 +1273,8 @@ class WorkerSide:
                         self.cfg.abort_timeout,
                     )
             for tid, job in list(self._jobs.items()):
-                if job.terminal:
-                    continue
+                if job.terminal and (job.send is not None or job.save is not None):
+                    continue  # the scheduler still reports it (a send task frees it)
                 if job.send is not None and now > job.deadline:
                     self._fail_job(
                         job, f"not finished within abort_timeout ({self.cfg.abort_timeout:.0f}s)"
@@ -1083,6 +1303,95 @@ class WorkerSide:
             )
             self._finish_await(waiting.task.transfer_id, ok=False)
             self._send_release(waiting.task, None)
+        for waiting in to_quarantine:
+            self._abort_write(
+                waiting,
+                f"the KV did not arrive within abort_timeout ({self.cfg.abort_timeout:.0f}s)",
+            )
+
+    def _abort_write(self, waiting: _Await, why: str) -> None:
+        """Decode WRITE: we gave up; ask the prefill to stop and acknowledge once drained."""
+        task, peer = waiting.task, waiting.peer
+        assert peer is not None
+        logger.warning(
+            "request %s (transfer %s): %s; its %d blocks are quarantined until the prefill "
+            "confirms its writes stopped (at most quarantine_timeout, %.0fs)",
+            task.req_id,
+            task.transfer_id,
+            why,
+            len(task.local_block_ids),
+            self.cfg.quarantine_timeout,
+        )
+        try:
+            self._sender.send(
+                peer.host,
+                peer.notify_port,
+                AbortWrite(
+                    task.transfer_id,
+                    self.engine_id,
+                    decode_host=self.cfg.host_ip,
+                    decode_handshake_port=self.cfg.handshake_port,
+                    decode_notify_port=self.cfg.notify_port,
+                    decode_dp_rank=self.dp_rank,
+                ),
+            )
+        except MoriioError as exc:
+            logger.warning("transfer %s: abort_write not sent: %s", task.transfer_id, exc)
+
+    def _check_quarantine(self, waiting: _Await, now: float) -> None:
+        """A quarantined decode WRITE (lock held): free it past the bound; otherwise check from
+        time to time whether the prefill is still alive."""
+        tid = waiting.task.transfer_id
+        if waiting.peer is None or waiting.quarantined is None:
+            return  # never announced: being freed by whoever quarantined it
+        if now > waiting.quarantined + self.cfg.quarantine_timeout:
+            logger.warning(
+                "transfer %s: no drain confirmation from the prefill within quarantine_timeout "
+                "(%.0fs); freeing its %d blocks",
+                tid,
+                self.cfg.quarantine_timeout,
+                len(waiting.task.local_block_ids),
+            )
+            self._pool.submit(self._finish_await, tid, False)
+        elif now >= waiting.next_probe and not waiting.probing:
+            waiting.probing = True
+            waiting.next_probe = now + _PROBE_WRITER_EVERY_S
+            self._pool.submit(self._probe_writer, waiting)
+
+    def _probe_writer(self, waiting: _Await) -> None:
+        """Re-handshake a quarantined WRITE's prefill: an unreachable prefill, or one that came
+        back as another engine instance, cannot write the blocks any more."""
+        peer = waiting.peer
+        assert peer is not None
+        dead = ""
+        try:
+            response = fetch_metadata(
+                peer.host,
+                rank_port(
+                    waiting.task.peer.handshake_port,
+                    waiting.task.remote_dp_rank,
+                    peer.response.tp_rank,
+                    peer.response.tp_size,
+                ),
+                timeout=self.cfg.transfer_timeout,
+                security=self._security,
+                requester_engine_id=self.engine_id,
+            )
+            if response.engine_metadata != peer.response.engine_metadata:
+                dead = f"it restarted as another engine ({response.engine_id})"
+        except MoriioError as exc:
+            dead = f"it is unreachable ({exc})"
+        with self._lock:
+            waiting.probing = False
+        if dead:
+            logger.warning(
+                "transfer %s: the prefill %s died: %s; freeing the quarantined blocks",
+                waiting.task.transfer_id,
+                peer.response.engine_id,
+                dead,
+            )
+            self._forget_peer(peer)
+            self._finish_await(waiting.task.transfer_id, ok=False)
 
     # ---- teardown -----------------------------------------------------------------------------
 
