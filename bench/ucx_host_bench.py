@@ -63,7 +63,10 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
     "cuda": ({}, "cuda"),
     "cuda_ucx_ops": ({"ucx_direct_copy": "off"}, "cuda"),
 }
-DEFAULT_VARIANTS = {"host": "plain,plain_ucx_ops,allocated,allocated_ucx_ops", "cuda": "cuda,cuda_ucx_ops"}
+DEFAULT_VARIANTS = {
+    "host": "plain,plain_ucx_ops,allocated,allocated_ucx_ops",
+    "cuda": "cuda,cuda_ucx_ops",
+}
 
 
 @dataclass(frozen=True)
