@@ -35,7 +35,7 @@ build)
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   cuda_variant old .variants/old_cudacopy.cu &
-  for spec in "u4c64 -DMORIIO_CUDACOPY_UNROLL=4" "u8c128 -DMORIIO_CUDACOPY_CHUNK_KIB=128"; do
+  for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64" "u4 -DMORIIO_CUDACOPY_UNROLL=4"; do
     set -- $spec
     cuda_variant "$1" cpp/backends/cuda/cudacopy.cu "$2" &
   done
@@ -43,7 +43,7 @@ build)
   python3 -c "import moriio_native as m; print(m.available_backends())"
   ;;
 kernel)
-  for v in new old u4c64 u8c128; do
+  for v in new old c64 u4; do
     plugin=$variants/$v/libmoriio_native_cudacopy.so
     [ "$v" = new ] && plugin=$build/lib/libmoriio_native_cudacopy.so
     echo "== variant $v"
@@ -58,11 +58,18 @@ e2e)
   timeout 120 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
     tests/py/test_ucx_two_process.py 2>&1 | tail -5
   timeout 240 compute-sanitizer --tool memcheck python3 bench/cudacopy_bench.py --plugin "$plugin" \
-    --gib 0.02 --repeats 1 --run-bytes 4100 --run-bytes 65536 --run-bytes 300000 \
-    >"$out/sanitizer.log" 2>&1
-  echo "sanitizer rc=$?"; grep -E "ERROR SUMMARY|runs of|Error|error" "$out/sanitizer.log" | head -20
+    --gib 0.02 --repeats 1 --run-bytes 4100 --run-bytes 65536 --run-bytes 300000 2>&1 |
+    grep -E "ERROR SUMMARY|runs of|rror" | head -20
   timeout 300 python3 bench/gpu_bench.py --requests 5 --skip-per-run --json "$out/gpu.json" 2>&1 |
     tee "$out/gpu.log"
+  ;;
+e2e-variant)  # gpu_bench again with a variant's plugin in place of this tree's
+  v=${2:?variant}
+  cp "$build/lib/libmoriio_native_cudacopy.so" /tmp/plugin-tree.so
+  cp "$variants/$v/libmoriio_native_cudacopy.so" "$build/lib/"
+  timeout 300 python3 bench/gpu_bench.py --requests 5 --skip-per-run --json "$out/gpu-$v.json" 2>&1 |
+    tee "$out/gpu-$v.log"
+  cp /tmp/plugin-tree.so "$build/lib/libmoriio_native_cudacopy.so"
   ;;
 footprint)  # is it the run layout (pages touched at once) that limits every kernel variant?
   for v in new old; do

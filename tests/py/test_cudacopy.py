@@ -104,9 +104,11 @@ def test_odd_sizes_and_every_alignment(queue: Queue) -> None:
 
 
 def test_runs_of_many_chunks_beside_small_ones(queue: Queue) -> None:
-    # 64 KiB chunks: these runs span 2 to 33 chunks, mixed with one-chunk runs in one batch.
+    # 128 KiB chunks: these runs span 2 to 40 chunks, mixed with one-chunk runs in one batch.
     rng = np.random.default_rng(2)
     _check(queue, rng, [[300000, 4096, (2 << 20) + 5, 128 * 1024, 1, 65537, 5 << 20] * 3])
+    # All runs of one size (the table then has no size column) spanning several chunks.
+    _check(queue, rng, [[300000] * 40, [65536 + 16] * 100], align=16)
 
 
 def test_many_small_runs_in_batches_back_to_back(queue: Queue) -> None:
@@ -118,7 +120,7 @@ def test_many_small_runs_in_batches_back_to_back(queue: Queue) -> None:
 
 def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> None:
     # 16-byte aligned at both ends: full 4 KiB steps, a predicated partial step (sizes that end
-    # mid-step), runs of several 64 KiB chunks.
+    # mid-step), runs of several 128 KiB chunks.
     rng = np.random.default_rng(4)
     sizes = [16, 2048, 16384, 16400, 65536, 73728, 300000, (2 << 20) + 16, 5 << 20, 24592]
     _check(queue, rng, [sizes * 8, [65536] * 3000, [73728] * 2000], align=16)

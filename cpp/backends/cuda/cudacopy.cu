@@ -4,7 +4,7 @@
 // a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
 // copies (research/ucx_gpu_probe.md). Here the host writes the run table once (the engine's offset
 // arrays as they are; bases are kernel arguments) into mapped pinned memory, and the grid walks
-// it: each WARP copies one chunk (a run, or a 64 KiB piece of a longer run) at a time, 4 KiB per
+// it: each WARP copies one chunk (a run, or a 128 KiB piece of a longer run) at a time, 4 KiB per
 // step with eight 16-byte loads in flight per lane before their stores, when the two ends share
 // their alignment; the host only polls an event. Batches alternate between two streams so one
 // kernel's tail overlaps the next one.
@@ -13,12 +13,13 @@
 // 4 KiB run was one 16-byte load per thread followed by a wait for the next table entry, read
 // over PCIe from pinned memory. A warp looks up its next (up to) 32 chunks with one coalesced
 // read, lane j taking entry j, and then copies them one after the other, so the table's PCIe
-// latency is paid once per 32 chunks. Measured on an H200 (docs/benchmarks.md, 2026-12-01) this
-// moved 4 KiB runs at 0.35x of a device copy instead of 0.29x and 32 KiB-2 MiB runs at
-// 0.81-0.82x instead of 0.78-0.80x. What bounds it now: at 4 KiB the host's ~5 ns per run in
-// submit (the table copy), above 32 KiB the scattered layout itself, not the kernel's depth:
-// four unrolls, three chunk sizes and a bulk-copy (cp.async.bulk through shared memory) variant
-// all landed at 0.77-0.82x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
+// latency is paid once per 32 chunks. Measured on an H200 (docs/benchmarks.md, 2026-12-01):
+// 32 KiB-2 MiB runs at 0.81-0.84x of a device copy against 0.78-0.80x for the first version in
+// the same runs. What bounds it: at 4 KiB the host's ~50-60 us per submit call (0.25-0.35x with
+// batches of 8,192 runs), above 32 KiB the scattered layout, not the kernel's depth: unroll 4 or
+// 8, chunks of 32/64/128 KiB, cache hints (ld.global.nc.L1::no_allocate.L2::256B, st.global.cs),
+// write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
+// at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
 
 #include <cuda_runtime.h>
 
@@ -36,22 +37,23 @@ namespace {
 // Compile-time tunables, so bench/h200_session.sh can measure builds with other values against
 // this one in the same run (docs/benchmarks.md has the outcome).
 #ifndef MORIIO_CUDACOPY_CHUNK_KIB
-#define MORIIO_CUDACOPY_CHUNK_KIB 64
+#define MORIIO_CUDACOPY_CHUNK_KIB 128
 #endif
 #ifndef MORIIO_CUDACOPY_UNROLL
 #define MORIIO_CUDACOPY_UNROLL 8
 #endif
 
-constexpr std::uint64_t kChunk = MORIIO_CUDACOPY_CHUNK_KIB * 1024;  // most bytes a warp copies
-                                                                     // per chunk
+// Most bytes a warp copies per chunk: 128 KiB measured 0.81-0.84x against 0.80-0.82x for 64 KiB
+// and 32 KiB in the same runs (docs/benchmarks.md).
+constexpr std::uint64_t kChunk = MORIIO_CUDACOPY_CHUNK_KIB * 1024;
 constexpr int kUnroll = MORIIO_CUDACOPY_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kThreads = 256;
 constexpr int kWarpsPerCta = kThreads / 32;
 constexpr int kStreams = 2;
 // A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a lane finds its
 // chunk with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
-// table is only built when some run spans several chunks: KV runs (4-64 KiB) map one to one.
-constexpr int kChunkBits = 24;  // runs up to 2^24 chunks = 1 TiB
+// table is only built when some run spans several chunks: KV runs (4-128 KiB) map one to one.
+constexpr int kChunkBits = 24;  // runs of up to 2^24 chunks (2 TiB)
 
 void SetError(char* err, size_t len, const char* what, cudaError_t e) {
   if (err != nullptr && len != 0) {
@@ -145,26 +147,29 @@ struct ChunkCopy {
   std::uint64_t len;
 };
 
-/// table: dst offset[n], src offset[n], size[n], then chunk[chunks] (see kChunkBits) unless
-/// chunks == n (every run is one chunk: chunk c is run c).
+/// table: dst offset[n], src offset[n], size[n] (absent when every run has the size `uniform`),
+/// then chunk[chunks] (see kChunkBits) unless chunks == n (every run is one chunk: chunk c is
+/// run c).
 struct RunTable {
   std::uint64_t dst_base;
   std::uint64_t src_base;
   const std::int64_t* table;
   std::uint64_t n;
   std::uint64_t chunks;
+  std::uint64_t uniform;  // the size of every run, or 0: sizes in the table
 
   __device__ ChunkCopy Chunk(std::uint64_t c) const {
     const std::int64_t* dst = table;
     const std::int64_t* src = table + n;
     const std::int64_t* size = table + 2 * n;
-    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + 3 * n);
+    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + (uniform ? 2 : 3) * n);
     const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
     const std::uint64_t r = entry >> kChunkBits;
     const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
+    const std::uint64_t len = uniform ? uniform : static_cast<std::uint64_t>(size[r]);
     return {reinterpret_cast<unsigned char*>(dst_base + dst[r] + off),
             reinterpret_cast<const unsigned char*>(src_base + src[r] + off),
-            Min(kChunk, static_cast<std::uint64_t>(size[r]) - off)};
+            Min(kChunk, len - off)};
   }
 };
 
@@ -330,6 +335,7 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
     return -1;
   }
   std::uint64_t chunks = 0;
+  bool all_same = true;
   for (std::uint64_t i = 0; i < count; ++i) {
     if (sizes[i] <= 0) {
       if (err != nullptr && err_len != 0) {
@@ -339,23 +345,32 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
       return -1;
     }
     chunks += (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+    all_same &= sizes[i] == sizes[0];
   }
   // Every run has at least one chunk, so equal counts mean exactly one each.
   const bool one_chunk_per_run = chunks == count;
-  const std::size_t words = 3 * count + (one_chunk_per_run ? 0 : chunks);
+  // A layer's runs usually share one size (a block's bytes): then no size column. The table
+  // copy is most of submit's host time (~5 ns per run on the H200 VM), which bounds 4 KiB runs.
+  const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(sizes[0]) : 0;
+  const std::size_t columns = uniform != 0 ? 2 : 3;
+  const std::size_t words = columns * count + (one_chunk_per_run ? 0 : chunks);
   Slot slot;
   if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
   std::int64_t* t = slot.host;
   std::memcpy(t, dst_offsets, count * 8);
   std::memcpy(t + count, src_offsets, count * 8);
-  std::memcpy(t + 2 * count, sizes, count * 8);
+  if (uniform == 0) std::memcpy(t + 2 * count, sizes, count * 8);
   if (!one_chunk_per_run) {
-    std::int64_t* chunk = t + 3 * count;
+    std::int64_t* chunk = t + columns * count;
     for (std::uint64_t i = 0; i < count; ++i) {
       const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
       if (run_chunks >> kChunkBits) {
         q->free_slots.push_back(slot);
-        if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "a run exceeds 1 TiB");
+        if (err != nullptr && err_len != 0) {
+          std::snprintf(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
+                        static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
+                        static_cast<unsigned long long>(kChunk << kChunkBits));
+        }
         return -1;
       }
       for (std::uint64_t j = 0; j < run_chunks; ++j) {
@@ -382,7 +397,7 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
     const auto grid = static_cast<unsigned>(
         std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
     GatherScatter<<<grid, kThreads, 0, stream>>>(
-        RunTable{dst_base, src_base, slot.device, count, chunks});
+        RunTable{dst_base, src_base, slot.device, count, chunks, uniform});
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
