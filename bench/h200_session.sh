@@ -5,7 +5,8 @@
 # libucx_cu13.libs) and the previous kernel's source in .variants/old_cudacopy.cu:
 #   bash bench/h200_session.sh build      # plugins (this tree + kernel variants), UCX backend
 #   bash bench/h200_session.sh kernel     # cudacopy_bench for every variant, kernel pytest
-#   bash bench/h200_session.sh e2e        # compute-sanitizer, gpu_bench presets
+#   bash bench/h200_session.sh e2e        # GPU pytest, compute-sanitizer, gpu_bench presets
+#   bash bench/h200_session.sh overlap    # per-layer WRITE overlapped with a synthetic forward
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel or e2e}
@@ -35,7 +36,7 @@ build)
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
   cuda_variant old .variants/old_cudacopy.cu &
-  for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64" "u4 -DMORIIO_CUDACOPY_UNROLL=4"; do
+  for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64"; do
     set -- $spec
     cuda_variant "$1" cpp/backends/cuda/cudacopy.cu "$2" &
   done
@@ -43,7 +44,7 @@ build)
   python3 -c "import moriio_native as m; print(m.available_backends())"
   ;;
 kernel)
-  for v in new old c64 u4; do
+  for v in new old; do
     plugin=$variants/$v/libmoriio_native_cudacopy.so
     [ "$v" = new ] && plugin=$build/lib/libmoriio_native_cudacopy.so
     echo "== variant $v"
@@ -70,6 +71,10 @@ e2e-variant)  # gpu_bench again with a variant's plugin in place of this tree's
   timeout 300 python3 bench/gpu_bench.py --requests 5 --skip-per-run --json "$out/gpu-$v.json" 2>&1 |
     tee "$out/gpu-$v.log"
   cp /tmp/plugin-tree.so "$build/lib/libmoriio_native_cudacopy.so"
+  ;;
+overlap)
+  timeout 300 python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --overlap \
+    --requests 5 --json "$out/overlap.json" 2>&1 | tee "$out/overlap.log"
   ;;
 footprint)  # is it the run layout (pages touched at once) that limits every kernel variant?
   for v in new old; do

@@ -96,9 +96,16 @@ class Engine {
   /// (transfer, layer) was scheduled before, or the transfer is sealed, failed, aborted or
   /// terminal; InvalidArgument when the transfer already writes to another peer. A submission
   /// failure fails the transfer (its event says why). Never blocks on transfer.
+  /// `cuda_event` (0: none): a cudaEvent_t of this process recorded after the work that
+  /// produces this layer's blocks; the copy then waits for it on the GPU, so the call may come
+  /// before that work has finished (per-layer WRITE overlapped with the forward pass). It needs a
+  /// CUDA layer and a backend with capabilities().device_event_wait (FailedPrecondition
+  /// otherwise, nothing scheduled); keep the event valid and unrecorded until the transfer's
+  /// event.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
-                          std::span<const std::int64_t> remote_blocks);
+                          std::span<const std::int64_t> remote_blocks,
+                          std::uint64_t cuda_event = 0);
 
   /// WRITE: no more layers will be scheduled; the transfer completes once every scheduled write
   /// finished (immediately when none was). Creates the transfer when nothing was scheduled.

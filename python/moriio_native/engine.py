@@ -178,9 +178,19 @@ class Engine:
         peer: str,
         local_blocks: BlockIds,
         remote_blocks: BlockIds,
+        cuda_event: int = 0,
     ) -> bool:
-        """Push one layer's blocks; False when this (transfer, layer) was scheduled before."""
-        return self._engine.write_layer(transfer_id, layer, peer, local_blocks, remote_blocks)
+        """Push one layer's blocks; False when this (transfer, layer) was scheduled before.
+
+        ``cuda_event``: the handle of a CUDA event recorded after the work that produces this
+        layer (``torch.cuda.Event().cuda_event`` once recorded); the copy then waits for it on
+        the GPU, so this may be called before that work finished. Needs a CUDA layer and the UCX
+        backend with its CUDA copy plugin (FailedPreconditionError otherwise). Use one event per
+        layer and keep it until the transfer's event arrives.
+        """
+        return self._engine.write_layer(
+            transfer_id, layer, peer, local_blocks, remote_blocks, cuda_event
+        )
 
     def seal(self, transfer_id: str, peer: str = "") -> None:
         """No more layers for this WRITE transfer; it completes when the scheduled ones have."""

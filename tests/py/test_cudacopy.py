@@ -126,6 +126,28 @@ def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> Non
     _check(queue, rng, [sizes * 8, [65536] * 3000, [73728] * 2000], align=16)
 
 
+def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
+    # The producer stream sleeps, then writes the source; the copy is submitted at once behind
+    # the event recorded after that write. Without the device-side wait it would copy the old
+    # bytes (the sleep is ~50 ms; submitting takes microseconds).
+    import torch
+
+    n = 1 << 20
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    producer = torch.cuda.Stream()
+    ready = torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)
+        src.fill_(7)
+        ready.record(producer)
+    offsets = np.arange(0, n, 4096, dtype=np.int64)
+    sizes = np.full(offsets.size, 4096, dtype=np.int64)
+    queue.gather(dst.data_ptr(), src.data_ptr(), [(offsets, offsets, sizes)], ready.cuda_event)
+    assert bool((dst == 7).all()), "the copy ran before the event's work finished"
+
+
 def test_empty_batch_completes(queue: Queue) -> None:
     empty = np.zeros(0, dtype=np.int64)
     assert queue.gather(0, 0, [(empty, empty, empty)]) >= 0.0

@@ -326,8 +326,8 @@ bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len)
 
 int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
            const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
-           const std::int64_t* sizes, std::uint64_t count, void** out, char* err,
-           size_t err_len) {
+           const std::int64_t* sizes, std::uint64_t count, std::uint64_t wait_event, void** out,
+           char* err, size_t err_len) {
   auto* q = static_cast<Queue*>(queue);
   cudaError_t e = cudaSetDevice(q->device);
   if (e != cudaSuccess) {
@@ -393,7 +393,10 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   }
   cudaStream_t stream = q->streams[q->next_stream];
   q->next_stream = (q->next_stream + 1) % kStreams;
-  if (chunks > 0) {
+  // The copy of a layer waits on the device for the compute that produces it (per-layer WRITE
+  // overlapped with the forward pass); the op's event then covers both.
+  if (wait_event != 0) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(wait_event), 0);
+  if (e == cudaSuccess && chunks > 0) {
     const auto grid = static_cast<unsigned>(
         std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
     GatherScatter<<<grid, kThreads, 0, stream>>>(

@@ -414,6 +414,8 @@ Status UcxBackend::Init() {
   caps_.rocm_memory = (mem_types & (1ull << UCS_MEMORY_TYPE_ROCM)) != 0;
   caps_.unaligned_registration = true;
   caps_.allocation = true;
+  // Only the CUDA copy plugin's kernel can wait for an event on the device.
+  caps_.device_event_wait = caps_.cuda_memory && LoadCudaCopy().api != nullptr;
   // memh in ucp_request_param_t saves a registration-cache lookup per op; UCX 1.15+ honours it.
   pass_memh_ = api_->version() >= ((1u << 16) | (15u << 8));
 
@@ -1041,6 +1043,15 @@ bool UcxBackend::ActivateSubmitted() {
                LoadCudaCopy().api != nullptr) {
       ab.path = Path::kCudaCopy;
       StartCudaCopy(ab);
+    } else if (ab.batch->device_wait_event != 0) {
+      // Every other path copies from the host's side of time: it cannot wait on the device.
+      ab.stop = true;
+      ab.error = InvalidArgumentError(
+          "batch " + std::to_string(ab.batch->token) +
+          " carries a CUDA event to wait for, but its copy cannot run on the GPU (both ends must "
+          "be CUDA memory mapped into this process, with the CUDA copy plugin); synchronise the "
+          "event on the host instead");
+      continue;
     } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
       ab.path = Path::kCma;
     } else {
@@ -1075,11 +1086,11 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
   const auto remote = reinterpret_cast<std::uint64_t>(ab.remote->direct);
   const bool write = b.op == TransferOp::kWrite;
   const int rc = write ? cc->submit(queue, remote, local, b.remote_offsets.data(),
-                                    b.local_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
-                                    sizeof(err))
+                                    b.local_offsets.data(), b.sizes.data(), n,
+                                    b.device_wait_event, &ab.cuda_op, err, sizeof(err))
                        : cc->submit(queue, local, remote, b.local_offsets.data(),
-                                    b.remote_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
-                                    sizeof(err));
+                                    b.remote_offsets.data(), b.sizes.data(), n,
+                                    b.device_wait_event, &ab.cuda_op, err, sizeof(err));
   if (rc != 0) {
     ab.cuda_op = nullptr;
     ab.stop = true;

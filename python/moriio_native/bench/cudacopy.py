@@ -12,7 +12,7 @@ import os
 import time
 from typing import Any
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 _ERR = ctypes.c_char_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -20,7 +20,7 @@ _ERR_LEN = 256
 
 
 class _Api(ctypes.Structure):
-    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 2)."""
+    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 3)."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
@@ -42,6 +42,7 @@ class _Api(ctypes.Structure):
                 _I64P,
                 _I64P,
                 _I64P,
+                ctypes.c_uint64,
                 ctypes.c_uint64,
                 ctypes.POINTER(ctypes.c_void_p),
                 _ERR,
@@ -96,10 +97,12 @@ class Queue:
         if self.api.create_queue(device, ctypes.byref(self.handle), err, _ERR_LEN) != 0:
             raise CudaCopyError(err.value.decode())
 
-    def gather(self, dst: int, src: int, plans: list[tuple[Any, Any, Any]]) -> float:
+    def gather(
+        self, dst: int, src: int, plans: list[tuple[Any, Any, Any]], wait_event: int = 0
+    ) -> float:
         """Submits every (dst offsets, src offsets, sizes) batch of int64 numpy arrays back to
-        back, waits for all; returns the seconds spent inside submit. Every submitted op is
-        released, also on failure."""
+        back, each behind ``wait_event`` (a cudaEvent_t handle, 0: none), waits for all; returns
+        the seconds spent inside submit. Every submitted op is released, also on failure."""
         err = ctypes.create_string_buffer(_ERR_LEN)
         ops: list[ctypes.c_void_p] = []
         in_submit = 0.0
@@ -116,6 +119,7 @@ class Queue:
                     s.ctypes.data_as(_I64P),
                     n.ctypes.data_as(_I64P),
                     len(n),
+                    wait_event,
                     ctypes.byref(op),
                     err,
                     _ERR_LEN,
