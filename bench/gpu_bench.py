@@ -319,6 +319,31 @@ def _forward_write(
     return forward_end - start, done - forward_end, event.state, event.message
 
 
+def _start_pair(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Spawns the prefill and decode workers and lets them exchange their metadata."""
+    ctx = mp.get_context("spawn")
+    conns: dict[str, Any] = {}
+    procs: list[Any] = []
+    for role in ("prefill", "decode"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
+        p.start()
+        conns[role] = parent
+        procs.append(p)
+    conns["decode"].send(_recv(conns["prefill"], procs))
+    conns["prefill"].send(_recv(conns["decode"], procs))
+    return conns, procs
+
+
+def _stop_pair(conns: dict[str, Any], procs: list[Any]) -> None:
+    for role in ("prefill", "decode"):
+        conns[role].send(("quit",))
+    for role in ("prefill", "decode"):
+        _recv(conns[role], procs)
+    for p in procs:
+        p.join(timeout=30)
+
+
 def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     """Per-layer WRITE overlapped with a synthetic forward, against the same WRITE after it."""
     import numpy as np
@@ -331,16 +356,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
     }
-    ctx = mp.get_context("spawn")
-    conns, procs = {}, []
-    for role in ("prefill", "decode"):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
-        p.start()
-        conns[role] = parent
-        procs.append(p)
-    conns["decode"].send(_recv(conns["prefill"], procs))
-    conns["prefill"].send(_recv(conns["decode"], procs))
+    conns, procs = _start_pair(cfg)
     rng = np.random.default_rng(11)
     layers = preset["layers"]
     counter = iter(range(1 << 30))
@@ -373,12 +389,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     for _ in range(args.requests):  # interleaved, so drift hits both alike
         after.append(one(n, False)[1])
         overlapped.append(one(n, True)[1])
-    for role in ("prefill", "decode"):
-        conns[role].send(("quit",))
-    for role in ("prefill", "decode"):
-        _recv(conns[role], procs)
-    for p in procs:
-        p.join(timeout=30)
+    _stop_pair(conns, procs)
     exposed = statistics.median(overlapped)
     return OverlapRow(
         preset_name,
@@ -419,17 +430,7 @@ def run_case(
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
     }
-    ctx = mp.get_context("spawn")
-    conns = {}
-    procs = []
-    for role in ("prefill", "decode"):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
-        p.start()
-        conns[role] = parent
-        procs.append(p)
-    conns["decode"].send(_recv(conns["prefill"], procs))
-    conns["prefill"].send(_recv(conns["decode"], procs))
+    conns, procs = _start_pair(cfg)
     rng = np.random.default_rng(7)
     requests = args.requests if direct_copy == "auto" else args.per_run_requests
     rows: list[Row] = []
@@ -473,12 +474,7 @@ def run_case(
                 verified,
             )
         )
-    for role in ("prefill", "decode"):
-        conns[role].send(("quit",))
-    for role in ("prefill", "decode"):
-        _recv(conns[role], procs)
-    for p in procs:
-        p.join(timeout=30)
+    _stop_pair(conns, procs)
     return rows
 
 
