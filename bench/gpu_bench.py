@@ -378,11 +378,13 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     one(0, False)  # warm-up: IPC mapping, kernel load
     # One layer's transfer: the WRITE of all layers after a forward without matmuls, per layer.
     transfer_layer = statistics.median(one(0, False)[1] for _ in range(3)) / layers
-    # The matmul size whose time is one layer's transfer (time grows as n^3).
+    # The matmul size whose time is one layer's transfer: time grows about as n^3, so scale from
+    # a timed size, three times (small sizes fill the GPU less, so one step undershoots).
     n = 2048
-    conns["prefill"].send(("matmul_ms", n))
-    ms = _recv(conns["prefill"], procs)
-    n = max(256, int(n * (transfer_layer * 1e3 / ms) ** (1 / 3)) // 64 * 64)
+    for _ in range(3):
+        conns["prefill"].send(("matmul_ms", n))
+        ms = _recv(conns["prefill"], procs)
+        n = max(256, int(n * (transfer_layer * 1e3 / ms) ** (1 / 3)) // 64 * 64)
     conns["prefill"].send(("matmul_ms", n))
     compute_layer = _recv(conns["prefill"], procs) / 1e3
     after, overlapped = [], []

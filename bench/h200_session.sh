@@ -72,6 +72,13 @@ e2e-variant)  # gpu_bench again with a variant's plugin in place of this tree's
     tee "$out/gpu-$v.log"
   cp /tmp/plugin-tree.so "$build/lib/libmoriio_native_cudacopy.so"
   ;;
+small-runs)  # 4 KiB runs in batches of 8,192 (as the engine cuts READs) and of 65,536
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  for b in 8192 65536; do
+    timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 4096 \
+      --run-bytes 16384 --batch-runs $b
+  done
+  ;;
 overlap)
   timeout 300 python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --overlap \
     --requests 5 --json "$out/overlap.json" 2>&1 | tee "$out/overlap.log"
