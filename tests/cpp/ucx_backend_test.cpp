@@ -850,26 +850,30 @@ TEST(UcxBackend, UnprovenPeerIdentityFallsBackToUcxOperations) {
 
 // Only the CUDA copy kernel waits for an event on the device: a host batch carrying one fails
 // (once, with the reason) instead of copying before the producer's work may have finished.
+// (Both host paths: batched cma for plain memory, memcpy into an allocated target.)
 TEST(UcxBackend, HostBatchWithACudaEventFails) {
   mn::BackendOptions options = BaseOptions();
   REQUIRE_UCX(options);
-  Target target;
-  ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  Initiator us;
-  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  auto batch = us.NewBatch(mn::TransferOp::kWrite, 7, 10, 7);
-  batch->device_wait_event = 0x1234;
-  const std::vector<std::uint8_t> before = target.Dump();
-  ASSERT_TRUE(us.backend->Submit(batch).ok());
-  mn::Status st = us.sink->Wait(7);
-  EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument) << st.ToString();
-  EXPECT_NE(st.ToString().find("CUDA event"), std::string::npos) << st.ToString();
-  EXPECT_EQ(us.sink->Count(7), 1);
-  EXPECT_EQ(target.Dump(), before) << "the batch moved bytes";
-  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-  us.backend.reset();
-  EXPECT_EQ(target.Stop(), 0);
+  for (Mem target_kind : {Mem::kHeap, Mem::kAllocated}) {
+    SCOPED_TRACE(target_kind == Mem::kHeap ? "plain target" : "allocated target");
+    Target target;
+    ASSERT_TRUE(target.Start(options, target_kind));
+    Initiator us;
+    ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+    auto batch = us.NewBatch(mn::TransferOp::kWrite, 7, 10, 7);
+    batch->device_wait_event = 0x1234;
+    const std::vector<std::uint8_t> before = target.Dump();
+    ASSERT_TRUE(us.backend->Submit(batch).ok());
+    mn::Status st = us.sink->Wait(7);
+    EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.ToString().find("CUDA event"), std::string::npos) << st.ToString();
+    EXPECT_EQ(us.sink->Count(7), 1);
+    EXPECT_EQ(target.Dump(), before) << "the batch moved bytes";
+    EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+    EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+    us.backend.reset();
+    EXPECT_EQ(target.Stop(), 0);
+  }
 }
 
 // Destroying the backend with batches in flight completes each exactly once and returns.

@@ -10,10 +10,10 @@
 
 #include <algorithm>
 #include <array>
-#include <climits>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -1037,13 +1037,9 @@ bool UcxBackend::ActivateSubmitted() {
       continue;
     }
     const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
-    if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
-      ab.path = Path::kHostCopy;
-    } else if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kCuda &&
-               LoadCudaCopy().api != nullptr) {
-      ab.path = Path::kCudaCopy;
-      StartCudaCopy(ab);
-    } else if (ab.batch->device_wait_event != 0) {
+    const bool cuda_copy = ab.remote->direct != nullptr && lk == rk &&
+                           lk == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+    if (ab.batch->device_wait_event != 0 && !cuda_copy) {
       // Every other path copies from the host's side of time: it cannot wait on the device.
       ab.stop = true;
       ab.error = InvalidArgumentError(
@@ -1052,6 +1048,12 @@ bool UcxBackend::ActivateSubmitted() {
           "be CUDA memory mapped into this process, with the CUDA copy plugin); synchronise the "
           "event on the host instead");
       continue;
+    }
+    if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
+      ab.path = Path::kHostCopy;
+    } else if (cuda_copy) {
+      ab.path = Path::kCudaCopy;
+      StartCudaCopy(ab);
     } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
       ab.path = Path::kCma;
     } else {
