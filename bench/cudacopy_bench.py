@@ -17,56 +17,17 @@ Run on a machine with CUDA and torch::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
-import os
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from device_copy import device_copy_gbps
+from moriio_native.bench.cudacopy import Plugin, Queue, default_plugin_path
 
 logger = logging.getLogger("moriio_native.bench.cudacopy")
-
-_ERR = ctypes.c_char_p
-_I64P = ctypes.POINTER(ctypes.c_int64)
-
-
-class _Api(ctypes.Structure):
-    """``moriio_cudacopy_api`` of cpp/backends/cuda/cudacopy_abi.h (ABI version 2)."""
-
-    _fields_ = [
-        ("abi_version", ctypes.c_uint32),
-        ("probe", ctypes.CFUNCTYPE(ctypes.c_int, _ERR, ctypes.c_size_t)),
-        (
-            "create_queue",
-            ctypes.CFUNCTYPE(
-                ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), _ERR, ctypes.c_size_t
-            ),
-        ),
-        ("destroy_queue", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
-        (
-            "submit",
-            ctypes.CFUNCTYPE(
-                ctypes.c_int,
-                ctypes.c_void_p,
-                ctypes.c_uint64,
-                ctypes.c_uint64,
-                _I64P,
-                _I64P,
-                _I64P,
-                ctypes.c_uint64,
-                ctypes.POINTER(ctypes.c_void_p),
-                _ERR,
-                ctypes.c_size_t,
-            ),
-        ),
-        ("poll_op", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _ERR, ctypes.c_size_t)),
-        ("release_op", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
-    ]
 
 
 @dataclass
@@ -80,84 +41,7 @@ class Row:
     verified: bool
 
 
-def _default_plugin() -> str:
-    """The plugin beside the libmoriio_native.so this process loaded with the package."""
-    import moriio_native._native  # noqa: F401  (loads libmoriio_native.so)
-
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            path = line.split()[-1]
-            if path.endswith("/libmoriio_native.so"):
-                return os.path.join(os.path.dirname(path), "libmoriio_native_cudacopy.so")
-    raise RuntimeError("libmoriio_native.so is not loaded; pass --plugin")
-
-
-def _load(path: str) -> tuple[Any, _Api]:
-    lib = ctypes.CDLL(path)
-    entry = lib.moriio_native_cudacopy_api
-    entry.restype = ctypes.POINTER(_Api)
-    api = entry().contents
-    if api.abi_version != 2:
-        raise RuntimeError(f"{path}: ABI version {api.abi_version}, this script speaks 2")
-    err = ctypes.create_string_buffer(256)
-    if api.probe(err, 256) != 0:
-        raise RuntimeError(f"{path}: {err.value.decode()}")
-    return lib, api
-
-
-class _Queue:
-    def __init__(self, api: _Api, device: int) -> None:
-        self.api = api
-        self.handle = ctypes.c_void_p()
-        err = ctypes.create_string_buffer(256)
-        if api.create_queue(device, ctypes.byref(self.handle), err, 256) != 0:
-            raise RuntimeError(err.value.decode())
-
-    def gather(self, dst: int, src: int, plans: list[tuple[Any, Any, Any]]) -> float:
-        """Submits every (dst offsets, src offsets, sizes) batch, waits for all; returns the
-        seconds spent inside submit. Every submitted op is released, also on failure (the
-        queue may only be destroyed without outstanding ops)."""
-        err = ctypes.create_string_buffer(256)
-        ops: list[ctypes.c_void_p] = []
-        in_submit = 0.0
-        failure = ""
-        try:
-            for d, s, n in plans:
-                op = ctypes.c_void_p()
-                t = time.perf_counter()
-                rc = self.api.submit(
-                    self.handle,
-                    dst,
-                    src,
-                    d.ctypes.data_as(_I64P),
-                    s.ctypes.data_as(_I64P),
-                    n.ctypes.data_as(_I64P),
-                    len(n),
-                    ctypes.byref(op),
-                    err,
-                    256,
-                )
-                in_submit += time.perf_counter() - t
-                if rc != 0:
-                    raise RuntimeError(err.value.decode())
-                ops.append(op)
-            for op in ops:
-                while (r := self.api.poll_op(op, err, 256)) == 0:
-                    pass
-                if r < 0 and not failure:
-                    failure = err.value.decode()
-        finally:
-            for op in ops:
-                self.api.release_op(op)  # waits for a kernel still running
-        if failure:
-            raise RuntimeError(failure)
-        return in_submit
-
-    def close(self) -> None:
-        self.api.destroy_queue(self.handle)
-
-
-def measure(queue: _Queue, run_bytes: int, args: argparse.Namespace, copy_gbps: float) -> Row:
+def measure(queue: Queue, run_bytes: int, args: argparse.Namespace, copy_gbps: float) -> Row:
     import numpy as np
     import torch
 
@@ -230,10 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     sizes = args.run_bytes or [4096, 32768, 65536, 73728, 262144, 2 << 20]
-    _lib, api = _load(args.plugin or _default_plugin())
+    plugin = Plugin(args.plugin or default_plugin_path())
     copy_gbps = device_copy_gbps(int(args.gib * 2**30))
     logger.info("one %.1f GiB torch device copy: %.0f GB/s", args.gib, copy_gbps)
-    queue = _Queue(api, 0)
+    queue = Queue(plugin, 0)
     rows = []
     try:
         for run_bytes in sizes:

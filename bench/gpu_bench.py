@@ -10,9 +10,19 @@ decode's with ``--devices 0,1``: the peer-to-peer rate), for the batched-kernel 
 (``ucp_rkey_ptr`` mapping + one gather/scatter kernel per batch) and the per-run UCX path
 (``ucx_direct_copy=off``).
 
+``--overlap``: per-layer WRITE overlapped with a synthetic forward pass instead. The prefill
+runs, per layer, a bf16 matmul sized so that it takes about as long as that layer's transfer,
+then fills the request's blocks of that layer with a value of (request, layer) (the layer's KV,
+as attention would write it), records a CUDA event and calls ``write_layer`` with it at once: the
+copy waits for that event on the GPU, never on the host. Reported: the transfer time left
+exposed after the last layer's compute finished, next to the same transfer started after the
+whole forward (``after``), and one layer's transfer time; every destination block is checked
+to hold its layer's value (a copy that ran before its layer's compute would fail that).
+
 Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
 
     python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --json out.json
+    python3 bench/gpu_bench.py --preset llama3-8b --overlap --json overlap.json
 """
 
 from __future__ import annotations
@@ -36,6 +46,25 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": {"layers": 32, "kind": "kv", "heads": 8, "head": 128, "block": 16},
     "deepseek-v3": {"layers": 61, "kind": "mla", "heads": 1, "head": 576, "block": 64},
 }
+
+
+def _fill_value(seed: int, layer: int) -> float:
+    """What the synthetic forward writes into the request's blocks of ``layer`` (exact in bf16)."""
+    return float((seed * 7 + layer) % 200 + 1)
+
+
+@dataclass
+class OverlapRow:
+    preset: str
+    blocks: int
+    layers: int
+    matmul_n: int
+    compute_per_layer_ms: float
+    transfer_per_layer_ms: float
+    after_forward_exposed_ms: float
+    overlapped_exposed_ms: float
+    exposed_over_one_layer: float
+    verified: bool
 
 
 @dataclass
@@ -168,10 +197,28 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     engine.add_peer(conn.recv())
     peer = "decode" if role == "prefill" else "prefill"
     mirror_views = None
+    operands: dict[int, tuple[Any, Any]] = {}
     while True:
         cmd, *args = conn.recv()
         if cmd == "quit":
             break
+        if cmd == "matmul_ms":  # prefill: the median time of one n x n bf16 matmul
+            n = args[0]
+            a, b = operands.setdefault(n, _operands(n))
+            conn.send(_time_ms(lambda a=a, b=b: a @ b))
+            continue
+        if cmd == "forward_write":  # prefill: synthetic forward + per-layer WRITE
+            conn.send(_forward_write(engine, peer, views, preset, cfg, operands, *args))
+            continue
+        if cmd == "verify_fill":  # decode: each layer's destination blocks hold its value
+            dst_ids = torch.as_tensor(args[0], device="cuda")
+            axis = _block_axis(preset, cfg["layout"])
+            ok = all(
+                bool((v.index_select(axis, dst_ids) == _fill_value(args[1], layer)).all())
+                for layer, v in enumerate(views)
+            )
+            conn.send(ok)
+            continue
         if cmd in ("read", "write"):
             # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
             # request, outside the timing).
@@ -201,6 +248,167 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     conn.send("bye")
 
 
+def _operands(n: int) -> tuple[Any, Any]:
+    import torch
+
+    return (
+        torch.randn(n, n, dtype=torch.bfloat16, device="cuda"),
+        torch.randn(n, n, dtype=torch.bfloat16, device="cuda"),
+    )
+
+
+def _time_ms(fn: Any, reps: int = 20) -> float:
+    import torch
+
+    fn()
+    samples = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        samples.append(start.elapsed_time(end))
+    return statistics.median(samples)
+
+
+def _forward_write(
+    engine: Any,
+    peer: str,
+    views: list[Any],
+    preset: dict[str, Any],
+    cfg: dict[str, Any],
+    operands: dict[int, tuple[Any, Any]],
+    tid: str,
+    local: list[int],
+    remote: list[int],
+    n: int,
+    seed: int,
+    overlap: bool,
+) -> tuple[float, float, str, str]:
+    """Runs the synthetic forward (per layer: an n x n matmul, then the layer's blocks filled)
+    and WRITEs every layer: behind its CUDA event at once (``overlap``) or after the whole
+    forward. Returns (forward seconds, seconds from the forward's end to the WRITE's event,
+    the event's state, its message)."""
+    import torch
+
+    local_ids, remote_ids = _ids(local), _ids(remote)
+    ids_t = torch.as_tensor(local_ids, device="cuda")
+    axis = _block_axis(preset, cfg["layout"])
+    a, b = operands.setdefault(n, _operands(n)) if n else (None, None)
+    events = []  # one per layer, alive until the transfer's event
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for layer, view in enumerate(views):
+        if n:
+            torch.matmul(a, b)
+        view.index_fill_(axis, ids_t, _fill_value(seed, layer))
+        if overlap:
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids, ev.cuda_event)
+    if overlap:
+        engine.seal(tid, peer, expected_writes=len(views))
+    torch.cuda.synchronize()
+    forward_end = time.perf_counter()
+    if not overlap:
+        for layer in range(len(views)):
+            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
+        engine.seal(tid, peer, expected_writes=len(views))
+    event = engine.wait([tid], timeout=300)[tid]
+    done = time.perf_counter()
+    return forward_end - start, done - forward_end, event.state, event.message
+
+
+def _start_pair(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """Spawns the prefill and decode workers and lets them exchange their metadata."""
+    ctx = mp.get_context("spawn")
+    conns: dict[str, Any] = {}
+    procs: list[Any] = []
+    for role in ("prefill", "decode"):
+        parent, child = ctx.Pipe()
+        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
+        p.start()
+        conns[role] = parent
+        procs.append(p)
+    conns["decode"].send(_recv(conns["prefill"], procs))
+    conns["prefill"].send(_recv(conns["decode"], procs))
+    return conns, procs
+
+
+def _stop_pair(conns: dict[str, Any], procs: list[Any]) -> None:
+    for role in ("prefill", "decode"):
+        conns[role].send(("quit",))
+    for role in ("prefill", "decode"):
+        _recv(conns[role], procs)
+    for p in procs:
+        p.join(timeout=30)
+
+
+def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
+    """Per-layer WRITE overlapped with a synthetic forward, against the same WRITE after it."""
+    import numpy as np
+
+    preset = PRESETS[preset_name]
+    cfg = {
+        "preset": preset_name,
+        "layout": "standardized",
+        "direct_copy": "auto",
+        "num_blocks": args.num_blocks,
+        "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
+    }
+    conns, procs = _start_pair(cfg)
+    rng = np.random.default_rng(11)
+    layers = preset["layers"]
+    counter = iter(range(1 << 30))
+
+    def one(n: int, overlap: bool) -> tuple[float, float]:
+        r = next(counter)
+        src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
+        dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
+        tid = f"fw-{r}"
+        conns["prefill"].send(("forward_write", tid, src, dst, n, r, overlap))
+        forward, exposed, state, msg = _recv(conns["prefill"], procs)
+        if state != "done":
+            raise RuntimeError(f"{tid} ended {state}: {msg}")
+        conns["decode"].send(("verify_fill", dst, r))
+        if not _recv(conns["decode"], procs):
+            raise RuntimeError(f"{tid}: a destination block does not hold its layer's value")
+        return forward, exposed
+
+    one(0, False)  # warm-up: IPC mapping, kernel load
+    # One layer's transfer: the WRITE of all layers after a forward without matmuls, per layer.
+    transfer_layer = statistics.median(one(0, False)[1] for _ in range(3)) / layers
+    # The matmul size whose time is one layer's transfer: time grows about as n^3, so scale from
+    # a timed size, three times (small sizes fill the GPU less, so one step undershoots).
+    n = 2048
+    for _ in range(3):
+        conns["prefill"].send(("matmul_ms", n))
+        ms = _recv(conns["prefill"], procs)
+        n = max(256, int(n * (transfer_layer * 1e3 / ms) ** (1 / 3)) // 64 * 64)
+    conns["prefill"].send(("matmul_ms", n))
+    compute_layer = _recv(conns["prefill"], procs) / 1e3
+    after, overlapped = [], []
+    for _ in range(args.requests):  # interleaved, so drift hits both alike
+        after.append(one(n, False)[1])
+        overlapped.append(one(n, True)[1])
+    _stop_pair(conns, procs)
+    exposed = statistics.median(overlapped)
+    return OverlapRow(
+        preset_name,
+        args.blocks,
+        layers,
+        n,
+        compute_layer * 1e3,
+        transfer_layer * 1e3,
+        statistics.median(after) * 1e3,
+        exposed * 1e3,
+        exposed / transfer_layer,
+        True,
+    )
+
+
 def _recv(conn: Any, procs: list[Any], timeout: float = 300.0) -> Any:
     """The next message on ``conn``; raises when a worker died or nothing came in time."""
     deadline = time.monotonic() + timeout
@@ -226,17 +434,7 @@ def run_case(
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
     }
-    ctx = mp.get_context("spawn")
-    conns = {}
-    procs = []
-    for role in ("prefill", "decode"):
-        parent, child = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(role, child, cfg), daemon=True, name=role)
-        p.start()
-        conns[role] = parent
-        procs.append(p)
-    conns["decode"].send(_recv(conns["prefill"], procs))
-    conns["prefill"].send(_recv(conns["decode"], procs))
+    conns, procs = _start_pair(cfg)
     rng = np.random.default_rng(7)
     requests = args.requests if direct_copy == "auto" else args.per_run_requests
     rows: list[Row] = []
@@ -280,12 +478,7 @@ def run_case(
                 verified,
             )
         )
-    for role in ("prefill", "decode"):
-        conns[role].send(("quit",))
-    for role in ("prefill", "decode"):
-        _recv(conns[role], procs)
-    for p in procs:
-        p.join(timeout=30)
+    _stop_pair(conns, procs)
     return rows
 
 
@@ -304,10 +497,39 @@ def main(argv: list[str] | None = None) -> int:
         default=(0, 0),
         help="CUDA devices of the prefill and decode processes, e.g. 0,1 (default 0,0)",
     )
+    parser.add_argument(
+        "--overlap",
+        action="store_true",
+        help="per-layer WRITE overlapped with a synthetic forward (see the module docstring)",
+    )
     parser.add_argument("--json", help="write the rows as JSON to this file")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = args.preset or ["llama3-8b", "deepseek-v3"]
+    if args.overlap:
+        overlap_rows = []
+        for name in presets:
+            o = run_overlap_case(name, args)
+            overlap_rows.append(o)
+            logger.info(
+                "%-12s %d layers x %d blocks: matmul n=%d %.3f ms/layer, transfer %.3f ms/layer;"
+                " exposed after the forward: WRITE after it %.3f ms, overlapped %.3f ms = %.2f"
+                " layers' transfer, verified=%s",
+                o.preset,
+                o.layers,
+                o.blocks,
+                o.matmul_n,
+                o.compute_per_layer_ms,
+                o.transfer_per_layer_ms,
+                o.after_forward_exposed_ms,
+                o.overlapped_exposed_ms,
+                o.exposed_over_one_layer,
+                o.verified,
+            )
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([asdict(r) for r in overlap_rows], f, indent=1)
+        return 0
     rows: list[Row] = []
     for name in presets:
         request_bytes = _block_bytes(PRESETS[name]) * args.blocks

@@ -13,8 +13,10 @@ gather/scatter is timed, in the same run:
   call to its terminal event);
 * ``write``: ``Engine.write_layer`` + ``seal`` pushing to the second process.
 
-Variants. Host: ``plain`` (numpy memory on both sides; UCX moves it with cma, one
-process_vm_readv/writev per run), ``allocated`` (backing from the backend's allocator, i.e.
+Variants. Host: ``plain`` (numpy memory on both sides; the backend proves the peer is a
+process of this host and pid namespace and moves up to IOV_MAX runs per process_vm_readv/writev),
+``plain_ucx_ops`` (same memory, ``ucx_direct_copy=off``: UCX's cma, one system call per run),
+``allocated`` (backing from the backend's allocator, i.e.
 UCP_MEM_MAP_ALLOCATE shared memory the peer maps with ucp_rkey_ptr and fills with memcpy) and
 ``allocated_ucx_ops`` (same memory, ``ucx_direct_copy=off``); the allocated variants need
 ``Engine.allocate_host_backing`` and are reported as not run without it. CUDA: ``cuda`` (CUDA IPC
@@ -55,12 +57,16 @@ TIMEOUT = 300.0
 # variant -> (engine options, memory: "host" | "allocated" | "cuda")
 VARIANTS: dict[str, tuple[dict[str, str], str]] = {
     "plain": ({}, "host"),
+    "plain_ucx_ops": ({"ucx_direct_copy": "off"}, "host"),
     "allocated": ({}, "allocated"),
     "allocated_ucx_ops": ({"ucx_direct_copy": "off"}, "allocated"),
     "cuda": ({}, "cuda"),
     "cuda_ucx_ops": ({"ucx_direct_copy": "off"}, "cuda"),
 }
-DEFAULT_VARIANTS = {"host": "plain,allocated,allocated_ucx_ops", "cuda": "cuda,cuda_ucx_ops"}
+DEFAULT_VARIANTS = {
+    "host": "plain,plain_ucx_ops,allocated,allocated_ucx_ops",
+    "cuda": "cuda,cuda_ucx_ops",
+}
 
 
 @dataclass(frozen=True)

@@ -540,7 +540,8 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
 Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view layer,
                                 std::string_view peer_id,
                                 std::span<const std::int64_t> local_blocks,
-                                std::span<const std::int64_t> remote_blocks) {
+                                std::span<const std::int64_t> remote_blocks,
+                                std::uint64_t cuda_event) {
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
@@ -556,12 +557,25 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   if (!peer.ok()) return refuse(peer.status());
   Result<std::size_t> i = d.FindLayer(layer);
   if (!i.ok()) return refuse(i.status());
+  if (cuda_event != 0) {
+    if (d.regions[d.layers[*i].region].range.kind != MemoryKind::kCuda) {
+      return refuse(FailedPreconditionError(
+          "not in CUDA memory; a CUDA event cannot order its copy"));
+    }
+    if (!d.backend->capabilities().device_event_wait) {
+      return refuse(FailedPreconditionError(
+          "backend '" + d.config.backend +
+          "' cannot wait for a CUDA event on the GPU (needs the CUDA copy plugin); synchronise "
+          "the event and call write_layer without it"));
+    }
+  }
   Result<std::shared_ptr<const BlockPairs>> pairs = d.write_pairs.Get(local_blocks, remote_blocks);
   if (!pairs.ok()) return refuse(pairs.status());
   BatchBuilder builder(TransferOp::kWrite, **peer);
   Status st = builder.Add(d.layers[*i], (*peer)->links[*i], **pairs);
   if (!st.ok()) return refuse(st);
   std::vector<BatchBuilder::Piece> pieces = builder.Take(0);
+  pieces.front().batch->device_wait_event = cuda_event;
   const std::int64_t runs = static_cast<std::int64_t>(pieces.front().batch->sizes.size());
   MORIIO_ASSIGN_OR_RETURN(std::optional<std::uint64_t> token,
                           d.tracker->ScheduleWrite(transfer_id, layer, (*peer)->id,

@@ -163,15 +163,17 @@ void BindEngine(py::module_& m) {
            })
       .def("write_layer",
            [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
-              const py::object& local, const py::object& remote) {
+              const py::object& local, const py::object& remote, std::uint64_t cuda_event) {
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
              Result<bool> r = [&] {
                py::gil_scoped_release release;
-               return e.WriteLayer(tid, layer, peer, local_ids, remote_ids);
+               return e.WriteLayer(tid, layer, peer, local_ids, remote_ids, cuda_event);
              }();
              return Unwrap(std::move(r));
-           })
+           },
+           py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("local_blocks"),
+           py::arg("remote_blocks"), py::arg("cuda_event") = 0)
       .def(
           "seal",
           [](Engine& e, const std::string& tid, const std::string& peer,

@@ -49,6 +49,11 @@ struct Batch {
   std::vector<std::int64_t> remote_offsets;
   std::vector<std::int64_t> sizes;
   std::uint64_t token = 0;  ///< passed back in the completion
+  /// A cudaEvent_t of this process (0: none) that the copy waits for on the GPU before it starts
+  /// (no host wait), when capabilities().device_event_wait; a backend that cannot honour it for
+  /// this batch fails the batch. The caller keeps the event valid and unrecorded until the batch
+  /// completes.
+  std::uint64_t device_wait_event = 0;
 };
 
 /// Receives completions. Backends call it from their own threads; implementations must be
@@ -71,6 +76,8 @@ struct BackendCapabilities {
   bool unaligned_registration = true;
   /// Whether Allocate() is implemented (memory peers on this host can map directly).
   bool allocation = false;
+  /// Whether GPU-to-GPU batches may carry Batch::device_wait_event (copies run on the GPU).
+  bool device_event_wait = false;
 };
 
 /// String options from the engine config (connector extra config), e.g. {"ucx_tls": "sm,self"}.

@@ -122,12 +122,18 @@ class Engine {
   /// (transfer, layer) was scheduled before, or the transfer failed, was aborted, timed out or
   /// is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
   /// Every other refusal (unknown peer or layer, a bad block id, another peer than the
-  /// transfer's, one layer more than the seal said) returns the error AND fails the transfer, so
-  /// a transfer one of whose layers was refused never ends done. A submission failure fails the
-  /// transfer too (its event says why). Never blocks on transfer.
+  /// transfer's, one layer more than the seal said, a CUDA event it cannot honour) returns the
+  /// error AND fails the transfer, so a transfer one of whose layers was refused never ends done.
+  /// A submission failure fails the transfer too (its event says why). Never blocks on transfer.
+  /// `cuda_event` (0: none): a cudaEvent_t of this process recorded after the work that
+  /// produces this layer's blocks; the copy then waits for it on the GPU, so the call may come
+  /// before that work has finished (per-layer WRITE overlapped with the forward pass). It needs a
+  /// CUDA layer and a backend with capabilities().device_event_wait (FailedPrecondition
+  /// otherwise); keep the event valid and unrecorded until the transfer's event.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
-                          std::span<const std::int64_t> remote_blocks);
+                          std::span<const std::int64_t> remote_blocks,
+                          std::uint64_t cuda_event = 0);
 
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to
   /// `peer` -- before or after this call (a seal may overtake its writes); the transfer is done

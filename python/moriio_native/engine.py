@@ -226,14 +226,24 @@ class Engine:
         peer: str,
         local_blocks: BlockIds,
         remote_blocks: BlockIds,
+        cuda_event: int = 0,
     ) -> bool:
         """Push one layer's blocks; False when this (transfer, layer) was scheduled before or
         the transfer failed, ended or was aborted.
 
-        A refused layer (unknown peer or layer, bad block ids, ...) raises AND fails the
-        transfer, so no seal can make it ``done``. InvalidArgumentError, with nothing changed,
-        when ``transfer_id`` is a READ."""
-        return self._engine.write_layer(transfer_id, layer, peer, local_blocks, remote_blocks)
+        A refused layer (unknown peer or layer, bad block ids, a CUDA event it cannot honour,
+        ...) raises AND fails the transfer, so no seal can make it ``done``.
+        InvalidArgumentError, with nothing changed, when ``transfer_id`` is a READ.
+
+        ``cuda_event``: the handle of a CUDA event recorded after the work that produces this
+        layer (``torch.cuda.Event().cuda_event`` once recorded); the copy then waits for it on
+        the GPU, so this may be called before that work finished. Needs a CUDA layer and the UCX
+        backend with its CUDA copy plugin (FailedPreconditionError otherwise). Use one event per
+        layer and keep it until the transfer's event arrives.
+        """
+        return self._engine.write_layer(
+            transfer_id, layer, peer, local_blocks, remote_blocks, cuda_event
+        )
 
     def seal(self, transfer_id: str, peer: str, *, expected_writes: int) -> None:
         """This WRITE transfer consists of exactly ``expected_writes`` distinct layers, scheduled

@@ -663,6 +663,26 @@ TEST(EngineLargeRead, ManyRunsAreSubmittedInPiecesAndEveryByteArrives) {
 
 // ---- WRITE --------------------------------------------------------------------------------
 
+// A CUDA event orders a copy only on the GPU: for a host layer (or a backend without the CUDA
+// copy kernel) WriteLayer refuses it, naming why, schedules nothing and fails the transfer (its
+// caller was told this layer will not arrive).
+TEST_F(EnginePair, WriteLayerRefusesACudaEventItCannotHonour) {
+  const std::vector<std::int64_t> ids = {4, 1};
+  Result<bool> r = p_.engine->WriteLayer("w-ev", "attn.0", "D", ids, ids, /*cuda_event=*/0x1234);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(r.status().ToString().find("not in CUDA memory"), std::string::npos)
+      << r.status().ToString();
+  Events events(p_.engine.get());
+  EXPECT_EQ(events.Wait("w-ev").state, TransferState::kFailed);
+  // The same layer without the event is scheduled as usual.
+  Result<bool> plain = p_.engine->WriteLayer("w-plain", "attn.0", "D", ids, ids);
+  ASSERT_TRUE(plain.ok()) << plain.status().ToString();
+  EXPECT_TRUE(*plain);
+  ASSERT_TRUE(p_.engine->Seal("w-plain", "D", 1).ok());
+  EXPECT_EQ(events.Wait("w-plain").state, TransferState::kDone);
+}
+
 TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
   const std::vector<std::uint8_t> p_before = p_.buffer->Snapshot();
   std::vector<std::uint8_t> expected = d_.buffer->Snapshot();

@@ -370,9 +370,10 @@ std::string MemUnavailable(Mem kind, const mn::BackendOptions& options) {
   return "";
 }
 
-/// Batches started per data path so far in this process: [ops, host memcpy, CUDA kernel].
-std::array<std::uint64_t, 3> PathCounters() {
-  std::array<std::uint64_t, 3> out{};
+/// Batches started per data path so far in this process: [ops, host memcpy, CUDA kernel, batched
+/// process_vm_readv/writev].
+std::array<std::uint64_t, 4> PathCounters() {
+  std::array<std::uint64_t, 4> out{};
   using Fn = void (*)(std::uint64_t*);
 #ifdef MORIIO_UCX_PLUGIN_PATH
   void* h = ::dlopen(MORIIO_UCX_PLUGIN_PATH, RTLD_NOW | RTLD_LOCAL);
@@ -631,7 +632,7 @@ std::unique_ptr<mn::Backend> MakeBackend(const mn::BackendOptions& options,
 
 // ---- two-process transfers ----------------------------------------------------------------------
 
-enum class Path : std::uint8_t { kOps = 0, kHostCopy = 1, kCudaKernel = 2 };
+enum class Path : std::uint8_t { kOps = 0, kHostCopy = 1, kCudaKernel = 2, kCma = 3 };
 
 struct Mode {
   const char* name;
@@ -742,24 +743,138 @@ TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
 INSTANTIATE_TEST_SUITE_P(
     Paths, UcxTwoProcess,
     ::testing::Values(
-        Mode{"plain_memory", Mem::kHeap, Mem::kHeap, Path::kOps, {}},
+        // Plain memory of a proven same-host peer: up to IOV_MAX runs per process_vm_readv/writev.
+        Mode{"plain_memory_batched_cma", Mem::kHeap, Mem::kHeap, Path::kCma, {}},
+        Mode{"plain_memory_ucx_ops", Mem::kHeap, Mem::kHeap, Path::kOps,
+             {{"ucx_direct_copy", "off"}}},
         // The peer's segment is mapped with ucp_rkey_ptr: memcpy, no UCX operation per run.
         Mode{"allocated_target_direct_copy", Mem::kAllocated, Mem::kHeap, Path::kHostCopy, {}},
         Mode{"allocated_both_ucx_ops", Mem::kAllocated, Mem::kAllocated, Path::kOps,
              {{"ucx_direct_copy", "off"}}},
         Mode{"shared_memory_only_tls", Mem::kHeap, Mem::kHeap, Path::kOps,
-             {{"ucx_tls", "sm,self"}}},
+             {{"ucx_tls", "sm,self"}, {"ucx_direct_copy", "off"}}},
         // No cma: UCX emulates RMA with active messages, which only move while the target's
         // progress thread runs (it sleeps on the worker's event fd in between).
         // (Emulation is allowed explicitly: on CUDA machines the backend turns it off by default.)
         Mode{"emulated_rma_needs_target_progress", Mem::kHeap, Mem::kHeap, Path::kOps,
-             {{"ucx_tls", "posix,self"}, {"ucx_config", "PROTO_EMULATION_ENABLE=y"}}},
-        Mode{"busy_progress", Mem::kHeap, Mem::kHeap, Path::kOps, {{"progress_mode", "busy"}}},
+             {{"ucx_tls", "posix,self"},
+              {"ucx_config", "PROTO_EMULATION_ENABLE=y"},
+              {"ucx_direct_copy", "off"}}},
+        Mode{"busy_progress", Mem::kHeap, Mem::kHeap, Path::kOps,
+             {{"progress_mode", "busy"}, {"ucx_direct_copy", "off"}}},
         // GPU memory in both processes (skipped without a GPU): CUDA IPC mapped with ucp_rkey_ptr,
         // one gather/scatter kernel per batch; then the same with one UCX cuda_ipc op per run.
         Mode{"cuda_gather_scatter_kernel", Mem::kCuda, Mem::kCuda, Path::kCudaKernel, {}},
         Mode{"cuda_ucx_ops", Mem::kCuda, Mem::kCuda, Path::kOps, {{"ucx_direct_copy", "off"}}}),
     [](const ::testing::TestParamInfo<Mode>& p) { return std::string(p.param.name); });
+
+/// FNV-1a as the address envelope uses it (ucx_wire.hpp), so a test can alter a field and still
+/// present a well-formed address.
+std::uint64_t Fnv1a(const std::uint8_t* p, std::size_t n, std::uint64_t h) {
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= p[i];
+    h *= 0x100000001b3ull;
+  }
+  return h;
+}
+
+/// `address` with `n` bytes at `at` replaced by `value` (little-endian) and the checksum redone.
+std::vector<std::uint8_t> Forged(std::vector<std::uint8_t> address, std::size_t at, int n,
+                                 std::uint64_t value) {
+  constexpr std::size_t kSumAt = 80, kHeader = 88;  // "MNUCXAD2" layout
+  for (int i = 0; i < n; ++i) address[at + i] = static_cast<std::uint8_t>(value >> (8 * i));
+  std::uint64_t h = Fnv1a(address.data(), kSumAt, 0xcbf29ce484222325ull);
+  h = Fnv1a(address.data() + kHeader, address.size() - kHeader, h);
+  for (int i = 0; i < 8; ++i) address[kSumAt + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  return address;
+}
+
+std::uint64_t Field(const std::vector<std::uint8_t>& address, std::size_t at, int n) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < n; ++i) v |= static_cast<std::uint64_t>(address[at + i]) << (8 * i);
+  return v;
+}
+
+// Batched process_vm_readv/writev only goes through a pid proven to be the peer's: an address
+// whose cookie, pid or pid namespace does not match what that pid's memory holds makes the
+// backend use UCX operations instead, and the bytes still arrive. (Our own pid names a live
+// process of this namespace that does not hold the target's cookie: a stranger, for the proof.)
+TEST(UcxBackend, UnprovenPeerIdentityFallsBackToUcxOperations) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  const std::vector<std::uint8_t> real = target.address;
+  struct Case {
+    const char* what;
+    std::vector<std::uint8_t> address;
+    Path path;
+  };
+  const std::vector<Case> cases = {
+      {"the real identity", real, Path::kCma},
+      {"another cookie", Forged(real, 64, 8, Field(real, 64, 8) ^ 1), Path::kOps},
+      {"our own pid", Forged(real, 32, 4, static_cast<std::uint64_t>(::getpid())), Path::kOps},
+      {"another pid namespace", Forged(real, 48, 8, Field(real, 48, 8) + 1), Path::kOps},
+      {"no pid", Forged(real, 32, 4, 0), Path::kOps},
+  };
+  std::uint64_t token = 1;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    target.address = c.address;
+    Initiator us;
+    ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+    for (auto op : {mn::TransferOp::kRead, mn::TransferOp::kWrite}) {
+      target.Refill();
+      std::vector<std::uint8_t> want_local = Pattern(kRegion, 1000 + token);
+      us.local->Write(want_local);
+      std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
+      auto batch = us.NewBatch(op, token, 2000, token);
+      Apply(*batch, want_local, want_remote);
+      const auto before = PathCounters();
+      ASSERT_TRUE(us.backend->Submit(batch).ok());
+      mn::Status st = us.sink->Wait(token);
+      ASSERT_TRUE(st.ok()) << st.ToString();
+      const auto after = PathCounters();
+      EXPECT_EQ(after[static_cast<int>(c.path)], before[static_cast<int>(c.path)] + 1);
+      std::vector<std::uint8_t> got_local = us.local->Read();
+      std::vector<std::uint8_t> got_remote = target.Dump();
+      EXPECT_EQ(FirstDiff(got_local.data(), want_local.data(), kRegion), -1);
+      EXPECT_EQ(FirstDiff(got_remote.data(), want_remote.data(), kRegion), -1);
+      ++token;
+    }
+    EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+    EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+  }
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// Only the CUDA copy kernel waits for an event on the device: a host batch carrying one fails
+// (once, with the reason) instead of copying before the producer's work may have finished.
+// (Both host paths: batched cma for plain memory, memcpy into an allocated target.)
+TEST(UcxBackend, HostBatchWithACudaEventFails) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  for (Mem target_kind : {Mem::kHeap, Mem::kAllocated}) {
+    SCOPED_TRACE(target_kind == Mem::kHeap ? "plain target" : "allocated target");
+    Target target;
+    ASSERT_TRUE(target.Start(options, target_kind));
+    Initiator us;
+    ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+    auto batch = us.NewBatch(mn::TransferOp::kWrite, 7, 10, 7);
+    batch->device_wait_event = 0x1234;
+    const std::vector<std::uint8_t> before = target.Dump();
+    ASSERT_TRUE(us.backend->Submit(batch).ok());
+    mn::Status st = us.sink->Wait(7);
+    EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument) << st.ToString();
+    EXPECT_NE(st.ToString().find("CUDA event"), std::string::npos) << st.ToString();
+    EXPECT_EQ(us.sink->Count(7), 1);
+    EXPECT_EQ(target.Dump(), before) << "the batch moved bytes";
+    EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+    EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+    us.backend.reset();
+    EXPECT_EQ(target.Stop(), 0);
+  }
+}
 
 // Destroying the backend with batches in flight completes each exactly once and returns.
 TEST(UcxBackend, TeardownWithOutstandingBatchesCompletesEachOnce) {
@@ -791,6 +906,7 @@ TEST(UcxBackend, TeardownWithOperationsStuckOnAStoppedPeer) {
   mn::BackendOptions options = BaseOptions();
   options["ucx_tls"] = "posix,self";
   options["ucx_config"] = "PROTO_EMULATION_ENABLE=y";
+  options["ucx_direct_copy"] = "off";  // else plain memory moves by process_vm_readv, no UCX op
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -888,6 +1004,8 @@ TEST(UcxBackend, DeadPeerFailsTheBatch) {
   EXPECT_FALSE(st.ok()) << "reading from a dead process cannot succeed";
   RecordProperty("dead_peer_status", st.ToString());
   EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
+  // Plain memory on one host takes batched cma, whose per-batch identity check names the cause.
+  EXPECT_NE(st.ToString().find("the peer process is gone"), std::string::npos) << st.ToString();
   EXPECT_EQ(us.sink->Count(5), 1);
   us.backend.reset();
 }

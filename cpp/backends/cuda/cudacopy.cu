@@ -4,9 +4,22 @@
 // a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
 // copies (research/ucx_gpu_probe.md). Here the host writes the run table once (the engine's offset
 // arrays as they are; bases are kernel arguments) into mapped pinned memory, and the grid walks
-// it: each CTA copies one chunk (a run, or a 128 KiB piece of a longer run) at a time with
-// 16-byte vector loads and stores when the two ends share their alignment; the host only polls
-// an event. Batches alternate between two streams so one kernel's tail overlaps the next one.
+// it: each WARP copies one chunk (a run, or a 128 KiB piece of a longer run) at a time, 4 KiB per
+// step with eight 16-byte loads in flight per lane before their stores, when the two ends share
+// their alignment; the host only polls an event. Batches alternate between two streams so one
+// kernel's tail overlaps the next one.
+//
+// Why a warp and not a CTA per chunk (the first version): with a CTA of 256 threads per chunk a
+// 4 KiB run was one 16-byte load per thread followed by a wait for the next table entry, read
+// over PCIe from pinned memory. A warp looks up its next (up to) 32 chunks with one coalesced
+// read, lane j taking entry j, and then copies them one after the other, so the table's PCIe
+// latency is paid once per 32 chunks. Measured on an H200 (docs/benchmarks.md, 2026-12-01):
+// 32 KiB-2 MiB runs at 0.81-0.84x of a device copy against 0.78-0.80x for the first version in
+// the same runs. What bounds it: at 4 KiB the host's ~50-60 us per submit call (0.25-0.35x with
+// batches of 8,192 runs), above 32 KiB the scattered layout, not the kernel's depth: unroll 4 or
+// 8, chunks of 32/64/128 KiB, cache hints (ld.global.nc.L1::no_allocate.L2::256B, st.global.cs),
+// write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
+// at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
 
 #include <cuda_runtime.h>
 
@@ -21,13 +34,26 @@
 
 namespace {
 
-constexpr std::uint64_t kChunk = 128 * 1024;  // most bytes of one run one CTA copies per step
+// Compile-time tunables, so bench/h200_session.sh can measure builds with other values against
+// this one in the same run (docs/benchmarks.md has the outcome).
+#ifndef MORIIO_CUDACOPY_CHUNK_KIB
+#define MORIIO_CUDACOPY_CHUNK_KIB 128
+#endif
+#ifndef MORIIO_CUDACOPY_UNROLL
+#define MORIIO_CUDACOPY_UNROLL 8
+#endif
+
+// Most bytes a warp copies per chunk: 128 KiB measured 0.81-0.84x against 0.80-0.82x for 64 KiB
+// and 32 KiB in the same runs (docs/benchmarks.md).
+constexpr std::uint64_t kChunk = MORIIO_CUDACOPY_CHUNK_KIB * 1024;
+constexpr int kUnroll = MORIIO_CUDACOPY_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kThreads = 256;
+constexpr int kWarpsPerCta = kThreads / 32;
 constexpr int kStreams = 2;
-// A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a CTA finds its
-// work with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
+// A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a lane finds its
+// chunk with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
 // table is only built when some run spans several chunks: KV runs (4-128 KiB) map one to one.
-constexpr int kChunkBits = 20;  // runs up to 2^20 chunks = 128 GiB
+constexpr int kChunkBits = 24;  // runs of up to 2^24 chunks (2 TiB)
 
 void SetError(char* err, size_t len, const char* what, cudaError_t e) {
   if (err != nullptr && len != 0) {
@@ -39,49 +65,79 @@ __device__ __forceinline__ std::uint64_t Min(std::uint64_t a, std::uint64_t b) {
   return a < b ? a : b;
 }
 
+/// `count` vectors of type V; the 32 lanes of the calling warp take part.
 template <typename V>
-__device__ __forceinline__ void CopyVectors(unsigned char* d, const unsigned char* s,
-                                            std::uint64_t count) {
-  V* dv = reinterpret_cast<V*>(d);
-  const V* sv = reinterpret_cast<const V*>(s);
-  const std::uint64_t step = blockDim.x;
-  std::uint64_t i = threadIdx.x;
-  // Four loads in flight per thread before the stores: the copy is latency bound otherwise.
-  for (; i + 3 * step < count; i += 4 * step) {
-    V a = sv[i], b = sv[i + step], c = sv[i + 2 * step], e = sv[i + 3 * step];
-    dv[i] = a;
-    dv[i + step] = b;
-    dv[i + 2 * step] = c;
-    dv[i + 3 * step] = e;
+__device__ __forceinline__ void WarpCopyVectors(unsigned char* d, const unsigned char* s,
+                                                std::uint64_t count, unsigned lane) {
+  constexpr unsigned kStep = kUnroll * 32;
+  V* dv = reinterpret_cast<V*>(d) + lane;
+  const V* sv = reinterpret_cast<const V*>(s) + lane;
+  // All kUnroll loads of a step are issued before the first store: one 4 KiB step per warp is one
+  // memory round trip, not kUnroll of them. Pointers advance, so each access is base + constant.
+#pragma unroll 1
+  for (std::uint64_t steps = count / kStep; steps != 0; --steps, dv += kStep, sv += kStep) {
+    V r[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) r[k] = sv[k * 32];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) dv[k * 32] = r[k];
   }
-  for (; i < count; i += step) dv[i] = sv[i];
+  // The last partial step, predicated, in halves: a full predicated step would need its own
+  // kUnroll registers besides the loop's (ptxas: 109 registers instead of 64, half the warps).
+  constexpr unsigned kHalf = kStep / 2;
+  const auto rest = static_cast<unsigned>(count % kStep);
+#pragma unroll 1
+  for (unsigned base = 0; base < rest; base += kHalf, dv += kHalf, sv += kHalf) {
+    V r[kUnroll / 2];
+#pragma unroll
+    for (int k = 0; k < kUnroll / 2; ++k) {
+      if (base + lane + k * 32 < rest) r[k] = sv[k * 32];
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll / 2; ++k) {
+      if (base + lane + k * 32 < rest) dv[k * 32] = r[k];
+    }
+  }
 }
 
-__device__ __forceinline__ void CopyBytes(unsigned char* d, const unsigned char* s,
-                                          std::uint64_t n) {
-  for (std::uint64_t i = threadIdx.x; i < n; i += blockDim.x) d[i] = s[i];
+__device__ __forceinline__ void WarpCopyBytes(unsigned char* d, const unsigned char* s,
+                                              std::uint64_t n, unsigned lane) {
+  for (std::uint64_t i = lane; i < n; i += 32) d[i] = s[i];
 }
 
-/// Copies `n` bytes; all threads of the CTA take part.
-__device__ void CopyChunk(unsigned char* d, const unsigned char* s, std::uint64_t n) {
+/// Copies `n` bytes whose two ends are not both 16-byte aligned after the same head (4-byte or
+/// byte accesses). Out of line: KV runs never take it, and inlined it costs the fast path
+/// registers (fewer warps resident, fewer bytes in flight).
+__device__ __noinline__ void WarpCopyUnaligned(unsigned char* d, const unsigned char* s,
+                                               std::uint64_t n, unsigned lane) {
   const auto da = reinterpret_cast<std::uintptr_t>(d);
-  const auto sa = reinterpret_cast<std::uintptr_t>(s);
-  std::uint64_t align = ((da ^ sa) & 15) == 0 ? 16 : ((da ^ sa) & 3) == 0 ? 4 : 1;
-  if (align == 1) {
-    CopyBytes(d, s, n);
+  if (((da ^ reinterpret_cast<std::uintptr_t>(s)) & 3) != 0) {
+    WarpCopyBytes(d, s, n, lane);
     return;
   }
-  // Bytes up to the first common aligned address, the vector body, then the tail.
-  const std::uint64_t head = Min(n, (align - (da & (align - 1))) & (align - 1));
-  CopyBytes(d, s, head);
-  const std::uint64_t body = (n - head) / align;
-  if (align == 16) {
-    CopyVectors<uint4>(d + head, s + head, body);
-  } else {
-    CopyVectors<unsigned int>(d + head, s + head, body);
+  const std::uint64_t head = Min(n, (4 - (da & 3)) & 3);
+  WarpCopyBytes(d, s, head, lane);
+  const std::uint64_t body = (n - head) / 4;
+  WarpCopyVectors<unsigned int>(d + head, s + head, body, lane);
+  const std::uint64_t done = head + body * 4;
+  WarpCopyBytes(d + done, s + done, n - done, lane);
+}
+
+/// Copies `n` bytes; the 32 lanes of the calling warp take part.
+__device__ __forceinline__ void WarpCopy(unsigned char* d, const unsigned char* s,
+                                         std::uint64_t n, unsigned lane) {
+  const auto da = reinterpret_cast<std::uintptr_t>(d);
+  if (((da ^ reinterpret_cast<std::uintptr_t>(s)) & 15) != 0) {
+    WarpCopyUnaligned(d, s, n, lane);
+    return;
   }
-  const std::uint64_t done = head + body * align;
-  CopyBytes(d + done, s + done, n - done);
+  // Bytes up to the first common 16-byte aligned address, the vector body, then the tail.
+  const std::uint64_t head = Min(n, (16 - (da & 15)) & 15);
+  if (head != 0) WarpCopyBytes(d, s, head, lane);
+  const std::uint64_t body = (n - head) / 16;
+  WarpCopyVectors<uint4>(d + head, s + head, body, lane);
+  const std::uint64_t done = head + body * 16;
+  if (done != n) WarpCopyBytes(d + done, s + done, n - done, lane);
 }
 
 /// One chunk's copy: where from, where to, how many bytes.
@@ -91,40 +147,54 @@ struct ChunkCopy {
   std::uint64_t len;
 };
 
-/// table: dst offset[n], src offset[n], size[n], then chunk[chunks] (see kChunkBits) unless
-/// chunks == n (every run is one chunk: chunk c is run c).
+/// table: dst offset[n], src offset[n], size[n] (absent when every run has the size `uniform`),
+/// then chunk[chunks] (see kChunkBits) unless chunks == n (every run is one chunk: chunk c is
+/// run c).
 struct RunTable {
   std::uint64_t dst_base;
   std::uint64_t src_base;
   const std::int64_t* table;
   std::uint64_t n;
   std::uint64_t chunks;
+  std::uint64_t uniform;  // the size of every run, or 0: sizes in the table
 
   __device__ ChunkCopy Chunk(std::uint64_t c) const {
     const std::int64_t* dst = table;
     const std::int64_t* src = table + n;
     const std::int64_t* size = table + 2 * n;
-    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + 3 * n);
+    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + (uniform ? 2 : 3) * n);
     const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
     const std::uint64_t r = entry >> kChunkBits;
     const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
+    const std::uint64_t len = uniform ? uniform : static_cast<std::uint64_t>(size[r]);
     return {reinterpret_cast<unsigned char*>(dst_base + dst[r] + off),
             reinterpret_cast<const unsigned char*>(src_base + src[r] + off),
-            Min(kChunk, static_cast<std::uint64_t>(size[r]) - off)};
+            Min(kChunk, len - off)};
   }
 };
 
-__global__ void GatherScatter(RunTable t) {
-  std::uint64_t c = blockIdx.x;
-  if (c >= t.chunks) return;
-  ChunkCopy cur = t.Chunk(c);
-  for (; c < t.chunks; c += gridDim.x) {
-    // The next chunk's table entries are loaded before this chunk's copy, so their latency
-    // hides behind it instead of stalling the CTA between chunks.
-    const std::uint64_t next = c + gridDim.x;
-    const ChunkCopy following = next < t.chunks ? t.Chunk(next) : ChunkCopy{};
-    CopyChunk(cur.dst, cur.src, cur.len);
-    cur = following;
+/// Warp w of W copies, in round k, the `group` consecutive chunks starting at
+/// k * W * group + w * group, where group = min(32, ceil(chunks / W)): lane j loads chunk j's
+/// table entry (one coalesced read per group instead of one dependent read per chunk), then the
+/// warp copies the group's chunks in turn, taking each one's entry from its lane by shuffle.
+/// Consecutive warps work on neighbouring chunks, which the engine sorts by destination.
+__global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
+  const unsigned lane = threadIdx.x & 31;
+  const std::uint64_t warp = (std::uint64_t{blockIdx.x} * kThreads + threadIdx.x) >> 5;
+  const std::uint64_t warps = std::uint64_t{gridDim.x} * kWarpsPerCta;
+  const std::uint64_t group = Min(32, (t.chunks + warps - 1) / warps);
+  for (std::uint64_t first = warp * group; first < t.chunks; first += warps * group) {
+    const unsigned here = static_cast<unsigned>(Min(group, t.chunks - first));
+    const ChunkCopy mine = lane < here ? t.Chunk(first + lane) : ChunkCopy{nullptr, nullptr, 0};
+#pragma unroll 1
+    for (unsigned j = 0; j < here; ++j) {
+      auto* d = reinterpret_cast<unsigned char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<std::uintptr_t>(mine.dst), j));
+      const auto* s = reinterpret_cast<const unsigned char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<std::uintptr_t>(mine.src), j));
+      const std::uint64_t len = __shfl_sync(0xffffffffu, mine.len, j);
+      WarpCopy(d, s, len, lane);
+    }
   }
 }
 
@@ -148,7 +218,7 @@ struct Op {
 
 struct Queue {
   int device = 0;
-  int max_ctas = 0;
+  int max_ctas = 0;  // resident CTAs of GatherScatter
   cudaStream_t streams[kStreams] = {};
   int next_stream = 0;
   std::vector<Slot> free_slots;  // reused: pinned allocations cost milliseconds
@@ -188,8 +258,14 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   auto* q = new (std::nothrow) Queue;
   if (q == nullptr) return -1;
   q->device = device;
-  // Enough CTAs to keep every SM busy with several resident blocks; more only adds tail effects.
-  q->max_ctas = sms * 8;
+  // As many CTAs as can be resident at once (a persistent grid): more only adds tail effects.
+  int per_sm = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+    return -1;
+  }
+  q->max_ctas = sms * std::max(per_sm, 1);
   for (cudaStream_t& stream : q->streams) {
     e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -250,8 +326,8 @@ bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len)
 
 int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
            const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
-           const std::int64_t* sizes, std::uint64_t count, void** out, char* err,
-           size_t err_len) {
+           const std::int64_t* sizes, std::uint64_t count, std::uint64_t wait_event, void** out,
+           char* err, size_t err_len) {
   auto* q = static_cast<Queue*>(queue);
   cudaError_t e = cudaSetDevice(q->device);
   if (e != cudaSuccess) {
@@ -259,6 +335,7 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
     return -1;
   }
   std::uint64_t chunks = 0;
+  bool all_same = true;
   for (std::uint64_t i = 0; i < count; ++i) {
     if (sizes[i] <= 0) {
       if (err != nullptr && err_len != 0) {
@@ -268,23 +345,32 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
       return -1;
     }
     chunks += (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+    all_same &= sizes[i] == sizes[0];
   }
   // Every run has at least one chunk, so equal counts mean exactly one each.
   const bool one_chunk_per_run = chunks == count;
-  const std::size_t words = 3 * count + (one_chunk_per_run ? 0 : chunks);
+  // A layer's runs usually share one size (a block's bytes): then no size column. The table
+  // copy is most of submit's host time (~5 ns per run on the H200 VM), which bounds 4 KiB runs.
+  const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(sizes[0]) : 0;
+  const std::size_t columns = uniform != 0 ? 2 : 3;
+  const std::size_t words = columns * count + (one_chunk_per_run ? 0 : chunks);
   Slot slot;
   if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
   std::int64_t* t = slot.host;
   std::memcpy(t, dst_offsets, count * 8);
   std::memcpy(t + count, src_offsets, count * 8);
-  std::memcpy(t + 2 * count, sizes, count * 8);
+  if (uniform == 0) std::memcpy(t + 2 * count, sizes, count * 8);
   if (!one_chunk_per_run) {
-    std::int64_t* chunk = t + 3 * count;
+    std::int64_t* chunk = t + columns * count;
     for (std::uint64_t i = 0; i < count; ++i) {
       const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
       if (run_chunks >> kChunkBits) {
         q->free_slots.push_back(slot);
-        if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "a run exceeds 128 GiB");
+        if (err != nullptr && err_len != 0) {
+          std::snprintf(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
+                        static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
+                        static_cast<unsigned long long>(kChunk << kChunkBits));
+        }
         return -1;
       }
       for (std::uint64_t j = 0; j < run_chunks; ++j) {
@@ -307,10 +393,14 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   }
   cudaStream_t stream = q->streams[q->next_stream];
   q->next_stream = (q->next_stream + 1) % kStreams;
-  if (chunks > 0) {
-    const auto grid = static_cast<unsigned>(std::min<std::uint64_t>(chunks, q->max_ctas));
+  // The copy of a layer waits on the device for the compute that produces it (per-layer WRITE
+  // overlapped with the forward pass); the op's event then covers both.
+  if (wait_event != 0) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(wait_event), 0);
+  if (e == cudaSuccess && chunks > 0) {
+    const auto grid = static_cast<unsigned>(
+        std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
     GatherScatter<<<grid, kThreads, 0, stream>>>(
-        RunTable{dst_base, src_base, slot.device, count, chunks});
+        RunTable{dst_base, src_base, slot.device, count, chunks, uniform});
     e = cudaGetLastError();
   }
   if (e == cudaSuccess) e = cudaEventRecord(ev, stream);

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 2u
+#define MORIIO_CUDACOPY_ABI_VERSION 3u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
 
 typedef struct moriio_cudacopy_api {
@@ -37,10 +37,14 @@ typedef struct moriio_cudacopy_api {
    * a size <= 0 fails the call).
    * Offsets are taken as the engine plans them, so a batch needs no translation pass on the
    * host. The arrays are copied before it returns. `*op` is polled with poll_op and released
-   * with release_op. Consecutive submissions may run concurrently: order is not kept. */
+   * with release_op. Consecutive submissions may run concurrently: order is not kept.
+   * `wait_event`, when not 0, is a cudaEvent_t of this process on the queue's device: the kernel
+   * starts on the device only once the work that event recorded has finished (a stream wait;
+   * the host never waits). It must have been recorded before submit is called and not be
+   * recorded again or destroyed until the op is released. (ABI version 3 added it.) */
   int (*submit)(void* queue, uint64_t dst_base, uint64_t src_base, const int64_t* dst_offsets,
-                const int64_t* src_offsets, const int64_t* sizes, uint64_t count, void** op,
-                char* err, size_t err_len);
+                const int64_t* src_offsets, const int64_t* sizes, uint64_t count,
+                uint64_t wait_event, void** op, char* err, size_t err_len);
   /* 1: finished OK; 0: still running; negative: failed (err says why). Never blocks. */
   int (*poll_op)(void* op, char* err, size_t err_len);
   /* Frees an op; a running op is waited for first. */

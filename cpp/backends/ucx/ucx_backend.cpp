@@ -9,9 +9,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -177,12 +179,12 @@ const CudaCopy& LoadCudaCopy() {
   return loaded;
 }
 
-std::atomic<std::uint64_t> g_path_batches[3];
+std::atomic<std::uint64_t> g_path_batches[kPathCount];
 
 }  // namespace
 
-void PathCounters(std::uint64_t out[3]) {
-  for (int i = 0; i < 3; ++i) out[i] = g_path_batches[i].load(std::memory_order_relaxed);
+void PathCounters(std::uint64_t out[kPathCount]) {
+  for (int i = 0; i < kPathCount; ++i) out[i] = g_path_batches[i].load(std::memory_order_relaxed);
 }
 
 class UcxBackend;
@@ -212,6 +214,9 @@ struct PeerState {
   bool failed = false;              // worker thread only
   bool failure_reported = false;    // worker thread only
   Status failure;                   // worker thread only
+  // Set when ConnectPeer proved the peer is a process of this host and pid namespace (see
+  // ProcessIdentity): host memory then moves by batched process_vm_readv/writev.
+  ProcessIdentity cma_identity;  // pid 0: not proven
 };
 
 struct RemoteRegion {
@@ -222,7 +227,7 @@ struct RemoteRegion {
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
 };
 
-enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy };
+enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy, kCma };
 
 /// A submitted batch while the worker thread drives it. Worker thread only.
 struct ActiveBatch {
@@ -236,6 +241,7 @@ struct ActiveBatch {
   bool needs_flush = false;     // WRITE over UCX ops: remote completion needs an ep flush
   bool flush_posted = false;
   void* cuda_op = nullptr;
+  bool cma_checked = false;  // Path::kCma: the peer's cookie was read again for this batch
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   Status error;
 
@@ -294,6 +300,8 @@ class UcxBackend final : public Backend {
   void PostRun(ActiveBatch& ab);
   void PostFlush(ActiveBatch& ab);
   bool DirectHostCopies();
+  bool CmaCopies();
+  void CmaCopy(ActiveBatch& ab, std::uint64_t& budget);
   bool PollCudaCopies();
   bool HandlePeerFailures();
   bool FinishBatches();
@@ -311,6 +319,7 @@ class UcxBackend final : public Backend {
 
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
+  bool cma_usable_ = false;  // process_vm_readv works in this process (Init)
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   bool pass_memh_ = false;
@@ -358,7 +367,8 @@ Status UcxBackend::Init() {
     return (name == "TLS" && !options_.tls.empty()) ||
            (name == "NET_DEVICES" && !options_.net_devices.empty());
   };
-  if (!user_set("TLS") && !CmaUsable()) settings.emplace_back("TLS", "^cma");
+  cma_usable_ = CmaUsable();
+  if (!user_set("TLS") && !cma_usable_) settings.emplace_back("TLS", "^cma");
   if (CudaDriverPresent()) {
     // Without these, ucp_get_nbx from peer GPU memory is software-emulated (~0.8 GB/s) and hangs
     // while the peer does not progress; with emulation off a missing zero-copy path is an error.
@@ -404,6 +414,8 @@ Status UcxBackend::Init() {
   caps_.rocm_memory = (mem_types & (1ull << UCS_MEMORY_TYPE_ROCM)) != 0;
   caps_.unaligned_registration = true;
   caps_.allocation = true;
+  // Only the CUDA copy plugin's kernel can wait for an event on the device.
+  caps_.device_event_wait = caps_.cuda_memory && LoadCudaCopy().api != nullptr;
   // memh in ucp_request_param_t saves a registration-cache lookup per op; UCX 1.15+ honours it.
   pass_memh_ = api_->version() >= ((1u << 16) | (15u << 8));
 
@@ -420,7 +432,7 @@ Status UcxBackend::Init() {
   std::size_t addr_len = 0;
   st = api_->worker_get_address(worker_, &addr, &addr_len);
   if (st != UCS_OK) return TransportError("ucp_worker_get_address failed: " + UcsText(st));
-  local_address_ = EncodeAddress(api_->version(), LocalHostId(),
+  local_address_ = EncodeAddress(api_->version(), LocalHostId(), LocalProcessIdentity(),
                                  {reinterpret_cast<const std::uint8_t*>(addr), addr_len});
   api_->worker_release_address(worker_, addr);
 
@@ -631,6 +643,11 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
                             std::to_string((wire.ucx_version >> 8) & 0xff) + "): " +
                             UcsText(st) +
                             "; check that ucx_tls allows a transport both sides share");
+    }
+    // Plain host memory of a peer on this host then moves by batched process_vm_readv/writev
+    // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
+    if (same_host && options_.direct_copy && cma_usable_ && VerifyProcessIdentity(wire.process)) {
+      peer->cma_identity = wire.process;
     }
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -944,6 +961,7 @@ void UcxBackend::Loop() {
     }
     did |= IssueOps();
     did |= DirectHostCopies();
+    did |= CmaCopies();
     did |= PollCudaCopies();
     if (api_->worker_progress(worker_) != 0) did = true;
     did |= HandlePeerFailures();
@@ -1019,12 +1037,25 @@ bool UcxBackend::ActivateSubmitted() {
       continue;
     }
     const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
+    const bool cuda_copy = ab.remote->direct != nullptr && lk == rk &&
+                           lk == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+    if (ab.batch->device_wait_event != 0 && !cuda_copy) {
+      // Every other path copies from the host's side of time: it cannot wait on the device.
+      ab.stop = true;
+      ab.error = InvalidArgumentError(
+          "batch " + std::to_string(ab.batch->token) +
+          " carries a CUDA event to wait for, but its copy cannot run on the GPU (both ends must "
+          "be CUDA memory mapped into this process, with the CUDA copy plugin); synchronise the "
+          "event on the host instead");
+      continue;
+    }
     if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
       ab.path = Path::kHostCopy;
-    } else if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kCuda &&
-               LoadCudaCopy().api != nullptr) {
+    } else if (cuda_copy) {
       ab.path = Path::kCudaCopy;
       StartCudaCopy(ab);
+    } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
+      ab.path = Path::kCma;
     } else {
       ab.path = Path::kOps;
       ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
@@ -1057,11 +1088,11 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
   const auto remote = reinterpret_cast<std::uint64_t>(ab.remote->direct);
   const bool write = b.op == TransferOp::kWrite;
   const int rc = write ? cc->submit(queue, remote, local, b.remote_offsets.data(),
-                                    b.local_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
-                                    sizeof(err))
+                                    b.local_offsets.data(), b.sizes.data(), n,
+                                    b.device_wait_event, &ab.cuda_op, err, sizeof(err))
                        : cc->submit(queue, local, remote, b.local_offsets.data(),
-                                    b.remote_offsets.data(), b.sizes.data(), n, &ab.cuda_op, err,
-                                    sizeof(err));
+                                    b.remote_offsets.data(), b.sizes.data(), n,
+                                    b.device_wait_event, &ab.cuda_op, err, sizeof(err));
   if (rc != 0) {
     ab.cuda_op = nullptr;
     ab.stop = true;
@@ -1205,6 +1236,89 @@ bool UcxBackend::DirectHostCopies() {
     if (budget == 0) break;
   }
   return did;
+}
+
+bool UcxBackend::CmaCopies() {
+  std::uint64_t budget = kDirectCopyBudget;
+  bool did = false;
+  for (auto& ab : active_) {
+    if (ab.path != Path::kCma || ab.stop || ab.next_run == ab.runs()) continue;
+    CmaCopy(ab, budget);
+    did = true;
+    if (budget == 0) break;
+  }
+  return did;
+}
+
+void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
+  const Batch& b = *ab.batch;
+  const ProcessIdentity& peer = ab.remote->peer->cma_identity;
+  const auto pid = static_cast<pid_t>(peer.pid);
+  const bool write = b.op == TransferOp::kWrite;
+  auto fail = [&](const std::string& what) {
+    ab.stop = true;
+    if (ab.error.ok()) {
+      ab.error = TransportError(std::string(write ? "process_vm_writev" : "process_vm_readv") +
+                                " of batch " + std::to_string(b.token) + " to peer " +
+                                std::to_string(b.peer) + " (pid " + std::to_string(pid) +
+                                "): " + what);
+    }
+  };
+  // The pid was proven at connect; read the cookie again before each batch, so a peer that
+  // exited (its pid free for reuse by a stranger) fails the batch instead of being written.
+  if (!ab.cma_checked) {
+    if (!VerifyProcessIdentity(peer)) {
+      fail("the peer process is gone (its identity cookie no longer reads back)");
+      return;
+    }
+    ab.cma_checked = true;
+  }
+  // Up to IOV_MAX runs per system call (UCX's cma transport makes one call per run).
+  constexpr std::size_t kIov = IOV_MAX;
+  std::array<iovec, kIov> local_iov;
+  std::array<iovec, kIov> remote_iov;
+  auto* local = reinterpret_cast<std::uint8_t*>(ab.local->range.address);
+  const std::uint64_t remote = ab.remote->range.address;
+  while (ab.next_run < ab.runs() && budget > 0) {
+    std::size_t n = 0;
+    std::uint64_t bytes = 0;
+    for (std::size_t i = ab.next_run; i < ab.runs() && n < kIov && bytes < budget; ++i, ++n) {
+      const auto size = static_cast<std::size_t>(b.sizes[i]);
+      local_iov[n] = {local + b.local_offsets[i], size};
+      remote_iov[n] = {reinterpret_cast<void*>(remote + static_cast<std::uint64_t>(
+                                                            b.remote_offsets[i])),
+                       size};
+      bytes += size;
+    }
+    // A call may move fewer bytes than asked (it stops at the first iovec it cannot complete):
+    // continue from where it stopped; no progress at all is the error.
+    std::size_t first = 0;
+    std::uint64_t left = bytes;
+    while (left > 0) {
+      const ssize_t got =
+          write ? ::process_vm_writev(pid, &local_iov[first], n - first, &remote_iov[first],
+                                      n - first, 0)
+                : ::process_vm_readv(pid, &local_iov[first], n - first, &remote_iov[first],
+                                     n - first, 0);
+      if (got <= 0) {
+        fail(got < 0 ? std::strerror(errno) : "no byte moved");
+        return;
+      }
+      left -= static_cast<std::uint64_t>(got);
+      for (auto done = static_cast<std::size_t>(got); done > 0;) {
+        const std::size_t step = std::min(done, local_iov[first].iov_len);
+        local_iov[first].iov_base = static_cast<std::uint8_t*>(local_iov[first].iov_base) + step;
+        local_iov[first].iov_len -= step;
+        remote_iov[first].iov_base =
+            static_cast<std::uint8_t*>(remote_iov[first].iov_base) + step;
+        remote_iov[first].iov_len -= step;
+        done -= step;
+        if (local_iov[first].iov_len == 0) ++first;
+      }
+    }
+    ab.next_run += n;
+    budget -= std::min(budget, bytes);
+  }
 }
 
 bool UcxBackend::HandlePeerFailures() {

@@ -27,10 +27,11 @@ const moriio_native::BackendPlugin kPlugin = [] {
 
 }  // namespace
 
-/// Batches per data path ([0] UCX operations, [1] host memcpy via ucp_rkey_ptr, [2] CUDA kernel)
-/// since the process started; lets tests check which path a configuration takes. Thread-safe.
+/// Batches per data path ([0] UCX operations, [1] host memcpy via ucp_rkey_ptr, [2] CUDA kernel,
+/// [3] batched process_vm_readv/writev) since the process started; lets tests check which path a
+/// configuration takes. `out` holds 4 counters. Thread-safe.
 extern "C" __attribute__((visibility("default"))) void moriio_native_ucx_path_counters(
-    std::uint64_t out[3]) {
+    std::uint64_t out[4]) {
   moriio_native::detail::ucx::PathCounters(out);
 }
 

@@ -1,19 +1,26 @@
 #include "ucx_wire.hpp"
 
+#include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cctype>
 #include <cstring>
 #include <fstream>
+#include <mutex>
+#include <random>
 #include <string>
 #include <string_view>
 
 namespace moriio_native::detail::ucx {
 namespace {
 
-constexpr std::string_view kAddressMagic = "MNUCXAD1";
+constexpr std::string_view kAddressMagic = "MNUCXAD2";
+constexpr std::string_view kAddressMagicV1 = "MNUCXAD1";
 constexpr std::string_view kKeyMagic = "MNUCXRK1";
-constexpr std::size_t kAddressHeader = 8 + 4 + 4 + 16 + 8;
+constexpr std::size_t kIdentityBytes = 4 + 4 + 8 + 8 + 8 + 16;
+constexpr std::size_t kAddressHeader = 8 + 4 + 4 + 16 + kIdentityBytes + 8;
+constexpr std::size_t kAddressSumAt = kAddressHeader - 8;
 constexpr std::size_t kKeyHeader = 8 + 1 + 1 + 2 + 4 + 8 + 8 + 8;
 // A UCX worker address is ~70-300 bytes and an rkey well under a kilobyte; anything far bigger
 // is garbage, and refusing it keeps a hostile length from turning into a huge allocation.
@@ -42,7 +49,58 @@ std::uint64_t Checksum(std::span<const std::uint8_t> header_without_sum,
   return Fnv1a(blob, Fnv1a(header_without_sum));
 }
 
+/// The cookie in static storage (its address stays valid for the life of the process), drawn
+/// again in a forked child: parent and child must not prove each other's identity.
+struct CookieState {
+  std::mutex mutex;
+  pid_t owner = 0;
+  std::array<std::uint8_t, 16> bytes{};
+};
+
+CookieState& Cookie() {
+  static CookieState state;
+  return state;
+}
+
 }  // namespace
+
+ProcessIdentity LocalProcessIdentity() {
+  ProcessIdentity id;
+  id.pid = static_cast<std::uint32_t>(::getpid());
+  struct stat st{};
+  if (::stat("/proc/self/ns/pid", &st) == 0) {
+    id.pidns_dev = st.st_dev;
+    id.pidns_ino = st.st_ino;
+  }
+  CookieState& cookie = Cookie();
+  std::lock_guard<std::mutex> lock(cookie.mutex);
+  if (cookie.owner != ::getpid()) {
+    std::random_device rd;  // the system's random source (getrandom / /dev/urandom)
+    for (std::size_t i = 0; i < cookie.bytes.size(); i += 4) {
+      const std::uint32_t v = rd();
+      std::memcpy(cookie.bytes.data() + i, &v, 4);
+    }
+    cookie.owner = ::getpid();
+  }
+  id.cookie_address = reinterpret_cast<std::uintptr_t>(cookie.bytes.data());
+  id.cookie = cookie.bytes;
+  return id;
+}
+
+bool VerifyProcessIdentity(const ProcessIdentity& peer) {
+  struct stat self{};
+  // Without a namespace id (no procfs) equal pids prove nothing: refuse.
+  if (peer.pid == 0 || ::stat("/proc/self/ns/pid", &self) != 0 || peer.pidns_ino != self.st_ino ||
+      peer.pidns_dev != self.st_dev) {
+    return false;
+  }
+  std::array<std::uint8_t, 16> got{};
+  iovec local{got.data(), got.size()};
+  iovec remote{reinterpret_cast<void*>(peer.cookie_address), got.size()};
+  return ::process_vm_readv(static_cast<pid_t>(peer.pid), &local, 1, &remote, 1, 0) ==
+             static_cast<ssize_t>(got.size()) &&
+         got == peer.cookie;
+}
 
 HostId LocalHostId() {
   static const HostId id = [] {
@@ -79,6 +137,7 @@ HostId LocalHostId() {
 }
 
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
+                                        const ProcessIdentity& process,
                                         std::span<const std::uint8_t> blob) {
   std::vector<std::uint8_t> out;
   out.reserve(kAddressHeader + blob.size());
@@ -86,6 +145,12 @@ std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId&
   Put(out, ucx_version, 4);
   Put(out, blob.size(), 4);
   for (std::uint8_t b : host) out.push_back(b);
+  Put(out, process.pid, 4);
+  Put(out, 0, 4);
+  Put(out, process.pidns_dev, 8);
+  Put(out, process.pidns_ino, 8);
+  Put(out, process.cookie_address, 8);
+  for (std::uint8_t b : process.cookie) out.push_back(b);
   Put(out, Checksum(out, blob), 8);
   out.insert(out.end(), blob.begin(), blob.end());
   return out;
@@ -96,6 +161,11 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes) {
     return InvalidArgumentError("UCX peer address is " + std::to_string(bytes.size()) +
                                 " bytes, shorter than its " + std::to_string(kAddressHeader) +
                                 "-byte header");
+  }
+  if (std::memcmp(bytes.data(), kAddressMagicV1.data(), kAddressMagicV1.size()) == 0) {
+    return InvalidArgumentError(
+        "UCX peer address is in format 1 (an older moriio-native); both sides need the same "
+        "moriio-native version");
   }
   if (std::memcmp(bytes.data(), kAddressMagic.data(), kAddressMagic.size()) != 0) {
     return InvalidArgumentError(
@@ -111,8 +181,13 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes) {
                                 " bytes of worker address (truncated or corrupted)");
   }
   std::memcpy(out.host.data(), bytes.data() + 16, out.host.size());
+  out.process.pid = static_cast<std::uint32_t>(Get(bytes, 32, 4));
+  out.process.pidns_dev = Get(bytes, 40, 8);
+  out.process.pidns_ino = Get(bytes, 48, 8);
+  out.process.cookie_address = Get(bytes, 56, 8);
+  std::memcpy(out.process.cookie.data(), bytes.data() + 64, out.process.cookie.size());
   out.blob = bytes.subspan(kAddressHeader);
-  if (Checksum(bytes.first(32), out.blob) != Get(bytes, 32, 8)) {
+  if (Checksum(bytes.first(kAddressSumAt), out.blob) != Get(bytes, kAddressSumAt, 8)) {
     return InvalidArgumentError("UCX peer address checksum mismatch (corrupted in transit)");
   }
   return out;

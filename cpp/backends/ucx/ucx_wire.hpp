@@ -6,8 +6,10 @@
 /// truncated or corrupted blob would crash inside UCX instead of failing with an error.
 ///
 /// Layout (little-endian, fixed header then the UCX bytes):
-///   address: magic "MNUCXAD1", u32 UCX version, u32 blob length, 16-byte host id, u64 FNV-1a
-///            of everything before it and of the blob, blob.
+///   address: magic "MNUCXAD2", u32 UCX version, u32 blob length, 16-byte host id, then the
+///            process identity (u32 pid, u32 zero, u64 pid-namespace device, u64 pid-namespace
+///            inode, u64 cookie address, 16-byte cookie), u64 FNV-1a of everything before it and
+///            of the blob, blob. (Format 1, "MNUCXAD1", had no process identity.)
 ///   key:     magic "MNUCXRK1", u8 memory kind, u8 flags, u16 zero, u32 blob length, u64 region
 ///            start, u64 region size, u64 FNV-1a (as above), blob.
 
@@ -27,9 +29,33 @@ using HostId = std::array<std::uint8_t, 16>;
 /// This machine's id: the kernel's boot_id, else a hash of the host name. Thread-safe.
 HostId LocalHostId();
 
+/// Who a process is, so that a peer on the same host may read and write its memory with
+/// process_vm_readv/writev: a pid means the same process only inside the same pid namespace, and
+/// even there it may be stale (the process exited, the pid was reused). So the process also
+/// names an address in its memory that holds a random 16-byte cookie: a peer that reads exactly
+/// that cookie at that address through the pid has reached this process (a stranger's memory
+/// would have to hold the same 128 random bits at the same address).
+struct ProcessIdentity {
+  std::uint32_t pid = 0;  ///< 0: unknown (the peer offers no identity)
+  std::uint64_t pidns_dev = 0;
+  std::uint64_t pidns_ino = 0;
+  std::uint64_t cookie_address = 0;
+  std::array<std::uint8_t, 16> cookie{};
+};
+
+/// This process's identity: getpid() and /proc/self/ns/pid now, the cookie drawn once per
+/// process from the system's random source and kept in static storage. Thread-safe.
+ProcessIdentity LocalProcessIdentity();
+
+/// Whether `peer` is a live process of this host in this pid namespace holding its cookie,
+/// checked with one 16-byte process_vm_readv. False (never an error) when anything differs or
+/// the read is refused. Thread-safe, does not block beyond that system call.
+bool VerifyProcessIdentity(const ProcessIdentity& peer);
+
 struct WireAddress {
   std::uint32_t ucx_version = 0;
   HostId host{};
+  ProcessIdentity process;
   std::span<const std::uint8_t> blob;  ///< points into the decoded buffer
 };
 
@@ -46,6 +72,7 @@ struct WireKey {
 
 /// Pure functions: thread-safe, never block.
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
+                                        const ProcessIdentity& process,
                                         std::span<const std::uint8_t> blob);
 /// InvalidArgument saying what is wrong (size, magic, checksum) for anything not produced by
 /// EncodeAddress.

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# One H200 device session of issue 18's measurements, in steps (each a separate `run` call so
+# that each ends well inside the device tool's 10-minute limit). Run from the repository root on
+# the device, with the libucx-cu13 wheel's files in .ucx/ (libucx/include, libucx/lib,
+# libucx_cu13.libs) and the previous kernel's source in .variants/old_cudacopy.cu:
+#   bash bench/h200_session.sh build      # plugins (this tree + kernel variants), UCX backend
+#   bash bench/h200_session.sh kernel     # cudacopy_bench for every variant, kernel pytest
+#   bash bench/h200_session.sh e2e        # GPU pytest, compute-sanitizer, gpu_bench presets
+#   bash bench/h200_session.sh overlap    # per-layer WRITE overlapped with a synthetic forward
+# Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
+set -uo pipefail
+step=${1:?build, kernel or e2e}
+root=$PWD
+out=${OUT:-$root/h200-out}
+build=/tmp/moriio-gpu-build
+variants=/tmp/moriio-variants
+mkdir -p "$out" "$variants"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export MORIIO_NATIVE_UCX_LIBRARY_PATH=$root/.ucx/libucx/lib PYTHONPATH=$build/python
+cuda_variant() {  # name, source, extra nvcc flags...
+  local name=$1 src=$2
+  shift 2
+  mkdir -p "$variants/$name"
+  nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -shared -Xcompiler -fPIC \
+    -Icpp/backends/cuda -cudart static -Xptxas -v "$@" \
+    -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 | grep -E "registers|spill"
+}
+case $step in
+build)
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
+    -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
+    -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
+    tail -30 "$out/cmake.log"; exit 1; }
+  cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
+    >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+  cuda_variant old .variants/old_cudacopy.cu &
+  for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64"; do
+    set -- $spec
+    cuda_variant "$1" cpp/backends/cuda/cudacopy.cu "$2" &
+  done
+  wait
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  ;;
+kernel)
+  for v in new old; do
+    plugin=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = new ] && plugin=$build/lib/libmoriio_native_cudacopy.so
+    echo "== variant $v"
+    timeout 120 python3 bench/cudacopy_bench.py --plugin "$plugin" --json "$out/cc_$v.json" 2>&1 |
+      tee -a "$out/kernel.log"
+  done
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 |
+    tee "$out/pytest-kernel.log" | tail -5
+  ;;
+e2e)
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 120 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -5
+  timeout 240 compute-sanitizer --tool memcheck python3 bench/cudacopy_bench.py --plugin "$plugin" \
+    --gib 0.02 --repeats 1 --run-bytes 4100 --run-bytes 65536 --run-bytes 300000 2>&1 |
+    grep -E "ERROR SUMMARY|runs of|rror" | head -20
+  timeout 300 python3 bench/gpu_bench.py --requests 5 --skip-per-run --json "$out/gpu.json" 2>&1 |
+    tee "$out/gpu.log"
+  ;;
+e2e-variant)  # gpu_bench again with a variant's plugin in place of this tree's
+  v=${2:?variant}
+  cp "$build/lib/libmoriio_native_cudacopy.so" /tmp/plugin-tree.so
+  cp "$variants/$v/libmoriio_native_cudacopy.so" "$build/lib/"
+  timeout 300 python3 bench/gpu_bench.py --requests 5 --skip-per-run --json "$out/gpu-$v.json" 2>&1 |
+    tee "$out/gpu-$v.log"
+  cp /tmp/plugin-tree.so "$build/lib/libmoriio_native_cudacopy.so"
+  ;;
+small-runs)  # 4 KiB runs in batches of 8,192 (as the engine cuts READs) and of 65,536
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  for b in 8192 65536; do
+    timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 4096 \
+      --run-bytes 16384 --batch-runs $b
+  done
+  ;;
+overlap)
+  timeout 300 python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --overlap \
+    --requests 5 --json "$out/overlap.json" 2>&1 | tee "$out/overlap.log"
+  ;;
+footprint)  # is it the run layout (pages touched at once) that limits every kernel variant?
+  for v in new old; do
+    plugin=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = new ] && plugin=$build/lib/libmoriio_native_cudacopy.so
+    echo "== variant $v, small caches"
+    timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --gib 0.25 --repeats 20 \
+      --run-bytes 65536 --run-bytes 2097152
+    echo "== variant $v, 1 GiB runs"
+    timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 1073741824
+  done
+  ;;
+esac

@@ -1,0 +1,251 @@
+"""Control-plane round trips on loopback: what a request's messages cost, next to raw ZMQ.
+
+Two processes on 127.0.0.1 (the responder is a spawned child, so the two sides share no GIL):
+
+* ``remote_blocks -> write_done``: the decode side sends :class:`RemoteBlocks` (``--blocks``
+  block ids) through a :class:`NotifySender` to the prefill side's :class:`NotifyListener`; the
+  prefill side answers with :class:`WriteDone` to the decode side's listener. Timed from the
+  send to the moment ``get`` returns the answer (the WRITE-mode round trip, without the data).
+* ``handshake``: :func:`fetch_metadata` against a :class:`HandshakeServer` whose provider
+  returns ``--metadata-bytes`` of engine metadata (a new socket and connection each time, as a
+  worker meets a new peer).
+* ``raw zmq``: the baseline, measured in the same run: a DEALER sends a msgpack payload of the
+  same size to a ROUTER in the child, which echoes it (no schema, no authentication, no queues).
+
+Each with and without HMAC (``auth_secret``). Reported: p50 / p99 / max in microseconds and
+p50 over the raw baseline's p50. Every answer is checked (transfer id, nonce, metadata bytes).
+
+    PYTHONPATH=build/<dir>/python python3 -m moriio_native.bench.control [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection
+
+import msgpack
+import zmq
+
+from moriio_native.control.channel import (
+    HandshakeServer,
+    NotifyListener,
+    NotifySender,
+    fetch_metadata,
+)
+from moriio_native.control.messages import (
+    HandshakeRequest,
+    HandshakeResponse,
+    RemoteBlocks,
+    WriteDone,
+)
+from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
+
+logger = logging.getLogger("moriio_native.bench.control")
+
+LOCAL = "127.0.0.1"
+SECRET = "bench-secret-0123456789abcdef"
+WAIT = 5.0  # seconds an answer may take before the benchmark fails
+
+
+@dataclass
+class Row:
+    exchange: str
+    hmac: bool
+    samples: int
+    p50_us: float
+    p99_us: float
+    max_us: float
+    p50_over_raw: float
+
+
+def _security(hmac: bool) -> ControlSecurity:
+    return ControlSecurity(MessageAuth(SECRET if hmac else None), PeerAllowlist([LOCAL]))
+
+
+def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
+    """The prefill side: answers remote_blocks with write_done, handshakes with metadata, and
+    echoes raw frames. Reports its ports, then serves until told to stop."""
+    security = _security(hmac)
+    metadata = bytes(range(256)) * (metadata_bytes // 256) + b"\x00" * (metadata_bytes % 256)
+
+    def provide(_request: HandshakeRequest) -> HandshakeResponse:
+        return HandshakeResponse(engine_id="prefill", engine_metadata=metadata)
+
+    stop = threading.Event()
+    ctx = zmq.Context.instance()
+    raw = ctx.socket(zmq.ROUTER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw_port = raw.bind_to_random_port(f"tcp://{LOCAL}")
+
+    def echo() -> None:  # its own thread, so neither exchange waits on the other's poll
+        while not stop.is_set():
+            if raw.poll(100):
+                raw.send_multipart(raw.recv_multipart())
+
+    with (
+        NotifyListener(0, security, bind_host=LOCAL) as listener,
+        HandshakeServer(0, provide, security, bind_host=LOCAL) as server,
+        NotifySender(security) as sender,
+    ):
+        conn.send((listener.port, server.port, raw_port))
+        decode_port = conn.recv()
+
+        def answer() -> None:
+            while not stop.is_set():
+                msg = listener.get(timeout=0.1)
+                if isinstance(msg, RemoteBlocks):
+                    sender.send(LOCAL, decode_port, WriteDone(transfer_id=msg.transfer_id))
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (echo, answer)]
+        for t in threads:
+            t.start()
+        conn.recv()  # "stop"
+        stop.set()
+        for t in threads:
+            t.join(timeout=5)
+    raw.close()
+
+
+def _percentiles(samples: list[float], raw_p50: float, exchange: str, hmac: bool) -> Row:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    p50 = statistics.median(ordered)
+    return Row(exchange, hmac, len(ordered), p50, p99, ordered[-1], p50 / raw_p50)
+
+
+def _raw_round_trips(port: int, payload_bytes: int, n: int) -> list[float]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{LOCAL}:{port}")
+    payload = msgpack.packb({"type": "echo", "data": b"\x01" * payload_bytes})
+    out = []
+    try:
+        for _ in range(n):
+            t = time.perf_counter()
+            sock.send(payload)
+            if not sock.poll(int(WAIT * 1000)):
+                raise TimeoutError("raw echo did not come back")
+            if sock.recv() != payload:
+                raise RuntimeError("raw echo came back different")
+            out.append((time.perf_counter() - t) * 1e6)
+    finally:
+        sock.close()
+    return out
+
+
+def _notify_round_trips(
+    security: ControlSecurity,
+    prefill_port: int,
+    listener: NotifyListener,
+    blocks: int,
+    n: int,
+    phase: str,
+) -> list[float]:
+    out = []
+    with NotifySender(security) as sender:
+        for i in range(n):
+            tid = f"{phase}-{i}"  # unique: the listeners drop repeated transfer ids
+            msg = RemoteBlocks(
+                transfer_id=tid,
+                block_ids=(tuple(range(i, i + blocks)),),
+                decode_engine_id="decode",
+            )
+            t = time.perf_counter()
+            sender.send(LOCAL, prefill_port, msg)
+            answer = listener.get(timeout=WAIT)
+            elapsed = (time.perf_counter() - t) * 1e6
+            if not isinstance(answer, WriteDone) or answer.transfer_id != tid:
+                raise RuntimeError(f"expected write_done for {tid}, got {answer!r}")
+            out.append(elapsed)
+    return out
+
+
+def _handshake_round_trips(
+    security: ControlSecurity, port: int, metadata_bytes: int, n: int
+) -> list[float]:
+    out = []
+    for _ in range(n):
+        t = time.perf_counter()
+        response = fetch_metadata(
+            LOCAL, port, timeout=WAIT, security=security, requester_engine_id="decode"
+        )
+        out.append((time.perf_counter() - t) * 1e6)
+        if len(response.engine_metadata) != metadata_bytes or response.engine_id != "prefill":
+            raise RuntimeError("handshake answer carried the wrong metadata")
+    return out
+
+
+def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
+    """One responder process; raw, notify and handshake round trips against it."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_responder, args=(child, hmac, args.metadata_bytes), daemon=True)
+    proc.start()
+    security = _security(hmac)
+    try:
+        if not parent.poll(30):
+            raise TimeoutError("the responder process did not report its ports")
+        prefill_port, handshake_port, raw_port = parent.recv()
+        with NotifyListener(0, security, bind_host=LOCAL) as listener:
+            parent.send(listener.port)
+            warm = max(10, args.iterations // 20)
+            _raw_round_trips(raw_port, args.blocks * 8, warm)
+            raw = _raw_round_trips(raw_port, args.blocks * 8, args.iterations)
+            _notify_round_trips(security, prefill_port, listener, args.blocks, warm, "warm")
+            notify = _notify_round_trips(
+                security, prefill_port, listener, args.blocks, args.iterations, "timed"
+            )
+            _handshake_round_trips(security, handshake_port, args.metadata_bytes, warm)
+            handshake = _handshake_round_trips(
+                security, handshake_port, args.metadata_bytes, args.handshakes
+            )
+    finally:
+        parent.send("stop")
+        proc.join(timeout=10)
+        if proc.is_alive():
+            proc.terminate()
+    raw_p50 = statistics.median(raw)
+    return [
+        _percentiles(raw, raw_p50, "raw zmq echo", hmac),
+        _percentiles(notify, raw_p50, "remote_blocks -> write_done", hmac),
+        _percentiles(handshake, raw_p50, "handshake", hmac),
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=2000, help="notify round trips")
+    parser.add_argument("--handshakes", type=int, default=500)
+    parser.add_argument("--blocks", type=int, default=256, help="block ids per remote_blocks")
+    parser.add_argument("--metadata-bytes", type=int, default=16384)
+    parser.add_argument("--json", help="write the rows as JSON to this file")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = [row for hmac in (False, True) for row in measure(hmac, args)]
+    for r in rows:
+        logger.info(
+            "%-28s hmac=%-5s n=%5d  p50 %7.1f us  p99 %7.1f us  max %8.1f us  p50/raw %.2f",
+            r.exchange,
+            r.hmac,
+            r.samples,
+            r.p50_us,
+            r.p99_us,
+            r.max_us,
+            r.p50_over_raw,
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

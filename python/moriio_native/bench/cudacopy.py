@@ -1,0 +1,144 @@
+"""ctypes binding of the CUDA gather/scatter plugin (``libmoriio_native_cudacopy.so``).
+
+The plugin's C ABI is ``cpp/backends/cuda/cudacopy_abi.h``; the UCX backend is its real user.
+This binding exists so that the kernel alone can be benchmarked (``bench/cudacopy_bench.py``)
+and checked byte for byte on a GPU (``tests/py/test_cudacopy.py``) without UCX or the engine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from typing import Any
+
+ABI_VERSION = 3
+
+_ERR = ctypes.c_char_p
+_I64P = ctypes.POINTER(ctypes.c_int64)
+_ERR_LEN = 256
+
+
+class _Api(ctypes.Structure):
+    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 3)."""
+
+    _fields_ = [
+        ("abi_version", ctypes.c_uint32),
+        ("probe", ctypes.CFUNCTYPE(ctypes.c_int, _ERR, ctypes.c_size_t)),
+        (
+            "create_queue",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), _ERR, ctypes.c_size_t
+            ),
+        ),
+        ("destroy_queue", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+        (
+            "submit",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                _I64P,
+                _I64P,
+                _I64P,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_void_p),
+                _ERR,
+                ctypes.c_size_t,
+            ),
+        ),
+        ("poll_op", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _ERR, ctypes.c_size_t)),
+        ("release_op", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+    ]
+
+
+class CudaCopyError(RuntimeError):
+    """The plugin refused or failed a call; the message is the plugin's."""
+
+
+def default_plugin_path() -> str:
+    """The plugin beside the ``libmoriio_native.so`` that this process loaded with the package."""
+    import moriio_native._native  # noqa: F401  (loads libmoriio_native.so)
+
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            path = line.split()[-1]
+            if path.endswith("/libmoriio_native.so"):
+                return os.path.join(os.path.dirname(path), "libmoriio_native_cudacopy.so")
+    raise FileNotFoundError("libmoriio_native.so is not loaded; pass the plugin's path")
+
+
+class Plugin:
+    """The loaded plugin; ``probe`` already passed. Not thread-safe (as the ABI's queues)."""
+
+    def __init__(self, path: str) -> None:
+        self._lib = ctypes.CDLL(path)
+        entry = self._lib.moriio_native_cudacopy_api
+        entry.restype = ctypes.POINTER(_Api)
+        self.api: Any = entry().contents
+        if self.api.abi_version != ABI_VERSION:
+            raise CudaCopyError(
+                f"{path}: ABI version {self.api.abi_version}, this binding speaks {ABI_VERSION}"
+            )
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if self.api.probe(err, _ERR_LEN) != 0:
+            raise CudaCopyError(f"{path}: {err.value.decode()}")
+
+
+class Queue:
+    """One plugin queue on ``device``; ``close`` frees it (every op is released before)."""
+
+    def __init__(self, plugin: Plugin, device: int) -> None:
+        self.api = plugin.api
+        self.handle = ctypes.c_void_p()
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        if self.api.create_queue(device, ctypes.byref(self.handle), err, _ERR_LEN) != 0:
+            raise CudaCopyError(err.value.decode())
+
+    def gather(
+        self, dst: int, src: int, plans: list[tuple[Any, Any, Any]], wait_event: int = 0
+    ) -> float:
+        """Submits every (dst offsets, src offsets, sizes) batch of int64 numpy arrays back to
+        back, each behind ``wait_event`` (a cudaEvent_t handle, 0: none), waits for all; returns
+        the seconds spent inside submit. Every submitted op is released, also on failure."""
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        ops: list[ctypes.c_void_p] = []
+        in_submit = 0.0
+        failure = ""
+        try:
+            for d, s, n in plans:
+                op = ctypes.c_void_p()
+                t = time.perf_counter()
+                rc = self.api.submit(
+                    self.handle,
+                    dst,
+                    src,
+                    d.ctypes.data_as(_I64P),
+                    s.ctypes.data_as(_I64P),
+                    n.ctypes.data_as(_I64P),
+                    len(n),
+                    wait_event,
+                    ctypes.byref(op),
+                    err,
+                    _ERR_LEN,
+                )
+                in_submit += time.perf_counter() - t
+                if rc != 0:
+                    raise CudaCopyError(err.value.decode())
+                ops.append(op)
+            for op in ops:
+                while (r := self.api.poll_op(op, err, _ERR_LEN)) == 0:
+                    pass
+                if r < 0 and not failure:
+                    failure = err.value.decode()
+        finally:
+            for op in ops:
+                self.api.release_op(op)  # waits for a kernel still running
+        if failure:
+            raise CudaCopyError(failure)
+        return in_submit
+
+    def close(self) -> None:
+        self.api.destroy_queue(self.handle)

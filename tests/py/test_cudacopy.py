@@ -1,0 +1,163 @@
+"""The CUDA gather/scatter kernel, byte for byte, through the plugin's C ABI (no UCX, no engine).
+
+Runs only where torch sees a CUDA GPU and the plugin was built; elsewhere every test skips and
+says which of the two is missing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from moriio_native.bench.cudacopy import CudaCopyError, Plugin, Queue, default_plugin_path
+
+pytestmark = pytest.mark.gpu
+
+
+def _why_not() -> str:
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    try:
+        path = default_plugin_path()
+    except FileNotFoundError as e:
+        return str(e)
+    if not os.path.exists(path):
+        return f"the CUDA copy plugin was not built ({path} is missing)"
+    return ""
+
+
+_SKIP = _why_not()
+
+
+@pytest.fixture(scope="module")
+def queue() -> Any:
+    if _SKIP:
+        pytest.skip(_SKIP)
+    q = Queue(Plugin(default_plugin_path()), 0)
+    yield q
+    q.close()
+
+
+def _runs(
+    rng: np.random.Generator, sizes: list[int], dst_len: int, src_len: int, align: int
+) -> Any:
+    """Destinations laid out one after another with random gaps (so runs never overlap and the
+    bytes between them must stay untouched), sources anywhere; offsets multiples of ``align``
+    (1: the low bits random, so the two ends share 16-byte, 4-byte or no alignment in turn)."""
+    dst, src = [], []
+    pos = 0
+    for size in sizes:
+        pos += int(rng.integers(0, 64)) * align
+        dst.append(pos)
+        src.append(int(rng.integers(0, (src_len - size) // align)) * align)
+        pos += size
+    assert pos <= dst_len
+    order = rng.permutation(len(sizes))  # not sorted: the kernel must not rely on an order
+    as_array = np.asarray
+    return (
+        as_array(dst, dtype=np.int64)[order],
+        as_array(src, dtype=np.int64)[order],
+        as_array(sizes, dtype=np.int64)[order],
+    )
+
+
+def _check(
+    queue: Queue, rng: np.random.Generator, batches: list[list[int]], align: int = 1
+) -> None:
+    import torch
+
+    total = sum(sum(b) for b in batches)
+    dst_len = total + 64 * align * (sum(len(b) for b in batches) + 1)
+    src_len = max(max(max(b) for b in batches) * 2, 1 << 20)
+    src_host = rng.integers(0, 256, src_len, dtype=np.uint8)
+    dst_host = rng.integers(0, 256, dst_len, dtype=np.uint8)  # poison: every byte random
+    src = torch.from_numpy(src_host).cuda()
+    dst = torch.from_numpy(dst_host).cuda()
+    want = dst_host.copy()
+    plans = []
+    base = 0
+    for sizes in batches:
+        d, s, n = _runs(rng, sizes, dst_len - base, src_len, align)
+        d += base
+        base = int((d + n).max()) + align
+        for do, so, sz in zip(d, s, n, strict=True):
+            want[do : do + sz] = src_host[so : so + sz]
+        plans.append((d, s, n))
+    torch.cuda.synchronize()
+    queue.gather(dst.data_ptr(), src.data_ptr(), plans)
+    got = dst.cpu().numpy()
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} wrong bytes, first at {bad[0]}"
+
+
+def test_odd_sizes_and_every_alignment(queue: Queue) -> None:
+    rng = np.random.default_rng(1)
+    sizes = [1, 3, 15, 16, 17, 31, 255, 256, 511, 4095, 4096, 4100, 65536 + 7, 73728]
+    _check(queue, rng, [list(rng.permutation(sizes * 20))])
+
+
+def test_runs_of_many_chunks_beside_small_ones(queue: Queue) -> None:
+    # 128 KiB chunks: these runs span 2 to 40 chunks, mixed with one-chunk runs in one batch.
+    rng = np.random.default_rng(2)
+    _check(queue, rng, [[300000, 4096, (2 << 20) + 5, 128 * 1024, 1, 65537, 5 << 20] * 3])
+    # All runs of one size (the table then has no size column) spanning several chunks.
+    _check(queue, rng, [[300000] * 40, [65536 + 16] * 100], align=16)
+
+
+def test_many_small_runs_in_batches_back_to_back(queue: Queue) -> None:
+    # More runs than the grid has warps, so warps take groups of several runs each; batches on
+    # the queue's two streams at once.
+    rng = np.random.default_rng(3)
+    _check(queue, rng, [[4096] * 20000, [256] * 30000, [32768] * 3000, [1000] * 5000])
+
+
+def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> None:
+    # 16-byte aligned at both ends: full 4 KiB steps, a predicated partial step (sizes that end
+    # mid-step), runs of several 128 KiB chunks.
+    rng = np.random.default_rng(4)
+    sizes = [16, 2048, 16384, 16400, 65536, 73728, 300000, (2 << 20) + 16, 5 << 20, 24592]
+    _check(queue, rng, [sizes * 8, [65536] * 3000, [73728] * 2000], align=16)
+
+
+def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
+    # The producer stream sleeps, then writes the source; the copy is submitted at once behind
+    # the event recorded after that write. Without the device-side wait it would copy the old
+    # bytes (the sleep is ~50 ms; submitting takes microseconds).
+    import torch
+
+    n = 1 << 20
+    src = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    producer = torch.cuda.Stream()
+    ready = torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)
+        src.fill_(7)
+        ready.record(producer)
+    offsets = np.arange(0, n, 4096, dtype=np.int64)
+    sizes = np.full(offsets.size, 4096, dtype=np.int64)
+    queue.gather(dst.data_ptr(), src.data_ptr(), [(offsets, offsets, sizes)], ready.cuda_event)
+    assert bool((dst == 7).all()), "the copy ran before the event's work finished"
+
+
+def test_empty_batch_completes(queue: Queue) -> None:
+    empty = np.zeros(0, dtype=np.int64)
+    assert queue.gather(0, 0, [(empty, empty, empty)]) >= 0.0
+
+
+def test_non_positive_size_is_refused_with_the_run_named(queue: Queue) -> None:
+    import torch
+
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    offsets = np.zeros(3, dtype=np.int64)
+    sizes = np.asarray([16, 0, 16], dtype=np.int64)
+    with pytest.raises(CudaCopyError, match="run 1 has size 0"):
+        queue.gather(buf.data_ptr(), buf.data_ptr(), [(offsets, offsets + 1024, sizes)])
