@@ -14,7 +14,12 @@ key                 meaning
 ``runs``            contiguous copy runs (descriptors) of completed transfers
 ``batches``         backend batches posted for completed transfers
 ``handshakes``      metadata handshakes that succeeded
+``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
 =================== ===============================================================
+
+The counters are summed by ``aggregate``; ``samples`` are concatenated, so the Prometheus
+histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker. Other keys a
+worker adds (e.g. ``quarantined_blocks``) are carried, and summed when numeric.
 
 Not thread-safe by itself; the worker guards its instance with its own lock.
 """
@@ -26,19 +31,26 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 _COUNTERS = ("transfers", "failures", "bytes", "seconds", "runs", "batches", "handshakes")
+SAMPLES = "samples"
 
 
 def _empty() -> dict[str, Any]:
-    return {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
+    out: dict[str, Any] = {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
+    out[SAMPLES] = []
+    return out
 
 
 class MoRIIONativeStats(KVConnectorStats):
-    """Transfer counters of one interval; ``aggregate`` sums, ``reduce`` summarises."""
+    """Transfer counters and per-transfer samples of one interval; ``aggregate`` sums and
+    concatenates, ``reduce`` summarises."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         merged = _empty()
         for key, value in (data or {}).items():
-            if key in merged:
+            if key == SAMPLES:
+                # Copied, so two instances built from one payload never share a list.
+                merged[SAMPLES] = [list(sample) for sample in value]
+            else:
                 merged[key] = value
         super().__init__(data=merged)
 
@@ -52,6 +64,7 @@ class MoRIIONativeStats(KVConnectorStats):
             self.data["seconds"] += float(seconds)
             self.data["runs"] += int(runs)
             self.data["batches"] += int(batches)
+            self.data[SAMPLES].append([float(seconds), int(nbytes), int(runs)])
         else:
             self.data["failures"] += 1
 
@@ -72,8 +85,13 @@ class MoRIIONativeStats(KVConnectorStats):
         self.data = _empty()
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
-        for key in _COUNTERS:
-            self.data[key] += other.data.get(key, 0)
+        for key, value in other.data.items():
+            if key == SAMPLES:
+                self.data[SAMPLES].extend(list(sample) for sample in value)
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.data[key] = self.data.get(key, 0) + value
+            else:
+                self.data.setdefault(key, value)
         return self
 
     def reduce(self) -> dict[str, int | float]:
