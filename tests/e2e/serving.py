@@ -12,6 +12,7 @@ users run, not a copy of it.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
@@ -20,6 +21,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -93,6 +95,29 @@ class ServerError(RuntimeError):
     """A server process failed to start, died, or answered wrongly."""
 
 
+# Process groups started and not yet stopped: killed if this process is terminated (SIGTERM,
+# e.g. the test command's hard time limit) or exits without stopping them.
+_LIVE_GROUPS: set[int] = set()
+
+
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        _LIVE_GROUPS.discard(pgid)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _kill_live_groups()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+atexit.register(_kill_live_groups)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
 @dataclass
 class Server:
     """One process we started; ``stop`` ends it and its children."""
@@ -118,6 +143,7 @@ class Server:
             )
         finally:
             log.close()
+        _LIVE_GROUPS.add(self.proc.pid)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
@@ -181,6 +207,7 @@ class Server:
         # Children that outlived the leader (vLLM's engine core, workers) share its group.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
+        _LIVE_GROUPS.discard(pid)
         logger.info("stopped %s (pid %d, code %s)", self.name, pid, self.proc.returncode)
 
 

@@ -209,7 +209,7 @@ def test_negative_control_prefill_with_other_weights(
         "prefill",
         models[1],
         cluster.settings,
-        name=f"prefill-other-weights-{cluster.settings.mode}",
+        name=f"prefill-other-weights-{cluster.settings.mode}-tp{cluster.settings.tp}",
     )
     cluster.stack.add(wrong.server)
     router = serving.proxy_router(cluster.env, cluster.settings.ping_port, name="proxy-2")
