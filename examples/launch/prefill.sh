@@ -6,6 +6,7 @@ source "$(dirname "$0")/common.sh"
 PREFILL_PORT=${PREFILL_PORT:-20005}
 PREFILL_HANDSHAKE_PORT=${PREFILL_HANDSHAKE_PORT:-6301}
 PREFILL_NOTIFY_PORT=${PREFILL_NOTIFY_PORT:-61005}
-exec vllm serve "$MODEL" --port "$PREFILL_PORT" --tensor-parallel-size "$TP" \
+# shellcheck disable=SC2086  # VLLM may be a command with arguments
+exec $VLLM serve "$MODEL" --port "$PREFILL_PORT" --tensor-parallel-size "$TP" \
   --kv-transfer-config "$(kv_transfer_config kv_producer "$PREFILL_PORT" "$PREFILL_HANDSHAKE_PORT" "$PREFILL_NOTIFY_PORT")" \
   "$@"

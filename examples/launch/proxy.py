@@ -102,15 +102,21 @@ class Registry:
             return prefills[n % len(prefills)], decodes[n % len(decodes)], self._mode
 
     def snapshot(self) -> list[dict[str, Any]]:
+        """Every registration seen, with ``seconds_since_ping`` (stale after STALE_AFTER_S)."""
+        now = time.monotonic()
         with self._lock:
-            return [i.registration.to_wire() for i in self._instances.values()]
+            return [
+                {**i.registration.to_wire(), "seconds_since_ping": round(now - i.last_seen, 1)}
+                for i in self._instances.values()
+            ]
 
 
-def discovery_loop(registry: Registry, port: int, stop: threading.Event) -> None:
-    """Receive registration pings until ``stop``; bad pings are logged and dropped."""
+def discovery_loop(registry: Registry, host: str, port: int, stop: threading.Event) -> None:
+    """Receive registration pings on ``host:port`` until ``stop``; bad pings are logged and
+    dropped."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://*:{port}")
+    sock.bind(f"tcp://{'*' if host in ('0.0.0.0', '*') else host}:{port}")
     try:
         while not stop.is_set():
             if not sock.poll(200):
@@ -216,6 +222,8 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
         d_body = dict(body)
         d_body["kv_transfer_params"] = d_params
         resp = await http.post(decode_inst.url + path, json=d_body, headers=headers)
+        if resp.status >= 400:
+            logger.warning("decode %s answered HTTP %d", decode_inst.url, resp.status)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
@@ -248,7 +256,9 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument(
+        "--host", default="0.0.0.0", help="address of both listeners (HTTP and registrations)"
+    )
     parser.add_argument("--port", type=int, default=10001, help="HTTP port for clients")
     parser.add_argument("--discovery-port", type=int, default=36367, help="registration port")
     args = parser.parse_args(argv)
@@ -256,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
     registry = Registry()
     stop = threading.Event()
     thread = threading.Thread(
-        target=discovery_loop, args=(registry, args.discovery_port, stop), daemon=True
+        target=discovery_loop, args=(registry, args.host, args.discovery_port, stop), daemon=True
     )
     thread.start()
     try:

@@ -26,3 +26,26 @@ def free_port(host: str = "127.0.0.1") -> int:
                 continue
             return port
     raise RuntimeError(f"no bindable port in [{_LOW}, {_HIGH}) on {host}")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive ports in [20000, 32000) that ``host`` can bind right
+    now (a listener per rank: base + rank)."""
+    if count == 1:
+        return free_port(host)
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(_LOW, _HIGH - count)
+        held: list[socket.socket] = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                held.append(s)
+                s.bind((host, port))
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        return base
+    raise RuntimeError(f"no {count} consecutive bindable ports in [{_LOW}, {_HIGH}) on {host}")

@@ -301,11 +301,60 @@ def test_stats_aggregate_and_reduce() -> None:
     assert summary["Avg runs per transfer"] == 10.0
 
 
+@pytest.mark.parametrize(
+    ("how", "configure_first"),
+    [("entry point", False), ("entry point", True), ("module path", False)],
+)
+def test_connector_logs_show_under_vllms_default_logging(how: str, configure_first: bool) -> None:
+    # vLLM configures only its "vllm" logger, in each process it starts, before or after it
+    # loads plugins; the connector's INFO lines must appear either way, once.
+    import os
+
+    load = (
+        "import moriio_native.vllm as m; m.register()"
+        if how == "entry point"
+        else "import moriio_native.vllm.connector"
+    )
+    configure = "vllm.logger.configure_logging(LoggingConfig())"
+    steps = [configure, load] if configure_first else [load, configure]
+    code = (
+        "import logging, vllm.logger; from vllm.config.logging import LoggingConfig; "
+        f"{steps[0]}; {steps[1]}; "
+        "logging.getLogger('moriio_native.vllm.worker').info('connector-info-marker'); "
+        "logging.getLogger('moriio_native.vllm.worker').debug('connector-debug-marker')"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VLLM_")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr
+    printed = out.stdout + out.stderr
+    assert printed.count("connector-info-marker") == 1, printed
+    assert "connector-debug-marker" not in printed  # vLLM's level (INFO) applies
+
+
 def test_connector_name_constant() -> None:
     assert CONNECTOR_NAME == "MoRIIONativeConnector"
 
 
 # ---- the launch recipe ------------------------------------------------------------------------
+
+
+def test_launch_recipe_exports_no_deprecated_host_ip() -> None:
+    # vLLM warns that HOST_IP is deprecated and ignores it; the recipe uses VLLM_HOST_IP.
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HOST_IP", "VLLM_HOST_IP")}
+    out = subprocess.run(
+        ["bash", "-c", f"source {ROOT}/examples/launch/common.sh && env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    names = {line.split("=", 1)[0] for line in out.stdout.splitlines() if "=" in line}
+    assert "HOST_IP" not in names
+    assert "VLLM_HOST_IP" in names
 
 
 @pytest.mark.parametrize(("role", "mode"), [("kv_producer", "read"), ("kv_consumer", "write")])
@@ -317,7 +366,7 @@ def test_launch_recipe_config_is_accepted_by_vllm_and_the_connector(
 
     from vllm.config import KVTransferConfig
 
-    env = dict(os.environ, MODE=mode, HOST_IP="10.0.0.5", ALLOWED_PEERS="10.0.0.0/24")
+    env = dict(os.environ, MODE=mode, VLLM_HOST_IP="10.0.0.5", ALLOWED_PEERS="10.0.0.0/24")
     script = (
         f"source {ROOT}/examples/launch/common.sh && kv_transfer_config {role} 20005 6301 61005"
     )

@@ -160,7 +160,9 @@ def test_connector_pings_register_with_the_proxy(fakes: tuple[FakeInstance, Fake
     registry = proxy.Registry()
     port = free_port()
     stop = threading.Event()
-    thread = threading.Thread(target=proxy.discovery_loop, args=(registry, port, stop), daemon=True)
+    thread = threading.Thread(
+        target=proxy.discovery_loop, args=(registry, "127.0.0.1", port, stop), daemon=True
+    )
     thread.start()
     pinger = ProxyPinger(
         "127.0.0.1", port, p.registration("WRITE", 6301, 61005), interval=0.05

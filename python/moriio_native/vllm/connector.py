@@ -24,8 +24,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from moriio_native.errors import FailedPreconditionError
+from moriio_native.vllm import use_vllm_logging
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata
+from moriio_native.vllm.prom import MoRIIONativePromMetrics
 from moriio_native.vllm.scheduler import SchedulerSide
 from moriio_native.vllm.specs import layer_specs
 from moriio_native.vllm.stats import MoRIIONativeStats
@@ -35,7 +37,12 @@ if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
     from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorPromMetrics,
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -45,6 +52,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger("moriio_native.vllm")
+# Loaded through kv_connector_module_path, the entry point (register) may not have run.
+use_vllm_logging()
 
 
 def _tp_rank(vllm_config: VllmConfig) -> int:
@@ -88,6 +97,19 @@ class MoRIIONativeConnector(KVConnectorBase_V1):
         cls, data: dict[str, Any] | None = None
     ) -> KVConnectorStats | None:
         return MoRIIONativeStats(data)
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics | None:
+        # The series are documented in moriio_native.vllm.prom and docs/vllm.md ("Metrics").
+        return MoRIIONativePromMetrics(
+            vllm_config, metric_types, labelnames, per_engine_labelvalues
+        )
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

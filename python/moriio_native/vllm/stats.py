@@ -17,7 +17,12 @@ key                 meaning
 ``quarantined_blocks`` decode blocks put into quarantine: a transfer into them ended while
                     writes may still land, so they were neither recomputed into nor freed
                     until the writes were proven drained (or the quarantine bound passed)
+``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
 =================== ===============================================================
+
+The counters are summed by ``aggregate``; ``samples`` are concatenated, so the Prometheus
+histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker. Unknown keys in
+a payload are dropped.
 
 Not thread-safe by itself; the worker guards its instance with its own lock.
 """
@@ -38,19 +43,26 @@ _COUNTERS = (
     "handshakes",
     "quarantined_blocks",
 )
+SAMPLES = "samples"
 
 
 def _empty() -> dict[str, Any]:
-    return {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
+    out: dict[str, Any] = {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
+    out[SAMPLES] = []
+    return out
 
 
 class MoRIIONativeStats(KVConnectorStats):
-    """Transfer counters of one interval; ``aggregate`` sums, ``reduce`` summarises."""
+    """Transfer counters and per-transfer samples of one interval; ``aggregate`` sums and
+    concatenates, ``reduce`` summarises."""
 
     def __init__(self, data: dict[str, Any] | None = None) -> None:
         merged = _empty()
         for key, value in (data or {}).items():
-            if key in merged:
+            if key == SAMPLES:
+                # Copied, so two instances built from one payload never share a list.
+                merged[SAMPLES] = [list(sample) for sample in value]
+            elif key in merged:
                 merged[key] = value
         super().__init__(data=merged)
 
@@ -64,6 +76,7 @@ class MoRIIONativeStats(KVConnectorStats):
             self.data["seconds"] += float(seconds)
             self.data["runs"] += int(runs)
             self.data["batches"] += int(batches)
+            self.data[SAMPLES].append([float(seconds), int(nbytes), int(runs)])
         else:
             self.data["failures"] += 1
 
@@ -90,6 +103,7 @@ class MoRIIONativeStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for key in _COUNTERS:
             self.data[key] += other.data.get(key, 0)
+        self.data[SAMPLES].extend(list(sample) for sample in other.data.get(SAMPLES, ()))
         return self
 
     def reduce(self) -> dict[str, int | float]:

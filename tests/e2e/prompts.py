@@ -1,0 +1,35 @@
+"""The tier's fixed greedy requests: token-id prompts, so their lengths are exact.
+
+Lengths sit around the 32-token block boundary (31, 32, 33, 64, 65), span several blocks (150,
+200), and two pairs share a 96-token prefix so the decode's own prefix cache serves the shared
+blocks of the second request of a pair (only the rest moves). The negative-control set is a
+second, disjoint set of the same shape: the decode has cached none of it.
+"""
+
+from __future__ import annotations
+
+import random
+
+VOCAB = 1024
+FIRST_ID = 2  # 0 and 1 are <s> and </s>
+MAX_TOKENS = 12
+_LENGTHS = (31, 32, 33, 64, 65, 150, 200)
+_SHARED_PREFIX = 96
+_TAILS = (10, 40)
+
+
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_ID, VOCAB) for _ in range(n)]
+
+
+def prompt_set(seed: int) -> list[list[int]]:
+    """The tier's prompts for ``seed``: the lengths above, then the shared-prefix requests."""
+    rng = random.Random(seed)
+    prompts = [_ids(rng, n) for n in _LENGTHS]
+    prefix = _ids(rng, _SHARED_PREFIX)
+    prompts += [prefix + _ids(rng, n) for n in _TAILS]
+    return prompts
+
+
+MAIN = prompt_set(13)
+NEGATIVE = prompt_set(14)

