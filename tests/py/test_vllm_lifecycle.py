@@ -8,6 +8,7 @@ bytes that arrive (and those that must not be touched), and the blocks vLLM free
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -185,6 +186,38 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str) -> No
     # The prefill is released all the same.
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after failure")
     assert p.free_blocks() == p.initial_free
+
+
+def test_read_from_a_prefill_restarted_under_the_same_address(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=13)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid, run_prefill(p, rid, prompt, tid)))
+    assert d.step().invalid_blocks == set()  # the first prefill served it: handshake cached
+    # The prefill restarts on the same host and ports: same engine id, new transport metadata.
+    ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
+    sides.remove(p)
+    p.shutdown()
+    for connector in p.workers:  # the old process is gone: so are its engine and memory
+        connector.worker._engine = None
+    del p, connector
+    gc.collect()
+    restarted = Side("prefill", "kv_producer", "read", model_dir, salt=3, extra=ports)
+    sides.append(restarted)
+    restarted.handshake_port, restarted.notify_port = ports["handshake_port"], ports["notify_port"]
+    # At most the first request after the restart finds the old connection gone (recomputed);
+    # from then on the decode reaches the new instance and loads its bytes.
+    for attempt in range(2):
+        prompt = prompt_of(40, seed=14 + attempt)  # no prefix cache hit on either side
+        rid, tid = pd_request_id(restarted, d), transfer_id()
+        params = run_prefill(restarted, rid, prompt, tid)
+        d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
+        if not d.step().invalid_blocks:
+            break
+        assert attempt == 0, "the decode never reached the restarted prefill"
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), restarted.salt, prompt))
 
 
 def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir: str) -> None:

@@ -70,6 +70,7 @@ from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity
 from moriio_native.engine import DrainedTransfer, Engine, LayerRegistration, available_backends
 from moriio_native.errors import (
+    AlreadyExistsError,
     BackendUnavailableError,
     FailedPreconditionError,
     IncompatiblePeerError,
@@ -454,7 +455,7 @@ class WorkerSide:
                 f"{response.tp_size}, expected dp{remote_dp_rank}/tp{remote_rank} of {tp_size} "
                 "(do both sides use the same handshake base port?)"
             )
-        peer_id = self.engine.add_peer(response.engine_metadata)
+        peer_id = self._add_engine_peer(response)
         peer = _Peer(
             engine_peer=peer_id,
             host=host,
@@ -467,6 +468,24 @@ class WorkerSide:
             self._stats.record_handshake()
         logger.info("handshake with %s at %s:%d done", response.engine_id, host, hs_port)
         return peer
+
+    def _add_engine_peer(self, response: HandshakeResponse) -> str:
+        """Connect the engine to the handshaken peer. The same engine id with other metadata is
+        that peer restarted under the same address (the handshake proved who answers): the old
+        connection is dropped, which ends whatever still used it, and the new one replaces it."""
+        try:
+            return self.engine.add_peer(response.engine_metadata)
+        except AlreadyExistsError as exc:
+            stale = response.engine_id
+            if f"peer '{stale}'" not in str(exc):
+                raise  # the metadata names another engine than the handshake: not a restart
+            logger.info("peer %s restarted with new metadata; reconnecting", stale)
+            with self._lock:
+                for key, value in list(self._peers.items()):
+                    if value.engine_peer == stale:
+                        del self._peers[key]
+            self.engine.remove_peer(stale)
+            return self.engine.add_peer(response.engine_metadata)
 
     @staticmethod
     def _check_engine(peer: _Peer, expect_engine: str | None) -> None:
@@ -626,6 +645,9 @@ class WorkerSide:
                 self._invalid_blocks.update(read.task.local_block_ids)
             self._cond.notify_all()
         if not ok:
+            # The next request handshakes again: a prefill that restarted under the same
+            # address is reached at its new transport address instead of failing forever.
+            self._forget_peer(read.peer)
             logger.warning(
                 "request %s (transfer %s): READ %s (%s); its %d blocks will be recomputed",
                 read.task.req_id,
