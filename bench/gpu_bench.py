@@ -34,6 +34,7 @@ import multiprocessing as mp
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -482,6 +483,13 @@ def run_case(
     return rows
 
 
+def _write_json(path: str | None, rows: Sequence[Any]) -> None:
+    """The rows as a JSON list of objects, when ``--json PATH`` was given."""
+    if path:
+        with open(path, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS))
@@ -526,10 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                 o.exposed_over_one_layer,
                 o.verified,
             )
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump([asdict(r) for r in overlap_rows], f, indent=1)
-        return 0
+        _write_json(args.json, overlap_rows)
+        return 0 if all(o.verified for o in overlap_rows) else 1
     rows: list[Row] = []
     for name in presets:
         request_bytes = _block_bytes(PRESETS[name]) * args.blocks
@@ -558,9 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.ratio_to_device_copy,
                     row.verified,
                 )
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
+    _write_json(args.json, rows)
     return 0 if all(r.verified for r in rows) else 1
 
 
