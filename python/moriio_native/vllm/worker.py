@@ -253,6 +253,9 @@ class WorkerSide:
         self._failed_peers: dict[tuple[str, int], tuple[float, MoriioError]] = {}
         # decode side
         self._reads: dict[str, _Read] = {}
+        # Transfers whose drain notice overtook their undrained terminal event (the two come
+        # from separate queues): the event, when it arrives, is then taken as drained.
+        self._drained_early: set[str] = set()
         self._step_reads: list[str] = []
         self._awaiting: dict[str, _Await] = {}
         self._invalid_blocks: set[int] = set()
@@ -944,6 +947,8 @@ class WorkerSide:
             return
         job.failed = reason
         logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, reason)
+        if job.undrained is not None:
+            return  # the engine ended it with writes in flight: only their drain completes it
         if job.submitted or job.sealed:
             try:
                 self.engine.abort(job.transfer_id)
@@ -1186,13 +1191,15 @@ class WorkerSide:
         tid = event.transfer_id
         ok = event.state == "done"
         with self._lock:
+            drained = event.drained or tid in self._drained_early
+            self._drained_early.discard(tid)
             read = self._reads.get(tid)
             if read is None:
                 job = self._jobs.get(tid)
                 if job is None or job.terminal:
                     return
                 reason = job.failed or f"{event.state}: {event.message}"
-                if not event.drained:
+                if not drained:
                     # Writes may still land in the decode's blocks (and read ours): nothing is
                     # reported, nothing freed, until the engine says they drained.
                     job.undrained = reason
@@ -1205,11 +1212,11 @@ class WorkerSide:
                     return
                 self._complete_job(job, ok=ok and job.failed is None, reason=reason, event=event)
                 return
-            if not event.drained:
+            if not drained:
                 read.quarantined = time.monotonic()
                 self._stats.record_quarantine(len(read.task.local_block_ids))
                 peer = read.peer
-        if not event.drained:
+        if not drained:
             self._quarantine_read(read, peer, event)
             return
         self._finish_read(tid, event.state, event.message, event)
@@ -1241,10 +1248,14 @@ class WorkerSide:
             if read is None and job is not None and job.undrained is not None:
                 self._complete_job(job, ok=False, reason=job.undrained)
                 return
-        if read is not None:
-            self._finish_read(
-                tid, "timed_out", f"operations drained {drained.seconds:.3g}s after the start"
-            )
+            if read is None and job is None:
+                return
+            if read is None or read.quarantined is None:
+                self._drained_early.add(tid)  # its undrained event is still queued
+                return
+        self._finish_read(
+            tid, "timed_out", f"operations drained {drained.seconds:.3g}s after the start"
+        )
 
     def _give_up_await(self, transfer_id: str, why: str) -> None:
         """Decode WRITE: stop waiting for the prefill's writes. Blocks the prefill was told
