@@ -37,7 +37,8 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 // UCX keeps a request per operation in flight; beyond a few hundred more requests only cost
-// memory (the per-op cost is CPU-bound, see research/ucx_gpu_probe.md).
+// memory: the cost per operation is host CPU (about 7 us per cuda_ipc op with UCX 1.22 on an
+// H200), which a deeper window does not hide.
 constexpr std::size_t kMaxOutstandingOps = 512;
 // Runs posted per batch before moving to the next batch, so one huge batch cannot starve others.
 constexpr std::size_t kOpsPerBatchPerRound = 64;
