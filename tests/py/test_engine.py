@@ -267,7 +267,9 @@ def test_misspelt_option_is_refused_and_other_backends_keys_are_ignored() -> Non
     shared = {"ucx_tls": "sm,self", "mori_port": 1, "qp_per_transfer": 2, "progress_mode": "busy"}
     assert mn.Engine("x", "loopback", options=shared).backend == "loopback"
     if {b.name: b for b in mn.available_backends()}["ucx"].available:
-        with pytest.raises(mn.InvalidArgumentError, match="unknown option 'ucx_tsl' for backend ucx"):
+        with pytest.raises(
+            mn.InvalidArgumentError, match="unknown option 'ucx_tsl' for backend ucx"
+        ):
             mn.Engine("x", "ucx", options={"ucx_tsl": "sm,self"})
 
 
