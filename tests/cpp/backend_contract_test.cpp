@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "backend_test_support.hpp"
 #include "backends/mori/mori_backend.hpp"
 #include "fake_mori.hpp"
 #include "moriio_native/backend.hpp"
@@ -127,17 +128,7 @@ struct Kind {
 
 void PrintTo(const Kind& kind, std::ostream* os) { *os << kind.name; }
 
-// Options of the ucx backend for tests: the UCX found at build time, unless the environment says.
-BackendOptions UcxOptions() {
-  BackendOptions o;
-#ifdef MORIIO_UCX_TEST_LIBRARY_DIR
-  if (std::getenv("MORIIO_NATIVE_UCX_LIBRARY_PATH") == nullptr &&
-      std::strlen(MORIIO_UCX_TEST_LIBRARY_DIR) != 0) {
-    o["ucx_library_path"] = MORIIO_UCX_TEST_LIBRARY_DIR;
-  }
-#endif
-  return o;
-}
+BackendOptions UcxOptions() { return moriio_native::testing_support::UcxTestOptions(); }
 
 // Refusal of `key` by CreateBackend(name): InvalidArgument naming the key and every known key.
 void ExpectUnknownKeyRefused(const std::string& name, BackendOptions options,
@@ -241,16 +232,8 @@ class BackendContract : public ::testing::TestWithParam<Kind> {
   std::shared_ptr<Batch> MakeBatch(TransferOp op, std::vector<std::int64_t> lo,
                                    std::vector<std::int64_t> ro, std::vector<std::int64_t> sz,
                                    std::uint64_t token) const {
-    auto b = std::make_shared<Batch>();
-    b->op = op;
-    b->local_region = local_;
-    b->peer = peer_;
-    b->remote_region = remote_;
-    b->local_offsets = std::move(lo);
-    b->remote_offsets = std::move(ro);
-    b->sizes = std::move(sz);
-    b->token = token;
-    return b;
+    return moriio_native::testing_support::MakeBatch(op, local_, peer_, remote_, std::move(lo),
+                                                     std::move(ro), std::move(sz), token);
   }
 
   // Shuts the gate and submits a plug batch whose completion blocks A's completing thread.

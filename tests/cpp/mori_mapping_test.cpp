@@ -22,6 +22,7 @@
 
 #include "backends/mori/mori_api.hpp"
 #include "backends/mori/mori_backend.hpp"
+#include "backend_test_support.hpp"
 #include "fake_mori.hpp"
 
 namespace {
@@ -29,6 +30,7 @@ namespace {
 using namespace moriio_native;  // NOLINT(google-build-using-namespace)
 namespace mb = moriio_native::detail::mori_backend;
 using namespace moriio_native::fake_mori;  // NOLINT(google-build-using-namespace)
+using moriio_native::testing_support::MakeBatch;
 
 // ---- the sink ----------------------------------------------------------------------------------
 
@@ -136,21 +138,6 @@ class MoriMappingTest : public ::testing::Test {
     return peer.ok() ? *peer : 0;
   }
 
-  std::shared_ptr<Batch> MakeBatch(TransferOp op, std::uint64_t local, std::uint64_t peer,
-                                   std::uint64_t remote, std::vector<std::int64_t> lo,
-                                   std::vector<std::int64_t> ro, std::vector<std::int64_t> sz,
-                                   std::uint64_t token) {
-    auto b = std::make_shared<Batch>();
-    b->op = op;
-    b->local_region = local;
-    b->peer = peer;
-    b->remote_region = remote;
-    b->local_offsets = std::move(lo);
-    b->remote_offsets = std::move(ro);
-    b->sizes = std::move(sz);
-    b->token = token;
-    return b;
-  }
 
   // The two regions most transfer tests use: all of `local_buf_`, and all of `peer_buf_` imported
   // from peer "B".

@@ -35,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "backend_test_support.hpp"
 #include "moriio_native/backend.hpp"
 
 namespace mn = moriio_native;
@@ -69,16 +70,7 @@ const mn::BackendPlugin* Plugin(std::string* why) {
 }
 
 /// Options pointing at the UCX found at build time, unless the environment names one.
-mn::BackendOptions BaseOptions() {
-  mn::BackendOptions o;
-#ifdef MORIIO_UCX_TEST_LIBRARY_DIR
-  if (std::getenv("MORIIO_NATIVE_UCX_LIBRARY_PATH") == nullptr &&
-      std::strlen(MORIIO_UCX_TEST_LIBRARY_DIR) != 0) {
-    o["ucx_library_path"] = MORIIO_UCX_TEST_LIBRARY_DIR;
-  }
-#endif
-  return o;
-}
+mn::BackendOptions BaseOptions() { return mn::testing_support::UcxTestOptions(); }
 
 #define REQUIRE_UCX(options)                                                  \
   do {                                                                        \

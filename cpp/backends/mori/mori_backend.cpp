@@ -522,12 +522,6 @@ class MoriBackend final : public Backend {
     if (!batch) return InvalidArgumentError("null batch");
     const Batch& b = *batch;
     const std::size_t n = b.sizes.size();
-    if (b.local_offsets.size() != n || b.remote_offsets.size() != n) {
-      return InvalidArgumentError("batch " + std::to_string(b.token) + " has " +
-                                  std::to_string(b.local_offsets.size()) + " local offsets, " +
-                                  std::to_string(b.remote_offsets.size()) + " remote offsets and " +
-                                  std::to_string(n) + " sizes; they must be equal");
-    }
     LocalRegion local;
     RemoteRegion remote;
     std::string peer_key;
@@ -535,6 +529,8 @@ class MoriBackend final : public Backend {
       std::lock_guard lock(mu_);
       if (stopping_) return AbortedError("the MoRI backend is shutting down");
       MORIIO_RETURN_IF_ERROR(FindLocked(b, &local, &remote, &peer_key));
+      // Region sizes never change, so the runs checked here stay valid for MapRuns below.
+      MORIIO_RETURN_IF_ERROR(CheckBatchRuns(b, local.range.size, remote.size));
       if (n == 0) {
         // Nothing for MoRI to move (MoRI refuses empty batches): complete OK from the reaper.
         deliver_.emplace_back(b.token, Status::OK());
@@ -599,7 +595,6 @@ class MoriBackend final : public Backend {
   Status MapRuns(const Batch& b, const LocalRegion& local, const RemoteRegion& remote,
                  Work* w) const {
     const std::size_t n = b.sizes.size();
-    MORIIO_RETURN_IF_ERROR(CheckBatchRuns(b, local.range.size, remote.size));
     const std::uint64_t max_run = options_.max_run_bytes;
     std::size_t entries = 0;
     for (std::size_t i = 0; i < n; ++i) {
