@@ -45,9 +45,10 @@
 namespace moriio_native::detail::ucx {
 
 /// The keys above, for BackendPlugin::options (nullptr-terminated).
-inline constexpr const char* kUcxOptionKeys[] = {
-    "ucx_library_path", "ucx_tls",    "ucx_net_devices", "progress_mode", "ucx_direct_copy",
-    "ucx_error_handling", "ucx_config", nullptr};
+inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls",
+                                                 "ucx_net_devices",    "progress_mode",
+                                                 "ucx_direct_copy",    "ucx_error_handling",
+                                                 "ucx_config",         nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };
