@@ -1,14 +1,15 @@
 // Finds backends: loopback is built in; every other backend is a plugin library beside the core
 // library, loaded on first use and never unloaded (its threads and code may outlive any caller).
 
-#include <dlfcn.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "backends/loopback/loopback_backend.hpp"
+#include "dynamic_library.hpp"
 #include "moriio_native/backend.hpp"
 
 namespace moriio_native {
@@ -22,9 +23,53 @@ Status Backend::Free(const MemoryRange&) {
   return FailedPreconditionError("backend '" + std::string(name()) + "' does not allocate memory");
 }
 
+Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
+  const std::size_t n = b.sizes.size();
+  if (b.local_offsets.size() != n || b.remote_offsets.size() != n) {
+    return InvalidArgumentError("batch " + std::to_string(b.token) + " has " +
+                                std::to_string(b.local_offsets.size()) + " local offsets, " +
+                                std::to_string(b.remote_offsets.size()) + " remote offsets and " +
+                                std::to_string(n) + " sizes; they must be equal");
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::int64_t lo = b.local_offsets[i];
+    const std::int64_t ro = b.remote_offsets[i];
+    const std::int64_t sz = b.sizes[i];
+    const std::string what = "batch " + std::to_string(b.token) + " run " + std::to_string(i) +
+                             " (local offset " + std::to_string(lo) + ", remote offset " +
+                             std::to_string(ro) + ", size " + std::to_string(sz) + ")";
+    if (lo < 0 || ro < 0 || sz <= 0) {
+      return InvalidArgumentError(what + ": offsets must be >= 0 and sizes > 0");
+    }
+    // Compared as offset <= size - length, which cannot overflow once length <= size.
+    const auto size = static_cast<std::uint64_t>(sz);
+    if (size > local_size || static_cast<std::uint64_t>(lo) > local_size - size ||
+        size > remote_size || static_cast<std::uint64_t>(ro) > remote_size - size) {
+      return OutOfRangeError(what + " does not fit the local region (" +
+                             std::to_string(local_size) + " bytes) and the remote region (" +
+                             std::to_string(remote_size) + " bytes)");
+    }
+  }
+  return Status::OK();
+}
+
 namespace {
 
 constexpr const char* kPluginBackends[] = {"ucx", "mori"};
+constexpr const char* kAllBackends[] = {"loopback", "ucx", "mori"};
+
+bool IsSharedKey(std::string_view key) {
+  return std::ranges::find(kSharedBackendOptionKeys, key) != std::end(kSharedBackendOptionKeys);
+}
+
+// The backend whose prefix `key` carries ("ucx" for "ucx_tls"), or "" for none.
+std::string_view PrefixOwner(std::string_view key) {
+  for (const char* name : kAllBackends) {
+    const std::string_view n = name;
+    if (key.size() > n.size() && key.starts_with(n) && key[n.size()] == '_') return n;
+  }
+  return {};
+}
 
 bool IsPluginBackend(std::string_view name) {
   for (const char* n : kPluginBackends) {
@@ -36,17 +81,30 @@ bool IsPluginBackend(std::string_view name) {
 // The directory holding libmoriio_native.so (and its plugins), or $MORIIO_NATIVE_PLUGIN_DIR.
 std::string PluginDirectory() {
   if (const char* env = std::getenv("MORIIO_NATIVE_PLUGIN_DIR"); env && *env) return env;
-  Dl_info info{};
-  if (dladdr(reinterpret_cast<void*>(&PluginDirectory), &info) == 0 || !info.dli_fname) return ".";
-  std::string path = info.dli_fname;
-  const auto slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
+  return detail::DynamicLibrary::DirectoryOf(reinterpret_cast<const void*>(&PluginDirectory));
 }
 
 struct LoadedPlugin {
   const BackendPlugin* plugin = nullptr;
-  Status error;  // why it could not be loaded
+  std::vector<std::string> options;  // the keys it accepts, sorted
+  Status error;                      // why it could not be loaded
 };
+
+// A plugin's option list: every key its own ("<name>_...") or shared, else why not.
+Status ReadOptionKeys(const BackendPlugin& plugin, const std::string& name,
+                      std::vector<std::string>* out) {
+  for (const char* const* key = plugin.options; key != nullptr && *key != nullptr; ++key) {
+    const std::string_view k = *key;
+    if (PrefixOwner(k) != name && !IsSharedKey(k)) {
+      return BackendUnavailableError("the " + name + " backend plugin lists option '" +
+                                     std::string(k) + "', which is neither " + name +
+                                     "_* nor a shared key");
+    }
+    out->emplace_back(k);
+  }
+  std::ranges::sort(*out);
+  return Status::OK();
+}
 
 // Loads (once) and returns the plugin for `name`. Thread-safe.
 const LoadedPlugin& LoadPlugin(const std::string& name) {
@@ -62,25 +120,78 @@ const LoadedPlugin& LoadPlugin(const std::string& name) {
                                           " backend plugin (no " + path + ")");
     return entry;
   }
-  void* handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!handle) {
-    const char* why = ::dlerror();
+  Result<detail::DynamicLibrary> library = detail::DynamicLibrary::Open(path);
+  if (!library.ok()) {
     entry.error = BackendUnavailableError("the " + name + " backend plugin cannot be loaded: " +
-                                          (why ? why : "unknown dlopen error"));
+                                          library.status().message());
     return entry;
   }
+  // Never unloaded: a plugin's threads and code may outlive any caller.
+  library->KeepLoaded();
   using EntryFn = const BackendPlugin* (*)();
-  auto fn = reinterpret_cast<EntryFn>(::dlsym(handle, MORIIO_NATIVE_PLUGIN_SYMBOL));
-  const BackendPlugin* plugin = fn ? fn() : nullptr;
+  Result<EntryFn> fn = library->Symbol<EntryFn>(MORIIO_NATIVE_PLUGIN_SYMBOL);
+  const BackendPlugin* plugin = fn.ok() ? (*fn)() : nullptr;
   if (!plugin || plugin->abi_version != BackendPlugin::kAbiVersion || !plugin->probe ||
-      !plugin->create) {
-    entry.error = BackendUnavailableError("the " + name + " backend plugin at " + path +
-                                          " has no compatible entry point (ABI " +
-                                          std::to_string(BackendPlugin::kAbiVersion) + ")");
+      !plugin->create || !plugin->options) {
+    entry.error = BackendUnavailableError(
+        "the " + name + " backend plugin at " + path + " has no compatible entry point (ABI " +
+        std::to_string(BackendPlugin::kAbiVersion) + ", found " +
+        (plugin ? "ABI " + std::to_string(plugin->abi_version) : fn.status().message()) + ")");
+    return entry;
+  }
+  if (Status keys = ReadOptionKeys(*plugin, name, &entry.options); !keys.ok()) {
+    entry.options.clear();
+    entry.error = keys;
     return entry;
   }
   entry.plugin = plugin;
   return entry;
+}
+
+// The keys `name` accepts, or why they cannot be known.
+Result<std::vector<std::string>> AcceptedKeys(std::string_view name) {
+  if (name == "loopback") {
+    std::vector<std::string> keys(std::begin(detail::kLoopbackOptionKeys),
+                                  std::end(detail::kLoopbackOptionKeys));
+    std::ranges::sort(keys);
+    return keys;
+  }
+  if (!IsPluginBackend(name)) {
+    return NotFoundError("unknown backend '" + std::string(name) +
+                         "' (known: loopback, ucx, mori)");
+  }
+  const LoadedPlugin& loaded = LoadPlugin(std::string(name));
+  if (!loaded.plugin) return loaded.error;
+  return loaded.options;
+}
+
+// Whether some other backend accepts the unprefixed key (a shared key listed by another backend
+// counts; an unloadable plugin's shared keys are given the benefit of the doubt, since its list
+// cannot be read and the connector passes them to every backend).
+bool OtherBackendMayAccept(std::string_view name, std::string_view key) {
+  if (!IsSharedKey(key)) return false;
+  for (const char* other : kAllBackends) {
+    if (other == name) continue;
+    Result<std::vector<std::string>> keys = AcceptedKeys(other);
+    if (!keys.ok() || std::ranges::binary_search(*keys, key)) return true;
+  }
+  return false;
+}
+
+// InvalidArgument for the first key `name` refuses (see BackendOptions).
+Status CheckOptionKeys(std::string_view name, const std::vector<std::string>& accepted,
+                       const BackendOptions& options) {
+  for (const auto& [key, value] : options) {
+    if (std::ranges::binary_search(accepted, key)) continue;
+    const std::string_view owner = PrefixOwner(key);
+    if (!owner.empty() && owner != name) continue;  // another backend's key: the map is shared
+    if (owner.empty() && OtherBackendMayAccept(name, key)) continue;
+    std::string known;
+    for (const std::string& k : accepted) known += (known.empty() ? "" : ", ") + k;
+    return InvalidArgumentError("unknown option '" + key + "' for backend " + std::string(name) +
+                                "; known: " + (known.empty() ? "none" : known));
+  }
+  return Status::OK();
 }
 
 }  // namespace
@@ -96,15 +207,16 @@ std::vector<BackendAvailability> AvailableBackends(const BackendOptions& options
   return out;
 }
 
+Result<std::vector<std::string>> BackendOptionKeys(std::string_view name) {
+  return AcceptedKeys(name);
+}
+
 Result<std::unique_ptr<Backend>> CreateBackend(std::string_view name, const BackendOptions& options,
                                                std::shared_ptr<CompletionSink> sink) {
+  MORIIO_ASSIGN_OR_RETURN(std::vector<std::string> accepted, AcceptedKeys(name));
+  MORIIO_RETURN_IF_ERROR(CheckOptionKeys(name, accepted, options));
   if (name == "loopback") return detail::CreateLoopbackBackend(options, std::move(sink));
-  if (!IsPluginBackend(name)) {
-    return NotFoundError("unknown backend '" + std::string(name) +
-                         "' (known: loopback, ucx, mori)");
-  }
   const LoadedPlugin& loaded = LoadPlugin(std::string(name));
-  if (!loaded.plugin) return loaded.error;
   MORIIO_RETURN_IF_ERROR(loaded.plugin->probe(options));
   return loaded.plugin->create(options, std::move(sink));
 }

@@ -81,10 +81,48 @@ struct BackendCapabilities {
 };
 
 /// String options from the engine config (connector extra config), e.g. {"ucx_tls": "sm,self"}.
+///
+/// One map may be shared by every backend (the connector's "auto" choice passes ucx_* and mori_*
+/// keys together), so keys have owners: a key starting with "<backend>_" ("loopback_", "ucx_",
+/// "mori_") belongs to that backend, and the unprefixed keys in kSharedBackendOptionKeys belong
+/// to whichever backends list them (their names follow vLLM's MoRIIO connector). CreateBackend
+/// refuses, with InvalidArgument naming the key and the keys the backend accepts, any key the
+/// backend does not accept unless it belongs to another backend: a misspelt "ucx_tsl" is an
+/// error for the ucx backend (and ignored by the others, as "mori_port" is ignored by ucx), an
+/// unprefixed key no backend lists (a misspelt "qp_per_transfr") is an error for every backend.
 using BackendOptions = std::map<std::string, std::string, std::less<>>;
+
+/// The unprefixed option keys a backend may accept (see BackendOptions). A plugin lists only
+/// keys with its own prefix or from this list.
+inline constexpr std::string_view kSharedBackendOptionKeys[] = {
+    "progress_mode", "qp_per_transfer", "post_batch_size", "num_workers", "poll_mode"};
 
 /// A transport. Thread-safe: every method may be called from any thread. Methods that talk to
 /// the transport may block briefly (registration, connection); Submit never waits for transfer.
+///
+/// The contract every backend keeps (tests/cpp/backend_contract_test.cpp runs it over each):
+/// - Submit either refuses a batch synchronously (an error, no completion, nothing started,
+///   nothing changed) or accepts it; an accepted batch gets exactly one OnBatchComplete, always
+///   from a backend thread (never inside Submit, so a caller may hold its own locks).
+/// - A batch is refused at Submit when its three arrays differ in length (InvalidArgument),
+///   when a run has a negative offset or a size <= 0 (InvalidArgument naming the run index),
+///   when a run does not lie inside its local or remote region, overflowing offsets included
+///   (OutOfRange naming the run index), or when its local region, remote region or peer is
+///   unknown or the remote region belongs to another peer. A bad run is never discovered later
+///   through the completion.
+/// - A batch with no runs is accepted and completes OK without moving bytes. The engine builds
+///   such batches for a READ of zero blocks and for layers whose plan is empty; refusing them
+///   would fail a valid no-op request, and completing them like any other batch keeps "one
+///   completion per accepted Submit" without special cases in the caller.
+/// - A region has batches in flight from its accepted Submit until the backend is done with its
+///   memory, which is before that batch's OnBatchComplete is called: a caller that saw the
+///   completion may deregister at once. DeregisterMemory refuses (FailedPrecondition) while any
+///   batch using the region is in flight and changes nothing then.
+/// - DisconnectPeer drops the peer and its imported regions at once: Submit to them is refused
+///   from then on, and every batch to that peer not yet finished by the transport completes
+///   exactly once with an error (Aborted or Transport, naming the peer), possibly after
+///   DisconnectPeer returned. A batch the transport had already finished completes OK.
+/// - Options: see BackendOptions; each backend reports the keys it accepts (BackendOptionKeys).
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -93,15 +131,16 @@ class Backend {
   /// The bytes a peer passes to ConnectPeer to reach this backend (a worker address, ...).
   virtual Result<std::vector<std::uint8_t>> LocalAddress() = 0;
   virtual Result<RegisteredRegion> RegisterMemory(const MemoryRange& range) = 0;
-  /// Fails with FailedPrecondition while batches using the region are in flight.
+  /// Fails with FailedPrecondition while batches using the region are in flight (see above).
   virtual Status DeregisterMemory(std::uint64_t handle) = 0;
   virtual Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) = 0;
   /// Makes a peer's region addressable; `range` is where it lives in the peer's address space.
   virtual Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                                    std::span<const std::uint8_t> remote_key) = 0;
-  /// Drops a peer and everything imported from it; pending batches to it complete with errors.
+  /// Drops a peer and everything imported from it; pending batches to it complete with errors
+  /// (see above). NotFound for an unknown peer.
   virtual Status DisconnectPeer(std::uint64_t peer) = 0;
-  /// Starts a batch. On OK, exactly one completion follows; on error, none.
+  /// Starts a batch. On OK, exactly one completion follows; on error, none (see above).
   virtual Status Submit(std::shared_ptr<const Batch> batch) = 0;
 
   /// Allocates `size` bytes the transport reaches fastest (e.g. shared memory that same-host
@@ -112,16 +151,24 @@ class Backend {
   virtual Status Free(const MemoryRange& range);
 };
 
+/// Checks a batch's runs against the sizes of its local and remote regions, as Submit must
+/// (see Backend): InvalidArgument or OutOfRange naming the batch token and the run index. Pure.
+Status CheckBatchRuns(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
+
 /// Entry points of a backend plugin library `libmoriio_native_<name>.so`, which exports
 /// `extern "C" const moriio_native::BackendPlugin* moriio_native_backend_plugin();`.
+/// ABI 2 added `options`; a plugin of another ABI is reported unavailable.
 struct BackendPlugin {
-  static constexpr std::uint32_t kAbiVersion = 1;
+  static constexpr std::uint32_t kAbiVersion = 2;
   std::uint32_t abi_version = kAbiVersion;
   const char* name = nullptr;
   /// OK when the transport can run here; otherwise BackendUnavailable with the precise reason.
   Status (*probe)(const BackendOptions& options) = nullptr;
   Result<std::unique_ptr<Backend>> (*create)(const BackendOptions& options,
                                              std::shared_ptr<CompletionSink> sink) = nullptr;
+  /// Every option key the backend accepts, ending with nullptr; static storage. Only keys with
+  /// the prefix "<name>_" or from kSharedBackendOptionKeys (else the plugin is refused).
+  const char* const* options = nullptr;
 };
 
 /// Availability of one backend on this machine.
@@ -134,8 +181,13 @@ struct BackendAvailability {
 /// Probes every known backend (loopback, ucx, mori). Thread-safe; loads plugins on first use.
 std::vector<BackendAvailability> AvailableBackends(const BackendOptions& options = {});
 
+/// The option keys backend `name` accepts, sorted: NotFound for an unknown name,
+/// BackendUnavailable when its plugin cannot be loaded. Thread-safe; loads the plugin once.
+Result<std::vector<std::string>> BackendOptionKeys(std::string_view name);
+
 /// Creates a backend by name. BackendUnavailable carries the plugin's reason; NotFound for an
-/// unknown name.
+/// unknown name; InvalidArgument for an option key the backend refuses (see BackendOptions),
+/// checked before the plugin probes anything.
 Result<std::unique_ptr<Backend>> CreateBackend(std::string_view name, const BackendOptions& options,
                                                std::shared_ptr<CompletionSink> sink);
 

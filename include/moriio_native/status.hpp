@@ -94,7 +94,7 @@ MORIIO_STATUS_FACTORY(Internal)
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : data_(std::move(value)) {}  // NOLINT(google-explicit-constructor)
+  Result(T v) : data_(std::move(v)) {}  // NOLINT(google-explicit-constructor)
   Result(Status status);                       // NOLINT(google-explicit-constructor)
 
   bool ok() const { return std::holds_alternative<T>(data_); }

@@ -9,6 +9,7 @@ import pytest
 
 import moriio_native as mn
 from moriio_native import kvcache as kc
+from moriio_native.vllm.config import BACKEND_OPTION_KEYS
 
 
 @pytest.fixture()
@@ -252,6 +253,31 @@ def test_unknown_backend_and_available_backends() -> None:
     assert {"ucx", "mori"} <= set(names)
     for b in names.values():
         assert b.available or b.reason
+
+
+def test_misspelt_option_is_refused_and_other_backends_keys_are_ignored() -> None:
+    with pytest.raises(
+        mn.InvalidArgumentError,
+        match=r"unknown option 'loopback_delay' for backend loopback; known: loopback_delay_ms",
+    ):
+        mn.Engine("x", "loopback", options={"loopback_delay": 5})
+    with pytest.raises(mn.InvalidArgumentError, match="unknown option 'qp_per_transfr'"):
+        mn.Engine("x", "loopback", options={"qp_per_transfr": 2})
+    # One map for every backend, as the vLLM connector passes it for backend "auto".
+    shared = {"ucx_tls": "sm,self", "mori_port": 1, "qp_per_transfer": 2, "progress_mode": "busy"}
+    assert mn.Engine("x", "loopback", options=shared).backend == "loopback"
+    if {b.name: b for b in mn.available_backends()}["ucx"].available:
+        with pytest.raises(
+            mn.InvalidArgumentError, match="unknown option 'ucx_tsl' for backend ucx"
+        ):
+            mn.Engine("x", "ucx", options={"ucx_tsl": "sm,self"})
+
+
+def test_every_key_the_connector_passes_through_is_accepted() -> None:
+    # The connector passes these unprefixed keys to whichever backend it picks; the core must
+    # know each as a shared key (kSharedBackendOptionKeys), or every backend would refuse it.
+    for key in BACKEND_OPTION_KEYS:
+        assert mn.Engine("x", "loopback", options={key: "1"}).backend == "loopback", key
 
 
 def test_backend_without_allocation_refuses_clearly() -> None:

@@ -135,11 +135,6 @@ bool ParsePair(std::string_view s, std::uint64_t* a, std::uint64_t* b) {
          ParseU64(s.substr(colon + 1), b);
 }
 
-bool RunInside(std::int64_t offset, std::int64_t size, std::uint64_t region_size) {
-  return offset >= 0 && size > 0 && static_cast<std::uint64_t>(offset) <= region_size &&
-         static_cast<std::uint64_t>(size) <= region_size - static_cast<std::uint64_t>(offset);
-}
-
 class LoopbackBackend final : public Backend {
  public:
   LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms)
@@ -184,9 +179,15 @@ class LoopbackBackend final : public Backend {
   Status DeregisterMemory(std::uint64_t handle) override {
     {
       std::lock_guard lock(mu_);
-      if (!regions_.erase(handle)) {
+      auto it = regions_.find(handle);
+      if (it == regions_.end()) {
         return NotFoundError("no registered region " + std::to_string(handle));
       }
+      if (auto busy = in_flight_.find(handle); busy != in_flight_.end()) {
+        return FailedPreconditionError("region " + std::to_string(handle) + " has " +
+                                       std::to_string(busy->second) + " batches in flight");
+      }
+      regions_.erase(it);
     }
     // Outside mu_: the wait for copies in flight must not stall this backend's other calls.
     Directory::Get().RemoveRegion(instance_, handle);
@@ -240,18 +241,25 @@ class LoopbackBackend final : public Backend {
   }
 
   Status Submit(std::shared_ptr<const Batch> batch) override {
-    if (!batch || batch->sizes.size() != batch->local_offsets.size() ||
-        batch->sizes.size() != batch->remote_offsets.size()) {
-      return InvalidArgumentError("batch offset and size arrays differ in length");
-    }
+    if (!batch) return InvalidArgumentError("Submit: null batch");
     std::lock_guard lock(mu_);
     if (stopping_) return AbortedError("loopback backend is shutting down");
-    if (!regions_.count(batch->local_region)) {
+    auto local = regions_.find(batch->local_region);
+    if (local == regions_.end()) {
       return NotFoundError("batch names unknown local region " + std::to_string(batch->local_region));
     }
-    if (!remotes_.count(batch->remote_region)) {
+    auto remote = remotes_.find(batch->remote_region);
+    if (remote == remotes_.end()) {
       return NotFoundError("batch names unknown remote region " + std::to_string(batch->remote_region));
     }
+    if (remote->second.peer != batch->peer) {
+      return InvalidArgumentError("batch " + std::to_string(batch->token) + ": remote region " +
+                                  std::to_string(batch->remote_region) +
+                                  " does not belong to peer " + std::to_string(batch->peer));
+    }
+    MORIIO_RETURN_IF_ERROR(
+        CheckBatchRuns(*batch, local->second.size, remote->second.range.size));
+    ++in_flight_[batch->local_region];
     queue_.push_back(std::move(batch));
     cv_.notify_one();
     return Status::OK();
@@ -272,21 +280,19 @@ class LoopbackBackend final : public Backend {
     {
       std::lock_guard lock(mu_);
       auto r = remotes_.find(b.remote_region);
-      if (r == remotes_.end()) return TransportError("peer disconnected during transfer");
+      if (r == remotes_.end()) {
+        return AbortedError("loopback peer " + std::to_string(b.peer) +
+                            " was disconnected before batch " + std::to_string(b.token) + " ran");
+      }
       remote = r->second;
     }
     const PinnedRegion local(instance_, b.local_region);
     if (!local.range()) return TransportError("local region deregistered during transfer");
     const PinnedRegion peer(remote.instance, remote.handle);
     if (!peer.range()) return TransportError("the peer deregistered the remote region");
+    // Runs were checked against these ranges at Submit (a region's range never changes).
     const MemoryRange& l_range = *local.range();
     const MemoryRange& r_range = *peer.range();
-    for (std::size_t i = 0; i < b.sizes.size(); ++i) {
-      if (!RunInside(b.local_offsets[i], b.sizes[i], l_range.size) ||
-          !RunInside(b.remote_offsets[i], b.sizes[i], r_range.size)) {
-        return InvalidArgumentError("run " + std::to_string(i) + " lies outside its region");
-      }
-    }
     for (std::size_t i = 0; i < b.sizes.size(); ++i) {
       auto* l = reinterpret_cast<std::uint8_t*>(l_range.address + b.local_offsets[i]);
       auto* r = reinterpret_cast<std::uint8_t*>(r_range.address + b.remote_offsets[i]);
@@ -314,6 +320,10 @@ class LoopbackBackend final : public Backend {
         if (delay_ms_ > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms_));
         status = Execute(*batch);
       }
+      lock.lock();
+      // Done with the memory before the completion, so its receiver may deregister at once.
+      if (auto it = in_flight_.find(batch->local_region); --it->second == 0) in_flight_.erase(it);
+      lock.unlock();
       sink_->OnBatchComplete(batch->token, std::move(status));
       lock.lock();
     }
@@ -327,6 +337,7 @@ class LoopbackBackend final : public Backend {
   bool stopping_ = false;
   std::uint64_t next_handle_ = 1;
   std::map<std::uint64_t, MemoryRange> regions_;
+  std::map<std::uint64_t, int> in_flight_;  // local region -> accepted batches not yet completed
   std::map<std::uint64_t, std::uint64_t> peers_;  // peer handle -> peer instance
   std::map<std::uint64_t, RemoteRegion> remotes_;
   std::deque<std::shared_ptr<const Batch>> queue_;

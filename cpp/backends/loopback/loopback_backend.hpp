@@ -4,10 +4,14 @@
 // real memcpy on a worker thread, so completions arrive asynchronously as with a real transport.
 
 #include <memory>
+#include <string_view>
 
 #include "moriio_native/backend.hpp"
 
 namespace moriio_native::detail {
+
+/// The option keys the loopback backend accepts (see BackendOptions).
+inline constexpr std::string_view kLoopbackOptionKeys[] = {"loopback_delay_ms"};
 
 /// Options: "loopback_delay_ms" (sleep before each batch, for tests of pending/timeout paths).
 Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& options,

@@ -42,6 +42,25 @@ struct MoriOptions {
   std::chrono::milliseconds drain_timeout{5000};
 };
 
+/// Every option key of the MoRI backend (BackendPlugin::options; nullptr-terminated).
+inline constexpr const char* kMoriOptionKeys[] = {"mori_backend",
+                                                  "qp_per_transfer",
+                                                  "post_batch_size",
+                                                  "num_workers",
+                                                  "poll_mode",
+                                                  "mori_host",
+                                                  "mori_port",
+                                                  "mori_engine_key",
+                                                  "mori_max_run_bytes",
+                                                  "mori_chunk_bytes",
+                                                  "mori_transfer_timeout_ms",
+                                                  "mori_drain_timeout_ms",
+                                                  "mori_enable_chunking",
+                                                  "mori_xgmi_streams",
+                                                  "mori_xgmi_events",
+                                                  "mori_xgmi_kernel",
+                                                  nullptr};
+
 /// Parses and range-checks the keys this backend owns ("mori_*", "qp_per_transfer",
 /// "post_batch_size", "num_workers", "poll_mode"); other backends' keys are ignored. An unknown
 /// "mori_*" key or a bad value is InvalidArgument naming the key and the value. Pure.

@@ -3,7 +3,6 @@
 // reports setup failures by throwing, and nothing may throw across our API.
 
 #include <arpa/inet.h>
-#include <dlfcn.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -19,6 +18,7 @@
 #include "backends/mori/mori_api.hpp"
 #include "backends/mori/mori_backend.hpp"
 #include "backends/mori/mori_codec.hpp"
+#include "dynamic_library.hpp"
 #include "mori/io/io.hpp"
 #include "moriio_native/backend.hpp"
 
@@ -293,27 +293,21 @@ class MoriIoApi final : public MoriApi {
 
 // ---- probe: find out, without letting MoRI exit the process, whether MoRI can run here -------
 
-// Loads a library already mapped as our dependency (or maps it); nullptr with the reason.
-void* OpenLibrary(const char* name, std::string* error) {
-  void* handle = ::dlopen(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-  if (handle == nullptr) handle = ::dlopen(name, RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* e = ::dlerror();
-    *error = e ? e : std::string("cannot load ") + name;
-  }
-  return handle;
+// Opens a library already mapped as our dependency (RTLD_NOLOAD finds it), else maps it.
+Result<DynamicLibrary> OpenLibrary(const std::string& name) {
+  Result<DynamicLibrary> mapped = DynamicLibrary::Open(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  return mapped.ok() ? std::move(mapped) : DynamicLibrary::Open(name);
 }
 
 Status ProbeGpu() {
-  std::string error;
-  void* hip = OpenLibrary("libamdhip64.so.7", &error);
-  if (hip == nullptr)
-    return BackendUnavailableError("MoRI-IO needs ROCm 7's HIP runtime: " + error);
+  Result<DynamicLibrary> hip = OpenLibrary("libamdhip64.so.7");
+  if (!hip.ok()) {
+    return BackendUnavailableError("MoRI-IO needs ROCm 7's HIP runtime: " + hip.status().message());
+  }
   using GetDeviceCount = int (*)(int*);  // hipError_t hipGetDeviceCount(int*)
-  auto get_count = reinterpret_cast<GetDeviceCount>(::dlsym(hip, "hipGetDeviceCount"));
+  Result<GetDeviceCount> get_count = hip->Symbol<GetDeviceCount>("hipGetDeviceCount");
   int count = 0;
-  const int rc = get_count ? get_count(&count) : -1;
-  ::dlclose(hip);
+  const int rc = get_count.ok() ? (*get_count)(&count) : -1;
   if (rc != 0 || count <= 0) {
     return BackendUnavailableError(
         "MoRI-IO needs an AMD GPU and HIP sees none (hipGetDeviceCount "
@@ -321,20 +315,17 @@ Status ProbeGpu() {
         std::to_string(rc) + ", " + std::to_string(count) + " devices)");
   }
   // MoRI's topology scan calls exit() when it cannot load ROCm SMI: refuse before that happens.
-  std::string smi_error;
   std::vector<std::string> candidates;
   if (const char* path = std::getenv("MORI_ROCM_SMI_PATH"); path && *path) {
     candidates.emplace_back(path);
   }
   candidates.insert(candidates.end(),
                     {"librocm_smi64.so.1", "/opt/rocm/lib/librocm_smi64.so.1", "librocm_smi64.so"});
+  std::string smi_error;
   for (const auto& candidate : candidates) {
-    std::string e;
-    if (void* smi = OpenLibrary(candidate.c_str(), &e)) {
-      ::dlclose(smi);
-      return Status::OK();
-    }
-    smi_error += (smi_error.empty() ? "" : "; ") + e;
+    Result<DynamicLibrary> smi = OpenLibrary(candidate);
+    if (smi.ok()) return Status::OK();
+    smi_error += (smi_error.empty() ? "" : "; ") + smi.status().message();
   }
   return BackendUnavailableError(
       "MoRI-IO needs ROCm SMI (librocm_smi64.so.1) and exits the "
@@ -343,21 +334,20 @@ Status ProbeGpu() {
 }
 
 Status ProbeRdma() {
-  std::string error;
-  void* verbs = OpenLibrary("libibverbs.so.1", &error);
-  if (verbs == nullptr) {
-    return BackendUnavailableError("MoRI's RDMA transport needs libibverbs: " + error +
+  Result<DynamicLibrary> verbs = OpenLibrary("libibverbs.so.1");
+  if (!verbs.ok()) {
+    return BackendUnavailableError("MoRI's RDMA transport needs libibverbs: " +
+                                   verbs.status().message() +
                                    " (mori_backend=xgmi moves GPU memory within one node)");
   }
   using GetDeviceList = void** (*)(int*);
   using FreeDeviceList = void (*)(void**);
-  auto get_list = reinterpret_cast<GetDeviceList>(::dlsym(verbs, "ibv_get_device_list"));
-  auto free_list = reinterpret_cast<FreeDeviceList>(::dlsym(verbs, "ibv_free_device_list"));
+  Result<GetDeviceList> get_list = verbs->Symbol<GetDeviceList>("ibv_get_device_list");
+  Result<FreeDeviceList> free_list = verbs->Symbol<FreeDeviceList>("ibv_free_device_list");
   int count = 0;
-  if (get_list && free_list) {
-    if (void** list = get_list(&count)) free_list(list);
+  if (get_list.ok() && free_list.ok()) {
+    if (void** list = (*get_list)(&count)) (*free_list)(list);
   }
-  ::dlclose(verbs);
   if (count <= 0) {
     return BackendUnavailableError(
         "MoRI's RDMA transport needs an RDMA device and libibverbs "
@@ -393,6 +383,7 @@ moriio_native_backend_plugin() {
       .name = "mori",
       .probe = &moriio_native::detail::mori_backend::Probe,
       .create = &moriio_native::detail::mori_backend::Create,
+      .options = moriio_native::detail::mori_backend::kMoriOptionKeys,
   };
   return &plugin;
 }

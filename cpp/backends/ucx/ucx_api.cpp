@@ -1,12 +1,13 @@
 #include "ucx_api.hpp"
 
-#include <dlfcn.h>
 #include <sys/stat.h>
 
 #include <climits>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+
+#include "dynamic_library.hpp"
 
 namespace moriio_native::detail::ucx {
 namespace {
@@ -16,7 +17,7 @@ constexpr const char* kEnvPath = "MORIIO_NATIVE_UCX_LIBRARY_PATH";
 
 struct Loaded {
   std::string requested;  // the path as resolved before dlopen (file, or the soname)
-  void* handle = nullptr;
+  DynamicLibrary library;
   UcxApi api;
 };
 
@@ -30,27 +31,24 @@ std::string RealPath(const std::string& path) {
 }
 
 /// The file a loaded handle came from (dladdr on one of its symbols).
-std::string LoadedFile(void* symbol) {
-  Dl_info info{};
-  if (symbol != nullptr && ::dladdr(symbol, &info) != 0 && info.dli_fname != nullptr) {
-    return RealPath(info.dli_fname);
-  }
-  return "";
+std::string LoadedFile(const void* symbol) {
+  const std::string file = DynamicLibrary::FileOf(symbol);
+  return file.empty() ? file : RealPath(file);
 }
 
 template <typename Fn>
-bool Resolve(void* handle, const char* name, Fn& out, std::string& missing) {
-  void* sym = ::dlsym(handle, name);
-  if (sym == nullptr) {
+bool Resolve(const DynamicLibrary& handle, const char* name, Fn& out, std::string& missing) {
+  Result<Fn> sym = handle.Symbol<Fn>(name);
+  if (!sym.ok()) {
     if (!missing.empty()) missing += ", ";
     missing += name;
     return false;
   }
-  out = reinterpret_cast<Fn>(sym);
+  out = *sym;
   return true;
 }
 
-Status ResolveAll(void* handle, UcxApi& api) {
+Status ResolveAll(const DynamicLibrary& handle, UcxApi& api) {
   std::string missing;
   Resolve(handle, "ucp_get_version", api.get_version, missing);
   Resolve(handle, "ucp_get_version_string", api.get_version_string, missing);
@@ -136,34 +134,28 @@ Result<const UcxApi*> LoadUcx(const std::string& explicit_path) {
                                    "' (from " + origin + ")");
   }
 
-  ::dlerror();
-  void* handle = ::dlopen(file.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (handle == nullptr) {
-    const char* err = ::dlerror();
-    std::string why = err != nullptr ? err : "unknown dlopen error";
+  Result<DynamicLibrary> library = DynamicLibrary::Open(file);
+  if (!library.ok()) {
     std::string hint = is_path ? "" : " (install the libucx-cu13 wheel or a system UCX, or set "
                                       "ucx_library_path / MORIIO_NATIVE_UCX_LIBRARY_PATH)";
-    return BackendUnavailableError("cannot load UCX library '" + file + "' (from " + origin +
-                                   "): " + why + hint);
+    return BackendUnavailableError("UCX library '" + file + "' (from " + origin +
+                                   "): " + library.status().message() + hint);
   }
   auto loaded = std::make_unique<Loaded>();
   loaded->requested = file;
-  loaded->handle = handle;
-  Status st = ResolveAll(handle, loaded->api);
-  if (!st.ok()) {
-    ::dlclose(handle);
-    return st.WithContext("UCX library '" + file + "'");
-  }
+  loaded->library = std::move(*library);
+  // On the error returns below `loaded` unloads the library: nothing has initialised UCX yet.
+  Status st = ResolveAll(loaded->library, loaded->api);
+  if (!st.ok()) return st.WithContext("UCX library '" + file + "'");
   loaded->api.get_version(&loaded->api.major, &loaded->api.minor, &loaded->api.release);
-  loaded->api.library_path = LoadedFile(reinterpret_cast<void*>(loaded->api.get_version));
+  loaded->api.library_path = LoadedFile(reinterpret_cast<const void*>(loaded->api.get_version));
   if (loaded->api.library_path.empty()) loaded->api.library_path = file;
   if (loaded->api.version() < kMinUcxVersion) {
     std::string v = std::to_string(loaded->api.major) + "." + std::to_string(loaded->api.minor);
-    // Unloading is safe here: nothing has initialised UCX yet.
-    ::dlclose(handle);
     return BackendUnavailableError("UCX library '" + file + "' is version " + v +
                                    "; 1.10 or newer is needed");
   }
+  loaded->library.KeepLoaded();  // UCX must never be unloaded once in use
   g_loaded = std::move(loaded);
   return &g_loaded->api;
 }

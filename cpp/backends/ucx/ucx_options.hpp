@@ -32,7 +32,8 @@
 ///   CUDA_IPC_ENABLE_GET_ZCOPY=y and PROTO_EMULATION_ENABLE=n on machines with a CUDA driver
 ///   (reads of GPU memory would otherwise be emulated at < 1 GB/s and hang on a passive peer);
 ///   TLS=^cma when process_vm_readv is refused in this process (seccomp, missing CAP_SYS_PTRACE).
-/// Unknown keys are ignored: the options map is shared with the other backends.
+/// Other keys: CreateBackend refuses unknown ucx_* keys and ignores other backends' keys (see
+/// BackendOptions); ParseUcxOptions itself reads only the keys above.
 
 #include <string>
 #include <utility>
@@ -42,6 +43,12 @@
 #include "moriio_native/status.hpp"
 
 namespace moriio_native::detail::ucx {
+
+/// The keys above, for BackendPlugin::options (nullptr-terminated).
+inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls",
+                                                 "ucx_net_devices",    "progress_mode",
+                                                 "ucx_direct_copy",    "ucx_error_handling",
+                                                 "ucx_config",         nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };

@@ -4,6 +4,7 @@
 
 #include "moriio_native/backend.hpp"
 #include "ucx_backend.hpp"
+#include "ucx_options.hpp"
 
 namespace {
 
@@ -22,6 +23,7 @@ const moriio_native::BackendPlugin kPlugin = [] {
   p.name = "ucx";
   p.probe = &Probe;
   p.create = &Create;
+  p.options = moriio_native::detail::ucx::kUcxOptionKeys;
   return p;
 }();
 
