@@ -114,6 +114,18 @@ def test_config_defaults() -> None:
     )
     assert cfg.proxy_ip is None and cfg.allowed_peers == () and cfg.auth_secret is None
     assert cfg.engine_id == "10.1.2.3:6301"
+    assert cfg.bind_host == "10.1.2.3"  # the listeners bind only the address peers use
+
+
+def test_config_bind_host_may_be_every_interface_or_another_address() -> None:
+    every = ConnectorConfig.from_extra_config(
+        {"host_ip": "10.1.2.3", "bind_host": "*"}, role="kv_producer"
+    )
+    assert every.bind_host == "*" and every.host_ip == "10.1.2.3"
+    local = ConnectorConfig.from_extra_config(
+        {"host_ip": "10.1.2.3", "bind_host": "127.0.0.1"}, role="kv_producer"
+    )
+    assert local.bind_host == "127.0.0.1"
 
 
 def test_config_reads_strings_legacy_keys_and_backend_options(
@@ -166,6 +178,7 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
         ({"abort_timeout": "soon"}, "abort_timeout"),
         ({"proxy_ip": "127.0.0.1"}, "http_port"),
         ({"host_ip": "not a host"}, "host_ip"),
+        ({"bind_host": "not a host"}, "bind_host"),
         ({"allowed_peers": ["10.0.0.0/33x"]}, "allowed_peers"),
         ({"auth_secret": "short"}, "auth_secret"),
         ({"handshake_port": 6301, "notify_port": 6302}, "overlap"),

@@ -110,6 +110,14 @@ def test_read_prefill_then_decode(sides: list[Side], model_dir: str) -> None:
     assert d.free_blocks() == d.initial_free
 
 
+def test_listeners_bind_only_the_instance_address(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    for side in (p, d):
+        worker = side.worker.worker
+        for listener in (worker._server, worker._listener):
+            assert listener._endpoint.startswith("tcp://127.0.0.1:"), listener._endpoint
+
+
 def test_read_prefix_hit_loads_only_missing_blocks(sides: list[Side], model_dir: str) -> None:
     p, d = make_pair(sides, model_dir, "read")
     prompt = prompt_of(70, seed=3)

@@ -14,6 +14,9 @@ key                   default      meaning
 ``handshake_port``    ``6301``     base port of the metadata handshake listeners
 ``notify_port``       ``61005``    base port of the notify listeners
 ``host_ip``           local IP     the address peers and the proxy should use for this instance
+``bind_host``         ``host_ip``  the address the handshake and notify listeners bind: only the
+                                   interface peers use, by default; ``"*"`` binds every
+                                   interface (e.g. behind NAT, where ``host_ip`` is not local)
 ``proxy_ip``          unset        the proxy/router's host; no registration ping when unset
 ``proxy_ping_port``   ``36367``    the proxy's registration port
 ``http_port``         unset        this instance's HTTP port (``vllm serve --port``); required
@@ -92,6 +95,7 @@ _KNOWN_KEYS = frozenset(
         "handshake_port",
         "notify_port",
         "host_ip",
+        "bind_host",
         "proxy_ip",
         "proxy_ping_port",
         "http_port",
@@ -172,6 +176,7 @@ class ConnectorConfig:
     mode: Mode = DEFAULT_MODE
     backend: str = DEFAULT_BACKEND
     host_ip: str = "127.0.0.1"
+    bind_host: str = "127.0.0.1"
     handshake_port: int = DEFAULT_HANDSHAKE_PORT
     notify_port: int = DEFAULT_NOTIFY_PORT
     proxy_ip: str | None = None
@@ -287,6 +292,14 @@ class ConnectorConfig:
         host_ip = (
             validate_host(host, what="kv_connector_extra_config.host_ip") if host else local_ip()
         )
+        bind = get("bind_host")
+        bind_host = (
+            host_ip
+            if bind is None
+            else "*"
+            if bind == "*"
+            else validate_host(bind, what="kv_connector_extra_config.bind_host")
+        )
         proxy = get("proxy_ip")
         abort = get("abort_timeout") if get("abort_timeout") is not None else get("defer_timeout")
         options: dict[str, str] = {}
@@ -323,6 +336,7 @@ class ConnectorConfig:
             mode=mode,  # type: ignore[arg-type]
             backend=str(get("backend") or DEFAULT_BACKEND).strip().lower(),
             host_ip=host_ip,
+            bind_host=bind_host,
             handshake_port=_port(get("handshake_port") or DEFAULT_HANDSHAKE_PORT, "handshake_port"),
             notify_port=_port(get("notify_port") or DEFAULT_NOTIFY_PORT, "notify_port"),
             proxy_ip=validate_host(proxy, what="kv_connector_extra_config.proxy_ip")

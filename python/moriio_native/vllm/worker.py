@@ -333,9 +333,12 @@ class WorkerSide:
             ports.handshake_port(self.dp_rank, self.tp_rank),
             self._handshake_response,
             self._security,
+            bind_host=self.cfg.bind_host,
         )
         self._listener = NotifyListener(
-            ports.notify_port(self.dp_rank, self.tp_rank), self._security
+            ports.notify_port(self.dp_rank, self.tp_rank),
+            self._security,
+            bind_host=self.cfg.bind_host,
         )
         for target, name in (
             (self._notify_loop, "notify"),
