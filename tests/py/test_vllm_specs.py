@@ -134,3 +134,15 @@ def test_read_between_vllm_layouts_with_heads_equal_to_block_moves_each_token(
         expected = d_before[name].clone()
         expected[local] = p_bits[name][remote]  # logical [B, H, N, C] indexing
         assert torch.equal(bits, expected), name
+
+
+def test_a_five_dimensional_cache_gets_no_hint_and_is_refused_when_ambiguous() -> None:
+    # Another vLLM version or backend may hand a 5-D [2, N, B, H, D] (tokens first) cache: the
+    # adapter must not claim heads come first, so equal head and block sizes are refused.
+    specs = cache_specs(_specs(16), tensor_ndims=dict.fromkeys(LAYERS, 5))
+    assert all(s.axis_order == "auto" for s in specs.values())
+    tokens_first = torch.zeros(2, NUM_BLOCKS, 16, 16, 4, dtype=torch.float16)
+    with pytest.raises(mn.MoriioError, match="(?i)ambiguous"):
+        mn.describe_layer(LAYERS[0], tokens_first, specs[LAYERS[0]])
+    # The 4-D view keeps the hint.
+    assert all(s.axis_order == "hnd" for s in cache_specs(_specs(16)).values())

@@ -3,8 +3,9 @@
 vLLM 0.33 hands every attention layer a standardized ``[B, H, N, C]`` view (blocks, head
 slots, stored states, content) of one shared backing. The mapping reads the spec, never the
 shape, so a tensor that does not match its spec is an error that names the layer. Every
-CacheSpec says ``axis_order="hnd"`` (:data:`VLLM_AXIS_ORDER`: the view's shape lists heads
-before tokens for every ``KVCacheLayout``), so equal head and block sizes are never ambiguous:
+CacheSpec of a 4-D view says ``axis_order="hnd"`` (:data:`VLLM_AXIS_ORDER`: the view's shape
+lists heads before tokens for every ``KVCacheLayout``), so equal head and block sizes are never
+ambiguous; other tensors get no hint:
 
 ================================================ ====== =========================================
 vLLM spec                                        kind   fields
@@ -69,9 +70,13 @@ def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
     return out
 
 
-def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
-    """The CacheSpec of one layer. Raises UnsupportedSpecError naming the layer and spec type
-    for specs without a per-layer attention cache."""
+def to_cache_spec(layer_name: str, spec: Any, tensor_ndim: int = 4) -> CacheSpec:
+    """The CacheSpec of one layer whose cache tensor has ``tensor_ndim`` dimensions. Raises
+    UnsupportedSpecError naming the layer and spec type for specs without a per-layer attention
+    cache. Only vLLM 0.33's 4-D logical view is known to list heads before tokens; any other
+    tensor (a 5-D cache of another vLLM version or backend) gets no hint, so a shape whose head
+    count equals its block size is refused as ambiguous instead of read one way."""
+    axis_order = VLLM_AXIS_ORDER if tensor_ndim == 4 else "auto"
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
     if not isinstance(spec, AttentionSpec):
@@ -102,7 +107,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
                 head_size=int(spec.head_size),
                 head_size_v=int(spec.head_size_v),
                 dtype_bytes=dtype_bytes,
-                axis_order=VLLM_AXIS_ORDER,
+                axis_order=axis_order,
             )
         return CacheSpec(
             kind="mla",
@@ -110,7 +115,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
             num_kv_heads=int(spec.num_heads),
             head_size=content // dtype_bytes,
             dtype_bytes=dtype_bytes,
-            axis_order=VLLM_AXIS_ORDER,
+            axis_order=axis_order,
         )
     if isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)) or not spec.head_size_v:
         return CacheSpec(
@@ -119,7 +124,7 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
             num_kv_heads=int(spec.num_heads),
             head_size=int(spec.head_size),
             dtype_bytes=dtype_bytes,
-            axis_order=VLLM_AXIS_ORDER,
+            axis_order=axis_order,
         )
     return CacheSpec(
         kind="kv",
@@ -128,14 +133,17 @@ def to_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
         head_size=int(spec.head_size),
         head_size_v=int(spec.head_size_v),
         dtype_bytes=dtype_bytes,
-        axis_order=VLLM_AXIS_ORDER,
+        axis_order=axis_order,
     )
 
 
 def cache_specs(
-    specs: Mapping[str, Any], layers: Iterable[str] | None = None
+    specs: Mapping[str, Any],
+    layers: Iterable[str] | None = None,
+    tensor_ndims: Mapping[str, int] | None = None,
 ) -> dict[str, CacheSpec]:
-    """:func:`to_cache_spec` for every layer of ``specs`` (or of ``layers``)."""
+    """:func:`to_cache_spec` for every layer of ``specs`` (or of ``layers``), with each layer's
+    tensor rank from ``tensor_ndims`` (default 4, vLLM 0.33's view)."""
     names = list(specs) if layers is None else list(layers)
     missing = [n for n in names if n not in specs]
     if missing:
@@ -143,7 +151,8 @@ def cache_specs(
             f"no KV-cache spec for layer(s) {', '.join(missing[:4])}: the KV cache config and the "
             "registered caches disagree"
         )
-    return {name: to_cache_spec(name, specs[name]) for name in names}
+    ndims = tensor_ndims or {}
+    return {name: to_cache_spec(name, specs[name], ndims.get(name, 4)) for name in names}
 
 
 def first_split_across_tp(specs: Mapping[str, Any]) -> str | None:

@@ -301,7 +301,7 @@ class WorkerSide:
             raise InvalidArgumentError(
                 "register_kv_caches: no layer belongs to a KV-transfer group"
             )
-        specs = cache_specs(self._specs, names)
+        specs = cache_specs(self._specs, names, {name: kv_caches[name].dim() for name in names})
         regs = []
         for name in names:
             tensor = kv_caches[name]
