@@ -142,7 +142,7 @@ def test_a_five_dimensional_cache_gets_no_hint_and_is_refused_when_ambiguous() -
     specs = cache_specs(_specs(16), tensor_ndims=dict.fromkeys(LAYERS, 5))
     assert all(s.axis_order == "auto" for s in specs.values())
     tokens_first = torch.zeros(2, NUM_BLOCKS, 16, 16, 4, dtype=torch.float16)
-    with pytest.raises(mn.MoriioError, match="(?i)ambiguous"):
+    with pytest.raises(mn.MoriioError, match=r"(?i)ambiguous"):
         mn.describe_layer(LAYERS[0], tokens_first, specs[LAYERS[0]])
     # The 4-D view keeps the hint.
     assert all(s.axis_order == "hnd" for s in cache_specs(_specs(16)).values())
