@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,7 +49,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from net_support import free_port
+from net_support import free_port, free_ports
 
 WAIT = 5.0  # upper bound for anything that should arrive; never reached when things work
 SECRET = "test-secret-0123456789"
@@ -540,29 +539,12 @@ def test_proxy_pinger_checks_allowlist_and_arguments():
 
 
 def free_bases(count, n):
-    """``count`` distinct base ports, each followed by n-1 more free ports (all held open while
-    choosing, so the blocks cannot overlap)."""
-    held, bases = [], []
-    try:
-        while len(bases) < count:
-            probe = socket.socket()
-            probe.bind((LOCAL, 0))
-            base = probe.getsockname()[1]
-            held.append(probe)
-            block = []
-            try:
-                for p in range(base + 1, base + n):
-                    s = socket.socket()
-                    block.append(s)
-                    s.bind((LOCAL, p))
-            except OSError:
-                continue
-            finally:
-                held.extend(block)
+    """``count`` base ports, each followed by n-1 more free ports, the blocks not overlapping."""
+    bases = []
+    while len(bases) < count:
+        base = free_ports(n, LOCAL)
+        if all(abs(base - other) >= n for other in bases):
             bases.append(base)
-    finally:
-        for s in held:
-            s.close()
     return bases
 
 
