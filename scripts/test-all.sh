@@ -81,8 +81,10 @@ step "end-to-end tier: vllm serve prefill + decode, proxy and vllm-router (own v
 E2E_VENV=${E2E_VENV:-$ROOT/.deps/e2e-venv}
 E2E_START=$(date +%s)
 bash tests/e2e/make_venv.sh "$E2E_VENV"
+# The rebuilt wheel replaces any earlier one of the same version; the second call then adds the
+# package's own dependencies the CPU vLLM does not bring (msgpack).
 "$E2E_VENV/bin/pip" install -q --force-reinstall --no-deps "$WHEEL"
-"$E2E_VENV/bin/pip" install -q libucx-cu13==1.22.0 "pytest>=8" vllm-router==0.1.17
+"$E2E_VENV/bin/pip" install -q "$WHEEL" libucx-cu13==1.22.0 "pytest>=8" vllm-router==0.1.17
 # A hard bound on top of the tier's own deadlines; on SIGTERM it kills the servers it started.
 timeout -k 60 1800 \
   "$E2E_VENV/bin/python" -m pytest tests/e2e -q -p no:cacheprovider -o addopts="" -o testpaths=tests/e2e

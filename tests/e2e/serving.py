@@ -50,6 +50,9 @@ CPU_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # UCX's network transports on the loopback device only: nothing the tier starts listens
+    # beyond 127.0.0.1 (same-host shared memory and CMA are not network devices).
+    "UCX_NET_DEVICES": "lo",
 }
 SERVE_ARGS = [
     "--host",
