@@ -22,7 +22,7 @@ cuda_variant() {  # name, source, extra nvcc flags...
   shift 2
   mkdir -p "$variants/$name"
   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -shared -Xcompiler -fPIC \
-    -Icpp/backends/cuda -cudart static -Xptxas -v "$@" \
+    -Icpp/cudacopy -cudart static -Xptxas -v "$@" \
     -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 | grep -E "registers|spill"
 }
 case $step in
@@ -38,7 +38,7 @@ build)
   cuda_variant old .variants/old_cudacopy.cu &
   for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64"; do
     set -- $spec
-    cuda_variant "$1" cpp/backends/cuda/cudacopy.cu "$2" &
+    cuda_variant "$1" cpp/cudacopy/cudacopy.cu "$2" &
   done
   wait
   python3 -c "import moriio_native as m; print(m.available_backends())"

@@ -1,6 +1,6 @@
 """ctypes binding of the CUDA gather/scatter plugin (``libmoriio_native_cudacopy.so``).
 
-The plugin's C ABI is ``cpp/backends/cuda/cudacopy_abi.h``; the UCX backend is its real user.
+The plugin's C ABI is ``cpp/cudacopy/cudacopy_abi.h``; the UCX backend is its real user.
 This binding exists so that the kernel alone can be benchmarked (``bench/cudacopy_bench.py``)
 and checked byte for byte on a GPU (``tests/py/test_cudacopy.py``) without UCX or the engine.
 """
