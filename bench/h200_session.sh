@@ -7,9 +7,11 @@
 #   bash bench/h200_session.sh kernel     # cudacopy_bench for every variant, kernel pytest
 #   bash bench/h200_session.sh e2e        # GPU pytest, compute-sanitizer, gpu_bench presets
 #   bash bench/h200_session.sh overlap    # per-layer WRITE overlapped with a synthetic forward
+#   bash bench/h200_session.sh cells      # one call: build without UCX, kernel pytest, the
+#                                         # transposing cell copy and cudacopy_bench
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?build, kernel or e2e}
+step=${1:?build, kernel, e2e, overlap or cells}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -93,5 +95,29 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
     echo "== variant $v, 1 GiB runs"
     timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 1073741824
   done
+  ;;
+cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
+    -DMORIIO_NATIVE_WITH_CUDA=ON -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+    >/tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
+  cmake --build $build -j16 --target stage_python moriio_native_cudacopy >/tmp/build.log 2>&1 ||
+    { tail -40 /tmp/build.log; exit 1; }
+  cuda_variant cell2 cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_CELL_CTAS=2 &
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py 2>&1 | tee "$out/pytest.log" | tail -5
+  timeout 120 python3 bench/cellcopy_bench.py --plugin "$plugin" --json "$out/cellcopy.json" 2>&1 |
+    tee "$out/cellcopy.log"
+  wait
+  echo "== cell copy, 2 CTAs per SM"
+  timeout 60 python3 bench/cellcopy_bench.py --plugin "$variants/cell2/libmoriio_native_cudacopy.so" \
+    --runs-gib 0 --json "$out/cellcopy2.json" 2>&1 | tee -a "$out/cellcopy.log"
+  timeout 150 python3 bench/cudacopy_bench.py --plugin "$plugin" --repeats 3 \
+    --json "$out/cudacopy.json" 2>&1 |
+    tee "$out/cudacopy.log"
+  timeout 60 compute-sanitizer --tool memcheck python3 bench/cellcopy_bench.py --plugin "$plugin" \
+    --gib 0.01 --runs-gib 0 --repeats 1 --heads 32 2>&1 | grep -E "ERROR SUMMARY|blocks|rror" | head
   ;;
 esac

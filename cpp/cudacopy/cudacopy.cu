@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <vector>
 
@@ -147,9 +148,10 @@ struct ChunkCopy {
   std::uint64_t len;
 };
 
-/// table: dst offset[n], src offset[n], size[n] (absent when every run has the size `uniform`),
-/// then chunk[chunks] (see kChunkBits) unless chunks == n (every run is one chunk: chunk c is
-/// run c).
+/// table: the offset columns, dst[n] then src[n] (int64 bytes, or, when `compact`, uint32 in
+/// 16-byte units: half the bytes the host writes into the mapped table), size[n] (int64; absent
+/// when every run has the size `uniform`), then chunk[chunks] (see kChunkBits) unless
+/// chunks == n (every run is one chunk: chunk c is run c).
 struct RunTable {
   std::uint64_t dst_base;
   std::uint64_t src_base;
@@ -157,19 +159,29 @@ struct RunTable {
   std::uint64_t n;
   std::uint64_t chunks;
   std::uint64_t uniform;  // the size of every run, or 0: sizes in the table
+  bool compact;
 
   __device__ ChunkCopy Chunk(std::uint64_t c) const {
-    const std::int64_t* dst = table;
-    const std::int64_t* src = table + n;
-    const std::int64_t* size = table + 2 * n;
-    const auto* chunk = reinterpret_cast<const std::uint64_t*>(table + (uniform ? 2 : 3) * n);
+    const std::uint64_t offset_words = compact ? n : 2 * n;
+    const std::int64_t* size = table + offset_words;
+    const auto* chunk =
+        reinterpret_cast<const std::uint64_t*>(table + offset_words + (uniform ? 0 : n));
     const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
     const std::uint64_t r = entry >> kChunkBits;
     const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
     const std::uint64_t len = uniform ? uniform : static_cast<std::uint64_t>(size[r]);
-    return {reinterpret_cast<unsigned char*>(dst_base + dst[r] + off),
-            reinterpret_cast<const unsigned char*>(src_base + src[r] + off),
-            Min(kChunk, len - off)};
+    std::uint64_t dst = 0;
+    std::uint64_t src = 0;
+    if (compact) {
+      const auto* units = reinterpret_cast<const std::uint32_t*>(table);
+      dst = std::uint64_t{units[r]} * 16;
+      src = std::uint64_t{units[n + r]} * 16;
+    } else {
+      dst = static_cast<std::uint64_t>(table[r]);
+      src = static_cast<std::uint64_t>(table[n + r]);
+    }
+    return {reinterpret_cast<unsigned char*>(dst_base + dst + off),
+            reinterpret_cast<const unsigned char*>(src_base + src + off), Min(kChunk, len - off)};
   }
 };
 
@@ -198,6 +210,166 @@ __global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
   }
 }
 
+// ---- The transposing cell copy (submit_cells) -------------------------------------------------
+//
+// Why: a layer pair whose axes are ordered differently (prefill [2,N,B,H,D] NHD, decode
+// [N,2,H,B,D] HND) has one run per (plane, head, token) cell, 256 bytes for llama3-8b: 16.8 M
+// runs for a 2,048-block request, which moved at 0.016x of a device copy as runs. Here a CTA
+// takes a tile of a block's cells (a range of heads x a range of tokens of one plane): it reads
+// the tile in the source's memory order into shared memory, then writes it in the destination's
+// memory order, so consecutive lanes touch consecutive bytes on both sides whatever the cell
+// size. The host passes one pair of block offsets per block, not one entry per cell.
+
+constexpr int kCellThreads = 256;
+constexpr unsigned kTileBytes = 32 * 1024;  // shared memory per CTA: 7 CTAs per H200 SM
+constexpr int kCellUnroll = 8;              // vectors per thread in flight per phase
+// Resident CTAs per SM the register budget is cut for: while one waits at its barrier between
+// reading and writing its tile, the others keep loads in flight. 3 caps registers at 80 (a few
+// bytes spill), 2 leaves 94 (none); bench/h200_session.sh measures both.
+#ifndef MORIIO_CUDACOPY_CELL_CTAS
+#define MORIIO_CUDACOPY_CELL_CTAS 3
+#endif
+constexpr int kCellCtasPerSm = MORIIO_CUDACOPY_CELL_CTAS;
+
+/// One side of a tile walk: strides in bytes; heads_outer when a head step is the longer one
+/// (HND), so the walk goes along tokens innermost.
+struct CellSide {
+  std::int64_t plane;
+  std::int64_t head;
+  std::int64_t token;
+  bool heads_outer;
+};
+
+struct CellGrid {
+  std::uint64_t dst_base;
+  std::uint64_t src_base;
+  const std::int64_t* table;  // dst block offset[n], src block offset[n]
+  std::uint64_t n;
+  unsigned planes, heads, tokens;
+  unsigned vpc;                      // vectors of V per cell
+  unsigned tile_heads, tile_tokens;  // the largest tile (edges are smaller)
+  unsigned head_tiles, token_tiles;
+  CellSide dst, src;
+};
+
+/// Cell `cell` of a th x tt tile in `side`'s memory order -> its (head, token) in the tile.
+__device__ __forceinline__ void CellAt(const CellSide& side, unsigned cell, unsigned th,
+                                       unsigned tt, unsigned* h, unsigned* t) {
+  if (side.heads_outer) {
+    *h = cell / tt;
+    *t = cell - *h * tt;
+  } else {
+    *t = cell / th;
+    *h = cell - *t * th;
+  }
+}
+
+/// Where vector `v` of a th x tt tile, walked in `side`'s memory order, lies: its index in the
+/// shared tile (held [head][token][vector]) and its global address.
+template <typename V>
+__device__ __forceinline__ unsigned TileVector(unsigned v, unsigned char* global,
+                                               const CellSide& side, unsigned th, unsigned tt,
+                                               unsigned vpc, V** at) {
+  const unsigned cell = v / vpc;
+  const unsigned within = v - cell * vpc;
+  unsigned h = 0;
+  unsigned t = 0;
+  CellAt(side, cell, th, tt, &h, &t);
+  *at = reinterpret_cast<V*>(global + h * side.head + t * side.token) + within;
+  return (h * tt + t) * vpc + within;
+}
+
+/// Reads the tile's `vectors` vectors from global memory in the source's order into shared
+/// memory. Every load of a step is issued before the first store: one memory round trip per
+/// kCellUnroll vectors per thread.
+template <typename V>
+__device__ __forceinline__ void LoadTile(V* tile, unsigned char* src, const CellSide& side,
+                                         unsigned th, unsigned tt, unsigned vpc,
+                                         unsigned vectors) {
+  constexpr unsigned kStep = kCellThreads * kCellUnroll;
+#pragma unroll 1
+  for (unsigned base = threadIdx.x; base < vectors; base += kStep) {
+    V r[kCellUnroll];
+    unsigned slot[kCellUnroll];
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      const unsigned v = base + k * kCellThreads;
+      if (v >= vectors) continue;
+      V* g = nullptr;
+      slot[k] = TileVector<V>(v, src, side, th, tt, vpc, &g);
+      r[k] = *g;
+    }
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      if (base + k * kCellThreads < vectors) tile[slot[k]] = r[k];
+    }
+  }
+}
+
+/// Writes the tile from shared memory to global memory in the destination's order.
+template <typename V>
+__device__ __forceinline__ void StoreTile(const V* tile, unsigned char* dst,
+                                          const CellSide& side, unsigned th, unsigned tt,
+                                          unsigned vpc, unsigned vectors) {
+  constexpr unsigned kStep = kCellThreads * kCellUnroll;
+#pragma unroll 1
+  for (unsigned base = threadIdx.x; base < vectors; base += kStep) {
+    V r[kCellUnroll];
+    V* g[kCellUnroll];
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      const unsigned v = base + k * kCellThreads;
+      if (v < vectors) r[k] = tile[TileVector<V>(v, dst, side, th, tt, vpc, &g[k])];
+    }
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      if (base + k * kCellThreads < vectors) *g[k] = r[k];
+    }
+  }
+}
+
+/// Persistent CTAs walk the work items (block, plane, head tile, token tile); consecutive items
+/// are tiles of one block, so neighbouring CTAs read and write neighbouring memory.
+template <typename V>
+__global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(CellGrid g) {
+  extern __shared__ uint4 shared_tile[];
+  V* tile = reinterpret_cast<V*>(shared_tile);
+  const std::uint64_t per_block = std::uint64_t{g.planes} * g.head_tiles * g.token_tiles;
+  const std::uint64_t items = g.n * per_block;
+  // The table lives in mapped host memory, a PCIe round trip (~1-2 us) away: the next item's
+  // entry is loaded while this one's tile moves, so the wait for it overlaps the copy.
+  auto entry = [&](std::uint64_t item, std::int64_t* dst, std::int64_t* src) {
+    const std::uint64_t block = item < items ? item / per_block : 0;
+    *dst = g.table[block];
+    *src = g.table[g.n + block];
+  };
+  std::int64_t next_dst = 0;
+  std::int64_t next_src = 0;
+  if (blockIdx.x < items) entry(blockIdx.x, &next_dst, &next_src);
+  for (std::uint64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const std::int64_t dst_block = next_dst;
+    const std::int64_t src_block = next_src;
+    if (item + gridDim.x < items) entry(item + gridDim.x, &next_dst, &next_src);
+    const std::uint64_t block = item / per_block;
+    auto rest = static_cast<unsigned>(item - block * per_block);
+    const unsigned plane = rest / (g.head_tiles * g.token_tiles);
+    rest -= plane * g.head_tiles * g.token_tiles;
+    const unsigned h0 = rest / g.token_tiles * g.tile_heads;
+    const unsigned t0 = rest % g.token_tiles * g.tile_tokens;
+    const unsigned th = min(g.tile_heads, g.heads - h0);
+    const unsigned tt = min(g.tile_tokens, g.tokens - t0);
+    const unsigned vectors = th * tt * g.vpc;
+    auto* src = reinterpret_cast<unsigned char*>(g.src_base + src_block + plane * g.src.plane +
+                                                 h0 * g.src.head + t0 * g.src.token);
+    auto* dst = reinterpret_cast<unsigned char*>(g.dst_base + dst_block + plane * g.dst.plane +
+                                                 h0 * g.dst.head + t0 * g.dst.token);
+    LoadTile<V>(tile, src, g.src, th, tt, g.vpc, vectors);
+    __syncthreads();
+    StoreTile<V>(tile, dst, g.dst, th, tt, g.vpc, vectors);
+    __syncthreads();  // the next item overwrites the tile
+  }
+}
+
 /// A run table in mapped pinned host memory: the host writes it, the kernel reads it in place
 /// (`device` is the same memory as the GPU addresses it). Measured on an H200 VM: a separate
 /// host-to-device copy of the table now and then stalled a batch by ~1 ms, and it cost an
@@ -219,6 +391,7 @@ struct Op {
 struct Queue {
   int device = 0;
   int max_ctas = 0;  // resident CTAs of GatherScatter
+  int max_cell_ctas = 0;  // resident CTAs of CellCopyKernel (the same for every vector type)
   cudaStream_t streams[kStreams] = {};
   int next_stream = 0;
   std::vector<Slot> free_slots;  // reused: pinned allocations cost milliseconds
@@ -255,17 +428,23 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
     SetError(err, err_len, "cudaDeviceGetAttribute", e);
     return -1;
   }
-  auto* q = new (std::nothrow) Queue;
+  std::unique_ptr<Queue> q(new (std::nothrow) Queue);
   if (q == nullptr) return -1;
   q->device = device;
   // As many CTAs as can be resident at once (a persistent grid): more only adds tail effects.
   int per_sm = 0;
+  int cell_per_sm = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cell_per_sm, CellCopyKernel<uint4>,
+                                                      kCellThreads, kTileBytes);
+  }
   if (e != cudaSuccess) {
     SetError(err, err_len, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
     return -1;
   }
   q->max_ctas = sms * std::max(per_sm, 1);
+  q->max_cell_ctas = sms * std::max(cell_per_sm, 1);
   for (cudaStream_t& stream : q->streams) {
     e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -273,11 +452,10 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
       for (cudaStream_t created : q->streams) {
         if (created != nullptr) cudaStreamDestroy(created);
       }
-      delete q;
       return -1;
     }
   }
-  *out = q;
+  *out = q.release();
   return 0;
 }
 
@@ -324,62 +502,19 @@ bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len)
   return true;
 }
 
-int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
-           const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
-           const std::int64_t* sizes, std::uint64_t count, std::uint64_t wait_event, void** out,
-           char* err, size_t err_len) {
-  auto* q = static_cast<Queue*>(queue);
-  cudaError_t e = cudaSetDevice(q->device);
-  if (e != cudaSuccess) {
-    SetError(err, err_len, "cudaSetDevice", e);
-    return -1;
-  }
-  std::uint64_t chunks = 0;
-  bool all_same = true;
-  for (std::uint64_t i = 0; i < count; ++i) {
-    if (sizes[i] <= 0) {
-      if (err != nullptr && err_len != 0) {
-        std::snprintf(err, err_len, "run %llu has size %lld; sizes must be positive",
-                      static_cast<unsigned long long>(i), static_cast<long long>(sizes[i]));
-      }
-      return -1;
-    }
-    chunks += (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
-    all_same &= sizes[i] == sizes[0];
-  }
-  // Every run has at least one chunk, so equal counts mean exactly one each.
-  const bool one_chunk_per_run = chunks == count;
-  // A layer's runs usually share one size (a block's bytes): then no size column. The table
-  // copy is most of submit's host time (~5 ns per run on the H200 VM), which bounds 4 KiB runs.
-  const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(sizes[0]) : 0;
-  const std::size_t columns = uniform != 0 ? 2 : 3;
-  const std::size_t words = columns * count + (one_chunk_per_run ? 0 : chunks);
-  Slot slot;
-  if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
-  std::int64_t* t = slot.host;
-  std::memcpy(t, dst_offsets, count * 8);
-  std::memcpy(t + count, src_offsets, count * 8);
-  if (uniform == 0) std::memcpy(t + 2 * count, sizes, count * 8);
-  if (!one_chunk_per_run) {
-    std::int64_t* chunk = t + columns * count;
-    for (std::uint64_t i = 0; i < count; ++i) {
-      const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
-      if (run_chunks >> kChunkBits) {
-        q->free_slots.push_back(slot);
-        if (err != nullptr && err_len != 0) {
-          std::snprintf(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
-                        static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
-                        static_cast<unsigned long long>(kChunk << kChunkBits));
-        }
-        return -1;
-      }
-      for (std::uint64_t j = 0; j < run_chunks; ++j) {
-        *chunk++ = static_cast<std::int64_t>((i << kChunkBits) | j);
-      }
-    }
-  }
+template <typename... Args>
+void SetMessage(char* err, size_t err_len, const char* format, Args... args) {
+  if (err != nullptr && err_len != 0) std::snprintf(err, err_len, format, args...);
+}
 
+/// Enqueues `launch(stream)` behind `wait_event` on the queue's next stream with an event after
+/// it, and hands out the op that owns `slot` (the launched kernel's table). On failure the slot
+/// goes back to the queue once no kernel can read it.
+template <typename Launch>
+int Enqueue(Queue* q, const Slot& slot, std::uint64_t wait_event, Launch launch, void** out,
+            char* err, size_t err_len) {
   cudaEvent_t ev = nullptr;
+  cudaError_t e = cudaSuccess;
   if (!q->free_events.empty()) {
     ev = q->free_events.back();
     q->free_events.pop_back();
@@ -396,20 +531,14 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   // The copy of a layer waits on the device for the compute that produces it (per-layer WRITE
   // overlapped with the forward pass); the op's event then covers both.
   if (wait_event != 0) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(wait_event), 0);
-  if (e == cudaSuccess && chunks > 0) {
-    const auto grid = static_cast<unsigned>(
-        std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
-    GatherScatter<<<grid, kThreads, 0, stream>>>(
-        RunTable{dst_base, src_base, slot.device, count, chunks, uniform});
-    e = cudaGetLastError();
-  }
+  if (e == cudaSuccess) e = launch(stream);
   if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
   if (e != cudaSuccess) {
     // The kernel may still read the table: wait before the slot can be reused.
     cudaStreamSynchronize(stream);
     q->free_slots.push_back(slot);
     q->free_events.push_back(ev);
-    SetError(err, err_len, "launching the gather/scatter kernel", e);
+    SetError(err, err_len, "launching the copy kernel", e);
     return -1;
   }
   auto* op = new (std::nothrow) Op{q, slot, ev};
@@ -421,6 +550,167 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   }
   *out = op;
   return 0;
+}
+
+int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+           const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
+           const std::int64_t* sizes, std::uint64_t count, std::uint64_t wait_event, void** out,
+           char* err, size_t err_len) {
+  auto* q = static_cast<Queue*>(queue);
+  cudaError_t e = cudaSetDevice(q->device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  // One pass over the caller's arrays (ordinary memory, fast) decides the table's form; the
+  // table is then written once. Writing into the mapped pinned table is the slow part of a
+  // submit (~4.8 GB/s on the H200 VM, docs/benchmarks.md), so it is kept as small as the runs
+  // allow: no size column when all sizes are equal, 32-bit offsets in 16-byte units when every
+  // offset is such a multiple below 64 GiB (KV runs always are).
+  std::uint64_t chunks = 0;
+  std::uint64_t any_bits = 0;  // OR of every offset: alignment and range in one test
+  bool all_same = true;
+  const std::int64_t first_size = count != 0 ? sizes[0] : 0;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::int64_t size = sizes[i];
+    if (size <= 0) {
+      SetMessage(err, err_len, "run %llu has size %lld; sizes must be positive",
+                 static_cast<unsigned long long>(i), static_cast<long long>(size));
+      return -1;
+    }
+    chunks += (static_cast<std::uint64_t>(size) + kChunk - 1) / kChunk;
+    all_same &= size == first_size;
+    any_bits |= static_cast<std::uint64_t>(dst_offsets[i]) | static_cast<std::uint64_t>(src_offsets[i]);
+  }
+  // Every run has at least one chunk, so equal counts mean exactly one each.
+  const bool one_chunk_per_run = chunks == count;
+  const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(first_size) : 0;
+  const bool compact = (any_bits & 15) == 0 && (any_bits >> 36) == 0;
+  const std::size_t offset_words = compact ? count : 2 * count;
+  const std::size_t size_words = uniform != 0 ? 0 : count;
+  const std::size_t words = offset_words + size_words + (one_chunk_per_run ? 0 : chunks);
+  Slot slot;
+  if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
+  std::int64_t* t = slot.host;
+  if (compact) {
+    auto* units = reinterpret_cast<std::uint32_t*>(t);
+    for (std::uint64_t i = 0; i < count; ++i) {
+      units[i] = static_cast<std::uint32_t>(dst_offsets[i] >> 4);
+      units[count + i] = static_cast<std::uint32_t>(src_offsets[i] >> 4);
+    }
+  } else {
+    std::memcpy(t, dst_offsets, count * 8);
+    std::memcpy(t + count, src_offsets, count * 8);
+  }
+  if (size_words != 0) std::memcpy(t + offset_words, sizes, count * 8);
+  if (!one_chunk_per_run) {
+    std::int64_t* chunk = t + offset_words + size_words;
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+      if (run_chunks >> kChunkBits) {
+        q->free_slots.push_back(slot);
+        SetMessage(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
+                   static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
+                   static_cast<unsigned long long>(kChunk << kChunkBits));
+        return -1;
+      }
+      for (std::uint64_t j = 0; j < run_chunks; ++j) {
+        *chunk++ = static_cast<std::int64_t>((i << kChunkBits) | j);
+      }
+    }
+  }
+  const RunTable table{dst_base, src_base, slot.device, count, chunks, uniform, compact};
+  const auto grid = static_cast<unsigned>(
+      std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
+  return Enqueue(
+      q, slot, wait_event,
+      [&](cudaStream_t stream) {
+        if (chunks == 0) return cudaSuccess;
+        GatherScatter<<<grid, kThreads, 0, stream>>>(table);
+        return cudaGetLastError();
+      },
+      out, err, err_len);
+}
+
+/// The cell kernel for the widest vector type every address and size of the copy is a multiple
+/// of (16 bytes for KV caches; narrower types keep odd geometries correct).
+template <typename V>
+cudaError_t LaunchCells(CellGrid g, unsigned grid, cudaStream_t stream) {
+  g.vpc /= sizeof(V);
+  CellCopyKernel<V><<<grid, kCellThreads, kTileBytes, stream>>>(g);
+  return cudaGetLastError();
+}
+
+int SubmitCells(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+                const moriio_cudacopy_cells* cells, const std::int64_t* dst_blocks,
+                const std::int64_t* src_blocks, std::uint64_t count, std::uint64_t wait_event,
+                void** out, char* err, size_t err_len) {
+  auto* q = static_cast<Queue*>(queue);
+  if (cells == nullptr) {
+    SetMessage(err, err_len, "no cell geometry");
+    return -1;
+  }
+  const moriio_cudacopy_cells& c = *cells;
+  if (c.planes < 1 || c.planes > 2 || c.heads < 1 || c.tokens < 1 || c.cell_bytes < 1 ||
+      c.cell_bytes > kTileBytes / 2) {
+    SetMessage(err, err_len,
+               "cell geometry out of range: planes %u (1 or 2), heads %u, tokens %u (>= 1), "
+               "cell_bytes %u (1..%u)",
+               c.planes, c.heads, c.tokens, c.cell_bytes, kTileBytes / 2);
+    return -1;
+  }
+  cudaError_t e = cudaSetDevice(q->device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  // The tile: whole token rows when they fit (HND's inner axis), as many heads as fit beside
+  // them (NHD's inner axis); both sides then walk long contiguous stretches.
+  const unsigned per_tile = kTileBytes / c.cell_bytes;
+  const unsigned tile_tokens = std::min(c.tokens, per_tile);
+  const unsigned tile_heads = std::min(c.heads, per_tile / tile_tokens);
+  std::uint64_t bits = c.cell_bytes | dst_base | src_base;
+  for (std::int64_t v : {c.dst_plane_stride, c.dst_head_stride, c.dst_token_stride,
+                         c.src_plane_stride, c.src_head_stride, c.src_token_stride}) {
+    bits |= static_cast<std::uint64_t>(v);
+  }
+  for (std::uint64_t i = 0; i < count; ++i) {
+    bits |= static_cast<std::uint64_t>(dst_blocks[i]) | static_cast<std::uint64_t>(src_blocks[i]);
+  }
+  Slot slot;
+  if (!TakeSlot(q, 2 * count, &slot, err, err_len)) return -1;
+  std::memcpy(slot.host, dst_blocks, count * 8);
+  std::memcpy(slot.host + count, src_blocks, count * 8);
+  auto side = [](std::int64_t plane, std::int64_t head, std::int64_t token) {
+    return CellSide{plane, head, token, head > token};
+  };
+  const CellGrid g{dst_base,
+                   src_base,
+                   slot.device,
+                   count,
+                   c.planes,
+                   c.heads,
+                   c.tokens,
+                   c.cell_bytes,
+                   tile_heads,
+                   tile_tokens,
+                   (c.heads + tile_heads - 1) / tile_heads,
+                   (c.tokens + tile_tokens - 1) / tile_tokens,
+                   side(c.dst_plane_stride, c.dst_head_stride, c.dst_token_stride),
+                   side(c.src_plane_stride, c.src_head_stride, c.src_token_stride)};
+  const std::uint64_t items = count * c.planes * g.head_tiles * g.token_tiles;
+  const auto grid = static_cast<unsigned>(
+      std::min<std::uint64_t>(items, static_cast<std::uint64_t>(q->max_cell_ctas)));
+  return Enqueue(
+      q, slot, wait_event,
+      [&](cudaStream_t stream) {
+        if (items == 0) return cudaSuccess;
+        if ((bits & 15) == 0) return LaunchCells<uint4>(g, grid, stream);
+        if ((bits & 7) == 0) return LaunchCells<uint2>(g, grid, stream);
+        if ((bits & 3) == 0) return LaunchCells<unsigned>(g, grid, stream);
+        return LaunchCells<unsigned char>(g, grid, stream);
+      },
+      out, err, err_len);
 }
 
 int PollOp(void* op_ptr, char* err, size_t err_len) {
@@ -443,7 +733,8 @@ void ReleaseOp(void* op_ptr) {
 }
 
 const moriio_cudacopy_api kApi = {
-    MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit, &PollOp, &ReleaseOp,
+    MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit,
+    &PollOp,                     &ReleaseOp, &SubmitCells,
 };
 
 }  // namespace
