@@ -92,9 +92,7 @@ def measure(queue: Queue, path: str, gib: float, args: argparse.Namespace) -> Ro
             )
             work.append(tmpl.block_offsets(pairs))
         copies = blocks
-
-        def run() -> None:
-            queue.copy_cells(dst, src, cells, work)
+        run = queue.prepare_cells(dst, src, cells, work)
     else:
         plan = tmpl.plan(mn.BlockPairs(local_ids.tolist(), remote_ids.tolist()))
         lo, ro, sz = plan.local_offsets, plan.remote_offsets, plan.sizes
@@ -102,9 +100,7 @@ def measure(queue: Queue, path: str, gib: float, args: argparse.Namespace) -> Ro
             (lo[i : i + 8192], ro[i : i + 8192], sz[i : i + 8192]) for i in range(0, len(sz), 8192)
         ]
         copies = len(sz)
-
-        def run() -> None:
-            queue.gather(dst, src, work)
+        run = queue.prepare_gather(dst, src, work)
 
     samples = []
     for rep in range(args.repeats + 1):  # the first one warms up

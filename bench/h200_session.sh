@@ -9,6 +9,8 @@
 #   bash bench/h200_session.sh overlap    # per-layer WRITE overlapped with a synthetic forward
 #   bash bench/h200_session.sh cells      # one call: build without UCX, kernel pytest, the
 #                                         # transposing cell copy and cudacopy_bench
+#   bash bench/h200_session.sh cell-variants  # cell kernel variants (-D values), and the run
+#                                         # kernel's submit before (.variants/unfused_cudacopy.cu)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -26,6 +28,15 @@ cuda_variant() {  # name, source, extra nvcc flags...
   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -shared -Xcompiler -fPIC \
     -Icpp/cudacopy -cudart static -Xptxas -v "$@" \
     -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 | grep -E "registers|spill"
+}
+build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough for the kernels
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
+    -DMORIIO_NATIVE_WITH_CUDA=ON -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+    >/tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
+  cmake --build $build -j16 --target stage_python moriio_native_cudacopy >/tmp/build.log 2>&1 ||
+    { tail -40 /tmp/build.log; exit 1; }
 }
 case $step in
 build)
@@ -97,13 +108,7 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
   done
   ;;
 cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
-  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
-  cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
-    -DMORIIO_NATIVE_WITH_CUDA=ON -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
-    >/tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
-  cmake --build $build -j16 --target stage_python moriio_native_cudacopy >/tmp/build.log 2>&1 ||
-    { tail -40 /tmp/build.log; exit 1; }
+  build_without_ucx
   cuda_variant cell2 cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_CELL_CTAS=2 &
   plugin=$build/lib/libmoriio_native_cudacopy.so
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
@@ -119,5 +124,40 @@ cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
     tee "$out/cudacopy.log"
   timeout 60 compute-sanitizer --tool memcheck python3 bench/cellcopy_bench.py --plugin "$plugin" \
     --gib 0.01 --runs-gib 0 --repeats 1 --heads 32 2>&1 | grep -E "ERROR SUMMARY|blocks|rror" | head
+  ;;
+cell-variants)  # kernel variants against this tree's: cell copy, and the run kernel's submit
+  build_without_ucx
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  k=MORIIO_CUDACOPY_CELL
+  specs=("s-c4u4t32 -D${k}_CTAS=4 -D${k}_UNROLL=4" "s-c3u4t32 -D${k}_CTAS=3 -D${k}_UNROLL=4"
+    "s-c4u4t16 -D${k}_CTAS=4 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
+    "p-c2u4t32 -D${k}_PIPELINE=1 -D${k}_UNROLL=4"
+    "p-c2u4t16 -D${k}_PIPELINE=1 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
+    "p-c3u4t16 -D${k}_PIPELINE=1 -D${k}_CTAS=3 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
+    "p-c4u4t16 -D${k}_PIPELINE=1 -D${k}_CTAS=4 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16")
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    name=$1
+    shift
+    cuda_variant "$name" cpp/cudacopy/cudacopy.cu "$@" >/dev/null &
+  done
+  [ -f .variants/unfused_cudacopy.cu ] && cuda_variant unfused .variants/unfused_cudacopy.cu >/dev/null &
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 |
+    tee "$out/pytest.log" | tail -3
+  wait
+  for v in tree "${specs[@]%% *}"; do
+    p=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = tree ] && p=$plugin
+    echo "== cell copy, variant $v"
+    timeout 60 python3 bench/cellcopy_bench.py --plugin "$p" --runs-gib 0 --repeats 3 2>&1 |
+      grep -E "x device|rror"
+  done 2>&1 | tee "$out/cellvariants.log"
+  for v in tree unfused; do
+    p=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = tree ] && p=$plugin
+    echo "== run kernel, variant $v"
+    timeout 90 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 --run-bytes 4096 \
+      --run-bytes 16384 --run-bytes 32768 --run-bytes 2097152 2>&1
+  done 2>&1 | tee "$out/runvariants.log"
   ;;
 esac

@@ -21,6 +21,7 @@
 // write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
 // at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
 
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -220,14 +221,23 @@ __global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
 // memory order, so consecutive lanes touch consecutive bytes on both sides whatever the cell
 // size. The host passes one pair of block offsets per block, not one entry per cell.
 
+#ifndef MORIIO_CUDACOPY_CELL_UNROLL
+#define MORIIO_CUDACOPY_CELL_UNROLL 8
+#endif
+#ifndef MORIIO_CUDACOPY_CELL_TILE_KIB
+#define MORIIO_CUDACOPY_CELL_TILE_KIB 32
+#endif
 constexpr int kCellThreads = 256;
-constexpr unsigned kTileBytes = 32 * 1024;  // shared memory per CTA: 7 CTAs per H200 SM
-constexpr int kCellUnroll = 8;              // vectors per thread in flight per phase
+constexpr unsigned kTileBytes = MORIIO_CUDACOPY_CELL_TILE_KIB * 1024;  // shared memory per CTA
+constexpr int kCellUnroll = MORIIO_CUDACOPY_CELL_UNROLL;  // vectors per thread in flight
 // Resident CTAs per SM the register budget is cut for: while one waits at its barrier between
 // reading and writing its tile, the others keep loads in flight. 3 caps registers at 80 (a few
 // bytes spill), 2 leaves 94 (none); bench/h200_session.sh measures both.
 #ifndef MORIIO_CUDACOPY_CELL_CTAS
-#define MORIIO_CUDACOPY_CELL_CTAS 3
+#define MORIIO_CUDACOPY_CELL_CTAS 2
+#endif
+#ifndef MORIIO_CUDACOPY_CELL_PIPELINE
+#define MORIIO_CUDACOPY_CELL_PIPELINE 0
 #endif
 constexpr int kCellCtasPerSm = MORIIO_CUDACOPY_CELL_CTAS;
 
@@ -328,6 +338,7 @@ __device__ __forceinline__ void StoreTile(const V* tile, unsigned char* dst,
   }
 }
 
+#if !MORIIO_CUDACOPY_CELL_PIPELINE
 /// Persistent CTAs walk the work items (block, plane, head tile, token tile); consecutive items
 /// are tiles of one block, so neighbouring CTAs read and write neighbouring memory.
 template <typename V>
@@ -369,6 +380,104 @@ __global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(C
     __syncthreads();  // the next item overwrites the tile
   }
 }
+
+#endif
+
+#if MORIIO_CUDACOPY_CELL_PIPELINE
+/// One vector from global to shared memory: an asynchronous copy (cp.async, no register
+/// staging) for 4-, 8- and 16-byte vectors, a plain load and store for bytes.
+template <typename V>
+__device__ __forceinline__ void CopyToShared(V* s, const V* g) {
+  if constexpr (sizeof(V) >= 4) {
+    __pipeline_memcpy_async(s, g, sizeof(V));
+  } else {
+    *s = *g;
+  }
+}
+
+/// Where an item's tile is and how large.
+struct TileWork {
+  unsigned char* src;
+  unsigned char* dst;
+  unsigned th, tt, vectors;
+};
+
+__device__ __forceinline__ TileWork DescribeTile(const CellGrid& g, std::uint64_t item,
+                                                 std::uint64_t per_block, std::int64_t dst_block,
+                                                 std::int64_t src_block) {
+  const std::uint64_t block = item / per_block;
+  auto rest = static_cast<unsigned>(item - block * per_block);
+  const unsigned plane = rest / (g.head_tiles * g.token_tiles);
+  rest -= plane * g.head_tiles * g.token_tiles;
+  const unsigned h0 = rest / g.token_tiles * g.tile_heads;
+  const unsigned t0 = rest % g.token_tiles * g.tile_tokens;
+  TileWork w;
+  w.th = min(g.tile_heads, g.heads - h0);
+  w.tt = min(g.tile_tokens, g.tokens - t0);
+  w.vectors = w.th * w.tt * g.vpc;
+  w.src = reinterpret_cast<unsigned char*>(g.src_base + src_block + plane * g.src.plane +
+                                           h0 * g.src.head + t0 * g.src.token);
+  w.dst = reinterpret_cast<unsigned char*>(g.dst_base + dst_block + plane * g.dst.plane +
+                                           h0 * g.dst.head + t0 * g.dst.token);
+  return w;
+}
+
+/// Starts reading a tile into `tile` (source order; see LoadTile) without waiting for it.
+template <typename V>
+__device__ __forceinline__ void IssueTile(V* tile, const TileWork& w, const CellSide& side,
+                                          unsigned vpc) {
+#pragma unroll 4
+  for (unsigned v = threadIdx.x; v < w.vectors; v += kCellThreads) {
+    V* g = nullptr;
+    const unsigned slot = TileVector<V>(v, w.src, side, w.th, w.tt, vpc, &g);
+    CopyToShared(tile + slot, g);
+  }
+  __pipeline_commit();
+}
+
+/// Double-buffered: the reads of the next tile are in flight while this one is written, so a
+/// CTA never waits with nothing in flight (the single-buffer kernel idles its loads between
+/// its barriers).
+template <typename V>
+__global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(CellGrid g) {
+  extern __shared__ uint4 shared_tile[];
+  V* const tiles = reinterpret_cast<V*>(shared_tile);
+  constexpr unsigned kTileVectors = kTileBytes / sizeof(V);  // buffer b at tiles + b * this
+  const std::uint64_t per_block = std::uint64_t{g.planes} * g.head_tiles * g.token_tiles;
+  const std::uint64_t items = g.n * per_block;
+  std::uint64_t item = blockIdx.x;
+  if (item >= items) return;
+  // Table entries (mapped host memory) are read two items ahead of their use.
+  auto entry_dst = [&](std::uint64_t i) { return i < items ? g.table[i / per_block] : 0; };
+  auto entry_src = [&](std::uint64_t i) { return i < items ? g.table[g.n + i / per_block] : 0; };
+  TileWork cur = DescribeTile(g, item, per_block, entry_dst(item), entry_src(item));
+  std::int64_t next_dst = entry_dst(item + gridDim.x);
+  std::int64_t next_src = entry_src(item + gridDim.x);
+  IssueTile(tiles, cur, g.src, g.vpc);
+  for (unsigned b = 0;; b ^= 1) {
+    const std::uint64_t next = item + gridDim.x;
+    TileWork ahead{};
+    if (next < items) {
+      ahead = DescribeTile(g, next, per_block, next_dst, next_src);
+      next_dst = entry_dst(next + gridDim.x);
+      next_src = entry_src(next + gridDim.x);
+      IssueTile(tiles + (b ^ 1) * kTileVectors, ahead, g.src, g.vpc);
+      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
+    } else {
+      __pipeline_wait_prior(0);
+    }
+    __syncthreads();  // everyone's have
+    StoreTile<V>(tiles + b * kTileVectors, cur.dst, g.dst, cur.th, cur.tt, g.vpc, cur.vectors);
+    __syncthreads();  // the buffer is read out before the next round refills it
+    if (next >= items) break;
+    cur = ahead;
+    item = next;
+  }
+}
+constexpr unsigned kCellSharedBytes = 2 * kTileBytes;
+#else
+constexpr unsigned kCellSharedBytes = kTileBytes;
+#endif
 
 /// A run table in mapped pinned host memory: the host writes it, the kernel reads it in place
 /// (`device` is the same memory as the GPU addresses it). Measured on an H200 VM: a separate
@@ -416,6 +525,23 @@ int Probe(char* err, size_t err_len) {
   return 0;
 }
 
+/// Lets every cell kernel take kCellSharedBytes of dynamic shared memory (above 48 KiB a kernel
+/// must ask for it).
+cudaError_t AllowCellShared() {
+  cudaError_t e = cudaSuccess;
+  auto allow = [&](const void* kernel) {
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kCellSharedBytes));
+    }
+  };
+  allow(reinterpret_cast<const void*>(CellCopyKernel<uint4>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<uint2>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<unsigned>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<unsigned char>));
+  return e;
+}
+
 int CreateQueue(int device, void** out, char* err, size_t err_len) {
   cudaError_t e = cudaSetDevice(device);
   if (e != cudaSuccess) {
@@ -436,8 +562,11 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   int cell_per_sm = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
   if (e == cudaSuccess) {
+    e = AllowCellShared();
+  }
+  if (e == cudaSuccess) {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cell_per_sm, CellCopyKernel<uint4>,
-                                                      kCellThreads, kTileBytes);
+                                                      kCellThreads, kCellSharedBytes);
   }
   if (e != cudaSuccess) {
     SetError(err, err_len, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
@@ -562,11 +691,15 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
     SetError(err, err_len, "cudaSetDevice", e);
     return -1;
   }
-  // One pass over the caller's arrays (ordinary memory, fast) decides the table's form; the
-  // table is then written once. Writing into the mapped pinned table is the slow part of a
-  // submit (~4.8 GB/s on the H200 VM, docs/benchmarks.md), so it is kept as small as the runs
-  // allow: no size column when all sizes are equal, 32-bit offsets in 16-byte units when every
-  // offset is such a multiple below 64 GiB (KV runs always are).
+  // Writing into the mapped pinned table is the slow part of a submit (~4.8 GB/s on the H200
+  // VM, docs/benchmarks.md), so the table is as small as the runs allow: no size column when all
+  // sizes are equal, offsets as 32-bit 16-byte units when every offset is such a multiple below
+  // 64 GiB (KV runs always are). The common batch (that form, one chunk per run) is validated
+  // and written in ONE pass over the caller's arrays; any other is written again in its form.
+  Slot slot;
+  if (!TakeSlot(q, 2 * count, &slot, err, err_len)) return -1;
+  auto* units = reinterpret_cast<std::uint32_t*>(slot.host);
+  std::int64_t* size_column = slot.host + count;  // follows the 32-bit offset columns
   std::uint64_t chunks = 0;
   std::uint64_t any_bits = 0;  // OR of every offset: alignment and range in one test
   bool all_same = true;
@@ -574,13 +707,22 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   for (std::uint64_t i = 0; i < count; ++i) {
     const std::int64_t size = sizes[i];
     if (size <= 0) {
+      q->free_slots.push_back(slot);
       SetMessage(err, err_len, "run %llu has size %lld; sizes must be positive",
                  static_cast<unsigned long long>(i), static_cast<long long>(size));
       return -1;
     }
     chunks += (static_cast<std::uint64_t>(size) + kChunk - 1) / kChunk;
-    all_same &= size == first_size;
-    any_bits |= static_cast<std::uint64_t>(dst_offsets[i]) | static_cast<std::uint64_t>(src_offsets[i]);
+    const std::int64_t d = dst_offsets[i];
+    const std::int64_t s = src_offsets[i];
+    any_bits |= static_cast<std::uint64_t>(d) | static_cast<std::uint64_t>(s);
+    units[i] = static_cast<std::uint32_t>(d >> 4);
+    units[count + i] = static_cast<std::uint32_t>(s >> 4);
+    if (all_same && size != first_size) {
+      all_same = false;
+      std::fill(size_column, size_column + i, first_size);
+    }
+    if (!all_same) size_column[i] = size;
   }
   // Every run has at least one chunk, so equal counts mean exactly one each.
   const bool one_chunk_per_run = chunks == count;
@@ -588,21 +730,26 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   const bool compact = (any_bits & 15) == 0 && (any_bits >> 36) == 0;
   const std::size_t offset_words = compact ? count : 2 * count;
   const std::size_t size_words = uniform != 0 ? 0 : count;
-  const std::size_t words = offset_words + size_words + (one_chunk_per_run ? 0 : chunks);
-  Slot slot;
-  if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
-  std::int64_t* t = slot.host;
-  if (compact) {
-    auto* units = reinterpret_cast<std::uint32_t*>(t);
-    for (std::uint64_t i = 0; i < count; ++i) {
-      units[i] = static_cast<std::uint32_t>(dst_offsets[i] >> 4);
-      units[count + i] = static_cast<std::uint32_t>(src_offsets[i] >> 4);
+  if (!compact || !one_chunk_per_run) {
+    // A table of another form (and a chunk column): in a slot of its size, the 32-bit columns
+    // taken over when they hold, the 64-bit ones copied otherwise.
+    Slot fitted;
+    const std::size_t words = offset_words + size_words + (one_chunk_per_run ? 0 : chunks);
+    if (!TakeSlot(q, words, &fitted, err, err_len)) {
+      q->free_slots.push_back(slot);
+      return -1;
     }
-  } else {
-    std::memcpy(t, dst_offsets, count * 8);
-    std::memcpy(t + count, src_offsets, count * 8);
+    if (compact) {
+      std::memcpy(fitted.host, slot.host, count * 8);
+    } else {
+      std::memcpy(fitted.host, dst_offsets, count * 8);
+      std::memcpy(fitted.host + count, src_offsets, count * 8);
+    }
+    if (size_words != 0) std::memcpy(fitted.host + offset_words, sizes, count * 8);
+    q->free_slots.push_back(slot);
+    slot = fitted;
   }
-  if (size_words != 0) std::memcpy(t + offset_words, sizes, count * 8);
+  std::int64_t* t = slot.host;
   if (!one_chunk_per_run) {
     std::int64_t* chunk = t + offset_words + size_words;
     for (std::uint64_t i = 0; i < count; ++i) {
@@ -637,7 +784,7 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
 template <typename V>
 cudaError_t LaunchCells(CellGrid g, unsigned grid, cudaStream_t stream) {
   g.vpc /= sizeof(V);
-  CellCopyKernel<V><<<grid, kCellThreads, kTileBytes, stream>>>(g);
+  CellCopyKernel<V><<<grid, kCellThreads, kCellSharedBytes, stream>>>(g);
   return cudaGetLastError();
 }
 

@@ -124,6 +124,9 @@ def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> Non
     rng = np.random.default_rng(4)
     sizes = [16, 2048, 16384, 16400, 65536, 73728, 300000, (2 << 20) + 16, 5 << 20, 24592]
     _check(queue, rng, [sizes * 8, [65536] * 3000, [73728] * 2000], align=16)
+    # One chunk per run and 16-byte offsets, sizes mixed: the table written in the validating
+    # pass, its size column begun at the first size that differs.
+    _check(queue, rng, [[16, 2048, 16384, 16400, 65536, 73728, 24592] * 300], align=16)
 
 
 def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 ABI_VERSION = 4
@@ -151,63 +152,67 @@ class Queue:
         """Submits every (dst offsets, src offsets, sizes) batch of int64 numpy arrays back to
         back, each behind ``wait_event`` (a cudaEvent_t handle, 0: none), waits for all; returns
         the seconds spent inside submit. Every submitted op is released, also on failure."""
+        return self.prepare_gather(dst, src, plans, wait_event)()
 
-        def submit(batch: tuple[Any, Any, Any], op: ctypes.c_void_p, err: Any) -> int:
-            d, s, n = batch
-            return int(
-                self.api.submit(
-                    self.handle,
-                    dst,
-                    src,
-                    d.ctypes.data_as(_I64P),
-                    s.ctypes.data_as(_I64P),
-                    n.ctypes.data_as(_I64P),
-                    len(n),
-                    wait_event,
-                    ctypes.byref(op),
-                    err,
-                    _ERR_LEN,
-                )
+    def prepare_gather(
+        self, dst: int, src: int, plans: list[tuple[Any, Any, Any]], wait_event: int = 0
+    ) -> Callable[[], float]:
+        """``gather`` with the ctypes arguments built now: the returned call only submits and
+        waits, so a benchmark times the plugin, not the conversion of numpy arrays (the engine
+        passes its arrays from C++). The arrays must stay unchanged until then."""
+        args = [
+            (
+                self.handle,
+                dst,
+                src,
+                d.ctypes.data_as(_I64P),
+                s.ctypes.data_as(_I64P),
+                n.ctypes.data_as(_I64P),
+                len(n),
+                wait_event,
             )
-
-        return self._run(plans, submit)
+            for d, s, n in plans
+        ]
+        return lambda: self._run(args, self.api.submit)
 
     def copy_cells(
         self, dst: int, src: int, cells: Cells, batches: list[tuple[Any, Any]], wait_event: int = 0
     ) -> float:
         """Submits every (dst block offsets, src block offsets) batch of int64 numpy arrays as
         one cell copy of ``cells`` each, back to back, and waits for all (as ``gather``)."""
+        return self.prepare_cells(dst, src, cells, batches, wait_event)()
 
-        def submit(batch: tuple[Any, Any], op: ctypes.c_void_p, err: Any) -> int:
-            d, s = batch
-            return int(
-                self.api.submit_cells(
-                    self.handle,
-                    dst,
-                    src,
-                    ctypes.byref(cells),
-                    d.ctypes.data_as(_I64P),
-                    s.ctypes.data_as(_I64P),
-                    len(d),
-                    wait_event,
-                    ctypes.byref(op),
-                    err,
-                    _ERR_LEN,
-                )
+    def prepare_cells(
+        self, dst: int, src: int, cells: Cells, batches: list[tuple[Any, Any]], wait_event: int = 0
+    ) -> Callable[[], float]:
+        """``copy_cells`` with the ctypes arguments built now (as ``prepare_gather``)."""
+        args = [
+            (
+                self.handle,
+                dst,
+                src,
+                ctypes.byref(cells),
+                d.ctypes.data_as(_I64P),
+                s.ctypes.data_as(_I64P),
+                len(d),
+                wait_event,
             )
+            for d, s in batches
+        ]
+        return lambda: self._run(args, self.api.submit_cells)
 
-        return self._run(batches, submit)
-
-    def _run(self, batches: list[Any], submit: Any) -> float:
+    def _run(self, batches: list[tuple[Any, ...]], submit: Any) -> float:
+        """Calls ``submit(*args, op, err, err_len)`` for every argument tuple, then waits for
+        every op and releases it (also on failure); returns the seconds spent in ``submit``."""
         err = ctypes.create_string_buffer(_ERR_LEN)
         ops: list[ctypes.c_void_p] = []
         in_submit = 0.0
         failure = ""
         try:
-            for batch in batches:
+            for args in batches:
                 op = ctypes.c_void_p()
                 t = time.perf_counter()
-                rc = submit(batch, op, err)
+                rc = submit(*args, ctypes.byref(op), err, _ERR_LEN)
                 in_submit += time.perf_counter() - t
                 if rc != 0:
                     raise CudaCopyError(err.value.decode())
