@@ -109,16 +109,22 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
   ;;
 cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
   build_without_ucx
-  cuda_variant cell2 cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_CELL_CTAS=2 &
+  cuda_variant c2u8 cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_CELL_CTAS=2 \
+    -DMORIIO_CUDACOPY_CELL_UNROLL=8 &
   plugin=$build/lib/libmoriio_native_cudacopy.so
   timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
     tests/py/test_cell_geometry.py 2>&1 | tee "$out/pytest.log" | tail -5
   timeout 120 python3 bench/cellcopy_bench.py --plugin "$plugin" --json "$out/cellcopy.json" 2>&1 |
     tee "$out/cellcopy.log"
   wait
-  echo "== cell copy, 2 CTAs per SM"
-  timeout 60 python3 bench/cellcopy_bench.py --plugin "$variants/cell2/libmoriio_native_cudacopy.so" \
-    --runs-gib 0 --json "$out/cellcopy2.json" 2>&1 | tee -a "$out/cellcopy.log"
+  echo "== cell copy, the first version's tunables (2 CTAs per SM, unroll 8)"
+  timeout 60 python3 bench/cellcopy_bench.py --plugin "$variants/c2u8/libmoriio_native_cudacopy.so" \
+    --runs-gib 0 2>&1 | tee -a "$out/cellcopy.log"
+  for shape in "--heads 32" "--heads 4 --head-size 64"; do
+    echo "== cell copy $shape"
+    timeout 60 python3 bench/cellcopy_bench.py --plugin "$plugin" --runs-gib 0 $shape 2>&1 |
+      tee -a "$out/cellcopy.log"
+  done
   timeout 150 python3 bench/cudacopy_bench.py --plugin "$plugin" --repeats 3 \
     --json "$out/cudacopy.json" 2>&1 |
     tee "$out/cudacopy.log"
@@ -129,12 +135,8 @@ cell-variants)  # kernel variants against this tree's: cell copy, and the run ke
   build_without_ucx
   plugin=$build/lib/libmoriio_native_cudacopy.so
   k=MORIIO_CUDACOPY_CELL
-  specs=("s-c4u4t32 -D${k}_CTAS=4 -D${k}_UNROLL=4" "s-c3u4t32 -D${k}_CTAS=3 -D${k}_UNROLL=4"
-    "s-c4u4t16 -D${k}_CTAS=4 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
-    "p-c2u4t32 -D${k}_PIPELINE=1 -D${k}_UNROLL=4"
-    "p-c2u4t16 -D${k}_PIPELINE=1 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
-    "p-c3u4t16 -D${k}_PIPELINE=1 -D${k}_CTAS=3 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16"
-    "p-c4u4t16 -D${k}_PIPELINE=1 -D${k}_CTAS=4 -D${k}_UNROLL=4 -D${k}_TILE_KIB=16")
+  specs=("c2u8 -D${k}_CTAS=2 -D${k}_UNROLL=8" "c3u4 -D${k}_CTAS=3"
+    "c4u4t16 -D${k}_TILE_KIB=16")
   for spec in "${specs[@]}"; do
     set -- $spec
     name=$1

@@ -21,7 +21,6 @@
 // write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
 // at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
 
-#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -221,24 +220,26 @@ __global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
 // memory order, so consecutive lanes touch consecutive bytes on both sides whatever the cell
 // size. The host passes one pair of block offsets per block, not one entry per cell.
 
+// Tunables as -D values so bench/h200_session.sh can measure variants against this build in the
+// same run. Measured on the H200 (docs/benchmarks.md, llama3-8b NHD -> HND, 4 GiB): 4 resident
+// CTAs of unroll 4 with 32 KiB tiles 0.88x of a device copy; 3 CTAs 0.88x; 2 CTAs of unroll 8
+// (more bytes in flight per thread, fewer warps) 0.72x; 16 KiB tiles 0.83x; a double-buffered
+// variant (cp.async into a second tile while the first is written) 0.88x at best, so not kept.
+// While one CTA waits at its barrier between reading and writing its tile, the others keep
+// loads in flight: resident CTAs matter more than loads per thread.
 #ifndef MORIIO_CUDACOPY_CELL_UNROLL
-#define MORIIO_CUDACOPY_CELL_UNROLL 8
+#define MORIIO_CUDACOPY_CELL_UNROLL 4
 #endif
 #ifndef MORIIO_CUDACOPY_CELL_TILE_KIB
 #define MORIIO_CUDACOPY_CELL_TILE_KIB 32
 #endif
+#ifndef MORIIO_CUDACOPY_CELL_CTAS
+#define MORIIO_CUDACOPY_CELL_CTAS 4
+#endif
 constexpr int kCellThreads = 256;
 constexpr unsigned kTileBytes = MORIIO_CUDACOPY_CELL_TILE_KIB * 1024;  // shared memory per CTA
 constexpr int kCellUnroll = MORIIO_CUDACOPY_CELL_UNROLL;  // vectors per thread in flight
-// Resident CTAs per SM the register budget is cut for: while one waits at its barrier between
-// reading and writing its tile, the others keep loads in flight. 3 caps registers at 80 (a few
-// bytes spill), 2 leaves 94 (none); bench/h200_session.sh measures both.
-#ifndef MORIIO_CUDACOPY_CELL_CTAS
-#define MORIIO_CUDACOPY_CELL_CTAS 2
-#endif
-#ifndef MORIIO_CUDACOPY_CELL_PIPELINE
-#define MORIIO_CUDACOPY_CELL_PIPELINE 0
-#endif
+// The register budget is cut for this many resident CTAs per SM (4: at most 64 registers).
 constexpr int kCellCtasPerSm = MORIIO_CUDACOPY_CELL_CTAS;
 
 /// One side of a tile walk: strides in bytes; heads_outer when a head step is the longer one
@@ -338,7 +339,6 @@ __device__ __forceinline__ void StoreTile(const V* tile, unsigned char* dst,
   }
 }
 
-#if !MORIIO_CUDACOPY_CELL_PIPELINE
 /// Persistent CTAs walk the work items (block, plane, head tile, token tile); consecutive items
 /// are tiles of one block, so neighbouring CTAs read and write neighbouring memory.
 template <typename V>
@@ -380,104 +380,6 @@ __global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(C
     __syncthreads();  // the next item overwrites the tile
   }
 }
-
-#endif
-
-#if MORIIO_CUDACOPY_CELL_PIPELINE
-/// One vector from global to shared memory: an asynchronous copy (cp.async, no register
-/// staging) for 4-, 8- and 16-byte vectors, a plain load and store for bytes.
-template <typename V>
-__device__ __forceinline__ void CopyToShared(V* s, const V* g) {
-  if constexpr (sizeof(V) >= 4) {
-    __pipeline_memcpy_async(s, g, sizeof(V));
-  } else {
-    *s = *g;
-  }
-}
-
-/// Where an item's tile is and how large.
-struct TileWork {
-  unsigned char* src;
-  unsigned char* dst;
-  unsigned th, tt, vectors;
-};
-
-__device__ __forceinline__ TileWork DescribeTile(const CellGrid& g, std::uint64_t item,
-                                                 std::uint64_t per_block, std::int64_t dst_block,
-                                                 std::int64_t src_block) {
-  const std::uint64_t block = item / per_block;
-  auto rest = static_cast<unsigned>(item - block * per_block);
-  const unsigned plane = rest / (g.head_tiles * g.token_tiles);
-  rest -= plane * g.head_tiles * g.token_tiles;
-  const unsigned h0 = rest / g.token_tiles * g.tile_heads;
-  const unsigned t0 = rest % g.token_tiles * g.tile_tokens;
-  TileWork w;
-  w.th = min(g.tile_heads, g.heads - h0);
-  w.tt = min(g.tile_tokens, g.tokens - t0);
-  w.vectors = w.th * w.tt * g.vpc;
-  w.src = reinterpret_cast<unsigned char*>(g.src_base + src_block + plane * g.src.plane +
-                                           h0 * g.src.head + t0 * g.src.token);
-  w.dst = reinterpret_cast<unsigned char*>(g.dst_base + dst_block + plane * g.dst.plane +
-                                           h0 * g.dst.head + t0 * g.dst.token);
-  return w;
-}
-
-/// Starts reading a tile into `tile` (source order; see LoadTile) without waiting for it.
-template <typename V>
-__device__ __forceinline__ void IssueTile(V* tile, const TileWork& w, const CellSide& side,
-                                          unsigned vpc) {
-#pragma unroll 4
-  for (unsigned v = threadIdx.x; v < w.vectors; v += kCellThreads) {
-    V* g = nullptr;
-    const unsigned slot = TileVector<V>(v, w.src, side, w.th, w.tt, vpc, &g);
-    CopyToShared(tile + slot, g);
-  }
-  __pipeline_commit();
-}
-
-/// Double-buffered: the reads of the next tile are in flight while this one is written, so a
-/// CTA never waits with nothing in flight (the single-buffer kernel idles its loads between
-/// its barriers).
-template <typename V>
-__global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(CellGrid g) {
-  extern __shared__ uint4 shared_tile[];
-  V* const tiles = reinterpret_cast<V*>(shared_tile);
-  constexpr unsigned kTileVectors = kTileBytes / sizeof(V);  // buffer b at tiles + b * this
-  const std::uint64_t per_block = std::uint64_t{g.planes} * g.head_tiles * g.token_tiles;
-  const std::uint64_t items = g.n * per_block;
-  std::uint64_t item = blockIdx.x;
-  if (item >= items) return;
-  // Table entries (mapped host memory) are read two items ahead of their use.
-  auto entry_dst = [&](std::uint64_t i) { return i < items ? g.table[i / per_block] : 0; };
-  auto entry_src = [&](std::uint64_t i) { return i < items ? g.table[g.n + i / per_block] : 0; };
-  TileWork cur = DescribeTile(g, item, per_block, entry_dst(item), entry_src(item));
-  std::int64_t next_dst = entry_dst(item + gridDim.x);
-  std::int64_t next_src = entry_src(item + gridDim.x);
-  IssueTile(tiles, cur, g.src, g.vpc);
-  for (unsigned b = 0;; b ^= 1) {
-    const std::uint64_t next = item + gridDim.x;
-    TileWork ahead{};
-    if (next < items) {
-      ahead = DescribeTile(g, next, per_block, next_dst, next_src);
-      next_dst = entry_dst(next + gridDim.x);
-      next_src = entry_src(next + gridDim.x);
-      IssueTile(tiles + (b ^ 1) * kTileVectors, ahead, g.src, g.vpc);
-      __pipeline_wait_prior(1);  // this thread's copies of the current tile have landed
-    } else {
-      __pipeline_wait_prior(0);
-    }
-    __syncthreads();  // everyone's have
-    StoreTile<V>(tiles + b * kTileVectors, cur.dst, g.dst, cur.th, cur.tt, g.vpc, cur.vectors);
-    __syncthreads();  // the buffer is read out before the next round refills it
-    if (next >= items) break;
-    cur = ahead;
-    item = next;
-  }
-}
-constexpr unsigned kCellSharedBytes = 2 * kTileBytes;
-#else
-constexpr unsigned kCellSharedBytes = kTileBytes;
-#endif
 
 /// A run table in mapped pinned host memory: the host writes it, the kernel reads it in place
 /// (`device` is the same memory as the GPU addresses it). Measured on an H200 VM: a separate
@@ -525,14 +427,14 @@ int Probe(char* err, size_t err_len) {
   return 0;
 }
 
-/// Lets every cell kernel take kCellSharedBytes of dynamic shared memory (above 48 KiB a kernel
-/// must ask for it).
+/// Lets every cell kernel take kTileBytes of dynamic shared memory (a tile above 48 KiB must
+/// be asked for).
 cudaError_t AllowCellShared() {
   cudaError_t e = cudaSuccess;
   auto allow = [&](const void* kernel) {
     if (e == cudaSuccess) {
       e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kCellSharedBytes));
+                               static_cast<int>(kTileBytes));
     }
   };
   allow(reinterpret_cast<const void*>(CellCopyKernel<uint4>));
@@ -566,7 +468,7 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   }
   if (e == cudaSuccess) {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cell_per_sm, CellCopyKernel<uint4>,
-                                                      kCellThreads, kCellSharedBytes);
+                                                      kCellThreads, kTileBytes);
   }
   if (e != cudaSuccess) {
     SetError(err, err_len, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
@@ -784,7 +686,7 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
 template <typename V>
 cudaError_t LaunchCells(CellGrid g, unsigned grid, cudaStream_t stream) {
   g.vpc /= sizeof(V);
-  CellCopyKernel<V><<<grid, kCellThreads, kCellSharedBytes, stream>>>(g);
+  CellCopyKernel<V><<<grid, kCellThreads, kTileBytes, stream>>>(g);
   return cudaGetLastError();
 }
 
