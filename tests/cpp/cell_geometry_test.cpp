@@ -15,21 +15,14 @@
 #include <vector>
 
 #include "moriio_native/layout.hpp"
+#include "strides.hpp"
 
 namespace moriio_native {
 namespace {
 
 using Ids = std::vector<std::int64_t>;
 
-std::vector<std::int64_t> Contiguous(const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> strides(shape.size());
-  std::int64_t s = 1;
-  for (std::size_t i = shape.size(); i-- > 0;) {
-    strides[i] = s;
-    s *= shape[i];
-  }
-  return strides;
-}
+using test_support::Contiguous;
 
 CacheSpec Spec(std::int64_t block_size, std::int64_t heads, std::int64_t head_size,
                AxisOrder order = AxisOrder::kAuto) {
