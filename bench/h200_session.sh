@@ -7,9 +7,13 @@
 #   bash bench/h200_session.sh kernel     # cudacopy_bench for every variant, kernel pytest
 #   bash bench/h200_session.sh e2e        # GPU pytest, compute-sanitizer, gpu_bench presets
 #   bash bench/h200_session.sh overlap    # per-layer WRITE overlapped with a synthetic forward
+#   bash bench/h200_session.sh cells      # one call: build without UCX, kernel pytest, the
+#                                         # transposing cell copy and cudacopy_bench
+#   bash bench/h200_session.sh cell-variants  # cell kernel variants (-D values), and the run
+#                                         # kernel's submit before (.variants/unfused_cudacopy.cu)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?build, kernel or e2e}
+step=${1:?build, kernel, e2e, overlap or cells}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -22,8 +26,17 @@ cuda_variant() {  # name, source, extra nvcc flags...
   shift 2
   mkdir -p "$variants/$name"
   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -shared -Xcompiler -fPIC \
-    -Icpp/backends/cuda -cudart static -Xptxas -v "$@" \
+    -Icpp/cudacopy -cudart static -Xptxas -v "$@" \
     -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 | grep -E "registers|spill"
+}
+build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough for the kernels
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
+    -DMORIIO_NATIVE_WITH_CUDA=ON -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
+    >/tmp/cmake.log 2>&1 || { tail -30 /tmp/cmake.log; exit 1; }
+  cmake --build $build -j16 --target stage_python moriio_native_cudacopy >/tmp/build.log 2>&1 ||
+    { tail -40 /tmp/build.log; exit 1; }
 }
 case $step in
 build)
@@ -38,7 +51,7 @@ build)
   cuda_variant old .variants/old_cudacopy.cu &
   for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64"; do
     set -- $spec
-    cuda_variant "$1" cpp/backends/cuda/cudacopy.cu "$2" &
+    cuda_variant "$1" cpp/cudacopy/cudacopy.cu "$2" &
   done
   wait
   python3 -c "import moriio_native as m; print(m.available_backends())"
@@ -93,5 +106,60 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
     echo "== variant $v, 1 GiB runs"
     timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 1073741824
   done
+  ;;
+cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
+  build_without_ucx
+  cuda_variant c2u8 cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_CELL_CTAS=2 \
+    -DMORIIO_CUDACOPY_CELL_UNROLL=8 &
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py 2>&1 | tee "$out/pytest.log" | tail -5
+  timeout 120 python3 bench/cellcopy_bench.py --plugin "$plugin" --json "$out/cellcopy.json" 2>&1 |
+    tee "$out/cellcopy.log"
+  wait
+  echo "== cell copy, the first version's tunables (2 CTAs per SM, unroll 8)"
+  timeout 60 python3 bench/cellcopy_bench.py --plugin "$variants/c2u8/libmoriio_native_cudacopy.so" \
+    --runs-gib 0 2>&1 | tee -a "$out/cellcopy.log"
+  for shape in "--heads 32" "--heads 4 --head-size 64"; do
+    echo "== cell copy $shape"
+    timeout 60 python3 bench/cellcopy_bench.py --plugin "$plugin" --runs-gib 0 $shape 2>&1 |
+      tee -a "$out/cellcopy.log"
+  done
+  timeout 150 python3 bench/cudacopy_bench.py --plugin "$plugin" --repeats 3 \
+    --json "$out/cudacopy.json" 2>&1 |
+    tee "$out/cudacopy.log"
+  timeout 60 compute-sanitizer --tool memcheck python3 bench/cellcopy_bench.py --plugin "$plugin" \
+    --gib 0.01 --runs-gib 0 --repeats 1 --heads 32 2>&1 | grep -E "ERROR SUMMARY|blocks|rror" | head
+  ;;
+cell-variants)  # kernel variants against this tree's: cell copy, and the run kernel's submit
+  build_without_ucx
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  k=MORIIO_CUDACOPY_CELL
+  specs=("c2u8 -D${k}_CTAS=2 -D${k}_UNROLL=8" "c3u4 -D${k}_CTAS=3"
+    "c4u4t16 -D${k}_TILE_KIB=16")
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    name=$1
+    shift
+    cuda_variant "$name" cpp/cudacopy/cudacopy.cu "$@" >/dev/null &
+  done
+  [ -f .variants/unfused_cudacopy.cu ] && cuda_variant unfused .variants/unfused_cudacopy.cu >/dev/null &
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 |
+    tee "$out/pytest.log" | tail -3
+  wait
+  for v in tree "${specs[@]%% *}"; do
+    p=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = tree ] && p=$plugin
+    echo "== cell copy, variant $v"
+    timeout 60 python3 bench/cellcopy_bench.py --plugin "$p" --runs-gib 0 --repeats 3 2>&1 |
+      grep -E "x device|rror"
+  done 2>&1 | tee "$out/cellvariants.log"
+  for v in tree unfused; do
+    p=$variants/$v/libmoriio_native_cudacopy.so
+    [ "$v" = tree ] && p=$plugin
+    echo "== run kernel, variant $v"
+    timeout 90 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 --run-bytes 4096 \
+      --run-bytes 16384 --run-bytes 32768 --run-bytes 2097152 2>&1
+  done 2>&1 | tee "$out/runvariants.log"
   ;;
 esac

@@ -1,6 +1,7 @@
 #include "moriio_native/layout.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <numeric>
 
@@ -478,7 +479,49 @@ inline void AppendRun(std::vector<CopyRun>* runs, const CopyRun& r) {
   runs->push_back(r);
 }
 
+// The side of a cell grid `p` describes, when its token offset is affine (see CellGeometry).
+std::optional<CellSide> CellSideOf(const LayoutParams& p, std::int64_t plane_stride) {
+  const bool affine = p.kernel_block_size == p.block_size ||
+                      p.kernel_block_stride == p.kernel_block_size * p.token_stride;
+  if (!affine) return std::nullopt;
+  return CellSide{p.block_stride, plane_stride, p.num_heads > 1 ? p.head_stride : 0,
+                  p.block_size > 1 ? p.token_stride : 0};
+}
+
+// The cell grid of a pair with the same logical content (checked by the caller), if any.
+std::optional<CellGeometry> CellGeometryOf(const LayoutParams& lp, const LayoutParams& rp) {
+  CellGeometry g;
+  g.heads = lp.num_heads;
+  g.tokens = lp.block_size;
+  // Packed K|V on both sides: K and V of a (head, token) are one contiguous cell.
+  const bool packed = lp.num_planes() == 2 && lp.plane_offset[1] == lp.plane_bytes[0] &&
+                      rp.plane_offset[1] == rp.plane_bytes[0];
+  if (lp.num_planes() == 1 || packed) {
+    g.planes = 1;
+    g.cell_bytes = lp.plane_bytes[0] + lp.plane_bytes[1];
+  } else if (lp.plane_bytes[0] == lp.plane_bytes[1]) {
+    g.planes = 2;
+    g.cell_bytes = lp.plane_bytes[0];
+  } else {
+    return std::nullopt;  // K and V of different widths in separate planes: two grids
+  }
+  const std::optional<CellSide> local = CellSideOf(lp, g.planes == 2 ? lp.plane_offset[1] : 0);
+  const std::optional<CellSide> remote = CellSideOf(rp, g.planes == 2 ? rp.plane_offset[1] : 0);
+  if (!local || !remote) return std::nullopt;
+  g.local = *local;
+  g.remote = *remote;
+  return g;
+}
+
 }  // namespace
+
+bool BlockTemplate::prefers_cell_copy() const {
+  // Runs that cover whole planes are what the cell copy would move per tile anyway.
+  if (!cell_geometry_ || runs_.size() <= static_cast<std::size_t>(cell_geometry_->planes)) {
+    return false;
+  }
+  return cell_geometry_->block_bytes() < kShortRunBytes * static_cast<std::int64_t>(runs_.size());
+}
 
 Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const LayerLayout& remote) {
   if (local.LogicalFingerprint() != remote.LogicalFingerprint() ||
@@ -509,6 +552,7 @@ Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const Layer
   t.local_num_blocks_ = lp.num_blocks;
   t.remote_num_blocks_ = rp.num_blocks;
   t.local_name_ = local.name();
+  t.cell_geometry_ = CellGeometryOf(lp, rp);
   // A group holds runs that fit within one local block stride of its first run; stamping a group
   // for all (sorted) blocks before the next group keeps the output sorted for every layout vLLM
   // produces (StampBlockCopies still checks, and sorts when a layout defeats this).
@@ -737,6 +781,48 @@ Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
   out->sizes.resize(from + emitted);
   if (!sorted) SortAndMerge(out, from);
   return Status::OK();
+}
+
+Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
+                          std::int64_t local_shift, std::int64_t remote_shift, BlockOffsets* out) {
+  if (!tmpl.cell_geometry()) {
+    return FailedPreconditionError("layer '" + tmpl.local_name() +
+                                   "': the layer pair has no cell geometry (K and V of different "
+                                   "widths, or kernel blocks that break the token stride)");
+  }
+  MORIIO_RETURN_IF_ERROR(CheckBlockIds(tmpl, pairs));
+  const std::span<const std::int64_t> local = pairs.local_sorted();
+  const std::span<const std::int64_t> remote = pairs.remote_by_local();
+  out->local.reserve(out->local.size() + local.size());
+  out->remote.reserve(out->remote.size() + local.size());
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    out->local.push_back(local_shift + local[i] * tmpl.local_block_stride());
+    out->remote.push_back(remote_shift + remote[i] * tmpl.remote_block_stride());
+  }
+  return Status::OK();
+}
+
+void CopyBlockCells(const CellGeometry& g, const BlockOffsets& blocks, std::byte* local,
+                    std::byte* remote, CellCopyDirection direction) {
+  const bool into_local = direction == CellCopyDirection::kRemoteToLocal;
+  std::byte* dst = into_local ? local : remote;
+  const std::byte* src = into_local ? remote : local;
+  const CellSide& ds = into_local ? g.local : g.remote;
+  const CellSide& ss = into_local ? g.remote : g.local;
+  const auto bytes = static_cast<std::size_t>(g.cell_bytes);
+  for (std::size_t b = 0; b < blocks.size(); ++b) {
+    const std::int64_t dst_block = into_local ? blocks.local[b] : blocks.remote[b];
+    const std::int64_t src_block = into_local ? blocks.remote[b] : blocks.local[b];
+    for (int p = 0; p < g.planes; ++p) {
+      for (std::int64_t h = 0; h < g.heads; ++h) {
+        for (std::int64_t t = 0; t < g.tokens; ++t) {
+          std::memcpy(dst + dst_block + p * ds.plane_stride + h * ds.head_stride + t * ds.token_stride,
+                      src + src_block + p * ss.plane_stride + h * ss.head_stride + t * ss.token_stride,
+                      bytes);
+        }
+      }
+    }
+  }
 }
 
 Result<CopyPlan> PlanBlockCopies(const LayerLayout& local, const LayerLayout& remote,

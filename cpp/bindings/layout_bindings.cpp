@@ -1,7 +1,9 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <functional>
+#include <optional>
 
 #include "bindings/common.hpp"
 #include "moriio_native/layout.hpp"
@@ -50,6 +52,33 @@ py::dict ParamsDict(const LayoutParams& p) {
   d["plane_offset"] = py::make_tuple(p.plane_offset[0], p.plane_offset[1]);
   d["plane_bytes"] = py::make_tuple(p.plane_bytes[0], p.plane_bytes[1]);
   return d;
+}
+
+py::dict CellSideDict(const CellSide& s) {
+  py::dict d;
+  d["block_stride"] = s.block_stride;
+  d["plane_stride"] = s.plane_stride;
+  d["head_stride"] = s.head_stride;
+  d["token_stride"] = s.token_stride;
+  return d;
+}
+
+py::object CellGeometryDict(const std::optional<CellGeometry>& g) {
+  if (!g) return py::none();
+  py::dict d;
+  d["planes"] = g->planes;
+  d["heads"] = g->heads;
+  d["tokens"] = g->tokens;
+  d["cell_bytes"] = g->cell_bytes;
+  d["local"] = CellSideDict(g->local);
+  d["remote"] = CellSideDict(g->remote);
+  return d;
+}
+
+py::array_t<std::int64_t> Int64Array(const std::vector<std::int64_t>& v) {
+  py::array_t<std::int64_t> out(static_cast<py::ssize_t>(v.size()));
+  std::copy(v.begin(), v.end(), out.mutable_data());
+  return out;
 }
 
 std::size_t HashLayout(const LayerLayout& l) {
@@ -208,7 +237,26 @@ void BindLayout(py::module_& m) {
              ThrowIfError(st);
              return plan;
            },
-           py::arg("pairs"), "Plan a request whose pairs were prepared once for all layers.");
+           py::arg("pairs"), "Plan a request whose pairs were prepared once for all layers.")
+      .def_property_readonly(
+          "cell_geometry", [](const BlockTemplate& t) { return CellGeometryDict(t.cell_geometry()); },
+          "The pair's blocks as one grid of equal cells: {planes, heads, tokens, cell_bytes, "
+          "local, remote} (each side {block_stride, plane_stride, head_stride, token_stride}, "
+          "bytes), or None when the layouts admit none.")
+      .def_property_readonly("prefers_cell_copy", &BlockTemplate::prefers_cell_copy,
+                             "True when the run plan cuts blocks into short runs that a cell "
+                             "copy moves whole.")
+      .def(
+          "block_offsets",
+          [](const BlockTemplate& t, const BlockPairs& pairs, std::int64_t local_shift,
+             std::int64_t remote_shift) {
+            BlockOffsets blocks;
+            ThrowIfError(AppendBlockOffsets(t, pairs, local_shift, remote_shift, &blocks));
+            return py::make_tuple(Int64Array(blocks.local), Int64Array(blocks.remote));
+          },
+          py::arg("pairs"), py::arg("local_shift") = 0, py::arg("remote_shift") = 0,
+          "(local, remote) int64 arrays: each pair's block byte offsets, in local id order, for a "
+          "cell copy.");
 }
 
 }  // namespace moriio_native::bindings

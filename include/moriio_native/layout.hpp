@@ -7,6 +7,7 @@
 /// this header is a pure function or an immutable value: thread-safe, never blocks.
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -145,6 +146,38 @@ struct CopyRun {
   std::int64_t size = 0;
 };
 
+/// Where the cells of a block lie on one side of a CellGeometry: cell (plane p, head h, token t)
+/// of the block at byte offset `base` starts at
+///   base + p*plane_stride + h*head_stride + t*token_stride.
+struct CellSide {
+  std::int64_t block_stride = 0;
+  std::int64_t plane_stride = 0;
+  std::int64_t head_stride = 0;
+  std::int64_t token_stride = 0;
+  friend bool operator==(const CellSide&, const CellSide&) = default;
+};
+
+/// A layer pair's blocks as a grid of equal cells, the same grid on both sides in different
+/// places: planes x heads x tokens cells of cell_bytes contiguous bytes each. It lets a copy
+/// move whole blocks (a transposing kernel reads one side's cells in that side's memory order
+/// and writes them in the other's) where the pair's run plan degenerates into one short run per
+/// cell, e.g. [2,N,B,H,D] (NHD) against [N,2,H,B,D] (HND): 256 runs of head_size * dtype bytes
+/// per block. Exists when every cell of a block has the same size (K and V of equal width, or
+/// packed K|V on both sides, which then form one cell per head and token) and the token offset
+/// is affine on both sides (no kernel blocks, or kernel blocks that continue the token stride).
+struct CellGeometry {
+  int planes = 0;
+  std::int64_t heads = 0;
+  std::int64_t tokens = 0;
+  std::int64_t cell_bytes = 0;
+  CellSide local;
+  CellSide remote;
+
+  /// Bytes of one block (all its cells).
+  std::int64_t block_bytes() const { return planes * heads * tokens * cell_bytes; }
+  friend bool operator==(const CellGeometry&, const CellGeometry&) = default;
+};
+
 /// The runs that copy one local block to one remote block of the same logical layer, sorted by
 /// local offset, merged where contiguous on both sides. Immutable; build once per layer pair.
 class BlockTemplate {
@@ -162,9 +195,17 @@ class BlockTemplate {
   /// separated layout form two groups).
   std::span<const std::pair<std::uint32_t, std::uint32_t>> groups() const { return groups_; }
   const std::string& local_name() const { return local_name_; }
+  /// The pair's cells as one grid (see CellGeometry), or nullopt when the layouts admit none.
+  const std::optional<CellGeometry>& cell_geometry() const { return cell_geometry_; }
+  /// True when a cell copy beats the run plan: a grid exists, the run plan splits a block's
+  /// planes into several runs, and those average fewer than kShortRunBytes (the kernel's per-run cost then dominates; measured on the H200,
+  /// docs/benchmarks.md: 256-byte runs move at 0.016x of a device copy, 32 KiB runs at 0.8x).
+  bool prefers_cell_copy() const;
+  static constexpr std::int64_t kShortRunBytes = 4096;
 
  private:
   BlockTemplate() = default;
+  std::optional<CellGeometry> cell_geometry_;
   std::vector<CopyRun> runs_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> groups_;
   std::int64_t local_block_stride_ = 0;
@@ -224,6 +265,34 @@ Status StampBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs, Copy
 /// The appended runs are sorted and merged among themselves; on error nothing is appended.
 Status AppendBlockCopies(const BlockTemplate& tmpl, const BlockPairs& pairs,
                          std::int64_t local_shift, std::int64_t remote_shift, CopyPlan* out);
+
+/// A request's blocks for a cell copy (CellGeometry): for every pair, in local id order, the
+/// byte offset of the local block (local id * local block stride + local_shift) and of the
+/// remote one. What a transposing copy takes instead of a CopyPlan: one entry per block, not per
+/// cell.
+struct BlockOffsets {
+  std::vector<std::int64_t> local;
+  std::vector<std::int64_t> remote;
+
+  std::size_t size() const { return local.size(); }
+};
+
+/// Appends `pairs`' block offsets to `out`. FailedPrecondition (naming the layer) when `tmpl`
+/// has no cell geometry; block ids checked as CheckBlockIds does; on error nothing is appended.
+Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
+                          std::int64_t local_shift, std::int64_t remote_shift, BlockOffsets* out);
+
+/// Which way a cell copy moves bytes.
+enum class CellCopyDirection : std::uint8_t { kRemoteToLocal = 0, kLocalToRemote = 1 };
+
+/// The CPU reference of a cell copy: copies every cell of every block pair of `blocks` between
+/// the layer bases `local` and `remote`, in `direction`; bytes outside the cells are untouched.
+/// The GPU kernel must produce the same bytes (tests/py/test_cudacopy.py), and it equals
+/// applying the pair's run plan (tests/cpp/layout_test.cpp). The caller guarantees that the
+/// offsets came from AppendBlockOffsets for layouts that describe these two buffers.
+/// Blocking (a memcpy per cell); thread-safe for disjoint destinations.
+void CopyBlockCells(const CellGeometry& geometry, const BlockOffsets& blocks, std::byte* local,
+                    std::byte* remote, CellCopyDirection direction);
 
 /// Convenience for a one-off plan: Build + Create + Stamp, so every call builds the layer
 /// pair's template and validates and sorts the ids again. A request over many layers builds

@@ -136,6 +136,10 @@ class BlockTemplate:
     """
     def __init__(self, local: LayerLayout, remote: LayerLayout) -> None:
         ...
+    def block_offsets(self, pairs: BlockPairs, local_shift: typing.SupportsInt | typing.SupportsIndex = 0, remote_shift: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple:
+        """
+        (local, remote) int64 arrays: each pair's block byte offsets, in local id order, for a cell copy.
+        """
     @typing.overload
     def plan(self, local_block_ids: typing.Any, remote_block_ids: typing.Any) -> CopyPlan:
         ...
@@ -143,6 +147,16 @@ class BlockTemplate:
     def plan(self, pairs: BlockPairs) -> CopyPlan:
         """
         Plan a request whose pairs were prepared once for all layers.
+        """
+    @property
+    def cell_geometry(self) -> typing.Any:
+        """
+        The pair's blocks as one grid of equal cells: {planes, heads, tokens, cell_bytes, local, remote} (each side {block_stride, plane_stride, head_stride, token_stride}, bytes), or None when the layouts admit none.
+        """
+    @property
+    def prefers_cell_copy(self) -> bool:
+        """
+        True when the run plan cuts blocks into short runs that a cell copy moves whole.
         """
     @property
     def runs(self) -> list:

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "moriio_native/layout.hpp"
+#include "strides.hpp"
 
 namespace moriio_native {
 namespace {
@@ -24,16 +25,7 @@ using Ids = std::vector<std::int64_t>;
 
 constexpr std::int64_t kBf16 = 2;
 
-// Row-major (contiguous) strides of `shape`, in elements.
-std::vector<std::int64_t> Contiguous(const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> strides(shape.size());
-  std::int64_t s = 1;
-  for (std::size_t i = shape.size(); i-- > 0;) {
-    strides[i] = s;
-    s *= shape[i];
-  }
-  return strides;
-}
+using test_support::Contiguous;
 
 TensorGeometry Geo(std::vector<std::int64_t> shape, std::vector<std::int64_t> strides = {},
                    std::int64_t element_size = kBf16) {

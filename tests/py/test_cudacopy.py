@@ -124,6 +124,9 @@ def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> Non
     rng = np.random.default_rng(4)
     sizes = [16, 2048, 16384, 16400, 65536, 73728, 300000, (2 << 20) + 16, 5 << 20, 24592]
     _check(queue, rng, [sizes * 8, [65536] * 3000, [73728] * 2000], align=16)
+    # One chunk per run and 16-byte offsets, sizes mixed: the table written in the validating
+    # pass, its size column begun at the first size that differs.
+    _check(queue, rng, [[16, 2048, 16384, 16400, 65536, 73728, 24592] * 300], align=16)
 
 
 def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
@@ -161,3 +164,109 @@ def test_non_positive_size_is_refused_with_the_run_named(queue: Queue) -> None:
     sizes = np.asarray([16, 0, 16], dtype=np.int64)
     with pytest.raises(CudaCopyError, match="run 1 has size 0"):
         queue.gather(buf.data_ptr(), buf.data_ptr(), [(offsets, offsets + 1024, sizes)])
+
+
+# ---- The transposing cell copy (submit_cells) ------------------------------------------------
+
+
+def _kv_layer(name: str, shape: tuple[int, ...], order: str, heads: int, block: int) -> Any:
+    """A bf16 K/V layer of ``shape`` (a CPU tensor: only its geometry is read)."""
+    import torch
+
+    import moriio_native as mn
+
+    spec = mn.CacheSpec(
+        block_size=block, num_kv_heads=heads, head_size=shape[-1], dtype_bytes=2, axis_order=order
+    )
+    return mn.describe_layer(name, torch.empty(shape, dtype=torch.bfloat16), spec)
+
+
+def _check_cells(
+    queue: Queue,
+    local: Any,
+    remote: Any,
+    local_ids: list[int],
+    remote_ids: list[int],
+    into_local: bool,
+    batch_blocks: int = 1 << 30,
+) -> None:
+    """The cell copy of the pairs must leave both buffers byte-identical to applying the pair's
+    run plan on the host (an independent path: numpy slices, the planner's runs)."""
+    import torch
+
+    import moriio_native as mn
+    from moriio_native.bench.cudacopy import cells_of
+
+    tmpl = mn.block_template(local, remote)
+    geometry = tmpl.cell_geometry
+    assert geometry is not None
+    pairs = mn.BlockPairs(local_ids, remote_ids)
+    plan = tmpl.plan(pairs)
+    lo, ro = tmpl.block_offsets(pairs)
+    rng = np.random.default_rng(len(local_ids))
+    local_host = rng.integers(0, 256, local.span_bytes, dtype=np.uint8)
+    remote_host = rng.integers(0, 256, remote.span_bytes, dtype=np.uint8)
+    dst_host, src_host = (local_host, remote_host) if into_local else (remote_host, local_host)
+    want = dst_host.copy()
+    for lo_run, ro_run, n in plan.runs():
+        d, s = (lo_run, ro_run) if into_local else (ro_run, lo_run)
+        want[d : d + n] = src_host[s : s + n]
+    dst = torch.from_numpy(dst_host).cuda()
+    src = torch.from_numpy(src_host).cuda()
+    d_blocks, s_blocks = (lo, ro) if into_local else (ro, lo)
+    batches = [
+        (d_blocks[i : i + batch_blocks].copy(), s_blocks[i : i + batch_blocks].copy())
+        for i in range(0, len(d_blocks), batch_blocks)
+    ]
+    torch.cuda.synchronize()
+    queue.copy_cells(dst.data_ptr(), src.data_ptr(), cells_of(geometry, into_local), batches)
+    got = dst.cpu().numpy()
+    bad = np.flatnonzero(got != want)
+    assert bad.size == 0, f"{bad.size} wrong bytes, first at {bad[0]}"
+
+
+@pytest.mark.parametrize("into_local", [True, False], ids=["read", "write"])
+def test_cells_nhd_separated_to_hnd_interleaved(queue: Queue, into_local: bool) -> None:
+    # The issue's case at llama3-8b's geometry: prefill [2,N,B,H,D] against decode [N,2,H,B,D],
+    # 8 heads x 16 tokens x 256-byte cells: one 32 KiB tile per block and plane.
+    local = _kv_layer("prefill", (2, 96, 16, 8, 128), "nhd", 8, 16)
+    remote = _kv_layer("decode", (128, 2, 8, 16, 128), "hnd", 8, 16)
+    rng = np.random.default_rng(5)
+    ids = rng.permutation(96)[:60].tolist()
+    _check_cells(queue, local, remote, ids, rng.permutation(128)[:60].tolist(), into_local)
+
+
+def test_cells_tiles_split_heads_and_tokens(queue: Queue) -> None:
+    rng = np.random.default_rng(6)
+    # 32 heads x 16 tokens x 256 B = 128 KiB per plane: four head tiles per plane.
+    local = _kv_layer("l.wide", (2, 40, 16, 32, 128), "nhd", 32, 16)
+    remote = _kv_layer("r.wide", (40, 2, 32, 16, 128), "hnd", 32, 16)
+    _check_cells(queue, local, remote, rng.permutation(40)[:17].tolist(), list(range(17)), True)
+    # 12 KiB cells (head size 6144): two tokens per tile, three token tiles (one partial) per
+    # head; 3 heads.
+    local = _kv_layer("l.long", (2, 6, 5, 3, 6144), "nhd", 3, 5)
+    remote = _kv_layer("r.long", (6, 2, 3, 5, 6144), "hnd", 3, 5)
+    _check_cells(queue, local, remote, [5, 0, 2], [1, 4, 3], False)
+
+
+def test_cells_of_every_alignment_and_many_batches(queue: Queue) -> None:
+    rng = np.random.default_rng(7)
+    # Head sizes of 3, 4, 6 and 12 bf16 elements: 6-, 8-, 12- and 24-byte cells take the byte,
+    # 8-, 4- and 8-byte vector paths; 16 heads x 16 tokens. Batches of 7 blocks, back to back.
+    for d in (3, 4, 6, 12):
+        local = _kv_layer(f"l.{d}", (2, 64, 16, 16, d), "nhd", 16, 16)
+        remote = _kv_layer(f"r.{d}", (64, 2, 16, 16, d), "hnd", 16, 16)
+        ids = rng.permutation(64)[:50].tolist()
+        _check_cells(queue, local, remote, ids, rng.permutation(64)[:50].tolist(), True, 7)
+
+
+def test_cells_refuse_a_geometry_out_of_range(queue: Queue) -> None:
+    import torch
+
+    from moriio_native.bench.cudacopy import Cells
+
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    blocks = np.zeros(1, dtype=np.int64)
+    for cells in (Cells(2, 8, 16, 0, 0, 0, 0, 0, 0, 0), Cells(3, 8, 16, 256, 0, 0, 0, 0, 0, 0)):
+        with pytest.raises(CudaCopyError, match="cell geometry out of range"):
+            queue.copy_cells(buf.data_ptr(), buf.data_ptr(), cells, [(blocks, blocks)])

@@ -1,6 +1,6 @@
 """ctypes binding of the CUDA gather/scatter plugin (``libmoriio_native_cudacopy.so``).
 
-The plugin's C ABI is ``cpp/backends/cuda/cudacopy_abi.h``; the UCX backend is its real user.
+The plugin's C ABI is ``cpp/cudacopy/cudacopy_abi.h``; the UCX backend is its real user.
 This binding exists so that the kernel alone can be benchmarked (``bench/cudacopy_bench.py``)
 and checked byte for byte on a GPU (``tests/py/test_cudacopy.py``) without UCX or the engine.
 """
@@ -10,17 +10,49 @@ from __future__ import annotations
 import ctypes
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _ERR = ctypes.c_char_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
 _ERR_LEN = 256
 
 
+class Cells(ctypes.Structure):
+    """``moriio_cudacopy_cells`` of cudacopy_abi.h: a block pair's cell grid, strides in bytes."""
+
+    _fields_ = [
+        ("planes", ctypes.c_uint32),
+        ("heads", ctypes.c_uint32),
+        ("tokens", ctypes.c_uint32),
+        ("cell_bytes", ctypes.c_uint32),
+        ("dst_plane_stride", ctypes.c_int64),
+        ("dst_head_stride", ctypes.c_int64),
+        ("dst_token_stride", ctypes.c_int64),
+        ("src_plane_stride", ctypes.c_int64),
+        ("src_head_stride", ctypes.c_int64),
+        ("src_token_stride", ctypes.c_int64),
+    ]
+
+
+def cells_of(geometry: dict[str, Any], into_local: bool) -> Cells:
+    """The plugin's form of ``BlockTemplate.cell_geometry`` for a copy into the local side
+    (a READ) or into the remote side (a WRITE)."""
+    dst, src = ("local", "remote") if into_local else ("remote", "local")
+    return Cells(
+        geometry["planes"],
+        geometry["heads"],
+        geometry["tokens"],
+        geometry["cell_bytes"],
+        *(geometry[dst][k] for k in ("plane_stride", "head_stride", "token_stride")),
+        *(geometry[src][k] for k in ("plane_stride", "head_stride", "token_stride")),
+    )
+
+
 class _Api(ctypes.Structure):
-    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 3)."""
+    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 4)."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
@@ -51,6 +83,23 @@ class _Api(ctypes.Structure):
         ),
         ("poll_op", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, _ERR, ctypes.c_size_t)),
         ("release_op", ctypes.CFUNCTYPE(None, ctypes.c_void_p)),
+        (
+            "submit_cells",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(Cells),
+                _I64P,
+                _I64P,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_void_p),
+                _ERR,
+                ctypes.c_size_t,
+            ),
+        ),
     ]
 
 
@@ -103,27 +152,67 @@ class Queue:
         """Submits every (dst offsets, src offsets, sizes) batch of int64 numpy arrays back to
         back, each behind ``wait_event`` (a cudaEvent_t handle, 0: none), waits for all; returns
         the seconds spent inside submit. Every submitted op is released, also on failure."""
+        return self.prepare_gather(dst, src, plans, wait_event)()
+
+    def prepare_gather(
+        self, dst: int, src: int, plans: list[tuple[Any, Any, Any]], wait_event: int = 0
+    ) -> Callable[[], float]:
+        """``gather`` with the ctypes arguments built now: the returned call only submits and
+        waits, so a benchmark times the plugin, not the conversion of numpy arrays (the engine
+        passes its arrays from C++). The arrays must stay unchanged until then."""
+        args = [
+            (
+                self.handle,
+                dst,
+                src,
+                d.ctypes.data_as(_I64P),
+                s.ctypes.data_as(_I64P),
+                n.ctypes.data_as(_I64P),
+                len(n),
+                wait_event,
+            )
+            for d, s, n in plans
+        ]
+        return lambda: self._run(args, self.api.submit)
+
+    def copy_cells(
+        self, dst: int, src: int, cells: Cells, batches: list[tuple[Any, Any]], wait_event: int = 0
+    ) -> float:
+        """Submits every (dst block offsets, src block offsets) batch of int64 numpy arrays as
+        one cell copy of ``cells`` each, back to back, and waits for all (as ``gather``)."""
+        return self.prepare_cells(dst, src, cells, batches, wait_event)()
+
+    def prepare_cells(
+        self, dst: int, src: int, cells: Cells, batches: list[tuple[Any, Any]], wait_event: int = 0
+    ) -> Callable[[], float]:
+        """``copy_cells`` with the ctypes arguments built now (as ``prepare_gather``)."""
+        args = [
+            (
+                self.handle,
+                dst,
+                src,
+                ctypes.byref(cells),
+                d.ctypes.data_as(_I64P),
+                s.ctypes.data_as(_I64P),
+                len(d),
+                wait_event,
+            )
+            for d, s in batches
+        ]
+        return lambda: self._run(args, self.api.submit_cells)
+
+    def _run(self, batches: list[tuple[Any, ...]], submit: Any) -> float:
+        """Calls ``submit(*args, op, err, err_len)`` for every argument tuple, then waits for
+        every op and releases it (also on failure); returns the seconds spent in ``submit``."""
         err = ctypes.create_string_buffer(_ERR_LEN)
         ops: list[ctypes.c_void_p] = []
         in_submit = 0.0
         failure = ""
         try:
-            for d, s, n in plans:
+            for args in batches:
                 op = ctypes.c_void_p()
                 t = time.perf_counter()
-                rc = self.api.submit(
-                    self.handle,
-                    dst,
-                    src,
-                    d.ctypes.data_as(_I64P),
-                    s.ctypes.data_as(_I64P),
-                    n.ctypes.data_as(_I64P),
-                    len(n),
-                    wait_event,
-                    ctypes.byref(op),
-                    err,
-                    _ERR_LEN,
-                )
+                rc = submit(*args, ctypes.byref(op), err, _ERR_LEN)
                 in_submit += time.perf_counter() - t
                 if rc != 0:
                     raise CudaCopyError(err.value.decode())

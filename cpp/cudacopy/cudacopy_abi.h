@@ -20,8 +20,20 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 3u
+#define MORIIO_CUDACOPY_ABI_VERSION 4u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
+
+/* The cells of a block pair as one grid, the same on both sides (moriio_native::CellGeometry):
+ * cell (plane p, head h, token t) of the block at byte offset B starts at
+ * B + p*plane_stride + h*head_stride + t*token_stride on that side and is cell_bytes long. */
+typedef struct moriio_cudacopy_cells {
+  uint32_t planes;     /* 1 or 2 */
+  uint32_t heads;      /* >= 1 */
+  uint32_t tokens;     /* >= 1 */
+  uint32_t cell_bytes; /* 1 .. 16384 (a longer cell is a long run: use submit) */
+  int64_t dst_plane_stride, dst_head_stride, dst_token_stride;
+  int64_t src_plane_stride, src_head_stride, src_token_stride;
+} moriio_cudacopy_cells;
 
 typedef struct moriio_cudacopy_api {
   uint32_t abi_version; /* MORIIO_CUDACOPY_ABI_VERSION */
@@ -49,6 +61,16 @@ typedef struct moriio_cudacopy_api {
   int (*poll_op)(void* op, char* err, size_t err_len);
   /* Frees an op; a running op is waited for first. */
   void (*release_op)(void* op);
+  /* Enqueues ONE kernel that copies every cell of `cells` from the block at
+   * src_base + src_blocks[i] to the block at dst_base + dst_blocks[i], for every i < count,
+   * through shared-memory tiles: each side is read or written in its own memory order, so a
+   * pair of different axis orders (NHD against HND) moves coalesced on both sides. The caller
+   * has checked every block against its regions; a geometry out of the ranges above fails the
+   * call (err names the field). Ops, `wait_event` and ordering as for submit. (ABI 4.) */
+  int (*submit_cells)(void* queue, uint64_t dst_base, uint64_t src_base,
+                      const moriio_cudacopy_cells* cells, const int64_t* dst_blocks,
+                      const int64_t* src_blocks, uint64_t count, uint64_t wait_event, void** op,
+                      char* err, size_t err_len);
 } moriio_cudacopy_api;
 
 /* The plugin exports: const moriio_cudacopy_api* moriio_native_cudacopy_api(void); */

@@ -1,0 +1,794 @@
+// libmoriio_native_cudacopy.so: one gather/scatter kernel per batch of (dst, src, size) runs.
+//
+// Why one kernel: every cudaMemcpyAsync or UCX cuda_ipc operation costs ~5-7 us of host CPU, so
+// a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
+// copies (measured, UCX 1.22, H200). Here the host writes the run table once (the engine's offset
+// arrays as they are; bases are kernel arguments) into mapped pinned memory, and the grid walks
+// it: each WARP copies one chunk (a run, or a 128 KiB piece of a longer run) at a time, 4 KiB per
+// step with eight 16-byte loads in flight per lane before their stores, when the two ends share
+// their alignment; the host only polls an event. Batches alternate between two streams so one
+// kernel's tail overlaps the next one.
+//
+// Why a warp and not a CTA per chunk (the first version): with a CTA of 256 threads per chunk a
+// 4 KiB run was one 16-byte load per thread followed by a wait for the next table entry, read
+// over PCIe from pinned memory. A warp looks up its next (up to) 32 chunks with one coalesced
+// read, lane j taking entry j, and then copies them one after the other, so the table's PCIe
+// latency is paid once per 32 chunks. Measured on an H200 (docs/benchmarks.md, 2026-12-01):
+// 32 KiB-2 MiB runs at 0.81-0.84x of a device copy against 0.78-0.80x for the first version in
+// the same runs. What bounds it: at 4 KiB the host's ~50-60 us per submit call (0.25-0.35x with
+// batches of 8,192 runs), above 32 KiB the scattered layout, not the kernel's depth: unroll 4 or
+// 8, chunks of 32/64/128 KiB, cache hints (ld.global.nc.L1::no_allocate.L2::256B, st.global.cs),
+// write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
+// at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <new>
+#include <vector>
+
+#include "cudacopy_abi.h"
+
+namespace {
+
+// Compile-time tunables, so bench/h200_session.sh can measure builds with other values against
+// this one in the same run (docs/benchmarks.md has the outcome).
+#ifndef MORIIO_CUDACOPY_CHUNK_KIB
+#define MORIIO_CUDACOPY_CHUNK_KIB 128
+#endif
+#ifndef MORIIO_CUDACOPY_UNROLL
+#define MORIIO_CUDACOPY_UNROLL 8
+#endif
+
+// Most bytes a warp copies per chunk: 128 KiB measured 0.81-0.84x against 0.80-0.82x for 64 KiB
+// and 32 KiB in the same runs (docs/benchmarks.md).
+constexpr std::uint64_t kChunk = MORIIO_CUDACOPY_CHUNK_KIB * 1024;
+constexpr int kUnroll = MORIIO_CUDACOPY_UNROLL;  // 16-byte loads in flight per lane
+constexpr int kThreads = 256;
+constexpr int kWarpsPerCta = kThreads / 32;
+constexpr int kStreams = 2;
+// A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a lane finds its
+// chunk with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
+// table is only built when some run spans several chunks: KV runs (4-128 KiB) map one to one.
+constexpr int kChunkBits = 24;  // runs of up to 2^24 chunks (2 TiB)
+
+void SetError(char* err, size_t len, const char* what, cudaError_t e) {
+  if (err != nullptr && len != 0) {
+    std::snprintf(err, len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  }
+}
+
+__device__ __forceinline__ std::uint64_t Min(std::uint64_t a, std::uint64_t b) {
+  return a < b ? a : b;
+}
+
+/// `count` vectors of type V; the 32 lanes of the calling warp take part.
+template <typename V>
+__device__ __forceinline__ void WarpCopyVectors(unsigned char* d, const unsigned char* s,
+                                                std::uint64_t count, unsigned lane) {
+  constexpr unsigned kStep = kUnroll * 32;
+  V* dv = reinterpret_cast<V*>(d) + lane;
+  const V* sv = reinterpret_cast<const V*>(s) + lane;
+  // All kUnroll loads of a step are issued before the first store: one 4 KiB step per warp is one
+  // memory round trip, not kUnroll of them. Pointers advance, so each access is base + constant.
+#pragma unroll 1
+  for (std::uint64_t steps = count / kStep; steps != 0; --steps, dv += kStep, sv += kStep) {
+    V r[kUnroll];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) r[k] = sv[k * 32];
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) dv[k * 32] = r[k];
+  }
+  // The last partial step, predicated, in halves: a full predicated step would need its own
+  // kUnroll registers besides the loop's (ptxas: 109 registers instead of 64, half the warps).
+  constexpr unsigned kHalf = kStep / 2;
+  const auto rest = static_cast<unsigned>(count % kStep);
+#pragma unroll 1
+  for (unsigned base = 0; base < rest; base += kHalf, dv += kHalf, sv += kHalf) {
+    V r[kUnroll / 2];
+#pragma unroll
+    for (int k = 0; k < kUnroll / 2; ++k) {
+      if (base + lane + k * 32 < rest) r[k] = sv[k * 32];
+    }
+#pragma unroll
+    for (int k = 0; k < kUnroll / 2; ++k) {
+      if (base + lane + k * 32 < rest) dv[k * 32] = r[k];
+    }
+  }
+}
+
+__device__ __forceinline__ void WarpCopyBytes(unsigned char* d, const unsigned char* s,
+                                              std::uint64_t n, unsigned lane) {
+  for (std::uint64_t i = lane; i < n; i += 32) d[i] = s[i];
+}
+
+/// Copies `n` bytes whose two ends are not both 16-byte aligned after the same head (4-byte or
+/// byte accesses). Out of line: KV runs never take it, and inlined it costs the fast path
+/// registers (fewer warps resident, fewer bytes in flight).
+__device__ __noinline__ void WarpCopyUnaligned(unsigned char* d, const unsigned char* s,
+                                               std::uint64_t n, unsigned lane) {
+  const auto da = reinterpret_cast<std::uintptr_t>(d);
+  if (((da ^ reinterpret_cast<std::uintptr_t>(s)) & 3) != 0) {
+    WarpCopyBytes(d, s, n, lane);
+    return;
+  }
+  const std::uint64_t head = Min(n, (4 - (da & 3)) & 3);
+  WarpCopyBytes(d, s, head, lane);
+  const std::uint64_t body = (n - head) / 4;
+  WarpCopyVectors<unsigned int>(d + head, s + head, body, lane);
+  const std::uint64_t done = head + body * 4;
+  WarpCopyBytes(d + done, s + done, n - done, lane);
+}
+
+/// Copies `n` bytes; the 32 lanes of the calling warp take part.
+__device__ __forceinline__ void WarpCopy(unsigned char* d, const unsigned char* s,
+                                         std::uint64_t n, unsigned lane) {
+  const auto da = reinterpret_cast<std::uintptr_t>(d);
+  if (((da ^ reinterpret_cast<std::uintptr_t>(s)) & 15) != 0) {
+    WarpCopyUnaligned(d, s, n, lane);
+    return;
+  }
+  // Bytes up to the first common 16-byte aligned address, the vector body, then the tail.
+  const std::uint64_t head = Min(n, (16 - (da & 15)) & 15);
+  if (head != 0) WarpCopyBytes(d, s, head, lane);
+  const std::uint64_t body = (n - head) / 16;
+  WarpCopyVectors<uint4>(d + head, s + head, body, lane);
+  const std::uint64_t done = head + body * 16;
+  if (done != n) WarpCopyBytes(d + done, s + done, n - done, lane);
+}
+
+/// One chunk's copy: where from, where to, how many bytes.
+struct ChunkCopy {
+  unsigned char* dst;
+  const unsigned char* src;
+  std::uint64_t len;
+};
+
+/// table: the offset columns, dst[n] then src[n] (int64 bytes, or, when `compact`, uint32 in
+/// 16-byte units: half the bytes the host writes into the mapped table), size[n] (int64; absent
+/// when every run has the size `uniform`), then chunk[chunks] (see kChunkBits) unless
+/// chunks == n (every run is one chunk: chunk c is run c).
+struct RunTable {
+  std::uint64_t dst_base;
+  std::uint64_t src_base;
+  const std::int64_t* table;
+  std::uint64_t n;
+  std::uint64_t chunks;
+  std::uint64_t uniform;  // the size of every run, or 0: sizes in the table
+  bool compact;
+
+  __device__ ChunkCopy Chunk(std::uint64_t c) const {
+    const std::uint64_t offset_words = compact ? n : 2 * n;
+    const std::int64_t* size = table + offset_words;
+    const auto* chunk =
+        reinterpret_cast<const std::uint64_t*>(table + offset_words + (uniform ? 0 : n));
+    const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
+    const std::uint64_t r = entry >> kChunkBits;
+    const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
+    const std::uint64_t len = uniform ? uniform : static_cast<std::uint64_t>(size[r]);
+    std::uint64_t dst = 0;
+    std::uint64_t src = 0;
+    if (compact) {
+      const auto* units = reinterpret_cast<const std::uint32_t*>(table);
+      dst = std::uint64_t{units[r]} * 16;
+      src = std::uint64_t{units[n + r]} * 16;
+    } else {
+      dst = static_cast<std::uint64_t>(table[r]);
+      src = static_cast<std::uint64_t>(table[n + r]);
+    }
+    return {reinterpret_cast<unsigned char*>(dst_base + dst + off),
+            reinterpret_cast<const unsigned char*>(src_base + src + off), Min(kChunk, len - off)};
+  }
+};
+
+/// Warp w of W copies, in round k, the `group` consecutive chunks starting at
+/// k * W * group + w * group, where group = min(32, ceil(chunks / W)): lane j loads chunk j's
+/// table entry (one coalesced read per group instead of one dependent read per chunk), then the
+/// warp copies the group's chunks in turn, taking each one's entry from its lane by shuffle.
+/// Consecutive warps work on neighbouring chunks, which the engine sorts by destination.
+__global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
+  const unsigned lane = threadIdx.x & 31;
+  const std::uint64_t warp = (std::uint64_t{blockIdx.x} * kThreads + threadIdx.x) >> 5;
+  const std::uint64_t warps = std::uint64_t{gridDim.x} * kWarpsPerCta;
+  const std::uint64_t group = Min(32, (t.chunks + warps - 1) / warps);
+  for (std::uint64_t first = warp * group; first < t.chunks; first += warps * group) {
+    const unsigned here = static_cast<unsigned>(Min(group, t.chunks - first));
+    const ChunkCopy mine = lane < here ? t.Chunk(first + lane) : ChunkCopy{nullptr, nullptr, 0};
+#pragma unroll 1
+    for (unsigned j = 0; j < here; ++j) {
+      auto* d = reinterpret_cast<unsigned char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<std::uintptr_t>(mine.dst), j));
+      const auto* s = reinterpret_cast<const unsigned char*>(
+          __shfl_sync(0xffffffffu, reinterpret_cast<std::uintptr_t>(mine.src), j));
+      const std::uint64_t len = __shfl_sync(0xffffffffu, mine.len, j);
+      WarpCopy(d, s, len, lane);
+    }
+  }
+}
+
+// ---- The transposing cell copy (submit_cells) -------------------------------------------------
+//
+// Why: a layer pair whose axes are ordered differently (prefill [2,N,B,H,D] NHD, decode
+// [N,2,H,B,D] HND) has one run per (plane, head, token) cell, 256 bytes for llama3-8b: 16.8 M
+// runs for a 2,048-block request, which moved at 0.016x of a device copy as runs. Here a CTA
+// takes a tile of a block's cells (a range of heads x a range of tokens of one plane): it reads
+// the tile in the source's memory order into shared memory, then writes it in the destination's
+// memory order, so consecutive lanes touch consecutive bytes on both sides whatever the cell
+// size. The host passes one pair of block offsets per block, not one entry per cell.
+
+// Tunables as -D values so bench/h200_session.sh can measure variants against this build in the
+// same run. Measured on the H200 (docs/benchmarks.md, llama3-8b NHD -> HND, 4 GiB): 4 resident
+// CTAs of unroll 4 with 32 KiB tiles 0.88x of a device copy; 3 CTAs 0.88x; 2 CTAs of unroll 8
+// (more bytes in flight per thread, fewer warps) 0.72x; 16 KiB tiles 0.83x; a double-buffered
+// variant (cp.async into a second tile while the first is written) 0.88x at best, so not kept.
+// While one CTA waits at its barrier between reading and writing its tile, the others keep
+// loads in flight: resident CTAs matter more than loads per thread.
+#ifndef MORIIO_CUDACOPY_CELL_UNROLL
+#define MORIIO_CUDACOPY_CELL_UNROLL 4
+#endif
+#ifndef MORIIO_CUDACOPY_CELL_TILE_KIB
+#define MORIIO_CUDACOPY_CELL_TILE_KIB 32
+#endif
+#ifndef MORIIO_CUDACOPY_CELL_CTAS
+#define MORIIO_CUDACOPY_CELL_CTAS 4
+#endif
+constexpr int kCellThreads = 256;
+constexpr unsigned kTileBytes = MORIIO_CUDACOPY_CELL_TILE_KIB * 1024;  // shared memory per CTA
+constexpr int kCellUnroll = MORIIO_CUDACOPY_CELL_UNROLL;  // vectors per thread in flight
+// The register budget is cut for this many resident CTAs per SM (4: at most 64 registers).
+constexpr int kCellCtasPerSm = MORIIO_CUDACOPY_CELL_CTAS;
+
+/// One side of a tile walk: strides in bytes; heads_outer when a head step is the longer one
+/// (HND), so the walk goes along tokens innermost.
+struct CellSide {
+  std::int64_t plane;
+  std::int64_t head;
+  std::int64_t token;
+  bool heads_outer;
+};
+
+struct CellGrid {
+  std::uint64_t dst_base;
+  std::uint64_t src_base;
+  const std::int64_t* table;  // dst block offset[n], src block offset[n]
+  std::uint64_t n;
+  unsigned planes, heads, tokens;
+  unsigned vpc;                      // vectors of V per cell
+  unsigned tile_heads, tile_tokens;  // the largest tile (edges are smaller)
+  unsigned head_tiles, token_tiles;
+  CellSide dst, src;
+};
+
+/// Cell `cell` of a th x tt tile in `side`'s memory order -> its (head, token) in the tile.
+__device__ __forceinline__ void CellAt(const CellSide& side, unsigned cell, unsigned th,
+                                       unsigned tt, unsigned* h, unsigned* t) {
+  if (side.heads_outer) {
+    *h = cell / tt;
+    *t = cell - *h * tt;
+  } else {
+    *t = cell / th;
+    *h = cell - *t * th;
+  }
+}
+
+/// Where vector `v` of a th x tt tile, walked in `side`'s memory order, lies: its index in the
+/// shared tile (held [head][token][vector]) and its global address.
+template <typename V>
+__device__ __forceinline__ unsigned TileVector(unsigned v, unsigned char* global,
+                                               const CellSide& side, unsigned th, unsigned tt,
+                                               unsigned vpc, V** at) {
+  const unsigned cell = v / vpc;
+  const unsigned within = v - cell * vpc;
+  unsigned h = 0;
+  unsigned t = 0;
+  CellAt(side, cell, th, tt, &h, &t);
+  *at = reinterpret_cast<V*>(global + h * side.head + t * side.token) + within;
+  return (h * tt + t) * vpc + within;
+}
+
+/// Reads the tile's `vectors` vectors from global memory in the source's order into shared
+/// memory. Every load of a step is issued before the first store: one memory round trip per
+/// kCellUnroll vectors per thread.
+template <typename V>
+__device__ __forceinline__ void LoadTile(V* tile, unsigned char* src, const CellSide& side,
+                                         unsigned th, unsigned tt, unsigned vpc,
+                                         unsigned vectors) {
+  constexpr unsigned kStep = kCellThreads * kCellUnroll;
+#pragma unroll 1
+  for (unsigned base = threadIdx.x; base < vectors; base += kStep) {
+    V r[kCellUnroll];
+    unsigned slot[kCellUnroll];
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      const unsigned v = base + k * kCellThreads;
+      if (v >= vectors) continue;
+      V* g = nullptr;
+      slot[k] = TileVector<V>(v, src, side, th, tt, vpc, &g);
+      r[k] = *g;
+    }
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      if (base + k * kCellThreads < vectors) tile[slot[k]] = r[k];
+    }
+  }
+}
+
+/// Writes the tile from shared memory to global memory in the destination's order.
+template <typename V>
+__device__ __forceinline__ void StoreTile(const V* tile, unsigned char* dst,
+                                          const CellSide& side, unsigned th, unsigned tt,
+                                          unsigned vpc, unsigned vectors) {
+  constexpr unsigned kStep = kCellThreads * kCellUnroll;
+#pragma unroll 1
+  for (unsigned base = threadIdx.x; base < vectors; base += kStep) {
+    V r[kCellUnroll];
+    V* g[kCellUnroll];
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      const unsigned v = base + k * kCellThreads;
+      if (v < vectors) r[k] = tile[TileVector<V>(v, dst, side, th, tt, vpc, &g[k])];
+    }
+#pragma unroll
+    for (int k = 0; k < kCellUnroll; ++k) {
+      if (base + k * kCellThreads < vectors) *g[k] = r[k];
+    }
+  }
+}
+
+/// Persistent CTAs walk the work items (block, plane, head tile, token tile); consecutive items
+/// are tiles of one block, so neighbouring CTAs read and write neighbouring memory.
+template <typename V>
+__global__ void __launch_bounds__(kCellThreads, kCellCtasPerSm) CellCopyKernel(CellGrid g) {
+  extern __shared__ uint4 shared_tile[];
+  V* tile = reinterpret_cast<V*>(shared_tile);
+  const std::uint64_t per_block = std::uint64_t{g.planes} * g.head_tiles * g.token_tiles;
+  const std::uint64_t items = g.n * per_block;
+  // The table lives in mapped host memory, a PCIe round trip (~1-2 us) away: the next item's
+  // entry is loaded while this one's tile moves, so the wait for it overlaps the copy.
+  auto entry = [&](std::uint64_t item, std::int64_t* dst, std::int64_t* src) {
+    const std::uint64_t block = item < items ? item / per_block : 0;
+    *dst = g.table[block];
+    *src = g.table[g.n + block];
+  };
+  std::int64_t next_dst = 0;
+  std::int64_t next_src = 0;
+  if (blockIdx.x < items) entry(blockIdx.x, &next_dst, &next_src);
+  for (std::uint64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const std::int64_t dst_block = next_dst;
+    const std::int64_t src_block = next_src;
+    if (item + gridDim.x < items) entry(item + gridDim.x, &next_dst, &next_src);
+    const std::uint64_t block = item / per_block;
+    auto rest = static_cast<unsigned>(item - block * per_block);
+    const unsigned plane = rest / (g.head_tiles * g.token_tiles);
+    rest -= plane * g.head_tiles * g.token_tiles;
+    const unsigned h0 = rest / g.token_tiles * g.tile_heads;
+    const unsigned t0 = rest % g.token_tiles * g.tile_tokens;
+    const unsigned th = min(g.tile_heads, g.heads - h0);
+    const unsigned tt = min(g.tile_tokens, g.tokens - t0);
+    const unsigned vectors = th * tt * g.vpc;
+    auto* src = reinterpret_cast<unsigned char*>(g.src_base + src_block + plane * g.src.plane +
+                                                 h0 * g.src.head + t0 * g.src.token);
+    auto* dst = reinterpret_cast<unsigned char*>(g.dst_base + dst_block + plane * g.dst.plane +
+                                                 h0 * g.dst.head + t0 * g.dst.token);
+    LoadTile<V>(tile, src, g.src, th, tt, g.vpc, vectors);
+    __syncthreads();
+    StoreTile<V>(tile, dst, g.dst, th, tt, g.vpc, vectors);
+    __syncthreads();  // the next item overwrites the tile
+  }
+}
+
+/// A run table in mapped pinned host memory: the host writes it, the kernel reads it in place
+/// (`device` is the same memory as the GPU addresses it). Measured on an H200 VM: a separate
+/// host-to-device copy of the table now and then stalled a batch by ~1 ms, and it cost an
+/// extra API call per batch; each CTA reads only 24 bytes per chunk, one chunk ahead.
+struct Slot {
+  std::int64_t* host = nullptr;
+  const std::int64_t* device = nullptr;
+  std::size_t capacity = 0;  // 8-byte words
+};
+
+struct Queue;
+
+struct Op {
+  Queue* queue = nullptr;
+  Slot slot;
+  cudaEvent_t done = nullptr;
+};
+
+struct Queue {
+  int device = 0;
+  int max_ctas = 0;  // resident CTAs of GatherScatter
+  int max_cell_ctas = 0;  // resident CTAs of CellCopyKernel (the same for every vector type)
+  cudaStream_t streams[kStreams] = {};
+  int next_stream = 0;
+  std::vector<Slot> free_slots;  // reused: pinned allocations cost milliseconds
+  std::vector<cudaEvent_t> free_events;
+};
+
+void FreeSlot(const Slot& s) {
+  if (s.host != nullptr) cudaFreeHost(s.host);
+}
+
+int Probe(char* err, size_t err_len) {
+  int count = 0;
+  cudaError_t e = cudaGetDeviceCount(&count);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaGetDeviceCount", e);
+    return -1;
+  }
+  if (count == 0) {
+    if (err != nullptr && err_len != 0) std::snprintf(err, err_len, "no CUDA device");
+    return -1;
+  }
+  return 0;
+}
+
+/// Lets every cell kernel take kTileBytes of dynamic shared memory (a tile above 48 KiB must
+/// be asked for).
+cudaError_t AllowCellShared() {
+  cudaError_t e = cudaSuccess;
+  auto allow = [&](const void* kernel) {
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kTileBytes));
+    }
+  };
+  allow(reinterpret_cast<const void*>(CellCopyKernel<uint4>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<uint2>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<unsigned>));
+  allow(reinterpret_cast<const void*>(CellCopyKernel<unsigned char>));
+  return e;
+}
+
+int CreateQueue(int device, void** out, char* err, size_t err_len) {
+  cudaError_t e = cudaSetDevice(device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  int sms = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaDeviceGetAttribute", e);
+    return -1;
+  }
+  std::unique_ptr<Queue> q(new (std::nothrow) Queue);
+  if (q == nullptr) return -1;
+  q->device = device;
+  // As many CTAs as can be resident at once (a persistent grid): more only adds tail effects.
+  int per_sm = 0;
+  int cell_per_sm = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
+  if (e == cudaSuccess) {
+    e = AllowCellShared();
+  }
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&cell_per_sm, CellCopyKernel<uint4>,
+                                                      kCellThreads, kTileBytes);
+  }
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaOccupancyMaxActiveBlocksPerMultiprocessor", e);
+    return -1;
+  }
+  q->max_ctas = sms * std::max(per_sm, 1);
+  q->max_cell_ctas = sms * std::max(cell_per_sm, 1);
+  for (cudaStream_t& stream : q->streams) {
+    e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) {
+      SetError(err, err_len, "cudaStreamCreateWithFlags", e);
+      for (cudaStream_t created : q->streams) {
+        if (created != nullptr) cudaStreamDestroy(created);
+      }
+      return -1;
+    }
+  }
+  *out = q.release();
+  return 0;
+}
+
+void DestroyQueue(void* queue) {
+  auto* q = static_cast<Queue*>(queue);
+  if (q == nullptr) return;
+  cudaSetDevice(q->device);
+  for (cudaStream_t stream : q->streams) cudaStreamSynchronize(stream);
+  for (const Slot& s : q->free_slots) FreeSlot(s);
+  for (cudaEvent_t ev : q->free_events) cudaEventDestroy(ev);
+  for (cudaStream_t stream : q->streams) cudaStreamDestroy(stream);
+  delete q;
+}
+
+/// A table of at least `words` 8-byte words: a free one reused, or a new one (rounded up to a
+/// power of two, so a queue keeps few sizes; tables stay with the queue until it is destroyed).
+bool TakeSlot(Queue* q, std::size_t words, Slot* out, char* err, size_t err_len) {
+  // The smallest free table that fits, so a small batch does not hold a large one.
+  auto best = q->free_slots.end();
+  for (auto it = q->free_slots.begin(); it != q->free_slots.end(); ++it) {
+    if (it->capacity >= words && (best == q->free_slots.end() || it->capacity < best->capacity)) {
+      best = it;
+    }
+  }
+  if (best != q->free_slots.end()) {
+    *out = *best;
+    q->free_slots.erase(best);
+    return true;
+  }
+  Slot slot;
+  std::size_t cap = 1024;
+  while (cap < words) cap *= 2;
+  cudaError_t e = cudaHostAlloc(reinterpret_cast<void**>(&slot.host), cap * 8, cudaHostAllocMapped);
+  void* mapped = nullptr;
+  if (e == cudaSuccess) e = cudaHostGetDevicePointer(&mapped, slot.host, 0);
+  if (e != cudaSuccess) {
+    FreeSlot(slot);
+    SetError(err, err_len, "allocating the run table", e);
+    return false;
+  }
+  slot.device = static_cast<const std::int64_t*>(mapped);
+  slot.capacity = cap;
+  *out = slot;
+  return true;
+}
+
+template <typename... Args>
+void SetMessage(char* err, size_t err_len, const char* format, Args... args) {
+  if (err != nullptr && err_len != 0) std::snprintf(err, err_len, format, args...);
+}
+
+/// Enqueues `launch(stream)` behind `wait_event` on the queue's next stream with an event after
+/// it, and hands out the op that owns `slot` (the launched kernel's table). On failure the slot
+/// goes back to the queue once no kernel can read it.
+template <typename Launch>
+int Enqueue(Queue* q, const Slot& slot, std::uint64_t wait_event, Launch launch, void** out,
+            char* err, size_t err_len) {
+  cudaEvent_t ev = nullptr;
+  cudaError_t e = cudaSuccess;
+  if (!q->free_events.empty()) {
+    ev = q->free_events.back();
+    q->free_events.pop_back();
+  } else {
+    e = cudaEventCreateWithFlags(&ev, cudaEventDisableTiming);
+    if (e != cudaSuccess) {
+      q->free_slots.push_back(slot);
+      SetError(err, err_len, "cudaEventCreateWithFlags", e);
+      return -1;
+    }
+  }
+  cudaStream_t stream = q->streams[q->next_stream];
+  q->next_stream = (q->next_stream + 1) % kStreams;
+  // The copy of a layer waits on the device for the compute that produces it (per-layer WRITE
+  // overlapped with the forward pass); the op's event then covers both.
+  if (wait_event != 0) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(wait_event), 0);
+  if (e == cudaSuccess) e = launch(stream);
+  if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
+  if (e != cudaSuccess) {
+    // The kernel may still read the table: wait before the slot can be reused.
+    cudaStreamSynchronize(stream);
+    q->free_slots.push_back(slot);
+    q->free_events.push_back(ev);
+    SetError(err, err_len, "launching the copy kernel", e);
+    return -1;
+  }
+  auto* op = new (std::nothrow) Op{q, slot, ev};
+  if (op == nullptr) {
+    cudaEventSynchronize(ev);
+    q->free_slots.push_back(slot);
+    q->free_events.push_back(ev);
+    return -1;
+  }
+  *out = op;
+  return 0;
+}
+
+int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+           const std::int64_t* dst_offsets, const std::int64_t* src_offsets,
+           const std::int64_t* sizes, std::uint64_t count, std::uint64_t wait_event, void** out,
+           char* err, size_t err_len) {
+  auto* q = static_cast<Queue*>(queue);
+  cudaError_t e = cudaSetDevice(q->device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  // Writing into the mapped pinned table is the slow part of a submit (~4.8 GB/s on the H200
+  // VM, docs/benchmarks.md), so the table is as small as the runs allow: no size column when all
+  // sizes are equal, offsets as 32-bit 16-byte units when every offset is such a multiple below
+  // 64 GiB (KV runs always are). The common batch (that form, one chunk per run) is validated
+  // and written in ONE pass over the caller's arrays; any other is written again in its form.
+  Slot slot;
+  if (!TakeSlot(q, 2 * count, &slot, err, err_len)) return -1;
+  auto* units = reinterpret_cast<std::uint32_t*>(slot.host);
+  std::int64_t* size_column = slot.host + count;  // follows the 32-bit offset columns
+  std::uint64_t chunks = 0;
+  std::uint64_t any_bits = 0;  // OR of every offset: alignment and range in one test
+  bool all_same = true;
+  const std::int64_t first_size = count != 0 ? sizes[0] : 0;
+  for (std::uint64_t i = 0; i < count; ++i) {
+    const std::int64_t size = sizes[i];
+    if (size <= 0) {
+      q->free_slots.push_back(slot);
+      SetMessage(err, err_len, "run %llu has size %lld; sizes must be positive",
+                 static_cast<unsigned long long>(i), static_cast<long long>(size));
+      return -1;
+    }
+    chunks += (static_cast<std::uint64_t>(size) + kChunk - 1) / kChunk;
+    const std::int64_t d = dst_offsets[i];
+    const std::int64_t s = src_offsets[i];
+    any_bits |= static_cast<std::uint64_t>(d) | static_cast<std::uint64_t>(s);
+    units[i] = static_cast<std::uint32_t>(d >> 4);
+    units[count + i] = static_cast<std::uint32_t>(s >> 4);
+    if (all_same && size != first_size) {
+      all_same = false;
+      std::fill(size_column, size_column + i, first_size);
+    }
+    if (!all_same) size_column[i] = size;
+  }
+  // Every run has at least one chunk, so equal counts mean exactly one each.
+  const bool one_chunk_per_run = chunks == count;
+  const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(first_size) : 0;
+  const bool compact = (any_bits & 15) == 0 && (any_bits >> 36) == 0;
+  const std::size_t offset_words = compact ? count : 2 * count;
+  const std::size_t size_words = uniform != 0 ? 0 : count;
+  if (!compact || !one_chunk_per_run) {
+    // A table of another form (and a chunk column): in a slot of its size, the 32-bit columns
+    // taken over when they hold, the 64-bit ones copied otherwise.
+    Slot fitted;
+    const std::size_t words = offset_words + size_words + (one_chunk_per_run ? 0 : chunks);
+    if (!TakeSlot(q, words, &fitted, err, err_len)) {
+      q->free_slots.push_back(slot);
+      return -1;
+    }
+    if (compact) {
+      std::memcpy(fitted.host, slot.host, count * 8);
+    } else {
+      std::memcpy(fitted.host, dst_offsets, count * 8);
+      std::memcpy(fitted.host + count, src_offsets, count * 8);
+    }
+    if (size_words != 0) std::memcpy(fitted.host + offset_words, sizes, count * 8);
+    q->free_slots.push_back(slot);
+    slot = fitted;
+  }
+  std::int64_t* t = slot.host;
+  if (!one_chunk_per_run) {
+    std::int64_t* chunk = t + offset_words + size_words;
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+      if (run_chunks >> kChunkBits) {
+        q->free_slots.push_back(slot);
+        SetMessage(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
+                   static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
+                   static_cast<unsigned long long>(kChunk << kChunkBits));
+        return -1;
+      }
+      for (std::uint64_t j = 0; j < run_chunks; ++j) {
+        *chunk++ = static_cast<std::int64_t>((i << kChunkBits) | j);
+      }
+    }
+  }
+  const RunTable table{dst_base, src_base, slot.device, count, chunks, uniform, compact};
+  const auto grid = static_cast<unsigned>(
+      std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
+  return Enqueue(
+      q, slot, wait_event,
+      [&](cudaStream_t stream) {
+        if (chunks == 0) return cudaSuccess;
+        GatherScatter<<<grid, kThreads, 0, stream>>>(table);
+        return cudaGetLastError();
+      },
+      out, err, err_len);
+}
+
+/// The cell kernel for the widest vector type every address and size of the copy is a multiple
+/// of (16 bytes for KV caches; narrower types keep odd geometries correct).
+template <typename V>
+cudaError_t LaunchCells(CellGrid g, unsigned grid, cudaStream_t stream) {
+  g.vpc /= sizeof(V);
+  CellCopyKernel<V><<<grid, kCellThreads, kTileBytes, stream>>>(g);
+  return cudaGetLastError();
+}
+
+int SubmitCells(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+                const moriio_cudacopy_cells* cells, const std::int64_t* dst_blocks,
+                const std::int64_t* src_blocks, std::uint64_t count, std::uint64_t wait_event,
+                void** out, char* err, size_t err_len) {
+  auto* q = static_cast<Queue*>(queue);
+  if (cells == nullptr) {
+    SetMessage(err, err_len, "no cell geometry");
+    return -1;
+  }
+  const moriio_cudacopy_cells& c = *cells;
+  if (c.planes < 1 || c.planes > 2 || c.heads < 1 || c.tokens < 1 || c.cell_bytes < 1 ||
+      c.cell_bytes > kTileBytes / 2) {
+    SetMessage(err, err_len,
+               "cell geometry out of range: planes %u (1 or 2), heads %u, tokens %u (>= 1), "
+               "cell_bytes %u (1..%u)",
+               c.planes, c.heads, c.tokens, c.cell_bytes, kTileBytes / 2);
+    return -1;
+  }
+  cudaError_t e = cudaSetDevice(q->device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  // The tile: whole token rows when they fit (HND's inner axis), as many heads as fit beside
+  // them (NHD's inner axis); both sides then walk long contiguous stretches.
+  const unsigned per_tile = kTileBytes / c.cell_bytes;
+  const unsigned tile_tokens = std::min(c.tokens, per_tile);
+  const unsigned tile_heads = std::min(c.heads, per_tile / tile_tokens);
+  std::uint64_t bits = c.cell_bytes | dst_base | src_base;
+  for (std::int64_t v : {c.dst_plane_stride, c.dst_head_stride, c.dst_token_stride,
+                         c.src_plane_stride, c.src_head_stride, c.src_token_stride}) {
+    bits |= static_cast<std::uint64_t>(v);
+  }
+  for (std::uint64_t i = 0; i < count; ++i) {
+    bits |= static_cast<std::uint64_t>(dst_blocks[i]) | static_cast<std::uint64_t>(src_blocks[i]);
+  }
+  Slot slot;
+  if (!TakeSlot(q, 2 * count, &slot, err, err_len)) return -1;
+  std::memcpy(slot.host, dst_blocks, count * 8);
+  std::memcpy(slot.host + count, src_blocks, count * 8);
+  auto side = [](std::int64_t plane, std::int64_t head, std::int64_t token) {
+    return CellSide{plane, head, token, head > token};
+  };
+  const CellGrid g{dst_base,
+                   src_base,
+                   slot.device,
+                   count,
+                   c.planes,
+                   c.heads,
+                   c.tokens,
+                   c.cell_bytes,
+                   tile_heads,
+                   tile_tokens,
+                   (c.heads + tile_heads - 1) / tile_heads,
+                   (c.tokens + tile_tokens - 1) / tile_tokens,
+                   side(c.dst_plane_stride, c.dst_head_stride, c.dst_token_stride),
+                   side(c.src_plane_stride, c.src_head_stride, c.src_token_stride)};
+  const std::uint64_t items = count * c.planes * g.head_tiles * g.token_tiles;
+  const auto grid = static_cast<unsigned>(
+      std::min<std::uint64_t>(items, static_cast<std::uint64_t>(q->max_cell_ctas)));
+  return Enqueue(
+      q, slot, wait_event,
+      [&](cudaStream_t stream) {
+        if (items == 0) return cudaSuccess;
+        if ((bits & 15) == 0) return LaunchCells<uint4>(g, grid, stream);
+        if ((bits & 7) == 0) return LaunchCells<uint2>(g, grid, stream);
+        if ((bits & 3) == 0) return LaunchCells<unsigned>(g, grid, stream);
+        return LaunchCells<unsigned char>(g, grid, stream);
+      },
+      out, err, err_len);
+}
+
+int PollOp(void* op_ptr, char* err, size_t err_len) {
+  auto* op = static_cast<Op*>(op_ptr);
+  cudaError_t e = cudaEventQuery(op->done);
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  SetError(err, err_len, "gather/scatter kernel", e);
+  return -1;
+}
+
+void ReleaseOp(void* op_ptr) {
+  auto* op = static_cast<Op*>(op_ptr);
+  if (op == nullptr) return;
+  cudaSetDevice(op->queue->device);
+  cudaEventSynchronize(op->done);
+  op->queue->free_slots.push_back(op->slot);
+  op->queue->free_events.push_back(op->done);
+  delete op;
+}
+
+const moriio_cudacopy_api kApi = {
+    MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit,
+    &PollOp,                     &ReleaseOp, &SubmitCells,
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const moriio_cudacopy_api*
+moriio_native_cudacopy_api(void) {
+  return &kApi;
+}
