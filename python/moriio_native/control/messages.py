@@ -58,7 +58,6 @@ from moriio_native.errors import InvalidArgumentError
 
 from .addressing import BlockIdGroups, ZmqAddress, validate_host, validate_port
 from .schema import (
-    MAX_PARALLEL_SIZE,
     MAX_REQUEST_ID_LEN,
     Id,
     Port,

@@ -126,10 +126,11 @@ def load(target: Any, payload: bytes | bytearray | memoryview) -> Any:
         return decoder(target).decode(payload)
 
 
-def convert(value: Any, target: Any) -> Any:
-    """``value`` (builtins) checked against ``target``'s bounds, strictly (no str -> int)."""
+def convert(value: Any, target: Any, *, strict: bool = True) -> Any:
+    """``value`` (builtins) checked against ``target``'s bounds; ``strict=False`` also reads
+    numbers and booleans from strings ("6301", "true")."""
     with _checking():
-        return msgspec.convert(value, target, dec_hook=_dec_hook)
+        return msgspec.convert(value, target, strict=strict, dec_hook=_dec_hook)
 
 
 _T = TypeVar("_T", bound="Schema")
