@@ -356,6 +356,16 @@ class NotifyListener(_RouterThread):
             port, bind_host=bind_host, max_message_bytes=max_message_bytes, context=context
         )
 
+    def stats(self) -> dict[str, int]:
+        """The counters of :meth:`_RouterThread.stats` plus two gauges: ``queued`` (messages
+        waiting for drain/get, at most ``max_pending``) and ``remembered`` (deduplication keys
+        held, at most ``dedup_capacity``). Thread-safe."""
+        out = super().stats()
+        with self._cond:
+            out["queued"] = len(self._pending)
+            out["remembered"] = len(self._seen)
+        return out
+
     def _wait_ready(self) -> bool:
         with self._cond:
             if len(self._pending) < self._max_pending:
