@@ -9,7 +9,7 @@ It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can re
   secret (``--auth-secret-env``, default ``$MORIIO_NATIVE_AUTH_SECRET``) only pings signed with
   it are believed (HMAC-SHA256, fresh stamp, each stamp once: see
   ``moriio_native.control.security``); the instances need the same ``auth_secret`` and
-  ``proxy_auth`` on (the default);
+  ``proxy_auth: true``;
 * per request: the request id embeds both instances' control addresses
   (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``), a fresh ``transfer_id`` goes to both legs;
   the prefill leg runs with ``max_tokens=1``; in READ mode the decode leg waits for the prefill's

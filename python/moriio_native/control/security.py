@@ -11,8 +11,8 @@ message are not detected here; the receivers make them harmless (duplicates are 
 messages for finished transfers are ignored, handshake replies echo a fresh nonce).
 
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
-ping is one frame unless the sender is told to sign it (``proxy_auth``). A signed ping is three
-frames: ``payload``, a 24-byte stamp (8-byte big-endian milliseconds since the Unix epoch, 16
+ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
+three frames: ``payload``, a 24-byte stamp (8-byte big-endian milliseconds since the Unix epoch, 16
 random bytes) and ``HMAC-SHA256(secret, b"moriio-native/registration/v1\0" + stamp +
 payload)``. A proxy with the secret (:class:`RegistrationVerifier`) accepts a ping only when the
 tag matches (not forged, not another message's tag: the domain differs from the control

@@ -22,10 +22,10 @@ key                   default      meaning
 ``http_port``         unset        this instance's HTTP port (``vllm serve --port``); required
                                    with ``proxy_ip``
 ``ping_interval``     ``3.0``      seconds between registration pings
-``proxy_auth``        ``true``     sign the registration pings with ``auth_secret`` (when one is
-                                   set), as the example proxy with the same secret requires;
-                                   ``false`` for a router that knows no secret (vllm-router,
-                                   vLLM's toy proxy), which reads one-frame pings only
+``proxy_auth``        ``false``    sign the registration pings with ``auth_secret`` (when one is
+                                   set), as the example proxy holding the same secret requires;
+                                   off for a router that knows no secret (vllm-router, vLLM's
+                                   toy proxy), which reads one-frame pings only
 ``transfer_timeout``  ``30.0``     seconds one transfer (and one handshake) may take
 ``abort_timeout``     ``120.0``    seconds a stranded request may hold blocks: prefill blocks
                                    nobody released, decode requests whose KV never arrived.
@@ -166,7 +166,7 @@ class ConnectorConfig(Schema, frozen=True):
     proxy_ping_port: Port = DEFAULT_PROXY_PING_PORT
     http_port: Port | None = None
     ping_interval: Seconds = DEFAULT_PING_INTERVAL
-    proxy_auth: bool = True
+    proxy_auth: bool = False
     transfer_timeout: Seconds = DEFAULT_TRANSFER_TIMEOUT
     abort_timeout: Seconds = DEFAULT_ABORT_TIMEOUT
     quarantine_timeout: Seconds = DEFAULT_QUARANTINE_TIMEOUT
