@@ -173,6 +173,11 @@ _STEP_RE = re.compile(r"\.([A-Za-z_][A-Za-z0-9_]*)|\[(\d+)\]")
 _MISSING_RE = re.compile(r"^Object missing required field `(?P<name>[^`]*)`$")
 _UNKNOWN_RE = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 
+# A position inside a field (from a WireValue's own check) and the printable-text pattern, said
+# in words.
+_NESTED_AT_RE = re.compile(r" - at `(\[[^`]*\])`")
+_REGEX_RE = re.compile(r"Expected `str` matching regex '.*'", re.DOTALL)
+
 _NOTHING = object()
 
 
@@ -207,7 +212,8 @@ def explain(what: str, exc: msgspec.ValidationError, raw: Any) -> str:
             return f"{what} {verb} {match.group('name')}"
     match = _PATH_RE.match(text)
     assert match is not None
-    reason = match.group("text")
+    reason = _NESTED_AT_RE.sub(r" at \1", match.group("text"))
+    reason = _REGEX_RE.sub("expected printable characters only", reason)
     reason = reason[:1].lower() + reason[1:]
     path = match.group("path")
     if "got `ext`" in reason:
