@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 import moriio_native as mn
 from moriio_native import kvcache as kc
 from moriio_native.control.addressing import (
+    KV_TRANSFER_PARAM_KEYS,
     ZmqAddress,
     format_request_id,
     parse_kv_transfer_params,
@@ -293,20 +294,7 @@ def test_fuzz_request_id_parser(request_id: str) -> None:
         assert parse_request_id(format_request_id(parsed.prefill, parsed.decode, parsed.uid))
 
 
-KV_KEYS = [
-    "transfer_id",
-    "do_remote_prefill",
-    "do_remote_decode",
-    "remote_block_ids",
-    "remote_engine_id",
-    "remote_host",
-    "remote_handshake_port",
-    "remote_notify_port",
-    "remote_dp_rank",
-    "remote_tp_size",
-    "remote_dp_size",
-    "tp_size",
-]
+KV_KEYS = [*KV_TRANSFER_PARAM_KEYS, "tp_size"]
 
 
 @FUZZ

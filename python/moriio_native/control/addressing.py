@@ -46,7 +46,6 @@ import msgspec
 from moriio_native.errors import InvalidArgumentError
 
 from .schema import (
-    MAX_BLOCK_ID,
     MAX_BLOCK_IDS,
     MAX_HOST_LEN,
     MAX_ID_LEN,
@@ -532,13 +531,6 @@ __all__ = [
     "KEY_REMOTE_TP_SIZE",
     "KEY_TRANSFER_ID",
     "KV_TRANSFER_PARAM_KEYS",
-    "MAX_BLOCK_ID",
-    "MAX_BLOCK_IDS",
-    "MAX_HOST_LEN",
-    "MAX_ID_LEN",
-    "MAX_KV_GROUPS",
-    "MAX_PARALLEL_SIZE",
-    "MAX_REQUEST_ID_LEN",
     "PREFILL_MARKER",
     "BlockIdGroups",
     "KvTransferParams",
