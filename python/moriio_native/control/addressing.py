@@ -28,8 +28,9 @@ Contents (all pure functions / immutable values, safe from any thread):
   :func:`parse_request_id` (``None`` when the id embeds no addresses),
   :func:`peer_address_from_request_id` (the *other* side's address).
 * ``KEY_*`` constants and :data:`KV_TRANSFER_PARAM_KEYS` -- the exact key names.
-* :class:`KvTransferParams` -- the typed form of ``kv_transfer_params``;
-  :func:`parse_kv_transfer_params` validates a mapping into it.
+* :class:`KvTransferParams` -- the typed form of ``kv_transfer_params`` (a bounded msgspec
+  struct); :func:`parse_kv_transfer_params` validates a mapping into it.
+* :class:`BlockIdGroups` -- block ids per KV-cache group with vLLM's flat-or-nested wire form.
 """
 
 from __future__ import annotations

@@ -5,7 +5,10 @@ Every message is a msgpack map with a string ``"type"``. Decoding refuses -- wit
 msgpack, is larger than the channel's bound, has trailing bytes, is not a map, has an unknown
 ``type``, lacks a required key, carries a key the schema does not know, or has a value of the
 wrong type or out of range. No pickle, no msgpack extension types. Constructors run the same
-checks, so an invalid message can be neither built nor sent.
+checks, so an invalid message can be neither built nor sent. Each message is a
+``msgspec.Struct(frozen=True, forbid_unknown_fields=True)`` tagged by ``type`` whose fields carry
+their bounds (:mod:`.schema`); msgspec decodes the wire bytes straight into it, after the size
+check. docs/protocol.md describes every message for peers in other runtimes.
 
 Notify channel (fire-and-forget, DEALER -> ROUTER), field names as vLLM's MoRIIO connector:
 
