@@ -38,13 +38,21 @@ class Writer {
 };
 
 struct Value;
+struct MapEntry;
 using Array = std::vector<Value>;
-using Map = std::vector<std::pair<std::string, Value>>;
+using Map = std::vector<MapEntry>;
 using Bytes = std::vector<std::uint8_t>;
 
 /// A decoded value. Integers keep their sign class: non-negative ones are uint64.
 struct Value {
   std::variant<std::monostate, bool, std::int64_t, std::uint64_t, std::string, Bytes, Array, Map> v;
+};
+
+/// One key and value of a map. A struct of its own rather than std::pair: a pair of the
+/// still-incomplete Value inside Value's own variant is refused by clang with libstdc++.
+struct MapEntry {
+  std::string first;
+  Value second;
 };
 
 /// Encodes one value.

@@ -15,9 +15,11 @@ step() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
 step "system packages"
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
 $SUDO apt-get update -qq
-# gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them).
+# gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them);
+# clang 16 and its runtime: the libFuzzer targets (clang 14 lacks what GCC 12's <source_location>
+# needs).
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev >/dev/null
+  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev clang-16 libclang-rt-16-dev >/dev/null
 
 step "python packages"
 python3 -m pip install -q -r requirements-test.txt
@@ -64,6 +66,13 @@ step "downstream CMake consumer (examples/embed) against the installed package"
 cmake -S examples/embed -B build/embed -G Ninja -DCMAKE_PREFIX_PATH="$(moriio-native cmake-dir)" >/dev/null
 cmake --build build/embed
 build/embed/embed
+
+step "libFuzzer: the peer-metadata decoder, 30 s under ASan+UBSan (docs/reliability.md)"
+cmake -S . -B build/ci-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++-16 -DMORIIO_NATIVE_BUILD_FUZZERS=ON \
+  -DMORIIO_NATIVE_WITH_UCX=OFF -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_WITH_CUDA=OFF >/dev/null
+cmake --build build/ci-fuzz -j"$JOBS" --target peer_metadata_fuzzer
+python3 scripts/fuzz_seed.py build/ci-fuzz/corpus
+build/ci-fuzz/peer_metadata_fuzzer -max_total_time=30 -max_len=4096 build/ci-fuzz/corpus
 
 step "ruff"
 ruff check .

@@ -17,6 +17,9 @@ PROXY_PING_PORT=${PROXY_PING_PORT:-36367}
 ALLOWED_PEERS=${ALLOWED_PEERS:-127.0.0.1/32}
 # Optional: the same secret on every instance tags every control message (HMAC-SHA256).
 #   export MORIIO_NATIVE_AUTH_SECRET=$(openssl rand -hex 32)
+# PROXY_AUTH=1 signs the registration pings too: for examples/launch/proxy.py holding the same
+# secret; leave it 0 for vllm-router, which knows no secret.
+PROXY_AUTH=${PROXY_AUTH:-0}
 
 # kv_transfer_config JSON for: role http_port handshake_port notify_port
 kv_transfer_config() {
@@ -38,8 +41,9 @@ print(json.dumps({
         "handshake_port": int(handshake_port),
         "notify_port": int(notify_port),
         "allowed_peers": os.environ["ALLOWED_PEERS"],
+        "proxy_auth": os.environ["PROXY_AUTH"] == "1",
     },
 }))
 PY
 }
-export MODE BACKEND VLLM_HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS
+export MODE BACKEND VLLM_HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS PROXY_AUTH

@@ -4,8 +4,12 @@ It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can re
 
 * service discovery: instances register by sending msgpack pings
   ``{"type": "P"|"D", "http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"}``
-  to this proxy's ZMQ ROUTER port (``--discovery-port``, default 36367); every ping is
-  schema-checked and a bad one is logged and dropped;
+  to this proxy's ZMQ ROUTER port (``--discovery-host``:``--discovery-port``, default
+  ``--host``:36367); every ping is schema-checked and a bad one is logged and dropped. With a
+  secret (``--auth-secret-env``, default ``$MORIIO_NATIVE_AUTH_SECRET``) only pings signed with
+  it are believed (HMAC-SHA256, fresh stamp, each stamp once: see
+  ``moriio_native.control.security``); the instances need the same ``auth_secret`` and
+  ``proxy_auth: true``;
 * per request: the request id embeds both instances' control addresses
   (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``), a fresh ``transfer_id`` goes to both legs;
   the prefill leg runs with ``max_tokens=1``; in READ mode the decode leg waits for the prefill's
@@ -14,7 +18,11 @@ It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can re
 
 Usage::
 
-    python examples/launch/proxy.py --port 10001 --discovery-port 36367
+    python examples/launch/proxy.py --host 10.0.0.5 --port 10001 --discovery-port 36367
+
+Both listeners bind ``--host`` only (default 127.0.0.1): set it to the address clients and
+instances reach this host on; ``0.0.0.0`` binds every interface (logged as a warning when no
+secret authenticates the registrations).
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
 ``GET /instances``. Needs only what vLLM already installs (fastapi, uvicorn, aiohttp, pyzmq,
@@ -28,6 +36,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -47,6 +56,12 @@ from moriio_native.control.messages import (
     InvalidMessageError,
     ProxyRegistration,
     decode,
+)
+from moriio_native.control.security import (
+    ENV_AUTH_SECRET,
+    AuthenticationError,
+    MessageAuth,
+    RegistrationVerifier,
 )
 
 logger = logging.getLogger("moriio_native.proxy")
@@ -111,22 +126,32 @@ class Registry:
             ]
 
 
-def discovery_loop(registry: Registry, host: str, port: int, stop: threading.Event) -> None:
-    """Receive registration pings on ``host:port`` until ``stop``; bad pings are logged and
-    dropped."""
+def discovery_loop(
+    registry: Registry,
+    host: str,
+    port: int,
+    stop: threading.Event,
+    verifier: RegistrationVerifier | None = None,
+) -> None:
+    """Receive registration pings on ``host:port`` until ``stop``; a ping that fails
+    ``verifier`` (when given: signed, fresh, first use) or the schema is logged and dropped."""
+    verifier = verifier if verifier is not None else RegistrationVerifier(MessageAuth(None))
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://{'*' if host in ('0.0.0.0', '*') else host}:{port}")
+    sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PING_BYTES)
+    if ":" in host:
+        sock.setsockopt(zmq.IPV6, 1)
+    shown = "*" if host in ("0.0.0.0", "*") else f"[{host}]" if ":" in host else host
+    sock.bind(f"tcp://{shown}:{port}")
     try:
         while not stop.is_set():
             if not sock.poll(200):
                 continue
             frames = sock.recv_multipart()
             try:
-                if len(frames) != 2:
-                    raise InvalidMessageError(f"{len(frames) - 1} payload frames")
-                registry.update(decode(frames[1], (ProxyRegistration,), max_bytes=MAX_PING_BYTES))
-            except InvalidMessageError as exc:
+                payload = verifier.open(frames[1:])
+                registry.update(decode(payload, (ProxyRegistration,), max_bytes=MAX_PING_BYTES))
+            except (AuthenticationError, InvalidMessageError) as exc:
                 logger.warning("dropped registration: %s", exc)
     finally:
         sock.close(linger=0)
@@ -254,19 +279,46 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
     return app
 
 
-def main(argv: list[str] | None = None) -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--host", default="0.0.0.0", help="address of both listeners (HTTP and registrations)"
+        "--host",
+        default="127.0.0.1",
+        help="address the HTTP listener binds (0.0.0.0: every interface)",
     )
     parser.add_argument("--port", type=int, default=10001, help="HTTP port for clients")
+    parser.add_argument(
+        "--discovery-host", default=None, help="address the registration listener binds (--host)"
+    )
     parser.add_argument("--discovery-port", type=int, default=36367, help="registration port")
+    parser.add_argument(
+        "--auth-secret-env",
+        default=ENV_AUTH_SECRET,
+        help="environment variable holding the shared secret registrations must be signed with",
+    )
     args = parser.parse_args(argv)
+    if args.discovery_host is None:
+        args.discovery_host = args.host
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    verifier = RegistrationVerifier(MessageAuth(os.environ.get(args.auth_secret_env) or None))
+    if not verifier.enabled and args.discovery_host in ("0.0.0.0", "*", "::"):
+        logger.warning(
+            "registrations on every interface are believed unsigned: anyone who reaches port "
+            "%d can route requests; set $%s on the proxy and the instances",
+            args.discovery_port,
+            args.auth_secret_env,
+        )
     registry = Registry()
     stop = threading.Event()
     thread = threading.Thread(
-        target=discovery_loop, args=(registry, args.host, args.discovery_port, stop), daemon=True
+        target=discovery_loop,
+        args=(registry, args.discovery_host, args.discovery_port, stop, verifier),
+        daemon=True,
     )
     thread.start()
     try:

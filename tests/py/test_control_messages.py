@@ -93,7 +93,7 @@ GOOD_RELEASE = {"type": "release", "transfer_id": "tx-1", "consumer_tp_size": 2}
     [
         (b"", "not a msgpack"),
         (b"\xc1", "not a msgpack"),  # reserved byte
-        (b"tx-123", "not a msgpack"),  # vLLM's legacy plain-string notify
+        (b"tx-123", "must be a map"),  # vLLM's legacy plain-string notify
         (_packed(GOOD_RELEASE) + b"\x00", "not a msgpack"),  # trailing bytes
         (_packed([1, 2, 3]), "must be a map"),
         (_packed({"transfer_id": "tx-1"}), "unknown message type"),
@@ -109,8 +109,9 @@ GOOD_RELEASE = {"type": "release", "transfer_id": "tx-1", "consumer_tp_size": 2}
         (_packed({**GOOD_RELEASE, "consumer_tp_size": True}), "consumer_tp_size"),
         (_packed({**GOOD_RELEASE, "consumer_tp_size": "2"}), "consumer_tp_size"),
         (_packed({**GOOD_RELEASE, "consumer_tp_rank": 2}), "consumer_tp_rank"),
-        (_packed({1: 2}), "not a msgpack"),  # non-string map key
-        (msgpack.packb(msgpack.ExtType(5, b"x")), "not a msgpack"),
+        (_packed({1: 2}), "map key is not a string"),
+        (msgpack.packb(msgpack.ExtType(5, b"x")), "extension types are not allowed"),
+        (_packed({**GOOD_RELEASE, "transfer_id": msgpack.ExtType(5, b"x")}), "extension types"),
         (
             _packed(
                 {

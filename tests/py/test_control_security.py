@@ -11,6 +11,7 @@ from moriio_native.control.security import (
     MessageAuth,
     PeerAllowlist,
     PeerNotAllowedError,
+    RegistrationVerifier,
 )
 from moriio_native.errors import InvalidArgumentError
 
@@ -135,3 +136,92 @@ def test_control_security_from_config(monkeypatch):
     assert sec.allowlist.check("127.0.0.1") and sec.allowlist.check("10.2.3.4")
     with pytest.raises(InvalidArgumentError, match="allowed_peers"):
         ControlSecurity.from_config({"allowed_peers": 5})
+
+
+# ---- signed proxy registrations ---------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_signed_registration_is_accepted_once():
+    auth = MessageAuth(SECRET)
+    verifier = RegistrationVerifier(auth, window_s=60, clock=Clock(1000.0))
+    frames = auth.seal_registration(b"ping", now=1000.0)
+    assert len(frames) == 3
+    assert verifier.open(frames) == b"ping"
+    with pytest.raises(AuthenticationError, match="replayed"):
+        verifier.open(frames)
+    # A new ping of the same payload gets a new stamp and is accepted.
+    assert verifier.open(auth.seal_registration(b"ping", now=1001.0)) == b"ping"
+
+
+def test_stale_or_future_registration_is_refused():
+    auth = MessageAuth(SECRET)
+    verifier = RegistrationVerifier(auth, window_s=60, clock=Clock(1000.0))
+    with pytest.raises(AuthenticationError, match="old"):
+        verifier.open(auth.seal_registration(b"ping", now=900.0))
+    with pytest.raises(AuthenticationError, match="old"):
+        verifier.open(auth.seal_registration(b"ping", now=1100.0))
+
+
+def test_replay_stays_refused_until_the_stamp_is_stale():
+    auth = MessageAuth(SECRET)
+    clock = Clock(1000.0)
+    verifier = RegistrationVerifier(auth, window_s=60, clock=clock)
+    frames = auth.seal_registration(b"ping", now=1050.0)  # 50 s ahead: within the window
+    assert verifier.open(frames) == b"ping"
+    for now in (1061.0, 1100.0, 1110.0):  # past the receipt's window, the stamp's not yet
+        clock.now = now
+        with pytest.raises(AuthenticationError, match="replayed"):
+            verifier.open(frames)
+    clock.now = 1111.0
+    with pytest.raises(AuthenticationError, match="old"):
+        verifier.open(frames)
+
+
+def test_forged_and_cross_message_registrations_are_refused():
+    auth = MessageAuth(SECRET)
+    verifier = RegistrationVerifier(auth, clock=Clock(1000.0))
+    payload, stamp, tag = auth.seal_registration(b"ping-a", now=1000.0)
+    with pytest.raises(AuthenticationError, match="does not match"):
+        verifier.open([payload, stamp, bytes([tag[0] ^ 1]) + tag[1:]])
+    # The tag of one registration does not cover another payload or another stamp.
+    with pytest.raises(AuthenticationError, match="does not match"):
+        verifier.open([b"ping-b", stamp, tag])
+    other_stamp = auth.seal_registration(b"ping-a", now=1000.0)[1]
+    with pytest.raises(AuthenticationError, match="does not match"):
+        verifier.open([payload, other_stamp, tag])
+    # A control message's tag (another domain) is no registration tag.
+    control_payload, control_tag = auth.seal(stamp + b"ping-a")
+    with pytest.raises(AuthenticationError, match="does not match"):
+        verifier.open([b"ping-a", stamp, control_tag])
+    assert control_payload == stamp + b"ping-a"
+    # Another secret's signature.
+    other = MessageAuth("another secret, 32 bytes long!!!")
+    with pytest.raises(AuthenticationError, match="does not match"):
+        verifier.open(other.seal_registration(b"ping-a", now=1000.0))
+
+
+def test_unsigned_registration_is_refused_when_a_secret_is_set():
+    verifier = RegistrationVerifier(MessageAuth(SECRET), clock=Clock(1000.0))
+    with pytest.raises(AuthenticationError, match="not signed"):
+        verifier.open([b"ping"])
+    open_verifier = RegistrationVerifier(MessageAuth(None))
+    assert open_verifier.open([b"ping"]) == b"ping"
+    with pytest.raises(AuthenticationError, match="no auth_secret"):
+        open_verifier.open(MessageAuth(SECRET).seal_registration(b"ping"))
+
+
+def test_verifier_refuses_rather_than_forgets_when_full():
+    auth = MessageAuth(SECRET)
+    verifier = RegistrationVerifier(auth, max_stamps=2, clock=Clock(1000.0))
+    for _ in range(2):
+        verifier.open(auth.seal_registration(b"ping", now=1000.0))
+    with pytest.raises(AuthenticationError, match="more than 2"):
+        verifier.open(auth.seal_registration(b"ping", now=1000.0))

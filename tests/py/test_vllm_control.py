@@ -21,7 +21,14 @@ import zmq
 
 pytest.importorskip("vllm")
 
-from moriio_native.control.messages import MAX_NOTIFY_BYTES, Release, RemoteBlocks, encode
+from moriio_native.control.messages import (
+    MAX_NOTIFY_BYTES,
+    Release,
+    RemoteBlocks,
+    WriteDone,
+    encode,
+)
+from moriio_native.vllm import worker as worker_module
 from test_vllm_support import (
     Side,
     decode_params,
@@ -258,3 +265,51 @@ def test_blocks_read_by_two_decode_ranks_wait_for_both_releases(
     dealer(port, [encode(Release(tid, consumer_tp_size=2, consumer_tp_rank=1))])
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="the second rank's release")
     assert p.free_blocks() == p.initial_free
+
+
+def test_a_flood_on_every_listening_port_neither_stops_nor_grows_the_connector(
+    sides: list[Side],
+    model_dir: str,
+    dealer: Callable[[int, list[bytes]], None],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Garbage and schema-valid messages of transfers nobody knows, on the handshake and notify
+    ports of both instances: every message is read and dropped or ignored, what the connector
+    remembers of them stays within its bound, and a genuine transfer still goes through."""
+    bound = 200
+    monkeypatch.setattr(worker_module, "_MAX_EARLY_MESSAGES", bound)
+    p, d, rid, tid, returned = held_prefill(sides, model_dir)
+    flood = 1500
+    garbage = [b"", b"\xc1", b"get_meta_msg", b"\x91" * 64, msgpack.packb({"type": "release"})]
+    sent: dict[tuple[int, str], int] = {}
+    ports = {
+        "p-handshake": p.handshake_port,
+        "p-notify": p.notify_port,
+        "d-handshake": d.handshake_port,
+        "d-notify": d.notify_port,
+    }
+    for i in range(flood):
+        for name, port in ports.items():
+            dealer(port, [garbage[i % len(garbage)]])
+            sent[(port, name)] = sent.get((port, name), 0) + 1
+        # Valid messages for transfers that do not exist: each is new to the dedup memory.
+        dealer(p.notify_port, [encode(Release(f"flood-{i}"))])
+        dealer(d.notify_port, [encode(WriteDone(f"flood-{i}"))])
+    n = flood * 2  # garbage + valid per notify port
+    wait_for(lambda: listener_stats(p)["received"] >= n, "the prefill's flood", limit=300)
+    wait_for(lambda: listener_stats(d)["received"] >= n, "the decode's flood", limit=300)
+    wait_for(lambda: server_stats(p)["received"] >= flood, "the prefill handshakes", limit=300)
+    wait_for(lambda: server_stats(d)["received"] >= flood, "the decode handshakes", limit=300)
+    for side in (p, d):
+        assert listener_stats(side)["dropped_malformed"] == flood
+        assert server_stats(side)["dropped_malformed"] == flood
+        assert server_stats(side)["answered"] == 0
+    # Releases of unknown transfers are remembered (they may come before their request), but
+    # never more than the bound; the listener's queues are drained.
+    wait_for(lambda: listener_stats(p)["queued"] == 0, "the prefill's queue drained")
+    assert len(p.worker.worker._early_releases) == bound
+    assert listener_stats(p)["remembered"] <= 65536
+    # The genuine request still goes through: READ, release, blocks freed.
+    d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
+    assert d.step().invalid_blocks == set()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the flood")

@@ -403,3 +403,11 @@ def test_launch_recipe_config_is_accepted_by_vllm_and_the_connector(
             ROOT / "examples/launch" / ("prefill.sh" if role == "kv_producer" else "decode.sh")
         ).read_text()
     )
+
+
+def test_config_proxy_auth_is_off_unless_asked() -> None:
+    assert not ConnectorConfig.from_extra_config({}, role="kv_producer").proxy_auth
+    on = ConnectorConfig.from_extra_config({"proxy_auth": "true"}, role="kv_producer")
+    assert on.proxy_auth
+    with pytest.raises(InvalidArgumentError, match="proxy_auth"):
+        ConnectorConfig.from_extra_config({"proxy_auth": "maybe"}, role="kv_producer")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import logging
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
 from net_support import free_port
 
@@ -31,7 +33,8 @@ from fastapi.testclient import TestClient
 
 from moriio_native.control.addressing import ZmqAddress, parse_request_id
 from moriio_native.control.channel import ProxyPinger
-from moriio_native.control.messages import ProxyRegistration
+from moriio_native.control.messages import ProxyRegistration, encode
+from moriio_native.control.security import MessageAuth, RegistrationVerifier
 
 pytestmark = pytest.mark.vllm
 
@@ -182,3 +185,124 @@ def test_connector_pings_register_with_the_proxy(fakes: tuple[FakeInstance, Fake
         pinger.stop()
         stop.set()
         thread.join(5)
+
+
+# ---- registration security --------------------------------------------------------------------
+
+SECRET = "registration-secret-0123456789ab"
+
+
+class Discovery:
+    """The proxy's registration listener on a free loopback port, in its own thread."""
+
+    def __init__(self, proxy: Any, verifier: RegistrationVerifier | None) -> None:
+        self.registry = proxy.Registry()
+        self.port = free_port()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(
+            target=proxy.discovery_loop,
+            args=(self.registry, "127.0.0.1", self.port, self.stop, verifier),
+            daemon=True,
+        )
+        self.thread.start()
+
+    def addresses(self) -> set[str]:
+        return {entry["http_address"] for entry in self.registry.snapshot()}
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(5)
+
+
+def _send(port: int, frames: list[bytes]) -> None:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 1000)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send_multipart(frames)
+    sock.close()
+
+
+def _wait_until(predicate: Any, what: str) -> None:
+    deadline = time.monotonic() + 20
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+def _registration(http_port: int) -> ProxyRegistration:
+    return ProxyRegistration(
+        "P", f"127.0.0.1:{http_port}", ZmqAddress("127.0.0.1", 6301, 61005), 1, 1, "READ"
+    )
+
+
+def test_signed_pings_register_with_a_proxy_holding_the_secret() -> None:
+    proxy = load_proxy()
+    discovery = Discovery(proxy, RegistrationVerifier(MessageAuth(SECRET)))
+    pinger = ProxyPinger(
+        "127.0.0.1", discovery.port, _registration(8001), interval=0.05, auth=MessageAuth(SECRET)
+    ).start()
+    try:
+        _wait_until(lambda: discovery.addresses() == {"127.0.0.1:8001"}, "signed registration")
+        # Every ping carries a fresh stamp, so repeated pings keep being accepted.
+        first = pinger.pings_sent
+        _wait_until(lambda: pinger.pings_sent >= first + 3, "more pings")
+    finally:
+        pinger.stop()
+        discovery.close()
+
+
+def test_proxy_with_a_secret_refuses_unsigned_forged_replayed_and_cross_registrations(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    proxy = load_proxy()
+    discovery = Discovery(proxy, RegistrationVerifier(MessageAuth(SECRET)))
+    auth, other = MessageAuth(SECRET), MessageAuth("not the proxy's secret, 32 bytes")
+    genuine = encode(_registration(8001))
+    attacker = encode(_registration(6666))
+    payload, stamp, tag = auth.seal_registration(genuine)
+    try:
+        with caplog.at_level(logging.WARNING, logger="moriio_native.proxy"):
+            _send(discovery.port, [payload, stamp, tag])
+            _wait_until(lambda: discovery.addresses() == {"127.0.0.1:8001"}, "genuine ping")
+            attempts: list[list[bytes]] = [
+                [attacker],  # unsigned
+                other.seal_registration(attacker),  # signed with another secret
+                [attacker, stamp, tag],  # the genuine ping's stamp and tag on another payload
+                auth.seal(attacker),  # a control-message tag (other domain, no stamp)
+                [payload, stamp, tag],  # replay of the genuine ping
+            ]
+            for frames in attempts:
+                _send(discovery.port, frames)
+            _wait_until(
+                lambda: caplog.text.count("dropped registration") >= len(attempts),
+                "every refusal",
+            )
+        assert discovery.addresses() == {"127.0.0.1:8001"}
+        for reason in ("not signed", "does not match", "replayed"):
+            assert reason in caplog.text
+    finally:
+        discovery.close()
+
+
+def _listening_addresses(port: int) -> set[str]:
+    """The local addresses with a TCP socket listening on ``port`` (IPv4, from /proc)."""
+    out = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        host_hex, port_hex = local.split(":")
+        if state == "0A" and int(port_hex, 16) == port:
+            out.add(".".join(str(int(host_hex[i : i + 2], 16)) for i in (6, 4, 2, 0)))
+    return out
+
+
+def test_proxy_binds_the_configured_address_only() -> None:
+    proxy = load_proxy()
+    args = proxy.parse_args([])
+    assert (args.host, args.discovery_host) == ("127.0.0.1", "127.0.0.1")
+    assert proxy.parse_args(["--host", "10.0.0.5"]).discovery_host == "10.0.0.5"
+    discovery = Discovery(proxy, None)
+    try:
+        _wait_until(lambda: _listening_addresses(discovery.port), "the listener")
+        assert _listening_addresses(discovery.port) == {"127.0.0.1"}
+    finally:
+        discovery.close()

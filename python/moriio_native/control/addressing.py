@@ -28,8 +28,9 @@ Contents (all pure functions / immutable values, safe from any thread):
   :func:`parse_request_id` (``None`` when the id embeds no addresses),
   :func:`peer_address_from_request_id` (the *other* side's address).
 * ``KEY_*`` constants and :data:`KV_TRANSFER_PARAM_KEYS` -- the exact key names.
-* :class:`KvTransferParams` -- the typed form of ``kv_transfer_params``;
-  :func:`parse_kv_transfer_params` validates a mapping into it.
+* :class:`KvTransferParams` -- the typed form of ``kv_transfer_params`` (a bounded msgspec
+  struct); :func:`parse_kv_transfer_params` validates a mapping into it.
+* :class:`BlockIdGroups` -- block ids per KV-cache group with vLLM's flat-or-nested wire form.
 """
 
 from __future__ import annotations
@@ -37,19 +38,32 @@ from __future__ import annotations
 import ipaddress
 import re
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, ClassVar
+
+import msgspec
 
 from moriio_native.errors import InvalidArgumentError
 
-MAX_HOST_LEN = 253
-MAX_ID_LEN = 256
-MAX_REQUEST_ID_LEN = 2048
-MAX_BLOCK_ID = 2**31 - 1
-MAX_BLOCK_IDS = 1 << 20
-MAX_KV_GROUPS = 64
-MAX_PARALLEL_SIZE = 1 << 16
+from .schema import (
+    MAX_BLOCK_IDS,
+    MAX_HOST_LEN,
+    MAX_ID_LEN,
+    MAX_KV_GROUPS,
+    MAX_PARALLEL_SIZE,
+    MAX_REQUEST_ID_LEN,
+    BlockId,
+    Id,
+    Port,
+    Rank,
+    Schema,
+    Size,
+    convert,
+    describe,
+    explain,
+    printable,
+)
 
 PREFILL_MARKER = "___prefill_addr_"
 DECODE_MARKER = "___decode_addr_"
@@ -82,6 +96,20 @@ KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
     KEY_REMOTE_TP_SIZE,
     KEY_REMOTE_DP_SIZE,
 )
+# Integer keys vLLM may pass as decimal strings (its kv_connector_extra_config ports).
+_DECIMAL_KEYS = (
+    KEY_REMOTE_HANDSHAKE_PORT,
+    KEY_REMOTE_NOTIFY_PORT,
+    KEY_REMOTE_DP_RANK,
+    KEY_REMOTE_TP_SIZE,
+    KEY_REMOTE_DP_SIZE,
+)
+
+#: A host as it arrives (IP literal, bracketed IPv6 literal or host name); canonicalised by
+#: :func:`validate_host`.
+HostText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_HOST_LEN + 2)]
+_FlatBlockIds = Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+_GroupedBlockIds = Annotated[tuple[_FlatBlockIds, ...], msgspec.Meta(max_length=MAX_KV_GROUPS)]
 
 _HOST_LABEL_RE = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
 _DIGITS_RE = re.compile(r"[0-9]{1,5}")
@@ -90,10 +118,14 @@ _DIGITS_RE = re.compile(r"[0-9]{1,5}")
 _AFFIX_RE = re.compile(r"[A-Za-z0-9._-]*")
 _DECODE_TAIL_RE = re.compile(r"(?P<addr>[^_]+)_(?P<uid>[0-9a-f]{32})(?P<suffix>-[A-Za-z0-9._-]*)?")
 
+_describe = describe
 
-def _describe(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+
+def _checked(value: Any, target: Any, what: str) -> Any:
+    try:
+        return convert(value, target)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgumentError(explain(what, exc, value)) from None
 
 
 def validate_host(host: Any, *, what: str = "host") -> str:
@@ -129,96 +161,129 @@ def validate_port(port: Any, *, what: str = "port") -> int:
     """``port`` as an int in 1..65535. Decimal strings are accepted (vLLM passes its
     ``kv_connector_extra_config`` ports through as strings); bools and floats are not."""
     if isinstance(port, str) and _DIGITS_RE.fullmatch(port.strip()):
-        value = int(port.strip())
-    elif isinstance(port, int) and not isinstance(port, bool):
-        value = port
-    else:
-        raise InvalidArgumentError(f"{what} must be an integer 1..65535, got {_describe(port)}")
-    if not 1 <= value <= 65535:
-        raise InvalidArgumentError(f"{what} {value} is outside 1..65535")
-    return value
-
-
-def _validate_int(value: Any, *, what: str, lo: int, hi: int) -> int:
-    if isinstance(value, str) and _DIGITS_RE.fullmatch(value.strip()):
-        value = int(value.strip())
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgumentError(f"{what} must be an integer, got {_describe(value)}")
-    if not lo <= value <= hi:
-        raise InvalidArgumentError(f"{what} {value} is outside {lo}..{hi}")
-    return value
+        port = int(port.strip())
+    return int(_checked(port, Port, what))
 
 
 def validate_id(value: Any, *, what: str, max_len: int = MAX_ID_LEN) -> str:
     """A non-empty printable string of at most ``max_len`` characters (ids end up in logs and
     socket names, so control characters are refused)."""
-    if not isinstance(value, str):
-        raise InvalidArgumentError(f"{what} must be a string, got {type(value).__name__}")
-    if not value or len(value) > max_len or not value.isprintable():
-        raise InvalidArgumentError(
-            f"{what} {_describe(value)} must be 1..{max_len} printable characters"
+    return str(_checked(value, printable(1, max_len), what))
+
+
+class BlockIdGroups(Sequence[tuple[int, ...]]):
+    """Block ids as one tuple per KV-cache group; immutable, compares equal to the same
+    tuple of tuples.
+
+    Wire form (vLLM's): a flat list for one group (the common case, what vLLM sends without
+    HMA), a list of lists otherwise. Every id is an int 0..2**31-1; at most 64 groups and 2**20
+    ids in all.
+    """
+
+    __slots__ = ("_groups",)
+
+    def __init__(self, groups: Sequence[Sequence[int]]) -> None:
+        """Unchecked; use :meth:`from_wire` (or a struct field, which does) for input."""
+        self._groups: tuple[tuple[int, ...], ...] = tuple(tuple(g) for g in groups)
+
+    @classmethod
+    def from_wire(cls, value: Any) -> BlockIdGroups:
+        """Check ``value`` (flat or grouped); ``msgspec.ValidationError`` or ValueError naming
+        the bad position."""
+        nested = (
+            isinstance(value, (list, tuple))
+            and bool(value)
+            and all(isinstance(g, (list, tuple)) for g in value)
         )
-    return value
+        with_groups = msgspec.convert(value, _GroupedBlockIds if nested else _FlatBlockIds)
+        groups = with_groups if nested else (with_groups,)
+        total = sum(len(g) for g in groups)
+        if total > MAX_BLOCK_IDS:
+            raise ValueError(f"{total} block ids, more than {MAX_BLOCK_IDS}")
+        return cls(groups)
+
+    def to_wire(self) -> list[int] | list[list[int]]:
+        return block_ids_to_wire(self._groups)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._groups[index]
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __iter__(self) -> Iterator[tuple[int, ...]]:
+        return iter(self._groups)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, BlockIdGroups):
+            return self._groups == other._groups
+        return isinstance(other, tuple) and self._groups == other
+
+    def __hash__(self) -> int:
+        return hash(self._groups)
+
+    def __repr__(self) -> str:
+        return repr(self._groups)
 
 
 def validate_block_ids(value: Any, *, what: str) -> tuple[tuple[int, ...], ...]:
-    """Block ids as one tuple per KV-cache group.
-
-    Accepts a flat list (one group, the common case and what vLLM sends without HMA) or a
-    list of lists (one per group). Every id must be an int 0..2**31-1; at most 64 groups and
-    2**20 ids in all.
-    """
-    if not isinstance(value, (list, tuple)):
-        raise InvalidArgumentError(f"{what} must be a list of ints or of int lists")
-    nested = bool(value) and all(isinstance(g, (list, tuple)) for g in value)
-    groups = value if nested else [value]
-    if len(groups) > MAX_KV_GROUPS:
-        raise InvalidArgumentError(f"{what} has {len(groups)} groups (at most {MAX_KV_GROUPS})")
-    total = 0
-    out: list[tuple[int, ...]] = []
-    for gi, group in enumerate(groups):
-        total += len(group)
-        if total > MAX_BLOCK_IDS:
-            raise InvalidArgumentError(f"{what} holds more than {MAX_BLOCK_IDS} block ids")
-        for bi, block in enumerate(group):
-            if (
-                not isinstance(block, int)
-                or isinstance(block, bool)
-                or not 0 <= block <= MAX_BLOCK_ID
-            ):
-                where = f"[{gi}][{bi}]" if nested else f"[{bi}]"
-                raise InvalidArgumentError(
-                    f"{what}{where} = {_describe(block)} is not a block id 0..{MAX_BLOCK_ID}"
-                )
-        out.append(tuple(group))
-    return tuple(out)
+    """Block ids as one tuple per KV-cache group (see :class:`BlockIdGroups` for the rules).
+    Raises InvalidArgumentError naming ``what`` and the bad position."""
+    return tuple(_checked(value, BlockIdGroups, what))
 
 
-def block_ids_to_wire(groups: tuple[tuple[int, ...], ...]) -> list[int] | list[list[int]]:
+def block_ids_to_wire(groups: Sequence[Sequence[int]]) -> list[int] | list[list[int]]:
     """The wire form vLLM uses: a flat list for one group, a list of lists otherwise."""
     if len(groups) == 1:
         return list(groups[0])
     return [list(g) for g in groups]
 
 
-@dataclass(frozen=True, slots=True)
 class ZmqAddress:
     """Where one instance's control plane listens: ``host:{ip},handshake:{port},notify:{port}``.
 
     The ports are *base* ports; the rank of the peer picks the actual port with
-    :mod:`moriio_native.control.ports`. Immutable; validated on construction.
+    :mod:`moriio_native.control.ports`. Immutable; validated on construction (InvalidArgumentError
+    naming the part). Its wire form (in a proxy registration) is :meth:`format`'s string.
     """
 
+    __slots__ = ("handshake_port", "host", "notify_port")
     host: str
     handshake_port: int
     notify_port: int
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "host", validate_host(self.host, what="zmq address host"))
-        object.__setattr__(
-            self, "handshake_port", validate_port(self.handshake_port, what="handshake port")
+    def __init__(self, host: str, handshake_port: int, notify_port: int) -> None:
+        for name, value in (
+            ("host", validate_host(host, what="zmq address host")),
+            ("handshake_port", int(_checked(handshake_port, Port, "handshake port"))),
+            ("notify_port", int(_checked(notify_port, Port, "notify port"))),
+        ):
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ZmqAddress is immutable (cannot set {name})")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ZmqAddress) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (
+            f"ZmqAddress(host={self.host!r}, handshake_port={self.handshake_port}, "
+            f"notify_port={self.notify_port})"
         )
-        object.__setattr__(self, "notify_port", validate_port(self.notify_port, what="notify port"))
+
+    def _key(self) -> tuple[str, int, int]:
+        return (self.host, self.handshake_port, self.notify_port)
+
+    def to_wire(self) -> str:
+        return self.format()
+
+    @classmethod
+    def from_wire(cls, value: Any) -> ZmqAddress:
+        return cls.parse(value)
 
     def format(self) -> str:
         """The wire form, ``host:{host},handshake:{port},notify:{port}``."""
@@ -328,8 +393,7 @@ def peer_address_from_request_id(request_id: Any, *, is_producer: bool) -> ZmqAd
     return None if parsed is None else parsed.peer(is_producer=is_producer)
 
 
-@dataclass(frozen=True, slots=True)
-class KvTransferParams:
+class KvTransferParams(Schema, frozen=True):
     """``kv_transfer_params`` of one request, validated. Immutable.
 
     ``remote_tp_size == 0`` means "unknown" (treat as the same TP size as ours), as in vLLM.
@@ -337,54 +401,36 @@ class KvTransferParams:
     (WRITE mode: the decode side allocates its own blocks).
     """
 
-    transfer_id: str
+    WHAT: ClassVar[str] = "kv_transfer_params"
+    ERROR: ClassVar[type[Exception]] = InvalidArgumentError
+
+    transfer_id: Id
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
-    remote_block_ids: tuple[tuple[int, ...], ...] | None = None
-    remote_engine_id: str | None = None
-    remote_host: str | None = None
-    remote_handshake_port: int | None = None
-    remote_notify_port: int | None = None
-    remote_dp_rank: int = 0
-    remote_tp_size: int = 0
-    remote_dp_size: int = 1
+    remote_block_ids: BlockIdGroups | None = None
+    remote_engine_id: Id | None = None
+    remote_host: HostText | None = None
+    remote_handshake_port: Port | None = None
+    remote_notify_port: Port | None = None
+    remote_dp_rank: Rank = 0
+    remote_tp_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL_SIZE)] = 0
+    remote_dp_size: Size = 1
 
-    def __post_init__(self) -> None:
-        validate_id(self.transfer_id, what=KEY_TRANSFER_ID)
-        for key in (KEY_DO_REMOTE_PREFILL, KEY_DO_REMOTE_DECODE):
-            if not isinstance(getattr(self, key), bool):
-                raise InvalidArgumentError(f"{key} must be a bool")
+    def _check(self) -> None:
         if self.do_remote_prefill and self.do_remote_decode:
-            raise InvalidArgumentError(
+            raise ValueError(
                 f"transfer {self.transfer_id}: {KEY_DO_REMOTE_PREFILL} and "
                 f"{KEY_DO_REMOTE_DECODE} cannot both be true"
             )
-        if self.remote_block_ids is not None:
-            object.__setattr__(
-                self,
-                "remote_block_ids",
-                validate_block_ids(self.remote_block_ids, what=KEY_REMOTE_BLOCK_IDS),
-            )
-        if self.remote_engine_id is not None:
-            validate_id(self.remote_engine_id, what=KEY_REMOTE_ENGINE_ID)
         if self.remote_host is not None:
-            object.__setattr__(
+            msgspec.structs.force_setattr(
                 self, "remote_host", validate_host(self.remote_host, what=KEY_REMOTE_HOST)
             )
-        for key in (KEY_REMOTE_HANDSHAKE_PORT, KEY_REMOTE_NOTIFY_PORT):
-            if getattr(self, key) is not None:
-                object.__setattr__(self, key, validate_port(getattr(self, key), what=key))
-        dp_size = _validate_int(
-            self.remote_dp_size, what=KEY_REMOTE_DP_SIZE, lo=1, hi=MAX_PARALLEL_SIZE
-        )
-        object.__setattr__(self, "remote_dp_size", dp_size)
-        object.__setattr__(
-            self,
-            "remote_tp_size",
-            _validate_int(self.remote_tp_size, what=KEY_REMOTE_TP_SIZE, lo=0, hi=MAX_PARALLEL_SIZE),
-        )
-        dp_rank = _validate_int(self.remote_dp_rank, what=KEY_REMOTE_DP_RANK, lo=0, hi=dp_size - 1)
-        object.__setattr__(self, "remote_dp_rank", dp_rank)
+        if self.remote_dp_rank >= self.remote_dp_size:
+            raise ValueError(
+                f"'{KEY_REMOTE_DP_RANK}' = {self.remote_dp_rank} is outside "
+                f"0..{self.remote_dp_size - 1} ({KEY_REMOTE_DP_SIZE} is {self.remote_dp_size})"
+            )
 
     def explicit_peer(self) -> ZmqAddress | None:
         """The peer address from ``remote_host``/``remote_*_port``; ``None`` if none of the three
@@ -448,9 +494,9 @@ def parse_kv_transfer_params(params: Any) -> KvTransferParams:
 
     ``transfer_id`` is required; every other key is optional, and a ``None`` value counts as
     absent (vLLM's proxy sends ``remote_engine_id: None``). ``tp_size`` is read when
-    ``remote_tp_size`` is absent. Keys this module does not know are ignored (vLLM and routers
-    add their own). Raises InvalidArgumentError naming the first bad key; never mutates
-    ``params``.
+    ``remote_tp_size`` is absent; integer keys may be decimal strings. Keys this module does not
+    know are ignored (vLLM and routers add their own). Raises InvalidArgumentError naming the
+    first bad key and its value; never mutates ``params``.
     """
     if not isinstance(params, Mapping):
         raise InvalidArgumentError(
@@ -458,31 +504,17 @@ def parse_kv_transfer_params(params: Any) -> KvTransferParams:
         )
     if params.get(KEY_TRANSFER_ID) is None:
         raise InvalidArgumentError(f"kv_transfer_params lacks the required key '{KEY_TRANSFER_ID}'")
-
-    def get(key: str, default: Any) -> Any:
-        value = params.get(key)
-        return default if value is None else value
-
-    tp_size = get(KEY_REMOTE_TP_SIZE, get(KEY_LEGACY_TP_SIZE, 0))
-    block_ids = params.get(KEY_REMOTE_BLOCK_IDS)
-    if block_ids is not None and not isinstance(block_ids, Sequence):
-        raise InvalidArgumentError(f"{KEY_REMOTE_BLOCK_IDS} must be a list")
+    known = {k: params[k] for k in KV_TRANSFER_PARAM_KEYS if params.get(k) is not None}
+    if KEY_REMOTE_TP_SIZE not in known and params.get(KEY_LEGACY_TP_SIZE) is not None:
+        known[KEY_REMOTE_TP_SIZE] = params[KEY_LEGACY_TP_SIZE]
+    for key in _DECIMAL_KEYS:
+        value = known.get(key)
+        if isinstance(value, str) and _DIGITS_RE.fullmatch(value.strip()):
+            known[key] = int(value.strip())
     try:
-        return KvTransferParams(
-            transfer_id=params[KEY_TRANSFER_ID],
-            do_remote_prefill=get(KEY_DO_REMOTE_PREFILL, False),
-            do_remote_decode=get(KEY_DO_REMOTE_DECODE, False),
-            remote_block_ids=block_ids,
-            remote_engine_id=params.get(KEY_REMOTE_ENGINE_ID),
-            remote_host=params.get(KEY_REMOTE_HOST),
-            remote_handshake_port=params.get(KEY_REMOTE_HANDSHAKE_PORT),
-            remote_notify_port=params.get(KEY_REMOTE_NOTIFY_PORT),
-            remote_dp_rank=get(KEY_REMOTE_DP_RANK, 0),
-            remote_tp_size=tp_size,
-            remote_dp_size=get(KEY_REMOTE_DP_SIZE, 1),
-        )
-    except InvalidArgumentError as exc:
-        raise InvalidArgumentError(f"invalid kv_transfer_params: {exc}") from exc
+        return convert(known, KvTransferParams)  # type: ignore[no-any-return]
+    except msgspec.ValidationError as exc:
+        raise InvalidArgumentError(explain("invalid kv_transfer_params", exc, known)) from None
 
 
 __all__ = [
@@ -501,6 +533,7 @@ __all__ = [
     "KEY_TRANSFER_ID",
     "KV_TRANSFER_PARAM_KEYS",
     "PREFILL_MARKER",
+    "BlockIdGroups",
     "KvTransferParams",
     "RequestAddresses",
     "ZmqAddress",

@@ -28,7 +28,6 @@ Contents:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
@@ -66,7 +65,7 @@ from .messages import (
     decode,
     encode,
 )
-from .security import AuthenticationError, ControlSecurity, PeerAllowlist
+from .security import AuthenticationError, ControlSecurity, MessageAuth, PeerAllowlist
 
 logger = logging.getLogger("moriio_native.control.channel")
 
@@ -357,6 +356,16 @@ class NotifyListener(_RouterThread):
             port, bind_host=bind_host, max_message_bytes=max_message_bytes, context=context
         )
 
+    def stats(self) -> dict[str, int]:
+        """The counters of :meth:`_RouterThread.stats` plus two gauges: ``queued`` (messages
+        waiting for drain/get, at most ``max_pending``) and ``remembered`` (deduplication keys
+        held, at most ``dedup_capacity``). Thread-safe."""
+        out = super().stats()
+        with self._cond:
+            out["queued"] = len(self._pending)
+            out["remembered"] = len(self._seen)
+        return out
+
     def _wait_ready(self) -> bool:
         with self._cond:
             if len(self._pending) < self._max_pending:
@@ -502,7 +511,7 @@ class HandshakeServer(_RouterThread):
                 response = self._provider(request)
                 if not isinstance(response, HandshakeResponse):
                     raise TypeError(f"provider returned {type(response).__name__}")
-                reply = dataclasses.replace(response, nonce=request.nonce)
+                reply = response.replace(nonce=request.nonce)
             except MoriioError as exc:
                 logger.warning("handshake from %s rejected: %s", peer, exc)
                 reply = HandshakeRejected(_reason_text(exc), request.nonce)
@@ -703,9 +712,11 @@ class ProxyPinger:
     """Registers this instance with vLLM's MoRIIO proxy/router: sends ``registration`` to
     ``proxy_host:proxy_port`` now and then every ``interval`` seconds until :meth:`stop`.
 
-    Pings are untagged (the proxy knows no secret) and never queue up while the proxy is
-    down (``ZMQ_IMMEDIATE``): a missed ping is simply skipped. Only one worker per instance
-    (world rank 0) should run one. When an allowlist is given, the proxy host must pass it.
+    Pings are signed when ``auth`` has a secret (a fresh stamp each, see
+    :class:`~.security.RegistrationVerifier`), else one untagged frame as vLLM's router expects.
+    They never queue up while the proxy is down (``ZMQ_IMMEDIATE``): a missed ping is simply
+    skipped. Only one worker per instance (world rank 0) should run one. When an allowlist is
+    given, the proxy host must pass it.
     """
 
     def __init__(
@@ -716,10 +727,12 @@ class ProxyPinger:
         *,
         interval: float = 3.0,
         allowlist: PeerAllowlist | None = None,
+        auth: MessageAuth | None = None,
         context: zmq.Context | None = None,
     ) -> None:
         """Validates the arguments (InvalidArgumentError) and, with an allowlist, the proxy
-        host (PeerNotAllowedError); does not start the thread."""
+        host (PeerNotAllowedError); does not start the thread. ``auth``: sign the pings with
+        its secret (``None`` or no secret: unsigned)."""
         if not isinstance(registration, ProxyRegistration):
             raise InvalidArgumentError("registration must be a ProxyRegistration")
         self._interval = _check_seconds(interval, "interval")
@@ -729,6 +742,7 @@ class ProxyPinger:
             host = allowlist.require(host, purpose=f"proxy registration to {host}:{proxy_port}")
         self._endpoint = zmq_endpoint(host, proxy_port)
         self._payload = encode(registration)
+        self._auth = auth if auth is not None else MessageAuth(None)
         self._context = context if context is not None else zmq.Context.instance()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -761,7 +775,9 @@ class ProxyPinger:
             sock.connect(self._endpoint)
             while not self._stop.is_set():
                 try:
-                    sock.send(self._payload, flags=zmq.NOBLOCK)
+                    sock.send_multipart(
+                        self._auth.seal_registration(self._payload), flags=zmq.NOBLOCK
+                    )
                     with self._lock:
                         self._sent += 1
                 except zmq.Again:

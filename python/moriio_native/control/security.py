@@ -8,8 +8,16 @@ drops (and logs) a message whose tag is missing or wrong, compared in constant t
 secret, messages are one frame, as in vLLM's MoRIIO connector. The payload itself is never
 altered, so what the tag covers is exactly what the schema check reads. Replays of a valid
 message are not detected here; the receivers make them harmless (duplicates are dropped,
-messages for finished transfers are ignored, handshake replies echo a fresh nonce). The proxy
-registration ping is never tagged: the proxy is vLLM's router, which knows no secret.
+messages for finished transfers are ignored, handshake replies echo a fresh nonce).
+
+Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
+ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
+three frames: ``payload``, a 24-byte stamp (8-byte big-endian milliseconds since the Unix epoch, 16
+random bytes) and ``HMAC-SHA256(secret, b"moriio-native/registration/v1\0" + stamp +
+payload)``. A proxy with the secret (:class:`RegistrationVerifier`) accepts a ping only when the
+tag matches (not forged, not another message's tag: the domain differs from the control
+messages'), the stamp is within ``window_s`` of its clock (not an old capture) and the stamp
+was not seen before (not a replay within the window).
 
 Peer allowlist. Before ANY outgoing connection (handshake fetch, notify, release) the target
 host must pass :meth:`PeerAllowlist.require`; refusing logs the target and raises without
@@ -30,8 +38,9 @@ Contents:
 
 * :data:`ENV_AUTH_SECRET`, :data:`MIN_SECRET_BYTES`
 * :class:`AuthenticationError`, :class:`PeerNotAllowedError`
-* :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``; immutable,
-  safe from any thread.
+* :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``,
+  ``seal_registration``; immutable, safe from any thread.
+* :class:`RegistrationVerifier` -- the proxy side of signed registrations; thread-safe.
 * :class:`PeerAllowlist` -- ``check``, ``require``, ``learn``; internally locked, safe from any
   thread.
 * :class:`ControlSecurity` -- both, built from a config mapping by ``from_config``.
@@ -45,6 +54,7 @@ import ipaddress
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -61,7 +71,9 @@ CONFIG_AUTH_SECRET = "auth_secret"
 CONFIG_ALLOWED_PEERS = "allowed_peers"
 MIN_SECRET_BYTES = 16
 TAG_BYTES = 32
+STAMP_BYTES = 24
 _MAC_DOMAIN = b"moriio-native/control/v1\x00"
+_REGISTRATION_DOMAIN = b"moriio-native/registration/v1\x00"
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -117,9 +129,39 @@ class MessageAuth:
         """True when a secret is configured."""
         return self._key is not None
 
-    def _tag(self, payload: bytes) -> bytes:
+    def _tag(self, payload: bytes, domain: bytes = _MAC_DOMAIN) -> bytes:
         assert self._key is not None
-        return hmac.new(self._key, _MAC_DOMAIN + payload, hashlib.sha256).digest()
+        return hmac.new(self._key, domain + payload, hashlib.sha256).digest()
+
+    def seal_registration(self, payload: bytes, *, now: float | None = None) -> list[bytes]:
+        """The frames of one proxy registration ping: ``[payload]`` without a secret, else
+        ``[payload, stamp, tag]`` with a fresh stamp (``now``: seconds since the epoch, for
+        tests). Call once per ping: a stamp is accepted once."""
+        if self._key is None:
+            return [payload]
+        millis = int((time.time() if now is None else now) * 1000)
+        stamp = millis.to_bytes(8, "big") + os.urandom(STAMP_BYTES - 8)
+        return [payload, stamp, self._tag(stamp + payload, _REGISTRATION_DOMAIN)]
+
+    def registration_stamp(self, frames: Sequence[bytes]) -> tuple[bytes, bytes | None]:
+        """``(payload, stamp)`` of a registration ping whose tag is right (``stamp`` is None
+        without a secret). AuthenticationError when it is unsigned, forged, or signed while no
+        secret is set here. Freshness is :class:`RegistrationVerifier`'s business."""
+        if self._key is None:
+            if len(frames) != 1:
+                raise AuthenticationError(
+                    f"registration has {len(frames)} frames; no auth_secret is configured here"
+                )
+            return frames[0], None
+        if len(frames) != 3 or len(frames[1]) != STAMP_BYTES:
+            raise AuthenticationError(
+                f"registration is not signed ({len(frames)} frames; expected payload, stamp, "
+                "tag: is auth_secret set on the instance and proxy_auth on?)"
+            )
+        payload, stamp, tag = frames
+        if not hmac.compare_digest(self._tag(stamp + payload, _REGISTRATION_DOMAIN), tag):
+            raise AuthenticationError("registration tag does not match (wrong secret or forged)")
+        return payload, stamp
 
     def seal(self, payload: bytes) -> list[bytes]:
         """The frames to send for ``payload``: ``[payload]`` or ``[payload, tag]``."""
@@ -150,6 +192,63 @@ class MessageAuth:
         payload, tag = frames
         if not hmac.compare_digest(self._tag(payload), tag):
             raise AuthenticationError("authentication tag does not match (wrong or forged)")
+        return payload
+
+
+class RegistrationVerifier:
+    """Checks signed proxy registrations: tag, freshness and first use of each stamp.
+
+    Remembers the stamps of the last ``window_s`` seconds (at most ``max_stamps``; when that
+    many unexpired stamps are held, new pings are refused rather than a remembered stamp
+    forgotten, so a replay can never slip through). Thread-safe (one lock).
+    """
+
+    def __init__(
+        self,
+        auth: MessageAuth,
+        *,
+        window_s: float = 60.0,
+        max_stamps: int = 65536,
+        clock: Any = time.time,
+    ) -> None:
+        if not window_s > 0 or max_stamps < 1:
+            raise InvalidArgumentError("window_s must be > 0 and max_stamps >= 1")
+        self._auth = auth
+        self._window_ms = int(window_s * 1000)
+        self._max_stamps = max_stamps
+        self._clock = clock
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        """True when registrations must be signed (a secret is configured)."""
+        return self._auth.enabled
+
+    def open(self, frames: Sequence[bytes]) -> bytes:
+        """The payload of an accepted registration; AuthenticationError naming why it was
+        refused (unsigned, forged, stale, from the future, replayed)."""
+        payload, stamp = self._auth.registration_stamp(frames)
+        if stamp is None:
+            return payload
+        now_ms = int(self._clock() * 1000)
+        sent_ms = int.from_bytes(stamp[:8], "big")
+        if abs(now_ms - sent_ms) > self._window_ms:
+            raise AuthenticationError(
+                f"registration stamp is {(now_ms - sent_ms) / 1000:.1f}s old; accepted within "
+                f"{self._window_ms / 1000:.0f}s (replayed capture, or clocks apart)"
+            )
+        with self._lock:
+            # Each stamp is remembered until it would be refused as stale anyway.
+            while self._seen and next(iter(self._seen.values())) < now_ms:
+                self._seen.popitem(last=False)
+            if stamp in self._seen:
+                raise AuthenticationError("registration replayed (its stamp was used before)")
+            if len(self._seen) >= self._max_stamps:
+                raise AuthenticationError(
+                    f"more than {self._max_stamps} registrations within the window; refused"
+                )
+            self._seen[stamp] = sent_ms + self._window_ms
         return payload
 
 
@@ -298,4 +397,5 @@ __all__ = [
     "MessageAuth",
     "PeerAllowlist",
     "PeerNotAllowedError",
+    "RegistrationVerifier",
 ]

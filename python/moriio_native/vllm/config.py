@@ -22,6 +22,10 @@ key                   default      meaning
 ``http_port``         unset        this instance's HTTP port (``vllm serve --port``); required
                                    with ``proxy_ip``
 ``ping_interval``     ``3.0``      seconds between registration pings
+``proxy_auth``        ``false``    sign the registration pings with ``auth_secret`` (when one is
+                                   set), as the example proxy holding the same secret requires;
+                                   off for a router that knows no secret (vllm-router, vLLM's
+                                   toy proxy), which reads one-frame pings only
 ``transfer_timeout``  ``30.0``     seconds one transfer (and one handshake) may take
 ``abort_timeout``     ``120.0``    seconds a stranded request may hold blocks: prefill blocks
                                    nobody released, decode requests whose KV never arrived.
@@ -53,15 +57,16 @@ Contents: :class:`ConnectorConfig` (immutable; ``from_extra_config``) and the co
 from __future__ import annotations
 
 import logging
-import math
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from moriio_native.control.addressing import validate_host, validate_port
+import msgspec
+
+from moriio_native.control.addressing import HostText, validate_host
 from moriio_native.control.ports import PortPlan
+from moriio_native.control.schema import Port, Schema, Size, convert, explain
 from moriio_native.control.security import ENV_AUTH_SECRET, MIN_SECRET_BYTES, PeerAllowlist
 from moriio_native.errors import InvalidArgumentError
 
@@ -69,6 +74,9 @@ logger = logging.getLogger("moriio_native.vllm.config")
 
 Mode = Literal["read", "write"]
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
+Backend = Literal["auto", "ucx", "mori", "loopback"]
+#: A positive, finite number of seconds (at most ~30 years).
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 
 DEFAULT_BACKEND = "auto"
 DEFAULT_MODE: Mode = "write"
@@ -87,23 +95,28 @@ BACKEND_OPTION_KEYS = frozenset(
     {"qp_per_transfer", "post_batch_size", "num_workers", "poll_mode", "progress_mode"}
 )
 
+# Keys read as they are (a missing or empty value takes the field's default).
+_PLAIN_KEYS = (
+    "mode",
+    "backend",
+    "handshake_port",
+    "notify_port",
+    "proxy_ping_port",
+    "http_port",
+    "ping_interval",
+    "proxy_auth",
+    "transfer_timeout",
+    "quarantine_timeout",
+)
 _KNOWN_KEYS = frozenset(
     {
-        "backend",
-        "mode",
+        *_PLAIN_KEYS,
         "read_mode",
-        "handshake_port",
-        "notify_port",
         "host_ip",
         "bind_host",
         "proxy_ip",
-        "proxy_ping_port",
-        "http_port",
-        "ping_interval",
-        "transfer_timeout",
         "abort_timeout",
         "defer_timeout",
-        "quarantine_timeout",
         "allowed_peers",
         "auth_secret",
         "engine_options",
@@ -112,41 +125,7 @@ _KNOWN_KEYS = frozenset(
 # Keys of vLLM's MoRIIO connector that have no meaning here; accepted so configurations can be
 # switched over unchanged, and logged once.
 _IGNORED_LEGACY_KEYS = frozenset({"recv_abort_timeout"})
-
-
-def _truthy(value: Any, key: str) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, (int, str)):
-        text = str(value).strip().lower()
-        if text in ("1", "true", "yes", "on"):
-            return True
-        if text in ("0", "false", "no", "off", ""):
-            return False
-    raise InvalidArgumentError(f"kv_connector_extra_config.{key} must be true/false, got {value!r}")
-
-
-def _seconds(value: Any, key: str) -> float:
-    try:
-        seconds = float(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(
-            f"kv_connector_extra_config.{key} must be a number of seconds, got {value!r}"
-        ) from None
-    if not math.isfinite(seconds) or seconds <= 0:
-        raise InvalidArgumentError(
-            f"kv_connector_extra_config.{key} must be a positive number of seconds, got {value!r}"
-        )
-    return seconds
-
-
-def _port(value: Any, key: str) -> int:
-    try:
-        return validate_port(value, what=f"kv_connector_extra_config.{key}")
-    except InvalidArgumentError:
-        raise
-    except Exception as exc:  # validate_port only raises InvalidArgumentError; be defensive
-        raise InvalidArgumentError(f"kv_connector_extra_config.{key}: {exc}") from None
+_WHAT = "kv_connector_extra_config"
 
 
 def local_ip() -> str:
@@ -164,60 +143,63 @@ def local_ip() -> str:
     return "127.0.0.1"
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
+class ConnectorConfig(Schema, frozen=True):
     """The parsed connector configuration of one instance. Immutable; safe to share.
 
     ``dp_size``/``tp_size`` are the instance's parallel sizes (from vLLM's ParallelConfig);
-    ``ports`` validates at construction that every rank's two listener ports fit.
+    ``ports`` validates at construction that every rank's two listener ports fit. Every field
+    is bounded by its type; constructing one with a bad value raises InvalidArgumentError
+    naming the key and the value.
     """
+
+    WHAT: ClassVar[str] = _WHAT
+    ERROR: ClassVar[type[Exception]] = InvalidArgumentError
 
     role: Role
     mode: Mode = DEFAULT_MODE
-    backend: str = DEFAULT_BACKEND
-    host_ip: str = "127.0.0.1"
-    bind_host: str = "127.0.0.1"
-    handshake_port: int = DEFAULT_HANDSHAKE_PORT
-    notify_port: int = DEFAULT_NOTIFY_PORT
-    proxy_ip: str | None = None
-    proxy_ping_port: int = DEFAULT_PROXY_PING_PORT
-    http_port: int | None = None
-    ping_interval: float = DEFAULT_PING_INTERVAL
-    transfer_timeout: float = DEFAULT_TRANSFER_TIMEOUT
-    abort_timeout: float = DEFAULT_ABORT_TIMEOUT
-    quarantine_timeout: float = DEFAULT_QUARANTINE_TIMEOUT
+    backend: Backend = DEFAULT_BACKEND
+    host_ip: HostText = "127.0.0.1"
+    bind_host: HostText = "127.0.0.1"
+    handshake_port: Port = DEFAULT_HANDSHAKE_PORT
+    notify_port: Port = DEFAULT_NOTIFY_PORT
+    proxy_ip: HostText | None = None
+    proxy_ping_port: Port = DEFAULT_PROXY_PING_PORT
+    http_port: Port | None = None
+    ping_interval: Seconds = DEFAULT_PING_INTERVAL
+    proxy_auth: bool = False
+    transfer_timeout: Seconds = DEFAULT_TRANSFER_TIMEOUT
+    abort_timeout: Seconds = DEFAULT_ABORT_TIMEOUT
+    quarantine_timeout: Seconds = DEFAULT_QUARANTINE_TIMEOUT
     allowed_peers: tuple[str, ...] = ()
-    auth_secret: str | None = field(default=None, repr=False)
-    engine_options: Mapping[str, str] = field(default_factory=dict)
-    dp_size: int = 1
-    tp_size: int = 1
+    auth_secret: str | None = None
+    engine_options: dict[str, str] = msgspec.field(default_factory=dict)
+    dp_size: Size = 1
+    tp_size: Size = 1
 
-    def __post_init__(self) -> None:
-        if self.role not in ("kv_producer", "kv_consumer", "kv_both"):
-            raise InvalidArgumentError(
-                f"kv_role must be kv_producer/kv_consumer/kv_both, got {self.role!r}"
-            )
-        if self.mode not in ("read", "write"):
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config.mode must be 'read' or 'write', got {self.mode!r}"
-            )
-        if self.backend not in BACKENDS:
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config.backend must be one of {', '.join(BACKENDS)}, "
-                f"got {self.backend!r}"
-            )
+    def _check(self) -> None:
+        for key in ("host_ip", "bind_host", "proxy_ip"):
+            value = getattr(self, key)
+            if value is not None and not (key == "bind_host" and value == "*"):
+                msgspec.structs.force_setattr(
+                    self, key, validate_host(value, what=f"{_WHAT}.{key}")
+                )
         if self.proxy_ip is not None and self.http_port is None:
-            raise InvalidArgumentError(
-                "kv_connector_extra_config.http_port is required with proxy_ip (the proxy "
-                "forwards requests to it): set it to this instance's `vllm serve --port`"
+            raise ValueError(
+                f"{_WHAT}.http_port is required with proxy_ip (the proxy forwards requests to "
+                "it): set it to this instance's `vllm serve --port`"
             )
         if self.auth_secret is not None and len(self.auth_secret.encode()) < MIN_SECRET_BYTES:
-            raise InvalidArgumentError(
-                f"kv_connector_extra_config.auth_secret must be at least {MIN_SECRET_BYTES} bytes"
-            )
-        # Both checks raise InvalidArgumentError naming the bad value.
+            raise ValueError(f"{_WHAT}.auth_secret must be at least {MIN_SECRET_BYTES} bytes")
+        # Both raise InvalidArgumentError naming the bad value.
         PeerAllowlist(self.allowed_peers)
         self.ports  # noqa: B018 -- validates every rank's ports now, not at bind time
+
+    def __repr__(self) -> str:
+        shown = {
+            name: "<hidden>" if name == "auth_secret" and value is not None else value
+            for name, value in msgspec.structs.asdict(self).items()
+        }
+        return f"ConnectorConfig({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     @property
     def ports(self) -> PortPlan:
@@ -258,8 +240,9 @@ class ConnectorConfig:
         dp_size: int = 1,
         tp_size: int = 1,
     ) -> ConnectorConfig:
-        """Parse ``kv_connector_extra_config``. Raises InvalidArgumentError naming the first bad
-        key; unknown keys are logged (a typo must not pass silently)."""
+        """Parse ``kv_connector_extra_config``. Numbers and booleans may be strings (vLLM's
+        command line passes them so). Raises InvalidArgumentError naming the first bad key and
+        its value; unknown keys are logged (a typo must not pass silently)."""
         extra = dict(extra or {})
         unknown = sorted(
             k
@@ -270,98 +253,64 @@ class ConnectorConfig:
             and not k.startswith(BACKEND_OPTION_PREFIXES)
         )
         if unknown:
-            logger.warning(
-                "ignoring unknown kv_connector_extra_config keys: %s", ", ".join(unknown)
-            )
+            logger.warning("ignoring unknown %s keys: %s", _WHAT, ", ".join(unknown))
         legacy = sorted(k for k in extra if k in _IGNORED_LEGACY_KEYS)
         if legacy:
-            logger.info("kv_connector_extra_config keys without effect here: %s", ", ".join(legacy))
-
-        if "mode" in extra and extra["mode"] is not None:
-            mode = str(extra["mode"]).strip().lower()
-        elif "read_mode" in extra:
-            mode = "read" if _truthy(extra["read_mode"], "read_mode") else "write"
-        else:
-            mode = DEFAULT_MODE
+            logger.info("%s keys without effect here: %s", _WHAT, ", ".join(legacy))
 
         def get(key: str) -> Any:
             value = extra.get(key)
             return None if value is None or value == "" else value
 
-        host = get("host_ip")
-        host_ip = (
-            validate_host(host, what="kv_connector_extra_config.host_ip") if host else local_ip()
-        )
-        bind = get("bind_host")
-        bind_host = (
-            host_ip
-            if bind is None
-            else "*"
-            if bind == "*"
-            else validate_host(bind, what="kv_connector_extra_config.bind_host")
-        )
-        proxy = get("proxy_ip")
+        raw: dict[str, Any] = {"role": role, "dp_size": dp_size, "tp_size": tp_size}
+        raw.update({k: get(k) for k in _PLAIN_KEYS if get(k) is not None})
+        if isinstance(raw.get("mode"), str):
+            raw["mode"] = raw["mode"].strip().lower()
+        elif get("read_mode") is not None:
+            raw["read_mode"] = get("read_mode")
+        if isinstance(raw.get("backend"), str):
+            raw["backend"] = raw["backend"].strip().lower()
         abort = get("abort_timeout") if get("abort_timeout") is not None else get("defer_timeout")
-        options: dict[str, str] = {}
-        raw_options = get("engine_options")
-        if raw_options is not None:
-            if not isinstance(raw_options, Mapping):
-                raise InvalidArgumentError(
-                    "kv_connector_extra_config.engine_options must be a mapping"
-                )
-            options.update({str(k): str(v) for k, v in raw_options.items()})
-        options.update(
-            {
-                k: str(v)
-                for k, v in extra.items()
-                if k.startswith(BACKEND_OPTION_PREFIXES) or k in BACKEND_OPTION_KEYS
-            }
+        if abort is not None:
+            raw["abort_timeout"] = abort
+        host = get("host_ip")
+        raw["host_ip"] = (
+            validate_host(host, what=f"{_WHAT}.host_ip") if host is not None else local_ip()
         )
+        raw["bind_host"] = get("bind_host") if get("bind_host") is not None else raw["host_ip"]
+        if get("proxy_ip") is not None:
+            raw["proxy_ip"] = get("proxy_ip")
         allowed = get("allowed_peers")
         if isinstance(allowed, str):
-            allowed_peers = tuple(p.strip() for p in allowed.split(",") if p.strip())
-        elif allowed is None:
-            allowed_peers = ()
-        elif isinstance(allowed, (list, tuple)):
-            allowed_peers = tuple(str(p) for p in allowed)
-        else:
-            raise InvalidArgumentError(
-                "kv_connector_extra_config.allowed_peers must be a list or a comma-separated string"
-            )
+            allowed = [p.strip() for p in allowed.split(",") if p.strip()]
+        if allowed is not None:
+            raw["allowed_peers"] = allowed
         secret = get("auth_secret")
         if secret is None:
             secret = os.environ.get(ENV_AUTH_SECRET) or None
-        return cls(
-            role=role,  # type: ignore[arg-type]
-            mode=mode,  # type: ignore[arg-type]
-            backend=str(get("backend") or DEFAULT_BACKEND).strip().lower(),
-            host_ip=host_ip,
-            bind_host=bind_host,
-            handshake_port=_port(get("handshake_port") or DEFAULT_HANDSHAKE_PORT, "handshake_port"),
-            notify_port=_port(get("notify_port") or DEFAULT_NOTIFY_PORT, "notify_port"),
-            proxy_ip=validate_host(proxy, what="kv_connector_extra_config.proxy_ip")
-            if proxy
-            else None,
-            proxy_ping_port=_port(
-                get("proxy_ping_port") or DEFAULT_PROXY_PING_PORT, "proxy_ping_port"
-            ),
-            http_port=_port(get("http_port"), "http_port")
-            if get("http_port") is not None
-            else None,
-            ping_interval=_seconds(get("ping_interval") or DEFAULT_PING_INTERVAL, "ping_interval"),
-            transfer_timeout=_seconds(
-                get("transfer_timeout") or DEFAULT_TRANSFER_TIMEOUT, "transfer_timeout"
-            ),
-            abort_timeout=_seconds(abort or DEFAULT_ABORT_TIMEOUT, "abort_timeout"),
-            quarantine_timeout=_seconds(
-                get("quarantine_timeout") or DEFAULT_QUARANTINE_TIMEOUT, "quarantine_timeout"
-            ),
-            allowed_peers=allowed_peers,
-            auth_secret=str(secret) if secret is not None else None,
-            engine_options=options,
-            dp_size=dp_size,
-            tp_size=tp_size,
-        )
+        if secret is not None:
+            raw["auth_secret"] = secret
+        options = get("engine_options") or {}
+        if not isinstance(options, Mapping):
+            raise InvalidArgumentError(
+                f"{_WHAT}.engine_options must be a mapping, got {type(options).__name__}"
+            )
+        passed = {
+            k: v
+            for k, v in extra.items()
+            if k.startswith(BACKEND_OPTION_PREFIXES) or k in BACKEND_OPTION_KEYS
+        }
+        raw["engine_options"] = {str(k): str(v) for k, v in {**options, **passed}.items()}
+        if "read_mode" in raw:
+            read = raw.pop("read_mode")
+            try:
+                raw["mode"] = "read" if convert(read, bool, strict=False) else "write"
+            except msgspec.ValidationError as exc:
+                raise InvalidArgumentError(explain(f"{_WHAT}.read_mode", exc, read)) from None
+        try:
+            return convert(raw, cls, strict=False)  # type: ignore[no-any-return]
+        except msgspec.ValidationError as exc:
+            raise InvalidArgumentError(explain(_WHAT, exc, raw)) from None
 
 
 __all__ = [
