@@ -23,6 +23,11 @@ key                   default      meaning
                                    with ``proxy_ip``
 ``ping_interval``     ``3.0``      seconds between registration pings
 ``transfer_timeout``  ``30.0``     seconds one transfer (and one handshake) may take
+``read_loading``      ``"async"``  READ mode: ``async`` -- requests wait in WAITING_FOR_REMOTE_KVS
+                                   while their KV is pulled, the batch keeps running; ``sync`` --
+                                   the step that needs the KV waits for it (a slow prefill
+                                   stalls the whole batch); for vLLM versions without
+                                   asynchronous loads
 ``abort_timeout``     ``120.0``    seconds a stranded request may hold blocks: prefill blocks
                                    nobody released, decode requests whose KV never arrived.
                                    ``defer_timeout`` is read when absent.
@@ -31,7 +36,8 @@ key                   default      meaning
                                    land, so they are neither recomputed into nor freed until the
                                    writer proved them drained (its drain ack, its death, or for
                                    READ our own engine); past this bound a WRITE's blocks are
-                                   freed anyway (logged), a READ's step raises instead
+                                   freed anyway (logged); a READ's blocks wait for our engine's
+                                   drain (logged past the bound)
 ``allowed_peers``     none         CIDRs / IPs / host names this instance may dial besides hosts
                                    that handshook with it (list or comma-separated string);
                                    ``"*"`` allows all (insecure)
@@ -69,6 +75,7 @@ logger = logging.getLogger("moriio_native.vllm.config")
 
 Mode = Literal["read", "write"]
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
+ReadLoading = Literal["async", "sync"]
 
 DEFAULT_BACKEND = "auto"
 DEFAULT_MODE: Mode = "write"
@@ -79,6 +86,7 @@ DEFAULT_PING_INTERVAL = 3.0
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 DEFAULT_ABORT_TIMEOUT = 120.0
 DEFAULT_QUARANTINE_TIMEOUT = 300.0
+DEFAULT_READ_LOADING: ReadLoading = "async"
 BACKENDS = ("auto", "ucx", "mori", "loopback")
 BACKEND_OPTION_PREFIXES = ("ucx_", "mori_")
 # Backend tuning keys without a prefix (vLLM's MoRIIO connector spells MoRI's this way; the UCX
@@ -107,6 +115,7 @@ _KNOWN_KEYS = frozenset(
         "allowed_peers",
         "auth_secret",
         "engine_options",
+        "read_loading",
     }
 )
 # Keys of vLLM's MoRIIO connector that have no meaning here; accepted so configurations can be
@@ -191,6 +200,7 @@ class ConnectorConfig:
     engine_options: Mapping[str, str] = field(default_factory=dict)
     dp_size: int = 1
     tp_size: int = 1
+    read_loading: ReadLoading = DEFAULT_READ_LOADING
 
     def __post_init__(self) -> None:
         if self.role not in ("kv_producer", "kv_consumer", "kv_both"):
@@ -200,6 +210,11 @@ class ConnectorConfig:
         if self.mode not in ("read", "write"):
             raise InvalidArgumentError(
                 f"kv_connector_extra_config.mode must be 'read' or 'write', got {self.mode!r}"
+            )
+        if self.read_loading not in ("async", "sync"):
+            raise InvalidArgumentError(
+                "kv_connector_extra_config.read_loading must be 'async' or 'sync', "
+                f"got {self.read_loading!r}"
             )
         if self.backend not in BACKENDS:
             raise InvalidArgumentError(
@@ -361,6 +376,7 @@ class ConnectorConfig:
             engine_options=options,
             dp_size=dp_size,
             tp_size=tp_size,
+            read_loading=str(get("read_loading") or DEFAULT_READ_LOADING).strip().lower(),  # type: ignore[arg-type]
         )
 
 
@@ -372,9 +388,11 @@ __all__ = [
     "DEFAULT_NOTIFY_PORT",
     "DEFAULT_PROXY_PING_PORT",
     "DEFAULT_QUARANTINE_TIMEOUT",
+    "DEFAULT_READ_LOADING",
     "DEFAULT_TRANSFER_TIMEOUT",
     "ConnectorConfig",
     "Mode",
+    "ReadLoading",
     "Role",
     "local_ip",
 ]
