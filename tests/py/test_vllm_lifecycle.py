@@ -641,13 +641,11 @@ def drain_notices_first(side: Side) -> None:
     worker._engine = DrainNoticeFirst(worker._engine)
 
 
-@pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
-def test_read_quarantined_blocks_are_reported_only_after_the_drain(
-    sides: list[Side], model_dir: str, notice_first: bool
-) -> None:
-    """Asynchronous READ: the steps go on while the READ is quarantined, and none of them
-    reports the load (finished/failed receiving, load error) before the engine's drain."""
-    p, d = make_pair(sides, model_dir, "read", d_extra=DELAYED)
+def delayed_read(
+    sides: list[Side], model_dir: str, d_extra: dict[str, Any], notice_first: bool
+) -> tuple[Side, Side, str, list[int]]:
+    """A prefilled request whose decode READ (over the delayed loopback) ends quarantined."""
+    p, d = make_pair(sides, model_dir, "read", d_extra=d_extra)
     if notice_first:
         drain_notices_first(d)
     prompt = prompt_of(40, seed=3)
@@ -655,6 +653,25 @@ def test_read_quarantined_blocks_are_reported_only_after_the_drain(
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
     returned = p.step().finished()[rid].kv_transfer_params
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    return p, d, rid, prompt
+
+
+def recomputed_after_the_drain(p: Side, d: Side, rid: str, prompt: list[int]) -> None:
+    """After a quarantined READ drained: the decode recomputed the request (its own bytes),
+    the prefill got its release, and every block comes back once the request finishes."""
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+@pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
+def test_read_quarantined_blocks_are_reported_only_after_the_drain(
+    sides: list[Side], model_dir: str, notice_first: bool
+) -> None:
+    """Asynchronous READ: the steps go on while the READ is quarantined, and none of them
+    reports the load (finished/failed receiving, load error) before the engine's drain."""
+    p, d, rid, prompt = delayed_read(sides, model_dir, DELAYED, notice_first)
     engine = d.worker.worker.engine
     n_load = -(-(len(prompt) - 1) // BLOCK_SIZE)
     saw_quarantine, steps_in_quarantine, quarantined_blocks = False, 0, 0
@@ -684,10 +701,7 @@ def test_read_quarantined_blocks_are_reported_only_after_the_drain(
     # Counted as quarantined only when the worker learned of the end before the drain.
     assert quarantined_blocks == (0 if notice_first else len(loaded))
     assert result.scheduled == {rid: len(prompt)}  # recomputed, after the drain
-    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
-    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
-    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
-    assert d.free_blocks() == d.initial_free
+    recomputed_after_the_drain(p, d, rid, prompt)
 
 
 @pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
@@ -697,14 +711,7 @@ def test_sync_read_quarantined_blocks_are_reported_only_after_the_drain(
     """Synchronous READ: the step waits for the drain -- also past quarantine_timeout (here
     shorter than the drain), where it used to raise into vLLM's step."""
     extra = {**DELAYED, "read_loading": "sync", "quarantine_timeout": 0.2}
-    p, d = make_pair(sides, model_dir, "read", d_extra=extra)
-    if notice_first:
-        drain_notices_first(d)
-    prompt = prompt_of(40, seed=3)
-    rid, tid = pd_request_id(p, d), transfer_id()
-    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-    returned = p.step().finished()[rid].kv_transfer_params
-    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    p, d, rid, prompt = delayed_read(sides, model_dir, extra, notice_first)
     engine = d.worker.worker.engine
     results: list = []
     stepper = threading.Thread(target=lambda: results.append(d.step()), daemon=True)
@@ -729,10 +736,7 @@ def test_sync_read_quarantined_blocks_are_reported_only_after_the_drain(
     assert first.stats is not None and first.stats.data["quarantined_blocks"] == quarantined_blocks
     second = d.step()
     assert second.scheduled == {rid: len(prompt)}  # recomputed, after the drain
-    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
-    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
-    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
-    assert d.free_blocks() == d.initial_free
+    recomputed_after_the_drain(p, d, rid, prompt)
 
 
 @pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
