@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Protocol
 
 from moriio_native.control.channel import fetch_metadata
 from moriio_native.control.messages import HandshakeResponse
@@ -78,11 +79,10 @@ class _Failure:
     attempts: int
 
 
-class _EngineLike:
+class _EngineLike(Protocol):
     """What the directory needs of the engine (the facade's Engine satisfies it)."""
 
-    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str:  # pragma: no cover
-        raise NotImplementedError
+    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str: ...
 
 
 class PeerDirectory:
