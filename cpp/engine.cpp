@@ -391,6 +391,14 @@ Result<std::vector<std::uint8_t>> Engine::LocalMetadata() const {
 }
 
 Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
+  return ConnectPeer(metadata, /*replace=*/false);
+}
+
+Result<std::string> Engine::ReplacePeer(std::span<const std::uint8_t> metadata) {
+  return ConnectPeer(metadata, /*replace=*/true);
+}
+
+Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, bool replace) {
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   MORIIO_ASSIGN_OR_RETURN(EngineMetadata meta, detail::DecodeMetadata(metadata));
@@ -408,8 +416,10 @@ Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
                      metadata.end())) {
         return meta.engine_id;  // the same handshake again
       }
-      return AlreadyExistsError("peer '" + meta.engine_id +
-                                "' is connected with different metadata; remove it first");
+      if (!replace) {
+        return AlreadyExistsError("peer '" + meta.engine_id +
+                                  "' is connected with different metadata; remove it first");
+      }
     }
   }
   // Every one of our layers needs a peer layer of the same name and logical content.
@@ -428,7 +438,8 @@ Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
     if (!tmpl.ok()) return tmpl.status().WithContext("peer '" + meta.engine_id + "'");
     peer->links.push_back({it->second->region, it->second->offset, std::move(tmpl).value()});
   }
-  // Connect and import; undo on failure.
+  // Connect and import; undo on failure. A replaced peer stays connected until the new
+  // connection stands, so a failed replacement changes nothing.
   MORIIO_ASSIGN_OR_RETURN(peer->handle, d.backend->ConnectPeer(meta.address));
   for (const RegionRecord& r : meta.regions) {
     Result<std::uint64_t> imported = d.backend->ImportRemoteRegion(peer->handle, r.range, r.key);
@@ -439,9 +450,35 @@ Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
     }
     peer->remote_regions.push_back(*imported);
   }
+  std::shared_ptr<const Peer> old;
+  {
+    std::lock_guard lock(d.mu);
+    auto it = d.peers.find(peer->id);
+    if (it != d.peers.end() && it->second->metadata == peer->metadata) {
+      // Another thread added this very peer meanwhile: the same handshake.
+      (void)d.backend->DisconnectPeer(peer->handle);
+      return peer->id;
+    }
+    if (it != d.peers.end() && !replace) {
+      (void)d.backend->DisconnectPeer(peer->handle);
+      return AlreadyExistsError("peer '" + peer->id +
+                                "' was added concurrently with other metadata");
+    }
+    if (it != d.peers.end()) {
+      old = it->second;
+      d.peers.erase(it);
+    }
+  }
+  if (old != nullptr) {
+    // The old instance's transfers end (aborted) before the new one is reachable under the
+    // same id, so none of them can be mistaken for a transfer to the new instance.
+    d.sink->UnmapPeer(old->handle);
+    d.tracker->FailPeer(old->id, AbortedError("peer replaced by a new instance"));
+    (void)d.backend->DisconnectPeer(old->handle);
+  }
   std::lock_guard lock(d.mu);
   if (auto [it, inserted] = d.peers.emplace(peer->id, peer); !inserted) {
-    // Another thread added this peer meanwhile: identical metadata is the same handshake.
+    // Added concurrently while the old one was being disconnected.
     (void)d.backend->DisconnectPeer(peer->handle);
     if (it->second->metadata == peer->metadata) return peer->id;
     return AlreadyExistsError("peer '" + peer->id + "' was added concurrently with other metadata");

@@ -130,16 +130,18 @@ void BindEngine(py::module_& m) {
              return ToBytes(Unwrap(std::move(meta)));
            })
       .def("local_metadata", [](const Engine& e) { return ToBytes(Unwrap(e.LocalMetadata())); })
-      .def("add_peer",
-           [](Engine& e, const py::bytes& metadata) {
-             std::string holder;
-             auto span = ByteSpan(metadata, holder);
-             Result<std::string> peer = [&] {
-               py::gil_scoped_release release;
-               return e.AddPeer(span);
-             }();
-             return Unwrap(std::move(peer));
-           })
+      .def(
+          "add_peer",
+          [](Engine& e, const py::bytes& metadata, bool replace) {
+            std::string holder;
+            auto span = ByteSpan(metadata, holder);
+            Result<std::string> peer = [&] {
+              py::gil_scoped_release release;
+              return replace ? e.ReplacePeer(span) : e.AddPeer(span);
+            }();
+            return Unwrap(std::move(peer));
+          },
+          py::arg("metadata"), py::arg("replace") = false)
       .def("remove_peer", [](Engine& e, const std::string& peer) {
         Status st;
         {

@@ -104,6 +104,17 @@ class Engine {
   /// the same name and logical content, connects, and returns the peer's engine id. On error
   /// nothing changes. Adding a peer again with identical metadata is a no-op. Blocks on connect.
   Result<std::string> AddPeer(std::span<const std::uint8_t> metadata);
+
+  /// As AddPeer, but a peer already connected under the same engine id with OTHER metadata (that
+  /// peer restarted: new transport address, new memory) is replaced: the new connection is made
+  /// first, then the old one's pending transfers end (never `done`) and it is disconnected. On error
+  /// the old peer stays as it was. Identical metadata is a no-op. Thread-safe; blocks on connect.
+  /// Use it only where the caller authenticated the metadata as coming from that peer (a
+  /// handshake with it), since it ends every transfer to the old instance.
+  Result<std::string> ReplacePeer(std::span<const std::uint8_t> metadata);
+
+  /// Disconnects `peer`; its pending transfers end (never `done`). NotFound for an unknown id.
+  /// Thread-safe; blocks while the backend disconnects.
   Status RemovePeer(std::string_view peer);
   std::vector<std::string> Peers() const;
 
@@ -175,6 +186,8 @@ class Engine {
 
  private:
   explicit Engine(std::unique_ptr<Impl> impl);
+  // AddPeer (replace=false) and ReplacePeer (replace=true).
+  Result<std::string> ConnectPeer(std::span<const std::uint8_t> metadata, bool replace);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -56,10 +56,10 @@ import numpy as np
 
 from moriio_native import control as ctl
 from moriio_native import kvcache as kc
-from moriio_native.control.messages import MAX_REASON_LEN
-from moriio_native.engine import Engine, available_backends
-from moriio_native.errors import InvalidArgumentError, MoriioError
+from moriio_native.engine import Engine, available_backends, choose_backend
+from moriio_native.errors import BackendUnavailableError, InvalidArgumentError, MoriioError
 from moriio_native.layout import BlockPairs, LayerLayout, block_template, describe_layer
+from moriio_native.pd import PdConfig, PdCore, RecvTask, SaveTask, SendTask
 from moriio_native.presets import DEFAULT_PRESET, get_preset
 
 logger = logging.getLogger("moriio_native.demo")
@@ -70,8 +70,11 @@ BackendChoice = Literal["auto", "ucx", "loopback"]
 Fault = Literal["dst", "outside"]
 
 _HOST = "127.0.0.1"
-_PREFILL_ID = "demo-prefill-0"
+_PREFILL_ID = "demo-prefill-0"  # the instance ids requests name (remote_engine_id)
 _DECODE_ID = "demo-decode-0"
+# Each instance has one rank; its engine and protocol core use the rank's id, as a vLLM worker.
+_PREFILL_RANK = f"{_PREFILL_ID}/dp0/tp0"
+_DECODE_RANK = f"{_DECODE_ID}/dp0/tp0"
 _IDLE_POLL_S = 0.005
 _MAX_REPORTED = 10
 _NOISE_CHUNK = (1 << 20) + 56
@@ -344,26 +347,82 @@ class _WorkerSpec:
     seed: int
 
 
-@dataclass
-class _PrefillRequest:
-    request_id: str
-    blocks: list[int]
-    params: ctl.KvTransferParams
+def _security(secret: str) -> ctl.ControlSecurity:
+    return ctl.ControlSecurity(ctl.MessageAuth(secret), ctl.PeerAllowlist([_HOST]))
+
+
+class _EventLog:
+    """The protocol core's stats sink: keeps each completed transfer's engine event (the
+    demo reports its bytes and runs) and counts the rest."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, Any] = {}
+        self.failures = 0
+        self.handshakes = 0
+        self.quarantined_blocks = 0
+
+    def record(self, *, ok: bool) -> None:
+        self.failures += not ok
+
+    def record_transfer(self, event: Any) -> None:
+        self.events[event.transfer_id] = event
+
+    def record_handshake(self) -> None:
+        self.handshakes += 1
+
+    def record_quarantine(self, blocks: int) -> None:
+        self.quarantined_blocks += blocks
+
+
+def _core(
+    engine: Engine, engine_id: str, mode: Mode, *, producer: bool, timeout: float, secret: str
+) -> tuple[PdCore, _EventLog]:
+    """One side's protocol core for ``mode``, started on free ports of 127.0.0.1: the same
+    core the vLLM connector runs (:mod:`moriio_native.pd`)."""
+    log = _EventLog()
+    core = PdCore(
+        PdConfig(
+            engine_id=engine_id,
+            mode=mode,
+            producer=producer,
+            consumer=not producer,
+            host_ip=_HOST,
+            handshake_port=0,
+            notify_port=0,
+            transfer_timeout=timeout,
+            # Long enough that in a healthy run every prefill block is freed by its release.
+            abort_timeout=max(4 * timeout, 60.0),
+            quarantine_timeout=max(4 * timeout, 60.0),
+        ),
+        _security(secret),
+        log,
+        engine=lambda: engine,
+        bind_host=_HOST,
+    )
+    core.start(0, 0)
+    return core, log
+
+
+def _address(core: PdCore) -> ctl.ZmqAddress:
+    return ctl.ZmqAddress(*core.address())
 
 
 class _PrefillWorker:
-    """The prefill side: one engine, its caches, a handshake server and a notify listener.
-    Runs on one thread; talks to the decode side's "router" over ``conn``."""
+    """The prefill side: one engine and its caches; per mode a protocol core (handshake
+    server, notify listener, held READs, WRITE pushes). Talks to the decode side's "router"
+    over ``conn``; the protocol itself runs on the core's threads."""
 
     def __init__(self, spec: _WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
         self._spec = spec
         self._conn = conn
         self._rng = np.random.default_rng([spec.seed, 1])
-        self._requests: dict[str, _PrefillRequest] = {}
+        self._requests: dict[str, list[int]] = {}  # request id -> its blocks, until freed
         self._free: set[int] = set(range(spec.num_blocks))
-        self._releases = 0
-        self._writes = 0
-        self._closers: list[Callable[[], None]] = []
+        self._freed: dict[str, int] = {"read": 0, "write": 0}
+        self._core: PdCore | None = None
+        self._mode: Mode = "read"
+        self._handshake_stats: dict[str, int] = {}
+        self._listener_stats: dict[str, int] = {}
         self._stop = False
 
     def run(self) -> None:
@@ -372,7 +431,7 @@ class _PrefillWorker:
         except BaseException as exc:
             logger.exception("prefill worker failed to start")
             self._send({"type": "error", "message": f"prefill setup: {type(exc).__name__}: {exc}"})
-            self._close()
+            self._stop_core()
             return
         try:
             self._loop()
@@ -382,7 +441,7 @@ class _PrefillWorker:
             logger.exception("prefill worker failed")
             self._send({"type": "error", "message": f"prefill: {type(exc).__name__}: {exc}"})
         finally:
-            self._close()
+            self._stop_core()
 
     def _send(self, message: dict[str, Any]) -> None:
         try:
@@ -393,63 +452,79 @@ class _PrefillWorker:
     def _setup(self) -> None:
         spec = self._spec
         self._shapes = get_preset(spec.preset).shapes(spec.layers)
+        self._layers = [shape.name for shape in self._shapes]
         self._cache = kc.build_caches(self._shapes, spec.num_blocks)
         fill_noise(self._cache.backing, spec.seed + 101)  # unrequested blocks hold noise
         self._pattern = KvPattern(self._cache, spec.seed)
-        self._engine = Engine(_PREFILL_ID, spec.backend, transfer_timeout=spec.timeout)
-        self._metadata = self._engine.register_kv_caches(self._cache.registrations())
-        self._security = _security(spec.secret)
-        self._server = ctl.HandshakeServer(
-            0,
-            lambda _req: ctl.HandshakeResponse(_PREFILL_ID, self._metadata),
-            self._security,
-            bind_host=_HOST,
-        )
-        self._closers.append(self._server.close)
-        self._listener = ctl.NotifyListener(0, self._security, bind_host=_HOST)
-        self._closers.append(self._listener.close)
-        self._sender = ctl.NotifySender(self._security)
-        self._closers.append(self._sender.close)
-        self._send(
-            {
-                "type": "ready",
-                "engine_id": _PREFILL_ID,
-                "address": ctl.ZmqAddress(_HOST, self._server.port, self._listener.port).format(),
-                "pid": os.getpid(),
-            }
-        )
+        self._engine = Engine(_PREFILL_RANK, spec.backend, transfer_timeout=spec.timeout)
+        self._engine.register_kv_caches(self._cache.registrations())
+        self._send({"type": "ready", "engine_id": _PREFILL_ID, "pid": os.getpid()})
 
-    def _close(self) -> None:
-        for close in reversed(self._closers):
-            try:
-                close()
-            except Exception:
-                logger.exception("prefill worker: error while closing")
-        self._closers.clear()
+    def _stop_core(self) -> None:
+        if self._core is None:
+            return
+        assert self._core.server is not None and self._core.listener is not None
+        for mine, theirs in (
+            (self._handshake_stats, self._core.server.stats()),
+            (self._listener_stats, self._core.listener.stats()),
+        ):
+            for key, value in theirs.items():
+                mine[key] = mine.get(key, 0) + value
+        self._core.shutdown()
+        self._core = None
 
     def _loop(self) -> None:
         while not self._stop:
-            message = self._listener.get(timeout=_IDLE_POLL_S)
-            if message is not None:
-                self._on_notify(message)
-            if self._conn.poll(0):
+            self._collect()
+            if self._conn.poll(_IDLE_POLL_S):
                 self._on_router(self._conn.recv())
 
-    # Router messages: "prefill" (run a request's prefill) and "shutdown".
+    def _collect(self) -> None:
+        """Free the blocks of requests the core reports done (released, or written)."""
+        if self._core is None:
+            return
+        for request_id in self._core.take_reports().done_sending:
+            blocks = self._requests.pop(request_id, None)
+            if blocks is None:
+                logger.warning("prefill: the core freed unknown request %s", request_id)
+                continue
+            self._free.update(blocks)
+            self._freed[self._mode] += 1
+
+    # Router messages: "mode" (a fresh core for a mode), "prefill" (run a request's prefill)
+    # and "shutdown".
     def _on_router(self, message: dict[str, Any]) -> None:
         kind = message.get("type")
-        if kind == "prefill":
+        if kind == "mode":
+            self._start_mode(message["mode"])
+        elif kind == "prefill":
             self._prefill(message)
         elif kind == "shutdown":
             self._shutdown(float(message.get("grace", 5.0)))
         else:
             logger.warning("prefill worker: unknown router message %r", kind)
 
+    def _start_mode(self, mode: Mode) -> None:
+        self._drain(5.0)  # the last releases of the previous mode may still be on their way
+        self._stop_core()
+        self._mode = mode
+        self._core, _ = _core(
+            self._engine,
+            _PREFILL_RANK,
+            mode,
+            producer=True,
+            timeout=self._spec.timeout,
+            secret=self._spec.secret,
+        )
+        self._send({"type": "mode_ready", "address": _address(self._core).format()})
+
     def _prefill(self, message: dict[str, Any]) -> None:
+        if self._core is None:
+            raise DemoError("prefill request before any mode started")
         request_id = message["request_id"]
         params = ctl.parse_kv_transfer_params(message["kv_transfer_params"])
         count = int(message["num_blocks"])
-        if count > len(self._free) or params.transfer_id in self._requests:
+        if count > len(self._free) or request_id in self._requests:
             self._send(
                 {
                     "type": "prefill_failed",
@@ -463,110 +538,54 @@ class _PrefillWorker:
         self._free.difference_update(blocks)
         # The "forward pass": this request's KV lands in its blocks.
         self._pattern.stamp(self._cache, params.transfer_id, blocks)
-        self._requests[params.transfer_id] = _PrefillRequest(request_id, blocks, params)
+        self._requests[request_id] = blocks
+        tid = params.transfer_id
+        if self._mode == "write":
+            # The prompt's blocks go to the core, which pushes each layer once the decode's
+            # remote_blocks arrived (the forward already ran: every layer is ready).
+            decode = params.peer_address(request_id, is_producer=True)
+            save = SaveTask(request_id, tid, tuple(blocks), len(blocks), decode, remote_tp_size=1)
+            self._core.begin_step([save], [])
+            self._core.forward_done(self._layers, None)
+        # The request finished: its blocks are held until the core reports them free.
+        self._core.begin_step([], [SendTask(request_id, tid)])
+        host, hs_port, notify_port = self._core.address()
         reply = ctl.KvTransferParams(
-            transfer_id=params.transfer_id,
+            transfer_id=tid,
             do_remote_prefill=True,
             remote_block_ids=(tuple(blocks),),
             remote_engine_id=_PREFILL_ID,
-            remote_host=_HOST,
-            remote_handshake_port=self._server.port,
-            remote_notify_port=self._listener.port,
+            remote_host=host,
+            remote_handshake_port=hs_port,
+            remote_notify_port=notify_port,
         )
         self._send(
             {"type": "prefilled", "request_id": request_id, "kv_transfer_params": reply.to_dict()}
         )
 
-    def _free_request(self, transfer_id: str) -> _PrefillRequest | None:
-        request = self._requests.pop(transfer_id, None)
-        if request is not None:
-            self._free.update(request.blocks)
-        self._listener.mark_terminal(transfer_id)
-        return request
-
-    def _on_notify(self, message: ctl.NotifyMessage) -> None:
-        if isinstance(message, ctl.Release):
-            if self._free_request(message.transfer_id) is None:
-                logger.warning("prefill: release of unknown transfer %s", message.transfer_id)
-            else:
-                self._releases += 1
-        elif isinstance(message, ctl.RemoteBlocks):
-            self._write(message)
-        else:
-            logger.warning("prefill: unexpected %s for %s", message.TYPE, message.transfer_id)
-
-    def _write(self, message: ctl.RemoteBlocks) -> None:
-        tid = message.transfer_id
-        request = self._requests.get(tid)
-        if request is None:
-            logger.warning("prefill: remote_blocks for unknown transfer %s", tid)
-            return
-        peer = request.params.peer_address(request.request_id, is_producer=True)
-        reason = ""
-        try:
-            if message.decode_engine_id not in self._engine.peers():
-                meta = ctl.fetch_metadata(
-                    peer.host,
-                    peer.handshake_port,
-                    timeout=self._spec.timeout,
-                    security=self._security,
-                    requester_engine_id=_PREFILL_ID,
-                )
-                if meta.engine_id != message.decode_engine_id:
-                    raise DemoError(
-                        f"transfer {tid}: {peer.host}:{peer.handshake_port} is engine "
-                        f"{meta.engine_id!r}, expected {message.decode_engine_id!r}"
-                    )
-                self._engine.add_peer(meta.engine_metadata)
-            remote = list(message.block_ids[0])
-            if len(remote) != len(request.blocks):
-                raise DemoError(
-                    f"transfer {tid}: decode sent {len(remote)} blocks, prefill holds "
-                    f"{len(request.blocks)}"
-                )
-            for shape in self._shapes:
-                self._engine.write_layer(
-                    tid, shape.name, message.decode_engine_id, request.blocks, remote
-                )
-            self._engine.seal(tid, message.decode_engine_id, expected_writes=len(self._shapes))
-            event = self._engine.wait([tid], timeout=self._spec.timeout).get(tid)
-            if event is None:
-                self._engine.abort(tid)
-                reason = f"write of transfer {tid} not finished within {self._spec.timeout}s"
-            elif event.state != "done":
-                reason = f"write of transfer {tid} {event.state}: {event.message}"
-        except MoriioError as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-        notify_port = ctl.PortPlan(peer.handshake_port, peer.notify_port, 1, 1).notify_port(0, 0)
-        reply: ctl.NotifyMessage = (
-            ctl.WriteFailed(tid, reason=reason[:MAX_REASON_LEN]) if reason else ctl.WriteDone(tid)
-        )
-        self._sender.send(peer.host, notify_port, reply)
-        self._writes += 0 if reason else 1
-        self._free_request(tid)
-
-    def _shutdown(self, grace: float) -> None:
-        # Releases travel over ZMQ, the shutdown over the pipe: give late releases a moment.
+    def _drain(self, grace: float) -> None:
+        """Releases travel over ZMQ, the router's messages over the pipe: give late releases
+        (and final writes) up to ``grace`` seconds to free their blocks."""
         deadline = time.monotonic() + grace
         while self._requests and time.monotonic() < deadline:
-            message = self._listener.get(timeout=0.05)
-            if message is not None:
-                self._on_notify(message)
+            self._collect()
+            time.sleep(_IDLE_POLL_S)
+        self._collect()
+
+    def _shutdown(self, grace: float) -> None:
+        self._drain(grace)
+        self._stop_core()
         self._send(
             {
                 "type": "stats",
                 "blocks_held": self._spec.num_blocks - len(self._free),
-                "releases": self._releases,
-                "writes": self._writes,
-                "listener": self._listener.stats(),
-                "handshake": self._server.stats(),
+                "releases": self._freed["read"],
+                "writes": self._freed["write"],
+                "listener": self._listener_stats,
+                "handshake": self._handshake_stats,
             }
         )
         self._stop = True
-
-
-def _security(secret: str) -> ctl.ControlSecurity:
-    return ctl.ControlSecurity(ctl.MessageAuth(secret), ctl.PeerAllowlist([_HOST]))
 
 
 def _prefill_main(spec: _WorkerSpec, conn: multiprocessing.connection.Connection) -> None:
@@ -581,6 +600,7 @@ class _Decode:
     def __init__(self, cfg: DemoConfig, backend: str, secret: str) -> None:
         assert cfg.num_blocks is not None
         self.cfg = cfg
+        self.secret = secret
         self.shapes = get_preset(cfg.preset).shapes(cfg.layers)
         self.cache = kc.build_caches(self.shapes, cfg.num_blocks)
         fill_noise(self.cache.backing, cfg.seed + 202)
@@ -588,52 +608,56 @@ class _Decode:
         self.model_views = _twin_views(self.model, self.cache)
         self.pattern = KvPattern(self.cache, cfg.seed)
         self.rng = np.random.default_rng([cfg.seed, 2])
-        self.engine = Engine(_DECODE_ID, backend, transfer_timeout=cfg.timeout)
-        self.metadata = self.engine.register_kv_caches(self.cache.registrations())
+        self.engine = Engine(_DECODE_RANK, backend, transfer_timeout=cfg.timeout)
+        self.engine.register_kv_caches(self.cache.registrations())
         # Both sides use the same preset and block count, so the prefill caches have exactly
         # these layouts; the planning timer uses them for the remote side too. Templates are
         # built once per (peer, cache), as in the engine.
         self.templates = [block_template(lo, lo) for lo in _layouts(self.cache).values()]
-        self.security = _security(secret)
-        self.closers: list[Callable[[], None]] = []
-        self.server = ctl.HandshakeServer(
-            0,
-            lambda _req: ctl.HandshakeResponse(_DECODE_ID, self.metadata),
-            self.security,
-            bind_host=_HOST,
+        self.core: PdCore | None = None
+        self.log = _EventLog()
+        self.listener_stats: dict[str, int] = {}
+
+    def start_mode(self, mode: Mode) -> ctl.ZmqAddress:
+        """A fresh decode core for ``mode``; its address."""
+        self.stop_core()
+        self.core, self.log = _core(
+            self.engine,
+            _DECODE_RANK,
+            mode,
+            producer=False,
+            timeout=self.cfg.timeout,
+            secret=self.secret,
         )
-        self.closers.append(self.server.close)
-        self.listener = ctl.NotifyListener(0, self.security, bind_host=_HOST)
-        self.closers.append(self.listener.close)
-        self.sender = ctl.NotifySender(self.security)
-        self.closers.append(self.sender.close)
-        self.address = ctl.ZmqAddress(_HOST, self.server.port, self.listener.port)
-        self.peer_engine: str | None = None
+        return _address(self.core)
+
+    def stop_core(self) -> None:
+        if self.core is None:
+            return
+        assert self.core.listener is not None
+        for key, value in self.core.listener.stats().items():
+            self.listener_stats[key] = self.listener_stats.get(key, 0) + value
+        self.core.shutdown()
+        self.core = None
 
     def close(self) -> None:
-        for close in reversed(self.closers):
-            try:
-                close()
-            except Exception:
-                logger.exception("decode: error while closing")
-        self.closers.clear()
+        self.stop_core()
 
-    def ensure_peer(self, address: ctl.ZmqAddress, expected: str | None) -> str:
-        if self.peer_engine is None:
-            meta = ctl.fetch_metadata(
-                address.host,
-                address.handshake_port,
-                timeout=self.cfg.timeout,
-                security=self.security,
-                requester_engine_id=_DECODE_ID,
-            )
-            if expected is not None and meta.engine_id != expected:
-                raise DemoError(
-                    f"handshake with {address.host}:{address.handshake_port} answered by engine "
-                    f"{meta.engine_id!r}, the request names {expected!r}"
-                )
-            self.peer_engine = self.engine.add_peer(meta.engine_metadata)
-        return self.peer_engine
+    def load(self, task: RecvTask) -> str:
+        """Run one load through the core; "" when it succeeded, else why it failed. Bounded:
+        the core ends every load (READ: the engine's deadline; WRITE: abort_timeout)."""
+        core = self.core
+        assert core is not None
+        core.start_loads([task])
+        deadline = time.monotonic() + 2 * core.cfg.abort_timeout + core.cfg.quarantine_timeout
+        while time.monotonic() < deadline:
+            reports = core.take_reports()
+            if task.req_id in reports.done_recving:
+                if task.req_id in reports.failed_recving:
+                    return reports.failures.get(task.req_id, "the load failed")
+                return ""
+            time.sleep(_IDLE_POLL_S)
+        raise DemoError(f"transfer {task.transfer_id}: the core never ended the load")
 
     def verify(self, transfer_id: str, blocks: Sequence[int]) -> list[str]:
         """Every destination byte against the pattern, then the whole backing against the
@@ -723,16 +747,16 @@ class _Router:
 
 
 def _pick_backend(choice: BackendChoice) -> tuple[str, str]:
-    """(backend, note) for the requested choice; DemoError when UCX was asked for but cannot run."""
-    infos = {info.name: info for info in available_backends()}
-    ucx = infos.get("ucx")
-    tls = f" (UCX_TLS={os.environ['UCX_TLS']})" if os.environ.get("UCX_TLS") else ""
-    if choice == "ucx":
-        if ucx is None or not ucx.available:
-            raise DemoError(f"UCX backend unavailable: {ucx.reason if ucx else 'unknown backend'}")
+    """(backend, note) for the requested choice (:func:`moriio_native.engine.choose_backend`,
+    role ``local``); DemoError when UCX was asked for but cannot run."""
+    try:
+        backend = choose_backend(choice, role="local")
+    except BackendUnavailableError as exc:
+        raise DemoError(str(exc)) from exc
+    if backend == "ucx":
+        tls = f" (UCX_TLS={os.environ['UCX_TLS']})" if os.environ.get("UCX_TLS") else ""
         return "ucx", "prefill and decode are separate processes, KV moves over UCX" + tls
-    if choice == "auto" and ucx is not None and ucx.available:
-        return "ucx", "prefill and decode are separate processes, KV moves over UCX" + tls
+    ucx = {info.name: info for info in available_backends()}.get("ucx")
     why = "" if choice == "loopback" else f" (UCX unavailable: {ucx.reason if ucx else '?'})"
     return "loopback", (
         "loopback backend: prefill and decode are two engines in ONE process (threads)" + why
@@ -784,7 +808,6 @@ def run_demo(
         ready = router.recv("ready message", timeout=max(cfg.timeout, 120.0))
         if ready.get("type") != "ready":
             raise DemoError(f"prefill worker: unexpected {ready.get('type')!r} at start")
-        prefill_address = ctl.ZmqAddress.parse(ready["address"])
         result = DemoResult(
             config=cfg,
             backend=backend,
@@ -800,15 +823,23 @@ def run_demo(
         for mode in cfg.modes():
             stats = ModeStats(mode)
             result.modes[mode] = stats
+            # Each mode runs a fresh pair of protocol cores (the engines stay registered).
+            router.send({"type": "mode", "mode": mode})
+            started = router.recv(f"{mode} mode start")
+            prefill_address = ctl.ZmqAddress.parse(started["address"])
+            decode_address = decode.start_mode(mode)
             for i in range(cfg.requests):
                 fault = cfg.inject_fault if (i == 0 and mode == cfg.modes()[0]) else None
-                if not _one_request(decode, router, prefill_address, mode, i, stats, fault):
+                if not _one_request(
+                    decode, router, prefill_address, decode_address, mode, i, stats, fault
+                ):
                     break
                 if progress is not None:
                     progress(mode, i + 1, cfg.requests)
         router.send({"type": "shutdown", "grace": 5.0})
         shutdown_sent = True
         stats_msg = router.recv("final stats", timeout=30.0)
+        decode.stop_core()
         result.prefill_blocks_held = int(stats_msg["blocks_held"])
         result.prefill_releases = int(stats_msg["releases"])
         result.control = {
@@ -816,7 +847,7 @@ def run_demo(
             "allowlist": [_HOST],
             "prefill_listener": stats_msg["listener"],
             "prefill_handshake": stats_msg["handshake"],
-            "decode_listener": decode.listener.stats(),
+            "decode_listener": decode.listener_stats,
         }
         if result.prefill_blocks_held:
             result.errors.append(
@@ -862,6 +893,7 @@ def _one_request(
     decode: _Decode,
     router: _Router,
     prefill_address: ctl.ZmqAddress,
+    decode_address: ctl.ZmqAddress,
     mode: Mode,
     index: int,
     stats: ModeStats,
@@ -872,7 +904,7 @@ def _one_request(
     bpr = cfg.blocks_per_request
     transfer_id = f"demo-{mode}-{index:05d}"
     # As vLLM's MoRIIO proxy does: both sides' control addresses ride in the request id.
-    request_id = ctl.format_request_id(prefill_address, decode.address)
+    request_id = ctl.format_request_id(prefill_address, decode_address)
     router.send(
         {
             "type": "prefill",
@@ -886,50 +918,41 @@ def _one_request(
         stats.failures.append(str(reply.get("reason", reply)))
         return False
     params = ctl.parse_kv_transfer_params(reply["kv_transfer_params"])
-    peer = params.peer_address(request_id, is_producer=False)
-    ports = ctl.PortPlan(peer.handshake_port, peer.notify_port, params.remote_dp_size, 1)
-    peer_engine = decode.ensure_peer(peer, params.remote_engine_id)
     assert params.remote_block_ids is not None
     src = list(params.remote_block_ids[0])
     dst = [int(b) for b in decode.rng.choice(cfg.num_blocks or 0, bpr, replace=False)]
     expected_bytes = bpr * decode.cache.total_block_bytes()
     stats.requests += 1
+    # What the vLLM connector's scheduler hands its worker: the core does the rest (handshake,
+    # READ + release, or remote_blocks + waiting for write_done).
+    task = RecvTask(
+        req_id=request_id,
+        transfer_id=transfer_id,
+        peer=params.peer_address(request_id, is_producer=False),
+        remote_engine_id=params.remote_engine_id,
+        remote_dp_rank=params.remote_dp_rank,
+        remote_tp_size=1,
+        local_block_ids=tuple(dst),
+        remote_block_ids=tuple(src) if mode == "read" else (),
+        report_done=True,
+    )
     if mode == "read":
         plan_s, runs = _plan_seconds(decode.templates, dst, src)
-        start = time.perf_counter()
-        decode.engine.read(transfer_id, peer_engine, dst, src)
-        event = decode.engine.wait([transfer_id], timeout=cfg.timeout).get(transfer_id)
-        elapsed = time.perf_counter() - start
-        failure = ""
-        if event is None:
-            decode.engine.abort(transfer_id)
-            failure = f"read {transfer_id}: no completion within {cfg.timeout}s"
-        elif event.state != "done":
-            failure = f"read {transfer_id} {event.state}: {event.message}"
-        elif event.bytes != expected_bytes:
-            failure = (
-                f"read {transfer_id}: engine moved {event.bytes} bytes, expected {expected_bytes}"
-            )
-        # Every terminal state releases the prefill blocks.
-        decode.sender.send(
-            peer.host, ports.notify_port(params.remote_dp_rank, 0), ctl.Release(transfer_id)
-        )
-        if event is not None:
-            stats.runs += event.runs
     else:
         plan_s, runs = _plan_seconds(decode.templates, src, dst)
-        start = time.perf_counter()
-        decode.sender.send(
-            peer.host,
-            ports.notify_port(params.remote_dp_rank, 0),
-            ctl.RemoteBlocks(transfer_id, (tuple(dst),), _DECODE_ID, 0, request_id),
-        )
-        failure = _await_write_done(decode, transfer_id, cfg.timeout)
-        elapsed = time.perf_counter() - start
-        decode.listener.mark_terminal(transfer_id)
-        stats.runs += runs
+    start = time.perf_counter()
+    failure = decode.load(task)
+    elapsed = time.perf_counter() - start
+    if not failure and mode == "read":
+        event = decode.log.events.get(transfer_id)
+        if event is None or event.bytes != expected_bytes:
+            moved = "no" if event is None else event.bytes
+            failure = f"engine moved {moved} bytes, expected {expected_bytes}"
+        else:
+            runs = event.runs
+    stats.runs += runs
     if failure:
-        stats.failures.append(failure)
+        stats.failures.append(f"{mode} {transfer_id}: {failure}")
         return False
     stats.latencies_s.append(elapsed)
     stats.planning_s.append(plan_s)
@@ -942,25 +965,6 @@ def _one_request(
     else:
         stats.verified += 1
     return True
-
-
-def _await_write_done(decode: _Decode, transfer_id: str, timeout: float) -> str:
-    """Wait for prefill's WriteDone (""), or return why the write failed."""
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return f"write {transfer_id}: no write_done within {timeout}s"
-        message = decode.listener.get(timeout=min(left, 0.5))
-        if message is None or message.transfer_id != transfer_id:
-            if message is not None:
-                logger.warning("decode: unexpected %s for %s", message.TYPE, message.transfer_id)
-            continue
-        if isinstance(message, ctl.WriteDone):
-            return ""
-        if isinstance(message, ctl.WriteFailed):
-            return f"write {transfer_id} failed on the prefill side: {message.reason}"
-        logger.warning("decode: unexpected %s for %s", message.TYPE, transfer_id)
 
 
 # ---- CLI --------------------------------------------------------------------------------------

@@ -76,6 +76,48 @@ def _torch_storage(tensor: Any) -> tuple[int, int] | None:
     return int(s.data_ptr()), int(s.nbytes())
 
 
+BackendRole = Literal["serve", "local"]
+
+# The order "auto" tries backends in, per use:
+# * serve -- two serving instances (vLLM prefill and decode), usually on different hosts: MoRI-IO
+#   first (the native RDMA engine of AMD GPUs: GPU-direct over RDMA NICs and XGMI, which UCX
+#   reaches on ROCm only partly), then UCX (every other fabric, NVIDIA GPUs, CPU hosts). Never
+#   loopback: it moves bytes inside ONE process and cannot connect two instances.
+# * local -- the demo and the benchmarks on one machine with host memory: UCX first (two real
+#   processes over shared memory / CMA, as a deployment moves bytes), else loopback (both
+#   sides in one process: the protocol still runs, the transport is a memcpy). MoRI-IO is not
+#   tried: it needs an RDMA NIC or XGMI even between processes of one host.
+AUTO_BACKENDS: dict[str, tuple[str, ...]] = {"serve": ("mori", "ucx"), "local": ("ucx", "loopback")}
+
+
+def choose_backend(
+    name: str, options: Mapping[str, Any] | None = None, *, role: BackendRole
+) -> str:
+    """The backend to use: ``name`` when it is not ``auto`` (BackendUnavailableError with the
+    reason when it cannot run here), else the first available of :data:`AUTO_BACKENDS` for
+    ``role``."""
+    from moriio_native.errors import BackendUnavailableError
+
+    if role not in AUTO_BACKENDS:
+        raise InvalidArgumentError(f"choose_backend: role must be serve or local, got {role!r}")
+    infos = {info.name: info for info in available_backends(options)}
+    if name != "auto":
+        info = infos.get(name)
+        if info is None:
+            known = ", ".join(sorted(infos))
+            raise InvalidArgumentError(f"unknown backend {name!r} (known: {known}, auto)")
+        if not info.available:
+            shown = {"ucx": "UCX", "mori": "MoRI-IO"}.get(name, name)
+            raise BackendUnavailableError(f"{shown} backend unavailable: {info.reason}")
+        return name
+    for candidate in AUTO_BACKENDS[role]:
+        info = infos.get(candidate)
+        if info is not None and info.available:
+            return candidate
+    reasons = "; ".join(f"{n}: {infos[n].reason}" for n in AUTO_BACKENDS[role] if n in infos)
+    raise BackendUnavailableError(f"no transfer backend available for backend=auto ({reasons})")
+
+
 @dataclass(frozen=True)
 class LayerRegistration:
     """One layer to register: its cache tensor (or TensorGeometry with data_ptr), its spec and
@@ -197,10 +239,14 @@ class Engine:
     def local_metadata(self) -> bytes:
         return self._engine.local_metadata()
 
-    def add_peer(self, metadata: bytes) -> str:
+    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str:
         """Validate and connect a peer; returns its engine id. IncompatiblePeerError names the
-        layer that differs."""
-        return self._engine.add_peer(bytes(metadata))
+        layer that differs. The same metadata again is a no-op; other metadata under a connected
+        engine id is AlreadyExistsError -- unless ``replace``: that peer restarted, and once the
+        new connection stands the old one's pending transfers end (never ``done``) and it is
+        disconnected (on error the old peer stays). Use ``replace`` only for metadata a
+        handshake with that peer returned."""
+        return self._engine.add_peer(bytes(metadata), replace)
 
     def remove_peer(self, peer: str) -> None:
         self._engine.remove_peer(peer)
@@ -291,4 +337,5 @@ __all__ = [
     "LayerRegistration",
     "TransferEvent",
     "available_backends",
+    "choose_backend",
 ]

@@ -1279,6 +1279,50 @@ TEST(EnginePeers, AddingTheSamePeerAgainIsANoOpButDifferentMetadataIsNot) {
   EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
 }
 
+TEST(EnginePeers, ReplacePeerSwapsARestartedPeerAndEndsTheOldTransfersOnce) {
+  Side p, d, d2;
+  EnginesFirst guard({&p, &d, &d2});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d2, "D", DecodeLayers(), 3));  // D restarted: other memory
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1};
+  ASSERT_TRUE(p.engine->WriteLayer("old", "attn.0", "D", ids, ids).ok());  // in flight
+  Result<std::string> same = p.engine->ReplacePeer(d.metadata);  // identical: a no-op
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_EQ(p.engine->PendingTransfers(), 1u) << "identical metadata must not end transfers";
+  Result<std::string> replaced = p.engine->ReplacePeer(d2.metadata);
+  ASSERT_TRUE(replaced.ok()) << replaced.status().ToString();
+  EXPECT_EQ(*replaced, "D");
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
+  Events events(p.engine.get());
+  TransferEvent e = events.Wait("old");
+  EXPECT_NE(e.state, TransferState::kDone) << "a transfer to the old instance cannot succeed";
+  EXPECT_NE(e.state, TransferState::kPending);
+  // The new instance is reachable under the same id and gets the bytes.
+  ASSERT_TRUE(p.engine->Read("new", "D", ids, ids).ok());
+  EXPECT_EQ(events.Wait("new").state, TransferState::kDone);
+  events.Poll(150ms);
+  EXPECT_EQ(events.Count("old"), 1u);
+  EXPECT_EQ(p.engine->PendingTransfers(), 0u);
+}
+
+TEST(EnginePeers, FailedReplacementKeepsTheOldPeer) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  std::vector<std::uint8_t> garbage = d.metadata;
+  garbage.resize(garbage.size() / 2);
+  EXPECT_FALSE(p.engine->ReplacePeer(garbage).ok());
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
+  const std::vector<std::int64_t> ids = {0};
+  ASSERT_TRUE(p.engine->Read("r", "D", ids, ids).ok());
+  Events events(p.engine.get());
+  EXPECT_EQ(events.Wait("r").state, TransferState::kDone);
+}
+
 TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
   Side p, d;
   EnginesFirst guard({&p, &d});

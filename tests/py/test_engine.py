@@ -304,3 +304,22 @@ def test_peer_region_larger_than_any_address_space_is_refused(pair) -> None:
     with pytest.raises(mn.InvalidArgumentError, match="oversized"):
         ed.add_peer(msgpack.packb(doc))
     assert ed.peers() == ["prefill-0"]
+
+
+def test_choose_backend_is_one_order_per_role() -> None:
+    from moriio_native.engine import AUTO_BACKENDS, choose_backend
+
+    available = {info.name for info in mn.available_backends() if info.available}
+    for role, order in AUTO_BACKENDS.items():
+        usable = [name for name in order if name in available]
+        if usable:
+            assert choose_backend("auto", role=role) == usable[0]  # type: ignore[arg-type]
+        else:
+            with pytest.raises(mn.BackendUnavailableError, match="backend=auto"):
+                choose_backend("auto", role=role)  # type: ignore[arg-type]
+    assert "loopback" not in AUTO_BACKENDS["serve"]  # it cannot connect two instances
+    assert choose_backend("loopback", role="serve") == "loopback"  # named: taken as asked
+    with pytest.raises(mn.InvalidArgumentError, match="unknown backend 'ucz'"):
+        choose_backend("ucz", role="local")
+    with pytest.raises(mn.InvalidArgumentError, match="role must be serve or local"):
+        choose_backend("auto", role="cluster")  # type: ignore[arg-type]

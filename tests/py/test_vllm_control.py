@@ -32,6 +32,7 @@ from moriio_native.vllm import worker as worker_module
 from test_vllm_support import (
     Side,
     decode_params,
+    load,
     pd_request_id,
     prefill_params,
     transfer_id,
@@ -170,7 +171,7 @@ def test_forged_or_missing_hmac_is_dropped(
     assert_still_held(p, rid)
     # The genuine decode (same secret) reads and releases.
     d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
-    first = d.step()
+    first = load(d, rid)
     assert first.invalid_blocks == set()
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="authenticated release")
 
@@ -192,10 +193,10 @@ def test_handshake_with_the_wrong_secret_fails_closed(sides: list[Side], model_d
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
     returned = p.step().finished()[rid].kv_transfer_params
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
-    first = d.step()
+    first = load(d, rid)
     assert first.invalid_blocks  # nothing was loaded: vLLM recomputes
     assert server_stats(p)["dropped_auth"] >= 1 and server_stats(p)["answered"] == 0
-    assert d.step().scheduled == {rid: len(prompt)}
+    assert first.scheduled == {rid: len(prompt)}
 
 
 def test_garbage_on_the_handshake_port_does_not_stop_the_server(
@@ -211,7 +212,7 @@ def test_garbage_on_the_handshake_port_does_not_stop_the_server(
     wait_for(lambda: server_stats(p)["received"] >= 3, "garbage handshakes")
     assert server_stats(p)["answered"] == 0
     d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
-    assert d.step().invalid_blocks == set()
+    assert load(d, rid).invalid_blocks == set()
     assert server_stats(p)["answered"] == 1
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
 

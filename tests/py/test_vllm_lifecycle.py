@@ -24,6 +24,7 @@ from test_vllm_support import (
     Side,
     decode_params,
     dense_specs,
+    load,
     mla_specs,
     pd_request_id,
     prefill_params,
@@ -73,11 +74,15 @@ def run_prefill(p: Side, rid: str, prompt: list[int], tid: str, remote_tp_size: 
     return params
 
 
+LOADING = pytest.mark.parametrize("loading", ["async", "sync"])
+
+
 # ---- READ -------------------------------------------------------------------------------------
 
 
-def test_read_prefill_then_decode(sides: list[Side], model_dir: str) -> None:
-    p, d = make_pair(sides, model_dir, "read")
+@LOADING
+def test_read_prefill_then_decode(sides: list[Side], model_dir: str, loading: str) -> None:
+    p, d = make_pair(sides, model_dir, "read", d_extra={"read_loading": loading})
     prompt = prompt_of(40)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
@@ -90,9 +95,10 @@ def test_read_prefill_then_decode(sides: list[Side], model_dir: str) -> None:
     assert p.connector.has_pending_block_frees()  # vLLM may wait for them instead of preempting
 
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=3)
-    first = d.step()
+    first = load(d, rid)
     # Only the last prompt token is computed locally; the rest was loaded before the forward.
     assert first.scheduled == {rid: 1}
+    assert (first.steps == 1) == (loading == "sync")
     assert first.invalid_blocks == set()
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
     assert d.slot_matches(rid, range(len(prompt) - 1, len(prompt)), d.salt, prompt) == [True]
@@ -128,7 +134,7 @@ def test_read_prefix_hit_loads_only_missing_blocks(sides: list[Side], model_dir:
     returned = run_prefill(p, rid, prompt, tid)
 
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
-    first = d.step()
+    first = load(d, rid)
     assert first.scheduled == {rid: 1}
     cached = 2 * BLOCK_SIZE
     # The cached prefix keeps the decode's own KV; only the rest came from the prefill.
@@ -176,8 +182,9 @@ def test_read_decode_aborted_before_scheduling_releases_prefill(
     assert p.free_blocks() == p.initial_free
 
 
-def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str) -> None:
-    p, d = make_pair(sides, model_dir, "read")
+@LOADING
+def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str, loading: str) -> None:
+    p, d = make_pair(sides, model_dir, "read", d_extra={"read_loading": loading})
     prompt = prompt_of(40, seed=9)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
@@ -185,12 +192,11 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str) -> No
     bad = dict(returned)
     bad["remote_block_ids"] = [p.num_blocks + 5, *returned["remote_block_ids"][1:]]
     d.add_request(rid, prompt, params=decode_params(tid, bad), max_tokens=2)
-    first = d.step()
-    loaded = d.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    first = load(d, rid)
+    loaded = first.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
     assert first.invalid_blocks == set(loaded)
     # vLLM rolls the request back and computes the whole prompt itself.
-    second = d.step()
-    assert second.scheduled == {rid: len(prompt)}
+    assert first.scheduled == {rid: len(prompt)}
     assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
     # The prefill is released all the same.
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after failure")
@@ -204,7 +210,7 @@ def test_read_from_a_prefill_restarted_under_the_same_address(
     prompt = prompt_of(40, seed=13)
     rid, tid = pd_request_id(p, d), transfer_id()
     d.add_request(rid, prompt, params=decode_params(tid, run_prefill(p, rid, prompt, tid)))
-    assert d.step().invalid_blocks == set()  # the first prefill served it: handshake cached
+    assert load(d, rid).invalid_blocks == set()  # the first prefill served it: handshake cached
     # The prefill restarts on the same host and ports: same engine id, new transport metadata.
     ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
     sides.remove(p)
@@ -223,7 +229,7 @@ def test_read_from_a_prefill_restarted_under_the_same_address(
         rid, tid = pd_request_id(restarted, d), transfer_id()
         params = run_prefill(restarted, rid, prompt, tid)
         d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
-        if not d.step().invalid_blocks:
+        if not load(d, rid).invalid_blocks:
             break
         assert attempt == 0, "the decode never reached the restarted prefill"
     assert all(d.slot_matches(rid, range(len(prompt) - 1), restarted.salt, prompt))
@@ -241,7 +247,7 @@ def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
-    first = d.step()
+    first = load(d, rid)
     assert first.invalid_blocks  # refused before any connection: the blocks are recomputed
     server = p.worker.worker._server
     assert server is not None and server.stats()["received"] == 0
@@ -439,10 +445,10 @@ def test_unplannable_load_is_recomputed_not_guessed(
         lambda request, blocks, n: real(request, Short(blocks), n),
     )
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
-    first = d.step()
-    assert first.invalid_blocks == {d.block_ids(rid)[0]}
+    first = load(d, rid)
+    assert first.invalid_blocks == {first.blocks[0]}
     assert first.stats is not None and first.stats.data["transfers"] == 0
-    assert d.step().scheduled == {rid: len(prompt)}
+    assert first.scheduled == {rid: len(prompt)}
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
     assert p.free_blocks() == p.initial_free
 
@@ -518,7 +524,7 @@ def test_read_across_tp_ranks(
 
     params = decode_params(tid, returned, remote_tp_size=prefill_tp)
     d.add_request(rid, prompt, params=params, max_tokens=3)
-    first = d.step()
+    first = load(d, rid)
     assert first.scheduled == {rid: 1}
     assert first.invalid_blocks == set()
     for rank in range(decode_tp):
@@ -540,10 +546,9 @@ def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid, remote_tp_size=1)
     d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2), max_tokens=2)
-    first = d.step()
-    assert first.invalid_blocks == set(d.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)])
-    second = d.step()
-    assert second.scheduled == {rid: len(prompt)}  # computed locally, nothing guessed
+    first = load(d, rid)
+    assert first.invalid_blocks == set(first.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)])
+    assert first.scheduled == {rid: len(prompt)}  # computed locally, nothing guessed
     # Both prefill ranks are released all the same.
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after refusal")
     assert p.free_blocks() == p.initial_free
@@ -636,11 +641,11 @@ def drain_notices_first(side: Side) -> None:
     worker._engine = DrainNoticeFirst(worker._engine)
 
 
-@pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
-def test_read_quarantined_blocks_are_reported_only_after_the_drain(
-    sides: list[Side], model_dir: str, notice_first: bool
-) -> None:
-    p, d = make_pair(sides, model_dir, "read", d_extra=DELAYED)
+def delayed_read(
+    sides: list[Side], model_dir: str, d_extra: dict[str, Any], notice_first: bool
+) -> tuple[Side, Side, str, list[int]]:
+    """A prefilled request whose decode READ (over the delayed loopback) ends quarantined."""
+    p, d = make_pair(sides, model_dir, "read", d_extra=d_extra)
     if notice_first:
         drain_notices_first(d)
     prompt = prompt_of(40, seed=3)
@@ -648,6 +653,65 @@ def test_read_quarantined_blocks_are_reported_only_after_the_drain(
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
     returned = p.step().finished()[rid].kv_transfer_params
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    return p, d, rid, prompt
+
+
+def recomputed_after_the_drain(p: Side, d: Side, rid: str, prompt: list[int]) -> None:
+    """After a quarantined READ drained: the decode recomputed the request (its own bytes),
+    the prefill got its release, and every block comes back once the request finishes."""
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+@pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
+def test_read_quarantined_blocks_are_reported_only_after_the_drain(
+    sides: list[Side], model_dir: str, notice_first: bool
+) -> None:
+    """Asynchronous READ: the steps go on while the READ is quarantined, and none of them
+    reports the load (finished/failed receiving, load error) before the engine's drain."""
+    p, d, rid, prompt = delayed_read(sides, model_dir, DELAYED, notice_first)
+    engine = d.worker.worker.engine
+    n_load = -(-(len(prompt) - 1) // BLOCK_SIZE)
+    saw_quarantine, steps_in_quarantine, quarantined_blocks = False, 0, 0
+    invalid: set[int] = set()
+    loaded: list[int] = []
+    deadline = time.monotonic() + 60
+    while True:
+        result = d.step()
+        if not loaded:
+            loaded = d.block_ids(rid)[:n_load]
+        # Read after the step: a quarantine still open now was open when the step reported.
+        quarantined = engine.quarantined_transfers
+        reported = bool(result.invalid_blocks) or rid in result.transfer.finished_recving
+        assert not (reported and quarantined), "load reported before the drain"
+        saw_quarantine = saw_quarantine or bool(quarantined)
+        steps_in_quarantine += bool(quarantined)
+        invalid |= result.invalid_blocks
+        if result.stats is not None:
+            quarantined_blocks += result.stats.data["quarantined_blocks"]
+        if rid in result.scheduled:
+            break
+        assert time.monotonic() < deadline, "the quarantined READ never ended"
+        time.sleep(0.005)
+    assert saw_quarantine, "the READ never ended quarantined (is the delay long enough?)"
+    assert steps_in_quarantine >= 1  # the steps did not wait for the drain
+    assert invalid == set(loaded)  # a load error, once it drained
+    # Counted as quarantined only when the worker learned of the end before the drain.
+    assert quarantined_blocks == (0 if notice_first else len(loaded))
+    assert result.scheduled == {rid: len(prompt)}  # recomputed, after the drain
+    recomputed_after_the_drain(p, d, rid, prompt)
+
+
+@pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
+def test_sync_read_quarantined_blocks_are_reported_only_after_the_drain(
+    sides: list[Side], model_dir: str, notice_first: bool
+) -> None:
+    """Synchronous READ: the step waits for the drain -- also past quarantine_timeout (here
+    shorter than the drain), where it used to raise into vLLM's step."""
+    extra = {**DELAYED, "read_loading": "sync", "quarantine_timeout": 0.2}
+    p, d, rid, prompt = delayed_read(sides, model_dir, extra, notice_first)
     engine = d.worker.worker.engine
     results: list = []
     stepper = threading.Thread(target=lambda: results.append(d.step()), daemon=True)
@@ -672,10 +736,7 @@ def test_read_quarantined_blocks_are_reported_only_after_the_drain(
     assert first.stats is not None and first.stats.data["quarantined_blocks"] == quarantined_blocks
     second = d.step()
     assert second.scheduled == {rid: len(prompt)}  # recomputed, after the drain
-    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
-    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the drain")
-    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
-    assert d.free_blocks() == d.initial_free
+    recomputed_after_the_drain(p, d, rid, prompt)
 
 
 @pytest.mark.parametrize("notice_first", [False, True], ids=["event_first", "notice_first"])
@@ -722,3 +783,68 @@ def test_write_quarantined_blocks_are_freed_only_after_the_prefill_drained(
     assert p.free_blocks() == p.initial_free
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+# ---- asynchronous READ (issue 17) ---------------------------------------------------------------
+
+
+def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
+    sides: list[Side], model_dir: str
+) -> None:
+    """The decode batch keeps producing tokens while a new request's READ waits on a prefill
+    that never answers (a socket that accepts and stays silent); that request alone waits,
+    then gets a load error after transfer_timeout and is recomputed, its blocks freed once."""
+    import socket
+
+    from moriio_native.control.addressing import ZmqAddress, format_request_id
+    from net_support import free_port
+
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra={"transfer_timeout": 3})
+    sides.append(d)
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        dead_port = silent.getsockname()[1]
+        dead = ZmqAddress("127.0.0.1", dead_port, free_port())
+        rid, tid = format_request_id(dead, d.zmq_address()), transfer_id()
+        prompt = prompt_of(40, seed=21)
+        n_load = -(-(len(prompt) - 1) // BLOCK_SIZE)
+        answer = {
+            "remote_engine_id": f"127.0.0.1:{dead_port}",
+            "remote_block_ids": list(range(n_load)),
+            "transfer_id": tid,
+        }
+        running = 0
+        d.add_request("running-0", prompt_of(20, seed=22), max_tokens=64)
+        d.step()  # its prompt
+        d.add_request(rid, prompt, params=decode_params(tid, answer), max_tokens=2)
+        tokens_while_waiting = 0
+        load_errors: list[set[int]] = []
+        loaded: list[int] = []
+        deadline = time.monotonic() + 60
+        while True:
+            result = d.step()
+            if result.invalid_blocks:
+                load_errors.append(result.invalid_blocks)
+            if not loaded and rid in d.scheduler.requests:
+                loaded = d.block_ids(rid)[:n_load]
+            if rid in result.scheduled:
+                break
+            # A running request got its next token in a step in which rid was still waiting.
+            tokens_while_waiting += sum(
+                1 for r, n in result.scheduled.items() if r.startswith("running") and n == 1
+            )
+            if f"running-{running}" in result.finished():
+                running += 1
+                d.add_request(f"running-{running}", prompt_of(20, seed=23 + running), max_tokens=64)
+            assert time.monotonic() < deadline, "the waiting request was never recomputed"
+    # On the synchronous path the step that starts the READ stalls for transfer_timeout and
+    # no running request moves meanwhile.
+    assert tokens_while_waiting >= 2, "the batch stalled while one request's READ waited"
+    assert result.scheduled[rid] == len(prompt)  # recomputed from scratch, nothing loaded
+    assert load_errors == [set(loaded)]  # reported once, after the handshake timed out
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="the recomputed request to finish")
+    d.abort(f"running-{running}")
+    d.step()
+    assert d.free_blocks() == d.initial_free  # every block freed, none twice

@@ -306,3 +306,37 @@ def test_proxy_binds_the_configured_address_only() -> None:
         assert _listening_addresses(discovery.port) == {"127.0.0.1"}
     finally:
         discovery.close()
+
+
+def test_connector_with_proxy_auth_registers_with_a_proxy_holding_the_secret(
+    tmp_path: Path,
+) -> None:
+    """The connector itself signs its pings when proxy_auth is set (the example proxy with a
+    secret drops unsigned ones)."""
+    from test_vllm_support import Side, write_model_dir
+
+    proxy = load_proxy()
+    discovery = Discovery(proxy, RegistrationVerifier(MessageAuth(SECRET)))
+    http_port = free_port()
+    side = Side(
+        "prefill",
+        "kv_producer",
+        "write",
+        write_model_dir(tmp_path),
+        extra={
+            "proxy_ip": "127.0.0.1",
+            "proxy_ping_port": discovery.port,
+            "http_port": http_port,
+            "ping_interval": 0.05,
+            "proxy_auth": True,
+            "auth_secret": SECRET,
+        },
+    )
+    try:
+        _wait_until(
+            lambda: discovery.addresses() == {f"127.0.0.1:{http_port}"},
+            "the connector's signed registration",
+        )
+    finally:
+        side.shutdown()
+        discovery.close()

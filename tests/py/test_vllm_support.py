@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -476,6 +477,55 @@ class Side:
             worker.shutdown()
 
 
+@dataclass
+class Loaded:
+    """The decode steps of one READ load, merged (see :func:`load`)."""
+
+    scheduled: dict[str, int]  # of the step that scheduled the request
+    invalid_blocks: set[int]
+    stats: Any  # counters summed over the steps (``.data``), None when none were counted
+    blocks: list[int]  # the request's blocks while it loaded
+    steps: int
+
+
+def load(
+    d: Side,
+    rid: str,
+    *,
+    before_forward: Callable[[], None] | None = None,
+    max_steps: int = 100000,
+) -> Loaded:
+    """Step the decode until ``rid`` is scheduled after its load ended: with asynchronous READ
+    it first waits (WAITING_FOR_REMOTE_KVS, nothing scheduled for it); with synchronous READ
+    the first step loads it. After a load error vLLM recomputes it in a later step: that step
+    is the one returned, with the load error's blocks."""
+    invalid: set[int] = set()
+    data: dict[str, Any] = {}
+    blocks: list[int] = []
+    deadline = time.monotonic() + 60
+    for step in range(1, max_steps + 1):
+        result = d.step(before_forward)
+        if not blocks and rid in d.scheduler.requests:
+            blocks = d.block_ids(rid)
+        invalid |= result.invalid_blocks
+        if result.stats is not None:
+            for key, value in result.stats.data.items():
+                data[key] = (
+                    data.get(key, 0) + value
+                    if key != "samples"
+                    else [
+                        *data.get(key, []),
+                        *value,
+                    ]
+                )
+        if rid in result.scheduled and not result.invalid_blocks:
+            stats = SimpleNamespace(data=data) if data else None
+            return Loaded(result.scheduled, invalid, stats, blocks, step)
+        assert time.monotonic() < deadline, f"{rid} was never scheduled"
+        time.sleep(0.002)
+    raise AssertionError(f"{rid} not scheduled within {max_steps} steps")
+
+
 def transfer_id() -> str:
     return f"tx-{uuid.uuid4()}"
 
@@ -583,15 +633,17 @@ def _cmd_decode_read(
     last prompt token) and count bytes that differ from the expected backing."""
     fill_random(side, 7)
     before = backing_of(side).clone()
-    side.add_request(rid, prompt, params=params, max_tokens=2)
+    # One token: the request ends in the step that computes it, so no earlier request's decode
+    # steps write the backing while a later READ waits (asynchronous loading steps meanwhile).
+    side.add_request(rid, prompt, params=params, max_tokens=1)
     loaded: dict[str, Any] = {}
 
     def snapshot() -> None:
         side.worker.wait_for_layer_load(side.layer_names[0])
         loaded["backing"] = backing_of(side).clone()
 
-    result = side.step(before_forward=snapshot)
-    blocks = side.block_ids(rid)[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    result = load(side, rid, before_forward=snapshot)  # the forward that computes rid
+    blocks = result.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
     want = expected_backing(side, before, blocks, content)
     return {
         "scheduled": result.scheduled,

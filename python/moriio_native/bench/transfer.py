@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 
 from moriio_native import kvcache as kc
-from moriio_native.engine import Engine, available_backends
-from moriio_native.errors import BackendUnavailableError, InvalidArgumentError, MoriioError
+from moriio_native.engine import Engine, choose_backend
+from moriio_native.errors import InvalidArgumentError, MoriioError
 
 logger = logging.getLogger("moriio_native.bench.transfer")
 
@@ -192,18 +192,11 @@ class _Peer:
 
 
 def pick_backend(choice: str) -> str:
-    """``auto`` -> ucx when it can run here, else loopback; ``ucx`` must be available."""
-    infos = {info.name: info for info in available_backends()}
+    """``auto`` -> ucx when it can run here, else loopback (``choose_backend``, role
+    ``local``); a named backend must be available."""
     if choice not in ("auto", "ucx", "loopback"):
         raise InvalidArgumentError(f"backend must be auto, ucx or loopback, got {choice!r}")
-    if choice == "loopback":
-        return "loopback"
-    ucx = infos.get("ucx")
-    if ucx is not None and ucx.available:
-        return "ucx"
-    if choice == "ucx":
-        raise BackendUnavailableError(f"UCX backend unavailable: {ucx.reason if ucx else '?'}")
-    return "loopback"
+    return choose_backend(choice, role="local")
 
 
 def _bench_case(

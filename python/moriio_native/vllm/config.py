@@ -27,6 +27,11 @@ key                   default      meaning
                                    off for a router that knows no secret (vllm-router, vLLM's
                                    toy proxy), which reads one-frame pings only
 ``transfer_timeout``  ``30.0``     seconds one transfer (and one handshake) may take
+``read_loading``      ``"async"``  READ mode: ``async`` -- requests wait in WAITING_FOR_REMOTE_KVS
+                                   while their KV is pulled, the batch keeps running; ``sync`` --
+                                   the step that needs the KV waits for it (a slow prefill
+                                   stalls the whole batch); for vLLM versions without
+                                   asynchronous loads
 ``abort_timeout``     ``120.0``    seconds a stranded request may hold blocks: prefill blocks
                                    nobody released, decode requests whose KV never arrived.
                                    ``defer_timeout`` is read when absent.
@@ -35,7 +40,8 @@ key                   default      meaning
                                    land, so they are neither recomputed into nor freed until the
                                    writer proved them drained (its drain ack, its death, or for
                                    READ our own engine); past this bound a WRITE's blocks are
-                                   freed anyway (logged), a READ's step raises instead
+                                   freed anyway (logged); a READ's blocks wait for our engine's
+                                   drain (logged past the bound)
 ``allowed_peers``     none         CIDRs / IPs / host names this instance may dial besides hosts
                                    that handshook with it (list or comma-separated string);
                                    ``"*"`` allows all (insecure)
@@ -77,6 +83,7 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 Backend = Literal["auto", "ucx", "mori", "loopback"]
 #: A positive, finite number of seconds (at most ~30 years).
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+ReadLoading = Literal["async", "sync"]
 
 DEFAULT_BACKEND = "auto"
 DEFAULT_MODE: Mode = "write"
@@ -87,6 +94,7 @@ DEFAULT_PING_INTERVAL = 3.0
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 DEFAULT_ABORT_TIMEOUT = 120.0
 DEFAULT_QUARANTINE_TIMEOUT = 300.0
+DEFAULT_READ_LOADING: ReadLoading = "async"
 BACKENDS = ("auto", "ucx", "mori", "loopback")
 BACKEND_OPTION_PREFIXES = ("ucx_", "mori_")
 # Backend tuning keys without a prefix (vLLM's MoRIIO connector spells MoRI's this way; the UCX
@@ -107,6 +115,7 @@ _PLAIN_KEYS = (
     "proxy_auth",
     "transfer_timeout",
     "quarantine_timeout",
+    "read_loading",
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -175,6 +184,7 @@ class ConnectorConfig(Schema, frozen=True):
     engine_options: dict[str, str] = msgspec.field(default_factory=dict)
     dp_size: Size = 1
     tp_size: Size = 1
+    read_loading: ReadLoading = DEFAULT_READ_LOADING
 
     def _check(self) -> None:
         for key in ("host_ip", "bind_host", "proxy_ip"):
@@ -321,9 +331,11 @@ __all__ = [
     "DEFAULT_NOTIFY_PORT",
     "DEFAULT_PROXY_PING_PORT",
     "DEFAULT_QUARANTINE_TIMEOUT",
+    "DEFAULT_READ_LOADING",
     "DEFAULT_TRANSFER_TIMEOUT",
     "ConnectorConfig",
     "Mode",
+    "ReadLoading",
     "Role",
     "local_ip",
 ]

@@ -3,8 +3,9 @@
 It decides, per request, what the workers must move and when vLLM may free blocks; it never
 touches the network. Flows (P = prefill instance, D = decode instance):
 
-READ (D pulls, synchronously before the forward that needs the KV)
-  D ``get_num_new_matched_tokens`` -> ``(covered - computed, False)`` with ``covered`` the
+READ (D pulls; asynchronously by default, the request waiting in WAITING_FOR_REMOTE_KVS)
+  D ``get_num_new_matched_tokens`` -> ``(covered - computed, True)`` (``False`` with
+  ``read_loading: sync``: loaded before the forward that needs it) with ``covered`` the
   prompt minus its last token, capped by the blocks P advertised. ``update_state_after_alloc``
   pairs D's blocks with P's blocks *by position in the request* and skips the blocks D already
   holds from its own prefix cache (local ids are never replaced by remote ids). P's
@@ -183,7 +184,8 @@ class SchedulerSide:
                     )
                 return 0, False
             self._local_tokens[rid] = num_computed_tokens
-            return max(covered - num_computed_tokens, 0), False
+            count = max(covered - num_computed_tokens, 0)
+            return count, count > 0 and self.config.read_loading == "async"
         self._local_tokens[rid] = num_computed_tokens
         count = max(request.num_prompt_tokens - num_computed_tokens, 0)
         return count, count > 0
@@ -248,7 +250,7 @@ class SchedulerSide:
                 remote_tp_size=params.remote_tp_size,
                 local_block_ids=local_ids,
                 remote_block_ids=remote_ids,
-                report_done=self.config.mode == "write",
+                report_done=self.config.mode == "write" or self.config.read_loading == "async",
                 error=error,
             )
         )

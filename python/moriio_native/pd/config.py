@@ -1,0 +1,61 @@
+"""The settings the protocol core needs, free of any framework's configuration type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moriio_native.errors import InvalidArgumentError
+
+Mode = Literal["read", "write"]
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    """One rank's protocol settings. Immutable; safe to share between threads.
+
+    ``engine_id`` is this rank's engine id (``<instance>/dp<d>/tp<t>``); ``handshake_port`` and
+    ``notify_port`` are the instance's BASE ports (what requests and announcements carry; each
+    rank's own port follows :mod:`moriio_native.control.ports`). ``split_layer`` names a layer
+    whose cache is split across TP ranks (attention heads), which rules out pairing different
+    TP sizes; None when every rank holds every layer whole (MLA)."""
+
+    engine_id: str
+    mode: Mode
+    producer: bool
+    consumer: bool
+    host_ip: str
+    handshake_port: int
+    notify_port: int
+    dp_rank: int = 0
+    tp_rank: int = 0
+    dp_size: int = 1
+    tp_size: int = 1
+    transfer_timeout: float = 30.0
+    abort_timeout: float = 120.0
+    quarantine_timeout: float = 300.0
+    # READ: True waits for this step's reads in the caller's load hook (the peer handshakes
+    # still run in the background); False reports each load's end asynchronously.
+    sync_read: bool = False
+    context_parallel: bool = False
+    split_layer: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("read", "write"):
+            raise InvalidArgumentError(f"mode must be 'read' or 'write', got {self.mode!r}")
+        if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:
+            raise InvalidArgumentError(
+                f"rank dp{self.dp_rank}/tp{self.tp_rank} outside dp_size {self.dp_size} / "
+                f"tp_size {self.tp_size}"
+            )
+        for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
+            if not getattr(self, name) > 0:
+                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def transfer_mode(self) -> str:
+        """``READ``/``WRITE`` as the handshake (and vLLM's MoRIIO proxy protocol) spells it."""
+        return self.mode.upper()
+
+
+__all__ = ["Mode", "PdConfig"]

@@ -1,0 +1,310 @@
+"""The P/D protocol core of one engine rank: what the vLLM connector and the demo both run.
+
+:class:`PdCore` owns this rank's control endpoints (handshake server, notify listener, notify
+sender), the peer directory, the decode-side :class:`~moriio_native.pd.puller.Puller` and the
+prefill-side :class:`~moriio_native.pd.pusher.Pusher`. It takes block ids, layer names and
+peer addresses (:mod:`moriio_native.pd.tasks`) and reports, at each :meth:`take_reports`,
+which requests finished sending / receiving, which loads failed and which blocks must be
+recomputed. It imports no framework (no vLLM, no torch).
+
+Threads (all named ``moriio-native-*``):
+
+* ``notify``: control messages from peers (release, remote_blocks, write_done, ...);
+* ``events``: engine terminal events and drain notices, and every 0.5 s the timeouts;
+* ``writer``: WRITE pushes, in order (waits on each layer's device event first);
+* ``handshake-N`` (4) and ``probe`` (1): the peer directory's executors.
+
+Every machine changes under one lock (the context's), which is never held across a network
+call or a blocking queue put. The caller's hooks (:meth:`begin_step`, :meth:`start_loads`, ...)
+never wait on the network; only :meth:`wait_sync_reads` waits, and only in synchronous READ
+mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from moriio_native.control.channel import HandshakeServer, NotifyListener, NotifySender
+from moriio_native.control.messages import (
+    AbortWrite,
+    HandshakeRequest,
+    HandshakeResponse,
+    NotifyMessage,
+    Release,
+    RemoteBlocks,
+    WriteAborted,
+    WriteDone,
+    WriteFailed,
+)
+from moriio_native.control.security import ControlSecurity
+from moriio_native.engine import DrainedTransfer, Engine
+from moriio_native.errors import FailedPreconditionError
+from moriio_native.pd.config import PdConfig
+from moriio_native.pd.context import Context, Reports, StatsSink
+from moriio_native.pd.peers import PeerDirectory
+from moriio_native.pd.puller import Puller
+from moriio_native.pd.pusher import WRITER_QUEUE, Pusher
+from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
+
+logger = logging.getLogger("moriio_native.pd.core")
+
+WAIT_SLICE_S = 0.1
+TIMEOUT_CHECK_EVERY_S = 0.5
+
+
+class PdCore:
+    """One rank's transfers. Thread-safe; see the module docstring for the threads."""
+
+    def __init__(
+        self,
+        config: PdConfig,
+        security: ControlSecurity,
+        stats: StatsSink,
+        *,
+        engine: Callable[[], Engine],
+        bind_host: str = "127.0.0.1",
+        writer_queue: int = WRITER_QUEUE,
+    ) -> None:
+        self.cfg = config
+        self._security = security
+        self._bind_host = bind_host
+        self._engine = engine
+        sender = NotifySender(security)
+        directory = PeerDirectory(
+            engine,
+            security,
+            config.engine_id,
+            timeout=config.transfer_timeout,
+            on_handshake=lambda peer: self._on_handshake(),
+        )
+        self.ctx = Context(
+            cfg=config,
+            engine=engine,
+            sender=sender,
+            directory=directory,
+            stats=stats,
+            mark_terminal=self._mark_terminal,
+        )
+        self.puller = Puller(self.ctx)
+        self.pusher = Pusher(self.ctx, writer_queue)
+        self.server: HandshakeServer | None = None
+        self.listener: NotifyListener | None = None
+        self._threads: list[threading.Thread] = []
+        # WRITE jobs whose drain notice overtook their undrained terminal event (the two come
+        # from separate engine queues): the event, when it comes, is taken as drained.
+        self._drained_jobs: set[str] = set()
+
+    def address(self) -> tuple[str, int, int]:
+        """(host, handshake port, notify port) this rank's peers reach it at (once started)."""
+        if self.server is None or self.listener is None:
+            raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} is not started")
+        return self.cfg.host_ip, self.server.port, self.listener.port
+
+    @property
+    def lock(self) -> threading.RLock:
+        return self.ctx.lock
+
+    def _on_handshake(self) -> None:
+        with self.ctx.lock:
+            self.ctx.stats.record_handshake()
+
+    def _mark_terminal(self, transfer_id: str) -> None:
+        if self.listener is not None:
+            self.listener.mark_terminal(transfer_id)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+
+    def start(self, handshake_port: int, notify_port: int) -> None:
+        """Open this rank's handshake server and notify listener (on its OWN ports; 0 binds
+        any free port) and start the threads. The engine must be registered."""
+        if self.server is not None:
+            raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} started twice")
+        self.server = HandshakeServer(
+            handshake_port, self._handshake_response, self._security, bind_host=self._bind_host
+        )
+        self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
+        if (
+            self.cfg.tp_size == 1
+            and self.cfg.dp_size == 1
+            and 0
+            in (
+                self.cfg.handshake_port,
+                self.cfg.notify_port,
+            )
+        ):
+            # A single-rank instance configured with port 0 (any free port, as the demo runs):
+            # its base ports are the ones just bound, which is what peers and messages carry.
+            self.cfg = self.ctx.cfg = dataclasses.replace(
+                self.cfg, handshake_port=self.server.port, notify_port=self.listener.port
+            )
+        for target, name in (
+            (self._notify_loop, "notify"),
+            (self._events_loop, "events"),
+            (self.pusher.writer_loop, "writer"),
+        ):
+            thread = threading.Thread(target=target, name=f"moriio-native-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _handshake_response(self, request: HandshakeRequest) -> HandshakeResponse:
+        cfg = self.cfg
+        return HandshakeResponse(
+            engine_id=cfg.engine_id,
+            engine_metadata=self._engine().local_metadata(),
+            dp_rank=cfg.dp_rank,
+            tp_rank=cfg.tp_rank,
+            dp_size=cfg.dp_size,
+            tp_size=cfg.tp_size,
+            transfer_mode=cfg.transfer_mode,
+        )
+
+    def shutdown(self) -> None:
+        """Stop the threads and close every socket. Idempotent."""
+        ctx = self.ctx
+        if ctx.stop.is_set():
+            return
+        ctx.stop.set()
+        for thread in self._threads:
+            thread.join(timeout=5.0)
+        ctx.directory.close()
+        for closer in (self.listener, self.server):
+            if closer is not None:
+                try:
+                    closer.close()
+                except Exception:
+                    logger.exception("error closing %s", type(closer).__name__)
+        ctx.sender.close()
+
+    # ---- the caller's hooks (never wait on the network) ---------------------------------------
+
+    def begin_step(self, saves: Sequence[SaveTask], sends: Sequence[SendTask]) -> None:
+        """This step's prefill work: prompt blocks handed over, requests finished."""
+        self.pusher.begin_step(list(saves), list(sends))
+
+    def start_loads(self, tasks: Sequence[RecvTask]) -> None:
+        """Begin every decode load (READ pull, WRITE announcement, release-only)."""
+        for task in tasks:
+            self.puller.start(task)
+
+    def wait_sync_reads(self) -> None:
+        """Synchronous READ mode: wait for the READs started this step (see Puller)."""
+        if self.cfg.sync_read:
+            self.puller.wait_step_reads()
+
+    def layer_saved(self, layer: str, event: Any) -> None:
+        self.pusher.layer_saved(layer, event)
+
+    def forward_done(self, layers: list[str], event: Any) -> None:
+        self.pusher.forward_done(layers, event)
+
+    def has_step_jobs(self) -> bool:
+        return self.pusher.has_step_jobs()
+
+    def take_reports(self) -> Reports:
+        """What ended since the last call (each request / block reported once)."""
+        self.check_timeouts(time.monotonic())
+        with self.ctx.lock:
+            return self.ctx.reports.take()
+
+    def take_load_errors(self) -> set[int]:
+        with self.ctx.lock:
+            out, self.ctx.reports.invalid_blocks = self.ctx.reports.invalid_blocks, set()
+        return out
+
+    def check_timeouts(self, now: float) -> None:
+        self.puller.check_timeouts(now)
+        self.pusher.check_timeouts(now)
+        self.ctx.directory.expire()
+
+    # ---- threads ------------------------------------------------------------------------------
+
+    def _events_loop(self) -> None:
+        ctx = self.ctx
+        last_check = time.monotonic()
+        while not ctx.stop.is_set():
+            try:
+                engine = self._engine()
+                events = engine.poll_events(timeout=WAIT_SLICE_S)
+                drained = engine.poll_drained()
+            except Exception:
+                logger.exception("poll_events failed")
+                time.sleep(WAIT_SLICE_S)
+                continue
+            for item in (*events, *drained):
+                try:
+                    if isinstance(item, DrainedTransfer):
+                        self._on_drained(item)
+                    else:
+                        self._on_event(item)
+                except Exception:
+                    logger.exception("error handling %s", item)
+            now = time.monotonic()
+            if now - last_check >= TIMEOUT_CHECK_EVERY_S:
+                last_check = now
+                self.check_timeouts(now)
+
+    def _on_event(self, event: Any) -> None:
+        if self.puller.on_event(event):
+            return
+        with self.ctx.lock:
+            drained = event.drained or event.transfer_id in self._drained_jobs
+            self._drained_jobs.discard(event.transfer_id)
+        self.pusher.on_event(event, drained)
+
+    def _on_drained(self, drained: DrainedTransfer) -> None:
+        tid = drained.transfer_id
+        if self.puller.on_drained(tid, drained.seconds):
+            return
+        if self.pusher.on_drained(tid) == "early":
+            with self.ctx.lock:
+                self._drained_jobs.add(tid)
+
+    def _notify_loop(self) -> None:
+        listener = self.listener
+        assert listener is not None
+        while not self.ctx.stop.is_set():
+            message = listener.get(WAIT_SLICE_S)
+            if message is None:
+                continue
+            try:
+                self._on_message(message)
+            except Exception:  # one message must never stop the thread
+                logger.exception("error handling %s", message)
+            self.pusher.feed_writer()
+
+    def _on_message(self, message: NotifyMessage) -> None:
+        cfg = self.cfg
+        tid = message.transfer_id
+        if isinstance(message, (WriteDone, WriteFailed, WriteAborted)):
+            if not cfg.consumer:
+                logger.warning(
+                    "ignoring %s for transfer %s: this instance is not a consumer",
+                    message.TYPE,
+                    tid,
+                )
+                return
+            if isinstance(message, WriteFailed):
+                logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
+            self.puller.on_write_result(tid, ok=isinstance(message, WriteDone))
+            return
+        if not cfg.producer:
+            logger.warning(
+                "ignoring %s for transfer %s: this instance is not a producer", message.TYPE, tid
+            )
+            return
+        if isinstance(message, AbortWrite):
+            self.pusher.on_abort_write(message)
+        elif isinstance(message, Release):
+            self.pusher.on_release(message)
+        elif isinstance(message, RemoteBlocks):
+            self.pusher.on_remote_blocks(message)
+        else:
+            logger.warning("ignoring unexpected %s for transfer %s", message.TYPE, tid)
+
+
+__all__ = ["PdCore"]

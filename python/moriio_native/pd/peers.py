@@ -1,0 +1,291 @@
+"""The peer directory: handshaken peer ranks, reached in the background.
+
+:meth:`PeerDirectory.connect` never blocks its caller on the network: it returns a
+:class:`~concurrent.futures.Future` of the :class:`Peer`, completed at once from the cache
+(or from the failure cache), or later by a handshake on the directory's own small executor
+(threads ``moriio-native-handshake-*``). What it guarantees:
+
+* one handshake at a time per peer address: concurrent callers share its future, so two
+  requests that race to a restarted prefill cannot both re-add it;
+* a failed handshake is remembered per address for a while (exponential backoff from
+  ``retry_after`` up to ``max_backoff``): requests naming a dead peer fail fast instead of each
+  waiting ``timeout`` again; :meth:`expire` drops entries past their time;
+* a peer that restarted under the same address (same engine id, new metadata) replaces the old
+  connection through the engine's explicit ``add_peer(..., replace=True)``: the old instance's
+  transfers end (failed), the new one is reachable. An engine id that is already connected at
+  ANOTHER address is refused (an address cannot take over another peer's identity);
+* :meth:`probe` re-handshakes a known peer to tell whether it is still the same live instance,
+  on its OWN single thread (``moriio-native-probe``): probes never queue behind (or starve)
+  the handshakes requests wait for.
+
+Thread-safe (one lock, never held across a network call or an engine call).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+from moriio_native.control.channel import fetch_metadata
+from moriio_native.control.messages import HandshakeResponse
+from moriio_native.control.security import ControlSecurity
+from moriio_native.errors import IncompatiblePeerError, MoriioError
+
+logger = logging.getLogger("moriio_native.pd.peers")
+
+HANDSHAKE_THREADS = 4
+DEFAULT_RETRY_AFTER_S = 5.0
+DEFAULT_MAX_BACKOFF_S = 60.0
+
+
+@dataclass(frozen=True)
+class PeerKey:
+    """Where a peer rank answers handshakes: its host and its rank's own handshake port."""
+
+    host: str
+    handshake_port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.handshake_port}"
+
+
+@dataclass(frozen=True)
+class Peer:
+    """A handshaken peer rank, connected in the engine."""
+
+    key: PeerKey
+    engine_peer: str  # the native engine's peer id (for read / write_layer / seal)
+    notify_port: int  # its rank's notify port (derived from the handshaken rank, not a message)
+    response: HandshakeResponse
+
+    @property
+    def host(self) -> str:
+        return self.key.host
+
+
+# Checks a handshake response for the key before the engine connects (raises to refuse).
+Validator = Callable[[HandshakeResponse], None]
+
+
+@dataclass
+class _Failure:
+    until: float
+    error: MoriioError
+    attempts: int
+
+
+class _EngineLike(Protocol):
+    """What the directory needs of the engine (the facade's Engine satisfies it)."""
+
+    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str: ...
+
+
+class PeerDirectory:
+    """Handshaken peers of one engine rank, keyed by :class:`PeerKey`."""
+
+    def __init__(
+        self,
+        engine: Callable[[], _EngineLike],
+        security: ControlSecurity,
+        requester_engine_id: str,
+        *,
+        timeout: float,
+        retry_after: float = DEFAULT_RETRY_AFTER_S,
+        max_backoff: float = DEFAULT_MAX_BACKOFF_S,
+        on_handshake: Callable[[Peer], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._engine = engine
+        self._security = security
+        self._requester = requester_engine_id
+        self._timeout = timeout
+        self._retry_after = retry_after
+        self._max_backoff = max(max_backoff, retry_after)
+        self._on_handshake = on_handshake
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._peers: dict[PeerKey, Peer] = {}
+        self._inflight: dict[PeerKey, Future[Peer]] = {}
+        self._failures: dict[PeerKey, _Failure] = {}
+        self._pool = ThreadPoolExecutor(
+            HANDSHAKE_THREADS, thread_name_prefix="moriio-native-handshake"
+        )
+        self._probe_pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-probe")
+        self._closed = False
+
+    # ---- lookups ------------------------------------------------------------------------------
+
+    def cached(self, key: PeerKey) -> Peer | None:
+        with self._lock:
+            return self._peers.get(key)
+
+    def find_engine(self, engine_id: str) -> Peer | None:
+        """The cached peer whose handshake named ``engine_id``, if any."""
+        with self._lock:
+            return next(
+                (p for p in self._peers.values() if p.response.engine_id == engine_id), None
+            )
+
+    def connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Future[Peer]:
+        """The peer at ``key``: cached, failed recently (the remembered error), or handshaken
+        in the background (one handshake per key at a time; ``validate`` and ``notify_port``
+        of the first caller apply). Never blocks on the network."""
+        with self._lock:
+            peer = self._peers.get(key)
+            if peer is not None:
+                return _done(peer)
+            failure = self._failures.get(key)
+            if failure is not None and self._clock() < failure.until:
+                return _failed(failure.error)
+            future = self._inflight.get(key)
+            if future is not None:
+                return future
+            if self._closed:
+                return _failed(MoriioError("the peer directory is shut down"))
+            future = Future()
+            self._inflight[key] = future
+        try:
+            self._pool.submit(self._handshake, key, notify_port, validate, future)
+        except RuntimeError as exc:  # shut down meanwhile
+            with self._lock:
+                self._inflight.pop(key, None)
+            future.set_exception(MoriioError(f"peer {key}: not handshaken ({exc})"))
+        return future
+
+    # ---- changes ------------------------------------------------------------------------------
+
+    def forget(self, peer: Peer | None) -> None:
+        """Drop ``peer``'s cached handshake (after a failure: it may have restarted); the next
+        connect handshakes again. A newer entry for the same key is kept."""
+        if peer is None:
+            return
+        with self._lock:
+            if self._peers.get(peer.key) is peer:
+                del self._peers[peer.key]
+
+    def expire(self) -> None:
+        """Drop failure entries past their time (their backoff is forgotten too)."""
+        now = self._clock()
+        with self._lock:
+            for key in [k for k, f in self._failures.items() if now >= f.until + self._max_backoff]:
+                del self._failures[key]
+
+    def probe(self, peer: Peer) -> Future[str]:
+        """Re-handshake ``peer`` on the probe thread: "" while it answers as the same instance,
+        else why it is not (another instance now, or unreachable). One failed probe alone
+        proves nothing about a writer (a busy peer may miss one): the caller decides."""
+        future: Future[str] = Future()
+
+        def run() -> None:
+            try:
+                response = fetch_metadata(
+                    peer.host,
+                    peer.key.handshake_port,
+                    timeout=self._timeout,
+                    security=self._security,
+                    requester_engine_id=self._requester,
+                )
+            except MoriioError as exc:
+                future.set_result(f"it is unreachable ({exc})")
+                return
+            except BaseException as exc:
+                future.set_exception(exc)
+                return
+            if response.engine_metadata != peer.response.engine_metadata:
+                future.set_result(f"it restarted as another engine ({response.engine_id})")
+            else:
+                future.set_result("")
+
+        try:
+            self._probe_pool.submit(run)
+        except RuntimeError as exc:
+            future.set_result(f"not probed ({exc})")
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- the handshake (pool thread) ----------------------------------------------------------
+
+    def _handshake(
+        self, key: PeerKey, notify_port: int, validate: Validator, future: Future[Peer]
+    ) -> None:
+        try:
+            peer = self._connect(key, notify_port, validate)
+        except BaseException as exc:
+            error = exc if isinstance(exc, MoriioError) else MoriioError(f"peer {key}: {exc}")
+            with self._lock:
+                self._inflight.pop(key, None)
+                previous = self._failures.get(key)
+                attempts = previous.attempts + 1 if previous is not None else 1
+                delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
+                self._failures[key] = _Failure(self._clock() + delay, error, attempts)
+            logger.warning("handshake with %s failed (%s); retrying after %.0fs", key, error, delay)
+            future.set_exception(error)
+            return
+        with self._lock:
+            self._inflight.pop(key, None)
+            self._failures.pop(key, None)
+            for other in [k for k, p in self._peers.items() if p.engine_peer == peer.engine_peer]:
+                del self._peers[other]  # the same engine under this key, before its restart
+            self._peers[key] = peer
+        if self._on_handshake is not None:
+            self._on_handshake(peer)
+        logger.info("handshake with %s at %s done", peer.response.engine_id, key)
+        future.set_result(peer)
+
+    def _connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Peer:
+        response = fetch_metadata(
+            key.host,
+            key.handshake_port,
+            timeout=self._timeout,
+            security=self._security,
+            requester_engine_id=self._requester,
+        )
+        validate(response)
+        with self._lock:
+            elsewhere = next(
+                (
+                    k
+                    for k, p in self._peers.items()
+                    if p.response.engine_id == response.engine_id and k != key
+                ),
+                None,
+            )
+        if elsewhere is not None:
+            raise IncompatiblePeerError(
+                f"peer at {key} answers as engine {response.engine_id!r}, which is connected at "
+                f"{elsewhere}; refusing to let one address replace another's peer"
+            )
+        # Same engine id with new metadata: that peer restarted under this address (the
+        # handshake we just made proved who answers here). The engine swaps the connection.
+        engine_peer = self._engine().add_peer(response.engine_metadata, replace=True)
+        if engine_peer != response.engine_id:
+            raise IncompatiblePeerError(
+                f"peer at {key}: its handshake names engine {response.engine_id!r} but its "
+                f"metadata {engine_peer!r}"
+            )
+        return Peer(key=key, engine_peer=engine_peer, notify_port=notify_port, response=response)
+
+
+def _done(peer: Peer) -> Future[Peer]:
+    future: Future[Peer] = Future()
+    future.set_result(peer)
+    return future
+
+
+def _failed(error: BaseException) -> Future[Peer]:
+    future: Future[Peer] = Future()
+    future.set_exception(error)
+    return future
+
+
+__all__ = ["HANDSHAKE_THREADS", "Peer", "PeerDirectory", "PeerKey", "Validator"]

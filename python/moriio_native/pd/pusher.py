@@ -1,0 +1,688 @@
+"""The prefill side of the protocol: blocks held for READs, WRITE pushes (one rank).
+
+Held READ (:class:`SendState`): a finished request's blocks stay until every decode rank that
+pairs with this rank released them (:mod:`moriio_native.pd.tp`), or ``abort_timeout`` passes.
+
+WRITE job (:class:`JobState`), one per request: it needs the request's prompt blocks
+(:class:`~moriio_native.pd.tasks.SaveTask`) and the decode's ``remote_blocks``, in either
+order; then the decode rank is handshaken in the background, each layer's write is queued
+for the writer thread as its layer is computed, and once the forward ended the seal carries
+the number of writes queued, so the engine cannot call the transfer done before every one of
+them completed. Its engine event ends it: exactly one ``write_done`` / ``write_failed`` goes
+to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` once nothing of
+it can land), and the blocks are reported free once the request finished. A job the engine
+ended with writes in flight waits (DRAINING) for their drain before any of that.
+
+Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
+overtake the scheduler) are kept in bounded records, so unauthenticated peers cannot make
+this side hold unbounded state.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import Any
+
+import numpy as np
+
+from moriio_native.control.messages import (
+    AbortWrite,
+    NotifyMessage,
+    Release,
+    RemoteBlocks,
+    WriteAborted,
+    WriteDone,
+    WriteFailed,
+)
+from moriio_native.errors import IncompatiblePeerError, MoriioError
+from moriio_native.pd.context import Context
+from moriio_native.pd.fsm import Machine
+from moriio_native.pd.peers import Peer
+from moriio_native.pd.tasks import SaveTask, SendTask
+from moriio_native.pd.tp import expected_releases, releases
+
+logger = logging.getLogger("moriio_native.pd.pusher")
+
+# Records kept for transfers not known yet (early releases; jobs a message created before the
+# scheduler's save task): beyond this many the oldest is dropped.
+MAX_EARLY_MESSAGES = 65536
+WRITER_QUEUE = 65536
+WAIT_SLICE_S = 0.1
+
+
+class SendState(Enum):
+    HELD = auto()
+    RELEASED = auto()
+    EXPIRED = auto()
+
+
+class SendEvent(Enum):
+    RELEASED = auto()  # every decode rank that pairs with us released
+    EXPIRED = auto()  # abort_timeout
+
+
+SEND_TRANSITIONS: dict[tuple[SendState, SendEvent], SendState] = {
+    (SendState.HELD, SendEvent.RELEASED): SendState.RELEASED,
+    (SendState.HELD, SendEvent.EXPIRED): SendState.EXPIRED,
+}
+
+
+class JobState(Enum):
+    PENDING = auto()  # waiting for the save task and/or remote_blocks
+    CONNECTING = auto()  # both known: handshaking the decode rank
+    WRITING = auto()  # writes are queued as layers finish
+    SEALED = auto()  # the seal (number of writes) is queued
+    ABORTING = auto()  # failed with writes in the engine: waiting for its aborted event
+    DRAINING = auto()  # the engine ended it with writes in flight: waiting for their drain
+    DONE = auto()
+    FAILED = auto()
+
+
+class JobEvent(Enum):
+    READY = auto()  # save task and remote_blocks both known, blocks paired
+    CONNECTED = auto()  # the decode rank is handshaken
+    SEAL = auto()  # the forward ended: seal with the writes queued
+    FAIL = auto()  # failure with nothing in the engine
+    ABORT = auto()  # failure with writes in the engine (engine.abort called)
+    ENGINE_DONE = auto()  # engine event: done (drained)
+    ENGINE_FAILED = auto()  # engine event: failed / aborted / timed out, drained
+    ENGINE_UNDRAINED = auto()  # engine event with writes still in flight
+    DRAINED = auto()  # the engine reports the DRAINING transfer drained
+
+
+_IN_ENGINE = (JobState.WRITING, JobState.SEALED, JobState.ABORTING)
+JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
+    (JobState.PENDING, JobEvent.READY): JobState.CONNECTING,
+    (JobState.CONNECTING, JobEvent.CONNECTED): JobState.WRITING,
+    (JobState.WRITING, JobEvent.SEAL): JobState.SEALED,
+    **{(s, JobEvent.FAIL): JobState.FAILED for s in (JobState.PENDING, JobState.CONNECTING)},
+    **{(s, JobEvent.FAIL): JobState.FAILED for s in (JobState.WRITING, JobState.SEALED)},
+    (JobState.WRITING, JobEvent.ABORT): JobState.ABORTING,
+    (JobState.SEALED, JobEvent.ABORT): JobState.ABORTING,
+    (JobState.SEALED, JobEvent.ENGINE_DONE): JobState.DONE,
+    # Aborted after the engine finished it: the abort wins (the decode was told to give up).
+    (JobState.ABORTING, JobEvent.ENGINE_DONE): JobState.FAILED,
+    **{(s, JobEvent.ENGINE_FAILED): JobState.FAILED for s in _IN_ENGINE},
+    **{(s, JobEvent.ENGINE_UNDRAINED): JobState.DRAINING for s in _IN_ENGINE},
+    (JobState.DRAINING, JobEvent.DRAINED): JobState.FAILED,
+}
+JOB_TERMINAL = frozenset({JobState.DONE, JobState.FAILED})
+
+
+@dataclass
+class _Releases:
+    """The decode ranks that released one transfer on this prefill rank so far."""
+
+    consumer_tp_size: int = 0  # the decode's TP size, from its first release (0: none yet)
+    ranks: set[int] = field(default_factory=set)
+
+
+@dataclass
+class _Send:
+    task: SendTask
+    deadline: float
+    machine: Machine[SendState, SendEvent]
+    released: _Releases = field(default_factory=_Releases)
+
+
+@dataclass
+class _Job:
+    transfer_id: str
+    created: float
+    machine: Machine[JobState, JobEvent]
+    save: SaveTask | None = None
+    remote: RemoteBlocks | None = None
+    peer: Peer | None = None
+    pending: list[tuple[str, Any]] = field(default_factory=list)  # (layer, event | None)
+    seen: set[str] = field(default_factory=set)
+    submitted: int = 0
+    forward_done: bool = False
+    # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
+    block_ids: tuple[np.ndarray, np.ndarray] | None = None
+    send: SendTask | None = None
+    deadline: float = 0.0
+    reason: str = ""
+    released: bool = False  # the decode said it needs nothing: no write_failed to it
+    abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
+
+    @property
+    def state(self) -> JobState:
+        return self.machine.state
+
+
+# ("write", job, layer, event or None) or ("seal", job, "", number of writes queued).
+WriterOp = tuple[str, _Job, str, Any]
+
+
+class Pusher:
+    """Prefill-side transfers of one rank. Thread-safe through the context lock; the writer
+    thread (:meth:`writer_loop`) posts writes in order."""
+
+    def __init__(self, ctx: Context, writer_queue: int = WRITER_QUEUE) -> None:
+        self._ctx = ctx
+        self._sends: dict[str, _Send] = {}
+        self._jobs: dict[str, _Job] = {}
+        self._step_jobs: list[_Job] = []
+        self._early_releases: OrderedDict[str, tuple[float, _Releases]] = OrderedDict()
+        self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
+        self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
+        self._staged: list[WriterOp] = []  # guarded by the lock, moved by feed_writer
+        # Serialises feeding so staged ops enter the queue in order; the writer never takes it.
+        self._feed = threading.Lock()
+
+    def job_states(self) -> dict[str, JobState]:
+        with self._ctx.lock:
+            return {tid: j.state for tid, j in self._jobs.items()}
+
+    # ---- scheduler tasks (caller thread) ------------------------------------------------------
+
+    def begin_step(self, saves: list[SaveTask], sends: list[SendTask]) -> None:
+        now = time.monotonic()
+        with self._ctx.lock:
+            self._step_jobs = []
+            for save in saves:
+                job = self._job(save.transfer_id, now, orphan=False)
+                job.save = save
+                self._step_jobs.append(job)
+                self._advance(job)
+            for send in sends:
+                self._on_send_task(send, now)
+        self.feed_writer()
+
+    def layer_saved(self, layer: str, event: Any) -> None:
+        with self._ctx.lock:
+            for job in self._step_jobs:
+                if layer not in job.seen:
+                    job.seen.add(layer)
+                    job.pending.append((layer, event))
+                    self._advance(job)
+        self.feed_writer()
+
+    def has_step_jobs(self) -> bool:
+        with self._ctx.lock:
+            return bool(self._step_jobs)
+
+    def forward_done(self, layers: list[str], event: Any) -> None:
+        """Queue every layer whose save hook did not run, then seal."""
+        with self._ctx.lock:
+            for job in self._step_jobs:
+                for name in layers:
+                    if name not in job.seen:
+                        job.seen.add(name)
+                        job.pending.append((name, event))
+                job.forward_done = True
+                self._advance(job)
+            self._step_jobs = []
+        self.feed_writer()
+
+    def _job(self, tid: str, now: float, *, orphan: bool) -> _Job:
+        job = self._jobs.get(tid)
+        if job is None:
+            machine = Machine("WRITE", tid, JOB_TRANSITIONS, JobState.PENDING)
+            job = self._jobs[tid] = _Job(tid, created=now, machine=machine)
+            if orphan:
+                self._orphans[tid] = None
+                while len(self._orphans) > MAX_EARLY_MESSAGES:
+                    old, _ = self._orphans.popitem(last=False)
+                    dropped = self._jobs.get(old)
+                    if dropped is not None and dropped.save is None:
+                        del self._jobs[old]
+        if not orphan:
+            self._orphans.pop(tid, None)
+        return job
+
+    def _on_send_task(self, send: SendTask, now: float) -> None:
+        """The request finished and its blocks are held for us (lock held)."""
+        ctx = self._ctx
+        tid = send.transfer_id
+        deadline = now + ctx.cfg.abort_timeout
+        early = self._early_releases.pop(tid, None)
+        released = early[1] if early is not None else _Releases()
+        if ctx.cfg.mode == "read":
+            machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
+            held = _Send(send, deadline, machine, released)
+            if send.aborted or self._fully_released(held.released):
+                ctx.reports.done_sending.add(send.req_id)
+                return
+            self._sends[tid] = held
+            return
+        job = self._job(tid, now, orphan=False)
+        job.send, job.deadline = send, deadline
+        if job.state in JOB_TERMINAL:
+            ctx.reports.done_sending.add(send.req_id)
+            self._jobs.pop(tid, None)
+        elif send.aborted:
+            self._fail(job, "the request was aborted")
+        elif released.ranks:
+            # The decode gave up before we had the request (its release came first).
+            job.released = True
+            self._fail(job, "the decode released the transfer")
+
+    # ---- the job machine (lock held) ----------------------------------------------------------
+
+    def _advance(self, job: _Job) -> None:
+        """Move a job as far as its inputs allow. Writes and the seal are staged for the
+        writer thread, in order; the caller feeds them after releasing the lock."""
+        state = job.state
+        if state is JobState.PENDING:
+            if job.remote is None or job.save is None:
+                return
+            if job.save.peer is None:
+                self._fail(job, "the request names no decode address")
+                return
+            groups = job.remote.block_ids
+            wanted = groups[0] if len(groups) == 1 else None
+            have = job.save.block_ids
+            if wanted is None or len(wanted) > len(have) or not wanted:
+                self._fail(
+                    job,
+                    f"decode asked for {len(groups)} group(s) / "
+                    f"{sum(len(g) for g in groups)} blocks, the prompt has {len(have)}",
+                )
+                return
+            # The decode announces the tail of the prompt it lacks: align it to our tail.
+            job.block_ids = (
+                np.asarray(have[len(have) - len(wanted) :], dtype=np.int64),
+                np.asarray(wanted, dtype=np.int64),
+            )
+            job.machine.advance(JobEvent.READY)
+            self._connect(job)
+            return
+        if state is not JobState.WRITING:
+            return
+        for layer, event in job.pending:
+            self._staged.append(("write", job, layer, event))
+            job.submitted += 1
+        job.pending = []
+        if job.forward_done:
+            job.machine.advance(JobEvent.SEAL)
+            self._staged.append(("seal", job, "", job.submitted))
+
+    def _connect(self, job: _Job) -> None:
+        assert job.save is not None and job.save.peer is not None and job.remote is not None
+        address = job.save.peer
+        try:
+            future = self._ctx.connect(
+                address.host,
+                address.handshake_port,
+                address.notify_port,
+                job.remote.decode_dp_rank,
+                job.save.remote_tp_size,
+            )
+        except MoriioError as exc:
+            self._fail(job, f"cannot reach the decode rank: {exc}")
+            return
+        future.add_done_callback(lambda f: self._connected(job, f))
+
+    def _connected(self, job: _Job, future: Future[Peer]) -> None:
+        assert job.remote is not None
+        ctx = self._ctx
+        try:
+            peer = future.result()
+            if peer.response.engine_id != job.remote.decode_engine_id:
+                with ctx.lock:
+                    job.peer = peer  # it answers there: tell it we failed
+                raise IncompatiblePeerError(
+                    f"remote_blocks came from engine {job.remote.decode_engine_id!r}, but the "
+                    f"decode address of the request serves {peer.response.engine_id!r}"
+                )
+        except Exception as exc:
+            logger.error("transfer %s: cannot reach the decode rank: %s", job.transfer_id, exc)
+            with ctx.lock:
+                self._fail(job, str(exc))
+            return
+        with ctx.lock:
+            if job.state is not JobState.CONNECTING:
+                return  # failed meanwhile
+            job.peer = peer
+            job.machine.advance(JobEvent.CONNECTED)
+            self._advance(job)
+        self.feed_writer()
+
+    def _fail(self, job: _Job, reason: str) -> None:
+        """End a job as failed (lock held): with writes in the engine it is aborted there and
+        its terminal event completes it; otherwise it completes now."""
+        state = job.state
+        if state in JOB_TERMINAL or state in (JobState.ABORTING, JobState.DRAINING):
+            return
+        job.reason = reason
+        logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, reason)
+        if state in (JobState.WRITING, JobState.SEALED) and (
+            job.submitted or state is JobState.SEALED
+        ):
+            try:
+                self._ctx.engine().abort(job.transfer_id)
+                job.machine.advance(JobEvent.ABORT)
+                return  # the aborted event completes the job
+            except MoriioError:
+                pass  # nothing of it reached the engine
+        job.machine.advance(JobEvent.FAIL)
+        self._complete(job)
+
+    def _complete(self, job: _Job, event: Any = None) -> None:
+        """Terminal job (lock held): one final message to the decode, then the blocks are
+        reported free once the request finished."""
+        ctx = self._ctx
+        ok = job.state is JobState.DONE
+        if ok and event is not None:
+            ctx.stats.record_transfer(event)
+        elif not ok and not job.released:
+            ctx.stats.record(ok=False)
+        if job.abort_requested is not None:
+            self._send_write_aborted(job)
+        elif job.peer is not None and not job.released:
+            message: NotifyMessage = (
+                WriteDone(job.transfer_id, writer_rank=ctx.cfg.tp_rank, num_writers=1)
+                if ok
+                else WriteFailed(
+                    job.transfer_id,
+                    writer_rank=ctx.cfg.tp_rank,
+                    reason=job.reason[:1000] or "failed",
+                )
+            )
+            self._send(job.peer, message)
+        ctx.mark_terminal(job.transfer_id)
+        if job.send is not None:
+            ctx.reports.done_sending.add(job.send.req_id)
+            self._jobs.pop(job.transfer_id, None)
+
+    def _send(self, peer: Peer, message: NotifyMessage) -> None:
+        try:
+            self._ctx.sender.send(peer.host, peer.notify_port, message)
+        except MoriioError as exc:
+            logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
+
+    def _send_write_aborted(self, job: _Job) -> None:
+        """The ack of abort_write (lock held; nothing of the job writes any more), to the
+        decode rank handshaken for this job, or one the directory handshakes now."""
+        request = job.abort_requested
+        assert request is not None
+        ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
+        peer = job.peer or self._ctx.directory.find_engine(request.decode_engine_id)
+        if peer is not None:
+            self._send(peer, ack)
+            return
+        try:
+            future = self._ctx.connect(
+                request.decode_address.host,
+                request.decode_address.handshake_port,
+                request.decode_address.notify_port,
+                request.decode_dp_rank,
+                self._ctx.cfg.tp_size,
+            )
+        except MoriioError as exc:
+            self._ack_failed(request, exc)
+            return
+
+        def acked(f: Future[Peer]) -> None:
+            try:
+                peer = f.result()
+                if peer.response.engine_id != request.decode_engine_id:
+                    raise IncompatiblePeerError(
+                        f"abort_write came from engine {request.decode_engine_id!r}, but its "
+                        f"address serves {peer.response.engine_id!r}"
+                    )
+            except Exception as exc:
+                self._ack_failed(request, exc)
+                return
+            self._send(peer, ack)
+
+        future.add_done_callback(acked)
+
+    @staticmethod
+    def _ack_failed(request: AbortWrite, exc: Exception) -> None:
+        logger.warning(
+            "transfer %s: cannot acknowledge the decode's abort (%s); it frees the blocks "
+            "after its quarantine_timeout",
+            request.transfer_id,
+            exc,
+        )
+
+    # ---- engine events (events thread) --------------------------------------------------------
+
+    def on_event(self, event: Any, drained: bool) -> bool:
+        with self._ctx.lock:
+            job = self._jobs.get(event.transfer_id)
+            if job is None or job.state in JOB_TERMINAL:
+                return job is not None
+            if job.state is JobState.DRAINING:
+                return True
+            if not drained:
+                # Writes may still land in the decode's blocks (and read ours): nothing is
+                # reported, nothing freed, until the engine says they drained.
+                job.reason = job.reason or f"{event.state}: {event.message}"
+                job.machine.advance(JobEvent.ENGINE_UNDRAINED)
+                logger.warning(
+                    "transfer %s: WRITE ended with writes in flight (%s); holding it until "
+                    "they drain",
+                    event.transfer_id,
+                    event.message,
+                )
+                return True
+            ok = event.state == "done"
+            if not ok:
+                job.reason = job.reason or f"{event.state}: {event.message}"
+            next_event = JobEvent.ENGINE_DONE if ok else JobEvent.ENGINE_FAILED
+            if not job.machine.allows(next_event):
+                logger.error(
+                    "transfer %s: unexpected engine event %s in %s",
+                    event.transfer_id,
+                    event.state,
+                    job.state.name,
+                )
+                return True
+            job.machine.advance(next_event)
+            self._complete(job, event)
+        return True
+
+    def on_drained(self, tid: str) -> str:
+        """'done' when a DRAINING job completed, 'early' when the job's undrained event is
+        still to come, '' when the id is not a job of ours."""
+        with self._ctx.lock:
+            job = self._jobs.get(tid)
+            if job is None:
+                return ""
+            if job.state is JobState.DRAINING:
+                job.machine.advance(JobEvent.DRAINED)
+                self._complete(job)
+                return "done"
+            return "" if job.state in JOB_TERMINAL else "early"
+
+    # ---- control messages (notify thread) -----------------------------------------------------
+
+    def on_release(self, message: Release) -> None:
+        ctx = self._ctx
+        tid = message.transfer_id
+        with ctx.lock:
+            send = self._sends.get(tid)
+            job = self._jobs.get(tid)
+            if send is not None:
+                self._record_release(send.released, message)
+                if not self._fully_released(send.released):
+                    return  # other decode ranks read this rank's blocks too
+                send.machine.advance(SendEvent.RELEASED)
+                del self._sends[tid]
+                ctx.reports.done_sending.add(send.task.req_id)
+            elif job is not None:
+                job.released = True
+                self._fail(job, "the decode released the transfer")
+            else:
+                _, early = self._early_releases.setdefault(tid, (time.monotonic(), _Releases()))
+                self._record_release(early, message)
+                while len(self._early_releases) > MAX_EARLY_MESSAGES:
+                    self._early_releases.popitem(last=False)
+                return
+        ctx.mark_terminal(tid)
+
+    def on_remote_blocks(self, message: RemoteBlocks) -> None:
+        tid = message.transfer_id
+        if self._ctx.cfg.mode != "write":
+            logger.warning(
+                "ignoring remote_blocks for transfer %s: this instance runs READ mode", tid
+            )
+            return
+        with self._ctx.lock:
+            job = self._job(tid, time.monotonic(), orphan=True)
+            if job.remote is not None or job.state is not JobState.PENDING:
+                return
+            job.remote = message
+            if not any(message.block_ids):
+                job.released = True
+                self._fail(job, "the decode needs no blocks")
+                return
+            self._advance(job)
+        self.feed_writer()
+
+    def on_abort_write(self, message: AbortWrite) -> None:
+        """The decode gave up on a WRITE and holds its blocks quarantined: stop the transfer,
+        and once none of its writes can land, answer write_aborted."""
+        if self._ctx.cfg.mode != "write":
+            logger.warning(
+                "ignoring abort_write for transfer %s: this instance runs READ mode",
+                message.transfer_id,
+            )
+            return
+        with self._ctx.lock:
+            job = self._job(message.transfer_id, time.monotonic(), orphan=True)
+            if job.abort_requested is not None:
+                return  # one answer per transfer
+            job.abort_requested = message
+            if job.state in JOB_TERMINAL:
+                self._send_write_aborted(job)  # it ended drained already
+                return
+            self._fail(job, "the decode aborted the transfer")
+
+    # ---- timeouts -----------------------------------------------------------------------------
+
+    def check_timeouts(self, now: float) -> None:
+        ctx = self._ctx
+        abort_timeout = ctx.cfg.abort_timeout
+        with ctx.lock:
+            for tid, send in list(self._sends.items()):
+                if now > send.deadline:
+                    send.machine.advance(SendEvent.EXPIRED)
+                    del self._sends[tid]
+                    ctx.reports.done_sending.add(send.task.req_id)
+                    logger.warning(
+                        "request %s (transfer %s): no release within abort_timeout (%.0fs); "
+                        "freeing",
+                        send.task.req_id,
+                        tid,
+                        abort_timeout,
+                    )
+            for tid, job in list(self._jobs.items()):
+                if job.state in JOB_TERMINAL and (job.send is not None or job.save is not None):
+                    continue  # the scheduler still reports it (a send task frees it)
+                if job.send is not None and now > job.deadline:
+                    self._fail(job, f"not finished within abort_timeout ({abort_timeout:.0f}s)")
+                elif job.send is None and job.save is None and now > job.created + abort_timeout:
+                    del self._jobs[tid]  # a message for a request we never saw
+                    self._orphans.pop(tid, None)
+            while self._early_releases:
+                seen, _ = next(iter(self._early_releases.values()))
+                if now - seen <= abort_timeout:
+                    break
+                self._early_releases.popitem(last=False)
+
+    # ---- releases bookkeeping (lock held) -----------------------------------------------------
+
+    def _record_release(self, released: _Releases, release: Release) -> None:
+        """Count ``release`` when it is one of the releases this rank waits for: the decode TP
+        size of the first release, from a decode rank that reads this rank or was assigned to
+        release it. Others are logged and ignored, so no message can free blocks a decode rank
+        may still be reading."""
+        cfg = self._ctx.cfg
+        size, rank = release.consumer_tp_size, release.consumer_tp_rank
+        released.consumer_tp_size = released.consumer_tp_size or size
+        expected_size = released.consumer_tp_size
+        if size != expected_size or not releases(rank, size, cfg.tp_rank, cfg.tp_size):
+            logger.warning(
+                "transfer %s: ignoring a release from decode rank %d of %d (expected releases "
+                "from the decode ranks of %d that pair with prefill rank %d of %d)",
+                release.transfer_id,
+                rank,
+                size,
+                expected_size,
+                cfg.tp_rank,
+                cfg.tp_size,
+            )
+            return
+        released.ranks.add(rank)
+
+    def _fully_released(self, released: _Releases) -> bool:
+        if not released.consumer_tp_size:
+            return False
+        cfg = self._ctx.cfg
+        return len(released.ranks) >= expected_releases(
+            cfg.tp_rank, cfg.tp_size, released.consumer_tp_size
+        )
+
+    # ---- the writer thread --------------------------------------------------------------------
+
+    def feed_writer(self) -> None:
+        """Move staged writer work into the bounded writer queue, waiting for room when it is
+        full (backpressure). Called WITHOUT the context lock: the writer takes it after each
+        get, so it could never make room for a producer that held it."""
+        ctx = self._ctx
+        with self._feed:
+            with ctx.lock:
+                ops, self._staged = self._staged, []
+            for op in ops:
+                while not ctx.stop.is_set():
+                    try:
+                        self._writer_q.put(op, timeout=WAIT_SLICE_S)
+                        break
+                    except queue.Full:
+                        continue
+
+    def writer_loop(self) -> None:
+        ctx = self._ctx
+        live = (JobState.WRITING, JobState.SEALED)
+        while not ctx.stop.is_set():
+            try:
+                op, job, layer, arg = self._writer_q.get(timeout=WAIT_SLICE_S)
+            except queue.Empty:
+                continue
+            with ctx.lock:
+                if job.state not in live:
+                    continue
+            try:
+                if op == "write" and arg is not None:
+                    arg.synchronize()  # the layer's device event: its KV is computed
+                # Posted under the lock (it never waits for the transfer): a job failed
+                # meanwhile (an abort_write already acknowledged) must not start writing.
+                with ctx.lock:
+                    if job.state not in live:
+                        continue
+                    peer = job.peer
+                    assert peer is not None and job.block_ids is not None
+                    if op == "write":
+                        local_ids, remote_ids = job.block_ids
+                        ctx.engine().write_layer(
+                            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
+                        )
+                    else:
+                        # The seal carries the number of layers queued for the job, so it
+                        # cannot end the transfer before every one of them was written.
+                        ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
+            except Exception as exc:
+                with ctx.lock:
+                    self._fail(job, f"{op} {layer}: {exc}".strip())
+
+
+__all__ = [
+    "JOB_TRANSITIONS",
+    "SEND_TRANSITIONS",
+    "JobEvent",
+    "JobState",
+    "Pusher",
+    "SendEvent",
+    "SendState",
+]

@@ -1,0 +1,71 @@
+"""What the core is asked to do, in plain immutable records (no framework types).
+
+* :class:`RecvTask` (decode side): load ``transfer_id`` into ``local_block_ids`` -- READ pulls
+  ``remote_block_ids[i] -> local_block_ids[i]``; WRITE announces ``local_block_ids`` (the tail
+  of the prompt's blocks, see :class:`SaveTask`) and waits for the prefill's writes. No blocks
+  means notify-only: tell the prefill to release its blocks (full prefix hit, or the request
+  ended before it was scheduled).
+* :class:`SaveTask` (prefill side, WRITE): the request's prompt blocks, handed over when its
+  last prompt chunk is computed.
+* :class:`SendTask` (prefill side, both modes): the request finished and its blocks are held
+  until the core reports the transfer ended (or ``abort_timeout`` passes).
+
+Block ids come from the caller's allocator (local) or from the peer's advertisement (remote);
+addresses are parsed and checked by :mod:`moriio_native.control.addressing` (whether they may
+be dialled is the allowlist's decision, at connect time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from moriio_native.control.addressing import ZmqAddress
+
+
+@dataclass(frozen=True)
+class RecvTask:
+    """Decode side: one request's load (or release-only notification)."""
+
+    req_id: str
+    transfer_id: str
+    peer: ZmqAddress  # the prefill instance (base ports)
+    remote_engine_id: str | None
+    remote_dp_rank: int
+    remote_tp_size: int  # 0 = unknown (same as ours)
+    local_block_ids: tuple[int, ...] = ()
+    remote_block_ids: tuple[int, ...] = ()  # READ only, paired with local_block_ids by index
+    # Asynchronous load (WRITE, and READ unless loaded synchronously): the request's end is
+    # reported as finished receiving (and failed receiving on failure).
+    report_done: bool = False
+    error: str = ""  # set: the load cannot be planned -- report it failed, release the prefill
+    # The request was aborted while its load may run: give up on it now (blocks the prefill
+    # may be writing stay quarantined until it confirms its writes stopped).
+    aborted: bool = False
+
+    @property
+    def notify_only(self) -> bool:
+        return not self.local_block_ids
+
+
+@dataclass(frozen=True)
+class SaveTask:
+    """Prefill side (WRITE): the request computes its last prompt chunk now."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]  # the request's blocks covering the prompt, in order
+    num_prompt_blocks: int
+    peer: ZmqAddress | None  # the decode instance (base ports), when the request names it
+    remote_tp_size: int
+
+
+@dataclass(frozen=True)
+class SendTask:
+    """Prefill side: the request's blocks are held until the core reports it."""
+
+    req_id: str
+    transfer_id: str
+    aborted: bool = False  # the request was aborted: stop its transfer, then report it
+
+
+__all__ = ["RecvTask", "SaveTask", "SendTask"]

@@ -1,0 +1,210 @@
+"""The peer directory with loopback engines and real handshake servers on 127.0.0.1:
+handshakes run in the background, one per peer at a time, failures are cached with backoff,
+and a peer restarted under the same address replaces the old connection."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import moriio_native as mn
+from moriio_native import kvcache as kc
+from moriio_native.control.channel import HandshakeServer
+from moriio_native.control.messages import HandshakeResponse
+from moriio_native.control.security import ControlSecurity
+from moriio_native.errors import IncompatiblePeerError, MoriioError, TransferTimeoutError
+from moriio_native.pd.peers import PeerDirectory, PeerKey
+from net_support import free_port
+
+LOCAL = "127.0.0.1"
+
+
+def security() -> ControlSecurity:
+    return ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+
+
+def engine(name: str, salt: int) -> tuple[mn.Engine, kc.KvCacheSet]:
+    side = "decode" if name.startswith("decode") else "prefill"
+    caches = kc.build_caches(kc.mixed_model(side), num_blocks=8)
+    kc.fill_random(caches, seed=salt)
+    e = mn.Engine(name, "loopback")
+    e.register_kv_caches(caches.registrations())
+    return e, caches
+
+
+class Prefill:
+    """A loopback engine behind a handshake server; ``gate`` holds its answers."""
+
+    def __init__(self, engine_id: str, port: int, salt: int) -> None:
+        self.engine, self.caches = engine(engine_id, salt)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.answered = 0
+        self.server = HandshakeServer(port, self._answer, security(), bind_host=LOCAL)
+
+    def _answer(self, request: object) -> HandshakeResponse:
+        self.gate.wait(30)
+        self.answered += 1
+        return HandshakeResponse(
+            self.engine.engine_id, self.engine.local_metadata(), 0, 0, 1, 1, "READ"
+        )
+
+    def close(self) -> None:
+        self.gate.set()
+        self.server.close()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def made() -> Iterator[list]:
+    things: list = []
+    yield things
+    for thing in reversed(things):
+        thing.close()
+
+
+def directory(decode: mn.Engine, made: list, **kw: object) -> PeerDirectory:
+    d = PeerDirectory(lambda: decode, security(), "decode/dp0/tp0", timeout=5.0, **kw)  # type: ignore[arg-type]
+    made.append(d)
+    return d
+
+
+def accept(response: HandshakeResponse) -> None:
+    pass
+
+
+def test_handshake_runs_in_the_background_and_is_cached(made: list) -> None:
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    prefill = Prefill("prefill", port, 2)
+    made.append(prefill)
+    prefill.gate.clear()  # the prefill is slow to answer
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+    future = peers.connect(key, 1234, accept)
+    # The caller got its future back while the handshake waits on the peer.
+    assert not future.done()
+    again = peers.connect(key, 1234, accept)
+    assert again is future  # one handshake per peer at a time
+    prefill.gate.set()
+    peer = future.result(timeout=30)
+    assert peer.engine_peer == "prefill" and peer.notify_port == 1234
+    assert decode.peers() == ["prefill"]
+    assert prefill.answered == 1
+    cached = peers.connect(key, 1234, accept)
+    assert cached.done() and cached.result() is peer  # no second handshake
+    assert prefill.answered == 1
+
+
+def test_failed_handshake_is_cached_with_backoff(made: list) -> None:
+    decode, _ = engine("decode", 1)
+    clock = Clock()
+    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
+    peers._timeout = 0.3  # nothing listens there: the handshake times out
+    key = PeerKey(LOCAL, free_port())
+    first = peers.connect(key, 1, accept)
+    with pytest.raises(TransferTimeoutError):
+        first.result(timeout=30)
+    # Within the backoff every caller fails at once with the same error, without dialling.
+    cached = peers.connect(key, 1, accept)
+    assert cached.done()
+    assert cached.exception() is first.exception()
+    clock.now += 5.1  # past the first backoff: tried again, and failing, backs off twice as long
+    second = peers.connect(key, 1, accept)
+    assert second is not first
+    with pytest.raises(TransferTimeoutError):
+        second.result(timeout=30)
+    clock.now += 5.1
+    assert peers.connect(key, 1, accept).done()  # still inside the 10 s backoff
+    clock.now += 5.0
+    retry = peers.connect(key, 1, accept)
+    assert retry.exception(timeout=30) is not second.exception()
+    # A peer that comes up is reached once its backoff passed (a failure does not stick).
+    prefill = Prefill("prefill", key.handshake_port, 2)
+    made.append(prefill)
+    clock.now += 100
+    peers.expire()
+    assert peers.connect(key, 1, accept).result(timeout=30).engine_peer == "prefill"
+
+
+def test_a_refused_handshake_leaves_no_peer(made: list) -> None:
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    made.append(Prefill("prefill", port, 2))
+    peers = directory(decode, made)
+
+    def refuse(response: HandshakeResponse) -> None:
+        raise IncompatiblePeerError(f"peer {response.engine_id}: wrong rank")
+
+    with pytest.raises(IncompatiblePeerError, match="wrong rank"):
+        peers.connect(PeerKey(LOCAL, port), 1, refuse).result(timeout=30)
+    assert decode.peers() == []
+
+
+def test_a_peer_restarted_under_the_same_address_replaces_the_old_one(made: list) -> None:
+    decode, decode_caches = engine("decode", 1)
+    port = free_port()
+    old = Prefill("prefill", port, 2)
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+    first = peers.connect(key, 1, accept).result(timeout=30)
+    old.close()
+    restarted = Prefill("prefill", port, 3)  # same id and address, new memory
+    made.append(restarted)
+    peers.forget(first)  # a failed transfer drops the cached handshake
+    second = peers.connect(key, 1, accept).result(timeout=30)
+    assert second is not first and second.response.engine_metadata != first.response.engine_metadata
+    assert decode.peers() == ["prefill"]
+    # The engine reaches the NEW instance: its bytes arrive.
+    expected = kc.expected_after_copy(decode_caches, restarted.caches, [0, 1], [2, 3])
+    decode.read("after-restart", "prefill", [0, 1], [2, 3])
+    assert decode.wait(["after-restart"], timeout=30)["after-restart"].state == "done"
+    assert np.array_equal(decode_caches.backing, expected)
+
+
+def test_an_address_cannot_take_over_another_address_peer(made: list) -> None:
+    decode, _ = engine("decode", 1)
+    port_a, port_b = free_port(), free_port()
+    made.append(Prefill("prefill", port_a, 2))
+    made.append(Prefill("prefill", port_b, 3))  # claims the same engine id elsewhere
+    peers = directory(decode, made)
+    peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
+    with pytest.raises(IncompatiblePeerError, match="connected at"):
+        peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
+    assert peers.cached(PeerKey(LOCAL, port_a)) is not None
+
+
+def test_probes_run_on_their_own_thread(made: list) -> None:
+    """A probe waiting on an unresponsive peer does not hold up handshakes requests need."""
+    decode, _ = engine("decode", 1)
+    slow_port, port = free_port(), free_port()
+    slow = Prefill("slow", slow_port, 2)
+    made.append(slow)
+    made.append(Prefill("prefill", port, 3))
+    peers = directory(decode, made)
+    slow_peer = peers.connect(PeerKey(LOCAL, slow_port), 1, accept).result(timeout=30)
+    slow.gate.clear()
+    probes = [peers.probe(slow_peer) for _ in range(8)]  # more than the handshake threads
+    peer = peers.connect(PeerKey(LOCAL, port), 1, accept).result(timeout=30)
+    assert peer.engine_peer == "prefill"
+    assert not any(p.done() for p in probes)
+    slow.gate.set()
+    assert all(p.result(timeout=60) == "" for p in probes)  # the same instance answered
+
+
+def test_connect_after_close_fails_without_dialling(made: list) -> None:
+    decode, _ = engine("decode", 1)
+    peers = directory(decode, made)
+    peers.close()
+    with pytest.raises(MoriioError, match="shut down"):
+        peers.connect(PeerKey(LOCAL, free_port()), 1, accept).result(timeout=5)

@@ -1,0 +1,150 @@
+"""The puller and the pusher against a scripted peer directory and sender (no network, no
+vLLM): the review findings on the old worker, each pinned down."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+
+from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.messages import AbortWrite, HandshakeResponse, RemoteBlocks
+from moriio_native.pd import pusher as pusher_module
+from moriio_native.pd.config import PdConfig
+from moriio_native.pd.context import Context
+from moriio_native.pd.peers import Peer, PeerKey
+from moriio_native.pd.puller import PROBE_FAILURES_FOR_DEATH, AwaitState, Puller
+from moriio_native.pd.pusher import Pusher
+from moriio_native.pd.tasks import RecvTask
+
+PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
+
+
+class Directory:
+    """Hands out futures the test completes; probes answer from a script."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[PeerKey, Future[Peer]]] = []
+        self.probe_answers: list[str] = []
+        self.probes = 0
+
+    def connect(self, key: PeerKey, notify_port: int, validate: Any) -> Future[Peer]:
+        future: Future[Peer] = Future()
+        self.pending.append((key, future))
+        return future
+
+    def probe(self, peer: Peer) -> Future[str]:
+        self.probes += 1
+        future: Future[str] = Future()
+        future.set_result(self.probe_answers.pop(0))
+        return future
+
+    def forget(self, peer: Peer | None) -> None:
+        pass
+
+    def find_engine(self, engine_id: str) -> Peer | None:
+        return None
+
+
+class Sender:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, host: str, port: int, message: Any) -> None:
+        self.sent.append(message)
+
+
+class Stats:
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a, **k: None
+
+
+def context(mode: str, *, producer: bool) -> tuple[Context, Directory, Sender]:
+    directory, sender = Directory(), Sender()
+    cfg = PdConfig(
+        engine_id="d:1/dp0/tp0",
+        mode=mode,  # type: ignore[arg-type]
+        producer=producer,
+        consumer=not producer,
+        host_ip="127.0.0.1",
+        handshake_port=8000,
+        notify_port=8100,
+        quarantine_timeout=3600,
+    )
+    ctx = Context(
+        cfg=cfg,
+        engine=lambda: None,  # type: ignore[arg-type,return-value]
+        sender=sender,  # type: ignore[arg-type]
+        directory=directory,  # type: ignore[arg-type]
+        stats=Stats(),
+        mark_terminal=lambda tid: None,
+    )
+    return ctx, directory, sender
+
+
+def peer(key: PeerKey) -> Peer:
+    response = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE")
+    return Peer(key=key, engine_peer="p:7000/dp0/tp0", notify_port=7100, response=response)
+
+
+def quarantined_await() -> tuple[Puller, Context, Directory]:
+    ctx, directory, sender = context("write", producer=False)
+    puller = Puller(ctx)
+    task = RecvTask("req-1", "tx-1", PREFILL, "p:7000", 0, 1, local_block_ids=(4, 5))
+    puller.start(task)
+    key, future = directory.pending.pop()
+    future.set_result(peer(key))  # handshake done: remote_blocks goes out
+    assert isinstance(sender.sent[-1], RemoteBlocks)
+    puller.give_up("tx-1", "test gave up")
+    assert isinstance(sender.sent[-1], AbortWrite)
+    assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}
+    return puller, ctx, directory
+
+
+def test_one_failed_probe_does_not_free_a_quarantined_write() -> None:
+    """Before: one failed re-handshake of the prefill was taken as its death, and blocks it
+    may still write were handed back to vLLM."""
+    puller, ctx, directory = quarantined_await()
+    directory.probe_answers = ["it is unreachable (timeout)"] * PROBE_FAILURES_FOR_DEATH
+    now = time.monotonic()
+    for probe in range(1, PROBE_FAILURES_FOR_DEATH):
+        now += 10
+        puller.check_timeouts(now)
+        assert directory.probes == probe
+        assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}, probe
+        assert not ctx.reports.done_recving
+    now += 10
+    puller.check_timeouts(now)  # the last failure in a row: the prefill is dead
+    assert puller.await_states() == {}
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_an_answering_probe_resets_the_count_and_a_restart_frees_at_once() -> None:
+    puller, ctx, directory = quarantined_await()
+    directory.probe_answers = ["it is unreachable (timeout)", "", "it is unreachable (timeout)"]
+    now = time.monotonic()
+    for _ in range(3):
+        now += 10
+        puller.check_timeouts(now)
+    assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}  # 1, then 0, then 1
+    directory.probe_answers = ["it restarted as another engine (p:7000/dp0/tp0)"]
+    puller.check_timeouts(now + 10)
+    assert puller.await_states() == {}
+    assert ctx.reports.failed_recving == {"req-1"}
+
+
+def test_abort_write_for_unknown_transfers_holds_bounded_state(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: every abort_write (unauthenticated without a shared secret) created a job that
+    lived until abort_timeout, however many arrived."""
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", 8)
+    ctx, _, _ = context("write", producer=True)
+    pusher = Pusher(ctx)
+    for i in range(50):
+        pusher.on_abort_write(AbortWrite(f"tx-{i}", "d:9000/dp0/tp0", "127.0.0.1", 9000, 9100))
+    assert len(pusher.job_states()) <= 8
+    # The newest ones are kept (a real abort that overtook its request still gets its answer).
+    assert "tx-49" in pusher.job_states()
