@@ -659,7 +659,13 @@ class MoriBackend final : public Backend {
       {
         std::unique_lock lock(mu_);
         post_cv_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
-        if (stopping_) return;  // the destructor ends what is still queued
+        if (stopping_) {
+          // The destructor ends what is still queued. Only now is in_flight_ final: a batch
+          // MoRI already took may still be on its way into it.
+          poster_stopped_ = true;
+          reap_cv_.notify_all();
+          return;
+        }
       }
       // api_mu_ across the whole post: DisconnectPeer/DeregisterMemory cannot remove what this
       // batch uses between the pop and MoRI's call.
@@ -808,7 +814,7 @@ class MoriBackend final : public Backend {
         deliver_.clear();
         peer_events.swap(peer_events_);
         destroy.swap(sessions_to_destroy_);
-        if (stopping_ && (in_flight_.empty() || now >= drain_deadline_)) {
+        if (stopping_ && poster_stopped_ && (in_flight_.empty() || now >= drain_deadline_)) {
           exit = true;
         } else if (done.empty() && peer_events.empty() && destroy.empty()) {
           if (in_flight_.empty()) {
@@ -848,6 +854,7 @@ class MoriBackend final : public Backend {
   std::condition_variable post_cv_;
   std::condition_variable reap_cv_;
   bool stopping_ = false;
+  bool poster_stopped_ = false;  // PostLoop returned: no batch can join in_flight_ any more
   Clock::time_point drain_deadline_ = Clock::time_point::max();
   std::uint64_t next_handle_ = 1;
   std::map<std::uint32_t, Registration> registrations_;
