@@ -28,7 +28,7 @@ from moriio_native.control.messages import (
     WriteDone,
     encode,
 )
-from moriio_native.vllm import worker as worker_module
+from moriio_native.pd import pusher as pusher_module
 from test_vllm_support import (
     Side,
     decode_params,
@@ -278,7 +278,7 @@ def test_a_flood_on_every_listening_port_neither_stops_nor_grows_the_connector(
     ports of both instances: every message is read and dropped or ignored, what the connector
     remembers of them stays within its bound, and a genuine transfer still goes through."""
     bound = 200
-    monkeypatch.setattr(worker_module, "_MAX_EARLY_MESSAGES", bound)
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", bound)
     p, d, rid, tid, returned = held_prefill(sides, model_dir)
     flood = 1500
     garbage = [b"", b"\xc1", b"get_meta_msg", b"\x91" * 64, msgpack.packb({"type": "release"})]
@@ -308,7 +308,7 @@ def test_a_flood_on_every_listening_port_neither_stops_nor_grows_the_connector(
     # Releases of unknown transfers are remembered (they may come before their request), but
     # never more than the bound; the listener's queues are drained.
     wait_for(lambda: listener_stats(p)["queued"] == 0, "the prefill's queue drained")
-    assert len(p.worker.worker._early_releases) == bound
+    assert len(p.worker.worker._core.pusher._early_releases) == bound
     assert listener_stats(p)["remembered"] <= 65536
     # The genuine request still goes through: READ, release, blocks freed.
     d.add_request(rid, list(range(1, 41)), params=decode_params(tid, returned), max_tokens=1)
