@@ -15,9 +15,10 @@ step() { printf '\n=== %s (%s)\n' "$*" "$(date +%T)"; }
 step "system packages"
 SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
 $SUDO apt-get update -qq
-# gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them).
+# gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them);
+# iproute2: the fault tests' network namespaces (tests/py/test_faults_netns.py).
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev >/dev/null
+  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev iproute2 >/dev/null
 
 step "python packages"
 python3 -m pip install -q -r requirements-test.txt
