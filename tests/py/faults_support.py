@@ -121,9 +121,12 @@ def leg_make(ctx: ChildContext, name: str, role: str, mode: str, extra: dict[str
     """An instance with the mixed model (dense, MLA, indexer) over UCX, short deadlines."""
     options = {
         "backend": "ucx",
-        # One UCX operation per run: the engine's same-host shortcuts (ucp_rkey_ptr memcpy,
-        # batched process_vm_readv) read a stopped peer's memory without it.
-        "engine_options": {"ucx_direct_copy": "off"},
+        # As between two hosts: one UCX operation per run (the engine's same-host shortcuts,
+        # ucp_rkey_ptr memcpy and batched process_vm_readv, read a stopped peer's memory
+        # without it), and UCX's peer-failure detection, which "auto" enables for peers on
+        # other hosts only (on one host over TCP alone, a killed peer's operations would
+        # otherwise never end: see docs/reliability.md).
+        "engine_options": {"ucx_direct_copy": "off", "ucx_error_handling": "peer"},
         "transfer_timeout": TRANSFER_TIMEOUT,
         "abort_timeout": ABORT_TIMEOUT,
         "quarantine_timeout": QUARANTINE_TIMEOUT,

@@ -95,6 +95,7 @@ def test_prefill_sigstop_past_the_deadline_quarantines_then_recomputes(pair: fs.
         fs.finish(pair, row)
 
 
+@fs.full_tier
 def test_prefill_killed_before_its_writes_is_recomputed_then_restarted(pair: fs.Pair) -> None:
     with fs.recorded("WRITE, kill -9 prefill before its writes; restart, same address") as row:
         for _ in range(fs.rounds(1)):
@@ -114,6 +115,7 @@ def test_prefill_killed_before_its_writes_is_recomputed_then_restarted(pair: fs.
         fs.finish(pair, row)
 
 
+@fs.full_tier
 def test_prefill_killed_right_after_its_forward(pair: fs.Pair) -> None:
     with fs.recorded("WRITE, kill -9 prefill right after its forward (writes in flight)") as row:
         for _ in range(fs.rounds(1)):
@@ -220,8 +222,13 @@ CONTROL_FAULTS = {
         {"remote_blocks": Rule(Fault.REORDER, delay_s=1.0)},
         ("loaded",),
     ),
+}
+# Each waits out abort_timeout and a writer probe: the full tier only.
+SLOW_CONTROL_FAULTS = {
     "drop remote_blocks": ("prefill", {"remote_blocks": Rule(Fault.DROP)}, ("recomputed",)),
 }
+if fs.FULL_TIER:
+    CONTROL_FAULTS.update(SLOW_CONTROL_FAULTS)
 
 
 @pytest.mark.parametrize("fault", list(CONTROL_FAULTS))

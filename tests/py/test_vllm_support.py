@@ -19,6 +19,8 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import sys
+import tempfile
 import time
 import uuid
 from collections import Counter
@@ -672,35 +674,17 @@ class ChildContext:
     progress: Callable[[Any], None]
 
 
-def enter_netns(name: str) -> None:
-    """Move this process into the network namespace ``ip netns add name`` created."""
-    import ctypes
-
-    clone_newnet = 0x40000000
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
-    try:
-        if libc.setns(fd, clone_newnet) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into network namespace {name} failed")
-    finally:
-        os.close(fd)
-
-
-def _serve(
-    conn: Any, model_dir: str, env: Mapping[str, str] | None = None, netns: str | None = None
-) -> None:
+def _serve(conn: Any, model_dir: str, env: Mapping[str, str] | None = None) -> None:
     """Child process: build Sides on request and run scripted legs of a P/D exchange.
 
     ``("run", "module:function", args)`` calls ``function(ChildContext, *args)`` from an
-    importable module (the fault tests' legs live with those tests). ``env`` is set and the
-    network namespace ``netns`` entered before any socket or engine exists (UCX reads its
-    transports from the environment)."""
+    importable module (the fault tests' legs live with those tests). ``env`` is set before
+    any engine exists (UCX reads its transports from it)."""
     import logging
     import traceback
 
-    if netns:
-        enter_netns(netns)
     os.environ.update(env or {})
+    conn.send(("progress", "started"))
     logging.basicConfig(level=logging.WARNING)
     sides: dict[str, Side] = {}
     context = ChildContext(sides, model_dir, lambda value: conn.send(("progress", value)))
@@ -757,8 +741,25 @@ class RemoteSides:
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model_dir, env, netns), daemon=True)
-        self._proc.start()
+        self._proc = ctx.Process(target=_serve, args=(child, model_dir, env), daemon=True)
+        if netns:
+            # Started through ``ip netns exec``, which also remounts /sys for the namespace
+            # (UCX finds its network devices there; setns alone would leave the host's).
+            with tempfile.TemporaryDirectory(prefix="netns-python-") as tmp:
+                wrapper = Path(tmp) / "python"
+                wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {netns} {sys.executable} "$@"\n')
+                wrapper.chmod(0o755)
+                ctx.set_executable(str(wrapper))
+                try:
+                    self._proc.start()
+                    # The wrapper has exec'd once the child talks: then it may go.
+                    if not self._conn.poll(timeout):
+                        raise AssertionError(f"child in netns {netns} did not start")
+                    assert self._conn.recv() == ("progress", "started")
+                finally:
+                    ctx.set_executable(sys.executable)
+        else:
+            self._proc.start()
         child.close()
         self._timeout = timeout
 
