@@ -9,6 +9,7 @@ set -euo pipefail
 ROUNDS=${1:-5}
 TRANSFERS=${2:-10000}
 OUT=${OUT:-$(mktemp -d /tmp/moriio-reliability.XXXXXX)}
+mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 
 MORIIO_FAULT_TIER=full MORIIO_FAULT_ROUNDS=$ROUNDS MORIIO_FAULT_REPORT="$OUT/faults.jsonl" \

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -261,12 +262,19 @@ def leg_consume(
 
 
 def leg_settle(ctx: ChildContext, name: str, expect_sent: list[str], max_wait: float) -> Any:
-    """Step until no request is left and every id in ``expect_sent`` was reported
-    finished-sending; then check the canaries and return the audit."""
+    """Step until no request is left, every id in ``expect_sent`` was reported
+    finished-sending and every block is back in the pool (or ``max_wait`` passed); then check
+    the canaries and return the audit."""
     side, track = ctx.sides[name], _TRACKS[name]
     deadline = time.monotonic() + max_wait
     sent = side.reports["finished_sending"]
-    while side.scheduler.get_num_unfinished_requests() or any(r not in sent for r in expect_sent):
+    # Blocks a finished request still holds for the connector (a quarantine waiting for the
+    # peer's confirmation) come back later: wait for them too, until the deadline.
+    while (
+        side.scheduler.get_num_unfinished_requests()
+        or any(r not in sent for r in expect_sent)
+        or side.free_blocks() != side.initial_free
+    ):
         if time.monotonic() > deadline:
             break
         _step(side)
@@ -447,7 +455,7 @@ class Growth:
         "rss_kb": 32 * 1024,
         "fds": 2,
         "threads": 2,
-        "engine_peers": 0,
+        "engine_peers": 1,  # 0 while a quarantine dropped the peer, 1 once handshaken again
     }
 
     def __init__(self, who: str) -> None:
@@ -542,6 +550,40 @@ def finish(pair: Pair, row: Row) -> None:
         pair.growth[who] = Growth(who)
 
 
+def _consumed(
+    pair: Pair, row: Row, rid: str, expect: tuple[str, ...], fault_at: float
+) -> dict[str, Any]:
+    """The decode's consume leg's result, checked against ``expect``; detection and recovery
+    timed from ``fault_at`` (CLOCK_MONOTONIC is the same in every process)."""
+    out = pair.d.proc.result("run", "consume")
+    row.check(out["outcome"] in expect, f"{rid}: outcome {out['outcome']}, expected {expect}")
+    if out["failure_at"] is not None:
+        row.detect_s.append(out["failure_at"] - fault_at)
+    row.recover_s.append(out["done_at"] - fault_at)
+    out["rid"] = rid
+    return out
+
+
+def signal_prefill(pair: Pair, row: Row, signum: int) -> Callable[[], None]:
+    """A hook that sends ``signum`` to the current prefill process (a counted fault)."""
+
+    def send() -> None:
+        pair.p.proc.signal(signum)
+        row.faults += 1
+
+    return send
+
+
+def resume_prefill_after(pair: Pair, seconds: float) -> Callable[[], None]:
+    """A hook that sends the prefill SIGCONT ``seconds`` from now."""
+
+    def resume() -> None:
+        time.sleep(seconds)
+        pair.p.proc.signal(signal.SIGCONT)
+
+    return resume
+
+
 def read_transfer(
     pair: Pair,
     row: Row,
@@ -569,13 +611,7 @@ def read_transfer(
         fault_at = time.monotonic()
     if during is not None:
         during()
-    out = pair.d.proc.result("run", "consume")
-    row.check(out["outcome"] in expect, f"{rid}: outcome {out['outcome']}, expected {expect}")
-    if out["failure_at"] is not None:
-        row.detect_s.append(out["failure_at"] - fault_at)
-    row.recover_s.append(out["done_at"] - fault_at)
-    out["rid"] = rid
-    return out
+    return _consumed(pair, row, rid, expect, fault_at)
 
 
 def write_transfer(
@@ -617,13 +653,26 @@ def write_transfer(
         prefill()
     if after is not None:
         after()
-    out = pair.d.proc.result("run", "consume")
-    row.check(out["outcome"] in expect, f"{rid}: outcome {out['outcome']}, expected {expect}")
-    if out["failure_at"] is not None:
-        row.detect_s.append(out["failure_at"] - fault_at)
-    row.recover_s.append(out["done_at"] - fault_at)
-    out["rid"] = rid
-    return out
+    return _consumed(pair, row, rid, expect, fault_at)
+
+
+def after_decode_death(pair: Pair, row: Row, rid: str, killed_at: float) -> None:
+    """The decode of ``rid`` was killed: no release or announcement will come, so the prefill
+    must free the request's blocks (after abort_timeout at the latest), exactly once. The
+    decode is restarted under the same address; so is the prefill if it did not survive (a
+    violation), so that later scenarios find a working pair."""
+    try:
+        got = pair.p.proc.run(
+            f"{LEGS}:leg_settle", "prefill", [rid], ABORT_TIMEOUT + 10, timeout=60
+        )
+    except (OSError, EOFError, AssertionError) as exc:
+        row.check(False, f"prefill: did not survive its decode's death ({exc!r})")
+        pair.restart("prefill")
+    else:
+        check_audit(row, "prefill", got, [rid])
+        row.recover_s.append(got["sent_at"] - killed_at)
+        pair.growth["prefill"].add(got["resources"])
+    pair.restart("decode")
 
 
 def request_ids(prefill: ZmqAddress, decode: ZmqAddress) -> tuple[str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,30 +42,16 @@ def test_healthy_rounds_are_loaded_byte_exact(pair: fs.Pair) -> None:
         fs.finish(pair, row)
 
 
-def _stop_prefill(pair: fs.Pair, row: fs.Row) -> Callable[[], None]:
-    def stop() -> None:
-        pair.p.proc.signal(signal.SIGSTOP)
-        row.faults += 1
-
-    return stop
-
-
-def _resume_prefill_after(pair: fs.Pair, seconds: float) -> Callable[[], None]:
-    def resume() -> None:
-        time.sleep(seconds)
-        pair.p.proc.signal(signal.SIGCONT)
-
-    return resume
-
-
 def test_prefill_sigstop_shorter_than_the_deadline_is_survived(pair: fs.Pair) -> None:
     with fs.recorded("READ, prefill SIGSTOP 0.5 s mid-transfer, then SIGCONT") as row:
         for _ in range(fs.rounds(1)):
-            fs.read_transfer(
-                pair, row
-            )  # the handshake is cached: the stop hits the transfer itself
+            # The handshake is cached: the stop hits the transfer itself.
+            fs.read_transfer(pair, row)
             out = fs.read_transfer(
-                pair, row, before=_stop_prefill(pair, row), during=_resume_prefill_after(pair, 0.5)
+                pair,
+                row,
+                before=fs.signal_prefill(pair, row, signal.SIGSTOP),
+                during=fs.resume_prefill_after(pair, 0.5),
             )
             fs.audit(pair, row, [out["rid"]], sent=[out["rid"]])
             row.rounds += 1
@@ -76,13 +62,17 @@ def test_prefill_sigstop_past_the_deadline_quarantines_then_recomputes(pair: fs.
     with fs.recorded("READ, prefill SIGSTOP past transfer_timeout, then SIGCONT") as row:
         for _ in range(fs.rounds(1)):
             fs.read_transfer(pair, row)
-            stop_s = fs.TRANSFER_TIMEOUT + 1.5
+            # Past the engine's last word (2 x transfer_timeout). The blocks stay quarantined
+            # until the resumed prefill lets the READ drain; whether it then ends loaded (its
+            # bytes arrived before the engine ended it) or recomputed varies from round to
+            # round: the invariants must hold either way.
+            stop_s = 2 * fs.TRANSFER_TIMEOUT + 2
             out = fs.read_transfer(
                 pair,
                 row,
-                expect=("recomputed",),
-                before=_stop_prefill(pair, row),
-                during=_resume_prefill_after(pair, stop_s),
+                expect=("loaded", "recomputed"),
+                before=fs.signal_prefill(pair, row, signal.SIGSTOP),
+                during=fs.resume_prefill_after(pair, stop_s),
             )
             fs.audit(pair, row, [out["rid"]])
             row.rounds += 1
@@ -123,7 +113,11 @@ def test_prefill_killed_during_the_transfer_is_recomputed(pair: fs.Pair) -> None
             # handshake (see the xfail below): it may be recomputed; the one after is loaded.
             either = ("loaded", "recomputed")
             fs.read_transfer(
-                pair, row, expect=either, before=_stop_prefill(pair, row), during=kill_soon
+                pair,
+                row,
+                expect=either,
+                before=fs.signal_prefill(pair, row, signal.SIGSTOP),
+                during=kill_soon,
             )
             pair.restart("prefill")
             fs.read_transfer(pair, row, expect=either)
@@ -163,6 +157,12 @@ def test_first_read_after_an_unnoticed_prefill_restart_is_loaded(pair: fs.Pair) 
 
 
 @fs.full_tier
+@pytest.mark.xfail(
+    strict=True,
+    reason="UCX backend (C++), ucx_error_handling=peer: a decode killed while its READ from a "
+    "stopped prefill is in flight makes the resumed prefill abort in UCX ('ucp_request.inl:356 "
+    "Fatal: unexpected error: Endpoint timeout'): the prefill process dies",
+)
 def test_decode_killed_during_the_transfer_frees_the_prefill(pair: fs.Pair) -> None:
     with fs.recorded("READ, kill -9 decode during the transfer") as row:
         for _ in range(fs.rounds(1)):
@@ -181,13 +181,7 @@ def test_decode_killed_during_the_transfer_frees_the_prefill(pair: fs.Pair) -> N
             row.faults += 1
             pair.p.proc.signal(signal.SIGCONT)
             # No release will come: the prefill frees the blocks after abort_timeout, once.
-            got = pair.p.proc.run(
-                f"{LEGS}:leg_settle", "prefill", [rid], fs.ABORT_TIMEOUT + 10, timeout=60
-            )
-            fs.check_audit(row, "prefill", got, [rid])
-            row.recover_s.append(got["sent_at"] - killed_at)
-            pair.growth["prefill"].add(got["resources"])
-            pair.restart("decode")
+            fs.after_decode_death(pair, row, rid, killed_at)
             row.rounds += 1
         fs.finish(pair, row)
 
@@ -207,15 +201,12 @@ def test_decode_aborts_before_alloc_and_after_load(pair: fs.Pair) -> None:
 
 
 @pytest.fixture
-def proxies(pair: fs.Pair) -> Iterator[tuple[FaultProxy, FaultProxy, ZmqAddress]]:
-    """Proxies in front of the prefill's handshake and notify listeners, and the address that
-    leads the decode through them (a new handshake port: the decode handshakes it anew)."""
-    hs = FaultProxy("127.0.0.1", pair.p.hs)
+def notify_proxy(pair: fs.Pair) -> Iterator[FaultProxy]:
+    """A proxy in front of the prefill's notify listener (releases)."""
     notify = FaultProxy("127.0.0.1", pair.p.notify)
     try:
-        yield hs, notify, ZmqAddress("127.0.0.1", hs.port, notify.port)
+        yield notify
     finally:
-        hs.close()
         notify.close()
 
 
@@ -243,23 +234,27 @@ CONTROL_FAULTS = {
 
 
 @pytest.mark.parametrize("fault", list(CONTROL_FAULTS))
-def test_control_message_faults(
-    pair: fs.Pair, proxies: tuple[FaultProxy, FaultProxy, ZmqAddress], fault: str
-) -> None:
-    hs, notify, via = proxies
+def test_control_message_faults(pair: fs.Pair, notify_proxy: FaultProxy, fault: str) -> None:
     target, rules, expect = CONTROL_FAULTS[fault]
-    (hs if target == "hs" else notify).set_rules(rules)
     with fs.recorded(f"READ, control plane: {fault}") as row:
         for _ in range(fs.rounds(1)):
-            before = hs.injected() + notify.injected()
-            # Two requests, so a held-back message has one to be overtaken by.
-            outs = [fs.read_transfer(pair, row, prefill_at=via, expect=expect) for _ in range(2)]
-            rids = [o["rid"] for o in outs]
-            wait = fs.ABORT_TIMEOUT + 10  # a dropped release frees after abort_timeout
-            fs.audit(pair, row, rids, wait=wait)
-            injected = hs.injected() + notify.injected() - before
+            # A new handshake proxy every round: a new address, so the decode handshakes again
+            # (through it) instead of using the handshake it cached.
+            hs = FaultProxy("127.0.0.1", pair.p.hs)
+            try:
+                (hs if target == "hs" else notify_proxy).set_rules(rules)
+                via = ZmqAddress("127.0.0.1", hs.port, notify_proxy.port)
+                before = notify_proxy.injected()
+                # Two requests, so a held-back message has one to be overtaken by.
+                outs = [
+                    fs.read_transfer(pair, row, prefill_at=via, expect=expect) for _ in range(2)
+                ]
+                wait = fs.ABORT_TIMEOUT + 10  # a dropped release frees after abort_timeout
+                fs.audit(pair, row, [o["rid"] for o in outs], wait=wait)
+                injected = hs.injected() + notify_proxy.injected() - before
+            finally:
+                hs.close()
             row.check(injected > 0, f"{fault}: the proxy injected nothing")
             row.faults += injected
             row.rounds += 1
-            (hs if target == "hs" else notify).set_rules(rules)
         fs.finish(pair, row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,22 +45,6 @@ def test_healthy_rounds_are_written_byte_exact(pair: fs.Pair) -> None:
         fs.finish(pair, row)
 
 
-def _signal_prefill(pair: fs.Pair, row: fs.Row, signum: int) -> Callable[[], None]:
-    def send() -> None:
-        pair.p.proc.signal(signum)
-        row.faults += 1
-
-    return send
-
-
-def _resume_prefill_after(pair: fs.Pair, seconds: float) -> Callable[[], None]:
-    def resume() -> None:
-        time.sleep(seconds)
-        pair.p.proc.signal(signal.SIGCONT)
-
-    return resume
-
-
 def test_prefill_sigstop_shorter_than_the_deadline_is_survived(pair: fs.Pair) -> None:
     with fs.recorded("WRITE, prefill SIGSTOP 0.5 s before the announcement, then SIGCONT") as row:
         for _ in range(fs.rounds(1)):
@@ -68,8 +52,8 @@ def test_prefill_sigstop_shorter_than_the_deadline_is_survived(pair: fs.Pair) ->
                 pair,
                 row,
                 prefill_first=True,
-                between=_signal_prefill(pair, row, signal.SIGSTOP),
-                after=_resume_prefill_after(pair, 0.5),
+                between=fs.signal_prefill(pair, row, signal.SIGSTOP),
+                after=fs.resume_prefill_after(pair, 0.5),
             )
             fs.audit(pair, row, [out["rid"]])
             row.rounds += 1
@@ -80,15 +64,15 @@ def test_prefill_sigstop_past_the_deadline_quarantines_then_recomputes(pair: fs.
     with fs.recorded("WRITE, prefill SIGSTOP past abort_timeout, then SIGCONT") as row:
         for _ in range(fs.rounds(1)):
             # The decode gives up after abort_timeout and quarantines its blocks; the resumed
-            # prefill stops its job and acknowledges the abort (or its writes land first and
-            # its write_done arrives after the decode gave up): no byte lands once freed.
+            # prefill stops its job and acknowledges the abort (recomputed), or its writes land
+            # first and its write_done ends the quarantine (loaded): no byte lands once freed.
             out = fs.write_transfer(
                 pair,
                 row,
-                expect=("recomputed",),
+                expect=("loaded", "recomputed"),
                 prefill_first=True,
-                between=_signal_prefill(pair, row, signal.SIGSTOP),
-                after=_resume_prefill_after(pair, fs.ABORT_TIMEOUT + 2),
+                between=fs.signal_prefill(pair, row, signal.SIGSTOP),
+                after=fs.resume_prefill_after(pair, fs.ABORT_TIMEOUT + 2),
             )
             fs.audit(pair, row, [out["rid"]], wait=GIVE_UP_S)
             row.rounds += 1
@@ -146,13 +130,7 @@ def test_decode_killed_during_the_writes_frees_the_prefill(pair: fs.Pair) -> Non
             killed_at = time.monotonic()
             pair.d.proc.kill()
             row.faults += 1
-            got = pair.p.proc.run(
-                f"{LEGS}:leg_settle", "prefill", [rid], fs.ABORT_TIMEOUT + 10, timeout=60
-            )
-            fs.check_audit(row, "prefill", got, [rid])
-            row.recover_s.append(got["sent_at"] - killed_at)
-            pair.growth["prefill"].add(got["resources"])
-            pair.restart("decode")
+            fs.after_decode_death(pair, row, rid, killed_at)
             row.rounds += 1
         fs.finish(pair, row)
 
@@ -165,7 +143,7 @@ def test_decode_aborts_while_the_prefill_is_stopped(pair: fs.Pair) -> None:
                 row,
                 expect=("aborted",),
                 prefill_first=True,
-                between=_signal_prefill(pair, row, signal.SIGSTOP),
+                between=fs.signal_prefill(pair, row, signal.SIGSTOP),
                 abort_after_steps=2,
             )
             pair.p.proc.signal(signal.SIGCONT)  # it acknowledges the abort_write
