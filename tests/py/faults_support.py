@@ -596,8 +596,8 @@ def read_transfer(
 ) -> dict[str, Any]:
     """One READ request: prefill, ``before()``, then the decode; ``during()`` runs once the
     decode posted its loads. The request names ``prefill_at`` (a proxy) instead of the
-    prefill's own address when given. Detection and recovery are timed from the fault:
-    ``before()`` when given, else the post."""
+    prefill's own address when given. Detection and recovery are timed from ``before()``: the
+    moment the decode was handed the request."""
     rid, tid = request_ids(prefill_at or pair.p.address(), pair.d.address())
     prompt = pair.prompt()
     returned = pair.p.proc.run(f"{LEGS}:leg_prefill", "prefill", rid, prompt, read_params(tid))
@@ -607,8 +607,6 @@ def read_transfer(
     args = (rid, prompt, consume_params(tid, returned), 1, abort_after_steps)
     pair.d.proc.submit("run", f"{LEGS}:leg_consume", ("decode", *args))
     pair.d.proc.progress("posted")
-    if before is None:
-        fault_at = time.monotonic()
     if during is not None:
         during()
     return _consumed(pair, row, rid, expect, fault_at)

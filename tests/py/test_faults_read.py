@@ -157,12 +157,7 @@ def test_first_read_after_an_unnoticed_prefill_restart_is_loaded(pair: fs.Pair) 
 
 
 @fs.full_tier
-@pytest.mark.xfail(
-    strict=True,
-    reason="UCX backend (C++), ucx_error_handling=peer: a decode killed while its READ from a "
-    "stopped prefill is in flight makes the resumed prefill abort in UCX ('ucp_request.inl:356 "
-    "Fatal: unexpected error: Endpoint timeout'): the prefill process dies",
-)
+# Fails in some runs: see docs/reliability.md, "Defects found" (a UCX abort in the prefill).
 def test_decode_killed_during_the_transfer_frees_the_prefill(pair: fs.Pair) -> None:
     with fs.recorded("READ, kill -9 decode during the transfer") as row:
         for _ in range(fs.rounds(1)):
