@@ -17,9 +17,10 @@ SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO=sudo
 $SUDO apt-get update -qq
 # gtest: C++ tests; HIP and verbs headers: compiling the MoRI-IO plugin (MoRI's headers need them);
 # clang 16 and its runtime: the libFuzzer targets (clang 14 lacks what GCC 12's <source_location>
-# needs).
+# needs); iproute2: the fault tests' network namespaces (tests/py/test_faults_netns.py).
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
-  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev clang-16 libclang-rt-16-dev >/dev/null
+  libgtest-dev libgmock-dev libamdhip64-dev libibverbs-dev clang-16 libclang-rt-16-dev \
+  iproute2 >/dev/null
 
 step "python packages"
 python3 -m pip install -q -r requirements-test.txt

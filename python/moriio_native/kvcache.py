@@ -13,7 +13,7 @@ transferred byte.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -244,6 +244,26 @@ def logical_view(array: np.ndarray, shape: LayerShape) -> np.ndarray:
     return np.lib.stride_tricks.as_strided(array, shape=out_shape, strides=out_strides)
 
 
+def _token_copies(
+    dst_views: Mapping[str, np.ndarray],
+    dst: KvCacheSet,
+    src: KvCacheSet,
+    layers: Sequence[str] | None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, int, int, int]]:
+    """Per layer (of ``layers``, default every one) and token slot: the logical views of the
+    destination (from ``dst_views``) and of the source, with the token's (kernel block, slot)
+    on each side -- the two sides may split blocks into kernel blocks differently."""
+    for s in dst.shapes:
+        if layers is not None and s.name not in layers:
+            continue
+        target = logical_view(dst_views[s.name], s)
+        src_shape = src.shape(s.name)
+        source = logical_view(src.views[s.name], src_shape)
+        kt, ks = s.kernel, src_shape.kernel
+        for t in range(s.block_size):
+            yield target, source, t, kt, ks
+
+
 def expected_after_copy(
     dst: KvCacheSet,
     src: KvCacheSet,
@@ -254,25 +274,40 @@ def expected_after_copy(
     """The destination backing as it must look after copying ``src_blocks[i]`` of every layer
     (or of ``layers``) of ``src`` to ``dst_blocks[i]`` of ``dst`` -- plain numpy indexing."""
     expected = dst.backing.copy()
-    for s in dst.shapes:
-        if layers is not None and s.name not in layers:
-            continue
-        view = dst.views[s.name]
-        target_base = _strided(
-            expected, dst.offsets[s.name], view.dtype.type, view.shape, list(view.strides)
+    views = {
+        s.name: _strided(
+            expected,
+            dst.offsets[s.name],
+            dst.views[s.name].dtype.type,
+            dst.views[s.name].shape,
+            list(dst.views[s.name].strides),
         )
-        target = logical_view(target_base, s)
-        src_shape = src.shape(s.name)
-        source = logical_view(src.views[s.name], src_shape)
-        # The two sides may split blocks into kernel blocks differently: copy token by token.
-        kt, ks = s.kernel, src_shape.kernel
-        idx_dst, idx_src = (
-            np.asarray(dst_blocks, dtype=np.int64),
-            np.asarray(src_blocks, dtype=np.int64),
-        )
-        for t in range(s.block_size):
-            target[idx_dst, :, :, t // kt, t % kt] = source[idx_src, :, :, t // ks, t % ks]
+        for s in dst.shapes
+    }
+    idx_dst = np.asarray(dst_blocks, dtype=np.int64)
+    idx_src = np.asarray(src_blocks, dtype=np.int64)
+    for target, source, t, kt, ks in _token_copies(views, dst, src, layers):
+        target[idx_dst, :, :, t // kt, t % kt] = source[idx_src, :, :, t // ks, t % ks]
     return expected
+
+
+def blocks_match(
+    dst: KvCacheSet,
+    src: KvCacheSet,
+    dst_blocks: Sequence[int],
+    src_blocks: Sequence[int],
+    layers: Sequence[str] | None = None,
+) -> bool:
+    """Whether ``dst_blocks[i]`` of every layer (or of ``layers``) of ``dst`` hold exactly what
+    ``src_blocks[i]`` of ``src`` hold (other blocks are not looked at: they may be in use)."""
+    idx_dst = np.asarray(dst_blocks, dtype=np.int64)
+    idx_src = np.asarray(src_blocks, dtype=np.int64)
+    return all(
+        np.array_equal(
+            target[idx_dst, :, :, t // kt, t % kt], source[idx_src, :, :, t // ks, t % ks]
+        )
+        for target, source, t, kt, ks in _token_copies(dst.views, dst, src, layers)
+    )
 
 
 def fill_random(cache: KvCacheSet, seed: int) -> None:

@@ -16,9 +16,14 @@ where it computed (or had cached) the tokens itself.
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
+import sys
+import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -239,8 +244,9 @@ class Side:
 
         init_none_hash(sha256)
         self.hash_fn = sha256
-        self.handshake_port = free_port()
-        self.notify_port = free_port()
+        # Ports given in ``extra`` are kept (an instance restarted under the same address).
+        self.handshake_port = int(self.extra.get("handshake_port") or free_port())
+        self.notify_port = int(self.extra.get("notify_port") or free_port())
         extra = {
             "mode": self.mode,
             "backend": "loopback",
@@ -299,6 +305,13 @@ class Side:
         self.layer_names = list(self.specs)
         self.initial_free = self.free_blocks()
         self.sampled = 7
+        # How often each request was reported in each of the scheduler's transfer sets, over
+        # every step: each must be reported exactly once (a second report double-frees).
+        self.reports: dict[str, Counter[str]] = {
+            "finished_sending": Counter(),
+            "finished_recving": Counter(),
+            "failed_recving": Counter(),
+        }
 
     # ---- addresses ----------------------------------------------------------------------------
 
@@ -366,7 +379,13 @@ class Side:
             values = pattern(tokens, pos, layer_index, salt, cell, cache.dtype)
             cache[blocks, :, slots, :] = values
 
-    def _run_worker(self, rank: int, output: Any, before_forward: Callable[[], None] | None) -> Any:
+    def _run_worker(
+        self,
+        rank: int,
+        output: Any,
+        before_forward: Callable[[], None] | None,
+        after_start_load: Callable[[], None] | None = None,
+    ) -> Any:
         """One TP rank's part of the step: the connector calls of vLLM's model runner around a
         forward pass that writes the pattern. Returns that rank's ModelRunnerOutput."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -376,6 +395,8 @@ class Side:
         sync = output.has_sync_kv_loads
         if sync:
             w.start_load_kv(None)
+            if after_start_load is not None:
+                after_start_load()
         if before_forward is not None:
             before_forward()
         if output.num_scheduled_tokens:
@@ -385,6 +406,8 @@ class Side:
                 w.save_kv_layer(layer, self.rank_caches[rank][layer], None)
         if not sync:
             w.start_load_kv(None)
+            if after_start_load is not None:
+                after_start_load()
         w.wait_for_save()
         transfer = w.get_transfer_results(output.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
@@ -410,15 +433,30 @@ class Side:
             ),
         )
 
-    def step(self, before_forward: Callable[[], None] | None = None) -> StepResult:
+    def step(
+        self,
+        before_forward: Callable[[], None] | None = None,
+        after_start_load: Callable[[], None] | None = None,
+    ) -> StepResult:
+        """One engine step; ``after_start_load`` runs right after ``start_load_kv`` (loads
+        posted), wherever vLLM calls it in the step."""
         output = self.scheduler.schedule()
-        per_rank = [self._run_worker(r, output, before_forward) for r in range(self.tp_size)]
+        per_rank = [
+            self._run_worker(r, output, before_forward, after_start_load)
+            for r in range(self.tp_size)
+        ]
         runner_output = self.aggregator.aggregate(per_rank)
         kv = runner_output.kv_connector_output
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
         transfers = Transfers(
             set(kv.finished_sending or ()), set(kv.finished_recving or ()), set(kv.failed_recving)
         )
+        for key, ids in (
+            ("finished_sending", transfers.finished_sending),
+            ("finished_recving", transfers.finished_recving),
+            ("failed_recving", transfers.failed_recving),
+        ):
+            self.reports[key].update(ids)
         return StepResult(
             output, engine_outputs, transfers, set(kv.invalid_block_ids), kv.kv_connector_stats
         )
@@ -677,13 +715,31 @@ def _cmd_decode_write_finish(
     }
 
 
-def _serve(conn: Any, model_dir: str) -> None:
-    """Child process: build Sides on request and run scripted legs of a P/D exchange."""
+@dataclass
+class ChildContext:
+    """What a ``run`` command's function gets in the child: the child's Sides, and
+    ``progress(value)``, which the test receives with :meth:`RemoteSides.progress` while the
+    command is still running (say, once a transfer was posted)."""
+
+    sides: dict[str, Side]
+    model_dir: str
+    progress: Callable[[Any], None]
+
+
+def _serve(conn: Any, model_dir: str, env: Mapping[str, str] | None = None) -> None:
+    """Child process: build Sides on request and run scripted legs of a P/D exchange.
+
+    ``("run", "module:function", args)`` calls ``function(ChildContext, *args)`` from an
+    importable module (the fault tests' legs live with those tests). ``env`` is set before
+    any engine exists (UCX reads its transports from it)."""
     import logging
     import traceback
 
+    os.environ.update(env or {})
+    conn.send(("progress", "started"))
     logging.basicConfig(level=logging.WARNING)
     sides: dict[str, Side] = {}
+    context = ChildContext(sides, model_dir, lambda value: conn.send(("progress", value)))
     snapshots: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -708,6 +764,10 @@ def _serve(conn: Any, model_dir: str) -> None:
                     conn.send(("ok", _cmd_decode_write_start(sides[name], snapshots, *args)))
                 elif cmd == "decode_write_finish":
                     conn.send(("ok", _cmd_decode_write_finish(sides[name], snapshots, *args)))
+                elif cmd == "run":
+                    module, function = name.split(":")
+                    leg = getattr(importlib.import_module(module), function)
+                    conn.send(("ok", leg(context, *args)))
                 else:
                     conn.send(("error", f"unknown command {cmd}"))
             except Exception as exc:  # report to the test, keep serving
@@ -717,26 +777,94 @@ def _serve(conn: Any, model_dir: str) -> None:
 
 
 class RemoteSides:
-    """A child process serving :func:`_serve`; ``call`` raises what the child raised."""
+    """A child process serving :func:`_serve`; ``call`` raises what the child raised.
 
-    def __init__(self, model_dir: str, timeout: float = 180.0) -> None:
+    ``submit`` + ``result`` split a call, so the test can act (signal the other process) while
+    this one runs a leg; ``progress`` waits for what the leg reports on the way."""
+
+    def __init__(
+        self,
+        model_dir: str,
+        timeout: float = 180.0,
+        env: Mapping[str, str] | None = None,
+        netns: str | None = None,
+    ) -> None:
         import multiprocessing as mp
 
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve, args=(child, model_dir), daemon=True)
-        self._proc.start()
+        self._proc = ctx.Process(target=_serve, args=(child, model_dir, env), daemon=True)
+        if netns:
+            # Started through ``ip netns exec``, which also remounts /sys for the namespace
+            # (UCX finds its network devices there; setns alone would leave the host's).
+            with tempfile.TemporaryDirectory(prefix="netns-python-") as tmp:
+                wrapper = Path(tmp) / "python"
+                wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {netns} {sys.executable} "$@"\n')
+                wrapper.chmod(0o755)
+                ctx.set_executable(str(wrapper))
+                try:
+                    self._proc.start()
+                    # The wrapper has exec'd once the child talks: then it may go.
+                    if not self._conn.poll(timeout):
+                        raise AssertionError(f"child in netns {netns} did not start")
+                    assert self._conn.recv() == ("progress", "started")
+                finally:
+                    ctx.set_executable(sys.executable)
+        else:
+            self._proc.start()
         child.close()
         self._timeout = timeout
 
-    def call(self, cmd: str, name: str, args: Any = None) -> Any:
+    @property
+    def pid(self) -> int:
+        assert self._proc.pid is not None
+        return self._proc.pid
+
+    def alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def submit(self, cmd: str, name: str, args: Any = None) -> None:
         self._conn.send((cmd, name, args))
-        if not self._conn.poll(self._timeout):
-            raise AssertionError(f"child did not answer {cmd} for {name} within {self._timeout}s")
+
+    def _receive(self, cmd: str, name: str, timeout: float) -> tuple[str, Any]:
+        if not self._conn.poll(timeout):
+            raise AssertionError(f"child did not answer {cmd} for {name} within {timeout}s")
         status, value = self._conn.recv()
-        if status != "ok":
-            raise AssertionError(f"child failed {cmd} for {name}: {value}")
+        return status, value
+
+    def progress(self, what: str, timeout: float | None = None) -> Any:
+        """The next value the running leg reports through ``ChildContext.progress``."""
+        status, value = self._receive("progress", what, timeout or self._timeout)
+        if status != "progress":
+            raise AssertionError(f"child ended before reporting {what}: {status} {value}")
         return value
+
+    def result(self, cmd: str, name: str, timeout: float | None = None) -> Any:
+        while True:
+            status, value = self._receive(cmd, name, timeout or self._timeout)
+            if status == "progress":
+                continue  # reports nobody waited for
+            if status != "ok":
+                raise AssertionError(f"child failed {cmd} for {name}: {value}")
+            return value
+
+    def call(self, cmd: str, name: str, args: Any = None) -> Any:
+        self.submit(cmd, name, args)
+        return self.result(cmd, name)
+
+    def run(self, leg: str, *args: Any, timeout: float | None = None) -> Any:
+        """Run ``leg`` (``module:function``) in the child; see :class:`ChildContext`."""
+        self.submit("run", leg, args)
+        return self.result("run", leg, timeout)
+
+    def kill(self) -> None:
+        """kill -9, and reap it."""
+        if self._proc.is_alive():
+            self._proc.kill()
+        self._proc.join(10)
 
     def close(self) -> None:
         try:
@@ -746,3 +874,4 @@ class RemoteSides:
             self._proc.join(10)
             if self._proc.is_alive():
                 self._proc.kill()
+                self._proc.join(10)
