@@ -143,10 +143,12 @@ def test_prefill_killed_after_a_transfer_and_restarted(pair: fs.Pair) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="vllm/worker.py: a cached handshake outlives the prefill it names; the first READ "
+    reason="pd/puller.py: a cached handshake outlives the prefill it names; the first READ "
     "after a prefill restarted under the same address goes to the dead process's transport "
-    "address, fails and is recomputed (the cache is dropped only after a failed READ, and the "
-    "READ is not retried after a fresh handshake)",
+    "address, fails and is recomputed (safe: the cache is dropped and the next request "
+    "handshakes again). Retrying after a fresh handshake is only safe once the request names the "
+    "prefill incarnation that computed it: a prefill restarted after computing the request "
+    "holds other bytes under the same block ids",
 )
 def test_first_read_after_an_unnoticed_prefill_restart_is_loaded(pair: fs.Pair) -> None:
     with fs.recorded("READ, first request after an unnoticed prefill restart") as row:
