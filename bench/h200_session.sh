@@ -115,10 +115,10 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
 cell-e2e)  # the engine's cell path through UCX on the GPU, and NHD -> HND end to end
   build_with_ucx
   python3 -c "import moriio_native as m; print(m.available_backends())"
-  timeout 90 python3 -m pytest -q -p no:cacheprovider tests/py/test_cell_transfer.py \
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/py/test_cell_transfer.py \
     tests/py/test_ucx_two_process.py::test_mixed_layouts_in_gpu_memory_read_and_write 2>&1 |
     tee "$out/pytest-cells.log" | tail -5
-  timeout 150 python3 bench/gpu_bench.py --preset llama3-8b --layout nhd-hnd --skip-per-run \
+  timeout 100 python3 bench/gpu_bench.py --preset llama3-8b --layout nhd-hnd --skip-per-run \
     --requests 3 --json "$out/gpu-nhd-hnd.json" 2>&1 | tee "$out/gpu-nhd-hnd.log"
   ;;
 cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
