@@ -724,6 +724,40 @@ TEST(EngineCells, LayersOfDifferentGeometriesGoInTheirOwnCellBatches) {
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
+// Cell batches are cut at a layer boundary once they hold 8192 blocks, as run batches at 8192
+// runs: five layers of 3000 blocks give one batch of three layers and one of two.
+TEST(EngineCells, ManyBlocksAreSubmittedInPiecesAndEveryByteArrives) {
+  auto layers = [](Physical physical) {
+    std::vector<TestLayer> out;
+    for (int i = 0; i < 5; ++i) {
+      out.push_back(MakeLayer("kv." + std::to_string(i), physical, 3000, 2, 4, 1, 2));
+    }
+    return out;
+  };
+  Side d, p;
+  EnginesFirst guard({&d, &p});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", layers(Physical::kInterleavedHB), 7));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", layers(Physical::kSeparated), 8));
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  std::vector<std::int64_t> local(3000), remote(3000);
+  for (std::int64_t i = 0; i < 3000; ++i) {
+    local[i] = i;
+    remote[i] = 2999 - i;
+  }
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::int64_t bytes = ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("big", "P", local, remote).ok());
+  Events events(d.engine.get());
+  const TransferEvent e = events.Wait("big");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.batches, 2);
+  EXPECT_EQ(e.cell_batches, 2);
+  EXPECT_EQ(e.runs, 5 * 3000 * 16) << "the runs the cells replace: 16 per block and layer";
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
 // Four latent layers of one 4-byte run per block. D's last layer is one block shorter, so an id
 // that is valid for the first layers (planned and submitted first) is out of range only there.
 std::vector<TestLayer> LargeLayers(std::int64_t last_layer_blocks) {
