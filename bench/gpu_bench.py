@@ -10,6 +10,11 @@ decode's with ``--devices 0,1``: the peer-to-peer rate), for the batched-kernel 
 (``ucp_rkey_ptr`` mapping + one gather/scatter kernel per batch) and the per-run UCX path
 (``ucx_direct_copy=off``).
 
+``--layout nhd-hnd``: the prefill holds separated NHD caches ``[2, N, B, H, D]``, the decode
+interleaved HND ones ``[N, 2, H, B, D]`` (different axis orders: a block's runs are single
+``head_size`` cells, which the engine moves as cells, one transposing kernel per batch); every
+destination block is compared with its source block transposed by torch.
+
 ``--overlap``: per-layer WRITE overlapped with a synthetic forward pass instead. The prefill
 runs, per layer, a bf16 matmul sized so that it takes about as long as that layer's transfer,
 then fills the request's blocks of that layer with a value of (request, layer) (the layer's KV,
@@ -80,6 +85,7 @@ class Row:
     gbps: float
     ratio_to_device_copy: float
     verified: bool
+    cell_batches: int = 0  # of the last request: batches moved as cells (a transposing copy)
 
 
 def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: int) -> list[Any]:
@@ -96,6 +102,8 @@ def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: 
             views.append(flat.view(num_blocks, 1, b, d))
         elif layout == "separated":  # [2, N, B, H, D]: K and V planes of 32 KiB per block
             views.append(flat.view(2, num_blocks, b, h, d))
+        elif layout == "hnd":  # [N, 2, H, B, D]: heads outside tokens, K and V per block
+            views.append(flat.view(num_blocks, 2, h, b, d))
         else:  # standardized [N, H, B, 2D] over block-outermost physical [N, B, H, 2D]
             views.append(flat.view(num_blocks, b, h, 2 * d).permute(0, 2, 1, 3))
     return views
@@ -133,14 +141,39 @@ def _block_axis(preset: dict[str, Any], layout: str) -> int:
     return 1 if preset["kind"] == "kv" and layout == "separated" else 0
 
 
+def _layout_of(cfg: dict[str, Any], role: str) -> str:
+    """The physical layout of ``role``'s caches (``nhd-hnd`` gives the two sides different ones)."""
+    if cfg["layout"] == "nhd-hnd":
+        return "separated" if role == "prefill" else "hnd"
+    return cfg["layout"]
+
+
+def _blocks_of(view: Any, preset: dict[str, Any], layout: str, ids: Any) -> Any:
+    """The blocks ``ids`` of one layer, as [blocks, 2, H, B, D] for the K/V layouts that differ
+    between the sides (so both compare in one order), else as the view holds them."""
+    got = view.index_select(_block_axis(preset, layout), ids)
+    return got.permute(1, 0, 3, 2, 4) if preset["kind"] == "kv" and layout == "separated" else got
+
+
 def _verify(
-    dst_views: list[Any], src_views: list[Any], dst_ids: Any, src_ids: Any, axis: int
+    dst_views: list[Any],
+    src_views: list[Any],
+    dst_ids: Any,
+    src_ids: Any,
+    preset: dict[str, Any],
+    dst_layout: str,
+    src_layout: str,
 ) -> bool:
     import torch
 
+    cross = dst_layout != src_layout
     for dst, src in zip(dst_views, src_views, strict=True):
-        got = dst.index_select(axis, dst_ids)
-        want = src.index_select(axis, src_ids)
+        if cross:
+            got = _blocks_of(dst, preset, dst_layout, dst_ids)
+            want = _blocks_of(src, preset, src_layout, src_ids)
+        else:
+            axis = _block_axis(preset, dst_layout)
+            got, want = dst.index_select(axis, dst_ids), src.index_select(axis, src_ids)
         if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
             return False
     return True
@@ -171,7 +204,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     preset = PRESETS[cfg["preset"]]
     seed = {"prefill": 1, "decode": 2}[role]
     backing = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), seed)
-    views = _layer_views(backing, preset, cfg["layout"], cfg["num_blocks"])
+    layout = _layout_of(cfg, role)
+    views = _layer_views(backing, preset, layout, cfg["num_blocks"])
     spec = mn.CacheSpec(
         kind=preset["kind"],
         block_size=preset["block"],
@@ -179,7 +213,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         head_size=preset["head"],
         dtype_bytes=2,
         # The shapes _layer_views makes: [2, N, B, H, D] lists tokens first, the 4-D views heads.
-        axis_order="nhd" if preset["kind"] == "kv" and cfg["layout"] == "separated" else "hnd",
+        axis_order="nhd" if preset["kind"] == "kv" and layout == "separated" else "hnd",
     )
     regs = [
         mn.LayerRegistration(
@@ -213,7 +247,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
             continue
         if cmd == "verify_fill":  # decode: each layer's destination blocks hold its value
             dst_ids = torch.as_tensor(args[0], device="cuda")
-            axis = _block_axis(preset, cfg["layout"])
+            axis = _block_axis(preset, layout)
             ok = all(
                 bool((v.index_select(axis, dst_ids) == _fill_value(args[1], layer)).all())
                 for layer, v in enumerate(views)
@@ -229,7 +263,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
             start = time.perf_counter()
             engine.read(tid, peer, local, remote)
             event = engine.wait([tid], timeout=300)[tid]
-            conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
+            seconds = time.perf_counter() - start
+            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches))
         elif cmd == "write":
             torch.cuda.synchronize()
             start = time.perf_counter()
@@ -237,14 +272,15 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                 engine.write_layer(tid, f"layer.{i}", peer, local, remote)
             engine.seal(tid, peer, expected_writes=len(views))
             event = engine.wait([tid], timeout=300)[tid]
-            conn.send((time.perf_counter() - start, event.state, event.bytes, event.message))
+            seconds = time.perf_counter() - start
+            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
+            src_layout = _layout_of(cfg, "prefill")
             if mirror_views is None:
                 mirror = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), 1)
-                mirror_views = _layer_views(mirror, preset, cfg["layout"], cfg["num_blocks"])
-            axis = _block_axis(preset, cfg["layout"])
-            conn.send(_verify(views, mirror_views, dst_ids, src_ids, axis))
+                mirror_views = _layer_views(mirror, preset, src_layout, cfg["num_blocks"])
+            conn.send(_verify(views, mirror_views, dst_ids, src_ids, preset, layout, src_layout))
     engine.remove_peer(peer)
     conn.send("bye")
 
@@ -295,7 +331,7 @@ def _forward_write(
 
     local_ids, remote_ids = _ids(local), _ids(remote)
     ids_t = torch.as_tensor(local_ids, device="cuda")
-    axis = _block_axis(preset, cfg["layout"])
+    axis = _block_axis(preset, _layout_of(cfg, "prefill"))
     a, b = operands.setdefault(n, _operands(n)) if n else (None, None)
     events = []  # one per layer, alive until the transfer's event
     torch.cuda.synchronize()
@@ -445,18 +481,20 @@ def run_case(
         // preset["layers"]
         // (2 if layout == "separated" and preset["kind"] == "kv" else 1)
     )
+    if layout == "nhd-hnd":  # one run per (plane, head, token) cell
+        run_bytes = preset["head"] * 2
     for op in ("read", "write"):
-        samples, verified, total = [], True, 0
+        samples, verified, total, cells = [], True, 0, 0
         for r in range(requests + 1):  # request 0 warms up (IPC mapping, kernel load)
             src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
             dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
             tid = f"{op}-{direct_copy}-{r}"
             if op == "read":  # decode pulls prefill's src into its dst
                 conns["decode"].send(("read", tid, dst, src))
-                seconds, state, nbytes, msg = _recv(conns["decode"], procs)
+                seconds, state, nbytes, msg, cells = _recv(conns["decode"], procs)
             else:  # prefill pushes its src into decode's dst
                 conns["prefill"].send(("write", tid, src, dst))
-                seconds, state, nbytes, msg = _recv(conns["prefill"], procs)
+                seconds, state, nbytes, msg, cells = _recv(conns["prefill"], procs)
             if state != "done":
                 raise RuntimeError(f"{tid} ended {state}: {msg}")
             conns["decode"].send(("verify", dst, src))
@@ -477,6 +515,7 @@ def run_case(
                 gbps,
                 gbps / device_copy,
                 verified,
+                cells,
             )
         )
     _stop_pair(conns, procs)
@@ -493,7 +532,9 @@ def _write_json(path: str | None, rows: Sequence[Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", action="append", choices=sorted(PRESETS))
-    parser.add_argument("--layout", default="standardized", choices=["standardized", "separated"])
+    parser.add_argument(
+        "--layout", default="standardized", choices=["standardized", "separated", "nhd-hnd"]
+    )
     parser.add_argument("--blocks", type=int, default=2048, help="blocks per request")
     parser.add_argument("--num-blocks", type=int, default=4096, help="blocks per cache")
     parser.add_argument("--requests", type=int, default=5)
@@ -553,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
                 logger.info(
                     "%-12s %-13s %-15s %-5s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx device "
-                    "copy, verified=%s",
+                    "copy, verified=%s, cell batches %d",
                     row.preset,
                     row.layout,
                     row.path,
@@ -563,6 +604,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.gbps,
                     row.ratio_to_device_copy,
                     row.verified,
+                    row.cell_batches,
                 )
     _write_json(args.json, rows)
     return 0 if all(r.verified for r in rows) else 1

@@ -11,6 +11,8 @@
 #                                         # transposing cell copy and cudacopy_bench
 #   bash bench/h200_session.sh cell-variants  # cell kernel variants (-D values), and the run
 #                                         # kernel's submit before (.variants/unfused_cudacopy.cu)
+#   bash bench/h200_session.sh cell-e2e   # one call: build with UCX, the engine's cell path
+#                                         # (GPU pytest) and gpu_bench NHD -> HND end to end
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -38,8 +40,7 @@ build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough
   cmake --build $build -j16 --target stage_python moriio_native_cudacopy >/tmp/build.log 2>&1 ||
     { tail -40 /tmp/build.log; exit 1; }
 }
-case $step in
-build)
+build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA plugin
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
     -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
@@ -48,6 +49,10 @@ build)
     tail -30 "$out/cmake.log"; exit 1; }
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+}
+case $step in
+build)
+  build_with_ucx
   cuda_variant old .variants/old_cudacopy.cu &
   for spec in "c64 -DMORIIO_CUDACOPY_CHUNK_KIB=64"; do
     set -- $spec
@@ -106,6 +111,15 @@ footprint)  # is it the run layout (pages touched at once) that limits every ker
     echo "== variant $v, 1 GiB runs"
     timeout 60 python3 bench/cudacopy_bench.py --plugin "$plugin" --run-bytes 1073741824
   done
+  ;;
+cell-e2e)  # the engine's cell path through UCX on the GPU, and NHD -> HND end to end
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/py/test_cell_transfer.py \
+    tests/py/test_ucx_two_process.py::test_mixed_layouts_in_gpu_memory_read_and_write 2>&1 |
+    tee "$out/pytest-cells.log" | tail -5
+  timeout 100 python3 bench/gpu_bench.py --preset llama3-8b --layout nhd-hnd --skip-per-run \
+    --requests 3 --json "$out/gpu-nhd-hnd.json" 2>&1 | tee "$out/gpu-nhd-hnd.log"
   ;;
 cells)  # the cell copy (NHD -> HND) and the run kernel, one call: no UCX needed
   build_without_ucx

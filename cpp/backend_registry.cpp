@@ -23,7 +23,16 @@ Status Backend::Free(const MemoryRange&) {
   return FailedPreconditionError("backend '" + std::string(name()) + "' does not allocate memory");
 }
 
+bool Backend::AcceptsCells(std::uint64_t, std::uint64_t, const CellGeometry&) const {
+  return false;
+}
+
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
+  if (b.cells) {
+    return FailedPreconditionError("batch " + std::to_string(b.token) +
+                                   " is a cell batch; this backend moves runs only for this "
+                                   "region pair (AcceptsCells said no)");
+  }
   const std::size_t n = b.sizes.size();
   if (b.local_offsets.size() != n || b.remote_offsets.size() != n) {
     return InvalidArgumentError("batch " + std::to_string(b.token) + " has " +
@@ -47,6 +56,74 @@ Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t re
         size > remote_size || static_cast<std::uint64_t>(ro) > remote_size - size) {
       return OutOfRangeError(what + " does not fit the local region (" +
                              std::to_string(local_size) + " bytes) and the remote region (" +
+                             std::to_string(remote_size) + " bytes)");
+    }
+  }
+  return Status::OK();
+}
+
+namespace {
+
+// The bytes a block's cells span on one side, relative to the block's offset: [low, high).
+// False when a bound overflows.
+bool CellExtent(const CellGeometry& g, const CellSide& side, std::int64_t* low,
+                std::int64_t* high) {
+  const std::int64_t counts[] = {g.planes, g.heads, g.tokens};
+  const std::int64_t strides[] = {side.plane_stride, side.head_stride, side.token_stride};
+  std::int64_t lo = 0, hi = g.cell_bytes;
+  for (int i = 0; i < 3; ++i) {
+    std::int64_t reach = 0;
+    if (__builtin_mul_overflow(counts[i] - 1, strides[i], &reach)) return false;
+    if (__builtin_add_overflow(reach < 0 ? lo : hi, reach, reach < 0 ? &lo : &hi)) return false;
+  }
+  *low = lo;
+  *high = hi;
+  return true;
+}
+
+// Whether [offset + low, offset + high) lies inside [0, size).
+bool InsideRegion(std::int64_t offset, std::int64_t low, std::int64_t high, std::uint64_t size) {
+  std::int64_t begin = 0, end = 0;
+  if (__builtin_add_overflow(offset, low, &begin) || __builtin_add_overflow(offset, high, &end)) {
+    return false;
+  }
+  return begin >= 0 && static_cast<std::uint64_t>(end) <= size;
+}
+
+}  // namespace
+
+Status CheckBatchCells(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
+  const std::string batch = "batch " + std::to_string(b.token);
+  if (!b.cells) return InvalidArgumentError(batch + " has no cells");
+  if (!b.sizes.empty() || !b.local_offsets.empty() || !b.remote_offsets.empty()) {
+    return InvalidArgumentError(batch + " carries cells and runs; a batch carries one or the other");
+  }
+  const CellGeometry& g = b.cells->geometry;
+  if (g.planes < 1 || g.heads < 1 || g.tokens < 1 || g.cell_bytes < 1) {
+    return InvalidArgumentError(batch + " has an empty cell geometry (planes " +
+                                std::to_string(g.planes) + ", heads " + std::to_string(g.heads) +
+                                ", tokens " + std::to_string(g.tokens) + ", cell bytes " +
+                                std::to_string(g.cell_bytes) + "); each must be >= 1");
+  }
+  const BlockOffsets& blocks = b.cells->blocks;
+  if (blocks.local.size() != blocks.remote.size()) {
+    return InvalidArgumentError(batch + " has " + std::to_string(blocks.local.size()) +
+                                " local and " + std::to_string(blocks.remote.size()) +
+                                " remote block offsets; they must be equal");
+  }
+  std::int64_t local_low = 0, local_high = 0, remote_low = 0, remote_high = 0;
+  if (!CellExtent(g, g.local, &local_low, &local_high) ||
+      !CellExtent(g, g.remote, &remote_low, &remote_high)) {
+    return InvalidArgumentError(batch + ": the cell strides overflow");
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    if (!InsideRegion(blocks.local[i], local_low, local_high, local_size) ||
+        !InsideRegion(blocks.remote[i], remote_low, remote_high, remote_size)) {
+      return OutOfRangeError(batch + " block " + std::to_string(i) + " (local offset " +
+                             std::to_string(blocks.local[i]) + ", remote offset " +
+                             std::to_string(blocks.remote[i]) +
+                             ") has cells outside the local region (" +
+                             std::to_string(local_size) + " bytes) or the remote region (" +
                              std::to_string(remote_size) + " bytes)");
     }
   }

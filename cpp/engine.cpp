@@ -87,73 +87,106 @@ struct Peer {
     std::uint32_t region = 0;
     std::int64_t offset = 0;
     BlockTemplate tmpl;
+    // Whether this layer's blocks go to the backend as cells: the pair prefers a cell copy and
+    // the backend takes cells of its geometry for this region pair (asked once, in AddPeer).
+    bool cells = false;
   };
   std::vector<LayerLink> links;
   std::vector<std::uint8_t> metadata;
 };
 
-// Runs after which a request's batch for one region pair is closed and submitted while later
+// Units after which a request's batch for one region pair is closed and submitted while later
 // layers are still being planned: the transport starts moving the first piece (a GPU kernel, RDMA
-// reads) instead of idling through the whole request's planning. 8192 runs are 0.5 GiB of 64 KiB
-// KV runs, far above any per-batch cost, and small enough that planning them takes tens of us.
-constexpr std::size_t kPieceRuns = 8192;
+// reads) instead of idling through the whole request's planning. A unit is a run, or a block of
+// a cell batch. 8192 runs are 0.5 GiB of 64 KiB KV runs (8192 blocks more), far above any
+// per-batch cost, and small enough that planning them takes tens of us.
+constexpr std::size_t kPieceUnits = 8192;
 
 // Collects one request's runs per (local region, remote region) into batches: every layer's
-// plan is stamped straight into its region pair's batch, shifted to region offsets.
+// plan is stamped straight into its region pair's batch, shifted to region offsets. Layers the
+// backend moves as cells (Peer::LayerLink::cells) collect their block offsets instead, in one
+// cell batch per region pair and cell geometry.
 class BatchBuilder {
  public:
-  using Key = std::pair<std::uint32_t, std::uint32_t>;  // (local region, peer region)
+  struct Key {
+    std::uint32_t local = 0;   // local region
+    std::uint32_t remote = 0;  // peer region
+    int geometry = -1;         // -1: runs; else the cell batch of geometries_[geometry]
+    auto operator<=>(const Key&) const = default;
+  };
 
   struct Piece {
     Key key;
     std::shared_ptr<Batch> batch;
     std::int64_t bytes = 0;
+    std::int64_t runs = 0;  // runs submitted, or for a cell batch those its cells replace
   };
 
   BatchBuilder(TransferOp op, const Peer& peer) : op_(op), peer_(peer) {}
 
-  /// Counts this layer's runs towards its region pair, so batches are sized once (at most a
-  /// piece plus a layer) and Add never reallocates. Call for every layer before Add.
+  /// Counts this layer's units towards its batch, so batches are sized once (at most a piece
+  /// plus a layer) and Add never reallocates. Call for every layer before Add.
   void Reserve(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
-    entries_[{layer.region, link.region}].upcoming += pairs.size() * link.tmpl.runs().size();
+    entries_[KeyOf(layer, link)].upcoming += Units(link, pairs);
   }
 
-  /// Stamps the layer's block template for `pairs`. On error nothing was added.
+  /// Stamps the layer's block template (or its block offsets, for cells) for `pairs`. On error
+  /// nothing was added.
   Status Add(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
-    Entry& e = entries_[{layer.region, link.region}];
-    const std::size_t layer_runs = pairs.size() * link.tmpl.runs().size();
+    Entry& e = entries_[KeyOf(layer, link)];
+    const std::size_t units = Units(link, pairs);
+    const std::size_t room = std::min(e.upcoming, kPieceUnits + units);
     if (!e.batch) {
       e.batch = std::make_shared<Batch>();
       e.batch->op = op_;
       e.batch->peer = peer_.handle;
       e.batch->remote_region = peer_.remote_regions[link.region];
-      const std::size_t room = std::min(e.upcoming, kPieceRuns + layer_runs);
-      e.plan.local_offsets.reserve(room);
-      e.plan.remote_offsets.reserve(room);
-      e.plan.sizes.reserve(room);
+      if (link.cells) {
+        e.batch->cells.emplace();
+        e.batch->cells->geometry = *link.tmpl.cell_geometry();
+        e.batch->cells->blocks.local.reserve(room);
+        e.batch->cells->blocks.remote.reserve(room);
+      } else {
+        e.plan.local_offsets.reserve(room);
+        e.plan.remote_offsets.reserve(room);
+        e.plan.sizes.reserve(room);
+      }
     }
     MORIIO_RETURN_IF_ERROR(
-        AppendBlockCopies(link.tmpl, pairs, layer.offset, link.offset, &e.plan));
-    e.upcoming -= std::min(e.upcoming, layer_runs);
+        link.cells
+            ? AppendBlockOffsets(link.tmpl, pairs, layer.offset, link.offset,
+                                 &e.batch->cells->blocks)
+            : AppendBlockCopies(link.tmpl, pairs, layer.offset, link.offset, &e.plan));
+    e.upcoming -= std::min(e.upcoming, units);
     std::int64_t per_block = 0;
     for (const CopyRun& r : link.tmpl.runs()) per_block += r.size;
     e.bytes += per_block * static_cast<std::int64_t>(pairs.size());
+    if (link.cells) {
+      e.cell_runs += static_cast<std::int64_t>(pairs.size() * link.tmpl.runs().size());
+    }
     return Status::OK();
   }
 
-  /// The open batches holding at least `min_runs` runs, their runs moved in (0: every open
-  /// batch, also an empty one). Their region pairs start new batches on the next Add. Local
-  /// region handles are filled by the caller.
-  std::vector<Piece> Take(std::size_t min_runs) {
+  /// The open batches holding at least `min_units` units, their runs moved in (0: every open
+  /// batch, also an empty one). Their keys start new batches on the next Add. Local region
+  /// handles are filled by the caller.
+  std::vector<Piece> Take(std::size_t min_units) {
     std::vector<Piece> out;
     for (auto& [key, e] : entries_) {
-      if (!e.batch || e.plan.size() < min_runs) continue;
-      e.batch->local_offsets = std::move(e.plan.local_offsets);
-      e.batch->remote_offsets = std::move(e.plan.remote_offsets);
-      e.batch->sizes = std::move(e.plan.sizes);
-      e.plan = CopyPlan{};
-      out.push_back({key, std::move(e.batch), e.bytes});
+      if (!e.batch) continue;
+      const bool cells = e.batch->cells.has_value();
+      if ((cells ? e.batch->cells->blocks.size() : e.plan.size()) < min_units) continue;
+      std::int64_t runs = e.cell_runs;
+      if (!cells) {
+        runs = static_cast<std::int64_t>(e.plan.size());
+        e.batch->local_offsets = std::move(e.plan.local_offsets);
+        e.batch->remote_offsets = std::move(e.plan.remote_offsets);
+        e.batch->sizes = std::move(e.plan.sizes);
+        e.plan = CopyPlan{};
+      }
+      out.push_back({key, std::move(e.batch), e.bytes, runs});
       e.bytes = 0;
+      e.cell_runs = 0;
     }
     return out;
   }
@@ -161,14 +194,30 @@ class BatchBuilder {
  private:
   struct Entry {
     std::shared_ptr<Batch> batch;  // null until the next Add
-    CopyPlan plan;
+    CopyPlan plan;                 // a run batch's runs until Take
     std::int64_t bytes = 0;
-    std::size_t upcoming = 0;  // runs of this pair's layers not yet added (an upper bound)
+    std::int64_t cell_runs = 0;  // a cell batch: the runs its cells replace
+    std::size_t upcoming = 0;    // units of this batch's layers not yet added (an upper bound)
   };
+
+  static std::size_t Units(const Peer::LayerLink& link, const BlockPairs& pairs) {
+    return link.cells ? pairs.size() : pairs.size() * link.tmpl.runs().size();
+  }
+
+  Key KeyOf(const LocalLayer& layer, const Peer::LayerLink& link) {
+    Key key{layer.region, link.region, -1};
+    if (!link.cells) return key;
+    const CellGeometry& g = *link.tmpl.cell_geometry();
+    auto it = std::ranges::find(geometries_, g);
+    key.geometry = static_cast<int>(it - geometries_.begin());
+    if (it == geometries_.end()) geometries_.push_back(g);
+    return key;
+  }
 
   TransferOp op_;
   const Peer& peer_;
   std::map<Key, Entry> entries_;
+  std::vector<CellGeometry> geometries_;  // of the cell batches, few: one per kind of layer
 };
 
 // The block pairs of the latest WriteLayer call. A WRITE names the same blocks for every layer,
@@ -246,11 +295,11 @@ struct Engine::Impl {
   // failed so the transfer still ends exactly once. False when the transfer ended meanwhile
   // (deadline, abort): nothing more should be submitted for it.
   bool Submit(std::vector<BatchBuilder::Piece> pieces, std::string_view transfer_id,
-              const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t)>& add) {
+              const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, bool)>& add) {
     for (BatchBuilder::Piece& piece : pieces) {
       Batch& batch = *piece.batch;
-      batch.local_region = regions[piece.key.first].handle;
-      Result<std::uint64_t> token = add(piece.bytes, static_cast<std::int64_t>(batch.sizes.size()));
+      batch.local_region = regions[piece.key.local].handle;
+      Result<std::uint64_t> token = add(piece.bytes, piece.runs, batch.cells.has_value());
       if (!token.ok()) return false;
       batch.token = *token;
       Status st = backend->Submit(std::move(piece.batch));
@@ -450,6 +499,14 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
     }
     peer->remote_regions.push_back(*imported);
   }
+  // Cell copies where a pair wants one and the backend takes it; runs everywhere else.
+  for (std::size_t k = 0; k < peer->links.size(); ++k) {
+    Peer::LayerLink& link = peer->links[k];
+    if (!link.tmpl.prefers_cell_copy()) continue;
+    link.cells = d.backend->AcceptsCells(d.regions[d.layers[k].region].handle,
+                                         peer->remote_regions[link.region],
+                                         *link.tmpl.cell_geometry());
+  }
   std::shared_ptr<const Peer> old;
   {
     std::lock_guard lock(d.mu);
@@ -539,12 +596,12 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
     if (!st.ok()) return st.WithContext(ctx);
   }
   MORIIO_RETURN_IF_ERROR(d.tracker->BeginRead(transfer_id, peer->id));
-  auto add = [&](std::int64_t bytes, std::int64_t runs) {
-    return d.tracker->AddBatch(transfer_id, bytes, runs);
+  auto add = [&](std::int64_t bytes, std::int64_t runs, bool cells) {
+    return d.tracker->AddBatch(transfer_id, bytes, runs, cells);
   };
   // Fails the open transfer with `why` (a batch that failed at once), so it ends now.
   auto fail = [&](const Status& why) {
-    if (Result<std::uint64_t> token = add(0, 0); token.ok()) {
+    if (Result<std::uint64_t> token = add(0, 0, false); token.ok()) {
       d.tracker->OnBatchComplete(*token, why.WithContext(ctx));
     }
   };
@@ -560,7 +617,7 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
         open = false;
         break;
       }
-      open = d.Submit(builder.Take(kPieceRuns), transfer_id, add);
+      open = d.Submit(builder.Take(kPieceUnits), transfer_id, add);
     }
     if (open) d.Submit(builder.Take(0), transfer_id, add);
   } catch (const std::bad_alloc&) {
@@ -613,10 +670,11 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   if (!st.ok()) return refuse(st);
   std::vector<BatchBuilder::Piece> pieces = builder.Take(0);
   pieces.front().batch->device_wait_event = cuda_event;
-  const std::int64_t runs = static_cast<std::int64_t>(pieces.front().batch->sizes.size());
-  MORIIO_ASSIGN_OR_RETURN(std::optional<std::uint64_t> token,
-                          d.tracker->ScheduleWrite(transfer_id, layer, (*peer)->id,
-                                                   pieces.front().bytes, runs));
+  const std::int64_t runs = pieces.front().runs;
+  MORIIO_ASSIGN_OR_RETURN(
+      std::optional<std::uint64_t> token,
+      d.tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, pieces.front().bytes, runs,
+                               pieces.front().batch->cells.has_value()));
   if (!token) return false;
   if (runs == 0) {
     d.tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
@@ -624,7 +682,7 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   }
   // ScheduleWrite already counted the batch: submit it under that token.
   d.Submit(std::move(pieces), transfer_id,
-           [&](std::int64_t, std::int64_t) -> Result<std::uint64_t> { return *token; });
+           [&](std::int64_t, std::int64_t, bool) -> Result<std::uint64_t> { return *token; });
   return true;
 }
 

@@ -55,7 +55,8 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
                                                                     std::string_view layer,
                                                                     std::string_view peer,
                                                                     std::int64_t bytes,
-                                                                    std::int64_t runs) {
+                                                                    std::int64_t runs,
+                                                                    bool cells) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
@@ -78,7 +79,7 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
     return refused;
   }
   t.layers.emplace(layer);
-  const std::uint64_t token = AddBatchLocked(id, t, bytes, runs);
+  const std::uint64_t token = AddBatchLocked(id, t, bytes, runs, cells);
   if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
   return std::optional<std::uint64_t>(token);
 }
@@ -135,22 +136,24 @@ Status TransferTracker::FailWrite(std::string_view id_view, std::string_view pee
 }
 
 Result<std::uint64_t> TransferTracker::AddBatch(std::string_view id_view, std::int64_t bytes,
-                                                std::int64_t runs) {
+                                                std::int64_t runs, bool cells) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   auto it = pending_.find(id);
   if (it == pending_.end() || it->second.kind != TransferKind::kRead || !it->second.open) {
     return FailedPreconditionError("transfer '" + id + "' is not an open read");
   }
-  return AddBatchLocked(id, it->second, bytes, runs);
+  return AddBatchLocked(id, it->second, bytes, runs, cells);
 }
 
 std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t,
-                                              std::int64_t bytes, std::int64_t runs) {
+                                              std::int64_t bytes, std::int64_t runs,
+                                              bool cells) {
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
   ++t.in_flight;
   ++t.batches;
+  if (cells) ++t.cell_batches;
   t.bytes += bytes;
   t.runs += runs;
   return token;
@@ -266,6 +269,7 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.bytes = t.bytes;
   e.runs = t.runs;
   e.batches = t.batches;
+  e.cell_batches = t.cell_batches;
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
   e.drained = drained;
   const TransferKind kind = t.kind;

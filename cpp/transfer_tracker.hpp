@@ -48,12 +48,13 @@ class TransferTracker {
 
   /// WRITE: atomically records that (id, layer) is scheduled (creating the transfer) and adds its
   /// in-flight batch. Returns the batch token, or nullopt when the layer was scheduled before or
-  /// the transfer is failed, aborted, timed out or terminal (nothing recorded then).
+  /// the transfer is failed, aborted, timed out or terminal (nothing recorded then). `cells`:
+  /// the batch is a cell batch (counted in TransferEvent::cell_batches).
   /// InvalidArgument (nothing recorded) when `id` is a READ; InvalidArgument that also fails the
   /// transfer when it writes to another peer or this layer is one more than its seal expects.
   Result<std::optional<std::uint64_t>> ScheduleWrite(std::string_view id, std::string_view layer,
                                                      std::string_view peer, std::int64_t bytes,
-                                                     std::int64_t runs);
+                                                     std::int64_t runs, bool cells = false);
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers for this transfer
   /// (before or after this call); it is done once they all completed. 0 says "nothing to send"
   /// and completes an unwritten transfer at once. Creates the transfer when none exists.
@@ -66,9 +67,11 @@ class TransferTracker {
   /// is a READ; ignored for terminal WRITE ids.
   Status FailWrite(std::string_view id, std::string_view peer, const Status& why);
 
-  /// READ: adds an in-flight batch of `bytes` in `runs` runs to an open READ; returns its token
-  /// (FailedPrecondition if the transfer is no longer pending, e.g. it timed out).
-  Result<std::uint64_t> AddBatch(std::string_view id, std::int64_t bytes, std::int64_t runs);
+  /// READ: adds an in-flight batch of `bytes` in `runs` runs (`cells`: a cell batch) to an open
+  /// READ; returns its token (FailedPrecondition if the transfer is no longer pending, e.g. it
+  /// timed out).
+  Result<std::uint64_t> AddBatch(std::string_view id, std::int64_t bytes, std::int64_t runs,
+                                 bool cells = false);
   /// A batch finished (ok or not). Unknown tokens are ignored.
   void OnBatchComplete(std::uint64_t token, const Status& status);
   /// Fails every pending transfer with `peer` (the transport lost it).
@@ -104,6 +107,7 @@ class TransferTracker {
     std::string failure;  // first failure message; non-empty = failed
     std::int64_t in_flight = 0;
     std::int64_t batches = 0;
+    std::int64_t cell_batches = 0;
     std::int64_t bytes = 0;
     std::int64_t runs = 0;
     std::unordered_set<std::string> layers;  // WRITE: scheduled layers
@@ -117,7 +121,7 @@ class TransferTracker {
   void RememberTerminalLocked(const std::string& id, TransferKind kind);
   Transfer& CreateLocked(const std::string& id, TransferKind kind, std::string_view peer);
   std::uint64_t AddBatchLocked(const std::string& id, Transfer& t, std::int64_t bytes,
-                               std::int64_t runs);
+                               std::int64_t runs, bool cells);
   // InvalidArgument when `id` (pending or recently terminal) is a READ.
   Status CheckNotReadLocked(const std::string& id) const;
   void FailLocked(const std::string& id, Transfer& t, std::string why);

@@ -8,11 +8,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "moriio_native/layout.hpp"
 #include "moriio_native/status.hpp"
 
 namespace moriio_native {
@@ -37,7 +39,16 @@ struct RegisteredRegion {
 
 enum class TransferOp : std::uint8_t { kRead = 0, kWrite = 1 };
 
-/// All runs of one request between one local region and one remote region of one peer.
+/// The cell part of a batch: every cell of `geometry` of every block pair in `blocks` (offsets
+/// of each pair's local and remote block, bytes relative to each region's start), moved by a
+/// transposing copy instead of one run per cell (see CellGeometry).
+struct BatchCells {
+  CellGeometry geometry;
+  BlockOffsets blocks;
+};
+
+/// All runs of one request between one local region and one remote region of one peer, or (a
+/// cell batch) all its blocks of one cell geometry between them.
 /// Offsets are bytes relative to each region's start. Immutable once submitted; the backend may
 /// keep the shared_ptr for as long as the transport uses it.
 struct Batch {
@@ -54,6 +65,9 @@ struct Batch {
   /// this batch fails the batch. The caller keeps the event valid and unrecorded until the batch
   /// completes.
   std::uint64_t device_wait_event = 0;
+  /// Set: a cell batch, whose three run arrays are empty. Only for a region pair and geometry
+  /// for which Backend::AcceptsCells said yes; every other backend refuses it at Submit.
+  std::optional<BatchCells> cells;
 };
 
 /// Receives completions. Backends call it from their own threads; implementations must be
@@ -122,6 +136,14 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 ///   from then on, and every batch to that peer not yet finished by the transport completes
 ///   exactly once with an error (Aborted or Transport, naming the peer), possibly after
 ///   DisconnectPeer returned. A batch the transport had already finished completes OK.
+/// - Cell batches (Batch::cells) are an optional capability, asked per region pair and geometry
+///   with AcceptsCells before any is built; the engine plans runs wherever the answer is no
+///   (loopback takes cells between host regions; UCX only on its CUDA IPC direct path with the
+///   CUDA copy plugin loaded; MoRI never). A backend refuses, at Submit, a cell batch it did
+///   not accept (FailedPrecondition), one that also carries runs or an invalid geometry
+///   (InvalidArgument), and one with a block whose cells leave its region (OutOfRange naming the
+///   block index). An accepted cell batch keeps every rule above (one completion, in flight
+///   until then, disconnect); one with no blocks completes OK without moving bytes.
 /// - Options: see BackendOptions; each backend reports the keys it accepts (BackendOptionKeys).
 class Backend {
  public:
@@ -142,6 +164,13 @@ class Backend {
   virtual Status DisconnectPeer(std::uint64_t peer) = 0;
   /// Starts a batch. On OK, exactly one completion follows; on error, none (see above).
   virtual Status Submit(std::shared_ptr<const Batch> batch) = 0;
+  /// Whether Submit takes cell batches of `geometry` between local region `local_region`
+  /// (RegisteredRegion::handle) and imported region `remote_region` (see the contract above).
+  /// The answer for a pair stays the same while both stay registered and imported, so a caller
+  /// asks once per pair. False for unknown handles. Thread-safe, non-blocking, no transfer.
+  /// Default: false (runs only).
+  virtual bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
+                            const CellGeometry& geometry) const;
 
   /// Allocates `size` bytes the transport reaches fastest (e.g. shared memory that same-host
   /// peers map directly), page aligned. The memory stays valid until Free or the backend's
@@ -152,8 +181,16 @@ class Backend {
 };
 
 /// Checks a batch's runs against the sizes of its local and remote regions, as Submit must
-/// (see Backend): InvalidArgument or OutOfRange naming the batch token and the run index. Pure.
+/// (see Backend): InvalidArgument or OutOfRange naming the batch token and the run index;
+/// FailedPrecondition for a cell batch (a backend that takes cells checks those with
+/// CheckBatchCells instead). Pure.
 Status CheckBatchRuns(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
+
+/// Checks a cell batch as Submit must (see Backend): InvalidArgument (naming the batch token)
+/// when it has no cell part, also carries runs, has a geometry with a count or cell size < 1 or
+/// block arrays of different lengths; OutOfRange naming the block index when a block's cells do
+/// not lie inside the local or remote region, overflowing offsets included. Pure.
+Status CheckBatchCells(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
 
 /// Entry points of a backend plugin library `libmoriio_native_<name>.so`, which exports
 /// `extern "C" const moriio_native::BackendPlugin* moriio_native_backend_plugin();`.

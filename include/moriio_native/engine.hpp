@@ -61,8 +61,12 @@ struct TransferEvent {
   std::string peer;
   std::string message;  ///< why, for every state but done
   std::int64_t bytes = 0;
+  /// Runs of the request's plan; a cell batch counts the runs its cells replace.
   std::int64_t runs = 0;
   std::int64_t batches = 0;
+  /// Of `batches`, those that moved whole blocks as cells (a transposing copy, see
+  /// Backend::AcceptsCells) instead of runs.
+  std::int64_t cell_batches = 0;
   double seconds = 0.0;  ///< from the first submit to the terminal state
   /// True when no operation of this transfer can write any more (always for done and failed).
   /// False only when the transfer ended (timed out or aborted) while batches were still in
@@ -120,8 +124,11 @@ class Engine {
 
   /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from
   /// `peer` into `local_blocks`. One batch per (local region, remote region), cut at a layer
-  /// boundary once it holds 8192 runs; each is submitted as soon as it is planned, so the
-  /// transport starts while later layers are planned. Every argument (every block id against
+  /// boundary once it holds 8192 runs; a layer pair whose runs are short because its two sides
+  /// order the axes differently goes as cells (a transposing copy) where the backend takes
+  /// cells for that region pair (Backend::AcceptsCells), in one batch per region pair and cell
+  /// geometry cut at 8192 blocks, and as runs everywhere else. Each batch is submitted as soon
+  /// as it is planned, so the transport starts while later layers are planned. Every argument (every block id against
   /// every layer) is checked before anything starts: on error no transfer exists. Never blocks
   /// on transfer.
   Status Read(std::string_view transfer_id, std::string_view peer,
@@ -129,9 +136,9 @@ class Engine {
               std::span<const std::int64_t> remote_blocks,
               std::span<const std::string> layers = {});
 
-  /// WRITE: push one layer's blocks to `peer`. Returns false (and does nothing) when this
-  /// (transfer, layer) was scheduled before, or the transfer failed, was aborted, timed out or
-  /// is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
+  /// WRITE: push one layer's blocks to `peer` (one batch: cells or runs, chosen as for Read).
+  /// Returns false (and does nothing) when this (transfer, layer) was scheduled before, or the
+  /// transfer failed, was aborted, timed out or is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
   /// Every other refusal (unknown peer or layer, a bad block id, another peer than the
   /// transfer's, one layer more than the seal said, a CUDA event it cannot honour) returns the
   /// error AND fails the transfer, so a transfer one of whose layers was refused never ends done.

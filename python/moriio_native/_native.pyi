@@ -211,6 +211,11 @@ class TransferEvent:
     def bytes(self) -> int:
         ...
     @property
+    def cell_batches(self) -> int:
+        """
+        Of batches, those that moved whole blocks as cells (a transposing copy).
+        """
+    @property
     def drained(self) -> bool:
         """
         False: the transfer ended with batches in flight; its destination is quarantined until Engine.poll_drained reports it.

@@ -157,6 +157,14 @@ std::vector<Kind> Kinds() {
          return CreateBackend("loopback", {}, std::move(sink));
        },
        [] { ExpectUnknownKeyRefused("loopback", {}, "loopback_delay"); }, false});
+  // Loopback with cells off: the contract of a backend that takes runs only.
+  kinds.push_back(
+      {"loopback_runs", [] { return std::string(); },
+       [](int, std::shared_ptr<CompletionSink> sink) {
+         return CreateBackend("loopback", {{"loopback_cells", "0"}}, std::move(sink));
+       },
+       [] { ExpectUnknownKeyRefused("loopback", {{"loopback_cells", "0"}}, "loopback_cell"); },
+       false});
   kinds.push_back({"ucx",
                    [] {
                      for (const auto& b : AvailableBackends(UcxOptions())) {
@@ -376,6 +384,94 @@ TEST_P(BackendContract, ReadAndWriteMoveExactlyTheRunsAndCompleteOnce) {
   EXPECT_EQ(b_sink_->Total(), 0u) << "the passive side completes nothing";
 }
 
+// An NHD block (tokens outer, heads inner) against an HND one: 2 planes x 4 heads x 8 tokens
+// of 16-byte cells, 1 KiB per block on both sides.
+CellGeometry NhdHndCells() {
+  return {2, 4, 8, 16, {1024, 512, 16, 64}, {1024, 512, 128, 16}};
+}
+
+std::shared_ptr<Batch> WithCells(std::shared_ptr<Batch> b, const CellGeometry& g,
+                                 std::vector<std::int64_t> local, std::vector<std::int64_t> remote) {
+  b->cells = BatchCells{g, {std::move(local), std::move(remote)}};
+  return b;
+}
+
+TEST_P(BackendContract, CellBatchesAreTakenExactlyWhereAcceptsCellsSaysSo) {
+  const CellGeometry g = NhdHndCells();
+  EXPECT_FALSE(a_->AcceptsCells(local_ + 1000, remote_, g)) << "unknown local region";
+  EXPECT_FALSE(a_->AcceptsCells(local_, remote_ + 1000, g)) << "unknown remote region";
+  std::vector<std::uint8_t> want_a(a_buf_.data, a_buf_.data + kSize);
+  std::vector<std::uint8_t> want_b(b_buf_.data, b_buf_.data + kSize);
+  const std::vector<std::int64_t> lo = {0, 3072, 10240}, ro = {5120, 1024, 64512};
+  if (!a_->AcceptsCells(local_, remote_, g)) {
+    // Runs only here (host memory on ucx, mori): a cell batch is refused and moves nothing.
+    const Status st = a_->Submit(WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), g, lo, ro));
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+    EXPECT_NE(st.message().find("batch 5"), std::string::npos) << st.ToString();
+    ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 6)).ok());
+    EXPECT_TRUE(a_sink_->Await(6).ok());
+    EXPECT_EQ(a_sink_->Total(), 1u) << "a refused cell batch must not complete";
+    EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+    return;
+  }
+  // READ B -> A and WRITE A -> B: exactly the bytes of the CPU reference.
+  ASSERT_TRUE(a_->Submit(WithCells(MakeBatch(TransferOp::kRead, {}, {}, {}, 1), g, lo, ro)).ok());
+  CopyBlockCells(g, {lo, ro}, reinterpret_cast<std::byte*>(want_a.data()),
+                 reinterpret_cast<std::byte*>(want_b.data()), CellCopyDirection::kRemoteToLocal);
+  ASSERT_TRUE(a_sink_->Await(1).ok());
+  EXPECT_EQ(std::memcmp(a_buf_.data, want_a.data(), kSize), 0) << "cell READ bytes wrong";
+  const std::vector<std::int64_t> wlo = {1024, 7168}, wro = {0, 2048};
+  ASSERT_TRUE(a_->Submit(WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 2), g, wlo, wro)).ok());
+  CopyBlockCells(g, {wlo, wro}, reinterpret_cast<std::byte*>(want_a.data()),
+                 reinterpret_cast<std::byte*>(want_b.data()), CellCopyDirection::kLocalToRemote);
+  ASSERT_TRUE(a_sink_->Await(2).ok());
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "cell WRITE bytes wrong";
+  // No blocks: completes OK without moving bytes.
+  ASSERT_TRUE(a_->Submit(WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 3), g, {}, {})).ok());
+  EXPECT_TRUE(a_sink_->Await(3).ok());
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0);
+  // Bad cell batches: refused at Submit, naming the batch (and the block), nothing moves.
+  struct Bad {
+    std::shared_ptr<Batch> batch;
+    StatusCode code;
+    std::string words;
+  };
+  CellGeometry empty = g;
+  empty.tokens = 0;
+  CellGeometry huge = g;
+  huge.remote.head_stride = INT64_MAX / 2;
+  const std::int64_t n = kSize;
+  const std::vector<Bad> bad = {
+      {WithCells(MakeBatch(TransferOp::kWrite, {0}, {0}, {8}, 101), g, {0}, {0}),
+       StatusCode::kInvalidArgument, "cells and runs"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 102), empty, {0}, {0}),
+       StatusCode::kInvalidArgument, "tokens 0"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 103), g, {0, 1024}, {0}),
+       StatusCode::kInvalidArgument, "must be equal"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 104), g, {0, 1024}, {0, n - 1023}),
+       StatusCode::kOutOfRange, "block 1"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 105), g, {-1}, {0}),
+       StatusCode::kOutOfRange, "block 0"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 106), g, {0, 0, INT64_MAX - 8},
+                 {0, 0, 0}),
+       StatusCode::kOutOfRange, "block 2"},
+      {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 107), huge, {0}, {0}),
+       StatusCode::kInvalidArgument, "overflow"},
+  };
+  for (const Bad& b : bad) {
+    const Status st = a_->Submit(b.batch);
+    EXPECT_EQ(st.code(), b.code) << "batch " << b.batch->token << ": " << st.ToString();
+    EXPECT_NE(st.message().find(b.words), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find("batch " + std::to_string(b.batch->token)), std::string::npos)
+        << st.ToString();
+  }
+  ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 4)).ok());
+  EXPECT_TRUE(a_sink_->Await(4).ok());
+  EXPECT_EQ(a_sink_->Total(), 4u) << "a refused cell batch must not complete";
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+  EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed cell batches hold no region";
+}
+
 TEST_P(BackendContract, DisconnectCompletesPendingBatchesWithErrors) {
   ASSERT_NO_FATAL_FAILURE(Plug(1));
   ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kWrite, {0}, {0}, {4096}, 2)).ok());
@@ -430,13 +526,13 @@ TEST(BackendOptionsSharing, OtherBackendsKeysAreIgnoredUnknownOnesRefused) {
   auto bad = CreateBackend("loopback", {{"qp_per_transfr", "2"}}, sink);
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("unknown option 'qp_per_transfr' for backend loopback; "
-                                        "known: loopback_delay_ms"),
+                                        "known: loopback_cells, loopback_delay_ms"),
             std::string::npos)
       << bad.status().ToString();
   EXPECT_EQ(BackendOptionKeys("nope").status().code(), StatusCode::kNotFound);
   auto loopback = BackendOptionKeys("loopback");
   ASSERT_TRUE(loopback.ok());
-  EXPECT_EQ(*loopback, std::vector<std::string>{"loopback_delay_ms"});
+  EXPECT_EQ(*loopback, (std::vector<std::string>{"loopback_cells", "loopback_delay_ms"}));
 }
 
 TEST(BackendOptionsSharing, UcxListsEveryKeyItParses) {

@@ -590,7 +590,9 @@ TEST(EngineRegions, LayersInTwoAllocationsMoveOneBatchPerRegionPair) {
   Events d_events(d.engine.get());
   TransferEvent e = d_events.Wait("r");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
-  EXPECT_EQ(e.batches, 2);
+  // attn.1 and attn.2 (one in each of P's regions) pair different axis orders: cells.
+  EXPECT_EQ(e.batches - e.cell_batches, 2) << "one run batch per region pair";
+  EXPECT_EQ(e.cell_batches, 2) << "one cell batch per region pair";
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 
   // P pulls back into both of its allocations.
@@ -603,8 +605,157 @@ TEST(EngineRegions, LayersInTwoAllocationsMoveOneBatchPerRegionPair) {
   Events p_events(p.engine.get());
   e = p_events.Wait("back");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
-  EXPECT_EQ(e.batches, 2);
+  EXPECT_EQ(e.batches - e.cell_batches, 2);
+  EXPECT_EQ(e.cell_batches, 2);
   ExpectBytes(p.buffer->Snapshot(), p_expected, p_touched);
+}
+
+// ---- cell copies (layer pairs of different axis orders) ------------------------------------
+
+// One layer of 4 heads x 8 tokens x 16 two-byte elements per plane in `physical` (32-byte cells).
+std::vector<TestLayer> CellLayers(Physical physical, std::int64_t blocks) {
+  return {MakeLayer("kv", physical, blocks, /*heads=*/4, /*block=*/8, /*d=*/16, /*elem=*/2)};
+}
+
+struct CellCase {
+  Physical local, remote;
+};
+
+void PrintTo(const CellCase& c, std::ostream* os) {
+  *os << static_cast<int>(c.local) << "->" << static_cast<int>(c.remote);
+}
+
+// Whether the planner moves this pair as cells, from the library's own layout description.
+bool PrefersCells(const TestLayer& local, const TestLayer& remote) {
+  auto describe = [](const TestLayer& l) {
+    return DescribeLayer(l.name, {l.shape, l.strides, l.elem, 4096}, SpecOf(l));
+  };
+  Result<LayerLayout> a = describe(local), b = describe(remote);
+  EXPECT_TRUE(a.ok() && b.ok());
+  Result<BlockTemplate> t = BlockTemplate::Build(*a, *b);
+  EXPECT_TRUE(t.ok()) << t.status().ToString();
+  return t.ok() && t->prefers_cell_copy();
+}
+
+// Every pair of K/V layouts, READ and WRITE through two engines, with the loopback backend
+// taking cells and with it refusing them (the engine's run fallback): the same bytes as the
+// hand-indexed reference, the same byte and run counts, and cell batches exactly where the pair
+// prefers a cell copy and the backend takes cells.
+TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
+  const Physical layouts[] = {Physical::kSeparated,   Physical::kSeparatedHB, Physical::kInterleaved,
+                              Physical::kInterleavedHB, Physical::kPacked,    Physical::kPackedPermuted};
+  int cell_pairs = 0;
+  for (Physical lp : layouts) {
+    for (Physical rp : layouts) {
+      const CellCase c{lp, rp};
+      const bool prefers = PrefersCells(CellLayers(lp, 1)[0], CellLayers(rp, 1)[0]);
+      cell_pairs += prefers ? 1 : 0;
+      std::map<bool, std::pair<std::int64_t, std::int64_t>> counts;  // cells on -> (bytes, runs)
+      for (const bool cells : {true, false}) {
+        SCOPED_TRACE(::testing::PrintToString(c) + (cells ? " cells on" : " cells off"));
+        const BackendOptions options{{"loopback_cells", cells ? "1" : "0"}};
+        Side d, p;
+        EnginesFirst guard({&d, &p});
+        ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", CellLayers(lp, 7), 3, options));
+        ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", CellLayers(rp, 5), 4, options));
+        ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+        ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+        const std::vector<std::int64_t> d_ids = {6, 0, 3}, p_ids = {1, 4, 2};
+        // READ: D pulls P's blocks.
+        std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+        std::vector<bool> touched(expected.size(), false);
+        const std::int64_t bytes =
+            ApplyReference(d, p, {"kv"}, d_ids, p_ids, &expected, &touched);
+        ASSERT_TRUE(d.engine->Read("r", "P", d_ids, p_ids).ok());
+        Events d_events(d.engine.get());
+        TransferEvent e = d_events.Wait("r");
+        EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+        EXPECT_EQ(e.bytes, bytes);
+        EXPECT_EQ(e.batches, 1);
+        EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
+        ExpectBytes(d.buffer->Snapshot(), expected, touched);
+        counts[cells] = {e.bytes, e.runs};
+        // WRITE: P pushes its blocks back into other blocks of D's.
+        const std::vector<std::int64_t> d_to = {2, 5};
+        std::vector<std::uint8_t> w_expected = d.buffer->Snapshot();
+        std::vector<bool> w_touched(w_expected.size(), false);
+        ApplyReference(d, p, {"kv"}, d_to, {0, 3}, &w_expected, &w_touched);
+        Result<bool> w = p.engine->WriteLayer("w", "kv", "D", std::vector<std::int64_t>{0, 3}, d_to);
+        ASSERT_TRUE(w.ok() && *w) << w.status().ToString();
+        ASSERT_TRUE(p.engine->Seal("w", "D", 1).ok());
+        Events p_events(p.engine.get());
+        e = p_events.Wait("w");
+        EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+        EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
+        ExpectBytes(d.buffer->Snapshot(), w_expected, w_touched);
+      }
+      EXPECT_EQ(counts[true], counts[false]) << ::testing::PrintToString(c)
+                                             << ": bytes and runs must not depend on the path";
+    }
+  }
+  EXPECT_GE(cell_pairs, 8) << "the NHD/HND pairs must prefer cells";
+}
+
+// A READ over layers of two cell geometries and one run layer: one batch each, all bytes.
+TEST(EngineCells, LayersOfDifferentGeometriesGoInTheirOwnCellBatches) {
+  auto layers = [](bool hnd) {
+    const Physical kv = hnd ? Physical::kInterleavedHB : Physical::kSeparated;
+    return std::vector<TestLayer>{MakeLayer("a", kv, 6, 4, 8, 16, 2),
+                                  MakeLayer("b", kv, 6, 2, 16, 8, 2),
+                                  MakeLayer("c", kv, 6, 4, 8, 16, 2),
+                                  MakeLayer("lat", Physical::kLatent, 6, 1, 8, 32, 2)};
+  };
+  Side d, p;
+  EnginesFirst guard({&d, &p});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", layers(true), 5));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", layers(false), 6));
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::int64_t> d_ids = {5, 1, 2}, p_ids = {0, 4, 3};
+  const std::int64_t bytes = ApplyReference(d, p, Names(d), d_ids, p_ids, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("mixed", "P", d_ids, p_ids).ok());
+  Events events(d.engine.get());
+  const TransferEvent e = events.Wait("mixed");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.batches, 3) << "a and c share a cell batch, b has its own, lat goes as runs";
+  EXPECT_EQ(e.cell_batches, 2);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
+// Cell batches are cut at a layer boundary once they hold 8192 blocks, as run batches at 8192
+// runs: five layers of 3000 blocks give one batch of three layers and one of two.
+TEST(EngineCells, ManyBlocksAreSubmittedInPiecesAndEveryByteArrives) {
+  auto layers = [](Physical physical) {
+    std::vector<TestLayer> out;
+    for (int i = 0; i < 5; ++i) {
+      out.push_back(MakeLayer("kv." + std::to_string(i), physical, 3000, 2, 4, 1, 2));
+    }
+    return out;
+  };
+  Side d, p;
+  EnginesFirst guard({&d, &p});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", layers(Physical::kInterleavedHB), 7));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", layers(Physical::kSeparated), 8));
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  std::vector<std::int64_t> local(3000), remote(3000);
+  for (std::int64_t i = 0; i < 3000; ++i) {
+    local[i] = i;
+    remote[i] = 2999 - i;
+  }
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::int64_t bytes = ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("big", "P", local, remote).ok());
+  Events events(d.engine.get());
+  const TransferEvent e = events.Wait("big");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.batches, 2);
+  EXPECT_EQ(e.cell_batches, 2);
+  EXPECT_EQ(e.runs, 5 * 3000 * 16) << "the runs the cells replace: 16 per block and layer";
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
 // Four latent layers of one 4-byte run per block. D's last layer is one block shorter, so an id

@@ -258,7 +258,8 @@ def test_unknown_backend_and_available_backends() -> None:
 def test_misspelt_option_is_refused_and_other_backends_keys_are_ignored() -> None:
     with pytest.raises(
         mn.InvalidArgumentError,
-        match=r"unknown option 'loopback_delay' for backend loopback; known: loopback_delay_ms",
+        match=r"unknown option 'loopback_delay' for backend loopback; "
+        r"known: loopback_cells, loopback_delay_ms",
     ):
         mn.Engine("x", "loopback", options={"loopback_delay": 5})
     with pytest.raises(mn.InvalidArgumentError, match="unknown option 'qp_per_transfr'"):

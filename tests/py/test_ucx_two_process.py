@@ -307,7 +307,8 @@ def _cuda_available() -> bool:
 def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
     """Both processes hold their caches in CUDA memory (one device backing each, same mixed
     layouts as above): READ and WRITE over UCX (CUDA IPC on one node; the gather/scatter kernel
-    when ucp_rkey_ptr maps the peer), every byte of both backings checked."""
+    when ucp_rkey_ptr maps the peer, the transposing cell kernel for the layer pairs of different
+    axis orders), every byte of both backings checked."""
     prefill_child = Child("prefill", {}, cuda=True)
     try:
         decode = _caches("decode")
@@ -322,6 +323,9 @@ def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
         engine.read("req-gr", "prefill-child", local, remote)
         event = engine.wait(["req-gr"], timeout=TIMEOUT)["req-gr"]
         assert (event.kind, event.state) == ("read", "done"), event.message
+        # dense.0-2 pair different axis orders (runs of single 16-byte cells): they move as
+        # cells, one submit_cells per layer's geometry (three different ones).
+        assert event.cell_batches == 3, event
         np.testing.assert_array_equal(gpu.to_host(), expected)
         np.testing.assert_array_equal(prefill_child.backing(), prefill_replica.backing)
 
@@ -334,6 +338,7 @@ def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
         engine.seal("req-gw", "prefill-child", expected_writes=len(decode.shapes))
         event = engine.wait(["req-gw"], timeout=TIMEOUT)["req-gw"]
         assert (event.kind, event.state) == ("write", "done"), event.message
+        assert event.cell_batches == 3, event  # one batch per layer
         np.testing.assert_array_equal(prefill_child.backing(), expected_remote)
     finally:
         assert prefill_child.stop() == 0

@@ -137,8 +137,11 @@ bool ParsePair(std::string_view s, std::uint64_t* a, std::uint64_t* b) {
 
 class LoopbackBackend final : public Backend {
  public:
-  LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms)
-      : sink_(std::move(sink)), delay_ms_(delay_ms), instance_(Directory::Get().AddInstance()) {
+  LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms, bool cells)
+      : sink_(std::move(sink)),
+        delay_ms_(delay_ms),
+        cells_(cells),
+        instance_(Directory::Get().AddInstance()) {
     Directory::Get().MarkLive(instance_);
     worker_ = std::thread([this] { Run(); });
   }
@@ -257,12 +260,24 @@ class LoopbackBackend final : public Backend {
                                   std::to_string(batch->remote_region) +
                                   " does not belong to peer " + std::to_string(batch->peer));
     }
+    if (batch->cells && !cells_) {
+      return FailedPreconditionError("batch " + std::to_string(batch->token) +
+                                     " is a cell batch; loopback_cells is off");
+    }
     MORIIO_RETURN_IF_ERROR(
-        CheckBatchRuns(*batch, local->second.size, remote->second.range.size));
+        batch->cells ? CheckBatchCells(*batch, local->second.size, remote->second.range.size)
+                     : CheckBatchRuns(*batch, local->second.size, remote->second.range.size));
     ++in_flight_[batch->local_region];
     queue_.push_back(std::move(batch));
     cv_.notify_one();
     return Status::OK();
+  }
+
+  // Every region here is host memory, which CopyBlockCells reaches.
+  bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
+                    const CellGeometry&) const override {
+    std::lock_guard lock(mu_);
+    return cells_ && regions_.count(local_region) && remotes_.count(remote_region);
   }
 
  private:
@@ -293,6 +308,14 @@ class LoopbackBackend final : public Backend {
     // Runs were checked against these ranges at Submit (a region's range never changes).
     const MemoryRange& l_range = *local.range();
     const MemoryRange& r_range = *peer.range();
+    if (b.cells) {
+      CopyBlockCells(b.cells->geometry, b.cells->blocks,
+                     reinterpret_cast<std::byte*>(l_range.address),
+                     reinterpret_cast<std::byte*>(r_range.address),
+                     b.op == TransferOp::kRead ? CellCopyDirection::kRemoteToLocal
+                                               : CellCopyDirection::kLocalToRemote);
+      return Status::OK();
+    }
     for (std::size_t i = 0; i < b.sizes.size(); ++i) {
       auto* l = reinterpret_cast<std::uint8_t*>(l_range.address + b.local_offsets[i]);
       auto* r = reinterpret_cast<std::uint8_t*>(r_range.address + b.remote_offsets[i]);
@@ -331,8 +354,9 @@ class LoopbackBackend final : public Backend {
 
   const std::shared_ptr<CompletionSink> sink_;
   const int delay_ms_;
+  const bool cells_;
   const std::uint64_t instance_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
   std::uint64_t next_handle_ = 1;
@@ -356,8 +380,16 @@ Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& opt
                                   it->second + "'");
     }
   }
+  bool cells = true;
+  if (auto it = options.find("loopback_cells"); it != options.end()) {
+    if (it->second != "0" && it->second != "1") {
+      return InvalidArgumentError("loopback_cells must be '0' or '1', got '" + it->second + "'");
+    }
+    cells = it->second == "1";
+  }
   if (!sink) return InvalidArgumentError("a completion sink is required");
-  return std::unique_ptr<Backend>(std::make_unique<LoopbackBackend>(std::move(sink), delay_ms));
+  return std::unique_ptr<Backend>(
+      std::make_unique<LoopbackBackend>(std::move(sink), delay_ms, cells));
 }
 
 }  // namespace moriio_native::detail

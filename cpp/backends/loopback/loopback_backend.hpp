@@ -11,9 +11,11 @@
 namespace moriio_native::detail {
 
 /// The option keys the loopback backend accepts (see BackendOptions).
-inline constexpr std::string_view kLoopbackOptionKeys[] = {"loopback_delay_ms"};
+inline constexpr std::string_view kLoopbackOptionKeys[] = {"loopback_delay_ms", "loopback_cells"};
 
-/// Options: "loopback_delay_ms" (sleep before each batch, for tests of pending/timeout paths).
+/// Options: "loopback_delay_ms" (sleep before each batch, for tests of pending/timeout paths);
+/// "loopback_cells" ("1", the default: cell batches between any two regions, copied with the CPU
+/// reference CopyBlockCells; "0": runs only, so tests reach the engine's run fallback).
 Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& options,
                                                        std::shared_ptr<CompletionSink> sink);
 

@@ -18,6 +18,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <limits>
 #include <list>
 #include <map>
 #include <mutex>
@@ -232,6 +233,22 @@ struct RemoteRegion {
 
 enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy, kCma };
 
+/// The largest cell the CUDA copy plugin's cell kernel takes (cudacopy_abi.h).
+constexpr std::int64_t kMaxCudaCellBytes = 16384;
+
+/// Whether cell batches of `g` between these regions run on the CUDA copy path, the only one
+/// with a transposing copy: both ends CUDA memory, the remote one mapped into this process, the
+/// plugin loaded, and a geometry in its ranges. Fixed for the pair's lifetime (the kinds and
+/// the mapping are set at registration and import).
+bool TakesCells(const LocalRegion& local, const RemoteRegion& remote, const CellGeometry& g) {
+  constexpr std::int64_t kMax32 = std::numeric_limits<std::uint32_t>::max();
+  return remote.direct != nullptr && local.range.kind == MemoryKind::kCuda &&
+         remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr &&
+         (g.planes == 1 || g.planes == 2) && g.heads >= 1 && g.heads <= kMax32 &&
+         g.tokens >= 1 && g.tokens <= kMax32 && g.cell_bytes >= 1 &&
+         g.cell_bytes <= kMaxCudaCellBytes;
+}
+
 /// A submitted batch while the worker thread drives it. Worker thread only.
 struct ActiveBatch {
   UcxBackend* owner = nullptr;
@@ -274,6 +291,8 @@ class UcxBackend final : public Backend {
                                            std::span<const std::uint8_t> remote_key) override;
   Status DisconnectPeer(std::uint64_t peer) override;
   Status Submit(std::shared_ptr<const Batch> batch) override;
+  bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
+                    const CellGeometry& geometry) const override;
   Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
   Status Free(const MemoryRange& range) override;
 
@@ -309,6 +328,8 @@ class UcxBackend final : public Backend {
   bool HandlePeerFailures();
   bool FinishBatches();
   void StartCudaCopy(ActiveBatch& ab);
+  // The cell part of StartCudaCopy: one submit_cells for the whole batch.
+  void StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
   /// Progresses the worker until `done()` or the deadline; true when done() held.
   bool ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline);
   void CloseEndpoint(ucp_ep_h ep);
@@ -803,7 +824,16 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
                                   std::to_string(b.remote_region) + " does not belong to peer " +
                                   std::to_string(b.peer));
     }
-    MORIIO_RETURN_IF_ERROR(CheckBatchRuns(b, l->second->range.size, r->second->range.size));
+    if (b.cells && !TakesCells(*l->second, *r->second, b.cells->geometry)) {
+      return FailedPreconditionError(
+          "batch " + std::to_string(b.token) +
+          " is a cell batch, but its copy cannot run on the GPU (both ends must be CUDA memory "
+          "mapped into this process, with the CUDA copy plugin, and cells of 1.." +
+          std::to_string(kMaxCudaCellBytes) + " bytes); AcceptsCells says no for this pair");
+    }
+    MORIIO_RETURN_IF_ERROR(
+        b.cells ? CheckBatchCells(b, l->second->range.size, r->second->range.size)
+                : CheckBatchRuns(b, l->second->range.size, r->second->range.size));
     l->second->inflight++;
     p.local = l->second;
     p.remote = r->second;
@@ -821,6 +851,14 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
   queued_.fetch_add(1);
   Wake();
   return Status::OK();
+}
+
+bool UcxBackend::AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
+                              const CellGeometry& geometry) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto l = regions_.find(local_region);
+  auto r = remotes_.find(remote_region);
+  return l != regions_.end() && r != remotes_.end() && TakesCells(*l->second, *r->second, geometry);
 }
 
 Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {
@@ -1029,6 +1067,13 @@ bool UcxBackend::ActivateSubmitted() {
           "event on the host instead");
       continue;
     }
+    if (ab.batch->cells && !cuda_copy) {
+      // Submit accepted it for this pair, whose memory kinds and mapping never change.
+      ab.stop = true;
+      ab.error = InternalError("cell batch " + std::to_string(ab.batch->token) +
+                               " reached a path other than the CUDA copy");
+      continue;
+    }
     if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
       ab.path = Path::kHostCopy;
     } else if (cuda_copy) {
@@ -1059,14 +1104,18 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
     return;
   }
   const Batch& b = *ab.batch;
+  const std::uint64_t local = ab.local->range.address;
+  const auto remote = reinterpret_cast<std::uint64_t>(ab.remote->direct);
+  const bool write = b.op == TransferOp::kWrite;
+  if (b.cells) {
+    StartCellCopy(ab, queue, local, remote);
+    return;
+  }
   const std::size_t n = b.sizes.size();
   if (n == 0) {
     ab.next_run = 0;
     return;
   }
-  const std::uint64_t local = ab.local->range.address;
-  const auto remote = reinterpret_cast<std::uint64_t>(ab.remote->direct);
-  const bool write = b.op == TransferOp::kWrite;
   const int rc = write ? cc->submit(queue, remote, local, b.remote_offsets.data(),
                                     b.local_offsets.data(), b.sizes.data(), n,
                                     b.device_wait_event, &ab.cuda_op, err, sizeof(err))
@@ -1081,6 +1130,42 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
     return;
   }
   ab.next_run = n;  // all runs are in the one kernel
+}
+
+void UcxBackend::StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local,
+                               std::uint64_t remote) {
+  const Batch& b = *ab.batch;
+  const BatchCells& c = *b.cells;
+  if (c.blocks.size() == 0) return;  // nothing to move: done once polled
+  const bool write = b.op == TransferOp::kWrite;
+  const CellSide& dst = write ? c.geometry.remote : c.geometry.local;
+  const CellSide& src = write ? c.geometry.local : c.geometry.remote;
+  // The ranges were checked by TakesCells at Submit.
+  const moriio_cudacopy_cells cells{static_cast<std::uint32_t>(c.geometry.planes),
+                                    static_cast<std::uint32_t>(c.geometry.heads),
+                                    static_cast<std::uint32_t>(c.geometry.tokens),
+                                    static_cast<std::uint32_t>(c.geometry.cell_bytes),
+                                    dst.plane_stride,
+                                    dst.head_stride,
+                                    dst.token_stride,
+                                    src.plane_stride,
+                                    src.head_stride,
+                                    src.token_stride};
+  const moriio_cudacopy_api* cc = LoadCudaCopy().api;
+  char err[256] = {};
+  const int rc =
+      write ? cc->submit_cells(queue, remote, local, &cells, c.blocks.remote.data(),
+                               c.blocks.local.data(), c.blocks.size(), b.device_wait_event,
+                               &ab.cuda_op, err, sizeof(err))
+            : cc->submit_cells(queue, local, remote, &cells, c.blocks.local.data(),
+                               c.blocks.remote.data(), c.blocks.size(), b.device_wait_event,
+                               &ab.cuda_op, err, sizeof(err));
+  if (rc != 0) {
+    ab.cuda_op = nullptr;
+    ab.stop = true;
+    ab.error = TransportError(std::string("CUDA cell copy of batch ") + std::to_string(b.token) +
+                              " failed to start: " + err);
+  }
 }
 
 bool UcxBackend::PollCudaCopies() {
