@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import moriio_native as mn
+from fault_proxy import FaultProxy
 from moriio_native import kvcache as kc
 from moriio_native.control.channel import HandshakeServer
 from moriio_native.control.messages import HandshakeResponse
@@ -182,6 +183,23 @@ def test_an_address_cannot_take_over_another_address_peer(made: list) -> None:
     with pytest.raises(IncompatiblePeerError, match="connected at"):
         peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
     assert peers.cached(PeerKey(LOCAL, port_a)) is not None
+
+
+def test_one_engine_under_two_addresses_is_one_connection(made: list) -> None:
+    """The same instance behind another address (a forwarder here) answers with the same
+    metadata: both addresses reach it, through one engine peer."""
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    made.append(Prefill("prefill", port, 2))
+    forwarder = FaultProxy(LOCAL, port)
+    peers = directory(decode, made)
+    try:
+        direct = peers.connect(PeerKey(LOCAL, port), 1, accept).result(timeout=30)
+        forwarded = peers.connect(PeerKey(LOCAL, forwarder.port), 1, accept).result(timeout=30)
+    finally:
+        forwarder.close()
+    assert direct.engine_peer == forwarded.engine_peer == "prefill"
+    assert decode.peers() == ["prefill"]
 
 
 def test_probes_run_on_their_own_thread(made: list) -> None:

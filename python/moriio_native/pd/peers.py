@@ -251,19 +251,25 @@ class PeerDirectory:
             requester_engine_id=self._requester,
         )
         validate(response)
+        # The same engine may be reachable under several addresses (host names, a forwarder):
+        # with the same metadata it is one connection. Other metadata under an engine id that is
+        # connected at another address would replace that address's peer: refused.
         with self._lock:
             elsewhere = next(
                 (
                     k
                     for k, p in self._peers.items()
-                    if p.response.engine_id == response.engine_id and k != key
+                    if p.response.engine_id == response.engine_id
+                    and k != key
+                    and p.response.engine_metadata != response.engine_metadata
                 ),
                 None,
             )
         if elsewhere is not None:
             raise IncompatiblePeerError(
-                f"peer at {key} answers as engine {response.engine_id!r}, which is connected at "
-                f"{elsewhere}; refusing to let one address replace another's peer"
+                f"peer at {key} answers as engine {response.engine_id!r} with other metadata "
+                f"than the one connected at {elsewhere}; refusing to let one address replace "
+                "another's peer"
             )
         # Same engine id with new metadata: that peer restarted under this address (the
         # handshake we just made proved who answers here). The engine swaps the connection.
