@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from moriio_native.control.addressing import (
     KV_TRANSFER_PARAM_KEYS,
+    BlockIdGroups,
     KvTransferParams,
     ZmqAddress,
     format_request_id,
@@ -240,3 +243,12 @@ def test_non_mapping_params_are_rejected():
         parse_kv_transfer_params([("transfer_id", "t")])
     with pytest.raises(InvalidArgumentError, match="transfer_id"):
         KvTransferParams(transfer_id="")
+
+
+def test_addresses_and_block_ids_survive_pickling() -> None:
+    """vLLM pickles the connector metadata that carries them to its worker processes."""
+    address = ZmqAddress("127.0.0.1", 6301, 61005)
+    groups = BlockIdGroups([[1, 2], [3]])
+    again = pickle.loads(pickle.dumps((address, groups)))
+    assert again == (address, groups)
+    assert again[0].format() == address.format()

@@ -263,6 +263,11 @@ class ZmqAddress:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError(f"ZmqAddress is immutable (cannot set {name})")
 
+    def __reduce__(self) -> tuple[type[ZmqAddress], tuple[str, int, int]]:
+        # Pickled inside vLLM's connector metadata (scheduler -> worker processes): rebuilt
+        # through the validating constructor, since the default path sets the slots one by one.
+        return (ZmqAddress, self._key())
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ZmqAddress) and self._key() == other._key()
 
