@@ -414,7 +414,8 @@ class Side:
         w.wait_for_save()
         transfer = w.get_transfer_results(output.finished_req_ids)
         invalid = w.get_block_ids_with_load_errors()
-        stats = w.get_kv_connector_stats()
+        # Worker processes send their stats back pickled, too.
+        stats = pickle.loads(pickle.dumps(w.get_kv_connector_stats()))
         w.clear_connector_metadata()
         req_ids = list(output.num_scheduled_tokens)
         sampled = []
