@@ -1002,6 +1002,34 @@ TEST(UcxBackend, DeadPeerFailsTheBatch) {
   us.backend.reset();
 }
 
+// TCP as the only transport on one host: nothing but UCX's peer-failure detection can end the
+// operations of a peer that died mid-READ (no cma to fail them), so `auto` must ask for it there.
+// Before it did, this batch never completed and the engine kept the transfer quarantined forever.
+TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";  // else plain memory moves by process_vm_readv, no UCX op
+  options["ucx_error_handling"] = "auto";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  // One READ first: UCX connects lazily, and a connection that was never made fails by itself.
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 60, 50, 60)).ok());
+  ASSERT_TRUE(us.sink->Wait(60).ok()) << us.sink->StatusOf(60).ToString();
+  // Stopped, the target cannot answer the gets (TCP gets are served by the target): the READ is
+  // in flight when the target dies.
+  target.Pause();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 61, 500, 61)).ok());
+  target.Kill();
+  mn::Status st = us.sink->Wait(61, std::chrono::seconds(60));
+  EXPECT_FALSE(st.ok()) << "reading from a killed process cannot succeed";
+  EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
+  EXPECT_EQ(us.sink->Count(61), 1);
+  us.backend.reset();
+}
+
 // ---- single-process: bad input is refused with a clear error and changes nothing ---------------
 
 class UcxLocal : public ::testing::Test {

@@ -96,6 +96,29 @@ bool CmaUsable() {
          static_cast<ssize_t>(sizeof(src));
 }
 
+/// Whether `tls` (UCX_TLS syntax) is an explicit list naming no transport that reaches a peer on
+/// this host through memory or the kernel's process-to-process calls. An empty list (UCX's
+/// default), an exclusion list ("^...") or "all" can select shared memory and cma.
+bool TlsExcludeSharedMemory(const std::string& tls) {
+  if (tls.empty() || tls[0] == '^') return false;
+  static constexpr const char* kShared[] = {"all",  "sm",   "shm",      "posix",    "sysv",
+                                            "cma",  "knem", "xpmem",    "cuda_ipc", "rocm_ipc",
+                                            "cuda", "rocm", "gdr_copy"};
+  std::size_t begin = 0;
+  while (begin <= tls.size()) {
+    std::size_t end = tls.find(',', begin);
+    if (end == std::string::npos) end = tls.size();
+    std::string name = tls.substr(begin, end - begin);
+    // A trailing ":aux" (UCX's auxiliary-transport marker) names the same transport.
+    if (const std::size_t colon = name.find(':'); colon != std::string::npos) name.resize(colon);
+    for (const char* shared : kShared) {
+      if (name == shared) return false;
+    }
+    begin = end + 1;
+  }
+  return true;
+}
+
 bool CudaDriverPresent() {
   return DynamicLibrary::Open("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL).ok();
 }
@@ -323,6 +346,9 @@ class UcxBackend final : public Backend {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   bool cma_usable_ = false;  // process_vm_readv works in this process (Init)
+  // The transports in use cannot reach a same-host peer through shared memory or cma (Init):
+  // nothing but peer-failure detection then ends operations to a same-host peer that died.
+  bool network_only_ = false;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   bool pass_memh_ = false;
@@ -380,6 +406,16 @@ Status UcxBackend::Init() {
     }
     if (!user_set("PROTO_EMULATION_ENABLE")) settings.emplace_back("PROTO_EMULATION_ENABLE", "n");
   }
+  // The transport list UCX will use, by the precedence applied below: ucx_config's TLS, then
+  // ucx_tls, then the environment (a default "^cma" is an exclusion list: not network only).
+  std::string tls = options_.tls;
+  if (tls.empty()) {
+    if (const char* env = std::getenv("UCX_TLS")) tls = env;
+  }
+  for (const auto& [n, v] : options_.config) {
+    if (n == "TLS") tls = v;
+  }
+  network_only_ = TlsExcludeSharedMemory(tls);
   const std::size_t first_explicit = settings.size();
   if (!options_.tls.empty()) settings.emplace_back("TLS", options_.tls);
   if (!options_.net_devices.empty()) settings.emplace_back("NET_DEVICES", options_.net_devices);
@@ -626,11 +662,14 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // PEER mode makes a dead peer fail its operations instead of aborting this process, but in
     // UCX 1.22 no shared-memory transport (sysv, posix, cma, cuda_ipc) supports it: asking for it
     // on one host turns every put/get into software emulation over tcp. On one host a dead peer
-    // fails cma operations with an error anyway, and the direct paths need no peer at all.
+    // fails cma operations with an error anyway, and the direct paths need no peer at all. When
+    // the configured transports are network ones only (UCX_TLS=tcp), a same-host peer is reached
+    // over them exactly like a remote one: without PEER mode nothing would ever end the
+    // operations of a peer that died, so auto asks for it there too.
     const bool same_host = wire.host == LocalHostId();
     const bool want_peer_mode =
         options_.error_handling == ErrorHandling::kPeer ||
-        (options_.error_handling == ErrorHandling::kAuto && !same_host);
+        (options_.error_handling == ErrorHandling::kAuto && (!same_host || network_only_));
     ep.err_mode = want_peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = &UcxBackend::OnPeerError;
     ep.err_handler.arg = peer.get();
