@@ -54,6 +54,9 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 constexpr auto kDrainDeadline = std::chrono::seconds(5);
 // How long teardown then waits for UCX to report the operations the forced close cancelled.
 constexpr auto kCancelDeadline = std::chrono::seconds(1);
+// How often the progress thread checks that a same-host peer without UCX peer-failure detection
+// still exists while operations to it are in flight (one process_vm_readv per such peer).
+constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
 
 ucs_memory_type_t ToUcs(MemoryKind kind) {
   switch (kind) {
@@ -243,6 +246,9 @@ struct PeerState {
   // Set when ConnectPeer proved the peer is a process of this host and pid namespace (see
   // ProcessIdentity): host memory then moves by batched process_vm_readv/writev.
   ProcessIdentity cma_identity;  // pid 0: not proven
+  // Set when the endpoint has no UCX peer-failure detection (same host) and the peer's identity
+  // was proven: the progress thread then detects the peer's death itself (CheckPeersAlive).
+  ProcessIdentity liveness_identity;  // pid 0: not watched
 };
 
 struct RemoteRegion {
@@ -269,6 +275,9 @@ struct ActiveBatch {
   void* cuda_op = nullptr;
   bool cma_checked = false;  // Path::kCma: the peer's cookie was read again for this batch
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
+  // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
+  // without peer-failure detection): kept only so their callbacks find it.
+  bool abandoned = false;
   Status error;
 
   std::size_t runs() const { return batch->sizes.size(); }
@@ -329,6 +338,7 @@ class UcxBackend final : public Backend {
   bool CmaCopies();
   void CmaCopy(ActiveBatch& ab, std::uint64_t& budget);
   bool PollCudaCopies();
+  bool CheckPeersAlive();
   bool HandlePeerFailures();
   bool FinishBatches();
   void StartCudaCopy(ActiveBatch& ab);
@@ -375,6 +385,10 @@ class UcxBackend final : public Backend {
   std::list<ActiveBatch> active_;
   std::size_t outstanding_ops_ = 0;
   std::vector<std::uint64_t> failed_peers_;
+  Clock::time_point next_liveness_check_{};
+  // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
+  // dropped once those requests do end, else when the worker is destroyed.
+  std::list<ActiveBatch> abandoned_;
   std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
   int cuda_device_ = 0;               // device of our CUDA registrations (last one registered)
 };
@@ -662,14 +676,18 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // PEER mode makes a dead peer fail its operations instead of aborting this process, but in
     // UCX 1.22 no shared-memory transport (sysv, posix, cma, cuda_ipc) supports it: asking for it
     // on one host turns every put/get into software emulation over tcp. On one host a dead peer
-    // fails cma operations with an error anyway, and the direct paths need no peer at all. When
-    // the configured transports are network ones only (UCX_TLS=tcp), a same-host peer is reached
-    // over them exactly like a remote one: without PEER mode nothing would ever end the
-    // operations of a peer that died, so auto asks for it there too.
+    // fails cma operations with an error anyway, and the direct paths need no peer at all. Over
+    // network transports (UCX_TLS=tcp) nothing in UCX ends the operations of a dead same-host
+    // peer without PEER mode, so the progress thread watches a peer whose identity it can prove
+    // (CheckPeersAlive). PEER mode is not asked for there: with it, UCX 1.22 in the *peer*
+    // aborts when this process dies with gets queued at it (docs/backends-ucx.md). Only a peer
+    // that cannot be watched (identity unproven) over network transports gets PEER mode.
     const bool same_host = wire.host == LocalHostId();
+    const bool proven = same_host && VerifyProcessIdentity(wire.process);
     const bool want_peer_mode =
         options_.error_handling == ErrorHandling::kPeer ||
-        (options_.error_handling == ErrorHandling::kAuto && (!same_host || network_only_));
+        (options_.error_handling == ErrorHandling::kAuto &&
+         (!same_host || (network_only_ && !proven)));
     ep.err_mode = want_peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = &UcxBackend::OnPeerError;
     ep.err_handler.arg = peer.get();
@@ -688,8 +706,9 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     }
     // Plain host memory of a peer on this host then moves by batched process_vm_readv/writev
     // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
-    if (same_host && options_.direct_copy && cma_usable_ && VerifyProcessIdentity(wire.process)) {
-      peer->cma_identity = wire.process;
+    if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
+    if (proven && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
+      peer->liveness_identity = wire.process;
     }
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -941,6 +960,10 @@ void UcxBackend::OnOpDone(void* request, ucs_status_t status, void* user_data) {
   auto* ab = static_cast<ActiveBatch*>(user_data);
   UcxBackend* self = ab->owner;
   ab->outstanding--;
+  if (ab->abandoned) {
+    self->api_->request_free(request);
+    return;
+  }
   self->outstanding_ops_--;
   if (status != UCS_OK && ab->error.ok()) {
     std::string hint;
@@ -983,6 +1006,7 @@ void UcxBackend::Loop() {
     did |= CmaCopies();
     did |= PollCudaCopies();
     if (api_->worker_progress(worker_) != 0) did = true;
+    did |= CheckPeersAlive();
     did |= HandlePeerFailures();
     did |= FinishBatches();
 
@@ -1340,6 +1364,73 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
   }
 }
 
+bool UcxBackend::CheckPeersAlive() {
+  abandoned_.remove_if([](const ActiveBatch& ab) { return ab.outstanding == 0; });
+  if (outstanding_ops_ == 0) return false;
+  const auto now = Clock::now();
+  if (now < next_liveness_check_) return false;
+  next_liveness_check_ = now + kLivenessInterval;
+  std::vector<std::shared_ptr<PeerState>> dead;
+  for (auto& ab : active_) {
+    const std::shared_ptr<PeerState>& peer = ab.remote->peer;
+    if (ab.outstanding == 0 || peer->liveness_identity.pid == 0 || peer->ep == nullptr ||
+        std::find(dead.begin(), dead.end(), peer) != dead.end()) {
+      continue;
+    }
+    // A connection error UCX reported (OnPeerError) ends nothing either without PEER mode.
+    if (peer->failed) {
+      dead.push_back(peer);
+      continue;
+    }
+    if (VerifyProcessIdentity(peer->liveness_identity)) continue;
+    peer->failed = true;
+    peer->failure = TransportError(
+        "peer " + std::to_string(peer->id) + " (pid " +
+        std::to_string(peer->liveness_identity.pid) +
+        " on this host) exited with UCX operations in flight to it");
+    failed_peers_.push_back(peer->id);
+    dead.push_back(peer);
+  }
+  // Without PEER mode UCX never ends operations to a dead peer, not even on a forced close (it
+  // tracks requests per endpoint only in PEER mode): close the endpoint so nothing more goes to
+  // it, then complete its batches with the cause and keep them, abandoned, for the callbacks UCX
+  // may still make. Nothing can land in their local memory any more: the peer is gone. The rkeys
+  // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
+  std::vector<std::pair<std::uint64_t, Status>> done;
+  for (auto& peer : dead) {
+    CloseEndpoint(peer->ep);
+    peer->ep = nullptr;
+    for (auto it = active_.begin(); it != active_.end();) {
+      ActiveBatch& ab = *it;
+      if (ab.remote->peer != peer || ab.outstanding == 0) {
+        ++it;
+        continue;
+      }
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = peer->failure;
+      ab.abandoned = true;
+      outstanding_ops_ -= ab.outstanding;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ab.local->inflight--;
+      }
+      done.emplace_back(ab.batch->token, ab.error);
+      auto next = std::next(it);
+      abandoned_.splice(abandoned_.end(), active_, it);
+      it = next;
+    }
+  }
+  for (auto& peer : dead) {
+    for (auto& ab : active_) {
+      if (ab.remote->peer != peer) continue;
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = peer->failure;
+    }
+  }
+  for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
+  return !dead.empty();
+}
+
 bool UcxBackend::HandlePeerFailures() {
   if (failed_peers_.empty()) return false;
   std::vector<std::uint64_t> ids;
@@ -1480,6 +1571,7 @@ void UcxBackend::Shutdown() {
     stuck_done.emplace_back(ab.batch->token, std::move(st));
   }
   stuck.splice(stuck.end(), active_);
+  stuck.splice(stuck.end(), abandoned_);
   for (auto& [token, st] : stuck_done) sink_->OnBatchComplete(token, std::move(st));
   for (auto& [device, queue] : cuda_queues_) LoadCudaCopy().api->destroy_queue(queue);
   cuda_queues_.clear();
