@@ -459,6 +459,38 @@ bool DenyCmaWithSeccomp() {
 
 constexpr std::uint64_t kSeccompReadSeed = 7, kSeccompWriteSeed = 8, kSeccompLocalSeed = 556;
 
+/// An initiating child's backend, connected to the target whose address, key and base arrive on
+/// `fd`, with `kRegion` bytes of its own heap memory registered. Exits with code 5 on any failure.
+struct ChildSide {
+  std::shared_ptr<Sink> sink = std::make_shared<Sink>();
+  std::unique_ptr<Memory> local;  // declared first: destroyed after the backend
+  std::unique_ptr<mn::Backend> backend;
+  std::uint64_t local_region = 0, peer = 0, remote_region = 0;
+
+  ChildSide(int fd, const mn::BackendOptions& options, const char* who) {
+    auto fail = [&](const std::string& why) {
+      std::fprintf(stderr, "ucx test %s: %s\n", who, why.c_str());
+      std::_Exit(5);
+    };
+    std::string why;
+    auto created = Plugin(&why)->create(options, sink);
+    if (!created.ok()) fail(created.status().ToString());
+    backend = std::move(created).value();
+    local = Memory::Make(*backend, kRegion, Mem::kHeap);
+    auto reg = backend->RegisterMemory(local->range);
+    std::vector<std::uint8_t> address, key, base;
+    if (!reg.ok() || !Recv(fd, address) || !Recv(fd, key) || !Recv(fd, base)) fail("setup");
+    local_region = reg->handle;
+    auto connected = backend->ConnectPeer(address);
+    if (!connected.ok()) fail(connected.status().ToString());
+    peer = *connected;
+    const mn::MemoryRange range{AsU64(base), kRegion, mn::MemoryKind::kHost, -1};
+    auto remote = backend->ImportRemoteRegion(peer, range, key);
+    if (!remote.ok()) fail(remote.status().ToString());
+    remote_region = *remote;
+  }
+};
+
 /// Initiator child for the seccomp test: cma refused in this process, then one READ (checked
 /// here) and one WRITE (checked by the parent on the target) with the target whose address, key
 /// and base arrive on `fd`. Exit codes: 0 ok, 4 seccomp unavailable, 5 setup, 6 READ, 7 WRITE.
@@ -468,21 +500,10 @@ constexpr std::uint64_t kSeccompReadSeed = 7, kSeccompWriteSeed = 8, kSeccompLoc
     std::_Exit(code);
   };
   if (!DenyCmaWithSeccomp()) fail(4, "cannot install the seccomp filter");
-  auto sink = std::make_shared<Sink>();
-  std::string why;
-  std::unique_ptr<Memory> local;
-  auto created = Plugin(&why)->create(options, sink);
-  if (!created.ok()) fail(5, created.status().ToString());
-  std::unique_ptr<mn::Backend> backend = std::move(created).value();
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  std::vector<std::uint8_t> address, key, base;
-  if (!reg.ok() || !Recv(fd, address) || !Recv(fd, key) || !Recv(fd, base)) fail(5, "setup");
-  auto peer = backend->ConnectPeer(address);
-  if (!peer.ok()) fail(5, peer.status().ToString());
-  const mn::MemoryRange range{AsU64(base), kRegion, mn::MemoryKind::kHost, -1};
-  auto remote = backend->ImportRemoteRegion(*peer, range, key);
-  if (!remote.ok()) fail(5, remote.status().ToString());
+  ChildSide side(fd, options, "initiator");
+  auto& sink = side.sink;
+  auto& local = side.local;
+  auto& backend = side.backend;
   std::uint64_t token = 0;
   for (auto op : {mn::TransferOp::kRead, mn::TransferOp::kWrite}) {
     const bool read = op == mn::TransferOp::kRead;
@@ -491,9 +512,9 @@ constexpr std::uint64_t kSeccompReadSeed = 7, kSeccompWriteSeed = 8, kSeccompLoc
     local->Write(want_local);
     auto b = std::make_shared<mn::Batch>();
     b->op = op;
-    b->local_region = reg->handle;
-    b->peer = *peer;
-    b->remote_region = *remote;
+    b->local_region = side.local_region;
+    b->peer = side.peer;
+    b->remote_region = side.remote_region;
     b->token = ++token;
     MakeRuns(*b, kRegion, 500, read ? kSeccompReadSeed : kSeccompWriteSeed);
     Apply(*b, want_local, want_remote);
@@ -505,8 +526,8 @@ constexpr std::uint64_t kSeccompReadSeed = 7, kSeccompWriteSeed = 8, kSeccompLoc
   if (!Send(fd, {'W'})) fail(7, "send");
   std::vector<std::uint8_t> quit;
   Recv(fd, quit);
-  (void)backend->DisconnectPeer(*peer);
-  (void)backend->DeregisterMemory(reg->handle);
+  (void)backend->DisconnectPeer(side.peer);
+  (void)backend->DeregisterMemory(side.local_region);
   backend.reset();
   std::_Exit(0);
 }
@@ -519,33 +540,19 @@ constexpr std::uint64_t kSeccompReadSeed = 7, kSeccompWriteSeed = 8, kSeccompLoc
     std::fprintf(stderr, "ucx test reader: %s\n", why.c_str());
     std::_Exit(code);
   };
-  auto sink = std::make_shared<Sink>();
-  std::string why;
-  std::unique_ptr<Memory> local;
-  auto created = Plugin(&why)->create(options, sink);
-  if (!created.ok()) fail(5, created.status().ToString());
-  std::unique_ptr<mn::Backend> backend = std::move(created).value();
-  local = Memory::Make(*backend, kRegion, Mem::kHeap);
-  auto reg = backend->RegisterMemory(local->range);
-  std::vector<std::uint8_t> address, key, base;
-  if (!reg.ok() || !Recv(fd, address) || !Recv(fd, key) || !Recv(fd, base)) fail(5, "setup");
-  auto peer = backend->ConnectPeer(address);
-  if (!peer.ok()) fail(5, peer.status().ToString());
-  const mn::MemoryRange range{AsU64(base), kRegion, mn::MemoryKind::kHost, -1};
-  auto remote = backend->ImportRemoteRegion(*peer, range, key);
-  if (!remote.ok()) fail(5, remote.status().ToString());
+  ChildSide side(fd, options, "reader");
   auto read = [&](std::uint64_t token, std::size_t runs) {
     auto b = std::make_shared<mn::Batch>();
     b->op = mn::TransferOp::kRead;
-    b->local_region = reg->handle;
-    b->peer = *peer;
-    b->remote_region = *remote;
+    b->local_region = side.local_region;
+    b->peer = side.peer;
+    b->remote_region = side.remote_region;
     b->token = token;
     MakeRuns(*b, kRegion, runs, token);
-    if (!backend->Submit(b).ok()) fail(5, "submit");
+    if (!side.backend->Submit(b).ok()) fail(5, "submit");
   };
   read(1, 50);
-  mn::Status st = sink->Wait(1);
+  mn::Status st = side.sink->Wait(1);
   if (!st.ok()) fail(6, st.ToString());
   std::vector<std::uint8_t> cmd;
   if (!Send(fd, {'W'}) || !Recv(fd, cmd)) fail(5, "command");
