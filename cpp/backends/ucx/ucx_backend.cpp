@@ -55,6 +55,9 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 constexpr auto kDrainDeadline = std::chrono::seconds(5);
 // How long teardown then waits for UCX to report the operations the forced close cancelled.
 constexpr auto kCancelDeadline = std::chrono::seconds(1);
+// How often the progress thread checks that a same-host peer without UCX peer-failure detection
+// still exists while operations to it are in flight (one process_vm_readv per such peer).
+constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
 
 ucs_memory_type_t ToUcs(MemoryKind kind) {
   switch (kind) {
@@ -95,6 +98,29 @@ bool CmaUsable() {
   iovec remote{src, sizeof(src)};
   return ::process_vm_readv(::getpid(), &local, 1, &remote, 1, 0) ==
          static_cast<ssize_t>(sizeof(src));
+}
+
+/// Whether `tls` (UCX_TLS syntax) is an explicit list naming no transport that reaches a peer on
+/// this host through memory or the kernel's process-to-process calls. An empty list (UCX's
+/// default), an exclusion list ("^...") or "all" can select shared memory and cma.
+bool TlsExcludeSharedMemory(const std::string& tls) {
+  if (tls.empty() || tls[0] == '^') return false;
+  static constexpr const char* kShared[] = {"all",  "sm",   "shm",      "posix",    "sysv",
+                                            "cma",  "knem", "xpmem",    "cuda_ipc", "rocm_ipc",
+                                            "cuda", "rocm", "gdr_copy"};
+  std::size_t begin = 0;
+  while (begin <= tls.size()) {
+    std::size_t end = tls.find(',', begin);
+    if (end == std::string::npos) end = tls.size();
+    std::string name = tls.substr(begin, end - begin);
+    // A trailing ":aux" (UCX's auxiliary-transport marker) names the same transport.
+    if (const std::size_t colon = name.find(':'); colon != std::string::npos) name.resize(colon);
+    for (const char* shared : kShared) {
+      if (name == shared) return false;
+    }
+    begin = end + 1;
+  }
+  return true;
 }
 
 bool CudaDriverPresent() {
@@ -221,6 +247,9 @@ struct PeerState {
   // Set when ConnectPeer proved the peer is a process of this host and pid namespace (see
   // ProcessIdentity): host memory then moves by batched process_vm_readv/writev.
   ProcessIdentity cma_identity;  // pid 0: not proven
+  // Set when the endpoint has no UCX peer-failure detection (same host) and the peer's identity
+  // was proven: the progress thread then detects the peer's death itself (CheckPeersAlive).
+  ProcessIdentity liveness_identity;  // pid 0: not watched
 };
 
 struct RemoteRegion {
@@ -263,6 +292,9 @@ struct ActiveBatch {
   void* cuda_op = nullptr;
   bool cma_checked = false;  // Path::kCma: the peer's cookie was read again for this batch
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
+  // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
+  // without peer-failure detection): kept only so their callbacks find it.
+  bool abandoned = false;
   Status error;
 
   std::size_t runs() const { return batch->sizes.size(); }
@@ -325,6 +357,7 @@ class UcxBackend final : public Backend {
   bool CmaCopies();
   void CmaCopy(ActiveBatch& ab, std::uint64_t& budget);
   bool PollCudaCopies();
+  bool CheckPeersAlive();
   bool HandlePeerFailures();
   bool FinishBatches();
   void StartCudaCopy(ActiveBatch& ab);
@@ -344,6 +377,9 @@ class UcxBackend final : public Backend {
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
   bool cma_usable_ = false;  // process_vm_readv works in this process (Init)
+  // The transports in use cannot reach a same-host peer through shared memory or cma (Init):
+  // nothing but peer-failure detection then ends operations to a same-host peer that died.
+  bool network_only_ = false;
   int epoll_fd_ = -1;
   int wake_fd_ = -1;
   bool pass_memh_ = false;
@@ -370,6 +406,10 @@ class UcxBackend final : public Backend {
   std::list<ActiveBatch> active_;
   std::size_t outstanding_ops_ = 0;
   std::vector<std::uint64_t> failed_peers_;
+  Clock::time_point next_liveness_check_{};
+  // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
+  // dropped once those requests do end, else when the worker is destroyed.
+  std::list<ActiveBatch> abandoned_;
   std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
   int cuda_device_ = 0;               // device of our CUDA registrations (last one registered)
 };
@@ -401,6 +441,16 @@ Status UcxBackend::Init() {
     }
     if (!user_set("PROTO_EMULATION_ENABLE")) settings.emplace_back("PROTO_EMULATION_ENABLE", "n");
   }
+  // The transport list UCX will use, by the precedence applied below: ucx_config's TLS, then
+  // ucx_tls, then the environment (a default "^cma" is an exclusion list: not network only).
+  std::string tls = options_.tls;
+  if (tls.empty()) {
+    if (const char* env = std::getenv("UCX_TLS")) tls = env;
+  }
+  for (const auto& [n, v] : options_.config) {
+    if (n == "TLS") tls = v;
+  }
+  network_only_ = TlsExcludeSharedMemory(tls);
   const std::size_t first_explicit = settings.size();
   if (!options_.tls.empty()) settings.emplace_back("TLS", options_.tls);
   if (!options_.net_devices.empty()) settings.emplace_back("NET_DEVICES", options_.net_devices);
@@ -647,11 +697,18 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // PEER mode makes a dead peer fail its operations instead of aborting this process, but in
     // UCX 1.22 no shared-memory transport (sysv, posix, cma, cuda_ipc) supports it: asking for it
     // on one host turns every put/get into software emulation over tcp. On one host a dead peer
-    // fails cma operations with an error anyway, and the direct paths need no peer at all.
+    // fails cma operations with an error anyway, and the direct paths need no peer at all. Over
+    // network transports (UCX_TLS=tcp) nothing in UCX ends the operations of a dead same-host
+    // peer without PEER mode, so the progress thread watches a peer whose identity it can prove
+    // (CheckPeersAlive). PEER mode is not asked for there: with it, UCX 1.22 in the *peer*
+    // aborts when this process dies with gets queued at it (docs/backends-ucx.md). Only a peer
+    // that cannot be watched (identity unproven) over network transports gets PEER mode.
     const bool same_host = wire.host == LocalHostId();
+    const bool proven = same_host && VerifyProcessIdentity(wire.process);
     const bool want_peer_mode =
         options_.error_handling == ErrorHandling::kPeer ||
-        (options_.error_handling == ErrorHandling::kAuto && !same_host);
+        (options_.error_handling == ErrorHandling::kAuto &&
+         (!same_host || (network_only_ && !proven)));
     ep.err_mode = want_peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = &UcxBackend::OnPeerError;
     ep.err_handler.arg = peer.get();
@@ -670,8 +727,9 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     }
     // Plain host memory of a peer on this host then moves by batched process_vm_readv/writev
     // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
-    if (same_host && options_.direct_copy && cma_usable_ && VerifyProcessIdentity(wire.process)) {
-      peer->cma_identity = wire.process;
+    if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
+    if (proven && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
+      peer->liveness_identity = wire.process;
     }
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -940,6 +998,10 @@ void UcxBackend::OnOpDone(void* request, ucs_status_t status, void* user_data) {
   auto* ab = static_cast<ActiveBatch*>(user_data);
   UcxBackend* self = ab->owner;
   ab->outstanding--;
+  if (ab->abandoned) {
+    self->api_->request_free(request);
+    return;
+  }
   self->outstanding_ops_--;
   if (status != UCS_OK && ab->error.ok()) {
     std::string hint;
@@ -982,6 +1044,7 @@ void UcxBackend::Loop() {
     did |= CmaCopies();
     did |= PollCudaCopies();
     if (api_->worker_progress(worker_) != 0) did = true;
+    did |= CheckPeersAlive();
     did |= HandlePeerFailures();
     did |= FinishBatches();
 
@@ -1386,6 +1449,73 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
   }
 }
 
+bool UcxBackend::CheckPeersAlive() {
+  abandoned_.remove_if([](const ActiveBatch& ab) { return ab.outstanding == 0; });
+  if (outstanding_ops_ == 0) return false;
+  const auto now = Clock::now();
+  if (now < next_liveness_check_) return false;
+  next_liveness_check_ = now + kLivenessInterval;
+  std::vector<std::shared_ptr<PeerState>> dead;
+  for (auto& ab : active_) {
+    const std::shared_ptr<PeerState>& peer = ab.remote->peer;
+    if (ab.outstanding == 0 || peer->liveness_identity.pid == 0 || peer->ep == nullptr ||
+        std::find(dead.begin(), dead.end(), peer) != dead.end()) {
+      continue;
+    }
+    // A connection error UCX reported (OnPeerError) ends nothing either without PEER mode.
+    if (peer->failed) {
+      dead.push_back(peer);
+      continue;
+    }
+    if (VerifyProcessIdentity(peer->liveness_identity)) continue;
+    peer->failed = true;
+    peer->failure = TransportError(
+        "peer " + std::to_string(peer->id) + " (pid " +
+        std::to_string(peer->liveness_identity.pid) +
+        " on this host) exited with UCX operations in flight to it");
+    failed_peers_.push_back(peer->id);
+    dead.push_back(peer);
+  }
+  // Without PEER mode UCX never ends operations to a dead peer, not even on a forced close (it
+  // tracks requests per endpoint only in PEER mode): close the endpoint so nothing more goes to
+  // it, then complete its batches with the cause and keep them, abandoned, for the callbacks UCX
+  // may still make. Nothing can land in their local memory any more: the peer is gone. The rkeys
+  // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
+  std::vector<std::pair<std::uint64_t, Status>> done;
+  for (auto& peer : dead) {
+    CloseEndpoint(peer->ep);
+    peer->ep = nullptr;
+    for (auto it = active_.begin(); it != active_.end();) {
+      ActiveBatch& ab = *it;
+      if (ab.remote->peer != peer || ab.outstanding == 0) {
+        ++it;
+        continue;
+      }
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = peer->failure;
+      ab.abandoned = true;
+      outstanding_ops_ -= ab.outstanding;
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        ab.local->inflight--;
+      }
+      done.emplace_back(ab.batch->token, ab.error);
+      auto next = std::next(it);
+      abandoned_.splice(abandoned_.end(), active_, it);
+      it = next;
+    }
+  }
+  for (auto& peer : dead) {
+    for (auto& ab : active_) {
+      if (ab.remote->peer != peer) continue;
+      ab.stop = true;
+      if (ab.error.ok()) ab.error = peer->failure;
+    }
+  }
+  for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
+  return !dead.empty();
+}
+
 bool UcxBackend::HandlePeerFailures() {
   if (failed_peers_.empty()) return false;
   std::vector<std::uint64_t> ids;
@@ -1526,6 +1656,7 @@ void UcxBackend::Shutdown() {
     stuck_done.emplace_back(ab.batch->token, std::move(st));
   }
   stuck.splice(stuck.end(), active_);
+  stuck.splice(stuck.end(), abandoned_);
   for (auto& [token, st] : stuck_done) sink_->OnBatchComplete(token, std::move(st));
   for (auto& [device, queue] : cuda_queues_) LoadCudaCopy().api->destroy_queue(queue);
   cuda_queues_.clear();

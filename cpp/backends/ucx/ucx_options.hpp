@@ -22,7 +22,9 @@
 ///                     (UCP_ERR_HANDLING_MODE_PEER) and fail its batches; endpoints on one host
 ///                     do not ask for it, because UCX's shared-memory transports (sysv, posix,
 ///                     cma, cuda_ipc) cannot provide it and RMA would fall back to emulation over
-///                     tcp (a dead same-host peer still fails cma operations with an error).
+///                     tcp (a dead same-host peer still fails cma operations with an error;
+///                     over network transports the progress thread watches a same-host peer
+///                     itself, or asks for peer mode when it cannot prove the peer's identity).
 ///                     "peer": always ask (and fail to connect when impossible). "none": never
 ///                     ask (UCX may then abort the process when a remote peer dies).
 ///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
