@@ -180,9 +180,26 @@ def test_an_address_cannot_take_over_another_address_peer(made: list) -> None:
     made.append(Prefill("prefill", port_b, 3))  # claims the same engine id elsewhere
     peers = directory(decode, made)
     peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
-    with pytest.raises(IncompatiblePeerError, match="connected at"):
+    with pytest.raises(IncompatiblePeerError, match="still answering at"):
         peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
     assert peers.cached(PeerKey(LOCAL, port_a)) is not None
+
+
+def test_an_engine_restarted_at_another_address_replaces_the_dead_one(made: list) -> None:
+    """The instance at the first address is gone; the same engine id answers elsewhere with
+    new metadata: a restart, so the new connection replaces the stale one, whose cached
+    handshake is dropped."""
+    decode, _ = engine("decode", 1)
+    port_a, port_b = free_port(), free_port()
+    old = Prefill("prefill", port_a, 2)
+    peers = directory(decode, made)
+    first = peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
+    old.close()
+    made.append(Prefill("prefill", port_b, 3))
+    second = peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
+    assert second.response.engine_metadata != first.response.engine_metadata
+    assert decode.peers() == ["prefill"]
+    assert peers.cached(PeerKey(LOCAL, port_a)) is None
 
 
 def test_one_engine_under_two_addresses_is_one_connection(made: list) -> None:

@@ -234,13 +234,40 @@ class PeerDirectory:
         with self._lock:
             self._inflight.pop(key, None)
             self._failures.pop(key, None)
-            for other in [k for k, p in self._peers.items() if p.engine_peer == peer.engine_peer]:
-                del self._peers[other]  # the same engine under this key, before its restart
+            for other in [
+                k
+                for k, p in self._peers.items()
+                if p.engine_peer == peer.engine_peer
+                and p.response.engine_metadata != peer.response.engine_metadata
+            ]:
+                del self._peers[other]  # the same engine before its restart, at any address
             self._peers[key] = peer
         if self._on_handshake is not None:
             self._on_handshake(peer)
         logger.info("handshake with %s at %s done", peer.response.engine_id, key)
         future.set_result(peer)
+
+    def _check_replaced(self, key: PeerKey, elsewhere: Peer, response: HandshakeResponse) -> None:
+        """``response`` at ``key`` names the engine connected at ``elsewhere`` with other
+        metadata: a restart seen through another address when the instance there answers with
+        the new metadata or not at all; refused while it still answers as it did (two
+        instances claiming one engine id)."""
+        try:
+            there = fetch_metadata(
+                elsewhere.host,
+                elsewhere.key.handshake_port,
+                timeout=self._timeout,
+                security=self._security,
+                requester_engine_id=self._requester,
+            )
+        except MoriioError:
+            return  # gone: its cached handshake is stale
+        if there.engine_metadata == elsewhere.response.engine_metadata:
+            raise IncompatiblePeerError(
+                f"peer at {key} answers as engine {response.engine_id!r} with other metadata "
+                f"than the instance still answering at {elsewhere.key}; refusing to let one "
+                "address replace another's peer"
+            )
 
     def _connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Peer:
         response = fetch_metadata(
@@ -253,11 +280,12 @@ class PeerDirectory:
         validate(response)
         # The same engine may be reachable under several addresses (host names, a forwarder):
         # with the same metadata it is one connection. Other metadata under an engine id that is
-        # connected at another address would replace that address's peer: refused.
+        # connected at another address replaces that connection only once the instance there
+        # proved gone or restarted too.
         with self._lock:
             elsewhere = next(
                 (
-                    k
+                    p
                     for k, p in self._peers.items()
                     if p.response.engine_id == response.engine_id
                     and k != key
@@ -266,11 +294,7 @@ class PeerDirectory:
                 None,
             )
         if elsewhere is not None:
-            raise IncompatiblePeerError(
-                f"peer at {key} answers as engine {response.engine_id!r} with other metadata "
-                f"than the one connected at {elsewhere}; refusing to let one address replace "
-                "another's peer"
-            )
+            self._check_replaced(key, elsewhere, response)
         # Same engine id with new metadata: that peer restarted under this address (the
         # handshake we just made proved who answers here). The engine swaps the connection.
         engine_peer = self._engine().add_peer(response.engine_metadata, replace=True)
