@@ -183,13 +183,7 @@ class PeerDirectory:
 
         def run() -> None:
             try:
-                response = fetch_metadata(
-                    peer.host,
-                    peer.key.handshake_port,
-                    timeout=self._timeout,
-                    security=self._security,
-                    requester_engine_id=self._requester,
-                )
+                response = self._fetch(peer.key)
             except MoriioError as exc:
                 future.set_result(f"it is unreachable ({exc})")
                 return
@@ -247,19 +241,23 @@ class PeerDirectory:
         logger.info("handshake with %s at %s done", peer.response.engine_id, key)
         future.set_result(peer)
 
+    def _fetch(self, key: PeerKey) -> HandshakeResponse:
+        """One handshake with ``key`` under this directory's timeout and security (any thread)."""
+        return fetch_metadata(
+            key.host,
+            key.handshake_port,
+            timeout=self._timeout,
+            security=self._security,
+            requester_engine_id=self._requester,
+        )
+
     def _check_replaced(self, key: PeerKey, elsewhere: Peer, response: HandshakeResponse) -> None:
         """``response`` at ``key`` names the engine connected at ``elsewhere`` with other
         metadata: a restart seen through another address when the instance there answers with
         the new metadata or not at all; refused while it still answers as it did (two
         instances claiming one engine id)."""
         try:
-            there = fetch_metadata(
-                elsewhere.host,
-                elsewhere.key.handshake_port,
-                timeout=self._timeout,
-                security=self._security,
-                requester_engine_id=self._requester,
-            )
+            there = self._fetch(elsewhere.key)
         except MoriioError:
             return  # gone: its cached handshake is stale
         if there.engine_metadata == elsewhere.response.engine_metadata:
@@ -270,13 +268,7 @@ class PeerDirectory:
             )
 
     def _connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Peer:
-        response = fetch_metadata(
-            key.host,
-            key.handshake_port,
-            timeout=self._timeout,
-            security=self._security,
-            requester_engine_id=self._requester,
-        )
+        response = self._fetch(key)
         validate(response)
         # The same engine may be reachable under several addresses (host names, a forwarder):
         # with the same metadata it is one connection. Other metadata under an engine id that is
