@@ -139,6 +139,19 @@ class LayerLayout {
 Result<LayerLayout> DescribeLayer(std::string name, const TensorGeometry& geometry,
                                   const CacheSpec& spec, KvPlaneAxis plane_axis = KvPlaneAxis::kAuto);
 
+/// A rectangle of a block's cell grid: the heads [head_begin, head_begin + heads) and the
+/// tokens [token_begin, token_begin + tokens) of every plane. What a transfer moves when a side
+/// holds only part of the other's block: a head range when prefill and decode split the KV heads
+/// over different TP sizes, a token range when their block sizes differ. nullopt counts run to
+/// the end of the block; the default window is the whole block.
+struct CellWindow {
+  std::int64_t head_begin = 0;
+  std::optional<std::int64_t> heads;
+  std::int64_t token_begin = 0;
+  std::optional<std::int64_t> tokens;
+  friend bool operator==(const CellWindow&, const CellWindow&) = default;
+};
+
 /// One contiguous copy: `size` bytes from local offset to remote offset (or back).
 struct CopyRun {
   std::int64_t local = 0;
