@@ -38,6 +38,22 @@ cuda_variant() {  # name, source, extra nvcc flags...
     -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 |
     grep -E "Compiling entry|registers|spill|error"
 }
+plugin_of() {  # the plugin of variant $1: this tree's build (tree) or one cuda_variant built
+  if [ "$1" = tree ]; then
+    echo "$build/lib/libmoriio_native_cudacopy.so"
+  else
+    echo "$variants/$1/libmoriio_native_cudacopy.so"
+  fi
+}
+run_kernels() {  # "variants" label log [cudacopy_bench arguments]: each variant in turn, logged
+  local names=$1 label=$2 log=$3 v
+  shift 3
+  for v in $names; do
+    echo "== $label, variant $v"
+    timeout 90 python3 bench/cudacopy_bench.py --plugin "$(plugin_of "$v")" --repeats 3 "$@" 2>&1 |
+      grep -v "^one"
+  done 2>&1 | tee "$out/$log"
+}
 build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough for the kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
@@ -169,19 +185,13 @@ cell-variants)  # kernel variants against this tree's: cell copy, and the run ke
     tee "$out/pytest.log" | tail -3
   wait
   for v in tree "${specs[@]%% *}"; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+    p=$(plugin_of "$v")
     echo "== cell copy, variant $v"
     timeout 60 python3 bench/cellcopy_bench.py --plugin "$p" --runs-gib 0 --repeats 3 2>&1 |
       grep -E "x device|rror"
   done 2>&1 | tee "$out/cellvariants.log"
-  for v in tree unfused; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
-    echo "== run kernel, variant $v"
-    timeout 90 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 --run-bytes 4096 \
-      --run-bytes 16384 --run-bytes 32768 --run-bytes 2097152 2>&1
-  done 2>&1 | tee "$out/runvariants.log"
+  run_kernels "tree unfused" "run kernel" runvariants.log --run-bytes 4096 --run-bytes 16384 \
+    --run-bytes 32768 --run-bytes 2097152
   ;;
 run-kernel)  # the run kernel at the limit, kernel alone (no UCX): one call
   build_without_ucx
@@ -202,29 +212,22 @@ run-kernel)  # the run kernel at the limit, kernel alone (no UCX): one call
     tests/py/test_cell_geometry.py 2>&1 | tee "$out/pytest.log" | tail -3
   wait
   for v in tree base; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+    p=$(plugin_of "$v")
     echo "== run kernel, variant $v (batches as the engine cuts them)"
     timeout 100 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 \
       --json "$out/cc_$v.json" 2>&1
   done 2>&1 | tee "$out/runkernel.log"
   for v in "${specs[@]%% *}" tree base; do  # tree and base again: the order's effect
     echo "== run kernel, variant $v"
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+    p=$(plugin_of "$v")
     [ -f "$variants/$v.ptxas" ] && grep -A2 GatherScatterAligned "$variants/$v.ptxas" |
       grep -E "registers|spill"
     timeout 60 python3 bench/cudacopy_bench.py --plugin "$p" \
       --repeats 3 --run-bytes 32768 --run-bytes 65536 --run-bytes 73728 --run-bytes 2097152 2>&1 |
       grep -v "^one"
   done 2>&1 | tee "$out/runvariants.log"
-  for v in tree base; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
-    echo "== small runs in batches of 8,192, variant $v"
-    timeout 40 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 --batch-runs 8192 \
-      --run-bytes 4096 --run-bytes 16384 2>&1 | grep -v "^one"
-  done 2>&1 | tee "$out/smallruns.log"
+  run_kernels "tree base" "small runs in batches of 8,192" smallruns.log --batch-runs 8192 \
+    --run-bytes 4096 --run-bytes 16384
   timeout 100 compute-sanitizer --tool memcheck python3 bench/cudacopy_bench.py --plugin "$plugin" \
     --gib 0.02 --repeats 1 --run-bytes 4100 --run-bytes 4096 --run-bytes 65536 \
     --run-bytes 300000 2>&1 | grep -E "ERROR SUMMARY|runs of|rror" | head -20
@@ -258,8 +261,7 @@ order)  # is the first size measured in a process faster? the same size twice, o
   timeout 100 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 | tail -2
   wait
   for v in tree base; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+    p=$(plugin_of "$v")
     for sizes in "65536 65536 32768 65536" "32768 32768 2097152"; do
       echo "== variant $v, sizes $sizes"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
