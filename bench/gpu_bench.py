@@ -51,6 +51,9 @@ logger = logging.getLogger("moriio_native.bench.gpu")
 PRESETS: dict[str, dict[str, Any]] = {
     "llama3-8b": {"layers": 32, "kind": "kv", "heads": 8, "head": 128, "block": 16},
     "deepseek-v3": {"layers": 61, "kind": "mla", "heads": 1, "head": 576, "block": 64},
+    # One of llama3-8b's 8 KV heads per rank (tensor parallel 8): with ``--layout separated``
+    # every block's K and V planes are 4 KiB runs, the small-run case.
+    "llama3-8b-tp8": {"layers": 32, "kind": "kv", "heads": 1, "head": 128, "block": 16},
 }
 
 
