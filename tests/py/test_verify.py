@@ -258,3 +258,25 @@ def test_handshakes_from_peers_that_predate_verify_mean_verify_off() -> None:
     del wire["verify"], wire["nonce"]
     with pytest.raises(InvalidMessageError, match="lacks nonce"):  # other keys stay required
         decode(msgspec.msgpack.encode(wire), (HandshakeResponse,), max_bytes=4096)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_device_checksums_equal_the_native_host_ones() -> None:
+    """The torch path on the GPU (what the vLLM adapter runs for device caches) against the
+    native core over the same bytes in host memory, for every layout family."""
+    content = logical(8)
+    ids = [4, 1, 5]
+    for name, (tensor, cache_spec) in layouts(content).items():
+        host = both(name, tensor, cache_spec, ids)
+        storage = tensor.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage).cuda()
+        device = raw.view(tensor.dtype).as_strided(
+            tensor.shape, tensor.stride(), tensor.storage_offset()
+        )
+        layout = describe_layer(name, device, cache_spec)
+        np.testing.assert_array_equal(checksum_torch(layout, device, ids), host, err_msg=name)
+        every = list(range(N))
+        before = checksum_torch(layout, device, every)
+        device[(1,) * device.dim()] ^= 1  # one moved byte changes exactly one block's value
+        changed = checksum_torch(layout, device, every)
+        assert int(np.count_nonzero(changed != before)) == 1, name

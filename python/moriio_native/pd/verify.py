@@ -69,7 +69,9 @@ class Verifier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
+        its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- decode -------------------------------------------------------------------------------
 
