@@ -197,27 +197,34 @@ TEST(ChecksumTest, PaddingAndBytesOutsideTheWindowAreNeverRead) {
   EXPECT_NE(Sums(layout, only_window, blocks), Sums(layout, bytes, blocks));
 }
 
+// Fills every cell (plane p, head h, token t) of `to`'s blocks with cell (p, h + head_shift,
+// t + token_shift) of the same block of `from` (no kernel blocks on either side).
+void CopyShiftedCells(const LayerLayout& to, Bytes* to_bytes, const LayerLayout& from,
+                      const Bytes& from_bytes, std::int64_t head_shift, std::int64_t token_shift) {
+  const LayoutParams& d = to.params();
+  const LayoutParams& s = from.params();
+  for (std::int64_t b = 0; b < to.num_blocks(); ++b) {
+    for (int plane = 0; plane < d.num_planes(); ++plane) {
+      for (std::int64_t h = 0; h < to.num_heads(); ++h) {
+        for (std::int64_t t = 0; t < to.block_size(); ++t) {
+          std::memcpy(to_bytes->data() + b * d.block_stride + d.plane_offset[plane] +
+                          h * d.head_stride + t * d.token_stride,
+                      from_bytes.data() + b * s.block_stride + s.plane_offset[plane] +
+                          (h + head_shift) * s.head_stride + (t + token_shift) * s.token_stride,
+                      static_cast<std::size_t>(d.plane_bytes[plane]));
+        }
+      }
+    }
+  }
+}
+
 TEST(ChecksumTest, AWindowEqualsTheWholeBlockOfTheSideThatHoldsOnlyIt) {
   // Heterogeneous TP: the prefill holds 4 heads, a decode rank heads 2..3 only.
   const LayerLayout wide = Layer("wide", {2, 3, 4, 4, 3}, Spec(4, 4, 3, AxisOrder::kNhd));
   const LayerLayout narrow = Layer("narrow", {3, 2, 2, 4, 3}, Spec(4, 2, 3, AxisOrder::kHnd));
   const Bytes wide_bytes = RandomBytes(wide.span_bytes(), 9);
   Bytes narrow_bytes = RandomBytes(narrow.span_bytes(), 10);
-  const LayoutParams& w = wide.params();
-  const LayoutParams& n = narrow.params();
-  for (std::int64_t b = 0; b < 3; ++b) {
-    for (int plane = 0; plane < 2; ++plane) {
-      for (std::int64_t h = 0; h < 2; ++h) {
-        for (std::int64_t t = 0; t < 4; ++t) {
-          std::memcpy(narrow_bytes.data() + b * n.block_stride + n.plane_offset[plane] +
-                          h * n.head_stride + t * n.token_stride,
-                      wide_bytes.data() + b * w.block_stride + w.plane_offset[plane] +
-                          (h + 2) * w.head_stride + t * w.token_stride,
-                      6);
-        }
-      }
-    }
-  }
+  CopyShiftedCells(narrow, &narrow_bytes, wide, wide_bytes, 2, 0);
   const Ids blocks = {2, 0, 1};
   EXPECT_EQ(Sums(wide, wide_bytes, blocks, CellWindow{2, std::nullopt, 0, std::nullopt}),
             Sums(narrow, narrow_bytes, blocks));
@@ -226,20 +233,7 @@ TEST(ChecksumTest, AWindowEqualsTheWholeBlockOfTheSideThatHoldsOnlyIt) {
   // Different block sizes: the second half of a 4-token block is a whole 2-token block.
   const LayerLayout half = Layer("half", {2, 3, 2, 4, 3}, Spec(2, 4, 3));
   Bytes half_bytes = RandomBytes(half.span_bytes(), 11);
-  const LayoutParams& hp = half.params();
-  for (std::int64_t b = 0; b < 3; ++b) {
-    for (int plane = 0; plane < 2; ++plane) {
-      for (std::int64_t h = 0; h < 4; ++h) {
-        for (std::int64_t t = 0; t < 2; ++t) {
-          std::memcpy(half_bytes.data() + b * hp.block_stride + hp.plane_offset[plane] +
-                          h * hp.head_stride + t * hp.token_stride,
-                      wide_bytes.data() + b * w.block_stride + w.plane_offset[plane] +
-                          h * w.head_stride + (t + 2) * w.token_stride,
-                      6);
-        }
-      }
-    }
-  }
+  CopyShiftedCells(half, &half_bytes, wide, wide_bytes, 0, 2);
   EXPECT_EQ(Sums(wide, wide_bytes, blocks, CellWindow{0, std::nullopt, 2, 2}),
             Sums(half, half_bytes, blocks));
 }

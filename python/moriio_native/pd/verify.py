@@ -12,8 +12,9 @@ transfer's two sides (:mod:`moriio_native.verify` computes them over logical cel
 
 A mismatch, a missing answer or a peer that does not verify fails the load: its blocks are
 recomputed, the stats count a verify failure and the log names the transfer, layer and block.
-Checking and computing run on one thread (``moriio-native-verify``), never under the context
-lock; results come back through the callback, on that thread. Thread-safe.
+Checking and computing run on one thread (``moriio-native-verify``; a READ's own checksums on
+a second, while the prefill computes its), never under the context lock; results come back
+through the callback, on the first. Thread-safe.
 """
 
 from __future__ import annotations
@@ -67,11 +68,14 @@ class Verifier:
         self._engine_id = engine_id
         self._timeout = timeout
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
+        # Our side of a READ's check, computed while the prefill computes its own.
+        self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
 
     def shutdown(self) -> None:
         """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
         its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._local.shutdown(wait=False, cancel_futures=True)
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -92,6 +96,7 @@ class Verifier:
                 transfer_id=transfer_id,
                 block_ids=tuple(int(b) for b in remote_ids),
             )
+            ours = self._local.submit(self._checksummer().compute, local_ids)
             try:
                 answer = fetch_checksums(
                     peer.host,
@@ -102,7 +107,9 @@ class Verifier:
                 )
             except MoriioError as exc:
                 return f"no checksums from the prefill {peer.response.engine_id}: {exc}"
-            return self._compare(transfer_id, answer.checksums, local_ids, remote_ids)
+            finally:
+                computed = ours.result()
+            return self._compare(transfer_id, answer.checksums, local_ids, remote_ids, computed)
 
         self._run(transfer_id, check, verdict)
 
@@ -122,7 +129,8 @@ class Verifier:
                     "the prefill's write_done carries no checksums (it does not verify: set "
                     "verify the same on both instances)"
                 )
-            return self._compare(transfer_id, checksums, local_ids, local_ids)
+            ours = self._checksummer().compute(local_ids)
+            return self._compare(transfer_id, checksums, local_ids, local_ids, ours)
 
         self._run(transfer_id, check, verdict)
 
@@ -132,8 +140,8 @@ class Verifier:
         theirs: dict[str, bytes],
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
+        ours: dict[str, bytes],
     ) -> str | None:
-        ours = self._checksummer().compute(local_ids)
         mismatches = compare(ours, theirs, local_ids, remote_ids)
         if not mismatches:
             return None
