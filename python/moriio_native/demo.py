@@ -158,6 +158,9 @@ class ModeStats:
     runs: int = 0
     mismatches: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # With verify: the protocol's integrity checks that passed and failed (the decode's count).
+    integrity_checks: int = 0
+    integrity_failures: int = 0
 
     @property
     def gbps(self) -> float:
@@ -186,6 +189,8 @@ class ModeStats:
             "engine_runs": self.runs,
             "mismatches": list(self.mismatches),
             "failures": list(self.failures),
+            "integrity_checks": self.integrity_checks,
+            "integrity_failures": self.integrity_failures,
         }
 
 
@@ -865,6 +870,8 @@ def run_demo(
                     break
                 if progress is not None:
                     progress(mode, i + 1, cfg.requests)
+            stats.integrity_checks = decode.log.verified
+            stats.integrity_failures = decode.log.verify_failures
         router.send({"type": "shutdown", "grace": 5.0})
         shutdown_sent = True
         stats_msg = router.recv("final stats", timeout=30.0)
