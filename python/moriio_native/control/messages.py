@@ -32,7 +32,9 @@ type                  direction  fields (wire name)
 Handshake channel (request/reply, DEALER <-> ROUTER): ``handshake_request`` (protocol version,
 requester engine id, a fresh nonce) answered by ``handshake_response`` (our native engine
 metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed) or
-``handshake_rejected`` (reason, nonce).
+``handshake_rejected`` (reason, nonce). With ``verify`` on, the same channel carries
+``checksum_request`` (transfer id, the prefill block ids a READ moved, a window, a nonce)
+answered by ``checksum_response`` (per layer, the blocks' checksums) or ``handshake_rejected``.
 
 Proxy registration (DEALER -> the router's ROUTER, exactly vLLM's format):
 ``{"type": "P"|"D", "http_address": "ip:port", "zmq_address": "host:..,handshake:..,notify:..",
@@ -45,6 +47,8 @@ Contents (all values immutable; functions pure and thread-safe):
   :class:`Release`, :class:`AbortWrite`, :class:`WriteAborted` (union :data:`NotifyMessage`,
   tuple :data:`NOTIFY_TYPES`)
 * :class:`HandshakeRequest`, :class:`HandshakeResponse`, :class:`HandshakeRejected`
+* :class:`ChecksumRequest`, :class:`ChecksumResponse` (``verify``: the prefill's block checksums
+  after a READ, on the handshake channel)
 * :class:`ProxyRegistration`
 * :func:`encode` (message -> bytes), :func:`decode` (bytes -> one of the accepted classes)
 * size bounds ``MAX_*_BYTES`` and :data:`PROTOCOL_VERSION`
@@ -61,7 +65,10 @@ from moriio_native.errors import InvalidArgumentError
 
 from .addressing import BlockIdGroups, ZmqAddress, validate_host, validate_port
 from .schema import (
+    MAX_BLOCK_ID,
+    MAX_BLOCK_IDS,
     MAX_REQUEST_ID_LEN,
+    BlockId,
     Id,
     Port,
     Rank,
@@ -80,6 +87,11 @@ MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
 MAX_HANDSHAKE_RESPONSE_BYTES = 64 << 20
 MAX_PING_BYTES = 4 << 10
+# A checksum request carries the block ids the decode read (at most MAX_BLOCK_IDS): it may be
+# larger than a handshake request, and is accepted only by instances that verify.
+MAX_CHECKSUM_REQUEST_BYTES = 8 << 20
+# Layers one checksum message may name.
+MAX_CHECKSUM_LAYERS = 4096
 MAX_REASON_LEN = 1024
 NONCE_BYTES = 16
 TRANSFER_MODES = ("READ", "WRITE")
@@ -93,6 +105,12 @@ Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 FreshNonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=64)]
 EngineMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_HANDSHAKE_RESPONSE_BYTES)]
 HttpAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+#: One layer's block checksums: little-endian uint64, one per block (moriio_native.verify.pack).
+LayerChecksums = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCK_IDS)]
+#: Layer name -> its checksums, for the blocks of one transfer.
+Checksums = Annotated[dict[Id, LayerChecksums], msgspec.Meta(max_length=MAX_CHECKSUM_LAYERS)]
+WindowStart = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+WindowCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 
 
 class InvalidMessageError(InvalidArgumentError):
@@ -158,6 +176,9 @@ class WriteDone(_Message, frozen=True, tag="write_done"):
     transfer_id: Id
     writer_rank: Rank = 0
     num_writers: Size = 1
+    # With ``verify`` on: per layer, the checksums of the prefill blocks written, in the order
+    # of the decode's announced blocks; the decode compares them with its own.
+    checksums: Checksums | None = None
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
@@ -270,6 +291,8 @@ class HandshakeRequest(_Message, frozen=True, tag="handshake_request"):
     requester_engine_id: Id
     nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    # Whether the requester checks every transfer end to end (both sides must agree).
+    verify: bool = False
 
 
 @_tagged
@@ -289,6 +312,7 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     transfer_mode: TransferMode = "READ"
     nonce: Nonce = b""
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    verify: bool = False
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)
@@ -305,8 +329,38 @@ class HandshakeRejected(_Message, frozen=True, tag="handshake_rejected"):
     nonce: Nonce = b""
 
 
-# Handshakes carry every key on the wire: a default only serves the constructor.
+@_tagged
+class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
+    """D -> P on the handshake channel (READ mode, ``verify`` on): after a READ completed, the
+    checksums of the prefill blocks it read, per layer, over the window's cells (``heads`` /
+    ``tokens`` 0: to the end of the block). Sent before the decode's ``release``, so the blocks
+    cannot have changed. Answered by :class:`ChecksumResponse` or :class:`HandshakeRejected`
+    echoing ``nonce``."""
+
+    requester_engine_id: Id
+    transfer_id: Id
+    block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+    nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
+    head_begin: WindowStart = 0
+    heads: WindowCount = 0
+    token_begin: WindowStart = 0
+    tokens: WindowCount = 0
+
+
+@_tagged
+class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
+    """P -> D: per layer, the checksums of the requested blocks, in the request's order."""
+
+    transfer_id: Id
+    checksums: Checksums
+    nonce: Nonce = b""
+
+
+# Handshakes carry every key on the wire: a default only serves the constructor ...
 _EVERY_KEY_REQUIRED = (HandshakeRequest, HandshakeResponse, HandshakeRejected)
+# ... except the keys added since protocol version 1 first shipped: a peer that predates them
+# sends none, which means their default (e.g. verify: false).
+_OPTIONAL_KEYS = frozenset({"verify"})
 
 # ---- proxy registration -----------------------------------------------------------------------
 
@@ -394,7 +448,7 @@ def _require_every_key(message: Any, payload: Any) -> None:
     """Handshakes carry every key (defaults serve constructors only)."""
     if isinstance(message, _EVERY_KEY_REQUIRED):
         keys = msgspec.msgpack.decode(payload, type=dict[str, msgspec.Raw]).keys()
-        missing = sorted(set(message.__struct_encode_fields__) - {"type", *keys})
+        missing = sorted(set(message.__struct_encode_fields__) - {"type", *_OPTIONAL_KEYS, *keys})
         if missing:
             raise InvalidMessageError(f"{message.TYPE} message lacks {', '.join(missing)}")
 
@@ -421,6 +475,7 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
 
 
 __all__ = [
+    "MAX_CHECKSUM_REQUEST_BYTES",
     "MAX_HANDSHAKE_REQUEST_BYTES",
     "MAX_HANDSHAKE_RESPONSE_BYTES",
     "MAX_NOTIFY_BYTES",
@@ -429,6 +484,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TRANSFER_MODES",
     "AbortWrite",
+    "ChecksumRequest",
+    "ChecksumResponse",
     "HandshakeRejected",
     "HandshakeRequest",
     "HandshakeResponse",

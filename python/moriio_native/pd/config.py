@@ -39,6 +39,9 @@ class PdConfig:
     sync_read: bool = False
     context_parallel: bool = False
     split_layer: str | None = None
+    # Check every transfer end to end (block checksums on both sides, pd/verify.py); both
+    # sides of a pair must agree.
+    verify: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("read", "write"):

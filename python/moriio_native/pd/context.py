@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moriio_native.control.addressing import validate_host
 from moriio_native.control.channel import NotifySender
@@ -17,6 +17,9 @@ from moriio_native.pd.config import PdConfig
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 from moriio_native.pd.tp import read_source
 
+if TYPE_CHECKING:
+    from moriio_native.pd.verify import Verifier
+
 
 class StatsSink(Protocol):
     """Where the core counts what happened (the vLLM adapter passes its KVConnectorStats)."""
@@ -25,6 +28,7 @@ class StatsSink(Protocol):
     def record_transfer(self, event: Any) -> None: ...
     def record_handshake(self) -> None: ...
     def record_quarantine(self, blocks: int) -> None: ...
+    def record_verify(self, *, ok: bool) -> None: ...
 
 
 @dataclass
@@ -64,6 +68,7 @@ class Context:
     lock: threading.RLock = field(default_factory=threading.RLock)
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
+    verifier: Verifier | None = None  # set when cfg.verify: the integrity check
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
@@ -102,6 +107,12 @@ class Context:
         cfg = self.cfg
 
         def validate(response: HandshakeResponse) -> None:
+            if response.verify != cfg.verify:
+                raise IncompatiblePeerError(
+                    f"peer {response.engine_id} at {key} "
+                    f"{'verifies' if response.verify else 'does not verify'} transfers, we "
+                    f"{'do' if cfg.verify else 'do not'}; set the same 'verify' on both instances"
+                )
             if response.transfer_mode != cfg.transfer_mode:
                 raise IncompatiblePeerError(
                     f"peer {response.engine_id} at {key} runs {response.transfer_mode} mode, we "

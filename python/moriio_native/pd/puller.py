@@ -14,6 +14,11 @@ WRITE await (:class:`AwaitState`): the prefill rank is handshaken, then told our
 prefill to stop, and they are freed on its ``write_aborted`` (or any final message), on its
 proven death, or after ``quarantine_timeout``.
 
+With ``verify`` on, a READ the engine completed, and a WRITE await whose ``write_done`` came,
+pass through VERIFYING: the two sides' block checksums are compared
+(:mod:`moriio_native.pd.verify`) and a mismatch ends the load FAILED (recomputed), before the
+prefill gets its release.
+
 Every change of state goes through :meth:`Machine.advance` under the context lock; network
 calls (releases, announcements) are made after the lock is released.
 """
@@ -51,6 +56,7 @@ PROBE_FAILURES_FOR_DEATH = 3
 class ReadState(Enum):
     CONNECTING = auto()  # handshake (background) before the engine READ
     READING = auto()  # the engine READ is posted
+    VERIFYING = auto()  # done in the engine; comparing the two sides' checksums (verify)
     QUARANTINED = auto()  # ended with operations in flight: waiting for the drain
     DONE = auto()
     FAILED = auto()
@@ -62,6 +68,9 @@ class ReadEvent(Enum):
     FAILED = auto()  # refused before posting, or an engine event that ended drained
     UNDRAINED = auto()  # engine event that ended with operations in flight
     DRAINED = auto()  # the engine reports the quarantined READ drained
+    VERIFY = auto()  # engine event: done, and verify is on
+    VERIFIED = auto()  # both sides' checksums agree
+    MISMATCH = auto()  # they differ, or the prefill's could not be had
 
 
 READ_TRANSITIONS: dict[tuple[ReadState, ReadEvent], ReadState] = {
@@ -71,6 +80,9 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadEvent], ReadState] = {
     (ReadState.READING, ReadEvent.FAILED): ReadState.FAILED,
     (ReadState.READING, ReadEvent.UNDRAINED): ReadState.QUARANTINED,
     (ReadState.QUARANTINED, ReadEvent.DRAINED): ReadState.FAILED,
+    (ReadState.READING, ReadEvent.VERIFY): ReadState.VERIFYING,
+    (ReadState.VERIFYING, ReadEvent.VERIFIED): ReadState.DONE,
+    (ReadState.VERIFYING, ReadEvent.MISMATCH): ReadState.FAILED,
 }
 READ_TERMINAL = frozenset({ReadState.DONE, ReadState.FAILED})
 
@@ -79,6 +91,7 @@ class AwaitState(Enum):
     CONNECTING = auto()  # handshake, then remote_blocks (the prefill cannot write yet)
     ANNOUNCED = auto()  # the prefill knows our blocks: it may be writing them
     QUARANTINED = auto()  # we gave up after announcing: waiting for its writes to stop
+    VERIFYING = auto()  # write_done came: comparing its checksums with ours (verify)
     DONE = auto()
     FAILED = auto()
 
@@ -90,6 +103,9 @@ class AwaitEvent(Enum):
     GIVE_UP = auto()  # abort or abort_timeout
     UNREACHABLE = auto()  # the announcement could not be made
     WRITER_GONE = auto()  # the prefill died, or quarantine_timeout passed
+    VERIFY = auto()  # write_done came and verify is on
+    VERIFIED = auto()  # its checksums agree with ours
+    MISMATCH = auto()  # they differ, or it carried none
 
 
 AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
@@ -105,6 +121,13 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
+    # write_done with verify on: every write landed, so nothing is left to quarantine.
+    **{
+        (s, AwaitEvent.VERIFY): AwaitState.VERIFYING
+        for s in (AwaitState.CONNECTING, AwaitState.ANNOUNCED, AwaitState.QUARANTINED)
+    },
+    (AwaitState.VERIFYING, AwaitEvent.VERIFIED): AwaitState.DONE,
+    (AwaitState.VERIFYING, AwaitEvent.MISMATCH): AwaitState.FAILED,
 }
 AWAIT_TERMINAL = frozenset({AwaitState.DONE, AwaitState.FAILED})
 
@@ -237,6 +260,9 @@ class Puller:
         if not drained:
             self._quarantine_read(read, event)
             return True
+        if event.state == "done" and ctx.verifier is not None:
+            self._verify_read(read, event)
+            return True
         self._end_read(
             read,
             ReadEvent.DONE if event.state == "done" else ReadEvent.FAILED,
@@ -244,6 +270,32 @@ class Puller:
             event,
         )
         return True
+
+    def _verify_read(self, read: _Read, event: Any) -> None:
+        """The engine READ is done: compare both sides' checksums before it counts."""
+        ctx = self._ctx
+        task = read.task
+        with ctx.lock:
+            if read.machine.state is not ReadState.READING:
+                return
+            read.machine.advance(ReadEvent.VERIFY)
+        assert ctx.verifier is not None and read.peer is not None
+        ctx.verifier.check_read(
+            task.transfer_id,
+            read.peer,
+            task.local_block_ids,
+            task.remote_block_ids,
+            lambda why: self._read_verified(read, event, why),
+        )
+
+    def _read_verified(self, read: _Read, event: Any, why: str | None) -> None:
+        with self._ctx.lock:
+            self._ctx.stats.record_verify(ok=why is None)
+        if why is None:
+            self._end_read(read, ReadEvent.VERIFIED, f"done, verified: {event.message}", event)
+            return
+        logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)
+        self._end_read(read, ReadEvent.MISMATCH, why)
 
     def on_drained(self, tid: str, seconds: float) -> bool:
         """The engine reports a quarantined transfer drained; False when not ours."""
@@ -424,10 +476,40 @@ class Puller:
         # The prefill holds the blocks for our remote_blocks, which will not come.
         self.send_release(task, peer)
 
-    def on_write_result(self, tid: str, ok: bool) -> None:
-        """write_done (``ok``), write_failed or write_aborted from the prefill: each is sent
-        only once none of its writes can land any more, so each also ends a quarantine."""
-        self._end_await(tid, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED)
+    def on_write_result(
+        self, tid: str, ok: bool, checksums: dict[str, bytes] | None = None
+    ) -> None:
+        """write_done (``ok``, with the prefill's ``checksums`` when it verifies), write_failed
+        or write_aborted from the prefill: each is sent only once none of its writes can land
+        any more, so each also ends a quarantine. With verify on, a write_done is checked
+        first (VERIFYING)."""
+        ctx = self._ctx
+        if not ok or ctx.verifier is None:
+            self._end_await(tid, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED)
+            return
+        with ctx.lock:
+            waiting = self._awaits.get(tid)
+            if waiting is None or not waiting.machine.allows(AwaitEvent.VERIFY):
+                return
+            waiting.machine.advance(AwaitEvent.VERIFY)
+        ctx.verifier.check_write(
+            tid,
+            checksums,
+            waiting.task.local_block_ids,
+            lambda why: self._write_verified(waiting, why),
+        )
+
+    def _write_verified(self, waiting: _Await, why: str | None) -> None:
+        task = waiting.task
+        with self._ctx.lock:
+            self._ctx.stats.record_verify(ok=why is None)
+        if why is not None:
+            logger.error("request %s (transfer %s): %s", task.req_id, task.transfer_id, why)
+        self._end_await(
+            task.transfer_id,
+            AwaitEvent.VERIFIED if why is None else AwaitEvent.MISMATCH,
+            why or "",
+        )
 
     def give_up(self, tid: str, why: str) -> None:
         """Stop waiting for the prefill's writes. Announced blocks are quarantined
@@ -478,13 +560,13 @@ class Puller:
         except MoriioError as exc:
             logger.warning("transfer %s: abort_write not sent: %s", task.transfer_id, exc)
 
-    def _end_await(self, tid: str, event: AwaitEvent) -> None:
+    def _end_await(self, tid: str, event: AwaitEvent, why: str = "") -> None:
         with self._ctx.lock:
             waiting = self._awaits.get(tid)
             if waiting is None or not waiting.machine.allows(event):
                 return
             waiting.machine.advance(event)
-        why = f"WRITE ended by {event.name.lower()}"
+        why = why or f"WRITE ended by {event.name.lower()}"
         self._report_await(waiting, ok=waiting.machine.state is AwaitState.DONE, why=why)
 
     def _report_await(self, waiting: _Await, ok: bool, why: str = "gave up") -> None:

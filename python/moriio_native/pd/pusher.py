@@ -10,8 +10,11 @@ for the writer thread as its layer is computed, and once the forward ended the s
 the number of writes queued, so the engine cannot call the transfer done before every one of
 them completed. Its engine event ends it: exactly one ``write_done`` / ``write_failed`` goes
 to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` once nothing of
-it can land), and the blocks are reported free once the request finished. A job the engine
-ended with writes in flight waits (DRAINING) for their drain before any of that.
+it can land), and the blocks are reported free once the request finished. With ``verify``
+on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
+its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
+A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
+that.
 
 Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
 overtake the scheduler) are kept in bounded records, so unauthenticated peers cannot make
@@ -33,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from moriio_native.control.messages import (
+    MAX_NOTIFY_BYTES,
     AbortWrite,
     NotifyMessage,
     Release,
@@ -81,6 +85,7 @@ class JobState(Enum):
     SEALED = auto()  # the seal (number of writes) is queued
     ABORTING = auto()  # failed with writes in the engine: waiting for its aborted event
     DRAINING = auto()  # the engine ended it with writes in flight: waiting for their drain
+    CHECKSUMMING = auto()  # done in the engine (verify): computing write_done's checksums
     DONE = auto()
     FAILED = auto()
 
@@ -95,6 +100,8 @@ class JobEvent(Enum):
     ENGINE_FAILED = auto()  # engine event: failed / aborted / timed out, drained
     ENGINE_UNDRAINED = auto()  # engine event with writes still in flight
     DRAINED = auto()  # the engine reports the DRAINING transfer drained
+    CHECKSUM = auto()  # engine event: done, and verify is on
+    CHECKSUMMED = auto()  # the checksums for write_done are ready
 
 
 _IN_ENGINE = (JobState.WRITING, JobState.SEALED, JobState.ABORTING)
@@ -112,6 +119,11 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     **{(s, JobEvent.ENGINE_FAILED): JobState.FAILED for s in _IN_ENGINE},
     **{(s, JobEvent.ENGINE_UNDRAINED): JobState.DRAINING for s in _IN_ENGINE},
     (JobState.DRAINING, JobEvent.DRAINED): JobState.FAILED,
+    (JobState.SEALED, JobEvent.CHECKSUM): JobState.CHECKSUMMING,
+    (JobState.CHECKSUMMING, JobEvent.CHECKSUMMED): JobState.DONE,
+    # The checksums could not be made or sent, or the decode gave up meanwhile (abort_write,
+    # release): nothing is in the engine any more.
+    (JobState.CHECKSUMMING, JobEvent.FAIL): JobState.FAILED,
 }
 JOB_TERMINAL = frozenset({JobState.DONE, JobState.FAILED})
 
@@ -151,6 +163,7 @@ class _Job:
     reason: str = ""
     released: bool = False  # the decode said it needs nothing: no write_failed to it
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
+    checksums: dict[str, bytes] | None = None  # verify: what write_done carries
 
     @property
     def state(self) -> JobState:
@@ -379,7 +392,12 @@ class Pusher:
             self._send_write_aborted(job)
         elif job.peer is not None and not job.released:
             message: NotifyMessage = (
-                WriteDone(job.transfer_id, writer_rank=ctx.cfg.tp_rank, num_writers=1)
+                WriteDone(
+                    job.transfer_id,
+                    writer_rank=ctx.cfg.tp_rank,
+                    num_writers=1,
+                    checksums=job.checksums,
+                )
                 if ok
                 else WriteFailed(
                     job.transfer_id,
@@ -478,9 +496,45 @@ class Pusher:
                     job.state.name,
                 )
                 return True
+            verifier = self._ctx.verifier
+            if ok and verifier is not None and job.machine.allows(JobEvent.CHECKSUM):
+                job.machine.advance(JobEvent.CHECKSUM)
+                assert job.block_ids is not None
+                verifier.for_write_done(
+                    job.transfer_id,
+                    job.block_ids[0].tolist(),
+                    lambda sums, why: self._checksummed(job, event, sums, why),
+                )
+                return True
             job.machine.advance(next_event)
             self._complete(job, event)
         return True
+
+    def _checksummed(
+        self, job: _Job, event: Any, checksums: dict[str, bytes] | None, why: str
+    ) -> None:
+        """write_done's checksums are ready (the verify thread): send it, or fail the job."""
+        size = sum(len(k) + len(v) + 16 for k, v in (checksums or {}).items())
+        if checksums is not None and size > MAX_NOTIFY_BYTES - 4096:
+            checksums, why = (
+                None,
+                (
+                    f"the checksums of {len(checksums)} layers ({size} bytes) do not fit one "
+                    f"write_done message ({MAX_NOTIFY_BYTES} bytes)"
+                ),
+            )
+        with self._ctx.lock:
+            if job.state is not JobState.CHECKSUMMING:
+                return  # failed meanwhile (abort_write, release, abort_timeout)
+            if checksums is None:
+                job.reason = why
+                logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, why)
+                job.machine.advance(JobEvent.FAIL)
+                self._complete(job)
+                return
+            job.checksums = checksums
+            job.machine.advance(JobEvent.CHECKSUMMED)
+            self._complete(job, event)
 
     def on_drained(self, tid: str) -> str:
         """'done' when a DRAINING job completed, 'early' when the job's undrained event is

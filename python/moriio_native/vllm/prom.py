@@ -18,12 +18,15 @@ name                                                          type      what
 ``vllm:moriio_native_transfer_bytes``                         histogram bytes per transfer
 ``vllm:moriio_native_copy_runs_per_transfer``                 histogram contiguous copy runs
 ``vllm:moriio_native_quarantined_blocks_total``               counter   blocks put in quarantine
+``vllm:moriio_native_verified_transfers_total``               counter   checksums matched
+``vllm:moriio_native_verify_failures_total``                  counter   checksums differed
 ============================================================ ========= ==========================
 
 Transfers are counted where the bytes are moved: by the decode in READ mode (it pulls), by the
 prefill in WRITE mode (it pushes). Quarantined blocks are counted by the decode, once per block
 and transfer, when a transfer into them ends while writes may still land (the stats key
-``quarantined_blocks``).
+``quarantined_blocks``). Integrity checks (``verify: true``) are counted by the decode, which
+compares the two sides' block checksums.
 """
 
 from __future__ import annotations
@@ -107,6 +110,15 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
             "KV blocks put into quarantine (neither reused nor freed until no late write of an "
             "ended transfer can land in them).",
         )
+        self.verified = counter(
+            "verified_transfers",
+            "KV transfers whose block checksums matched on both sides (verify: true).",
+        )
+        self.verify_failures = counter(
+            "verify_failures",
+            "KV transfers whose block checksums differed or could not be compared (verify: "
+            "true); the load failed and its blocks were recomputed.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -121,6 +133,8 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
             if seconds > 0:
                 self.throughput[engine_idx].observe(nbytes / seconds)
         self.quarantined[engine_idx].inc(data.get("quarantined_blocks", 0))
+        self.verified[engine_idx].inc(data.get("verified", 0))
+        self.verify_failures[engine_idx].inc(data.get("verify_failures", 0))
 
 
 __all__ = ["PREFIX", "MoRIIONativePromMetrics"]

@@ -17,6 +17,9 @@ key                 meaning
 ``quarantined_blocks`` decode blocks put into quarantine: a transfer into them ended while
                     writes may still land, so they were neither recomputed into nor freed
                     until the writes were proven drained (or the quarantine bound passed)
+``verified``        transfers whose block checksums matched on both sides (``verify`` on)
+``verify_failures`` transfers whose checksums differed, or could not be compared: the load
+                    failed and its blocks were recomputed (counted in ``failures`` too)
 ``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
 =================== ===============================================================
 
@@ -42,6 +45,8 @@ _COUNTERS = (
     "batches",
     "handshakes",
     "quarantined_blocks",
+    "verified",
+    "verify_failures",
 )
 SAMPLES = "samples"
 
@@ -97,6 +102,10 @@ class MoRIIONativeStats(KVConnectorStats):
         """Count ``blocks`` decode blocks put into quarantine (once per block and transfer)."""
         self.data["quarantined_blocks"] += int(blocks)
 
+    def record_verify(self, *, ok: bool) -> None:
+        """Count one integrity check: passed (``ok``) or failed."""
+        self.data["verified" if ok else "verify_failures"] += 1
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -113,6 +122,8 @@ class MoRIIONativeStats(KVConnectorStats):
         return {
             "Num successful transfers": n,
             "Num failed transfers": d["failures"],
+            "Num verified transfers": d["verified"],
+            "Num verify failures": d["verify_failures"],
             "Total MB transferred": round(d["bytes"] / 2**20, 3),
             "Avg transfer time (ms)": round(1000.0 * secs / n, 3) if n else 0.0,
             "Avg throughput (GB/s)": round(d["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0,
@@ -124,7 +135,7 @@ class MoRIIONativeStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["transfers"] or d["failures"] or d["handshakes"] or d["quarantined_blocks"])
+        return not any(d[key] for key in _COUNTERS)
 
     def clone_and_reset(self) -> MoRIIONativeStats:
         """A copy of the counters; this instance starts a new interval."""

@@ -37,6 +37,7 @@ from moriio_native.engine import Engine, LayerRegistration, choose_backend
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError
 from moriio_native.pd import PdConfig, PdCore
 from moriio_native.pd.pusher import WRITER_QUEUE
+from moriio_native.verify import LayerChecksums
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask
 from moriio_native.vllm.specs import cache_specs, first_split_across_tp
@@ -78,6 +79,7 @@ class WorkerSide:
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
         self._engine: Engine | None = None
+        self._checksums: LayerChecksums | None = None
         self._layers: list[str] = []
         self._gpu = False
         self._pending_recv: list[RecvTask] = []
@@ -105,12 +107,14 @@ class WorkerSide:
                 # layer whole, so only equal TP sizes pair.
                 context_parallel=context_parallel,
                 split_layer=first_split_across_tp(self._specs),
+                verify=config.verify,
             ),
             self._security,
             self._stats,
             engine=lambda: self.engine,
             bind_host=config.bind_host,
             writer_queue=_WRITER_QUEUE,
+            checksums=lambda: self.checksums,
         )
 
     # ---- setup --------------------------------------------------------------------------------
@@ -120,6 +124,13 @@ class WorkerSide:
         if self._engine is None:
             raise FailedPreconditionError("KV caches are not registered yet")
         return self._engine
+
+    @property
+    def checksums(self) -> LayerChecksums:
+        """This rank's block checksums (``verify`` on, caches registered)."""
+        if self._checksums is None:
+            raise FailedPreconditionError("verify is off, or the KV caches are not registered")
+        return self._checksums
 
     @property
     def core(self) -> PdCore:
@@ -171,6 +182,9 @@ class WorkerSide:
                     device=device,
                 )
             )
+        if self.cfg.verify:
+            # Refused here, at start-up, when a layer's memory can be checked by neither path.
+            self._checksums = LayerChecksums.for_registrations(regs)
         backend = choose_backend(self.cfg.backend, self.cfg.engine_options, role="serve")
         engine = Engine(
             self.engine_id,
@@ -191,10 +205,11 @@ class WorkerSide:
             self._start_pinger()
         assert self._server is not None and self._listener is not None
         logger.info(
-            "engine %s (%s, %s mode) registered %d layers; handshake port %d, notify port %d",
+            "engine %s (%s, %s mode%s) registered %d layers; handshake port %d, notify port %d",
             self.engine_id,
             backend,
             self.cfg.mode,
+            ", verified transfers" if self.cfg.verify else "",
             len(names),
             self._server.port,
             self._listener.port,
