@@ -19,6 +19,10 @@
 #   bash bench/h200_session.sh run-e2e    # one call: build with UCX, GPU pytest, gpu_bench
 #                                         # presets (4 KiB runs too) with this kernel and the one
 #                                         # before it
+#   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
+#                                         # with a copy_ in the same memory state beside each
+#                                         # size, what degrades the copy (allocator, order), and
+#                                         # gpu_bench end to end (llama3-8b-tp8 first)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -253,6 +257,37 @@ run-e2e)  # the run kernel end to end through the engine and UCX, and the kernel
   timeout 150 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
     tests/py/test_cudacopy.py -k "aligned or chunks or refused" 2>&1 |
     grep -E "ERROR SUMMARY|passed|failed" | tail -3
+  ;;
+fair)  # a baseline in the same memory state as the kernel, and what degrades it
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 | tail -2
+  cc() {  # label, one VAR=value for the environment, cudacopy_bench arguments...
+    local label=$1 var=$2
+    shift 2
+    echo "== $label"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+    timeout 70 env "$var" python3 bench/cudacopy_bench.py --plugin "$plugin" --repeats 3 "$@" 2>&1
+  }
+  {
+    cc "every size, caching allocator, empty_cache between sizes" CC_CASE=1 --json "$out/fair.json" \
+      --run-bytes 4096 --run-bytes 32768 --run-bytes 65536 --run-bytes 73728 --run-bytes 2097152
+    cc "64 KiB twice, cache kept (the second reuses the first's two 8 GiB segments)" \
+      CC_CASE=2 --keep-cache --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, cudaMalloc/cudaFree per tensor" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+      --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, expandable segments (cuMemMap, 2 MiB pages)" \
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, runs in random order (not sorted by destination)" CC_CASE=5 --order random \
+      --run-bytes 65536 --run-bytes 65536
+  } | tee "$out/fair.log"
+  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192" \
+    "--preset llama3-8b --preset deepseek-v3"; do
+    echo "== end to end: $p"
+    timeout 120 python3 bench/gpu_bench.py $p --skip-per-run --requests 3 2>&1 |
+      grep -E "GB/s|rror"
+  done 2>&1 | tee "$out/e2e.log"
   ;;
 order)  # is the first size measured in a process faster? the same size twice, other orders
   build_without_ucx
