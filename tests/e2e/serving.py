@@ -536,6 +536,18 @@ class Router:
         return f"http://{HOST}:{self.http_port}"
 
 
+@dataclass
+class Cluster:
+    """A prefill, a decode and the router in front of them, stopped together with ``stack``."""
+
+    env: Env
+    stack: Stack
+    settings: PDSettings
+    prefill: Instance
+    decode: Instance
+    router: Router
+
+
 def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:
     """examples/launch/proxy.sh on 127.0.0.1."""
     http = free_ports(1)

@@ -47,7 +47,7 @@ import prompts
 import pytest
 import serving
 from prompts import FAULT_SCENARIOS, fault_rounds
-from serving import START_TIMEOUT_S, Completion, Env, Instance, PDSettings, Router, Stack
+from serving import START_TIMEOUT_S, Cluster, Completion, Env, Instance, PDSettings
 
 from fault_rows import Row, recorded
 
@@ -79,14 +79,8 @@ logger = logging.getLogger("moriio_native.e2e.faults")
 
 
 @dataclass
-class Faulty:
-    env: Env
-    stack: Stack
-    settings: PDSettings
-    prefill: Instance
-    decode: Instance
-    router: Router
-    baseline: list[Completion]
+class Faulty(Cluster):
+    baseline: list[Completion] = field(default_factory=list)
     samples: dict[str, list[dict[str, int]]] = field(
         default_factory=lambda: {"prefill": [], "decode": []}
     )
@@ -266,6 +260,13 @@ def _disconnect_while_the_transfer_runs(f: Faulty, row: Row, index: int) -> str:
             return bool(stage)
 
         _wait_until(seen, 30.0, 0.01)
+        if f.settings.mode == "read" and stage == ["transfer"]:
+            # The stalled pull is an open transfer of the decode's engine, on /metrics.
+            posted = _wait_until(lambda: _gauges(f.decode)["open_transfers"] >= 1, 10.0, 0.1)
+            row.check(
+                posted is not None,
+                f"round {index}: the decode's stalled READ never showed as an open transfer",
+            )
         client.disconnect()
         row.faults += 1
         # The decode drops the request while the prefill is still stopped.
@@ -340,14 +341,24 @@ def test_no_growth_over_the_rounds(faulty: Faulty) -> None:
             )
 
 
-def test_prefill_killed_mid_request(faulty: Faulty) -> None:
+def test_prefill_killed_mid_request(faulty: Faulty, request: pytest.FixtureRequest) -> None:
     """kill -9 of the prefill instance right after its answer (the transfer in flight): the
     client gets an error or the plain instance's completion within the bound, never a hang;
     the decode is clean again; a prefill restarted on the same ports registers and the decode
     loads from it (the requests after equal the baseline)."""
     f = faulty
+    if f.settings.mode == "read":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="open defect (docs/reliability.md): after the prefill is killed with the "
+                "decode's READ posted, the decode's request waits for its KV for good (the "
+                "client gets no answer, its blocks stay held), UCX over TCP on one host",
+            )
+        )
     with recorded(f"serve {f.mode} tp1, kill -9 prefill mid-request; restart") as row:
-        for i in range(fault_rounds()):
+        # One round in CI: each restarts a vllm serve instance (minutes on a loaded machine).
+        for i in range(fault_rounds(ci=1)):
             index = _round_index(KILL_RANGE, i)
             victim, _ = prompts.fault_round(index)
             answer: dict[str, Any] = {}
@@ -357,6 +368,8 @@ def test_prefill_killed_mid_request(faulty: Faulty) -> None:
                     answer["completion"] = serving.complete(
                         f.router.url, victim, prompts.MAX_TOKENS, REQUEST_BOUND_S
                     )
+                except TimeoutError as exc:  # no answer within the bound: a hang
+                    answer["hung"] = exc
                 except (serving.ServerError, OSError, ValueError) as exc:  # allowed: an error
                     answer["error"] = exc
 
@@ -366,7 +379,10 @@ def test_prefill_killed_mid_request(faulty: Faulty) -> None:
             _signal_pids(pids, signal.SIGKILL)
             row.faults += 1
             client.join(REQUEST_BOUND_S)
-            row.check(not client.is_alive(), f"round {index}: the client hung past the bound")
+            row.check(
+                not client.is_alive() and "hung" not in answer,
+                f"round {index}: the client got no answer within {REQUEST_BOUND_S:.0f} s",
+            )
             if "completion" in answer:
                 want = f.baseline[3 * index]
                 row.check(

@@ -17,13 +17,12 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import prompts
 import pytest
 import serving
-from serving import START_TIMEOUT_S, Completion, Env, Instance, PDSettings, Router, Stack
+from serving import START_TIMEOUT_S, Cluster, Completion, Env, Instance, PDSettings, Stack
 
 REGISTER_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 60.0
@@ -31,16 +30,6 @@ DRAIN_TIMEOUT_S = 60.0
 
 def _run_all(url: str, batch: list[list[int]], workers: int = 1) -> list[Completion]:
     return serving.run_all(url, batch, prompts.MAX_TOKENS, workers)
-
-
-@dataclass
-class Cluster:
-    env: Env
-    stack: Stack
-    settings: PDSettings
-    prefill: Instance
-    decode: Instance
-    router: Router
 
 
 def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[Instance, Instance]:

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from faults_support import LEGS, UCX_ENV, prompt_of
+from faults_support import LEGS, UCX_ENV
 from moriio_native.control.addressing import ZmqAddress, format_request_id
 from net_support import free_port
 from test_vllm_support import (
@@ -71,6 +71,15 @@ class Planned:
     length: int  # prompt tokens
     seed: int
     verify: bool
+
+
+def soak_prompt(length: int, seed: int) -> list[int]:
+    """Request ``seed``'s prompt: random tokens, so no two requests share a prefix block. A
+    decode's own prefix-cache hit on an earlier request's block would hold the decode's bytes
+    in a slot the check expects the prefill's in (the harness's two sides write different
+    patterns, to tell loaded from recomputed)."""
+    rng = random.Random(seed)
+    return [rng.randrange(3, 256) for _ in range(length)]
 
 
 def plan(n: int, prefill: ZmqAddress, decode: ZmqAddress, verify_every: int) -> list[Planned]:
@@ -134,7 +143,7 @@ def leg_prefill(
                     break
                 p = todo.popleft()
                 params = prefill_params(p.tid)
-                side.add_request(p.rid, prompt_of(p.length, p.seed), params=params, max_tokens=1)
+                side.add_request(p.rid, soak_prompt(p.length, p.seed), params=params, max_tokens=1)
                 held.add(p.rid)
             result = side.step()
             for rid, out in result.finished().items():
@@ -207,7 +216,7 @@ def leg_decode(
             while inbox and len(active) < in_flight:
                 rid, returned = inbox.popleft()
                 p = by_rid[rid]
-                prompt = prompt_of(p.length, p.seed)
+                prompt = soak_prompt(p.length, p.seed)
                 side.add_request(rid, prompt, params=decode_params(p.tid, returned), max_tokens=2)
                 active[rid] = _Decoding(p, prompt, time.monotonic())
             # In flight: the requests the decode's scheduler holds (loading or computing).
