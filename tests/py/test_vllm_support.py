@@ -101,6 +101,7 @@ def make_vllm_config(
     extra: Mapping[str, Any],
     module_path: str | None = "moriio_native.vllm",
     max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 16,
     max_model_len: int = 1024,
     failure_policy: str = "recompute",
     enable_prefix_caching: bool = True,
@@ -121,7 +122,7 @@ def make_vllm_config(
         model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16"
     )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         is_encoder_decoder=False,
@@ -230,6 +231,7 @@ class Side:
     extra: dict[str, Any] = field(default_factory=dict)
     module_path: str | None = "moriio_native.vllm"
     max_num_batched_tokens: int = 256
+    max_num_seqs: int = 16
     failure_policy: str = "recompute"
     tp_size: int = 1  # workers of this instance, one per TP rank (each with its own caches)
 
@@ -267,6 +269,7 @@ class Side:
                 extra=extra,
                 module_path=self.module_path,
                 max_num_batched_tokens=self.max_num_batched_tokens,
+                max_num_seqs=self.max_num_seqs,
                 failure_policy=self.failure_policy,
                 tp_size=self.tp_size,
                 tp_rank=rank,

@@ -21,11 +21,15 @@ key                 meaning
 ``verify_failures`` transfers whose checksums differed, or could not be compared: the load
                     failed and its blocks were recomputed (counted in ``failures`` too)
 ``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
+``open_transfers``  a gauge, per TP rank (``{"<rank>": n}``): transfers the rank's engine
+                    holds open (pending or quarantined), sent when it changed since the
+                    rank's last payload; 0 once every transfer ended
 =================== ===============================================================
 
 The counters are summed by ``aggregate``; ``samples`` are concatenated, so the Prometheus
-histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker. Unknown keys in
-a payload are dropped.
+histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker; the gauge's
+per-rank values are merged (the latest wins), so a rank that did not report keeps its last
+value. Unknown keys in a payload are dropped.
 
 Not thread-safe by itself; the worker guards its instance with its own lock.
 """
@@ -49,11 +53,13 @@ _COUNTERS = (
     "verify_failures",
 )
 SAMPLES = "samples"
+OPEN_TRANSFERS = "open_transfers"
 
 
 def _empty() -> dict[str, Any]:
     out: dict[str, Any] = {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
     out[SAMPLES] = []
+    out[OPEN_TRANSFERS] = {}
     return out
 
 
@@ -67,6 +73,8 @@ class MoRIIONativeStats(KVConnectorStats):
             if key == SAMPLES:
                 # Copied, so two instances built from one payload never share a list.
                 merged[SAMPLES] = [list(sample) for sample in value]
+            elif key == OPEN_TRANSFERS:
+                merged[OPEN_TRANSFERS] = {str(rank): int(n) for rank, n in value.items()}
             elif key in merged:
                 merged[key] = value
         super().__init__(data=merged)
@@ -106,6 +114,10 @@ class MoRIIONativeStats(KVConnectorStats):
         """Count one integrity check: passed (``ok``) or failed."""
         self.data["verified" if ok else "verify_failures"] += 1
 
+    def record_open_transfers(self, rank: int, count: int) -> None:
+        """Set TP rank ``rank``'s gauge of open transfers (its engine's pending + quarantined)."""
+        self.data[OPEN_TRANSFERS][str(rank)] = int(count)
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -113,6 +125,8 @@ class MoRIIONativeStats(KVConnectorStats):
         for key in _COUNTERS:
             self.data[key] += other.data.get(key, 0)
         self.data[SAMPLES].extend(list(sample) for sample in other.data.get(SAMPLES, ()))
+        for rank, count in other.data.get(OPEN_TRANSFERS, {}).items():
+            self.data[OPEN_TRANSFERS][str(rank)] = int(count)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -131,11 +145,12 @@ class MoRIIONativeStats(KVConnectorStats):
             "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
             "Handshakes": d["handshakes"],
             "Quarantined blocks": d["quarantined_blocks"],
+            "Open transfers": sum(d[OPEN_TRANSFERS].values()),
         }
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d[key] for key in _COUNTERS)
+        return not (any(d[key] for key in _COUNTERS) or d[OPEN_TRANSFERS])
 
     def clone_and_reset(self) -> MoRIIONativeStats:
         """A copy of the counters; this instance starts a new interval."""
@@ -144,4 +159,4 @@ class MoRIIONativeStats(KVConnectorStats):
         return out
 
 
-__all__ = ["MoRIIONativeStats"]
+__all__ = ["OPEN_TRANSFERS", "SAMPLES", "MoRIIONativeStats"]

@@ -78,6 +78,7 @@ class WorkerSide:
         self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
+        self._open_reported = 0  # the open-transfers gauge as last sent to vLLM
         self._engine: Engine | None = None
         self._checksums: LayerChecksums | None = None
         self._layers: list[str] = []
@@ -274,7 +275,14 @@ class WorkerSide:
         return self._core.take_load_errors()
 
     def get_stats(self) -> MoRIIONativeStats | None:
+        """This interval's counters, plus the open-transfers gauge when it changed; None when
+        there is nothing to send."""
         with self._core.lock:
+            if self._engine is not None:
+                open_now = self._engine.pending_transfers + self._engine.quarantined_transfers
+                if open_now != self._open_reported:
+                    self._stats.record_open_transfers(self.tp_rank, open_now)
+                    self._open_reported = open_now
             if self._stats.is_empty():
                 return None
             return self._stats.clone_and_reset()
