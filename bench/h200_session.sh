@@ -19,6 +19,9 @@
 #   bash bench/h200_session.sh run-e2e    # one call: build with UCX, GPU pytest, gpu_bench
 #                                         # presets (4 KiB runs too) with this kernel and the one
 #                                         # before it
+#   bash bench/h200_session.sh checks     # one call: every GPU test (kernels, cells, verify's
+#                                         # device checksums, UCX two processes) and the
+#                                         # checksum's cost against a device copy
 #   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
 #                                         # with a copy_ in the same memory state beside each
 #                                         # size, what degrades the copy (allocator, order), and
@@ -288,6 +291,15 @@ fair)  # a baseline in the same memory state as the kernel, and what degrades it
     timeout 120 python3 bench/gpu_bench.py $p --skip-per-run --requests 3 2>&1 |
       grep -E "GB/s|rror"
   done 2>&1 | tee "$out/e2e.log"
+  ;;
+checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
+  timeout 120 python3 bench/verify_bench.py --device-only --preset llama3-8b 2>&1 |
+    tee "$out/verify-device.log"
   ;;
 order)  # is the first size measured in a process faster? the same size twice, other orders
   build_without_ucx
