@@ -7,7 +7,6 @@ import itertools
 import pytest
 
 from moriio_native.errors import IncompatiblePeerError
-from moriio_native.pd import tp as whole_rule
 from moriio_native.pd.heads import HeadSlice, TpPlan, heads_per_rank, rank_heads
 
 HEADS = (1, 2, 3, 4, 6, 8, 12)
@@ -102,12 +101,15 @@ def test_equal_sizes_pair_rank_with_rank_whole(tp: int, total: int) -> None:
 
 @pytest.mark.parametrize(("p", "d"), itertools.product(SIZES, SIZES))
 def test_whole_caches_only_keep_the_old_rule(p: int, d: int) -> None:
+    # Decode rank r reads prefill rank r mod P; the prefill ranks no decode rank reads
+    # (P > D) are released by decode rank p mod D.
     plan = TpPlan.make(p, d, 0, True)
     for rank in range(d):
-        assert plan.sources(rank) == (whole_rule.read_source(rank, p),)
-        assert list(plan.release_targets(rank)) == whole_rule.release_targets(rank, d, p)
+        unread = [q for q in range(d, p) if q % d == rank]
+        assert plan.sources(rank) == (rank % p,)
+        assert plan.release_targets(rank) == (rank % p, *unread)
     for prefill in range(p):
-        assert plan.expected_releases(prefill) == whole_rule.expected_releases(prefill, p, d)
+        assert plan.expected_releases(prefill) == (len(range(prefill, d, p)) or 1)
 
 
 def test_examples() -> None:

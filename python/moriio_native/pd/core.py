@@ -161,6 +161,7 @@ class PdCore:
             dp_size=cfg.dp_size,
             tp_size=cfg.tp_size,
             transfer_mode=cfg.transfer_mode,
+            total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
         )
 
     def shutdown(self) -> None:
@@ -290,7 +291,9 @@ class PdCore:
                 return
             if isinstance(message, WriteFailed):
                 logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
-            self.puller.on_write_result(tid, ok=isinstance(message, WriteDone))
+            self.puller.on_write_result(
+                tid, ok=isinstance(message, WriteDone), writer_rank=message.writer_rank
+            )
             return
         if not cfg.producer:
             logger.warning(

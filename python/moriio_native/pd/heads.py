@@ -14,22 +14,25 @@ holds whole, MLA latent and indexer) and, when ``whole`` is set, whole caches to
   prefill ranks hold (replicated) comes from the replica picked by the decode rank's index, so
   the choice is deterministic and spread;
 * whole caches come from the first prefill rank the heads come from (one transfer carries
-  both), or from rank ``d mod P`` when the model has no split layer (the rule of
-  :mod:`moriio_native.pd.tp`);
+  both), or from rank ``d mod P`` when the model has no split layer;
 * release fan-in: a prefill rank frees a request's blocks once every decode rank that reads
   (or, in WRITE mode, receives) from it released it; a prefill rank no decode rank uses is
   released by decode rank ``p mod D``, so nothing is stranded and nothing is counted twice.
 
 With equal TP sizes the plan is rank ``r`` with rank ``r``, whole blocks, one release each.
-Pure functions on immutable values; thread-safe.
+:func:`read_segments` and :func:`write_segments` turn a plan into the engine's block segments
+(head windows) of one transfer. Pure functions on immutable values; thread-safe.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 from moriio_native.errors import IncompatiblePeerError
+from moriio_native.pd.config import PdConfig
 
 
 @dataclass(frozen=True)
@@ -215,4 +218,81 @@ class TpPlan:
             raise IncompatiblePeerError(f"{side} rank {rank} outside TP size {size}")
 
 
-__all__ = ["HeadSlice", "TpPlan", "check_split", "heads_per_rank", "holders", "rank_heads"]
+def _segment(
+    local: Sequence[int],
+    remote: Sequence[int],
+    layers: Sequence[str] | None = None,
+    head: HeadSlice | None = None,
+    local_begin: int = 0,
+    remote_begin: int = 0,
+) -> Any:
+    from moriio_native import BlockSegment, CellWindow
+
+    if head is None:
+        return BlockSegment(local_blocks=local, remote_blocks=remote, layers=layers)
+    return BlockSegment(
+        local_blocks=local,
+        remote_blocks=remote,
+        layers=layers,
+        local_window=CellWindow(head_begin=local_begin, heads=head.heads),
+        remote_window=CellWindow(head_begin=remote_begin, heads=head.heads),
+    )
+
+
+def read_segments(
+    plan: TpPlan,
+    cfg: PdConfig,
+    prefill_rank: int,
+    local: Sequence[int],
+    remote: Sequence[int],
+) -> list[Any] | None:
+    """The block segments decode rank ``cfg.tp_rank`` reads from ``prefill_rank`` (local =
+    decode blocks): a head window of the split layers per head slice, whole blocks of the
+    whole layers when that rank is their source. None: whole blocks of every layer (equal TP
+    sizes, or no split layer)."""
+    if plan.identity or not cfg.split_layers:
+        return None
+    rank = cfg.tp_rank
+    out = [
+        _segment(local, remote, cfg.split_layers, s, s.local_begin, s.remote_begin)
+        for s in plan.head_sources(rank)
+        if s.rank == prefill_rank
+    ]
+    if cfg.whole_layers and plan.whole_source(rank) == prefill_rank:
+        out.append(_segment(local, remote, cfg.whole_layers))
+    return out
+
+
+def write_segments(
+    plan: TpPlan,
+    cfg: PdConfig,
+    decode_rank: int,
+    layer: str,
+    local: Sequence[int],
+    remote: Sequence[int],
+) -> list[Any] | None:
+    """The block segments prefill rank ``cfg.tp_rank`` writes of ``layer`` into decode rank
+    ``decode_rank`` (local = prefill blocks): None for whole blocks (equal TP sizes, or a
+    whole layer this rank is the source of), [] for nothing (a whole layer another rank
+    writes), else one head window per head slice."""
+    if plan.identity or not cfg.split_layers:
+        return None
+    if layer not in cfg.split_layers:
+        return None if plan.whole_source(decode_rank) == cfg.tp_rank else []
+    return [
+        _segment(local, remote, None, s, s.local_begin, s.remote_begin)
+        for s in plan.head_targets(cfg.tp_rank)
+        if s.rank == decode_rank
+    ]
+
+
+__all__ = [
+    "HeadSlice",
+    "TpPlan",
+    "check_split",
+    "heads_per_rank",
+    "holders",
+    "rank_heads",
+    "read_segments",
+    "write_segments",
+]
