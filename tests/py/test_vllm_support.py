@@ -53,28 +53,31 @@ LLAMA_CONFIG = {
 BLOCK_SIZE = 16
 
 
-def write_model_dir(path: Path) -> str:
+def write_model_dir(path: Path, **overrides: Any) -> str:
+    """A model directory with LLAMA_CONFIG (``overrides`` replace some of its keys)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **overrides}))
     return str(path)
 
 
-def dense_specs() -> dict[str, Any]:
+def dense_specs(num_kv_heads: int = 2) -> dict[str, Any]:
+    """Dense K|V layers holding ``num_kv_heads`` KV heads (one TP rank's share)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return {
         name: FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16
+            block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=16, dtype=torch.float16
         )
         for name in LAYERS_DENSE
     }
 
 
-def mixed_specs() -> dict[str, Any]:
-    """Dense K|V layers plus an MLA latent layer and an fp8-style indexer (uint8) layer."""
+def mixed_specs(num_kv_heads: int = 2) -> dict[str, Any]:
+    """Dense K|V layers (``num_kv_heads`` each) plus an MLA latent layer and an fp8-style
+    indexer (uint8) layer."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
-    specs = dense_specs()
+    specs = dense_specs(num_kv_heads)
     specs["model.layers.2.self_attn.mla"] = MLAAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=48, dtype=torch.float16
     )
