@@ -169,23 +169,23 @@ def test_read_every_rank_gets_its_heads(
 ) -> None:
     p, d = _pair(procs, model_dirs, "read", p_tp, d_tp, heads)
     try:
-        for seed, length in ((1, 70), (2, 37)):  # the second request reuses the handshakes
-            rid = format_request_id(p.zmq_address(), d.zmq_address())
-            tid, prompt = transfer_id(), _prompt(length, seed)
-            n_loaded = -(-(length - 1) // BLOCK_SIZE)
-            returned, contents = _prefill(p, rid, prompt, tid, d_tp, n_loaded)
-            d.each("leg_fill", lambda r: (d.name, r, 7 + r))
-            d.snapshot = rid
-            d.add_request(rid, prompt, params=decode_params(tid, returned, p_tp), max_tokens=1)
-            loaded = load(d, rid)
-            assert loaded.scheduled[rid] == 1  # only the last prompt token is computed
-            assert not loaded.invalid_blocks
-            blocks = loaded.blocks[:n_loaded]
-            for rank in range(d_tp):
-                want = _expected(contents, p_tp, d_tp, heads, rank)
-                assert d.rank_leg(rank, "leg_differing_bytes", blocks, want, True) == 0, rank
-            _check_freed_once(p, rid)
-            d.run_until(lambda r: not d.scheduler.requests, what="the decode to finish")
+        length = 70
+        rid = format_request_id(p.zmq_address(), d.zmq_address())
+        tid, prompt = transfer_id(), _prompt(length, seed=1)
+        n_loaded = -(-(length - 1) // BLOCK_SIZE)
+        returned, contents = _prefill(p, rid, prompt, tid, d_tp, n_loaded)
+        d.each("leg_fill", lambda r: (d.name, r, 7 + r))
+        d.snapshot = rid
+        d.add_request(rid, prompt, params=decode_params(tid, returned, p_tp), max_tokens=1)
+        loaded = load(d, rid)
+        assert loaded.scheduled[rid] == 1  # only the last prompt token is computed
+        assert not loaded.invalid_blocks
+        blocks = loaded.blocks[:n_loaded]
+        for rank in range(d_tp):
+            want = _expected(contents, p_tp, d_tp, heads, rank)
+            assert d.rank_leg(rank, "leg_differing_bytes", blocks, want, True) == 0, rank
+        _check_freed_once(p, rid)
+        d.run_until(lambda r: not d.scheduler.requests, what="the decode to finish")
     finally:
         p.shutdown()
         d.shutdown()
@@ -197,25 +197,23 @@ def test_write_every_rank_gets_its_heads(
 ) -> None:
     p, d = _pair(procs, model_dirs, "write", p_tp, d_tp, heads)
     try:
-        for seed, length in ((3, 53), (4, 16)):
-            rid = format_request_id(p.zmq_address(), d.zmq_address())
-            tid, prompt = transfer_id(), _prompt(length, seed)
-            n_blocks = -(-length // BLOCK_SIZE)
-            d.each("leg_fill", lambda r: (d.name, r, 9 + r))
-            d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=p_tp), max_tokens=2)
-            assert rid not in d.step().scheduled  # waiting for the prefill's writes
-            _, contents = _prefill(p, rid, prompt, tid, d_tp, n_blocks)
-            _check_freed_once(p, rid)
-            done = d.run_until(
-                lambda r, rid=rid: rid in r.transfer.finished_recving, what="write_done"
-            )
-            assert rid not in done[-1].transfer.failed_recving
-            blocks = d.block_ids(rid)[:n_blocks]
-            for rank in range(d_tp):
-                want = _expected(contents, p_tp, d_tp, heads, rank)
-                assert d.rank_leg(rank, "leg_differing_bytes", blocks, want, False) == 0, rank
-            assert d.reports["finished_recving"][rid] == 1
-            d.run_until(lambda r: not d.scheduler.requests, what="the decode to finish")
+        length = 53
+        rid = format_request_id(p.zmq_address(), d.zmq_address())
+        tid, prompt = transfer_id(), _prompt(length, seed=3)
+        n_blocks = -(-length // BLOCK_SIZE)
+        d.each("leg_fill", lambda r: (d.name, r, 9 + r))
+        d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=p_tp), max_tokens=2)
+        assert rid not in d.step().scheduled  # waiting for the prefill's writes
+        _, contents = _prefill(p, rid, prompt, tid, d_tp, n_blocks)
+        _check_freed_once(p, rid)
+        done = d.run_until(lambda r: rid in r.transfer.finished_recving, what="write_done")
+        assert rid not in done[-1].transfer.failed_recving
+        blocks = d.block_ids(rid)[:n_blocks]
+        for rank in range(d_tp):
+            want = _expected(contents, p_tp, d_tp, heads, rank)
+            assert d.rank_leg(rank, "leg_differing_bytes", blocks, want, False) == 0, rank
+        assert d.reports["finished_recving"][rid] == 1
+        d.run_until(lambda r: not d.scheduler.requests, what="the decode to finish")
     finally:
         p.shutdown()
         d.shutdown()

@@ -101,7 +101,7 @@ class TpPlan:
             raise IncompatiblePeerError(
                 f"TP sizes must be >= 1: prefill {prefill_tp}, decode {decode_tp}"
             )
-        if total_kv_heads:
+        if total_kv_heads and prefill_tp != decode_tp:  # equal sizes pair rank with rank
             for tp, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
                 check_split(
                     total_kv_heads,
