@@ -51,7 +51,7 @@ RATIOS = [(1, 2, 8), (2, 1, 8), (2, 4, 8), (4, 2, 8), (2, 3, 6)]
 
 @pytest.fixture(scope="module")
 def procs() -> Iterator[list[RemoteSides]]:
-    made = [RemoteSides("", timeout=240.0) for _ in range(PROCESSES)]
+    made = [RemoteSides("", timeout=600.0) for _ in range(PROCESSES)]
     try:
         yield made
     finally:
