@@ -29,9 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any
 
+from moriio_native.engine import BlockSegment
 from moriio_native.errors import IncompatiblePeerError
+from moriio_native.layout import CellWindow
 from moriio_native.pd.config import PdConfig
 
 
@@ -101,6 +102,8 @@ class TpPlan:
             raise IncompatiblePeerError(
                 f"TP sizes must be >= 1: prefill {prefill_tp}, decode {decode_tp}"
             )
+        if not total_kv_heads and not whole:
+            raise IncompatiblePeerError("a TP plan needs split layers or whole caches")
         if total_kv_heads and prefill_tp != decode_tp:  # equal sizes pair rank with rank
             for tp, side in ((prefill_tp, "prefill"), (decode_tp, "decode")):
                 check_split(
@@ -109,8 +112,6 @@ class TpPlan:
                     f"prefill TP {prefill_tp} -> decode TP {decode_tp} with "
                     f"{total_kv_heads} KV heads, {side} side",
                 )
-        elif not whole:
-            raise IncompatiblePeerError("a TP plan needs split layers or whole caches")
         return cls(prefill_tp, decode_tp, total_kv_heads, whole)
 
     @property
@@ -225,9 +226,7 @@ def _segment(
     head: HeadSlice | None = None,
     local_begin: int = 0,
     remote_begin: int = 0,
-) -> Any:
-    from moriio_native import BlockSegment, CellWindow
-
+) -> BlockSegment:
     if head is None:
         return BlockSegment(local_blocks=local, remote_blocks=remote, layers=layers)
     return BlockSegment(
@@ -245,7 +244,7 @@ def read_segments(
     prefill_rank: int,
     local: Sequence[int],
     remote: Sequence[int],
-) -> list[Any] | None:
+) -> list[BlockSegment] | None:
     """The block segments decode rank ``cfg.tp_rank`` reads from ``prefill_rank`` (local =
     decode blocks): a head window of the split layers per head slice, whole blocks of the
     whole layers when that rank is their source. None: whole blocks of every layer (equal TP
@@ -270,7 +269,7 @@ def write_segments(
     layer: str,
     local: Sequence[int],
     remote: Sequence[int],
-) -> list[Any] | None:
+) -> list[BlockSegment] | None:
     """The block segments prefill rank ``cfg.tp_rank`` writes of ``layer`` into decode rank
     ``decode_rank`` (local = prefill blocks): None for whole blocks (equal TP sizes, or a
     whole layer this rank is the source of), [] for nothing (a whole layer another rank
