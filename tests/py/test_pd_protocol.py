@@ -61,21 +61,26 @@ class Stats:
         return lambda *a, **k: None
 
 
-def context(mode: str, *, producer: bool) -> tuple[Context, Directory, Sender]:
+def context(
+    mode: str, *, producer: bool, engine: Any = None, **settings: Any
+) -> tuple[Context, Directory, Sender]:
+    """A rank's context over a scripted directory and sender; ``settings`` override the
+    PdConfig's."""
     directory, sender = Directory(), Sender()
-    cfg = PdConfig(
-        engine_id="d:1/dp0/tp0",
-        mode=mode,  # type: ignore[arg-type]
-        producer=producer,
-        consumer=not producer,
-        host_ip="127.0.0.1",
-        handshake_port=8000,
-        notify_port=8100,
-        quarantine_timeout=3600,
-    )
+    fields: dict[str, Any] = {
+        "engine_id": "d:1/dp0/tp0",
+        "mode": mode,
+        "producer": producer,
+        "consumer": not producer,
+        "host_ip": "127.0.0.1",
+        "handshake_port": 8000,
+        "notify_port": 8100,
+        "quarantine_timeout": 3600,
+    }
+    cfg = PdConfig(**{**fields, **settings})
     ctx = Context(
         cfg=cfg,
-        engine=lambda: None,  # type: ignore[arg-type,return-value]
+        engine=lambda: engine,
         sender=sender,  # type: ignore[arg-type]
         directory=directory,  # type: ignore[arg-type]
         stats=Stats(),

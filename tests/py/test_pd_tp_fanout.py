@@ -18,13 +18,13 @@ from moriio_native.control.messages import (
     WriteDone,
 )
 from moriio_native.control.ports import rank_port
-from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
 from moriio_native.pd.peers import Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
-from test_pd_protocol import Directory, Sender, Stats
+from test_pd_protocol import Directory, Sender
+from test_pd_protocol import context as protocol_context
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
 DECODE = ZmqAddress("127.0.0.1", 8000, 8100)
@@ -61,14 +61,13 @@ class Engine:
 def context(
     mode: str, *, producer: bool, tp_rank: int, tp_size: int, heads: int = 8
 ) -> tuple[Context, Directory, Sender, Engine]:
-    directory, sender, engine = Directory(), Sender(), Engine()
+    engine = Engine()
     base = PREFILL if producer else DECODE
-    cfg = PdConfig(
-        engine_id=f"{'p' if producer else 'd'}:{base.handshake_port}/dp0/tp{tp_rank}",
-        mode=mode,  # type: ignore[arg-type]
+    ctx, directory, sender = protocol_context(
+        mode,
         producer=producer,
-        consumer=not producer,
-        host_ip="127.0.0.1",
+        engine=engine,
+        engine_id=f"{'p' if producer else 'd'}:{base.handshake_port}/dp0/tp{tp_rank}",
         handshake_port=base.handshake_port,
         notify_port=base.notify_port,
         tp_rank=tp_rank,
@@ -76,15 +75,6 @@ def context(
         split_layers=DENSE,
         whole_layers=WHOLE,
         total_kv_heads=heads,
-        quarantine_timeout=3600,
-    )
-    ctx = Context(
-        cfg=cfg,
-        engine=lambda: engine,  # type: ignore[arg-type,return-value]
-        sender=sender,  # type: ignore[arg-type]
-        directory=directory,  # type: ignore[arg-type]
-        stats=Stats(),
-        mark_terminal=lambda tid: None,
     )
     return ctx, directory, sender, engine
 

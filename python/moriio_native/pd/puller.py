@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
@@ -114,6 +114,18 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
 AWAIT_TERMINAL = frozenset({AwaitState.DONE, AwaitState.FAILED})
 
 
+S = TypeVar("S", ReadState, AwaitState)
+
+
+def _overall(states: list[S], live: tuple[S, ...], done: S, failed: S) -> S:
+    """A load's state from its parts': the first of ``live`` a part is in; once every part is
+    terminal, ``done`` when all are (``failed`` otherwise, or without parts)."""
+    for state in live:
+        if state in states:
+            return state
+    return done if states and all(s is done for s in states) else failed
+
+
 @dataclass
 class _ReadPart:
     """One source prefill rank's share of a READ: one engine transfer."""
@@ -136,14 +148,12 @@ class _Read:
     ended: bool = False
 
     def state(self) -> ReadState:
-        """The load's state: the first of QUARANTINED, CONNECTING, READING a part is in;
-        once every part is terminal, DONE when all are."""
-        states = [p.machine.state for p in self.parts]
-        for state in (ReadState.QUARANTINED, ReadState.CONNECTING, ReadState.READING):
-            if state in states:
-                return state
-        ok = bool(states) and all(s is ReadState.DONE for s in states)
-        return ReadState.DONE if ok else ReadState.FAILED
+        return _overall(
+            [p.machine.state for p in self.parts],
+            (ReadState.QUARANTINED, ReadState.CONNECTING, ReadState.READING),
+            ReadState.DONE,
+            ReadState.FAILED,
+        )
 
     def peers(self) -> dict[int, Peer]:
         return {p.rank: p.peer for p in self.parts if p.peer is not None}
@@ -171,13 +181,12 @@ class _Await:
     ended: bool = False
 
     def state(self) -> AwaitState:
-        """As :meth:`_Read.state`."""
-        states = [p.machine.state for p in self.parts.values()]
-        for state in (AwaitState.QUARANTINED, AwaitState.CONNECTING, AwaitState.ANNOUNCED):
-            if state in states:
-                return state
-        ok = bool(states) and all(s is AwaitState.DONE for s in states)
-        return AwaitState.DONE if ok else AwaitState.FAILED
+        return _overall(
+            [p.machine.state for p in self.parts.values()],
+            (AwaitState.QUARANTINED, AwaitState.CONNECTING, AwaitState.ANNOUNCED),
+            AwaitState.DONE,
+            AwaitState.FAILED,
+        )
 
     def peers(self) -> dict[int, Peer]:
         return {r: p.peer for r, p in self.parts.items() if p.peer is not None}
