@@ -68,6 +68,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
             Path(tmp_path_factory.mktemp(f"model{heads}")),
             num_attention_heads=heads,
             num_key_value_heads=heads,
+            hidden_size=heads * 16,  # head_dim 16
         )
         for heads in (6, 8)
     }
