@@ -16,7 +16,8 @@ Notify channel (fire-and-forget, DEALER -> ROUTER), field names as vLLM's MoRIIO
 type                  direction  fields (wire name)
 ===================== ========== ==============================================================
 ``remote_blocks``     D -> P     ``transfer_id``, ``block_notify_list`` (ints, or one int list
-                      (WRITE)    per KV group), ``decode_rank``, ``decode_engine_id``, ``req_id``
+                      (WRITE)    per KV group), ``decode_rank``, ``decode_engine_id``, ``req_id``,
+                                 ``decode_tp_rank``
 ``write_done``        P -> D     ``transfer_id``, ``writer_rank``, ``num_writers``
 ``write_failed``      P -> D     ``transfer_id``, ``writer_rank``, ``reason``
 ``release``           D -> P     ``transfer_id``, ``consumer_tp_size``, ``consumer_tp_rank``
@@ -31,10 +32,11 @@ type                  direction  fields (wire name)
 
 Handshake channel (request/reply, DEALER <-> ROUTER): ``handshake_request`` (protocol version,
 requester engine id, a fresh nonce) answered by ``handshake_response`` (our native engine
-metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed) or
-``handshake_rejected`` (reason, nonce). With ``verify`` on, the same channel carries
-``checksum_request`` (transfer id, the prefill block ids a READ moved, a window, a nonce)
-answered by ``checksum_response`` (per layer, the blocks' checksums) or ``handshake_rejected``.
+metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed, the
+model's total KV heads) or ``handshake_rejected`` (reason, nonce). With ``verify`` on, the same
+channel carries ``checksum_request`` (transfer id, the prefill block ids a READ moved, a window,
+a nonce) answered by ``checksum_response`` (per layer, the blocks' checksums) or
+``handshake_rejected``.
 
 Proxy registration (DEALER -> the router's ROUTER, exactly vLLM's format):
 ``{"type": "P"|"D", "http_address": "ip:port", "zmq_address": "host:..,handshake:..,notify:..",
@@ -111,6 +113,7 @@ LayerChecksums = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCK_IDS)]
 Checksums = Annotated[dict[Id, LayerChecksums], msgspec.Meta(max_length=MAX_CHECKSUM_LAYERS)]
 WindowStart = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 WindowCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+KvHeads = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
 class InvalidMessageError(InvalidArgumentError):
@@ -158,11 +161,15 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     decode_engine_id: Id
     decode_dp_rank: Rank = msgspec.field(default=0, name="decode_rank")
     req_id: RequestId = ""
+    # The decode TP rank announcing (with different TP sizes one prefill rank writes into
+    # several decode ranks, each announcing its own blocks); P checks it against the handshake.
+    decode_tp_rank: Rank = 0
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        """Equal for copies of the same notification (one allocation per transfer)."""
-        return (self.TYPE, self.transfer_id)
+        """Equal for copies of the same notification (one allocation per decode rank and
+        transfer)."""
+        return (self.TYPE, self.transfer_id, self.decode_engine_id)
 
 
 @_tagged
@@ -232,8 +239,13 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
     decode_handshake_port: Port
     decode_notify_port: Port
     decode_dp_rank: Rank = 0
+    # The decode rank and its instance's TP size (they may differ from P's): P acknowledges
+    # that rank when it has no handshake with it yet.
+    decode_tp_rank: Rank = 0
+    decode_tp_size: Size = 1
 
     def _check(self) -> None:
+        _rank_below("decode_tp_rank", self.decode_tp_rank, "decode_tp_size", self.decode_tp_size)
         try:
             host = validate_host(self.decode_host, what="'decode_host'")
         except InvalidArgumentError as exc:
@@ -248,7 +260,9 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        return (self.TYPE, self.transfer_id)
+        """One per decode rank and transfer (several decode ranks may abort writes of one
+        prefill rank)."""
+        return (self.TYPE, self.transfer_id, self.decode_engine_id)
 
 
 @_tagged
@@ -313,6 +327,9 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     nonce: Nonce = b""
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
     verify: bool = False
+    # The model's KV heads over all TP ranks in the layers TP splits by head (0: none, or not
+    # stated): a peer of another TP size must split the same heads.
+    total_kv_heads: KvHeads = 0
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)

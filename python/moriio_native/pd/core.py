@@ -195,6 +195,7 @@ class PdCore:
             tp_size=cfg.tp_size,
             transfer_mode=cfg.transfer_mode,
             verify=cfg.verify,
+            total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
@@ -334,6 +335,7 @@ class PdCore:
             self.puller.on_write_result(
                 tid,
                 ok=isinstance(message, WriteDone),
+                writer_rank=message.writer_rank,
                 checksums=message.checksums if isinstance(message, WriteDone) else None,
             )
             return

@@ -40,7 +40,7 @@ from moriio_native.pd.pusher import WRITER_QUEUE
 from moriio_native.verify import LayerChecksums
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask
-from moriio_native.vllm.specs import cache_specs, first_split_across_tp
+from moriio_native.vllm.specs import cache_specs, checked_total_kv_heads, split_across_tp
 from moriio_native.vllm.stats import MoRIIONativeStats
 
 logger = logging.getLogger("moriio_native.vllm.worker")
@@ -70,6 +70,7 @@ class WorkerSide:
         *,
         dp_rank: int = 0,
         tp_rank: int = 0,
+        total_kv_heads: int = 0,
         context_parallel: bool = False,
     ) -> None:
         self.cfg = config
@@ -85,6 +86,8 @@ class WorkerSide:
         self._gpu = False
         self._pending_recv: list[RecvTask] = []
         self._pinger: ProxyPinger | None = None
+        split, whole = split_across_tp(self._specs)
+        total_kv_heads = checked_total_kv_heads(self._specs, split, total_kv_heads, config.tp_size)
         # One security context for every channel of this rank: the core's and the pinger's.
         self._security = ControlSecurity.from_config(config.control_config())
         self._core = PdCore(
@@ -107,7 +110,9 @@ class WorkerSide:
                 # Context parallelism splits every cache by token across ranks: no rank holds a
                 # layer whole, so only equal TP sizes pair.
                 context_parallel=context_parallel,
-                split_layer=first_split_across_tp(self._specs),
+                split_layers=split,
+                whole_layers=whole,
+                total_kv_heads=total_kv_heads,
                 verify=config.verify,
             ),
             self._security,
