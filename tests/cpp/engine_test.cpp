@@ -2010,9 +2010,8 @@ TEST(EngineSegments, HeadSliceGoesAsCellsAndEqualsRuns) {
     std::vector<std::uint8_t> expected = d.buffer->Snapshot();
     std::vector<bool> touched(expected.size(), false);
     ApplyReference(d, p, {"attn.0"}, local, remote, &expected, &touched, Win{}, Win{4, 4});
-    ASSERT_TRUE(
-        d.engine->Read("c", "P", std::vector<BlockSegment>{{{}, local, remote, {}, HeadWindow(4, 4)}})
-            .ok());
+    const std::vector<BlockSegment> segments = {{{}, local, remote, {}, HeadWindow(4, 4)}};
+    ASSERT_TRUE(d.engine->Read("c", "P", segments).ok());
     Events events(d.engine.get());
     TransferEvent e = events.Wait("c");
     EXPECT_EQ(e.state, TransferState::kDone) << e.message;
