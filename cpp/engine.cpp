@@ -451,7 +451,9 @@ struct Engine::Impl {
     };
     std::vector<std::vector<std::pair<std::size_t, const BlockTemplate*>>> by_layer(layers.size());
     for (std::size_t k = 0; k < segments.size(); ++k) {
-      for (const SegmentLayer& l : segments[k].layers) by_layer[l.layer].emplace_back(k, l.link.tmpl);
+      for (const SegmentLayer& l : segments[k].layers) {
+        by_layer[l.layer].emplace_back(k, l.link.tmpl);
+      }
     }
     for (std::size_t i = 0; i < by_layer.size(); ++i) {
       const auto& uses = by_layer[i];
@@ -474,8 +476,9 @@ struct Engine::Impl {
                                   dest);
           };
           return InvalidArgumentError(
-              (ctx.empty() ? std::string() : ctx + ": ") + "segments " + std::to_string(uses[a].first) + " and " +
-              std::to_string(uses[b].first) + " both write " + (remote ? "remote" : "local") +
+              (ctx.empty() ? std::string() : ctx + ": ") + "segments " +
+              std::to_string(uses[a].first) + " and " + std::to_string(uses[b].first) +
+              " both write " + (remote ? "remote" : "local") +
               " block " + std::to_string(common.front()) + " of layer '" +
               layers[i].layout.name() + "' in overlapping windows (" + shown(wa) + " and " +
               shown(wb) + ")");
@@ -796,8 +799,9 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   std::vector<PlannedSegment> planned;
   MORIIO_ASSIGN_OR_RETURN(
       planned.emplace_back(),
-      d.PlanSegment(*peer, layer_names, std::make_shared<const BlockPairs>(std::move(pairs).value()),
-                    CellWindow{}, CellWindow{}, std::nullopt, ctx, /*bare_lookup=*/true));
+      d.PlanSegment(*peer, layer_names,
+                    std::make_shared<const BlockPairs>(std::move(pairs).value()), CellWindow{},
+                    CellWindow{}, std::nullopt, ctx, /*bare_lookup=*/true));
   return d.StartRead(transfer_id, *peer, planned, ctx);
 }
 

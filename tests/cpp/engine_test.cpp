@@ -2016,15 +2016,47 @@ TEST(EngineSegments, HeadSliceGoesAsCellsAndEqualsRuns) {
     std::vector<std::uint8_t> expected = d.buffer->Snapshot();
     std::vector<bool> touched(expected.size(), false);
     ApplyReference(d, p, {"attn.0"}, local, remote, &expected, &touched, Win{}, Win{4, 4});
-    ASSERT_TRUE(
-        d.engine->Read("c", "P", std::vector<BlockSegment>{{{}, local, remote, {}, HeadWindow(4, 4)}})
-            .ok());
+    const std::vector<BlockSegment> segments = {{{}, local, remote, {}, HeadWindow(4, 4)}};
+    ASSERT_TRUE(d.engine->Read("c", "P", segments).ok());
     Events events(d.engine.get());
     TransferEvent e = events.Wait("c");
     EXPECT_EQ(e.state, TransferState::kDone) << e.message;
     EXPECT_EQ(e.cell_batches, std::string(cells) == "1" ? 1 : 0);
     ExpectBytes(d.buffer->Snapshot(), expected, touched);
   }
+}
+
+// Threads planning segmented READs at once share the peer's windowed-template cache (built on a
+// miss by whichever thread comes first): every transfer ends done with its own bytes.
+TEST(EngineSegments, ConcurrentSegmentedReadsShareTheWindowCache) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", TpLayers(8, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(2, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  // Thread k reads heads [2*(k%4), 2*(k%4)+2) of P's block k%6 into D's block k.
+  constexpr int kThreads = 8;
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  for (int k = 0; k < kThreads; ++k) {
+    ApplyReference(d, p, kTpAttn, {k}, {k % 6}, &expected, &touched, Win{}, Win{2 * (k % 4), 2});
+  }
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kThreads; ++k) {
+    threads.emplace_back([&, k] {
+      const std::vector<BlockSegment> segments = {
+          {kTpAttn, {k}, {k % 6}, {}, HeadWindow(2 * (k % 4), 2)}};
+      results[k] = d.engine->Read("c" + std::to_string(k), "P", segments);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  Events events(d.engine.get());
+  for (int k = 0; k < kThreads; ++k) {
+    ASSERT_TRUE(results[k].ok()) << results[k].ToString();
+    EXPECT_EQ(events.Wait("c" + std::to_string(k)).state, TransferState::kDone);
+  }
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
 }  // namespace

@@ -212,15 +212,17 @@ def _check_cells(
     remote_ids: list[int],
     into_local: bool,
     batch_blocks: int = 1 << 30,
+    windows: tuple[Any, Any] | None = None,
 ) -> None:
     """The cell copy of the pairs must leave both buffers byte-identical to applying the pair's
-    run plan on the host (an independent path: numpy slices, the planner's runs)."""
+    run plan on the host (an independent path: numpy slices, the planner's runs). ``windows``:
+    (local, remote) CellWindows of a windowed template (its origin is in the block offsets)."""
     import torch
 
     import moriio_native as mn
     from moriio_native.bench.cudacopy import cells_of
 
-    tmpl = mn.block_template(local, remote)
+    tmpl = mn.block_template(local, remote, *(windows or ()))
     geometry = tmpl.cell_geometry
     assert geometry is not None
     pairs = mn.BlockPairs(local_ids, remote_ids)
@@ -281,6 +283,27 @@ def test_cells_of_every_alignment_and_many_batches(queue: Queue) -> None:
         remote = _kv_layer(f"r.{d}", (64, 2, 16, 16, d), "hnd", 16, 16)
         ids = rng.permutation(64)[:50].tolist()
         _check_cells(queue, local, remote, ids, rng.permutation(64)[:50].tolist(), True, 7)
+
+
+@pytest.mark.parametrize("into_local", [True, False], ids=["read", "write"])
+def test_cells_of_windows(queue: Queue, into_local: bool) -> None:
+    import moriio_native as mn
+
+    rng = np.random.default_rng(8)
+    # Decode TP 2 against prefill TP 1: heads [4,8) of an 8-head NHD prefill block into a 4-head
+    # HND decode block (a sub-grid of the prefill's cells, starting 4 heads in).
+    local = _kv_layer("decode", (64, 2, 4, 16, 128), "hnd", 4, 16)
+    remote = _kv_layer("prefill", (2, 48, 16, 8, 128), "nhd", 8, 16)
+    windows = (mn.CellWindow(), mn.CellWindow(head_begin=4))
+    ids = rng.permutation(64)[:30].tolist()
+    _check_cells(
+        queue, local, remote, ids, rng.permutation(48)[:30].tolist(), into_local, 8, windows
+    )
+    # Prefill 16-token blocks into tokens [32,48) of decode 64-token blocks.
+    local = _kv_layer("decode.64", (20, 2, 2, 64, 128), "hnd", 2, 64)
+    remote = _kv_layer("prefill.16", (2, 80, 16, 2, 128), "nhd", 2, 16)
+    windows = (mn.CellWindow(token_begin=32, tokens=16), mn.CellWindow())
+    _check_cells(queue, local, remote, [3, 19, 0], [79, 1, 40], into_local, windows=windows)
 
 
 def test_cells_refuse_a_geometry_out_of_range(queue: Queue) -> None:
