@@ -106,6 +106,8 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     tp_size: int = 1,
     tp_rank: int = 0,
+    block_size: int = BLOCK_SIZE,
+    hybrid_kv_cache_manager: bool = False,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -127,7 +129,7 @@ def make_vllm_config(
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     kv_transfer_config = KVTransferConfig(
         kv_connector="MoRIIONativeConnector",
         kv_connector_module_path=module_path,
@@ -135,7 +137,7 @@ def make_vllm_config(
         kv_connector_extra_config=dict(extra),
         kv_load_failure_policy=failure_policy,
     )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
@@ -143,6 +145,11 @@ def make_vllm_config(
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size, rank=tp_rank),
     )
+    if hybrid_kv_cache_manager:
+        # vLLM turns the hybrid KV-cache manager off on platforms without GPU kernels (this
+        # CPU); the scheduler and the connector run with it on as on a GPU host.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
 
 
 def make_kv_cache_config(
@@ -156,6 +163,10 @@ def make_kv_cache_config(
     groups = get_kv_cache_groups(vllm_config, dict(specs))
     per_block = sum(spec.page_size_bytes for spec in specs.values())
     config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+    if config.num_blocks != num_blocks:
+        # Hybrid groups share tensors (one layer of each group per tensor): fewer bytes a block.
+        per_block = per_block * num_blocks // config.num_blocks
+        config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
     assert config.num_blocks == num_blocks, (config.num_blocks, num_blocks)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return config
@@ -232,13 +243,20 @@ class Side:
     max_num_batched_tokens: int = 256
     failure_policy: str = "recompute"
     tp_size: int = 1  # workers of this instance, one per TP rank (each with its own caches)
+    block_size: int = BLOCK_SIZE  # tokens per block of the attention groups
+    prefix_caching: bool = True
+    hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
         from vllm.v1.worker.utils import allocate_kv_cache
@@ -270,18 +288,28 @@ class Side:
                 failure_policy=self.failure_policy,
                 tp_size=self.tp_size,
                 tp_rank=rank,
+                block_size=self.block_size,
+                enable_prefix_caching=self.prefix_caching,
+                hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
             )
 
         self.vllm_config = config(0)
         self.kv_cache_config = make_kv_cache_config(
             self.vllm_config, self.specs, self.num_blocks, self.layout
         )
-        # As vLLM's engine core does: the scheduler sees one spec per group.
+        # As vLLM's engine core does: the scheduler sees one spec per group, and schedules in
+        # the block sizes vLLM resolves for the groups.
+        scheduler_kv_cache_config = generate_scheduler_kv_cache_config([self.kv_cache_config])
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+            scheduler_kv_cache_config, self.vllm_config
+        )
+        self.hash_block_size = hash_block_size
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
-            kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config]),
+            kv_cache_config=scheduler_kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK_SIZE,
+            block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
             log_stats=True,
         )
         self.connector = self.scheduler.connector
@@ -351,7 +379,7 @@ class Side:
             prompt_token_ids=list(prompt),
             sampling_params=sampling,
             pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
+            block_hasher=get_request_block_hasher(self.hash_block_size, self.hash_fn),
         )
         self.scheduler.add_request(request)
         return request
@@ -363,20 +391,40 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
+    def group_of(self, layer: str) -> tuple[int, Any]:
+        """(index among vLLM's KV-cache groups, the layer's spec) of ``layer``."""
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if layer in group.layer_names:
+                return gid, self.specs[layer]
+        raise KeyError(layer)
+
     def _attention(self, output: Any, layer_index: int, layer: str, rank: int) -> None:
         """Write the pattern of every token computed this step into its slot of ``layer`` in
-        the caches of TP rank ``rank``."""
+        the caches of TP rank ``rank`` (a Mamba layer: its state block gets the pattern of the
+        last token computed, over the whole state page)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
         cache = self.rank_caches[rank][layer]
+        gid, spec = self.group_of(layer)
+        salt = rank_salt(self.salt, rank)
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # already advanced by the scheduler
             start = end - n
+            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[gid]
+            if isinstance(spec, MambaSpec):
+                page = _bits(cache)[ids[-1 - spec.num_speculative_blocks]]
+                token = torch.tensor([request.all_token_ids[end - 1]])
+                state = pattern(
+                    token, torch.tensor([end]), layer_index, salt, page.shape, page.dtype
+                )
+                page.copy_(state[0])
+                continue
             pos = torch.arange(start, end)
             tokens = torch.tensor(request.all_token_ids[start:end])
-            blocks = torch.tensor(self.block_ids(req_id))[pos // BLOCK_SIZE]
-            slots = pos % BLOCK_SIZE
+            blocks = torch.tensor(ids)[pos // spec.block_size]
+            slots = pos % spec.block_size
             cell = (cache.shape[1], cache.shape[3])
-            salt = rank_salt(self.salt, rank)
             values = pattern(tokens, pos, layer_index, salt, cell, cache.dtype)
             cache[blocks, :, slots, :] = values
 

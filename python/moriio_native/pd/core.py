@@ -161,6 +161,7 @@ class PdCore:
             dp_size=cfg.dp_size,
             tp_size=cfg.tp_size,
             transfer_mode=cfg.transfer_mode,
+            kv_groups=cfg.groups,
         )
 
     def shutdown(self) -> None:

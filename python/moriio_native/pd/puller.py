@@ -30,8 +30,9 @@ from typing import Any
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
 from moriio_native.errors import MoriioError
-from moriio_native.pd.context import Context, check_engine
+from moriio_native.pd.context import Context, check_engine, plan_grouped
 from moriio_native.pd.fsm import Machine
+from moriio_native.pd.groups import check_groups, post_read
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import RecvTask
 from moriio_native.pd.tp import release_targets
@@ -206,9 +207,13 @@ class Puller:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
             read.peer = peer
-            self._ctx.engine().read(
-                task.transfer_id, peer.engine_peer, task.local_block_ids, task.remote_block_ids
-            )
+            if task.grouped is not None:
+                segments = plan_grouped(self._ctx.cfg, peer, task.grouped, "local")
+                post_read(self._ctx.engine(), task.transfer_id, peer.engine_peer, segments)
+            else:
+                self._ctx.engine().read(
+                    task.transfer_id, peer.engine_peer, task.local_block_ids, task.remote_block_ids
+                )
         except Exception as exc:  # any failure: recompute locally, free the prefill
             self._ctx.directory.forget(read.peer)
             self._read_failed(read, f"not started: {exc}")
@@ -385,6 +390,12 @@ class Puller:
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
+            block_ids: tuple[tuple[int, ...], ...] = (task.local_block_ids,)
+            num_tokens = 0
+            if task.grouped is not None:
+                # Refused here, before the prefill knows our blocks, when the groups differ.
+                check_groups(ctx.cfg.groups, peer.response.kv_groups, peer.response.engine_id)
+                block_ids, num_tokens = task.grouped.local, task.grouped.end
             with ctx.lock:
                 if waiting.machine.state is not AwaitState.CONNECTING:
                     return  # given up before the prefill had our blocks (and released)
@@ -395,10 +406,11 @@ class Puller:
                 peer.notify_port,
                 RemoteBlocks(
                     transfer_id=task.transfer_id,
-                    block_ids=(task.local_block_ids,),
+                    block_ids=block_ids,
                     decode_engine_id=ctx.cfg.engine_id,
                     decode_dp_rank=ctx.cfg.dp_rank,
                     req_id=task.req_id,
+                    num_tokens=num_tokens,
                 ),
             )
         except Exception as exc:

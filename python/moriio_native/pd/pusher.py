@@ -42,8 +42,9 @@ from moriio_native.control.messages import (
     WriteFailed,
 )
 from moriio_native.errors import IncompatiblePeerError, MoriioError
-from moriio_native.pd.context import Context
+from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
+from moriio_native.pd.groups import GroupedBlocks, Segment, group_of_layer, post_write_layer
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import SaveTask, SendTask
 from moriio_native.pd.tp import expected_releases, releases
@@ -146,6 +147,9 @@ class _Job:
     forward_done: bool = False
     # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
     block_ids: tuple[np.ndarray, np.ndarray] | None = None
+    # Grouped jobs (KV-cache groups): each layer's segments, planned once the decode's groups
+    # are known from its handshake; a layer without any is not written.
+    segments: dict[str, list[Segment]] | None = None
     send: SendTask | None = None
     deadline: float = 0.0
     reason: str = ""
@@ -277,6 +281,9 @@ class Pusher:
             if job.save.peer is None:
                 self._fail(job, "the request names no decode address")
                 return
+            if job.save.groups:
+                self._ready_grouped(job)
+                return
             groups = job.remote.block_ids
             wanted = groups[0] if len(groups) == 1 else None
             have = job.save.block_ids
@@ -298,12 +305,47 @@ class Pusher:
         if state is not JobState.WRITING:
             return
         for layer, event in job.pending:
+            if job.segments is not None and not job.segments.get(layer):
+                continue  # nothing of this layer's group is written
             self._staged.append(("write", job, layer, event))
             job.submitted += 1
         job.pending = []
         if job.forward_done:
             job.machine.advance(JobEvent.SEAL)
             self._staged.append(("seal", job, "", job.submitted))
+
+    def _ready_grouped(self, job: _Job) -> None:
+        """A grouped job has both sides' blocks (lock held): the decode must need no more
+        tokens than the prompt computed here; the pairing waits for its handshake."""
+        assert job.save is not None and job.remote is not None
+        needed, computed = job.remote.num_tokens, job.save.num_tokens
+        if not needed:
+            self._fail(
+                job,
+                "the decode announced its blocks without a token count (a decode without "
+                "KV-cache groups); run the same connector version on both instances",
+            )
+            return
+        if needed > computed:
+            self._fail(
+                job, f"the decode needs the KV of {needed} tokens, the prompt computed {computed}"
+            )
+            return
+        job.machine.advance(JobEvent.READY)
+        self._connect(job)
+
+    def _plan_grouped(self, job: _Job, peer: Peer) -> dict[str, list[Segment]]:
+        """Each layer's segments into the decode's announced blocks (raises on a group
+        structure or ids that do not pair)."""
+        assert job.save is not None and job.remote is not None
+        cfg = self._ctx.cfg
+        blocks = GroupedBlocks(
+            job.save.groups, tuple(job.remote.block_ids), 0, job.remote.num_tokens
+        )
+        by_group: dict[int, list[Segment]] = {}
+        for segment in plan_grouped(cfg, peer, blocks, "remote"):
+            by_group.setdefault(segment.group, []).append(segment)
+        return {layer: by_group.get(g, []) for layer, g in group_of_layer(cfg.groups).items()}
 
     def _connect(self, job: _Job) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
@@ -333,6 +375,11 @@ class Pusher:
                     f"remote_blocks came from engine {job.remote.decode_engine_id!r}, but the "
                     f"decode address of the request serves {peer.response.engine_id!r}"
                 )
+            segments = None
+            if job.save is not None and job.save.groups:
+                with ctx.lock:
+                    job.peer = peer  # it answers there: tell it we failed
+                segments = self._plan_grouped(job, peer)
         except Exception as exc:
             logger.error("transfer %s: cannot reach the decode rank: %s", job.transfer_id, exc)
             with ctx.lock:
@@ -342,6 +389,7 @@ class Pusher:
             if job.state is not JobState.CONNECTING:
                 return  # failed meanwhile
             job.peer = peer
+            job.segments = segments
             job.machine.advance(JobEvent.CONNECTED)
             self._advance(job)
         self.feed_writer()
@@ -662,8 +710,17 @@ class Pusher:
                     if job.state not in live:
                         continue
                     peer = job.peer
-                    assert peer is not None and job.block_ids is not None
-                    if op == "write":
+                    assert peer is not None
+                    if op == "write" and job.segments is not None:
+                        post_write_layer(
+                            ctx.engine(),
+                            job.transfer_id,
+                            layer,
+                            peer.engine_peer,
+                            job.segments[layer],
+                        )
+                    elif op == "write":
+                        assert job.block_ids is not None
                         local_ids, remote_ids = job.block_ids
                         ctx.engine().write_layer(
                             job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids

@@ -31,7 +31,7 @@ from typing import Any
 
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.channel import HandshakeServer, NotifyListener, ProxyPinger
-from moriio_native.control.messages import ProxyRegistration
+from moriio_native.control.messages import KvGroup, ProxyRegistration
 from moriio_native.control.security import ControlSecurity
 from moriio_native.engine import Engine, LayerRegistration, choose_backend
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError
@@ -70,11 +70,13 @@ class WorkerSide:
         dp_rank: int = 0,
         tp_rank: int = 0,
         context_parallel: bool = False,
+        groups: tuple[KvGroup, ...] = (),
     ) -> None:
         self.cfg = config
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
         self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
+        self._groups = groups
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
         self._engine: Engine | None = None
@@ -105,6 +107,7 @@ class WorkerSide:
                 # layer whole, so only equal TP sizes pair.
                 context_parallel=context_parallel,
                 split_layer=first_split_across_tp(self._specs),
+                groups=groups,
             ),
             self._security,
             self._stats,
@@ -256,7 +259,10 @@ class WorkerSide:
         return reports.done_sending, reports.done_recving, reports.failed_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._core.take_load_errors()
+        errors = self._core.take_load_errors()
+        # vLLM takes block-level load errors for one KV-cache group only (it raises otherwise):
+        # with several, failed loads are reported per request (failed receiving) alone.
+        return errors if len(self._groups) <= 1 else set()
 
     def get_stats(self) -> MoRIIONativeStats | None:
         with self._core.lock:

@@ -1,0 +1,111 @@
+"""Hybrid models through the connector, prefill and decode in two processes over UCX.
+
+Each process runs vLLM's real Scheduler with the hybrid KV-cache manager on, for a model with
+full-attention, sliding-window and Mamba groups, caches from vLLM's own grouping and allocator
+(a different physical layout on each side). The test plays the proxy. READ and WRITE, with
+equal block sizes and with prefill 16-token blocks against decode 64-token blocks and the
+reverse; the decode's whole backing is compared byte by byte with what it must hold
+(hybrid_support.expected_backing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from moriio_native.control.addressing import ZmqAddress, format_request_id
+from test_vllm_support import (
+    RemoteSides,
+    decode_params,
+    prefill_params,
+    transfer_id,
+    write_model_dir,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.ucx, pytest.mark.slow]
+
+LEGS = "hybrid_support"
+
+
+@pytest.fixture(scope="module")
+def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RemoteSides, RemoteSides]]:
+    model_dir = write_model_dir(Path(tmp_path_factory.mktemp("model")))
+    prefill, decode = RemoteSides(model_dir), RemoteSides(model_dir)
+    try:
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def _make(
+    proc: RemoteSides, name: str, role: str, mode: str, block_size: int, layout: str, salt: int
+) -> ZmqAddress:
+    hs, notify, _ = proc.run(f"{LEGS}:leg_make", name, role, mode, block_size, layout, salt)
+    return ZmqAddress("127.0.0.1", hs, notify)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 17 + i * 29) % 241 + 3 for i in range(n)]
+
+
+SIZES = [(16, 16), (16, 64), (64, 16)]  # (prefill, decode) block sizes
+
+
+@pytest.mark.parametrize(("p_bs", "d_bs"), SIZES, ids=[f"p{p}-d{d}" for p, d in SIZES])
+def test_hybrid_read_every_byte(
+    procs: tuple[RemoteSides, RemoteSides], p_bs: int, d_bs: int
+) -> None:
+    p, d = procs
+    tag = f"read-{p_bs}-{d_bs}"
+    p_addr = _make(p, f"p-{tag}", "kv_producer", "read", p_bs, "LBNHC", salt=1)
+    d_addr = _make(d, f"d-{tag}", "kv_consumer", "read", d_bs, "BLNHC", salt=2)
+    for seed, length in ((1, 150), (2, 37)):  # the second request reuses the handshake
+        rid, tid = format_request_id(p_addr, d_addr), transfer_id()
+        prompt = _prompt(length, seed)
+        pre = p.run(f"{LEGS}:leg_prefill", f"p-{tag}", rid, prompt, prefill_params(tid))
+        assert pre["computed"] == length - 1  # the decode computes the last prompt token
+        returned = pre["params"]
+        assert len(returned["remote_block_ids"]) == 3  # one list per KV-cache group
+        out = d.run(
+            f"{LEGS}:leg_decode_read",
+            f"d-{tag}",
+            rid,
+            prompt,
+            decode_params(tid, returned),
+            pre["content"],
+        )
+        assert out["scheduled"][rid] == 1  # only the last prompt token is computed
+        assert out["invalid"] == []
+        assert out["differing_bytes"] == 0
+        assert out["stats"]["transfers"] == 1 and out["stats"]["failures"] == 0
+        free = p.run(f"{LEGS}:leg_until_sent", f"p-{tag}", rid)
+        assert free == 40 - 1  # every block back in the pool (one is vLLM's null block)
+
+
+@pytest.mark.parametrize(("p_bs", "d_bs"), SIZES, ids=[f"p{p}-d{d}" for p, d in SIZES])
+def test_hybrid_write_every_byte(
+    procs: tuple[RemoteSides, RemoteSides], p_bs: int, d_bs: int
+) -> None:
+    p, d = procs
+    tag = f"write-{p_bs}-{d_bs}"
+    p_addr = _make(p, f"p-{tag}", "kv_producer", "write", p_bs, "LBNHC", salt=3)
+    d_addr = _make(d, f"d-{tag}", "kv_consumer", "write", d_bs, "BLNHC", salt=4)
+    for seed, length in ((3, 133), (4, 16)):
+        rid, tid = format_request_id(p_addr, d_addr), transfer_id()
+        prompt = _prompt(length, seed)
+        started = d.run(
+            f"{LEGS}:leg_decode_write_start", f"d-{tag}", rid, prompt, decode_params(tid)
+        )
+        assert rid not in started["scheduled"]  # waiting for the prefill's writes
+        pre = p.run(f"{LEGS}:leg_prefill", f"p-{tag}", rid, prompt, prefill_params(tid))
+        assert pre["computed"] == length - 1
+        free = p.run(f"{LEGS}:leg_until_sent", f"p-{tag}", rid)
+        assert free == 40 - 1
+        out = d.run(f"{LEGS}:leg_decode_write_finish", f"d-{tag}", rid, length, pre["content"])
+        assert out["failed"] is False
+        assert out["differing_bytes"] == 0
