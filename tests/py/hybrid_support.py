@@ -36,7 +36,7 @@ SWA_LAYERS = ("model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn")
 MAMBA_LAYERS = ("model.layers.2.mixer", "model.layers.5.mixer")
 
 
-def hybrid_specs(block_size: int) -> dict[str, Any]:
+def hybrid_specs(block_size: int, window: int = WINDOW) -> dict[str, Any]:
     """Two layers each of full attention, sliding window and Mamba (conv + SSM state): one
     page size for every group, as vLLM's hybrid manager needs (the Mamba page is padded up to
     the attention page), so vLLM makes three groups whose layers share three tensors."""
@@ -47,7 +47,7 @@ def hybrid_specs(block_size: int) -> dict[str, Any]:
     for name in FULL_LAYERS:
         specs[name] = FullAttentionSpec(block_size=block_size, **kv)
     for name in SWA_LAYERS:
-        specs[name] = SlidingWindowSpec(block_size=block_size, sliding_window=WINDOW, **kv)
+        specs[name] = SlidingWindowSpec(block_size=block_size, sliding_window=window, **kv)
     page = specs[FULL_LAYERS[0]].page_size_bytes
     for name in MAMBA_LAYERS:
         specs[name] = MambaSpec(

@@ -17,10 +17,14 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from hybrid_support import NUM_BLOCKS, hybrid_specs
 from moriio_native.control.addressing import ZmqAddress, format_request_id
 from test_vllm_support import (
     RemoteSides,
+    Side,
     decode_params,
+    load,
+    pd_request_id,
     prefill_params,
     transfer_id,
     write_model_dir,
@@ -34,7 +38,8 @@ LEGS = "hybrid_support"
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RemoteSides, RemoteSides]]:
     model_dir = write_model_dir(Path(tmp_path_factory.mktemp("model")))
-    prefill, decode = RemoteSides(model_dir), RemoteSides(model_dir)
+    # Generous bounds: starting vLLM in a child takes minutes on a loaded 2-core machine.
+    prefill, decode = RemoteSides(model_dir, timeout=600), RemoteSides(model_dir, timeout=600)
     try:
         yield prefill, decode
     finally:
@@ -109,3 +114,56 @@ def test_hybrid_write_every_byte(
         out = d.run(f"{LEGS}:leg_decode_write_finish", f"d-{tag}", rid, length, pre["content"])
         assert out["failed"] is False
         assert out["differing_bytes"] == 0
+
+
+def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -> Side:
+    """An in-process instance (loopback backend) with the hybrid model."""
+    block_size = int(kw.pop("block_size", 16))  # type: ignore[call-overload]
+    return Side(
+        name,
+        role,
+        mode,
+        model_dir,
+        num_blocks=NUM_BLOCKS,
+        specs=hybrid_specs(block_size, **kw),  # type: ignore[arg-type]
+        block_size=block_size,
+        prefix_caching=False,
+        hybrid_kv_cache_manager=True,
+    )
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_group_structures_that_differ_fail_the_load_clearly(
+    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill whose sliding window differs from the decode's: the handshake's groups do
+    not pair, the load fails naming the group and the windows, vLLM recomputes, the prefill's
+    blocks are freed."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = _local_side(model_dir, "p", "kv_producer", mode, window=40)
+    d = _local_side(model_dir, "d", "kv_consumer", mode, window=32)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = list(range(5, 90))
+        with caplog.at_level("WARNING", logger="moriio_native"):
+            if mode == "write":
+                d.add_request(rid, prompt, params=decode_params(tid), max_tokens=1)
+                d.step()
+            p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            finished = p.step().finished()
+            if mode == "read":
+                d.add_request(
+                    rid, prompt, params=decode_params(tid, finished[rid].kv_transfer_params)
+                )
+                loaded = load(d, rid)
+                assert loaded.scheduled[rid] == len(prompt)  # recomputed in full
+            else:
+                results = d.run_until(lambda r: rid in r.transfer.finished_recving, what="fail")
+                assert rid in results[-1].transfer.failed_recving
+            p.run_until(lambda r: rid in r.transfer.finished_sending, what="freed")
+        assert "group 1 (sliding, block size 16, window 40" in caplog.text
+        assert "our window is 32 tokens" in caplog.text
+        assert p.free_blocks() == p.initial_free
+    finally:
+        p.shutdown()
+        d.shutdown()
