@@ -54,6 +54,16 @@ def _make(
     return ZmqAddress("127.0.0.1", hs, notify)
 
 
+def _pair(
+    procs: tuple[RemoteSides, RemoteSides], mode: str, p_bs: int, d_bs: int
+) -> tuple[str, ZmqAddress, ZmqAddress]:
+    """A prefill (LBNHC) and a decode (BLNHC, other bytes) instance in ``mode``."""
+    tag = f"{mode}-{p_bs}-{d_bs}"
+    p_addr = _make(procs[0], f"p-{tag}", "kv_producer", mode, p_bs, "LBNHC", salt=1)
+    d_addr = _make(procs[1], f"d-{tag}", "kv_consumer", mode, d_bs, "BLNHC", salt=2)
+    return tag, p_addr, d_addr
+
+
 def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 17 + i * 29) % 241 + 3 for i in range(n)]
 
@@ -66,9 +76,7 @@ def test_hybrid_read_every_byte(
     procs: tuple[RemoteSides, RemoteSides], p_bs: int, d_bs: int
 ) -> None:
     p, d = procs
-    tag = f"read-{p_bs}-{d_bs}"
-    p_addr = _make(p, f"p-{tag}", "kv_producer", "read", p_bs, "LBNHC", salt=1)
-    d_addr = _make(d, f"d-{tag}", "kv_consumer", "read", d_bs, "BLNHC", salt=2)
+    tag, p_addr, d_addr = _pair(procs, "read", p_bs, d_bs)
     for seed, length in ((1, 150), (2, 37)):  # the second request reuses the handshake
         rid, tid = format_request_id(p_addr, d_addr), transfer_id()
         prompt = _prompt(length, seed)
@@ -97,9 +105,7 @@ def test_hybrid_write_every_byte(
     procs: tuple[RemoteSides, RemoteSides], p_bs: int, d_bs: int
 ) -> None:
     p, d = procs
-    tag = f"write-{p_bs}-{d_bs}"
-    p_addr = _make(p, f"p-{tag}", "kv_producer", "write", p_bs, "LBNHC", salt=3)
-    d_addr = _make(d, f"d-{tag}", "kv_consumer", "write", d_bs, "BLNHC", salt=4)
+    tag, p_addr, d_addr = _pair(procs, "write", p_bs, d_bs)
     for seed, length in ((3, 133), (4, 16)):
         rid, tid = format_request_id(p_addr, d_addr), transfer_id()
         prompt = _prompt(length, seed)

@@ -263,13 +263,8 @@ class SchedulerSide:
             grouped = GroupedBlocks(
                 hybrid.announced(local, local_tokens, end), (), local_tokens, end
             )
-        return RecvTask(
-            req_id=request.request_id,
-            transfer_id=params.transfer_id,
-            peer=peer,
-            remote_engine_id=params.remote_engine_id,
-            remote_dp_rank=params.remote_dp_rank,
-            remote_tp_size=params.remote_tp_size,
+        return dataclasses.replace(
+            self._release_task(request, params, peer),
             local_block_ids=hybrid.destination_ids(local, local_tokens, end),
             report_done=self.config.mode == "write" or self.config.read_loading == "async",
             error=error,
