@@ -225,3 +225,29 @@ def test_group_wire_form_round_trips_and_is_checked() -> None:
         KvGroup(kind="full", block_size=16, layers=FULL, sliding_window=8)
     with pytest.raises(InvalidMessageError, match="layers"):
         KvGroup(kind="full", block_size=16, layers=())
+
+
+def test_hybrid_layout_reads_vllm_per_group_lists() -> None:
+    """vLLM's per-group lists -> what the grouped tasks carry: a Mamba list cut to its state
+    block (before the speculative scratch slots), non-transfer groups dropped, WRITE
+    announcements with the null block where the decode holds the tokens already."""
+    pytest.importorskip("vllm")
+    from moriio_native.vllm.hybrid import HybridLayout
+
+    layout = HybridLayout(
+        groups=(full(16), sliding(16, 24), mamba()),
+        group_ids=(0, 1, 3),  # vLLM's group 2 takes no part in transfers
+        num_groups=4,
+        spec_blocks=(0, 0, 2),
+    )
+    assert layout.prefill_backoff() == 1
+    vllm_lists = ([1, 2, 3, 4], [0, 6, 7, 8], [99], [10, 11, 12])
+    selected = layout.select(vllm_lists)
+    assert selected == ((1, 2, 3, 4), (0, 6, 7, 8), (10,))
+    # tokens [32, 60): attention blocks 2..3, the Mamba state, never the null block
+    assert layout.destination_ids(selected, 32, 60) == (3, 4, 7, 8, 10)
+    assert layout.announced(selected, 32, 60) == ((0, 0, 3, 4), (0, 0, 7, 8), (10,))
+    with pytest.raises(ValueError, match="3 block-id groups, the KV-cache config has 4"):
+        layout.select(vllm_lists[:3])
+    dense = HybridLayout(groups=(full(16),), group_ids=(0,), num_groups=1, spec_blocks=(0,))
+    assert dense.prefill_backoff() == 0
