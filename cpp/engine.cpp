@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <unordered_map>
 
 #include "moriio_native/memory.hpp"
@@ -76,23 +78,67 @@ struct LocalLayer {
   std::int64_t offset = 0;  // layer base - region start
 };
 
-// A connected peer. Immutable after AddPeer; shared with in-progress submissions.
+// A layer pair's template for one pair of windows, and whether its blocks go as cells.
+struct WindowLink {
+  BlockTemplate tmpl;
+  bool cells = false;
+};
+
+// Windowed templates a peer keeps at most; past it the cache starts over (a request's windows
+// come from a few TP ratios and block-size ratios, so this is never reached in serving).
+constexpr std::size_t kMaxWindowTemplates = 4096;
+
+// A connected peer. Immutable after AddPeer (but for its cache of windowed templates); shared
+// with in-progress submissions.
 struct Peer {
   std::string id;
   std::uint64_t handle = 0;
   std::vector<std::uint64_t> remote_regions;  // imported handles, by peer region index
   // For each of OUR layers (same index as Impl::layers): the peer layer's region, offset and
-  // the block template from our layer to it.
+  // layout, and the block template from our layer to it.
   struct LayerLink {
     std::uint32_t region = 0;
     std::int64_t offset = 0;
-    BlockTemplate tmpl;
+    LayerLayout remote;  // from the peer's validated metadata: remote windows are read against it
+    // Whole blocks: the template, or (other heads or block size) why only windows pair them.
+    std::optional<BlockTemplate> tmpl;
+    Status whole_error;
     // Whether this layer's blocks go to the backend as cells: the pair prefers a cell copy and
     // the backend takes cells of its geometry for this region pair (asked once, in AddPeer).
     bool cells = false;
   };
   std::vector<LayerLink> links;
   std::vector<std::uint8_t> metadata;
+
+  struct WindowKey {
+    std::size_t layer = 0;
+    ResolvedWindow local;
+    ResolvedWindow remote;
+    auto operator<=>(const WindowKey&) const = default;
+  };
+  mutable std::mutex windows_mu;
+  mutable std::map<WindowKey, std::shared_ptr<const WindowLink>> windows;
+};
+
+// One layer pair as a request plans it: the template (whole or windowed), how it goes, where
+// the peer holds the layer, and the destination side's window (for the overlap check).
+struct LinkPlan {
+  const BlockTemplate* tmpl = nullptr;
+  bool cells = false;
+  std::uint32_t region = 0;  // peer region index
+  std::int64_t offset = 0;   // peer layer base - peer region start
+};
+
+struct SegmentLayer {
+  std::size_t layer = 0;
+  LinkPlan link;
+  std::shared_ptr<const WindowLink> hold;  // keeps a windowed template alive while planning
+};
+
+// A segment checked against every layer it names: nothing in it can fail while planning.
+struct PlannedSegment {
+  std::shared_ptr<const BlockPairs> pairs;
+  std::vector<SegmentLayer> layers;
 };
 
 // Units after which a request's batch for one region pair is closed and submitted while later
@@ -126,13 +172,13 @@ class BatchBuilder {
 
   /// Counts this layer's units towards its batch, so batches are sized once (at most a piece
   /// plus a layer) and Add never reallocates. Call for every layer before Add.
-  void Reserve(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
+  void Reserve(const LocalLayer& layer, const LinkPlan& link, const BlockPairs& pairs) {
     entries_[KeyOf(layer, link)].upcoming += Units(link, pairs);
   }
 
   /// Stamps the layer's block template (or its block offsets, for cells) for `pairs`. On error
   /// nothing was added.
-  Status Add(const LocalLayer& layer, const Peer::LayerLink& link, const BlockPairs& pairs) {
+  Status Add(const LocalLayer& layer, const LinkPlan& link, const BlockPairs& pairs) {
     Entry& e = entries_[KeyOf(layer, link)];
     const std::size_t units = Units(link, pairs);
     const std::size_t room = std::min(e.upcoming, kPieceUnits + units);
@@ -143,7 +189,7 @@ class BatchBuilder {
       e.batch->remote_region = peer_.remote_regions[link.region];
       if (link.cells) {
         e.batch->cells.emplace();
-        e.batch->cells->geometry = *link.tmpl.cell_geometry();
+        e.batch->cells->geometry = *link.tmpl->cell_geometry();
         e.batch->cells->blocks.local.reserve(room);
         e.batch->cells->blocks.remote.reserve(room);
       } else {
@@ -154,15 +200,15 @@ class BatchBuilder {
     }
     MORIIO_RETURN_IF_ERROR(
         link.cells
-            ? AppendBlockOffsets(link.tmpl, pairs, layer.offset, link.offset,
+            ? AppendBlockOffsets(*link.tmpl, pairs, layer.offset, link.offset,
                                  &e.batch->cells->blocks)
-            : AppendBlockCopies(link.tmpl, pairs, layer.offset, link.offset, &e.plan));
+            : AppendBlockCopies(*link.tmpl, pairs, layer.offset, link.offset, &e.plan));
     e.upcoming -= std::min(e.upcoming, units);
     std::int64_t per_block = 0;
-    for (const CopyRun& r : link.tmpl.runs()) per_block += r.size;
+    for (const CopyRun& r : link.tmpl->runs()) per_block += r.size;
     e.bytes += per_block * static_cast<std::int64_t>(pairs.size());
     if (link.cells) {
-      e.cell_runs += static_cast<std::int64_t>(pairs.size() * link.tmpl.runs().size());
+      e.cell_runs += static_cast<std::int64_t>(pairs.size() * link.tmpl->runs().size());
     }
     return Status::OK();
   }
@@ -200,14 +246,14 @@ class BatchBuilder {
     std::size_t upcoming = 0;    // units of this batch's layers not yet added (an upper bound)
   };
 
-  static std::size_t Units(const Peer::LayerLink& link, const BlockPairs& pairs) {
-    return link.cells ? pairs.size() : pairs.size() * link.tmpl.runs().size();
+  static std::size_t Units(const LinkPlan& link, const BlockPairs& pairs) {
+    return link.cells ? pairs.size() : pairs.size() * link.tmpl->runs().size();
   }
 
-  Key KeyOf(const LocalLayer& layer, const Peer::LayerLink& link) {
+  Key KeyOf(const LocalLayer& layer, const LinkPlan& link) {
     Key key{layer.region, link.region, -1};
     if (!link.cells) return key;
-    const CellGeometry& g = *link.tmpl.cell_geometry();
+    const CellGeometry& g = *link.tmpl->cell_geometry();
     auto it = std::ranges::find(geometries_, g);
     key.geometry = static_cast<int>(it - geometries_.begin());
     if (it == geometries_.end()) geometries_.push_back(g);
@@ -290,6 +336,155 @@ struct Engine::Impl {
     if (!registered) return FailedPreconditionError("register_kv_caches has not been called");
     return Status::OK();
   }
+
+  // Layer `i`'s template with `peer` for one pair of windows: the whole-block template for
+  // whole windows, else the peer's cached windowed template (built and asked AcceptsCells on
+  // first use). Errors name the layer and the windows.
+  Result<SegmentLayer> LinkFor(const Peer& peer, std::size_t i, const CellWindow& local_window,
+                               const CellWindow& remote_window) const {
+    const Peer::LayerLink& link = peer.links[i];
+    const LayerLayout& mine = layers[i].layout;
+    SegmentLayer out{i, LinkPlan{nullptr, false, link.region, link.offset}, nullptr};
+    auto whole = [&]() -> Result<SegmentLayer> {
+      if (!link.tmpl) return link.whole_error;
+      out.link.tmpl = &*link.tmpl;
+      out.link.cells = link.cells;
+      return out;
+    };
+    if (local_window == CellWindow{} && remote_window == CellWindow{}) return whole();
+    MORIIO_ASSIGN_OR_RETURN(ResolvedWindow lw, ResolveWindow(local_window, mine));
+    Result<ResolvedWindow> rw = ResolveWindow(remote_window, link.remote);
+    if (!rw.ok()) return rw.status().WithContext("remote");
+    if (link.tmpl && lw == link.tmpl->local_window() && *rw == link.tmpl->remote_window()) {
+      return whole();
+    }
+    const Peer::WindowKey key{i, lw, *rw};
+    {
+      std::lock_guard lock(peer.windows_mu);
+      if (auto it = peer.windows.find(key); it != peer.windows.end()) {
+        out.hold = it->second;
+      }
+    }
+    if (!out.hold) {
+      MORIIO_ASSIGN_OR_RETURN(BlockTemplate tmpl,
+                              BlockTemplate::Build(mine, local_window, link.remote, remote_window));
+      auto built = std::make_shared<WindowLink>(WindowLink{std::move(tmpl), false});
+      if (built->tmpl.prefers_cell_copy()) {
+        built->cells = backend->AcceptsCells(regions[layers[i].region].handle,
+                                             peer.remote_regions[link.region],
+                                             *built->tmpl.cell_geometry());
+      }
+      std::lock_guard lock(peer.windows_mu);
+      if (peer.windows.size() >= kMaxWindowTemplates) peer.windows.clear();
+      out.hold = peer.windows.try_emplace(key, std::move(built)).first->second;
+    }
+    out.link.tmpl = &out.hold->tmpl;
+    out.link.cells = out.hold->cells;
+    return out;
+  }
+
+  // Checks one segment against every layer it moves: `names` (empty: every layer), or only
+  // `write_layer` for a WRITE. Errors carry `where` (when not empty) as context; `bare_lookup`
+  // keeps an unknown layer's error as the one-segment Read always gave it.
+  Result<PlannedSegment> PlanSegment(const Peer& peer, std::span<const std::string> names,
+                                     std::shared_ptr<const BlockPairs> pairs,
+                                     const CellWindow& local_window,
+                                     const CellWindow& remote_window,
+                                     std::optional<std::size_t> write_layer,
+                                     const std::string& where, bool bare_lookup) const {
+    auto context = [&](const Status& st) { return where.empty() ? st : st.WithContext(where); };
+    std::vector<std::size_t> selected;
+    if (write_layer) {
+      selected.push_back(*write_layer);
+    } else if (names.empty()) {
+      for (std::size_t i = 0; i < layers.size(); ++i) selected.push_back(i);
+    } else {
+      std::vector<bool> seen(layers.size(), false);
+      for (const std::string& name : names) {
+        Result<std::size_t> i = FindLayer(name);
+        if (!i.ok()) return bare_lookup ? i.status() : context(i.status());
+        if (seen[*i]) return InvalidArgumentError(where + ": layer '" + name + "' listed twice");
+        seen[*i] = true;
+        selected.push_back(*i);
+      }
+    }
+    PlannedSegment out{std::move(pairs), {}};
+    out.layers.reserve(selected.size());
+    for (std::size_t i : selected) {
+      Result<SegmentLayer> link = LinkFor(peer, i, local_window, remote_window);
+      if (!link.ok()) return context(link.status());
+      // Every block id against both sides' block counts (the peer's from its registration):
+      // a bad id fails the call, not the transfer. Planning cannot fail after that.
+      if (Status st = CheckBlockIds(*link->link.tmpl, *out.pairs); !st.ok()) return context(st);
+      out.layers.push_back(std::move(link).value());
+    }
+    return out;
+  }
+
+  // Refuses two segments that write the same destination cells of a layer: the same block id
+  // (local for a READ, remote for a WRITE) under overlapping destination windows. Within one
+  // segment BlockPairs already refused a repeated id.
+  Status CheckDisjointDestinations(const Peer& peer, const std::vector<PlannedSegment>& segments,
+                                   TransferOp op, const std::string& ctx) const {
+    if (segments.size() < 2) return Status::OK();
+    const bool remote = op == TransferOp::kWrite;
+    // Destination ids of a segment, sorted (local ids are; remote ones sorted on demand).
+    std::vector<std::optional<std::vector<std::int64_t>>> sorted(segments.size());
+    auto ids = [&](std::size_t k) -> std::span<const std::int64_t> {
+      if (!remote) return segments[k].pairs->local_sorted();
+      if (!sorted[k]) {
+        const std::span<const std::int64_t> r = segments[k].pairs->remote_by_local();
+        sorted[k].emplace(r.begin(), r.end());
+        std::sort(sorted[k]->begin(), sorted[k]->end());
+      }
+      return *sorted[k];
+    };
+    std::vector<std::vector<std::pair<std::size_t, const BlockTemplate*>>> by_layer(layers.size());
+    for (std::size_t k = 0; k < segments.size(); ++k) {
+      for (const SegmentLayer& l : segments[k].layers) by_layer[l.layer].emplace_back(k, l.link.tmpl);
+    }
+    for (std::size_t i = 0; i < by_layer.size(); ++i) {
+      const auto& uses = by_layer[i];
+      for (std::size_t a = 0; a < uses.size(); ++a) {
+        for (std::size_t b = a + 1; b < uses.size(); ++b) {
+          const BlockTemplate& ta = *uses[a].second;
+          const BlockTemplate& tb = *uses[b].second;
+          const ResolvedWindow& wa = remote ? ta.remote_window() : ta.local_window();
+          const ResolvedWindow& wb = remote ? tb.remote_window() : tb.local_window();
+          if (!wa.Overlaps(wb)) continue;
+          const std::span<const std::int64_t> ia = ids(uses[a].first);
+          const std::span<const std::int64_t> ib = ids(uses[b].first);
+          std::vector<std::int64_t> common;
+          std::set_intersection(ia.begin(), ia.end(), ib.begin(), ib.end(),
+                                std::back_inserter(common));
+          if (common.empty()) continue;
+          const LayerLayout& dest = remote ? peer.links[i].remote : layers[i].layout;
+          auto shown = [&](const ResolvedWindow& w) {
+            return DescribeWindow(CellWindow{w.head_begin, w.heads, w.token_begin, w.tokens},
+                                  dest);
+          };
+          return InvalidArgumentError(
+              (ctx.empty() ? std::string() : ctx + ": ") + "segments " + std::to_string(uses[a].first) + " and " +
+              std::to_string(uses[b].first) + " both write " + (remote ? "remote" : "local") +
+              " block " + std::to_string(common.front()) + " of layer '" +
+              layers[i].layout.name() + "' in overlapping windows (" + shown(wa) + " and " +
+              shown(wb) + ")");
+        }
+      }
+    }
+    return Status::OK();
+  }
+
+  // Begins a READ of `planned` (checked: nothing in it can fail) and submits its batches.
+  Status StartRead(std::string_view transfer_id, const Peer& peer,
+                   const std::vector<PlannedSegment>& planned, const std::string& ctx);
+
+  // Both WriteLayers: the checks every write makes, `plan` (the layer's segments, checked),
+  // then one batch for them. Every refusal but a READ id fails the transfer.
+  Result<bool> WriteSegments(
+      std::string_view transfer_id, std::string_view layer, std::string_view peer_id,
+      std::uint64_t cuda_event,
+      const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan);
 
   // Submits prepared batches of one transfer; a batch that cannot be submitted completes as
   // failed so the transfer still ends exactly once. False when the transfer ended meanwhile
@@ -471,7 +666,7 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
       }
     }
   }
-  // Every one of our layers needs a peer layer of the same name and logical content.
+  // Every one of our layers needs a peer layer of the same name whose cells pair with ours.
   auto peer = std::make_shared<Peer>();
   peer->id = meta.engine_id;
   peer->metadata.assign(metadata.begin(), metadata.end());
@@ -483,9 +678,20 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
       return IncompatibleError("peer '" + meta.engine_id + "' has no layer '" +
                                mine.layout.name() + "'");
     }
-    Result<BlockTemplate> tmpl = BlockTemplate::Build(mine.layout, it->second->layout);
-    if (!tmpl.ok()) return tmpl.status().WithContext("peer '" + meta.engine_id + "'");
-    peer->links.push_back({it->second->region, it->second->offset, std::move(tmpl).value()});
+    const LayerLayout& theirs = it->second->layout;
+    Result<BlockTemplate> tmpl = BlockTemplate::Build(mine.layout, theirs);
+    Peer::LayerLink link{it->second->region, it->second->offset, theirs, std::nullopt,
+                         Status::OK(), false};
+    if (tmpl.ok()) {
+      link.tmpl = std::move(tmpl).value();
+    } else if (CheckCellContent(mine.layout, theirs).ok()) {
+      // Other heads or block size: the layers pair through windows only (heterogeneous TP,
+      // other block sizes); a whole-block transfer of this layer is refused with this error.
+      link.whole_error = tmpl.status().WithContext("peer '" + meta.engine_id + "'");
+    } else {
+      return tmpl.status().WithContext("peer '" + meta.engine_id + "'");
+    }
+    peer->links.push_back(std::move(link));
   }
   // Connect and import; undo on failure. A replaced peer stays connected until the new
   // connection stands, so a failed replacement changes nothing.
@@ -502,10 +708,10 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   // Cell copies where a pair wants one and the backend takes it; runs everywhere else.
   for (std::size_t k = 0; k < peer->links.size(); ++k) {
     Peer::LayerLink& link = peer->links[k];
-    if (!link.tmpl.prefers_cell_copy()) continue;
+    if (!link.tmpl || !link.tmpl->prefers_cell_copy()) continue;
     link.cells = d.backend->AcceptsCells(d.regions[d.layers[k].region].handle,
                                          peer->remote_regions[link.region],
-                                         *link.tmpl.cell_geometry());
+                                         *link.tmpl->cell_geometry());
   }
   std::shared_ptr<const Peer> old;
   {
@@ -577,57 +783,80 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
   if (!pairs.ok()) return pairs.status().WithContext(ctx);
-  std::vector<std::size_t> selected;
-  if (layer_names.empty()) {
-    for (std::size_t i = 0; i < d.layers.size(); ++i) selected.push_back(i);
-  } else {
-    std::vector<bool> seen(d.layers.size(), false);
-    for (const std::string& name : layer_names) {
-      MORIIO_ASSIGN_OR_RETURN(std::size_t i, d.FindLayer(name));
-      if (seen[i]) return InvalidArgumentError(ctx + ": layer '" + name + "' listed twice");
-      seen[i] = true;
-      selected.push_back(i);
-    }
+  std::vector<PlannedSegment> planned;
+  MORIIO_ASSIGN_OR_RETURN(
+      planned.emplace_back(),
+      d.PlanSegment(*peer, layer_names, std::make_shared<const BlockPairs>(std::move(pairs).value()),
+                    CellWindow{}, CellWindow{}, std::nullopt, ctx, /*bare_lookup=*/true));
+  return d.StartRead(transfer_id, *peer, planned, ctx);
+}
+
+Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
+                    std::span<const BlockSegment> segments) {
+  Impl& d = *impl_;
+  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
+  const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
+  std::vector<PlannedSegment> planned;
+  planned.reserve(segments.size());
+  for (std::size_t k = 0; k < segments.size(); ++k) {
+    const BlockSegment& seg = segments[k];
+    const std::string where = ctx + " segment " + std::to_string(k);
+    Result<BlockPairs> pairs = BlockPairs::Create(seg.local_blocks, seg.remote_blocks);
+    if (!pairs.ok()) return pairs.status().WithContext(where);
+    MORIIO_ASSIGN_OR_RETURN(
+        planned.emplace_back(),
+        d.PlanSegment(*peer, seg.layers,
+                      std::make_shared<const BlockPairs>(std::move(pairs).value()),
+                      seg.local_window, seg.remote_window, std::nullopt, where,
+                      /*bare_lookup=*/false));
   }
-  // Every layer's block ids are checked before anything starts: a bad id fails the call, not
-  // the transfer. Planning cannot fail after that.
-  for (std::size_t i : selected) {
-    Status st = CheckBlockIds(peer->links[i].tmpl, *pairs);
-    if (!st.ok()) return st.WithContext(ctx);
-  }
-  MORIIO_RETURN_IF_ERROR(d.tracker->BeginRead(transfer_id, peer->id));
+  MORIIO_RETURN_IF_ERROR(d.CheckDisjointDestinations(*peer, planned, TransferOp::kRead, ctx));
+  return d.StartRead(transfer_id, *peer, planned, ctx);
+}
+
+Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
+                               const std::vector<PlannedSegment>& planned,
+                               const std::string& ctx) {
+  MORIIO_RETURN_IF_ERROR(tracker->BeginRead(transfer_id, peer.id));
   auto add = [&](std::int64_t bytes, std::int64_t runs, bool cells) {
-    return d.tracker->AddBatch(transfer_id, bytes, runs, cells);
+    return tracker->AddBatch(transfer_id, bytes, runs, cells);
   };
   // Fails the open transfer with `why` (a batch that failed at once), so it ends now.
   auto fail = [&](const Status& why) {
     if (Result<std::uint64_t> token = add(0, 0, false); token.ok()) {
-      d.tracker->OnBatchComplete(*token, why.WithContext(ctx));
+      tracker->OnBatchComplete(*token, why.WithContext(ctx));
     }
   };
   try {
-    BatchBuilder builder(TransferOp::kRead, *peer);
-    for (std::size_t i : selected) builder.Reserve(d.layers[i], peer->links[i], *pairs);
-    bool open = true;
-    for (std::size_t k = 0; k < selected.size() && open; ++k) {
-      const std::size_t i = selected[k];
-      Status st = builder.Add(d.layers[i], peer->links[i], *pairs);
-      if (!st.ok()) {
-        fail(st);  // unreachable after CheckBlockIds; should it happen, the transfer says why
-        open = false;
-        break;
-      }
-      open = d.Submit(builder.Take(kPieceUnits), transfer_id, add);
+    BatchBuilder builder(TransferOp::kRead, peer);
+    for (const PlannedSegment& seg : planned) {
+      for (const SegmentLayer& l : seg.layers) builder.Reserve(layers[l.layer], l.link, *seg.pairs);
     }
-    if (open) d.Submit(builder.Take(0), transfer_id, add);
+    bool open = true;
+    for (std::size_t k = 0; k < planned.size() && open; ++k) {
+      const PlannedSegment& seg = planned[k];
+      for (std::size_t j = 0; j < seg.layers.size() && open; ++j) {
+        const SegmentLayer& l = seg.layers[j];
+        Status st = builder.Add(layers[l.layer], l.link, *seg.pairs);
+        if (!st.ok()) {
+          fail(st);  // unreachable after PlanSegment; should it happen, the transfer says why
+          open = false;
+          break;
+        }
+        open = Submit(builder.Take(kPieceUnits), transfer_id, add);
+      }
+    }
+    if (open) Submit(builder.Take(0), transfer_id, add);
   } catch (const std::bad_alloc&) {
     // Pieces are planned after the transfer began: end it rather than leave it open until its
     // deadline, then let the caller see the allocation failure.
     fail(AbortedError("out of memory while planning the request"));
-    d.tracker->CloseRead(transfer_id);
+    tracker->CloseRead(transfer_id);
     throw;
   }
-  d.tracker->CloseRead(transfer_id);
+  tracker->CloseRead(transfer_id);
   return Status::OK();
 }
 
@@ -637,52 +866,114 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
                                 std::span<const std::int64_t> remote_blocks,
                                 std::uint64_t cuda_event) {
   Impl& d = *impl_;
-  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  return d.WriteSegments(
+      transfer_id, layer, peer_id, cuda_event,
+      [&](const Peer& peer, std::size_t i) -> Result<std::vector<PlannedSegment>> {
+        MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const BlockPairs> pairs,
+                                d.write_pairs.Get(local_blocks, remote_blocks));
+        std::vector<PlannedSegment> planned;
+        MORIIO_ASSIGN_OR_RETURN(planned.emplace_back(),
+                                d.PlanSegment(peer, {}, std::move(pairs), CellWindow{},
+                                              CellWindow{}, i, "", /*bare_lookup=*/false));
+        return planned;
+      });
+}
+
+Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view layer,
+                                std::string_view peer_id, std::span<const BlockSegment> segments,
+                                std::uint64_t cuda_event) {
+  Impl& d = *impl_;
+  return d.WriteSegments(
+      transfer_id, layer, peer_id, cuda_event,
+      [&](const Peer& peer, std::size_t i) -> Result<std::vector<PlannedSegment>> {
+        std::vector<PlannedSegment> planned;
+        planned.reserve(segments.size());
+        for (std::size_t k = 0; k < segments.size(); ++k) {
+          const BlockSegment& seg = segments[k];
+          const std::string where = "segment " + std::to_string(k);
+          if (!seg.layers.empty()) {
+            return InvalidArgumentError(where +
+                                        ": a write_layer segment names no layers (the call "
+                                        "names the layer)");
+          }
+          Result<BlockPairs> pairs = BlockPairs::Create(seg.local_blocks, seg.remote_blocks);
+          if (!pairs.ok()) return pairs.status().WithContext(where);
+          MORIIO_ASSIGN_OR_RETURN(
+              planned.emplace_back(),
+              d.PlanSegment(peer, {}, std::make_shared<const BlockPairs>(std::move(pairs).value()),
+                            seg.local_window, seg.remote_window, i, where,
+                            /*bare_lookup=*/false));
+        }
+        MORIIO_RETURN_IF_ERROR(
+            d.CheckDisjointDestinations(peer, planned, TransferOp::kWrite, ""));
+        return planned;
+      });
+}
+
+Result<bool> Engine::Impl::WriteSegments(
+    std::string_view transfer_id, std::string_view layer, std::string_view peer_id,
+    std::uint64_t cuda_event,
+    const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan) {
+  MORIIO_RETURN_IF_ERROR(CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   // A refused layer fails its transfer: the caller was told this layer will not arrive, so no
   // later seal may make the transfer done. A READ id is refused without touching the READ.
   auto refuse = [&](const Status& why) -> Status {
     const Status st = why.WithContext(ctx + " layer '" + std::string(layer) + "'");
-    MORIIO_RETURN_IF_ERROR(d.tracker->FailWrite(transfer_id, peer_id, st));
+    MORIIO_RETURN_IF_ERROR(tracker->FailWrite(transfer_id, peer_id, st));
     return st;
   };
-  Result<std::shared_ptr<const Peer>> peer = d.FindPeer(peer_id);
+  Result<std::shared_ptr<const Peer>> peer = FindPeer(peer_id);
   if (!peer.ok()) return refuse(peer.status());
-  Result<std::size_t> i = d.FindLayer(layer);
+  Result<std::size_t> i = FindLayer(layer);
   if (!i.ok()) return refuse(i.status());
   if (cuda_event != 0) {
-    if (d.regions[d.layers[*i].region].range.kind != MemoryKind::kCuda) {
+    if (regions[layers[*i].region].range.kind != MemoryKind::kCuda) {
       return refuse(FailedPreconditionError(
           "not in CUDA memory; a CUDA event cannot order its copy"));
     }
-    if (!d.backend->capabilities().device_event_wait) {
+    if (!backend->capabilities().device_event_wait) {
       return refuse(FailedPreconditionError(
-          "backend '" + d.config.backend +
+          "backend '" + config.backend +
           "' cannot wait for a CUDA event on the GPU (needs the CUDA copy plugin); synchronise "
           "the event and call write_layer without it"));
     }
   }
-  Result<std::shared_ptr<const BlockPairs>> pairs = d.write_pairs.Get(local_blocks, remote_blocks);
-  if (!pairs.ok()) return refuse(pairs.status());
+  Result<std::vector<PlannedSegment>> planned = plan(**peer, *i);
+  if (!planned.ok()) return refuse(planned.status());
+  // One batch per write: cells only when every segment goes as cells of one geometry (all
+  // segments share the layer's region pair), runs otherwise.
+  bool cells = !planned->empty();
+  for (const PlannedSegment& seg : *planned) {
+    const LinkPlan& link = seg.layers.front().link;
+    const LinkPlan& first = planned->front().layers.front().link;
+    cells = cells && link.cells && *link.tmpl->cell_geometry() == *first.tmpl->cell_geometry();
+  }
   BatchBuilder builder(TransferOp::kWrite, **peer);
-  Status st = builder.Add(d.layers[*i], (*peer)->links[*i], **pairs);
-  if (!st.ok()) return refuse(st);
+  for (const PlannedSegment& seg : *planned) {
+    LinkPlan link = seg.layers.front().link;
+    link.cells = cells;
+    Status st = builder.Add(layers[*i], link, *seg.pairs);
+    if (!st.ok()) return refuse(st);
+  }
   std::vector<BatchBuilder::Piece> pieces = builder.Take(0);
-  pieces.front().batch->device_wait_event = cuda_event;
-  const std::int64_t runs = pieces.front().runs;
+  MORIIO_CHECK(pieces.size() <= 1, "one write makes one batch");
+  const std::int64_t bytes = pieces.empty() ? 0 : pieces.front().bytes;
+  const std::int64_t runs = pieces.empty() ? 0 : pieces.front().runs;
+  if (!pieces.empty()) pieces.front().batch->device_wait_event = cuda_event;
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
-      d.tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, pieces.front().bytes, runs,
-                               pieces.front().batch->cells.has_value()));
+      tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, bytes, runs,
+                             !pieces.empty() && pieces.front().batch->cells.has_value()));
   if (!token) return false;
   if (runs == 0) {
-    d.tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
+    tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
     return true;
   }
   // ScheduleWrite already counted the batch: submit it under that token.
-  d.Submit(std::move(pieces), transfer_id,
-           [&](std::int64_t, std::int64_t, bool) -> Result<std::uint64_t> { return *token; });
+  Submit(std::move(pieces), transfer_id,
+         [&](std::int64_t, std::int64_t, bool) -> Result<std::uint64_t> { return *token; });
   return true;
 }
 

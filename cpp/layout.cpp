@@ -479,20 +479,27 @@ inline void AppendRun(std::vector<CopyRun>* runs, const CopyRun& r) {
   runs->push_back(r);
 }
 
-// The side of a cell grid `p` describes, when its token offset is affine (see CellGeometry).
-std::optional<CellSide> CellSideOf(const LayoutParams& p, std::int64_t plane_stride) {
-  const bool affine = p.kernel_block_size == p.block_size ||
-                      p.kernel_block_stride == p.kernel_block_size * p.token_stride;
+// The side of a cell grid over window `w` of `p`, when the token offset is affine over the
+// window's tokens (see CellGeometry): no kernel blocks, kernel blocks that continue the token
+// stride, or a window inside one kernel block. The grid's cell (0, 0, 0) is the window's first
+// cell; its offset from the block base is the caller's (CellOffset).
+std::optional<CellSide> CellSideOf(const LayoutParams& p, std::int64_t plane_stride,
+                                   const ResolvedWindow& w) {
+  const std::int64_t kb = p.kernel_block_size;
+  const bool affine = kb == p.block_size || p.kernel_block_stride == kb * p.token_stride ||
+                      w.token_begin / kb == (w.token_begin + w.tokens - 1) / kb;
   if (!affine) return std::nullopt;
-  return CellSide{p.block_stride, plane_stride, p.num_heads > 1 ? p.head_stride : 0,
-                  p.block_size > 1 ? p.token_stride : 0};
+  return CellSide{p.block_stride, plane_stride, w.heads > 1 ? p.head_stride : 0,
+                  w.tokens > 1 ? p.token_stride : 0};
 }
 
-// The cell grid of a pair with the same logical content (checked by the caller), if any.
-std::optional<CellGeometry> CellGeometryOf(const LayoutParams& lp, const LayoutParams& rp) {
+// The cell grid of a pair's windows with the same cell content and extent (checked by the
+// caller), if any.
+std::optional<CellGeometry> CellGeometryOf(const LayoutParams& lp, const LayoutParams& rp,
+                                           const ResolvedWindow& lw, const ResolvedWindow& rw) {
   CellGeometry g;
-  g.heads = lp.num_heads;
-  g.tokens = lp.block_size;
+  g.heads = lw.heads;
+  g.tokens = lw.tokens;
   // Packed K|V on both sides: K and V of a (head, token) are one contiguous cell.
   const bool packed = lp.num_planes() == 2 && lp.plane_offset[1] == lp.plane_bytes[0] &&
                       rp.plane_offset[1] == rp.plane_bytes[0];
@@ -505,15 +512,101 @@ std::optional<CellGeometry> CellGeometryOf(const LayoutParams& lp, const LayoutP
   } else {
     return std::nullopt;  // K and V of different widths in separate planes: two grids
   }
-  const std::optional<CellSide> local = CellSideOf(lp, g.planes == 2 ? lp.plane_offset[1] : 0);
-  const std::optional<CellSide> remote = CellSideOf(rp, g.planes == 2 ? rp.plane_offset[1] : 0);
+  const std::optional<CellSide> local =
+      CellSideOf(lp, g.planes == 2 ? lp.plane_offset[1] : 0, lw);
+  const std::optional<CellSide> remote =
+      CellSideOf(rp, g.planes == 2 ? rp.plane_offset[1] : 0, rw);
   if (!local || !remote) return std::nullopt;
   g.local = *local;
   g.remote = *remote;
   return g;
 }
 
+// The whole block of `layout` as a window.
+ResolvedWindow WholeBlock(const LayerLayout& layout) {
+  return {0, layout.num_heads(), 0, layout.block_size()};
+}
+
+// "[begin,end)"; the numbers may come from a request, so the end may not fit.
+std::string Range(std::int64_t begin, std::int64_t count) {
+  std::int64_t end = 0;
+  return "[" + std::to_string(begin) + "," +
+         (CheckedAdd(begin, count, &end) ? std::to_string(end) : std::string("overflow")) + ")";
+}
+
+std::string WindowNumbers(const ResolvedWindow& w, const LayerLayout& layout) {
+  return "heads " + Range(w.head_begin, w.heads) + " of " + std::to_string(layout.num_heads()) +
+         ", tokens " + Range(w.token_begin, w.tokens) + " of " +
+         std::to_string(layout.block_size());
+}
+
+// What makes cells of `local` and `remote` unable to pair one to one, or "" when they can:
+// the same kind, dtype and bytes per (plane, head, token) cell.
+std::string CellContentDifference(const LayoutParams& lp, const LayoutParams& rp) {
+  auto kind = [](CacheKind k) { return k == CacheKind::kKeyValue ? "kv" : "mla"; };
+  if (lp.kind != rp.kind) return std::string("kind ") + kind(lp.kind) + " vs " + kind(rp.kind);
+  if (lp.dtype_bytes != rp.dtype_bytes) {
+    return "dtype_bytes " + std::to_string(lp.dtype_bytes) + " vs " +
+           std::to_string(rp.dtype_bytes);
+  }
+  static constexpr std::array<const char*, 2> kPlane = {"K", "V"};
+  for (int p = 0; p < lp.num_planes(); ++p) {
+    if (lp.plane_bytes[p] != rp.plane_bytes[p]) {
+      return std::string(lp.kind == CacheKind::kLatent ? "latent" : kPlane[p]) +
+             " bytes per head and token " + std::to_string(lp.plane_bytes[p]) + " vs " +
+             std::to_string(rp.plane_bytes[p]);
+    }
+  }
+  return "";
+}
+
 }  // namespace
+
+Status CheckCellContent(const LayerLayout& local, const LayerLayout& remote) {
+  const std::string differs = CellContentDifference(local.params(), remote.params());
+  if (differs.empty()) return Status::OK();
+  return IncompatibleError("layer '" + local.name() + "' (" + local.DescribeLogical() +
+                           ") and remote layer '" + remote.name() + "' (" +
+                           remote.DescribeLogical() + ") hold cells that cannot pair: " + differs);
+}
+
+bool ResolvedWindow::Overlaps(const ResolvedWindow& o) const {
+  return head_begin < o.head_begin + o.heads && o.head_begin < head_begin + heads &&
+         token_begin < o.token_begin + o.tokens && o.token_begin < token_begin + tokens;
+}
+
+std::string DescribeWindow(const CellWindow& w, const LayerLayout& layout) {
+  // An open count runs to the end of the block, whatever the begin (which may be bad).
+  auto axis = [](std::int64_t begin, std::optional<std::int64_t> count, std::int64_t size) {
+    if (count) return Range(begin, *count);
+    return "[" + std::to_string(begin) + "," + std::to_string(size) + ")";
+  };
+  return "heads " + axis(w.head_begin, w.heads, layout.num_heads()) + " of " +
+         std::to_string(layout.num_heads()) + ", tokens " +
+         axis(w.token_begin, w.tokens, layout.block_size()) + " of " +
+         std::to_string(layout.block_size());
+}
+
+Result<ResolvedWindow> ResolveWindow(const CellWindow& w, const LayerLayout& layout) {
+  auto axis = [&](std::string_view what, std::int64_t begin, std::optional<std::int64_t> count,
+                  std::int64_t size, std::int64_t* out) -> Status {
+    // Bounded before any sum: the numbers may come from a request.
+    const bool ok = begin >= 0 && begin < size && (!count || (*count > 0 && *count <= size - begin));
+    if (!ok) {
+      return InvalidArgumentError(LayerPrefix(layout.name()) + ": window " +
+                                  DescribeWindow(w, layout) + " leaves the block (" +
+                                  std::string(what) + " " + std::to_string(begin) + "+" +
+                                  (count ? std::to_string(*count) : std::string("rest")) +
+                                  " outside [0," + std::to_string(size) + "))");
+    }
+    *out = count.value_or(size - begin);
+    return Status::OK();
+  };
+  ResolvedWindow r{w.head_begin, 0, w.token_begin, 0};
+  MORIIO_RETURN_IF_ERROR(axis("heads", w.head_begin, w.heads, layout.num_heads(), &r.heads));
+  MORIIO_RETURN_IF_ERROR(axis("tokens", w.token_begin, w.tokens, layout.block_size(), &r.tokens));
+  return r;
+}
 
 bool BlockTemplate::prefers_cell_copy() const {
   // Runs that cover whole planes are what the cell copy would move per tile anyway.
@@ -530,14 +623,42 @@ Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const Layer
                              local.DescribeLogical() + ") and remote layer '" + remote.name() +
                              "' (" + remote.DescribeLogical() + ") hold different content");
   }
+  return BuildWindows(local, WholeBlock(local), remote, WholeBlock(remote));
+}
+
+Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local,
+                                           const CellWindow& local_window,
+                                           const LayerLayout& remote,
+                                           const CellWindow& remote_window) {
+  MORIIO_ASSIGN_OR_RETURN(ResolvedWindow lw, ResolveWindow(local_window, local));
+  Result<ResolvedWindow> rw = ResolveWindow(remote_window, remote);
+  if (!rw.ok()) return rw.status().WithContext("remote");
+  std::string differs = CellContentDifference(local.params(), remote.params());
+  if (differs.empty() && (lw.heads != rw->heads || lw.tokens != rw->tokens)) {
+    differs = "the windows hold " + std::to_string(lw.heads) + " and " +
+              std::to_string(rw->heads) + " heads, " + std::to_string(lw.tokens) + " and " +
+              std::to_string(rw->tokens) + " tokens";
+  }
+  if (!differs.empty()) {
+    return IncompatibleError("layer '" + local.name() + "' window " + WindowNumbers(lw, local) +
+                             " (" + local.DescribeLogical() + ") and remote layer '" +
+                             remote.name() + "' window " + WindowNumbers(*rw, remote) + " (" +
+                             remote.DescribeLogical() + ") cannot pair: " + differs);
+  }
+  return BuildWindows(local, lw, remote, *rw);
+}
+
+BlockTemplate BlockTemplate::BuildWindows(const LayerLayout& local, const ResolvedWindow& lw,
+                                          const LayerLayout& remote, const ResolvedWindow& rw) {
   const LayoutParams& lp = local.params();
   const LayoutParams& rp = remote.params();
   std::vector<CopyRun> cells;
-  cells.reserve(static_cast<std::size_t>(lp.num_planes() * lp.num_heads * lp.block_size));
+  cells.reserve(static_cast<std::size_t>(lp.num_planes() * lw.heads * lw.tokens));
   for (int plane = 0; plane < lp.num_planes(); ++plane) {
-    for (std::int64_t h = 0; h < lp.num_heads; ++h) {
-      for (std::int64_t t = 0; t < lp.block_size; ++t) {
-        cells.push_back({CellOffset(lp, plane, h, t), CellOffset(rp, plane, h, t),
+    for (std::int64_t h = 0; h < lw.heads; ++h) {
+      for (std::int64_t t = 0; t < lw.tokens; ++t) {
+        cells.push_back({CellOffset(lp, plane, lw.head_begin + h, lw.token_begin + t),
+                         CellOffset(rp, plane, rw.head_begin + h, rw.token_begin + t),
                          lp.plane_bytes[plane]});
       }
     }
@@ -552,7 +673,11 @@ Result<BlockTemplate> BlockTemplate::Build(const LayerLayout& local, const Layer
   t.local_num_blocks_ = lp.num_blocks;
   t.remote_num_blocks_ = rp.num_blocks;
   t.local_name_ = local.name();
-  t.cell_geometry_ = CellGeometryOf(lp, rp);
+  t.local_window_ = lw;
+  t.remote_window_ = rw;
+  t.local_cell_origin_ = CellOffset(lp, 0, lw.head_begin, lw.token_begin);
+  t.remote_cell_origin_ = CellOffset(rp, 0, rw.head_begin, rw.token_begin);
+  t.cell_geometry_ = CellGeometryOf(lp, rp, lw, rw);
   // A group holds runs that fit within one local block stride of its first run; stamping a group
   // for all (sorted) blocks before the next group keeps the output sorted for every layout vLLM
   // produces (StampBlockCopies still checks, and sorts when a layout defeats this).
@@ -796,8 +921,10 @@ Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
   out->local.reserve(out->local.size() + local.size());
   out->remote.reserve(out->remote.size() + local.size());
   for (std::size_t i = 0; i < local.size(); ++i) {
-    out->local.push_back(local_shift + local[i] * tmpl.local_block_stride());
-    out->remote.push_back(remote_shift + remote[i] * tmpl.remote_block_stride());
+    out->local.push_back(local_shift + tmpl.local_cell_origin() +
+                         local[i] * tmpl.local_block_stride());
+    out->remote.push_back(remote_shift + tmpl.remote_cell_origin() +
+                          remote[i] * tmpl.remote_block_stride());
   }
   return Status::OK();
 }

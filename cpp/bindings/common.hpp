@@ -6,8 +6,10 @@
 #include <pybind11/pybind11.h>
 
 #include <limits>
+#include <optional>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -41,6 +43,14 @@ inline StatusError IdOutOfRange(const char* what, const std::string& id, std::si
   return StatusError(OutOfRangeError(std::string(what) + ": block id " + id + " at position " +
                                      std::to_string(position) +
                                      " is out of range (block ids are below 2^63)"));
+}
+
+/// A CellWindow as Python passes it: (head_begin, heads or None, token_begin, tokens or None).
+using WindowTuple = std::tuple<std::int64_t, std::optional<std::int64_t>, std::int64_t,
+                               std::optional<std::int64_t>>;
+
+inline CellWindow ToCellWindow(const WindowTuple& w) {
+  return CellWindow{std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w)};
 }
 
 /// Block ids from any 1-D integer sequence or array, copied (the ids validated are the ids

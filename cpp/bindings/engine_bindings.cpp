@@ -24,6 +24,28 @@ std::span<const std::uint8_t> ByteSpan(const py::bytes& b, std::string& holder) 
   return {reinterpret_cast<const std::uint8_t*>(holder.data()), holder.size()};
 }
 
+// Segments as the Python facade passes them: (layers, local ids, remote ids, local window,
+// remote window) per segment. Ids are copied here, with the GIL held.
+std::vector<BlockSegment> ToSegments(const py::list& segments) {
+  std::vector<BlockSegment> out;
+  out.reserve(segments.size());
+  for (const py::handle item : segments) {
+    const auto t = item.cast<py::tuple>();
+    if (t.size() != 5) {
+      throw StatusError(InvalidArgumentError(
+          "a segment is (layers, local_blocks, remote_blocks, local_window, remote_window)"));
+    }
+    BlockSegment seg;
+    seg.layers = t[0].cast<std::vector<std::string>>();
+    seg.local_blocks = BlockIds(t[1], "local_blocks");
+    seg.remote_blocks = BlockIds(t[2], "remote_blocks");
+    seg.local_window = ToCellWindow(t[3].cast<WindowTuple>());
+    seg.remote_window = ToCellWindow(t[4].cast<WindowTuple>());
+    out.push_back(std::move(seg));
+  }
+  return out;
+}
+
 py::bytes ToBytes(const std::vector<std::uint8_t>& v) {
   return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
 }
@@ -178,6 +200,31 @@ void BindEngine(py::module_& m) {
            },
            py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("local_blocks"),
            py::arg("remote_blocks"), py::arg("cuda_event") = 0)
+      .def(
+          "read_segments",
+          [](Engine& e, const std::string& tid, const std::string& peer, const py::list& segments) {
+            const std::vector<BlockSegment> segs = ToSegments(segments);
+            Status st;
+            {
+              py::gil_scoped_release release;
+              st = e.Read(tid, peer, segs);
+            }
+            ThrowIfError(st);
+          },
+          py::arg("transfer_id"), py::arg("peer"), py::arg("segments"))
+      .def(
+          "write_layer_segments",
+          [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
+             const py::list& segments, std::uint64_t cuda_event) {
+            const std::vector<BlockSegment> segs = ToSegments(segments);
+            Result<bool> r = [&] {
+              py::gil_scoped_release release;
+              return e.WriteLayer(tid, layer, peer, segs, cuda_event);
+            }();
+            return Unwrap(std::move(r));
+          },
+          py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("segments"),
+          py::arg("cuda_event") = 0)
       .def(
           "seal",
           [](Engine& e, const std::string& tid, const std::string& peer,

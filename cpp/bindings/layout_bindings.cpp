@@ -205,6 +205,15 @@ void BindLayout(py::module_& m) {
              return Unwrap(BlockTemplate::Build(local, remote));
            }),
            py::arg("local"), py::arg("remote"))
+      .def(py::init([](const LayerLayout& local, const LayerLayout& remote,
+                       const WindowTuple& local_window, const WindowTuple& remote_window) {
+             return Unwrap(BlockTemplate::Build(local, ToCellWindow(local_window), remote,
+                                                ToCellWindow(remote_window)));
+           }),
+           py::arg("local"), py::arg("remote"), py::arg("local_window"), py::arg("remote_window"),
+           "The runs that copy the cells of local_window of a local block to those of "
+           "remote_window of a remote block; each window is (head_begin, heads or None, "
+           "token_begin, tokens or None).")
       .def_property_readonly("runs", [](const BlockTemplate& t) {
         py::list out;
         for (const CopyRun& r : t.runs()) out.append(py::make_tuple(r.local, r.remote, r.size));
@@ -243,6 +252,13 @@ void BindLayout(py::module_& m) {
           "The pair's blocks as one grid of equal cells: {planes, heads, tokens, cell_bytes, "
           "local, remote} (each side {block_stride, plane_stride, head_stride, token_stride}, "
           "bytes), or None when the layouts admit none.")
+      .def_property_readonly(
+          "cell_origins",
+          [](const BlockTemplate& t) {
+            return py::make_tuple(t.local_cell_origin(), t.remote_cell_origin());
+          },
+          "(local, remote): bytes from a block's base to its window's first cell, the shift "
+          "block_offsets adds (0 for whole windows).")
       .def_property_readonly("prefers_cell_copy", &BlockTemplate::prefers_cell_copy,
                              "True when the run plan cuts blocks into short runs that a cell "
                              "copy moves whole.")

@@ -48,6 +48,21 @@ struct EngineConfig {
   static constexpr std::uint64_t kMaxPageSize = std::uint64_t{1} << 30;  ///< 1 GiB huge pages
 };
 
+/// One part of a transfer: `layers` x the block pairs (local_blocks[i], remote_blocks[i]) x the
+/// cells of `local_window` <-> `remote_window` of each pair (cell (p, h, t) of the local window
+/// pairs with cell (p, h, t) of the remote window; see BlockTemplate::Build with windows).
+/// Several segments make one transfer: a decode block filled from several prefill blocks (four
+/// 16-token blocks into token windows 0/16/32/48 of one 64-token block), a head range of the
+/// peer's heads (heterogeneous TP), or layer groups with their own block ids (hybrid caches).
+/// A local list shorter than the remote one pairs with the first remote ids (as Read does).
+struct BlockSegment {
+  std::vector<std::string> layers;  ///< empty: every layer of the transfer
+  std::vector<std::int64_t> local_blocks;
+  std::vector<std::int64_t> remote_blocks;
+  CellWindow local_window;   ///< default: whole blocks
+  CellWindow remote_window;  ///< default: whole blocks
+};
+
 enum class TransferKind : std::uint8_t { kRead = 0, kWrite = 1 };
 enum class TransferState : std::uint8_t { kPending = 0, kDone, kFailed, kAborted, kTimedOut };
 
@@ -105,7 +120,10 @@ class Engine {
   Result<std::vector<std::uint8_t>> LocalMetadata() const;
 
   /// Validates a peer's metadata (every number), checks each of our layers has a peer layer of
-  /// the same name and logical content, connects, and returns the peer's engine id. On error
+  /// the same name whose cells pair with ours (kind, dtype and bytes per head and token equal;
+  /// head counts and block sizes may differ: such a layer moves only through segments whose
+  /// windows pair, and a whole-block Read or WriteLayer of it is Incompatible naming both
+  /// layouts), connects, and returns the peer's engine id. On error
   /// nothing changes. Adding a peer again with identical metadata is a no-op. Blocks on connect.
   Result<std::string> AddPeer(std::span<const std::uint8_t> metadata);
 
@@ -136,6 +154,19 @@ class Engine {
               std::span<const std::int64_t> remote_blocks,
               std::span<const std::string> layers = {});
 
+  /// READ of several segments as ONE transfer (one terminal event, one abort, one quarantine
+  /// unit), batched and cut as Read does (segments of one region pair share its batches). Every
+  /// argument is checked before anything starts, and errors name the segment index, layer,
+  /// block id and window: an unknown layer, a layer twice in one segment, ids out of range on
+  /// either side (the remote side as the peer registered it), a window outside its block (the
+  /// remote one checked against the peer's layout), windows that do not pair, and LOCAL
+  /// destination cells written twice (the same local block of a layer in two segments whose
+  /// local windows overlap; disjoint windows of one block are how several peer blocks or
+  /// head ranges fill it). On error no transfer exists and nothing changed. Empty `segments`
+  /// make a transfer with nothing to move. Never blocks on transfer.
+  Status Read(std::string_view transfer_id, std::string_view peer,
+              std::span<const BlockSegment> segments);
+
   /// WRITE: push one layer's blocks to `peer` (one batch: cells or runs, chosen as for Read).
   /// Returns false (and does nothing) when this (transfer, layer) was scheduled before, or the
   /// transfer failed, was aborted, timed out or is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
@@ -151,6 +182,17 @@ class Engine {
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks,
+                          std::uint64_t cuda_event = 0);
+
+  /// WriteLayer of several segments of `layer` as one write of the transfer (one batch: runs,
+  /// or cells when every segment's window pair goes as cells of one geometry). The segments'
+  /// `layers` must be empty. Checked as Read with segments checks, with REMOTE destination
+  /// cells in place of local ones: the same remote block in two segments is fine when their
+  /// remote windows are disjoint (two prefill ranks' head ranges into one decode block), an
+  /// error when they overlap. Refusals (other than a READ id) fail the transfer as WriteLayer
+  /// does; returns false as WriteLayer does. Never blocks on transfer.
+  Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
+                          std::string_view peer, std::span<const BlockSegment> segments,
                           std::uint64_t cuda_event = 0);
 
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to

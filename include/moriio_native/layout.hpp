@@ -152,6 +152,34 @@ struct CellWindow {
   friend bool operator==(const CellWindow&, const CellWindow&) = default;
 };
 
+/// A CellWindow with its counts resolved against one layer's block: the heads
+/// [head_begin, head_begin + heads) and tokens [token_begin, token_begin + tokens).
+struct ResolvedWindow {
+  std::int64_t head_begin = 0;
+  std::int64_t heads = 0;
+  std::int64_t token_begin = 0;
+  std::int64_t tokens = 0;
+
+  /// True when the two windows share at least one (head, token) cell.
+  bool Overlaps(const ResolvedWindow& other) const;
+  auto operator<=>(const ResolvedWindow&) const = default;
+};
+
+/// Resolves `window` against `layout`'s block (nullopt counts run to the end of the block).
+/// InvalidArgument naming the layer and the window when a begin is negative, a count is not
+/// positive, or the window leaves the block (head_begin + heads > num_heads, token_begin +
+/// tokens > block_size). The one place where nullopt counts are read. Pure, thread-safe.
+Result<ResolvedWindow> ResolveWindow(const CellWindow& window, const LayerLayout& layout);
+
+/// "heads [2,4) of 8, tokens [0,16) of 64" for messages; a count the window leaves open is
+/// shown against `layout` (as ResolveWindow reads it), a window outside the block as given.
+std::string DescribeWindow(const CellWindow& window, const LayerLayout& layout);
+
+/// OK when the cells of `local` and `remote` pair one to one, so that some windows of their
+/// blocks pair: the same kind, dtype and bytes per (plane, head, token) cell; head counts and
+/// block sizes may differ. Incompatible naming both layers and what differs otherwise. Pure.
+Status CheckCellContent(const LayerLayout& local, const LayerLayout& remote);
+
 /// One contiguous copy: `size` bytes from local offset to remote offset (or back).
 struct CopyRun {
   std::int64_t local = 0;
@@ -198,6 +226,19 @@ class BlockTemplate {
   /// Fails with Incompatible naming both layouts when their logical content differs.
   static Result<BlockTemplate> Build(const LayerLayout& local, const LayerLayout& remote);
 
+  /// The runs that copy the cells of `local_window` of a local block to the cells of
+  /// `remote_window` of a remote block: cell (plane p, head h, token t) of the local window
+  /// (h and t counted from the window's begin) pairs with cell (p, h, t) of the remote window.
+  /// The two layers may differ in heads and block size (heterogeneous TP: a head range; other
+  /// block sizes: a token range) as long as the windows agree. Errors: InvalidArgument naming
+  /// the layer and the window when a window leaves its block; Incompatible naming both layers
+  /// and both windows when kind, dtype or per-cell plane bytes (K and V bytes per head and
+  /// token) differ, or the windows differ in heads or tokens. Whole windows on both sides give
+  /// the same runs as Build(local, remote). cell_geometry() is the windows' sub-grid where the
+  /// layouts admit one, with the window origins in the block offsets (AppendBlockOffsets).
+  static Result<BlockTemplate> Build(const LayerLayout& local, const CellWindow& local_window,
+                                     const LayerLayout& remote, const CellWindow& remote_window);
+
   std::span<const CopyRun> runs() const { return runs_; }
   std::int64_t local_block_stride() const { return local_block_stride_; }
   std::int64_t remote_block_stride() const { return remote_block_stride_; }
@@ -208,7 +249,16 @@ class BlockTemplate {
   /// separated layout form two groups).
   std::span<const std::pair<std::uint32_t, std::uint32_t>> groups() const { return groups_; }
   const std::string& local_name() const { return local_name_; }
+  /// The windows this template copies, resolved against each side's block.
+  const ResolvedWindow& local_window() const { return local_window_; }
+  const ResolvedWindow& remote_window() const { return remote_window_; }
+  /// Bytes from a block's base to its window's first cell (cell (0, head_begin, token_begin)),
+  /// on each side: what AppendBlockOffsets adds to each block offset. 0 for whole windows.
+  std::int64_t local_cell_origin() const { return local_cell_origin_; }
+  std::int64_t remote_cell_origin() const { return remote_cell_origin_; }
   /// The pair's cells as one grid (see CellGeometry), or nullopt when the layouts admit none.
+  /// For a windowed template the grid of its windows' cells (a sub-grid of each block; the
+  /// window origins are added to the block offsets by AppendBlockOffsets).
   const std::optional<CellGeometry>& cell_geometry() const { return cell_geometry_; }
   /// True when a cell copy beats the run plan: a grid exists, the run plan splits a block's
   /// planes into several runs, and those average fewer than kShortRunBytes (the kernel's per-run cost then dominates; measured on the H200,
@@ -218,6 +268,9 @@ class BlockTemplate {
 
  private:
   BlockTemplate() = default;
+  // Both Builds, once the windows are resolved and known to pair.
+  static BlockTemplate BuildWindows(const LayerLayout& local, const ResolvedWindow& local_window,
+                                    const LayerLayout& remote, const ResolvedWindow& remote_window);
   std::optional<CellGeometry> cell_geometry_;
   std::vector<CopyRun> runs_;
   std::vector<std::pair<std::uint32_t, std::uint32_t>> groups_;
@@ -226,6 +279,10 @@ class BlockTemplate {
   std::int64_t local_num_blocks_ = 0;
   std::int64_t remote_num_blocks_ = 0;
   std::string local_name_;
+  ResolvedWindow local_window_;
+  ResolvedWindow remote_window_;
+  std::int64_t local_cell_origin_ = 0;
+  std::int64_t remote_cell_origin_ = 0;
 };
 
 /// A request's block pairs, validated for duplicates and sorted by local id once, then stamped
@@ -290,7 +347,8 @@ struct BlockOffsets {
   std::size_t size() const { return local.size(); }
 };
 
-/// Appends `pairs`' block offsets to `out`. FailedPrecondition (naming the layer) when `tmpl`
+/// Appends `pairs`' block offsets to `out` (each with the template's cell origin added, so a
+/// windowed template's offsets address its window's first cell). FailedPrecondition (naming the layer) when `tmpl`
 /// has no cell geometry; block ids checked as CheckBlockIds does; on error nothing is appended.
 Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
                           std::int64_t local_shift, std::int64_t remote_shift, BlockOffsets* out);

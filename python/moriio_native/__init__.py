@@ -10,6 +10,7 @@ import logging
 
 from moriio_native.engine import (
     BackendInfo,
+    BlockSegment,
     DrainedTransfer,
     Engine,
     LayerRegistration,
@@ -34,6 +35,7 @@ from moriio_native.layout import (
     BlockPairs,
     BlockTemplate,
     CacheSpec,
+    CellWindow,
     CopyPlan,
     LayerLayout,
     TensorGeometry,
@@ -58,8 +60,10 @@ __all__ = [
     "BackendInfo",
     "BackendUnavailableError",
     "BlockPairs",
+    "BlockSegment",
     "BlockTemplate",
     "CacheSpec",
+    "CellWindow",
     "CopyPlan",
     "DrainedTransfer",
     "Engine",

@@ -134,8 +134,14 @@ class BlockTemplate:
     """
     The runs that copy one block of a layer pair.
     """
+    @typing.overload
     def __init__(self, local: LayerLayout, remote: LayerLayout) -> None:
         ...
+    @typing.overload
+    def __init__(self, local: LayerLayout, remote: LayerLayout, local_window: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex | None, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex | None], remote_window: tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex | None, typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex | None]) -> None:
+        """
+        The runs that copy the cells of local_window of a local block to those of remote_window of a remote block; each window is (head_begin, heads or None, token_begin, tokens or None).
+        """
     def block_offsets(self, pairs: BlockPairs, local_shift: typing.SupportsInt | typing.SupportsIndex = 0, remote_shift: typing.SupportsInt | typing.SupportsIndex = 0) -> tuple:
         """
         (local, remote) int64 arrays: each pair's block byte offsets, in local id order, for a cell copy.
@@ -152,6 +158,11 @@ class BlockTemplate:
     def cell_geometry(self) -> typing.Any:
         """
         The pair's blocks as one grid of equal cells: {planes, heads, tokens, cell_bytes, local, remote} (each side {block_stride, plane_stride, head_stride, token_stride}, bytes), or None when the layouts admit none.
+        """
+    @property
+    def cell_origins(self) -> tuple:
+        """
+        (local, remote): bytes from a block's base to its window's first cell, the shift block_offsets adds (0 for whole windows).
         """
     @property
     def prefers_cell_copy(self) -> bool:
@@ -262,6 +273,8 @@ class _Engine:
         ...
     def read(self, arg0: str, arg1: str, arg2: typing.Any, arg3: typing.Any, arg4: collections.abc.Sequence[str]) -> None:
         ...
+    def read_segments(self, transfer_id: str, peer: str, segments: list) -> None:
+        ...
     def register_kv_caches(self, arg0: collections.abc.Sequence[_LayerRegistration]) -> bytes:
         ...
     def remove_peer(self, arg0: str) -> None:
@@ -269,6 +282,8 @@ class _Engine:
     def seal(self, transfer_id: str, peer: str, expected_writes: typing.SupportsInt | typing.SupportsIndex) -> None:
         ...
     def write_layer(self, transfer_id: str, layer: str, peer: str, local_blocks: typing.Any, remote_blocks: typing.Any, cuda_event: int = 0) -> bool:
+        ...
+    def write_layer_segments(self, transfer_id: str, layer: str, peer: str, segments: list, cuda_event: int = 0) -> bool:
         ...
     @property
     def backend(self) -> str:

@@ -24,7 +24,7 @@ import numpy as np
 from moriio_native import _native
 from moriio_native._native import CacheSpec, DrainedTransfer, TransferEvent
 from moriio_native.errors import InvalidArgumentError
-from moriio_native.layout import BlockIds, KvPlaneAxis, geometry_of
+from moriio_native.layout import WHOLE_BLOCK, BlockIds, CellWindow, KvPlaneAxis, geometry_of
 
 logger = logging.getLogger("moriio_native.engine")
 
@@ -175,6 +175,44 @@ class LayerRegistration:
         )
 
 
+@dataclass(frozen=True)
+class BlockSegment:
+    """One part of a transfer: ``layers`` (None: every layer of the transfer) x the block pairs
+    ``(local_blocks[i], remote_blocks[i])`` x the cells of ``local_window`` <-> ``remote_window``
+    of each pair.
+
+    Several segments make ONE transfer (one event, one abort): four prefill 16-token blocks into
+    token windows 0/16/32/48 of one 64-token decode block, a head range of a peer with other TP,
+    or layer groups with their own block ids. A local list shorter than the remote one pairs
+    with the first remote ids."""
+
+    local_blocks: BlockIds
+    remote_blocks: BlockIds
+    layers: Sequence[str] | None = None
+    local_window: CellWindow = WHOLE_BLOCK
+    remote_window: CellWindow = WHOLE_BLOCK
+
+    def _native(self) -> tuple[list[str], Any, Any, Any, Any]:
+        return (
+            list(self.layers or []),
+            self.local_blocks,
+            self.remote_blocks,
+            self.local_window._native(),
+            self.remote_window._native(),
+        )
+
+
+def _native_segments(segments: Sequence[BlockSegment]) -> list[Any]:
+    out = []
+    for k, segment in enumerate(segments):
+        if not isinstance(segment, BlockSegment):
+            raise InvalidArgumentError(
+                f"segment {k}: expected a BlockSegment, got {type(segment).__name__}"
+            )
+        out.append(segment._native())
+    return out
+
+
 class Engine:
     """A transfer engine on one backend ("loopback", "ucx" or "mori").
 
@@ -265,17 +303,35 @@ class Engine:
         """Pull ``remote_blocks`` of every layer (or ``layers``) into ``local_blocks``."""
         self._engine.read(transfer_id, peer, local_blocks, remote_blocks, list(layers or []))
 
+    def read_segments(self, transfer_id: str, peer: str, segments: Sequence[BlockSegment]) -> None:
+        """Pull every segment (its layers x block pairs x windows) as ONE transfer.
+
+        Everything is checked before anything starts; InvalidArgumentError / OutOfRangeError /
+        NotFoundError / IncompatiblePeerError name the segment index, layer, block id and window
+        (unknown layer, ids out of range on either side, a window outside its block, windows
+        that do not pair, two segments writing the same local cells: the same local block of a
+        layer under overlapping local windows). On error no transfer exists."""
+        self._engine.read_segments(transfer_id, peer, _native_segments(segments))
+
     def write_layer(
         self,
         transfer_id: str,
         layer: str,
         peer: str,
-        local_blocks: BlockIds,
-        remote_blocks: BlockIds,
+        local_blocks: BlockIds | None = None,
+        remote_blocks: BlockIds | None = None,
         cuda_event: int = 0,
+        *,
+        segments: Sequence[BlockSegment] | None = None,
     ) -> bool:
         """Push one layer's blocks; False when this (transfer, layer) was scheduled before or
         the transfer failed, ended or was aborted.
+
+        Either ``local_blocks`` and ``remote_blocks`` (whole blocks), or ``segments``: this
+        layer's block pairs and windows, several of them in one write (their ``layers`` must be
+        None: the call names the layer). Two segments writing the same remote cells (the same
+        remote block under overlapping remote windows) are refused; disjoint windows of one
+        block are how two prefill ranks' head ranges fill one decode block.
 
         A refused layer (unknown peer or layer, bad block ids, a CUDA event it cannot honour,
         ...) raises AND fails the transfer, so no seal can make it ``done``.
@@ -287,6 +343,20 @@ class Engine:
         backend with its CUDA copy plugin (FailedPreconditionError otherwise). Use one event per
         layer and keep it until the transfer's event arrives.
         """
+        if segments is not None:
+            if local_blocks is not None or remote_blocks is not None:
+                raise InvalidArgumentError(
+                    f"write_layer {transfer_id!r} layer {layer!r}: pass segments or "
+                    "local_blocks/remote_blocks, not both"
+                )
+            return self._engine.write_layer_segments(
+                transfer_id, layer, peer, _native_segments(segments), cuda_event
+            )
+        if local_blocks is None or remote_blocks is None:
+            raise InvalidArgumentError(
+                f"write_layer {transfer_id!r} layer {layer!r}: local_blocks and remote_blocks "
+                "(or segments) are required"
+            )
         return self._engine.write_layer(
             transfer_id, layer, peer, local_blocks, remote_blocks, cuda_event
         )
@@ -332,6 +402,7 @@ class Engine:
 
 __all__ = [
     "BackendInfo",
+    "BlockSegment",
     "DrainedTransfer",
     "Engine",
     "LayerRegistration",

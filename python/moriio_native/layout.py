@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
@@ -33,6 +34,34 @@ AxisOrder = Literal["auto", "nhd", "hnd"]
 BlockIds = Sequence[int] | Any  # any 1-D integer sequence or array
 
 _TEMPLATE_CACHE_SIZE = 4096
+
+
+@dataclass(frozen=True)
+class CellWindow:
+    """A rectangle of a block's cell grid: heads ``[head_begin, head_begin + heads)`` and tokens
+    ``[token_begin, token_begin + tokens)`` of every plane. ``None`` counts run to the end of the
+    block; the default is the whole block.
+
+    What a transfer moves when one side holds part of the other's block: a head range when
+    prefill and decode split the KV heads over different TP sizes, a token range when their
+    block sizes differ. Cell (plane, h, t) of a local window pairs with cell (plane, h, t) of the
+    remote window, ``h`` and ``t`` counted from each window's begin. A window outside its block
+    is InvalidArgumentError naming the layer and the window when a transfer uses it.
+    """
+
+    head_begin: int = 0
+    heads: int | None = None
+    token_begin: int = 0
+    tokens: int | None = None
+
+    def _native(self) -> tuple[int, int | None, int, int | None]:
+        def count(v: int | None) -> int | None:
+            return None if v is None else int(v)
+
+        return (int(self.head_begin), count(self.heads), int(self.token_begin), count(self.tokens))
+
+
+WHOLE_BLOCK = CellWindow()
 
 
 def geometry_of(tensor_or_geometry: Any) -> TensorGeometry:
@@ -76,11 +105,24 @@ def describe_layer(
 
 
 @functools.lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
-def block_template(local: LayerLayout, remote: LayerLayout) -> BlockTemplate:
-    """The runs that copy one block of ``local`` to one block of ``remote``, built once per
-    layout pair and cached (keyed on both layouts' full identity: name and every layout number,
-    so two layouts that differ anywhere never share a template)."""
-    return BlockTemplate(local, remote)
+def block_template(
+    local: LayerLayout,
+    remote: LayerLayout,
+    local_window: CellWindow = WHOLE_BLOCK,
+    remote_window: CellWindow = WHOLE_BLOCK,
+) -> BlockTemplate:
+    """The runs that copy one block of ``local`` to one block of ``remote`` -- or, with windows,
+    the cells of ``local_window`` of a local block to those of ``remote_window`` of a remote
+    block -- built once per (layout pair, windows) and cached (keyed on both layouts' full
+    identity: name and every layout number, so two layouts that differ anywhere never share a
+    template).
+
+    Whole windows need the same logical content on both sides (IncompatiblePeerError naming both
+    layouts otherwise). Windows may pair layers of other head counts or block sizes when kind,
+    dtype and bytes per head and token agree and the windows hold as many heads and tokens."""
+    if local_window == WHOLE_BLOCK and remote_window == WHOLE_BLOCK:
+        return BlockTemplate(local, remote)
+    return BlockTemplate(local, remote, local_window._native(), remote_window._native())
 
 
 def plan_block_copies(
@@ -88,6 +130,9 @@ def plan_block_copies(
     remote_layout: LayerLayout,
     local_block_ids: BlockIds | BlockPairs,
     remote_block_ids: BlockIds | None = None,
+    *,
+    local_window: CellWindow = WHOLE_BLOCK,
+    remote_window: CellWindow = WHOLE_BLOCK,
 ) -> CopyPlan:
     """Byte runs that copy ``local_block_ids[i]`` <-> ``remote_block_ids[i]`` of one layer.
 
@@ -101,8 +146,11 @@ def plan_block_copies(
     Offsets are relative to each side's layer base, sorted by local offset, merged where both
     sides are contiguous. A local list longer than the remote one is an error; a shorter one
     pairs with the first remote ids.
+
+    ``local_window`` / ``remote_window`` restrict the copy to those cells of every block (see
+    :class:`CellWindow` and :func:`block_template`).
     """
-    template = block_template(local_layout, remote_layout)
+    template = block_template(local_layout, remote_layout, local_window, remote_window)
     if isinstance(local_block_ids, BlockPairs):
         if remote_block_ids is not None:
             raise InvalidArgumentError(
@@ -122,6 +170,7 @@ __all__ = [
     "BlockPairs",
     "BlockTemplate",
     "CacheSpec",
+    "CellWindow",
     "CopyPlan",
     "KvPlaneAxis",
     "LayerLayout",

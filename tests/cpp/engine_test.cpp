@@ -376,26 +376,44 @@ class Events {
   std::vector<TransferEvent> seen_;
 };
 
+// A window of a block for the reference: heads [head_begin, head_begin + heads) and tokens
+// [token_begin, token_begin + tokens); a negative count runs to the end of the block.
+struct Win {
+  std::int64_t head_begin = 0;
+  std::int64_t heads = -1;
+  std::int64_t token_begin = 0;
+  std::int64_t tokens = -1;
+};
+
 // Expected content of `dst` after copying blocks of the named layers from `src`: for every block
-// pair and every logical byte, dst[dst offset] = src[src offset]. Returns the number of bytes.
+// pair and every logical byte of the windows (cell (p, h, t) of the destination window from
+// cell (p, h, t) of the source window), dst[dst offset] = src[src offset]. Returns the number
+// of bytes.
 std::int64_t ApplyReference(const Side& dst, const Side& src,
                             const std::vector<std::string>& layer_names,
                             const std::vector<std::int64_t>& dst_blocks,
                             const std::vector<std::int64_t>& src_blocks,
-                            std::vector<std::uint8_t>* expected, std::vector<bool>* touched) {
+                            std::vector<std::uint8_t>* expected, std::vector<bool>* touched,
+                            Win dst_window = {}, Win src_window = {}) {
   std::int64_t bytes = 0;
   const std::uint8_t* s = src.buffer->data();
   for (const std::string& name : layer_names) {
     const TestLayer& dl = dst.Layer(name);
     const TestLayer& sl = src.Layer(name);
+    const std::int64_t heads =
+        dst_window.heads >= 0 ? dst_window.heads : dl.heads - dst_window.head_begin;
+    const std::int64_t tokens =
+        dst_window.tokens >= 0 ? dst_window.tokens : dl.block_size - dst_window.token_begin;
     for (std::size_t i = 0; i < dst_blocks.size(); ++i) {
       for (int p = 0; p < dl.planes(); ++p) {
-        for (std::int64_t h = 0; h < dl.heads; ++h) {
-          for (std::int64_t t = 0; t < dl.block_size; ++t) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          for (std::int64_t t = 0; t < tokens; ++t) {
+            const std::int64_t dh = dst_window.head_begin + h, dt = dst_window.token_begin + t;
+            const std::int64_t sh = src_window.head_begin + h, st = src_window.token_begin + t;
             for (std::int64_t d = 0; d < dl.head_size; ++d) {
               for (std::int64_t b = 0; b < dl.elem; ++b) {
-                const std::uint64_t to = dl.offset + dl.Offset(dst_blocks[i], p, h, t, d, b);
-                const std::uint64_t from = sl.offset + sl.Offset(src_blocks[i], p, h, t, d, b);
+                const std::uint64_t to = dl.offset + dl.Offset(dst_blocks[i], p, dh, dt, d, b);
+                const std::uint64_t from = sl.offset + sl.Offset(src_blocks[i], p, sh, st, d, b);
                 EXPECT_FALSE((*touched)[to]) << "reference writes byte " << to << " twice";
                 (*expected)[to] = s[from];
                 (*touched)[to] = true;
@@ -1347,29 +1365,57 @@ std::vector<TestLayer> DecodeLayersWith(const std::string& changed, std::int64_t
 }
 
 TEST(EnginePeers, IncompatibleLayerIsRejectedNamingIt) {
-  struct Case {
-    const char* what;
-    std::int64_t heads, block_size, elem;
-  };
-  // attn.1 on P: 2 heads, block 8, 4-byte elements.
-  const std::vector<Case> cases = {{"different heads", 4, 8, 4},
-                                   {"different block size", 2, 16, 4},
-                                   {"different dtype", 2, 8, 2}};
+  // attn.1 on P: 2 heads, block 8, 4-byte elements. Another dtype (or head size) gives cells
+  // that cannot pair: refused at AddPeer, both ways.
   Side p;
   ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
-  for (const Case& c : cases) {
+  Side bad;
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(bad, "D-bad", DecodeLayersWith("attn.1", 2, 8, 2), 2));
+  Result<std::string> r = p.engine->AddPeer(bad.metadata);
+  EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().ToString();
+  EXPECT_NE(r.status().message().find("attn.1"), std::string::npos) << r.status().ToString();
+  EXPECT_TRUE(p.engine->Peers().empty());
+  Result<std::string> back = bad.engine->AddPeer(p.metadata);
+  EXPECT_EQ(back.status().code(), StatusCode::kIncompatible) << back.status().ToString();
+  EXPECT_TRUE(bad.engine->Peers().empty());
+}
+
+// Other heads or another block size pair through windows only (heterogeneous TP, other block
+// sizes): the peer is added, and a whole-block transfer of that layer is Incompatible naming
+// it, creating nothing; the other layers move as before.
+TEST(EnginePeers, OtherHeadsOrBlockSizeAddThePeerButRefuseWholeBlocks) {
+  struct Case {
+    const char* what;
+    std::int64_t heads, block_size;
+  };
+  for (const Case& c : {Case{"different heads", 4, 8}, Case{"different block size", 2, 16}}) {
     SCOPED_TRACE(c.what);
-    Side bad;
+    Side p, d;
+    EnginesFirst guard({&p, &d});
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
     ASSERT_NO_FATAL_FAILURE(
-        SetUpSide(bad, "D-bad", DecodeLayersWith("attn.1", c.heads, c.block_size, c.elem), 2));
-    Result<std::string> r = p.engine->AddPeer(bad.metadata);
-    EXPECT_EQ(r.status().code(), StatusCode::kIncompatible) << r.status().ToString();
-    EXPECT_NE(r.status().message().find("attn.1"), std::string::npos) << r.status().ToString();
-    EXPECT_TRUE(p.engine->Peers().empty());
-    // And the other way round.
-    Result<std::string> back = bad.engine->AddPeer(p.metadata);
-    EXPECT_EQ(back.status().code(), StatusCode::kIncompatible) << back.status().ToString();
-    EXPECT_TRUE(bad.engine->Peers().empty());
+        SetUpSide(d, "D", DecodeLayersWith("attn.1", c.heads, c.block_size, 4), 2));
+    ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+    ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+    const auto d_before = d.buffer->Snapshot();
+    const std::vector<std::int64_t> ids = {1};
+    Status st = d.engine->Read("whole", "P", ids, ids);
+    EXPECT_EQ(st.code(), StatusCode::kIncompatible) << st.ToString();
+    EXPECT_NE(st.message().find("attn.1"), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find("hold different content"), std::string::npos) << st.ToString();
+    Result<bool> w = p.engine->WriteLayer("whole-w", "attn.1", "D", ids, ids);
+    EXPECT_EQ(w.status().code(), StatusCode::kIncompatible) << w.status().ToString();
+    EXPECT_EQ(d.engine->PendingTransfers(), 0u);
+    EXPECT_TRUE(d.engine->PollEvents(16, 0ms).empty());
+    EXPECT_EQ(d.buffer->Snapshot(), d_before);
+    const std::vector<std::string> others = {"attn.0", "mla.0", "attn.2"};
+    std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+    std::vector<bool> touched(expected.size(), false);
+    ApplyReference(d, p, others, ids, ids, &expected, &touched);
+    ASSERT_TRUE(d.engine->Read("others", "P", ids, ids, others).ok());
+    Events events(d.engine.get());
+    EXPECT_EQ(events.Wait("others").state, TransferState::kDone);
+    ExpectBytes(d.buffer->Snapshot(), expected, touched);
   }
 }
 
@@ -1599,6 +1645,380 @@ TEST(EngineShutdown, PeerDestroyedWhileWritesAreInFlightEndsThemOnce) {
   EXPECT_EQ(events.Count("w"), 1u);
   EXPECT_EQ(p.engine->PendingTransfers(), 0u);
   p.engine.reset();
+}
+
+// ---- segments: windows (heterogeneous TP, other block sizes) and per-group block ids --------
+
+// Layers of one model at `heads` KV heads per rank (block 16 and 32 tokens: never equal to a
+// head count, so no shape is ambiguous), in prefill's or decode's physical layouts.
+std::vector<TestLayer> TpLayers(std::int64_t heads, bool prefill) {
+  if (prefill) {
+    return {MakeLayer("attn.0", Physical::kSeparated, 6, heads, 16, 8, 2),
+            MakeLayer("attn.1", Physical::kPackedPermuted, 6, heads, 32, 4, 4),
+            MakeLayer("mla.0", Physical::kLatent, 6, 1, 16, 16, 2, /*block_pad=*/24)};
+  }
+  return {MakeLayer("attn.0", Physical::kInterleavedHB, 9, heads, 16, 8, 2),
+          MakeLayer("attn.1", Physical::kSeparatedHB, 9, heads, 32, 4, 4),
+          MakeLayer("mla.0", Physical::kLatent, 9, 1, 16, 16, 2)};
+}
+
+CellWindow HeadWindow(std::int64_t begin, std::int64_t count) {
+  return CellWindow{begin, count, 0, std::nullopt};
+}
+
+CellWindow TokenWindow(std::int64_t begin, std::int64_t count) {
+  return CellWindow{0, std::nullopt, begin, count};
+}
+
+// Two sides connected both ways (the fixture's shape for any pair of layer sets).
+void Connect(Side& a, Side& b) {
+  Result<std::string> ab = a.engine->AddPeer(b.metadata);
+  ASSERT_TRUE(ab.ok()) << ab.status().ToString();
+  Result<std::string> ba = b.engine->AddPeer(a.metadata);
+  ASSERT_TRUE(ba.ok()) << ba.status().ToString();
+}
+
+const std::vector<std::string> kTpAttn = {"attn.0", "attn.1"};
+const std::vector<std::string> kTpLatent = {"mla.0"};
+
+// Decode at TP 2 (4 heads) reads its half, heads [4,8), of the prefill's 8-head layers; the
+// latent cache, which every rank holds whole, goes whole in the same transfer. Then the
+// prefill WRITEs the same slice into the decode.
+TEST(EngineSegments, HeadSliceReadAndWrite) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", TpLayers(8, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(4, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  const std::vector<std::int64_t> local = {7, 2, 0};
+  const std::vector<std::int64_t> remote = {1, 5, 3};
+  const std::vector<BlockSegment> segments = {
+      {kTpAttn, local, remote, CellWindow{}, HeadWindow(4, 4)},
+      {kTpLatent, local, remote, CellWindow{}, CellWindow{}}};
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  std::int64_t bytes =
+      ApplyReference(d, p, kTpAttn, local, remote, &expected, &touched, Win{}, Win{4, 4});
+  bytes += ApplyReference(d, p, kTpLatent, local, remote, &expected, &touched);
+  const auto p_before = p.buffer->Snapshot();
+  ASSERT_TRUE(d.engine->Read("slice", "P", segments).ok());
+  Events d_events(d.engine.get());
+  TransferEvent e = d_events.Wait("slice");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+  EXPECT_EQ(p.buffer->Snapshot(), p_before);
+  d_events.Poll(20ms);
+  EXPECT_EQ(d_events.Count("slice"), 1u);
+
+  // WRITE: P pushes heads [4,8) of its blocks into other decode blocks, layer by layer.
+  const std::vector<std::int64_t> d_blocks = {4, 8};
+  const std::vector<std::int64_t> p_blocks = {0, 5};
+  expected = d.buffer->Snapshot();
+  std::fill(touched.begin(), touched.end(), false);
+  bytes = ApplyReference(d, p, kTpAttn, d_blocks, p_blocks, &expected, &touched, Win{}, Win{4, 4});
+  bytes += ApplyReference(d, p, kTpLatent, d_blocks, p_blocks, &expected, &touched);
+  const std::vector<BlockSegment> slice = {{{}, p_blocks, d_blocks, HeadWindow(4, 4), {}}};
+  const std::vector<BlockSegment> whole = {{{}, p_blocks, d_blocks, {}, {}}};
+  for (const std::string& layer : kTpAttn) {
+    Result<bool> w = p.engine->WriteLayer("push", layer, "D", slice);
+    ASSERT_TRUE(w.ok()) << w.status().ToString();
+    EXPECT_TRUE(*w);
+  }
+  Result<bool> again = p.engine->WriteLayer("push", "attn.0", "D", slice);
+  ASSERT_TRUE(again.ok());
+  EXPECT_FALSE(*again) << "a (transfer, layer) scheduled twice";
+  ASSERT_TRUE(p.engine->WriteLayer("push", "mla.0", "D", whole).ok());
+  ASSERT_TRUE(p.engine->Seal("push", "D", 3).ok());
+  Events p_events(p.engine.get());
+  e = p_events.Wait("push");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
+// Decode at TP 1 (8 heads) gathers two prefill ranks' 4 heads each: one READ per peer into
+// heads [0,4) and [4,8) of the same blocks; then both prefill ranks WRITE their ranges into
+// other blocks of the decode.
+TEST(EngineSegments, GatherTwoPeersHeadRangesIntoOneBlock) {
+  Side p0, p1, d;
+  EnginesFirst guard({&p0, &p1, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p0, "P0", TpLayers(4, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p1, "P1", TpLayers(4, true), 3));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(8, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p0, d));
+  ASSERT_NO_FATAL_FAILURE(Connect(p1, d));
+  const std::vector<std::int64_t> local = {3, 6};
+  const std::vector<std::int64_t> remote = {2, 4};
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  ApplyReference(d, p0, kTpAttn, local, remote, &expected, &touched, Win{0, 4}, Win{});
+  ApplyReference(d, p1, kTpAttn, local, remote, &expected, &touched, Win{4, 4}, Win{});
+  ApplyReference(d, p0, kTpLatent, local, remote, &expected, &touched);
+  ASSERT_TRUE(d.engine
+                  ->Read("g0", "P0",
+                         std::vector<BlockSegment>{
+                             {kTpAttn, local, remote, HeadWindow(0, 4), {}},
+                             {kTpLatent, local, remote, {}, {}}})
+                  .ok());
+  ASSERT_TRUE(d.engine
+                  ->Read("g1", "P1",
+                         std::vector<BlockSegment>{{kTpAttn, local, remote, HeadWindow(4, 4), {}}})
+                  .ok());
+  Events d_events(d.engine.get());
+  EXPECT_EQ(d_events.Wait("g0").state, TransferState::kDone);
+  EXPECT_EQ(d_events.Wait("g1").state, TransferState::kDone);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+
+  const std::vector<std::int64_t> d_blocks = {0, 8};
+  const std::vector<std::int64_t> p_blocks = {5, 1};
+  expected = d.buffer->Snapshot();
+  std::fill(touched.begin(), touched.end(), false);
+  ApplyReference(d, p0, kTpAttn, d_blocks, p_blocks, &expected, &touched, Win{0, 4}, Win{});
+  ApplyReference(d, p1, kTpAttn, d_blocks, p_blocks, &expected, &touched, Win{4, 4}, Win{});
+  for (auto [side, begin] : {std::pair{&p0, 0}, std::pair{&p1, 4}}) {
+    for (const std::string& layer : kTpAttn) {
+      Result<bool> w = side->engine->WriteLayer(
+          "push", layer, "D",
+          std::vector<BlockSegment>{{{}, p_blocks, d_blocks, {}, HeadWindow(begin, 4)}});
+      ASSERT_TRUE(w.ok()) << w.status().ToString();
+    }
+    ASSERT_TRUE(side->engine->Seal("push", "D", 2).ok());
+    Events events(side->engine.get());
+    EXPECT_EQ(events.Wait("push").state, TransferState::kDone);
+  }
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
+// Prefill 16-token blocks into decode 64-token blocks: four segments with token windows
+// 0/16/32/48 of the SAME decode block (disjoint windows: allowed), in one READ; and the
+// reverse direction (a 16-token side reads windows of the 64-token side's blocks).
+TEST(EngineSegments, BlockSize16Into64AndBack) {
+  auto layers = [](std::int64_t block_size, bool prefill) {
+    return std::vector<TestLayer>{
+        MakeLayer("attn.0", prefill ? Physical::kSeparated : Physical::kInterleavedHB,
+                  prefill ? 12 : 4, 2, block_size, 8, 2),
+        MakeLayer("mla.0", Physical::kLatent, prefill ? 12 : 4, 1, block_size, 16, 2, 8)};
+  };
+  const std::vector<std::string> all = {"attn.0", "mla.0"};
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", layers(16, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", layers(64, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  // Decode blocks 2 and 0 hold prefill blocks 4..7 and 8..11.
+  std::vector<BlockSegment> segments;
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  for (std::int64_t q = 0; q < 4; ++q) {
+    const std::vector<std::int64_t> local = {2, 0};
+    const std::vector<std::int64_t> remote = {4 + q, 8 + q};
+    segments.push_back({{}, local, remote, TokenWindow(16 * q, 16), {}});
+    ApplyReference(d, p, all, local, remote, &expected, &touched, Win{0, -1, 16 * q, 16}, Win{});
+  }
+  ASSERT_TRUE(d.engine->Read("16to64", "P", segments).ok());
+  Events d_events(d.engine.get());
+  TransferEvent e = d_events.Wait("16to64");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+
+  // 64 -> 16: the prefill side pulls decode block 3's four quarters into its blocks 0..3.
+  segments.clear();
+  expected = p.buffer->Snapshot();
+  touched.assign(expected.size(), false);
+  for (std::int64_t q = 0; q < 4; ++q) {
+    const std::vector<std::int64_t> local = {q};
+    const std::vector<std::int64_t> remote = {3};
+    segments.push_back({{}, local, remote, {}, TokenWindow(16 * q, 16)});
+    ApplyReference(p, d, all, local, remote, &expected, &touched, Win{}, Win{0, -1, 16 * q, 16});
+  }
+  ASSERT_TRUE(p.engine->Read("64to16", "D", segments).ok());
+  Events p_events(p.engine.get());
+  e = p_events.Wait("64to16");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  ExpectBytes(p.buffer->Snapshot(), expected, touched);
+}
+
+// Layer groups with their own block ids (hybrid caches): two segments naming different layers
+// and different ids in one transfer, one event.
+TEST_F(EnginePair, SegmentsWithOwnLayersAndIdsAreOneTransfer) {
+  const std::vector<std::string> full = {"attn.0", "attn.1"};
+  const std::vector<std::string> window = {"mla.0", "attn.2"};
+  const std::vector<BlockSegment> segments = {{full, {7, 2, 8}, {0, 5, 3}, {}, {}},
+                                              {window, {1}, {4}, {}, {}}};
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  std::int64_t bytes = ApplyReference(d_, p_, full, {7, 2, 8}, {0, 5, 3}, &expected, &touched);
+  bytes += ApplyReference(d_, p_, window, {1}, {4}, &expected, &touched);
+  ASSERT_TRUE(d_.engine->Read("groups", "P", segments).ok());
+  Events events(d_.engine.get());
+  TransferEvent e = events.Wait("groups");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("groups"), 1u);
+  EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
+  // No segments: nothing to move, done.
+  ASSERT_TRUE(d_.engine->Read("none", "P", std::span<const BlockSegment>{}).ok());
+  EXPECT_EQ(events.Wait("none").state, TransferState::kDone);
+}
+
+// Every bad segment argument fails the call naming the segment (and layer, block, window):
+// no transfer exists, no byte moved, the id stays free.
+TEST(EngineSegments, BadSegmentsAreRefusedBeforeAnythingStarts) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", TpLayers(8, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(4, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  const std::vector<std::int64_t> one = {1};
+  struct Case {
+    const char* what;
+    std::vector<BlockSegment> segments;
+    StatusCode code;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"overlapping local windows of one block",
+       {{kTpAttn, {1, 2}, {0, 1}, TokenWindow(0, 8), CellWindow{0, 4, 0, 8}},
+        {kTpAttn, {3, 2}, {2, 3}, TokenWindow(4, 8), CellWindow{4, 4, 4, 8}}},
+       StatusCode::kInvalidArgument,
+       {"segments 0 and 1", "local block 2", "attn.0", "tokens [0,8) of 16",
+        "tokens [4,12) of 16"}},
+      {"the same block twice, whole windows",
+       {{kTpLatent, one, one, {}, {}}, {kTpLatent, one, {2}, {}, {}}},
+       StatusCode::kInvalidArgument,
+       {"segments 0 and 1", "local block 1", "mla.0"}},
+      {"remote window outside the peer's block",
+       {{kTpAttn, one, one, {}, HeadWindow(6, 4)}},
+       StatusCode::kInvalidArgument,
+       {"segment 0", "remote", "attn.0", "heads [6,10) of 8"}},
+      {"local window outside the block",
+       {{kTpLatent, one, one, {}, {}}, {kTpAttn, {2}, one, TokenWindow(12, 8), HeadWindow(0, 4)}},
+       StatusCode::kInvalidArgument,
+       {"segment 1", "attn.0", "tokens [12,20) of 16"}},
+      {"windows that do not pair",
+       {{kTpAttn, one, one, {}, HeadWindow(0, 2)}},
+       StatusCode::kIncompatible,
+       {"segment 0", "attn.0", "heads [0,2) of 8", "4 and 2 heads"}},
+      {"whole blocks of layers with other heads",
+       {{kTpAttn, one, one, {}, {}}},
+       StatusCode::kIncompatible,
+       {"segment 0", "attn.0", "hold different content"}},
+      {"remote id past the peer's blocks",
+       {{kTpLatent, one, one, {}, {}}, {kTpAttn, one, {6}, {}, HeadWindow(4, 4)}},
+       StatusCode::kOutOfRange,
+       {"segment 1", "remote block id 6", "attn.0"}},
+      {"local id past our blocks",
+       {{kTpAttn, {9}, one, {}, HeadWindow(4, 4)}},
+       StatusCode::kOutOfRange,
+       {"segment 0", "local block id 9"}},
+      {"unknown layer", {{{"attn.9"}, one, one, {}, {}}}, StatusCode::kNotFound,
+       {"segment 0", "attn.9"}},
+      {"a layer twice in a segment", {{{"mla.0", "mla.0"}, one, one, {}, {}}},
+       StatusCode::kInvalidArgument, {"segment 0", "mla.0", "twice"}},
+      {"duplicate local ids in a segment", {{kTpLatent, {1, 1}, {1, 2}, {}, {}}},
+       StatusCode::kInvalidArgument, {"segment 0", "duplicate local block id 1"}},
+  };
+  const auto p_before = p.buffer->Snapshot();
+  const auto d_before = d.buffer->Snapshot();
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Status st = d.engine->Read("bad", "P", c.segments);
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), c.code) << st.ToString();
+    for (const std::string& s : c.says) {
+      EXPECT_NE(st.message().find(s), std::string::npos) << s << " in " << st.ToString();
+    }
+    EXPECT_NE(st.message().find("'bad'"), std::string::npos) << st.ToString();
+    EXPECT_EQ(d.engine->PendingTransfers(), 0u);
+    EXPECT_TRUE(d.engine->PollEvents(16, 0ms).empty()) << "a refused READ created a transfer";
+  }
+  EXPECT_EQ(p.buffer->Snapshot(), p_before);
+  EXPECT_EQ(d.buffer->Snapshot(), d_before);
+  // The id is still free.
+  ASSERT_TRUE(
+      d.engine->Read("bad", "P", std::vector<BlockSegment>{{kTpLatent, one, one, {}, {}}}).ok());
+  Events events(d.engine.get());
+  EXPECT_EQ(events.Wait("bad").state, TransferState::kDone);
+}
+
+// WRITE checks the REMOTE destination cells: two prefill-side segments filling disjoint head
+// ranges of one decode block are fine, overlapping ones are refused (failing the transfer, as
+// every refused layer does); segments naming layers are refused in WriteLayer.
+TEST(EngineSegments, WriteSegmentsCheckRemoteDestinations) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", TpLayers(4, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(8, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  const auto d_before = d.buffer->Snapshot();
+  // P's blocks 1 and 2 into heads [0,4) and [4,8) of D's block 5: one write, two segments.
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  ApplyReference(d, p, {"attn.0"}, {5}, {1}, &expected, &touched, Win{0, 4}, Win{});
+  ApplyReference(d, p, {"attn.0"}, {5}, {2}, &expected, &touched, Win{4, 4}, Win{});
+  Result<bool> w = p.engine->WriteLayer(
+      "fill", "attn.0", "D",
+      std::vector<BlockSegment>{{{}, {1}, {5}, {}, HeadWindow(0, 4)},
+                                {{}, {2}, {5}, {}, HeadWindow(4, 4)}});
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_TRUE(*w);
+  ASSERT_TRUE(p.engine->Seal("fill", "D", 1).ok());
+  Events events(p.engine.get());
+  EXPECT_EQ(events.Wait("fill").state, TransferState::kDone);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+
+  const auto d_filled = d.buffer->Snapshot();
+  w = p.engine->WriteLayer("overlap", "attn.0", "D",
+                           std::vector<BlockSegment>{{{}, {1}, {5}, {}, HeadWindow(0, 4)},
+                                                     {{}, {2}, {5}, {}, HeadWindow(2, 4)}});
+  ASSERT_FALSE(w.ok());
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  for (const char* s : {"'overlap'", "attn.0", "segments 0 and 1", "remote block 5",
+                        "heads [0,4) of 8", "heads [2,6) of 8"}) {
+    EXPECT_NE(w.status().message().find(s), std::string::npos) << s << " in "
+                                                                << w.status().ToString();
+  }
+  EXPECT_EQ(events.Wait("overlap").state, TransferState::kFailed);
+  w = p.engine->WriteLayer("named", "attn.0", "D",
+                           std::vector<BlockSegment>{{{"attn.0"}, {1}, {5}, {}, HeadWindow(0, 4)}});
+  EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << w.status().ToString();
+  EXPECT_NE(w.status().message().find("segment 0"), std::string::npos) << w.status().ToString();
+  EXPECT_EQ(events.Wait("named").state, TransferState::kFailed);
+  EXPECT_EQ(d.buffer->Snapshot(), d_filled);
+  EXPECT_NE(d_filled, d_before);
+  EXPECT_EQ(p.engine->PendingTransfers(), 0u);
+}
+
+// The head slice of an NHD prefill layer against an HND decode layer goes as cells where the
+// backend takes them (loopback does), and moves the same bytes as runs.
+TEST(EngineSegments, HeadSliceGoesAsCellsAndEqualsRuns) {
+  for (const char* cells : {"1", "0"}) {
+    SCOPED_TRACE(cells);
+    Side p, d;
+    EnginesFirst guard({&p, &d});
+    const BackendOptions options = {{"loopback_cells", cells}};
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(
+        p, "P", {MakeLayer("attn.0", Physical::kSeparated, 6, 8, 16, 8, 2)}, 1, options));
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(
+        d, "D", {MakeLayer("attn.0", Physical::kInterleavedHB, 9, 4, 16, 8, 2)}, 2, options));
+    ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+    const std::vector<std::int64_t> local = {8, 1};
+    const std::vector<std::int64_t> remote = {0, 5};
+    std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+    std::vector<bool> touched(expected.size(), false);
+    ApplyReference(d, p, {"attn.0"}, local, remote, &expected, &touched, Win{}, Win{4, 4});
+    ASSERT_TRUE(
+        d.engine->Read("c", "P", std::vector<BlockSegment>{{{}, local, remote, {}, HeadWindow(4, 4)}})
+            .ok());
+    Events events(d.engine.get());
+    TransferEvent e = events.Wait("c");
+    EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+    EXPECT_EQ(e.cell_batches, std::string(cells) == "1" ? 1 : 0);
+    ExpectBytes(d.buffer->Snapshot(), expected, touched);
+  }
 }
 
 }  // namespace

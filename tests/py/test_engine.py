@@ -158,22 +158,44 @@ def test_abort_and_timeout_release_transfers() -> None:
         ep.abort("never-started")
 
 
-def test_incompatible_peer_names_the_layer() -> None:
-    mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
-    other_shapes = [
-        s
-        if s.name != "dense.1"
-        else kc.LayerShape("dense.1", "interleaved_nhd", block_size=16, head_size=8, num_heads=4)
+def _with_dense1(**fields: int) -> list[kc.LayerShape]:
+    """The decode model with layer dense.1 changed to other ``fields``."""
+    changed = dict(block_size=16, head_size=8, num_heads=2) | fields
+    return [
+        s if s.name != "dense.1" else kc.LayerShape("dense.1", "interleaved_nhd", **changed)
         for s in kc.mixed_model("decode")
     ]
-    theirs = kc.build_caches(other_shapes, num_blocks=4)
+
+
+def test_incompatible_peer_names_the_layer() -> None:
+    """Cells that cannot pair (another head size) fail the handshake, naming the layer."""
+    mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    theirs = kc.build_caches(_with_dense1(head_size=16), num_blocks=4)
     a = mn.Engine("a", "loopback")
     b = mn.Engine("b", "loopback")
     a.register_kv_caches(mine.registrations())
     meta_b = b.register_kv_caches(theirs.registrations())
-    with pytest.raises(mn.IncompatiblePeerError, match=r"dense\.1.*heads=2.*heads=4"):
+    with pytest.raises(mn.IncompatiblePeerError, match=r"dense\.1.*K=16B.*K=32B"):
         a.add_peer(meta_b)
     assert a.peers() == []
+
+
+def test_peer_with_other_heads_pairs_through_windows_only() -> None:
+    """Other head counts (heterogeneous TP) pass the handshake; whole blocks of that layer are
+    refused naming both layouts, with no transfer created."""
+    mine = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    theirs = kc.build_caches(_with_dense1(num_heads=4), num_blocks=4)
+    a = mn.Engine("a", "loopback")
+    b = mn.Engine("b", "loopback")
+    a.register_kv_caches(mine.registrations())
+    assert a.add_peer(b.register_kv_caches(theirs.registrations())) == "b"
+    with pytest.raises(mn.IncompatiblePeerError, match=r"dense\.1.*heads=2.*heads=4"):
+        a.read("whole", "b", [0], [0])
+    assert a.pending_transfers == 0
+    assert a.poll_events(timeout=0.05) == []
+    others = [s.name for s in kc.mixed_model("prefill") if s.name != "dense.1"]
+    a.read("others", "b", [0], [0], layers=others)
+    assert a.wait(["others"], timeout=10)["others"].state == "done"
 
 
 def test_peer_missing_a_layer_is_incompatible() -> None:
