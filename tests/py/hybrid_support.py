@@ -145,8 +145,7 @@ def expected_backing(
         sizes = (*cache.shape[:-1], cache.shape[-1] * es)
         strides = (*(s * es for s in cache.stride()[:-1]), 1)
         view = _bits(torch.as_strided(expected, sizes, strides, cache.data_ptr() - base))
-        src_bytes = src["bytes"].view(torch.uint8)
-        src_bytes = src_bytes.reshape(src_bytes.shape[0], *view.shape[1:])
+        src_bytes = src["bytes"].contiguous().view(torch.uint8)  # [blocks, H, N, C bytes]
         if isinstance(spec, MambaSpec):
             view[ids[-1]] = src_bytes[-1]
             continue

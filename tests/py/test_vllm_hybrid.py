@@ -164,8 +164,9 @@ def test_group_structures_that_differ_fail_the_load_clearly(
                 loaded = load(d, rid)
                 assert loaded.scheduled[rid] == len(prompt)  # recomputed in full
             else:
-                results = d.run_until(lambda r: rid in r.transfer.finished_recving, what="fail")
-                assert rid in results[-1].transfer.failed_recving
+                # The refusal may be reported in any step since the announcement started.
+                d.run_until(lambda r: d.reports["finished_recving"][rid] > 0, what="fail")
+                assert d.reports["failed_recving"][rid] == 1
             p.run_until(lambda r: rid in r.transfer.finished_sending, what="freed")
         assert "group 1 (sliding, block size 16, window 40" in caplog.text
         assert "our window is 32 tokens" in caplog.text
