@@ -13,6 +13,19 @@
 #                                         # kernel's submit before (.variants/unfused_cudacopy.cu)
 #   bash bench/h200_session.sh cell-e2e   # one call: build with UCX, the engine's cell path
 #                                         # (GPU pytest) and gpu_bench NHD -> HND end to end
+#   bash bench/h200_session.sh run-kernel # one call: the CTA kernel for aligned runs, its
+#                                         # variants and the kernel before it
+#                                         # (.variants/base_cudacopy.cu), small-run batches, memcheck
+#   bash bench/h200_session.sh run-e2e    # one call: build with UCX, GPU pytest, gpu_bench
+#                                         # presets (4 KiB runs too) with this kernel and the one
+#                                         # before it
+#   bash bench/h200_session.sh checks     # one call: every GPU test (kernels, cells, verify's
+#                                         # device checksums, UCX two processes) and the
+#                                         # checksum's cost against a device copy
+#   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
+#                                         # with a copy_ in the same memory state beside each
+#                                         # size, what degrades the copy (allocator, order), and
+#                                         # gpu_bench end to end (llama3-8b-tp8 first)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -29,7 +42,24 @@ cuda_variant() {  # name, source, extra nvcc flags...
   mkdir -p "$variants/$name"
   nvcc -O3 -std=c++17 -gencode arch=compute_90,code=sm_90 -shared -Xcompiler -fPIC \
     -Icpp/cudacopy -cudart static -Xptxas -v "$@" \
-    -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 | grep -E "registers|spill"
+    -o "$variants/$name/libmoriio_native_cudacopy.so" "$src" 2>&1 |
+    grep -E "Compiling entry|registers|spill|error"
+}
+plugin_of() {  # the plugin of variant $1: this tree's build (tree) or one cuda_variant built
+  if [ "$1" = tree ]; then
+    echo "$build/lib/libmoriio_native_cudacopy.so"
+  else
+    echo "$variants/$1/libmoriio_native_cudacopy.so"
+  fi
+}
+run_kernels() {  # "variants" label log [cudacopy_bench arguments]: each variant in turn, logged
+  local names=$1 label=$2 log=$3 v
+  shift 3
+  for v in $names; do
+    echo "== $label, variant $v"
+    timeout 90 python3 bench/cudacopy_bench.py --plugin "$(plugin_of "$v")" --repeats 3 "$@" 2>&1 |
+      grep -v "^one"
+  done 2>&1 | tee "$out/$log"
 }
 build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough for the kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
@@ -162,18 +192,129 @@ cell-variants)  # kernel variants against this tree's: cell copy, and the run ke
     tee "$out/pytest.log" | tail -3
   wait
   for v in tree "${specs[@]%% *}"; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+    p=$(plugin_of "$v")
     echo "== cell copy, variant $v"
     timeout 60 python3 bench/cellcopy_bench.py --plugin "$p" --runs-gib 0 --repeats 3 2>&1 |
       grep -E "x device|rror"
   done 2>&1 | tee "$out/cellvariants.log"
-  for v in tree unfused; do
-    p=$variants/$v/libmoriio_native_cudacopy.so
-    [ "$v" = tree ] && p=$plugin
+  run_kernels "tree unfused" "run kernel" runvariants.log --run-bytes 4096 --run-bytes 16384 \
+    --run-bytes 32768 --run-bytes 2097152
+  ;;
+run-kernel)  # the run kernel at the limit, kernel alone (no UCX): one call
+  build_without_ucx
+  k=MORIIO_CUDACOPY
+  specs=("nvtree" "c6 -D${k}_RUN_CTAS=6" "u8c3 -D${k}_RUN_UNROLL=8 -D${k}_RUN_CTAS=3"
+    "ch128g64 -D${k}_ALIGNED_CHUNK_KIB=128 -D${k}_GROUP_KIB=64"
+    "ch64g64 -D${k}_ALIGNED_CHUNK_KIB=64 -D${k}_GROUP_KIB=64"
+    "ch16g16 -D${k}_ALIGNED_CHUNK_KIB=16 -D${k}_GROUP_KIB=16")
+  for spec in "${specs[@]}"; do
+    set -- $spec
+    name=$1
+    shift
+    cuda_variant "$name" cpp/cudacopy/cudacopy.cu "$@" >"$variants/$name.ptxas" 2>&1 &
+  done
+  cuda_variant base .variants/base_cudacopy.cu >/dev/null &
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py 2>&1 | tee "$out/pytest.log" | tail -3
+  wait
+  for v in tree base; do
+    p=$(plugin_of "$v")
+    echo "== run kernel, variant $v (batches as the engine cuts them)"
+    timeout 100 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 \
+      --json "$out/cc_$v.json" 2>&1
+  done 2>&1 | tee "$out/runkernel.log"
+  for v in "${specs[@]%% *}" tree base; do  # tree and base again: the order's effect
     echo "== run kernel, variant $v"
-    timeout 90 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 --run-bytes 4096 \
-      --run-bytes 16384 --run-bytes 32768 --run-bytes 2097152 2>&1
+    p=$(plugin_of "$v")
+    [ -f "$variants/$v.ptxas" ] && grep -A2 GatherScatterAligned "$variants/$v.ptxas" |
+      grep -E "registers|spill"
+    timeout 60 python3 bench/cudacopy_bench.py --plugin "$p" \
+      --repeats 3 --run-bytes 32768 --run-bytes 65536 --run-bytes 73728 --run-bytes 2097152 2>&1 |
+      grep -v "^one"
   done 2>&1 | tee "$out/runvariants.log"
+  run_kernels "tree base" "small runs in batches of 8,192" smallruns.log --batch-runs 8192 \
+    --run-bytes 4096 --run-bytes 16384
+  timeout 100 compute-sanitizer --tool memcheck python3 bench/cudacopy_bench.py --plugin "$plugin" \
+    --gib 0.02 --repeats 1 --run-bytes 4100 --run-bytes 4096 --run-bytes 65536 \
+    --run-bytes 300000 2>&1 | grep -E "ERROR SUMMARY|runs of|rror" | head -20
+  ;;
+run-e2e)  # the run kernel end to end through the engine and UCX, and the kernel before it
+  build_with_ucx
+  cuda_variant base .variants/base_cudacopy.cu >/dev/null &
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tee "$out/pytest-e2e.log" | tail -3
+  wait
+  cp "$build/lib/libmoriio_native_cudacopy.so" /tmp/plugin-tree.so
+  for v in tree base; do
+    [ "$v" = base ] && cp "$variants/base/libmoriio_native_cudacopy.so" "$build/lib/"
+    echo "== end to end, kernel $v"
+    timeout 120 python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 \
+      --skip-per-run --requests 5 --json "$out/gpu_$v.json" 2>&1 | grep -E "GB/s|rror"
+    timeout 80 python3 bench/gpu_bench.py --preset llama3-8b-tp8 --layout separated \
+      --blocks 4096 --num-blocks 8192 --skip-per-run --requests 5 \
+      --json "$out/gpu4k_$v.json" 2>&1 | grep -E "GB/s|rror"
+  done 2>&1 | tee "$out/e2e.log"
+  cp /tmp/plugin-tree.so "$build/lib/libmoriio_native_cudacopy.so"
+  timeout 150 compute-sanitizer --tool memcheck python3 -m pytest -q -p no:cacheprovider \
+    tests/py/test_cudacopy.py -k "aligned or chunks or refused" 2>&1 |
+    grep -E "ERROR SUMMARY|passed|failed" | tail -3
+  ;;
+fair)  # a baseline in the same memory state as the kernel, and what degrades it
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 60 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 | tail -2
+  cc() {  # label, one VAR=value for the environment, cudacopy_bench arguments...
+    local label=$1 var=$2
+    shift 2
+    echo "== $label"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+    timeout 70 env "$var" python3 bench/cudacopy_bench.py --plugin "$plugin" --repeats 3 "$@" 2>&1
+  }
+  {
+    cc "every size, caching allocator, empty_cache between sizes" CC_CASE=1 --json "$out/fair.json" \
+      --run-bytes 4096 --run-bytes 32768 --run-bytes 65536 --run-bytes 73728 --run-bytes 2097152
+    cc "64 KiB twice, cache kept (the second reuses the first's two 8 GiB segments)" \
+      CC_CASE=2 --keep-cache --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, cudaMalloc/cudaFree per tensor" PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+      --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, expandable segments (cuMemMap, 2 MiB pages)" \
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True --run-bytes 65536 --run-bytes 65536
+    cc "64 KiB twice, runs in random order (not sorted by destination)" CC_CASE=5 --order random \
+      --run-bytes 65536 --run-bytes 65536
+  } | tee "$out/fair.log"
+  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192" \
+    "--preset llama3-8b --preset deepseek-v3"; do
+    echo "== end to end: $p"
+    timeout 120 python3 bench/gpu_bench.py $p --skip-per-run --requests 3 2>&1 |
+      grep -E "GB/s|rror"
+  done 2>&1 | tee "$out/e2e.log"
+  ;;
+checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
+  timeout 120 python3 bench/verify_bench.py --device-only --preset llama3-8b 2>&1 |
+    tee "$out/verify-device.log"
+  ;;
+order)  # is the first size measured in a process faster? the same size twice, other orders
+  build_without_ucx
+  cuda_variant base .variants/base_cudacopy.cu >/dev/null &
+  plugin=$build/lib/libmoriio_native_cudacopy.so
+  timeout 100 python3 -m pytest -q -p no:cacheprovider tests/py/test_cudacopy.py 2>&1 | tail -2
+  wait
+  for v in tree base; do
+    p=$(plugin_of "$v")
+    for sizes in "65536 65536 32768 65536" "32768 32768 2097152"; do
+      echo "== variant $v, sizes $sizes"
+      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+      timeout 60 python3 bench/cudacopy_bench.py --plugin "$p" --repeats 3 \
+        $(printf -- "--run-bytes %s " $sizes) 2>&1
+    done
+  done 2>&1 | tee "$out/order.log"
   ;;
 esac

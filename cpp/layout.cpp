@@ -591,7 +591,8 @@ Result<ResolvedWindow> ResolveWindow(const CellWindow& w, const LayerLayout& lay
   auto axis = [&](std::string_view what, std::int64_t begin, std::optional<std::int64_t> count,
                   std::int64_t size, std::int64_t* out) -> Status {
     // Bounded before any sum: the numbers may come from a request.
-    const bool ok = begin >= 0 && begin < size && (!count || (*count > 0 && *count <= size - begin));
+    const bool ok =
+        begin >= 0 && begin < size && (!count || (*count > 0 && *count <= size - begin));
     if (!ok) {
       return InvalidArgumentError(LayerPrefix(layout.name()) + ": window " +
                                   DescribeWindow(w, layout) + " leaves the block (" +

@@ -2,9 +2,11 @@
 # The full reliability tier (docs/reliability.md): every fault scenario over many rounds, then
 # the soak; prints the table rows and the soak figures. The short tier of the same tests runs
 # in the default pytest (tests/py). Needs a build with the UCX backend and vllm==0.33.0; the
-# namespace scenarios need root.
+# namespace scenarios need root. With E2E_VENV set (the end-to-end tier's environment, with
+# this tree's wheel installed: tests/e2e/make_venv.sh), the vllm serve tier's fault scenarios
+# (tests/e2e/test_serve_faults.py, READ and WRITE) run too, the same number of rounds.
 #
-#   PYTHONPATH=build/dev/python scripts/reliability.sh [rounds] [soak transfers]
+#   PYTHONPATH=build/dev/python [E2E_VENV=...] scripts/reliability.sh [rounds] [soak transfers]
 set -euo pipefail
 ROUNDS=${1:-5}
 TRANSFERS=${2:-10000}
@@ -15,8 +17,17 @@ cd "$(dirname "$0")/.."
 MORIIO_FAULT_TIER=full MORIIO_FAULT_ROUNDS=$ROUNDS MORIIO_FAULT_REPORT="$OUT/faults.jsonl" \
   python3 -m pytest tests/py/test_faults_read.py tests/py/test_faults_write.py \
   tests/py/test_faults_netns.py -q -p no:cacheprovider -o addopts="" || status=$?
+if [ -n "${E2E_VENV:-}" ]; then
+  MORIIO_E2E_FAULT_ROUNDS=$ROUNDS MORIIO_FAULT_REPORT="$OUT/faults.jsonl" \
+    MORIIO_E2E_WORKDIR="$OUT/e2e" timeout -k 60 7200 "$E2E_VENV/bin/python" -m pytest \
+    tests/e2e/test_serve_faults.py -q -p no:cacheprovider -o addopts="" \
+    -o testpaths=tests/e2e || status=$?
+fi
 python3 scripts/reliability_table.py "$OUT/faults.jsonl"
 python3 -m moriio_native.bench.soak --transfers "$TRANSFERS" --in-flight 64 --ucx-tls tcp \
   --json "$OUT/soak.json" | tail -1
+# The same number of transfers through the connector (vLLM's Scheduler + worker halves).
+python3 tests/py/connector_soak.py --transfers "$TRANSFERS" --in-flight 64 \
+  --json "$OUT/soak-connector.json" | tail -1 || status=$?
 echo "results in $OUT"
 exit "${status:-0}"

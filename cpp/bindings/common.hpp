@@ -122,5 +122,6 @@ void RegisterErrors(pybind11::module_& m);
 void BindLayout(pybind11::module_& m);
 void BindMemory(pybind11::module_& m);
 void BindEngine(pybind11::module_& m);
+void BindChecksum(pybind11::module_& m);
 
 }  // namespace moriio_native::bindings

@@ -32,4 +32,5 @@ PYBIND11_MODULE(_native, m) {
   moriio_native::bindings::BindLayout(m);
   moriio_native::bindings::BindMemory(m);
   moriio_native::bindings::BindEngine(m);
+  moriio_native::bindings::BindChecksum(m);
 }

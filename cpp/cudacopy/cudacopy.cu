@@ -4,10 +4,12 @@
 // a request of many 4-256 KiB KV runs moves at a few GB/s that way, against ~2 TB/s for device
 // copies (measured, UCX 1.22, H200). Here the host writes the run table once (the engine's offset
 // arrays as they are; bases are kernel arguments) into mapped pinned memory, and the grid walks
-// it: each WARP copies one chunk (a run, or a 128 KiB piece of a longer run) at a time, 4 KiB per
-// step with eight 16-byte loads in flight per lane before their stores, when the two ends share
-// their alignment; the host only polls an event. Batches alternate between two streams so one
-// kernel's tail overlaps the next one.
+// it in chunks (a run, or a 128 KiB piece of a longer run): a batch whose every run is 16-byte
+// aligned (KV caches) goes to GatherScatterAligned, where a CTA copies a group of chunks as one
+// sequence of vectors (see there); any other batch to GatherScatter, where each WARP copies one
+// chunk at a time, 4 KiB per step with eight 16-byte loads in flight per lane before their
+// stores, when the two ends share their alignment. The host only polls an event. Batches
+// alternate between two streams so one kernel's tail overlaps the next one.
 //
 // Why a warp and not a CTA per chunk (the first version): with a CTA of 256 threads per chunk a
 // 4 KiB run was one 16-byte load per thread followed by a wait for the next table entry, read
@@ -15,11 +17,13 @@
 // read, lane j taking entry j, and then copies them one after the other, so the table's PCIe
 // latency is paid once per 32 chunks. Measured on an H200 (docs/benchmarks.md, 2026-12-01):
 // 32 KiB-2 MiB runs at 0.81-0.84x of a device copy against 0.78-0.80x for the first version in
-// the same runs. What bounds it: at 4 KiB the host's ~50-60 us per submit call (0.25-0.35x with
-// batches of 8,192 runs), above 32 KiB the scattered layout, not the kernel's depth: unroll 4 or
-// 8, chunks of 32/64/128 KiB, cache hints (ld.global.nc.L1::no_allocate.L2::256B, st.global.cs),
-// write-combined tables and a bulk-copy variant (cp.async.bulk through shared memory) all landed
-// at 0.77-0.84x, and the same kernels reach 0.85-0.87x on 1 GiB contiguous runs.
+// the same runs. Unroll 4 or 8, chunks of 32/64/128 KiB, cache hints, write-combined tables and a
+// bulk-copy variant (cp.async.bulk through shared memory) all landed at 0.77-0.84x; the CTA
+// kernel below and its variants land at the same 0.81-0.82x. Measured since: the first size a
+// process measures reaches 0.89-0.90x with either kernel, and a plain device copy timed after
+// the runs is 10% slower than one timed before them, so against a copy in the same state of
+// device memory the kernels are at 0.89-0.91x. At 4 KiB the host bounds it: 2.0 ns of submit
+// per run here (0.83x in 65,536-run batches, 0.54x in 8,192-run ones).
 
 #include <cuda_runtime.h>
 
@@ -45,7 +49,8 @@ namespace {
 #endif
 
 // Most bytes a warp copies per chunk: 128 KiB measured 0.81-0.84x against 0.80-0.82x for 64 KiB
-// and 32 KiB in the same runs (docs/benchmarks.md).
+// and 32 KiB in the same runs (docs/benchmarks.md). The CTA kernel for aligned runs has its own
+// (kAlignedChunk, below).
 constexpr std::uint64_t kChunk = MORIIO_CUDACOPY_CHUNK_KIB * 1024;
 constexpr int kUnroll = MORIIO_CUDACOPY_UNROLL;  // 16-byte loads in flight per lane
 constexpr int kThreads = 256;
@@ -53,8 +58,9 @@ constexpr int kWarpsPerCta = kThreads / 32;
 constexpr int kStreams = 2;
 // A chunk entry packs (run index << kChunkBits) | chunk index within the run, so a lane finds its
 // chunk with one load (a binary search over prefix sums cost ~16 dependent loads per chunk). The
-// table is only built when some run spans several chunks: KV runs (4-128 KiB) map one to one.
-constexpr int kChunkBits = 24;  // runs of up to 2^24 chunks (2 TiB)
+// table is only built when runs of different sizes span several chunks: runs of one size (a KV
+// batch) map to chunks by arithmetic.
+constexpr int kChunkBits = 24;  // runs of up to 2^24 chunks (512 GiB of 32 KiB chunks)
 
 void SetError(char* err, size_t len, const char* what, cudaError_t e) {
   if (err != nullptr && len != 0) {
@@ -150,8 +156,9 @@ struct ChunkCopy {
 
 /// table: the offset columns, dst[n] then src[n] (int64 bytes, or, when `compact`, uint32 in
 /// 16-byte units: half the bytes the host writes into the mapped table), size[n] (int64; absent
-/// when every run has the size `uniform`), then chunk[chunks] (see kChunkBits) unless
-/// chunks == n (every run is one chunk: chunk c is run c).
+/// when every run has the size `uniform`), then chunk[chunks] (see kChunkBits) unless every run
+/// has the size `uniform` (chunk c is piece c % per_run of run c / per_run) or chunks == n
+/// (every run is one chunk: chunk c is run c).
 struct RunTable {
   std::uint64_t dst_base;
   std::uint64_t src_base;
@@ -159,16 +166,26 @@ struct RunTable {
   std::uint64_t n;
   std::uint64_t chunks;
   std::uint64_t uniform;  // the size of every run, or 0: sizes in the table
+  std::uint64_t chunk_bytes;  // most bytes per chunk (a multiple of 16)
+  std::uint64_t per_run;      // chunks per run when `uniform`
   bool compact;
 
   __device__ ChunkCopy Chunk(std::uint64_t c) const {
     const std::uint64_t offset_words = compact ? n : 2 * n;
     const std::int64_t* size = table + offset_words;
-    const auto* chunk =
-        reinterpret_cast<const std::uint64_t*>(table + offset_words + (uniform ? 0 : n));
-    const std::uint64_t entry = chunks == n ? c << kChunkBits : chunk[c];
-    const std::uint64_t r = entry >> kChunkBits;
-    const std::uint64_t off = (entry & ((std::uint64_t{1} << kChunkBits) - 1)) * kChunk;
+    std::uint64_t r = c;
+    std::uint64_t piece = 0;
+    if (uniform != 0) {
+      if (per_run != 1) {  // 32-bit: the host keeps a batch below 2^32 chunks
+        r = static_cast<unsigned>(c) / static_cast<unsigned>(per_run);
+        piece = c - r * per_run;
+      }
+    } else if (chunks != n) {
+      const std::uint64_t entry = reinterpret_cast<const std::uint64_t*>(table + offset_words + n)[c];
+      r = entry >> kChunkBits;
+      piece = entry & ((std::uint64_t{1} << kChunkBits) - 1);
+    }
+    const std::uint64_t off = piece * chunk_bytes;
     const std::uint64_t len = uniform ? uniform : static_cast<std::uint64_t>(size[r]);
     std::uint64_t dst = 0;
     std::uint64_t src = 0;
@@ -181,7 +198,8 @@ struct RunTable {
       src = static_cast<std::uint64_t>(table[n + r]);
     }
     return {reinterpret_cast<unsigned char*>(dst_base + dst + off),
-            reinterpret_cast<const unsigned char*>(src_base + src + off), Min(kChunk, len - off)};
+            reinterpret_cast<const unsigned char*>(src_base + src + off),
+            Min(chunk_bytes, len - off)};
   }
 };
 
@@ -207,6 +225,124 @@ __global__ void __launch_bounds__(kThreads) GatherScatter(RunTable t) {
       const std::uint64_t len = __shfl_sync(0xffffffffu, mine.len, j);
       WarpCopy(d, s, len, lane);
     }
+  }
+}
+
+// ---- The CTA kernel for batches whose every run is 16-byte aligned (submit) -------------------
+//
+// Why a second kernel: the warp kernel above gives each warp its own run, so 4,224 warps stream
+// 4,224 places at once in 4 KiB steps. The transposing cell kernel below, whose CTAs move
+// 32 KiB tiles with every thread's loads of a step contiguous across the CTA, measured 0.88x on
+// the same random-block pattern with 4 resident CTAs per SM and unroll 4. This kernel moves
+// runs the same way: a CTA takes a group of consecutive chunks (about kGroupBytes), treats them
+// as one sequence of 16-byte vectors and copies kRunUnroll * 4 KiB of it per step with all of
+// its threads, so a 4 KiB run is one vector per thread and needs no table lookup of its own
+// (one per group, loaded while the previous group is copied). Measured on the H200
+// (docs/benchmarks.md, sessions 12-14): as fast as the warp kernel from 16 KiB (0.81-0.82x
+// against 0.81-0.82x in the same runs, and 0.89-0.90x for both as a process's first
+// measurement); unroll 8, 3 or 6 CTAs per SM, chunks and groups of 16 to 128 KiB all within a
+// point of it. Kept: no slower than the warp kernel in any measurement, with one table read per
+// group instead of per chunk. Taken when the two bases, every offset and every size are multiples of
+// 16 (KV caches always are); any other batch goes to the warp kernel, which handles every
+// alignment.
+#ifndef MORIIO_CUDACOPY_RUN_UNROLL
+#define MORIIO_CUDACOPY_RUN_UNROLL 4
+#endif
+#ifndef MORIIO_CUDACOPY_RUN_CTAS
+#define MORIIO_CUDACOPY_RUN_CTAS 4
+#endif
+#ifndef MORIIO_CUDACOPY_GROUP_KIB
+#define MORIIO_CUDACOPY_GROUP_KIB 32
+#endif
+#ifndef MORIIO_CUDACOPY_ALIGNED_CHUNK_KIB
+#define MORIIO_CUDACOPY_ALIGNED_CHUNK_KIB 32
+#endif
+constexpr int kRunUnroll = MORIIO_CUDACOPY_RUN_UNROLL;  // 16-byte vectors in flight per thread
+constexpr int kRunCtasPerSm = MORIIO_CUDACOPY_RUN_CTAS;  // the register budget is cut for these
+constexpr unsigned kGroupMax = 32;                       // chunks per group: one warp's lanes
+// Bytes a CTA's group aims at: with fewer, neighbouring CTAs work on neighbouring chunks at the
+// same moment (the engine sorts runs by destination); with more, fewer table round trips.
+constexpr std::uint64_t kGroupBytes = MORIIO_CUDACOPY_GROUP_KIB * 1024;
+// Most bytes of a run one CTA copies in one stretch; the next piece goes to the next CTA, as the
+// cell kernel's 32 KiB tiles do.
+constexpr std::uint64_t kAlignedChunk = MORIIO_CUDACOPY_ALIGNED_CHUNK_KIB * 1024;
+
+/// A group's chunks in shared memory: where each starts on both sides and the vector at which
+/// it ends, counted from the group's first vector.
+struct GroupEntries {
+  uint4* dst[kGroupMax];
+  const uint4* src[kGroupMax];
+  unsigned end[kGroupMax];
+};
+
+/// Lanes of warp 0 publish the group's chunk `mine` (lane < count) into `g`, with the running
+/// end of each chunk in vectors (a warp scan). Returns nothing; a barrier must follow.
+__device__ __forceinline__ void PublishGroup(GroupEntries& g, const ChunkCopy& mine, unsigned lane,
+                                             unsigned count) {
+  unsigned end = lane < count ? static_cast<unsigned>(mine.len / 16) : 0;
+#pragma unroll
+  for (unsigned d = 1; d < 32; d *= 2) {
+    const unsigned below = __shfl_up_sync(0xffffffffu, end, d);
+    if (lane >= d) end += below;
+  }
+  if (lane < count) {
+    g.dst[lane] = reinterpret_cast<uint4*>(mine.dst);
+    g.src[lane] = reinterpret_cast<const uint4*>(mine.src);
+    g.end[lane] = end;
+  }
+}
+
+/// Group k of `group` consecutive chunks goes to CTA k % grid; each group's table entries are
+/// loaded (by warp 0, one lane per chunk) while the CTA copies the previous group, into the other
+/// half of a double-buffered shared array, so the table's PCIe round trip overlaps the copy.
+__global__ void __launch_bounds__(kThreads, kRunCtasPerSm)
+    GatherScatterAligned(RunTable t, unsigned group) {
+  __shared__ GroupEntries entries[2];
+  const unsigned lane = threadIdx.x & 31;
+  const bool loader = threadIdx.x < 32;
+  const std::uint64_t groups = (t.chunks + group - 1) / group;
+  auto count_of = [&](std::uint64_t k) {
+    return static_cast<unsigned>(Min(group, t.chunks - k * group));
+  };
+  auto fetch = [&](std::uint64_t k) {
+    return k < groups && lane < count_of(k) ? t.Chunk(k * group + lane)
+                                            : ChunkCopy{nullptr, nullptr, 0};
+  };
+  if (blockIdx.x >= groups) return;
+  if (loader) PublishGroup(entries[0], fetch(blockIdx.x), lane, count_of(blockIdx.x));
+  __syncthreads();
+  unsigned buf = 0;
+#pragma unroll 1
+  for (std::uint64_t k = blockIdx.x; k < groups; k += gridDim.x, buf ^= 1) {
+    const std::uint64_t next = k + gridDim.x;
+    ChunkCopy ahead{nullptr, nullptr, 0};
+    if (loader) ahead = fetch(next);  // in flight during the copy below
+    const GroupEntries& g = entries[buf];
+    const unsigned count = count_of(k);
+    const unsigned vectors = g.end[count - 1];
+    unsigned c = 0;  // the chunk of the thread's current vector; vectors only move forward
+#pragma unroll 1
+    for (unsigned base = threadIdx.x; base < vectors; base += kThreads * kRunUnroll) {
+      uint4 r[kRunUnroll];
+      uint4* to[kRunUnroll];
+#pragma unroll
+      for (int u = 0; u < kRunUnroll; ++u) {
+        const unsigned v = base + u * kThreads;
+        if (v < vectors) {
+          while (v >= g.end[c]) ++c;
+          const unsigned within = v - (c != 0 ? g.end[c - 1] : 0);
+          r[u] = g.src[c][within];
+          to[u] = g.dst[c] + within;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRunUnroll; ++u) {
+        if (base + u * kThreads < vectors) *to[u] = r[u];
+      }
+    }
+    // The other buffer was last read before the previous barrier: warp 0 may fill it now.
+    if (loader && next < groups) PublishGroup(entries[buf ^ 1], ahead, lane, count_of(next));
+    __syncthreads();
   }
 }
 
@@ -402,6 +538,7 @@ struct Op {
 struct Queue {
   int device = 0;
   int max_ctas = 0;  // resident CTAs of GatherScatter
+  int max_aligned_ctas = 0;  // resident CTAs of GatherScatterAligned
   int max_cell_ctas = 0;  // resident CTAs of CellCopyKernel (the same for every vector type)
   cudaStream_t streams[kStreams] = {};
   int next_stream = 0;
@@ -462,7 +599,12 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   // As many CTAs as can be resident at once (a persistent grid): more only adds tail effects.
   int per_sm = 0;
   int cell_per_sm = 0;
+  int aligned_per_sm = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&aligned_per_sm, GatherScatterAligned,
+                                                      kThreads, 0);
+  }
   if (e == cudaSuccess) {
     e = AllowCellShared();
   }
@@ -475,6 +617,7 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
     return -1;
   }
   q->max_ctas = sms * std::max(per_sm, 1);
+  q->max_aligned_ctas = sms * std::max(aligned_per_sm, 1);
   q->max_cell_ctas = sms * std::max(cell_per_sm, 1);
   for (cudaStream_t& stream : q->streams) {
     e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
@@ -596,47 +739,77 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
   // Writing into the mapped pinned table is the slow part of a submit (~4.8 GB/s on the H200
   // VM, docs/benchmarks.md), so the table is as small as the runs allow: no size column when all
   // sizes are equal, offsets as 32-bit 16-byte units when every offset is such a multiple below
-  // 64 GiB (KV runs always are). The common batch (that form, one chunk per run) is validated
-  // and written in ONE pass over the caller's arrays; any other is written again in its form.
+  // 64 GiB (KV runs always are). The common batch (that form, one size) is validated and written
+  // in ONE branch-free pass over the caller's arrays, which the compiler vectorises; sizes that
+  // differ take a second pass over the sizes alone, any other form is written again in its form.
   Slot slot;
   if (!TakeSlot(q, 2 * count, &slot, err, err_len)) return -1;
   auto* units = reinterpret_cast<std::uint32_t*>(slot.host);
   std::int64_t* size_column = slot.host + count;  // follows the 32-bit offset columns
-  std::uint64_t chunks = 0;
-  std::uint64_t any_bits = 0;  // OR of every offset: alignment and range in one test
-  bool all_same = true;
   const std::int64_t first_size = count != 0 ? sizes[0] : 0;
+  std::uint64_t any_bits = 0;   // OR of every offset: alignment and range in one test
+  std::uint64_t size_bits = 0;  // OR of every size: their alignment
+  std::uint64_t differ = 0;     // nonzero when some size is not the first one
   for (std::uint64_t i = 0; i < count; ++i) {
-    const std::int64_t size = sizes[i];
-    if (size <= 0) {
-      q->free_slots.push_back(slot);
-      SetMessage(err, err_len, "run %llu has size %lld; sizes must be positive",
-                 static_cast<unsigned long long>(i), static_cast<long long>(size));
-      return -1;
-    }
-    chunks += (static_cast<std::uint64_t>(size) + kChunk - 1) / kChunk;
-    const std::int64_t d = dst_offsets[i];
-    const std::int64_t s = src_offsets[i];
-    any_bits |= static_cast<std::uint64_t>(d) | static_cast<std::uint64_t>(s);
+    const auto size = static_cast<std::uint64_t>(sizes[i]);
+    const auto d = static_cast<std::uint64_t>(dst_offsets[i]);
+    const auto s = static_cast<std::uint64_t>(src_offsets[i]);
+    differ |= size ^ static_cast<std::uint64_t>(first_size);
+    size_bits |= size;
+    any_bits |= d | s;
     units[i] = static_cast<std::uint32_t>(d >> 4);
     units[count + i] = static_cast<std::uint32_t>(s >> 4);
-    if (all_same && size != first_size) {
-      all_same = false;
-      std::fill(size_column, size_column + i, first_size);
-    }
-    if (!all_same) size_column[i] = size;
   }
-  // Every run has at least one chunk, so equal counts mean exactly one each.
-  const bool one_chunk_per_run = chunks == count;
+  const bool all_same = differ == 0;
+  const bool aligned = ((any_bits | size_bits | dst_base | src_base) & 15) == 0;
+  const std::uint64_t chunk_bytes = aligned ? kAlignedChunk : kChunk;
+  auto refuse = [&](std::uint64_t i) {
+    q->free_slots.push_back(slot);
+    SetMessage(err, err_len, "run %llu has size %lld; sizes must be positive",
+               static_cast<unsigned long long>(i), static_cast<long long>(sizes[i]));
+    return -1;
+  };
+  auto chunks_of = [&](std::int64_t size) {
+    return (static_cast<std::uint64_t>(size) + chunk_bytes - 1) / chunk_bytes;
+  };
+  std::uint64_t chunks = 0;
+  std::uint64_t bytes = 0;
+  std::uint64_t per_run = 0;
+  if (all_same) {  // one size: checking the first checks them all
+    if (count != 0 && first_size <= 0) return refuse(0);
+    per_run = count != 0 ? chunks_of(first_size) : 0;
+    chunks = count * per_run;
+    bytes = count * static_cast<std::uint64_t>(first_size);
+  } else {
+    for (std::uint64_t i = 0; i < count; ++i) {
+      const std::int64_t size = sizes[i];
+      if (size <= 0) return refuse(i);
+      chunks += chunks_of(size);
+      bytes += static_cast<std::uint64_t>(size);
+      size_column[i] = size;
+    }
+  }
+  if (per_run >> kChunkBits || chunks >> 32) {
+    q->free_slots.push_back(slot);
+    SetMessage(err, err_len,
+               "a batch of %llu runs of %llu bytes in all is more than one kernel takes (runs "
+               "of up to %llu bytes, 2^32 pieces of up to %llu bytes)",
+               static_cast<unsigned long long>(count), static_cast<unsigned long long>(bytes),
+               static_cast<unsigned long long>(chunk_bytes << kChunkBits),
+               static_cast<unsigned long long>(chunk_bytes));
+    return -1;
+  }
   const std::uint64_t uniform = count != 0 && all_same ? static_cast<std::uint64_t>(first_size) : 0;
+  // A chunk column only for runs of different sizes some of which span several chunks.
+  const bool chunk_column = uniform == 0 && chunks != count;
   const bool compact = (any_bits & 15) == 0 && (any_bits >> 36) == 0;
   const std::size_t offset_words = compact ? count : 2 * count;
   const std::size_t size_words = uniform != 0 ? 0 : count;
-  if (!compact || !one_chunk_per_run) {
+  if (!compact || chunk_column) {
     // A table of another form (and a chunk column): in a slot of its size, the 32-bit columns
     // taken over when they hold, the 64-bit ones copied otherwise.
     Slot fitted;
-    const std::size_t words = offset_words + size_words + (one_chunk_per_run ? 0 : chunks);
+    const std::size_t words = offset_words + size_words + (chunk_column ? chunks : 0);
     if (!TakeSlot(q, words, &fitted, err, err_len)) {
       q->free_slots.push_back(slot);
       return -1;
@@ -651,16 +824,15 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
     q->free_slots.push_back(slot);
     slot = fitted;
   }
-  std::int64_t* t = slot.host;
-  if (!one_chunk_per_run) {
-    std::int64_t* chunk = t + offset_words + size_words;
+  if (chunk_column) {
+    std::int64_t* chunk = slot.host + offset_words + size_words;
     for (std::uint64_t i = 0; i < count; ++i) {
-      const std::uint64_t run_chunks = (static_cast<std::uint64_t>(sizes[i]) + kChunk - 1) / kChunk;
+      const std::uint64_t run_chunks = chunks_of(sizes[i]);
       if (run_chunks >> kChunkBits) {
         q->free_slots.push_back(slot);
         SetMessage(err, err_len, "run %llu has %llu bytes, more than the %llu one run may have",
                    static_cast<unsigned long long>(i), static_cast<unsigned long long>(sizes[i]),
-                   static_cast<unsigned long long>(kChunk << kChunkBits));
+                   static_cast<unsigned long long>(chunk_bytes << kChunkBits));
         return -1;
       }
       for (std::uint64_t j = 0; j < run_chunks; ++j) {
@@ -668,7 +840,25 @@ int Submit(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
       }
     }
   }
-  const RunTable table{dst_base, src_base, slot.device, count, chunks, uniform, compact};
+  const RunTable table{dst_base, src_base, slot.device, count,   chunks,
+                       uniform,  chunk_bytes, per_run,     compact};
+  if (aligned && chunks != 0) {
+    // Groups of about kGroupBytes, but no more chunks each than spreads them over every CTA.
+    const std::uint64_t per_chunk = std::max<std::uint64_t>(bytes / chunks, 1);
+    const std::uint64_t spread = (chunks + q->max_aligned_ctas - 1) / q->max_aligned_ctas;
+    const auto group = static_cast<unsigned>(std::clamp<std::uint64_t>(
+        std::min((kGroupBytes + per_chunk - 1) / per_chunk, spread), 1, kGroupMax));
+    const std::uint64_t groups = (chunks + group - 1) / group;
+    const auto grid = static_cast<unsigned>(
+        std::min<std::uint64_t>(groups, static_cast<std::uint64_t>(q->max_aligned_ctas)));
+    return Enqueue(
+        q, slot, wait_event,
+        [&](cudaStream_t stream) {
+          GatherScatterAligned<<<grid, kThreads, 0, stream>>>(table, group);
+          return cudaGetLastError();
+        },
+        out, err, err_len);
+  }
   const auto grid = static_cast<unsigned>(
       std::min<std::uint64_t>((chunks + kWarpsPerCta - 1) / kWarpsPerCta, q->max_ctas));
   return Enqueue(

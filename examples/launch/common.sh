@@ -20,12 +20,18 @@ ALLOWED_PEERS=${ALLOWED_PEERS:-127.0.0.1/32}
 # PROXY_AUTH=1 signs the registration pings too: for examples/launch/proxy.py holding the same
 # secret; leave it 0 for vllm-router, which knows no secret.
 PROXY_AUTH=${PROXY_AUTH:-0}
+# Optional: more connector settings as a JSON object, merged into kv_connector_extra_config
+# (docs/vllm.md lists them), e.g. EXTRA_CONFIG='{"abort_timeout": 30, "transfer_timeout": 5}'.
+EXTRA_CONFIG=${EXTRA_CONFIG:-}
 
 # kv_transfer_config JSON for: role http_port handshake_port notify_port
 kv_transfer_config() {
   python3 - "$@" <<'PY'
 import json, os, sys
 role, http_port, handshake_port, notify_port = sys.argv[1:5]
+extra = json.loads(os.environ.get("EXTRA_CONFIG") or "{}")
+if not isinstance(extra, dict):
+    sys.exit(f"EXTRA_CONFIG must be a JSON object, got {extra!r}")
 print(json.dumps({
     "kv_connector": "MoRIIONativeConnector",
     "kv_connector_module_path": "moriio_native.vllm",
@@ -42,8 +48,9 @@ print(json.dumps({
         "notify_port": int(notify_port),
         "allowed_peers": os.environ["ALLOWED_PEERS"],
         "proxy_auth": os.environ["PROXY_AUTH"] == "1",
+        **extra,
     },
 }))
 PY
 }
-export MODE BACKEND VLLM_HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS PROXY_AUTH
+export MODE BACKEND VLLM_HOST_IP PROXY_IP PROXY_PING_PORT ALLOWED_PEERS PROXY_AUTH EXTRA_CONFIG

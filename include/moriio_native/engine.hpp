@@ -142,7 +142,8 @@ class Engine {
 
   /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from
   /// `peer` into `local_blocks`. One batch per (local region, remote region), cut at a layer
-  /// boundary once it holds 8192 runs; a layer pair whose runs are short because its two sides
+  /// boundary once it holds 8192 runs of 256 MiB or more, or 65,536 runs (small runs go in
+  /// larger batches: the host's time per batch is per run); a layer pair whose runs are short because its two sides
   /// order the axes differently goes as cells (a transposing copy) where the backend takes
   /// cells for that region pair (Backend::AcceptsCells), in one batch per region pair and cell
   /// geometry cut at 8192 blocks, and as runs everywhere else. Each batch is submitted as soon

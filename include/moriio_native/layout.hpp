@@ -219,8 +219,10 @@ struct CellGeometry {
   friend bool operator==(const CellGeometry&, const CellGeometry&) = default;
 };
 
-/// The runs that copy one local block to one remote block of the same logical layer, sorted by
-/// local offset, merged where contiguous on both sides. Immutable; build once per layer pair.
+/// The runs that copy one local block to one remote block of the same logical layer (or one
+/// window of a block to a window of the other's: see the windowed Build), sorted by local
+/// offset, merged where contiguous on both sides. Immutable; build once per layer pair and
+/// windows.
 class BlockTemplate {
  public:
   /// Fails with Incompatible naming both layouts when their logical content differs.
@@ -348,8 +350,9 @@ struct BlockOffsets {
 };
 
 /// Appends `pairs`' block offsets to `out` (each with the template's cell origin added, so a
-/// windowed template's offsets address its window's first cell). FailedPrecondition (naming the layer) when `tmpl`
-/// has no cell geometry; block ids checked as CheckBlockIds does; on error nothing is appended.
+/// windowed template's offsets address its window's first cell). FailedPrecondition (naming the
+/// layer) when `tmpl` has no cell geometry; block ids checked as CheckBlockIds does; on error
+/// nothing is appended.
 Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
                           std::int64_t local_shift, std::int64_t remote_shift, BlockOffsets* out);
 

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'DrainedTransfer', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'plan_registration']
+__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'DrainedTransfer', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'checksum_blocks', 'plan_registration']
 class CacheSpec:
     """
     Logical description of one layer's KV cache.
@@ -306,6 +306,10 @@ def _raise_status(arg0: str, arg1: str) -> None:
 def available_backends(options: collections.abc.Mapping[str, str] = {}) -> list:
     """
     List of (name, available, reason) for every known backend.
+    """
+def checksum_blocks(layout: LayerLayout, buffer: typing.Any, block_ids: typing.Any, *, head_begin: typing.SupportsInt | typing.SupportsIndex = 0, heads: typing.SupportsInt | typing.SupportsIndex | None = None, token_begin: typing.SupportsInt | typing.SupportsIndex = 0, tokens: typing.SupportsInt | typing.SupportsIndex | None = None) -> numpy.typing.NDArray[numpy.uint64]:
+    """
+    One uint64 checksum per block id over the logical cells of the window (heads [head_begin, head_begin + heads), tokens [token_begin, token_begin + tokens); None: to the end) of the layer whose bytes start at the buffer's first byte (at least layout.span_bytes long). See include/moriio_native/checksum.hpp for the definition.
     """
 def plan_registration(allocation_base: typing.SupportsInt | typing.SupportsIndex, allocation_size: typing.SupportsInt | typing.SupportsIndex, regions: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], page_size: typing.SupportsInt | typing.SupportsIndex = 4096, allow_unaligned: bool = True) -> RegistrationPlan:
     """

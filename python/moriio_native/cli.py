@@ -76,6 +76,12 @@ def _add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="block choice and pattern seed")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON on stdout")
+    parser.add_argument(
+        "--verify",
+        action="store_true",
+        help="turn on the protocol's end-to-end integrity check (block checksums compared on "
+        "both sides, as the connector's verify: true)",
+    )
     # Hidden: flips one bit of the decode cache after the first transfer ("dst": inside a
     # destination block, "outside": in a block the request did not touch), to show that the
     # verification can fail. Used by the tests.

@@ -61,6 +61,7 @@ from moriio_native.errors import BackendUnavailableError, InvalidArgumentError, 
 from moriio_native.layout import BlockPairs, LayerLayout, block_template, describe_layer
 from moriio_native.pd import PdConfig, PdCore, RecvTask, SaveTask, SendTask
 from moriio_native.presets import DEFAULT_PRESET, get_preset
+from moriio_native.verify import LayerChecksums
 
 logger = logging.getLogger("moriio_native.demo")
 
@@ -106,6 +107,8 @@ class DemoConfig:
     timeout: float = 30.0
     seed: int = 0
     inject_fault: Fault | None = None
+    # Run the protocol's end-to-end integrity check (block checksums on both sides).
+    verify: bool = False
 
     def validated(self) -> DemoConfig:
         """A copy with defaults filled in; InvalidArgumentError naming the bad option."""
@@ -155,6 +158,9 @@ class ModeStats:
     runs: int = 0
     mismatches: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    # With verify: the protocol's integrity checks that passed and failed (the decode's count).
+    integrity_checks: int = 0
+    integrity_failures: int = 0
 
     @property
     def gbps(self) -> float:
@@ -183,6 +189,8 @@ class ModeStats:
             "engine_runs": self.runs,
             "mismatches": list(self.mismatches),
             "failures": list(self.failures),
+            "integrity_checks": self.integrity_checks,
+            "integrity_failures": self.integrity_failures,
         }
 
 
@@ -345,6 +353,7 @@ class _WorkerSpec:
     secret: str
     timeout: float
     seed: int
+    verify: bool = False
 
 
 def _security(secret: str) -> ctl.ControlSecurity:
@@ -360,6 +369,8 @@ class _EventLog:
         self.failures = 0
         self.handshakes = 0
         self.quarantined_blocks = 0
+        self.verified = 0
+        self.verify_failures = 0
 
     def record(self, *, ok: bool) -> None:
         self.failures += not ok
@@ -373,12 +384,25 @@ class _EventLog:
     def record_quarantine(self, blocks: int) -> None:
         self.quarantined_blocks += blocks
 
+    def record_verify(self, *, ok: bool) -> None:
+        if ok:
+            self.verified += 1
+        else:
+            self.verify_failures += 1
+
 
 def _core(
-    engine: Engine, engine_id: str, mode: Mode, *, producer: bool, timeout: float, secret: str
+    engine: Engine,
+    engine_id: str,
+    mode: Mode,
+    *,
+    producer: bool,
+    timeout: float,
+    secret: str,
+    checksums: LayerChecksums | None,
 ) -> tuple[PdCore, _EventLog]:
     """One side's protocol core for ``mode``, started on free ports of 127.0.0.1: the same
-    core the vLLM connector runs (:mod:`moriio_native.pd`)."""
+    core the vLLM connector runs (:mod:`moriio_native.pd`); ``checksums`` turns verify on."""
     log = _EventLog()
     core = PdCore(
         PdConfig(
@@ -393,11 +417,13 @@ def _core(
             # Long enough that in a healthy run every prefill block is freed by its release.
             abort_timeout=max(4 * timeout, 60.0),
             quarantine_timeout=max(4 * timeout, 60.0),
+            verify=checksums is not None,
         ),
         _security(secret),
         log,
         engine=lambda: engine,
         bind_host=_HOST,
+        checksums=None if checksums is None else lambda: checksums,
     )
     core.start(0, 0)
     return core, log
@@ -458,6 +484,9 @@ class _PrefillWorker:
         self._pattern = KvPattern(self._cache, spec.seed)
         self._engine = Engine(_PREFILL_RANK, spec.backend, transfer_timeout=spec.timeout)
         self._engine.register_kv_caches(self._cache.registrations())
+        self._checksums = (
+            LayerChecksums.for_registrations(self._cache.registrations()) if spec.verify else None
+        )
         self._send({"type": "ready", "engine_id": _PREFILL_ID, "pid": os.getpid()})
 
     def _stop_core(self) -> None:
@@ -515,6 +544,7 @@ class _PrefillWorker:
             producer=True,
             timeout=self._spec.timeout,
             secret=self._spec.secret,
+            checksums=self._checksums,
         )
         self._send({"type": "mode_ready", "address": _address(self._core).format()})
 
@@ -610,6 +640,9 @@ class _Decode:
         self.rng = np.random.default_rng([cfg.seed, 2])
         self.engine = Engine(_DECODE_RANK, backend, transfer_timeout=cfg.timeout)
         self.engine.register_kv_caches(self.cache.registrations())
+        self.checksums = (
+            LayerChecksums.for_registrations(self.cache.registrations()) if cfg.verify else None
+        )
         # Both sides use the same preset and block count, so the prefill caches have exactly
         # these layouts; the planning timer uses them for the remote side too. Templates are
         # built once per (peer, cache), as in the engine.
@@ -628,6 +661,7 @@ class _Decode:
             producer=False,
             timeout=self.cfg.timeout,
             secret=self.secret,
+            checksums=self.checksums,
         )
         return _address(self.core)
 
@@ -783,7 +817,7 @@ def run_demo(
     preset = get_preset(cfg.preset)
     secret = secrets.token_hex(32)
     spec = _WorkerSpec(
-        cfg.preset, cfg.layers, cfg.num_blocks, backend, secret, cfg.timeout, cfg.seed
+        cfg.preset, cfg.layers, cfg.num_blocks, backend, secret, cfg.timeout, cfg.seed, cfg.verify
     )
     parent_conn, child_conn = multiprocessing.Pipe()
     worker: BaseProcess | threading.Thread
@@ -836,6 +870,8 @@ def run_demo(
                     break
                 if progress is not None:
                     progress(mode, i + 1, cfg.requests)
+            stats.integrity_checks = decode.log.verified
+            stats.integrity_failures = decode.log.verify_failures
         router.send({"type": "shutdown", "grace": 5.0})
         shutdown_sent = True
         stats_msg = router.recv("final stats", timeout=30.0)
@@ -990,6 +1026,7 @@ def main(args: Any) -> int:
         timeout=args.timeout,
         seed=args.seed,
         inject_fault=args.inject_fault,
+        verify=args.verify,
     )
     # With --json stdout carries only the JSON; everything for humans goes to stderr.
     console = Console(stderr=args.json)

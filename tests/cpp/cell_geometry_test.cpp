@@ -10,11 +10,11 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "moriio_native/layout.hpp"
+#include "plan_support.hpp"
 #include "strides.hpp"
 
 namespace moriio_native {
@@ -22,7 +22,9 @@ namespace {
 
 using Ids = std::vector<std::int64_t>;
 
+using test_support::ApplyPlan;
 using test_support::Contiguous;
+using test_support::RandomBytes;
 
 CacheSpec Spec(std::int64_t block_size, std::int64_t heads, std::int64_t head_size,
                AxisOrder order = AxisOrder::kAuto) {
@@ -55,13 +57,6 @@ BlockPairs Pairs(const Ids& local, const Ids& remote) {
   return std::move(p).value();
 }
 
-std::vector<std::byte> RandomBytes(std::int64_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::byte> out(static_cast<std::size_t>(n));
-  for (std::byte& b : out) b = static_cast<std::byte>(rng() & 0xff);
-  return out;
-}
-
 // Moves `pairs` between two random buffers once by the run plan and once by CopyBlockCells, in
 // both directions, and requires byte-identical results.
 void ExpectCellCopyEqualsRunPlan(const LayerLayout& local, const LayerLayout& remote,
@@ -81,16 +76,7 @@ void ExpectCellCopyEqualsRunPlan(const LayerLayout& local, const LayerLayout& re
     std::vector<std::byte> by_runs_remote = RandomBytes(remote.span_bytes(), 2);
     std::vector<std::byte> by_cells_local = by_runs_local;
     std::vector<std::byte> by_cells_remote = by_runs_remote;
-    for (std::size_t i = 0; i < plan.size(); ++i) {
-      std::byte* l = by_runs_local.data() + plan.local_offsets[i];
-      std::byte* r = by_runs_remote.data() + plan.remote_offsets[i];
-      const auto n = static_cast<std::size_t>(plan.sizes[i]);
-      if (dir == CellCopyDirection::kRemoteToLocal) {
-        std::memcpy(l, r, n);
-      } else {
-        std::memcpy(r, l, n);
-      }
-    }
+    ApplyPlan(plan, by_runs_local.data(), by_runs_remote.data(), dir);
     CopyBlockCells(*tmpl.cell_geometry(), blocks, by_cells_local.data(), by_cells_remote.data(),
                    dir);
     EXPECT_EQ(by_cells_local, by_runs_local) << local.name() << " -> " << remote.name();

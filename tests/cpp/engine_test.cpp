@@ -776,58 +776,64 @@ TEST(EngineCells, ManyBlocksAreSubmittedInPiecesAndEveryByteArrives) {
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
-// Four latent layers of one 4-byte run per block. D's last layer is one block shorter, so an id
-// that is valid for the first layers (planned and submitted first) is out of range only there.
-std::vector<TestLayer> LargeLayers(std::int64_t last_layer_blocks) {
+// Four latent layers of one 4-byte run per block. D's last layer may be one block shorter, so
+// an id that is valid for the first layers (planned and submitted first) is out of range only
+// there.
+std::vector<TestLayer> LargeLayers(std::int64_t last_layer_blocks, std::int64_t blocks = 3000) {
   std::vector<TestLayer> layers;
   for (int i = 0; i < 4; ++i) {
-    const std::int64_t blocks = i == 3 ? last_layer_blocks : 3000;
-    layers.push_back(MakeLayer("lat." + std::to_string(i), Physical::kLatent, blocks, 1, 1, 2, 2,
-                               /*block_pad=*/i % 2));
+    const std::int64_t layer_blocks = i == 3 ? last_layer_blocks : blocks;
+    layers.push_back(MakeLayer("lat." + std::to_string(i), Physical::kLatent, layer_blocks, 1, 1,
+                               2, 2, /*block_pad=*/i % 2));
   }
   return layers;
 }
 
+// Small runs go in large pieces: a run batch closes at a layer boundary once it holds 8192 runs
+// that carry 256 MiB, or 65,536 runs (engine.cpp, kPieceBytes and kMaxPieceRuns). 4-byte runs
+// carry no bytes to speak of, so 4 x 3000 of them go as one batch (the rule before cut them at
+// 8192 runs: 2 batches) and 4 x 24000 as two: the first three layers (72,000 runs), then the last.
 TEST(EngineLargeRead, ManyRunsAreSubmittedInPiecesAndEveryByteArrives) {
-  Side p, d;
-  EnginesFirst guard({&p, &d});
-  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", LargeLayers(3000), 1));
-  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", LargeLayers(2999), 2));
-  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
-  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  for (const std::int64_t n : {std::int64_t{3000}, std::int64_t{24000}}) {
+    SCOPED_TRACE(n);
+    Side p, d;
+    EnginesFirst guard({&p, &d});
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", LargeLayers(n, n), 1));
+    ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", LargeLayers(n - 1, n), 2));
+    ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+    ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
 
-  // Local ids ascending, remote ids descending: no two runs merge, one run per block and layer.
-  std::vector<std::int64_t> local(3000), remote(3000);
-  for (std::int64_t i = 0; i < 3000; ++i) {
-    local[i] = i;
-    remote[i] = 2999 - i;
+    // Local ids ascending, remote ids descending: no two runs merge, one run per block and layer.
+    std::vector<std::int64_t> local(n), remote(n);
+    for (std::int64_t i = 0; i < n; ++i) {
+      local[i] = i;
+      remote[i] = n - 1 - i;
+    }
+    // Block n - 1 exists in D's first three layers but not in lat.3: the call fails before any
+    // piece is submitted.
+    const std::vector<std::uint8_t> d_before = d.buffer->Snapshot();
+    Status bad = d.engine->Read("too-far", "P", local, remote);
+    EXPECT_EQ(bad.code(), StatusCode::kOutOfRange) << bad.ToString();
+    EXPECT_NE(bad.message().find("lat.3"), std::string::npos) << bad.ToString();
+    EXPECT_EQ(d.engine->PendingTransfers(), 0u);
+    EXPECT_TRUE(d.engine->PollEvents(16, 0ms).empty());
+    EXPECT_EQ(d.buffer->Snapshot(), d_before);
+
+    local.pop_back();
+    remote.erase(remote.begin());
+    std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+    std::vector<bool> touched(expected.size(), false);
+    const std::int64_t bytes =
+        ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
+    ASSERT_TRUE(d.engine->Read("large", "P", local, remote).ok());
+    Events events(d.engine.get());
+    TransferEvent e = events.Wait("large");
+    EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+    EXPECT_EQ(e.bytes, bytes);
+    EXPECT_EQ(e.runs, 4 * (n - 1));
+    EXPECT_EQ(e.batches, n == 3000 ? 1 : 2);
+    ExpectBytes(d.buffer->Snapshot(), expected, touched);
   }
-  // Block 2999 exists in D's first three layers but not in lat.3: the call fails before any
-  // piece is submitted.
-  const std::vector<std::uint8_t> d_before = d.buffer->Snapshot();
-  Status bad = d.engine->Read("too-far", "P", local, remote);
-  EXPECT_EQ(bad.code(), StatusCode::kOutOfRange) << bad.ToString();
-  EXPECT_NE(bad.message().find("lat.3"), std::string::npos) << bad.ToString();
-  EXPECT_EQ(d.engine->PendingTransfers(), 0u);
-  EXPECT_TRUE(d.engine->PollEvents(16, 0ms).empty());
-  EXPECT_EQ(d.buffer->Snapshot(), d_before);
-
-  local.pop_back();
-  remote.erase(remote.begin());
-  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
-  std::vector<bool> touched(expected.size(), false);
-  const std::int64_t bytes = ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
-  ASSERT_TRUE(d.engine->Read("large", "P", local, remote).ok());
-  Events events(d.engine.get());
-  TransferEvent e = events.Wait("large");
-  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
-  EXPECT_EQ(e.bytes, bytes);
-  EXPECT_EQ(e.runs, 4 * 2999);
-  // 11,996 runs in one region pair: more than one piece (engine.cpp, kPieceRuns), cut at layer
-  // boundaries.
-  EXPECT_GT(e.batches, 1);
-  EXPECT_LE(e.batches, 4);
-  ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
 // ---- WRITE --------------------------------------------------------------------------------
@@ -2010,15 +2016,47 @@ TEST(EngineSegments, HeadSliceGoesAsCellsAndEqualsRuns) {
     std::vector<std::uint8_t> expected = d.buffer->Snapshot();
     std::vector<bool> touched(expected.size(), false);
     ApplyReference(d, p, {"attn.0"}, local, remote, &expected, &touched, Win{}, Win{4, 4});
-    ASSERT_TRUE(
-        d.engine->Read("c", "P", std::vector<BlockSegment>{{{}, local, remote, {}, HeadWindow(4, 4)}})
-            .ok());
+    const std::vector<BlockSegment> segments = {{{}, local, remote, {}, HeadWindow(4, 4)}};
+    ASSERT_TRUE(d.engine->Read("c", "P", segments).ok());
     Events events(d.engine.get());
     TransferEvent e = events.Wait("c");
     EXPECT_EQ(e.state, TransferState::kDone) << e.message;
     EXPECT_EQ(e.cell_batches, std::string(cells) == "1" ? 1 : 0);
     ExpectBytes(d.buffer->Snapshot(), expected, touched);
   }
+}
+
+// Threads planning segmented READs at once share the peer's windowed-template cache (built on a
+// miss by whichever thread comes first): every transfer ends done with its own bytes.
+TEST(EngineSegments, ConcurrentSegmentedReadsShareTheWindowCache) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", TpLayers(8, true), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", TpLayers(2, false), 2));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  // Thread k reads heads [2*(k%4), 2*(k%4)+2) of P's block k%6 into D's block k.
+  constexpr int kThreads = 8;
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  for (int k = 0; k < kThreads; ++k) {
+    ApplyReference(d, p, kTpAttn, {k}, {k % 6}, &expected, &touched, Win{}, Win{2 * (k % 4), 2});
+  }
+  std::vector<Status> results(kThreads);
+  std::vector<std::thread> threads;
+  for (int k = 0; k < kThreads; ++k) {
+    threads.emplace_back([&, k] {
+      const std::vector<BlockSegment> segments = {
+          {kTpAttn, {k}, {k % 6}, {}, HeadWindow(2 * (k % 4), 2)}};
+      results[k] = d.engine->Read("c" + std::to_string(k), "P", segments);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  Events events(d.engine.get());
+  for (int k = 0; k < kThreads; ++k) {
+    ASSERT_TRUE(results[k].ok()) << results[k].ToString();
+    EXPECT_EQ(events.Wait("c" + std::to_string(k)).state, TransferState::kDone);
+  }
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
 }  // namespace

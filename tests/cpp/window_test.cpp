@@ -15,16 +15,18 @@
 #include <cstring>
 #include <limits>
 #include <optional>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "moriio_native/layout.hpp"
+#include "plan_support.hpp"
 
 namespace moriio_native {
 namespace {
 
 using Ids = std::vector<std::int64_t>;
+using test_support::ApplyPlan;
+using test_support::RandomBytes;
 constexpr std::int64_t kElem = 2;
 
 // The layout families vLLM ships (DESIGN 3.1), as tensor shapes.
@@ -158,13 +160,6 @@ Cache MakeCache(const std::string& name, Family f, std::int64_t blocks, std::int
   return c;
 }
 
-std::vector<std::byte> RandomBytes(std::int64_t n, unsigned seed) {
-  std::mt19937 rng(seed);
-  std::vector<std::byte> out(static_cast<std::size_t>(n));
-  for (std::byte& b : out) b = static_cast<std::byte>(rng() & 0xff);
-  return out;
-}
-
 struct Window {
   std::int64_t head_begin, heads, token_begin, tokens;
 };
@@ -231,12 +226,7 @@ bool ExpectWindowCopy(const Cache& local, const CellWindow& lwin, const Cache& r
     }
     std::vector<std::byte> got_local = local0;
     std::vector<std::byte> got_remote = remote0;
-    for (std::size_t i = 0; i < plan.size(); ++i) {
-      std::byte* l = got_local.data() + plan.local_offsets[i];
-      std::byte* r = got_remote.data() + plan.remote_offsets[i];
-      const auto n = static_cast<std::size_t>(plan.sizes[i]);
-      into_local ? std::memcpy(l, r, n) : std::memcpy(r, l, n);
-    }
+    ApplyPlan(plan, got_local.data(), got_remote.data(), dir);
     EXPECT_TRUE(got_local == want_local) << "run plan, local side";
     EXPECT_TRUE(got_remote == want_remote) << "run plan, remote side";
     if (offsets) {

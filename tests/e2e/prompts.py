@@ -8,6 +8,7 @@ second, disjoint set of the same shape: the decode has cached none of it.
 
 from __future__ import annotations
 
+import os
 import random
 
 VOCAB = 1024
@@ -29,6 +30,25 @@ def prompt_set(seed: int) -> list[list[int]]:
     prefix = _ids(rng, _SHARED_PREFIX)
     prompts += [prefix + _ids(rng, n) for n in _TAILS]
     return prompts
+
+
+def fault_round(index: int) -> tuple[list[int], list[list[int]]]:
+    """Round ``index`` of the fault scenarios (tests/e2e/test_serve_faults.py): the request the
+    fault hits (400 tokens: a prefill long enough to be caught running) and two fresh requests
+    sent after it (no decode has cached any of them)."""
+    rng = random.Random(1000 + index)
+    return _ids(rng, 400), [_ids(rng, 40), _ids(rng, 170)]
+
+
+# Scenarios of test_serve_faults.py that take rounds of prompts.fault_round (each its own
+# range, so no round's requests are cached on the decode before it runs).
+FAULT_SCENARIOS = 4
+
+
+def fault_rounds() -> int:
+    """Rounds of each fault scenario: ``MORIIO_E2E_FAULT_ROUNDS`` (scripts/reliability.sh's
+    serve tier), else the CI tier's 2."""
+    return int(os.environ.get("MORIIO_E2E_FAULT_ROUNDS") or 2)
 
 
 MAIN = prompt_set(13)

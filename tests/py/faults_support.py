@@ -24,12 +24,10 @@ The legs below run inside the child processes (``RemoteSides.run("faults_support
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -37,6 +35,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from fault_rows import Row, recorded
 from moriio_native.control.addressing import ZmqAddress, format_request_id
 from test_vllm_support import (
     BLOCK_SIZE,
@@ -118,8 +117,16 @@ def _resources(side: Side) -> dict[str, int]:
     }
 
 
-def leg_make(ctx: ChildContext, name: str, role: str, mode: str, extra: dict[str, Any]) -> Any:
-    """An instance with the mixed model (dense, MLA, indexer) over UCX, short deadlines."""
+def leg_make(
+    ctx: ChildContext,
+    name: str,
+    role: str,
+    mode: str,
+    extra: dict[str, Any],
+    sizes: dict[str, int] | None = None,
+) -> Any:
+    """An instance with the mixed model (dense, MLA, indexer) over UCX, short deadlines;
+    ``sizes`` overrides ``num_blocks`` (48), ``max_num_seqs`` and ``max_num_batched_tokens``."""
     options = {
         "backend": "ucx",
         # As between two hosts: one UCX operation per run (the engine's same-host shortcuts,
@@ -139,11 +146,11 @@ def leg_make(ctx: ChildContext, name: str, role: str, mode: str, extra: dict[str
         role,
         mode,
         ctx.model_dir,
-        num_blocks=NUM_BLOCKS,
         salt=salt,
         specs=mixed_specs(),
         layout=layout,
         extra=options,
+        **{"num_blocks": NUM_BLOCKS, **(sizes or {})},
     )
     ctx.sides[name] = side
     _TRACKS[name] = _Track()
@@ -379,48 +386,6 @@ def respawn(model_dir: str, old: Instance) -> Instance:
     """The same instance restarted under the same address (the old one is dead)."""
     extra = {**old.extra, "handshake_port": old.hs, "notify_port": old.notify}
     return spawn(model_dir, old.role, old.mode, extra, env=old.env, netns=old.netns).finish_start()
-
-
-@dataclass
-class Row:
-    """One scenario's line of docs/reliability.md."""
-
-    scenario: str
-    rounds: int = 0
-    faults: int = 0
-    violations: list[str] = field(default_factory=list)
-    detect_s: list[float] = field(default_factory=list)
-    recover_s: list[float] = field(default_factory=list)
-
-    def check(self, ok: bool, what: str) -> None:
-        if not ok:
-            self.violations.append(what)
-
-    def as_dict(self) -> dict[str, Any]:
-        def worst(xs: list[float]) -> float | None:
-            return round(max(xs), 3) if xs else None
-
-        return {
-            "scenario": self.scenario,
-            "rounds": self.rounds,
-            "faults": self.faults,
-            "violations": len(self.violations),
-            "detect_s_max": worst(self.detect_s),
-            "recover_s_max": worst(self.recover_s),
-        }
-
-
-@contextmanager
-def recorded(scenario: str) -> Iterator[Row]:
-    """A row for ``scenario``; fails the test on any violation, and appends the row to
-    ``$MORIIO_FAULT_REPORT`` (JSON lines) when set."""
-    row = Row(scenario)
-    yield row
-    path = os.environ.get("MORIIO_FAULT_REPORT")
-    if path:
-        with open(path, "a") as f:
-            f.write(json.dumps(row.as_dict()) + "\n")
-    assert not row.violations, f"{scenario}: {len(row.violations)} violations: {row.violations}"
 
 
 def check_audit(row: Row, who: str, audit: dict[str, Any], expect_once: list[str]) -> None:

@@ -63,32 +63,20 @@ class Scenario:
         return [s.name for s in self.decode.shapes]
 
 
+def _segment(part: Part, decode_local: bool, layers: tuple[str, ...] | None) -> BlockSegment:
+    near, far = (part.decode_blocks, part.prefill_blocks)[:: 1 if decode_local else -1]
+    near_w, far_w = (part.decode_window, part.prefill_window)[:: 1 if decode_local else -1]
+    return BlockSegment(near, far, layers, near_w, far_w)
+
+
 def read_segments(parts: Sequence[Part]) -> list[BlockSegment]:
     """The decode's READ of ``parts``: local = decode."""
-    return [
-        BlockSegment(
-            local_blocks=p.decode_blocks,
-            remote_blocks=p.prefill_blocks,
-            layers=p.layers,
-            local_window=p.decode_window,
-            remote_window=p.prefill_window,
-        )
-        for p in parts
-    ]
+    return [_segment(p, True, p.layers) for p in parts]
 
 
 def write_segments(parts: Sequence[Part], layer: str) -> list[BlockSegment]:
     """The prefill's write of ``layer``: local = prefill, the parts that move ``layer``."""
-    return [
-        BlockSegment(
-            local_blocks=p.prefill_blocks,
-            remote_blocks=p.decode_blocks,
-            local_window=p.prefill_window,
-            remote_window=p.decode_window,
-        )
-        for p in parts
-        if p.moves(layer)
-    ]
+    return [_segment(p, False, None) for p in parts if p.moves(layer)]
 
 
 def written_layers(parts: Sequence[Part], names: Sequence[str]) -> list[str]:

@@ -107,8 +107,10 @@ def test_runs_of_many_chunks_beside_small_ones(queue: Queue) -> None:
     # 128 KiB chunks: these runs span 2 to 40 chunks, mixed with one-chunk runs in one batch.
     rng = np.random.default_rng(2)
     _check(queue, rng, [[300000, 4096, (2 << 20) + 5, 128 * 1024, 1, 65537, 5 << 20] * 3])
-    # All runs of one size (the table then has no size column) spanning several chunks.
+    # All runs of one size (the table then has no size or chunk column: chunks by arithmetic)
+    # spanning several chunks, on the aligned kernel's 32 KiB chunks and the warp kernel's.
     _check(queue, rng, [[300000] * 40, [65536 + 16] * 100], align=16)
+    _check(queue, rng, [[300001] * 30, [(1 << 20) + 3] * 5])
 
 
 def test_many_small_runs_in_batches_back_to_back(queue: Queue) -> None:
@@ -127,6 +129,16 @@ def test_aligned_runs_take_the_vector_path_to_the_last_byte(queue: Queue) -> Non
     # One chunk per run and 16-byte offsets, sizes mixed: the table written in the validating
     # pass, its size column begun at the first size that differs.
     _check(queue, rng, [[16, 2048, 16384, 16400, 65536, 73728, 24592] * 300], align=16)
+
+
+def test_aligned_small_runs_in_many_groups_per_cta(queue: Queue) -> None:
+    # The CTA kernel takes groups of consecutive chunks (up to 32, about 64 KiB), several per
+    # CTA with the next group's table entries loaded during the copy: 70,000 runs of 4 KiB are
+    # about eight groups per CTA; 16-byte runs fill groups of many chunks; mixed sizes put a
+    # run's 128 KiB chunks and one-vector runs in one group.
+    rng = np.random.default_rng(5)
+    _check(queue, rng, [[4096] * 70000, [16] * 5000], align=16)
+    _check(queue, rng, [list(rng.permutation([16, 4096, 4112, 131072 + 16, 48] * 2000))], align=16)
 
 
 def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
@@ -154,6 +166,17 @@ def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
 def test_empty_batch_completes(queue: Queue) -> None:
     empty = np.zeros(0, dtype=np.int64)
     assert queue.gather(0, 0, [(empty, empty, empty)]) >= 0.0
+
+
+def test_a_batch_of_2_to_the_32_pieces_is_refused(queue: Queue) -> None:
+    # 2^20 runs of 128 MiB are 2^32 pieces of 32 KiB: refused before anything is read or copied.
+    import torch
+
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    offsets = np.zeros(1 << 20, dtype=np.int64)
+    sizes = np.full(1 << 20, 128 << 20, dtype=np.int64)
+    with pytest.raises(CudaCopyError, match="more than one kernel takes"):
+        queue.gather(buf.data_ptr(), buf.data_ptr(), [(offsets, offsets, sizes)])
 
 
 def test_non_positive_size_is_refused_with_the_run_named(queue: Queue) -> None:
@@ -189,15 +212,17 @@ def _check_cells(
     remote_ids: list[int],
     into_local: bool,
     batch_blocks: int = 1 << 30,
+    windows: tuple[Any, Any] | None = None,
 ) -> None:
     """The cell copy of the pairs must leave both buffers byte-identical to applying the pair's
-    run plan on the host (an independent path: numpy slices, the planner's runs)."""
+    run plan on the host (an independent path: numpy slices, the planner's runs). ``windows``:
+    (local, remote) CellWindows of a windowed template (its origin is in the block offsets)."""
     import torch
 
     import moriio_native as mn
     from moriio_native.bench.cudacopy import cells_of
 
-    tmpl = mn.block_template(local, remote)
+    tmpl = mn.block_template(local, remote, *(windows or ()))
     geometry = tmpl.cell_geometry
     assert geometry is not None
     pairs = mn.BlockPairs(local_ids, remote_ids)
@@ -258,6 +283,27 @@ def test_cells_of_every_alignment_and_many_batches(queue: Queue) -> None:
         remote = _kv_layer(f"r.{d}", (64, 2, 16, 16, d), "hnd", 16, 16)
         ids = rng.permutation(64)[:50].tolist()
         _check_cells(queue, local, remote, ids, rng.permutation(64)[:50].tolist(), True, 7)
+
+
+@pytest.mark.parametrize("into_local", [True, False], ids=["read", "write"])
+def test_cells_of_windows(queue: Queue, into_local: bool) -> None:
+    import moriio_native as mn
+
+    rng = np.random.default_rng(8)
+    # Decode TP 2 against prefill TP 1: heads [4,8) of an 8-head NHD prefill block into a 4-head
+    # HND decode block (a sub-grid of the prefill's cells, starting 4 heads in).
+    local = _kv_layer("decode", (64, 2, 4, 16, 128), "hnd", 4, 16)
+    remote = _kv_layer("prefill", (2, 48, 16, 8, 128), "nhd", 8, 16)
+    windows = (mn.CellWindow(), mn.CellWindow(head_begin=4))
+    ids = rng.permutation(64)[:30].tolist()
+    _check_cells(
+        queue, local, remote, ids, rng.permutation(48)[:30].tolist(), into_local, 8, windows
+    )
+    # Prefill 16-token blocks into tokens [32,48) of decode 64-token blocks.
+    local = _kv_layer("decode.64", (20, 2, 2, 64, 128), "hnd", 2, 64)
+    remote = _kv_layer("prefill.16", (2, 80, 16, 2, 128), "nhd", 2, 16)
+    windows = (mn.CellWindow(token_begin=32, tokens=16), mn.CellWindow())
+    _check_cells(queue, local, remote, [3, 19, 0], [79, 1, 40], into_local, windows=windows)
 
 
 def test_cells_refuse_a_geometry_out_of_range(queue: Queue) -> None:

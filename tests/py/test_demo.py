@@ -89,6 +89,28 @@ def test_small_demo_verifies_every_request_and_exits_zero(backend) -> None:
         assert stats["dropped_auth"] == stats["dropped_malformed"] == 0
 
 
+def test_demo_with_the_integrity_check_checks_every_request() -> None:
+    rc, s, err = run_json(
+        "--preset",
+        "llama3-8b",
+        "--layers",
+        "2",
+        "--requests",
+        "3",
+        "--backend",
+        "loopback",
+        "--verify",
+    )
+    assert rc == 0, err
+    assert s["ok"] is True and s["errors"] == []
+    for name, mode in s["modes"].items():
+        assert mode["verified_requests"] == 3, name  # the demo's own byte check
+        assert (mode["integrity_checks"], mode["integrity_failures"]) == (3, 0), name
+    rc, s, err = run_json("--preset", "llama3-8b", "--layers", "2", "--requests", "1")
+    assert rc == 0, err
+    assert all(m["integrity_checks"] == 0 for m in s["modes"].values())  # off by default
+
+
 def test_table_output_and_single_mode() -> None:
     proc = run_cli("--preset", "llama3-8b", "--layers", "1", "--requests", "2", "--mode", "write")
     assert proc.returncode == 0, proc.stderr

@@ -42,12 +42,15 @@ from moriio_native.control.addressing import (
     parse_request_id,
 )
 from moriio_native.control.messages import (
+    MAX_CHECKSUM_REQUEST_BYTES,
     MAX_HANDSHAKE_REQUEST_BYTES,
     MAX_HANDSHAKE_RESPONSE_BYTES,
     MAX_NOTIFY_BYTES,
     MAX_PING_BYTES,
     NOTIFY_TYPES,
     AbortWrite,
+    ChecksumRequest,
+    ChecksumResponse,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -125,7 +128,13 @@ NOTIFY_SAMPLES = st.one_of(
         decode_dp_rank=ranks,
         req_id=texts,
     ),
-    st.builds(WriteDone, ids, writer_rank=ranks, num_writers=st.integers(8, 16)),
+    st.builds(
+        WriteDone,
+        ids,
+        writer_rank=ranks,
+        num_writers=st.integers(8, 16),
+        checksums=st.none() | st.dictionaries(ids, st.binary(max_size=16), max_size=2),
+    ),
     st.builds(WriteFailed, ids, writer_rank=ranks, reason=texts),
     st.builds(Release, ids, consumer_tp_size=st.just(8), consumer_tp_rank=ranks),
     st.builds(AbortWrite, ids, ids, hosts, ports, ports, decode_dp_rank=ranks),
@@ -226,6 +235,44 @@ def test_fuzz_handshake_reply_decoder(payload: bytes) -> None:
         "handshake_reply",
         payload,
         (HandshakeResponse, HandshakeRejected),
+        MAX_HANDSHAKE_RESPONSE_BYTES,
+    )
+
+
+CHECKSUM_REQUESTS = st.builds(
+    ChecksumRequest,
+    requester_engine_id=ids,
+    transfer_id=ids,
+    block_ids=st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple),
+    head_begin=st.integers(0, 64),
+    heads=st.integers(0, 64),
+)
+CHECKSUM_REPLIES = st.builds(
+    ChecksumResponse,
+    transfer_id=ids,
+    checksums=st.dictionaries(ids, st.binary(max_size=32), max_size=3),
+) | st.builds(HandshakeRejected, st.text(min_size=1, max_size=20).filter(str.isprintable))
+
+
+@FUZZ
+@given(wire_inputs(CHECKSUM_REQUESTS | st.builds(HandshakeRequest, ids)))
+def test_fuzz_checksum_request_decoder(payload: bytes) -> None:
+    # What a handshake server that verifies reads off its socket.
+    _check_decoder(
+        "checksum_request",
+        payload,
+        (HandshakeRequest, ChecksumRequest),
+        MAX_CHECKSUM_REQUEST_BYTES,
+    )
+
+
+@FUZZ
+@given(wire_inputs(CHECKSUM_REPLIES))
+def test_fuzz_checksum_reply_decoder(payload: bytes) -> None:
+    _check_decoder(
+        "checksum_reply",
+        payload,
+        (ChecksumResponse, HandshakeRejected),
         MAX_HANDSHAKE_RESPONSE_BYTES,
     )
 

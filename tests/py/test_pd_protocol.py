@@ -11,6 +11,7 @@ import pytest
 
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.messages import AbortWrite, HandshakeResponse, RemoteBlocks
+from moriio_native.errors import IncompatiblePeerError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
@@ -61,21 +62,26 @@ class Stats:
         return lambda *a, **k: None
 
 
-def context(mode: str, *, producer: bool) -> tuple[Context, Directory, Sender]:
+def context(
+    mode: str, *, producer: bool, engine: Any = None, **settings: Any
+) -> tuple[Context, Directory, Sender]:
+    """A rank's context over a scripted directory and sender; ``settings`` override the
+    PdConfig's."""
     directory, sender = Directory(), Sender()
-    cfg = PdConfig(
-        engine_id="d:1/dp0/tp0",
-        mode=mode,  # type: ignore[arg-type]
-        producer=producer,
-        consumer=not producer,
-        host_ip="127.0.0.1",
-        handshake_port=8000,
-        notify_port=8100,
-        quarantine_timeout=3600,
-    )
+    fields: dict[str, Any] = {
+        "engine_id": "d:1/dp0/tp0",
+        "mode": mode,
+        "producer": producer,
+        "consumer": not producer,
+        "host_ip": "127.0.0.1",
+        "handshake_port": 8000,
+        "notify_port": 8100,
+        "quarantine_timeout": 3600,
+    }
+    cfg = PdConfig(**{**fields, **settings})
     ctx = Context(
         cfg=cfg,
-        engine=lambda: None,  # type: ignore[arg-type,return-value]
+        engine=lambda: engine,
         sender=sender,  # type: ignore[arg-type]
         directory=directory,  # type: ignore[arg-type]
         stats=Stats(),
@@ -148,3 +154,15 @@ def test_abort_write_for_unknown_transfers_holds_bounded_state(
     assert len(pusher.job_states()) <= 8
     # The newest ones are kept (a real abort that overtook its request still gets its answer).
     assert "tx-49" in pusher.job_states()
+
+
+def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:
+    """verify compares whole blocks, so a pair of different TP sizes is refused when the
+    handshake answers, naming both sizes; with equal sizes the same answer is accepted."""
+    ctx, _, _ = context("read", producer=False, verify=True, tp_size=1)
+    key = PeerKey("127.0.0.1", 7000)
+    other_tp = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 2, "READ", verify=True)
+    with pytest.raises(IncompatiblePeerError, match=r"TP 2, we run TP 1: 'verify'"):
+        ctx.validator(key, 0, 0, 2)(other_tp)
+    same_tp = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ", verify=True)
+    ctx.validator(key, 0, 0, 1)(same_tp)

@@ -8,15 +8,14 @@ unchanged."""
 from __future__ import annotations
 
 import contextlib
-import multiprocessing as mp
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Connection
-from typing import Any
 
 import numpy as np
 import pytest
 
 import moriio_native as mn
+from process_support import PipeChild
 from segments_support import (
     SCENARIOS,
     Part,
@@ -58,35 +57,11 @@ def _prefill_main(conn: Connection, engine_id: str, side: Side, layer_names: lis
             conn.send(exc)
 
 
-class Prefill:
+class Prefill(PipeChild):
     def __init__(self, engine_id: str, side: Side, layer_names: list[str]) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_prefill_main, args=(child_conn, engine_id, side, layer_names), daemon=True
-        )
-        self.proc.start()
-        child_conn.close()
+        super().__init__(engine_id, _prefill_main, (engine_id, side, layer_names), TIMEOUT)
         self.engine_id = engine_id
-        self.metadata: bytes = self._answer()
-
-    def _answer(self) -> Any:
-        if not self.conn.poll(TIMEOUT):
-            raise TimeoutError(f"{self.engine_id} did not answer")
-        out = self.conn.recv()
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def call(self, cmd: str, arg: Any = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self._answer()
-
-    def stop(self) -> int | None:
-        if self.proc.is_alive():
-            self.call("quit")
-        self.proc.join(TIMEOUT)
-        return self.proc.exitcode
+        self.metadata: bytes = self.answer()
 
 
 @contextlib.contextmanager

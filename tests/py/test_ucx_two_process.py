@@ -10,7 +10,6 @@ indexing says it must be; the source backing must be unchanged.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -21,6 +20,7 @@ import pytest
 import moriio_native as mn
 from moriio_native import kvcache as kc
 from moriio_native.layout import geometry_of
+from process_support import PipeChild
 
 pytestmark = pytest.mark.ucx
 
@@ -113,42 +113,18 @@ def torch_from(array: np.ndarray) -> Any:
     return torch.from_numpy(array)
 
 
-class Child:
+class Child(PipeChild):
     """The test's handle on the other process."""
 
     def __init__(
         self, role: str, options: dict[str, str], cuda: bool = False, allocate: bool = False
     ) -> None:
-        ctx = mp.get_context("spawn")
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(
-            target=_child_main, args=(child_conn, role, options, cuda, allocate), daemon=True
-        )
-        self.proc.start()
-        child_conn.close()
+        super().__init__(f"{role}-child", _child_main, (role, options, cuda, allocate), TIMEOUT)
         self.engine_id = f"{role}-child"
-        self.metadata: bytes = self.call_raw()
-
-    def call_raw(self) -> Any:
-        if not self.conn.poll(TIMEOUT):
-            raise TimeoutError("child process did not answer")
-        out = self.conn.recv()
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def call(self, cmd: str, arg: Any = None) -> Any:
-        self.conn.send((cmd, arg))
-        return self.call_raw()
+        self.metadata: bytes = self.answer()
 
     def backing(self) -> np.ndarray:
         return np.frombuffer(self.call("dump"), dtype=np.uint8)
-
-    def stop(self) -> int | None:
-        if self.proc.is_alive():
-            self.call("quit")
-        self.proc.join(TIMEOUT)
-        return self.proc.exitcode
 
 
 # Default: cma zero-copy on this VM. posix,self: no cma, so UCX emulates RMA with active

@@ -151,3 +151,33 @@ def test_stats_payload_survives_vllms_serialization() -> None:
     wire = msgpack.unpackb(msgpack.packb(a.data))
     back = MoRIIONativeStats(wire)
     assert back.data == a.data
+
+
+def test_open_transfers_gauge_keeps_each_ranks_latest_count(
+    prom: MoRIIONativePromMetrics, registry: CollectorRegistry
+) -> None:
+    name = "vllm:moriio_native_open_transfers"
+    a, b = MoRIIONativeStats(), MoRIIONativeStats()
+    a.record_open_transfers(0, 3)
+    b.record_open_transfers(1, 2)
+    prom.observe(a.aggregate(b).data, engine_idx=0)
+    assert value(registry, name) == 5
+    # A payload carries only the ranks whose count changed: rank 1 still holds 2.
+    only_rank0 = MoRIIONativeStats()
+    only_rank0.record_open_transfers(0, 0)
+    prom.observe(only_rank0.data, engine_idx=0)
+    assert value(registry, name) == 2
+    prom.observe({"transfers": 1}, engine_idx=0)  # no gauge in the payload: unchanged
+    assert value(registry, name) == 2
+    prom.observe(MoRIIONativeStats({"open_transfers": {"1": 0}}).data, engine_idx=0)
+    assert value(registry, name) == 0
+    assert value(registry, name, "1") == 0  # the other engine never reported
+
+
+def test_open_transfers_gauge_alone_is_a_payload() -> None:
+    stats = MoRIIONativeStats()
+    stats.record_open_transfers(0, 0)  # dropping to 0 must reach vLLM too
+    assert not stats.is_empty()
+    snapshot = stats.clone_and_reset()
+    assert snapshot.data["open_transfers"] == {"0": 0} and stats.is_empty()
+    assert snapshot.reduce()["Open transfers"] == 0

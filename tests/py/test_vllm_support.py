@@ -53,28 +53,31 @@ LLAMA_CONFIG = {
 BLOCK_SIZE = 16
 
 
-def write_model_dir(path: Path) -> str:
+def write_model_dir(path: Path, **overrides: Any) -> str:
+    """A model directory with LLAMA_CONFIG (``overrides`` replace some of its keys)."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(LLAMA_CONFIG))
+    (path / "config.json").write_text(json.dumps({**LLAMA_CONFIG, **overrides}))
     return str(path)
 
 
-def dense_specs() -> dict[str, Any]:
+def dense_specs(num_kv_heads: int = 2) -> dict[str, Any]:
+    """Dense K|V layers holding ``num_kv_heads`` KV heads (one TP rank's share)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     return {
         name: FullAttentionSpec(
-            block_size=BLOCK_SIZE, num_kv_heads=2, head_size=16, dtype=torch.float16
+            block_size=BLOCK_SIZE, num_kv_heads=num_kv_heads, head_size=16, dtype=torch.float16
         )
         for name in LAYERS_DENSE
     }
 
 
-def mixed_specs() -> dict[str, Any]:
-    """Dense K|V layers plus an MLA latent layer and an fp8-style indexer (uint8) layer."""
+def mixed_specs(num_kv_heads: int = 2) -> dict[str, Any]:
+    """Dense K|V layers (``num_kv_heads`` each) plus an MLA latent layer and an fp8-style
+    indexer (uint8) layer."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
 
-    specs = dense_specs()
+    specs = dense_specs(num_kv_heads)
     specs["model.layers.2.self_attn.mla"] = MLAAttentionSpec(
         block_size=BLOCK_SIZE, num_kv_heads=1, head_size=48, dtype=torch.float16
     )
@@ -101,6 +104,7 @@ def make_vllm_config(
     extra: Mapping[str, Any],
     module_path: str | None = "moriio_native.vllm",
     max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 16,
     max_model_len: int = 1024,
     failure_policy: str = "recompute",
     enable_prefix_caching: bool = True,
@@ -123,7 +127,7 @@ def make_vllm_config(
         model=model_dir, skip_tokenizer_init=True, max_model_len=max_model_len, dtype="float16"
     )
     scheduler_config = SchedulerConfig(
-        max_num_seqs=16,
+        max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         is_encoder_decoder=False,
@@ -227,8 +231,148 @@ class StepResult:
 
 
 @dataclass
+class StepWork:
+    """What one TP rank's worker needs of one scheduler step (picklable, as vLLM hands the
+    metadata to worker processes): the connector metadata, and for every scheduled request
+    the tokens computed this step and where their slots are."""
+
+    metadata: Any
+    has_sync_kv_loads: bool
+    finished_req_ids: set[str]
+    # (request id, first position, token ids, block id of each position, sampled a token)
+    computed: list[tuple[str, int, list[int], list[int], bool]]
+
+
+@dataclass
+class RankSpec:
+    """Everything one TP rank's worker is built from (picklable: a worker in another process
+    is built from it the same way)."""
+
+    name: str
+    role: str
+    mode: str
+    model_dir: str
+    specs: dict[str, Any]
+    num_blocks: int
+    layout: str
+    extra: dict[str, Any]  # the connector's extra config, complete
+    module_path: str | None
+    max_num_batched_tokens: int
+    failure_policy: str
+    tp_size: int
+    salt: int
+    max_num_seqs: int = 16
+
+    def vllm_config(self, rank: int) -> Any:
+        return make_vllm_config(
+            self.model_dir,
+            role=self.role,
+            extra=self.extra,
+            module_path=self.module_path,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            failure_policy=self.failure_policy,
+            tp_size=self.tp_size,
+            tp_rank=rank,
+        )
+
+
+class RankWorker:
+    """One TP rank of an instance: a worker-side connector made by vLLM's factory, its KV
+    caches from vLLM's ``allocate_kv_cache``, and the fake forward that writes the pattern."""
+
+    def __init__(self, spec: RankSpec, rank: int) -> None:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.rank = rank
+        self.salt = rank_salt(spec.salt, rank)
+        self.layer_names = list(spec.specs)
+        config = spec.vllm_config(rank)
+        kv_cache_config = make_kv_cache_config(config, spec.specs, spec.num_blocks, spec.layout)
+        self.connector = KVConnectorFactory.create_connector(
+            config, KVConnectorRole.WORKER, kv_cache_config
+        )
+        self.caches = allocate_kv_cache(
+            kv_cache_config,
+            torch.device("cpu"),
+            config.cache_config.get_resolved_kv_cache_layout(),
+        )
+        self.connector.register_kv_caches(self.caches)
+
+    def _attention(self, work: StepWork, layer_index: int, layer: str) -> None:
+        """Write the pattern of every token computed this step into its slot of ``layer``."""
+        cache = self.caches[layer]
+        for _, start, token_ids, block_ids, _ in work.computed:
+            pos = torch.arange(start, start + len(token_ids))
+            tokens = torch.tensor(token_ids)
+            blocks = torch.tensor(block_ids)
+            cell = (cache.shape[1], cache.shape[3])
+            values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
+            cache[blocks, :, pos % BLOCK_SIZE, :] = values
+
+    def run(
+        self,
+        work: StepWork,
+        before_forward: Callable[[], None] | None = None,
+        after_start_load: Callable[[], None] | None = None,
+    ) -> Any:
+        """This rank's part of the step: the connector calls of vLLM's model runner around a
+        forward pass that writes the pattern. Returns this rank's ModelRunnerOutput."""
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        w = self.connector
+        # vLLM's executors hand the metadata to worker processes pickled: so do we, so every
+        # connector test proves it survives the trip.
+        w.bind_connector_metadata(pickle.loads(pickle.dumps(work.metadata)))
+        sync = work.has_sync_kv_loads
+        if sync:
+            w.start_load_kv(None)
+            if after_start_load is not None:
+                after_start_load()
+        if before_forward is not None:
+            before_forward()
+        if work.computed:
+            for i, layer in enumerate(self.layer_names):
+                w.wait_for_layer_load(layer)
+                self._attention(work, i, layer)
+                w.save_kv_layer(layer, self.caches[layer], None)
+        if not sync:
+            w.start_load_kv(None)
+            if after_start_load is not None:
+                after_start_load()
+        w.wait_for_save()
+        transfer = w.get_transfer_results(work.finished_req_ids)
+        invalid = w.get_block_ids_with_load_errors()
+        # Worker processes send their stats back pickled, too.
+        stats = pickle.loads(pickle.dumps(w.get_kv_connector_stats()))
+        w.clear_connector_metadata()
+        req_ids = [c[0] for c in work.computed]
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=[[SAMPLED_TOKEN] if c[4] else [] for c in work.computed],
+            kv_connector_output=KVConnectorOutput(
+                finished_sending=transfer.finished_sending or None,
+                finished_recving=transfer.finished_recving or None,
+                failed_recving=set(transfer.failed_recving),
+                invalid_block_ids=invalid,
+                kv_connector_stats=stats,
+            ),
+        )
+
+    def shutdown(self) -> None:
+        self.connector.shutdown()
+
+
+SAMPLED_TOKEN = 7
+
+
+@dataclass
 class Side:
-    """One vLLM instance's scheduler + one worker, connected through MoRIIONativeConnector."""
+    """One vLLM instance's scheduler + one worker per TP rank, connected through
+    MoRIIONativeConnector."""
 
     name: str
     role: str
@@ -241,6 +385,7 @@ class Side:
     extra: dict[str, Any] = field(default_factory=dict)
     module_path: str | None = "moriio_native.vllm"
     max_num_batched_tokens: int = 256
+    max_num_seqs: int = 16
     failure_policy: str = "recompute"
     tp_size: int = 1  # workers of this instance, one per TP rank (each with its own caches)
     block_size: int = BLOCK_SIZE  # tokens per block of the attention groups
@@ -248,9 +393,7 @@ class Side:
     hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
-        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import (
             generate_scheduler_kv_cache_config,
@@ -259,7 +402,6 @@ class Side:
         )
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
-        from vllm.v1.worker.utils import allocate_kv_cache
 
         init_none_hash(sha256)
         self.hash_fn = sha256
@@ -277,6 +419,7 @@ class Side:
             "abort_timeout": 30,
         }
         extra.update(self.extra)
+<<<<<<< HEAD
 
         def config(rank: int) -> Any:
             return make_vllm_config(
@@ -294,6 +437,25 @@ class Side:
             )
 
         self.vllm_config = config(0)
+=======
+        self.rank_spec = RankSpec(
+            self.name,
+            self.role,
+            self.mode,
+            self.model_dir,
+            self.specs,
+            self.num_blocks,
+            self.layout,
+            extra,
+            self.module_path,
+            self.max_num_batched_tokens,
+            self.failure_policy,
+            self.tp_size,
+            self.salt,
+            self.max_num_seqs,
+        )
+        self.vllm_config = self.rank_spec.vllm_config(0)
+>>>>>>> main
         self.kv_cache_config = make_kv_cache_config(
             self.vllm_config, self.specs, self.num_blocks, self.layout
         )
@@ -315,25 +477,10 @@ class Side:
         self.connector = self.scheduler.connector
         # One worker per TP rank, as vLLM runs them, and the aggregator that merges their
         # transfer reports for the scheduler (a request is finished once every rank says so).
-        self.workers = []
-        self.rank_caches = []
-        for rank in range(self.tp_size):
-            worker = KVConnectorFactory.create_connector(
-                config(rank), KVConnectorRole.WORKER, self.kv_cache_config
-            )
-            caches = allocate_kv_cache(
-                self.kv_cache_config,
-                torch.device("cpu"),
-                self.vllm_config.cache_config.get_resolved_kv_cache_layout(),
-            )
-            worker.register_kv_caches(caches)
-            self.workers.append(worker)
-            self.rank_caches.append(caches)
-        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+        self._make_ranks()
         self.aggregator = KVOutputAggregator(self.tp_size)
         self.layer_names = list(self.specs)
         self.initial_free = self.free_blocks()
-        self.sampled = 7
         # How often each request was reported in each of the scheduler's transfer sets, over
         # every step: each must be reported exactly once (a second report double-frees).
         self.reports: dict[str, Counter[str]] = {
@@ -341,6 +488,26 @@ class Side:
             "finished_recving": Counter(),
             "failed_recving": Counter(),
         }
+        self.rank_reports: list[dict[str, Counter[str]]] = [
+            {"finished_sending": Counter(), "finished_recving": Counter()}
+            for _ in range(self.tp_size)
+        ]
+
+    def _make_ranks(self) -> None:
+        """The TP ranks' workers, in this process."""
+        self.ranks = [RankWorker(self.rank_spec, rank) for rank in range(self.tp_size)]
+        self.workers = [r.connector for r in self.ranks]
+        self.rank_caches = [r.caches for r in self.ranks]
+        self.worker, self.caches = self.workers[0], self.rank_caches[0]
+
+    def _run_ranks(
+        self,
+        work: StepWork,
+        before_forward: Callable[[], None] | None,
+        after_start_load: Callable[[], None] | None,
+    ) -> list[Any]:
+        """Every rank's ModelRunnerOutput for one step."""
+        return [r.run(work, before_forward, after_start_load) for r in self.ranks]
 
     # ---- addresses ----------------------------------------------------------------------------
 
@@ -391,6 +558,7 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
+<<<<<<< HEAD
     def group_of(self, layer: str) -> tuple[int, Any]:
         """(index among vLLM's KV-cache groups, the layer's spec) of ``layer``."""
         for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
@@ -407,10 +575,16 @@ class Side:
         cache = self.rank_caches[rank][layer]
         gid, spec = self.group_of(layer)
         salt = rank_salt(self.salt, rank)
+=======
+    def _work(self, output: Any) -> StepWork:
+        """What the ranks need of scheduler output ``output``."""
+        computed = []
+>>>>>>> main
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # already advanced by the scheduler
             start = end - n
+<<<<<<< HEAD
             ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[gid]
             if isinstance(spec, MambaSpec):
                 page = _bits(cache)[ids[-1 - spec.num_speculative_blocks]]
@@ -471,18 +645,23 @@ class Side:
             request = self.scheduler.requests[rid]
             sampled.append(
                 [self.sampled] if request.num_computed_tokens >= request.num_tokens else []
+=======
+            blocks = self.block_ids(req_id)
+            computed.append(
+                (
+                    req_id,
+                    start,
+                    list(request.all_token_ids[start:end]),
+                    [blocks[p // BLOCK_SIZE] for p in range(start, end)],
+                    request.num_computed_tokens >= request.num_tokens,
+                )
+>>>>>>> main
             )
-        return ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=transfer.finished_sending or None,
-                finished_recving=transfer.finished_recving or None,
-                failed_recving=set(transfer.failed_recving),
-                invalid_block_ids=invalid,
-                kv_connector_stats=stats,
-            ),
+        return StepWork(
+            output.kv_connector_metadata,
+            bool(output.has_sync_kv_loads),
+            set(output.finished_req_ids),
+            computed,
         )
 
     def step(
@@ -493,10 +672,8 @@ class Side:
         """One engine step; ``after_start_load`` runs right after ``start_load_kv`` (loads
         posted), wherever vLLM calls it in the step."""
         output = self.scheduler.schedule()
-        per_rank = [
-            self._run_worker(r, output, before_forward, after_start_load)
-            for r in range(self.tp_size)
-        ]
+        per_rank = self._run_ranks(self._work(output), before_forward, after_start_load)
+        self.on_rank_outputs(per_rank)
         runner_output = self.aggregator.aggregate(per_rank)
         kv = runner_output.kv_connector_output
         engine_outputs = self.scheduler.update_from_output(output, runner_output)
@@ -512,6 +689,15 @@ class Side:
         return StepResult(
             output, engine_outputs, transfers, set(kv.invalid_block_ids), kv.kv_connector_stats
         )
+
+    def on_rank_outputs(self, outputs: list[Any]) -> None:
+        """Counts each rank's own transfer reports, before the aggregator merges them."""
+        for rank, out in enumerate(outputs):
+            kv = out.kv_connector_output
+            for rid in kv.finished_sending or ():
+                self.rank_reports[rank]["finished_sending"][rid] += 1
+            for rid in kv.finished_recving or ():
+                self.rank_reports[rank]["finished_recving"][rid] += 1
 
     def run_until(
         self, cond: Callable[[StepResult], bool], *, max_wait: float = 30.0, what: str = ""
@@ -563,8 +749,8 @@ class Side:
         return out
 
     def shutdown(self) -> None:
-        for worker in self.workers:
-            worker.shutdown()
+        for rank in self.ranks:
+            rank.shutdown()
 
 
 @dataclass
@@ -600,14 +786,12 @@ def load(
         invalid |= result.invalid_blocks
         if result.stats is not None:
             for key, value in result.stats.data.items():
-                data[key] = (
-                    data.get(key, 0) + value
-                    if key != "samples"
-                    else [
-                        *data.get(key, []),
-                        *value,
-                    ]
-                )
+                if key == "samples":
+                    data[key] = [*data.get(key, []), *value]
+                elif key == "open_transfers":  # a gauge per rank: the latest value counts
+                    data[key] = {**data.get(key, {}), **value}
+                else:
+                    data[key] = data.get(key, 0) + value
         if rid in result.scheduled and not result.invalid_blocks:
             stats = SimpleNamespace(data=data) if data else None
             return Loaded(result.scheduled, invalid, stats, blocks, step)

@@ -184,8 +184,16 @@ def run(
     )
 
 
+def _option(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"engine option {text!r} must be KEY=VALUE")
+    return key, value
+
+
 def soak(args: argparse.Namespace) -> dict[str, Any]:
     options = {"ucx_tls": args.ucx_tls} if args.ucx_tls and args.backend == "ucx" else {}
+    options.update(args.option)
     ctx = mp.get_context("spawn")
     conn, child_conn = ctx.Pipe()
     child = ctx.Process(
@@ -243,6 +251,7 @@ def soak(args: argparse.Namespace) -> dict[str, Any]:
             child.kill()
     return {
         "backend": args.backend,
+        "options": options,
         "ucx_tls": args.ucx_tls or os.environ.get("UCX_TLS"),
         "layers": len(decode.shapes),
         "block_bytes": decode.total_block_bytes(),
@@ -266,6 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode-blocks", type=int, default=1024)
     parser.add_argument("--backend", default="ucx")
     parser.add_argument("--ucx-tls", default="", help="the backend's ucx_tls option")
+    parser.add_argument(
+        "--option",
+        type=_option,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another engine option of both engines (repeatable), e.g. progress_mode=busy",
+    )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", help="write the result here")

@@ -49,6 +49,7 @@ from moriio_native.errors import (
 
 from .addressing import validate_host, validate_port
 from .messages import (
+    MAX_CHECKSUM_REQUEST_BYTES,
     MAX_HANDSHAKE_REQUEST_BYTES,
     MAX_HANDSHAKE_RESPONSE_BYTES,
     MAX_NOTIFY_BYTES,
@@ -56,6 +57,8 @@ from .messages import (
     NOTIFY_TYPES,
     PROTOCOL_VERSION,
     AbortWrite,
+    ChecksumRequest,
+    ChecksumResponse,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -448,6 +451,7 @@ class NotifyListener(_RouterThread):
 
 
 MetadataProvider = Callable[[HandshakeRequest], HandshakeResponse]
+ChecksumProvider = Callable[[ChecksumRequest], ChecksumResponse]
 
 
 def _reason_text(exc: BaseException) -> str:
@@ -466,6 +470,10 @@ class HandshakeServer(_RouterThread):
     authentication or the schema get no answer (the requester times out). When
     ``learn_peers`` is true, the source IP of each accepted request is added to the
     allowlist, so this side may later notify that peer.
+
+    ``checksums`` (set where transfers are verified) answers :class:`ChecksumRequest` s the
+    same way, on the server thread; without it they are rejected ("does not verify"), and
+    requests larger than a handshake request are dropped.
     """
 
     _name = "handshake server"
@@ -480,24 +488,54 @@ class HandshakeServer(_RouterThread):
         bind_host: str = "*",
         learn_peers: bool = True,
         context: zmq.Context | None = None,
+        checksums: ChecksumProvider | None = None,
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port) and starts the thread. Raises
         TransportError when the port cannot be bound."""
         self._provider = provider
+        self._checksums = checksums
         self._security = security
         self._learn_peers = learn_peers
         super().__init__(
             port,
             bind_host=bind_host,
-            max_message_bytes=MAX_HANDSHAKE_REQUEST_BYTES,
+            max_message_bytes=(
+                MAX_HANDSHAKE_REQUEST_BYTES if checksums is None else MAX_CHECKSUM_REQUEST_BYTES
+            ),
             context=context,
         )
+
+    def _answer(self, request: ChecksumRequest, peer: str) -> ChecksumResponse | HandshakeRejected:
+        if self._checksums is None:
+            return HandshakeRejected(
+                f"checksums of transfer {request.transfer_id} asked, but this instance does not "
+                "verify transfers (verify is off here)",
+                request.nonce,
+            )
+        try:
+            return self._checksums(request).replace(nonce=request.nonce)
+        except MoriioError as exc:
+            logger.warning("checksum request from %s rejected: %s", peer, exc)
+            return HandshakeRejected(_reason_text(exc), request.nonce)
+        except Exception:
+            logger.exception("checksum provider failed for %s", peer)
+            return HandshakeRejected("internal error on the serving side", request.nonce)
 
     def _handle(
         self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
     ) -> None:
-        request = self._open(body, peer, (HandshakeRequest,), MAX_HANDSHAKE_REQUEST_BYTES)
+        # Only a checksum request may be larger than a handshake request.
+        small = sum(len(frame) for frame in body[:1]) <= MAX_HANDSHAKE_REQUEST_BYTES
+        accept: tuple[type[HandshakeRequest | ChecksumRequest], ...] = (
+            (HandshakeRequest, ChecksumRequest) if small else (ChecksumRequest,)
+        )
+        request = self._open(body, peer, accept, self._max_message_bytes)
         if request is None:
+            return
+        if isinstance(request, ChecksumRequest):
+            answer = self._answer(request, peer)
+            self._count("answered" if isinstance(answer, ChecksumResponse) else "rejected")
+            sock.send_multipart([identity, b"", *self._security.auth.seal(encode(answer))])
             return
         reply: HandshakeResponse | HandshakeRejected
         if request.protocol_version != PROTOCOL_VERSION:
@@ -550,8 +588,10 @@ def fetch_metadata(
     requester_engine_id: str,
     context: zmq.Context | None = None,
     max_response_bytes: int = MAX_HANDSHAKE_RESPONSE_BYTES,
+    verify: bool = False,
 ) -> HandshakeResponse:
-    """Ask the handshake server at ``host:port`` for its metadata.
+    """Ask the handshake server at ``host:port`` for its metadata (``verify``: whether this
+    side checks transfers end to end; the server refuses a mismatch).
 
     Checks the allowlist first (PeerNotAllowedError, no socket created). Then one request,
     waiting at most ``timeout`` seconds: TransferTimeoutError when no reply came (dead port,
@@ -560,11 +600,81 @@ def fetch_metadata(
     rejected the request (its reason included), IncompatiblePeerError for another protocol
     version. Blocks the calling thread; thread-safe (uses its own socket).
     """
+    request = HandshakeRequest(requester_engine_id, verify=verify)
+    reply = _ask(
+        host,
+        port,
+        request,
+        (HandshakeResponse, HandshakeRejected),
+        what="handshake with",
+        timeout=timeout,
+        security=security,
+        context=context,
+        max_response_bytes=max_response_bytes,
+    )
+    assert isinstance(reply, HandshakeResponse)
+    if reply.protocol_version != PROTOCOL_VERSION:
+        raise IncompatiblePeerError(
+            f"handshake with {host}:{port}: peer speaks protocol {reply.protocol_version}, "
+            f"we speak {PROTOCOL_VERSION}"
+        )
+    return reply
+
+
+def fetch_checksums(
+    host: str,
+    port: int,
+    request: ChecksumRequest,
+    *,
+    timeout: float,
+    security: ControlSecurity,
+    context: zmq.Context | None = None,
+) -> ChecksumResponse:
+    """Ask the handshake server at ``host:port`` (a prefill rank) for the checksums
+    ``request`` names. Errors as :func:`fetch_metadata`'s (FailedPreconditionError with the
+    peer's reason when it rejects, e.g. it does not verify); TransportError when the answer is
+    for another transfer. Blocks the calling thread at most ``timeout`` seconds."""
+    reply = _ask(
+        host,
+        port,
+        request,
+        (ChecksumResponse, HandshakeRejected),
+        what=f"checksums of transfer {request.transfer_id} from",
+        timeout=timeout,
+        security=security,
+        context=context,
+        max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
+    )
+    assert isinstance(reply, ChecksumResponse)
+    if reply.transfer_id != request.transfer_id:
+        raise TransportError(
+            f"checksums from {host}:{port}: the answer is for transfer {reply.transfer_id}, we "
+            f"asked for {request.transfer_id}"
+        )
+    return reply
+
+
+_Request = HandshakeRequest | ChecksumRequest
+_Reply = HandshakeResponse | ChecksumResponse | HandshakeRejected
+
+
+def _ask(
+    host: str,
+    port: int,
+    request: _Request,
+    accept: tuple[type[_Reply], ...],
+    *,
+    what: str,
+    timeout: float,
+    security: ControlSecurity,
+    context: zmq.Context | None,
+    max_response_bytes: int,
+) -> _Reply:
+    """One request on the handshake channel and its reply (never a rejection: that raises)."""
     port = validate_port(port, what="handshake port")
     timeout = _check_seconds(timeout, "timeout")
     target = f"{host}:{port}"
-    host = security.allowlist.require(host, purpose=f"handshake with {target}")
-    request = HandshakeRequest(requester_engine_id)
+    host = security.allowlist.require(host, purpose=f"{what} {target}")
     ctx = context if context is not None else zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     try:
@@ -575,39 +685,32 @@ def fetch_metadata(
         try:
             sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
-            raise TransportError(f"handshake with {target}: cannot send: {exc}") from exc
+            raise TransportError(f"{what} {target}: cannot send: {exc}") from exc
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TransferTimeoutError(
-                    f"handshake with {target}: no reply within {timeout:.3g}s "
+                    f"{what} {target}: no reply within {timeout:.3g}s "
                     "(is the peer running and the port right?)"
                 )
             if not sock.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))):
                 continue
             frames = sock.recv_multipart()
             if len(frames) < 2 or frames[0] != b"":
-                raise TransportError(f"handshake with {target}: reply is not [b'', payload]")
+                raise TransportError(f"{what} {target}: reply is not [b'', payload]")
             payload = security.auth.open(frames[1:])
             try:
-                reply = decode(
-                    payload, (HandshakeResponse, HandshakeRejected), max_bytes=max_response_bytes
-                )
+                reply = decode(payload, accept, max_bytes=max_response_bytes)
             except InvalidMessageError as exc:
-                raise TransportError(f"handshake with {target}: bad reply: {exc}") from exc
+                raise TransportError(f"{what} {target}: bad reply: {exc}") from exc
             if reply.nonce != request.nonce:
                 raise AuthenticationError(
-                    f"handshake with {target}: reply does not answer our request (nonce mismatch)"
+                    f"{what} {target}: reply does not answer our request (nonce mismatch)"
                 )
             if isinstance(reply, HandshakeRejected):
                 raise FailedPreconditionError(
-                    f"handshake with {target} rejected by the peer: {reply.reason}"
-                )
-            if reply.protocol_version != PROTOCOL_VERSION:
-                raise IncompatiblePeerError(
-                    f"handshake with {target}: peer speaks protocol {reply.protocol_version}, "
-                    f"we speak {PROTOCOL_VERSION}"
+                    f"{what} {target} rejected by the peer: {reply.reason}"
                 )
             return reply
     finally:
@@ -809,11 +912,13 @@ class ProxyPinger:
 
 
 __all__ = [
+    "ChecksumProvider",
     "HandshakeServer",
     "MetadataProvider",
     "NotifyListener",
     "NotifySender",
     "ProxyPinger",
+    "fetch_checksums",
     "fetch_metadata",
     "zmq_endpoint",
 ]

@@ -16,7 +16,8 @@ Notify channel (fire-and-forget, DEALER -> ROUTER), field names as vLLM's MoRIIO
 type                  direction  fields (wire name)
 ===================== ========== ==============================================================
 ``remote_blocks``     D -> P     ``transfer_id``, ``block_notify_list`` (ints, or one int list
-                      (WRITE)    per KV group), ``decode_rank``, ``decode_engine_id``, ``req_id``
+                      (WRITE)    per KV group), ``decode_rank``, ``decode_engine_id``, ``req_id``,
+                                 ``decode_tp_rank``
 ``write_done``        P -> D     ``transfer_id``, ``writer_rank``, ``num_writers``
 ``write_failed``      P -> D     ``transfer_id``, ``writer_rank``, ``reason``
 ``release``           D -> P     ``transfer_id``, ``consumer_tp_size``, ``consumer_tp_rank``
@@ -31,8 +32,11 @@ type                  direction  fields (wire name)
 
 Handshake channel (request/reply, DEALER <-> ROUTER): ``handshake_request`` (protocol version,
 requester engine id, a fresh nonce) answered by ``handshake_response`` (our native engine
-metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed) or
-``handshake_rejected`` (reason, nonce).
+metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed, the
+model's total KV heads) or ``handshake_rejected`` (reason, nonce). With ``verify`` on, the same
+channel carries ``checksum_request`` (transfer id, the prefill block ids a READ moved, a window,
+a nonce) answered by ``checksum_response`` (per layer, the blocks' checksums) or
+``handshake_rejected``.
 
 Proxy registration (DEALER -> the router's ROUTER, exactly vLLM's format):
 ``{"type": "P"|"D", "http_address": "ip:port", "zmq_address": "host:..,handshake:..,notify:..",
@@ -45,6 +49,8 @@ Contents (all values immutable; functions pure and thread-safe):
   :class:`Release`, :class:`AbortWrite`, :class:`WriteAborted` (union :data:`NotifyMessage`,
   tuple :data:`NOTIFY_TYPES`)
 * :class:`HandshakeRequest`, :class:`HandshakeResponse`, :class:`HandshakeRejected`
+* :class:`ChecksumRequest`, :class:`ChecksumResponse` (``verify``: the prefill's block checksums
+  after a READ, on the handshake channel)
 * :class:`ProxyRegistration`
 * :func:`encode` (message -> bytes), :func:`decode` (bytes -> one of the accepted classes)
 * size bounds ``MAX_*_BYTES`` and :data:`PROTOCOL_VERSION`
@@ -61,8 +67,11 @@ from moriio_native.errors import InvalidArgumentError
 
 from .addressing import BlockIdGroups, ZmqAddress, validate_host, validate_port
 from .schema import (
+    MAX_BLOCK_ID,
+    MAX_BLOCK_IDS,
     MAX_KV_GROUPS,
     MAX_REQUEST_ID_LEN,
+    BlockId,
     Id,
     Port,
     Rank,
@@ -81,6 +90,11 @@ MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
 MAX_HANDSHAKE_RESPONSE_BYTES = 64 << 20
 MAX_PING_BYTES = 4 << 10
+# A checksum request carries the block ids the decode read (at most MAX_BLOCK_IDS): it may be
+# larger than a handshake request, and is accepted only by instances that verify.
+MAX_CHECKSUM_REQUEST_BYTES = 8 << 20
+# Layers one checksum message may name.
+MAX_CHECKSUM_LAYERS = 4096
 MAX_REASON_LEN = 1024
 NONCE_BYTES = 16
 TRANSFER_MODES = ("READ", "WRITE")
@@ -94,6 +108,13 @@ Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 FreshNonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=64)]
 EngineMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_HANDSHAKE_RESPONSE_BYTES)]
 HttpAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
+#: One layer's block checksums: little-endian uint64, one per block (moriio_native.verify.pack).
+LayerChecksums = Annotated[bytes, msgspec.Meta(max_length=8 * MAX_BLOCK_IDS)]
+#: Layer name -> its checksums, for the blocks of one transfer.
+Checksums = Annotated[dict[Id, LayerChecksums], msgspec.Meta(max_length=MAX_CHECKSUM_LAYERS)]
+WindowStart = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+WindowCount = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+KvHeads = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 
 class InvalidMessageError(InvalidArgumentError):
@@ -141,6 +162,9 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     decode_engine_id: Id
     decode_dp_rank: Rank = msgspec.field(default=0, name="decode_rank")
     req_id: RequestId = ""
+    # The decode TP rank announcing (with different TP sizes one prefill rank writes into
+    # several decode ranks, each announcing its own blocks); P checks it against the handshake.
+    decode_tp_rank: Rank = 0
     # Grouped announcements (both sides describe KV-cache groups in their handshakes): the
     # groups' block lists are positional from the request's first token, with the null block
     # (0) where the decode needs nothing written, and the decode needs the KV of its first
@@ -149,8 +173,9 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        """Equal for copies of the same notification (one allocation per transfer)."""
-        return (self.TYPE, self.transfer_id)
+        """Equal for copies of the same notification (one allocation per decode rank and
+        transfer)."""
+        return (self.TYPE, self.transfer_id, self.decode_engine_id)
 
 
 @_tagged
@@ -164,6 +189,9 @@ class WriteDone(_Message, frozen=True, tag="write_done"):
     transfer_id: Id
     writer_rank: Rank = 0
     num_writers: Size = 1
+    # With ``verify`` on: per layer, the checksums of the prefill blocks written, in the order
+    # of the decode's announced blocks; the decode compares them with its own.
+    checksums: Checksums | None = None
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
@@ -217,8 +245,13 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
     decode_handshake_port: Port
     decode_notify_port: Port
     decode_dp_rank: Rank = 0
+    # The decode rank and its instance's TP size (they may differ from P's): P acknowledges
+    # that rank when it has no handshake with it yet.
+    decode_tp_rank: Rank = 0
+    decode_tp_size: Size = 1
 
     def _check(self) -> None:
+        _rank_below("decode_tp_rank", self.decode_tp_rank, "decode_tp_size", self.decode_tp_size)
         try:
             host = validate_host(self.decode_host, what="'decode_host'")
         except InvalidArgumentError as exc:
@@ -233,7 +266,9 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        return (self.TYPE, self.transfer_id)
+        """One per decode rank and transfer (several decode ranks may abort writes of one
+        prefill rank)."""
+        return (self.TYPE, self.transfer_id, self.decode_engine_id)
 
 
 @_tagged
@@ -276,6 +311,8 @@ class HandshakeRequest(_Message, frozen=True, tag="handshake_request"):
     requester_engine_id: Id
     nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    # Whether the requester checks every transfer end to end (both sides must agree).
+    verify: bool = False
 
 
 KvGroupKind = Literal["full", "sliding", "mamba"]
@@ -324,6 +361,10 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     kv_groups: Annotated[tuple[KvGroup, ...], msgspec.Meta(max_length=MAX_KV_GROUPS)] = ()
     nonce: Nonce = b""
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
+    verify: bool = False
+    # The model's KV heads over all TP ranks in the layers TP splits by head (0: none, or not
+    # stated): a peer of another TP size must split the same heads.
+    total_kv_heads: KvHeads = 0
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)
@@ -340,8 +381,38 @@ class HandshakeRejected(_Message, frozen=True, tag="handshake_rejected"):
     nonce: Nonce = b""
 
 
-# Handshakes carry every key on the wire: a default only serves the constructor.
+@_tagged
+class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
+    """D -> P on the handshake channel (READ mode, ``verify`` on): after a READ completed, the
+    checksums of the prefill blocks it read, per layer, over the window's cells (``heads`` /
+    ``tokens`` 0: to the end of the block). Sent before the decode's ``release``, so the blocks
+    cannot have changed. Answered by :class:`ChecksumResponse` or :class:`HandshakeRejected`
+    echoing ``nonce``."""
+
+    requester_engine_id: Id
+    transfer_id: Id
+    block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
+    nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
+    head_begin: WindowStart = 0
+    heads: WindowCount = 0
+    token_begin: WindowStart = 0
+    tokens: WindowCount = 0
+
+
+@_tagged
+class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
+    """P -> D: per layer, the checksums of the requested blocks, in the request's order."""
+
+    transfer_id: Id
+    checksums: Checksums
+    nonce: Nonce = b""
+
+
+# Handshakes carry every key on the wire: a default only serves the constructor ...
 _EVERY_KEY_REQUIRED = (HandshakeRequest, HandshakeResponse, HandshakeRejected)
+# ... except the keys added since protocol version 1 first shipped: a peer that predates them
+# sends none, which means their default (e.g. verify: false).
+_OPTIONAL_KEYS = frozenset({"verify"})
 
 # ---- proxy registration -----------------------------------------------------------------------
 
@@ -429,7 +500,7 @@ def _require_every_key(message: Any, payload: Any) -> None:
     """Handshakes carry every key (defaults serve constructors only)."""
     if isinstance(message, _EVERY_KEY_REQUIRED):
         keys = msgspec.msgpack.decode(payload, type=dict[str, msgspec.Raw]).keys()
-        missing = sorted(set(message.__struct_encode_fields__) - {"type", *keys})
+        missing = sorted(set(message.__struct_encode_fields__) - {"type", *_OPTIONAL_KEYS, *keys})
         if missing:
             raise InvalidMessageError(f"{message.TYPE} message lacks {', '.join(missing)}")
 
@@ -456,6 +527,7 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
 
 
 __all__ = [
+    "MAX_CHECKSUM_REQUEST_BYTES",
     "MAX_HANDSHAKE_REQUEST_BYTES",
     "MAX_HANDSHAKE_RESPONSE_BYTES",
     "MAX_NOTIFY_BYTES",
@@ -464,6 +536,8 @@ __all__ = [
     "PROTOCOL_VERSION",
     "TRANSFER_MODES",
     "AbortWrite",
+    "ChecksumRequest",
+    "ChecksumResponse",
     "HandshakeRejected",
     "HandshakeRequest",
     "HandshakeResponse",

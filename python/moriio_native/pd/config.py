@@ -17,9 +17,11 @@ class PdConfig:
 
     ``engine_id`` is this rank's engine id (``<instance>/dp<d>/tp<t>``); ``handshake_port`` and
     ``notify_port`` are the instance's BASE ports (what requests and announcements carry; each
-    rank's own port follows :mod:`moriio_native.control.ports`). ``split_layer`` names a layer
-    whose cache is split across TP ranks (attention heads), which rules out pairing different
-    TP sizes; None when every rank holds every layer whole (MLA)."""
+    rank's own port follows :mod:`moriio_native.control.ports`). ``split_layers`` names the
+    layers whose caches TP ranks split by KV head (dense attention; empty when every rank holds
+    every layer whole, MLA), ``total_kv_heads`` the model's KV heads in them over all ranks (0:
+    unknown, which rules out pairing different TP sizes when there are split layers), and
+    ``whole_layers`` the layers every rank holds whole (:mod:`moriio_native.pd.heads`)."""
 
     engine_id: str
     mode: Mode
@@ -39,7 +41,12 @@ class PdConfig:
     # still run in the background); False reports each load's end asynchronously.
     sync_read: bool = False
     context_parallel: bool = False
-    split_layer: str | None = None
+    split_layers: tuple[str, ...] = ()
+    whole_layers: tuple[str, ...] = ()
+    total_kv_heads: int = 0
+    # Check every transfer end to end (block checksums on both sides, pd/verify.py); both
+    # sides of a pair must agree.
+    verify: bool = False
     # This rank's KV-cache groups (vLLM's hybrid KV-cache manager; moriio_native.pd.groups);
     # empty: one group of every registered layer, moved with the classic (ungrouped) protocol.
     groups: tuple[KvGroup, ...] = ()
@@ -52,6 +59,8 @@ class PdConfig:
                 f"rank dp{self.dp_rank}/tp{self.tp_rank} outside dp_size {self.dp_size} / "
                 f"tp_size {self.tp_size}"
             )
+        if self.total_kv_heads < 0:
+            raise InvalidArgumentError(f"total_kv_heads must be >= 0, got {self.total_kv_heads}")
         for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")

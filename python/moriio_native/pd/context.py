@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from moriio_native.control.addressing import validate_host
 from moriio_native.control.channel import NotifySender
@@ -15,8 +16,11 @@ from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.groups import GroupedBlocks, Segment, Side, check_groups, plan_segments
+from moriio_native.pd.heads import TpPlan
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
-from moriio_native.pd.tp import read_source
+
+if TYPE_CHECKING:
+    from moriio_native.pd.verify import Verifier
 
 
 class StatsSink(Protocol):
@@ -26,6 +30,7 @@ class StatsSink(Protocol):
     def record_transfer(self, event: Any) -> None: ...
     def record_handshake(self) -> None: ...
     def record_quarantine(self, blocks: int) -> None: ...
+    def record_verify(self, *, ok: bool) -> None: ...
 
 
 @dataclass
@@ -65,44 +70,59 @@ class Context:
     lock: threading.RLock = field(default_factory=threading.RLock)
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
+    verifier: Verifier | None = None  # set when cfg.verify: the integrity check
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
 
-    def peer_key(
-        self, host: str, base_handshake_port: int, dp_rank: int, tp_size: int
-    ) -> tuple[PeerKey, int]:
-        """The key of the peer rank that pairs with ours in an instance of ``tp_size`` ranks
-        (the one we read from / write to), and that rank's index."""
-        rank = read_source(self.cfg.tp_rank, tp_size)
-        return PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size)), rank
-
-    def check_tp_mismatch_allowed(self, host: str, remote_tp_size: int) -> None:
-        """Different TP sizes work only where any peer rank holds what we need: READ mode over
-        caches every rank holds whole (MLA). Raises FailedPreconditionError otherwise."""
+    def tp_plan(self, host: str, remote_tp_size: int, *, prefill: bool) -> TpPlan:
+        """The rank plan between us (the ``prefill`` side, or the decode side) and a peer
+        instance of ``remote_tp_size`` ranks at ``host`` (:mod:`moriio_native.pd.heads`; 0:
+        ours). Raises FailedPreconditionError or IncompatiblePeerError naming both TP sizes
+        when they cannot pair, before any network."""
         cfg = self.cfg
-        mismatch = f"peer {host}: TP size {remote_tp_size} differs from ours ({cfg.tp_size})"
-        if cfg.mode != "read":
-            raise FailedPreconditionError(
-                f"{mismatch}; different TP sizes are supported in READ mode only"
-            )
-        if cfg.context_parallel:
-            raise FailedPreconditionError(
-                f"{mismatch}, and context parallelism splits the caches by token across ranks"
-            )
-        if cfg.split_layer is not None:
-            raise FailedPreconditionError(
-                f"{mismatch}, and layer {cfg.split_layer} is split across TP ranks (attention "
-                "heads); different TP sizes need caches every rank holds whole (MLA)"
-            )
+        remote_tp_size = remote_tp_size or cfg.tp_size
+        total = cfg.total_kv_heads if cfg.split_layers else 0
+        if prefill:
+            prefill_tp, decode_tp = cfg.tp_size, remote_tp_size
+        else:
+            prefill_tp, decode_tp = remote_tp_size, cfg.tp_size
+        if remote_tp_size != cfg.tp_size:
+            mismatch = f"peer {host}: prefill TP {prefill_tp} and decode TP {decode_tp} differ"
+            if cfg.context_parallel:
+                raise FailedPreconditionError(
+                    f"{mismatch}, and context parallelism splits the caches by token across ranks"
+                )
+            if cfg.split_layers and not total:
+                raise FailedPreconditionError(
+                    f"{mismatch}, and layer {cfg.split_layers[0]} is split across TP ranks "
+                    "(attention heads) but the model's total KV heads are not known"
+                )
+        try:
+            return TpPlan.make(prefill_tp, decode_tp, total, whole=True)
+        except IncompatiblePeerError as exc:
+            raise IncompatiblePeerError(f"peer {host}: {exc}") from None
 
     def validator(
         self, key: PeerKey, dp_rank: int, rank: int, tp_size: int
     ) -> Callable[[HandshakeResponse], None]:
-        """Checks a handshake answer at ``key`` is the rank we expect, in our transfer mode."""
+        """Checks a handshake answer at ``key`` is the rank we expect, in our transfer mode,
+        with the same KV heads when the TP sizes differ."""
         cfg = self.cfg
 
         def validate(response: HandshakeResponse) -> None:
+            if response.verify != cfg.verify:
+                raise IncompatiblePeerError(
+                    f"peer {response.engine_id} at {key} "
+                    f"{'verifies' if response.verify else 'does not verify'} transfers, we "
+                    f"{'do' if cfg.verify else 'do not'}; set the same 'verify' on both instances"
+                )
+            if cfg.verify and tp_size != cfg.tp_size:
+                raise IncompatiblePeerError(
+                    f"peer {response.engine_id} at {key} runs TP {tp_size}, we run TP "
+                    f"{cfg.tp_size}: 'verify' compares whole blocks and needs equal TP sizes; "
+                    "turn it off on both instances for different TP sizes"
+                )
             if response.transfer_mode != cfg.transfer_mode:
                 raise IncompatiblePeerError(
                     f"peer {response.engine_id} at {key} runs {response.transfer_mode} mode, we "
@@ -114,24 +134,30 @@ class Context:
                     f"{response.tp_size}, expected dp{dp_rank}/tp{rank} of {tp_size} "
                     "(do both sides use the same handshake base port?)"
                 )
+            if tp_size != cfg.tp_size and cfg.split_layers:
+                theirs, ours = response.total_kv_heads, cfg.total_kv_heads
+                if theirs != ours:
+                    raise IncompatiblePeerError(
+                        f"peer {response.engine_id} at {key} (TP {tp_size}) splits "
+                        f"{theirs or 'an unstated number of'} KV heads, we (TP {cfg.tp_size}) "
+                        f"split {ours}: different TP sizes need the same model"
+                    )
 
         return validate
 
-    def connect(
+    def connect_rank(
         self,
         host: str,
         base_handshake_port: int,
         base_notify_port: int,
         dp_rank: int,
         tp_size: int,
-    ) -> Any:
-        """A future of the peer rank that pairs with ours (see :class:`PeerDirectory`). Raises
-        (synchronously, before any network) when the TP sizes cannot pair."""
+        rank: int,
+    ) -> Future[Peer]:
+        """A future of peer rank ``rank`` of an instance of ``tp_size`` ranks (see
+        :class:`PeerDirectory`); never waits on the network."""
         host = validate_host(host)
-        tp_size = tp_size or self.cfg.tp_size
-        if tp_size != self.cfg.tp_size:
-            self.check_tp_mismatch_allowed(host, tp_size)
-        key, rank = self.peer_key(host, base_handshake_port, dp_rank, tp_size)
+        key = PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size))
         notify = rank_port(base_notify_port, dp_rank, rank, tp_size)
         return self.directory.connect(key, notify, self.validator(key, dp_rank, rank, tp_size))
 

@@ -12,6 +12,8 @@ Threads (all named ``moriio-native-*``):
 * ``notify``: control messages from peers (release, remote_blocks, write_done, ...);
 * ``events``: engine terminal events and drain notices, and every 0.5 s the timeouts;
 * ``writer``: WRITE pushes, in order (waits on each layer's device event first);
+* ``verify`` (with ``verify`` on): block checksums computed and compared
+  (:mod:`moriio_native.pd.verify`);
 * ``handshake-N`` (4) and ``probe`` (1): the peer directory's executors.
 
 Every machine changes under one lock (the context's), which is never held across a network
@@ -32,6 +34,8 @@ from typing import Any
 from moriio_native.control.channel import HandshakeServer, NotifyListener, NotifySender
 from moriio_native.control.messages import (
     AbortWrite,
+    ChecksumRequest,
+    ChecksumResponse,
     HandshakeRequest,
     HandshakeResponse,
     NotifyMessage,
@@ -43,13 +47,18 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.security import ControlSecurity
 from moriio_native.engine import DrainedTransfer, Engine
-from moriio_native.errors import FailedPreconditionError
+from moriio_native.errors import (
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    InvalidArgumentError,
+)
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context, Reports, StatsSink
 from moriio_native.pd.peers import PeerDirectory
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.pusher import WRITER_QUEUE, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
+from moriio_native.pd.verify import Checksummer, Verifier
 
 logger = logging.getLogger("moriio_native.pd.core")
 
@@ -69,7 +78,13 @@ class PdCore:
         engine: Callable[[], Engine],
         bind_host: str = "127.0.0.1",
         writer_queue: int = WRITER_QUEUE,
+        checksums: Callable[[], Checksummer] | None = None,
     ) -> None:
+        """``checksums`` gives this rank's block checksums; required with ``config.verify``."""
+        if config.verify and checksums is None:
+            raise InvalidArgumentError(
+                f"protocol core {config.engine_id}: verify is on but no checksums were given"
+            )
         self.cfg = config
         self._security = security
         self._bind_host = bind_host
@@ -81,6 +96,7 @@ class PdCore:
             config.engine_id,
             timeout=config.transfer_timeout,
             on_handshake=lambda peer: self._on_handshake(),
+            verify=config.verify,
         )
         self.ctx = Context(
             cfg=config,
@@ -90,6 +106,11 @@ class PdCore:
             stats=stats,
             mark_terminal=self._mark_terminal,
         )
+        if config.verify:
+            assert checksums is not None
+            self.ctx.verifier = Verifier(
+                checksums, security, config.engine_id, timeout=config.transfer_timeout
+            )
         self.puller = Puller(self.ctx)
         self.pusher = Pusher(self.ctx, writer_queue)
         self.server: HandshakeServer | None = None
@@ -124,8 +145,13 @@ class PdCore:
         any free port) and start the threads. The engine must be registered."""
         if self.server is not None:
             raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} started twice")
+        verifier = self.ctx.verifier
         self.server = HandshakeServer(
-            handshake_port, self._handshake_response, self._security, bind_host=self._bind_host
+            handshake_port,
+            self._handshake_response,
+            self._security,
+            bind_host=self._bind_host,
+            checksums=self._checksum_response if verifier is not None else None,
         )
         self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
         if (
@@ -153,6 +179,13 @@ class PdCore:
 
     def _handshake_response(self, request: HandshakeRequest) -> HandshakeResponse:
         cfg = self.cfg
+        if request.verify != cfg.verify:
+            raise IncompatiblePeerError(
+                f"{request.requester_engine_id} "
+                f"{'verifies' if request.verify else 'does not verify'} transfers, "
+                f"{cfg.engine_id} {'does' if cfg.verify else 'does not'}; set the same 'verify' "
+                "on both instances"
+            )
         return HandshakeResponse(
             engine_id=cfg.engine_id,
             engine_metadata=self._engine().local_metadata(),
@@ -161,8 +194,15 @@ class PdCore:
             dp_size=cfg.dp_size,
             tp_size=cfg.tp_size,
             transfer_mode=cfg.transfer_mode,
+            verify=cfg.verify,
+            total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
             kv_groups=cfg.groups,
         )
+
+    def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
+        verifier = self.ctx.verifier
+        assert verifier is not None
+        return verifier.answer(request)
 
     def shutdown(self) -> None:
         """Stop the threads and close every socket. Idempotent."""
@@ -172,6 +212,8 @@ class PdCore:
         ctx.stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
+        if ctx.verifier is not None:
+            ctx.verifier.shutdown()
         ctx.directory.close()
         for closer in (self.listener, self.server):
             if closer is not None:
@@ -291,7 +333,12 @@ class PdCore:
                 return
             if isinstance(message, WriteFailed):
                 logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
-            self.puller.on_write_result(tid, ok=isinstance(message, WriteDone))
+            self.puller.on_write_result(
+                tid,
+                ok=isinstance(message, WriteDone),
+                writer_rank=message.writer_rank,
+                checksums=message.checksums if isinstance(message, WriteDone) else None,
+            )
             return
         if not cfg.producer:
             logger.warning(

@@ -99,11 +99,13 @@ class PeerDirectory:
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
         on_handshake: Callable[[Peer], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        verify: bool = False,
     ) -> None:
         self._engine = engine
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
+        self._verify = verify
         self._retry_after = retry_after
         self._max_backoff = max(max_backoff, retry_after)
         self._on_handshake = on_handshake
@@ -249,6 +251,7 @@ class PeerDirectory:
             timeout=self._timeout,
             security=self._security,
             requester_engine_id=self._requester,
+            verify=self._verify,
         )
 
     def _check_replaced(self, key: PeerKey, elsewhere: Peer, response: HandshakeResponse) -> None:

@@ -1,18 +1,28 @@
 """The decode side of the protocol: READ pulls and WRITE awaits (one rank).
 
-READ (:class:`ReadState`): the prefill rank that pairs with ours is handshaken in the
-background (:class:`~moriio_native.pd.peers.PeerDirectory`), then one engine READ moves the
-request's blocks. Its engine event ends it: ``done``; failed (drained) -- its blocks are
-reported for recomputation; ended with operations in flight -- QUARANTINED, its blocks
-reported only once the engine says they drained (until then nothing can reuse them). The
-prefill gets its release (every prefill rank assigned to us, see :mod:`moriio_native.pd.tp`)
-at the end, done or not.
+A load takes its blocks from every prefill rank the TP plan names
+(:class:`~moriio_native.pd.heads.TpPlan`: one rank with equal TP sizes; a head slice of one, or
+head ranges of several, when they differ). Each source rank is one *part* with its own state
+machine; the request's load ends once every part is terminal, and succeeds only when every part
+did. The first part that fails stops the others (abort / ``abort_write``), so the request is
+recomputed soon, but its blocks are reported only once no part can write them any more.
 
-WRITE await (:class:`AwaitState`): the prefill rank is handshaken, then told our blocks
-(``remote_blocks``); its ``write_done`` / ``write_failed`` ends the load. Giving up (abort, or
-``abort_timeout``) after the announcement quarantines the blocks: ``abort_write`` asks the
-prefill to stop, and they are freed on its ``write_aborted`` (or any final message), on its
+READ part (:class:`ReadState`): the prefill rank is handshaken in the background
+(:class:`~moriio_native.pd.peers.PeerDirectory`), then one engine READ moves its share (whole
+blocks, or ``read_segments`` with head windows). Its engine event ends it: ``done``; failed
+(drained); ended with operations in flight -- QUARANTINED until the engine says they drained.
+Every prefill rank assigned to us gets its release at the end, done or not.
+
+WRITE await part (:class:`AwaitState`): the prefill rank is handshaken, then told our blocks
+(``remote_blocks``); its ``write_done`` / ``write_failed`` ends the part. Giving up (abort, or
+``abort_timeout``) after the announcement quarantines the part: ``abort_write`` asks the
+prefill rank to stop, and the part ends on its ``write_aborted`` (or any final message), on its
 proven death, or after ``quarantine_timeout``.
+
+With ``verify`` on, a READ the engine completed, and a WRITE await whose ``write_done`` came,
+pass through VERIFYING: the two sides' block checksums are compared
+(:mod:`moriio_native.pd.verify`) and a mismatch ends the load FAILED (recomputed), before the
+prefill gets its release.
 
 Every change of state goes through :meth:`Machine.advance` under the context lock; network
 calls (releases, announcements) are made after the lock is released.
@@ -20,22 +30,25 @@ calls (releases, announcements) are made after the lock is released.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import logging
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
-from moriio_native.errors import MoriioError
+from moriio_native.engine import BlockSegment
+from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.context import Context, check_engine, plan_grouped
 from moriio_native.pd.fsm import Machine
-from moriio_native.pd.groups import check_groups, post_read
+from moriio_native.pd.groups import NULL_BLOCK, check_groups, engine_segments, post_read
+from moriio_native.pd.heads import TpPlan, read_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import RecvTask
-from moriio_native.pd.tp import release_targets
 
 logger = logging.getLogger("moriio_native.pd.puller")
 
@@ -52,6 +65,7 @@ PROBE_FAILURES_FOR_DEATH = 3
 class ReadState(Enum):
     CONNECTING = auto()  # handshake (background) before the engine READ
     READING = auto()  # the engine READ is posted
+    VERIFYING = auto()  # done in the engine; comparing the two sides' checksums (verify)
     QUARANTINED = auto()  # ended with operations in flight: waiting for the drain
     DONE = auto()
     FAILED = auto()
@@ -63,6 +77,9 @@ class ReadEvent(Enum):
     FAILED = auto()  # refused before posting, or an engine event that ended drained
     UNDRAINED = auto()  # engine event that ended with operations in flight
     DRAINED = auto()  # the engine reports the quarantined READ drained
+    VERIFY = auto()  # engine event: done, and verify is on
+    VERIFIED = auto()  # both sides' checksums agree
+    MISMATCH = auto()  # they differ, or the prefill's could not be had
 
 
 READ_TRANSITIONS: dict[tuple[ReadState, ReadEvent], ReadState] = {
@@ -72,6 +89,9 @@ READ_TRANSITIONS: dict[tuple[ReadState, ReadEvent], ReadState] = {
     (ReadState.READING, ReadEvent.FAILED): ReadState.FAILED,
     (ReadState.READING, ReadEvent.UNDRAINED): ReadState.QUARANTINED,
     (ReadState.QUARANTINED, ReadEvent.DRAINED): ReadState.FAILED,
+    (ReadState.READING, ReadEvent.VERIFY): ReadState.VERIFYING,
+    (ReadState.VERIFYING, ReadEvent.VERIFIED): ReadState.DONE,
+    (ReadState.VERIFYING, ReadEvent.MISMATCH): ReadState.FAILED,
 }
 READ_TERMINAL = frozenset({ReadState.DONE, ReadState.FAILED})
 
@@ -80,6 +100,7 @@ class AwaitState(Enum):
     CONNECTING = auto()  # handshake, then remote_blocks (the prefill cannot write yet)
     ANNOUNCED = auto()  # the prefill knows our blocks: it may be writing them
     QUARANTINED = auto()  # we gave up after announcing: waiting for its writes to stop
+    VERIFYING = auto()  # write_done came: comparing its checksums with ours (verify)
     DONE = auto()
     FAILED = auto()
 
@@ -91,6 +112,9 @@ class AwaitEvent(Enum):
     GIVE_UP = auto()  # abort or abort_timeout
     UNREACHABLE = auto()  # the announcement could not be made
     WRITER_GONE = auto()  # the prefill died, or quarantine_timeout passed
+    VERIFY = auto()  # write_done came and verify is on
+    VERIFIED = auto()  # its checksums agree with ours
+    MISMATCH = auto()  # they differ, or it carried none
 
 
 AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
@@ -106,24 +130,69 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
+    # write_done with verify on: every write landed, so nothing is left to quarantine.
+    **{
+        (s, AwaitEvent.VERIFY): AwaitState.VERIFYING
+        for s in (AwaitState.CONNECTING, AwaitState.ANNOUNCED, AwaitState.QUARANTINED)
+    },
+    (AwaitState.VERIFYING, AwaitEvent.VERIFIED): AwaitState.DONE,
+    (AwaitState.VERIFYING, AwaitEvent.MISMATCH): AwaitState.FAILED,
 }
 AWAIT_TERMINAL = frozenset({AwaitState.DONE, AwaitState.FAILED})
+
+
+S = TypeVar("S", ReadState, AwaitState)
+
+
+def _overall(states: list[S], live: tuple[S, ...], done: S, failed: S) -> S:
+    """A load's state from its parts': the first of ``live`` a part is in; once every part is
+    terminal, ``done`` when all are (``failed`` otherwise, or without parts)."""
+    for state in live:
+        if state in states:
+            return state
+    return done if states and all(s is done for s in states) else failed
+
+
+@dataclass
+class _ReadPart:
+    """One source prefill rank's share of a READ: one engine transfer."""
+
+    rank: int
+    engine_tid: str
+    machine: Machine[ReadState, ReadEvent]
+    peer: Peer | None = None
+    message: str = ""
+    # The block pairs a whole-block check covers (verify), when the READ moves exactly them.
+    verified_pairs: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass
 class _Read:
     task: RecvTask
     started: float
-    machine: Machine[ReadState, ReadEvent]
-    peer: Peer | None = None
-    message: str = ""
+    parts: list[_ReadPart] = field(default_factory=list)
+    plan: TpPlan | None = None
     sync: bool = False  # waited for in the caller's load hook (not reported as finished)
+    failing: bool = False  # a part failed: the others are stopped, the load will fail
+    ended: bool = False
+
+    def state(self) -> ReadState:
+        return _overall(
+            [p.machine.state for p in self.parts],
+            (ReadState.QUARANTINED, ReadState.CONNECTING, ReadState.READING, ReadState.VERIFYING),
+            ReadState.DONE,
+            ReadState.FAILED,
+        )
+
+    def peers(self) -> dict[int, Peer]:
+        return {p.rank: p.peer for p in self.parts if p.peer is not None}
 
 
 @dataclass
-class _Await:
-    task: RecvTask
-    deadline: float
+class _AwaitPart:
+    """One writing prefill rank of a WRITE await."""
+
+    rank: int
     machine: Machine[AwaitState, AwaitEvent]
     peer: Peer | None = None
     quarantined: float = 0.0
@@ -132,12 +201,58 @@ class _Await:
     probe: Future[str] | None = field(default=None, repr=False)
 
 
+@dataclass
+class _Await:
+    task: RecvTask
+    deadline: float
+    parts: dict[int, _AwaitPart] = field(default_factory=dict)
+    plan: TpPlan | None = None
+    ended: bool = False
+
+    def state(self) -> AwaitState:
+        return _overall(
+            [p.machine.state for p in self.parts.values()],
+            (
+                AwaitState.QUARANTINED,
+                AwaitState.CONNECTING,
+                AwaitState.ANNOUNCED,
+                AwaitState.VERIFYING,
+            ),
+            AwaitState.DONE,
+            AwaitState.FAILED,
+        )
+
+    def peers(self) -> dict[int, Peer]:
+        return {r: p.peer for r, p in self.parts.items() if p.peer is not None}
+
+
+def _announced_ids(waiting: _Await) -> Sequence[int] | None:
+    """The blocks a whole-block check of a WRITE covers, in the order announced (the
+    writer's checksums come in that order); None when more than one prefill rank writes or
+    the request has several KV-cache groups."""
+    task = waiting.task
+    if len(waiting.parts) != 1:
+        return None
+    if task.grouped is None:
+        return task.local_block_ids
+    if len(task.grouped.local) != 1:
+        return None
+    return [b for b in task.grouped.local[0] if b != NULL_BLOCK]
+
+
+def part_transfer_id(transfer_id: str, rank: int, parts: int) -> str:
+    """The engine transfer id of one source rank's part: the request's own id when it has
+    one part (equal TP sizes), else one id per source rank."""
+    return transfer_id if parts == 1 else f"{transfer_id}#p{rank}"
+
+
 class Puller:
     """Decode-side transfers of one rank. Thread-safe through the context lock."""
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
         self._reads: dict[str, _Read] = {}
+        self._parts: dict[str, tuple[_Read, _ReadPart]] = {}  # by engine transfer id
         self._awaits: dict[str, _Await] = {}
         # Drain notices that overtook their undrained terminal event (separate engine queues):
         # the event, when it comes, is taken as drained.
@@ -154,7 +269,7 @@ class Puller:
         elif task.error:
             self._fail_unplanned(task)
         elif task.notify_only:
-            self.send_release(task, None)
+            self.send_release(task, {})
         elif cfg.mode == "read":
             self._start_read(task)
         else:
@@ -162,121 +277,228 @@ class Puller:
 
     def read_states(self) -> dict[str, ReadState]:
         with self._ctx.lock:
-            return {tid: r.machine.state for tid, r in self._reads.items()}
+            return {tid: r.state() for tid, r in self._reads.items()}
 
     def await_states(self) -> dict[str, AwaitState]:
         with self._ctx.lock:
-            return {tid: a.machine.state for tid, a in self._awaits.items()}
+            return {tid: a.state() for tid, a in self._awaits.items()}
 
     # ---- READ ---------------------------------------------------------------------------------
 
-    def _connect(self, task: RecvTask) -> Future[Peer]:
-        """The prefill rank that pairs with ours, for ``task`` (raises before any network when
-        the TP sizes cannot pair)."""
+    def _plan(self, task: RecvTask) -> TpPlan:
+        return self._ctx.tp_plan(task.peer.host, task.remote_tp_size, prefill=False)
+
+    def _connect(self, task: RecvTask, plan: TpPlan, rank: int) -> Future[Peer]:
+        """Prefill rank ``rank`` of the task's instance (raises before any network on a bad
+        address)."""
         peer = task.peer
-        return self._ctx.connect(
+        return self._ctx.connect_rank(
             peer.host,
             peer.handshake_port,
             peer.notify_port,
             task.remote_dp_rank,
-            task.remote_tp_size,
+            plan.prefill_tp,
+            rank,
         )
 
     def _start_read(self, task: RecvTask) -> None:
         ctx = self._ctx
-        machine = Machine("READ", task.transfer_id, READ_TRANSITIONS, ReadState.CONNECTING)
-        read = _Read(task, time.monotonic(), machine, sync=ctx.cfg.sync_read)
+        tid = task.transfer_id
+        read = _Read(task, time.monotonic(), sync=ctx.cfg.sync_read)
         with ctx.lock:
-            if task.transfer_id in self._reads:
-                logger.warning("transfer %s: a second READ for it is ignored", task.transfer_id)
+            if tid in self._reads:
+                logger.warning("transfer %s: a second READ for it is ignored", tid)
                 return
-            self._reads[task.transfer_id] = read
+            self._reads[tid] = read
             if read.sync:
-                self._step_reads.append(task.transfer_id)
+                self._step_reads.append(tid)
         try:
-            future = self._connect(task)
+            read.plan = plan = self._plan(task)
         except MoriioError as exc:
-            self._read_failed(read, f"not started: {exc}")
+            self._read_not_planned(read, exc)
             return
-        future.add_done_callback(lambda f: self._post_read(read, f))
+        sources = plan.sources(ctx.cfg.tp_rank)
+        with ctx.lock:
+            for rank in sources:
+                part_tid = part_transfer_id(tid, rank, len(sources))
+                machine = Machine("READ", part_tid, READ_TRANSITIONS, ReadState.CONNECTING)
+                part = _ReadPart(rank, part_tid, machine)
+                read.parts.append(part)
+                self._parts[part_tid] = (read, part)
+        for part in list(read.parts):
+            try:
+                future = self._connect(task, plan, part.rank)
+            except MoriioError as exc:
+                self._part_failed(read, part, f"not started: {exc}")
+                continue
+            future.add_done_callback(lambda f, part=part: self._post_read(read, part, f))
 
-    def _post_read(self, read: _Read, future: Future[Peer]) -> None:
-        """The handshake ended (a pool thread, or the caller's when cached): post the READ."""
+    def _read_not_planned(self, read: _Read, exc: MoriioError) -> None:
+        """No plan (the TP sizes cannot pair): the load fails at once, every prefill rank the
+        request may name is released."""
+        logger.error(
+            "request %s (transfer %s): READ from %s not started: %s",
+            read.task.req_id,
+            read.task.transfer_id,
+            read.task.peer.host,
+            exc,
+        )
+        with self._ctx.lock:
+            read.failing = True
+        self._finish_read(read, str(exc))
+
+    def _post_read(self, read: _Read, part: _ReadPart, future: Future[Peer]) -> None:
+        """A part's handshake ended (a pool thread, or the caller's when cached): post its
+        READ, unless another part failed meanwhile."""
         task = read.task
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
-            read.peer = peer
-            if task.grouped is not None:
-                segments = plan_grouped(self._ctx.cfg, peer, task.grouped, "local")
-                post_read(self._ctx.engine(), task.transfer_id, peer.engine_peer, segments)
-            else:
-                self._ctx.engine().read(
-                    task.transfer_id, peer.engine_peer, task.local_block_ids, task.remote_block_ids
-                )
+            part.peer = peer
+            with self._ctx.lock:
+                if read.failing:
+                    raise FailedPreconditionError("another source rank of the load failed")
+            assert read.plan is not None
+            self._post_part(read, part, peer)
         except Exception as exc:  # any failure: recompute locally, free the prefill
-            self._ctx.directory.forget(read.peer)
-            self._read_failed(read, f"not started: {exc}")
+            self._ctx.directory.forget(part.peer)
+            self._part_failed(read, part, f"not started: {exc}")
             return
         with self._ctx.lock:
-            if read.machine.state is ReadState.CONNECTING:
-                read.machine.advance(ReadEvent.POSTED)
+            if part.machine.state is ReadState.CONNECTING:
+                part.machine.advance(ReadEvent.POSTED)
+
+    def _post_part(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
+        """Post one part's READ: the request's block pairs (per KV-cache group when grouped),
+        cut to the part's head windows when the TP sizes differ. Remembers the pairs a check
+        of whole blocks covers (verify), when the READ moves exactly those."""
+        task, cfg, engine = read.task, self._ctx.cfg, self._ctx.engine()
+        assert read.plan is not None
+        grouped = None
+        pairs = (task.local_block_ids, task.remote_block_ids)
+        if task.grouped is not None:
+            grouped = plan_grouped(cfg, peer, task.grouped, "local")
+            base = engine_segments(grouped)
+            whole = len(grouped) == 1 and grouped[0].tokens is None
+            pairs = (grouped[0].local_blocks, grouped[0].remote_blocks) if whole else None
+        else:
+            base = [BlockSegment(task.local_block_ids, task.remote_block_ids)]
+        segments = read_segments(read.plan, cfg, part.rank, base)
+        if segments is not None:
+            part.verified_pairs = None
+            engine.read_segments(part.engine_tid, peer.engine_peer, segments)
+            return
+        part.verified_pairs = pairs
+        if grouped is not None:
+            post_read(engine, part.engine_tid, peer.engine_peer, grouped)
+        else:
+            engine.read(part.engine_tid, peer.engine_peer, *pairs)
 
     def on_event(self, event: Any) -> bool:
         """An engine terminal event; False when it is not one of our READs."""
         ctx = self._ctx
         tid = event.transfer_id
         with ctx.lock:
-            read = self._reads.get(tid)
-            if read is None or read.machine.state in READ_TERMINAL:
-                return read is not None
-            if read.machine.state is ReadState.CONNECTING:
+            found = self._parts.get(tid)
+            if found is None:
+                return False
+            read, part = found
+            if part.machine.state in READ_TERMINAL:
+                return True
+            if part.machine.state is ReadState.CONNECTING:
                 # The engine answered before our own bookkeeping caught up with the post.
-                read.machine.advance(ReadEvent.POSTED)
+                part.machine.advance(ReadEvent.POSTED)
             drained = event.drained or tid in self._drained_early
             self._drained_early.discard(tid)
             if not drained:
-                read.machine.advance(ReadEvent.UNDRAINED)
-                read.message = f"{event.state}: {event.message}"
+                part.machine.advance(ReadEvent.UNDRAINED)
+                part.message = f"{event.state}: {event.message}"
                 ctx.stats.record_quarantine(len(read.task.local_block_ids))
         if not drained:
-            self._quarantine_read(read, event)
+            self._quarantine_read(read, part, event)
+            self._stop_other_parts(read)
             return True
-        self._end_read(
+        if event.state == "done" and ctx.verifier is not None:
+            self._verify_read(read, part, event)
+            return True
+        self._end_read_part(
             read,
+            part,
             ReadEvent.DONE if event.state == "done" else ReadEvent.FAILED,
             f"{event.state}: {event.message}",
             event,
         )
         return True
 
+    def _verify_read(self, read: _Read, part: _ReadPart, event: Any) -> None:
+        """A part's engine READ is done: compare both sides' checksums before it counts. Only
+        whole blocks are verified: verify is refused with different TP sizes (peers.py)."""
+        ctx = self._ctx
+        task = read.task
+        with ctx.lock:
+            if part.machine.state is not ReadState.READING:
+                return
+            part.machine.advance(ReadEvent.VERIFY)
+        if part.verified_pairs is None:
+            self._read_verified(
+                read,
+                part,
+                event,
+                "verify compares whole blocks of one KV-cache group; this READ moved windows "
+                "or several groups (different TP or block sizes, a hybrid model): turn verify "
+                "off for this pair",
+            )
+            return
+        assert ctx.verifier is not None and part.peer is not None
+        local, remote = part.verified_pairs
+        ctx.verifier.check_read(
+            task.transfer_id,
+            part.peer,
+            local,
+            remote,
+            lambda why: self._read_verified(read, part, event, why),
+        )
+
+    def _read_verified(self, read: _Read, part: _ReadPart, event: Any, why: str | None) -> None:
+        with self._ctx.lock:
+            self._ctx.stats.record_verify(ok=why is None)
+        if why is None:
+            self._end_read_part(
+                read, part, ReadEvent.VERIFIED, f"done, verified: {event.message}", event
+            )
+            return
+        logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)
+        self._end_read_part(read, part, ReadEvent.MISMATCH, why)
+
     def on_drained(self, tid: str, seconds: float) -> bool:
         """The engine reports a quarantined transfer drained; False when not ours."""
         with self._ctx.lock:
-            read = self._reads.get(tid)
-            if read is None:
+            found = self._parts.get(tid)
+            if found is None:
                 return False
-            if read.machine.state is not ReadState.QUARANTINED:
+            read, part = found
+            if part.machine.state is not ReadState.QUARANTINED:
                 self._drained_early.add(tid)  # its undrained event is still queued
                 return True
-        self._end_read(
-            read, ReadEvent.DRAINED, f"operations drained {seconds:.3g}s after the start"
+        self._end_read_part(
+            read, part, ReadEvent.DRAINED, f"operations drained {seconds:.3g}s after the start"
         )
         return True
 
-    def _quarantine_read(self, read: _Read, event: Any) -> None:
+    def _quarantine_read(self, read: _Read, part: _ReadPart, event: Any) -> None:
         """Dropping the peer closes the endpoint the in-flight operations use, which cancels
         them; the blocks stay unreported until the engine confirms the drain."""
         logger.warning(
-            "request %s (transfer %s): READ %s with operations in flight (%s); its %d blocks "
-            "are quarantined until they drain",
+            "request %s (transfer %s): READ from prefill rank %d %s with operations in flight "
+            "(%s); its %d blocks are quarantined until they drain",
             read.task.req_id,
-            read.task.transfer_id,
+            part.engine_tid,
+            part.rank,
             event.state,
             event.message,
             len(read.task.local_block_ids),
         )
-        peer = read.peer
+        peer = part.peer
         if peer is not None:
             self._ctx.directory.forget(peer)
             try:
@@ -284,31 +506,71 @@ class Puller:
             except MoriioError as exc:
                 logger.debug("peer %s already gone: %s", peer.engine_peer, exc)
 
-    def _read_failed(self, read: _Read, message: str) -> None:
+    def _part_failed(self, read: _Read, part: _ReadPart, message: str) -> None:
         logger.error(
-            "request %s (transfer %s): READ from %s %s",
+            "request %s (transfer %s): READ from %s (prefill rank %d) %s",
             read.task.req_id,
-            read.task.transfer_id,
+            part.engine_tid,
             read.task.peer.host,
+            part.rank,
             message,
         )
-        self._end_read(read, ReadEvent.FAILED, message)
+        self._end_read_part(read, part, ReadEvent.FAILED, message)
 
-    def _end_read(
-        self, read: _Read, event: ReadEvent, message: str, engine_event: Any = None
-    ) -> None:
-        """The READ's terminal state, once: report it, and release the prefill."""
-        ctx = self._ctx
-        task = read.task
-        with ctx.lock:
-            if read.machine.state in READ_TERMINAL:
+    def _stop_other_parts(self, read: _Read) -> None:
+        """A part failed: the load fails, so the other parts posted are aborted (their events
+        end them) and those not posted yet will not be."""
+        with self._ctx.lock:
+            if read.failing:
                 return
-            state = read.machine.advance(event)
-            read.message = message
+            read.failing = True
+            posted = [p for p in read.parts if p.machine.state is ReadState.READING]
+        for other in posted:
+            try:
+                self._ctx.engine().abort(other.engine_tid)
+            except MoriioError as exc:
+                logger.debug("transfer %s: not aborted (%s)", other.engine_tid, exc)
+
+    def _end_read_part(
+        self,
+        read: _Read,
+        part: _ReadPart,
+        event: ReadEvent,
+        message: str,
+        engine_event: Any = None,
+    ) -> None:
+        """A part's terminal state, once; the load's end once every part is terminal."""
+        ctx = self._ctx
+        with ctx.lock:
+            if part.machine.state in READ_TERMINAL:
+                return
+            state = part.machine.advance(event)
+            part.message = message
             ok = state is ReadState.DONE
             if ok and engine_event is not None:
                 ctx.stats.record_transfer(engine_event)
-            elif not ok:
+            last = all(p.machine.state in READ_TERMINAL for p in read.parts)
+        if not ok:
+            # The next request handshakes again: a prefill that restarted under the same
+            # address is reached at its new transport address instead of failing forever.
+            ctx.directory.forget(part.peer)
+            self._stop_other_parts(read)
+        if last:
+            self._finish_read(read, "; ".join(p.message for p in read.parts if p.message))
+
+    def _finish_read(self, read: _Read, message: str) -> None:
+        """Every part is terminal: report the load, once, and release the prefill."""
+        ctx = self._ctx
+        task = read.task
+        with ctx.lock:
+            if read.ended:
+                return
+            read.ended = True
+            for part in read.parts:
+                self._parts.pop(part.engine_tid, None)
+            state = read.state()
+            ok = state is ReadState.DONE
+            if not ok:
                 ctx.stats.record(ok=False)
                 ctx.reports.invalid_blocks.update(task.local_block_ids)
             if not read.sync:
@@ -320,9 +582,6 @@ class Puller:
                         ctx.reports.failures[task.req_id] = f"READ {state.name.lower()}: {message}"
             ctx.cond.notify_all()
         if not ok:
-            # The next request handshakes again: a prefill that restarted under the same
-            # address is reached at its new transport address instead of failing forever.
-            ctx.directory.forget(read.peer)
             logger.warning(
                 "request %s (transfer %s): READ %s (%s); its %d blocks will be recomputed",
                 task.req_id,
@@ -331,7 +590,7 @@ class Puller:
                 message,
                 len(task.local_block_ids),
             )
-        self.send_release(task, read.peer)
+        self.send_release(task, read.peers(), read.plan)
 
     def wait_step_reads(self) -> None:
         """Synchronous READ only: wait until every READ started this step is terminal -- the
@@ -349,7 +608,7 @@ class Puller:
                     continue
                 bound = read.started + 2 * ctx.cfg.transfer_timeout + ctx.cfg.quarantine_timeout
                 warned = False
-                while read.machine.state not in READ_TERMINAL and not ctx.stop.is_set():
+                while not read.ended and not ctx.stop.is_set():
                     ctx.cond.wait(0.1)
                     if not warned and time.monotonic() > bound:
                         warned = True
@@ -369,20 +628,31 @@ class Puller:
 
     def _start_await(self, task: RecvTask) -> None:
         ctx = self._ctx
-        machine = Machine("WRITE-await", task.transfer_id, AWAIT_TRANSITIONS, AwaitState.CONNECTING)
-        waiting = _Await(task, time.monotonic() + ctx.cfg.abort_timeout, machine)
+        waiting = _Await(task, time.monotonic() + ctx.cfg.abort_timeout)
         with ctx.lock:
             if task.transfer_id in self._awaits:
                 return
             self._awaits[task.transfer_id] = waiting
         try:
-            future = self._connect(task)
+            waiting.plan = plan = self._plan(task)
         except MoriioError as exc:
             self._announce_failed(waiting, None, exc)
             return
-        future.add_done_callback(lambda f: self._announce(waiting, f))
+        with ctx.lock:
+            for rank in plan.sources(ctx.cfg.tp_rank):
+                machine = Machine(
+                    "WRITE-await", task.transfer_id, AWAIT_TRANSITIONS, AwaitState.CONNECTING
+                )
+                waiting.parts[rank] = _AwaitPart(rank, machine)
+        for part in list(waiting.parts.values()):
+            try:
+                future = self._connect(task, plan, part.rank)
+            except MoriioError as exc:
+                self._announce_failed(waiting, part, exc)
+                continue
+            future.add_done_callback(lambda f, part=part: self._announce(waiting, part, f))
 
-    def _announce(self, waiting: _Await, future: Future[Peer]) -> None:
+    def _announce(self, waiting: _Await, part: _AwaitPart, future: Future[Peer]) -> None:
         """Handshake done: tell the prefill rank where to write."""
         ctx = self._ctx
         task = waiting.task
@@ -397,10 +667,10 @@ class Puller:
                 check_groups(ctx.cfg.groups, peer.response.kv_groups, peer.response.engine_id)
                 block_ids, num_tokens = task.grouped.local, task.grouped.end
             with ctx.lock:
-                if waiting.machine.state is not AwaitState.CONNECTING:
+                if part.machine.state is not AwaitState.CONNECTING:
                     return  # given up before the prefill had our blocks (and released)
-                waiting.machine.advance(AwaitEvent.ANNOUNCED)
-                waiting.peer = peer  # from now on the prefill may write into the blocks
+                part.machine.advance(AwaitEvent.ANNOUNCED)
+                part.peer = peer  # from now on the prefill may write into the blocks
             ctx.sender.send(
                 peer.host,
                 peer.notify_port,
@@ -410,68 +680,148 @@ class Puller:
                     decode_engine_id=ctx.cfg.engine_id,
                     decode_dp_rank=ctx.cfg.dp_rank,
                     req_id=task.req_id,
+                    decode_tp_rank=ctx.cfg.tp_rank,
                     num_tokens=num_tokens,
                 ),
             )
         except Exception as exc:
-            self._announce_failed(waiting, peer, exc)
+            self._announce_failed(waiting, part, exc, peer)
 
-    def _announce_failed(self, waiting: _Await, peer: Peer | None, exc: Exception) -> None:
+    def _announce_failed(
+        self,
+        waiting: _Await,
+        part: _AwaitPart | None,
+        exc: Exception,
+        peer: Peer | None = None,
+    ) -> None:
+        """The announcement to ``part`` (None: to any, there is no plan) failed: the load
+        fails, the other parts are given up."""
         task = waiting.task
         logger.error(
-            "request %s (transfer %s): cannot announce blocks to %s: %s; computing locally",
+            "request %s (transfer %s): cannot announce blocks to %s%s: %s; computing locally",
             task.req_id,
             task.transfer_id,
             task.peer.host,
+            "" if part is None else f" (prefill rank {part.rank})",
             exc,
         )
         self._ctx.directory.forget(peer)
+        if part is None:
+            self._report_await(waiting, ok=False, why=f"not planned: {exc}")
+            self.send_release(task, {}, None)
+            return
         with self._ctx.lock:
-            state = waiting.machine.state
+            state = part.machine.state
         if state is AwaitState.ANNOUNCED:
             # The message may have left: the prefill could write. Quarantine as for an abort.
             self.give_up(task.transfer_id, f"the announcement failed ({exc})")
             return
-        self._end_await(task.transfer_id, AwaitEvent.UNREACHABLE)
+        self._end_await_part(waiting, part, AwaitEvent.UNREACHABLE)
         # The prefill holds the blocks for our remote_blocks, which will not come.
-        self.send_release(task, peer)
+        peers = {} if peer is None else {part.rank: peer}
+        self._release_ranks(task, peers, waiting.plan, [part.rank])
 
-    def on_write_result(self, tid: str, ok: bool) -> None:
-        """write_done (``ok``), write_failed or write_aborted from the prefill: each is sent
-        only once none of its writes can land any more, so each also ends a quarantine."""
-        self._end_await(tid, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED)
-
-    def give_up(self, tid: str, why: str) -> None:
-        """Stop waiting for the prefill's writes. Announced blocks are quarantined
-        (abort_write) until it confirms; others are recomputed now."""
+    def on_write_result(
+        self,
+        tid: str,
+        ok: bool,
+        writer_rank: int = 0,
+        checksums: dict[str, bytes] | None = None,
+    ) -> None:
+        """write_done (``ok``, with the prefill's ``checksums`` when it verifies), write_failed
+        or write_aborted from prefill rank ``writer_rank``: each is sent only once none of its
+        writes can land any more, so each also ends a quarantine. With verify on, a write_done
+        is checked first (VERIFYING)."""
         ctx = self._ctx
         with ctx.lock:
             waiting = self._awaits.get(tid)
-            if waiting is None or not waiting.machine.allows(AwaitEvent.GIVE_UP):
+            part = None if waiting is None else waiting.parts.get(writer_rank)
+        if waiting is None or part is None:
+            logger.warning(
+                "transfer %s: ignoring a write result from prefill rank %d, which does not "
+                "write it",
+                tid,
+                writer_rank,
+            )
+            return
+        if not ok or ctx.verifier is None:
+            self._end_await_part(
+                waiting, part, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED
+            )
+            return
+        with ctx.lock:
+            if not part.machine.allows(AwaitEvent.VERIFY):
                 return
-            state = waiting.machine.advance(AwaitEvent.GIVE_UP)
-            if state is AwaitState.QUARANTINED:
-                now = time.monotonic()
-                waiting.quarantined = now
-                waiting.next_probe = now + PROBE_WRITER_EVERY_S
-                ctx.stats.record_quarantine(len(waiting.task.local_block_ids))
-        if state is AwaitState.QUARANTINED:
-            self._abort_write(waiting, why)
-        else:
-            self._report_await(waiting, ok=False)
-            self.send_release(waiting.task, None)
+            part.machine.advance(AwaitEvent.VERIFY)
+        local = _announced_ids(waiting)
+        if local is None:
+            self._write_verified(
+                waiting,
+                part,
+                "verify compares whole blocks of one KV-cache group; this WRITE moved windows "
+                "or several groups (different TP sizes, a hybrid model): turn verify off for "
+                "this pair",
+            )
+            return
+        ctx.verifier.check_write(
+            tid, checksums, local, lambda why: self._write_verified(waiting, part, why)
+        )
 
-    def _abort_write(self, waiting: _Await, why: str) -> None:
+    def _write_verified(self, waiting: _Await, part: _AwaitPart, why: str | None) -> None:
+        task = waiting.task
+        with self._ctx.lock:
+            self._ctx.stats.record_verify(ok=why is None)
+        if why is not None:
+            logger.error("request %s (transfer %s): %s", task.req_id, task.transfer_id, why)
+        self._end_await_part(
+            waiting,
+            part,
+            AwaitEvent.VERIFIED if why is None else AwaitEvent.MISMATCH,
+            why or "",
+        )
+
+    def give_up(self, tid: str, why: str) -> None:
+        """Stop waiting for the prefill's writes. Announced parts are quarantined
+        (abort_write) until their prefill rank confirms; the others end now."""
         ctx = self._ctx
-        task, peer = waiting.task, waiting.peer
+        with ctx.lock:
+            waiting = self._awaits.get(tid)
+            if waiting is None:
+                return
+            quarantined, ended = [], []
+            for part in waiting.parts.values():
+                if not part.machine.allows(AwaitEvent.GIVE_UP):
+                    continue
+                if part.machine.advance(AwaitEvent.GIVE_UP) is AwaitState.QUARANTINED:
+                    now = time.monotonic()
+                    part.quarantined = now
+                    part.next_probe = now + PROBE_WRITER_EVERY_S
+                    ctx.stats.record_quarantine(len(waiting.task.local_block_ids))
+                    quarantined.append(part)
+                else:
+                    ended.append(part)
+            done = not waiting.ended and all(
+                p.machine.state in AWAIT_TERMINAL for p in waiting.parts.values()
+            )
+        for part in quarantined:
+            self._abort_write(waiting, part, why)
+        if ended:
+            self._release_ranks(waiting.task, {}, waiting.plan, [p.rank for p in ended])
+        if done:
+            self._report_await(waiting, ok=False, why=why)
+
+    def _abort_write(self, waiting: _Await, part: _AwaitPart, why: str) -> None:
+        ctx = self._ctx
+        task, peer = waiting.task, part.peer
         assert peer is not None
         logger.warning(
-            "request %s (transfer %s): %s; its %d blocks are quarantined until the prefill "
+            "request %s (transfer %s): %s; its %d blocks are quarantined until prefill rank %d "
             "confirms its writes stopped (at most quarantine_timeout, %.0fs)",
             task.req_id,
             task.transfer_id,
             why,
             len(task.local_block_ids),
+            part.rank,
             ctx.cfg.quarantine_timeout,
         )
         try:
@@ -485,26 +835,40 @@ class Puller:
                     decode_handshake_port=ctx.cfg.handshake_port,
                     decode_notify_port=ctx.cfg.notify_port,
                     decode_dp_rank=ctx.cfg.dp_rank,
+                    decode_tp_rank=ctx.cfg.tp_rank,
+                    decode_tp_size=ctx.cfg.tp_size,
                 ),
             )
         except MoriioError as exc:
             logger.warning("transfer %s: abort_write not sent: %s", task.transfer_id, exc)
 
-    def _end_await(self, tid: str, event: AwaitEvent) -> None:
+    def _end_await_part(
+        self, waiting: _Await, part: _AwaitPart, event: AwaitEvent, why: str = ""
+    ) -> None:
+        """A part's end; a failed one gives up the others, the last one reports the load."""
         with self._ctx.lock:
-            waiting = self._awaits.get(tid)
-            if waiting is None or not waiting.machine.allows(event):
+            if not part.machine.allows(event):
                 return
-            waiting.machine.advance(event)
-        why = f"WRITE ended by {event.name.lower()}"
-        self._report_await(waiting, ok=waiting.machine.state is AwaitState.DONE, why=why)
+            part.machine.advance(event)
+            failed = part.machine.state is not AwaitState.DONE
+            done = not waiting.ended and all(
+                p.machine.state in AWAIT_TERMINAL for p in waiting.parts.values()
+            )
+        why = why or f"WRITE ended by {event.name.lower()} of prefill rank {part.rank}"
+        if failed and not done:
+            self.give_up(waiting.task.transfer_id, why)
+            return
+        if done:
+            ok = waiting.state() is AwaitState.DONE
+            self._report_await(waiting, ok=ok, why=why)
 
     def _report_await(self, waiting: _Await, ok: bool, why: str = "gave up") -> None:
         ctx = self._ctx
         task = waiting.task
         with ctx.lock:
-            if self._awaits.pop(task.transfer_id, None) is None:
+            if waiting.ended or self._awaits.pop(task.transfer_id, None) is None:
                 return
+            waiting.ended = True
             ctx.reports.done_recving.add(task.req_id)
             if not ok:
                 # Both signals: failed_recving (request level) and the blocks (for callers
@@ -516,40 +880,49 @@ class Puller:
         ctx.mark_terminal(task.transfer_id)
 
     def check_timeouts(self, now: float) -> None:
-        """Give up awaits past abort_timeout; free or probe quarantined ones."""
+        """Give up awaits past abort_timeout; free or probe quarantined parts."""
         ctx = self._ctx
         expired: list[str] = []
-        gone: list[tuple[str, str]] = []
-        to_probe: list[_Await] = []
+        gone: list[tuple[_Await, _AwaitPart]] = []
+        to_probe: list[tuple[_Await, _AwaitPart]] = []
         with ctx.lock:
             for tid, waiting in self._awaits.items():
-                state = waiting.machine.state
-                if state is AwaitState.QUARANTINED:
-                    if now > waiting.quarantined + ctx.cfg.quarantine_timeout:
-                        gone.append((tid, "no drain confirmation within quarantine_timeout"))
-                    elif waiting.probe is None and now >= waiting.next_probe:
-                        waiting.next_probe = now + PROBE_WRITER_EVERY_S
-                        to_probe.append(waiting)
-                elif now > waiting.deadline:
+                live = [p for p in waiting.parts.values() if p.machine.state not in AWAIT_TERMINAL]
+                waiting_for_writes = any(
+                    p.machine.state is not AwaitState.QUARANTINED for p in live
+                )
+                if waiting_for_writes and now > waiting.deadline:
                     expired.append(tid)
+                for part in live:
+                    if part.machine.state is not AwaitState.QUARANTINED:
+                        continue
+                    if now > part.quarantined + ctx.cfg.quarantine_timeout:
+                        gone.append((waiting, part))
+                    elif part.probe is None and now >= part.next_probe:
+                        part.next_probe = now + PROBE_WRITER_EVERY_S
+                        to_probe.append((waiting, part))
         for tid in expired:
             self.give_up(
                 tid, f"the KV did not arrive within abort_timeout ({ctx.cfg.abort_timeout:.0f}s)"
             )
-        for tid, why in gone:
+        for waiting, part in gone:
             logger.warning(
-                "transfer %s: %s (%.0fs); freeing its blocks", tid, why, ctx.cfg.quarantine_timeout
+                "transfer %s: no drain confirmation from prefill rank %d within "
+                "quarantine_timeout (%.0fs); freeing its blocks",
+                waiting.task.transfer_id,
+                part.rank,
+                ctx.cfg.quarantine_timeout,
             )
-            self._end_await(tid, AwaitEvent.WRITER_GONE)
-        for waiting in to_probe:
-            assert waiting.peer is not None
-            future = ctx.directory.probe(waiting.peer)
+            self._end_await_part(waiting, part, AwaitEvent.WRITER_GONE)
+        for waiting, part in to_probe:
+            assert part.peer is not None
+            future = ctx.directory.probe(part.peer)
             with ctx.lock:
-                waiting.probe = future
-            future.add_done_callback(lambda f, w=waiting: self._probed(w, f))
+                part.probe = future
+            future.add_done_callback(lambda f, w=waiting, p=part: self._probed(w, p, f))
 
-    def _probed(self, waiting: _Await, future: Future[str]) -> None:
-        """A quarantined WRITE's prefill answered a probe (or did not): another instance
+    def _probed(self, waiting: _Await, part: _AwaitPart, future: Future[str]) -> None:
+        """A quarantined part's prefill rank answered a probe (or did not): another instance
         there is proof its writes ended; only several failures in a row are taken as death."""
         try:
             dead = future.result()
@@ -557,20 +930,20 @@ class Puller:
             dead = f"probe failed ({exc})"
         restarted = dead.startswith("it restarted")
         with self._ctx.lock:
-            waiting.probe = None
-            waiting.failed_probes = waiting.failed_probes + 1 if dead else 0
-            failures = waiting.failed_probes
+            part.probe = None
+            part.failed_probes = part.failed_probes + 1 if dead else 0
+            failures = part.failed_probes
         if not dead or (not restarted and failures < PROBE_FAILURES_FOR_DEATH):
             return
-        assert waiting.peer is not None
+        assert part.peer is not None
         logger.warning(
             "transfer %s: the prefill %s died: %s; freeing the quarantined blocks",
             waiting.task.transfer_id,
-            waiting.peer.response.engine_id,
+            part.peer.response.engine_id,
             dead if restarted else f"{dead}, {failures} probes in a row",
         )
-        self._ctx.directory.forget(waiting.peer)
-        self._end_await(waiting.task.transfer_id, AwaitEvent.WRITER_GONE)
+        self._ctx.directory.forget(part.peer)
+        self._end_await_part(waiting, part, AwaitEvent.WRITER_GONE)
 
     # ---- shared -------------------------------------------------------------------------------
 
@@ -583,20 +956,45 @@ class Puller:
                 ctx.reports.done_recving.add(task.req_id)
                 ctx.reports.failed_recving.add(task.req_id)
             ctx.stats.record(ok=False)
-        self.send_release(task, None)
+        self.send_release(task, {})
 
-    def send_release(self, task: RecvTask, peer: Peer | None) -> None:
-        """Tell the prefill it may free the request's blocks: the rank we read from (at its
-        handshaken address when we have one) and the unread ranks assigned to us when its TP
-        size is larger than ours (moriio_native.pd.tp)."""
+    def send_release(
+        self, task: RecvTask, peers: dict[int, Peer], plan: TpPlan | None = None
+    ) -> None:
+        """Tell the prefill it may free the request's blocks: every prefill rank the plan has
+        us release (the ranks we read from, at their handshaken addresses when we have them,
+        and the unused ranks assigned to us, :mod:`moriio_native.pd.heads`)."""
+        self._release_ranks(task, peers, plan, None)
+
+    def _release_ranks(
+        self,
+        task: RecvTask,
+        peers: dict[int, Peer],
+        plan: TpPlan | None,
+        only: list[int] | None,
+    ) -> None:
+        """Releases to the ranks of :meth:`send_release` (``only``: to those alone)."""
         ctx = self._ctx
         cfg = ctx.cfg
-        if peer is not None:  # the TP size the prefill confirmed in the handshake
-            tp_size, host = peer.response.tp_size, peer.host
+        confirmed = next(iter(peers.values()), None)
+        if confirmed is not None:  # the TP size the prefill confirmed in the handshake
+            tp_size, host = confirmed.response.tp_size, confirmed.host
         else:  # what the request said: bounded, since nothing confirmed it
             tp_size, host = task.remote_tp_size or cfg.tp_size, task.peer.host
-        targets = release_targets(cfg.tp_rank, cfg.tp_size, tp_size)
-        if peer is None and len(targets) > MAX_UNCONFIRMED_RELEASES:
+        if plan is None or plan.prefill_tp != tp_size:
+            try:
+                plan = ctx.tp_plan(host, tp_size, prefill=False)
+            except MoriioError:
+                plan = None
+        if plan is not None:
+            targets = list(plan.release_targets(cfg.tp_rank))
+        else:
+            # No plan for these sizes (nothing was read): every prefill rank, whichever plan
+            # it counts releases by (it ignores those it does not wait for).
+            targets = list(range(tp_size))
+        if only is not None:
+            targets = [r for r in targets if r in only]
+        if confirmed is None and len(targets) > MAX_UNCONFIRMED_RELEASES:
             logger.warning(
                 "request %s (transfer %s): the request names a prefill TP size of %d, which no "
                 "handshake confirmed; releasing only prefill rank %d",
@@ -609,9 +1007,10 @@ class Puller:
         release = Release(
             task.transfer_id, consumer_tp_size=cfg.tp_size, consumer_tp_rank=cfg.tp_rank
         )
-        for i, rank in enumerate(targets):
+        for rank in targets:
             try:
-                if i == 0 and peer is not None:
+                peer = peers.get(rank)
+                if peer is not None:
                     port = peer.notify_port
                 else:
                     port = rank_port(task.peer.notify_port, task.remote_dp_rank, rank, tp_size)
@@ -635,4 +1034,5 @@ __all__ = [
     "Puller",
     "ReadEvent",
     "ReadState",
+    "part_transfer_id",
 ]

@@ -1,17 +1,23 @@
 """The prefill side of the protocol: blocks held for READs, WRITE pushes (one rank).
 
 Held READ (:class:`SendState`): a finished request's blocks stay until every decode rank that
-pairs with this rank released them (:mod:`moriio_native.pd.tp`), or ``abort_timeout`` passes.
+reads from this rank (or is assigned to release it) released them
+(:class:`~moriio_native.pd.heads.TpPlan`), or ``abort_timeout`` passes.
 
-WRITE job (:class:`JobState`), one per request: it needs the request's prompt blocks
+WRITE job (:class:`JobState`), one per request and decode rank this rank writes to (one with
+equal TP sizes; with different sizes each gets its head range, :mod:`moriio_native.pd.heads`,
+and the request's blocks are freed once every job ended): it needs the request's prompt blocks
 (:class:`~moriio_native.pd.tasks.SaveTask`) and the decode's ``remote_blocks``, in either
 order; then the decode rank is handshaken in the background, each layer's write is queued
 for the writer thread as its layer is computed, and once the forward ended the seal carries
 the number of writes queued, so the engine cannot call the transfer done before every one of
 them completed. Its engine event ends it: exactly one ``write_done`` / ``write_failed`` goes
 to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` once nothing of
-it can land), and the blocks are reported free once the request finished. A job the engine
-ended with writes in flight waits (DRAINING) for their drain before any of that.
+it can land), and the blocks are reported free once the request finished. With ``verify``
+on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
+its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
+A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
+that.
 
 Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
 overtake the scheduler) are kept in bounded records, so unauthenticated peers cannot make
@@ -25,6 +31,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -33,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from moriio_native.control.messages import (
+    MAX_NOTIFY_BYTES,
     AbortWrite,
     NotifyMessage,
     Release,
@@ -41,13 +49,20 @@ from moriio_native.control.messages import (
     WriteDone,
     WriteFailed,
 )
+from moriio_native.engine import BlockSegment
 from moriio_native.errors import IncompatiblePeerError, MoriioError
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
-from moriio_native.pd.groups import GroupedBlocks, Segment, group_of_layer, post_write_layer
+from moriio_native.pd.groups import (
+    GroupedBlocks,
+    Segment,
+    engine_segments,
+    group_of_layer,
+    post_write_layer,
+)
+from moriio_native.pd.heads import TpPlan, write_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import SaveTask, SendTask
-from moriio_native.pd.tp import expected_releases, releases
 
 logger = logging.getLogger("moriio_native.pd.pusher")
 
@@ -82,6 +97,7 @@ class JobState(Enum):
     SEALED = auto()  # the seal (number of writes) is queued
     ABORTING = auto()  # failed with writes in the engine: waiting for its aborted event
     DRAINING = auto()  # the engine ended it with writes in flight: waiting for their drain
+    CHECKSUMMING = auto()  # done in the engine (verify): computing write_done's checksums
     DONE = auto()
     FAILED = auto()
 
@@ -96,6 +112,8 @@ class JobEvent(Enum):
     ENGINE_FAILED = auto()  # engine event: failed / aborted / timed out, drained
     ENGINE_UNDRAINED = auto()  # engine event with writes still in flight
     DRAINED = auto()  # the engine reports the DRAINING transfer drained
+    CHECKSUM = auto()  # engine event: done, and verify is on
+    CHECKSUMMED = auto()  # the checksums for write_done are ready
 
 
 _IN_ENGINE = (JobState.WRITING, JobState.SEALED, JobState.ABORTING)
@@ -113,6 +131,11 @@ JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     **{(s, JobEvent.ENGINE_FAILED): JobState.FAILED for s in _IN_ENGINE},
     **{(s, JobEvent.ENGINE_UNDRAINED): JobState.DRAINING for s in _IN_ENGINE},
     (JobState.DRAINING, JobEvent.DRAINED): JobState.FAILED,
+    (JobState.SEALED, JobEvent.CHECKSUM): JobState.CHECKSUMMING,
+    (JobState.CHECKSUMMING, JobEvent.CHECKSUMMED): JobState.DONE,
+    # The checksums could not be made or sent, or the decode gave up meanwhile (abort_write,
+    # release): nothing is in the engine any more.
+    (JobState.CHECKSUMMING, JobEvent.FAIL): JobState.FAILED,
 }
 JOB_TERMINAL = frozenset({JobState.DONE, JobState.FAILED})
 
@@ -135,9 +158,12 @@ class _Send:
 
 @dataclass
 class _Job:
-    transfer_id: str
+    transfer_id: str  # the engine transfer's (see job_transfer_id)
     created: float
     machine: Machine[JobState, JobEvent]
+    request: str  # the request's transfer id (what messages carry)
+    decode_rank: int
+    plan: TpPlan | None = None
     save: SaveTask | None = None
     remote: RemoteBlocks | None = None
     peer: Peer | None = None
@@ -155,13 +181,21 @@ class _Job:
     reason: str = ""
     released: bool = False  # the decode said it needs nothing: no write_failed to it
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
+    checksums: dict[str, bytes] | None = None  # verify: what write_done carries
 
     @property
     def state(self) -> JobState:
         return self.machine.state
 
 
-# ("write", job, layer, event or None) or ("seal", job, "", number of writes queued).
+def job_transfer_id(transfer_id: str, decode_rank: int, tp_rank: int) -> str:
+    """The engine transfer id of prefill rank ``tp_rank``'s job writing ``transfer_id`` into
+    decode rank ``decode_rank``: the request's own id for the decode rank of our index (the
+    only one with equal TP sizes), one id per decode rank otherwise."""
+    return transfer_id if decode_rank == tp_rank else f"{transfer_id}#d{decode_rank}"
+
+
+# ("write", job, layer, (event or None, segments or None)) or ("seal", job, "", writes queued).
 WriterOp = tuple[str, _Job, str, Any]
 
 
@@ -172,7 +206,9 @@ class Pusher:
     def __init__(self, ctx: Context, writer_queue: int = WRITER_QUEUE) -> None:
         self._ctx = ctx
         self._sends: dict[str, _Send] = {}
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _Job] = {}  # by engine transfer id
+        self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
+        self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
         self._early_releases: OrderedDict[str, tuple[float, _Releases]] = OrderedDict()
         self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
@@ -192,10 +228,9 @@ class Pusher:
         with self._ctx.lock:
             self._step_jobs = []
             for save in saves:
-                job = self._job(save.transfer_id, now, orphan=False)
-                job.save = save
-                self._step_jobs.append(job)
-                self._advance(job)
+                for job in self._plan_jobs(save, now):
+                    self._step_jobs.append(job)
+                    self._advance(job)
             for send in sends:
                 self._on_send_task(send, now)
         self.feed_writer()
@@ -226,20 +261,50 @@ class Pusher:
             self._step_jobs = []
         self.feed_writer()
 
-    def _job(self, tid: str, now: float, *, orphan: bool) -> _Job:
-        job = self._jobs.get(tid)
+    def _plan_jobs(self, save: SaveTask, now: float) -> list[_Job]:
+        """The request's jobs, one per decode rank the plan has us write (lock held); none
+        when no decode rank needs this rank's heads (its blocks are free once it finished)."""
+        ctx = self._ctx
+        tid = save.transfer_id
+        host = save.peer.host if save.peer is not None else "(no decode address)"
+        try:
+            plan = ctx.tp_plan(host, save.remote_tp_size, prefill=True)
+        except MoriioError as exc:
+            job = self._job(tid, ctx.cfg.tp_rank, now, orphan=False)
+            job.save = save
+            self._requests[tid] = [job]
+            self._fail(job, str(exc))
+            return [job]
+        ranks = plan.consumers(ctx.cfg.tp_rank)
+        if not ranks:
+            self._unwritten.add(tid)
+            return []
+        jobs = []
+        for rank in ranks:
+            job = self._job(tid, rank, now, orphan=False)
+            job.save, job.plan = save, plan
+            jobs.append(job)
+        self._requests[tid] = jobs
+        return jobs
+
+    def _job(self, tid: str, decode_rank: int, now: float, *, orphan: bool) -> _Job:
+        """The job of request ``tid`` for ``decode_rank`` (lock held), created if new."""
+        jid = job_transfer_id(tid, decode_rank, self._ctx.cfg.tp_rank)
+        job = self._jobs.get(jid)
         if job is None:
-            machine = Machine("WRITE", tid, JOB_TRANSITIONS, JobState.PENDING)
-            job = self._jobs[tid] = _Job(tid, created=now, machine=machine)
+            machine = Machine("WRITE", jid, JOB_TRANSITIONS, JobState.PENDING)
+            job = self._jobs[jid] = _Job(
+                jid, created=now, machine=machine, request=tid, decode_rank=decode_rank
+            )
             if orphan:
-                self._orphans[tid] = None
+                self._orphans[jid] = None
                 while len(self._orphans) > MAX_EARLY_MESSAGES:
                     old, _ = self._orphans.popitem(last=False)
                     dropped = self._jobs.get(old)
                     if dropped is not None and dropped.save is None:
                         del self._jobs[old]
         if not orphan:
-            self._orphans.pop(tid, None)
+            self._orphans.pop(jid, None)
         return job
 
     def _on_send_task(self, send: SendTask, now: float) -> None:
@@ -257,17 +322,39 @@ class Pusher:
                 return
             self._sends[tid] = held
             return
-        job = self._job(tid, now, orphan=False)
-        job.send, job.deadline = send, deadline
-        if job.state in JOB_TERMINAL:
+        if tid in self._unwritten:
+            self._unwritten.discard(tid)
             ctx.reports.done_sending.add(send.req_id)
-            self._jobs.pop(tid, None)
-        elif send.aborted:
-            self._fail(job, "the request was aborted")
-        elif released.ranks:
-            # The decode gave up before we had the request (its release came first).
-            job.released = True
-            self._fail(job, "the decode released the transfer")
+            return
+        jobs = self._requests.get(tid)
+        if jobs is None:  # no save task: the request ended before its last prompt chunk
+            jobs = self._requests[tid] = [self._job(tid, ctx.cfg.tp_rank, now, orphan=False)]
+        for job in jobs:
+            job.send, job.deadline = send, deadline
+        if self._request_ended(jobs):
+            return
+        for job in jobs:
+            if send.aborted:
+                self._fail(job, "the request was aborted")
+            elif job.decode_rank in released.ranks:
+                # The decode gave up before we had the request (its release came first).
+                job.released = True
+                self._fail(job, "the decode released the transfer")
+
+    def _request_ended(self, jobs: list[_Job]) -> bool:
+        """Once every job of a finished request is terminal: its blocks are free, late
+        messages for it are dropped (lock held). Whether it ended."""
+        if not all(j.state in JOB_TERMINAL for j in jobs):
+            return False
+        send = jobs[0].send
+        if send is None:
+            return False
+        self._ctx.reports.done_sending.add(send.req_id)
+        self._ctx.mark_terminal(send.transfer_id)
+        self._requests.pop(send.transfer_id, None)
+        for job in jobs:
+            self._jobs.pop(job.transfer_id, None)
+        return True
 
     # ---- the job machine (lock held) ----------------------------------------------------------
 
@@ -304,10 +391,21 @@ class Pusher:
             return
         if state is not JobState.WRITING:
             return
+        local, remote = job.block_ids or (np.empty(0, np.int64), np.empty(0, np.int64))
         for layer, event in job.pending:
             if job.segments is not None and not job.segments.get(layer):
                 continue  # nothing of this layer's group is written
-            self._staged.append(("write", job, layer, event))
+            segments = None
+            if job.plan is not None:
+                base = (
+                    engine_segments(job.segments[layer], with_layers=False)
+                    if job.segments is not None
+                    else [BlockSegment(local, remote)]
+                )
+                segments = write_segments(job.plan, self._ctx.cfg, job.decode_rank, layer, base)
+                if segments == []:
+                    continue  # a whole layer another prefill rank writes to this decode rank
+            self._staged.append(("write", job, layer, (event, segments)))
             job.submitted += 1
         job.pending = []
         if job.forward_done:
@@ -350,13 +448,15 @@ class Pusher:
     def _connect(self, job: _Job) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
         address = job.save.peer
+        decode_tp = job.plan.decode_tp if job.plan is not None else self._ctx.cfg.tp_size
         try:
-            future = self._ctx.connect(
+            future = self._ctx.connect_rank(
                 address.host,
                 address.handshake_port,
                 address.notify_port,
                 job.remote.decode_dp_rank,
-                job.save.remote_tp_size,
+                decode_tp,
+                job.decode_rank,
             )
         except MoriioError as exc:
             self._fail(job, f"cannot reach the decode rank: {exc}")
@@ -426,20 +526,24 @@ class Pusher:
         if job.abort_requested is not None:
             self._send_write_aborted(job)
         elif job.peer is not None and not job.released:
+            writers = len(job.plan.sources(job.decode_rank)) if job.plan is not None else 1
             message: NotifyMessage = (
-                WriteDone(job.transfer_id, writer_rank=ctx.cfg.tp_rank, num_writers=1)
+                WriteDone(
+                    job.request,
+                    writer_rank=ctx.cfg.tp_rank,
+                    num_writers=writers,
+                    checksums=job.checksums,
+                )
                 if ok
                 else WriteFailed(
-                    job.transfer_id,
+                    job.request,
                     writer_rank=ctx.cfg.tp_rank,
                     reason=job.reason[:1000] or "failed",
                 )
             )
             self._send(job.peer, message)
-        ctx.mark_terminal(job.transfer_id)
         if job.send is not None:
-            ctx.reports.done_sending.add(job.send.req_id)
-            self._jobs.pop(job.transfer_id, None)
+            self._request_ended(self._requests.get(job.request, [job]))
 
     def _send(self, peer: Peer, message: NotifyMessage) -> None:
         try:
@@ -458,12 +562,13 @@ class Pusher:
             self._send(peer, ack)
             return
         try:
-            future = self._ctx.connect(
+            future = self._ctx.connect_rank(
                 request.decode_address.host,
                 request.decode_address.handshake_port,
                 request.decode_address.notify_port,
                 request.decode_dp_rank,
-                self._ctx.cfg.tp_size,
+                request.decode_tp_size,
+                request.decode_tp_rank,
             )
         except MoriioError as exc:
             self._ack_failed(request, exc)
@@ -526,9 +631,71 @@ class Pusher:
                     job.state.name,
                 )
                 return True
+            verifier = self._ctx.verifier
+            if ok and verifier is not None and job.machine.allows(JobEvent.CHECKSUM):
+                job.machine.advance(JobEvent.CHECKSUM)
+                local = self._verified_ids(job)
+                if local is None:
+                    job.reason = (
+                        "verify compares whole blocks of one KV-cache group; this WRITE moved "
+                        "windows or several groups (different TP or block sizes, a hybrid "
+                        "model): turn verify off for this pair"
+                    )
+                    logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, job.reason)
+                    job.machine.advance(JobEvent.FAIL)
+                    self._complete(job)
+                    return True
+                verifier.for_write_done(
+                    job.transfer_id,
+                    local,
+                    lambda sums, why: self._checksummed(job, event, sums, why),
+                )
+                return True
             job.machine.advance(next_event)
             self._complete(job, event)
         return True
+
+    @staticmethod
+    def _verified_ids(job: _Job) -> list[int] | None:
+        """Our blocks a whole-block check of this job covers, in the decode's announced order;
+        None when the job writes windows or several groups."""
+        if job.plan is not None and not job.plan.identity:
+            return None
+        if job.segments is None:
+            return None if job.block_ids is None else job.block_ids[0].tolist()
+        moved = {tuple(s) for s in job.segments.values() if s}
+        if len(moved) != 1:
+            return None
+        (only,) = moved
+        if len(only) != 1 or only[0].tokens is not None:
+            return None
+        return list(only[0].local_blocks)
+
+    def _checksummed(
+        self, job: _Job, event: Any, checksums: dict[str, bytes] | None, why: str
+    ) -> None:
+        """write_done's checksums are ready (the verify thread): send it, or fail the job."""
+        size = sum(len(k) + len(v) + 16 for k, v in (checksums or {}).items())
+        if checksums is not None and size > MAX_NOTIFY_BYTES - 4096:
+            checksums, why = (
+                None,
+                (
+                    f"the checksums of {len(checksums)} layers ({size} bytes) do not fit one "
+                    f"write_done message ({MAX_NOTIFY_BYTES} bytes)"
+                ),
+            )
+        with self._ctx.lock:
+            if job.state is not JobState.CHECKSUMMING:
+                return  # failed meanwhile (abort_write, release, abort_timeout)
+            if checksums is None:
+                job.reason = why
+                logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, why)
+                job.machine.advance(JobEvent.FAIL)
+                self._complete(job)
+                return
+            job.checksums = checksums
+            job.machine.advance(JobEvent.CHECKSUMMED)
+            self._complete(job, event)
 
     def on_drained(self, tid: str) -> str:
         """'done' when a DRAINING job completed, 'early' when the job's undrained event is
@@ -550,7 +717,7 @@ class Pusher:
         tid = message.transfer_id
         with ctx.lock:
             send = self._sends.get(tid)
-            job = self._jobs.get(tid)
+            job = self._jobs.get(job_transfer_id(tid, message.consumer_tp_rank, ctx.cfg.tp_rank))
             if send is not None:
                 self._record_release(send.released, message)
                 if not self._fully_released(send.released):
@@ -561,6 +728,14 @@ class Pusher:
             elif job is not None:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
+                return
+            elif tid in self._requests or tid in self._unwritten:
+                logger.info(
+                    "transfer %s: release from decode rank %d, which this rank does not write",
+                    tid,
+                    message.consumer_tp_rank,
+                )
+                return
             else:
                 _, early = self._early_releases.setdefault(tid, (time.monotonic(), _Releases()))
                 self._record_release(early, message)
@@ -577,7 +752,7 @@ class Pusher:
             )
             return
         with self._ctx.lock:
-            job = self._job(tid, time.monotonic(), orphan=True)
+            job = self._job(tid, message.decode_tp_rank, time.monotonic(), orphan=True)
             if job.remote is not None or job.state is not JobState.PENDING:
                 return
             job.remote = message
@@ -598,7 +773,9 @@ class Pusher:
             )
             return
         with self._ctx.lock:
-            job = self._job(message.transfer_id, time.monotonic(), orphan=True)
+            job = self._job(
+                message.transfer_id, message.decode_tp_rank, time.monotonic(), orphan=True
+            )
             if job.abort_requested is not None:
                 return  # one answer per transfer
             job.abort_requested = message
@@ -650,7 +827,8 @@ class Pusher:
         size, rank = release.consumer_tp_size, release.consumer_tp_rank
         released.consumer_tp_size = released.consumer_tp_size or size
         expected_size = released.consumer_tp_size
-        if size != expected_size or not releases(rank, size, cfg.tp_rank, cfg.tp_size):
+        plan = self._release_plan(expected_size)
+        if size != expected_size or (plan is not None and not plan.releases(rank, cfg.tp_rank)):
             logger.warning(
                 "transfer %s: ignoring a release from decode rank %d of %d (expected releases "
                 "from the decode ranks of %d that pair with prefill rank %d of %d)",
@@ -664,13 +842,22 @@ class Pusher:
             return
         released.ranks.add(rank)
 
+    def _release_plan(self, consumer_tp_size: int) -> TpPlan | None:
+        """The plan releases are counted by; None when no decode rank of that TP size can
+        pair with us (the decode refuses the handshake, reads nothing, and every one of its
+        ranks releases every prefill rank)."""
+        try:
+            return self._ctx.tp_plan("decode", consumer_tp_size, prefill=True)
+        except MoriioError:
+            return None
+
     def _fully_released(self, released: _Releases) -> bool:
         if not released.consumer_tp_size:
             return False
-        cfg = self._ctx.cfg
-        return len(released.ranks) >= expected_releases(
-            cfg.tp_rank, cfg.tp_size, released.consumer_tp_size
-        )
+        plan = self._release_plan(released.consumer_tp_size)
+        if plan is None:  # nobody could read us: any release frees
+            return bool(released.ranks)
+        return len(released.ranks) >= plan.expected_releases(self._ctx.cfg.tp_rank)
 
     # ---- the writer thread --------------------------------------------------------------------
 
@@ -702,8 +889,8 @@ class Pusher:
                 if job.state not in live:
                     continue
             try:
-                if op == "write" and arg is not None:
-                    arg.synchronize()  # the layer's device event: its KV is computed
+                if op == "write" and arg[0] is not None:
+                    arg[0].synchronize()  # the layer's device event: its KV is computed
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
@@ -711,7 +898,11 @@ class Pusher:
                         continue
                     peer = job.peer
                     assert peer is not None
-                    if op == "write" and job.segments is not None:
+                    if op == "write" and arg[1] is not None:
+                        ctx.engine().write_layer(
+                            job.transfer_id, layer, peer.engine_peer, segments=arg[1]
+                        )
+                    elif op == "write" and job.segments is not None:
                         post_write_layer(
                             ctx.engine(),
                             job.transfer_id,

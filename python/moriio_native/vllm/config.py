@@ -47,6 +47,11 @@ key                   default      meaning
                                    ``"*"`` allows all (insecure)
 ``auth_secret``       unset        shared secret (>= 16 bytes) -> HMAC-SHA256 on every control
                                    message; else ``$MORIIO_NATIVE_AUTH_SECRET``
+``verify``            ``false``    check every transfer end to end: both sides compute block
+                                   checksums over the transferred cells and compare them; a
+                                   mismatch fails the load (its blocks are recomputed). Both
+                                   instances of a pair must agree. Costs a pass over the
+                                   transferred bytes on each side (docs/benchmarks.md)
 ``engine_options``    ``{}``       extra options for the native backend (string -> string)
 ``ucx_*``, ``mori_*`` --           passed through to the backend as engine options, as are
                                    ``qp_per_transfer``, ``post_batch_size``, ``num_workers``,
@@ -116,6 +121,7 @@ _PLAIN_KEYS = (
     "transfer_timeout",
     "quarantine_timeout",
     "read_loading",
+    "verify",
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -185,6 +191,7 @@ class ConnectorConfig(Schema, frozen=True):
     dp_size: Size = 1
     tp_size: Size = 1
     read_loading: ReadLoading = DEFAULT_READ_LOADING
+    verify: bool = False
 
     def _check(self) -> None:
         for key in ("host_ip", "bind_host", "proxy_ip"):

@@ -77,6 +77,14 @@ def _tp_rank(vllm_config: VllmConfig) -> int:
     return int(pc.rank) % max(1, int(pc.tensor_parallel_size))
 
 
+def _total_kv_heads(vllm_config: VllmConfig) -> int:
+    """The model's KV heads over all TP ranks (0 when the model config cannot tell)."""
+    try:
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        return 0
+
+
 class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV transfer for ``vllm serve`` (READ or WRITE mode, UCX or MoRI-IO).
 
@@ -165,6 +173,7 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
                 groups=hybrid.groups,
                 dp_rank=dp_rank,
                 tp_rank=_tp_rank(vllm_config),
+                total_kv_heads=_total_kv_heads(vllm_config),
                 context_parallel=int(getattr(pc, "decode_context_parallel_size", 1)) > 1
                 or int(getattr(pc, "prefill_context_parallel_size", 1)) > 1,
             )

@@ -18,12 +18,19 @@ name                                                          type      what
 ``vllm:moriio_native_transfer_bytes``                         histogram bytes per transfer
 ``vllm:moriio_native_copy_runs_per_transfer``                 histogram contiguous copy runs
 ``vllm:moriio_native_quarantined_blocks_total``               counter   blocks put in quarantine
+``vllm:moriio_native_verified_transfers_total``               counter   checksums matched
+``vllm:moriio_native_verify_failures_total``                  counter   checksums differed
+``vllm:moriio_native_open_transfers``                         gauge     transfers open now
 ============================================================ ========= ==========================
 
 Transfers are counted where the bytes are moved: by the decode in READ mode (it pulls), by the
 prefill in WRITE mode (it pushes). Quarantined blocks are counted by the decode, once per block
 and transfer, when a transfer into them ends while writes may still land (the stats key
-``quarantined_blocks``).
+``quarantined_blocks``). Integrity checks (``verify: true``) are counted by the decode, which
+compares the two sides' block checksums. Open transfers are those the instance's engines
+hold right now (pending, or quarantined until no late write can land), summed over the TP
+ranks: 0 on an idle instance; a value that stays above 0 once no request is left is a leaked
+transfer.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-from moriio_native.vllm.stats import SAMPLES
+from moriio_native.vllm.stats import OPEN_TRANSFERS, SAMPLES
 
 PREFIX = "vllm:moriio_native_"
 
@@ -102,10 +109,30 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
             "Contiguous copy runs (descriptors) per completed KV transfer.",
             RUNS_BUCKETS,
         )
+        gauge = self._gauge_cls(
+            name=PREFIX + "open_transfers",
+            documentation="KV transfers the instance's engines hold open now (pending or "
+            "quarantined), summed over its TP ranks; 0 once every transfer ended.",
+            labelnames=labelnames,
+            multiprocess_mode="mostrecent",
+        )
+        self.open_transfers = _per_engine(gauge, per_engine_labelvalues)
+        # The latest count each TP rank reported, per engine: a payload carries only the ranks
+        # whose count changed.
+        self._open_by_rank: dict[int, dict[str, int]] = {i: {} for i in per_engine_labelvalues}
         self.quarantined = counter(
             "quarantined_blocks",
             "KV blocks put into quarantine (neither reused nor freed until no late write of an "
             "ended transfer can land in them).",
+        )
+        self.verified = counter(
+            "verified_transfers",
+            "KV transfers whose block checksums matched on both sides (verify: true).",
+        )
+        self.verify_failures = counter(
+            "verify_failures",
+            "KV transfers whose block checksums differed or could not be compared (verify: "
+            "true); the load failed and its blocks were recomputed.",
         )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -121,6 +148,13 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
             if seconds > 0:
                 self.throughput[engine_idx].observe(nbytes / seconds)
         self.quarantined[engine_idx].inc(data.get("quarantined_blocks", 0))
+        self.verified[engine_idx].inc(data.get("verified", 0))
+        self.verify_failures[engine_idx].inc(data.get("verify_failures", 0))
+        ranks = data.get(OPEN_TRANSFERS)
+        if ranks:
+            latest = self._open_by_rank.setdefault(engine_idx, {})
+            latest.update({str(rank): int(n) for rank, n in ranks.items()})
+            self.open_transfers[engine_idx].set(sum(latest.values()))
 
 
 __all__ = ["PREFIX", "MoRIIONativePromMetrics"]

@@ -31,12 +31,15 @@ Contents: :func:`layer_specs` (layer name -> vLLM spec for every transferable la
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from moriio_native.control.messages import KvGroup
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.layout import CacheSpec
+
+logger = logging.getLogger("moriio_native.vllm.specs")
 
 # vLLM 0.33 hands the connector one logical [B, H, N, C] view per layer whatever the physical
 # KVCacheLayout (vllm/v1/kv_cache_layout.py: "The logical shape is always [L, B, H, N,
@@ -235,24 +238,52 @@ def cache_specs(
     return {name: to_cache_spec(name, specs[name], ndims.get(name, 4)) for name in names}
 
 
-def first_split_across_tp(specs: Mapping[str, Any]) -> str | None:
-    """The first layer whose cache TP ranks split (attention heads), or None when every rank
-    holds every layer whole (MLA latent and indexer caches), as transfers across different TP
-    sizes need."""
+def split_across_tp(specs: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(layers whose caches TP ranks split by KV head, layers every rank holds whole: MLA
+    latent and indexer caches), each in ``specs`` order."""
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
-    for name, spec in specs.items():
-        if not isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec)):
-            return name
-    return None
+    whole = tuple(
+        n for n, s in specs.items() if isinstance(s, (MLAAttentionSpec, SlidingWindowMLASpec))
+    )
+    return tuple(n for n in specs if n not in whole), whole
+
+
+def checked_total_kv_heads(
+    specs: Mapping[str, Any], split: Sequence[str], total_kv_heads: int, tp_size: int
+) -> int:
+    """``total_kv_heads`` when every split layer holds the share of them vLLM gives one rank
+    of ``tp_size`` (``max(1, total // tp)``), else 0 (logged): then different TP sizes are
+    refused, since the head ranges of the ranks are not known."""
+    from moriio_native.pd.heads import heads_per_rank
+
+    if not split or total_kv_heads < 1:
+        return 0
+    want = heads_per_rank(total_kv_heads, tp_size)
+    for name in split:
+        spec = specs[name]
+        heads = int(getattr(spec, "num_kv_heads", 0) or 0)
+        if heads != want:
+            logger.warning(
+                "layer %s holds %d KV heads, not the %d of %d over TP %d: transfers between "
+                "different TP sizes are refused",
+                name,
+                heads,
+                want,
+                total_kv_heads,
+                tp_size,
+            )
+            return 0
+    return total_kv_heads
 
 
 __all__ = [
     "VLLM_AXIS_ORDER",
     "UnsupportedSpecError",
     "cache_specs",
-    "first_split_across_tp",
+    "checked_total_kv_heads",
     "kv_groups",
     "layer_specs",
+    "split_across_tp",
     "to_cache_spec",
 ]

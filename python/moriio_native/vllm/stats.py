@@ -17,12 +17,19 @@ key                 meaning
 ``quarantined_blocks`` decode blocks put into quarantine: a transfer into them ended while
                     writes may still land, so they were neither recomputed into nor freed
                     until the writes were proven drained (or the quarantine bound passed)
+``verified``        transfers whose block checksums matched on both sides (``verify`` on)
+``verify_failures`` transfers whose checksums differed, or could not be compared: the load
+                    failed and its blocks were recomputed (counted in ``failures`` too)
 ``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
+``open_transfers``  a gauge, per TP rank (``{"<rank>": n}``): transfers the rank's engine
+                    holds open (pending or quarantined), sent when it changed since the
+                    rank's last payload; 0 once every transfer ended
 =================== ===============================================================
 
 The counters are summed by ``aggregate``; ``samples`` are concatenated, so the Prometheus
-histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker. Unknown keys in
-a payload are dropped.
+histograms (:mod:`moriio_native.vllm.prom`) see every transfer of every worker; the gauge's
+per-rank values are merged (the latest wins), so a rank that did not report keeps its last
+value. Unknown keys in a payload are dropped.
 
 Not thread-safe by itself; the worker guards its instance with its own lock.
 """
@@ -42,13 +49,17 @@ _COUNTERS = (
     "batches",
     "handshakes",
     "quarantined_blocks",
+    "verified",
+    "verify_failures",
 )
 SAMPLES = "samples"
+OPEN_TRANSFERS = "open_transfers"
 
 
 def _empty() -> dict[str, Any]:
     out: dict[str, Any] = {key: 0.0 if key == "seconds" else 0 for key in _COUNTERS}
     out[SAMPLES] = []
+    out[OPEN_TRANSFERS] = {}
     return out
 
 
@@ -62,6 +73,8 @@ class MoRIIONativeStats(KVConnectorStats):
             if key == SAMPLES:
                 # Copied, so two instances built from one payload never share a list.
                 merged[SAMPLES] = [list(sample) for sample in value]
+            elif key == OPEN_TRANSFERS:
+                merged[OPEN_TRANSFERS] = {str(rank): int(n) for rank, n in value.items()}
             elif key in merged:
                 merged[key] = value
         super().__init__(data=merged)
@@ -97,6 +110,14 @@ class MoRIIONativeStats(KVConnectorStats):
         """Count ``blocks`` decode blocks put into quarantine (once per block and transfer)."""
         self.data["quarantined_blocks"] += int(blocks)
 
+    def record_verify(self, *, ok: bool) -> None:
+        """Count one integrity check: passed (``ok``) or failed."""
+        self.data["verified" if ok else "verify_failures"] += 1
+
+    def record_open_transfers(self, rank: int, count: int) -> None:
+        """Set TP rank ``rank``'s gauge of open transfers (its engine's pending + quarantined)."""
+        self.data[OPEN_TRANSFERS][str(rank)] = int(count)
+
     def reset(self) -> None:
         self.data = _empty()
 
@@ -104,6 +125,8 @@ class MoRIIONativeStats(KVConnectorStats):
         for key in _COUNTERS:
             self.data[key] += other.data.get(key, 0)
         self.data[SAMPLES].extend(list(sample) for sample in other.data.get(SAMPLES, ()))
+        for rank, count in other.data.get(OPEN_TRANSFERS, {}).items():
+            self.data[OPEN_TRANSFERS][str(rank)] = int(count)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -113,6 +136,8 @@ class MoRIIONativeStats(KVConnectorStats):
         return {
             "Num successful transfers": n,
             "Num failed transfers": d["failures"],
+            "Num verified transfers": d["verified"],
+            "Num verify failures": d["verify_failures"],
             "Total MB transferred": round(d["bytes"] / 2**20, 3),
             "Avg transfer time (ms)": round(1000.0 * secs / n, 3) if n else 0.0,
             "Avg throughput (GB/s)": round(d["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0,
@@ -120,11 +145,12 @@ class MoRIIONativeStats(KVConnectorStats):
             "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
             "Handshakes": d["handshakes"],
             "Quarantined blocks": d["quarantined_blocks"],
+            "Open transfers": sum(d[OPEN_TRANSFERS].values()),
         }
 
     def is_empty(self) -> bool:
         d = self.data
-        return not (d["transfers"] or d["failures"] or d["handshakes"] or d["quarantined_blocks"])
+        return not (any(d[key] for key in _COUNTERS) or d[OPEN_TRANSFERS])
 
     def clone_and_reset(self) -> MoRIIONativeStats:
         """A copy of the counters; this instance starts a new interval."""
@@ -133,4 +159,4 @@ class MoRIIONativeStats(KVConnectorStats):
         return out
 
 
-__all__ = ["MoRIIONativeStats"]
+__all__ = ["OPEN_TRANSFERS", "SAMPLES", "MoRIIONativeStats"]

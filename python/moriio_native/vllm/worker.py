@@ -37,9 +37,10 @@ from moriio_native.engine import Engine, LayerRegistration, choose_backend
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError
 from moriio_native.pd import PdConfig, PdCore
 from moriio_native.pd.pusher import WRITER_QUEUE
+from moriio_native.verify import LayerChecksums
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask
-from moriio_native.vllm.specs import cache_specs, first_split_across_tp
+from moriio_native.vllm.specs import cache_specs, checked_total_kv_heads, split_across_tp
 from moriio_native.vllm.stats import MoRIIONativeStats
 
 logger = logging.getLogger("moriio_native.vllm.worker")
@@ -69,6 +70,7 @@ class WorkerSide:
         *,
         dp_rank: int = 0,
         tp_rank: int = 0,
+        total_kv_heads: int = 0,
         context_parallel: bool = False,
         groups: tuple[KvGroup, ...] = (),
     ) -> None:
@@ -79,11 +81,15 @@ class WorkerSide:
         self._groups = groups
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
+        self._open_reported = 0  # the open-transfers gauge as last sent to vLLM
         self._engine: Engine | None = None
+        self._checksums: LayerChecksums | None = None
         self._layers: list[str] = []
         self._gpu = False
         self._pending_recv: list[RecvTask] = []
         self._pinger: ProxyPinger | None = None
+        split, whole = split_across_tp(self._specs)
+        total_kv_heads = checked_total_kv_heads(self._specs, split, total_kv_heads, config.tp_size)
         # One security context for every channel of this rank: the core's and the pinger's.
         self._security = ControlSecurity.from_config(config.control_config())
         self._core = PdCore(
@@ -106,7 +112,10 @@ class WorkerSide:
                 # Context parallelism splits every cache by token across ranks: no rank holds a
                 # layer whole, so only equal TP sizes pair.
                 context_parallel=context_parallel,
-                split_layer=first_split_across_tp(self._specs),
+                split_layers=split,
+                whole_layers=whole,
+                total_kv_heads=total_kv_heads,
+                verify=config.verify,
                 groups=groups,
             ),
             self._security,
@@ -114,6 +123,7 @@ class WorkerSide:
             engine=lambda: self.engine,
             bind_host=config.bind_host,
             writer_queue=_WRITER_QUEUE,
+            checksums=lambda: self.checksums,
         )
 
     # ---- setup --------------------------------------------------------------------------------
@@ -123,6 +133,13 @@ class WorkerSide:
         if self._engine is None:
             raise FailedPreconditionError("KV caches are not registered yet")
         return self._engine
+
+    @property
+    def checksums(self) -> LayerChecksums:
+        """This rank's block checksums (``verify`` on, caches registered)."""
+        if self._checksums is None:
+            raise FailedPreconditionError("verify is off, or the KV caches are not registered")
+        return self._checksums
 
     @property
     def core(self) -> PdCore:
@@ -174,6 +191,9 @@ class WorkerSide:
                     device=device,
                 )
             )
+        if self.cfg.verify:
+            # Refused here, at start-up, when a layer's memory can be checked by neither path.
+            self._checksums = LayerChecksums.for_registrations(regs)
         backend = choose_backend(self.cfg.backend, self.cfg.engine_options, role="serve")
         engine = Engine(
             self.engine_id,
@@ -194,10 +214,11 @@ class WorkerSide:
             self._start_pinger()
         assert self._server is not None and self._listener is not None
         logger.info(
-            "engine %s (%s, %s mode) registered %d layers; handshake port %d, notify port %d",
+            "engine %s (%s, %s mode%s) registered %d layers; handshake port %d, notify port %d",
             self.engine_id,
             backend,
             self.cfg.mode,
+            ", verified transfers" if self.cfg.verify else "",
             len(names),
             self._server.port,
             self._listener.port,
@@ -265,7 +286,14 @@ class WorkerSide:
         return errors if len(self._groups) <= 1 else set()
 
     def get_stats(self) -> MoRIIONativeStats | None:
+        """This interval's counters, plus the open-transfers gauge when it changed; None when
+        there is nothing to send."""
         with self._core.lock:
+            if self._engine is not None:
+                open_now = self._engine.pending_transfers + self._engine.quarantined_transfers
+                if open_now != self._open_reported:
+                    self._stats.record_open_transfers(self.tp_rank, open_now)
+                    self._open_reported = open_now
             if self._stats.is_empty():
                 return None
             return self._stats.clone_and_reset()

@@ -1,0 +1,205 @@
+"""The end-to-end integrity check of one rank (``verify``): block checksums compared across a
+transfer's two sides (:mod:`moriio_native.verify` computes them over logical cells).
+
+* Decode, READ (:meth:`Verifier.check_read`): once the engine READ is done, the prefill rank is
+  asked (``checksum_request`` on its handshake channel) for the checksums of the blocks it
+  read, and they are compared with ours over the blocks the READ wrote. The decode's
+  ``release`` goes out only after this, so the prefill's blocks cannot change in between.
+* Decode, WRITE (:meth:`Verifier.check_write`): the checksums ``write_done`` carries are
+  compared with ours once every write landed.
+* Prefill: :meth:`Verifier.answer` serves ``checksum_request`` (READ; on the handshake server
+  thread) and :meth:`Verifier.for_write_done` computes what ``write_done`` carries (WRITE).
+
+A mismatch, a missing answer or a peer that does not verify fails the load: its blocks are
+recomputed, the stats count a verify failure and the log names the transfer, layer and block.
+Checking and computing run on one thread (``moriio-native-verify``; a READ's own checksums on
+a second, while the prefill computes its), never under the context lock; results come back
+through the callback, on the first. Thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
+
+from moriio_native.control.channel import fetch_checksums
+from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
+from moriio_native.control.security import ControlSecurity
+from moriio_native.errors import FailedPreconditionError, MoriioError
+from moriio_native.pd.peers import Peer
+from moriio_native.verify import WHOLE_BLOCK, CellWindow, compare
+
+logger = logging.getLogger("moriio_native.pd.verify")
+
+# Mismatched blocks named in one log line / failure reason (the rest are counted).
+MAX_NAMED_MISMATCHES = 8
+
+#: Called with None when the transfer is intact, else with why it is not.
+Verdict = Callable[[str | None], None]
+
+
+class Checksummer(Protocol):
+    """Computes this rank's checksums (moriio_native.verify.LayerChecksums satisfies it)."""
+
+    @property
+    def layers(self) -> tuple[str, ...]: ...
+
+    def compute(
+        self, block_ids: Sequence[int], window: CellWindow = WHOLE_BLOCK
+    ) -> dict[str, bytes]: ...
+
+
+class Verifier:
+    """The checks of one rank. ``checksummer`` is called when first needed (the caches are
+    registered after the core is built)."""
+
+    def __init__(
+        self,
+        checksummer: Callable[[], Checksummer],
+        security: ControlSecurity,
+        engine_id: str,
+        *,
+        timeout: float,
+    ) -> None:
+        self._checksummer = checksummer
+        self._security = security
+        self._engine_id = engine_id
+        self._timeout = timeout
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
+        # Our side of a READ's check, computed while the prefill computes its own.
+        self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
+
+    def shutdown(self) -> None:
+        """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
+        its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._local.shutdown(wait=False, cancel_futures=True)
+
+    # ---- decode -------------------------------------------------------------------------------
+
+    def check_read(
+        self,
+        transfer_id: str,
+        peer: Peer,
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        verdict: Verdict,
+    ) -> None:
+        """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``) with ours of
+        ``local_ids``; ``verdict`` gets the outcome (on the verify thread)."""
+
+        def check() -> str | None:
+            request = ChecksumRequest(
+                requester_engine_id=self._engine_id,
+                transfer_id=transfer_id,
+                block_ids=tuple(int(b) for b in remote_ids),
+            )
+            ours = self._local.submit(self._checksummer().compute, local_ids)
+            try:
+                answer = fetch_checksums(
+                    peer.host,
+                    peer.key.handshake_port,
+                    request,
+                    timeout=self._timeout,
+                    security=self._security,
+                )
+            except MoriioError as exc:
+                return f"no checksums from the prefill {peer.response.engine_id}: {exc}"
+            finally:
+                computed = ours.result()
+            return self._compare(transfer_id, answer.checksums, local_ids, remote_ids, computed)
+
+        self._run(transfer_id, check, verdict)
+
+    def check_write(
+        self,
+        transfer_id: str,
+        checksums: dict[str, bytes] | None,
+        local_ids: Sequence[int],
+        verdict: Verdict,
+    ) -> None:
+        """Compare the checksums a ``write_done`` carried (the prefill's blocks, in the order
+        of ours) with ours of ``local_ids``."""
+
+        def check() -> str | None:
+            if checksums is None:
+                return (
+                    "the prefill's write_done carries no checksums (it does not verify: set "
+                    "verify the same on both instances)"
+                )
+            ours = self._checksummer().compute(local_ids)
+            return self._compare(transfer_id, checksums, local_ids, local_ids, ours)
+
+        self._run(transfer_id, check, verdict)
+
+    def _compare(
+        self,
+        transfer_id: str,
+        theirs: dict[str, bytes],
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+        ours: dict[str, bytes],
+    ) -> str | None:
+        mismatches = compare(ours, theirs, local_ids, remote_ids)
+        if not mismatches:
+            return None
+        named = "; ".join(str(m) for m in mismatches[:MAX_NAMED_MISMATCHES])
+        more = len(mismatches) - MAX_NAMED_MISMATCHES
+        return f"integrity check failed for transfer {transfer_id}: {named}" + (
+            f" (and {more} more)" if more > 0 else ""
+        )
+
+    def _run(self, transfer_id: str, check: Callable[[], str | None], verdict: Verdict) -> None:
+        def task() -> None:
+            try:
+                outcome = check()
+            except Exception as exc:  # a check that cannot run fails the load, never passes it
+                logger.exception("transfer %s: the integrity check could not run", transfer_id)
+                outcome = f"integrity check of transfer {transfer_id} could not run: {exc}"
+            verdict(outcome)
+
+        self._pool.submit(task)
+
+    # ---- prefill ------------------------------------------------------------------------------
+
+    def answer(self, request: ChecksumRequest) -> ChecksumResponse:
+        """The checksums a decode asks for after its READ (handshake server thread). Raises
+        (-> handshake_rejected with the reason) for bad ids or windows."""
+        window = CellWindow(
+            request.head_begin,
+            request.heads or None,
+            request.token_begin,
+            request.tokens or None,
+        )
+        try:
+            checksums = self._checksummer().compute(request.block_ids, window)
+        except MoriioError as exc:
+            raise FailedPreconditionError(
+                f"checksums of transfer {request.transfer_id}: {exc}"
+            ) from None
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums=checksums)
+
+    def for_write_done(
+        self,
+        transfer_id: str,
+        local_ids: Sequence[int],
+        done: Callable[[dict[str, bytes] | None, str], None],
+    ) -> None:
+        """Compute the checksums of our written blocks for ``write_done``; ``done`` gets them
+        (or None and why they could not be computed), on the verify thread."""
+
+        def task() -> None:
+            try:
+                checksums = self._checksummer().compute(local_ids)
+            except Exception as exc:
+                logger.exception("transfer %s: cannot compute its checksums", transfer_id)
+                done(None, f"checksums not computed: {exc}")
+                return
+            done(checksums, "")
+
+        self._pool.submit(task)
+
+
+__all__ = ["MAX_NAMED_MISMATCHES", "Checksummer", "Verdict", "Verifier"]

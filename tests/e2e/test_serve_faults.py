@@ -1,0 +1,414 @@
+"""Faults inside the ``vllm serve`` tier: client disconnects at every stage and a killed prefill,
+through the real router (examples/launch/proxy.py), checked by code after every round.
+
+One prefill and one decode instance per setup (READ and WRITE at TP 1), kept across the
+module's scenarios. UCX runs over TCP only, without the engine's same-host copy shortcuts, as
+between two hosts: a stopped prefill really stalls a transfer (shared memory or CMA would read
+a stopped process's memory without it). Faults:
+
+* the client closes its connection while the prefill runs (the whole prefill instance is
+  stopped with the request in its socket, unread, and resumed after the disconnect);
+* while the transfer runs: the decode's engine processes (EngineCore and Worker) are held
+  until the prefill answered, then the prefill's are stopped and the decode's resumed, and
+  the client disconnects while the decode waits for the KV (READ: its pull from the stopped
+  prefill stalls; WRITE: its announcement waits for the prefill's writes); each round records
+  whether the decode was still waiting (``transfer``) or done loading (``late``), and one
+  round at least must catch it waiting;
+* after the first streamed token;
+* kill -9 of the whole prefill instance right after its answer (caught as above, so the
+  transfer cannot have ended): the
+  client must get an error or a completion equal to the plain instance's, within a bound; a
+  new prefill on the same ports must register and the decode load from it again.
+
+Invariants after every round: within a bound, both instances hold no KV blocks
+(``vllm:kv_cache_usage_perc``), no request (running, waiting) and no open transfer
+(``vllm:moriio_native_open_transfers``); the next two requests, never seen by the decode, equal
+the plain instance's completions token for token and their KV moved (the decode's
+``external_kv_transfer`` prompt tokens grow); open file descriptors and threads of each
+instance's processes do not grow over the rounds. Rows go to ``$MORIIO_FAULT_REPORT`` like
+tests/py's fault scenarios (``MORIIO_E2E_FAULT_ROUNDS`` rounds each, default 2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import prompts
+import pytest
+import serving
+from prompts import FAULT_SCENARIOS, fault_rounds
+from serving import START_TIMEOUT_S, Cluster, Completion, Env, Instance, PDSettings
+
+from fault_rows import Row, recorded
+
+TRANSFER_TIMEOUT_S = 5.0
+ABORT_TIMEOUT_S = 15.0
+QUARANTINE_TIMEOUT_S = 20.0
+CONNECTOR_CONFIG = {
+    "transfer_timeout": TRANSFER_TIMEOUT_S,
+    "abort_timeout": ABORT_TIMEOUT_S,
+    "quarantine_timeout": QUARANTINE_TIMEOUT_S,
+    # As between two hosts: no ucp_rkey_ptr memcpy or process_vm_readv of a peer's memory.
+    "engine_options": {"ucx_direct_copy": "off"},
+}
+# Everything a fault leaves must be gone within this: a stranded prefill request is freed
+# after abort_timeout, a stalled transfer fails after transfer_timeout (twice: the READ and the
+# wait for it), a quarantine ends after quarantine_timeout at the latest; 10 s of slack for the
+# stat logger and the engine steps on a loaded 2-core machine.
+CLEAN_BOUND_S = ABORT_TIMEOUT_S + 2 * TRANSFER_TIMEOUT_S + QUARANTINE_TIMEOUT_S + 10.0
+# A client call through the router during a fault: a recomputed request waits at most the
+# bound above for its KV, then computes a 400-token prompt.
+REQUEST_BOUND_S = CLEAN_BOUND_S + 60.0
+REGISTER_TIMEOUT_S = 90.0
+# Growth allowed over the rounds after the first two (lazily opened sockets, thread pools).
+SLACK = {"fds": 4, "threads": 2, "processes": 0}
+
+SETUPS = [("read", 1), ("write", 1)]
+
+logger = logging.getLogger("moriio_native.e2e.faults")
+
+
+@dataclass
+class Faulty(Cluster):
+    baseline: list[Completion] = field(default_factory=list)
+    samples: dict[str, list[dict[str, int]]] = field(
+        default_factory=lambda: {"prefill": [], "decode": []}
+    )
+
+    @property
+    def mode(self) -> str:
+        return self.settings.mode.upper()
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-tp{tp}" for m, tp in SETUPS])
+def faulty(
+    request: pytest.FixtureRequest,
+    env: Env,
+    models: tuple[Path, Path],
+    baseline: dict[str, list[Completion]],
+) -> Iterator[Faulty]:
+    mode, tp = request.param
+    settings = PDSettings(
+        mode=mode,
+        ping_port=serving.free_ports(1),
+        tp=tp,
+        secret=secrets.token_hex(32),
+        extra_config=json.dumps(CONNECTOR_CONFIG),
+        ucx_tls="tcp",
+    )
+    with serving.stack() as st:
+        router = serving.proxy_router(env, settings.ping_port, name=f"proxy-faults-{mode}")
+        st.add(router.server)
+        router.server.wait_http(router.url + "/health", 60)
+        prefill = serving.pd_instance(
+            env, "prefill", models[0], settings, name=f"prefill-faults-{mode}-tp{tp}"
+        )
+        decode = serving.pd_instance(
+            env, "decode", models[0], settings, name=f"decode-faults-{mode}-tp{tp}"
+        )
+        st.add(prefill.server)
+        st.add(decode.server)
+        prefill.wait_ready(START_TIMEOUT_S)
+        decode.wait_ready(START_TIMEOUT_S)
+        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
+        yield Faulty(env, st, settings, prefill, decode, router, baseline["faults"])
+
+
+# ---- what the instances show -------------------------------------------------------------------
+
+
+def _gauges(inst: Instance) -> dict[str, float]:
+    samples = serving.metric_samples(inst.url)
+
+    def get(name: str) -> float:
+        return serving.metric_value(samples, name) or 0.0
+
+    return {
+        "kv_cache_usage": get("vllm:kv_cache_usage_perc"),
+        "running": get("vllm:num_requests_running"),
+        "waiting": get("vllm:num_requests_waiting"),
+        "open_transfers": get("vllm:moriio_native_open_transfers"),
+        "prefill_success": get("vllm:request_success_total"),
+        "external_kv_tokens": serving.metric_value(
+            samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+        )
+        or 0.0,
+    }
+
+
+def _held(g: dict[str, float]) -> dict[str, float]:
+    """What an idle instance must not hold: blocks, requests, open transfers."""
+    keys = ("kv_cache_usage", "running", "waiting", "open_transfers")
+    return {k: g[k] for k in keys if g[k] != 0}
+
+
+def _wait_until(cond: Callable[[], bool], bound_s: float, poll_s: float = 0.02) -> float | None:
+    """Seconds until ``cond()`` held, or None when it did not within ``bound_s``."""
+    start = time.monotonic()
+    while True:
+        if cond():
+            return time.monotonic() - start
+        if time.monotonic() - start > bound_s:
+            return None
+        time.sleep(poll_s)
+
+
+def _engine_pids(inst: Instance) -> list[int]:
+    """The instance's engine processes: vLLM's EngineCore (the scheduler) and its Worker
+    processes (the connector's worker half, which serves and posts the transfers), all titled
+    ``VLLM::...``; not the API server, which keeps answering /metrics."""
+    pids = serving.pids_named(inst.server.pid, "VLLM::")
+    assert pids, f"{inst.server.name}: no VLLM:: engine process in its group"
+    return pids
+
+
+def _signal_pids(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+# ---- one round ---------------------------------------------------------------------------------
+
+
+def _check_after(f: Faulty, row: Row, index: int, fault_at: float) -> None:
+    """The invariants once a fault is over: both instances clean within the bound, the next two
+    requests equal the plain instance's and moved their KV, resources sampled."""
+    for inst in (f.prefill, f.decode):
+        took = _wait_until(lambda inst=inst: not _held(_gauges(inst)), CLEAN_BOUND_S, 0.5)
+        row.check(
+            took is not None,
+            f"round {index}: {inst.server.name} still holds {_held(_gauges(inst))} "
+            f"{CLEAN_BOUND_S:.0f} s after the fault",
+        )
+    row.recover_s.append(time.monotonic() - fault_at)
+    _, after = prompts.fault_round(index)
+    want = f.baseline[3 * index + 1 : 3 * index + 3]
+    before = _gauges(f.decode)["external_kv_tokens"]
+    got = serving.run_all(f.router.url, after, prompts.MAX_TOKENS)
+    bad = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.key() != w.key()]
+    row.check(not bad, f"round {index}: requests {bad} after the fault differ from the baseline")
+    moved = _gauges(f.decode)["external_kv_tokens"] - before
+    row.check(moved > 0, f"round {index}: the decode loaded no KV for the requests after it")
+    for inst, who in ((f.prefill, "prefill"), (f.decode, "decode")):
+        inst.server.check_alive()
+        f.samples[who].append(serving.group_resources(inst.server.pid))
+
+
+def _disconnect_while_prefill_runs(f: Faulty, row: Row, index: int) -> str:
+    victim, _ = prompts.fault_round(index)
+    client = serving.StreamingClient(f.router.url, victim, prompts.MAX_TOKENS)
+    serving.signal_group(f.prefill.server.pid, signal.SIGSTOP)
+    try:
+        client.send()
+        arrived = _wait_until(lambda: serving.unread_bytes_at(f.prefill.http_port) > 0, 30.0)
+        row.check(arrived is not None, f"round {index}: the request never reached the prefill")
+        client.disconnect()
+        row.faults += 1
+    finally:
+        serving.signal_group(f.prefill.server.pid, signal.SIGCONT)
+    return "prefill"
+
+
+def _caught_after_the_prefill(
+    f: Faulty, row: Row, index: int, client_call: Callable[[], None]
+) -> tuple[list[int], float]:
+    """Start ``client_call`` (the request) and catch its transfer in flight: the decode's
+    engine process is held (stopped) until the prefill answered and the prefill's engine
+    process is stopped in turn, so the decode's READ (or, in WRITE mode, its announcement and
+    the prefill's writes) can only start against a stopped prefill. Returns the prefill's
+    stopped engine processes and the time they were stopped."""
+    before = _gauges(f.prefill)["prefill_success"]
+    decode_pids, prefill_pids = _engine_pids(f.decode), _engine_pids(f.prefill)
+    _signal_pids(decode_pids, signal.SIGSTOP)
+    try:
+        client_call()
+        answered = _wait_until(lambda: _gauges(f.prefill)["prefill_success"] > before, 60.0)
+        _signal_pids(prefill_pids, signal.SIGSTOP)
+    finally:
+        _signal_pids(decode_pids, signal.SIGCONT)
+    row.check(answered is not None, f"round {index}: the prefill never answered")
+    return prefill_pids, time.monotonic()
+
+
+def _disconnect_while_the_transfer_runs(f: Faulty, row: Row, index: int) -> str:
+    victim, _ = prompts.fault_round(index)
+    client = serving.StreamingClient(f.router.url, victim, prompts.MAX_TOKENS)
+    loaded_before = _gauges(f.decode)["external_kv_tokens"]
+    pids, _ = _caught_after_the_prefill(f, row, index, client.send)
+    try:
+        # The decode has the request and waits for its KV (READ: the pull from the stopped
+        # prefill; WRITE: the writes or write_done), or it already loaded it ("late").
+        stage: list[str] = []
+
+        def seen() -> bool:
+            g = _gauges(f.decode)
+            if g["waiting"] >= 1:
+                stage.append("transfer")
+            elif g["running"] >= 1 or g["external_kv_tokens"] > loaded_before:
+                stage.append("late")
+            return bool(stage)
+
+        _wait_until(seen, 30.0, 0.01)
+        # What the decode's engine holds while it waits (READ: 0 in the runs of 2026-12-01, the
+        # pull not yet posted to the engine; docs/reliability.md).
+        held = _gauges(f.decode)["open_transfers"]
+        logger.info("round %d: the waiting decode holds %s open transfers", index, held)
+        client.disconnect()
+        row.faults += 1
+        # The decode drops the request while the prefill is still stopped.
+        _wait_until(lambda: _gauges(f.decode)["waiting"] + _gauges(f.decode)["running"] == 0, 3.0)
+    finally:
+        _signal_pids(pids, signal.SIGCONT)
+    return stage[0] if stage else "unseen"
+
+
+def _disconnect_after_the_first_token(f: Faulty, row: Row, index: int) -> str:
+    victim, _ = prompts.fault_round(index)
+    client = serving.StreamingClient(f.router.url, victim, prompts.MAX_TOKENS)
+    client.send()
+    client.first_chunk()
+    client.disconnect()
+    row.faults += 1
+    return "after"
+
+
+STAGES: dict[str, tuple[int, Callable[[Faulty, Row, int], str]]] = {
+    # name: (its place among the scenarios' prompt ranges, the fault)
+    "prefill": (0, _disconnect_while_prefill_runs),
+    "transfer": (1, _disconnect_while_the_transfer_runs),
+    "after": (2, _disconnect_after_the_first_token),
+}
+KILL_RANGE = 3
+assert FAULT_SCENARIOS == KILL_RANGE + 1
+
+
+def _round_index(scenario: int, i: int) -> int:
+    return scenario * fault_rounds() + i
+
+
+@pytest.mark.parametrize(
+    "stage",
+    list(STAGES),
+    ids=[f"disconnect-{s}" for s in STAGES],
+)
+def test_client_disconnect(faulty: Faulty, stage: str) -> None:
+    place, fault = STAGES[stage]
+    what = {
+        "prefill": "while the prefill runs",
+        "transfer": "while the transfer runs",
+        "after": "after the first token",
+    }[stage]
+    reached: list[str] = []
+    with recorded(f"serve {faulty.mode} tp1, client disconnects {what}") as row:
+        for i in range(fault_rounds()):
+            index = _round_index(place, i)
+            fault_at = time.monotonic()
+            reached.append(fault(faulty, row, index))
+            row.rounds += 1
+            _check_after(faulty, row, index, fault_at)
+        if stage == "transfer":
+            # A READ posted to a stopped prefill completed in some rounds (also seen in the
+            # connector harness; docs/reliability.md): such a round is "late", still a
+            # disconnect with every invariant checked, but one round must catch the wait.
+            row.check(
+                "transfer" in reached,
+                f"no round caught the decode waiting for its KV (stages: {reached})",
+            )
+    logger.info("%s: stages reached %s", stage, reached)
+
+
+def test_no_growth_over_the_rounds(faulty: Faulty) -> None:
+    """File descriptors, threads and processes of each instance over the disconnect rounds:
+    after the first two (warm-up), nothing grows beyond the slack."""
+    for who, samples in faulty.samples.items():
+        assert len(samples) >= 3, f"{who}: {len(samples)} samples, need 3"
+        base = samples[1]
+        for key, slack in SLACK.items():
+            top = max(s[key] for s in samples[2:])
+            assert top <= base[key] + slack, (
+                f"{who}: {key} grew from {base[key]} to {top} over {len(samples)} rounds: {samples}"
+            )
+
+
+@pytest.mark.skipif(
+    not os.environ.get("MORIIO_E2E_FAULT_ROUNDS"),
+    reason="full serve fault tier only (MORIIO_E2E_FAULT_ROUNDS, scripts/reliability.sh): each "
+    "round restarts a vllm serve instance, minutes on top of the CI tier's budget",
+)
+def test_prefill_killed_mid_request(faulty: Faulty, request: pytest.FixtureRequest) -> None:
+    """kill -9 of the prefill instance right after its answer (the transfer in flight): the
+    client gets an error or the plain instance's completion within the bound, never a hang;
+    the decode is clean again; a prefill restarted on the same ports registers and the decode
+    loads from it (the requests after equal the baseline)."""
+    f = faulty
+    if f.settings.mode == "read":
+        request.applymarker(
+            pytest.mark.xfail(
+                strict=True,
+                reason="open defect (docs/reliability.md): after the prefill is killed with the "
+                "decode's READ posted, the decode's request waits for its KV for good (the "
+                "client gets no answer, its blocks stay held), UCX over TCP on one host",
+            )
+        )
+    with recorded(f"serve {f.mode} tp1, kill -9 prefill mid-request; restart") as row:
+        for i in range(fault_rounds()):
+            index = _round_index(KILL_RANGE, i)
+            victim, _ = prompts.fault_round(index)
+            answer: dict[str, Any] = {}
+
+            def ask(victim: list[int] = victim, answer: dict[str, Any] = answer) -> None:
+                try:
+                    answer["completion"] = serving.complete(
+                        f.router.url, victim, prompts.MAX_TOKENS, REQUEST_BOUND_S
+                    )
+                except TimeoutError as exc:  # no answer within the bound: a hang
+                    answer["hung"] = exc
+                except (serving.ServerError, OSError, ValueError) as exc:  # allowed: an error
+                    answer["error"] = exc
+
+            client = threading.Thread(target=ask, daemon=True)
+            pids, fault_at = _caught_after_the_prefill(f, row, index, client.start)
+            serving.signal_group(f.prefill.server.pid, signal.SIGKILL)
+            _signal_pids(pids, signal.SIGKILL)
+            row.faults += 1
+            client.join(REQUEST_BOUND_S)
+            row.check(
+                not client.is_alive() and "hung" not in answer,
+                f"round {index}: the client got no answer within {REQUEST_BOUND_S:.0f} s",
+            )
+            if "completion" in answer:
+                want = f.baseline[3 * index]
+                row.check(
+                    answer["completion"].key() == want.key(),
+                    f"round {index}: completion {answer['completion']} differs from {want}",
+                )
+                row.detect_s.append(time.monotonic() - fault_at)
+            # The dead prefill replaced on its ports: the router sees the same instance again.
+            f.stack.stop(f.prefill.server)
+            restarted = time.monotonic()
+            f.prefill = serving.pd_instance(
+                f.env,
+                "prefill",
+                Path(f.prefill.server.env["MODEL"]),
+                f.settings,
+                name=f"{f.prefill.server.name}-r{i}",
+                like=f.prefill,
+            )
+            f.stack.add(f.prefill.server)
+            f.prefill.wait_ready(START_TIMEOUT_S)
+            serving.wait_registered(f.router, REGISTER_TIMEOUT_S, since=restarted)
+            row.rounds += 1
+            _check_after(f, row, index, fault_at)
+            logger.info("round %d: the client got %s", index, answer)

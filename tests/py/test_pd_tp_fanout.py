@@ -1,0 +1,282 @@
+"""The puller and the pusher across different TP sizes, against a scripted peer directory,
+sender and engine (no network, no vLLM): one part per source rank, the load's end once every
+part ended, releases and WRITE jobs counted by the head plan."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.messages import (
+    AbortWrite,
+    HandshakeResponse,
+    Release,
+    RemoteBlocks,
+    WriteDone,
+)
+from moriio_native.control.ports import rank_port
+from moriio_native.pd.context import Context
+from moriio_native.pd.peers import Peer, PeerKey
+from moriio_native.pd.puller import AwaitState, Puller, ReadState
+from moriio_native.pd.pusher import Pusher
+from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
+from test_pd_protocol import Directory, Sender
+from test_pd_protocol import context as protocol_context
+
+PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
+DECODE = ZmqAddress("127.0.0.1", 8000, 8100)
+DENSE = ("attn.0", "attn.1")
+WHOLE = ("mla",)
+
+
+class Engine:
+    """Records what the core asks; every call succeeds."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def read(self, tid: str, peer: str, local: Any, remote: Any) -> None:
+        self.calls.append(("read", tid, peer))
+
+    def read_segments(self, tid: str, peer: str, segments: Any) -> None:
+        self.calls.append(("read_segments", tid, peer, list(segments)))
+
+    def abort(self, tid: str) -> None:
+        self.calls.append(("abort", tid))
+
+    def remove_peer(self, peer: str) -> None:
+        self.calls.append(("remove_peer", peer))
+
+    def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
+        self.calls.append(("write_layer", tid, layer, peer, k.get("segments")))
+        return True
+
+    def seal(self, tid: str, peer: str, *, expected_writes: int) -> None:
+        self.calls.append(("seal", tid, peer, expected_writes))
+
+
+def context(
+    mode: str, *, producer: bool, tp_rank: int, tp_size: int, heads: int = 8
+) -> tuple[Context, Directory, Sender, Engine]:
+    engine = Engine()
+    base = PREFILL if producer else DECODE
+    ctx, directory, sender = protocol_context(
+        mode,
+        producer=producer,
+        engine=engine,
+        engine_id=f"{'p' if producer else 'd'}:{base.handshake_port}/dp0/tp{tp_rank}",
+        handshake_port=base.handshake_port,
+        notify_port=base.notify_port,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        split_layers=DENSE,
+        whole_layers=WHOLE,
+        total_kv_heads=heads,
+    )
+    return ctx, directory, sender, engine
+
+
+def peer_at(key: PeerKey, base: ZmqAddress, rank: int, tp: int, mode: str) -> Peer:
+    name = "p" if base is PREFILL else "d"
+    engine_id = f"{name}:{base.handshake_port}/dp0/tp{rank}"
+    response = HandshakeResponse(engine_id, b"meta", 0, rank, 1, tp, mode, total_kv_heads=8)
+    notify = rank_port(base.notify_port, 0, rank, tp)
+    return Peer(key=key, engine_peer=engine_id, notify_port=notify, response=response)
+
+
+def answer_handshakes(directory: Directory, base: ZmqAddress, tp: int, mode: str) -> list[int]:
+    """Complete every pending handshake with the rank its port names; the ranks, in order."""
+    ranks = []
+    while directory.pending:
+        key, future = directory.pending.pop(0)
+        rank = key.handshake_port - base.handshake_port
+        ranks.append(rank)
+        future.set_result(peer_at(key, base, rank, tp, mode))
+    return ranks
+
+
+def event(tid: str, state: str = "done", drained: bool = True) -> Any:
+    return SimpleNamespace(transfer_id=tid, state=state, message="", drained=drained)
+
+
+def read_task(tid: str, tp: int) -> RecvTask:
+    return RecvTask(
+        "req-1", tid, PREFILL, "p:7000", 0, tp, (3, 4, 5), (10, 11, 12), report_done=True
+    )
+
+
+def releases_sent(sender: Sender) -> list[int]:
+    """The notify ports the releases went to, as prefill ranks of TP 4 (base 7100)."""
+    return sorted(
+        port - PREFILL.notify_port
+        for port, m in getattr(sender, "ports", [])
+        if isinstance(m, Release)
+    )
+
+
+class PortSender(Sender):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ports: list[tuple[int, Any]] = []
+
+    def send(self, host: str, port: int, message: Any) -> None:
+        super().send(host, port, message)
+        self.ports.append((port, message))
+
+
+def test_a_gather_read_is_one_transfer_per_source_and_ends_with_the_last() -> None:
+    # Decode TP 2 rank 1 over prefill TP 4: heads [4,8) come from prefill ranks 2 and 3.
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=1, tp_size=2)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    puller = Puller(ctx)
+    puller.start(read_task("tx-1", 4))
+    assert answer_handshakes(directory, PREFILL, 4, "READ") == [2, 3]
+    posted = [c for c in engine.calls if c[0] == "read_segments"]
+    assert [c[1] for c in posted] == ["tx-1#p2", "tx-1#p3"]
+    windows = [
+        [
+            (s.local_window.head_begin, s.remote_window.head_begin, s.local_window.heads)
+            for s in c[3]
+        ]
+        for c in posted
+    ]
+    # Rank 2 gives local heads [0,2) and the whole MLA cache; rank 3 local heads [2,4).
+    assert windows[0][0] == (0, 0, 2) and windows[1] == [(2, 0, 2)]
+    assert [s.layers for s in posted[0][3]] == [DENSE, WHOLE]
+    puller.on_event(event("tx-1#p2"))
+    assert puller.read_states() == {"tx-1": ReadState.READING}
+    assert not ctx.reports.done_recving and not releases_sent(sender)
+    puller.on_event(event("tx-1#p3"))
+    assert puller.read_states() == {}
+    assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
+    assert releases_sent(sender) == [2, 3]
+
+
+def test_a_failed_part_stops_the_other_and_the_blocks_wait_for_its_drain() -> None:
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(read_task("tx-2", 2))
+    answer_handshakes(directory, PREFILL, 2, "READ")
+    # Part 0 ends with operations in flight: quarantined; part 1 is aborted.
+    puller.on_event(event("tx-2#p0", "failed", drained=False))
+    assert ("abort", "tx-2#p1") in engine.calls
+    puller.on_event(event("tx-2#p1", "aborted"))
+    assert puller.read_states() == {"tx-2": ReadState.QUARANTINED}
+    assert not ctx.reports.invalid_blocks  # part 0 may still write them
+    puller.on_drained("tx-2#p0", 0.5)
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {3, 4, 5}
+
+
+def test_write_await_needs_every_writer() -> None:
+    # Decode TP 1 over prefill TP 2: both prefill ranks write, each announced to.
+    ctx, directory, sender, _ = context("write", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(RecvTask("req-1", "tx-3", PREFILL, "p:7000", 0, 2, (4, 5), report_done=True))
+    answer_handshakes(directory, PREFILL, 2, "WRITE")
+    announced = [m for m in sender.sent if isinstance(m, RemoteBlocks)]
+    assert len(announced) == 2 and {m.decode_tp_rank for m in announced} == {0}
+    puller.on_write_result("tx-3", ok=True, writer_rank=1)
+    assert puller.await_states() == {"tx-3": AwaitState.ANNOUNCED}
+    puller.on_write_result("tx-3", ok=True, writer_rank=5)  # no such writer: ignored
+    puller.on_write_result("tx-3", ok=True, writer_rank=0)
+    assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
+
+
+def test_one_failed_writer_aborts_the_others_and_waits_for_their_ack() -> None:
+    ctx, directory, sender, _ = context("write", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(RecvTask("req-1", "tx-4", PREFILL, "p:7000", 0, 2, (4, 5), report_done=True))
+    answer_handshakes(directory, PREFILL, 2, "WRITE")
+    puller.on_write_result("tx-4", ok=False, writer_rank=0)
+    aborts = [m for m in sender.sent if isinstance(m, AbortWrite)]
+    assert len(aborts) == 1 and (aborts[0].decode_tp_rank, aborts[0].decode_tp_size) == (0, 1)
+    assert puller.await_states() == {"tx-4": AwaitState.QUARANTINED}
+    assert not ctx.reports.done_recving  # writer 1 may still write
+    puller.on_write_result("tx-4", ok=False, writer_rank=1)  # its write_aborted
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_held_read_blocks_wait_for_every_reader_once() -> None:
+    # Prefill TP 1 rank 0, decode TP 2: both decode ranks read it.
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    pusher.begin_step([], [SendTask("req-1", "tx-5")])
+    pusher.on_release(Release("tx-5", consumer_tp_size=2, consumer_tp_rank=0))
+    pusher.on_release(Release("tx-5", consumer_tp_size=2, consumer_tp_rank=0))  # again
+    pusher.on_release(Release("tx-5", consumer_tp_size=4, consumer_tp_rank=1))  # other size
+    assert not ctx.reports.done_sending
+    pusher.on_release(Release("tx-5", consumer_tp_size=2, consumer_tp_rank=1))
+    assert ctx.reports.done_sending == {"req-1"}
+
+
+def test_unused_prefill_rank_is_released_by_its_assigned_decode_rank() -> None:
+    # 2 KV heads, prefill TP 4 -> decode TP 2: decode rank 1 reads head 1 from prefill rank 3;
+    # prefill rank 1 holds a replica nobody reads and is released by decode rank 1 only.
+    ctx, _, _, _ = context("read", producer=True, tp_rank=1, tp_size=4, heads=2)
+    pusher = Pusher(ctx)
+    pusher.begin_step([], [SendTask("req-1", "tx-6")])
+    pusher.on_release(Release("tx-6", consumer_tp_size=2, consumer_tp_rank=0))
+    assert not ctx.reports.done_sending  # decode rank 0 does not release us
+    pusher.on_release(Release("tx-6", consumer_tp_size=2, consumer_tp_rank=1))
+    assert ctx.reports.done_sending == {"req-1"}
+
+
+def test_a_prefill_rank_writes_one_job_per_decode_rank_and_frees_after_both() -> None:
+    # Prefill TP 1 -> decode TP 2: heads [0,4) to decode rank 0, [4,8) to rank 1.
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    save = SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=2)
+    pusher.begin_step([save], [])
+    for rank in (0, 1):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-7", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [0, 1]
+    for layer in (*DENSE, *WHOLE):
+        pusher.layer_saved(layer, None)
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    writes = {(c[1], c[2]): c[4] for c in engine.calls if c[0] == "write_layer"}
+    assert set(writes) == {(tid, layer) for tid in ("tx-7", "tx-7#d1") for layer in DENSE + WHOLE}
+    for tid, begin in (("tx-7", 0), ("tx-7#d1", 4)):
+        for layer in DENSE:
+            (segment,) = writes[(tid, layer)]
+            assert (segment.local_window.head_begin, segment.local_window.heads) == (begin, 4)
+            assert segment.remote_window.head_begin == 0
+        assert writes[(tid, "mla")] is None  # whole blocks: this rank is the MLA source
+    seals = sorted((c[1], c[3]) for c in engine.calls if c[0] == "seal")
+    assert seals == [("tx-7", 3), ("tx-7#d1", 3)]
+    pusher.on_event(event("tx-7"), drained=True)
+    pusher.begin_step([], [SendTask("req-1", "tx-7")])
+    assert not ctx.reports.done_sending  # the job for decode rank 1 is still writing
+    pusher.on_event(event("tx-7#d1"), drained=True)
+    assert ctx.reports.done_sending == {"req-1"}
+    done = [(port, m) for port, m in sender.ports if isinstance(m, WriteDone)]
+    assert sorted(port for port, _ in done) == [DECODE.notify_port, DECODE.notify_port + 1]
+    assert all(m.transfer_id == "tx-7" and m.num_writers == 1 for _, m in done)
+
+
+def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:
+    ctx, _, _, _ = context("write", producer=True, tp_rank=1, tp_size=4, heads=2)
+    pusher = Pusher(ctx)
+    save = SaveTask("req-1", "tx-8", (1, 2), 2, DECODE, remote_tp_size=2)
+    pusher.begin_step([save], [])
+    assert not pusher.job_states()
+    pusher.begin_step([], [SendTask("req-1", "tx-8")])
+    assert ctx.reports.done_sending == {"req-1"}
+
+
+def run_writer(ctx: Context, pusher: Pusher) -> None:
+    """Let the writer thread post everything queued, then stop it."""
+    thread = threading.Thread(target=pusher.writer_loop)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not pusher._writer_q.empty() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # the last op taken is posted under the lock
+    ctx.stop.set()
+    thread.join(5)

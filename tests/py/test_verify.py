@@ -1,0 +1,282 @@
+"""Block checksums (moriio_native.verify) and the verify messages.
+
+The native (host) and torch (device) implementations must give the same value for the same
+logical bytes in every layout family vLLM ships; any changed byte of a moved cell changes its
+block's value; padding and bytes outside the window are never read; bad ids and windows are
+refused naming the layer. The messages of the verify step are schema-checked like every other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import pytest
+
+from moriio_native import CacheSpec, describe_layer
+from moriio_native.control.messages import (
+    MAX_CHECKSUM_REQUEST_BYTES,
+    MAX_NOTIFY_BYTES,
+    ChecksumRequest,
+    ChecksumResponse,
+    HandshakeRequest,
+    HandshakeResponse,
+    InvalidMessageError,
+    WriteDone,
+    decode,
+    encode,
+)
+from moriio_native.engine import LayerRegistration
+from moriio_native.errors import FailedPreconditionError, InvalidArgumentError, OutOfRangeError
+from moriio_native.verify import (
+    CellWindow,
+    LayerChecksums,
+    checksum_host,
+    checksum_torch,
+    compare,
+    pack,
+    unpack,
+)
+
+torch = pytest.importorskip("torch")
+
+N, B, H, D = 6, 4, 2, 3  # blocks, tokens per block, heads, head size (bf16: 6-byte cells)
+
+
+def spec(order: str = "auto", heads: int = H, block_size: int = B) -> CacheSpec:
+    return CacheSpec(
+        kind="kv",
+        block_size=block_size,
+        num_kv_heads=heads,
+        head_size=D,
+        dtype_bytes=2,
+        axis_order=order,
+    )
+
+
+def logical(seed: int = 0) -> Any:
+    """K/V content as [2, N, B, H, D] int16 (the bit patterns of bf16)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**15), 2**15, (2, N, B, H, D), dtype=torch.int16, generator=gen)
+
+
+def noise_like(shape: tuple[int, ...], seed: int) -> Any:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(-(2**15), 2**15, shape, dtype=torch.int16, generator=gen)
+
+
+def layouts(content: Any) -> dict[str, tuple[Any, CacheSpec]]:
+    """The same logical content in every layout family: (tensor, spec) per name. Padded and
+    strided forms are views into larger random buffers, so their gaps hold other bytes."""
+    k, v = content[0], content[1]  # [N, B, H, D]
+    out: dict[str, tuple[Any, CacheSpec]] = {
+        "sep_nhd": (content.clone(), spec()),
+        "sep_hnd": (content.permute(0, 1, 3, 2, 4).contiguous(), spec()),
+        "int_nhd": (content.permute(1, 0, 2, 3, 4).contiguous(), spec()),
+        "int_hnd": (content.permute(1, 0, 3, 2, 4).contiguous(), spec()),
+        # Packed K|V per head and token: [N, H, B, 2D], contiguous and in NBHC memory order.
+        "packed": (torch.cat([k, v], -1).permute(0, 2, 1, 3).contiguous(), spec()),
+        "packed_nbhc": (torch.cat([k, v], -1).contiguous().permute(0, 2, 1, 3), spec()),
+    }
+    # Kernel blocks of 2 tokens, HND: [N*2, 2, H, 2, D] (tokens split across kernel blocks).
+    kb = content.reshape(2, N, 2, 2, H, D).permute(1, 2, 0, 4, 3, 5).reshape(N * 2, 2, H, 2, D)
+    out["kernel_int_hnd"] = (kb.contiguous(), spec("hnd"))
+    # Padded blocks: each block's slot 1.5x its bytes, the rest random.
+    padded = noise_like((2, N, H, B + 2, D), 7)
+    padded[:, :, :, :B] = content.permute(0, 1, 3, 2, 4)
+    out["padded_hnd"] = (padded[:, :, :, :B], spec())
+    return out
+
+
+def host_bytes(tensor: Any) -> np.ndarray:
+    """The layer's bytes from its base to the end of its storage (what the native path reads)."""
+    storage = tensor.untyped_storage()
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage).numpy()
+    return raw[tensor.data_ptr() - storage.data_ptr() :]
+
+
+def both(name: str, tensor: Any, cache_spec: CacheSpec, ids: list[int], **window: Any) -> Any:
+    layout = describe_layer(name, tensor, cache_spec)
+    w = CellWindow(**window)
+    native = checksum_host(layout, host_bytes(tensor), ids, w)
+    by_torch = checksum_torch(layout, tensor, ids, w)
+    assert native.dtype == np.uint64
+    np.testing.assert_array_equal(native, by_torch, err_msg=name)
+    return native
+
+
+def test_every_layout_family_and_both_implementations_agree() -> None:
+    content = logical(1)
+    ids = [5, 0, 3, 2]
+    values = {name: both(name, t, s, ids) for name, (t, s) in layouts(content).items()}
+    reference = values["sep_nhd"]
+    for name, got in values.items():
+        np.testing.assert_array_equal(got, reference, err_msg=name)
+    assert len(set(reference.tolist())) == len(ids)  # random blocks, distinct values
+    # Another content gives other values.
+    other = both("sep_nhd", logical(2), spec(), ids)
+    assert not np.any(other == reference)
+
+
+def test_any_flipped_byte_of_a_moved_cell_changes_only_its_block() -> None:
+    content = logical(3)
+    tensor, cache_spec = layouts(content)["int_hnd"]
+    before = both("int_hnd", tensor, cache_spec, [1, 4])
+    raw = host_bytes(tensor)
+    block_bytes = 2 * H * B * D * 2
+    for offset in (0, 1, block_bytes // 2 + 5, block_bytes - 1):  # block 4 is contiguous here
+        raw[4 * block_bytes + offset] ^= 0x80
+        after = both("int_hnd", tensor, cache_spec, [1, 4])
+        assert after[0] == before[0] and after[1] != before[1], offset
+        raw[4 * block_bytes + offset] ^= 0x80
+    np.testing.assert_array_equal(both("int_hnd", tensor, cache_spec, [1, 4]), before)
+
+
+def test_padding_and_cells_outside_the_window_are_ignored() -> None:
+    content = logical(4)
+    tensor, cache_spec = layouts(content)["padded_hnd"]
+    window = {"head_begin": 1, "heads": 1, "token_begin": 2}
+    before = both("padded_hnd", tensor, cache_spec, [0, 5], **window)
+    whole = both("padded_hnd", tensor, cache_spec, [0, 5])
+    base = tensor._base if tensor._base is not None else tensor
+    base[:, :, :, B:] = 0  # the padding slots
+    tensor[:, :, 0] ^= 0x55  # head 0: outside the window
+    tensor[:, :, 1, :2] ^= 0x55  # tokens 0..1 of head 1: outside too
+    np.testing.assert_array_equal(both("padded_hnd", tensor, cache_spec, [0, 5], **window), before)
+    assert not np.any(both("padded_hnd", tensor, cache_spec, [0, 5]) == whole)
+    tensor[1, 5, 1, 3, 0] ^= 1  # V, block 5, head 1, token 3: inside
+    after = both("padded_hnd", tensor, cache_spec, [0, 5], **window)
+    assert after[0] == before[0] and after[1] != before[1]
+
+
+def test_a_head_window_equals_the_whole_block_of_the_side_holding_only_those_heads() -> None:
+    content = logical(5)
+    narrow = content[:, :, :, 1:].contiguous()  # heads 1.. of [2, N, B, H, D]
+    wide = both("wide", content, spec(), [3, 1], head_begin=1)
+    np.testing.assert_array_equal(both("narrow", narrow, spec(heads=H - 1), [3, 1]), wide)
+    tail = content[:, :, 2:].contiguous()  # tokens 2..3 as blocks of 2 tokens
+    np.testing.assert_array_equal(
+        both("tail", tail, spec("nhd", block_size=2), [3, 1]),
+        both("wide", content, spec(), [3, 1], token_begin=2),
+    )
+
+
+def test_bad_ids_and_windows_are_refused_naming_the_layer() -> None:
+    tensor, cache_spec = layouts(logical(6))["sep_nhd"]
+    layout = describe_layer("L0", tensor, cache_spec)
+    for ids in ([N], [-1], [0, N + 3]):
+        for fn, data in ((checksum_host, host_bytes(tensor)), (checksum_torch, tensor)):
+            with pytest.raises(
+                OutOfRangeError, match=rf"layer 'L0': block id {ids[-1]} .*{N} blocks"
+            ):
+                fn(layout, data, ids)
+    for window in (
+        CellWindow(heads=H + 1),
+        CellWindow(head_begin=H),
+        CellWindow(tokens=0),
+        CellWindow(token_begin=B - 1, tokens=2),
+    ):
+        with pytest.raises(InvalidArgumentError, match="layer 'L0': checksum window"):
+            checksum_host(layout, host_bytes(tensor), [0], window)
+        with pytest.raises(InvalidArgumentError, match="layer 'L0': checksum window"):
+            checksum_torch(layout, tensor, [0], window)
+    with pytest.raises(InvalidArgumentError, match=r"layer 'L0'.*buffer of 10 bytes"):
+        checksum_host(layout, np.zeros(10, dtype=np.uint8), [0])
+    with pytest.raises(InvalidArgumentError, match="C-contiguous"):
+        checksum_host(layout, host_bytes(tensor)[::2], [0])
+
+
+def test_compare_names_the_layer_and_both_blocks() -> None:
+    ours = {
+        "L0": pack(np.array([1, 2, 3], dtype=np.uint64)),
+        "L1": pack(np.array([4], dtype=np.uint64)),
+    }
+    theirs = {"L0": pack(np.array([1, 9, 3], dtype=np.uint64))}
+    got = compare(ours, theirs, [10, 11, 12], [20, 21, 22])
+    assert str(got[0]).startswith("layer 'L0' block 11 (remote block 21): checksum")
+    assert str(got[1]) == "layer 'L1': the peer sent no checksums for it"
+    assert compare(ours, dict(ours), [10, 11, 12], [20, 21, 22])[:1] != []  # L1 has 1 of 3
+    assert compare({"L0": ours["L0"]}, {"L0": ours["L0"]}, [1, 2, 3], [4, 5, 6]) == []
+    with pytest.raises(InvalidArgumentError, match="whole uint64"):
+        unpack(b"123")
+
+
+def test_device_layers_that_are_not_torch_tensors_are_refused_at_start_up() -> None:
+    tensor, cache_spec = layouts(logical(7))["sep_nhd"]
+    array = tensor.numpy()
+    reg = LayerRegistration(
+        "L0",
+        array,
+        cache_spec,
+        allocation=(array.ctypes.data, array.nbytes),
+        memory="cuda",
+        device=0,
+    )
+    with pytest.raises(FailedPreconditionError, match="verify: layer 'L0' is in cuda memory"):
+        LayerChecksums.for_registrations([reg])
+    host = LayerChecksums.for_registrations(
+        [LayerRegistration("L0", array, cache_spec, allocation=(array.ctypes.data, array.nbytes))]
+    )
+    assert host.layers == ("L0",)
+    assert host.compute([2, 1])["L0"] == pack(both("L0", tensor, cache_spec, [2, 1]))
+
+
+# ---- messages ---------------------------------------------------------------------------------
+
+
+def test_verify_messages_round_trip_and_are_bounded() -> None:
+    request = ChecksumRequest(requester_engine_id="d/dp0/tp0", transfer_id="t1", block_ids=(3, 1))
+    assert len(request.nonce) == 16
+    again = decode(encode(request), (ChecksumRequest,), max_bytes=MAX_CHECKSUM_REQUEST_BYTES)
+    assert again == request and (again.heads, again.tokens) == (0, 0)
+    response = ChecksumResponse(transfer_id="t1", checksums={"L0": b"\0" * 16})
+    assert decode(encode(response), (ChecksumResponse,), max_bytes=1 << 20) == response
+    done = WriteDone("t1", checksums={"L0": b"\1" * 8})
+    assert decode(encode(done), (WriteDone,), max_bytes=MAX_NOTIFY_BYTES).checksums == {
+        "L0": b"\1" * 8
+    }
+    assert WriteDone("t1").checksums is None
+    with pytest.raises(InvalidMessageError, match="block_ids"):
+        ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(-1,))
+    with pytest.raises(InvalidMessageError, match="checksums"):
+        ChecksumResponse(transfer_id="t", checksums={"bad\nlayer": b""})
+    raw = msgspec.msgpack.encode({"type": "checksum_response", "transfer_id": "t"})
+    with pytest.raises(InvalidMessageError, match="lacks checksums"):
+        decode(raw, (ChecksumResponse,), max_bytes=1 << 20)
+
+
+def test_handshakes_from_peers_that_predate_verify_mean_verify_off() -> None:
+    request = HandshakeRequest("d/dp0/tp0", verify=True)
+    assert decode(encode(request), (HandshakeRequest,), max_bytes=4096).verify is True
+    wire = msgspec.msgpack.decode(encode(request))
+    del wire["verify"]
+    old = decode(msgspec.msgpack.encode(wire), (HandshakeRequest,), max_bytes=4096)
+    assert old.verify is False
+    response = HandshakeResponse(engine_id="p/dp0/tp0", engine_metadata=b"m")
+    wire = msgspec.msgpack.decode(encode(response))
+    del wire["verify"], wire["nonce"]
+    with pytest.raises(InvalidMessageError, match="lacks nonce"):  # other keys stay required
+        decode(msgspec.msgpack.encode(wire), (HandshakeResponse,), max_bytes=4096)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA or ROCm device")
+def test_device_checksums_equal_the_native_host_ones() -> None:
+    """The torch path on the GPU (what the vLLM adapter runs for device caches) against the
+    native core over the same bytes in host memory, for every layout family."""
+    content = logical(8)
+    ids = [4, 1, 5]
+    for name, (tensor, cache_spec) in layouts(content).items():
+        host = both(name, tensor, cache_spec, ids)
+        storage = tensor.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8).set_(storage).cuda()
+        device = raw.view(tensor.dtype).as_strided(
+            tensor.shape, tensor.stride(), tensor.storage_offset()
+        )
+        layout = describe_layer(name, device, cache_spec)
+        np.testing.assert_array_equal(checksum_torch(layout, device, ids), host, err_msg=name)
+        every = list(range(N))
+        before = checksum_torch(layout, device, every)
+        device[(1,) * device.dim()] ^= 1  # one moved byte changes exactly one block's value
+        changed = checksum_torch(layout, device, every)
+        assert int(np.count_nonzero(changed != before)) == 1, name

@@ -1,0 +1,235 @@
+# ruff: noqa: F811 -- the lifecycle harness's fixtures (sides, model_dir) are imported by name
+"""The end-to-end integrity check (``"verify": true``) through vLLM 0.33's real Scheduler.
+
+Each test runs a prefill and a decode instance (the lifecycle harness: real Scheduler, worker
+connectors, vLLM's caches, loopback engines, ZMQ on 127.0.0.1). A byte of a destination block
+is flipped after the transfer moved it and before the decode compares checksums -- silent
+corruption on the way, as a faulty link or a wrong offset would cause -- and the load must
+fail: vLLM gets the blocks as load errors and recomputes the request, the stats count a verify
+failure. An untouched run passes the check; a pair whose sides disagree on verify is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from moriio_native.pd.core import WAIT_SLICE_S
+from test_vllm_lifecycle import make_pair, model_dir, prompt_of, run_prefill, sides  # noqa: F401
+from test_vllm_support import (
+    BLOCK_SIZE,
+    Side,
+    decode_params,
+    load,
+    pd_request_id,
+    prefill_params,
+    transfer_id,
+)
+
+pytestmark = pytest.mark.vllm
+
+VERIFY = {"verify": True}
+
+
+class CorruptWhenDone:
+    """An engine whose first ``done`` event reaches the worker only after ``corrupt`` ran."""
+
+    def __init__(self, engine: Any, corrupt: Any) -> None:
+        self._engine = engine
+        self._corrupt = corrupt
+        self.fired = False
+
+    def poll_events(self, *args: Any, **kwargs: Any) -> list[Any]:
+        events = self._engine.poll_events(*args, **kwargs)
+        if not self.fired and any(e.state == "done" for e in events):
+            self.fired = True
+            self._corrupt()
+        return events
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+
+def corrupt_on_done(side: Side, corrupt: Any) -> CorruptWhenDone:
+    worker = side.worker.worker
+    wrapped = CorruptWhenDone(worker._engine, corrupt)
+    worker._engine = wrapped
+    # The core's events thread may be inside a poll (a 0.1 s slice) of the engine it took
+    # before the swap: let that poll end, so every later event passes through the wrapper.
+    time.sleep(3 * WAIT_SLICE_S)
+    return wrapped
+
+
+def _int_view(cache: Any) -> Any:
+    import torch
+
+    return cache.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[cache.element_size()])
+
+
+def flip(side: Side, block: int) -> None:
+    cell = _int_view(side.caches[side.layer_names[-1]])[block]
+    cell[(0,) * cell.dim()] ^= 1
+
+
+def summed(results: list[Any], key: str) -> int:
+    return sum(r.stats.data.get(key, 0) for r in results if r.stats is not None)
+
+
+# ---- READ -------------------------------------------------------------------------------------
+
+
+def test_read_verified_passes(sides: list[Side], model_dir: str) -> None:
+    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    first = load(d, rid)
+    assert first.scheduled == {rid: 1} and first.invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    assert first.stats is not None
+    assert first.stats.data["verified"] == 1 and first.stats.data["verify_failures"] == 0
+    assert first.stats.data["transfers"] == 1
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+
+
+@pytest.mark.parametrize("loading", ["async", "sync"])
+def test_read_corrupted_block_fails_the_load_and_is_recomputed(
+    sides: list[Side],
+    model_dir: str,
+    loading: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    p, d = make_pair(
+        sides, model_dir, "read", p_extra=VERIFY, d_extra={**VERIFY, "read_loading": loading}
+    )
+    prompt = prompt_of(40, seed=43)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    corrupted: list[int] = []
+
+    def corrupt() -> None:  # the READ moved every block; one byte of the second goes bad
+        block = d.block_ids(rid)[1]
+        corrupted.append(block)
+        flip(d, block)
+
+    wrapped = corrupt_on_done(d, corrupt)
+    with caplog.at_level(logging.ERROR, logger="moriio_native"):
+        first = load(d, rid)
+    assert wrapped.fired
+    loaded = first.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    assert first.invalid_blocks == set(loaded)
+    assert first.scheduled == {rid: len(prompt)}  # vLLM recomputes the whole prompt
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    assert first.stats is not None
+    assert first.stats.data["verify_failures"] == 1 and first.stats.data["verified"] == 0
+    assert first.stats.data["transfers"] == 0 and first.stats.data["failures"] == 1
+    named = f"layer '{d.layer_names[-1]}' block {corrupted[0]}"
+    assert f"integrity check failed for transfer {tid}: {named}" in caplog.text
+    assert f"{named} (remote block {returned['remote_block_ids'][1]})" in caplog.text
+    # The prefill is released all the same, after the check.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the check")
+    assert p.free_blocks() == p.initial_free
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+# ---- WRITE ------------------------------------------------------------------------------------
+
+
+def write_pair(sides: list[Side], model_dir: str, prompt: list[int]) -> tuple[Side, Side, str, str]:
+    p, d = make_pair(sides, model_dir, "write", p_extra=VERIFY, d_extra=VERIFY)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    assert d.step().scheduled == {}
+    return p, d, rid, tid
+
+
+def test_write_verified_passes(sides: list[Side], model_dir: str) -> None:
+    prompt = prompt_of(45, seed=47)
+    p, d, rid, tid = write_pair(sides, model_dir, prompt)
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()
+    sent = p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    assert summed(sent, "transfers") == 1
+    assert p.free_blocks() == p.initial_free
+    got = d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert got[-1].scheduled == {rid: 1}  # only the last prompt token is computed here
+    assert summed(got, "verified") == 1 and summed(got, "verify_failures") == 0
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+def test_write_corrupted_block_fails_the_load_and_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    prompt = prompt_of(45, seed=53)
+    p, d, rid, tid = write_pair(sides, model_dir, prompt)
+    corrupted: list[int] = []
+
+    def corrupt() -> None:  # every write landed in the decode; one byte there goes bad
+        block = d.block_ids(rid)[2]
+        corrupted.append(block)
+        flip(d, block)
+
+    wrapped = corrupt_on_done(p, corrupt)
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()
+    sent = p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    assert wrapped.fired and summed(sent, "transfers") == 1
+    assert p.free_blocks() == p.initial_free
+    with caplog.at_level(logging.ERROR, logger="moriio_native"):
+        got = d.run_until(lambda r: rid in r.transfer.failed_recving, what="verify failure")
+    assert rid in got[-1].transfer.finished_recving
+    invalid = set().union(*(r.invalid_blocks for r in got))
+    assert corrupted[0] in invalid and invalid <= set(d.block_ids(rid))
+    assert summed(got, "verify_failures") == 1 and summed(got, "verified") == 0
+    assert f"layer '{d.layer_names[-1]}' block {corrupted[0]}" in caplog.text
+    nxt = d.step()
+    assert nxt.scheduled == {rid: len(prompt)}  # recomputed from scratch
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
+# ---- a pair that disagrees --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "p_verify", "d_verify"),
+    [("read", True, False), ("read", False, True), ("write", False, True), ("write", True, False)],
+)
+def test_sides_that_disagree_on_verify_are_refused_clearly(
+    sides: list[Side],
+    model_dir: str,
+    caplog: pytest.LogCaptureFixture,
+    mode: str,
+    p_verify: bool,
+    d_verify: bool,
+) -> None:
+    p, d = make_pair(
+        sides, model_dir, mode, p_extra={"verify": p_verify}, d_extra={"verify": d_verify}
+    )
+    prompt = prompt_of(36, seed=59)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    with caplog.at_level(logging.WARNING, logger="moriio_native"):
+        if mode == "read":
+            returned = run_prefill(p, rid, prompt, tid)
+            d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+            first = load(d, rid)
+            assert first.invalid_blocks and first.scheduled == {rid: len(prompt)}
+        else:
+            d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+            got = d.run_until(lambda r: rid in r.transfer.failed_recving, what="refused")
+            assert rid in got[-1].transfer.finished_recving
+            assert d.step().scheduled == {rid: len(prompt)}
+    assert "set the same 'verify' on both instances" in caplog.text
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
