@@ -239,8 +239,8 @@ class StepWork:
     metadata: Any
     has_sync_kv_loads: bool
     finished_req_ids: set[str]
-    # (request id, first position, token ids, block id of each position, sampled a token)
-    computed: list[tuple[str, int, list[int], list[int], bool]]
+    # (request id, first position, token ids, each KV-cache group's block ids, sampled a token)
+    computed: list[tuple[str, int, list[int], list[list[int]], bool]]
 
 
 @dataclass
@@ -262,6 +262,9 @@ class RankSpec:
     tp_size: int
     salt: int
     max_num_seqs: int = 16
+    block_size: int = BLOCK_SIZE  # tokens per block of the attention groups
+    prefix_caching: bool = True
+    hybrid_kv_cache_manager: bool = False
 
     def vllm_config(self, rank: int) -> Any:
         return make_vllm_config(
@@ -274,6 +277,9 @@ class RankSpec:
             failure_policy=self.failure_policy,
             tp_size=self.tp_size,
             tp_rank=rank,
+            block_size=self.block_size,
+            enable_prefix_caching=self.prefix_caching,
+            hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
         )
 
 
@@ -289,8 +295,14 @@ class RankWorker:
         self.rank = rank
         self.salt = rank_salt(spec.salt, rank)
         self.layer_names = list(spec.specs)
+        self.specs = spec.specs
         config = spec.vllm_config(rank)
         kv_cache_config = make_kv_cache_config(config, spec.specs, spec.num_blocks, spec.layout)
+        self.group_of = {
+            name: gid
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
         self.connector = KVConnectorFactory.create_connector(
             config, KVConnectorRole.WORKER, kv_cache_config
         )
@@ -302,15 +314,30 @@ class RankWorker:
         self.connector.register_kv_caches(self.caches)
 
     def _attention(self, work: StepWork, layer_index: int, layer: str) -> None:
-        """Write the pattern of every token computed this step into its slot of ``layer``."""
+        """Write the pattern of every token computed this step into its slot of ``layer`` (a
+        Mamba layer: its state block gets the pattern of the last token computed, over the
+        whole state page)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
         cache = self.caches[layer]
-        for _, start, token_ids, block_ids, _ in work.computed:
-            pos = torch.arange(start, start + len(token_ids))
+        gid, spec = self.group_of[layer], self.specs[layer]
+        for _, start, token_ids, group_ids, _ in work.computed:
+            ids = group_ids[gid]
+            end = start + len(token_ids)
+            if isinstance(spec, MambaSpec):
+                page = _bits(cache)[ids[-1 - spec.num_speculative_blocks]]
+                token = torch.tensor([token_ids[-1]])
+                state = pattern(
+                    token, torch.tensor([end]), layer_index, self.salt, page.shape, page.dtype
+                )
+                page.copy_(state[0])
+                continue
+            pos = torch.arange(start, end)
             tokens = torch.tensor(token_ids)
-            blocks = torch.tensor(block_ids)
+            blocks = torch.tensor(ids)[pos // spec.block_size]
             cell = (cache.shape[1], cache.shape[3])
             values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
-            cache[blocks, :, pos % BLOCK_SIZE, :] = values
+            cache[blocks, :, pos % spec.block_size, :] = values
 
     def run(
         self,
@@ -419,25 +446,6 @@ class Side:
             "abort_timeout": 30,
         }
         extra.update(self.extra)
-<<<<<<< HEAD
-
-        def config(rank: int) -> Any:
-            return make_vllm_config(
-                self.model_dir,
-                role=self.role,
-                extra=extra,
-                module_path=self.module_path,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                failure_policy=self.failure_policy,
-                tp_size=self.tp_size,
-                tp_rank=rank,
-                block_size=self.block_size,
-                enable_prefix_caching=self.prefix_caching,
-                hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
-            )
-
-        self.vllm_config = config(0)
-=======
         self.rank_spec = RankSpec(
             self.name,
             self.role,
@@ -453,9 +461,11 @@ class Side:
             self.tp_size,
             self.salt,
             self.max_num_seqs,
+            block_size=self.block_size,
+            prefix_caching=self.prefix_caching,
+            hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
         )
         self.vllm_config = self.rank_spec.vllm_config(0)
->>>>>>> main
         self.kv_cache_config = make_kv_cache_config(
             self.vllm_config, self.specs, self.num_blocks, self.layout
         )
@@ -558,104 +568,21 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
-<<<<<<< HEAD
-    def group_of(self, layer: str) -> tuple[int, Any]:
-        """(index among vLLM's KV-cache groups, the layer's spec) of ``layer``."""
-        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
-            if layer in group.layer_names:
-                return gid, self.specs[layer]
-        raise KeyError(layer)
-
-    def _attention(self, output: Any, layer_index: int, layer: str, rank: int) -> None:
-        """Write the pattern of every token computed this step into its slot of ``layer`` in
-        the caches of TP rank ``rank`` (a Mamba layer: its state block gets the pattern of the
-        last token computed, over the whole state page)."""
-        from vllm.v1.kv_cache_interface import MambaSpec
-
-        cache = self.rank_caches[rank][layer]
-        gid, spec = self.group_of(layer)
-        salt = rank_salt(self.salt, rank)
-=======
     def _work(self, output: Any) -> StepWork:
         """What the ranks need of scheduler output ``output``."""
         computed = []
->>>>>>> main
         for req_id, n in output.num_scheduled_tokens.items():
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # already advanced by the scheduler
             start = end - n
-<<<<<<< HEAD
-            ids = self.scheduler.kv_cache_manager.get_block_ids(req_id)[gid]
-            if isinstance(spec, MambaSpec):
-                page = _bits(cache)[ids[-1 - spec.num_speculative_blocks]]
-                token = torch.tensor([request.all_token_ids[end - 1]])
-                state = pattern(
-                    token, torch.tensor([end]), layer_index, salt, page.shape, page.dtype
-                )
-                page.copy_(state[0])
-                continue
-            pos = torch.arange(start, end)
-            tokens = torch.tensor(request.all_token_ids[start:end])
-            blocks = torch.tensor(ids)[pos // spec.block_size]
-            slots = pos % spec.block_size
-            cell = (cache.shape[1], cache.shape[3])
-            values = pattern(tokens, pos, layer_index, salt, cell, cache.dtype)
-            cache[blocks, :, slots, :] = values
-
-    def _run_worker(
-        self,
-        rank: int,
-        output: Any,
-        before_forward: Callable[[], None] | None,
-        after_start_load: Callable[[], None] | None = None,
-    ) -> Any:
-        """One TP rank's part of the step: the connector calls of vLLM's model runner around a
-        forward pass that writes the pattern. Returns that rank's ModelRunnerOutput."""
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
-        w = self.workers[rank]
-        # vLLM's executors hand the metadata to worker processes pickled: so do we, so every
-        # connector test proves it survives the trip.
-        w.bind_connector_metadata(pickle.loads(pickle.dumps(output.kv_connector_metadata)))
-        sync = output.has_sync_kv_loads
-        if sync:
-            w.start_load_kv(None)
-            if after_start_load is not None:
-                after_start_load()
-        if before_forward is not None:
-            before_forward()
-        if output.num_scheduled_tokens:
-            for i, layer in enumerate(self.layer_names):
-                w.wait_for_layer_load(layer)
-                self._attention(output, i, layer, rank)
-                w.save_kv_layer(layer, self.rank_caches[rank][layer], None)
-        if not sync:
-            w.start_load_kv(None)
-            if after_start_load is not None:
-                after_start_load()
-        w.wait_for_save()
-        transfer = w.get_transfer_results(output.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        # Worker processes send their stats back pickled, too.
-        stats = pickle.loads(pickle.dumps(w.get_kv_connector_stats()))
-        w.clear_connector_metadata()
-        req_ids = list(output.num_scheduled_tokens)
-        sampled = []
-        for rid in req_ids:
-            request = self.scheduler.requests[rid]
-            sampled.append(
-                [self.sampled] if request.num_computed_tokens >= request.num_tokens else []
-=======
-            blocks = self.block_ids(req_id)
             computed.append(
                 (
                     req_id,
                     start,
                     list(request.all_token_ids[start:end]),
-                    [blocks[p // BLOCK_SIZE] for p in range(start, end)],
+                    [list(ids) for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id)],
                     request.num_computed_tokens >= request.num_tokens,
                 )
->>>>>>> main
             )
         return StepWork(
             output.kv_connector_metadata,

@@ -32,7 +32,6 @@ from functools import cached_property
 
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
-from moriio_native.layout import CellWindow
 from moriio_native.pd.config import PdConfig
 
 
@@ -235,9 +234,7 @@ def _with_heads(base: BlockSegment, layers: Sequence[str] | None, head: HeadSlic
     )
 
 
-def _split(
-    cfg: PdConfig, layers: Sequence[str] | None
-) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _split(cfg: PdConfig, layers: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(split layers, whole layers) among ``layers`` (None: every layer)."""
     if layers is None:
         return cfg.split_layers, cfg.whole_layers
@@ -263,7 +260,9 @@ def read_segments(
         split, whole = _split(cfg, seg.layers)
         if split:
             out.extend(
-                _with_heads(seg, split, s) for s in plan.head_sources(rank) if s.rank == prefill_rank
+                _with_heads(seg, split, s)
+                for s in plan.head_sources(rank)
+                if s.rank == prefill_rank
             )
         if whole and plan.whole_source(rank) == prefill_rank:
             out.append(replace(seg, layers=whole))

@@ -30,10 +30,9 @@ calls (releases, announcements) are made after the lock is released.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto

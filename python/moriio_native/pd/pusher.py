@@ -31,7 +31,6 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
