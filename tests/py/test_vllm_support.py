@@ -568,6 +568,13 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
+    def group_of(self, layer: str) -> tuple[int, Any]:
+        """(index among vLLM's KV-cache groups, the layer's spec) of ``layer``."""
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if layer in group.layer_names:
+                return gid, self.specs[layer]
+        raise KeyError(layer)
+
     def _work(self, output: Any) -> StepWork:
         """What the ranks need of scheduler output ``output``."""
         computed = []
