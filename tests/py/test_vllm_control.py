@@ -232,7 +232,13 @@ def test_forged_remote_blocks_cannot_redirect_writes(
     # Someone else claims the transfer first, naming an engine that is not the request's decode.
     dealer(
         p.notify_port,
-        [encode(RemoteBlocks(tid, ((1, 2, 3),), decode_engine_id="127.0.0.1:1/dp0/tp0"))],
+        [
+            encode(
+                RemoteBlocks(
+                    tid, ((1, 2, 3),), decode_engine_id="127.0.0.1:1/dp0/tp0", num_tokens=44
+                )
+            )
+        ],
     )
     wait_for(lambda: listener_stats(p)["delivered"] == 1, "forged remote_blocks")
     d.add_request(rid, prompt, params=decode_params(tid), max_tokens=1)

@@ -260,13 +260,32 @@ def test_spec_mapping_for_vllm_specs() -> None:
     assert (packed.kind, packed.num_kv_heads, packed.head_size) == ("mla", 2, 300)
 
 
-def test_spec_mapping_refuses_state_caches_naming_the_layer() -> None:
+def test_mamba_state_maps_to_one_opaque_page_per_slot() -> None:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from moriio_native.vllm.specs import to_cache_spec
+
+    spec = MambaSpec(
+        block_size=1024,
+        shapes=((3, 8), (2, 4, 4)),
+        dtypes=(torch.float16, torch.float32),
+        page_size_padded=4096,
+    )
+    cache = to_cache_spec("model.layers.3.mixer", spec)
+    # conv (3 x 8 fp16) then SSM (2 x 4 x 4 fp32) bytes; the padding only widens the stride.
+    assert (cache.kind, cache.block_size, cache.num_kv_heads) == ("mla", 1, 1)
+    assert (cache.head_size, cache.dtype_bytes) == (3 * 8 * 2 + 2 * 4 * 4 * 4, 1)
+
+
+def test_spec_mapping_refuses_mamba_prefix_caching_naming_the_layer() -> None:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from moriio_native.vllm.specs import UnsupportedSpecError, to_cache_spec
 
-    spec = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
-    with pytest.raises(UnsupportedSpecError, match=r"model\.layers\.3\.mixer"):
+    spec = MambaSpec(
+        block_size=16, shapes=((4, 8),), dtypes=(torch.float16,), mamba_cache_mode="align"
+    )
+    with pytest.raises(UnsupportedSpecError, match=r"model\.layers\.3\.mixer: mamba_cache_mode"):
         to_cache_spec("model.layers.3.mixer", spec)
 
 

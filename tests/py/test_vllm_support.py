@@ -110,6 +110,8 @@ def make_vllm_config(
     enable_prefix_caching: bool = True,
     tp_size: int = 1,
     tp_rank: int = 0,
+    block_size: int = BLOCK_SIZE,
+    hybrid_kv_cache_manager: bool = False,
 ) -> Any:
     from vllm.config import (
         CacheConfig,
@@ -131,7 +133,7 @@ def make_vllm_config(
         is_encoder_decoder=False,
         enable_chunked_prefill=True,
     )
-    cache_config = CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching)
+    cache_config = CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching)
     kv_transfer_config = KVTransferConfig(
         kv_connector="MoRIIONativeConnector",
         kv_connector_module_path=module_path,
@@ -139,7 +141,7 @@ def make_vllm_config(
         kv_connector_extra_config=dict(extra),
         kv_load_failure_policy=failure_policy,
     )
-    return VllmConfig(
+    config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
@@ -147,6 +149,11 @@ def make_vllm_config(
         device_config=DeviceConfig("cpu"),
         parallel_config=ParallelConfig(tensor_parallel_size=tp_size, rank=tp_rank),
     )
+    if hybrid_kv_cache_manager:
+        # vLLM turns the hybrid KV-cache manager off on platforms without GPU kernels (this
+        # CPU); the scheduler and the connector run with it on as on a GPU host.
+        config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    return config
 
 
 def make_kv_cache_config(
@@ -160,6 +167,10 @@ def make_kv_cache_config(
     groups = get_kv_cache_groups(vllm_config, dict(specs))
     per_block = sum(spec.page_size_bytes for spec in specs.values())
     config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
+    if config.num_blocks != num_blocks:
+        # Hybrid groups share tensors (one layer of each group per tensor): fewer bytes a block.
+        per_block = per_block * num_blocks // config.num_blocks
+        config = get_kv_cache_config_from_groups(vllm_config, groups, per_block * num_blocks)
     assert config.num_blocks == num_blocks, (config.num_blocks, num_blocks)
     vllm_config.cache_config.num_gpu_blocks = num_blocks
     return config
@@ -228,8 +239,8 @@ class StepWork:
     metadata: Any
     has_sync_kv_loads: bool
     finished_req_ids: set[str]
-    # (request id, first position, token ids, block id of each position, sampled a token)
-    computed: list[tuple[str, int, list[int], list[int], bool]]
+    # (request id, first position, token ids, each KV-cache group's block ids, sampled a token)
+    computed: list[tuple[str, int, list[int], list[list[int]], bool]]
 
 
 @dataclass
@@ -251,6 +262,9 @@ class RankSpec:
     tp_size: int
     salt: int
     max_num_seqs: int = 16
+    block_size: int = BLOCK_SIZE  # tokens per block of the attention groups
+    prefix_caching: bool = True
+    hybrid_kv_cache_manager: bool = False
 
     def vllm_config(self, rank: int) -> Any:
         return make_vllm_config(
@@ -263,6 +277,9 @@ class RankSpec:
             failure_policy=self.failure_policy,
             tp_size=self.tp_size,
             tp_rank=rank,
+            block_size=self.block_size,
+            enable_prefix_caching=self.prefix_caching,
+            hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
         )
 
 
@@ -278,8 +295,14 @@ class RankWorker:
         self.rank = rank
         self.salt = rank_salt(spec.salt, rank)
         self.layer_names = list(spec.specs)
+        self.specs = spec.specs
         config = spec.vllm_config(rank)
         kv_cache_config = make_kv_cache_config(config, spec.specs, spec.num_blocks, spec.layout)
+        self.group_of = {
+            name: gid
+            for gid, group in enumerate(kv_cache_config.kv_cache_groups)
+            for name in group.layer_names
+        }
         self.connector = KVConnectorFactory.create_connector(
             config, KVConnectorRole.WORKER, kv_cache_config
         )
@@ -291,15 +314,30 @@ class RankWorker:
         self.connector.register_kv_caches(self.caches)
 
     def _attention(self, work: StepWork, layer_index: int, layer: str) -> None:
-        """Write the pattern of every token computed this step into its slot of ``layer``."""
+        """Write the pattern of every token computed this step into its slot of ``layer`` (a
+        Mamba layer: its state block gets the pattern of the last token computed, over the
+        whole state page)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
         cache = self.caches[layer]
-        for _, start, token_ids, block_ids, _ in work.computed:
-            pos = torch.arange(start, start + len(token_ids))
+        gid, spec = self.group_of[layer], self.specs[layer]
+        for _, start, token_ids, group_ids, _ in work.computed:
+            ids = group_ids[gid]
+            end = start + len(token_ids)
+            if isinstance(spec, MambaSpec):
+                page = _bits(cache)[ids[-1 - spec.num_speculative_blocks]]
+                token = torch.tensor([token_ids[-1]])
+                state = pattern(
+                    token, torch.tensor([end]), layer_index, self.salt, page.shape, page.dtype
+                )
+                page.copy_(state[0])
+                continue
+            pos = torch.arange(start, end)
             tokens = torch.tensor(token_ids)
-            blocks = torch.tensor(block_ids)
+            blocks = torch.tensor(ids)[pos // spec.block_size]
             cell = (cache.shape[1], cache.shape[3])
             values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
-            cache[blocks, :, pos % BLOCK_SIZE, :] = values
+            cache[blocks, :, pos % spec.block_size, :] = values
 
     def run(
         self,
@@ -377,11 +415,18 @@ class Side:
     max_num_seqs: int = 16
     failure_policy: str = "recompute"
     tp_size: int = 1  # workers of this instance, one per TP rank (each with its own caches)
+    block_size: int = BLOCK_SIZE  # tokens per block of the attention groups
+    prefix_caching: bool = True
+    hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self) -> None:
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.utils.hashing import sha256
-        from vllm.v1.core.kv_cache_utils import generate_scheduler_kv_cache_config, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            init_none_hash,
+            resolve_kv_cache_block_sizes,
+        )
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
 
@@ -416,17 +461,27 @@ class Side:
             self.tp_size,
             self.salt,
             self.max_num_seqs,
+            block_size=self.block_size,
+            prefix_caching=self.prefix_caching,
+            hybrid_kv_cache_manager=self.hybrid_kv_cache_manager,
         )
         self.vllm_config = self.rank_spec.vllm_config(0)
         self.kv_cache_config = make_kv_cache_config(
             self.vllm_config, self.specs, self.num_blocks, self.layout
         )
-        # As vLLM's engine core does: the scheduler sees one spec per group.
+        # As vLLM's engine core does: the scheduler sees one spec per group, and schedules in
+        # the block sizes vLLM resolves for the groups.
+        scheduler_kv_cache_config = generate_scheduler_kv_cache_config([self.kv_cache_config])
+        scheduler_block_size, hash_block_size = resolve_kv_cache_block_sizes(
+            scheduler_kv_cache_config, self.vllm_config
+        )
+        self.hash_block_size = hash_block_size
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
-            kv_cache_config=generate_scheduler_kv_cache_config([self.kv_cache_config]),
+            kv_cache_config=scheduler_kv_cache_config,
             structured_output_manager=StructuredOutputManager(self.vllm_config),
-            block_size=BLOCK_SIZE,
+            block_size=scheduler_block_size,
+            hash_block_size=hash_block_size,
             log_stats=True,
         )
         self.connector = self.scheduler.connector
@@ -501,7 +556,7 @@ class Side:
             prompt_token_ids=list(prompt),
             sampling_params=sampling,
             pooling_params=None,
-            block_hasher=get_request_block_hasher(BLOCK_SIZE, self.hash_fn),
+            block_hasher=get_request_block_hasher(self.hash_block_size, self.hash_fn),
         )
         self.scheduler.add_request(request)
         return request
@@ -513,6 +568,13 @@ class Side:
 
     # ---- one engine step ----------------------------------------------------------------------
 
+    def group_of(self, layer: str) -> tuple[int, Any]:
+        """(index among vLLM's KV-cache groups, the layer's spec) of ``layer``."""
+        for gid, group in enumerate(self.kv_cache_config.kv_cache_groups):
+            if layer in group.layer_names:
+                return gid, self.specs[layer]
+        raise KeyError(layer)
+
     def _work(self, output: Any) -> StepWork:
         """What the ranks need of scheduler output ``output``."""
         computed = []
@@ -520,13 +582,12 @@ class Side:
             request = self.scheduler.requests[req_id]
             end = request.num_computed_tokens  # already advanced by the scheduler
             start = end - n
-            blocks = self.block_ids(req_id)
             computed.append(
                 (
                     req_id,
                     start,
                     list(request.all_token_ids[start:end]),
-                    [blocks[p // BLOCK_SIZE] for p in range(start, end)],
+                    [list(ids) for ids in self.scheduler.kv_cache_manager.get_block_ids(req_id)],
                     request.num_computed_tokens >= request.num_tokens,
                 )
             )

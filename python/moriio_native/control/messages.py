@@ -69,6 +69,7 @@ from .addressing import BlockIdGroups, ZmqAddress, validate_host, validate_port
 from .schema import (
     MAX_BLOCK_ID,
     MAX_BLOCK_IDS,
+    MAX_KV_GROUPS,
     MAX_REQUEST_ID_LEN,
     BlockId,
     Id,
@@ -164,6 +165,11 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     # The decode TP rank announcing (with different TP sizes one prefill rank writes into
     # several decode ranks, each announcing its own blocks); P checks it against the handshake.
     decode_tp_rank: Rank = 0
+    # Grouped announcements (both sides describe KV-cache groups in their handshakes): the
+    # groups' block lists are positional from the request's first token, with the null block
+    # (0) where the decode needs nothing written, and the decode needs the KV of its first
+    # ``num_tokens`` tokens. 0: the classic form (the tail of the prompt's blocks).
+    num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
@@ -309,6 +315,32 @@ class HandshakeRequest(_Message, frozen=True, tag="handshake_request"):
     verify: bool = False
 
 
+KvGroupKind = Literal["full", "sliding", "mamba"]
+MAX_KV_GROUP_LAYERS = 4096
+
+
+class KvGroup(Schema, frozen=True):
+    """One KV-cache group of a worker, as its handshake describes it: what the group holds
+    (``full`` attention, ``sliding`` window attention, ``mamba`` state: one state slot per
+    block, no token axis), how many tokens one of its blocks covers, the window in tokens
+    (sliding only, else 0) and the layers it holds, in order."""
+
+    WHAT: ClassVar[str] = "KV-cache group"
+    ERROR: ClassVar[type[Exception]] = InvalidMessageError
+
+    kind: KvGroupKind
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
+    layers: Annotated[tuple[Id, ...], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUP_LAYERS)]
+    sliding_window: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+
+    def _check(self) -> None:
+        if (self.kind == "sliding") != (self.sliding_window > 0):
+            raise ValueError(
+                f"'sliding_window' = {self.sliding_window} does not fit kind {self.kind!r} "
+                "(a window > 0 for sliding groups only)"
+            )
+
+
 @_tagged
 class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     """A worker's answer: its native engine metadata (opaque bytes, produced and checked by
@@ -324,6 +356,9 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     dp_size: Size = 1
     tp_size: Size = 1
     transfer_mode: TransferMode = "READ"
+    # The worker's KV-cache groups (vLLM's hybrid KV-cache manager); empty: one group holding
+    # every registered layer, with the block size of its layouts.
+    kv_groups: Annotated[tuple[KvGroup, ...], msgspec.Meta(max_length=MAX_KV_GROUPS)] = ()
     nonce: Nonce = b""
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
     verify: bool = False
@@ -507,6 +542,7 @@ __all__ = [
     "HandshakeRequest",
     "HandshakeResponse",
     "InvalidMessageError",
+    "KvGroup",
     "NotifyMessage",
     "ProxyRegistration",
     "Release",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from moriio_native.control.messages import KvGroup
 from moriio_native.errors import InvalidArgumentError
 
 Mode = Literal["read", "write"]
@@ -46,6 +47,9 @@ class PdConfig:
     # Check every transfer end to end (block checksums on both sides, pd/verify.py); both
     # sides of a pair must agree.
     verify: bool = False
+    # This rank's KV-cache groups (vLLM's hybrid KV-cache manager; moriio_native.pd.groups);
+    # empty: one group of every registered layer, moved with the classic (ungrouped) protocol.
+    groups: tuple[KvGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("read", "write"):

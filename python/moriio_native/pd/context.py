@@ -15,6 +15,7 @@ from moriio_native.control.ports import rank_port
 from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
+from moriio_native.pd.groups import GroupedBlocks, Segment, Side, check_groups, plan_segments
 from moriio_native.pd.heads import TpPlan
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
@@ -161,6 +162,15 @@ class Context:
         return self.directory.connect(key, notify, self.validator(key, dp_rank, rank, tp_size))
 
 
+def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -> list[Segment]:
+    """The segments of a grouped transfer with ``peer`` (``dest``: the side written), once
+    its handshake's KV-cache groups proved to pair with ours (IncompatiblePeerError
+    otherwise; InvalidArgumentError for ids that do not fit the groups)."""
+    remote = peer.response.kv_groups
+    check_groups(cfg.groups, remote, f"{peer.response.engine_id} at {peer.key}")
+    return plan_segments(cfg.groups, remote, blocks, dest=dest)
+
+
 def check_engine(peer: Peer, expect_engine: str | None) -> None:
     """The request named an instance: the handshaken rank must belong to it."""
     if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
@@ -170,4 +180,4 @@ def check_engine(peer: Peer, expect_engine: str | None) -> None:
         )
 
 
-__all__ = ["Context", "Reports", "StatsSink", "check_engine"]
+__all__ = ["Context", "Reports", "StatsSink", "check_engine", "plan_grouped"]

@@ -196,6 +196,7 @@ class PdCore:
             transfer_mode=cfg.transfer_mode,
             verify=cfg.verify,
             total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
+            kv_groups=cfg.groups,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:

@@ -27,12 +27,11 @@ With equal TP sizes the plan is rank ``r`` with rank ``r``, whole blocks, one re
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from moriio_native.engine import BlockSegment
-from moriio_native.errors import IncompatiblePeerError
-from moriio_native.layout import CellWindow
+from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
 
 
@@ -219,67 +218,72 @@ class TpPlan:
             raise IncompatiblePeerError(f"{side} rank {rank} outside TP size {size}")
 
 
-def _segment(
-    local: Sequence[int],
-    remote: Sequence[int],
-    layers: Sequence[str] | None = None,
-    head: HeadSlice | None = None,
-    local_begin: int = 0,
-    remote_begin: int = 0,
-) -> BlockSegment:
-    if head is None:
-        return BlockSegment(local_blocks=local, remote_blocks=remote, layers=layers)
-    return BlockSegment(
-        local_blocks=local,
-        remote_blocks=remote,
+def _with_heads(base: BlockSegment, layers: Sequence[str] | None, head: HeadSlice) -> BlockSegment:
+    """``base`` (its block pairs and any token windows) over ``layers``, restricted to one
+    head slice of ``head.heads`` heads from each side's begin."""
+    if base.local_window.tokens is not None or base.remote_window.tokens is not None:
+        raise FailedPreconditionError(
+            "different TP sizes with different block sizes (token windows) are not supported: "
+            "use the same block size on both instances"
+        )
+    return replace(
+        base,
         layers=layers,
-        local_window=CellWindow(head_begin=local_begin, heads=head.heads),
-        remote_window=CellWindow(head_begin=remote_begin, heads=head.heads),
+        local_window=replace(base.local_window, head_begin=head.local_begin, heads=head.heads),
+        remote_window=replace(base.remote_window, head_begin=head.remote_begin, heads=head.heads),
+    )
+
+
+def _split(cfg: PdConfig, layers: Sequence[str] | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(split layers, whole layers) among ``layers`` (None: every layer)."""
+    if layers is None:
+        return cfg.split_layers, cfg.whole_layers
+    names = set(layers)
+    return (
+        tuple(n for n in cfg.split_layers if n in names),
+        tuple(n for n in cfg.whole_layers if n in names),
     )
 
 
 def read_segments(
-    plan: TpPlan,
-    cfg: PdConfig,
-    prefill_rank: int,
-    local: Sequence[int],
-    remote: Sequence[int],
+    plan: TpPlan, cfg: PdConfig, prefill_rank: int, base: Sequence[BlockSegment]
 ) -> list[BlockSegment] | None:
-    """The block segments decode rank ``cfg.tp_rank`` reads from ``prefill_rank`` (local =
-    decode blocks): a head window of the split layers per head slice, whole blocks of the
-    whole layers when that rank is their source. None: whole blocks of every layer (equal TP
-    sizes, or no split layer)."""
+    """The block segments decode rank ``cfg.tp_rank`` reads from ``prefill_rank``: the
+    request's ``base`` segments (whole heads; local = decode blocks) cut to a head window of
+    the split layers per head slice, and whole blocks of the whole layers when that rank is
+    their source. None: ``base`` as it is (equal TP sizes, or no split layer)."""
     if plan.identity or not cfg.split_layers:
         return None
     rank = cfg.tp_rank
-    out = [
-        _segment(local, remote, cfg.split_layers, s, s.local_begin, s.remote_begin)
-        for s in plan.head_sources(rank)
-        if s.rank == prefill_rank
-    ]
-    if cfg.whole_layers and plan.whole_source(rank) == prefill_rank:
-        out.append(_segment(local, remote, cfg.whole_layers))
+    out: list[BlockSegment] = []
+    for seg in base:
+        split, whole = _split(cfg, seg.layers)
+        if split:
+            out.extend(
+                _with_heads(seg, split, s)
+                for s in plan.head_sources(rank)
+                if s.rank == prefill_rank
+            )
+        if whole and plan.whole_source(rank) == prefill_rank:
+            out.append(replace(seg, layers=whole))
     return out
 
 
 def write_segments(
-    plan: TpPlan,
-    cfg: PdConfig,
-    decode_rank: int,
-    layer: str,
-    local: Sequence[int],
-    remote: Sequence[int],
+    plan: TpPlan, cfg: PdConfig, decode_rank: int, layer: str, base: Sequence[BlockSegment]
 ) -> list[BlockSegment] | None:
     """The block segments prefill rank ``cfg.tp_rank`` writes of ``layer`` into decode rank
-    ``decode_rank`` (local = prefill blocks): None for whole blocks (equal TP sizes, or a
-    whole layer this rank is the source of), [] for nothing (a whole layer another rank
-    writes), else one head window per head slice."""
+    ``decode_rank`` (``base``: the layer's segments over whole heads, local = prefill blocks):
+    None for ``base`` as it is (equal TP sizes, or a whole layer this rank is the source of),
+    [] for nothing (a whole layer another rank writes), else ``base`` cut to one head window
+    per head slice."""
     if plan.identity or not cfg.split_layers:
         return None
     if layer not in cfg.split_layers:
         return None if plan.whole_source(decode_rank) == cfg.tp_rank else []
     return [
-        _segment(local, remote, None, s, s.local_begin, s.remote_begin)
+        _with_heads(seg, None, s)
+        for seg in base
         for s in plan.head_targets(cfg.tp_rank)
         if s.rank == decode_rank
     ]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -39,9 +40,11 @@ from typing import Any, TypeVar
 
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
+from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, MoriioError
-from moriio_native.pd.context import Context, check_engine
+from moriio_native.pd.context import Context, check_engine, plan_grouped
 from moriio_native.pd.fsm import Machine
+from moriio_native.pd.groups import NULL_BLOCK, check_groups, engine_segments, post_read
 from moriio_native.pd.heads import TpPlan, read_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import RecvTask
@@ -158,6 +161,8 @@ class _ReadPart:
     machine: Machine[ReadState, ReadEvent]
     peer: Peer | None = None
     message: str = ""
+    # The block pairs a whole-block check covers (verify), when the READ moves exactly them.
+    verified_pairs: tuple[Sequence[int], Sequence[int]] | None = None
 
 
 @dataclass
@@ -218,6 +223,20 @@ class _Await:
 
     def peers(self) -> dict[int, Peer]:
         return {r: p.peer for r, p in self.parts.items() if p.peer is not None}
+
+
+def _announced_ids(waiting: _Await) -> Sequence[int] | None:
+    """The blocks a whole-block check of a WRITE covers, in the order announced (the
+    writer's checksums come in that order); None when more than one prefill rank writes or
+    the request has several KV-cache groups."""
+    task = waiting.task
+    if len(waiting.parts) != 1:
+        return None
+    if task.grouped is None:
+        return task.local_block_ids
+    if len(task.grouped.local) != 1:
+        return None
+    return [b for b in task.grouped.local[0] if b != NULL_BLOCK]
 
 
 def part_transfer_id(transfer_id: str, rank: int, parts: int) -> str:
@@ -339,19 +358,7 @@ class Puller:
                 if read.failing:
                     raise FailedPreconditionError("another source rank of the load failed")
             assert read.plan is not None
-            segments = read_segments(
-                read.plan,
-                self._ctx.cfg,
-                part.rank,
-                task.local_block_ids,
-                task.remote_block_ids,
-            )
-            if segments is None:
-                self._ctx.engine().read(
-                    part.engine_tid, peer.engine_peer, task.local_block_ids, task.remote_block_ids
-                )
-            else:
-                self._ctx.engine().read_segments(part.engine_tid, peer.engine_peer, segments)
+            self._post_part(read, part, peer)
         except Exception as exc:  # any failure: recompute locally, free the prefill
             self._ctx.directory.forget(part.peer)
             self._part_failed(read, part, f"not started: {exc}")
@@ -359,6 +366,32 @@ class Puller:
         with self._ctx.lock:
             if part.machine.state is ReadState.CONNECTING:
                 part.machine.advance(ReadEvent.POSTED)
+
+    def _post_part(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
+        """Post one part's READ: the request's block pairs (per KV-cache group when grouped),
+        cut to the part's head windows when the TP sizes differ. Remembers the pairs a check
+        of whole blocks covers (verify), when the READ moves exactly those."""
+        task, cfg, engine = read.task, self._ctx.cfg, self._ctx.engine()
+        assert read.plan is not None
+        grouped = None
+        pairs = (task.local_block_ids, task.remote_block_ids)
+        if task.grouped is not None:
+            grouped = plan_grouped(cfg, peer, task.grouped, "local")
+            base = engine_segments(grouped)
+            whole = len(grouped) == 1 and grouped[0].tokens is None
+            pairs = (grouped[0].local_blocks, grouped[0].remote_blocks) if whole else None
+        else:
+            base = [BlockSegment(task.local_block_ids, task.remote_block_ids)]
+        segments = read_segments(read.plan, cfg, part.rank, base)
+        if segments is not None:
+            part.verified_pairs = None
+            engine.read_segments(part.engine_tid, peer.engine_peer, segments)
+            return
+        part.verified_pairs = pairs
+        if grouped is not None:
+            post_read(engine, part.engine_tid, peer.engine_peer, grouped)
+        else:
+            engine.read(part.engine_tid, peer.engine_peer, *pairs)
 
     def on_event(self, event: Any) -> bool:
         """An engine terminal event; False when it is not one of our READs."""
@@ -405,12 +438,23 @@ class Puller:
             if part.machine.state is not ReadState.READING:
                 return
             part.machine.advance(ReadEvent.VERIFY)
+        if part.verified_pairs is None:
+            self._read_verified(
+                read,
+                part,
+                event,
+                "verify compares whole blocks of one KV-cache group; this READ moved windows "
+                "or several groups (different TP or block sizes, a hybrid model): turn verify "
+                "off for this pair",
+            )
+            return
         assert ctx.verifier is not None and part.peer is not None
+        local, remote = part.verified_pairs
         ctx.verifier.check_read(
             task.transfer_id,
             part.peer,
-            task.local_block_ids,
-            task.remote_block_ids,
+            local,
+            remote,
             lambda why: self._read_verified(read, part, event, why),
         )
 
@@ -615,6 +659,12 @@ class Puller:
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
+            block_ids: tuple[tuple[int, ...], ...] = (task.local_block_ids,)
+            num_tokens = 0
+            if task.grouped is not None:
+                # Refused here, before the prefill knows our blocks, when the groups differ.
+                check_groups(ctx.cfg.groups, peer.response.kv_groups, peer.response.engine_id)
+                block_ids, num_tokens = task.grouped.local, task.grouped.end
             with ctx.lock:
                 if part.machine.state is not AwaitState.CONNECTING:
                     return  # given up before the prefill had our blocks (and released)
@@ -625,11 +675,12 @@ class Puller:
                 peer.notify_port,
                 RemoteBlocks(
                     transfer_id=task.transfer_id,
-                    block_ids=(task.local_block_ids,),
+                    block_ids=block_ids,
                     decode_engine_id=ctx.cfg.engine_id,
                     decode_dp_rank=ctx.cfg.dp_rank,
                     req_id=task.req_id,
                     decode_tp_rank=ctx.cfg.tp_rank,
+                    num_tokens=num_tokens,
                 ),
             )
         except Exception as exc:
@@ -701,11 +752,18 @@ class Puller:
             if not part.machine.allows(AwaitEvent.VERIFY):
                 return
             part.machine.advance(AwaitEvent.VERIFY)
+        local = _announced_ids(waiting)
+        if local is None:
+            self._write_verified(
+                waiting,
+                part,
+                "verify compares whole blocks of one KV-cache group; this WRITE moved windows "
+                "or several groups (different TP sizes, a hybrid model): turn verify off for "
+                "this pair",
+            )
+            return
         ctx.verifier.check_write(
-            tid,
-            checksums,
-            waiting.task.local_block_ids,
-            lambda why: self._write_verified(waiting, part, why),
+            tid, checksums, local, lambda why: self._write_verified(waiting, part, why)
         )
 
     def _write_verified(self, waiting: _Await, part: _AwaitPart, why: str | None) -> None:

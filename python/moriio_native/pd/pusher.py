@@ -48,9 +48,17 @@ from moriio_native.control.messages import (
     WriteDone,
     WriteFailed,
 )
+from moriio_native.engine import BlockSegment
 from moriio_native.errors import IncompatiblePeerError, MoriioError
-from moriio_native.pd.context import Context
+from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
+from moriio_native.pd.groups import (
+    GroupedBlocks,
+    Segment,
+    engine_segments,
+    group_of_layer,
+    post_write_layer,
+)
 from moriio_native.pd.heads import TpPlan, write_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import SaveTask, SendTask
@@ -164,6 +172,9 @@ class _Job:
     forward_done: bool = False
     # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
     block_ids: tuple[np.ndarray, np.ndarray] | None = None
+    # Grouped jobs (KV-cache groups): each layer's segments, planned once the decode's groups
+    # are known from its handshake; a layer without any is not written.
+    segments: dict[str, list[Segment]] | None = None
     send: SendTask | None = None
     deadline: float = 0.0
     reason: str = ""
@@ -356,6 +367,9 @@ class Pusher:
             if job.save.peer is None:
                 self._fail(job, "the request names no decode address")
                 return
+            if job.save.groups:
+                self._ready_grouped(job)
+                return
             groups = job.remote.block_ids
             wanted = groups[0] if len(groups) == 1 else None
             have = job.save.block_ids
@@ -378,11 +392,16 @@ class Pusher:
             return
         local, remote = job.block_ids or (np.empty(0, np.int64), np.empty(0, np.int64))
         for layer, event in job.pending:
+            if job.segments is not None and not job.segments.get(layer):
+                continue  # nothing of this layer's group is written
             segments = None
             if job.plan is not None:
-                segments = write_segments(
-                    job.plan, self._ctx.cfg, job.decode_rank, layer, local, remote
+                base = (
+                    engine_segments(job.segments[layer], with_layers=False)
+                    if job.segments is not None
+                    else [BlockSegment(local, remote)]
                 )
+                segments = write_segments(job.plan, self._ctx.cfg, job.decode_rank, layer, base)
                 if segments == []:
                     continue  # a whole layer another prefill rank writes to this decode rank
             self._staged.append(("write", job, layer, (event, segments)))
@@ -391,6 +410,39 @@ class Pusher:
         if job.forward_done:
             job.machine.advance(JobEvent.SEAL)
             self._staged.append(("seal", job, "", job.submitted))
+
+    def _ready_grouped(self, job: _Job) -> None:
+        """A grouped job has both sides' blocks (lock held): the decode must need no more
+        tokens than the prompt computed here; the pairing waits for its handshake."""
+        assert job.save is not None and job.remote is not None
+        needed, computed = job.remote.num_tokens, job.save.num_tokens
+        if not needed:
+            self._fail(
+                job,
+                "the decode announced its blocks without a token count (a decode without "
+                "KV-cache groups); run the same connector version on both instances",
+            )
+            return
+        if needed > computed:
+            self._fail(
+                job, f"the decode needs the KV of {needed} tokens, the prompt computed {computed}"
+            )
+            return
+        job.machine.advance(JobEvent.READY)
+        self._connect(job)
+
+    def _plan_grouped(self, job: _Job, peer: Peer) -> dict[str, list[Segment]]:
+        """Each layer's segments into the decode's announced blocks (raises on a group
+        structure or ids that do not pair)."""
+        assert job.save is not None and job.remote is not None
+        cfg = self._ctx.cfg
+        blocks = GroupedBlocks(
+            job.save.groups, tuple(job.remote.block_ids), 0, job.remote.num_tokens
+        )
+        by_group: dict[int, list[Segment]] = {}
+        for segment in plan_grouped(cfg, peer, blocks, "remote"):
+            by_group.setdefault(segment.group, []).append(segment)
+        return {layer: by_group.get(g, []) for layer, g in group_of_layer(cfg.groups).items()}
 
     def _connect(self, job: _Job) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
@@ -422,6 +474,11 @@ class Pusher:
                     f"remote_blocks came from engine {job.remote.decode_engine_id!r}, but the "
                     f"decode address of the request serves {peer.response.engine_id!r}"
                 )
+            segments = None
+            if job.save is not None and job.save.groups:
+                with ctx.lock:
+                    job.peer = peer  # it answers there: tell it we failed
+                segments = self._plan_grouped(job, peer)
         except Exception as exc:
             logger.error("transfer %s: cannot reach the decode rank: %s", job.transfer_id, exc)
             with ctx.lock:
@@ -431,6 +488,7 @@ class Pusher:
             if job.state is not JobState.CONNECTING:
                 return  # failed meanwhile
             job.peer = peer
+            job.segments = segments
             job.machine.advance(JobEvent.CONNECTED)
             self._advance(job)
         self.feed_writer()
@@ -575,16 +633,42 @@ class Pusher:
             verifier = self._ctx.verifier
             if ok and verifier is not None and job.machine.allows(JobEvent.CHECKSUM):
                 job.machine.advance(JobEvent.CHECKSUM)
-                assert job.block_ids is not None
+                local = self._verified_ids(job)
+                if local is None:
+                    job.reason = (
+                        "verify compares whole blocks of one KV-cache group; this WRITE moved "
+                        "windows or several groups (different TP or block sizes, a hybrid "
+                        "model): turn verify off for this pair"
+                    )
+                    logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, job.reason)
+                    job.machine.advance(JobEvent.FAIL)
+                    self._complete(job)
+                    return True
                 verifier.for_write_done(
                     job.transfer_id,
-                    job.block_ids[0].tolist(),
+                    local,
                     lambda sums, why: self._checksummed(job, event, sums, why),
                 )
                 return True
             job.machine.advance(next_event)
             self._complete(job, event)
         return True
+
+    @staticmethod
+    def _verified_ids(job: _Job) -> list[int] | None:
+        """Our blocks a whole-block check of this job covers, in the decode's announced order;
+        None when the job writes windows or several groups."""
+        if job.plan is not None and not job.plan.identity:
+            return None
+        if job.segments is None:
+            return None if job.block_ids is None else job.block_ids[0].tolist()
+        moved = {tuple(s) for s in job.segments.values() if s}
+        if len(moved) != 1:
+            return None
+        (only,) = moved
+        if len(only) != 1 or only[0].tokens is not None:
+            return None
+        return list(only[0].local_blocks)
 
     def _checksummed(
         self, job: _Job, event: Any, checksums: dict[str, bytes] | None, why: str
@@ -812,12 +896,21 @@ class Pusher:
                     if job.state not in live:
                         continue
                     peer = job.peer
-                    assert peer is not None and job.block_ids is not None
+                    assert peer is not None
                     if op == "write" and arg[1] is not None:
                         ctx.engine().write_layer(
                             job.transfer_id, layer, peer.engine_peer, segments=arg[1]
                         )
+                    elif op == "write" and job.segments is not None:
+                        post_write_layer(
+                            ctx.engine(),
+                            job.transfer_id,
+                            layer,
+                            peer.engine_peer,
+                            job.segments[layer],
+                        )
                     elif op == "write":
+                        assert job.block_ids is not None
                         local_ids, remote_ids = job.block_ids
                         ctx.engine().write_layer(
                             job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids

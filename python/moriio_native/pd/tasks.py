@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moriio_native.control.addressing import ZmqAddress
+from moriio_native.pd.groups import GroupedBlocks
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,10 @@ class RecvTask:
     # The request was aborted while its load may run: give up on it now (blocks the prefill
     # may be writing stay quarantined until it confirms its writes stopped).
     aborted: bool = False
+    # KV-cache groups (hybrid models): each group's ids positionally and the tokens to load
+    # (READ: both sides' ids; WRITE: ours, announced as they are). ``local_block_ids`` then
+    # lists every local non-null id (what a failure reports for recomputation).
+    grouped: GroupedBlocks | None = None
 
     @property
     def notify_only(self) -> bool:
@@ -57,6 +62,10 @@ class SaveTask:
     num_prompt_blocks: int
     peer: ZmqAddress | None  # the decode instance (base ports), when the request names it
     remote_tp_size: int
+    # KV-cache groups (hybrid models): each group's ids positionally from the first token
+    # (mamba: the state block), and the number of prompt tokens computed into them.
+    groups: tuple[tuple[int, ...], ...] = ()
+    num_tokens: int = 0
 
 
 @dataclass(frozen=True)

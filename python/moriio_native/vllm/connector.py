@@ -5,9 +5,13 @@ One class serves both roles vLLM creates: in the scheduler process it delegates 
 in each worker to :class:`~moriio_native.vllm.worker.WorkerSide` (the engine, the control
 plane, the transfers). Configuration: :mod:`moriio_native.vllm.config`.
 
-Not supported (refused at start-up with a message): pipeline parallelism, the hybrid KV-cache
-manager (vLLM turns it off for this connector), sleep mode, heterogeneous TP between prefill
-and decode.
+It supports vLLM's hybrid KV-cache manager (``SupportsHMA``): full attention, sliding window
+and Mamba state groups, each with its own block ids (:mod:`moriio_native.vllm.hybrid`,
+:mod:`moriio_native.pd.groups`), and prefill/decode block sizes that divide one another.
+
+Not supported (refused at start-up with a message): pipeline parallelism, sleep mode,
+heterogeneous TP between prefill and decode, Mamba prefix caching (``mamba_cache_mode``
+"align").
 """
 
 from __future__ import annotations
@@ -20,12 +24,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from moriio_native.errors import FailedPreconditionError
 from moriio_native.vllm import use_vllm_logging
 from moriio_native.vllm.config import ConnectorConfig
+from moriio_native.vllm.hybrid import HybridLayout
 from moriio_native.vllm.metadata import MoRIIONativeMetadata
 from moriio_native.vllm.prom import MoRIIONativePromMetrics
 from moriio_native.vllm.scheduler import SchedulerSide
@@ -79,7 +85,7 @@ def _total_kv_heads(vllm_config: VllmConfig) -> int:
         return 0
 
 
-class MoRIIONativeConnector(KVConnectorBase_V1):
+class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
     """Prefill/decode KV transfer for ``vllm serve`` (READ or WRITE mode, UCX or MoRI-IO).
 
     Load with ``--kv-transfer-config '{"kv_connector": "MoRIIONativeConnector",
@@ -140,6 +146,18 @@ class MoRIIONativeConnector(KVConnectorBase_V1):
         dp_rank = int(pc.data_parallel_rank)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        # vLLM's KV-cache groups (several with the hybrid KV-cache manager on).
+        hybrid = HybridLayout.from_kv_cache_config(kv_cache_config)
+        if (
+            len(hybrid.groups) > 1
+            and self.config.mode == "read"
+            and self.config.read_loading == "sync"
+        ):
+            raise FailedPreconditionError(
+                f"read_loading 'sync' with {len(hybrid.groups)} KV-cache groups: vLLM takes "
+                "block-level load errors for one group only, so a failed synchronous READ "
+                "could not be recomputed; use read_loading 'async' (the default)"
+            )
         if role == KVConnectorRole.SCHEDULER:
             groups = kv_cache_config.kv_cache_groups
             block_size = (
@@ -147,11 +165,12 @@ class MoRIIONativeConnector(KVConnectorBase_V1):
                 if groups
                 else vllm_config.cache_config.block_size
             )
-            self.scheduler = SchedulerSide(self.config, int(block_size), dp_rank)
+            self.scheduler = SchedulerSide(self.config, int(block_size), dp_rank, hybrid)
         else:
             self.worker = WorkerSide(
                 self.config,
                 layer_specs(kv_cache_config),
+                groups=hybrid.groups,
                 dp_rank=dp_rank,
                 tp_rank=_tp_rank(vllm_config),
                 total_kv_heads=_total_kv_heads(vllm_config),
@@ -198,6 +217,11 @@ class MoRIIONativeConnector(KVConnectorBase_V1):
 
     def request_finished(
         self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._sched().request_finished(request, block_ids)
 

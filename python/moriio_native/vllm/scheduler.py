@@ -3,21 +3,30 @@
 It decides, per request, what the workers must move and when vLLM may free blocks; it never
 touches the network. Flows (P = prefill instance, D = decode instance):
 
+Block ids are vLLM's, one list per KV-cache group (:class:`~moriio_native.vllm.hybrid.
+HybridLayout`: full attention, sliding window, Mamba state), positional from the request's
+first token; the workers pair them with the peer's groups and block sizes once its handshake
+told them (:mod:`moriio_native.pd.groups`).
+
 READ (D pulls; asynchronously by default, the request waiting in WAITING_FOR_REMOTE_KVS)
   D ``get_num_new_matched_tokens`` -> ``(covered - computed, True)`` (``False`` with
   ``read_loading: sync``: loaded before the forward that needs it) with ``covered`` the
-  prompt minus its last token, capped by the blocks P advertised. ``update_state_after_alloc``
-  pairs D's blocks with P's blocks *by position in the request* and skips the blocks D already
-  holds from its own prefix cache (local ids are never replaced by remote ids). P's
+  prompt minus its last token. ``update_state_after_alloc`` hands the workers D's per-group
+  blocks, P's advertised per-group blocks and the token range to load (from the end of D's
+  own prefix cache hits: local ids are never replaced by remote ids). P's
   ``request_finished`` keeps P's blocks (``delay_free``) and returns the ``kv_transfer_params``
-  D needs; they are freed when D's release arrives (or after ``abort_timeout``).
+  D needs (one block list per group); they are freed when D's release arrives (or after
+  ``abort_timeout``).
 
 WRITE (P pushes each layer into D's blocks; D waits asynchronously)
-  D ``get_num_new_matched_tokens`` -> ``(prompt - computed, True)``; after allocation D's
-  worker announces the blocks to P -- only the tail D does not hold yet, so P maps them onto
-  the end of its own prompt blocks. P's scheduler hands the prompt blocks to its workers in the
-  step that computes the last prompt chunk, and keeps them after the request finishes until
-  its workers report the writes done (or failed, or ``abort_timeout`` passed).
+  D ``get_num_new_matched_tokens`` -> ``(covered - computed, True)``; after allocation D's
+  worker announces its per-group blocks to P, with the null block where D already holds the
+  tokens, and the number of tokens it needs. P's scheduler hands its per-group blocks to its
+  workers in the step that computes the last prompt chunk, and keeps them after the request
+  finishes until its workers report the writes done (or failed, or ``abort_timeout`` passed).
+
+With a sliding-window or Mamba group, P computes all but the prompt's last token and D loads
+exactly those (see :mod:`moriio_native.vllm.hybrid`).
 
 Prefix hits: a full hit (nothing to load) becomes a notify-only task that makes P release.
 Aborts: a D request that ends before it was scheduled also sends P a release; a P request
@@ -52,7 +61,9 @@ from moriio_native.control.addressing import (
     parse_kv_transfer_params,
 )
 from moriio_native.errors import InvalidArgumentError
+from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.vllm.config import ConnectorConfig
+from moriio_native.vllm.hybrid import HybridLayout
 from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
 
 if TYPE_CHECKING:
@@ -77,10 +88,20 @@ class SchedulerSide:
     """Per-request planning for the scheduler process. Not thread-safe (vLLM's scheduler
     thread is the only caller)."""
 
-    def __init__(self, config: ConnectorConfig, block_size: int, dp_rank: int) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        block_size: int,
+        dp_rank: int,
+        hybrid: HybridLayout,
+    ) -> None:
         self.config = config
         self.block_size = block_size
         self.dp_rank = dp_rank
+        # vLLM's KV-cache groups: tasks carry positional per-group ids (pd.groups).
+        self.hybrid = hybrid
+        # P requests whose prompt was cut by the hybrid layout's backoff (once per request).
+        self._truncated: set[str] = set()
         self._kv_cache_manager: KVCacheManager | None = None
         # Locally computed tokens D reported to get_num_new_matched_tokens, per request.
         self._local_tokens: dict[str, int] = {}
@@ -139,14 +160,6 @@ class SchedulerSide:
     def _is_remote_decode(self, params: KvTransferParams | None) -> bool:
         return params is not None and params.do_remote_decode and self.config.is_producer
 
-    def _read_coverage(self, request: Request, params: KvTransferParams) -> int:
-        """Tokens a READ may load: the prompt minus its last token (recomputed locally so the
-        next token can be sampled), capped by the blocks the prefill advertised."""
-        groups = params.remote_block_ids or ()
-        if len(groups) != 1 or params.remote_engine_id is None:
-            return 0
-        return min(request.num_prompt_tokens - 1, len(groups[0]) * self.block_size)
-
     def _release_task(
         self, request: Request, params: KvTransferParams, peer: ZmqAddress
     ) -> RecvTask:
@@ -166,29 +179,97 @@ class SchedulerSide:
     ) -> tuple[int, bool]:
         params = self._params(request)
         rid = request.request_id
+        if self._is_remote_decode(params):
+            self._truncate_for_prefill(request)
         if not self._is_remote_prefill(params) or rid in self._planned:
             return 0, False
         assert params is not None
         if self._prefill_peer(request, params) is None:
             return 0, False
+        return self._grouped_matched_tokens(request, params, num_computed_tokens)
+
+    # ---- grouped (hybrid KV-cache manager) ---------------------------------------------------
+
+    def _truncate_for_prefill(self, request: Request) -> None:
+        """P side: leave the prompt's last ``prefill_backoff`` tokens to the decode (Mamba
+        state cannot be rewound to recompute them there); the request then ends after one
+        token, as a prefill for a remote decode does."""
+        backoff = self.hybrid.prefill_backoff()
+        rid = request.request_id
+        if not backoff or rid in self._truncated or request.num_prompt_tokens <= backoff:
+            return
+        if request.prompt_token_ids is None:
+            return
+        self._truncated.add(rid)
+        del request.prompt_token_ids[-backoff:]
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+
+    def _grouped_end(self, request: Request) -> int:
+        """The prompt tokens a grouped load covers: all but the last in READ (computed here
+        to sample the next token), all but the prefill's backoff in WRITE."""
         if self.config.mode == "read":
-            covered = self._read_coverage(request, params)
-            if covered <= 0:
-                if rid not in self._invalid_logged:
-                    self._invalid_logged.add(rid)
-                    logger.warning(
-                        "request %s (transfer %s): READ needs remote_engine_id and one group of "
-                        "remote_block_ids; computing locally",
-                        rid,
-                        params.transfer_id,
-                    )
-                return 0, False
-            self._local_tokens[rid] = num_computed_tokens
-            count = max(covered - num_computed_tokens, 0)
-            return count, count > 0 and self.config.read_loading == "async"
+            return request.num_prompt_tokens - 1
+        return request.num_prompt_tokens - self.hybrid.prefill_backoff()
+
+    def _grouped_matched_tokens(
+        self, request: Request, params: KvTransferParams, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        rid = request.request_id
+        remote = params.remote_block_ids or ()
+        if self.config.mode == "read" and (
+            len(remote) != len(self.hybrid.groups) or params.remote_engine_id is None
+        ):
+            if rid not in self._invalid_logged:
+                self._invalid_logged.add(rid)
+                logger.warning(
+                    "request %s (transfer %s): READ needs remote_engine_id and one list of "
+                    "remote_block_ids per KV-cache group (%d, got %d); computing locally",
+                    rid,
+                    params.transfer_id,
+                    len(self.hybrid.groups),
+                    len(remote),
+                )
+            return 0, False
         self._local_tokens[rid] = num_computed_tokens
-        count = max(request.num_prompt_tokens - num_computed_tokens, 0)
-        return count, count > 0
+        count = max(self._grouped_end(request) - num_computed_tokens, 0)
+        async_load = self.config.mode == "write" or self.config.read_loading == "async"
+        return count, count > 0 and async_load
+
+    def _grouped_recv_task(
+        self,
+        request: Request,
+        params: KvTransferParams,
+        peer: ZmqAddress,
+        blocks: KVCacheBlocks,
+        local_tokens: int | None,
+        num_external_tokens: int,
+    ) -> RecvTask:
+        hybrid = self.hybrid
+        end_default = self._grouped_end(request)
+        if local_tokens is None:
+            local_tokens = end_default - num_external_tokens
+        end = local_tokens + num_external_tokens
+        error = ""
+        try:
+            local = hybrid.select(blocks.get_block_ids())
+        except ValueError as exc:
+            local, error = tuple(() for _ in hybrid.groups), str(exc)
+        if self.config.mode == "read":
+            assert params.remote_block_ids is not None
+            grouped = GroupedBlocks(local, tuple(params.remote_block_ids), local_tokens, end)
+        else:
+            grouped = GroupedBlocks(
+                hybrid.announced(local, local_tokens, end), (), local_tokens, end
+            )
+        return dataclasses.replace(
+            self._release_task(request, params, peer),
+            local_block_ids=hybrid.destination_ids(local, local_tokens, end),
+            report_done=self.config.mode == "write" or self.config.read_loading == "async",
+            error=error,
+            grouped=grouped,
+        )
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -212,46 +293,9 @@ class SchedulerSide:
             # Full local prefix hit (or nothing loadable): the prefill only needs its release.
             self._recv.append(self._release_task(request, params, peer))
             return
-        block_ids = list(blocks.get_block_ids()[0])
-        if self.config.mode == "read":
-            end_default = self._read_coverage(request, params)
-        else:
-            end_default = request.num_prompt_tokens
-        if local_tokens is None:
-            local_tokens = end_default - num_external_tokens
-        end = local_tokens + num_external_tokens
-        first, last = local_tokens // self.block_size, _cdiv(end, self.block_size)
-        local_ids = tuple(block_ids[first:last])
-        remote_ids: tuple[int, ...] = ()
-        if self.config.mode == "read":
-            assert params.remote_block_ids is not None
-            remote_ids = tuple(params.remote_block_ids[0][first:last])
-        if len(local_ids) != last - first or (
-            self.config.mode == "read" and len(remote_ids) != len(local_ids)
-        ):
-            # Cannot happen with vLLM's allocator. Refuse to guess which blocks pair: the load
-            # is reported failed (vLLM recomputes) and the prefill is released.
-            error = (
-                f"blocks {first}..{last} needed, {len(block_ids)} local / "
-                f"{len(params.remote_block_ids[0]) if params.remote_block_ids else 0} remote"
-            )
-            logger.error("request %s (transfer %s): %s", rid, params.transfer_id, error)
-            local_ids = tuple(block_ids[first:last]) or tuple(block_ids[first:])
-            remote_ids = ()
-        else:
-            error = ""
         self._recv.append(
-            RecvTask(
-                req_id=rid,
-                transfer_id=params.transfer_id,
-                peer=peer,
-                remote_engine_id=params.remote_engine_id,
-                remote_dp_rank=params.remote_dp_rank,
-                remote_tp_size=params.remote_tp_size,
-                local_block_ids=local_ids,
-                remote_block_ids=remote_ids,
-                report_done=self.config.mode == "write" or self.config.read_loading == "async",
-                error=error,
+            self._grouped_recv_task(
+                request, params, peer, blocks, local_tokens, num_external_tokens
             )
         )
 
@@ -292,14 +336,19 @@ class SchedulerSide:
             num_prompt_blocks=n_prompt,
             peer=peer,
             remote_tp_size=params.remote_tp_size,
+            groups=self.hybrid.select(groups),
+            num_tokens=request.num_prompt_tokens,
         )
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's request_finished(_all_groups): ``block_ids`` holds one list per KV-cache
+        group (one group without the hybrid KV-cache manager)."""
         rid = request.request_id
         self._local_tokens.pop(rid, None)
         self._invalid_logged.discard(rid)
+        self._truncated.discard(rid)
         params = self._params(request)
         if self._is_remote_prefill(params):
             assert params is not None
@@ -330,19 +379,25 @@ class SchedulerSide:
             self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
             self._held.add(rid)
             return True, None if aborted else self._returned_params(params, block_ids)
-        if aborted or not block_ids:
+        if aborted or not any(block_ids):
             return False, None
         self._send.append(SendTask(rid, params.transfer_id))
         self._held.add(rid)
         return True, self._returned_params(params, block_ids)
 
-    def _returned_params(self, params: KvTransferParams, block_ids: list[int]) -> dict[str, Any]:
-        """What the proxy forwards to the decode instance (vLLM MoRIIO key names)."""
+    def _returned_params(
+        self, params: KvTransferParams, block_ids: tuple[list[int], ...]
+    ) -> dict[str, Any]:
+        """What the proxy forwards to the decode instance (vLLM MoRIIO key names): the
+        block ids flat for one group, one list per transfer group otherwise."""
         cfg = self.config
+        remote_ids: list[Any] = [list(g) for g in self.hybrid.select(block_ids)]
+        if len(remote_ids) == 1:
+            remote_ids = remote_ids[0]
         return {
             KEY_DO_REMOTE_PREFILL: True,
             KEY_DO_REMOTE_DECODE: False,
-            KEY_REMOTE_BLOCK_IDS: list(block_ids),
+            KEY_REMOTE_BLOCK_IDS: remote_ids,
             KEY_REMOTE_ENGINE_ID: cfg.engine_id,
             KEY_REMOTE_HOST: cfg.host_ip,
             KEY_REMOTE_HANDSHAKE_PORT: cfg.handshake_port,

@@ -18,10 +18,14 @@ AttentionSpec with ``head_size_v == 0``                 latent width (key-only: 
 AttentionSpec with a packed page                 "mla"  the page is moved as opaque bytes:
 (``num_head_slots``, ``state_content_bytes``)           heads = H, head_size = C / dtype bytes
 ``tokens_per_state != 1``                        either block_size = states per block
-MambaSpec and other non-attention specs          --     refused (:class:`UnsupportedSpecError`)
+MambaSpec (mamba_cache_mode "none")              "mla"  one state slot = one opaque byte page:
+                                                        block_size 1, heads 1, head_size = C
+                                                        bytes (conv + SSM states)
+other non-attention specs                        --     refused (:class:`UnsupportedSpecError`)
 ================================================ ====== =========================================
 
 Contents: :func:`layer_specs` (layer name -> vLLM spec for every transferable layer),
+:func:`kv_groups` (the transfer groups as the handshake describes them),
 :func:`to_cache_spec`, :func:`cache_specs`. Pure functions, thread-safe.
 """
 
@@ -31,6 +35,7 @@ import logging
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from moriio_native.control.messages import KvGroup
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.layout import CacheSpec
 
@@ -80,8 +85,15 @@ def to_cache_spec(layer_name: str, spec: Any, tensor_ndim: int = 4) -> CacheSpec
     tensor (a 5-D cache of another vLLM version or backend) gets no hint, so a shape whose head
     count equals its block size is refused as ambiguous instead of read one way."""
     axis_order = VLLM_AXIS_ORDER if tensor_ndim == 4 else "auto"
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+    )
 
+    if isinstance(spec, MambaSpec):
+        return _mamba_cache_spec(layer_name, spec)
     if not isinstance(spec, AttentionSpec):
         raise UnsupportedSpecError(
             f"layer {layer_name}: {type(spec).__name__} caches cannot be transferred by "
@@ -138,6 +150,74 @@ def to_cache_spec(layer_name: str, spec: Any, tensor_ndim: int = 4) -> CacheSpec
         dtype_bytes=dtype_bytes,
         axis_order=axis_order,
     )
+
+
+def _mamba_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
+    """A Mamba/KDA/GDN state layer: vLLM views each state slot as one ``[1, 1, C]`` byte page
+    (C = every state's bytes, conv state then SSM state, as ``MambaBase.bind_kv_cache`` cuts
+    them; a padded page only widens the block stride). With equal TP on both sides the page
+    moves as opaque bytes, so the conv state's sub-projection split (x, B, C shards of each
+    rank) is carried as it is; different TP sizes are refused (the state is split across
+    ranks, :func:`first_split_across_tp`)."""
+    if spec.mamba_cache_mode == "align":
+        raise UnsupportedSpecError(
+            f"layer {layer_name}: mamba_cache_mode 'align' (Mamba prefix caching) keeps one "
+            "state per block position, which MoRIIONativeConnector does not transfer; use "
+            "mamba_cache_mode 'none'"
+        )
+    return CacheSpec(
+        kind="mla",
+        block_size=1,
+        num_kv_heads=1,
+        head_size=int(spec.state_content_size_bytes),
+        dtype_bytes=1,
+        axis_order=VLLM_AXIS_ORDER,
+    )
+
+
+def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
+    )
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.kv_cache_specs[layers[0]]
+    if isinstance(spec, MambaSpec):
+        return "mamba", 0
+    if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)):
+        return "sliding", int(spec.sliding_window)
+    if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
+        return "full", 0
+    raise UnsupportedSpecError(
+        f"layer {layers[0]}: a KV-cache group of {type(spec).__name__} cannot be transferred "
+        "by MoRIIONativeConnector (full attention, sliding window and Mamba state groups only)"
+    )
+
+
+def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
+    """The KV-cache groups that take part in KV transfer, in vLLM's order (the order of the
+    per-group block ids): kind, block size in tokens, window and layers. Raises
+    UnsupportedSpecError naming the layer for groups without a transfer mapping."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        layers = tuple(group.layer_names)
+        kind, window = _group_kind(group.kv_cache_spec, layers)
+        out.append(
+            KvGroup(
+                kind=kind,  # type: ignore[arg-type]
+                block_size=int(group.kv_cache_spec.block_size),
+                layers=layers,
+                sliding_window=window,
+            )
+        )
+    return tuple(out)
 
 
 def cache_specs(
@@ -202,6 +282,7 @@ __all__ = [
     "UnsupportedSpecError",
     "cache_specs",
     "checked_total_kv_heads",
+    "kv_groups",
     "layer_specs",
     "split_across_tp",
     "to_cache_spec",

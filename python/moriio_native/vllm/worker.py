@@ -31,7 +31,7 @@ from typing import Any
 
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.channel import HandshakeServer, NotifyListener, ProxyPinger
-from moriio_native.control.messages import ProxyRegistration
+from moriio_native.control.messages import KvGroup, ProxyRegistration
 from moriio_native.control.security import ControlSecurity
 from moriio_native.engine import Engine, LayerRegistration, choose_backend
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError
@@ -72,11 +72,13 @@ class WorkerSide:
         tp_rank: int = 0,
         total_kv_heads: int = 0,
         context_parallel: bool = False,
+        groups: tuple[KvGroup, ...] = (),
     ) -> None:
         self.cfg = config
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
         self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
+        self._groups = groups
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
         self._open_reported = 0  # the open-transfers gauge as last sent to vLLM
@@ -114,6 +116,7 @@ class WorkerSide:
                 whole_layers=whole,
                 total_kv_heads=total_kv_heads,
                 verify=config.verify,
+                groups=groups,
             ),
             self._security,
             self._stats,
@@ -277,7 +280,10 @@ class WorkerSide:
         return reports.done_sending, reports.done_recving, reports.failed_recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._core.take_load_errors()
+        errors = self._core.take_load_errors()
+        # vLLM takes block-level load errors for one KV-cache group only (it raises otherwise):
+        # with several, failed loads are reported per request (failed receiving) alone.
+        return errors if len(self._groups) <= 1 else set()
 
     def get_stats(self) -> MoRIIONativeStats | None:
         """This interval's counters, plus the open-transfers gauge when it changed; None when
