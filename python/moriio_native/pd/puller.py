@@ -48,6 +48,7 @@ from moriio_native.pd.groups import NULL_BLOCK, check_groups, engine_segments, p
 from moriio_native.pd.heads import TpPlan, read_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import RecvTask
+from moriio_native.pd.verify import whole_blocks_only
 
 logger = logging.getLogger("moriio_native.pd.puller")
 
@@ -443,9 +444,7 @@ class Puller:
                 read,
                 part,
                 event,
-                "verify compares whole blocks of one KV-cache group; this READ moved windows "
-                "or several groups (different TP or block sizes, a hybrid model): turn verify "
-                "off for this pair",
+                whole_blocks_only("READ"),
             )
             return
         assert ctx.verifier is not None and part.peer is not None
@@ -757,9 +756,7 @@ class Puller:
             self._write_verified(
                 waiting,
                 part,
-                "verify compares whole blocks of one KV-cache group; this WRITE moved windows "
-                "or several groups (different TP sizes, a hybrid model): turn verify off for "
-                "this pair",
+                whole_blocks_only("WRITE"),
             )
             return
         ctx.verifier.check_write(

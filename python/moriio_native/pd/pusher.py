@@ -62,6 +62,7 @@ from moriio_native.pd.groups import (
 from moriio_native.pd.heads import TpPlan, write_segments
 from moriio_native.pd.peers import Peer
 from moriio_native.pd.tasks import SaveTask, SendTask
+from moriio_native.pd.verify import whole_blocks_only
 
 logger = logging.getLogger("moriio_native.pd.pusher")
 
@@ -635,11 +636,7 @@ class Pusher:
                 job.machine.advance(JobEvent.CHECKSUM)
                 local = self._verified_ids(job)
                 if local is None:
-                    job.reason = (
-                        "verify compares whole blocks of one KV-cache group; this WRITE moved "
-                        "windows or several groups (different TP or block sizes, a hybrid "
-                        "model): turn verify off for this pair"
-                    )
+                    job.reason = whole_blocks_only("WRITE")
                     logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, job.reason)
                     job.machine.advance(JobEvent.FAIL)
                     self._complete(job)

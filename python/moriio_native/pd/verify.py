@@ -202,4 +202,14 @@ class Verifier:
         self._pool.submit(task)
 
 
-__all__ = ["MAX_NAMED_MISMATCHES", "Checksummer", "Verdict", "Verifier"]
+def whole_blocks_only(transfer: str) -> str:
+    """Why a ``transfer`` ("READ" or "WRITE") cannot be verified: the check compares whole
+    blocks of one KV-cache group, and this one moved windows or several groups."""
+    return (
+        f"verify compares whole blocks of one KV-cache group; this {transfer} moved windows or "
+        "several groups (different TP or block sizes, a hybrid model): turn verify off for "
+        "this pair"
+    )
+
+
+__all__ = ["MAX_NAMED_MISMATCHES", "Checksummer", "Verdict", "Verifier", "whole_blocks_only"]
