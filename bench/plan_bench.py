@@ -6,8 +6,10 @@ one KV head of 128, bf16, block 16) as separated NHD ``[2, N, B, H, D]`` torch C
 block's K and V planes of a layer are 4 KiB runs. Each request reads ``--blocks`` random blocks
 (2,048 by default: 131,072 runs). Measured around the ``read`` call only (``time.thread_time_ns``
 and ``getrusage(RUSAGE_THREAD)``): the planning, the batch columns and the backend's Submit, not
-the copy, which the loopback backend runs on its own thread. Every request's destination blocks
-are compared with their source blocks after it completes.
+the copy, which the loopback backend runs on its own thread. The last request's destination
+blocks are compared with their source blocks after it completes (``--verify-each``: every
+request's, which puts torch's allocations between the reads, and those move malloc's thresholds
+and with them the page faults measured).
 
 ``--build PATH`` (repeatable) runs the measurement once per build, in that order, each in a
 fresh process with ``PYTHONPATH=PATH``, alternating for ``--rounds`` rounds, so that builds are
@@ -83,6 +85,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         event = decode.wait([tid], timeout=120)[tid]
         if event.state != "done":
             raise RuntimeError(f"{tid} ended {event.state}: {event.message}")
+        if r > 0:  # per run of the plan (neighbouring blocks on both sides merge: a few less)
+            ns_per_run.append(cpu / event.runs)
+            faults.append(fault)
+            runs = event.runs
+        if r < args.requests and not args.verify_each:
+            continue  # verified only at the end: torch's allocations change malloc's thresholds
         d_ids, s_ids = torch.as_tensor(dst), torch.as_tensor(src)
         verified &= all(
             # Compared as int16: the random bits hold NaNs as bf16, which never equal themselves.
@@ -94,10 +102,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             )
             for d, p in zip(d_views, p_views, strict=True)
         )
-        if r > 0:  # per run of the plan (neighbouring blocks on both sides merge: a few less)
-            ns_per_run.append(cpu / event.runs)
-            faults.append(fault)
-            runs = event.runs
     return {
         "runs_per_read": runs,
         "ns_per_run_median": statistics.median(ns_per_run),
@@ -115,6 +119,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=5)
     parser.add_argument("--build", action="append", default=[], help="a PYTHONPATH to measure")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument(
+        "--verify-each",
+        action="store_true",
+        help="verify every request, not only the last (torch allocates between the reads then)",
+    )
     parser.add_argument("--json", help="write the results as JSON to this file")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -129,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     child = [sys.executable, __file__, "--child", "--blocks", str(args.blocks)]
     child += ["--num-blocks", str(args.num_blocks), "--requests", str(args.requests)]
+    child += ["--verify-each"] if args.verify_each else []
     for rnd in range(args.rounds):
         for build in args.build:
             env = {**os.environ, "PYTHONPATH": build}
