@@ -51,8 +51,9 @@ constexpr std::uint64_t kDirectCopyBudget = 8ull << 20;
 // Unfinished CUDA copies PollCudaCopies queries per pass, oldest first (one per plugin stream).
 constexpr int kCudaPollAhead = 2;
 // How long the thread keeps spinning after an ExpectSubmits hint while no batch has arrived: the
-// engine plans a request's first piece in tens of microseconds; waking a sleeping thread on a VM
-// took about as long, and it delayed the first kernel of every request by that much.
+// engine plans a request's first piece in tens of microseconds, and a thread asleep on this VM
+// took 0.15-0.28 ms to wake (measured on the engine's event wait, docs/benchmarks.md), which the
+// first batch would otherwise wait for.
 constexpr auto kExpectSpin = std::chrono::microseconds(500);
 // How long the thread keeps spinning after the last activity before it sleeps on the event fd.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
@@ -1264,9 +1265,9 @@ bool UcxBackend::PollCudaCopies() {
   bool did = false;
   const moriio_cudacopy_api* cc = nullptr;
   // Kernels finish about in the order they were launched (active_ is in that order; the plugin
-  // alternates two streams), so polling stops at the second unfinished one: a request of 32
-  // layers keeps as many kernels queued, and querying every event on each pass of the loop
-  // (~1 us each) delayed both the next launch and the last completion.
+  // alternates two streams), so polling stops at the second unfinished one: a WRITE of 61 layers
+  // keeps as many kernels queued, and querying every event on each pass of the loop (~1 us each)
+  // would sit on the path of the next launch and of the last completion.
   int unfinished = 0;
   for (auto& ab : active_) {
     if (ab.cuda_op == nullptr) continue;
