@@ -24,6 +24,12 @@ exposed after the last layer's compute finished, next to the same transfer start
 whole forward (``after``), and one layer's transfer time; every destination block is checked
 to hold its layer's value (a copy that ran before its layer's compute would fail that).
 
+``--timeline PATH``: after the timed requests of each operation, one more request runs under
+``torch.profiler`` in the process that makes the call (the decode for READ, the prefill for
+WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kernel's start and
+end (every batch is one kernel), the terminal event seen, all in ms from the call, with the
+time the GPU copied (the union of the kernels) and the idle gaps between kernels.
+
 Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
 
     python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --json out.json
@@ -91,6 +97,124 @@ class Row:
     cell_batches: int = 0  # of the last request: batches moved as cells (a transposing copy)
     state_copy_gbps: float = 0.0  # median copy_ in the decode's memory state, after each request
     ratio_to_state_copy: float = 0.0
+
+
+@dataclass
+class TimelineRow:
+    """One profiled request, ms from the call's start (see ``--timeline``)."""
+
+    preset: str
+    op: str
+    bytes: int
+    total_ms: float  # call to terminal event, host clock (profiler running)
+    call_ms: float  # the read call (or every write_layer and the seal) returned
+    kernels: int
+    first_launch_ms: float  # the first kernel launch call began, host side (-1: not recorded)
+    first_kernel_start_ms: float
+    last_kernel_end_ms: float
+    last_query_ms: float  # the backend's last event query ended (-1: not recorded)
+    event_ms: float  # the wait returned the terminal event
+    gpu_busy_ms: float  # union of the kernels' intervals
+    gaps_ms: float  # idle time between the first kernel's start and the last one's end
+    kernel_ms: list[list[float]]  # [start, end] of each kernel, in start order
+    verified: bool = False
+
+
+def _timeline_of(prof: Any) -> dict[str, Any]:
+    """The request's intervals out of a finished ``torch.profiler`` run (its Chrome trace)."""
+    import os
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    marks = {
+        e["name"]: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("moriio.")
+    }
+    t0 = marks["moriio.call"][0]
+    # Launch calls of any thread (the backend's progress thread launches the copies), as CUPTI
+    # records them: the host side of each kernel's start.
+    launches = sorted(
+        float(e["ts"])
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "LaunchKernel" in e.get("name", "")
+        and float(e["ts"]) >= t0
+    )
+    kernels = sorted(
+        (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
+        for e in events
+        if e.get("cat") == "kernel" and float(e["ts"]) >= t0
+    )
+    # The progress thread queries its kernels' events until the last one is done: the last
+    # query's end is when the backend saw the request's last kernel finish.
+    queries = [
+        float(e["ts"]) + float(e.get("dur", 0))
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and "EventQuery" in e.get("name", "")
+        and float(e["ts"]) >= t0
+        and float(e["ts"]) <= marks["moriio.wait"][1]
+    ]
+    busy, gaps, reach = 0.0, 0.0, None
+    for start, end in kernels:
+        if reach is None or start > reach:
+            if reach is not None:
+                gaps += start - reach
+            busy += end - start
+            reach = end
+        elif end > reach:
+            busy += end - reach
+            reach = end
+    ms = 1e-3
+    return {
+        "call_ms": (marks["moriio.call"][1] - t0) * ms,
+        "kernels": len(kernels),
+        "first_launch_ms": (launches[0] - t0) * ms if launches else -1.0,
+        "first_kernel_start_ms": (kernels[0][0] - t0) * ms if kernels else 0.0,
+        "last_kernel_end_ms": (max(k[1] for k in kernels) - t0) * ms if kernels else 0.0,
+        "last_query_ms": (max(queries) - t0) * ms if queries else -1.0,
+        "event_ms": (marks["moriio.wait"][1] - t0) * ms,
+        "gpu_busy_ms": busy * ms,
+        "gaps_ms": gaps * ms,
+        "kernel_ms": [[(a - t0) * ms, (b - t0) * ms] for a, b in kernels],
+    }
+
+
+def _timed_request(engine: Any, tid: str, call: Any, timeline: bool) -> tuple[float, Any, Any]:
+    """Runs ``call(tid)`` (which starts transfer ``tid``) and waits for its terminal event:
+    seconds, the event and, with ``timeline``, the request's intervals under ``torch.profiler``
+    (after the same request once under it: the profiler's first kernels and ranges cost extra)."""
+    import torch
+
+    torch.cuda.synchronize()
+    if not timeline:
+        start = time.perf_counter()
+        call(tid)
+        event = engine.wait([tid], timeout=300)[tid]
+        return time.perf_counter() - start, event, None
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with record_function("warm-up"):
+            call(tid + "-warm-up")
+            engine.wait([tid + "-warm-up"], timeout=300)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with record_function("moriio.call"):
+            call(tid)
+        with record_function("moriio.wait"):
+            event = engine.wait([tid], timeout=300)[tid]
+        seconds = time.perf_counter() - start
+    return seconds, event, _timeline_of(prof)
 
 
 def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: int) -> list[Any]:
@@ -249,7 +373,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         )
         for i, v in enumerate(views)
     ]
-    options = {"ucx_direct_copy": cfg["direct_copy"]}
+    options = {**cfg["options"], "ucx_direct_copy": cfg["direct_copy"]}
     engine = mn.Engine(role, "ucx", options=options, transfer_timeout=120.0)
     conn.send(engine.register_kv_caches(regs))
     engine.add_peer(conn.recv())
@@ -281,23 +405,18 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         if cmd in ("read", "write"):
             # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
             # request, outside the timing).
-            tid, local, remote = args[0], _ids(args[1]), _ids(args[2])
-        if cmd == "read":
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            engine.read(tid, peer, local, remote)
-            event = engine.wait([tid], timeout=300)[tid]
-            seconds = time.perf_counter() - start
-            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches))
-        elif cmd == "write":
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            for i in range(len(views)):
-                engine.write_layer(tid, f"layer.{i}", peer, local, remote)
-            engine.seal(tid, peer, expected_writes=len(views))
-            event = engine.wait([tid], timeout=300)[tid]
-            seconds = time.perf_counter() - start
-            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches))
+            tid, local, remote, timeline = args[0], _ids(args[1]), _ids(args[2]), args[3]
+
+            def call(tid: str, local: Any = local, remote: Any = remote, op: str = cmd) -> None:
+                if op == "read":
+                    engine.read(tid, peer, local, remote)
+                    return
+                for i in range(len(views)):
+                    engine.write_layer(tid, f"layer.{i}", peer, local, remote)
+                engine.seal(tid, peer, expected_writes=len(views))
+
+            seconds, event, trace = _timed_request(engine, tid, call, timeline)
+            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches, trace))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
             src_layout = _layout_of(cfg, "prefill")
@@ -420,6 +539,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         "direct_copy": "auto",
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
+        "options": dict(o.split("=", 1) for o in args.option),
     }
     conns, procs = _start_pair(cfg)
     rng = np.random.default_rng(11)
@@ -485,7 +605,12 @@ def _recv(conn: Any, procs: list[Any], timeout: float = 300.0) -> Any:
 
 
 def run_case(
-    preset_name: str, layout: str, direct_copy: str, args: argparse.Namespace, device_copy: float
+    preset_name: str,
+    layout: str,
+    direct_copy: str,
+    args: argparse.Namespace,
+    device_copy: float,
+    timelines: list[TimelineRow],
 ) -> list[Row]:
     import numpy as np
 
@@ -496,6 +621,7 @@ def run_case(
         "direct_copy": direct_copy,
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
+        "options": dict(o.split("=", 1) for o in args.option),
     }
     conns, procs = _start_pair(cfg)
     rng = np.random.default_rng(7)
@@ -511,20 +637,29 @@ def run_case(
         run_bytes = preset["head"] * 2
     for op in ("read", "write"):
         samples, copies, verified, total, cells = [], [], True, 0, 0
-        for r in range(requests + 1):  # request 0 warms up (IPC mapping, kernel load)
+        # Request 0 warms up (IPC mapping, kernel load); with --timeline one more is profiled.
+        profiled = requests + 1 if args.timeline and direct_copy == "auto" else None
+        for r in range(requests + 1 + (profiled is not None)):
             src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
             dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
             tid = f"{op}-{direct_copy}-{r}"
             if op == "read":  # decode pulls prefill's src into its dst
-                conns["decode"].send(("read", tid, dst, src))
-                seconds, state, nbytes, msg, cells = _recv(conns["decode"], procs)
+                conns["decode"].send(("read", tid, dst, src, r == profiled))
+                seconds, state, nbytes, msg, cells, trace = _recv(conns["decode"], procs)
             else:  # prefill pushes its src into decode's dst
-                conns["prefill"].send(("write", tid, src, dst))
-                seconds, state, nbytes, msg, cells = _recv(conns["prefill"], procs)
+                conns["prefill"].send(("write", tid, src, dst, r == profiled))
+                seconds, state, nbytes, msg, cells, trace = _recv(conns["prefill"], procs)
             if state != "done":
                 raise RuntimeError(f"{tid} ended {state}: {msg}")
             conns["decode"].send(("verify", dst, src))
-            verified &= bool(_recv(conns["decode"], procs))
+            ok = bool(_recv(conns["decode"], procs))
+            if trace is not None:
+                timelines.append(
+                    TimelineRow(preset_name, op, nbytes, seconds * 1e3, verified=ok, **trace)
+                )
+                verified &= ok
+                continue
+            verified &= ok
             conns["decode"].send(("copy", nbytes))
             copy_gbps = _recv(conns["decode"], procs)
             if r > 0:
@@ -583,7 +718,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="per-layer WRITE overlapped with a synthetic forward (see the module docstring)",
     )
+    parser.add_argument(
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine backend option for both processes, e.g. progress_mode=busy",
+    )
     parser.add_argument("--json", help="write the rows as JSON to this file")
+    parser.add_argument(
+        "--timeline",
+        metavar="PATH",
+        help="profile one more request per operation and write its timeline as JSON to PATH",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = args.preset or ["llama3-8b", "deepseek-v3"]
@@ -610,6 +757,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_json(args.json, overlap_rows)
         return 0 if all(o.verified for o in overlap_rows) else 1
     rows: list[Row] = []
+    timelines: list[TimelineRow] = []
     for name in presets:
         request_bytes = _block_bytes(PRESETS[name]) * args.blocks
         device_copy = device_copy_gbps(request_bytes, *args.devices)
@@ -622,7 +770,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         layout = args.layout if PRESETS[name]["kind"] == "kv" else "standardized"
         for direct in ("auto",) if args.skip_per_run else ("auto", "off"):
-            for row in run_case(name, layout, direct, args, device_copy):
+            for row in run_case(name, layout, direct, args, device_copy, timelines):
                 rows.append(row)
                 logger.info(
                     "%-12s %-13s %-15s %-5s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx device "
@@ -641,8 +789,28 @@ def main(argv: list[str] | None = None) -> int:
                     row.verified,
                     row.cell_batches,
                 )
+    for t in timelines:
+        logger.info(
+            "timeline %-12s %-5s %.3f ms: call returned %.3f, first launch %.3f, %d kernels from "
+            "%.3f to %.3f (GPU busy %.3f, gaps %.3f), last query %.3f, event seen %.3f; "
+            "verified=%s",
+            t.preset,
+            t.op,
+            t.total_ms,
+            t.call_ms,
+            t.first_launch_ms,
+            t.kernels,
+            t.first_kernel_start_ms,
+            t.last_kernel_end_ms,
+            t.gpu_busy_ms,
+            t.gaps_ms,
+            t.last_query_ms,
+            t.event_ms,
+            t.verified,
+        )
     _write_json(args.json, rows)
-    return 0 if all(r.verified for r in rows) else 1
+    _write_json(args.timeline, timelines)
+    return 0 if all(r.verified for r in rows) and all(t.verified for t in timelines) else 1
 
 
 if __name__ == "__main__":

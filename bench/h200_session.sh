@@ -26,6 +26,13 @@
 #                                         # with a copy_ in the same memory state beside each
 #                                         # size, what degrades the copy (allocator, order), and
 #                                         # gpu_bench end to end (llama3-8b-tp8 first)
+#   bash bench/h200_session.sh pipeline   # one call: this tree and the engine before it
+#                                         # (.variants/base-src.tar, a `git archive`), both with
+#                                         # UCX; GPU pytest; gpu_bench end to end for each (also
+#                                         # 4 KiB runs; this tree also with progress_mode=busy),
+#                                         # one profiled request's timeline each
+#   bash bench/h200_session.sh timeline   # one call: this tree's build, gpu_bench's profiled
+#                                         # requests (host launch and event-query times too)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -291,6 +298,46 @@ fair)  # a baseline in the same memory state as the kernel, and what degrades it
     timeout 120 python3 bench/gpu_bench.py $p --skip-per-run --requests 3 2>&1 |
       grep -E "GB/s|rror"
   done 2>&1 | tee "$out/e2e.log"
+  ;;
+pipeline)  # where a request's time goes beyond the kernel: this tree against the one before
+  base_build=/tmp/moriio-base-build
+  logs=/tmp/moriio-pipeline
+  rm -rf /tmp/moriio-base-src $logs && mkdir -p /tmp/moriio-base-src $logs/base $logs/tree &&
+    tar -C /tmp/moriio-base-src -xf .variants/base-src.tar
+  (cd /tmp/moriio-base-src && build=$base_build out=$logs/base && build_with_ucx >/dev/null) &
+  (out=$logs/tree && build_with_ucx) || exit 1
+  wait
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  PYTHONPATH=$base_build/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_ucx_two_process.py 2>&1 | tail -6 |
+    tee "$out/pytest.log"
+  n=0
+  for p in "--preset llama3-8b --preset deepseek-v3 --requests 7" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+    n=$((n + 1))
+    for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
+      pp=$build/python opt=""
+      [ "$v" = base ] && pp=$base_build/python
+      [ "$v" = busy ] && opt="--option progress_mode=busy"
+      echo "== $v: $p"
+      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+      PYTHONPATH=$pp timeout 150 python3 bench/gpu_bench.py $p $opt --skip-per-run \
+        --json "$logs/e2e_${v}_$n.json" --timeline "$logs/timeline_${v}_$n.json" 2>&1 |
+        grep -E "GB/s|timeline|rror"
+    done
+  done 2>&1 | tee "$out/e2e.log"
+  python3 - "$logs" "$out/pipeline.json" <<'PY'
+import glob, json, os, sys
+merged = {os.path.basename(f)[:-5]: json.load(open(f)) for f in sorted(glob.glob(sys.argv[1] + "/*.json"))}
+json.dump(merged, open(sys.argv[2], "w"), indent=1)
+PY
+  ;;
+timeline)  # this tree only: the profiled requests' host launches and last event queries
+  (out=/tmp/moriio-timeline-build && mkdir -p $out && build_with_ucx) || exit 1
+  PYTHONPATH=$build/python timeout 150 python3 bench/gpu_bench.py --preset llama3-8b \
+    --preset deepseek-v3 --skip-per-run --requests 3 --json "$out/e2e.json" \
+    --timeline "$out/timeline.json" 2>&1 | grep -E "GB/s|timeline|rror" | tee "$out/e2e.log"
   ;;
 checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU
   build_with_ucx

@@ -27,6 +27,8 @@ bool Backend::AcceptsCells(std::uint64_t, std::uint64_t, const CellGeometry&) co
   return false;
 }
 
+void Backend::ExpectSubmits() {}
+
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
   if (b.cells) {
     return FailedPreconditionError("batch " + std::to_string(b.token) +

@@ -9,6 +9,7 @@
 #include <optional>
 #include <unordered_map>
 
+#include "column_pool.hpp"
 #include "moriio_native/memory.hpp"
 #include "msgpack_lite.hpp"
 #include "peer_metadata.hpp"
@@ -152,11 +153,18 @@ constexpr std::size_t kPieceUnits = 8192;
 // host time per submit, and 65,536-run batches moved such runs 2.2x faster (docs/benchmarks.md).
 constexpr std::int64_t kPieceBytes = std::int64_t{256} << 20;
 constexpr std::size_t kMaxPieceRuns = 65536;
+// A request's first pieces are smaller: the GPU idles until the first piece is planned and
+// submitted, so piece k (k < kRampPieces) closes at the thresholds above halved
+// kRampPieces - k times (1/8, 1/4, 1/2 of them, then whole). Planning runs several times faster
+// than the copy moves them (64 KiB runs: ~5-10 ns of host time against ~32 ns of an H200's
+// copy), so each piece is planned while the one before is copied.
+constexpr std::size_t kRampPieces = 3;
 
 // Collects one request's runs per (local region, remote region) into batches: every layer's
 // plan is stamped straight into its region pair's batch, shifted to region offsets. Layers the
 // backend moves as cells (Peer::LayerLink::cells) collect their block offsets instead, in one
-// cell batch per region pair and cell geometry.
+// cell batch per region pair and cell geometry. Batches and their columns come from the engine's
+// ColumnPool, which gets the columns back when the backend drops the batch.
 class BatchBuilder {
  public:
   struct Key {
@@ -173,7 +181,19 @@ class BatchBuilder {
     std::int64_t runs = 0;  // runs submitted, or for a cell batch those its cells replace
   };
 
-  BatchBuilder(TransferOp op, const Peer& peer) : op_(op), peer_(peer) {}
+  BatchBuilder(TransferOp op, const Peer& peer, detail::ColumnPool& pool)
+      : op_(op), peer_(peer), pool_(pool) {}
+  BatchBuilder(const BatchBuilder&) = delete;
+  BatchBuilder& operator=(const BatchBuilder&) = delete;
+  // Runs of batches never taken (a planning error) go back to the pool; an open batch's own
+  // columns go back with it.
+  ~BatchBuilder() {
+    for (auto& [key, e] : entries_) {
+      pool_.Give(std::move(e.plan.local_offsets));
+      pool_.Give(std::move(e.plan.remote_offsets));
+      pool_.Give(std::move(e.plan.sizes));
+    }
+  }
 
   /// Counts this layer's units towards its batch, so batches are sized once (at most a piece
   /// plus a layer) and Add never reallocates. Call for every layer before Add.
@@ -188,19 +208,19 @@ class BatchBuilder {
     const std::size_t units = Units(link, pairs);
     const std::size_t room = std::min(e.upcoming, (link.cells ? kPieceUnits : kMaxPieceRuns) + units);
     if (!e.batch) {
-      e.batch = std::make_shared<Batch>();
+      e.batch = pool_.NewBatch();
       e.batch->op = op_;
       e.batch->peer = peer_.handle;
       e.batch->remote_region = peer_.remote_regions[link.region];
       if (link.cells) {
         e.batch->cells.emplace();
         e.batch->cells->geometry = *link.tmpl->cell_geometry();
-        e.batch->cells->blocks.local.reserve(room);
-        e.batch->cells->blocks.remote.reserve(room);
+        e.batch->cells->blocks.local = pool_.Take(room);
+        e.batch->cells->blocks.remote = pool_.Take(room);
       } else {
-        e.plan.local_offsets.reserve(room);
-        e.plan.remote_offsets.reserve(room);
-        e.plan.sizes.reserve(room);
+        e.plan.local_offsets = pool_.Take(room);
+        e.plan.remote_offsets = pool_.Take(room);
+        e.plan.sizes = pool_.Take(room);
       }
     }
     MORIIO_RETURN_IF_ERROR(
@@ -220,18 +240,22 @@ class BatchBuilder {
 
   /// The open batches that are full (`all`: every open batch, also an empty one), their runs
   /// moved in. A cell batch is full at kPieceUnits blocks, a run batch at kPieceUnits runs that
-  /// carry kPieceBytes, or at kMaxPieceRuns runs. Their keys start new batches on the next Add.
-  /// Local region handles are filled by the caller.
+  /// carry kPieceBytes, or at kMaxPieceRuns runs; the request's first pieces at a fraction of
+  /// these (kRampPieces). Their keys start new batches on the next Add. Local region handles are
+  /// filled by the caller.
   std::vector<Piece> Take(bool all) {
     std::vector<Piece> out;
+    const std::size_t shift = kRampPieces - std::min(taken_, kRampPieces);
     for (auto& [key, e] : entries_) {
       if (!e.batch) continue;
       const bool cells = e.batch->cells.has_value();
       const std::size_t units = cells ? e.batch->cells->blocks.size() : e.plan.size();
-      const bool full = cells ? units >= kPieceUnits
-                              : units >= kMaxPieceRuns ||
-                                    (units >= kPieceUnits && e.bytes >= kPieceBytes);
+      const bool full = cells ? units >= kPieceUnits >> shift
+                              : units >= kMaxPieceRuns >> shift ||
+                                    (units >= kPieceUnits >> shift &&
+                                     e.bytes >= kPieceBytes >> shift);
       if (!all && !full) continue;
+      ++taken_;
       std::int64_t runs = e.cell_runs;
       if (!cells) {
         runs = static_cast<std::int64_t>(e.plan.size());
@@ -272,6 +296,8 @@ class BatchBuilder {
 
   TransferOp op_;
   const Peer& peer_;
+  detail::ColumnPool& pool_;
+  std::size_t taken_ = 0;  // pieces handed out so far (the ramp)
   std::map<Key, Entry> entries_;
   std::vector<CellGeometry> geometries_;  // of the cell batches, few: one per kind of layer
 };
@@ -311,6 +337,8 @@ struct Engine::Impl {
   std::shared_ptr<detail::TransferTracker> tracker;
   std::shared_ptr<Sink> sink;
   std::unique_ptr<Backend> backend;
+  // The run and block-offset columns of every batch, recycled (see column_pool.hpp).
+  std::shared_ptr<detail::ColumnPool> columns = detail::ColumnPool::Create();
 
   mutable std::mutex mu;
   bool registered = false;
@@ -793,6 +821,7 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
+  d.backend->ExpectSubmits();  // the backend wakes while the first piece is planned
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
   if (!pairs.ok()) return pairs.status().WithContext(ctx);
@@ -811,6 +840,7 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> peer, d.FindPeer(peer_id));
+  d.backend->ExpectSubmits();
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   std::vector<PlannedSegment> planned;
   planned.reserve(segments.size());
@@ -844,7 +874,7 @@ Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
     }
   };
   try {
-    BatchBuilder builder(TransferOp::kRead, peer);
+    BatchBuilder builder(TransferOp::kRead, peer, *columns);
     for (const PlannedSegment& seg : planned) {
       for (const SegmentLayer& l : seg.layers) builder.Reserve(layers[l.layer], l.link, *seg.pairs);
     }
@@ -940,6 +970,7 @@ Result<bool> Engine::Impl::WriteSegments(
   };
   Result<std::shared_ptr<const Peer>> peer = FindPeer(peer_id);
   if (!peer.ok()) return refuse(peer.status());
+  backend->ExpectSubmits();  // a WRITE's first layer: the backend wakes while it is planned
   Result<std::size_t> i = FindLayer(layer);
   if (!i.ok()) return refuse(i.status());
   if (cuda_event != 0) {
@@ -964,7 +995,7 @@ Result<bool> Engine::Impl::WriteSegments(
     const LinkPlan& first = planned->front().layers.front().link;
     cells = cells && link.cells && *link.tmpl->cell_geometry() == *first.tmpl->cell_geometry();
   }
-  BatchBuilder builder(TransferOp::kWrite, **peer);
+  BatchBuilder builder(TransferOp::kWrite, **peer, *columns);
   for (const PlannedSegment& seg : *planned) {
     LinkPlan link = seg.layers.front().link;
     link.cells = cells;

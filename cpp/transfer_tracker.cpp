@@ -152,6 +152,8 @@ std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
   ++t.in_flight;
+  // A waiter asleep in Drain with nothing in flight starts spinning (see Drain).
+  if (++live_batches_ == 1) events_cv_.notify_all();
   ++t.batches;
   if (cells) ++t.cell_batches;
   t.bytes += bytes;
@@ -178,6 +180,8 @@ void TransferTracker::OnBatchComplete(std::uint64_t token, const Status& status)
   }
   Transfer& t = it->second;
   --t.in_flight;
+  // The last batches are in flight: a waiter asleep in Drain starts spinning (see Drain).
+  if (--live_batches_ == kSpinBatches) events_cv_.notify_all();
   if (!status.ok() && t.failure.empty()) t.failure = status.ToString();
   MaybeFinishLocked(id, t);
 }
@@ -273,6 +277,7 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
   e.drained = drained;
   const TransferKind kind = t.kind;
+  live_batches_ -= static_cast<std::size_t>(t.in_flight);  // a quarantined transfer's batches
   events_.push_back(std::move(e));
   // A quarantined transfer keeps its in-flight tokens: their completions drain it. Every other
   // transfer ends with none in flight, so its tokens are gone from tokens_ already.
@@ -294,7 +299,17 @@ std::vector<TransferEvent> TransferTracker::Drain(std::size_t max_events,
                                                   std::chrono::milliseconds wait) {
   std::unique_lock lock(mu_);
   if (events_.empty() && wait.count() > 0) {
-    events_cv_.wait_for(lock, wait, [&] { return !events_.empty(); });
+    const Clock::time_point until = Clock::now() + wait;
+    while (events_.empty()) {
+      if (live_batches_ == 0 || live_batches_ > kSpinBatches) {
+        if (events_cv_.wait_until(lock, until) == std::cv_status::timeout) break;
+        continue;
+      }
+      if (Clock::now() >= until) break;
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
   }
   std::vector<TransferEvent> out;
   while (!events_.empty() && out.size() < max_events) {
@@ -317,6 +332,11 @@ std::vector<DrainedTransfer> TransferTracker::DrainQuarantine(std::size_t max) {
 std::size_t TransferTracker::quarantined() const {
   std::lock_guard lock(mu_);
   return quarantined_.size();
+}
+
+std::size_t TransferTracker::live_batches() const {
+  std::lock_guard lock(mu_);
+  return live_batches_;
 }
 
 std::size_t TransferTracker::pending() const {

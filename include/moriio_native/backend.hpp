@@ -171,6 +171,11 @@ class Backend {
   /// Default: false (runs only).
   virtual bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                             const CellGeometry& geometry) const;
+  /// A hint that Submit calls follow shortly (the engine has started planning a request): a
+  /// backend whose progress thread sleeps when idle may wake it now, so that the wake-up
+  /// overlaps the planning instead of delaying the first batch. Moves nothing and changes no
+  /// state a caller can see; thread-safe, non-blocking. Default: does nothing.
+  virtual void ExpectSubmits();
 
   /// Allocates `size` bytes the transport reaches fastest (e.g. shared memory that same-host
   /// peers map directly), page aligned. The memory stays valid until Free or the backend's

@@ -210,7 +210,8 @@ class Engine {
   Status Abort(std::string_view transfer_id);
 
   /// Terminal events, oldest first. Waits up to `wait` for the first one (in slices; the Python
-  /// binding releases the GIL and checks signals between slices).
+  /// binding releases the GIL and checks signals between slices). While one or two batches of
+  /// pending transfers are in flight the wait spins, yielding the CPU, instead of sleeping.
   std::vector<TransferEvent> PollEvents(std::size_t max_events, std::chrono::milliseconds wait);
 
   /// Quarantined transfers (see TransferEvent::drained) that drained since the last call, oldest

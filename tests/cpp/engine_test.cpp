@@ -743,7 +743,8 @@ TEST(EngineCells, LayersOfDifferentGeometriesGoInTheirOwnCellBatches) {
 }
 
 // Cell batches are cut at a layer boundary once they hold 8192 blocks, as run batches at 8192
-// runs: five layers of 3000 blocks give one batch of three layers and one of two.
+// runs, a request's first three at 1024, 2048 and 4096 (engine.cpp, kRampPieces): five layers
+// of 3000 blocks give batches of one layer, one layer, two layers and the last one.
 TEST(EngineCells, ManyBlocksAreSubmittedInPiecesAndEveryByteArrives) {
   auto layers = [](Physical physical) {
     std::vector<TestLayer> out;
@@ -770,8 +771,8 @@ TEST(EngineCells, ManyBlocksAreSubmittedInPiecesAndEveryByteArrives) {
   const TransferEvent e = events.Wait("big");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
   EXPECT_EQ(e.bytes, bytes);
-  EXPECT_EQ(e.batches, 2);
-  EXPECT_EQ(e.cell_batches, 2);
+  EXPECT_EQ(e.batches, 4);
+  EXPECT_EQ(e.cell_batches, 4);
   EXPECT_EQ(e.runs, 5 * 3000 * 16) << "the runs the cells replace: 16 per block and layer";
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
@@ -790,9 +791,10 @@ std::vector<TestLayer> LargeLayers(std::int64_t last_layer_blocks, std::int64_t 
 }
 
 // Small runs go in large pieces: a run batch closes at a layer boundary once it holds 8192 runs
-// that carry 256 MiB, or 65,536 runs (engine.cpp, kPieceBytes and kMaxPieceRuns). 4-byte runs
-// carry no bytes to speak of, so 4 x 3000 of them go as one batch (the rule before cut them at
-// 8192 runs: 2 batches) and 4 x 24000 as two: the first three layers (72,000 runs), then the last.
+// that carry 256 MiB, or 65,536 runs (engine.cpp, kPieceBytes and kMaxPieceRuns), the request's
+// first three pieces at 1/8, 1/4 and 1/2 of these (kRampPieces). 4-byte runs carry no bytes to
+// speak of, so 4 x 2999 of them go as two batches (the first three layers reach 8192 runs) and
+// 4 x 23999 as three: the first layer (past 8192), the second (past 16,384), the last two.
 TEST(EngineLargeRead, ManyRunsAreSubmittedInPiecesAndEveryByteArrives) {
   for (const std::int64_t n : {std::int64_t{3000}, std::int64_t{24000}}) {
     SCOPED_TRACE(n);
@@ -831,7 +833,42 @@ TEST(EngineLargeRead, ManyRunsAreSubmittedInPiecesAndEveryByteArrives) {
     EXPECT_EQ(e.state, TransferState::kDone) << e.message;
     EXPECT_EQ(e.bytes, bytes);
     EXPECT_EQ(e.runs, 4 * (n - 1));
-    EXPECT_EQ(e.batches, n == 3000 ? 1 : 2);
+    EXPECT_EQ(e.batches, n == 3000 ? 2 : 3);
+    ExpectBytes(d.buffer->Snapshot(), expected, touched);
+  }
+}
+
+// Batches' run columns are recycled (cpp/column_pool.hpp): requests of different sizes and block
+// orders, one after the other, each move exactly their own runs (a column holding the runs of
+// the request before would show up in the run count and in the bytes).
+TEST(EngineLargeRead, RequestsAfterEachOtherReuseColumnsAndMoveOnlyTheirOwnRuns) {
+  constexpr std::int64_t n = 20000;
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", LargeLayers(n, n), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", LargeLayers(n, n), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  ASSERT_TRUE(d.engine->AddPeer(p.metadata).ok());
+  Events events(d.engine.get());
+  int request = 0;
+  for (const std::int64_t count : {n, std::int64_t{700}, n - 3, std::int64_t{1}, n / 2}) {
+    SCOPED_TRACE(count);
+    // A different pairing each time, never merging: local ascending, remote descending from a
+    // shifting start.
+    std::vector<std::int64_t> local(count), remote(count);
+    for (std::int64_t i = 0; i < count; ++i) {
+      local[i] = i + (n - count) / 2;
+      remote[i] = (count - 1 - i) + request % (n - count + 1);
+    }
+    std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+    std::vector<bool> touched(expected.size(), false);
+    const std::int64_t bytes = ApplyReference(d, p, Names(d), local, remote, &expected, &touched);
+    const std::string id = "again-" + std::to_string(request++);
+    ASSERT_TRUE(d.engine->Read(id, "P", local, remote).ok());
+    TransferEvent e = events.Wait(id);
+    EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+    EXPECT_EQ(e.bytes, bytes);
+    EXPECT_EQ(e.runs, 4 * count);
     ExpectBytes(d.buffer->Snapshot(), expected, touched);
   }
 }

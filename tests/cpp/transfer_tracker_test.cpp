@@ -343,6 +343,65 @@ TEST(TransferTrackerWrite, ASealOvertakingItsWritesWaitsForThem) {
   ExpectNoEvent(t, "failed, one write in flight");
 }
 
+// ---- waiting in Drain -----------------------------------------------------------------------
+
+// Drain's wait spins while a transfer's last batches are in flight and sleeps otherwise; either
+// way an event that arrives during the wait is returned, not the timeout's empty answer.
+TEST(TransferTrackerWait, AWaiterGetsTheEventWhetherItSpinsOrSleeps) {
+  for (const std::size_t batches : {std::size_t{1}, TransferTracker::kSpinBatches + 3}) {
+    SCOPED_TRACE(batches);
+    TransferTracker t(kLongTimeout, 16);
+    ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+    std::vector<std::uint64_t> tokens;
+    for (std::size_t i = 0; i < batches; ++i) tokens.push_back(t.AddBatch("rd", 8, 1).value());
+    t.CloseRead("rd");
+    EXPECT_EQ(t.live_batches(), batches);
+    std::latch waiting(1);
+    std::thread completer([&] {
+      waiting.wait();
+      for (std::uint64_t token : tokens) t.OnBatchComplete(token, Status::OK());
+    });
+    waiting.count_down();
+    // An hour: only the event (never the timeout) ends this wait in the test's lifetime.
+    std::vector<TransferEvent> events = t.Drain(16, std::chrono::hours(1));
+    completer.join();
+    ASSERT_EQ(events.size(), 1u);
+    EXPECT_EQ(events[0].transfer_id, "rd");
+    EXPECT_EQ(events[0].state, TransferState::kDone);
+    EXPECT_EQ(t.live_batches(), 0u);
+  }
+}
+
+TEST(TransferTrackerWait, AWaitWithBatchesInFlightButNoEventEndsAtItsTimeout) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  const std::uint64_t token = t.AddBatch("rd", 8, 1).value();
+  EXPECT_TRUE(t.Drain(16, 5ms).empty());  // spins, then gives up at the wait's end
+  t.OnBatchComplete(token, Status::OK());
+  EXPECT_TRUE(DrainNow(t).empty()) << "the READ is still open";
+  t.CloseRead("rd");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+}
+
+// A quarantined transfer's batches may never complete: they stop counting, so no later wait
+// spins on them.
+TEST(TransferTrackerWait, QuarantinedBatchesNoLongerCountAsLive) {
+  TransferTracker t(50ms, 16);
+  const auto start = TransferTracker::Clock::now();
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  const std::uint64_t token = t.AddBatch("rd", 8, 1).value();
+  const std::uint64_t w = Schedule(t, "wr", "l0");
+  EXPECT_EQ(t.live_batches(), 2u);
+  t.ExpireDeadlines(start + std::chrono::hours(1));
+  t.ExpireDeadlines(start + std::chrono::hours(2));  // both quarantined, batches in flight
+  EXPECT_EQ(t.live_batches(), 0u);
+  EXPECT_EQ(DrainNow(t).size(), 2u);
+  t.OnBatchComplete(token, Status::OK());
+  t.OnBatchComplete(w, Status::OK());
+  EXPECT_EQ(t.live_batches(), 0u);
+  EXPECT_EQ(t.DrainQuarantine(16).size(), 2u);
+}
+
 // ---- deadlines ----------------------------------------------------------------------------
 
 TEST(TransferTrackerDeadline, TimedOutTransferEndsWhenItsBatchesDrainOrAfterASecondPeriod) {

@@ -48,6 +48,13 @@ constexpr std::size_t kOpsPerBatchPerRound = 64;
 // Bytes copied by the direct (rkey_ptr) path per loop iteration, so commands and UCX progress
 // still get the thread every millisecond or so.
 constexpr std::uint64_t kDirectCopyBudget = 8ull << 20;
+// Unfinished CUDA copies PollCudaCopies queries per pass, oldest first (one per plugin stream).
+constexpr int kCudaPollAhead = 2;
+// How long the thread keeps spinning after an ExpectSubmits hint while no batch has arrived: the
+// engine plans a request's first piece in tens of microseconds, and a thread asleep on this VM
+// took 0.15-0.28 ms to wake (measured on the engine's event wait, docs/benchmarks.md), which the
+// first batch would otherwise wait for.
+constexpr auto kExpectSpin = std::chrono::microseconds(500);
 // How long the thread keeps spinning after the last activity before it sleeps on the event fd.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 // How long teardown (destructor, DisconnectPeer) waits for operations already posted to finish
@@ -325,6 +332,7 @@ class UcxBackend final : public Backend {
   Status Submit(std::shared_ptr<const Batch> batch) override;
   bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                     const CellGeometry& geometry) const override;
+  void ExpectSubmits() override;
   Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
   Status Free(const MemoryRange& range) override;
 
@@ -401,6 +409,10 @@ class UcxBackend final : public Backend {
   std::deque<Pending> submitted_;
   std::atomic<std::uint64_t> queued_{0};
   bool stopping_ = false;  // guarded by queue_mutex_
+  // ExpectSubmits: the loop keeps spinning until this time (steady clock, ns since its epoch).
+  std::atomic<std::int64_t> expect_until_ns_{0};
+  // Set while the worker waits in epoll_wait, so ExpectSubmits wakes it only then.
+  std::atomic<bool> sleeping_{false};
 
   // Worker thread only.
   std::list<ActiveBatch> active_;
@@ -911,6 +923,17 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
   return Status::OK();
 }
 
+void UcxBackend::ExpectSubmits() {
+  const auto until = Clock::now() + kExpectSpin;
+  expect_until_ns_.store(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                             until.time_since_epoch())
+                             .count(),
+                         std::memory_order_relaxed);
+  // A hint that finds the thread awake costs no system call; one that races with it falling
+  // asleep at worst leaves the first Submit to wake it, as without the hint.
+  if (sleeping_.load(std::memory_order_seq_cst)) Wake();
+}
+
 bool UcxBackend::AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                               const CellGeometry& geometry) const {
   std::lock_guard<std::mutex> lock(mutex_);
@@ -1053,7 +1076,12 @@ void UcxBackend::Loop() {
       continue;
     }
     if (options_.progress_mode == ProgressMode::kBusy) continue;
-    if (Clock::now() - last_activity < kSpinBeforeSleep) continue;
+    const auto now = Clock::now();
+    if (now - last_activity < kSpinBeforeSleep) continue;
+    if (std::chrono::duration_cast<std::chrono::nanoseconds>(now.time_since_epoch()).count() <
+        expect_until_ns_.load(std::memory_order_relaxed)) {
+      continue;  // a batch is coming (ExpectSubmits)
+    }
     bool cuda_pending = false;
     for (const auto& ab : active_) cuda_pending |= ab.cuda_op != nullptr;
     if (cuda_pending) {
@@ -1066,7 +1094,9 @@ void UcxBackend::Loop() {
     // the worker fd are what normally end the wait.
     const int timeout_ms = (outstanding_ops_ != 0 || !active_.empty()) ? 1 : 100;
     epoll_event events[4];
+    sleeping_.store(true, std::memory_order_seq_cst);
     int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
+    sleeping_.store(false, std::memory_order_relaxed);
     for (int i = 0; i < n; ++i) {
       if (events[i].data.fd == wake_fd_) {
         std::uint64_t v;
@@ -1234,12 +1264,21 @@ void UcxBackend::StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local
 bool UcxBackend::PollCudaCopies() {
   bool did = false;
   const moriio_cudacopy_api* cc = nullptr;
+  // Kernels finish about in the order they were launched (active_ is in that order; the plugin
+  // alternates two streams), so polling stops at the second unfinished one: a WRITE of 61 layers
+  // keeps as many kernels queued, and querying every event on each pass of the loop (~1 us each)
+  // would sit on the path of the next launch and of the last completion.
+  int unfinished = 0;
   for (auto& ab : active_) {
     if (ab.cuda_op == nullptr) continue;
+    if (unfinished == kCudaPollAhead) break;
     if (cc == nullptr) cc = LoadCudaCopy().api;
     char err[256] = {};
     int r = cc->poll_op(ab.cuda_op, err, sizeof(err));
-    if (r == 0) continue;
+    if (r == 0) {
+      ++unfinished;
+      continue;
+    }
     cc->release_op(ab.cuda_op);
     ab.cuda_op = nullptr;
     if (r < 0 && ab.error.ok()) {
@@ -1545,6 +1584,9 @@ bool UcxBackend::HandlePeerFailures() {
 
 bool UcxBackend::FinishBatches() {
   std::vector<std::pair<std::uint64_t, Status>> done;
+  // Dropped after the completions are delivered: freeing a batch (its run columns) is not on
+  // the path from the last kernel to the caller's event.
+  std::vector<std::shared_ptr<const Batch>> finished;
   for (auto it = active_.begin(); it != active_.end();) {
     if (!it->Finished()) {
       ++it;
@@ -1555,6 +1597,7 @@ bool UcxBackend::FinishBatches() {
       it->local->inflight--;
     }
     done.emplace_back(it->batch->token, std::move(it->error));
+    finished.push_back(std::move(it->batch));
     it = active_.erase(it);
   }
   // The sink runs with no lock held and after the list is consistent: it may submit more work
