@@ -152,8 +152,8 @@ std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
   ++t.in_flight;
-  // A waiter asleep in Drain with nothing in flight starts spinning (see Drain).
-  if (++live_batches_ == 1) events_cv_.notify_all();
+  ++live_batches_;
+  OnLiveBatchesChangedLocked();
   ++t.batches;
   if (cells) ++t.cell_batches;
   t.bytes += bytes;
@@ -180,8 +180,8 @@ void TransferTracker::OnBatchComplete(std::uint64_t token, const Status& status)
   }
   Transfer& t = it->second;
   --t.in_flight;
-  // The last batches are in flight: a waiter asleep in Drain starts spinning (see Drain).
-  if (--live_batches_ == kSpinBatches) events_cv_.notify_all();
+  --live_batches_;
+  OnLiveBatchesChangedLocked();
   if (!status.ok() && t.failure.empty()) t.failure = status.ToString();
   MaybeFinishLocked(id, t);
 }
@@ -295,20 +295,33 @@ void TransferTracker::RememberTerminalLocked(const std::string& id, TransferKind
   }
 }
 
+void TransferTracker::OnLiveBatchesChangedLocked() {
+  if (live_batches_ == 0 || live_batches_ > kSpinBatches) return;
+  // A transfer's last batches are in flight, or one of them just completed: a waiter asleep in
+  // Drain spins again for kMaxSpin (see Drain).
+  spin_until_ = Clock::now() + kMaxSpin;
+  events_cv_.notify_all();
+}
+
+bool TransferTracker::SpinningLocked(Clock::time_point now) const {
+  return live_batches_ != 0 && live_batches_ <= kSpinBatches && now < spin_until_;
+}
+
 std::vector<TransferEvent> TransferTracker::Drain(std::size_t max_events,
                                                   std::chrono::milliseconds wait) {
   std::unique_lock lock(mu_);
   if (events_.empty() && wait.count() > 0) {
     const Clock::time_point until = Clock::now() + wait;
     while (events_.empty()) {
-      if (live_batches_ == 0 || live_batches_ > kSpinBatches) {
-        if (events_cv_.wait_until(lock, until) == std::cv_status::timeout) break;
+      const Clock::time_point now = Clock::now();
+      if (now >= until) break;
+      if (SpinningLocked(now)) {
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
         continue;
       }
-      if (Clock::now() >= until) break;
-      lock.unlock();
-      std::this_thread::yield();
-      lock.lock();
+      events_cv_.wait_until(lock, until);
     }
   }
   std::vector<TransferEvent> out;

@@ -88,13 +88,18 @@ class TransferTracker {
   /// kSpinBatches batches of pending transfers are in flight (a transfer's last batches: its
   /// event is at most their copy away) the wait spins, yielding the CPU between checks, instead
   /// of sleeping: a sleeping waiter took 0.15-0.28 ms to wake on the H200 machine, up to a tenth
-  /// of a 2.5 ms request (docs/benchmarks.md). Otherwise it sleeps until an event, or until the
-  /// in-flight count falls to kSpinBatches. The spin ends with `wait`, and never outlasts the
-  /// batches (a transfer past its deadline stops counting once it is quarantined).
+  /// of a 2.5 ms request (docs/benchmarks.md). The spin lasts at most kMaxSpin after the
+  /// in-flight count last changed, so a stalled batch (a stopped peer, until its deadline) is
+  /// waited for asleep: on a CPU host the waiter shares the cores with the model. Otherwise it
+  /// sleeps until an event, or until the in-flight count falls to kSpinBatches or changes below
+  /// it. The spin ends with `wait` (a transfer past its deadline stops counting once it is
+  /// quarantined).
   std::vector<TransferEvent> Drain(std::size_t max_events, std::chrono::milliseconds wait);
 
   /// In-flight batches of pending transfers at or below which Drain spins (see Drain).
   static constexpr std::size_t kSpinBatches = 2;
+  /// How long Drain spins after the in-flight count last changed at or below kSpinBatches.
+  static constexpr std::chrono::milliseconds kMaxSpin{2};
 
   /// Quarantined transfers whose last batch completed since the last call, oldest first (each
   /// exactly once). Never blocks.
@@ -138,6 +143,8 @@ class TransferTracker {
   // InvalidArgument when `id` (pending or recently terminal) is a READ.
   Status CheckNotReadLocked(const std::string& id) const;
   void FailLocked(const std::string& id, Transfer& t, std::string why);
+  void OnLiveBatchesChangedLocked();
+  bool SpinningLocked(Clock::time_point now) const;
 
   // A transfer that ended while batches were in flight: reported by DrainQuarantine once the
   // last of them completed.
@@ -158,6 +165,7 @@ class TransferTracker {
   std::deque<std::string> terminal_order_;
   std::deque<TransferEvent> events_;
   std::size_t live_batches_ = 0;  // in flight for pending transfers (not quarantined ones)
+  Clock::time_point spin_until_{};  // Drain spins until then (see OnLiveBatchesChangedLocked)
   std::unordered_map<std::string, Quarantined> quarantined_;
   std::deque<DrainedTransfer> drained_;
   std::uint64_t next_token_ = 1;

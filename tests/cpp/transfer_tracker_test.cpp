@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <ctime>
 #include <latch>
 #include <map>
 #include <mutex>
@@ -379,6 +380,30 @@ TEST(TransferTrackerWait, AWaitWithBatchesInFlightButNoEventEndsAtItsTimeout) {
   EXPECT_TRUE(t.Drain(16, 5ms).empty());  // spins, then gives up at the wait's end
   t.OnBatchComplete(token, Status::OK());
   EXPECT_TRUE(DrainNow(t).empty()) << "the READ is still open";
+  t.CloseRead("rd");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+}
+
+// A batch that stalls (a stopped peer, until its deadline) must not keep the waiter spinning:
+// the spin lasts kMaxSpin after the last change of the in-flight count, then the wait sleeps.
+// On a CPU host the waiting thread shares the cores with the model's threads.
+std::chrono::nanoseconds ThreadCpuTime() {
+  timespec ts{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+  return std::chrono::seconds(ts.tv_sec) + std::chrono::nanoseconds(ts.tv_nsec);
+}
+
+TEST(TransferTrackerWait, AStalledLastBatchIsWaitedForAsleepAfterTheSpinBudget) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  const std::uint64_t token = t.AddBatch("rd", 8, 1).value();
+  const std::chrono::nanoseconds before = ThreadCpuTime();
+  EXPECT_TRUE(t.Drain(16, 1000ms).empty());
+  const std::chrono::nanoseconds spent = ThreadCpuTime() - before;
+  // A whole second of spinning would use most of it even on a loaded machine; the budget is
+  // TransferTracker::kMaxSpin of it, plus the wake-ups of a sleeping wait.
+  EXPECT_LT(spent, 100ms) << "the waiter spun for " << spent.count() << " ns of CPU";
+  t.OnBatchComplete(token, Status::OK());
   t.CloseRead("rd");
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
 }
