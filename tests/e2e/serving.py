@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -467,9 +467,20 @@ class Instance:
         logger.info("%s warmed up in %.1f s", self.server.name, time.monotonic() - start)
 
 
-def plain_instance(env: Env, model: Path, name: str = "plain") -> Instance:
+def plain_instance(
+    env: Env, model: Path, name: str = "plain", extra_args: Sequence[str] = ()
+) -> Instance:
+    """One instance without a connector; ``extra_args`` follow SERVE_ARGS."""
     port = free_ports(1)
-    argv = [*env.vllm_cmd.split(), "serve", str(model), "--port", str(port), *SERVE_ARGS]
+    argv = [
+        *env.vllm_cmd.split(),
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        *SERVE_ARGS,
+        *extra_args,
+    ]
     return Instance(Server(name, argv, env.base_env(), env.workdir / f"{name}.log"), port)
 
 
@@ -490,9 +501,11 @@ def pd_instance(
     settings: PDSettings,
     name: str | None = None,
     like: Instance | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Instance:
     """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
-    on that (stopped) instance's ports, so routers see it as the same instance."""
+    on that (stopped) instance's ports, so routers see it as the same instance; ``extra_args``
+    follow SERVE_ARGS."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
     if like is not None:
@@ -520,7 +533,7 @@ def pd_instance(
     )
     if settings.ucx_tls:
         e["UCX_TLS"] = settings.ucx_tls
-    argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS]
+    argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS, *extra_args]
     label = name or f"{role}-{settings.mode}-tp{settings.tp}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
 
