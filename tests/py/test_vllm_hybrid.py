@@ -96,6 +96,7 @@ def test_hybrid_read_every_byte(
         assert out["invalid"] == []
         assert out["differing_bytes"] == 0
         assert out["stats"]["transfers"] == 1 and out["stats"]["failures"] == 0
+        assert out["stats"]["groups"] == 3  # full attention, sliding window and Mamba state
         free = p.run(f"{LEGS}:leg_until_sent", f"p-{tag}", rid)
         assert free == 40 - 1  # every block back in the pool (one is vLLM's null block)
 
@@ -174,3 +175,45 @@ def test_group_structures_that_differ_fail_the_load_clearly(
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_prefill_truncation_keeps_the_block_hashes_of_the_tokens_it_keeps(tmp_path: Path) -> None:
+    """With a sliding-window group the prefill leaves the prompt's last token to the decode.
+    The request's block hashes (prefix caching on) must then be those of the tokens it holds:
+    a hash of the original last block would name a block whose last token the prefill never
+    computed, and vLLM extends the list from its length, so it would never be corrected."""
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side(
+        "p",
+        "kv_producer",
+        "read",
+        model_dir,
+        num_blocks=NUM_BLOCKS,
+        specs=hybrid_specs(16, mamba=False),
+        block_size=16,
+        prefix_caching=True,
+        hybrid_kv_cache_manager=True,
+    )
+    try:
+        hasher = get_request_block_hasher(p.hash_block_size, p.hash_fn)
+        prompt = [(i * 37) % 241 + 3 for i in range(64)]  # four whole blocks of 16 tokens
+        rid = pd_request_id(p, p)
+        request = p.add_request(rid, prompt, params=prefill_params(transfer_id()), max_tokens=1)
+        assert len(request.block_hashes) == 4
+        p.run_until(lambda r: rid in r.finished(), what="prefilled")
+        assert request.num_prompt_tokens == 63
+        tokens = list(request.all_token_ids)
+        assert tokens[:63] == prompt[:63] and len(tokens) == 64  # 63 prompt tokens, 1 sampled
+        fresh = Request(
+            request_id="fresh",
+            prompt_token_ids=tokens,
+            sampling_params=request.sampling_params,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        assert list(request.block_hashes) == list(fresh.block_hashes)
+    finally:
+        p.shutdown()
