@@ -139,16 +139,37 @@ def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -
     )
 
 
+# (prefill specs, decode specs, what the refusal says)
+UNPAIRED = {
+    "windows": (
+        {"window": 40},
+        {"window": 32},
+        ("group 1 (sliding, block size 16, window 40", "our window is 32 tokens"),
+    ),
+    # Compressed states (4 tokens per stored state) with 64- and 128-token blocks.
+    "compressed-block-sizes": (
+        {"block_size": 64, "tokens_per_state": 4},
+        {"block_size": 128, "tokens_per_state": 4},
+        (
+            "group 0 (full, block size 64, 4 tokens per state",
+            "the block sizes differ (128 ours, 64 its)",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNPAIRED))
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_group_structures_that_differ_fail_the_load_clearly(
-    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, mode: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A prefill whose sliding window differs from the decode's: the handshake's groups do
-    not pair, the load fails naming the group and the windows, vLLM recomputes, the prefill's
-    blocks are freed."""
+    """A prefill whose sliding window differs from the decode's, or whose compressed-state
+    blocks have another size: the handshake's groups do not pair, the load fails naming the
+    group and what differs, vLLM recomputes, the prefill's blocks are freed."""
+    p_specs, d_specs, says = UNPAIRED[case]
     model_dir = write_model_dir(tmp_path / "model")
-    p = _local_side(model_dir, "p", "kv_producer", mode, window=40)
-    d = _local_side(model_dir, "d", "kv_consumer", mode, window=32)
+    p = _local_side(model_dir, "p", "kv_producer", mode, **p_specs)
+    d = _local_side(model_dir, "d", "kv_consumer", mode, **d_specs)
     try:
         rid, tid = pd_request_id(p, d), transfer_id()
         prompt = list(range(5, 90))
@@ -169,8 +190,8 @@ def test_group_structures_that_differ_fail_the_load_clearly(
                 d.run_until(lambda r: d.reports["finished_recving"][rid] > 0, what="fail")
                 assert d.reports["failed_recving"][rid] == 1
             p.run_until(lambda r: rid in r.transfer.finished_sending, what="freed")
-        assert "group 1 (sliding, block size 16, window 40" in caplog.text
-        assert "our window is 32 tokens" in caplog.text
+        for text in says:
+            assert text in caplog.text
         assert p.free_blocks() == p.initial_free
     finally:
         p.shutdown()
