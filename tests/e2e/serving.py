@@ -418,6 +418,17 @@ def metric_value(
     return sum(found) if found else None
 
 
+def kv_cache_usage_after_drain(base_url: str, timeout_s: float) -> float | None:
+    """``vllm:kv_cache_usage_perc`` of ``base_url`` once it is 0, or its last value after
+    ``timeout_s`` (an instance that finished its requests frees its blocks shortly after)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = metric_value(metric_samples(base_url), "vllm:kv_cache_usage_perc")
+        if usage == 0 or time.monotonic() > deadline:
+            return usage
+        time.sleep(2.0)
+
+
 # ---- the instances ---------------------------------------------------------------------------
 
 

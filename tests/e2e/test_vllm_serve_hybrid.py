@@ -150,11 +150,5 @@ def test_every_transfer_moved_both_groups(cluster: Cluster) -> None:
 
 
 def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
-    deadline = time.monotonic() + DRAIN_TIMEOUT_S
-    while True:
-        samples = serving.metric_samples(cluster.prefill.url)
-        usage = serving.metric_value(samples, "vllm:kv_cache_usage_perc")
-        if usage == 0 or time.monotonic() > deadline:
-            break
-        time.sleep(2.0)
+    usage = serving.kv_cache_usage_after_drain(cluster.prefill.url, DRAIN_TIMEOUT_S)
     assert usage == 0, f"the prefill still holds {usage:.2%} of its KV cache"
