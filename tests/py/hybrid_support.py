@@ -37,17 +37,21 @@ MAMBA_LAYERS = ("model.layers.2.mixer", "model.layers.5.mixer")
 
 
 def hybrid_specs(
-    block_size: int, window: int = WINDOW, mamba: bool = True, tokens_per_state: int = 1
+    block_size: int,
+    window: int = WINDOW,
+    mamba: bool = True,
+    tokens_per_state: int = 1,
+    kv_heads: int = 2,
 ) -> dict[str, Any]:
     """Two layers each of full attention, sliding window and Mamba (conv + SSM state; none
     without ``mamba``): one page size for every group, as vLLM's hybrid manager needs (the
     Mamba page is padded up to the attention page), so vLLM makes three groups whose layers
     share three tensors. ``tokens_per_state`` > 1: attention blocks store one state per that
-    many tokens (compressed states)."""
+    many tokens (compressed states); ``kv_heads``: the KV heads of one TP rank."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
     kv = {
-        "num_kv_heads": 2,
+        "num_kv_heads": kv_heads,
         "head_size": 16,
         "dtype": torch.float16,
         "tokens_per_state": tokens_per_state,

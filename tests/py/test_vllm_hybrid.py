@@ -126,6 +126,7 @@ def test_hybrid_write_every_byte(
 def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -> Side:
     """An in-process instance (loopback backend) with the hybrid model."""
     block_size = int(kw.pop("block_size", 16))  # type: ignore[call-overload]
+    tp_size = int(kw.pop("tp_size", 1))  # type: ignore[call-overload]
     return Side(
         name,
         role,
@@ -136,6 +137,7 @@ def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -
         block_size=block_size,
         prefix_caching=False,
         hybrid_kv_cache_manager=True,
+        tp_size=tp_size,
     )
 
 
@@ -145,6 +147,15 @@ UNPAIRED = {
         {"window": 40},
         {"window": 32},
         ("group 1 (sliding, block size 16, window 40", "our window is 32 tokens"),
+    ),
+    # Full attention and sliding window (2 KV heads) at prefill TP 1 and decode TP 2.
+    "different-tp": (
+        {"mamba": False},
+        {"mamba": False, "tp_size": 2, "kv_heads": 1},
+        (
+            "prefill TP 1 and decode TP 2 differ, and the model has 2 KV-cache groups",
+            "different TP sizes with several KV-cache groups are not supported",
+        ),
     ),
     # Compressed states (4 tokens per stored state) with 64- and 128-token blocks.
     "compressed-block-sizes": (
@@ -163,25 +174,26 @@ UNPAIRED = {
 def test_group_structures_that_differ_fail_the_load_clearly(
     tmp_path: Path, mode: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A prefill whose sliding window differs from the decode's, or whose compressed-state
-    blocks have another size: the handshake's groups do not pair, the load fails naming the
-    group and what differs, vLLM recomputes, the prefill's blocks are freed."""
+    """A prefill whose sliding window differs from the decode's, whose compressed-state
+    blocks have another size, or whose TP size differs: the groups do not pair, the load fails
+    naming the groups and what differs, vLLM recomputes, the prefill's blocks are freed."""
     p_specs, d_specs, says = UNPAIRED[case]
     model_dir = write_model_dir(tmp_path / "model")
     p = _local_side(model_dir, "p", "kv_producer", mode, **p_specs)
     d = _local_side(model_dir, "d", "kv_consumer", mode, **d_specs)
+    p_tp, d_tp = p.tp_size, d.tp_size
     try:
         rid, tid = pd_request_id(p, d), transfer_id()
         prompt = list(range(5, 90))
         with caplog.at_level("WARNING", logger="moriio_native"):
             if mode == "write":
-                d.add_request(rid, prompt, params=decode_params(tid), max_tokens=1)
+                d.add_request(rid, prompt, params=decode_params(tid, None, p_tp), max_tokens=1)
                 d.step()
-            p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            p.add_request(rid, prompt, params=prefill_params(tid, d_tp), max_tokens=1)
             finished = p.step().finished()
             if mode == "read":
                 d.add_request(
-                    rid, prompt, params=decode_params(tid, finished[rid].kv_transfer_params)
+                    rid, prompt, params=decode_params(tid, finished[rid].kv_transfer_params, p_tp)
                 )
                 loaded = load(d, rid)
                 assert loaded.scheduled[rid] == len(prompt)  # recomputed in full
