@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -418,6 +418,17 @@ def metric_value(
     return sum(found) if found else None
 
 
+def kv_cache_usage_after_drain(base_url: str, timeout_s: float) -> float | None:
+    """``vllm:kv_cache_usage_perc`` of ``base_url`` once it is 0, or its last value after
+    ``timeout_s`` (an instance that finished its requests frees its blocks shortly after)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        usage = metric_value(metric_samples(base_url), "vllm:kv_cache_usage_perc")
+        if usage == 0 or time.monotonic() > deadline:
+            return usage
+        time.sleep(2.0)
+
+
 # ---- the instances ---------------------------------------------------------------------------
 
 
@@ -467,9 +478,20 @@ class Instance:
         logger.info("%s warmed up in %.1f s", self.server.name, time.monotonic() - start)
 
 
-def plain_instance(env: Env, model: Path, name: str = "plain") -> Instance:
+def plain_instance(
+    env: Env, model: Path, name: str = "plain", extra_args: Sequence[str] = ()
+) -> Instance:
+    """One instance without a connector; ``extra_args`` follow SERVE_ARGS."""
     port = free_ports(1)
-    argv = [*env.vllm_cmd.split(), "serve", str(model), "--port", str(port), *SERVE_ARGS]
+    argv = [
+        *env.vllm_cmd.split(),
+        "serve",
+        str(model),
+        "--port",
+        str(port),
+        *SERVE_ARGS,
+        *extra_args,
+    ]
     return Instance(Server(name, argv, env.base_env(), env.workdir / f"{name}.log"), port)
 
 
@@ -490,9 +512,11 @@ def pd_instance(
     settings: PDSettings,
     name: str | None = None,
     like: Instance | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Instance:
     """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
-    on that (stopped) instance's ports, so routers see it as the same instance."""
+    on that (stopped) instance's ports, so routers see it as the same instance; ``extra_args``
+    follow SERVE_ARGS."""
     if role not in ("prefill", "decode"):
         raise ValueError(f"role must be prefill or decode, got {role!r}")
     if like is not None:
@@ -520,7 +544,7 @@ def pd_instance(
     )
     if settings.ucx_tls:
         e["UCX_TLS"] = settings.ucx_tls
-    argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS]
+    argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS, *extra_args]
     label = name or f"{role}-{settings.mode}-tp{settings.tp}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
 

@@ -36,20 +36,33 @@ SWA_LAYERS = ("model.layers.1.self_attn.attn", "model.layers.4.self_attn.attn")
 MAMBA_LAYERS = ("model.layers.2.mixer", "model.layers.5.mixer")
 
 
-def hybrid_specs(block_size: int, window: int = WINDOW) -> dict[str, Any]:
-    """Two layers each of full attention, sliding window and Mamba (conv + SSM state): one
-    page size for every group, as vLLM's hybrid manager needs (the Mamba page is padded up to
-    the attention page), so vLLM makes three groups whose layers share three tensors."""
+def hybrid_specs(
+    block_size: int,
+    window: int = WINDOW,
+    mamba: bool = True,
+    tokens_per_state: int = 1,
+    kv_heads: int = 2,
+) -> dict[str, Any]:
+    """Two layers each of full attention, sliding window and Mamba (conv + SSM state; none
+    without ``mamba``): one page size for every group, as vLLM's hybrid manager needs (the
+    Mamba page is padded up to the attention page), so vLLM makes three groups whose layers
+    share three tensors. ``tokens_per_state`` > 1: attention blocks store one state per that
+    many tokens (compressed states); ``kv_heads``: the KV heads of one TP rank."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 
-    kv = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    kv = {
+        "num_kv_heads": kv_heads,
+        "head_size": 16,
+        "dtype": torch.float16,
+        "tokens_per_state": tokens_per_state,
+    }
     specs: dict[str, Any] = {}
     for name in FULL_LAYERS:
         specs[name] = FullAttentionSpec(block_size=block_size, **kv)
     for name in SWA_LAYERS:
         specs[name] = SlidingWindowSpec(block_size=block_size, sliding_window=window, **kv)
     page = specs[FULL_LAYERS[0]].page_size_bytes
-    for name in MAMBA_LAYERS:
+    for name in MAMBA_LAYERS if mamba else ():
         specs[name] = MambaSpec(
             block_size=MAMBA_BLOCK,
             shapes=((3, 32), (2, 8, 16)),

@@ -251,3 +251,99 @@ def test_hybrid_layout_reads_vllm_per_group_lists() -> None:
         layout.select(vllm_lists[:3])
     dense = HybridLayout(groups=(full(16),), group_ids=(0,), num_groups=1, spec_blocks=(0,))
     assert dense.prefill_backoff() == 0
+
+
+def compressed(bs: int, tokens_per_state: tuple[int, int] = (4, 1)) -> KvGroup:
+    return KvGroup(kind="full", block_size=bs, layers=FULL, tokens_per_state=tokens_per_state)
+
+
+@pytest.mark.parametrize("tokens_per_state", [(4, 1), (1, 2)])
+@pytest.mark.parametrize(("ours", "theirs"), [(16, 64), (64, 16)])
+def test_compressed_states_with_different_block_sizes_are_refused(
+    tokens_per_state: tuple[int, int], ours: int, theirs: int
+) -> None:
+    """A block of stored states that cover other than one token each has no token window
+    that maps onto a whole range of its states: refused at the handshake, naming the group,
+    its tokens per state and both block sizes, on either side."""
+    local = [compressed(ours, tokens_per_state), mamba()]
+    remote = [compressed(theirs, tokens_per_state), mamba()]
+    num, den = tokens_per_state
+    ratio = f"{num}/{den}" if den != 1 else str(num)
+    want = (
+        rf"group 0 \(full, block size {theirs}, {ratio} tokens per state, 2 layers from "
+        rf"l0.attn\).*tokens_per_state {num}/{den}\) and the block sizes differ \({ours} ours, "
+        rf"{theirs} its\)"
+    )
+    with pytest.raises(IncompatiblePeerError, match=want):
+        check_groups(local, remote, "prefill-0")
+    with pytest.raises(IncompatiblePeerError, match="the block sizes differ"):
+        check_groups(remote, local, "decode-0")
+
+
+def test_compressed_states_with_equal_block_sizes_move_whole_blocks() -> None:
+    groups = [compressed(64), mamba()]
+    check_groups(groups, groups, "p")
+    blocks = GroupedBlocks(((3, 4), (8,)), ((5, 6), (9,)), 0, 100)
+    assert plan_segments(groups, groups, blocks, dest="local") == [
+        Segment(0, FULL, (3, 4), (5, 6)),
+        Segment(1, MAMBA, (8,), (9,)),
+    ]
+
+
+def test_tokens_per_state_that_differ_are_refused() -> None:
+    with pytest.raises(IncompatiblePeerError, match="cover 1 tokens each, ours 4"):
+        check_groups([compressed(16)], [full(16)], "p")
+    with pytest.raises(IncompatiblePeerError, match="cover 1/2 tokens each, ours 4"):
+        check_groups([compressed(16)], [compressed(16, (1, 2))], "p")
+
+
+def test_tokens_per_state_wire_form() -> None:
+    groups = (compressed(16, (1, 2)), mamba())
+    response = HandshakeResponse(engine_id="e/dp0/tp0", engine_metadata=b"m", kv_groups=groups)
+    back = decode(encode_message(response), (HandshakeResponse,), max_bytes=1 << 20)
+    assert back.kv_groups == groups and back.kv_groups[0].compressed
+    with pytest.raises(InvalidMessageError, match="tokens_per_state"):
+        KvGroup(kind="mamba", block_size=16, layers=MAMBA, tokens_per_state=(4, 1))
+    with pytest.raises(InvalidMessageError, match="tokens_per_state"):
+        KvGroup(kind="full", block_size=16, layers=FULL, tokens_per_state=(0, 1))
+
+
+def test_kv_groups_carry_vllms_tokens_per_state() -> None:
+    """specs.kv_groups reads each attention group's tokens_per_state from vLLM's spec (an
+    int, or a Fraction for several states per token); Mamba groups say (1, 1)."""
+    pytest.importorskip("vllm")
+    from fractions import Fraction
+
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    from moriio_native.vllm.specs import kv_groups
+
+    kv = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    groups = [
+        KVCacheGroupSpec(list(FULL), FullAttentionSpec(block_size=64, tokens_per_state=4, **kv)),
+        KVCacheGroupSpec(
+            list(SWA),
+            SlidingWindowSpec(
+                block_size=64, sliding_window=24, tokens_per_state=Fraction(1, 2), **kv
+            ),
+        ),
+        KVCacheGroupSpec(
+            list(MAMBA),
+            MambaSpec(block_size=1024, shapes=((3, 32),), dtypes=(torch.float16,)),
+        ),
+    ]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert kv_groups(config) == (
+        compressed(64),
+        KvGroup(
+            kind="sliding", block_size=64, layers=SWA, sliding_window=24, tokens_per_state=(1, 2)
+        ),
+        mamba(),
+    )

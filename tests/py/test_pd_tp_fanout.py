@@ -4,21 +4,26 @@ part ended, releases and WRITE jobs counted by the head plan."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
+
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.messages import (
     AbortWrite,
     HandshakeResponse,
+    KvGroup,
     Release,
     RemoteBlocks,
     WriteDone,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.pd.context import Context
+from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import Pusher
@@ -280,3 +285,33 @@ def run_writer(ctx: Context, pusher: Pusher) -> None:
     time.sleep(0.2)  # the last op taken is posted under the lock
     ctx.stop.set()
     thread.join(5)
+
+
+GROUPS = (
+    KvGroup(kind="full", block_size=16, layers=("attn.0",)),
+    KvGroup(kind="sliding", block_size=16, layers=("attn.1",), sliding_window=32),
+)
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_different_tp_sizes_with_several_groups_are_refused_before_any_network(
+    mode: str,
+) -> None:
+    """A decode rank of TP 1 with two KV-cache groups and a prefill of TP 2: the load fails at
+    once naming both TP sizes and the groups; no handshake starts, the request is recomputed."""
+    ctx, directory, _, engine = context(mode, producer=False, tp_rank=0, tp_size=1)
+    ctx.cfg = dataclasses.replace(ctx.cfg, groups=GROUPS)
+    remote = ((3, 4), (0, 5)) if mode == "read" else ()  # WRITE: the prefill's ids come later
+    grouped = GroupedBlocks(((10, 11), (0, 12)), remote, 0, 20)
+    task = RecvTask(
+        "req-1", "tx-1", PREFILL, "p:7000", 0, 2, (10, 11, 12), grouped=grouped, report_done=True
+    )
+    Puller(ctx).start(task)
+    assert "req-1" in ctx.reports.failed_recving
+    why = ctx.reports.failures["req-1"]
+    assert "prefill TP 2 and decode TP 1 differ" in why
+    assert "2 KV-cache groups (group 0 (full, block size 16" in why
+    assert "group 1 (sliding, block size 16, window 32" in why
+    assert not directory.pending and not engine.calls
+    # Equal TP sizes plan as before.
+    assert ctx.tp_plan("127.0.0.1", 1, prefill=False).identity

@@ -96,6 +96,7 @@ def test_hybrid_read_every_byte(
         assert out["invalid"] == []
         assert out["differing_bytes"] == 0
         assert out["stats"]["transfers"] == 1 and out["stats"]["failures"] == 0
+        assert out["stats"]["groups"] == 3  # full attention, sliding window and Mamba state
         free = p.run(f"{LEGS}:leg_until_sent", f"p-{tag}", rid)
         assert free == 40 - 1  # every block back in the pool (one is vLLM's null block)
 
@@ -125,6 +126,7 @@ def test_hybrid_write_every_byte(
 def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -> Side:
     """An in-process instance (loopback backend) with the hybrid model."""
     block_size = int(kw.pop("block_size", 16))  # type: ignore[call-overload]
+    tp_size = int(kw.pop("tp_size", 1))  # type: ignore[call-overload]
     return Side(
         name,
         role,
@@ -135,31 +137,63 @@ def _local_side(model_dir: str, name: str, role: str, mode: str, **kw: object) -
         block_size=block_size,
         prefix_caching=False,
         hybrid_kv_cache_manager=True,
+        tp_size=tp_size,
     )
 
 
+# (prefill specs, decode specs, what the refusal says)
+UNPAIRED = {
+    "windows": (
+        {"window": 40},
+        {"window": 32},
+        ("group 1 (sliding, block size 16, window 40", "our window is 32 tokens"),
+    ),
+    # Full attention and sliding window (2 KV heads) at prefill TP 1 and decode TP 2.
+    "different-tp": (
+        {"mamba": False},
+        {"mamba": False, "tp_size": 2, "kv_heads": 1},
+        (
+            "prefill TP 1 and decode TP 2 differ, and the model has 2 KV-cache groups",
+            "different TP sizes with several KV-cache groups are not supported",
+        ),
+    ),
+    # Compressed states (4 tokens per stored state) with 64- and 128-token blocks.
+    "compressed-block-sizes": (
+        {"block_size": 64, "tokens_per_state": 4},
+        {"block_size": 128, "tokens_per_state": 4},
+        (
+            "group 0 (full, block size 64, 4 tokens per state",
+            "the block sizes differ (128 ours, 64 its)",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(UNPAIRED))
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_group_structures_that_differ_fail_the_load_clearly(
-    tmp_path: Path, mode: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, mode: str, case: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A prefill whose sliding window differs from the decode's: the handshake's groups do
-    not pair, the load fails naming the group and the windows, vLLM recomputes, the prefill's
-    blocks are freed."""
+    """A prefill whose sliding window differs from the decode's, whose compressed-state
+    blocks have another size, or whose TP size differs: the groups do not pair, the load fails
+    naming the groups and what differs, vLLM recomputes, the prefill's blocks are freed."""
+    p_specs, d_specs, says = UNPAIRED[case]
     model_dir = write_model_dir(tmp_path / "model")
-    p = _local_side(model_dir, "p", "kv_producer", mode, window=40)
-    d = _local_side(model_dir, "d", "kv_consumer", mode, window=32)
+    p = _local_side(model_dir, "p", "kv_producer", mode, **p_specs)
+    d = _local_side(model_dir, "d", "kv_consumer", mode, **d_specs)
+    p_tp, d_tp = p.tp_size, d.tp_size
     try:
         rid, tid = pd_request_id(p, d), transfer_id()
         prompt = list(range(5, 90))
         with caplog.at_level("WARNING", logger="moriio_native"):
             if mode == "write":
-                d.add_request(rid, prompt, params=decode_params(tid), max_tokens=1)
+                d.add_request(rid, prompt, params=decode_params(tid, None, p_tp), max_tokens=1)
                 d.step()
-            p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            p.add_request(rid, prompt, params=prefill_params(tid, d_tp), max_tokens=1)
             finished = p.step().finished()
             if mode == "read":
                 d.add_request(
-                    rid, prompt, params=decode_params(tid, finished[rid].kv_transfer_params)
+                    rid, prompt, params=decode_params(tid, finished[rid].kv_transfer_params, p_tp)
                 )
                 loaded = load(d, rid)
                 assert loaded.scheduled[rid] == len(prompt)  # recomputed in full
@@ -168,9 +202,51 @@ def test_group_structures_that_differ_fail_the_load_clearly(
                 d.run_until(lambda r: d.reports["finished_recving"][rid] > 0, what="fail")
                 assert d.reports["failed_recving"][rid] == 1
             p.run_until(lambda r: rid in r.transfer.finished_sending, what="freed")
-        assert "group 1 (sliding, block size 16, window 40" in caplog.text
-        assert "our window is 32 tokens" in caplog.text
+        for text in says:
+            assert text in caplog.text
         assert p.free_blocks() == p.initial_free
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_prefill_truncation_keeps_the_block_hashes_of_the_tokens_it_keeps(tmp_path: Path) -> None:
+    """With a sliding-window group the prefill leaves the prompt's last token to the decode.
+    The request's block hashes (prefix caching on) must then be those of the tokens it holds:
+    a hash of the original last block would name a block whose last token the prefill never
+    computed, and vLLM extends the list from its length, so it would never be corrected."""
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side(
+        "p",
+        "kv_producer",
+        "read",
+        model_dir,
+        num_blocks=NUM_BLOCKS,
+        specs=hybrid_specs(16, mamba=False),
+        block_size=16,
+        prefix_caching=True,
+        hybrid_kv_cache_manager=True,
+    )
+    try:
+        hasher = get_request_block_hasher(p.hash_block_size, p.hash_fn)
+        prompt = [(i * 37) % 241 + 3 for i in range(64)]  # four whole blocks of 16 tokens
+        rid = pd_request_id(p, p)
+        request = p.add_request(rid, prompt, params=prefill_params(transfer_id()), max_tokens=1)
+        assert len(request.block_hashes) == 4
+        p.run_until(lambda r: rid in r.finished(), what="prefilled")
+        assert request.num_prompt_tokens == 63
+        tokens = list(request.all_token_ids)
+        assert tokens[:63] == prompt[:63] and len(tokens) == 64  # 63 prompt tokens, 1 sampled
+        fresh = Request(
+            request_id="fresh",
+            prompt_token_ids=tokens,
+            sampling_params=request.sampling_params,
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        assert list(request.block_hashes) == list(fresh.block_hashes)
+    finally:
+        p.shutdown()

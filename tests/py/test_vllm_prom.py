@@ -60,7 +60,7 @@ def two_workers() -> dict[str, Any]:
     a.record(ok=True, nbytes=2_000_000, seconds=0.002, runs=10, batches=1)
     a.record_handshake()
     b = MoRIIONativeStats()
-    b.record(ok=True, nbytes=8_000_000, seconds=0.004, runs=300, batches=2)
+    b.record(ok=True, nbytes=8_000_000, seconds=0.004, runs=300, batches=2, groups=3)
     b.record(ok=False)
     return a.aggregate(b).data
 
@@ -74,6 +74,7 @@ def test_every_series_exists_before_any_transfer(
             "vllm:moriio_native_failed_transfers_total",
             "vllm:moriio_native_transferred_bytes_total",
             "vllm:moriio_native_handshakes_total",
+            "vllm:moriio_native_transferred_groups_total",
             "vllm:moriio_native_transfer_time_seconds_count",
             "vllm:moriio_native_transfer_throughput_bytes_per_second_count",
             "vllm:moriio_native_transfer_bytes_count",
@@ -91,6 +92,8 @@ def test_observe_counts_and_histograms_per_transfer(
     assert value(registry, "vllm:moriio_native_failed_transfers_total") == 1
     assert value(registry, "vllm:moriio_native_transferred_bytes_total") == 10_000_000
     assert value(registry, "vllm:moriio_native_handshakes_total") == 1
+    # One single-group transfer and one of a model with three KV-cache groups; failures none.
+    assert value(registry, "vllm:moriio_native_transferred_groups_total") == 4
     assert value(registry, "vllm:moriio_native_transfer_time_seconds_count") == 2
     assert value(registry, "vllm:moriio_native_transfer_time_seconds_sum") == pytest.approx(0.006)
     # 2 ms lands in the 2.5 ms bucket, 4 ms does not.

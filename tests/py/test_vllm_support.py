@@ -337,7 +337,11 @@ class RankWorker:
             blocks = torch.tensor(ids)[pos // spec.block_size]
             cell = (cache.shape[1], cache.shape[3])
             values = pattern(tokens, pos, layer_index, self.salt, cell, cache.dtype)
-            cache[blocks, :, pos % spec.block_size, :] = values
+            # A block stores cache.shape[2] states: one per token, or one per several tokens
+            # (compressed states; the fake forward keeps the last token's of each).
+            cache[blocks, :, (pos % spec.block_size) * cache.shape[2] // spec.block_size, :] = (
+                values
+            )
 
     def run(
         self,

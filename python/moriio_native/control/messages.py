@@ -323,7 +323,11 @@ class KvGroup(Schema, frozen=True):
     """One KV-cache group of a worker, as its handshake describes it: what the group holds
     (``full`` attention, ``sliding`` window attention, ``mamba`` state: one state slot per
     block, no token axis), how many tokens one of its blocks covers, the window in tokens
-    (sliding only, else 0) and the layers it holds, in order."""
+    (sliding only, else 0), the layers it holds, in order, and how many tokens one stored
+    state of an attention block covers, as a fraction ``(numerator, denominator)``: ``(1, 1)``
+    for one K/V cell per token (and for mamba groups), ``(4, 1)`` when four tokens are
+    compressed into one state, ``(1, 2)`` for two states per token (vLLM's
+    ``AttentionSpec.tokens_per_state``)."""
 
     WHAT: ClassVar[str] = "KV-cache group"
     ERROR: ClassVar[type[Exception]] = InvalidMessageError
@@ -332,6 +336,10 @@ class KvGroup(Schema, frozen=True):
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
     layers: Annotated[tuple[Id, ...], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUP_LAYERS)]
     sliding_window: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    tokens_per_state: tuple[
+        Annotated[int, msgspec.Meta(ge=1, le=1 << 24)],
+        Annotated[int, msgspec.Meta(ge=1, le=1 << 24)],
+    ] = (1, 1)
 
     def _check(self) -> None:
         if (self.kind == "sliding") != (self.sliding_window > 0):
@@ -339,6 +347,16 @@ class KvGroup(Schema, frozen=True):
                 f"'sliding_window' = {self.sliding_window} does not fit kind {self.kind!r} "
                 "(a window > 0 for sliding groups only)"
             )
+        if self.kind == "mamba" and self.tokens_per_state != (1, 1):
+            raise ValueError(
+                f"'tokens_per_state' = {self.tokens_per_state} does not fit a mamba group "
+                "(its state has no token axis: (1, 1))"
+            )
+
+    @property
+    def compressed(self) -> bool:
+        """Whether a stored state of the group's blocks covers other than one token."""
+        return self.tokens_per_state != (1, 1)
 
 
 @_tagged

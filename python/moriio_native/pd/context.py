@@ -15,7 +15,14 @@ from moriio_native.control.ports import rank_port
 from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
-from moriio_native.pd.groups import GroupedBlocks, Segment, Side, check_groups, plan_segments
+from moriio_native.pd.groups import (
+    GroupedBlocks,
+    Segment,
+    Side,
+    check_groups,
+    describe_group,
+    plan_segments,
+)
 from moriio_native.pd.heads import TpPlan
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
@@ -79,7 +86,8 @@ class Context:
         """The rank plan between us (the ``prefill`` side, or the decode side) and a peer
         instance of ``remote_tp_size`` ranks at ``host`` (:mod:`moriio_native.pd.heads`; 0:
         ours). Raises FailedPreconditionError or IncompatiblePeerError naming both TP sizes
-        when they cannot pair, before any network."""
+        when they cannot pair (also when they differ and we have several KV-cache groups),
+        before any network."""
         cfg = self.cfg
         remote_tp_size = remote_tp_size or cfg.tp_size
         total = cfg.total_kv_heads if cfg.split_layers else 0
@@ -97,6 +105,15 @@ class Context:
                 raise FailedPreconditionError(
                     f"{mismatch}, and layer {cfg.split_layers[0]} is split across TP ranks "
                     "(attention heads) but the model's total KV heads are not known"
+                )
+            if len(cfg.groups) > 1:
+                # Head windows of several groups' segments (each group with its own block
+                # ids and token ranges) are not byte-tested: refused rather than guessed.
+                kinds = ", ".join(describe_group(i, g) for i, g in enumerate(cfg.groups))
+                raise FailedPreconditionError(
+                    f"{mismatch}, and the model has {len(cfg.groups)} KV-cache groups ({kinds}): "
+                    "different TP sizes with several KV-cache groups are not supported; run "
+                    "both instances with the same TP size"
                 )
         try:
             return TpPlan.make(prefill_tp, decode_tp, total, whole=True)

@@ -76,19 +76,28 @@ class Segment:
     tokens: int | None = None
 
 
+def _tokens_per_state(group: KvGroup) -> str:
+    num, den = group.tokens_per_state
+    return f"{num}/{den}" if den != 1 else str(num)
+
+
 def describe_group(index: int, group: KvGroup) -> str:
     window = f", window {group.sliding_window}" if group.kind == "sliding" else ""
+    states = f", {_tokens_per_state(group)} tokens per state" if group.compressed else ""
     return (
-        f"group {index} ({group.kind}, block size {group.block_size}{window}, "
+        f"group {index} ({group.kind}, block size {group.block_size}{window}{states}, "
         f"{len(group.layers)} layers from {group.layers[0]})"
     )
 
 
 def check_groups(local: Sequence[KvGroup], remote: Sequence[KvGroup], peer: str) -> None:
     """Raise IncompatiblePeerError when ``peer``'s groups cannot pair with ours: another
-    number of groups, another kind, other layers or window in a group, or attention block
-    sizes that do not divide one another (mamba state has no token axis: its slots pair one
-    to one whatever the block size)."""
+    number of groups, another kind, other layers, window or tokens per stored state in a
+    group, attention block sizes that do not divide one another (mamba state has no token
+    axis: its slots pair one to one whatever the block size), or different block sizes in a
+    group whose stored states cover other than one token each (compressed or expanded states:
+    a token window of such a block is no whole range of its states, so only whole blocks of
+    equal size move)."""
     if len(local) != len(remote):
         raise IncompatiblePeerError(
             f"peer {peer} has {len(remote)} KV-cache group(s), we have {len(local)}: "
@@ -105,6 +114,19 @@ def check_groups(local: Sequence[KvGroup], remote: Sequence[KvGroup], peer: str)
             raise IncompatiblePeerError(f"{what}: its layers differ ({detail})")
         if ours.sliding_window != theirs.sliding_window:
             raise IncompatiblePeerError(f"{what}: our window is {ours.sliding_window} tokens")
+        if ours.tokens_per_state != theirs.tokens_per_state:
+            raise IncompatiblePeerError(
+                f"{what}: its stored states cover {_tokens_per_state(theirs)} tokens each, "
+                f"ours {_tokens_per_state(ours)}"
+            )
+        if ours.compressed and ours.block_size != theirs.block_size:
+            raise IncompatiblePeerError(
+                f"{what}: its blocks store one state per {_tokens_per_state(ours)} tokens "
+                f"(tokens_per_state {ours.tokens_per_state[0]}/{ours.tokens_per_state[1]}) "
+                f"and the block sizes differ ({ours.block_size} ours, {theirs.block_size} its): "
+                "token windows of such blocks are not transferred; run both instances with "
+                "the same --block-size"
+            )
         small, big = sorted((ours.block_size, theirs.block_size))
         if ours.kind != "mamba" and big % small:
             raise IncompatiblePeerError(

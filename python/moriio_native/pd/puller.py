@@ -164,6 +164,7 @@ class _ReadPart:
     message: str = ""
     # The block pairs a whole-block check covers (verify), when the READ moves exactly them.
     verified_pairs: tuple[Sequence[int], Sequence[int]] | None = None
+    groups: int = 1  # the KV-cache groups the READ moves (stats)
 
 
 @dataclass
@@ -378,6 +379,7 @@ class Puller:
         pairs = (task.local_block_ids, task.remote_block_ids)
         if task.grouped is not None:
             grouped = plan_grouped(cfg, peer, task.grouped, "local")
+            part.groups = len({s.group for s in grouped})
             base = engine_segments(grouped)
             whole = len(grouped) == 1 and grouped[0].tokens is None
             pairs = (grouped[0].local_blocks, grouped[0].remote_blocks) if whole else None
@@ -546,7 +548,7 @@ class Puller:
             part.message = message
             ok = state is ReadState.DONE
             if ok and engine_event is not None:
-                ctx.stats.record_transfer(engine_event)
+                ctx.stats.record_transfer(engine_event, part.groups)
             last = all(p.machine.state in READ_TERMINAL for p in read.parts)
         if not ok:
             # The next request handshakes again: a prefill that restarted under the same

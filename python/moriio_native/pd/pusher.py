@@ -520,7 +520,7 @@ class Pusher:
         ctx = self._ctx
         ok = job.state is JobState.DONE
         if ok and event is not None:
-            ctx.stats.record_transfer(event)
+            ctx.stats.record_transfer(event, self._groups_moved(job))
         elif not ok and not job.released:
             ctx.stats.record(ok=False)
         if job.abort_requested is not None:
@@ -650,6 +650,13 @@ class Pusher:
             job.machine.advance(next_event)
             self._complete(job, event)
         return True
+
+    @staticmethod
+    def _groups_moved(job: _Job) -> int:
+        """The KV-cache groups the job wrote (stats): 1 unless grouped."""
+        if job.segments is None:
+            return 1
+        return len({s.group for layer in job.segments.values() for s in layer})
 
     @staticmethod
     def _verified_ids(job: _Job) -> list[int] | None:

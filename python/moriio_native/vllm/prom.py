@@ -13,6 +13,7 @@ name                                                          type      what
 ``vllm:moriio_native_failed_transfers_total``                 counter   failed/timed out/aborted
 ``vllm:moriio_native_transferred_bytes_total``                counter   bytes moved
 ``vllm:moriio_native_handshakes_total``                       counter   metadata handshakes done
+``vllm:moriio_native_transferred_groups_total``               counter   KV-cache groups moved
 ``vllm:moriio_native_transfer_time_seconds``                  histogram first submit -> done
 ``vllm:moriio_native_transfer_throughput_bytes_per_second``   histogram bytes / transfer time
 ``vllm:moriio_native_transfer_bytes``                         histogram bytes per transfer
@@ -93,6 +94,11 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
         )
         self.bytes = counter("transferred_bytes", "Bytes moved by completed KV transfers.")
         self.handshakes = counter("handshakes", "Metadata handshakes completed with peers.")
+        self.groups = counter(
+            "transferred_groups",
+            "KV-cache groups moved by completed KV transfers, summed over the transfers (2 per "
+            "transfer of a model with a Mamba and a full-attention group, 1 with one group).",
+        )
         self.time = histogram(
             "transfer_time_seconds",
             "Duration of completed KV transfers, first submit to done.",
@@ -141,6 +147,7 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
         self.failures[engine_idx].inc(data.get("failures", 0))
         self.bytes[engine_idx].inc(data.get("bytes", 0))
         self.handshakes[engine_idx].inc(data.get("handshakes", 0))
+        self.groups[engine_idx].inc(data.get("groups", 0))
         for seconds, nbytes, runs in data.get(SAMPLES, ()):
             self.time[engine_idx].observe(seconds)
             self.size[engine_idx].observe(nbytes)

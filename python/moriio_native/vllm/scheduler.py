@@ -205,6 +205,13 @@ class SchedulerSide:
         del request._all_token_ids[-backoff:]
         request.num_prompt_tokens -= backoff
         request.max_tokens = 1
+        if request.block_hashes:
+            # A hash of a block reaching past the new end names tokens the prefill no longer
+            # holds, and vLLM extends the list from its length, so it would never be
+            # corrected: hash again the tokens kept (in place: the hash lists of vLLM's
+            # groups view this list).
+            request.block_hashes.clear()
+            request.update_block_hashes()
 
     def _grouped_end(self, request: Request) -> int:
         """The prompt tokens a grouped load covers: all but the last in READ (computed here

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping, Sequence
+from fractions import Fraction
 from typing import Any
 
 from moriio_native.control.messages import KvGroup
@@ -199,10 +200,29 @@ def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
     )
 
 
+def _tokens_per_state(spec: Any, layers: Sequence[str]) -> tuple[int, int]:
+    """An attention group's ``tokens_per_state`` as (numerator, denominator); (1, 1) for
+    Mamba state, which has no token axis."""
+    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        spec = spec.kv_cache_specs[layers[0]]
+    if isinstance(spec, MambaSpec):
+        return (1, 1)
+    ratio = Fraction(spec.tokens_per_state)
+    if ratio <= 0:
+        raise UnsupportedSpecError(
+            f"layer {layers[0]}: {type(spec).__name__} stores {spec.tokens_per_state} tokens "
+            "per state, which MoRIIONativeConnector cannot map onto block positions"
+        )
+    return (ratio.numerator, ratio.denominator)
+
+
 def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
     """The KV-cache groups that take part in KV transfer, in vLLM's order (the order of the
-    per-group block ids): kind, block size in tokens, window and layers. Raises
-    UnsupportedSpecError naming the layer for groups without a transfer mapping."""
+    per-group block ids): kind, block size in tokens, window, layers and tokens per stored
+    state. Raises UnsupportedSpecError naming the layer for groups without a transfer
+    mapping."""
     out = []
     for group in kv_cache_config.kv_cache_groups:
         if not getattr(group, "enable_kv_transfer", True):
@@ -215,6 +235,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
                 block_size=int(group.kv_cache_spec.block_size),
                 layers=layers,
                 sliding_window=window,
+                tokens_per_state=_tokens_per_state(group.kv_cache_spec, layers),
             )
         )
     return tuple(out)

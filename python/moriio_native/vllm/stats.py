@@ -14,6 +14,9 @@ key                 meaning
 ``runs``            contiguous copy runs (descriptors) of completed transfers
 ``batches``         backend batches posted for completed transfers
 ``handshakes``      metadata handshakes that succeeded
+``groups``          KV-cache groups moved by completed transfers, summed over them: a
+                    transfer of a hybrid model's Mamba and full-attention groups counts 2,
+                    one of a single-group model 1
 ``quarantined_blocks`` decode blocks put into quarantine: a transfer into them ended while
                     writes may still land, so they were neither recomputed into nor freed
                     until the writes were proven drained (or the quarantine bound passed)
@@ -48,6 +51,7 @@ _COUNTERS = (
     "runs",
     "batches",
     "handshakes",
+    "groups",
     "quarantined_blocks",
     "verified",
     "verify_failures",
@@ -80,11 +84,19 @@ class MoRIIONativeStats(KVConnectorStats):
         super().__init__(data=merged)
 
     def record(
-        self, *, ok: bool, nbytes: int = 0, seconds: float = 0.0, runs: int = 0, batches: int = 0
+        self,
+        *,
+        ok: bool,
+        nbytes: int = 0,
+        seconds: float = 0.0,
+        runs: int = 0,
+        batches: int = 0,
+        groups: int = 1,
     ) -> None:
-        """Count one terminal transfer."""
+        """Count one terminal transfer (``groups``: the KV-cache groups it moved)."""
         if ok:
             self.data["transfers"] += 1
+            self.data["groups"] += int(groups)
             self.data["bytes"] += int(nbytes)
             self.data["seconds"] += float(seconds)
             self.data["runs"] += int(runs)
@@ -93,14 +105,16 @@ class MoRIIONativeStats(KVConnectorStats):
         else:
             self.data["failures"] += 1
 
-    def record_transfer(self, event: Any) -> None:
-        """Count a successful transfer from its engine TransferEvent."""
+    def record_transfer(self, event: Any, groups: int = 1) -> None:
+        """Count a successful transfer from its engine TransferEvent; ``groups``: the
+        KV-cache groups it moved."""
         self.record(
             ok=True,
             nbytes=event.bytes,
             seconds=event.seconds,
             runs=event.runs,
             batches=event.batches,
+            groups=groups,
         )
 
     def record_handshake(self) -> None:
@@ -143,6 +157,7 @@ class MoRIIONativeStats(KVConnectorStats):
             "Avg throughput (GB/s)": round(d["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0,
             "Avg runs per transfer": round(d["runs"] / n, 1) if n else 0.0,
             "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
+            "Avg KV-cache groups per transfer": round(d["groups"] / n, 2) if n else 0.0,
             "Handshakes": d["handshakes"],
             "Quarantined blocks": d["quarantined_blocks"],
             "Open transfers": sum(d[OPEN_TRANSFERS].values()),
