@@ -191,3 +191,11 @@ def test_heads_that_cannot_pair_are_refused_at_handshake() -> None:
     decode.validator(key, 0, 0, 4)(tp4)
     tp1_decode = HandshakeResponse("d:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE", total_kv_heads=4)
     prefill.validator(key, 0, 0, 1)(tp1_decode)
+    # Split layers whose heads neither side knows, or context parallelism here: refused too.
+    unknown, _, _ = context("read", producer=False, tp_size=2, split_layers=("layers.0.attn",))
+    tp1 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ")
+    with pytest.raises(IncompatiblePeerError, match=r"an unknown share .* not known"):
+        unknown.validator(key, 0, 0, 1)(tp1)
+    cp, _, _ = context("read", producer=False, tp_size=2, context_parallel=True, **layers)
+    with pytest.raises(IncompatiblePeerError, match="context parallelism"):
+        cp.validator(key, 0, 0, 4)(tp4)

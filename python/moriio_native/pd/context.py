@@ -166,24 +166,29 @@ class Context:
 
     def _check_heads_pair(self, response: HandshakeResponse, key: PeerKey, tp_size: int) -> None:
         """At the handshake, refuse a peer of another TP size whose heads cannot pair with
-        ours (the plan every transfer with it would use), naming a split layer, the heads
-        per rank and both TP sizes, instead of failing each transfer when it is posted. Only
-        an instance of one role knows which side the peer is; one that is both (``kv_both``)
-        leaves the check to each request's plan."""
+        ours (the plan every transfer with it would use: heads a TP size cannot split, heads
+        not known, context parallelism), naming a split layer, the heads per rank and both
+        TP sizes, instead of failing each request when its plan is made. Only an instance of
+        one role knows which side the peer is; one that is both (``kv_both``) leaves the
+        check to each request's plan."""
         cfg = self.cfg
         if cfg.producer == cfg.consumer:
             return
         prefill_tp, decode_tp = (cfg.tp_size, tp_size) if cfg.producer else (tp_size, cfg.tp_size)
         total = cfg.total_kv_heads
         try:
-            TpPlan.make(prefill_tp, decode_tp, total, whole=True)
-        except IncompatiblePeerError as exc:
-            layer = cfg.split_layers[0]
+            self.tp_plan(key.host, tp_size, prefill=cfg.producer)
+        except (IncompatiblePeerError, FailedPreconditionError) as exc:
+            per_rank = (
+                f"{heads_per_rank(total, prefill_tp)} of {total} KV heads per rank at prefill TP "
+                f"{prefill_tp} and {heads_per_rank(total, decode_tp)} per rank at decode TP"
+                if total
+                else f"an unknown share of the KV heads at prefill TP {prefill_tp} and decode TP"
+            )
+            heads = f"holds {per_rank} {decode_tp}"
             raise IncompatiblePeerError(
-                f"peer {response.engine_id} at {key}: layer {layer} (and every layer TP splits "
-                f"by head) holds {heads_per_rank(total, prefill_tp)} of {total} KV heads per "
-                f"rank at prefill TP {prefill_tp} and {heads_per_rank(total, decode_tp)} per "
-                f"rank at decode TP {decode_tp}; the two cannot pair: {exc}"
+                f"peer {response.engine_id} at {key}: layer {cfg.split_layers[0]} (and every "
+                f"layer TP splits by head) {heads}; the two cannot pair: {exc}"
             ) from None
 
     def connect_rank(
