@@ -96,6 +96,6 @@ bash tests/e2e/make_venv.sh "$E2E_VENV"
 "$E2E_VENV/bin/pip" install -q --force-reinstall --no-deps "$WHEEL"
 "$E2E_VENV/bin/pip" install -q "$WHEEL" libucx-cu13==1.22.0 "pytest>=8" vllm-router==0.1.17
 # A hard bound on top of the tier's own deadlines; on SIGTERM it kills the servers it started.
-timeout -k 60 1800 \
+timeout -k 60 2700 \
   "$E2E_VENV/bin/python" -m pytest tests/e2e -q -p no:cacheprovider -o addopts="" -o testpaths=tests/e2e
 echo "end-to-end tier: $(( $(date +%s) - E2E_START )) s including its environment"

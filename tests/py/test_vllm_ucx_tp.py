@@ -47,6 +47,13 @@ NUM_BLOCKS = 24
 # (prefill TP, decode TP, the model's KV heads): slice, gather, and 6 heads at TP 2 -> 3,
 # where one decode rank takes one head from each prefill rank.
 RATIOS = [(1, 2, 8), (2, 1, 8), (2, 4, 8), (4, 2, 8), (2, 3, 6)]
+# Fewer KV heads than the larger TP size, so vLLM replicates them (rank r of tp holds head
+# r // (tp / T) alone): replicas on the decode (2 heads, 1 -> 4: decode ranks 0, 1 slice head 0
+# of the one prefill rank, ranks 2, 3 head 1), on the prefill (2 heads, 4 -> 2: prefill ranks
+# 0, 1 hold head 0 and 2, 3 head 1; decode rank d reads replica d mod 2 of its head, so ranks 0
+# and 3, and releases the unused replica p with p mod 2 == d), and on both (1 head, 2 -> 4:
+# every rank holds it; decode rank d reads prefill rank d mod 2).
+REPLICATED = [(1, 4, 2), (4, 2, 2), (2, 4, 1)]
 
 
 @pytest.fixture(scope="module")
@@ -61,16 +68,16 @@ def procs() -> Iterator[list[RemoteSides]]:
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[int, str]:
-    """A model directory per KV head count (attention heads = KV heads, so every TP size
-    here divides them)."""
+    """A model directory per KV head count: attention heads = KV heads (6, 8: every TP size
+    here divides them), or 4 attention heads over 1 or 2 KV heads (GQA, replicated at TP 4)."""
     return {
         heads: write_model_dir(
             Path(tmp_path_factory.mktemp(f"model{heads}")),
-            num_attention_heads=heads,
+            num_attention_heads=max(heads, 4),
             num_key_value_heads=heads,
-            hidden_size=heads * 16,  # head_dim 16
+            hidden_size=max(heads, 4) * 16,  # head_dim 16
         )
-        for heads in (6, 8)
+        for heads in (1, 2, 6, 8)
     }
 
 
@@ -95,7 +102,7 @@ def _side(
         model_dir,
         num_blocks=NUM_BLOCKS,
         salt=1 if producer else 2,
-        specs=mixed_specs(heads // tp),
+        specs=mixed_specs(max(1, heads // tp)),  # vLLM's share: one head when replicated
         layout="LBNHC" if producer else "BLNHC",
         extra={"backend": "ucx", "transfer_timeout": 30, **extra},
         tp_size=tp,
@@ -124,23 +131,41 @@ def _prompt(n: int, seed: int) -> list[int]:
     return [(seed * 17 + i * 29) % 241 + 3 for i in range(n)]
 
 
+def _head_source(p_tp: int, heads: int, head: int, decode_rank: int) -> tuple[int, int]:
+    """(prefill rank, its own head index) decode rank ``decode_rank`` takes global head
+    ``head`` from: the one rank holding it, or, when the prefill replicates its heads (TP
+    above the heads), replica ``decode_rank mod replicas`` of the ranks holding it."""
+    if p_tp <= heads:
+        return head // (heads // p_tp), head % (heads // p_tp)
+    replicas = p_tp // heads
+    return head * replicas + decode_rank % replicas, 0
+
+
+def _sources(p_tp: int, d_tp: int, heads: int, rank: int) -> list[tuple[int, int]]:
+    """(prefill rank, its own head index) of each of decode rank ``rank``'s heads, in order."""
+    if d_tp <= heads:
+        mine = range(rank * (heads // d_tp), (rank + 1) * (heads // d_tp))
+    else:  # replicated on the decode: one head per rank
+        mine = range(rank // (d_tp // heads), rank // (d_tp // heads) + 1)
+    return [_head_source(p_tp, heads, head, rank) for head in mine]
+
+
 def _expected(
     contents: list[dict[str, torch.Tensor]], p_tp: int, d_tp: int, heads: int, rank: int
 ) -> dict[str, torch.Tensor]:
     """What decode rank ``rank`` must hold, layer by layer, given each prefill rank's content
-    ([blocks, H, N, C]): its global heads of the dense layers (the prefill ranks' heads laid
-    side by side are the model's), and the whole caches of the prefill rank that holds its
-    first head."""
-    per_decode = heads // d_tp
-    first_head = rank * per_decode
-    source = first_head // (heads // p_tp)
+    ([blocks, H, N, C]; replicas of a head hold different random bytes here, so the bytes name
+    the replica they came from): its global heads of the dense layers, each from the prefill
+    rank it takes that head from, and the whole caches of the prefill rank of its first
+    head."""
+    sources = _sources(p_tp, d_tp, heads, rank)
     out = {}
     for layer in contents[0]:
         if layer in LAYERS_DENSE:
-            every_head = torch.cat([c[layer] for c in contents], dim=1)
-            out[layer] = every_head[:, first_head : first_head + per_decode].contiguous()
+            parts = [contents[src][layer][:, local : local + 1] for src, local in sources]
+            out[layer] = torch.cat(parts, dim=1).contiguous()
         else:
-            out[layer] = contents[source][layer]
+            out[layer] = contents[sources[0][0]][layer]
     return out
 
 
@@ -164,7 +189,7 @@ def _check_freed_once(p: RankedSide, rid: str) -> None:
         assert counts["finished_sending"][rid] == 1, rank
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), RATIOS)
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), RATIOS + REPLICATED)
 def test_read_every_rank_gets_its_heads(
     procs: list[RemoteSides], model_dirs: dict[int, str], p_tp: int, d_tp: int, heads: int
 ) -> None:
@@ -181,6 +206,10 @@ def test_read_every_rank_gets_its_heads(
         loaded = load(d, rid)
         assert loaded.scheduled[rid] == 1  # only the last prompt token is computed
         assert not loaded.invalid_blocks
+        # One READ per (decode rank, prefill rank it takes heads from): a replicated head is
+        # read from one replica only.
+        reads = sum(len({src for src, _ in _sources(p_tp, d_tp, heads, r)}) for r in range(d_tp))
+        assert loaded.stats is not None and loaded.stats.data["transfers"] == reads
         blocks = loaded.blocks[:n_loaded]
         for rank in range(d_tp):
             want = _expected(contents, p_tp, d_tp, heads, rank)
@@ -192,7 +221,7 @@ def test_read_every_rank_gets_its_heads(
         d.shutdown()
 
 
-@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), RATIOS)
+@pytest.mark.parametrize(("p_tp", "d_tp", "heads"), RATIOS + REPLICATED)
 def test_write_every_rank_gets_its_heads(
     procs: list[RemoteSides], model_dirs: dict[int, str], p_tp: int, d_tp: int, heads: int
 ) -> None:

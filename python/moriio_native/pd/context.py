@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -23,11 +24,13 @@ from moriio_native.pd.groups import (
     describe_group,
     plan_segments,
 )
-from moriio_native.pd.heads import TpPlan
+from moriio_native.pd.heads import TpPlan, heads_per_rank
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
 if TYPE_CHECKING:
     from moriio_native.pd.verify import Verifier
+
+logger = logging.getLogger("moriio_native.pd.context")
 
 
 class StatsSink(Protocol):
@@ -78,6 +81,8 @@ class Context:
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
     verifier: Verifier | None = None  # set when cfg.verify: the integrity check
+    # (peer host, its TP size, we are the prefill) whose different-TP plan was logged
+    logged_plans: set[tuple[str, int, bool]] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
@@ -116,9 +121,22 @@ class Context:
                     "both instances with the same TP size"
                 )
         try:
-            return TpPlan.make(prefill_tp, decode_tp, total, whole=True)
+            plan = TpPlan.make(prefill_tp, decode_tp, total, whole=True)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(f"peer {host}: {exc}") from None
+        if not plan.identity:
+            with self.lock:
+                first = (host, remote_tp_size, prefill) not in self.logged_plans
+                self.logged_plans.add((host, remote_tp_size, prefill))
+            if first:  # once per peer instance and size: what this rank moves, for operators
+                logger.info(
+                    "peer %s: %s",
+                    host,
+                    plan.describe(
+                        cfg.tp_rank, prefill=prefill, whole_layers=bool(cfg.whole_layers)
+                    ),
+                )
+        return plan
 
     def validator(
         self, key: PeerKey, dp_rank: int, rank: int, tp_size: int
@@ -159,8 +177,36 @@ class Context:
                         f"{theirs or 'an unstated number of'} KV heads, we (TP {cfg.tp_size}) "
                         f"split {ours}: different TP sizes need the same model"
                     )
+                self._check_heads_pair(response, key, tp_size)
 
         return validate
+
+    def _check_heads_pair(self, response: HandshakeResponse, key: PeerKey, tp_size: int) -> None:
+        """At the handshake, refuse a peer of another TP size whose heads cannot pair with
+        ours (the plan every transfer with it would use: heads a TP size cannot split, heads
+        not known, context parallelism), naming a split layer, the heads per rank and both
+        TP sizes, instead of failing each request when its plan is made. Only an instance of
+        one role knows which side the peer is; one that is both (``kv_both``) leaves the
+        check to each request's plan."""
+        cfg = self.cfg
+        if cfg.producer == cfg.consumer:
+            return
+        prefill_tp, decode_tp = (cfg.tp_size, tp_size) if cfg.producer else (tp_size, cfg.tp_size)
+        total = cfg.total_kv_heads
+        try:
+            self.tp_plan(key.host, tp_size, prefill=cfg.producer)
+        except (IncompatiblePeerError, FailedPreconditionError) as exc:
+            per_rank = (
+                f"{heads_per_rank(total, prefill_tp)} of {total} KV heads per rank at prefill TP "
+                f"{prefill_tp} and {heads_per_rank(total, decode_tp)} per rank at decode TP"
+                if total
+                else f"an unknown share of the KV heads at prefill TP {prefill_tp} and decode TP"
+            )
+            heads = f"holds {per_rank} {decode_tp}"
+            raise IncompatiblePeerError(
+                f"peer {response.engine_id} at {key}: layer {cfg.split_layers[0]} (and every "
+                f"layer TP splits by head) {heads}; the two cannot pair: {exc}"
+            ) from None
 
     def connect_rank(
         self,

@@ -200,6 +200,38 @@ class TpPlan:
         one assigned when it has none."""
         return len(self.consumers(prefill_rank)) or 1
 
+    def describe(self, rank: int, *, prefill: bool, whole_layers: bool) -> str:
+        """What rank ``rank`` of the ``prefill`` side (else the decode side) moves under this
+        plan, in global KV head indices, e.g. ``decode rank 0 takes KV heads [0, 1) from
+        prefill rank 0, [1, 2) from prefill rank 1`` (for the logs); the whole caches' source
+        or targets too when the model has ``whole_layers``."""
+        total = self.total_kv_heads
+        if prefill:
+            base = rank_heads(total, self.prefill_tp, rank).start if total else 0
+            parts = [
+                f"[{base + s.local_begin}, {base + s.local_begin + s.heads}) to decode rank "
+                f"{s.rank}"
+                for s in self.head_targets(rank)
+            ]
+            whole = [d for d in self.consumers(rank) if self.whole_source(d) == rank]
+            whole = whole if whole_layers else []
+            what, verb = f"prefill rank {rank}", "gives KV heads"
+            whole_text = f"whole caches to decode ranks {whole}"
+        else:
+            base = rank_heads(total, self.decode_tp, rank).start if total else 0
+            parts = [
+                f"[{base + s.local_begin}, {base + s.local_begin + s.heads}) from prefill rank "
+                f"{s.rank}"
+                for s in self.head_sources(rank)
+            ]
+            source = self.whole_source(rank)
+            whole = [] if source is None or not whole_layers else [source]
+            what, verb = f"decode rank {rank}", "takes KV heads"
+            whole_text = f"whole caches from prefill rank {source}"
+        moved = f"{verb} {', '.join(parts)}" if parts else "moves no split heads"
+        sizes = f"prefill TP {self.prefill_tp} -> decode TP {self.decode_tp}"
+        return f"{sizes}, {total} KV heads: {what} {moved}" + (f"; {whole_text}" if whole else "")
+
     @cached_property
     def _consumers(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.prefill_tp)]
