@@ -30,15 +30,18 @@ WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kern
 end (every batch is one kernel), the terminal event seen, all in ms from the call, with the
 time the GPU copied (the union of the kernels) and the idle gaps between kernels.
 
-``--pre MODE`` (repeatable; each mode gets its own warm-up and ``--requests`` requests, in the
-same process pair, rows tagged with it): what happens between one request's verification and
-baseline copy (both in the decode process) and the next timed request. ``none``: nothing, as
-before. ``settle``: both processes synchronize their device and sit idle ``--settle-ms`` before
-the call. ``prime``: ``settle``, then the calling process runs one tiny kernel and waits for it
-before the clock starts, so that the GPU is already running the caller's context when the
-request begins (on one shared GPU a WRITE, called by the prefill, otherwise follows the
-decode's work; a READ, called by the decode, does not). ``--ops write,read`` runs the WRITEs
-first.
+``--pre MODE`` (repeatable, default ``none`` and ``prime``; each mode gets its own warm-up and
+``--requests`` requests, in the same process pair, rows tagged with it): what happens between
+one request's verification and baseline copy (both in the decode process) and the next timed
+request. ``none``: nothing (the only figure before). ``settle``: both processes synchronize
+their device and sit idle ``--settle-ms`` before the call. ``prime``: ``settle``, then the
+calling process runs one tiny kernel and waits for it before the clock starts, so that the
+process's own GPU work ran last when the request begins. On one shared GPU a WRITE (called by
+the prefill) otherwise starts right after the decode's checks and pays 0.1-0.2 ms for it on an
+H200 (docs/benchmarks.md; most likely the switch from the decode's context to the prefill's),
+which idling alone does not remove; a READ (called by the decode) does not pay it. ``prime`` is
+the figure of a P/D deployment, where prefill and decode do not share a GPU. ``--ops
+write,read`` runs the WRITEs first. ``--overlap`` ignores both.
 
 Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
 
@@ -665,7 +668,7 @@ def run_case(
     )
     if layout == "nhd-hnd":  # one run per (plane, head, token) cell
         run_bytes = preset["head"] * 2
-    for op, pre in ((op, pre) for op in args.ops for pre in args.pre or ["none"]):
+    for op, pre in ((op, pre) for op in args.ops for pre in args.pre or ["none", "prime"]):
         samples, copies, verified, total, cells = [], [], True, 0, 0
         # Request 0 warms up (IPC mapping, kernel load); with --timeline one more is profiled.
         profiled = requests + 1 if args.timeline and direct_copy == "auto" else None
@@ -766,7 +769,8 @@ def main(argv: list[str] | None = None) -> int:
         "--pre",
         action="append",
         choices=["none", "settle", "prime"],
-        help="what runs before each timed request (repeatable; see the module docstring)",
+        help="what runs before each timed request (repeatable, default none and prime; see the "
+        "module docstring)",
     )
     parser.add_argument(
         "--settle-ms", type=float, default=20.0, help="idle time of --pre settle and prime"

@@ -351,7 +351,7 @@ gap)  # issue 18: what an unprofiled WRITE pays after the decode's verification 
     echo "== llama3-8b, ops $ops, $pre"
     nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
     timeout 90 python3 bench/gpu_bench.py --preset llama3-8b --skip-per-run --requests 6 $pre \
-      --ops $ops --json "$out/gap_llama_$ops.json" 2>&1 | grep -E "GB/s|rror"
+      --ops $ops --json "$out/gap_llama_${ops/,/-}.json" 2>&1 | grep -E "GB/s|rror"
     pre="--pre prime --pre settle --pre none"
   done 2>&1 | tee "$out/gap.log"
   pre="--pre none --pre settle --pre prime"
