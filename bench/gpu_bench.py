@@ -30,6 +30,19 @@ WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kern
 end (every batch is one kernel), the terminal event seen, all in ms from the call, with the
 time the GPU copied (the union of the kernels) and the idle gaps between kernels.
 
+``--pre MODE`` (repeatable, default ``none`` and ``prime``; each mode gets its own warm-up and
+``--requests`` requests, in the same process pair, rows tagged with it): what happens between
+one request's verification and baseline copy (both in the decode process) and the next timed
+request. ``none``: nothing (the only figure before). ``settle``: both processes synchronize
+their device and sit idle ``--settle-ms`` before the call. ``prime``: ``settle``, then the
+calling process runs one tiny kernel and waits for it before the clock starts, so that the
+process's own GPU work ran last when the request begins. On one shared GPU a WRITE (called by
+the prefill) otherwise starts right after the decode's checks and pays 0.1-0.2 ms for it on an
+H200 (docs/benchmarks.md; most likely the switch from the decode's context to the prefill's),
+which idling alone does not remove; a READ (called by the decode) does not pay it. ``prime`` is
+the figure of a P/D deployment, where prefill and decode do not share a GPU. ``--ops
+write,read`` runs the WRITEs first. ``--overlap`` ignores both.
+
 Run (device with CUDA, torch and this package built with the UCX and CUDA plugins)::
 
     python3 bench/gpu_bench.py --preset llama3-8b --preset deepseek-v3 --json out.json
@@ -97,6 +110,7 @@ class Row:
     cell_batches: int = 0  # of the last request: batches moved as cells (a transposing copy)
     state_copy_gbps: float = 0.0  # median copy_ in the decode's memory state, after each request
     ratio_to_state_copy: float = 0.0
+    pre: str = "none"  # what ran between the previous request's checks and this one (--pre)
 
 
 @dataclass
@@ -118,6 +132,7 @@ class TimelineRow:
     gaps_ms: float  # idle time between the first kernel's start and the last one's end
     kernel_ms: list[list[float]]  # [start, end] of each kernel, in start order
     verified: bool = False
+    pre: str = "none"
 
 
 def _timeline_of(prof: Any) -> dict[str, Any]:
@@ -189,12 +204,17 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
     }
 
 
-def _timed_request(engine: Any, tid: str, call: Any, timeline: bool) -> tuple[float, Any, Any]:
+def _timed_request(
+    engine: Any, tid: str, call: Any, timeline: bool, prime: bool
+) -> tuple[float, Any, Any]:
     """Runs ``call(tid)`` (which starts transfer ``tid``) and waits for its terminal event:
     seconds, the event and, with ``timeline``, the request's intervals under ``torch.profiler``
-    (after the same request once under it: the profiler's first kernels and ranges cost extra)."""
+    (after the same request once under it: the profiler's first kernels and ranges cost extra).
+    ``prime``: one tiny kernel of this process runs to completion before the clock starts."""
     import torch
 
+    if prime:
+        torch.ones(1, device="cuda").add_(1)
     torch.cuda.synchronize()
     if not timeline:
         start = time.perf_counter()
@@ -334,6 +354,16 @@ def _device_pair(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _ops(text: str) -> tuple[str, ...]:
+    """``"write,read"`` -> ("write", "read"): the operations of --ops, in order."""
+    ops = tuple(o.strip() for o in text.split(","))
+    if not ops or any(o not in ("read", "write") for o in ops):
+        raise argparse.ArgumentTypeError(
+            f"expected read and/or write, comma-separated, got {text!r}"
+        )
+    return ops
+
+
 def _ids(ids: list[int]) -> Any:
     import numpy as np
 
@@ -405,7 +435,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
         if cmd in ("read", "write"):
             # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
             # request, outside the timing).
-            tid, local, remote, timeline = args[0], _ids(args[1]), _ids(args[2]), args[3]
+            tid, local, remote, timeline, prime = args[0], _ids(args[1]), _ids(args[2]), *args[3:]
 
             def call(tid: str, local: Any = local, remote: Any = remote, op: str = cmd) -> None:
                 if op == "read":
@@ -415,7 +445,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                     engine.write_layer(tid, f"layer.{i}", peer, local, remote)
                 engine.seal(tid, peer, expected_writes=len(views))
 
-            seconds, event, trace = _timed_request(engine, tid, call, timeline)
+            seconds, event, trace = _timed_request(engine, tid, call, timeline, prime)
             conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches, trace))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
@@ -424,6 +454,9 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                 mirror = _filled_backing(_backing_bytes(preset, cfg["num_blocks"]), 1)
                 mirror_views = _layer_views(mirror, preset, src_layout, cfg["num_blocks"])
             conn.send(_verify(views, mirror_views, dst_ids, src_ids, preset, layout, src_layout))
+        elif cmd == "sync":  # either side: its device idle (--pre settle and prime)
+            torch.cuda.synchronize()
+            conn.send(True)
         elif cmd == "copy":  # decode only, after "verify": the baseline in this memory state
             conn.send(_state_copy_gbps(backing, mirror, args[0]))
     engine.remove_peer(peer)
@@ -635,27 +668,33 @@ def run_case(
     )
     if layout == "nhd-hnd":  # one run per (plane, head, token) cell
         run_bytes = preset["head"] * 2
-    for op in ("read", "write"):
+    for op, pre in ((op, pre) for op in args.ops for pre in args.pre or ["none", "prime"]):
         samples, copies, verified, total, cells = [], [], True, 0, 0
         # Request 0 warms up (IPC mapping, kernel load); with --timeline one more is profiled.
         profiled = requests + 1 if args.timeline and direct_copy == "auto" else None
         for r in range(requests + 1 + (profiled is not None)):
             src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
             dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
-            tid = f"{op}-{direct_copy}-{r}"
-            if op == "read":  # decode pulls prefill's src into its dst
-                conns["decode"].send(("read", tid, dst, src, r == profiled))
-                seconds, state, nbytes, msg, cells, trace = _recv(conns["decode"], procs)
-            else:  # prefill pushes its src into decode's dst
-                conns["prefill"].send(("write", tid, src, dst, r == profiled))
-                seconds, state, nbytes, msg, cells, trace = _recv(conns["prefill"], procs)
+            tid = f"{op}-{direct_copy}-{pre}-{r}"
+            if pre != "none":
+                for role in ("prefill", "decode"):
+                    conns[role].send(("sync",))
+                    _recv(conns[role], procs)
+                time.sleep(args.settle_ms / 1e3)
+            # READ: decode pulls prefill's src into its dst; WRITE: prefill pushes src into dst.
+            caller = "decode" if op == "read" else "prefill"
+            local, remote = (dst, src) if op == "read" else (src, dst)
+            conns[caller].send((op, tid, local, remote, r == profiled, pre == "prime"))
+            seconds, state, nbytes, msg, cells, trace = _recv(conns[caller], procs)
             if state != "done":
                 raise RuntimeError(f"{tid} ended {state}: {msg}")
             conns["decode"].send(("verify", dst, src))
             ok = bool(_recv(conns["decode"], procs))
             if trace is not None:
                 timelines.append(
-                    TimelineRow(preset_name, op, nbytes, seconds * 1e3, verified=ok, **trace)
+                    TimelineRow(
+                        preset_name, op, nbytes, seconds * 1e3, verified=ok, pre=pre, **trace
+                    )
                 )
                 verified &= ok
                 continue
@@ -683,6 +722,7 @@ def run_case(
                 cells,
                 state_copy,
                 gbps / state_copy,
+                pre,
             )
         )
     _stop_pair(conns, procs)
@@ -724,6 +764,22 @@ def main(argv: list[str] | None = None) -> int:
         default=[],
         metavar="KEY=VALUE",
         help="an engine backend option for both processes, e.g. progress_mode=busy",
+    )
+    parser.add_argument(
+        "--pre",
+        action="append",
+        choices=["none", "settle", "prime"],
+        help="what runs before each timed request (repeatable, default none and prime; see the "
+        "module docstring)",
+    )
+    parser.add_argument(
+        "--settle-ms", type=float, default=20.0, help="idle time of --pre settle and prime"
+    )
+    parser.add_argument(
+        "--ops",
+        type=_ops,
+        default=("read", "write"),
+        help="the operations in order, comma-separated (default read,write)",
     )
     parser.add_argument("--json", help="write the rows as JSON to this file")
     parser.add_argument(
@@ -773,13 +829,14 @@ def main(argv: list[str] | None = None) -> int:
             for row in run_case(name, layout, direct, args, device_copy, timelines):
                 rows.append(row)
                 logger.info(
-                    "%-12s %-13s %-15s %-5s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx device "
-                    "copy, %.3fx a copy_ in the same state (%.0f GB/s), verified=%s, cell "
+                    "%-12s %-13s %-15s %-5s pre=%-6s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx "
+                    "device copy, %.3fx a copy_ in the same state (%.0f GB/s), verified=%s, cell "
                     "batches %d",
                     row.preset,
                     row.layout,
                     row.path,
                     row.op,
+                    row.pre,
                     row.blocks,
                     row.run_bytes,
                     row.gbps,
@@ -791,11 +848,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
     for t in timelines:
         logger.info(
-            "timeline %-12s %-5s %.3f ms: call returned %.3f, first launch %.3f, %d kernels from "
-            "%.3f to %.3f (GPU busy %.3f, gaps %.3f), last query %.3f, event seen %.3f; "
+            "timeline %-12s %-5s pre=%-6s %.3f ms: call returned %.3f, first launch %.3f, "
+            "%d kernels from %.3f to %.3f (GPU busy %.3f, gaps %.3f), last query %.3f, "
+            "event seen %.3f; "
             "verified=%s",
             t.preset,
             t.op,
+            t.pre,
             t.total_ms,
             t.call_ms,
             t.first_launch_ms,

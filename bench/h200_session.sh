@@ -33,6 +33,10 @@
 #                                         # one profiled request's timeline each
 #   bash bench/h200_session.sh timeline   # one call: this tree's build, gpu_bench's profiled
 #                                         # requests (host launch and event-query times too)
+#   bash bench/h200_session.sh gap        # one call: build with UCX; gpu_bench with --pre none,
+#                                         # settle and prime, READ first and WRITE first (does a
+#                                         # WRITE pay for the decode's checks on the shared GPU?);
+#                                         # every GPU test; deepseek-v3 if time is left
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -338,6 +342,29 @@ timeline)  # this tree only: the profiled requests' host launches and last event
   PYTHONPATH=$build/python timeout 150 python3 bench/gpu_bench.py --preset llama3-8b \
     --preset deepseek-v3 --skip-per-run --requests 3 --json "$out/e2e.json" \
     --timeline "$out/timeline.json" 2>&1 | grep -E "GB/s|timeline|rror" | tee "$out/e2e.log"
+  ;;
+gap)  # issue 18: what an unprofiled WRITE pays after the decode's verification and copy
+  build_with_ucx
+  python3 -c "import moriio_native as m; print(m.available_backends())"
+  pre="--pre none --pre settle --pre prime"
+  for ops in read,write write,read; do  # the second process: both orders reversed
+    echo "== llama3-8b, ops $ops, $pre"
+    nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+    timeout 90 python3 bench/gpu_bench.py --preset llama3-8b --skip-per-run --requests 6 $pre \
+      --ops $ops --json "$out/gap_llama_${ops/,/-}.json" 2>&1 | grep -E "GB/s|rror"
+    pre="--pre prime --pre settle --pre none"
+  done 2>&1 | tee "$out/gap.log"
+  pre="--pre none --pre settle --pre prime"
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
+  echo "elapsed ${SECONDS} s"
+  if [ "$SECONDS" -lt 270 ]; then
+    echo "== deepseek-v3, ops read,write"
+    timeout $((330 - SECONDS)) python3 bench/gpu_bench.py --preset deepseek-v3 --skip-per-run \
+      --requests 5 $pre --json "$out/gap_deepseek.json" 2>&1 | grep -E "GB/s|rror"
+  fi 2>&1 | tee -a "$out/gap.log"
+  echo "elapsed ${SECONDS} s"
   ;;
 checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU
   build_with_ucx
