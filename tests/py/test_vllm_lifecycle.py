@@ -9,6 +9,7 @@ bytes that arrive (and those that must not be touched), and the blocks vLLM free
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -203,36 +204,156 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str, loadi
     assert p.free_blocks() == p.initial_free
 
 
+def restart_prefill(sides: list[Side], p: Side, model_dir: str, salt: int = 3) -> Side:
+    """``p`` restarts on the same host and ports (same engine id, new transport metadata and a
+    new incarnation per rank); the old process's engine and memory are gone."""
+    ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
+    sides.remove(p)
+    p.shutdown()
+    for connector in p.workers:
+        connector.worker._engine = None
+    restarted = Side(
+        "prefill",
+        "kv_producer",
+        p.mode,
+        model_dir,
+        salt=salt,
+        specs=p.specs,
+        tp_size=p.tp_size,
+        extra={**p.extra, **ports},
+    )
+    sides.append(restarted)
+    del p, connector
+    gc.collect()
+    return restarted
+
+
 def test_read_from_a_prefill_restarted_under_the_same_address(
     sides: list[Side], model_dir: str
 ) -> None:
+    """Before: the decode's cached handshake outlived the prefill it named, so the first
+    request after the restart was READ from the dead instance's transport and recomputed. The
+    request now names the incarnation that computed it: the decode handshakes again first."""
     p, d = make_pair(sides, model_dir, "read")
     prompt = prompt_of(40, seed=13)
     rid, tid = pd_request_id(p, d), transfer_id()
     d.add_request(rid, prompt, params=decode_params(tid, run_prefill(p, rid, prompt, tid)))
     assert load(d, rid).invalid_blocks == set()  # the first prefill served it: handshake cached
-    # The prefill restarts on the same host and ports: same engine id, new transport metadata.
-    ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
-    sides.remove(p)
-    p.shutdown()
-    for connector in p.workers:  # the old process is gone: so are its engine and memory
-        connector.worker._engine = None
-    del p, connector
-    gc.collect()
-    restarted = Side("prefill", "kv_producer", "read", model_dir, salt=3, extra=ports)
-    sides.append(restarted)
-    restarted.handshake_port, restarted.notify_port = ports["handshake_port"], ports["notify_port"]
-    # At most the first request after the restart finds the old connection gone (recomputed);
-    # from then on the decode reaches the new instance and loads its bytes.
-    for attempt in range(2):
-        prompt = prompt_of(40, seed=14 + attempt)  # no prefix cache hit on either side
-        rid, tid = pd_request_id(restarted, d), transfer_id()
-        params = run_prefill(restarted, rid, prompt, tid)
+    p = restart_prefill(sides, p, model_dir)
+    for seed in (14, 15):  # the first request after the restart, and the next
+        prompt = prompt_of(40, seed=seed)  # no prefix cache hit on either side
+        rid, tid = pd_request_id(p, d), transfer_id()
+        params = run_prefill(p, rid, prompt, tid)
         d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
-        if not load(d, rid).invalid_blocks:
-            break
-        assert attempt == 0, "the decode never reached the restarted prefill"
-    assert all(d.slot_matches(rid, range(len(prompt) - 1), restarted.salt, prompt))
+        loaded = load(d, rid)
+        assert loaded.invalid_blocks == set(), f"seed {seed}: recomputed"
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+        assert loaded.stats is not None and loaded.stats.data["failures"] == 0
+
+
+def test_read_computed_before_the_prefill_restarted_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill that restarted after computing a request holds other bytes under its block
+    ids: the decode must not READ them from the live instance at the same address, whether it
+    meets that instance first (no cached handshake) or holds its handshake already."""
+    p, d = make_pair(sides, model_dir, "read")
+    computed = []
+    for seed in (21, 22):  # two requests the first process computed
+        prompt = prompt_of(40, seed=seed)
+        rid, tid = pd_request_id(p, d), transfer_id()
+        computed.append((rid, tid, prompt, run_prefill(p, rid, prompt, tid)))
+    old = computed[0][3]["remote_incarnations"]
+    p = restart_prefill(sides, p, model_dir)
+
+    def refused(rid: str, tid: str, prompt: list[int], returned: dict, fresh: str = "") -> None:
+        caplog.clear()
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+        with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+            loaded = load(d, rid)
+        assert loaded.invalid_blocks, f"{tid}: a request computed by the old process was loaded"
+        assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))  # recomputed
+        why = [r.getMessage() for r in caplog.records if tid in r.getMessage()]
+        assert any(
+            f"is incarnation {fresh}" in m
+            and f"computed by incarnation {old[0]}" in m
+            and "restarted after computing it" in m
+            and "127.0.0.1" in m
+            for m in why
+        ), why
+
+    # No cached handshake: the fresh one names another incarnation.
+    refused(*computed[0])
+    # The fresh handshake stays cached: the next request of the new process loads.
+    prompt = prompt_of(40, seed=24)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    params = run_prefill(p, rid, prompt, tid)
+    new = params["remote_incarnations"]
+    assert new != old
+    d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    # The cached handshake names the new incarnation, the request the old: handshaken again,
+    # and refused all the same.
+    refused(*computed[1], fresh=new[0])
+
+
+def test_read_without_prefill_incarnations_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill answer without ``remote_incarnations`` (an older prefill, or a proxy that drops
+    the key) is refused before any READ, with the reason, and the prefill is released."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=31)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    assert len(returned["remote_incarnations"]) == 1
+    params = {**decode_params(tid, returned), "remote_incarnations": None}
+    d.add_request(rid, prompt, params=params, max_tokens=2)
+    with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+        loaded = load(d, rid)
+    assert loaded.invalid_blocks
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    assert any(
+        tid in r.getMessage() and "names no prefill incarnation" in r.getMessage()
+        for r in caplog.records
+    )
+    assert loaded.stats is not None and loaded.stats.data.get("transfers", 0) == 0
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the refusal")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_tp2_each_rank_names_its_incarnation_across_a_restart(
+    sides: list[Side], model_dir: str
+) -> None:
+    """TP 2: each prefill rank has its own incarnation; after a restart both decode ranks
+    handshake again before reading (loaded at once), and a request the old ranks computed is
+    recomputed on both."""
+    p, d = across_tp_pair(sides, model_dir, "read", 2, 2, "dense")
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+    first = returned["remote_incarnations"]
+    assert len(first) == 2 and len(set(first)) == 2
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2))
+    assert load(d, rid).invalid_blocks == set()
+    stale_prompt = prompt_of(40, seed=42)
+    stale_rid, stale_tid = pd_request_id(p, d), transfer_id()
+    stale = run_prefill(p, stale_rid, stale_prompt, stale_tid, remote_tp_size=2)
+    p = restart_prefill(sides, p, model_dir)
+    prompt = prompt_of(40, seed=43)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+    assert not set(returned["remote_incarnations"]) & set(first)
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2))
+    assert load(d, rid).invalid_blocks == set(), "recomputed after the restart"
+    for rank in range(2):
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank, rank))
+    d.add_request(stale_rid, stale_prompt, params=decode_params(stale_tid, stale, 2))
+    assert load(d, stale_rid).invalid_blocks
+    for rank in range(2):
+        got = d.slot_matches(stale_rid, range(len(stale_prompt)), d.salt, stale_prompt, rank, rank)
+        assert all(got), rank
 
 
 def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir: str) -> None:

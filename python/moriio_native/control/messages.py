@@ -73,6 +73,7 @@ from .schema import (
     MAX_REQUEST_ID_LEN,
     BlockId,
     Id,
+    IncarnationOrEmpty,
     Port,
     Rank,
     Schema,
@@ -365,6 +366,9 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     # The model's KV heads over all TP ranks in the layers TP splits by head (0: none, or not
     # stated): a peer of another TP size must split the same heads.
     total_kv_heads: KvHeads = 0
+    # The answering process's incarnation (random, made at its start); "": a peer that predates
+    # it. A READ whose request names another incarnation is not made: those blocks are gone.
+    incarnation: IncarnationOrEmpty = ""
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)
@@ -412,7 +416,7 @@ class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
 _EVERY_KEY_REQUIRED = (HandshakeRequest, HandshakeResponse, HandshakeRejected)
 # ... except the keys added since protocol version 1 first shipped: a peer that predates them
 # sends none, which means their default (e.g. verify: false).
-_OPTIONAL_KEYS = frozenset({"verify"})
+_OPTIONAL_KEYS = frozenset({"verify", "incarnation"})
 
 # ---- proxy registration -----------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ from moriio_native.pd.heads import TpPlan
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
 if TYPE_CHECKING:
+    from moriio_native.pd.tasks import RecvTask
     from moriio_native.pd.verify import Verifier
 
 
@@ -153,13 +154,18 @@ class Context:
         dp_rank: int,
         tp_size: int,
         rank: int,
+        *,
+        incarnation: str = "",
     ) -> Future[Peer]:
         """A future of peer rank ``rank`` of an instance of ``tp_size`` ranks (see
-        :class:`PeerDirectory`); never waits on the network."""
+        :class:`PeerDirectory`; ``incarnation``: never a cached handshake of another one);
+        never waits on the network."""
         host = validate_host(host)
         key = PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size))
         notify = rank_port(base_notify_port, dp_rank, rank, tp_size)
-        return self.directory.connect(key, notify, self.validator(key, dp_rank, rank, tp_size))
+        return self.directory.connect(
+            key, notify, self.validator(key, dp_rank, rank, tp_size), incarnation=incarnation
+        )
 
 
 def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -> list[Segment]:
@@ -171,6 +177,38 @@ def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -
     return plan_segments(cfg.groups, remote, blocks, dest=dest)
 
 
+def expected_incarnation(task: RecvTask, plan: TpPlan, rank: int) -> str:
+    """The incarnation of prefill rank ``rank`` that computed ``task`` (READ). Raises
+    FailedPreconditionError naming the transfer when the request states none for that rank:
+    without it a READ could take another process's bytes under the same block ids."""
+    stated = task.remote_incarnations
+    if stated is None:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the request names no prefill incarnation "
+            "('remote_incarnations' missing from kv_transfer_params: a prefill older than this "
+            "version, or a proxy that drops the key); not reading, since a prefill restarted "
+            "after computing it would hold other bytes under the same block ids"
+        )
+    if len(stated) != plan.prefill_tp:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the request names {len(stated)} prefill "
+            f"incarnations for a prefill of TP {plan.prefill_tp}; not reading"
+        )
+    return stated[rank]
+
+
+def check_incarnation(peer: Peer, task: RecvTask, expect: str) -> None:
+    """The handshaken rank must be the process that computed the request: another one holds
+    other bytes under the request's block ids (it restarted after computing it)."""
+    if peer.response.incarnation != expect:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} is "
+            f"incarnation {peer.response.incarnation or '(none stated)'}, the request was "
+            f"computed by incarnation {expect}: the prefill restarted after computing it and its "
+            "blocks are gone; not reading (recomputed)"
+        )
+
+
 def check_engine(peer: Peer, expect_engine: str | None) -> None:
     """The request named an instance: the handshaken rank must belong to it."""
     if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
@@ -180,4 +218,12 @@ def check_engine(peer: Peer, expect_engine: str | None) -> None:
         )
 
 
-__all__ = ["Context", "Reports", "StatsSink", "check_engine", "plan_grouped"]
+__all__ = [
+    "Context",
+    "Reports",
+    "StatsSink",
+    "check_engine",
+    "check_incarnation",
+    "expected_incarnation",
+    "plan_grouped",
+]

@@ -46,6 +46,7 @@ from moriio_native.control.messages import (
     WriteFailed,
 )
 from moriio_native.control.security import ControlSecurity
+from moriio_native.control.schema import new_incarnation
 from moriio_native.engine import DrainedTransfer, Engine
 from moriio_native.errors import (
     FailedPreconditionError,
@@ -86,6 +87,9 @@ class PdCore:
                 f"protocol core {config.engine_id}: verify is on but no checksums were given"
             )
         self.cfg = config
+        # This process's incarnation of the rank: a peer compares it with the one a request
+        # names before it reads (a restarted rank holds other bytes under the same block ids).
+        self.incarnation = new_incarnation()
         self._security = security
         self._bind_host = bind_host
         self._engine = engine
@@ -197,6 +201,7 @@ class PdCore:
             verify=cfg.verify,
             total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
             kv_groups=cfg.groups,
+            incarnation=self.incarnation,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
