@@ -35,6 +35,7 @@ at most ``--rss-slack-mib``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -178,10 +179,8 @@ class Flooder:
         return self._conn.recv()  # type: ignore[no-any-return]
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self._conn.send(("quit",))
-        except OSError:
-            pass
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
@@ -232,7 +231,7 @@ class Result:
 
 def _summary(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
-    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
     return {
         "p50": statistics.median(ordered) * 1e3,
         "p99": p99 * 1e3,

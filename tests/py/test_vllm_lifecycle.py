@@ -17,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from test_vllm_support import (
     BLOCK_SIZE,
     Side,
+    backing_of,
     decode_params,
     dense_specs,
     load,
@@ -207,23 +209,28 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str, loadi
 def restart_prefill(sides: list[Side], p: Side, model_dir: str, salt: int = 3) -> Side:
     """``p`` restarts on the same host and ports (same engine id, new transport metadata and a
     new incarnation per rank); the old process's engine and memory are gone."""
-    ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
-    sides.remove(p)
-    p.shutdown()
-    for connector in p.workers:
+    return restart(sides, p, model_dir, salt)
+
+
+def restart(sides: list[Side], old: Side, model_dir: str, salt: int) -> Side:
+    """``old`` (either role) restarts as :func:`restart_prefill` describes."""
+    ports = {"handshake_port": old.handshake_port, "notify_port": old.notify_port}
+    sides.remove(old)
+    old.shutdown()
+    for connector in old.workers:
         connector.worker._engine = None
     restarted = Side(
-        "prefill",
-        "kv_producer",
-        p.mode,
+        old.name,
+        old.role,
+        old.mode,
         model_dir,
         salt=salt,
-        specs=p.specs,
-        tp_size=p.tp_size,
-        extra={**p.extra, **ports},
+        specs=old.specs,
+        tp_size=old.tp_size,
+        extra={**old.extra, **ports},
     )
     sides.append(restarted)
-    del p, connector
+    del old, connector
     gc.collect()
     return restarted
 
@@ -403,6 +410,77 @@ def test_write_prefill_and_decode_concurrently(sides: list[Side], model_dir: str
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+def write_request(p: Side, d: Side, seed: int) -> bool:
+    """One WRITE request, both legs at once; whether the decode got the prefill's bytes (else
+    it recomputed them after a reported load error). Both sides end with every block free."""
+    prompt = prompt_of(45, seed=seed)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill's job ended")
+    failed: list[bool] = []
+
+    def resumed(r: Any) -> bool:
+        failed.append(rid in r.transfer.failed_recving)
+        return rid in r.scheduled
+
+    d.run_until(resumed, what="decode to resume")
+    loaded = not any(failed) and all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    if not loaded:
+        assert any(failed) and all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+    return loaded
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_write_after_an_unnoticed_restart_is_loaded(
+    sides: list[Side], model_dir: str, which: str
+) -> None:
+    """WRITE: the first request after a restart under the same address that neither side
+    noticed (each caches the other's handshake) is loaded, on both sides' restarts."""
+    p, d = make_pair(sides, model_dir, "write")
+    assert write_request(p, d, seed=51)
+    if which == "prefill":
+        p = restart(sides, p, model_dir, salt=3)
+    else:
+        d = restart(sides, d, model_dir, salt=4)
+    assert write_request(p, d, seed=52), f"the first request after the {which} restarted"
+    assert write_request(p, d, seed=53)
+
+
+def test_write_into_a_decode_restarted_after_announcing_is_refused(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decode announced its blocks, then restarted under the same address before the
+    prefill wrote: the process answering there now never announced them (its blocks of those
+    ids hold other data), so the prefill writes nothing into it and frees its blocks."""
+    p, d = make_pair(sides, model_dir, "write")
+    # The prefill holds no handshake of the decode yet (with one of the announcing process, it
+    # would write into that process's dead endpoint and fail: safe too).
+    prompt = prompt_of(45, seed=62)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()  # remote_blocks goes out
+    jobs = p.worker.worker.core.pusher._jobs
+    wait = time.monotonic() + 20
+    while not any(j.transfer_id == tid and j.remote for j in list(jobs.values())):
+        assert time.monotonic() < wait, "the prefill never got remote_blocks"
+        time.sleep(0.01)
+    d = restart(sides, d, model_dir, salt=4)
+    before = backing_of(d).clone()
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="the refused job ended")
+    assert any(
+        tid in r.getMessage() and "the decode restarted since; not writing" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    assert p.free_blocks() == p.initial_free
+    assert torch.equal(backing_of(d), before)  # not one byte written into the new process
 
 
 def test_write_prefix_hit_announces_only_missing_tail(sides: list[Side], model_dir: str) -> None:

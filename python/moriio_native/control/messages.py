@@ -171,6 +171,9 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     # (0) where the decode needs nothing written, and the decode needs the KV of its first
     # ``num_tokens`` tokens. 0: the classic form (the tail of the prompt's blocks).
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+    # The announcing decode rank's incarnation ("": a decode that predates them): P writes only
+    # into that process, never into another one restarted under the same address since.
+    decode_incarnation: IncarnationOrEmpty = ""
 
     @property
     def dedup_key(self) -> tuple[str, ...]:

@@ -260,6 +260,7 @@ def explain(what: str, exc: msgspec.ValidationError, raw: Any) -> str:
 
 
 __all__ = [
+    "INCARNATION_BYTES",
     "MAX_BLOCK_ID",
     "MAX_BLOCK_IDS",
     "MAX_HOST_LEN",
@@ -267,7 +268,6 @@ __all__ = [
     "MAX_KV_GROUPS",
     "MAX_PARALLEL_SIZE",
     "MAX_REQUEST_ID_LEN",
-    "INCARNATION_BYTES",
     "BlockId",
     "Id",
     "Incarnation",

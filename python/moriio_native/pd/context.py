@@ -12,6 +12,7 @@ from moriio_native.control.addressing import validate_host
 from moriio_native.control.channel import NotifySender
 from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.ports import rank_port
+from moriio_native.control.schema import new_incarnation
 from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
@@ -72,6 +73,9 @@ class Context:
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
     verifier: Verifier | None = None  # set when cfg.verify: the integrity check
+    # This rank's incarnation (random, made when its core starts): in its handshake answers,
+    # and in the announcements it makes (WRITE), so peers never take another process for it.
+    incarnation: str = field(default_factory=new_incarnation)
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)

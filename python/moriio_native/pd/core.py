@@ -46,7 +46,6 @@ from moriio_native.control.messages import (
     WriteFailed,
 )
 from moriio_native.control.security import ControlSecurity
-from moriio_native.control.schema import new_incarnation
 from moriio_native.engine import DrainedTransfer, Engine
 from moriio_native.errors import (
     FailedPreconditionError,
@@ -87,9 +86,6 @@ class PdCore:
                 f"protocol core {config.engine_id}: verify is on but no checksums were given"
             )
         self.cfg = config
-        # This process's incarnation of the rank: a peer compares it with the one a request
-        # names before it reads (a restarted rank holds other bytes under the same block ids).
-        self.incarnation = new_incarnation()
         self._security = security
         self._bind_host = bind_host
         self._engine = engine
@@ -123,6 +119,13 @@ class PdCore:
         # WRITE jobs whose drain notice overtook their undrained terminal event (the two come
         # from separate engine queues): the event, when it comes, is taken as drained.
         self._drained_jobs: set[str] = set()
+
+    @property
+    def incarnation(self) -> str:
+        """This process's incarnation of the rank: peers compare it with the one a request
+        names before they read from it or write into it (a restarted rank holds other bytes
+        under the same block ids)."""
+        return self.ctx.incarnation
 
     def address(self) -> tuple[str, int, int]:
         """(host, handshake port, notify port) this rank's peers reach it at (once started)."""
@@ -201,7 +204,7 @@ class PdCore:
             verify=cfg.verify,
             total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
             kv_groups=cfg.groups,
-            incarnation=self.incarnation,
+            incarnation=self.ctx.incarnation,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:

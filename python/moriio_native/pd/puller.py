@@ -693,6 +693,7 @@ class Puller:
                     req_id=task.req_id,
                     decode_tp_rank=ctx.cfg.tp_rank,
                     num_tokens=num_tokens,
+                    decode_incarnation=ctx.incarnation,
                 ),
             )
         except Exception as exc:
