@@ -44,6 +44,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -274,7 +275,7 @@ class Pair:
         )
         if response.engine_id != p.worker.worker.engine_id:
             violations.append(f"handshake answered as {response.engine_id}")
-        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
         loaded = load(d, rid)
         p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"release of {rid}")
         took = time.perf_counter() - started
@@ -290,19 +291,25 @@ class Pair:
         self.d.shutdown()
 
 
-def _shrink_memories(bound: int) -> None:
-    """Listeners and the prefill's early-message memory of ``bound`` entries (for short runs)."""
-    core_module.NotifyListener = functools.partial(  # type: ignore[misc]
-        NotifyListener, dedup_capacity=bound, terminal_capacity=bound, max_pending=bound
-    )
-    pusher_module.MAX_EARLY_MESSAGES = bound
+@contextlib.contextmanager
+def _memories(bound: int) -> Iterator[None]:
+    """Listeners and the prefill's early-message memory of ``bound`` entries while the pair
+    is made and runs (short runs fill them); the production bounds again afterwards."""
+    saved = core_module.NotifyListener, pusher_module.MAX_EARLY_MESSAGES
+    if bound != PRODUCTION_BOUND:
+        core_module.NotifyListener = functools.partial(  # type: ignore[misc]
+            NotifyListener, dedup_capacity=bound, terminal_capacity=bound, max_pending=bound
+        )
+        pusher_module.MAX_EARLY_MESSAGES = bound
+    try:
+        yield
+    finally:
+        core_module.NotifyListener, pusher_module.MAX_EARLY_MESSAGES = saved  # type: ignore[misc]
 
 
 def run(args: argparse.Namespace) -> Result:
-    if args.remember != PRODUCTION_BOUND:
-        _shrink_memories(args.remember)
     res = Result(args.rounds, args.phases, args.rate, args.remember)
-    with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
         pair = Pair(write_model_dir(Path(tmp)))
         flooder = Flooder(pair.ports(), args.rate)
         try:
@@ -407,17 +414,21 @@ def _check(
         )
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", type=float, default=6000.0, help="flood messages/s in all")
-    parser.add_argument("--rounds", type=int, default=100, help="genuine requests per phase")
-    parser.add_argument("--phases", type=int, default=2, help="pairs of (baseline, flood)")
+    parser.add_argument("--rounds", type=int, default=200, help="genuine requests per phase")
+    parser.add_argument("--phases", type=int, default=3, help="pairs of (baseline, flood)")
     parser.add_argument("--remember", type=int, default=PRODUCTION_BOUND)
     parser.add_argument("--no-fill", dest="fill", action="store_false")
     parser.add_argument("--fill-limit", type=float, default=300.0)
     parser.add_argument("--rss-slack-mib", type=float, default=32.0)
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("moriio_native").setLevel(logging.ERROR)  # the flood's drop notices
     res = run(args)
