@@ -330,6 +330,20 @@ def test_read_without_prefill_incarnations_is_recomputed(
     assert p.free_blocks() == p.initial_free
 
 
+def test_read_without_prefill_incarnations_is_loaded_when_not_required(
+    sides: list[Side], model_dir: str
+) -> None:
+    """``require_incarnation: false`` (for a proxy that drops the key): such a request is read
+    from the prefill that answers the handshake, as before incarnations existed."""
+    p, d = make_pair(sides, model_dir, "read", d_extra={"require_incarnation": "false"})
+    prompt = prompt_of(40, seed=32)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    params = {**decode_params(tid, run_prefill(p, rid, prompt, tid)), "remote_incarnations": None}
+    d.add_request(rid, prompt, params=params, max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+
+
 def test_read_tp2_each_rank_names_its_incarnation_across_a_restart(
     sides: list[Side], model_dir: str
 ) -> None:

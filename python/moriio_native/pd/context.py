@@ -181,17 +181,21 @@ def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -
     return plan_segments(cfg.groups, remote, blocks, dest=dest)
 
 
-def expected_incarnation(task: RecvTask, plan: TpPlan, rank: int) -> str:
-    """The incarnation of prefill rank ``rank`` that computed ``task`` (READ). Raises
-    FailedPreconditionError naming the transfer when the request states none for that rank:
-    without it a READ could take another process's bytes under the same block ids."""
+def expected_incarnation(cfg: PdConfig, task: RecvTask, plan: TpPlan, rank: int) -> str:
+    """The incarnation of prefill rank ``rank`` that computed ``task`` (READ); "" when the
+    request states none and ``cfg.require_incarnation`` is off. Raises FailedPreconditionError
+    naming the transfer otherwise: without it a READ could take another process's bytes under
+    the same block ids."""
     stated = task.remote_incarnations
+    if stated is None and not cfg.require_incarnation:
+        return ""
     if stated is None:
         raise FailedPreconditionError(
             f"transfer {task.transfer_id}: the request names no prefill incarnation "
             "('remote_incarnations' missing from kv_transfer_params: a prefill older than this "
             "version, or a proxy that drops the key); not reading, since a prefill restarted "
-            "after computing it would hold other bytes under the same block ids"
+            "after computing it would hold other bytes under the same block ids (set "
+            "'require_incarnation': false to read such requests anyway)"
         )
     if len(stated) != plan.prefill_tp:
         raise FailedPreconditionError(
@@ -202,9 +206,10 @@ def expected_incarnation(task: RecvTask, plan: TpPlan, rank: int) -> str:
 
 
 def check_incarnation(peer: Peer, task: RecvTask, expect: str) -> None:
-    """The handshaken rank must be the process that computed the request: another one holds
-    other bytes under the request's block ids (it restarted after computing it)."""
-    if peer.response.incarnation != expect:
+    """The handshaken rank must be the process that computed the request (``expect``; ""
+    checks nothing): another one holds other bytes under the request's block ids (it
+    restarted after computing it)."""
+    if expect and peer.response.incarnation != expect:
         raise FailedPreconditionError(
             f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} is "
             f"incarnation {peer.response.incarnation or '(none stated)'}, the request was "

@@ -338,7 +338,7 @@ class Puller:
                 self._parts[part_tid] = (read, part)
         for part in list(read.parts):
             try:
-                part.incarnation = expected_incarnation(task, plan, part.rank)
+                part.incarnation = expected_incarnation(ctx.cfg, task, plan, part.rank)
                 future = self._connect(task, plan, part.rank, part.incarnation)
             except MoriioError as exc:
                 self._part_failed(read, part, f"not started: {exc}")

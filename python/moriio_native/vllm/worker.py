@@ -117,6 +117,7 @@ class WorkerSide:
                 total_kv_heads=total_kv_heads,
                 verify=config.verify,
                 groups=groups,
+                require_incarnation=config.require_incarnation,
             ),
             self._security,
             self._stats,
