@@ -6,10 +6,11 @@ half, loopback engines, the real ZMQ control plane on 127.0.0.1; tests/py/test_v
 run in this process. A spawned child floods their four listening ports (the handshake and notify
 port of each) at a stated rate: on every port garbage frames (empty, invalid msgpack, vLLM's
 ``get_meta_msg``, truncated maps, a map of an unknown type), on the handshake ports also
-handshake requests that fail the schema, on the notify ports valid ``release``, ``write_done``
-and ``remote_blocks`` messages of transfers nobody knows, each with a transfer id never sent
-before (every one is new to the listeners' deduplication memories and to the prefill's memory of
-early releases, so those fill up to their bounds).
+handshake requests that fail the schema, on the notify ports valid messages of transfers nobody
+knows (the prefill's: ``release``; the decode's: ``write_done``, ``write_failed``,
+``write_aborted``), each with a transfer id never sent before (every one is new to the
+listeners' deduplication memories, and each release to the prefill's memory of early releases,
+so those fill up to their bounds).
 
 A genuine round is one fresh handshake with the prefill rank (``fetch_metadata`` to its
 handshake port, the answer checked) plus one request through the connector: the prefill computes
@@ -59,8 +60,9 @@ from moriio_native.control.channel import NotifyListener, fetch_metadata
 from moriio_native.control.messages import (
     MAX_HANDSHAKE_REQUEST_BYTES,
     Release,
-    RemoteBlocks,
+    WriteAborted,
     WriteDone,
+    WriteFailed,
     encode,
 )
 from moriio_native.control.security import ControlSecurity
@@ -100,17 +102,17 @@ BAD_HANDSHAKES = [
 
 def _frames(kind: str, n: int) -> list[bytes]:
     """The ``n``-th flood message for a port of ``kind``: every fourth is garbage, the rest
-    bad handshakes (handshake ports) or valid messages of unknown transfers (notify ports)."""
+    bad handshakes (handshake ports) or valid messages of unknown transfers (notify ports:
+    the prefill's get releases, which it must remember in case their request comes later; the
+    decode's get the messages a prefill sends it)."""
     if n % 4 == 0:
         return [GARBAGE[(n // 4) % len(GARBAGE)]]
     if kind == "handshake":
         return [BAD_HANDSHAKES[n % len(BAD_HANDSHAKES)]]
     tid = f"flood-{n}"
-    message = (
-        Release(tid),
-        WriteDone(tid),
-        RemoteBlocks(tid, ((1, 2),), decode_engine_id="flood/dp0/tp0"),
-    )[n % 3]
+    if kind == "prefill-notify":
+        return [encode(Release(tid))]
+    message = (WriteDone(tid), WriteFailed(tid, reason="flood"), WriteAborted(tid))[n % 3]
     return [encode(message)]
 
 
@@ -252,9 +254,9 @@ class Pair:
     def ports(self) -> list[tuple[str, int]]:
         return [
             ("handshake", self.p.handshake_port),
-            ("notify", self.p.notify_port),
+            ("prefill-notify", self.p.notify_port),
             ("handshake", self.d.handshake_port),
-            ("notify", self.d.notify_port),
+            ("decode-notify", self.d.notify_port),
         ]
 
     def round(self, violations: list[str]) -> float:
@@ -348,6 +350,7 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
             if (
                 c["prefill-notify"]["remembered"] >= bound
                 and c["decode-notify"]["remembered"] >= bound
+                and c["prefill-early-releases"]["held"] >= bound
             ):
                 break
             time.sleep(0.2)

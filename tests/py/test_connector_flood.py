@@ -30,5 +30,5 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory() -> None:
         assert counts[name]["dropped_malformed"] > 0 and counts[name]["delivered"] > 0
     for name in ("prefill-handshake", "decode-handshake"):
         assert counts[name]["dropped_malformed"] > 0
-    assert 0 < counts["prefill-early-releases"]["held"] <= bound
+    assert counts["prefill-early-releases"]["held"] == bound
     assert res.flood_messages > 4 * bound

@@ -1031,6 +1031,7 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
             "remote_engine_id": f"127.0.0.1:{dead_port}",
             "remote_block_ids": list(range(n_load)),
             "transfer_id": tid,
+            "remote_incarnations": ["ab" * 16],
         }
         running = 0
         d.add_request("running-0", prompt_of(20, seed=22), max_tokens=64)
