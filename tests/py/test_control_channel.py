@@ -242,41 +242,6 @@ def test_signed_replays_and_moved_tags_are_rejected(raw_dealer):
         assert listener.drain() == []
 
 
-def test_a_signed_handshake_reply_replayed_to_another_request_is_refused():
-    """A reply genuinely signed with the shared secret, captured for one request, replayed as
-    the answer to another: its nonce is the first request's, so the requester refuses it."""
-    auth = MessageAuth(SECRET)
-    captured = HandshakeResponse("p", b"m", nonce=b"q" * 16)  # answered another request
-
-    def replay(request):
-        assert request.nonce != captured.nonce
-        return [b"", *auth.seal(encode(captured))]
-
-    ctx = zmq.Context.instance()
-    router = ctx.socket(zmq.ROUTER)
-    router.setsockopt(zmq.LINGER, 0)
-    port = router.bind_to_random_port(f"tcp://{LOCAL}")
-    try:
-        with ThreadPoolExecutor(1) as pool:
-            future = pool.submit(
-                fetch_metadata,
-                LOCAL,
-                port,
-                timeout=WAIT,
-                security=security(SECRET),
-                requester_engine_id="d0",
-            )
-            assert router.poll(int(WAIT * 1000))
-            identity, payload, tag = router.recv_multipart()
-            assert auth.open([payload, tag]) == payload  # the request is signed too
-            request = decode(payload, (HandshakeRequest,), max_bytes=4096)
-            router.send_multipart([identity, *replay(request)])
-            with pytest.raises(AuthenticationError, match="nonce"):
-                future.result(timeout=WAIT)
-    finally:
-        router.close(linger=0)
-
-
 def test_refused_peer_gets_no_socket_and_no_message():
     ctx = CountingContext()
     refusing = security(allowed=["10.0.0.0/8"])
@@ -500,8 +465,9 @@ def test_other_protocol_version_is_rejected(raw_dealer):
         assert "protocol version 2" in reply.reason
 
 
-def _fake_server_reply(make_reply):
-    """Run fetch_metadata against a raw ROUTER that answers with make_reply(request)."""
+def _fake_server_reply(make_reply, secret=None):
+    """Run fetch_metadata against a raw ROUTER that answers with make_reply(request) (the
+    request opened with ``secret``, as the requester signs it)."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -513,11 +479,12 @@ def _fake_server_reply(make_reply):
                 LOCAL,
                 port,
                 timeout=WAIT,
-                security=security(),
+                security=security(secret),
                 requester_engine_id="d0",
             )
             assert router.poll(int(WAIT * 1000))
-            identity, payload = router.recv_multipart()
+            identity, *frames = router.recv_multipart()
+            payload = MessageAuth(secret).open(frames)
             request = decode(payload, (HandshakeRequest,), max_bytes=4096)
             router.send_multipart([identity, *make_reply(request)])
             return future.result(timeout=WAIT)
@@ -529,6 +496,20 @@ def test_reply_to_another_request_is_refused():
     stale = HandshakeResponse("p", b"m", nonce=b"z" * 16)
     with pytest.raises(AuthenticationError, match="nonce"):
         _fake_server_reply(lambda req: [b"", encode(stale)])
+
+
+def test_a_signed_handshake_reply_replayed_to_another_request_is_refused():
+    """A reply genuinely signed with the shared secret, captured for one request, replayed as
+    the answer to another: its nonce is the first request's, so the requester refuses it."""
+    auth = MessageAuth(SECRET)
+    captured = HandshakeResponse("p", b"m", nonce=b"q" * 16)  # answered another request
+
+    def replay(request):
+        assert request.nonce != captured.nonce
+        return [b"", *auth.seal(encode(captured))]
+
+    with pytest.raises(AuthenticationError, match="nonce"):
+        _fake_server_reply(replay, SECRET)
 
 
 @pytest.mark.parametrize(
