@@ -344,6 +344,25 @@ def test_read_without_prefill_incarnations_is_loaded_when_not_required(
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
 
 
+def test_bad_handshake_metadata_is_logged_and_changes_nothing(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM hands the scheduler what its workers returned: another set of ranks (or another
+    connector's metadata) is logged, never raised into vLLM's engine start, and the workers'
+    incarnations set before stay."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(24, seed=35)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    before = run_prefill(p, rid, prompt, tid)["remote_incarnations"]
+    assert before == [p.worker.worker.core.incarnation]
+    with caplog.at_level(logging.ERROR, logger="moriio_native.vllm.scheduler"):
+        for bad in ({0: None}, {}, {0: p.worker.get_handshake_metadata(), 1: None}):
+            p.connector.set_xfer_handshake_metadata(bad)
+    assert caplog.text.count("expected one RankIncarnation for each TP rank [0]") == 3
+    rid, tid = pd_request_id(p, d), transfer_id()
+    assert run_prefill(p, rid, prompt_of(24, seed=36), tid)["remote_incarnations"] == before
+
+
 def test_read_tp2_each_rank_names_its_incarnation_across_a_restart(
     sides: list[Side], model_dir: str
 ) -> None:

@@ -185,18 +185,24 @@ class SchedulerSide:
             remote_incarnations=params.remote_incarnations,
         )
 
-    def set_incarnations(self, ranks: Mapping[int, object]) -> None:
-        """The workers' incarnations by TP rank (vLLM's ``set_xfer_handshake_metadata``, once
-        every worker registered its caches); InvalidArgumentError for another shape, leaving
-        what was set before."""
+    def set_incarnations(self, ranks: Mapping[Any, object]) -> None:
+        """The workers' incarnations (vLLM's ``set_xfer_handshake_metadata``, once every worker
+        registered its caches), by the TP rank each worker states. Another set of ranks than
+        this instance's is logged and changes nothing (never raised: vLLM calls this while its
+        engine starts); the prefill's answers then carry no incarnations."""
+        found = {m.tp_rank: m.incarnation for m in ranks.values() if isinstance(m, RankIncarnation)}
         expect = set(range(self.config.tp_size))
-        found = {r: m for r, m in ranks.items() if isinstance(m, RankIncarnation)}
-        if set(ranks) != expect or len(found) != len(ranks):
-            raise InvalidArgumentError(
-                f"connector {self.config.engine_id}: handshake metadata for TP ranks "
-                f"{sorted(ranks)}, expected one RankIncarnation for each of {sorted(expect)}"
+        if set(found) != expect or len(found) != len(ranks):
+            logger.error(
+                "connector %s: handshake metadata %s, expected one RankIncarnation for each TP "
+                "rank %s; the prefill's answers carry no incarnations (decodes refuse them "
+                "unless 'require_incarnation' is false)",
+                self.config.engine_id,
+                {k: type(m).__name__ for k, m in ranks.items()},
+                sorted(expect),
             )
-        self._incarnations = tuple(found[r].incarnation for r in sorted(found))
+            return
+        self._incarnations = tuple(found[r] for r in sorted(found))
 
     # ---- vLLM hooks ---------------------------------------------------------------------------
 
