@@ -119,6 +119,8 @@ ports = st.integers(1, 65535)
 hosts = st.sampled_from(["10.0.0.2", "::1", "prefill-0.svc", "127.0.0.1"])
 block_lists = st.lists(st.integers(0, 2**31 - 1), max_size=20)
 
+# A stated incarnation (valid) or "" (a peer that predates them).
+STATED_INCARNATIONS = st.just("") | st.binary(min_size=8, max_size=32).map(bytes.hex)
 NOTIFY_SAMPLES = st.one_of(
     st.builds(
         RemoteBlocks,
@@ -127,6 +129,7 @@ NOTIFY_SAMPLES = st.one_of(
         ids,
         decode_dp_rank=ranks,
         req_id=texts,
+        decode_incarnation=STATED_INCARNATIONS,
     ),
     st.builds(
         WriteDone,
@@ -157,7 +160,7 @@ HANDSHAKE_REPLIES = st.one_of(
         tp_size=st.just(8),
         transfer_mode=st.sampled_from(["READ", "WRITE"]),
         nonce=st.binary(min_size=16, max_size=16),
-        incarnation=st.just("") | st.binary(min_size=8, max_size=32).map(bytes.hex),
+        incarnation=STATED_INCARNATIONS,
     ),
     st.builds(HandshakeRejected, ids, st.binary(min_size=16, max_size=16)),
 )
