@@ -237,7 +237,14 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
             if mode == "READ":
                 answer = await run_prefill()
                 returned = answer.get("kv_transfer_params") or {}
-                for key in ("remote_engine_id", "remote_block_ids", "transfer_id"):
+                # remote_incarnations: the prefill processes that computed the request; the
+                # decode reads only from them (docs/protocol.md, section 5).
+                for key in (
+                    "remote_engine_id",
+                    "remote_block_ids",
+                    "transfer_id",
+                    "remote_incarnations",
+                ):
                     d_params[key] = returned.get(key)
             else:
                 prefill_task = asyncio.create_task(run_prefill())

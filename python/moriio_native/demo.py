@@ -588,6 +588,7 @@ class _PrefillWorker:
             remote_host=host,
             remote_handshake_port=hs_port,
             remote_notify_port=notify_port,
+            remote_incarnations=(self._core.incarnation,),
         )
         self._send(
             {"type": "prefilled", "request_id": request_id, "kv_transfer_params": reply.to_dict()}
@@ -971,6 +972,7 @@ def _one_request(
         local_block_ids=tuple(dst),
         remote_block_ids=tuple(src) if mode == "read" else (),
         report_done=True,
+        remote_incarnations=params.remote_incarnations,
     )
     if mode == "read":
         plan_s, runs = _plan_seconds(decode.templates, dst, src)

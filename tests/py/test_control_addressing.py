@@ -147,6 +147,7 @@ def test_kv_transfer_params_key_names():
         "remote_dp_rank",
         "remote_tp_size",
         "remote_dp_size",
+        "remote_incarnations",
     )
 
 
@@ -163,9 +164,11 @@ def test_prefill_response_params_parse():
         "remote_dp_size": 1,
         "tp_size": 4,
         "transfer_id": "tx-42",
+        "remote_incarnations": ["0123456789abcdef" * 2, "fedcba9876543210" * 2],
         "_p_side_truncated": True,  # vLLM-internal keys are ignored
     }
     kv = parse_kv_transfer_params(params)
+    assert kv.remote_incarnations == ("0123456789abcdef" * 2, "fedcba9876543210" * 2)
     assert kv.remote_block_ids == ((4, 5, 6),)
     assert kv.remote_tp_size == 4 and kv.remote_handshake_port == 6301
     assert kv.peer_address("cmpl-plain-id", is_producer=False) == P
@@ -222,6 +225,10 @@ def test_request_id_address_wins_over_explicit_keys():
         ({"remote_dp_rank": 2, "remote_dp_size": 2}, "remote_dp_rank"),
         ({"remote_dp_size": 0}, "remote_dp_size"),
         ({"remote_tp_size": -1}, "remote_tp_size"),
+        ({"remote_incarnations": "ab" * 16}, "remote_incarnations"),
+        ({"remote_incarnations": []}, "remote_incarnations"),
+        ({"remote_incarnations": ["AB" * 16]}, "remote_incarnations"),
+        ({"remote_incarnations": ["ab" * 16, "ab"]}, "remote_incarnations"),
     ],
 )
 def test_bad_kv_transfer_params_name_the_key(update, needle):

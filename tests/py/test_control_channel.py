@@ -215,6 +215,33 @@ def test_messages_of_terminal_transfers_are_not_delivered():
         assert listener.get(WAIT) == abort
 
 
+def test_signed_replays_and_moved_tags_are_rejected(raw_dealer):
+    """With a secret: a genuinely signed message captured off the wire and sent again is
+    delivered once (a copy of it while the transfer runs is a duplicate, after the transfer
+    ended it is late); its tag on another transfer's payload fails authentication; a message
+    signed with another secret fails too. None of them reaches the protocol core."""
+    sec = security(SECRET)
+    auth = MessageAuth(SECRET)
+    genuine = Release("tx-a", consumer_tp_size=2, consumer_tp_rank=1)
+    payload, tag = auth.seal(encode(genuine))
+    moved = encode(Release("tx-b", consumer_tp_size=2, consumer_tp_rank=1))
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener:
+        wire = raw_dealer(listener.port)
+        wire.send_multipart([payload, tag])
+        assert listener.get(WAIT) == genuine
+        wire.send_multipart([payload, tag])  # replayed while the transfer runs
+        wire.send_multipart([moved, tag])  # cross-request: the tag of tx-a on tx-b
+        wire.send_multipart(list(MessageAuth("another secret, 0123456789").seal(moved)))
+        wait_until(lambda: listener.stats()["received"] == 4)
+        listener.mark_terminal("tx-a")
+        wire.send_multipart([payload, tag])  # replayed after the transfer ended
+        wait_until(lambda: listener.stats()["received"] == 5)
+        stats = listener.stats()
+        counted = ("delivered", "dropped_duplicate", "dropped_late", "dropped_auth")
+        assert tuple(stats[k] for k in counted) == (1, 1, 1, 2)
+        assert listener.drain() == []
+
+
 def test_refused_peer_gets_no_socket_and_no_message():
     ctx = CountingContext()
     refusing = security(allowed=["10.0.0.0/8"])
@@ -438,8 +465,9 @@ def test_other_protocol_version_is_rejected(raw_dealer):
         assert "protocol version 2" in reply.reason
 
 
-def _fake_server_reply(make_reply):
-    """Run fetch_metadata against a raw ROUTER that answers with make_reply(request)."""
+def _fake_server_reply(make_reply, secret=None):
+    """Run fetch_metadata against a raw ROUTER that answers with make_reply(request) (the
+    request opened with ``secret``, as the requester signs it)."""
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
@@ -451,11 +479,12 @@ def _fake_server_reply(make_reply):
                 LOCAL,
                 port,
                 timeout=WAIT,
-                security=security(),
+                security=security(secret),
                 requester_engine_id="d0",
             )
             assert router.poll(int(WAIT * 1000))
-            identity, payload = router.recv_multipart()
+            identity, *frames = router.recv_multipart()
+            payload = MessageAuth(secret).open(frames)
             request = decode(payload, (HandshakeRequest,), max_bytes=4096)
             router.send_multipart([identity, *make_reply(request)])
             return future.result(timeout=WAIT)
@@ -467,6 +496,20 @@ def test_reply_to_another_request_is_refused():
     stale = HandshakeResponse("p", b"m", nonce=b"z" * 16)
     with pytest.raises(AuthenticationError, match="nonce"):
         _fake_server_reply(lambda req: [b"", encode(stale)])
+
+
+def test_a_signed_handshake_reply_replayed_to_another_request_is_refused():
+    """A reply genuinely signed with the shared secret, captured for one request, replayed as
+    the answer to another: its nonce is the first request's, so the requester refuses it."""
+    auth = MessageAuth(SECRET)
+    captured = HandshakeResponse("p", b"m", nonce=b"q" * 16)  # answered another request
+
+    def replay(request):
+        assert request.nonce != captured.nonce
+        return [b"", *auth.seal(encode(captured))]
+
+    with pytest.raises(AuthenticationError, match="nonce"):
+        _fake_server_reply(replay, SECRET)
 
 
 @pytest.mark.parametrize(

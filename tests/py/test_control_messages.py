@@ -42,6 +42,7 @@ SAMPLES = [
     WriteAborted("tx-1", writer_rank=2),
     HandshakeRequest("decode-0"),
     HandshakeResponse("p0", b"\x00\x01native", 1, 2, 2, 4, "WRITE", nonce=b"n" * 16),
+    HandshakeResponse("p0", b"meta", incarnation="0123456789abcdef0123456789abcdef"),
     HandshakeRejected("caches not registered", b"n" * 16),
 ]
 
@@ -177,6 +178,24 @@ def test_handshake_response_checks_ranks_against_sizes():
         HandshakeResponse("p0", b"", transfer_mode="PUSH")
     with pytest.raises(InvalidMessageError, match="engine_metadata"):
         HandshakeResponse("p0", "not bytes")  # type: ignore[arg-type]
+
+
+def test_handshake_response_incarnation_is_hex_and_optional_on_the_wire():
+    """An older peer sends no ``incarnation`` (it decodes as "", unknown: a decode then reads
+    nothing it computed); a present one is 16..64 lower-case hex, else the reply is refused."""
+    fields = msgpack.unpackb(encode(HandshakeResponse("p0", b"m", incarnation="ab" * 16)))
+    assert fields["incarnation"] == "ab" * 16
+    del fields["incarnation"]
+    old = decode(msgpack.packb(fields), (HandshakeResponse,), max_bytes=1 << 20)
+    assert old.incarnation == ""
+    for bad in ("AB" * 16, "ab" * 4, "ab" * 33, "zz" * 16, 7):
+        fields["incarnation"] = bad
+        with pytest.raises(InvalidMessageError, match="incarnation"):
+            decode(msgpack.packb(fields), (HandshakeResponse,), max_bytes=1 << 20)
+    fields["incarnation"] = "ab" * 16
+    del fields["engine_metadata"]  # the keys of version 1 stay required
+    with pytest.raises(InvalidMessageError, match="engine_metadata"):
+        decode(msgpack.packb(fields), (HandshakeResponse,), max_bytes=1 << 20)
 
 
 def test_constructors_refuse_invalid_messages():

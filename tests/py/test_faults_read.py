@@ -109,18 +109,16 @@ def test_prefill_killed_during_the_transfer_is_recomputed(pair: fs.Pair) -> None
 
             # Recomputed in most rounds; in some the READ completed although the prefill had
             # been sent SIGSTOP before it was posted (not explained yet, docs/reliability.md).
-            # After a READ that completed, the next one after the restart meets the stale
-            # handshake (see the xfail below): it may be recomputed; the one after is loaded.
-            either = ("loaded", "recomputed")
+            # Either way the first request after the restart names the new incarnation: the
+            # decode handshakes again before reading, and it is loaded.
             fs.read_transfer(
                 pair,
                 row,
-                expect=either,
+                expect=("loaded", "recomputed"),
                 before=fs.signal_prefill(pair, row, signal.SIGSTOP),
                 during=kill_soon,
             )
             pair.restart("prefill")
-            fs.read_transfer(pair, row, expect=either)
             after = fs.read_transfer(pair, row)
             fs.audit(pair, row, [after["rid"]])
             row.rounds += 1
@@ -134,28 +132,46 @@ def test_prefill_killed_after_a_transfer_and_restarted(pair: fs.Pair) -> None:
             fs.read_transfer(pair, row)  # the decode caches this process's handshake
             pair.restart("prefill")
             row.faults += 1
-            out = fs.read_transfer(pair, row, expect=("loaded", "recomputed"))
+            out = fs.read_transfer(pair, row)  # the new incarnation: handshaken again, loaded
             after = fs.read_transfer(pair, row)
             fs.audit(pair, row, [after["rid"]], sent=[out["rid"], after["rid"]])
             row.rounds += 1
         fs.finish(pair, row)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="pd/puller.py: a cached handshake outlives the prefill it names; the first READ "
-    "after a prefill restarted under the same address goes to the dead process's transport "
-    "address, fails and is recomputed (safe: the cache is dropped and the next request "
-    "handshakes again). Retrying after a fresh handshake is only safe once the request names the "
-    "prefill incarnation that computed it: a prefill restarted after computing the request "
-    "holds other bytes under the same block ids",
-)
 def test_first_read_after_an_unnoticed_prefill_restart_is_loaded(pair: fs.Pair) -> None:
+    """Before: the decode's cached handshake outlived the prefill it named, and the first READ
+    after a restart under the same address went to the dead process and was recomputed. The
+    request names the incarnation that computed it, so the decode handshakes again first."""
     with fs.recorded("READ, first request after an unnoticed prefill restart") as row:
         fs.read_transfer(pair, row)
         pair.restart("prefill")
+        row.faults += 1
         out = fs.read_transfer(pair, row)
         fs.audit(pair, row, [out["rid"]])
+        row.rounds += 1
+        fs.finish(pair, row)
+
+
+@fs.full_tier
+def test_prefill_restarted_after_computing_the_request_is_recomputed(pair: fs.Pair) -> None:
+    """The prefill restarts between computing a request and the decode's READ: the live
+    process at that address holds other bytes under the request's block ids, so the decode
+    refuses to read (its incarnation is not the request's) and recomputes."""
+    name = "READ, prefill restarted after computing the request, before the READ"
+    with fs.recorded(name) as row:
+        for _ in range(fs.rounds(1)):
+            fs.read_transfer(pair, row)  # the decode caches this process's handshake
+
+            def restart() -> None:
+                pair.restart("prefill")
+                row.faults += 1
+
+            fs.read_transfer(pair, row, expect=("recomputed",), before=restart)
+            after = fs.read_transfer(pair, row)
+            fs.audit(pair, row, [after["rid"]])
+            row.rounds += 1
+        fs.finish(pair, row)
 
 
 @fs.full_tier

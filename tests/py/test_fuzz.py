@@ -119,6 +119,8 @@ ports = st.integers(1, 65535)
 hosts = st.sampled_from(["10.0.0.2", "::1", "prefill-0.svc", "127.0.0.1"])
 block_lists = st.lists(st.integers(0, 2**31 - 1), max_size=20)
 
+# A stated incarnation (valid) or "" (a peer that predates them).
+STATED_INCARNATIONS = st.just("") | st.binary(min_size=8, max_size=32).map(bytes.hex)
 NOTIFY_SAMPLES = st.one_of(
     st.builds(
         RemoteBlocks,
@@ -127,6 +129,7 @@ NOTIFY_SAMPLES = st.one_of(
         ids,
         decode_dp_rank=ranks,
         req_id=texts,
+        decode_incarnation=STATED_INCARNATIONS,
     ),
     st.builds(
         WriteDone,
@@ -140,6 +143,12 @@ NOTIFY_SAMPLES = st.one_of(
     st.builds(AbortWrite, ids, ids, hosts, ports, ports, decode_dp_rank=ranks),
     st.builds(WriteAborted, ids, writer_rank=ranks),
 )
+# Incarnations: valid ones (16..64 lower-case hex) and near misses (upper case, short, other text).
+INCARNATIONS = st.one_of(
+    st.binary(min_size=8, max_size=32).map(bytes.hex),
+    st.text("0123456789abcdefABCDEF", max_size=70),
+    st.text(max_size=40),
+)
 HANDSHAKE_REPLIES = st.one_of(
     st.builds(
         HandshakeResponse,
@@ -151,6 +160,7 @@ HANDSHAKE_REPLIES = st.one_of(
         tp_size=st.just(8),
         transfer_mode=st.sampled_from(["READ", "WRITE"]),
         nonce=st.binary(min_size=16, max_size=16),
+        incarnation=STATED_INCARNATIONS,
     ),
     st.builds(HandshakeRejected, ids, st.binary(min_size=16, max_size=16)),
 )
@@ -349,10 +359,13 @@ KV_KEYS = [*KV_TRANSFER_PARAM_KEYS, "tp_size"]
 @given(
     st.dictionaries(st.sampled_from(KV_KEYS) | st.text(max_size=8), anything, max_size=8),
     st.booleans(),
+    st.none() | st.lists(INCARNATIONS, max_size=4) | INCARNATIONS,
 )
-def test_fuzz_kv_transfer_params(params: dict[str, Any], with_id: bool) -> None:
+def test_fuzz_kv_transfer_params(params: dict[str, Any], with_id: bool, incarnations: Any) -> None:
     if with_id:
         params.setdefault("transfer_id", "tx-1")
+    if incarnations is not None:  # mostly well-typed: random values would never reach the check
+        params.setdefault("remote_incarnations", incarnations)
     before = json.dumps(params, default=repr, sort_keys=True)
     try:
         kv = parse_kv_transfer_params(params)

@@ -15,6 +15,7 @@ from fault_proxy import FaultProxy
 from moriio_native import kvcache as kc
 from moriio_native.control.channel import HandshakeServer
 from moriio_native.control.messages import HandshakeResponse
+from moriio_native.control.schema import new_incarnation
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import IncompatiblePeerError, MoriioError, TransferTimeoutError
 from moriio_native.pd.peers import PeerDirectory, PeerKey
@@ -44,13 +45,21 @@ class Prefill:
         self.gate = threading.Event()
         self.gate.set()
         self.answered = 0
+        self.incarnation = new_incarnation()
         self.server = HandshakeServer(port, self._answer, security(), bind_host=LOCAL)
 
     def _answer(self, request: object) -> HandshakeResponse:
         self.gate.wait(30)
         self.answered += 1
         return HandshakeResponse(
-            self.engine.engine_id, self.engine.local_metadata(), 0, 0, 1, 1, "READ"
+            self.engine.engine_id,
+            self.engine.local_metadata(),
+            0,
+            0,
+            1,
+            1,
+            "READ",
+            incarnation=self.incarnation,
         )
 
     def close(self) -> None:
@@ -105,6 +114,38 @@ def test_handshake_runs_in_the_background_and_is_cached(made: list) -> None:
     cached = peers.connect(key, 1234, accept)
     assert cached.done() and cached.result() is peer  # no second handshake
     assert prefill.answered == 1
+
+
+def test_a_cached_handshake_of_another_incarnation_is_handshaken_again(made: list) -> None:
+    """A request that names the incarnation that computed it never gets a cached handshake of
+    another one: the prefill restarted under the same address unnoticed (nothing failed yet),
+    and the directory handshakes again before anything is read."""
+    decode, decode_caches = engine("decode", 1)
+    port = free_port()
+    old = Prefill("prefill", port, 2)
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+    first = peers.connect(key, 1, accept, incarnation=old.incarnation).result(timeout=30)
+    assert first.response.incarnation == old.incarnation
+    assert peers.connect(key, 1, accept, incarnation=old.incarnation).result() is first
+    old.close()
+    restarted = Prefill("prefill", port, 3)
+    made.append(restarted)
+    # Without an incarnation the stale cache is all the directory knows ...
+    assert peers.connect(key, 1, accept).result() is first
+    # ... with the request's, the cached one is stale: handshaken again.
+    second = peers.connect(key, 1, accept, incarnation=restarted.incarnation).result(timeout=30)
+    assert second is not first and second.response.incarnation == restarted.incarnation
+    assert restarted.answered == 1
+    expected = kc.expected_after_copy(decode_caches, restarted.caches, [0, 1], [2, 3])
+    decode.read("fresh", "prefill", [0, 1], [2, 3])
+    assert decode.wait(["fresh"], timeout=30)["fresh"].state == "done"
+    assert np.array_equal(decode_caches.backing, expected)
+    # A request computed by the old process: handshaken again too (the caller then refuses it,
+    # pd.context.check_incarnation), and the live instance's handshake stays cached.
+    third = peers.connect(key, 1, accept, incarnation=old.incarnation).result(timeout=30)
+    assert third.response.incarnation == restarted.incarnation
+    assert peers.cached(key) is third
 
 
 def test_failed_handshake_is_cached_with_backoff(made: list) -> None:

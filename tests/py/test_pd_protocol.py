@@ -31,7 +31,9 @@ class Directory:
         self.probe_answers: list[str] = []
         self.probes = 0
 
-    def connect(self, key: PeerKey, notify_port: int, validate: Any) -> Future[Peer]:
+    def connect(
+        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+    ) -> Future[Peer]:
         future: Future[Peer] = Future()
         self.pending.append((key, future))
         return future

@@ -84,10 +84,17 @@ def context(
     return ctx, directory, sender, engine
 
 
+def incarnation(rank: int) -> str:
+    """The incarnation of the test's peer rank ``rank``."""
+    return f"{rank + 1:032x}"
+
+
 def peer_at(key: PeerKey, base: ZmqAddress, rank: int, tp: int, mode: str) -> Peer:
     name = "p" if base is PREFILL else "d"
     engine_id = f"{name}:{base.handshake_port}/dp0/tp{rank}"
-    response = HandshakeResponse(engine_id, b"meta", 0, rank, 1, tp, mode, total_kv_heads=8)
+    response = HandshakeResponse(
+        engine_id, b"meta", 0, rank, 1, tp, mode, total_kv_heads=8, incarnation=incarnation(rank)
+    )
     notify = rank_port(base.notify_port, 0, rank, tp)
     return Peer(key=key, engine_peer=engine_id, notify_port=notify, response=response)
 
@@ -109,7 +116,16 @@ def event(tid: str, state: str = "done", drained: bool = True) -> Any:
 
 def read_task(tid: str, tp: int) -> RecvTask:
     return RecvTask(
-        "req-1", tid, PREFILL, "p:7000", 0, tp, (3, 4, 5), (10, 11, 12), report_done=True
+        "req-1",
+        tid,
+        PREFILL,
+        "p:7000",
+        0,
+        tp,
+        (3, 4, 5),
+        (10, 11, 12),
+        report_done=True,
+        remote_incarnations=tuple(incarnation(r) for r in range(tp)),
     )
 
 

@@ -9,6 +9,7 @@ bytes that arrive (and those that must not be touched), and the blocks vLLM free
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -16,12 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 pytest.importorskip("vllm")
 
 from test_vllm_support import (
     BLOCK_SIZE,
     Side,
+    backing_of,
     decode_params,
     dense_specs,
     load,
@@ -203,36 +206,194 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str, loadi
     assert p.free_blocks() == p.initial_free
 
 
+def restart_prefill(sides: list[Side], p: Side, model_dir: str, salt: int = 3) -> Side:
+    """``p`` restarts on the same host and ports (same engine id, new transport metadata and a
+    new incarnation per rank); the old process's engine and memory are gone."""
+    return restart(sides, p, model_dir, salt)
+
+
+def restart(sides: list[Side], old: Side, model_dir: str, salt: int) -> Side:
+    """``old`` (either role) restarts as :func:`restart_prefill` describes."""
+    ports = {"handshake_port": old.handshake_port, "notify_port": old.notify_port}
+    sides.remove(old)
+    old.shutdown()
+    for connector in old.workers:
+        connector.worker._engine = None
+    restarted = Side(
+        old.name,
+        old.role,
+        old.mode,
+        model_dir,
+        salt=salt,
+        specs=old.specs,
+        tp_size=old.tp_size,
+        extra={**old.extra, **ports},
+    )
+    sides.append(restarted)
+    del old, connector
+    gc.collect()
+    return restarted
+
+
 def test_read_from_a_prefill_restarted_under_the_same_address(
     sides: list[Side], model_dir: str
 ) -> None:
+    """Before: the decode's cached handshake outlived the prefill it named, so the first
+    request after the restart was READ from the dead instance's transport and recomputed. The
+    request now names the incarnation that computed it: the decode handshakes again first."""
     p, d = make_pair(sides, model_dir, "read")
     prompt = prompt_of(40, seed=13)
     rid, tid = pd_request_id(p, d), transfer_id()
     d.add_request(rid, prompt, params=decode_params(tid, run_prefill(p, rid, prompt, tid)))
     assert load(d, rid).invalid_blocks == set()  # the first prefill served it: handshake cached
-    # The prefill restarts on the same host and ports: same engine id, new transport metadata.
-    ports = {"handshake_port": p.handshake_port, "notify_port": p.notify_port}
-    sides.remove(p)
-    p.shutdown()
-    for connector in p.workers:  # the old process is gone: so are its engine and memory
-        connector.worker._engine = None
-    del p, connector
-    gc.collect()
-    restarted = Side("prefill", "kv_producer", "read", model_dir, salt=3, extra=ports)
-    sides.append(restarted)
-    restarted.handshake_port, restarted.notify_port = ports["handshake_port"], ports["notify_port"]
-    # At most the first request after the restart finds the old connection gone (recomputed);
-    # from then on the decode reaches the new instance and loads its bytes.
-    for attempt in range(2):
-        prompt = prompt_of(40, seed=14 + attempt)  # no prefix cache hit on either side
-        rid, tid = pd_request_id(restarted, d), transfer_id()
-        params = run_prefill(restarted, rid, prompt, tid)
+    p = restart_prefill(sides, p, model_dir)
+    for seed in (14, 15):  # the first request after the restart, and the next
+        prompt = prompt_of(40, seed=seed)  # no prefix cache hit on either side
+        rid, tid = pd_request_id(p, d), transfer_id()
+        params = run_prefill(p, rid, prompt, tid)
         d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
-        if not load(d, rid).invalid_blocks:
-            break
-        assert attempt == 0, "the decode never reached the restarted prefill"
-    assert all(d.slot_matches(rid, range(len(prompt) - 1), restarted.salt, prompt))
+        loaded = load(d, rid)
+        assert loaded.invalid_blocks == set(), f"seed {seed}: recomputed"
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+        assert loaded.stats is not None and loaded.stats.data["failures"] == 0
+
+
+def test_read_computed_before_the_prefill_restarted_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill that restarted after computing a request holds other bytes under its block
+    ids: the decode must not READ them from the live instance at the same address, whether it
+    meets that instance first (no cached handshake) or holds its handshake already."""
+    p, d = make_pair(sides, model_dir, "read")
+    computed = []
+    for seed in (21, 22):  # two requests the first process computed
+        prompt = prompt_of(40, seed=seed)
+        rid, tid = pd_request_id(p, d), transfer_id()
+        computed.append((rid, tid, prompt, run_prefill(p, rid, prompt, tid)))
+    old = computed[0][3]["remote_incarnations"]
+    p = restart_prefill(sides, p, model_dir)
+
+    def refused(rid: str, tid: str, prompt: list[int], returned: dict, fresh: str = "") -> None:
+        caplog.clear()
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+        with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+            loaded = load(d, rid)
+        assert loaded.invalid_blocks, f"{tid}: a request computed by the old process was loaded"
+        assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))  # recomputed
+        why = [r.getMessage() for r in caplog.records if tid in r.getMessage()]
+        assert any(
+            f"is incarnation {fresh}" in m
+            and f"computed by incarnation {old[0]}" in m
+            and "restarted after computing it" in m
+            and "127.0.0.1" in m
+            for m in why
+        ), why
+
+    # No cached handshake: the fresh one names another incarnation.
+    refused(*computed[0])
+    # The fresh handshake stays cached: the next request of the new process loads.
+    prompt = prompt_of(40, seed=24)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    params = run_prefill(p, rid, prompt, tid)
+    new = params["remote_incarnations"]
+    assert new != old
+    d.add_request(rid, prompt, params=decode_params(tid, params), max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    # The cached handshake names the new incarnation, the request the old: handshaken again,
+    # and refused all the same.
+    refused(*computed[1], fresh=new[0])
+
+
+def test_read_without_prefill_incarnations_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefill answer without ``remote_incarnations`` (an older prefill, or a proxy that drops
+    the key) is refused before any READ, with the reason, and the prefill is released."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=31)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    assert len(returned["remote_incarnations"]) == 1
+    params = {**decode_params(tid, returned), "remote_incarnations": None}
+    d.add_request(rid, prompt, params=params, max_tokens=2)
+    with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+        loaded = load(d, rid)
+    assert loaded.invalid_blocks
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    assert any(
+        tid in r.getMessage() and "names no prefill incarnation" in r.getMessage()
+        for r in caplog.records
+    )
+    assert loaded.stats is not None and loaded.stats.data.get("transfers", 0) == 0
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the refusal")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_read_without_prefill_incarnations_is_loaded_when_not_required(
+    sides: list[Side], model_dir: str
+) -> None:
+    """``require_incarnation: false`` (for a proxy that drops the key): such a request is read
+    from the prefill that answers the handshake, as before incarnations existed."""
+    p, d = make_pair(sides, model_dir, "read", d_extra={"require_incarnation": "false"})
+    prompt = prompt_of(40, seed=32)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    params = {**decode_params(tid, run_prefill(p, rid, prompt, tid)), "remote_incarnations": None}
+    d.add_request(rid, prompt, params=params, max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+
+
+def test_bad_handshake_metadata_is_logged_and_changes_nothing(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM hands the scheduler what its workers returned: another set of ranks (or another
+    connector's metadata) is logged, never raised into vLLM's engine start, and the workers'
+    incarnations set before stay."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(24, seed=35)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    before = run_prefill(p, rid, prompt, tid)["remote_incarnations"]
+    assert before == [p.worker.worker.core.incarnation]
+    with caplog.at_level(logging.ERROR, logger="moriio_native.vllm.scheduler"):
+        for bad in ({0: None}, {}, {0: p.worker.get_handshake_metadata(), 1: None}):
+            p.connector.set_xfer_handshake_metadata(bad)
+    assert caplog.text.count("expected one RankIncarnation for each TP rank [0]") == 3
+    rid, tid = pd_request_id(p, d), transfer_id()
+    assert run_prefill(p, rid, prompt_of(24, seed=36), tid)["remote_incarnations"] == before
+
+
+def test_read_tp2_each_rank_names_its_incarnation_across_a_restart(
+    sides: list[Side], model_dir: str
+) -> None:
+    """TP 2: each prefill rank has its own incarnation; after a restart both decode ranks
+    handshake again before reading (loaded at once), and a request the old ranks computed is
+    recomputed on both."""
+    p, d = across_tp_pair(sides, model_dir, "read", 2, 2, "dense")
+    prompt = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+    first = returned["remote_incarnations"]
+    assert len(first) == 2 and len(set(first)) == 2
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2))
+    assert load(d, rid).invalid_blocks == set()
+    stale_prompt = prompt_of(40, seed=42)
+    stale_rid, stale_tid = pd_request_id(p, d), transfer_id()
+    stale = run_prefill(p, stale_rid, stale_prompt, stale_tid, remote_tp_size=2)
+    p = restart_prefill(sides, p, model_dir)
+    prompt = prompt_of(40, seed=43)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+    assert not set(returned["remote_incarnations"]) & set(first)
+    d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=2))
+    assert load(d, rid).invalid_blocks == set(), "recomputed after the restart"
+    for rank in range(2):
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt, rank, rank))
+    d.add_request(stale_rid, stale_prompt, params=decode_params(stale_tid, stale, 2))
+    assert load(d, stale_rid).invalid_blocks
+    for rank in range(2):
+        got = d.slot_matches(stale_rid, range(len(stale_prompt)), d.salt, stale_prompt, rank, rank)
+        assert all(got), rank
 
 
 def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir: str) -> None:
@@ -282,6 +443,77 @@ def test_write_prefill_and_decode_concurrently(sides: list[Side], model_dir: str
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+def write_request(p: Side, d: Side, seed: int) -> bool:
+    """One WRITE request, both legs at once; whether the decode got the prefill's bytes (else
+    it recomputed them after a reported load error). Both sides end with every block free."""
+    prompt = prompt_of(45, seed=seed)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill's job ended")
+    failed: list[bool] = []
+
+    def resumed(r: Any) -> bool:
+        failed.append(rid in r.transfer.failed_recving)
+        return rid in r.scheduled
+
+    d.run_until(resumed, what="decode to resume")
+    loaded = not any(failed) and all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    if not loaded:
+        assert any(failed) and all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+    return loaded
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode"])
+def test_write_after_an_unnoticed_restart_is_loaded(
+    sides: list[Side], model_dir: str, which: str
+) -> None:
+    """WRITE: the first request after a restart under the same address that neither side
+    noticed (each caches the other's handshake) is loaded, on both sides' restarts."""
+    p, d = make_pair(sides, model_dir, "write")
+    assert write_request(p, d, seed=51)
+    if which == "prefill":
+        p = restart(sides, p, model_dir, salt=3)
+    else:
+        d = restart(sides, d, model_dir, salt=4)
+    assert write_request(p, d, seed=52), f"the first request after the {which} restarted"
+    assert write_request(p, d, seed=53)
+
+
+def test_write_into_a_decode_restarted_after_announcing_is_refused(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decode announced its blocks, then restarted under the same address before the
+    prefill wrote: the process answering there now never announced them (its blocks of those
+    ids hold other data), so the prefill writes nothing into it and frees its blocks."""
+    p, d = make_pair(sides, model_dir, "write")
+    # The prefill holds no handshake of the decode yet (with one of the announcing process, it
+    # would write into that process's dead endpoint and fail: safe too).
+    prompt = prompt_of(45, seed=62)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()  # remote_blocks goes out
+    jobs = p.worker.worker.core.pusher._jobs
+    wait = time.monotonic() + 20
+    while not any(j.transfer_id == tid and j.remote for j in list(jobs.values())):
+        assert time.monotonic() < wait, "the prefill never got remote_blocks"
+        time.sleep(0.01)
+    d = restart(sides, d, model_dir, salt=4)
+    before = backing_of(d).clone()
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="the refused job ended")
+    assert any(
+        tid in r.getMessage() and "the decode restarted since; not writing" in r.getMessage()
+        for r in caplog.records
+    ), caplog.text
+    assert p.free_blocks() == p.initial_free
+    assert torch.equal(backing_of(d), before)  # not one byte written into the new process
 
 
 def test_write_prefix_hit_announces_only_missing_tail(sides: list[Side], model_dir: str) -> None:
@@ -818,6 +1050,7 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
             "remote_engine_id": f"127.0.0.1:{dead_port}",
             "remote_block_ids": list(range(n_load)),
             "transfer_id": tid,
+            "remote_incarnations": ["ab" * 16],
         }
         running = 0
         d.add_request("running-0", prompt_of(20, seed=22), max_tokens=64)

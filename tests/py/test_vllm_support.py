@@ -492,6 +492,11 @@ class Side:
         # One worker per TP rank, as vLLM runs them, and the aggregator that merges their
         # transfer reports for the scheduler (a request is finished once every rank says so).
         self._make_ranks()
+        # As vLLM's engine core does once the workers registered their caches: each rank's
+        # handshake metadata (its incarnation) goes to the scheduler-side connector.
+        self.connector.set_xfer_handshake_metadata_pp_aware(
+            {(0, rank): meta for rank, meta in enumerate(self._handshake_metadata())}
+        )
         self.aggregator = KVOutputAggregator(self.tp_size)
         self.layer_names = list(self.specs)
         self.initial_free = self.free_blocks()
@@ -513,6 +518,10 @@ class Side:
         self.workers = [r.connector for r in self.ranks]
         self.rank_caches = [r.caches for r in self.ranks]
         self.worker, self.caches = self.workers[0], self.rank_caches[0]
+
+    def _handshake_metadata(self) -> list[Any]:
+        """Every rank's ``get_handshake_metadata()``, by rank."""
+        return [w.get_handshake_metadata() for w in self.workers]
 
     def _run_ranks(
         self,
@@ -761,6 +770,10 @@ def prefill_params(tid: str, remote_tp_size: int = 1) -> dict[str, Any]:
     }
 
 
+# The keys of the prefill's answer a proxy passes on to the decode (examples/launch/proxy.py).
+PROXY_FORWARDS = ("remote_engine_id", "remote_block_ids", "transfer_id", "remote_incarnations")
+
+
 def decode_params(
     tid: str, prefill_result: Mapping[str, Any] | None = None, remote_tp_size: int = 1
 ) -> dict[str, Any]:
@@ -777,7 +790,7 @@ def decode_params(
         "remote_dp_rank": 0,
     }
     if prefill_result is not None:
-        for key in ("remote_engine_id", "remote_block_ids", "transfer_id"):
+        for key in PROXY_FORWARDS:
             params[key] = prefill_result[key]
     return params
 

@@ -63,6 +63,11 @@ def leg_make_rank(ctx: ChildContext, spec: RankSpec, rank: int) -> None:
     _RANKS[(spec.name, rank)] = made
 
 
+def leg_handshake_metadata(ctx: ChildContext, name: str, rank: int) -> Any:
+    """The rank's ``get_handshake_metadata()`` (its incarnation, for the scheduler)."""
+    return _RANKS[(name, rank)].worker.connector.get_handshake_metadata()
+
+
 def leg_step(ctx: ChildContext, name: str, rank: int, work: StepWork, snapshot: str) -> Any:
     """One step of the rank; when it computes request ``snapshot``, the backing is kept as it
     is right before the forward (what the load left)."""
@@ -147,6 +152,9 @@ class RankedSide(Side):
         assert len(set(self.placement)) == self.tp_size, "one process per rank"
         self.ranks, self.workers, self.rank_caches = [], [], []
         self.each("leg_make_rank", lambda r: (self.rank_spec, r))
+
+    def _handshake_metadata(self) -> list[Any]:
+        return self.each("leg_handshake_metadata", lambda r: (self.name, r))
 
     def proc(self, rank: int) -> Any:
         return self.procs[self.placement[rank]]

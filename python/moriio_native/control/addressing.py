@@ -55,6 +55,7 @@ from .schema import (
     MAX_REQUEST_ID_LEN,
     BlockId,
     Id,
+    Incarnation,
     Port,
     Rank,
     Schema,
@@ -80,6 +81,9 @@ KEY_REMOTE_NOTIFY_PORT = "remote_notify_port"
 KEY_REMOTE_DP_RANK = "remote_dp_rank"
 KEY_REMOTE_TP_SIZE = "remote_tp_size"
 KEY_REMOTE_DP_SIZE = "remote_dp_size"
+#: This project's own key (not vLLM's): the incarnation of each prefill TP rank that computed the
+#: request, by TP rank. The decode reads only from those processes (docs/protocol.md section 5).
+KEY_REMOTE_INCARNATIONS = "remote_incarnations"
 #: Older name of ``remote_tp_size``; vLLM's prefill side still returns it. Read, never written.
 KEY_LEGACY_TP_SIZE = "tp_size"
 
@@ -95,6 +99,7 @@ KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
     KEY_REMOTE_DP_RANK,
     KEY_REMOTE_TP_SIZE,
     KEY_REMOTE_DP_SIZE,
+    KEY_REMOTE_INCARNATIONS,
 )
 # Integer keys vLLM may pass as decimal strings (its kv_connector_extra_config ports).
 _DECIMAL_KEYS = (
@@ -420,6 +425,11 @@ class KvTransferParams(Schema, frozen=True):
     remote_dp_rank: Rank = 0
     remote_tp_size: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL_SIZE)] = 0
     remote_dp_size: Size = 1
+    # The prefill ranks' incarnations, by TP rank (its answer; None: not stated).
+    remote_incarnations: (
+        Annotated[tuple[Incarnation, ...], msgspec.Meta(min_length=1, max_length=MAX_PARALLEL_SIZE)]
+        | None
+    ) = None
 
     def _check(self) -> None:
         if self.do_remote_prefill and self.do_remote_decode:
@@ -491,6 +501,8 @@ class KvTransferParams(Schema, frozen=True):
         for key in (KEY_REMOTE_HOST, KEY_REMOTE_HANDSHAKE_PORT, KEY_REMOTE_NOTIFY_PORT):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
+        if self.remote_incarnations is not None:
+            out[KEY_REMOTE_INCARNATIONS] = list(self.remote_incarnations)
         return out
 
 
@@ -533,6 +545,7 @@ __all__ = [
     "KEY_REMOTE_ENGINE_ID",
     "KEY_REMOTE_HANDSHAKE_PORT",
     "KEY_REMOTE_HOST",
+    "KEY_REMOTE_INCARNATIONS",
     "KEY_REMOTE_NOTIFY_PORT",
     "KEY_REMOTE_TP_SIZE",
     "KEY_TRANSFER_ID",

@@ -73,6 +73,7 @@ from .schema import (
     MAX_REQUEST_ID_LEN,
     BlockId,
     Id,
+    IncarnationOrEmpty,
     Port,
     Rank,
     Schema,
@@ -170,6 +171,9 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     # (0) where the decode needs nothing written, and the decode needs the KV of its first
     # ``num_tokens`` tokens. 0: the classic form (the tail of the prompt's blocks).
     num_tokens: Annotated[int, msgspec.Meta(ge=0, le=1 << 31)] = 0
+    # The announcing decode rank's incarnation ("": a decode that predates them): P writes only
+    # into that process, never into another one restarted under the same address since.
+    decode_incarnation: IncarnationOrEmpty = ""
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
@@ -383,6 +387,9 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     # The model's KV heads over all TP ranks in the layers TP splits by head (0: none, or not
     # stated): a peer of another TP size must split the same heads.
     total_kv_heads: KvHeads = 0
+    # The answering process's incarnation (random, made at its start); "": a peer that predates
+    # it. A READ whose request names another incarnation is not made: those blocks are gone.
+    incarnation: IncarnationOrEmpty = ""
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)
@@ -430,7 +437,7 @@ class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
 _EVERY_KEY_REQUIRED = (HandshakeRequest, HandshakeResponse, HandshakeRejected)
 # ... except the keys added since protocol version 1 first shipped: a peer that predates them
 # sends none, which means their default (e.g. verify: false).
-_OPTIONAL_KEYS = frozenset({"verify"})
+_OPTIONAL_KEYS = frozenset({"verify", "incarnation"})
 
 # ---- proxy registration -----------------------------------------------------------------------
 

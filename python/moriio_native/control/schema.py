@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import re
 import threading
 from collections.abc import Callable, Iterator
@@ -57,6 +58,20 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL_SIZE - 1)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_PARALLEL_SIZE)]
 BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
+# A process's incarnation: random hex made when a rank's protocol core starts. A prefill's answer
+# names the incarnation of each rank that computed the request; a handshake names the one that
+# answers now. Equal means the same process, so the same bytes under the request's block ids.
+INCARNATION_BYTES = 16
+_INCARNATION = "^[0-9a-f]{16,64}$"
+_INCARNATION_OR_EMPTY = "^(?:[0-9a-f]{16,64})?$"
+Incarnation = Annotated[str, msgspec.Meta(pattern=_INCARNATION)]
+#: An incarnation, or "" where a peer states none (it predates them).
+IncarnationOrEmpty = Annotated[str, msgspec.Meta(pattern=_INCARNATION_OR_EMPTY)]
+
+
+def new_incarnation() -> str:
+    """A fresh incarnation id (32 lower-case hex characters)."""
+    return os.urandom(INCARNATION_BYTES).hex()
 
 
 @runtime_checkable
@@ -176,7 +191,12 @@ _UNKNOWN_RE = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 # A position inside a field (from a WireValue's own check) and the printable-text pattern, said
 # in words.
 _NESTED_AT_RE = re.compile(r" - at `(\[[^`]*\])`")
-_REGEX_RE = re.compile(r"Expected `str` matching regex '.*'", re.DOTALL)
+_REGEX_RE = re.compile(r"Expected `str` matching regex '(?P<regex>.*)'", re.DOTALL)
+# What a value failing each pattern should have been (the printable-text pattern otherwise).
+_PATTERN_MEANS = {
+    _INCARNATION: "expected 16..64 lower-case hex characters (an incarnation)",
+    _INCARNATION_OR_EMPTY: "expected 16..64 lower-case hex characters (an incarnation) or ''",
+}
 
 _NOTHING = object()
 
@@ -213,7 +233,10 @@ def explain(what: str, exc: msgspec.ValidationError, raw: Any) -> str:
     match = _PATH_RE.match(text)
     assert match is not None
     reason = _NESTED_AT_RE.sub(r" at \1", match.group("text"))
-    reason = _REGEX_RE.sub("expected printable characters only", reason)
+    reason = _REGEX_RE.sub(
+        lambda m: _PATTERN_MEANS.get(m.group("regex"), "expected printable characters only"),
+        reason,
+    )
     reason = reason[:1].lower() + reason[1:]
     path = match.group("path")
     if "got `ext`" in reason:
@@ -237,6 +260,7 @@ def explain(what: str, exc: msgspec.ValidationError, raw: Any) -> str:
 
 
 __all__ = [
+    "INCARNATION_BYTES",
     "MAX_BLOCK_ID",
     "MAX_BLOCK_IDS",
     "MAX_HOST_LEN",
@@ -246,6 +270,8 @@ __all__ = [
     "MAX_REQUEST_ID_LEN",
     "BlockId",
     "Id",
+    "Incarnation",
+    "IncarnationOrEmpty",
     "Port",
     "Rank",
     "Schema",
@@ -257,5 +283,6 @@ __all__ = [
     "encoder",
     "explain",
     "load",
+    "new_incarnation",
     "printable",
 ]

@@ -50,6 +50,9 @@ class PdConfig:
     # This rank's KV-cache groups (vLLM's hybrid KV-cache manager; moriio_native.pd.groups);
     # empty: one group of every registered layer, moved with the classic (ungrouped) protocol.
     groups: tuple[KvGroup, ...] = ()
+    # READ: refuse (recompute) a request that names no prefill incarnation; False reads it from
+    # whichever process answers the handshake (what peers without incarnations allow).
+    require_incarnation: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in ("read", "write"):

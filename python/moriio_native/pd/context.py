@@ -13,6 +13,7 @@ from moriio_native.control.addressing import validate_host
 from moriio_native.control.channel import NotifySender
 from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.ports import rank_port
+from moriio_native.control.schema import new_incarnation
 from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
 from moriio_native.pd.config import PdConfig
@@ -28,6 +29,7 @@ from moriio_native.pd.heads import TpPlan, heads_per_rank
 from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
 if TYPE_CHECKING:
+    from moriio_native.pd.tasks import RecvTask
     from moriio_native.pd.verify import Verifier
 
 logger = logging.getLogger("moriio_native.pd.context")
@@ -83,6 +85,9 @@ class Context:
     verifier: Verifier | None = None  # set when cfg.verify: the integrity check
     # (peer host, its TP size, we are the prefill) whose different-TP plan was logged
     logged_plans: set[tuple[str, int, bool]] = field(default_factory=set)
+    # This rank's incarnation (random, made when its core starts): in its handshake answers,
+    # and in the announcements it makes (WRITE), so peers never take another process for it.
+    incarnation: str = field(default_factory=new_incarnation)
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
@@ -216,13 +221,18 @@ class Context:
         dp_rank: int,
         tp_size: int,
         rank: int,
+        *,
+        incarnation: str = "",
     ) -> Future[Peer]:
         """A future of peer rank ``rank`` of an instance of ``tp_size`` ranks (see
-        :class:`PeerDirectory`); never waits on the network."""
+        :class:`PeerDirectory`; ``incarnation``: never a cached handshake of another one);
+        never waits on the network."""
         host = validate_host(host)
         key = PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size))
         notify = rank_port(base_notify_port, dp_rank, rank, tp_size)
-        return self.directory.connect(key, notify, self.validator(key, dp_rank, rank, tp_size))
+        return self.directory.connect(
+            key, notify, self.validator(key, dp_rank, rank, tp_size), incarnation=incarnation
+        )
 
 
 def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -> list[Segment]:
@@ -234,6 +244,43 @@ def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -
     return plan_segments(cfg.groups, remote, blocks, dest=dest)
 
 
+def expected_incarnation(cfg: PdConfig, task: RecvTask, plan: TpPlan, rank: int) -> str:
+    """The incarnation of prefill rank ``rank`` that computed ``task`` (READ); "" when the
+    request states none and ``cfg.require_incarnation`` is off. Raises FailedPreconditionError
+    naming the transfer otherwise: without it a READ could take another process's bytes under
+    the same block ids."""
+    stated = task.remote_incarnations
+    if stated is None and not cfg.require_incarnation:
+        return ""
+    if stated is None:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the request names no prefill incarnation "
+            "('remote_incarnations' missing from kv_transfer_params: a prefill older than this "
+            "version, or a proxy that drops the key); not reading, since a prefill restarted "
+            "after computing it would hold other bytes under the same block ids (set "
+            "'require_incarnation': false to read such requests anyway)"
+        )
+    if len(stated) != plan.prefill_tp:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the request names {len(stated)} prefill "
+            f"incarnations for a prefill of TP {plan.prefill_tp}; not reading"
+        )
+    return stated[rank]
+
+
+def check_incarnation(peer: Peer, task: RecvTask, expect: str) -> None:
+    """The handshaken rank must be the process that computed the request (``expect``; ""
+    checks nothing): another one holds other bytes under the request's block ids (it
+    restarted after computing it)."""
+    if expect and peer.response.incarnation != expect:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} is "
+            f"incarnation {peer.response.incarnation or '(none stated)'}, the request was "
+            f"computed by incarnation {expect}: the prefill restarted after computing it and its "
+            "blocks are gone; not reading (recomputed)"
+        )
+
+
 def check_engine(peer: Peer, expect_engine: str | None) -> None:
     """The request named an instance: the handshaken rank must belong to it."""
     if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
@@ -243,4 +290,12 @@ def check_engine(peer: Peer, expect_engine: str | None) -> None:
         )
 
 
-__all__ = ["Context", "Reports", "StatsSink", "check_engine", "plan_grouped"]
+__all__ = [
+    "Context",
+    "Reports",
+    "StatsSink",
+    "check_engine",
+    "check_incarnation",
+    "expected_incarnation",
+    "plan_grouped",
+]

@@ -120,6 +120,13 @@ class PdCore:
         # from separate engine queues): the event, when it comes, is taken as drained.
         self._drained_jobs: set[str] = set()
 
+    @property
+    def incarnation(self) -> str:
+        """This process's incarnation of the rank: peers compare it with the one a request
+        names before they read from it or write into it (a restarted rank holds other bytes
+        under the same block ids)."""
+        return self.ctx.incarnation
+
     def address(self) -> tuple[str, int, int]:
         """(host, handshake port, notify port) this rank's peers reach it at (once started)."""
         if self.server is None or self.listener is None:
@@ -197,6 +204,7 @@ class PdCore:
             verify=cfg.verify,
             total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
             kv_groups=cfg.groups,
+            incarnation=self.ctx.incarnation,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:

@@ -14,6 +14,10 @@
   connection through the engine's explicit ``add_peer(..., replace=True)``: the old instance's
   transfers end (failed), the new one is reachable. An engine id that is already connected at
   ANOTHER address is refused (an address cannot take over another peer's identity);
+* a caller that knows which incarnation of the peer it needs (``connect(..., incarnation=)``)
+  never gets a cached handshake of another one: the cache is dropped and the peer handshaken
+  again, so a prefill restarted under the same address is reached before anything is read (the
+  caller then checks that the fresh handshake names the incarnation it needs);
 * :meth:`probe` re-handshakes a known peer to tell whether it is still the same live instance,
   on its OWN single thread (``moriio-native-probe``): probes never queue behind (or starve)
   the handshakes requests wait for.
@@ -133,12 +137,27 @@ class PeerDirectory:
                 (p for p in self._peers.values() if p.response.engine_id == engine_id), None
             )
 
-    def connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Future[Peer]:
+    def connect(
+        self, key: PeerKey, notify_port: int, validate: Validator, *, incarnation: str = ""
+    ) -> Future[Peer]:
         """The peer at ``key``: cached, failed recently (the remembered error), or handshaken
         in the background (one handshake per key at a time; ``validate`` and ``notify_port``
-        of the first caller apply). Never blocks on the network."""
+        of the first caller apply). With ``incarnation``, a cached handshake that names another
+        one is stale (the peer restarted since): it is dropped and the peer handshaken again.
+        Never blocks on the network."""
         with self._lock:
             peer = self._peers.get(key)
+            if peer is not None and incarnation and peer.response.incarnation != incarnation:
+                logger.info(
+                    "cached handshake of %s at %s names incarnation %s, a request names %s: "
+                    "handshaking again",
+                    peer.response.engine_id,
+                    key,
+                    peer.response.incarnation or "(none)",
+                    incarnation,
+                )
+                del self._peers[key]
+                peer = None
             if peer is not None:
                 return _done(peer)
             failure = self._failures.get(key)
@@ -192,7 +211,13 @@ class PeerDirectory:
             except BaseException as exc:
                 future.set_exception(exc)
                 return
-            if response.engine_metadata != peer.response.engine_metadata:
+            if response.incarnation != peer.response.incarnation:
+                future.set_result(
+                    f"it restarted: incarnation {response.incarnation or '(none)'} answers, "
+                    f"{peer.response.incarnation or '(none)'} was handshaken "
+                    f"({response.engine_id})"
+                )
+            elif response.engine_metadata != peer.response.engine_metadata:
                 future.set_result(f"it restarted as another engine ({response.engine_id})")
             else:
                 future.set_result("")

@@ -42,7 +42,13 @@ from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, MoriioError
-from moriio_native.pd.context import Context, check_engine, plan_grouped
+from moriio_native.pd.context import (
+    Context,
+    check_engine,
+    check_incarnation,
+    expected_incarnation,
+    plan_grouped,
+)
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import NULL_BLOCK, check_groups, engine_segments, post_read
 from moriio_native.pd.heads import TpPlan, read_segments
@@ -162,6 +168,8 @@ class _ReadPart:
     machine: Machine[ReadState, ReadEvent]
     peer: Peer | None = None
     message: str = ""
+    # The incarnation of the prefill rank that computed the request: the only one read from.
+    incarnation: str = ""
     # The block pairs a whole-block check covers (verify), when the READ moves exactly them.
     verified_pairs: tuple[Sequence[int], Sequence[int]] | None = None
     groups: int = 1  # the KV-cache groups the READ moves (stats)
@@ -289,9 +297,11 @@ class Puller:
     def _plan(self, task: RecvTask) -> TpPlan:
         return self._ctx.tp_plan(task.peer.host, task.remote_tp_size, prefill=False)
 
-    def _connect(self, task: RecvTask, plan: TpPlan, rank: int) -> Future[Peer]:
-        """Prefill rank ``rank`` of the task's instance (raises before any network on a bad
-        address)."""
+    def _connect(
+        self, task: RecvTask, plan: TpPlan, rank: int, incarnation: str = ""
+    ) -> Future[Peer]:
+        """Prefill rank ``rank`` of the task's instance, never a cached handshake of another
+        ``incarnation`` than the one given (raises before any network on a bad address)."""
         peer = task.peer
         return self._ctx.connect_rank(
             peer.host,
@@ -300,6 +310,7 @@ class Puller:
             task.remote_dp_rank,
             plan.prefill_tp,
             rank,
+            incarnation=incarnation,
         )
 
     def _start_read(self, task: RecvTask) -> None:
@@ -328,7 +339,8 @@ class Puller:
                 self._parts[part_tid] = (read, part)
         for part in list(read.parts):
             try:
-                future = self._connect(task, plan, part.rank)
+                part.incarnation = expected_incarnation(ctx.cfg, task, plan, part.rank)
+                future = self._connect(task, plan, part.rank, part.incarnation)
             except MoriioError as exc:
                 self._part_failed(read, part, f"not started: {exc}")
                 continue
@@ -355,6 +367,7 @@ class Puller:
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
+            check_incarnation(peer, task, part.incarnation)
             part.peer = peer
             with self._ctx.lock:
                 if read.failing:
@@ -682,6 +695,7 @@ class Puller:
                     req_id=task.req_id,
                     decode_tp_rank=ctx.cfg.tp_rank,
                     num_tokens=num_tokens,
+                    decode_incarnation=ctx.incarnation,
                 ),
             )
         except Exception as exc:

@@ -49,7 +49,7 @@ from moriio_native.control.messages import (
     WriteFailed,
 )
 from moriio_native.engine import BlockSegment
-from moriio_native.errors import IncompatiblePeerError, MoriioError
+from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError, MoriioError
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import (
@@ -457,6 +457,7 @@ class Pusher:
                 job.remote.decode_dp_rank,
                 decode_tp,
                 job.decode_rank,
+                incarnation=job.remote.decode_incarnation,
             )
         except MoriioError as exc:
             self._fail(job, f"cannot reach the decode rank: {exc}")
@@ -474,6 +475,15 @@ class Pusher:
                 raise IncompatiblePeerError(
                     f"remote_blocks came from engine {job.remote.decode_engine_id!r}, but the "
                     f"decode address of the request serves {peer.response.engine_id!r}"
+                )
+            announced = job.remote.decode_incarnation
+            if announced and peer.response.incarnation != announced:
+                # Not the process whose blocks were announced: it restarted since, and its
+                # blocks of those ids hold something else. Nobody waits for this transfer.
+                raise FailedPreconditionError(
+                    f"decode {peer.response.engine_id} at {peer.key} is incarnation "
+                    f"{peer.response.incarnation or '(none stated)'}, remote_blocks came from "
+                    f"incarnation {announced}: the decode restarted since; not writing"
                 )
             segments = None
             if job.save is not None and job.save.groups:

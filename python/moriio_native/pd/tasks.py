@@ -46,6 +46,9 @@ class RecvTask:
     # (READ: both sides' ids; WRITE: ours, announced as they are). ``local_block_ids`` then
     # lists every local non-null id (what a failure reports for recomputation).
     grouped: GroupedBlocks | None = None
+    # READ: the incarnation of each prefill TP rank that computed the request, by TP rank (the
+    # prefill's answer); None: not stated, and then nothing is read (docs/protocol.md §5).
+    remote_incarnations: tuple[str, ...] | None = None
 
     @property
     def notify_only(self) -> bool:

@@ -52,6 +52,12 @@ key                   default      meaning
                                    mismatch fails the load (its blocks are recomputed). Both
                                    instances of a pair must agree. Costs a pass over the
                                    transferred bytes on each side (docs/benchmarks.md)
+``require_incarnation`` ``true``   READ: load only from the prefill processes the request names
+                                   (``remote_incarnations`` of the prefill's answer, which the
+                                   proxy must pass on); a request without them is recomputed.
+                                   ``false``: such a request is read from the handshaken prefill
+                                   (a prefill restarted after computing it cannot be detected);
+                                   for a proxy that drops the key
 ``engine_options``    ``{}``       extra options for the native backend (string -> string)
 ``ucx_*``, ``mori_*`` --           passed through to the backend as engine options, as are
                                    ``qp_per_transfer``, ``post_batch_size``, ``num_workers``,
@@ -122,6 +128,7 @@ _PLAIN_KEYS = (
     "quarantine_timeout",
     "read_loading",
     "verify",
+    "require_incarnation",
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -192,6 +199,7 @@ class ConnectorConfig(Schema, frozen=True):
     tp_size: Size = 1
     read_loading: ReadLoading = DEFAULT_READ_LOADING
     verify: bool = False
+    require_incarnation: bool = True
 
     def _check(self) -> None:
         for key in ("host_ip", "bind_host", "proxy_ip"):

@@ -23,7 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+)
 
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 
@@ -40,4 +43,15 @@ class MoRIIONativeMetadata(KVConnectorMetadata):
         return not (self.recv or self.save or self.send)
 
 
-__all__ = ["MoRIIONativeMetadata", "RecvTask", "SaveTask", "SendTask"]
+@dataclass(frozen=True)
+class RankIncarnation(KVConnectorHandshakeMetadata):
+    """What one worker tells the scheduler once its caches are registered (vLLM's
+    ``get_handshake_metadata`` -> ``set_xfer_handshake_metadata``): its rank's incarnation, which
+    the prefill's answer carries to the decode (``remote_incarnations``)."""
+
+    engine_id: str
+    tp_rank: int
+    incarnation: str
+
+
+__all__ = ["MoRIIONativeMetadata", "RankIncarnation", "RecvTask", "SaveTask", "SendTask"]

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.request import RequestStatus
@@ -53,6 +54,7 @@ from moriio_native.control.addressing import (
     KEY_REMOTE_ENGINE_ID,
     KEY_REMOTE_HANDSHAKE_PORT,
     KEY_REMOTE_HOST,
+    KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_NOTIFY_PORT,
     KEY_REMOTE_TP_SIZE,
     KEY_TRANSFER_ID,
@@ -64,7 +66,13 @@ from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.hybrid import HybridLayout
-from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask, SaveTask, SendTask
+from moriio_native.vllm.metadata import (
+    MoRIIONativeMetadata,
+    RankIncarnation,
+    RecvTask,
+    SaveTask,
+    SendTask,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -116,6 +124,10 @@ class SchedulerSide:
         self._invalid_logged: set[str] = set()
         self._recv: list[RecvTask] = []
         self._send: list[SendTask] = []
+        # The workers' incarnations by TP rank (set once they registered their caches); the
+        # prefill's answers carry them, and a decode reads only from those processes.
+        self._incarnations: tuple[str, ...] | None = None
+        self._incarnations_missing_logged = False
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -170,7 +182,27 @@ class SchedulerSide:
             remote_engine_id=params.remote_engine_id,
             remote_dp_rank=params.remote_dp_rank,
             remote_tp_size=params.remote_tp_size,
+            remote_incarnations=params.remote_incarnations,
         )
+
+    def set_incarnations(self, ranks: Mapping[Any, object]) -> None:
+        """The workers' incarnations (vLLM's ``set_xfer_handshake_metadata``, once every worker
+        registered its caches), by the TP rank each worker states. Another set of ranks than
+        this instance's is logged and changes nothing (never raised: vLLM calls this while its
+        engine starts); the prefill's answers then carry no incarnations."""
+        found = {m.tp_rank: m.incarnation for m in ranks.values() if isinstance(m, RankIncarnation)}
+        expect = set(range(self.config.tp_size))
+        if set(found) != expect or len(found) != len(ranks):
+            logger.error(
+                "connector %s: handshake metadata %s, expected one RankIncarnation for each TP "
+                "rank %s; the prefill's answers carry no incarnations (decodes refuse them "
+                "unless 'require_incarnation' is false)",
+                self.config.engine_id,
+                {k: type(m).__name__ for k, m in ranks.items()},
+                sorted(expect),
+            )
+            return
+        self._incarnations = tuple(found[r] for r in sorted(found))
 
     # ---- vLLM hooks ---------------------------------------------------------------------------
 
@@ -401,7 +433,7 @@ class SchedulerSide:
         remote_ids: list[Any] = [list(g) for g in self.hybrid.select(block_ids)]
         if len(remote_ids) == 1:
             remote_ids = remote_ids[0]
-        return {
+        out: dict[str, Any] = {
             KEY_DO_REMOTE_PREFILL: True,
             KEY_DO_REMOTE_DECODE: False,
             KEY_REMOTE_BLOCK_IDS: remote_ids,
@@ -415,6 +447,17 @@ class SchedulerSide:
             KEY_LEGACY_TP_SIZE: cfg.tp_size,
             KEY_TRANSFER_ID: params.transfer_id,
         }
+        if self._incarnations is not None:
+            out[KEY_REMOTE_INCARNATIONS] = list(self._incarnations)
+        elif not self._incarnations_missing_logged:
+            self._incarnations_missing_logged = True
+            logger.error(
+                "connector %s: the workers' incarnations never reached the scheduler (vLLM did "
+                "not call set_xfer_handshake_metadata); decode instances will refuse to read "
+                "this prefill's KV and recompute",
+                cfg.engine_id,
+            )
+        return out
 
     def update_connector_output(self, finished_sending: set[str] | None) -> None:
         """The workers released these requests' blocks (vLLM frees them now)."""

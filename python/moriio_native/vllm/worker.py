@@ -39,7 +39,7 @@ from moriio_native.pd import PdConfig, PdCore
 from moriio_native.pd.pusher import WRITER_QUEUE
 from moriio_native.verify import LayerChecksums
 from moriio_native.vllm.config import ConnectorConfig
-from moriio_native.vllm.metadata import MoRIIONativeMetadata, RecvTask
+from moriio_native.vllm.metadata import MoRIIONativeMetadata, RankIncarnation, RecvTask
 from moriio_native.vllm.specs import cache_specs, checked_total_kv_heads, split_across_tp
 from moriio_native.vllm.stats import MoRIIONativeStats
 
@@ -117,6 +117,7 @@ class WorkerSide:
                 total_kv_heads=total_kv_heads,
                 verify=config.verify,
                 groups=groups,
+                require_incarnation=config.require_incarnation,
             ),
             self._security,
             self._stats,
@@ -144,6 +145,10 @@ class WorkerSide:
     @property
     def core(self) -> PdCore:
         return self._core
+
+    def handshake_metadata(self) -> RankIncarnation:
+        """This rank's incarnation, for the scheduler (vLLM's ``get_handshake_metadata``)."""
+        return RankIncarnation(self.engine_id, self.tp_rank, self._core.incarnation)
 
     @property
     def layers(self) -> list[str]:

@@ -1,0 +1,472 @@
+"""A flood against a connector pair, measured: genuine READ requests' latency with and without a
+concurrent flood of garbage and valid-schema messages on every listening port, in one run.
+
+A prefill and a decode instance (each vLLM 0.33's real ``Scheduler`` plus the connector's worker
+half, loopback engines, the real ZMQ control plane on 127.0.0.1; tests/py/test_vllm_support.py)
+run in this process. A spawned child floods their four listening ports (the handshake and notify
+port of each) at a stated rate: on every port garbage frames (empty, invalid msgpack, vLLM's
+``get_meta_msg``, truncated maps, a map of an unknown type), on the handshake ports also
+handshake requests that fail the schema, on the notify ports valid messages of transfers nobody
+knows (the prefill's: ``release``; the decode's: ``write_done``, ``write_failed``,
+``write_aborted``), each with a transfer id never sent before (every one is new to the
+listeners' deduplication memories, and each release to the prefill's memory of early releases,
+so those fill up to their bounds).
+
+A genuine round is one fresh handshake with the prefill rank (``fetch_metadata`` to its
+handshake port, the answer checked) plus one request through the connector: the prefill computes
+it (not timed), then the decode's scheduler gets it, READs the KV, and the prefill frees its
+blocks on the decode's release (timed: handshake + transfer + release). Phases alternate without
+and with the flood (``--phases`` of ``--rounds`` each), so drift of the shared machine falls on
+both; before the first flood phase the flood runs until the memories are full (``--fill``), so
+the flood phases run at the bounds. Printed: p50 / p99 / max of both, the ratio of the flood's
+p50 and p99 to the baseline's, the flood rate achieved and what the listeners counted.
+
+Checked by code (each a violation): every genuine request loaded (no load error) and freed on
+both sides; every flood message was received and dropped or ignored (nothing answered, nothing
+delivered to a transfer); the remembered-message gauges within their bounds (deduplication keys,
+early releases, queued messages); the process's RSS over the flood phases after the fill grew by
+at most ``--rss-slack-mib``.
+
+    PYTHONPATH=build/dev/python python3 tests/py/connector_flood.py [--rate 6000] [--rounds 100]
+
+``--remember N`` shrinks the listeners' and the prefill's memories to N entries (production:
+65536) so that a short run fills them; tests/py/test_connector_flood.py runs a short one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import msgpack
+import zmq
+
+from moriio_native.control.channel import NotifyListener, fetch_metadata
+from moriio_native.control.messages import (
+    MAX_HANDSHAKE_REQUEST_BYTES,
+    Release,
+    WriteAborted,
+    WriteDone,
+    WriteFailed,
+    encode,
+)
+from moriio_native.control.security import ControlSecurity
+from moriio_native.pd import core as core_module
+from moriio_native.pd import pusher as pusher_module
+from test_vllm_support import (
+    Side,
+    decode_params,
+    load,
+    pd_request_id,
+    prefill_params,
+    transfer_id,
+    write_model_dir,
+)
+
+logger = logging.getLogger("moriio_native.tests.connector_flood")
+
+LOCAL = "127.0.0.1"
+PRODUCTION_BOUND = 65536
+GARBAGE = [
+    b"",
+    b"\xc1",
+    b"get_meta_msg",
+    b"\x91" * 64,
+    msgpack.packb({"type": "release"}),
+    msgpack.packb({"type": "no_such_type", "transfer_id": "x"}),
+]
+BAD_HANDSHAKES = [
+    msgpack.packb({"type": "handshake_request"}),
+    msgpack.packb({"type": "handshake_request", "requester_engine_id": "x", "nonce": b"short"}),
+    b"\x00" * (MAX_HANDSHAKE_REQUEST_BYTES + 1),
+]
+
+
+# ---- the flooder (a spawned child) ------------------------------------------------------------
+
+
+def _frames(kind: str, n: int) -> list[bytes]:
+    """The ``n``-th flood message for a port of ``kind``: every fourth is garbage, the rest
+    bad handshakes (handshake ports) or valid messages of unknown transfers (notify ports:
+    the prefill's get releases, which it must remember in case their request comes later; the
+    decode's get the messages a prefill sends it)."""
+    if n % 4 == 0:
+        return [GARBAGE[(n // 4) % len(GARBAGE)]]
+    if kind == "handshake":
+        return [BAD_HANDSHAKES[n % len(BAD_HANDSHAKES)]]
+    tid = f"flood-{n}"
+    if kind == "prefill-notify":
+        return [encode(Release(tid))]
+    message = (WriteDone(tid), WriteFailed(tid, reason="flood"), WriteAborted(tid))[n % 3]
+    return [encode(message)]
+
+
+def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float) -> None:
+    """Send to every port in turn at ``rate`` messages per second in all, while the parent
+    says so: ``("go",)`` starts, ``("stop",)`` pauses and answers the counts, ``("quit",)``
+    ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent."""
+    ctx = zmq.Context()
+    socks = []
+    for kind, port in ports:
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://{LOCAL}:{port}")
+        socks.append((kind, port, sock))
+    sent = {port: 0 for _, port in ports}
+    refused = 0
+    n = 0
+    running = False
+    started = 0.0
+    sent_at_start = 0
+    while True:
+        if conn.poll(0 if running else None):
+            cmd = conn.recv()[0]
+            if cmd == "go":
+                running, started = True, time.monotonic()
+                sent_at_start = n
+            elif cmd == "stop":
+                running = False
+                conn.send({"sent": dict(sent), "refused": refused, "total": n})
+            else:
+                break
+            continue
+        # Catch up to the rate in small batches (sleep between them: a busy loop would
+        # take a core the measured process needs).
+        due = int((time.monotonic() - started) * rate) - (n - sent_at_start)
+        if due <= 0:
+            time.sleep(0.002)
+            continue
+        for _ in range(min(due, 500)):
+            kind, port, sock = socks[n % len(socks)]
+            try:
+                sock.send_multipart(_frames(kind, n // len(socks)), zmq.NOBLOCK)
+                sent[port] += 1
+            except zmq.Again:
+                refused += 1
+            n += 1
+    for _, _, sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+class Flooder:
+    def __init__(self, ports: list[tuple[str, int]], rate: float) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_flood, args=(child, ports, rate), daemon=True)
+        self._proc.start()
+        child.close()
+
+    def go(self) -> None:
+        self._conn.send(("go",))
+
+    def stop(self) -> dict[str, Any]:
+        self._conn.send(("stop",))
+        if not self._conn.poll(30):
+            raise AssertionError("the flooder did not answer")
+        return self._conn.recv()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(("quit",))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
+# ---- the measured process ---------------------------------------------------------------------
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def _listeners(side: Side) -> tuple[Any, Any]:
+    worker = side.worker.worker
+    return worker._server, worker._listener
+
+
+def _counts(p: Side, d: Side) -> dict[str, dict[str, int]]:
+    out = {}
+    for name, side in (("prefill", p), ("decode", d)):
+        server, listener = _listeners(side)
+        out[f"{name}-handshake"] = server.stats()
+        out[f"{name}-notify"] = listener.stats()
+    out["prefill-early-releases"] = {"held": len(p.worker.worker.core.pusher._early_releases)}
+    return out
+
+
+@dataclass
+class Result:
+    rounds_per_phase: int
+    phases: int
+    rate: float
+    remember: int
+    baseline_ms: dict[str, float] = field(default_factory=dict)
+    flood_ms: dict[str, float] = field(default_factory=dict)
+    ratio_p50: float = 0.0
+    ratio_p99: float = 0.0
+    flood_seconds: float = 0.0
+    flood_messages: int = 0
+    flood_refused: int = 0
+    achieved_rate: float = 0.0
+    rss_mib: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    p99 = ordered[min(len(ordered) - 1, round(0.99 * (len(ordered) - 1)))]
+    return {
+        "p50": statistics.median(ordered) * 1e3,
+        "p99": p99 * 1e3,
+        "max": ordered[-1] * 1e3,
+        "n": len(ordered),
+    }
+
+
+class Pair:
+    def __init__(self, model_dir: str) -> None:
+        extra = {"abort_timeout": 600, "transfer_timeout": 30}
+        self.p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
+        self.d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra=extra)
+        self.security = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+        self.seed = 0
+
+    def ports(self) -> list[tuple[str, int]]:
+        return [
+            ("handshake", self.p.handshake_port),
+            ("prefill-notify", self.p.notify_port),
+            ("handshake", self.d.handshake_port),
+            ("decode-notify", self.d.notify_port),
+        ]
+
+    def round(self, violations: list[str]) -> float:
+        """One genuine request: (fresh handshake + READ + release) seconds."""
+        p, d = self.p, self.d
+        self.seed += 1
+        prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
+        rid, tid = pd_request_id(p, d), transfer_id()
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        finished = p.step().finished()
+        if rid not in finished:
+            violations.append(f"{rid}: the prefill did not finish it in one step")
+            return 0.0
+        returned = finished[rid].kv_transfer_params
+        started = time.perf_counter()
+        response = fetch_metadata(
+            LOCAL, p.handshake_port, timeout=30, security=self.security, requester_engine_id="b"
+        )
+        if response.engine_id != p.worker.worker.engine_id:
+            violations.append(f"handshake answered as {response.engine_id}")
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+        loaded = load(d, rid)
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"release of {rid}")
+        took = time.perf_counter() - started
+        if loaded.invalid_blocks:
+            violations.append(f"{rid}: load error on blocks {sorted(loaded.invalid_blocks)}")
+        if not all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt)):
+            violations.append(f"{rid}: the decode's blocks do not hold the prefill's bytes")
+        d.run_until(lambda r: rid not in d.scheduler.requests, what=f"decode of {rid}")
+        return took
+
+    def shutdown(self) -> None:
+        self.p.shutdown()
+        self.d.shutdown()
+
+
+@contextlib.contextmanager
+def _memories(bound: int) -> Iterator[None]:
+    """Listeners and the prefill's early-message memory of ``bound`` entries while the pair
+    is made and runs (short runs fill them); the production bounds again afterwards."""
+    saved = core_module.NotifyListener, pusher_module.MAX_EARLY_MESSAGES
+    if bound != PRODUCTION_BOUND:
+        core_module.NotifyListener = functools.partial(  # type: ignore[misc]
+            NotifyListener, dedup_capacity=bound, terminal_capacity=bound, max_pending=bound
+        )
+        pusher_module.MAX_EARLY_MESSAGES = bound
+    try:
+        yield
+    finally:
+        core_module.NotifyListener, pusher_module.MAX_EARLY_MESSAGES = saved  # type: ignore[misc]
+
+
+def run(args: argparse.Namespace) -> Result:
+    res = Result(args.rounds, args.phases, args.rate, args.remember)
+    with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
+        pair = Pair(write_model_dir(Path(tmp)))
+        flooder = Flooder(pair.ports(), args.rate)
+        try:
+            _measure(pair, flooder, args, res)
+        finally:
+            flooder.close()
+            pair.shutdown()
+    return res
+
+
+def _settle(pair: Pair, want: int, limit: float) -> dict[str, dict[str, int]]:
+    """Wait until the listeners counted ``want`` messages in all (the flood's tail drained)."""
+    deadline = time.monotonic() + limit
+    while True:
+        counts = _counts(pair.p, pair.d)
+        got = sum(c.get("received", 0) for k, c in counts.items() if "early" not in k)
+        queued = sum(c.get("queued", 0) for c in counts.values())
+        if (got >= want and queued == 0) or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
+def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -> None:
+    base: list[float] = []
+    flood: list[float] = []
+    pair.round(res.violations)  # warm-up: the decode's handshake cached, first allocations
+    flooded = 0.0
+    rss_start = 0
+    filled = 0  # messages the fill sent
+    if args.fill:
+        flooder.go()
+        bound = args.remember
+        deadline = time.monotonic() + args.fill_limit
+        while time.monotonic() < deadline:
+            c = _counts(pair.p, pair.d)
+            if (
+                c["prefill-notify"]["remembered"] >= bound
+                and c["decode-notify"]["remembered"] >= bound
+                and c["prefill-early-releases"]["held"] >= bound
+            ):
+                break
+            time.sleep(0.2)
+        else:
+            res.violations.append(f"the flood did not fill the memories within {args.fill_limit}s")
+        filled = flooder.stop()["total"]
+    for phase in range(2 * args.phases):
+        with_flood = phase % 2 == 1
+        if with_flood:
+            if not rss_start:
+                rss_start = rss_bytes()
+            flooder.go()
+            t0 = time.monotonic()
+        for _ in range(args.rounds):
+            (flood if with_flood else base).append(pair.round(res.violations))
+        if with_flood:
+            flooded += time.monotonic() - t0
+            flooder.stop()
+    sent = flooder.stop()
+    counts = _settle(pair, sent["total"] - sent["refused"], 60)
+    rss_end = rss_bytes()
+    res.baseline_ms, res.flood_ms = _summary(base), _summary(flood)
+    res.ratio_p50 = res.flood_ms["p50"] / res.baseline_ms["p50"]
+    res.ratio_p99 = res.flood_ms["p99"] / res.baseline_ms["p99"]
+    res.flood_seconds = flooded
+    res.flood_messages = sent["total"]
+    res.flood_refused = sent["refused"]
+    res.achieved_rate = (sent["total"] - filled) / max(flooded, 1e-9)
+    res.rss_mib = {
+        "start_of_flood_phases": rss_start / 2**20,
+        "end": rss_end / 2**20,
+        "growth": (rss_end - rss_start) / 2**20,
+    }
+    res.counts = counts
+    _check(res, counts, sent, args)
+
+
+def _check(
+    res: Result, counts: dict[str, dict[str, int]], sent: dict[str, Any], args: argparse.Namespace
+) -> None:
+    v = res.violations
+    received = sum(c.get("received", 0) for k, c in counts.items() if "early" not in k)
+    # Every genuine handshake and message of the rounds is counted too: at least the flood.
+    if received < sent["total"] - sent["refused"]:
+        v.append(f"listeners received {received} of {sent['total'] - sent['refused']} sent")
+    # Only genuine handshakes are answered: each round's, the warm-up's and the decode's one.
+    genuine = res.rounds_per_phase * 2 * res.phases + 2
+    for name, want in (("prefill-handshake", genuine), ("decode-handshake", 0)):
+        if counts[name]["answered"] != want:
+            v.append(f"{name}: answered {counts[name]['answered']} handshakes, expected {want}")
+    for name in ("prefill-notify", "decode-notify"):
+        c = counts[name]
+        if c["remembered"] > args.remember:
+            v.append(f"{name}: {c['remembered']} keys remembered, bound {args.remember}")
+        if c["queued"] > args.remember:
+            v.append(f"{name}: {c['queued']} queued, bound {args.remember}")
+    held = counts["prefill-early-releases"]["held"]
+    if held > args.remember:
+        v.append(f"prefill: {held} early releases held, bound {args.remember}")
+    if res.rss_mib["growth"] > args.rss_slack_mib:
+        v.append(
+            f"RSS grew {res.rss_mib['growth']:.1f} MiB over the flood phases "
+            f"(slack {args.rss_slack_mib} MiB)"
+        )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rate", type=float, default=6000.0, help="flood messages/s in all")
+    parser.add_argument("--rounds", type=int, default=200, help="genuine requests per phase")
+    parser.add_argument("--phases", type=int, default=3, help="pairs of (baseline, flood)")
+    parser.add_argument("--remember", type=int, default=PRODUCTION_BOUND)
+    parser.add_argument("--no-fill", dest="fill", action="store_false")
+    parser.add_argument("--fill-limit", type=float, default=300.0)
+    parser.add_argument("--rss-slack-mib", type=float, default=32.0)
+    parser.add_argument("--json", type=Path)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("moriio_native").setLevel(logging.ERROR)  # the flood's drop notices
+    res = run(args)
+    b, f = res.baseline_ms, res.flood_ms
+    logger.warning(
+        "genuine handshake+READ+release, %d rounds each: baseline p50 %.2f ms p99 %.2f ms max "
+        "%.2f ms; under the flood p50 %.2f ms p99 %.2f ms max %.2f ms; ratio p50 %.2fx p99 "
+        "%.2fx; flood %d messages (%d refused by ZMQ's high-water mark), %.0f/s asked, %.0f/s "
+        "sent over %.1f s of flood phases; RSS %+.1f MiB; violations %d",
+        b["n"],
+        b["p50"],
+        b["p99"],
+        b["max"],
+        f["p50"],
+        f["p99"],
+        f["max"],
+        res.ratio_p50,
+        res.ratio_p99,
+        res.flood_messages,
+        res.flood_refused,
+        res.rate,
+        res.achieved_rate,
+        res.flood_seconds,
+        res.rss_mib["growth"],
+        len(res.violations),
+    )
+    for line in res.violations:
+        logger.error("violation: %s", line)
+    text = json.dumps(asdict(res), indent=2, sort_keys=True)
+    if args.json is not None:
+        args.json.write_text(text + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+    return 1 if res.violations else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
