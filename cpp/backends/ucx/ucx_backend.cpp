@@ -83,9 +83,11 @@ constexpr unsigned kAmPushRequest = 0x6d01;
 constexpr unsigned kAmPushData = 0x6d02;
 constexpr unsigned kAmPushAnswer = 0x6d03;
 // Bytes per data message, and messages in flight per request: enough to keep a tcp connection
-// busy without copying a whole batch into send buffers at once.
+// busy without copying a whole batch into send buffers at once; and over all requests, so that
+// many readers at once cost at most 16 MiB of send buffers.
 constexpr std::uint64_t kPushChunk = 256u << 10;
 constexpr std::size_t kPushChunksInFlight = 8;
+constexpr std::size_t kMaxPushSends = 64;
 // Requests received but not yet started (the handler only queues them); more are dropped, so a
 // flood of requests costs bounded memory (their readers' batches then end at their deadlines).
 constexpr std::size_t kMaxQueuedPushRequests = 4096;
@@ -535,6 +537,7 @@ class UcxBackend final : public Backend {
   std::map<std::vector<std::uint8_t>, std::shared_ptr<PushReader>> push_readers_;
   std::list<PushJob> push_jobs_;
   bool push_reader_failed_ = false;  // some PushReader failed: ServePushes closes it
+  std::size_t push_sends_ = 0;       // PushSends UCX holds, over every job
 };
 
 // ---- construction -----------------------------------------------------------------------------
@@ -846,9 +849,8 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // fails cma operations with an error anyway, and the direct paths need no peer at all. Over
     // network transports (UCX_TLS=tcp) nothing in UCX ends the operations of a dead same-host
     // peer without PEER mode, so the progress thread watches a peer whose identity it can prove
-    // (CheckPeersAlive). PEER mode is not asked for there: with it, UCX 1.22 in the *peer*
-    // aborts when this process dies with gets queued at it (docs/backends-ucx.md). Only a peer
-    // that cannot be watched (identity unproven) over network transports gets PEER mode.
+    // (CheckPeersAlive); PEER mode is asked for there only for a peer that cannot be watched
+    // (identity unproven) or that serves push READs (below).
     // READs over network transports go by push when the peer serves it (ReadsByPush): no get is
     // then queued at the peer, and PEER mode is what makes the target's sends back to a reader
     // that died fail (its endpoint back must use our mode: UCX pairs the two).
@@ -1678,6 +1680,30 @@ bool UcxBackend::CheckPeersAlive() {
 
 // ---- push READ (see the comment at kAmPushRequest) ---------------------------------------------
 
+namespace {
+
+/// Parameters of an eager active message whose completion calls `cb` with `user_data`.
+ucp_request_param_t EagerAmParams(ucp_send_nbx_callback_t cb, void* user_data) {
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = cb;
+  p.user_data = user_data;
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  return p;
+}
+
+std::string PushWhat(const ActiveBatch& ab) {
+  return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
+         std::to_string(ab.batch->peer);
+}
+
+std::span<const std::uint8_t> Bytes(const void* p, std::size_t n) {
+  return {static_cast<const std::uint8_t*>(p), n};
+}
+
+}  // namespace
+
 bool UcxBackend::ReadsByPush(ucp_ep_h ep, const WireAddress& peer) const {
   if (!serves_push_ || (peer.flags & kAddressFlagServesPush) == 0 ||
       options_.read_push == ReadPush::kOff) {
@@ -1718,12 +1744,7 @@ void UcxBackend::StartPush(ActiveBatch& ab) {
       ab.push_id, ab.remote->peer->peer_mode ? kPushFlagPeerErrorHandling : 0, local_address_,
       ab.remote->range.address, ab.remote->range.size, b.remote_offsets, b.sizes);
   push_reads_[ab.push_id.seq] = &ab;
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = &UcxBackend::OnOpDone;
-  p.user_data = &ab;
-  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  const ucp_request_param_t p = EagerAmParams(&UcxBackend::OnOpDone, &ab);
   ucs_status_ptr_t r = api_->am_send_nbx(ab.remote->peer->ep, kAmPushRequest, nullptr, 0,
                                          ab.push_request.data(), ab.push_request.size(), &p);
   if (r == nullptr) return;  // sent in place
@@ -1749,19 +1770,6 @@ ActiveBatch* UcxBackend::PushRead(std::span<const std::uint8_t> header, std::siz
 void UcxBackend::ForgetPushRead(const ActiveBatch& ab) {
   if (ab.path == Path::kPush) push_reads_.erase(ab.push_id.seq);
 }
-
-namespace {
-
-std::string PushWhat(const ActiveBatch& ab) {
-  return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
-         std::to_string(ab.batch->peer);
-}
-
-std::span<const std::uint8_t> Bytes(const void* p, std::size_t n) {
-  return {static_cast<const std::uint8_t*>(p), n};
-}
-
-}  // namespace
 
 ucs_status_t UcxBackend::OnPushData(void* arg, const void* header, std::size_t header_length,
                                     void* data, std::size_t length,
@@ -1851,6 +1859,7 @@ void UcxBackend::OnPushSent(void* request, ucs_status_t status, void* user_data)
   UcxBackend* self = job->reader->owner;
   if (status != UCS_OK) job->dropped = true;  // the reader is gone: nothing to tell it
   job->sends.erase(send->self);
+  self->push_sends_--;
   self->api_->request_free(request);
 }
 
@@ -1967,7 +1976,8 @@ bool UcxBackend::PumpPushJob(PushJob& job) {
                                           "request " + std::to_string(job.id.seq) + " ran");
   }
   bool did = false;
-  while (job.refusal.ok() && job.sent < job.total && job.sends.size() < kPushChunksInFlight) {
+  while (job.refusal.ok() && job.sent < job.total && job.sends.size() < kPushChunksInFlight &&
+         push_sends_ < kMaxPushSends) {
     const std::uint64_t n = std::min(kPushChunk, job.total - job.sent);
     std::vector<std::uint8_t> payload(n);
     for (std::uint64_t filled = 0; filled < n;) {
@@ -2009,16 +2019,14 @@ bool UcxBackend::PostPushSend(PushJob& job, unsigned id, std::vector<std::uint8_
   send.header = std::move(header);
   send.payload = std::move(payload);
   send.self = std::prev(job.sends.end());
-  ucp_request_param_t p{};
-  p.op_attr_mask =
-      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
-  p.cb.send = &UcxBackend::OnPushSent;
-  p.user_data = &send;
-  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  const ucp_request_param_t p = EagerAmParams(&UcxBackend::OnPushSent, &send);
   ucs_status_ptr_t r =
       api_->am_send_nbx(job.reader->ep, id, send.header.data(), send.header.size(),
                         send.payload.data(), send.payload.size(), &p);
-  if (r != nullptr && !UCS_PTR_IS_ERR(r)) return true;  // OnPushSent ends it
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    push_sends_++;
+    return true;  // OnPushSent ends it
+  }
   job.sends.erase(send.self);
   if (r == nullptr) return true;  // sent in place
   job.dropped = true;             // the endpoint failed: the reader is gone
