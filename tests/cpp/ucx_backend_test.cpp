@@ -1138,6 +1138,70 @@ TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
   }
 }
 
+// A push READ the reader gave up (DisconnectPeer while the stopped target had not answered)
+// completes once, aborted, and the chunks the target sends after it resumes are dropped:
+// nothing lands in the batch's memory after its completion. A later READ through a new
+// connection, which the target serves after the first, shows those chunks were sent.
+TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  // Runs of 4 KiB: the first batch fills the first half of the local region, the second the rest.
+  constexpr std::size_t kRuns = 512, kRun = 4096, kHalf = kRegion / 2;
+  auto half = [&](std::uint64_t token, std::uint64_t remote_region, std::size_t at) {
+    auto b = std::make_shared<mn::Batch>();
+    b->op = mn::TransferOp::kRead;
+    b->local_region = us.local_region;
+    b->peer = us.peer;
+    b->remote_region = remote_region;
+    b->token = token;
+    for (std::size_t i = 0; i < kRuns; ++i) {
+      b->local_offsets.push_back(static_cast<std::int64_t>(at + 2 * i * kRun));
+      b->remote_offsets.push_back(static_cast<std::int64_t>(((i * 7) % kRuns) * 2 * kRun));
+      b->sizes.push_back(kRun);
+    }
+    return b;
+  };
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 90, 10, 90)).ok());
+  ASSERT_TRUE(us.sink->Wait(90).ok()) << us.sink->StatusOf(90).ToString();
+  const std::vector<std::uint8_t> untouched = Pattern(kRegion, 91);
+  us.local->Write(untouched);
+  target.Pause();
+  const auto before = PathCounters();
+  ASSERT_TRUE(us.backend->Submit(half(91, us.remote_region, 0)).ok());
+  EXPECT_EQ(us.sink->Wait(91, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout);
+  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+  mn::Status st = us.sink->Wait(91);
+  EXPECT_EQ(st.code(), mn::StatusCode::kAborted) << st.ToString();
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
+            before[static_cast<int>(Path::kPush)] + 1);
+  target.Resume();
+  auto peer = us.backend->ConnectPeer(target.address);
+  ASSERT_TRUE(peer.ok()) << peer.status().ToString();
+  us.peer = *peer;
+  auto remote = us.backend->ImportRemoteRegion(us.peer, target.range, target.key);
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  auto second = half(92, *remote, kHalf);
+  std::vector<std::uint8_t> want = untouched;
+  std::vector<std::uint8_t> source = Pattern(kRegion, kChildSeed);
+  Apply(*second, want, source);
+  ASSERT_TRUE(us.backend->Submit(second).ok());
+  st = us.sink->Wait(92);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want.data(), kRegion), -1)
+      << "bytes of the aborted READ landed, or the second READ moved the wrong ones";
+  EXPECT_EQ(us.sink->Count(91), 1);
+  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+  us.backend.reset();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
 // The target serves a push READ only from its own registered host memory: a reader whose key
 // claims more than the target registered (forged here: the key's checksum is no secret) gets
 // the batch failed with the target's reason, and nothing is read or written.

@@ -82,12 +82,15 @@ constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
 constexpr unsigned kAmPushRequest = 0x6d01;
 constexpr unsigned kAmPushData = 0x6d02;
 constexpr unsigned kAmPushAnswer = 0x6d03;
-// Bytes per data message, and messages in flight per request: enough to keep a tcp connection
-// busy without copying a whole batch into send buffers at once; and over all requests, so that
-// many readers at once cost at most 16 MiB of send buffers.
-constexpr std::uint64_t kPushChunk = 256u << 10;
-constexpr std::size_t kPushChunksInFlight = 8;
-constexpr std::size_t kMaxPushSends = 64;
+// Bytes per data message: one tcp segment (UCX_TCP_TX_SEG_SIZE, 8 KiB by default, less the
+// headers), so that UCX sends each as one fragment. A message of several fragments is dropped by
+// the reader's UCX unless the endpoint the target's endpoint is paired with still exists (UCX
+// pairs the n-th endpoint one worker creates to another with the other's n-th; a reader that
+// closed and reopened its endpoint leaves the pairing stale). Then messages in flight per
+// request, and over all requests (at most 8 MiB of send buffers however many readers ask).
+constexpr std::uint64_t kPushChunk = 7u << 10;
+constexpr std::size_t kPushChunksInFlight = 64;
+constexpr std::size_t kMaxPushSends = 1024;
 // Requests received but not yet started (the handler only queues them); more are dropped, so a
 // flood of requests costs bounded memory (their readers' batches then end at their deadlines).
 constexpr std::size_t kMaxQueuedPushRequests = 4096;
@@ -978,8 +981,11 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
     std::vector<ActiveBatch*> mine;
     for (auto& ab : active_) {
       if (ab.remote->peer != peer) continue;
+      // Asked before stopping it: a stopped batch with nothing in flight counts as finished (a
+      // push READ has no UCX request in flight while it waits for the target's bytes).
+      const bool finished = ab.Finished();
       ab.stop = true;
-      if (ab.error.ok() && !ab.Finished()) {
+      if (ab.error.ok() && !finished) {
         ab.error = AbortedError("peer " + std::to_string(peer_id) +
                                 " was disconnected while the batch was in flight");
       }
@@ -1827,6 +1833,12 @@ ucs_status_t UcxBackend::OnPushAnswer(void* arg, const void* header, std::size_t
   } else if (sent != ab->push_total) {
     ab->Fail(TransportError(PushWhat(*ab) + ": the target sent " + std::to_string(sent) +
                             " bytes, the batch reads " + std::to_string(ab->push_total)));
+  } else if (ab->push_received != ab->push_total) {
+    // The target answers after its last chunk left, on the same lane: chunks missing now were
+    // lost (dropped by this UCX), and waiting would wait for good.
+    ab->Fail(TransportError(PushWhat(*ab) + ": " + std::to_string(ab->push_received) + " of " +
+                            std::to_string(ab->push_total) +
+                            " bytes arrived before the target's answer (the rest were lost)"));
   } else {
     ab->push_done = true;  // complete once every byte arrived (FinishBatches)
   }
@@ -2160,12 +2172,8 @@ void UcxBackend::Shutdown() {
   push_readers_.clear();
   if (!drained) destroy_rkeys();
   // Operations the forced close cancelled report through their callbacks.
-  ProgressUntil(
-      [&] {
-        return outstanding_ops_ == 0 && std::all_of(push_jobs_.begin(), push_jobs_.end(),
-                                                    [](const PushJob& j) { return j.sends.empty(); });
-      },
-      Clock::now() + kCancelDeadline);
+  ProgressUntil([&] { return outstanding_ops_ == 0 && push_sends_ == 0; },
+                Clock::now() + kCancelDeadline);
   for (auto& ab : active_) {
     if (ab.cuda_op != nullptr) {
       LoadCudaCopy().api->release_op(ab.cuda_op);  // waits for the kernel
