@@ -1988,8 +1988,12 @@ bool UcxBackend::PumpPushJob(PushJob& job) {
                                           "request " + std::to_string(job.id.seq) + " ran");
   }
   bool did = false;
-  while (job.refusal.ok() && job.sent < job.total && job.sends.size() < kPushChunksInFlight &&
-         push_sends_ < kMaxPushSends) {
+  // Also at most that many chunks per call: sends UCX completes in place leave no trace in
+  // `sends`, and one huge batch must not keep the progress thread to itself.
+  for (std::size_t posted = 0; job.refusal.ok() && job.sent < job.total &&
+                               job.sends.size() < kPushChunksInFlight &&
+                               push_sends_ < kMaxPushSends && posted < kPushChunksInFlight;
+       ++posted) {
     const std::uint64_t n = std::min(kPushChunk, job.total - job.sent);
     std::vector<std::uint8_t> payload(n);
     for (std::uint64_t filled = 0; filled < n;) {
