@@ -21,7 +21,8 @@ UCP_MEM_MAP_ALLOCATE shared memory the peer maps with ucp_rkey_ptr and fills wit
 ``allocated_ucx_ops`` (same memory, ``ucx_direct_copy=off``); the allocated variants need
 ``Engine.allocate_host_backing`` and are reported as not run without it. CUDA: ``cuda`` (CUDA IPC
 mapped with ucp_rkey_ptr, one gather/scatter kernel per batch) and ``cuda_ucx_ops`` (one UCX
-cuda_ipc operation per run).
+cuda_ipc operation per run). On request (``--variants tcp_get,tcp_push``): UCX over tcp only, READ
+by ``ucp_get_nbx`` against READ pushed by the target; the push/get ratio of their reads is printed.
 
 Processes are pinned to different CPUs when there are several. Every transfer's bytes are
 verified once per size (digests of the moved blocks on both sides), outside the timed region.
@@ -62,6 +63,10 @@ VARIANTS: dict[str, tuple[dict[str, str], str]] = {
     "allocated_ucx_ops": ({"ucx_direct_copy": "off"}, "allocated"),
     "cuda": ({}, "cuda"),
     "cuda_ucx_ops": ({"ucx_direct_copy": "off"}, "cuda"),
+    # TCP only, as between two hosts: READ by ucp_get_nbx (served in software by the target's
+    # UCX) against READ pushed by the target (the backend's default over tcp).
+    "tcp_get": ({"ucx_tls": "tcp", "ucx_direct_copy": "off", "ucx_read_push": "off"}, "host"),
+    "tcp_push": ({"ucx_tls": "tcp", "ucx_direct_copy": "off"}, "host"),
 }
 DEFAULT_VARIANTS = {
     "host": "plain,plain_ucx_ops,allocated,allocated_ucx_ops",
@@ -399,6 +404,11 @@ def main(argv: list[str] | None = None) -> int:
         f"(GB/s. {base_name}: the same runs in one process; 1 copy: one contiguous copy of the "
         f"whole backing. Ratios are against {base_name}.)"
     )
+    reads = {(r["variant"], r["run_bytes"]): r["read_gbps"] for r in rows}
+    for (variant, run_bytes), gbps in reads.items():
+        get = reads.get(("tcp_get", run_bytes))
+        if variant == "tcp_push" and get:
+            print(f"tcp READ, {run_bytes}-byte runs: push / get = {gbps / get:.2f}")
     for name, why in not_run.items():
         print(f"{name}: not run: {why}")
     if args.json:

@@ -539,7 +539,8 @@ TEST(BackendOptionsSharing, UcxListsEveryKeyItParses) {
   auto keys = BackendOptionKeys("ucx");
   if (!keys.ok()) GTEST_SKIP() << keys.status().ToString();
   for (const char* k : {"ucx_library_path", "ucx_tls", "ucx_net_devices", "progress_mode",
-                        "ucx_direct_copy", "ucx_error_handling", "ucx_config"}) {
+                        "ucx_direct_copy", "ucx_error_handling", "ucx_read_push",
+                        "ucx_config"}) {
     EXPECT_TRUE(std::ranges::binary_search(*keys, std::string(k))) << k;
   }
 }

@@ -87,6 +87,15 @@ Status ResolveAll(const DynamicLibrary& handle, UcxApi& api) {
     return BackendUnavailableError("UCX library lacks required symbols (" + missing +
                                    "); UCX 1.10 or newer is needed");
   }
+  std::string absent;  // optional: a UCX without them keeps reading with ucp_get_nbx
+  Resolve(handle, "ucp_am_send_nbx", api.am_send_nbx, absent);
+  Resolve(handle, "ucp_worker_set_am_recv_handler", api.worker_set_am_recv_handler, absent);
+  Resolve(handle, "ucp_ep_query", api.ep_query, absent);
+  if (!absent.empty()) {
+    api.am_send_nbx = nullptr;
+    api.worker_set_am_recv_handler = nullptr;
+    api.ep_query = nullptr;
+  }
   return Status::OK();
 }
 

@@ -49,6 +49,16 @@ struct UcxApi {
   decltype(&::ucp_request_check_status) request_check_status = nullptr;
   decltype(&::ucp_request_free) request_free = nullptr;
   decltype(&::ucs_status_string) status_string = nullptr;
+  // Optional (null when this UCX lacks them): the target-driven READ ("push", see
+  // "Push READ" in ucx_backend.cpp) needs active messages and the endpoint's transport list.
+  decltype(&::ucp_am_send_nbx) am_send_nbx = nullptr;
+  decltype(&::ucp_worker_set_am_recv_handler) worker_set_am_recv_handler = nullptr;
+  decltype(&::ucp_ep_query) ep_query = nullptr;
+
+  /// Whether the optional entry points of the push READ were all found.
+  bool has_push() const {
+    return am_send_nbx != nullptr && worker_set_am_recv_handler != nullptr && ep_query != nullptr;
+  }
 
   /// The libucp file that was loaded (absolute path) and its version.
   std::string library_path;

@@ -22,6 +22,7 @@
 #include <list>
 #include <map>
 #include <mutex>
+#include <random>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -65,6 +66,43 @@ constexpr auto kCancelDeadline = std::chrono::seconds(1);
 // How often the progress thread checks that a same-host peer without UCX peer-failure detection
 // still exists while operations to it are in flight (one process_vm_readv per such peer).
 constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
+
+// ---- Push READ ----------------------------------------------------------------------------------
+// Over transports without a one-sided get (tcp, ud), UCX serves a ucp_get_nbx in software: the
+// target's UCX answers each get with a reply request it creates inside ucp_worker_progress, and
+// UCX 1.22 aborts the target process when that reply's send fails because the reader died
+// meanwhile (ucp_request_try_send: "unexpected error"). No request of the target's backend is
+// involved, so nothing could catch it. Such READs are therefore served by the target itself:
+//   reader -> target  kAmPushRequest: the batch's id, the reader's address and the runs, as
+//                     offsets into the target range the reader imported (EncodePushRequest);
+//   target -> reader  kAmPushData: the runs' bytes, in run order, as one stream cut in chunks;
+//                     kAmPushAnswer: done (with the stream's length) or failed (with the reason).
+// The target checks the range against its own registered host regions and every run against the
+// range, and answers a request that names anything else as failed, sending nothing of it. It
+// sends through an endpoint of its own (peer-failure detection on), so a dead reader fails the
+// target's own send requests, which it drops: no abort. The reader writes its local memory
+// itself, in its data handler, and only while the batch is active: once the batch completed
+// (done, failed, peer death, disconnect), late chunks are dropped, so nothing lands after a
+// terminal state. The target never writes the reader's memory, so a stranger's request cannot
+// make it write anywhere; all it can read is memory the target registered (as a get could).
+// All messages are eager: a rendezvous would make the receiving UCX fetch the payload with a get.
+constexpr unsigned kAmPushRequest = 0x6d01;
+constexpr unsigned kAmPushData = 0x6d02;
+constexpr unsigned kAmPushAnswer = 0x6d03;
+// Bytes per data message: one tcp segment (UCX_TCP_TX_SEG_SIZE, 8 KiB by default, less the
+// headers), so that UCX sends each as one fragment. A message of several fragments is dropped by
+// the reader's UCX unless the endpoint the target's endpoint is paired with still exists (UCX
+// pairs the n-th endpoint one worker creates to another with the other's n-th; a reader that
+// closed and reopened its endpoint leaves the pairing stale). Then messages in flight per
+// request, and over all requests (at most 8 MiB of send buffers however many readers ask).
+constexpr std::uint64_t kPushChunk = 7u << 10;
+constexpr std::size_t kPushChunksInFlight = 64;
+constexpr std::size_t kMaxPushSends = 1024;
+// Requests received but not yet started (the handler only queues them); more are dropped, so a
+// flood of requests costs bounded memory (their readers' batches then end at their deadlines).
+constexpr std::size_t kMaxQueuedPushRequests = 4096;
+// The longest failure reason a reader keeps from a target's answer.
+constexpr std::size_t kMaxPushReason = 1024;
 
 ucs_memory_type_t ToUcs(MemoryKind kind) {
   switch (kind) {
@@ -241,6 +279,7 @@ struct LocalRegion {
   ucp_mem_h memh = nullptr;
   std::shared_ptr<Allocation> alloc;  // set: memh belongs to the allocation
   int inflight = 0;                   // batches using it; guarded by UcxBackend::mutex_
+  bool deregistered = false;          // worker thread only: push jobs stop reading it
 };
 
 struct PeerState {
@@ -257,6 +296,9 @@ struct PeerState {
   // Set when the endpoint has no UCX peer-failure detection (same host) and the peer's identity
   // was proven: the progress thread then detects the peer's death itself (CheckPeersAlive).
   ProcessIdentity liveness_identity;  // pid 0: not watched
+  // READs of host memory from this peer take the push path (ConnectPeer decides, once).
+  bool push = false;
+  bool peer_mode = false;  // ep has UCX peer-failure detection (push requests say so)
 };
 
 struct RemoteRegion {
@@ -267,7 +309,7 @@ struct RemoteRegion {
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
 };
 
-enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy, kCma };
+enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy, kCma, kPush };
 
 /// The largest cell the CUDA copy plugin's cell kernel takes (cudacopy_abi.h).
 constexpr std::int64_t kMaxCudaCellBytes = 16384;
@@ -303,13 +345,64 @@ struct ActiveBatch {
   // without peer-failure detection): kept only so their callbacks find it.
   bool abandoned = false;
   Status error;
+  // Path::kPush: the id the target's messages carry, the stream offset where each run starts,
+  // the stream's length, the bytes copied in so far, whether the target said done, and the
+  // request message (UCX may send from it until its request completes).
+  PushId push_id;
+  std::vector<std::uint64_t> push_starts;
+  std::uint64_t push_total = 0;
+  std::uint64_t push_received = 0;
+  bool push_done = false;
+  std::vector<std::uint8_t> push_request;
 
   std::size_t runs() const { return batch->sizes.size(); }
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
+    if (path == Path::kPush) return push_done && push_received == push_total;
     return next_run == runs() && (!needs_flush || flush_posted);
   }
+  /// Fails the batch with `error` unless it already failed; it posts nothing more.
+  void Fail(Status why) {
+    stop = true;
+    if (error.ok()) error = std::move(why);
+  }
+};
+
+/// A target's own endpoint to a reader that asked for push READs, keyed by the reader's address.
+/// Worker thread only.
+struct PushReader {
+  UcxBackend* owner = nullptr;
+  ucp_ep_h ep = nullptr;
+  bool failed = false;  // UCX reported the endpoint failed: send nothing more, close it
+};
+
+struct PushJob;
+
+/// One data or answer message of a push job while UCX sends it. Worker thread only.
+struct PushSend {
+  PushJob* job = nullptr;
+  std::vector<std::uint8_t> header;
+  std::vector<std::uint8_t> payload;
+  std::list<PushSend>::iterator self;
+};
+
+/// A push READ the target serves: sends the runs' bytes, then the answer. Worker thread only.
+struct PushJob {
+  PushId id;
+  std::shared_ptr<PushReader> reader;
+  std::shared_ptr<LocalRegion> region;  // null for a refused request
+  std::uint64_t base = 0;               // address of the request's offset 0
+  std::vector<std::uint64_t> offsets;
+  std::vector<std::uint64_t> sizes;
+  std::uint64_t total = 0;
+  std::size_t next_run = 0;      // first run not fully gathered
+  std::uint64_t run_done = 0;    // bytes of runs[next_run] gathered
+  std::uint64_t sent = 0;        // stream bytes handed to UCX
+  Status refusal;                // not OK: answer failed with it, send no data
+  bool answered = false;         // the answer was handed to UCX
+  bool dropped = false;          // the reader is gone: send nothing more
+  std::list<PushSend> sends;     // in flight; the job lives until this is empty
 };
 
 class UcxBackend final : public Backend {
@@ -345,6 +438,16 @@ class UcxBackend final : public Backend {
 
   static void OnOpDone(void* request, ucs_status_t status, void* user_data);
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnPushReaderError(void* arg, ucp_ep_h ep, ucs_status_t status);
+  static void OnPushSent(void* request, ucs_status_t status, void* user_data);
+  static ucs_status_t OnPushRequest(void* arg, const void* header, std::size_t header_length,
+                                    void* data, std::size_t length,
+                                    const ucp_am_recv_param_t* param);
+  static ucs_status_t OnPushData(void* arg, const void* header, std::size_t header_length,
+                                 void* data, std::size_t length, const ucp_am_recv_param_t* param);
+  static ucs_status_t OnPushAnswer(void* arg, const void* header, std::size_t header_length,
+                                   void* data, std::size_t length,
+                                   const ucp_am_recv_param_t* param);
 
   std::string UcsText(ucs_status_t st) const { return api_->status_string(st); }
 
@@ -367,6 +470,22 @@ class UcxBackend final : public Backend {
   bool PollCudaCopies();
   bool CheckPeersAlive();
   bool HandlePeerFailures();
+  // Push READ, reader side: whether READs from the endpoint's peer go by push (ConnectPeer);
+  // the request message; the active batch a target's message names (null: none, or ended); the
+  // batch leaving the active list.
+  bool ReadsByPush(ucp_ep_h ep, const WireAddress& peer) const;
+  void StartPush(ActiveBatch& ab);
+  ActiveBatch* PushRead(std::span<const std::uint8_t> header, std::size_t header_size);
+  void ForgetPushRead(const ActiveBatch& ab);
+  // Push READ, target side: starts queued requests, sends their chunks and answers, closes the
+  // endpoints of readers that failed.
+  bool ServePushes();
+  void StartPushJob(std::span<const std::uint8_t> message);
+  std::shared_ptr<PushReader> PushReaderFor(std::span<const std::uint8_t> address,
+                                            bool peer_mode);
+  bool PumpPushJob(PushJob& job);
+  bool PostPushSend(PushJob& job, unsigned id, std::vector<std::uint8_t> header,
+                    std::vector<std::uint8_t> payload);
   bool FinishBatches();
   void StartCudaCopy(ActiveBatch& ab);
   // The cell part of StartCudaCopy: one submit_cells for the whole batch.
@@ -424,6 +543,16 @@ class UcxBackend final : public Backend {
   std::list<ActiveBatch> abandoned_;
   std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
   int cuda_device_ = 0;               // device of our CUDA registrations (last one registered)
+
+  // Push READ (worker thread only). serves_push_: the AM handlers are installed (Init).
+  bool serves_push_ = false;
+  PushId next_push_id_;  // nonce drawn at Init; seq counts this backend's push READs
+  std::unordered_map<std::uint64_t, ActiveBatch*> push_reads_;  // by seq, reader side
+  std::deque<std::vector<std::uint8_t>> push_requests_;       // received, not yet started
+  std::map<std::vector<std::uint8_t>, std::shared_ptr<PushReader>> push_readers_;
+  std::list<PushJob> push_jobs_;
+  bool push_reader_failed_ = false;  // some PushReader failed: ServePushes closes it
+  std::size_t push_sends_ = 0;       // PushSends UCX holds, over every job
 };
 
 // ---- construction -----------------------------------------------------------------------------
@@ -481,6 +610,7 @@ Status UcxBackend::Init() {
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
   params.features = UCP_FEATURE_RMA;
+  if (api_->has_push()) params.features |= UCP_FEATURE_AM;
   if (options_.progress_mode == ProgressMode::kThread) params.features |= UCP_FEATURE_WAKEUP;
   st = api_->init_version(UCP_API_MAJOR, UCP_API_MINOR, &params, config, &context_);
   api_->config_release(config);
@@ -514,12 +644,33 @@ Status UcxBackend::Init() {
     return BackendUnavailableError("ucp_worker_create failed: " + UcsText(st));
   }
 
+  if (api_->has_push()) {
+    serves_push_ = true;
+    const std::pair<unsigned, ucp_am_recv_callback_t> handlers[] = {
+        {kAmPushRequest, &UcxBackend::OnPushRequest},
+        {kAmPushData, &UcxBackend::OnPushData},
+        {kAmPushAnswer, &UcxBackend::OnPushAnswer}};
+    for (const auto& [id, cb] : handlers) {
+      ucp_am_handler_param_t hp{};
+      hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_FLAGS |
+                      UCP_AM_HANDLER_PARAM_FIELD_CB | UCP_AM_HANDLER_PARAM_FIELD_ARG;
+      hp.id = id;
+      hp.flags = UCP_AM_FLAG_WHOLE_MSG;  // one callback per message, never per fragment
+      hp.cb = cb;
+      hp.arg = this;
+      serves_push_ &= api_->worker_set_am_recv_handler(worker_, &hp) == UCS_OK;
+    }
+    std::random_device rd;
+    next_push_id_.nonce = (static_cast<std::uint64_t>(rd()) << 32) | rd();
+  }
+
   ucp_address_t* addr = nullptr;
   std::size_t addr_len = 0;
   st = api_->worker_get_address(worker_, &addr, &addr_len);
   if (st != UCS_OK) return TransportError("ucp_worker_get_address failed: " + UcsText(st));
   local_address_ = EncodeAddress(api_->version(), LocalHostId(), LocalProcessIdentity(),
-                                 {reinterpret_cast<const std::uint8_t*>(addr), addr_len});
+                                 {reinterpret_cast<const std::uint8_t*>(addr), addr_len},
+                                 serves_push_ ? kAddressFlagServesPush : 0);
   api_->worker_release_address(worker_, addr);
 
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -688,6 +839,7 @@ Status UcxBackend::DeregisterMemory(std::uint64_t handle) {
       regions_.erase(it);
       if (region->alloc) region->alloc->registrations--;
     }
+    region->deregistered = true;  // push jobs reading it answer failed (PumpPushJob)
     if (!region->alloc) {
       ucs_status_t st = api_->mem_unmap(context_, region->memh);
       region->memh = nullptr;
@@ -712,15 +864,19 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // fails cma operations with an error anyway, and the direct paths need no peer at all. Over
     // network transports (UCX_TLS=tcp) nothing in UCX ends the operations of a dead same-host
     // peer without PEER mode, so the progress thread watches a peer whose identity it can prove
-    // (CheckPeersAlive). PEER mode is not asked for there: with it, UCX 1.22 in the *peer*
-    // aborts when this process dies with gets queued at it (docs/backends-ucx.md). Only a peer
-    // that cannot be watched (identity unproven) over network transports gets PEER mode.
+    // (CheckPeersAlive); PEER mode is asked for there only for a peer that cannot be watched
+    // (identity unproven) or that serves push READs (below).
+    // READs over network transports go by push when the peer serves it (ReadsByPush): no get is
+    // then queued at the peer, and PEER mode is what makes the target's sends back to a reader
+    // that died fail (its endpoint back must use our mode: UCX pairs the two).
     const bool same_host = wire.host == LocalHostId();
     const bool proven = same_host && VerifyProcessIdentity(wire.process);
+    const bool may_push = serves_push_ && (wire.flags & kAddressFlagServesPush) != 0 &&
+                          options_.read_push != ReadPush::kOff;
     const bool want_peer_mode =
         options_.error_handling == ErrorHandling::kPeer ||
         (options_.error_handling == ErrorHandling::kAuto &&
-         (!same_host || (network_only_ && !proven)));
+         (!same_host || (network_only_ && (!proven || may_push))));
     ep.err_mode = want_peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
     ep.err_handler.cb = &UcxBackend::OnPeerError;
     ep.err_handler.arg = peer.get();
@@ -740,9 +896,9 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // Plain host memory of a peer on this host then moves by batched process_vm_readv/writev
     // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
     if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
-    if (proven && ep.err_mode == UCP_ERR_HANDLING_MODE_NONE) {
-      peer->liveness_identity = wire.process;
-    }
+    peer->push = ReadsByPush(peer->ep, wire);
+    peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
+    if (proven && !peer->peer_mode) peer->liveness_identity = wire.process;
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
     peers_.emplace(peer->id, peer);
@@ -837,8 +993,11 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
     std::vector<ActiveBatch*> mine;
     for (auto& ab : active_) {
       if (ab.remote->peer != peer) continue;
+      // Asked before stopping it: a stopped batch with nothing in flight counts as finished (a
+      // push READ has no UCX request in flight while it waits for the target's bytes).
+      const bool finished = ab.Finished();
       ab.stop = true;
-      if (ab.error.ok() && !ab.Finished()) {
+      if (ab.error.ok() && !finished) {
         ab.error = AbortedError("peer " + std::to_string(peer_id) +
                                 " was disconnected while the batch was in flight");
       }
@@ -1067,6 +1226,7 @@ void UcxBackend::Loop() {
     did |= CmaCopies();
     did |= PollCudaCopies();
     if (api_->worker_progress(worker_) != 0) did = true;
+    did |= ServePushes();
     did |= CheckPeersAlive();
     did |= HandlePeerFailures();
     did |= FinishBatches();
@@ -1092,7 +1252,8 @@ void UcxBackend::Loop() {
     if (api_->worker_arm(worker_) == UCS_ERR_BUSY) continue;
     // The timeout is a safety net against a transport that signals no event; the wake fd and
     // the worker fd are what normally end the wait.
-    const int timeout_ms = (outstanding_ops_ != 0 || !active_.empty()) ? 1 : 100;
+    const int timeout_ms =
+        (outstanding_ops_ != 0 || !active_.empty() || !push_jobs_.empty()) ? 1 : 100;
     epoll_event events[4];
     sleeping_.store(true, std::memory_order_seq_cst);
     int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
@@ -1174,6 +1335,10 @@ bool UcxBackend::ActivateSubmitted() {
       StartCudaCopy(ab);
     } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
       ab.path = Path::kCma;
+    } else if (peer.push && lk == rk && lk == MemoryKind::kHost &&
+               ab.batch->op == TransferOp::kRead && ab.runs() != 0) {
+      ab.path = Path::kPush;
+      StartPush(ab);
     } else {
       ab.path = Path::kOps;
       ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
@@ -1490,14 +1655,16 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
 
 bool UcxBackend::CheckPeersAlive() {
   abandoned_.remove_if([](const ActiveBatch& ab) { return ab.outstanding == 0; });
-  if (outstanding_ops_ == 0) return false;
+  if (outstanding_ops_ == 0 && push_reads_.empty()) return false;
   const auto now = Clock::now();
   if (now < next_liveness_check_) return false;
   next_liveness_check_ = now + kLivenessInterval;
   std::vector<std::shared_ptr<PeerState>> dead;
   for (auto& ab : active_) {
     const std::shared_ptr<PeerState>& peer = ab.remote->peer;
-    if (ab.outstanding == 0 || peer->liveness_identity.pid == 0 || peer->ep == nullptr ||
+    // A push READ waits for the target's messages, with no UCX request of its own in flight.
+    const bool waiting = ab.outstanding != 0 || (ab.path == Path::kPush && !ab.stop);
+    if (!waiting || peer->liveness_identity.pid == 0 || peer->ep == nullptr ||
         std::find(dead.begin(), dead.end(), peer) != dead.end()) {
       continue;
     }
@@ -1533,6 +1700,7 @@ bool UcxBackend::CheckPeersAlive() {
       ab.stop = true;
       if (ab.error.ok()) ab.error = peer->failure;
       ab.abandoned = true;
+      ForgetPushRead(ab);
       outstanding_ops_ -= ab.outstanding;
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -1553,6 +1721,371 @@ bool UcxBackend::CheckPeersAlive() {
   }
   for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
   return !dead.empty();
+}
+
+// ---- push READ (see the comment at kAmPushRequest) ---------------------------------------------
+
+namespace {
+
+/// Parameters of an eager active message whose completion calls `cb` with `user_data`.
+ucp_request_param_t EagerAmParams(ucp_send_nbx_callback_t cb, void* user_data) {
+  ucp_request_param_t p{};
+  p.op_attr_mask =
+      UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+  p.cb.send = cb;
+  p.user_data = user_data;
+  p.flags = UCP_AM_SEND_FLAG_EAGER;
+  return p;
+}
+
+std::string PushWhat(const ActiveBatch& ab) {
+  return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
+         std::to_string(ab.batch->peer);
+}
+
+std::span<const std::uint8_t> Bytes(const void* p, std::size_t n) {
+  return {static_cast<const std::uint8_t*>(p), n};
+}
+
+}  // namespace
+
+bool UcxBackend::ReadsByPush(ucp_ep_h ep, const WireAddress& peer) const {
+  if (!serves_push_ || (peer.flags & kAddressFlagServesPush) == 0 ||
+      options_.read_push == ReadPush::kOff) {
+    return false;
+  }
+  if (options_.read_push == ReadPush::kOn) return true;
+  // The transports of the endpoint's lanes: when none has a one-sided get of its own, UCX serves
+  // every get at the target, in software.
+  std::array<ucp_transport_entry_t, 16> entries{};
+  ucp_ep_attr_t attr{};
+  attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+  attr.transports.entries = entries.data();
+  attr.transports.num_entries = static_cast<unsigned>(entries.size());
+  attr.transports.entry_size = sizeof(ucp_transport_entry_t);
+  if (api_->ep_query(ep, &attr) != UCS_OK || attr.transports.num_entries == 0) return false;
+  static constexpr std::string_view kSoftwareGet[] = {"tcp", "ud_verbs", "ud_mlx5"};
+  for (unsigned i = 0; i < attr.transports.num_entries && i < entries.size(); ++i) {
+    const char* name = entries[i].transport_name;
+    if (name == nullptr || std::find(std::begin(kSoftwareGet), std::end(kSoftwareGet),
+                                     std::string_view(name)) == std::end(kSoftwareGet)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void UcxBackend::StartPush(ActiveBatch& ab) {
+  const Batch& b = *ab.batch;
+  ab.push_id = {next_push_id_.nonce, ++next_push_id_.seq};
+  ab.push_starts.resize(ab.runs());
+  std::uint64_t at = 0;
+  for (std::size_t i = 0; i < ab.runs(); ++i) {
+    ab.push_starts[i] = at;
+    at += static_cast<std::uint64_t>(b.sizes[i]);
+  }
+  ab.push_total = at;
+  ab.push_request = EncodePushRequest(
+      ab.push_id, ab.remote->peer->peer_mode ? kPushFlagPeerErrorHandling : 0, local_address_,
+      ab.remote->range.address, ab.remote->range.size, b.remote_offsets, b.sizes);
+  push_reads_[ab.push_id.seq] = &ab;
+  const ucp_request_param_t p = EagerAmParams(&UcxBackend::OnOpDone, &ab);
+  ucs_status_ptr_t r = api_->am_send_nbx(ab.remote->peer->ep, kAmPushRequest, nullptr, 0,
+                                         ab.push_request.data(), ab.push_request.size(), &p);
+  if (r == nullptr) return;  // sent in place
+  if (UCS_PTR_IS_ERR(r)) {
+    ab.Fail(TransportError("UCX could not send the push READ request of batch " +
+                           std::to_string(b.token) + " to peer " + std::to_string(b.peer) + ": " +
+                           UcsText(UCS_PTR_STATUS(r))));
+    return;
+  }
+  ab.outstanding++;
+  outstanding_ops_++;
+}
+
+ActiveBatch* UcxBackend::PushRead(std::span<const std::uint8_t> header, std::size_t header_size) {
+  if (header.size() != header_size || PushHeaderField(header, 0) != next_push_id_.nonce) {
+    return nullptr;
+  }
+  auto it = push_reads_.find(PushHeaderField(header, 1));
+  if (it == push_reads_.end() || it->second->stop) return nullptr;
+  return it->second;
+}
+
+void UcxBackend::ForgetPushRead(const ActiveBatch& ab) {
+  if (ab.path == Path::kPush) push_reads_.erase(ab.push_id.seq);
+}
+
+ucs_status_t UcxBackend::OnPushData(void* arg, const void* header, std::size_t header_length,
+                                    void* data, std::size_t length,
+                                    const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxBackend*>(arg);
+  ActiveBatch* ab = self->PushRead(Bytes(header, header_length), kPushDataHeader);
+  if (ab == nullptr) return UCS_OK;  // its batch ended (or a stranger's): dropped
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    ab->Fail(TransportError(PushWhat(*ab) + ": the target sent data by rendezvous"));
+    return UCS_OK;
+  }
+  std::uint64_t offset = PushHeaderField(Bytes(header, header_length), 2);
+  if (offset > ab->push_total || length > ab->push_total - offset ||
+      length > ab->push_total - ab->push_received) {
+    ab->Fail(TransportError(PushWhat(*ab) + ": the target sent " + std::to_string(length) +
+                            " bytes at stream offset " + std::to_string(offset) +
+                            ", outside the batch's " + std::to_string(ab->push_total) +
+                            " bytes or more than it asked for"));
+    return UCS_OK;
+  }
+  ab->push_received += length;
+  const Batch& b = *ab->batch;
+  auto* local = reinterpret_cast<std::uint8_t*>(ab->local->range.address);
+  const auto* src = static_cast<const std::uint8_t*>(data);
+  if (length == 0) return UCS_OK;
+  std::size_t i = static_cast<std::size_t>(
+      std::upper_bound(ab->push_starts.begin(), ab->push_starts.end(), offset) -
+      ab->push_starts.begin() - 1);
+  for (std::uint64_t left = length; left > 0; ++i) {
+    const std::uint64_t in_run = offset - ab->push_starts[i];
+    const std::uint64_t n = std::min<std::uint64_t>(left, b.sizes[i] - in_run);
+    std::memcpy(local + b.local_offsets[i] + in_run, src, n);
+    src += n;
+    offset += n;
+    left -= n;
+  }
+  return UCS_OK;
+}
+
+ucs_status_t UcxBackend::OnPushAnswer(void* arg, const void* header, std::size_t header_length,
+                                      void* data, std::size_t length,
+                                      const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxBackend*>(arg);
+  const auto head = Bytes(header, header_length);
+  ActiveBatch* ab = self->PushRead(head, kPushAnswerHeader);
+  if (ab == nullptr) return UCS_OK;
+  const std::uint64_t sent = PushHeaderField(head, 2);
+  if (PushHeaderField(head, 3) != 1) {
+    const bool inline_data = (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0;
+    const std::string reason =
+        inline_data ? std::string(static_cast<const char*>(data), std::min(length, kMaxPushReason))
+                    : std::string("(no reason given)");
+    ab->Fail(TransportError("peer " + std::to_string(ab->batch->peer) + " failed the " +
+                            PushWhat(*ab) + ": " + reason));
+  } else if (sent != ab->push_total) {
+    ab->Fail(TransportError(PushWhat(*ab) + ": the target sent " + std::to_string(sent) +
+                            " bytes, the batch reads " + std::to_string(ab->push_total)));
+  } else if (ab->push_received != ab->push_total) {
+    // The target answers after its last chunk left, on the same lane: chunks missing now were
+    // lost (dropped by this UCX), and waiting would wait for good.
+    ab->Fail(TransportError(PushWhat(*ab) + ": " + std::to_string(ab->push_received) + " of " +
+                            std::to_string(ab->push_total) +
+                            " bytes arrived before the target's answer (the rest were lost)"));
+  } else {
+    ab->push_done = true;  // complete once every byte arrived (FinishBatches)
+  }
+  return UCS_OK;
+}
+
+ucs_status_t UcxBackend::OnPushRequest(void* arg, const void* /*header*/,
+                                       std::size_t /*header_length*/, void* data,
+                                       std::size_t length, const ucp_am_recv_param_t* param) {
+  auto* self = static_cast<UcxBackend*>(arg);
+  // Started from the loop (ServePushes), not here: creating endpoints and sending from inside
+  // ucp_worker_progress is what this path avoids.
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 &&
+      self->push_requests_.size() < kMaxQueuedPushRequests) {
+    const auto* bytes = static_cast<const std::uint8_t*>(data);
+    self->push_requests_.emplace_back(bytes, bytes + length);
+  }
+  return UCS_OK;
+}
+
+void UcxBackend::OnPushReaderError(void* arg, ucp_ep_h /*ep*/, ucs_status_t /*status*/) {
+  auto* reader = static_cast<PushReader*>(arg);
+  reader->failed = true;
+  reader->owner->push_reader_failed_ = true;
+}
+
+void UcxBackend::OnPushSent(void* request, ucs_status_t status, void* user_data) {
+  auto* send = static_cast<PushSend*>(user_data);
+  PushJob* job = send->job;
+  UcxBackend* self = job->reader->owner;
+  if (status != UCS_OK) job->dropped = true;  // the reader is gone: nothing to tell it
+  job->sends.erase(send->self);
+  self->push_sends_--;
+  self->api_->request_free(request);
+}
+
+bool UcxBackend::ServePushes() {
+  if (push_requests_.empty() && push_jobs_.empty() && !push_reader_failed_) return false;
+  bool did = false;
+  while (!push_requests_.empty()) {
+    std::vector<std::uint8_t> message = std::move(push_requests_.front());
+    push_requests_.pop_front();
+    StartPushJob(message);
+    did = true;
+  }
+  for (auto it = push_jobs_.begin(); it != push_jobs_.end();) {
+    did |= PumpPushJob(*it);
+    if (it->sends.empty() && (it->answered || it->dropped)) {
+      it = push_jobs_.erase(it);
+      did = true;
+    } else {
+      ++it;
+    }
+  }
+  if (push_reader_failed_) {
+    push_reader_failed_ = false;
+    std::vector<ucp_ep_h> failed;
+    for (auto it = push_readers_.begin(); it != push_readers_.end();) {
+      if (!it->second->failed) {
+        ++it;
+        continue;
+      }
+      failed.push_back(it->second->ep);
+      it->second->ep = nullptr;
+      it = push_readers_.erase(it);
+    }
+    // Closing cancels what is still queued to them; OnPushSent drops those sends.
+    for (ucp_ep_h ep : failed) CloseEndpoint(ep);
+    did = true;
+  }
+  return did;
+}
+
+std::shared_ptr<PushReader> UcxBackend::PushReaderFor(std::span<const std::uint8_t> address,
+                                                      bool peer_mode) {
+  std::vector<std::uint8_t> key(address.begin(), address.end());
+  key.push_back(peer_mode ? 1 : 0);
+  auto it = push_readers_.find(key);
+  if (it != push_readers_.end()) {
+    if (!it->second->failed) return it->second;
+    CloseEndpoint(it->second->ep);
+    it->second->ep = nullptr;
+    push_readers_.erase(it);
+  }
+  Result<WireAddress> wire = DecodeAddress(address);
+  if (!wire.ok()) return nullptr;
+  auto reader = std::make_shared<PushReader>();
+  reader->owner = this;
+  ucp_ep_params_t ep{};
+  ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                  UCP_EP_PARAM_FIELD_ERR_HANDLER;
+  ep.address = reinterpret_cast<const ucp_address_t*>(wire->blob.data());
+  // The reader's mode: UCX refuses endpoints of two workers that differ in it. With peer-failure
+  // detection (what `auto` asks for with push READs), a reader that died fails the sends to it.
+  ep.err_mode = peer_mode ? UCP_ERR_HANDLING_MODE_PEER : UCP_ERR_HANDLING_MODE_NONE;
+  ep.err_handler.cb = &UcxBackend::OnPushReaderError;
+  ep.err_handler.arg = reader.get();
+  if (api_->ep_create(worker_, &ep, &reader->ep) != UCS_OK) return nullptr;
+  push_readers_.emplace(std::move(key), reader);
+  return reader;
+}
+
+void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
+  // Without an id and an address there is nobody to answer: the reader's batch ends at its
+  // deadline (a reader of this version never sends such a request).
+  Result<PushRequest> request = DecodePushRequest(message);
+  if (!request.ok()) return;
+  std::shared_ptr<PushReader> reader = PushReaderFor(
+      request->reply_address, (request->flags & kPushFlagPeerErrorHandling) != 0);
+  if (!reader) return;
+  PushJob& job = push_jobs_.emplace_back();
+  job.id = request->id;
+  job.reader = std::move(reader);
+  const std::uint64_t start = request->region_start, size = request->region_size;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, r] : regions_) {
+      const MemoryRange& have = r->range;
+      if (have.kind == MemoryKind::kHost && start >= have.address && size <= have.size &&
+          start - have.address <= have.size - size) {
+        job.region = r;
+        break;
+      }
+    }
+  }
+  if (!job.region) {
+    job.refusal = OutOfRangeError("push request " + std::to_string(job.id.seq) + " names " +
+                                  RangeText({start, size, MemoryKind::kHost, -1}) +
+                                  ", which no registered host region of this target holds");
+    return;
+  }
+  if (Status runs = CheckPushRuns(*request); !runs.ok()) {
+    job.refusal = std::move(runs);
+    return;
+  }
+  job.base = start;
+  job.offsets = std::move(request->offsets);
+  job.sizes = std::move(request->sizes);
+  for (std::uint64_t n : job.sizes) job.total += n;  // each run is inside the region: no wrap
+}
+
+bool UcxBackend::PumpPushJob(PushJob& job) {
+  if (job.reader->failed) job.dropped = true;
+  if (job.dropped || job.answered) return false;
+  if (job.refusal.ok() && job.region->deregistered) {
+    job.refusal = FailedPreconditionError("the target deregistered its region while push "
+                                          "request " + std::to_string(job.id.seq) + " ran");
+  }
+  bool did = false;
+  // Also at most that many chunks per call: sends UCX completes in place leave no trace in
+  // `sends`, and one huge batch must not keep the progress thread to itself.
+  for (std::size_t posted = 0; job.refusal.ok() && job.sent < job.total &&
+                               job.sends.size() < kPushChunksInFlight &&
+                               push_sends_ < kMaxPushSends && posted < kPushChunksInFlight;
+       ++posted) {
+    const std::uint64_t n = std::min(kPushChunk, job.total - job.sent);
+    std::vector<std::uint8_t> payload(n);
+    for (std::uint64_t filled = 0; filled < n;) {
+      const std::uint64_t take = std::min(n - filled, job.sizes[job.next_run] - job.run_done);
+      std::memcpy(payload.data() + filled,
+                  reinterpret_cast<const std::uint8_t*>(job.base + job.offsets[job.next_run] +
+                                                        job.run_done),
+                  take);
+      filled += take;
+      job.run_done += take;
+      if (job.run_done == job.sizes[job.next_run]) {
+        ++job.next_run;
+        job.run_done = 0;
+      }
+    }
+    std::vector<std::uint8_t> header = EncodePushHeader({job.id.nonce, job.id.seq, job.sent});
+    job.sent += n;
+    did = true;
+    if (!PostPushSend(job, kAmPushData, std::move(header), std::move(payload))) return true;
+  }
+  // Answer once every chunk left (a failure at once): the reader still counts the bytes, so
+  // the answer overtaking a chunk on another lane cannot complete a batch early.
+  if (job.sends.empty() && (job.sent == job.total || !job.refusal.ok())) {
+    const bool ok = job.refusal.ok();
+    std::vector<std::uint8_t> header =
+        EncodePushHeader({job.id.nonce, job.id.seq, job.sent, ok ? 1u : 0u});
+    const std::string reason = ok ? "" : job.refusal.message();
+    job.answered = true;
+    PostPushSend(job, kAmPushAnswer, std::move(header), {reason.begin(), reason.end()});
+    did = true;
+  }
+  return did;
+}
+
+bool UcxBackend::PostPushSend(PushJob& job, unsigned id, std::vector<std::uint8_t> header,
+                              std::vector<std::uint8_t> payload) {
+  PushSend& send = job.sends.emplace_back();
+  send.job = &job;
+  send.header = std::move(header);
+  send.payload = std::move(payload);
+  send.self = std::prev(job.sends.end());
+  const ucp_request_param_t p = EagerAmParams(&UcxBackend::OnPushSent, &send);
+  ucs_status_ptr_t r =
+      api_->am_send_nbx(job.reader->ep, id, send.header.data(), send.header.size(),
+                        send.payload.data(), send.payload.size(), &p);
+  if (r != nullptr && !UCS_PTR_IS_ERR(r)) {
+    push_sends_++;
+    return true;  // OnPushSent ends it
+  }
+  job.sends.erase(send.self);
+  if (r == nullptr) return true;  // sent in place
+  job.dropped = true;             // the endpoint failed: the reader is gone
+  return false;
 }
 
 bool UcxBackend::HandlePeerFailures() {
@@ -1596,6 +2129,7 @@ bool UcxBackend::FinishBatches() {
       std::lock_guard<std::mutex> lock(mutex_);
       it->local->inflight--;
     }
+    ForgetPushRead(*it);
     done.emplace_back(it->batch->token, std::move(it->error));
     finished.push_back(std::move(it->batch));
     it = active_.erase(it);
@@ -1675,9 +2209,18 @@ void UcxBackend::Shutdown() {
     CloseEndpoint(p->ep);
     p->ep = nullptr;
   }
+  // Push jobs send nothing more; closing their readers' endpoints cancels what UCX still holds.
+  push_requests_.clear();
+  for (auto& job : push_jobs_) job.dropped = true;
+  for (auto& [address, reader] : push_readers_) {
+    CloseEndpoint(reader->ep);
+    reader->ep = nullptr;
+  }
+  push_readers_.clear();
   if (!drained) destroy_rkeys();
   // Operations the forced close cancelled report through their callbacks.
-  ProgressUntil([&] { return outstanding_ops_ == 0; }, Clock::now() + kCancelDeadline);
+  ProgressUntil([&] { return outstanding_ops_ == 0 && push_sends_ == 0; },
+                Clock::now() + kCancelDeadline);
   for (auto& ab : active_) {
     if (ab.cuda_op != nullptr) {
       LoadCudaCopy().api->release_op(ab.cuda_op);  // waits for the kernel
@@ -1700,6 +2243,10 @@ void UcxBackend::Shutdown() {
   }
   stuck.splice(stuck.end(), active_);
   stuck.splice(stuck.end(), abandoned_);
+  push_reads_.clear();
+  // Jobs whose sends UCX never returned stay allocated with the batches above.
+  std::list<PushJob> stuck_jobs;
+  stuck_jobs.splice(stuck_jobs.end(), push_jobs_);
   for (auto& [token, st] : stuck_done) sink_->OnBatchComplete(token, std::move(st));
   for (auto& [device, queue] : cuda_queues_) LoadCudaCopy().api->destroy_queue(queue);
   cuda_queues_.clear();
@@ -1716,6 +2263,7 @@ void UcxBackend::Shutdown() {
   api_->cleanup(context_);
   context_ = nullptr;
   stuck.clear();
+  stuck_jobs.clear();
 }
 
 // ---- entry points -----------------------------------------------------------------------------

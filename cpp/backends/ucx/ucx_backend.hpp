@@ -21,11 +21,12 @@ Status ProbeUcx(const BackendOptions& options);
 Result<std::unique_ptr<Backend>> CreateUcxBackend(const BackendOptions& options,
                                                   std::shared_ptr<CompletionSink> sink);
 
-inline constexpr int kPathCount = 4;
+inline constexpr int kPathCount = 5;
 
 /// Batches started per data path since the process started, over every UCX backend:
 /// [0] UCX operations, [1] host memcpy through ucp_rkey_ptr, [2] CUDA gather/scatter kernel,
-/// [3] batched process_vm_readv/writev to a proven same-host peer.
+/// [3] batched process_vm_readv/writev to a proven same-host peer, [4] push READ (the target
+/// sends the runs as active messages).
 /// For tests and diagnostics (which path a configuration really takes). Thread-safe.
 void PathCounters(std::uint64_t out[kPathCount]);
 

@@ -68,6 +68,19 @@ Result<UcxOptions> ParseUcxOptions(const BackendOptions& options) {
                                   "' is not valid: use 'auto', 'peer' or 'none'");
     }
   }
+  if (const auto* v = Find(options, "ucx_read_push")) {
+    std::string mode = Trim(*v);
+    if (mode.empty() || mode == "auto") {
+      out.read_push = ReadPush::kAuto;
+    } else if (mode == "on") {
+      out.read_push = ReadPush::kOn;
+    } else if (mode == "off") {
+      out.read_push = ReadPush::kOff;
+    } else {
+      return InvalidArgumentError("option ucx_read_push='" + *v +
+                                  "' is not valid: use 'auto', 'on' or 'off'");
+    }
+  }
   if (const auto* v = Find(options, "ucx_config")) {
     std::string_view rest = *v;
     while (!rest.empty()) {

@@ -27,6 +27,15 @@
 ///                     itself, or asks for peer mode when it cannot prove the peer's identity).
 ///                     "peer": always ask (and fail to connect when impossible). "none": never
 ///                     ask (UCX may then abort the process when a remote peer dies).
+///   ucx_read_push     "auto" (default): a READ of host memory over UCX operations from a peer
+///                     whose endpoint reaches it only through transports that serve a get in
+///                     software (tcp, ud: the target's UCX answers each get itself, and UCX 1.22
+///                     aborts the target when the reader died meanwhile) is served by the target
+///                     instead: the reader asks for the runs with one active message, the target
+///                     sends the bytes back as active messages and the reader copies them in.
+///                     Only with a peer that serves push READs (this version or newer).
+///                     "on": every such READ pushed, whatever the transports (tests, benchmarks).
+///                     "off": always ucp_get_nbx.
 ///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
 ///                     prefix), applied with ucp_config_modify after the environment is read.
 ///
@@ -50,10 +59,12 @@ namespace moriio_native::detail::ucx {
 inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls",
                                                  "ucx_net_devices",    "progress_mode",
                                                  "ucx_direct_copy",    "ucx_error_handling",
-                                                 "ucx_config",         nullptr};
+                                                 "ucx_read_push",      "ucx_config",
+                                                 nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };
+enum class ReadPush { kAuto, kOn, kOff };
 
 struct UcxOptions {
   std::string library_path;
@@ -62,6 +73,7 @@ struct UcxOptions {
   ProgressMode progress_mode = ProgressMode::kThread;
   bool direct_copy = true;
   ErrorHandling error_handling = ErrorHandling::kAuto;
+  ReadPush read_push = ReadPush::kAuto;
   /// NAME (without UCX_) -> VALUE, in the order given.
   std::vector<std::pair<std::string, std::string>> config;
 };

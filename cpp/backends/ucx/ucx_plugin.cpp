@@ -30,10 +30,10 @@ const moriio_native::BackendPlugin kPlugin = [] {
 }  // namespace
 
 /// Batches per data path ([0] UCX operations, [1] host memcpy via ucp_rkey_ptr, [2] CUDA kernel,
-/// [3] batched process_vm_readv/writev) since the process started; lets tests check which path a
-/// configuration takes. `out` holds 4 counters. Thread-safe.
+/// [3] batched process_vm_readv/writev, [4] push READ) since the process started; lets tests
+/// check which path a configuration takes. `out` holds 5 counters. Thread-safe.
 extern "C" __attribute__((visibility("default"))) void moriio_native_ucx_path_counters(
-    std::uint64_t out[4]) {
+    std::uint64_t out[5]) {
   moriio_native::detail::ucx::PathCounters(out);
 }
 

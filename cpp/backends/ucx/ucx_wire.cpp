@@ -18,6 +18,9 @@ namespace {
 constexpr std::string_view kAddressMagic = "MNUCXAD2";
 constexpr std::string_view kAddressMagicV1 = "MNUCXAD1";
 constexpr std::string_view kKeyMagic = "MNUCXRK1";
+constexpr std::string_view kPushMagic = "MNUCXPQ1";
+constexpr std::size_t kPushHeader = 8 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 8;
+constexpr std::size_t kPushSumAt = kPushHeader - 8;
 constexpr std::size_t kIdentityBytes = 4 + 4 + 8 + 8 + 8 + 16;
 constexpr std::size_t kAddressHeader = 8 + 4 + 4 + 16 + kIdentityBytes + 8;
 constexpr std::size_t kAddressSumAt = kAddressHeader - 8;
@@ -138,7 +141,8 @@ HostId LocalHostId() {
 
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
                                         const ProcessIdentity& process,
-                                        std::span<const std::uint8_t> blob) {
+                                        std::span<const std::uint8_t> blob,
+                                        std::uint32_t flags) {
   std::vector<std::uint8_t> out;
   out.reserve(kAddressHeader + blob.size());
   for (char c : kAddressMagic) out.push_back(static_cast<std::uint8_t>(c));
@@ -146,7 +150,7 @@ std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId&
   Put(out, blob.size(), 4);
   for (std::uint8_t b : host) out.push_back(b);
   Put(out, process.pid, 4);
-  Put(out, 0, 4);
+  Put(out, flags, 4);
   Put(out, process.pidns_dev, 8);
   Put(out, process.pidns_ino, 8);
   Put(out, process.cookie_address, 8);
@@ -182,6 +186,7 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes) {
   }
   std::memcpy(out.host.data(), bytes.data() + 16, out.host.size());
   out.process.pid = static_cast<std::uint32_t>(Get(bytes, 32, 4));
+  out.flags = static_cast<std::uint32_t>(Get(bytes, 36, 4));
   out.process.pidns_dev = Get(bytes, 40, 8);
   out.process.pidns_ino = Get(bytes, 48, 8);
   out.process.cookie_address = Get(bytes, 56, 8);
@@ -243,6 +248,98 @@ Result<WireKey> DecodeKey(std::span<const std::uint8_t> bytes) {
     return InvalidArgumentError("UCX remote key describes an empty or wrapping region");
   }
   return out;
+}
+
+std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flags,
+                                            std::span<const std::uint8_t> reply_address,
+                                            std::uint64_t region_start, std::uint64_t region_size,
+                                            std::span<const std::int64_t> offsets,
+                                            std::span<const std::int64_t> sizes) {
+  std::vector<std::uint8_t> out;
+  out.reserve(kPushHeader + reply_address.size() + 16 * sizes.size());
+  for (char c : kPushMagic) out.push_back(static_cast<std::uint8_t>(c));
+  Put(out, id.nonce, 8);
+  Put(out, id.seq, 8);
+  Put(out, reply_address.size(), 4);
+  Put(out, sizes.size(), 4);
+  Put(out, region_start, 8);
+  Put(out, region_size, 8);
+  Put(out, flags, 8);
+  Put(out, 0, 8);  // the checksum, filled in below
+  out.insert(out.end(), reply_address.begin(), reply_address.end());
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    Put(out, static_cast<std::uint64_t>(offsets[i]), 8);
+    Put(out, static_cast<std::uint64_t>(sizes[i]), 8);
+  }
+  const std::span<const std::uint8_t> all(out);
+  const std::uint64_t sum = Checksum(all.first(kPushSumAt), all.subspan(kPushHeader));
+  for (int i = 0; i < 8; ++i) out[kPushSumAt + i] = static_cast<std::uint8_t>(sum >> (8 * i));
+  return out;
+}
+
+Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() < kPushHeader ||
+      std::memcmp(bytes.data(), kPushMagic.data(), kPushMagic.size()) != 0) {
+    return InvalidArgumentError("push request of " + std::to_string(bytes.size()) +
+                                " bytes does not start with the ucx backend's push header");
+  }
+  PushRequest out;
+  out.id.nonce = Get(bytes, 8, 8);
+  out.id.seq = Get(bytes, 16, 8);
+  const std::uint64_t address_len = Get(bytes, 24, 4);
+  const std::uint64_t runs = Get(bytes, 28, 4);
+  out.region_start = Get(bytes, 32, 8);
+  out.region_size = Get(bytes, 40, 8);
+  out.flags = Get(bytes, 48, 8);
+  const std::string what = "push request " + std::to_string(out.id.seq);
+  if (address_len == 0 || address_len > kMaxBlob ||
+      bytes.size() != kPushHeader + address_len + 16 * runs) {
+    return InvalidArgumentError(what + " is " + std::to_string(bytes.size()) +
+                                " bytes but its header announces a " +
+                                std::to_string(address_len) + "-byte address and " +
+                                std::to_string(runs) + " runs (truncated or corrupted)");
+  }
+  if (Checksum(bytes.first(kPushSumAt), bytes.subspan(kPushHeader)) !=
+      Get(bytes, kPushSumAt, 8)) {
+    return InvalidArgumentError(what + ": checksum mismatch (corrupted in transit)");
+  }
+  if (out.region_start + out.region_size < out.region_start) {
+    return InvalidArgumentError(what + ": region [" + std::to_string(out.region_start) + ", +" +
+                                std::to_string(out.region_size) + ") wraps around");
+  }
+  out.reply_address = bytes.subspan(kPushHeader, address_len);
+  out.offsets.resize(runs);
+  out.sizes.resize(runs);
+  std::size_t at = kPushHeader + address_len;
+  for (std::size_t i = 0; i < runs; ++i, at += 16) {
+    out.offsets[i] = Get(bytes, at, 8);
+    out.sizes[i] = Get(bytes, at + 8, 8);
+  }
+  return out;
+}
+
+Status CheckPushRuns(const PushRequest& request) {
+  for (std::size_t i = 0; i < request.sizes.size(); ++i) {
+    const std::uint64_t offset = request.offsets[i], size = request.sizes[i];
+    if (size == 0 || offset > request.region_size || size > request.region_size - offset) {
+      return OutOfRangeError("push request " + std::to_string(request.id.seq) + ": run " +
+                             std::to_string(i) + " (offset " + std::to_string(offset) + ", " +
+                             std::to_string(size) + " bytes) is empty or not inside the region of " +
+                             std::to_string(request.region_size) + " bytes");
+    }
+  }
+  return Status::OK();
+}
+
+std::vector<std::uint8_t> EncodePushHeader(std::initializer_list<std::uint64_t> fields) {
+  std::vector<std::uint8_t> out;
+  out.reserve(8 * fields.size());
+  for (std::uint64_t f : fields) Put(out, f, 8);
+  return out;
+}
+
+std::uint64_t PushHeaderField(std::span<const std::uint8_t> header, std::size_t index) {
+  return Get(header, 8 * index, 8);
 }
 
 }  // namespace moriio_native::detail::ucx

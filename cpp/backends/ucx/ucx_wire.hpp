@@ -7,13 +7,15 @@
 ///
 /// Layout (little-endian, fixed header then the UCX bytes):
 ///   address: magic "MNUCXAD2", u32 UCX version, u32 blob length, 16-byte host id, then the
-///            process identity (u32 pid, u32 zero, u64 pid-namespace device, u64 pid-namespace
+///            process identity (u32 pid, u32 flags, u64 pid-namespace device, u64 pid-namespace
 ///            inode, u64 cookie address, 16-byte cookie), u64 FNV-1a of everything before it and
-///            of the blob, blob. (Format 1, "MNUCXAD1", had no process identity.)
+///            of the blob, blob. (Format 1, "MNUCXAD1", had no process identity. The flags word
+///            was zero before the push READ existed; decoders that predate it ignore it.)
 ///   key:     magic "MNUCXRK1", u8 memory kind, u8 flags, u16 zero, u32 blob length, u64 region
 ///            start, u64 region size, u64 FNV-1a (as above), blob.
 
 #include <array>
+#include <initializer_list>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -52,8 +54,12 @@ ProcessIdentity LocalProcessIdentity();
 /// the read is refused. Thread-safe, does not block beyond that system call.
 bool VerifyProcessIdentity(const ProcessIdentity& peer);
 
+/// Address flag: the backend serves push READs ("Push READ" in ucx_backend.cpp).
+inline constexpr std::uint32_t kAddressFlagServesPush = 1;
+
 struct WireAddress {
   std::uint32_t ucx_version = 0;
+  std::uint32_t flags = 0;  ///< kAddressFlag*
   HostId host{};
   ProcessIdentity process;
   std::span<const std::uint8_t> blob;  ///< points into the decoded buffer
@@ -73,12 +79,64 @@ struct WireKey {
 /// Pure functions: thread-safe, never block.
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
                                         const ProcessIdentity& process,
-                                        std::span<const std::uint8_t> blob);
+                                        std::span<const std::uint8_t> blob,
+                                        std::uint32_t flags = 0);
 /// InvalidArgument saying what is wrong (size, magic, checksum) for anything not produced by
 /// EncodeAddress.
 Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes);
 
 std::vector<std::uint8_t> EncodeKey(const WireKey& key);
 Result<WireKey> DecodeKey(std::span<const std::uint8_t> bytes);
+
+/// Names one push READ: the reader's random per-backend nonce and its sequence number. The
+/// nonce keeps a stranger who cannot see the traffic from guessing an id the reader accepts.
+struct PushId {
+  std::uint64_t nonce = 0;
+  std::uint64_t seq = 0;
+  bool operator==(const PushId&) const = default;
+};
+
+/// A reader's request that the target send it the bytes of `runs` of the target's memory
+/// [region_start, +region_size) (the range the reader imported), in run order, as one stream.
+///   magic "MNUCXPQ1", u64 nonce, u64 seq, u32 reply-address length, u32 run count, u64 region
+///   start, u64 region size, u64 flags (kPushFlag*), u64 FNV-1a (as above, of the header and
+///   everything after it), the reader's address (EncodeAddress), then per run u64 offset (from
+///   region start), u64 size.
+struct PushRequest {
+  PushId id;
+  std::uint64_t flags = 0;
+  std::span<const std::uint8_t> reply_address;  ///< points into the decoded buffer
+  std::uint64_t region_start = 0;
+  std::uint64_t region_size = 0;
+  std::vector<std::uint64_t> offsets;
+  std::vector<std::uint64_t> sizes;
+};
+
+/// Request flag: the reader's endpoint to the target has UCX peer-failure detection. UCX refuses
+/// to connect two workers whose endpoints differ in that, so the target's endpoint must match.
+inline constexpr std::uint64_t kPushFlagPeerErrorHandling = 1;
+
+std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flags,
+                                            std::span<const std::uint8_t> reply_address,
+                                            std::uint64_t region_start, std::uint64_t region_size,
+                                            std::span<const std::int64_t> offsets,
+                                            std::span<const std::int64_t> sizes);
+/// InvalidArgument naming what is wrong (size, magic, checksum, run count, a wrapping region).
+/// The runs are not checked: see CheckPushRuns.
+Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes);
+/// OutOfRange naming the run index for a run that is empty or does not lie inside the request's
+/// region (overflow included).
+Status CheckPushRuns(const PushRequest& request);
+
+/// The fixed-size headers of the other push messages (UCX active-message headers):
+///   data:   u64 nonce, u64 seq, u64 offset of the payload in the request's byte stream
+///   answer: u64 nonce, u64 seq, u64 stream bytes sent, u64 1 = done / 0 = failed (the payload is
+///           the reason then)
+inline constexpr std::size_t kPushDataHeader = 24;
+inline constexpr std::size_t kPushAnswerHeader = 32;
+
+/// Little-endian u64 fields of those headers. The reader side checks the header length first.
+std::vector<std::uint8_t> EncodePushHeader(std::initializer_list<std::uint64_t> fields);
+std::uint64_t PushHeaderField(std::span<const std::uint8_t> header, std::size_t index);
 
 }  // namespace moriio_native::detail::ucx
