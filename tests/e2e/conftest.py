@@ -38,7 +38,8 @@ def models(env: Env) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="session")
 def baseline(env: Env, models: tuple[Path, Path]) -> dict[str, list[Completion]]:
-    """The plain instance's completions of the prompt sets: ``main``, ``negative``, and per
+    """The plain instance's completions of the prompt sets: ``main``, ``negative``, ``router``,
+    and per
     fault round its faulted request and the two requests after it (``faults``, in the order of
     prompts.fault_round: victim, first, second of round 0, then round 1, ...)."""
     fault_prompts = []
@@ -54,6 +55,7 @@ def baseline(env: Env, models: tuple[Path, Path]) -> dict[str, list[Completion]]
             for name, batch in (
                 ("main", prompts.MAIN),
                 ("negative", prompts.NEGATIVE),
+                ("router", prompts.ROUTER),
                 ("faults", fault_prompts),
             )
         }

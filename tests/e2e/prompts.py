@@ -53,6 +53,8 @@ def fault_rounds() -> int:
 
 MAIN = prompt_set(13)
 NEGATIVE = prompt_set(14)
+# Fresh to both instances when vllm-router sends them, so every one is loaded from the prefill.
+ROUTER = prompt_set(15)
 # Sent straight to each instance once it is healthy (serving.Instance.wait_ready), never through
 # a router, so it moves no KV; its own seed keeps it out of the prefixes of the sets above.
 WARM_UP = _ids(random.Random(99), 40)
