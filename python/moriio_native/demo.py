@@ -375,7 +375,8 @@ class _EventLog:
     def record(self, *, ok: bool) -> None:
         self.failures += not ok
 
-    def record_transfer(self, event: Any) -> None:
+    def record_transfer(self, event: Any, groups: int = 1) -> None:
+        # The demo's model has one KV-cache group: ``groups`` is always 1 here.
         self.events[event.transfer_id] = event
 
     def record_handshake(self) -> None:
