@@ -206,6 +206,53 @@ def test_read_failed_load_is_recomputed(sides: list[Side], model_dir: str, loadi
     assert p.free_blocks() == p.initial_free
 
 
+@pytest.mark.parametrize("where", ["live part", "ended part"])
+def test_read_whose_event_handling_raises_still_ends(
+    sides: list[Side], model_dir: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A defect in the decode's handling of the engine's event must still end the load and
+    release the prefill, instead of leaving the request waiting for its KV for good (a merge
+    once made the stats sink raise there). Raised while the READ part was still live, the
+    load fails and vLLM recomputes it (the part's bookkeeping is not trusted); raised after the
+    part reached ``done`` (the engine's event said done and drained), it is loaded."""
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=21)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    puller = d.worker.worker._core.puller
+    if where == "live part":
+        end_part = puller._end_read_part
+        calls = []
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("the part's bookkeeping broke")
+            end_part(*args, **kwargs)
+
+        monkeypatch.setattr(puller, "_end_read_part", broken)
+    else:
+
+        def broken_sink(event: Any, groups: int = 1) -> None:
+            raise RuntimeError("the stats sink broke")
+
+        monkeypatch.setattr(d.worker.worker._core.ctx.stats, "record_transfer", broken_sink)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    first = load(d, rid)
+    if where == "live part":
+        assert first.invalid_blocks == set(first.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)])
+        assert first.scheduled == {rid: len(prompt)}
+        assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    else:
+        assert first.invalid_blocks == set()
+        assert first.scheduled == {rid: 1}
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after the error")
+    assert p.free_blocks() == p.initial_free
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
 def restart_prefill(sides: list[Side], p: Side, model_dir: str, salt: int = 3) -> Side:
     """``p`` restarts on the same host and ports (same engine id, new transport metadata and a
     new incarnation per rank); the old process's engine and memory are gone."""

@@ -292,8 +292,10 @@ class PdCore:
                         self._on_drained(item)
                     else:
                         self._on_event(item)
-                except Exception:
+                except Exception as exc:
                     logger.exception("error handling %s", item)
+                    if not isinstance(item, DrainedTransfer):
+                        self._on_event_error(item, exc)
             now = time.monotonic()
             if now - last_check >= TIMEOUT_CHECK_EVERY_S:
                 last_check = now
@@ -306,6 +308,15 @@ class PdCore:
             drained = event.drained or event.transfer_id in self._drained_jobs
             self._drained_jobs.discard(event.transfer_id)
         self.pusher.on_event(event, drained)
+
+    def _on_event_error(self, event: Any, exc: Exception) -> None:
+        """Handling ``event`` raised: a READ still ends (failed, recomputed); WRITE jobs and
+        awaits end at their own deadlines (abort_timeout)."""
+        why = f"internal error handling its {event.state} event ({type(exc).__name__}: {exc})"
+        try:
+            self.puller.on_event_error(event, why)
+        except Exception:
+            logger.exception("transfer %s: its READ could not be ended", event.transfer_id)
 
     def _on_drained(self, drained: DrainedTransfer) -> None:
         tid = drained.transfer_id

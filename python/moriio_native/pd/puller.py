@@ -445,6 +445,36 @@ class Puller:
         )
         return True
 
+    def on_event_error(self, event: Any, why: str) -> bool:
+        """Handling ``event`` of one of our READ parts raised (a defect of ours): the load must
+        still end, or vLLM waits for it for good -- a READ has no deadline of its own after the
+        engine's event. A part the error left live fails (its bytes are not trusted: the load
+        is recomputed) unless it is quarantined, which its drain ends; a part that reached its
+        terminal state keeps it. False when ``event`` is not one of our READs."""
+        ctx = self._ctx
+        with ctx.lock:
+            found = self._parts.get(event.transfer_id)
+            if found is None:
+                return False
+            read, part = found
+            if read.ended or part.machine.state is ReadState.QUARANTINED:
+                return True
+            if part.machine.state not in READ_TERMINAL:
+                part.machine.advance(
+                    ReadEvent.MISMATCH
+                    if part.machine.state is ReadState.VERIFYING
+                    else ReadEvent.FAILED
+                )
+                part.message = why
+            failed = part.machine.state is ReadState.FAILED
+            last = all(p.machine.state in READ_TERMINAL for p in read.parts)
+        logger.error("transfer %s: %s", event.transfer_id, why)
+        if failed:
+            self._stop_other_parts(read)
+        if last:
+            self._finish_read(read, "; ".join(p.message for p in read.parts if p.message))
+        return True
+
     def _verify_read(self, read: _Read, part: _ReadPart, event: Any) -> None:
         """A part's engine READ is done: compare both sides' checksums before it counts. Only
         whole blocks are verified: verify is refused with different TP sizes (peers.py)."""
