@@ -459,19 +459,13 @@ class Puller:
             read, part = found
             if read.ended or part.machine.state is ReadState.QUARANTINED:
                 return True
-            if part.machine.state not in READ_TERMINAL:
-                part.machine.advance(
-                    ReadEvent.MISMATCH
-                    if part.machine.state is ReadState.VERIFYING
-                    else ReadEvent.FAILED
-                )
-                part.message = why
-            failed = part.machine.state is ReadState.FAILED
+            state = part.machine.state
             last = all(p.machine.state in READ_TERMINAL for p in read.parts)
         logger.error("transfer %s: %s", event.transfer_id, why)
-        if failed:
-            self._stop_other_parts(read)
-        if last:
+        if state not in READ_TERMINAL:
+            failure = ReadEvent.MISMATCH if state is ReadState.VERIFYING else ReadEvent.FAILED
+            self._end_read_part(read, part, failure, why)  # stops the others, ends the load
+        elif last:
             self._finish_read(read, "; ".join(p.message for p in read.parts if p.message))
         return True
 
