@@ -724,6 +724,13 @@ struct Initiator {
     remote_region = *remote;
   }
 
+  /// Disconnects the target, deregisters `local` and destroys the backend, checking each step.
+  void Disconnect() {
+    EXPECT_TRUE(backend->DisconnectPeer(peer).ok());
+    EXPECT_TRUE(backend->DeregisterMemory(local_region).ok());
+    backend.reset();
+  }
+
   /// A batch between the two regions with `runs` runs placed by MakeRuns from `seed`.
   std::shared_ptr<mn::Batch> NewBatch(mn::TransferOp op, std::uint64_t token, std::size_t runs,
                                       std::uint64_t seed) const {
@@ -788,9 +795,7 @@ TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
     }
   }
 
-  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-  us.backend.reset();
+  us.Disconnect();
   EXPECT_EQ(target.Stop(), 0) << "the target's own teardown failed";
 }
 
@@ -933,9 +938,7 @@ TEST(UcxBackend, HostBatchWithACudaEventFails) {
     EXPECT_NE(st.ToString().find("CUDA event"), std::string::npos) << st.ToString();
     EXPECT_EQ(us.sink->Count(7), 1);
     EXPECT_EQ(target.Dump(), before) << "the batch moved bytes";
-    EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-    EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-    us.backend.reset();
+    us.Disconnect();
     EXPECT_EQ(target.Stop(), 0);
   }
 }
@@ -1196,9 +1199,7 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
   EXPECT_EQ(FirstDiff(us.local->Read().data(), want.data(), kRegion), -1)
       << "bytes of the aborted READ landed, or the second READ moved the wrong ones";
   EXPECT_EQ(us.sink->Count(91), 1);
-  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-  us.backend.reset();
+  us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
 
@@ -1258,9 +1259,7 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   st = us.sink->Wait(82);
   EXPECT_TRUE(st.ok()) << st.ToString();
   EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
-  EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-  us.backend.reset();
+  us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
 
@@ -1322,9 +1321,7 @@ TEST_P(UcxReaderKilled, TargetSurvivesAReaderKilledWithItsReadQueued) {
     mn::Status st = us.sink->Wait(1);
     EXPECT_TRUE(st.ok()) << st.ToString();
     EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
-    EXPECT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
-    EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
-    us.backend.reset();
+    us.Disconnect();
     EXPECT_EQ(target.Stop(), 0) << "the target died (128 + signal) after its reader was killed";
   }
 }
