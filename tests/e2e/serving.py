@@ -418,6 +418,14 @@ def metric_value(
     return sum(found) if found else None
 
 
+def external_kv_tokens(samples: list[tuple[str, dict[str, str], float]]) -> float:
+    """The prompt tokens an instance loaded through its KV connector (0 before any)."""
+    value = metric_value(
+        samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
+    )
+    return value or 0.0
+
+
 def kv_cache_usage_after_drain(base_url: str, timeout_s: float) -> float | None:
     """``vllm:kv_cache_usage_perc`` of ``base_url`` once it is 0, or its last value after
     ``timeout_s`` (an instance that finished its requests frees its blocks shortly after)."""

@@ -151,10 +151,7 @@ def _gauges(inst: Instance) -> dict[str, float]:
         "waiting": get("vllm:num_requests_waiting"),
         "open_transfers": open_transfers,
         "prefill_success": get("vllm:request_success_total"),
-        "external_kv_tokens": serving.metric_value(
-            samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-        )
-        or 0.0,
+        "external_kv_tokens": serving.external_kv_tokens(samples),
     }
 
 

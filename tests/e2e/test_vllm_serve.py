@@ -235,24 +235,16 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     cluster.stack.stop(cluster.router.server)
     cluster.stack.add(router.server)
     _wait_registered(router, cluster.settings)
-    before = _external_kv_tokens(cluster.decode)
+    before = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
     got = _run_all(router.url, prompts.ROUTER)
     _assert_identical(got, baseline["router"], f"{cluster.settings.mode} via vllm-router")
     # Fresh prompts: equal outputs alone would also come from a decode that recomputed every
     # request (e.g. a router that dropped a kv_transfer_params key the connector needs).
-    loaded = _external_kv_tokens(cluster.decode) - before
+    loaded = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url)) - before
     assert loaded > 0, f"{cluster.settings.mode} via vllm-router: no prompt token was loaded"
     samples = serving.metric_samples(_connector_side(cluster).url)
     assert serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total") == 0
     cluster.router = router
-
-
-def _external_kv_tokens(decode: Instance) -> float:
-    samples = serving.metric_samples(decode.url)
-    value = serving.metric_value(
-        samples, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"
-    )
-    return value or 0
 
 
 def test_negative_control_prefill_with_other_weights(

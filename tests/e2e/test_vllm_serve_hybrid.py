@@ -39,7 +39,6 @@ HYBRID_ARGS = ("--no-enable-prefix-caching",)
 # The model's KV-cache groups under vLLM's hybrid manager: Mamba state and full attention.
 GROUPS = 2
 MODES = ("read", "write")
-EXTERNAL = "external_kv_transfer"
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +102,7 @@ def _assert_identical(got: list[Completion], want: list[Completion], what: str) 
 
 
 def _external_tokens(cluster: Cluster) -> float:
-    samples = serving.metric_samples(cluster.decode.url)
-    return serving.metric_value(samples, "vllm:prompt_tokens_by_source_total", source=EXTERNAL) or 0
+    return serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
 
 
 def test_completions_identical_cold_and_warm(
