@@ -295,8 +295,12 @@ void TransferTracker::RememberTerminalLocked(const std::string& id, TransferKind
   }
 }
 
+bool TransferTracker::LastBatchesInFlightLocked() const {
+  return live_batches_ != 0 && live_batches_ <= kSpinBatches;
+}
+
 void TransferTracker::OnLiveBatchesChangedLocked() {
-  if (live_batches_ == 0 || live_batches_ > kSpinBatches) return;
+  if (!LastBatchesInFlightLocked()) return;
   // A transfer's last batches are in flight, or one of them just completed: a waiter asleep in
   // Drain spins again for kMaxSpin (see Drain).
   spin_until_ = Clock::now() + kMaxSpin;
@@ -304,7 +308,7 @@ void TransferTracker::OnLiveBatchesChangedLocked() {
 }
 
 bool TransferTracker::SpinningLocked(Clock::time_point now) const {
-  return live_batches_ != 0 && live_batches_ <= kSpinBatches && now < spin_until_;
+  return LastBatchesInFlightLocked() && now < spin_until_;
 }
 
 std::vector<TransferEvent> TransferTracker::Drain(std::size_t max_events,

@@ -143,6 +143,7 @@ class TransferTracker {
   // InvalidArgument when `id` (pending or recently terminal) is a READ.
   Status CheckNotReadLocked(const std::string& id) const;
   void FailLocked(const std::string& id, Transfer& t, std::string why);
+  bool LastBatchesInFlightLocked() const;  // 1 to kSpinBatches live batches
   void OnLiveBatchesChangedLocked();
   bool SpinningLocked(Clock::time_point now) const;
 
