@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
@@ -26,7 +27,7 @@ from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
-from moriio_native.pd.pusher import Pusher
+from moriio_native.pd.pusher import JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 from test_pd_protocol import Directory, Sender
 from test_pd_protocol import context as protocol_context
@@ -331,3 +332,65 @@ def test_different_tp_sizes_with_several_groups_are_refused_before_any_network(
     assert not directory.pending and not engine.calls
     # Equal TP sizes plan as before.
     assert ctx.tp_plan("127.0.0.1", 1, prefill=False).identity
+
+
+class HandshakenDirectory(Directory):
+    """Every decode rank handshaken already: connect returns a completed future, as the real
+    directory does for a cached peer."""
+
+    def connect(
+        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+    ) -> Future[Peer]:
+        rank = key.handshake_port - DECODE.handshake_port
+        future: Future[Peer] = Future()
+        future.set_result(peer_at(key, DECODE, rank, 2, "WRITE"))
+        return future
+
+
+class ContendedLock:
+    """A lock that says when a thread other than its holder starts waiting for it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waited_for = threading.Event()
+
+    def __enter__(self) -> None:
+        if not self._lock.acquire(blocking=False):
+            self.waited_for.set()
+            self._lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lock() -> None:
+    """Before: with the decode rank handshaken already, the connect continued inline, under the
+    context lock the notify thread held for remote_blocks, and fed the writer there (the feed
+    lock after the context lock), while the forward thread's step feeds it the other way round
+    (the feed lock, then the context lock): the prefill deadlocked in vllm serve (WRITE 1->2)."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.directory = HandshakenDirectory()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher._feed = feed = ContendedLock()  # type: ignore[assignment]
+    pusher.begin_step([SaveTask("req-1", "tx-9", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    got_context_lock: list[bool] = []
+
+    def forward_thread_feeding() -> None:
+        with feed:  # a step's feed_writer: it holds the feed lock and wants the context lock
+            feed.waited_for.wait(10)  # the announcement now waits for the feed lock
+            got = ctx.lock.acquire(timeout=5)
+            got_context_lock.append(got)
+            if got:
+                ctx.lock.release()
+
+    forward = threading.Thread(target=forward_thread_feeding)
+    forward.start()
+    announce = threading.Thread(
+        target=pusher.on_remote_blocks,
+        args=(RemoteBlocks("tx-9", ((20, 21, 22),), "d:8000/dp0/tp0", decode_tp_rank=0),),
+    )
+    announce.start()
+    forward.join(20)
+    announce.join(20)
+    assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
+    assert pusher.job_states()["tx-9"] is JobState.WRITING

@@ -462,9 +462,16 @@ class Pusher:
         except MoriioError as exc:
             self._fail(job, f"cannot reach the decode rank: {exc}")
             return
-        future.add_done_callback(lambda f: self._connected(job, f))
+        # A handshaken peer's future is done already, and the callback then runs here, under
+        # the caller's lock: the caller feeds the writer once it released it (feeding under the
+        # lock would take the feed lock after the context lock, which a step's feed takes the
+        # other way round). Only a handshake completed on its own thread feeds.
+        caller = threading.get_ident()
+        future.add_done_callback(
+            lambda f: self._connected(job, f, feed=threading.get_ident() != caller)
+        )
 
-    def _connected(self, job: _Job, future: Future[Peer]) -> None:
+    def _connected(self, job: _Job, future: Future[Peer], *, feed: bool) -> None:
         assert job.remote is not None
         ctx = self._ctx
         try:
@@ -502,7 +509,8 @@ class Pusher:
             job.segments = segments
             job.machine.advance(JobEvent.CONNECTED)
             self._advance(job)
-        self.feed_writer()
+        if feed:
+            self.feed_writer()
 
     def _fail(self, job: _Job, reason: str) -> None:
         """End a job as failed (lock held): with writes in the engine it is aborted there and
