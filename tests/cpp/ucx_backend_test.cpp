@@ -1263,6 +1263,107 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   EXPECT_EQ(target.Stop(), 0);
 }
 
+// A push READ the target cannot hold (it holds ucx_push_queue requests already: one here) is
+// answered "failed" at once, with the reason: its batch ends at that answer, not at a deadline
+// (before: the target dropped it and the batch waited for good). The requests arrive together
+// (the target stopped meanwhile), so the later ones find the first, of megabytes, still held.
+TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";
+  options["ucx_push_queue"] = "1";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 110, 10, 110)).ok());
+  ASSERT_TRUE(us.sink->Wait(110).ok()) << us.sink->StatusOf(110).ToString();
+  const auto before = PathCounters();
+  target.Pause();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 111, 50, 111)).ok());
+  for (std::uint64_t token = 112; token < 115; ++token) {
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, token, 5, token)).ok());
+  }
+  target.Resume();
+  mn::Status st = us.sink->Wait(111, std::chrono::seconds(30));
+  EXPECT_TRUE(st.ok()) << "the first request is held and served: " << st.ToString();
+  int refused = 0;
+  for (std::uint64_t token = 112; token < 115; ++token) {
+    SCOPED_TRACE(token);
+    st = us.sink->Wait(token, std::chrono::seconds(30));
+    ASSERT_NE(st.code(), mn::StatusCode::kTimeout) << "no answer: the request was dropped";
+    if (st.ok()) continue;  // the first was done by the time this one arrived
+    ++refused;
+    EXPECT_EQ(st.code(), mn::StatusCode::kTransport) << st.ToString();
+    EXPECT_NE(st.message().find("the target is busy"), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find("ucx_push_queue"), std::string::npos) << st.ToString();
+    EXPECT_EQ(us.sink->Count(token), 1);
+  }
+  EXPECT_GE(refused, 1) << "every request found the target free: the test proved nothing";
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
+            before[static_cast<int>(Path::kPush)] + 4);
+  // Once the first is served the target takes requests again.
+  auto batch = us.NewBatch(mn::TransferOp::kRead, 115, 100, 115);
+  std::vector<std::uint8_t> want_local = us.local->Read();
+  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
+  Apply(*batch, want_local, want_remote);
+  ASSERT_TRUE(us.backend->Submit(batch).ok());
+  st = us.sink->Wait(115);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// A batch of more runs than one push request carries (the target would refuse the request for
+// its size) is refused by the reader itself, with the limit in the error: nothing is sent, so
+// it cannot wait for an answer, and nothing moves. The endpoint still serves READs after it.
+TEST(UcxBackend, PushReadOfMoreRunsThanARequestCarriesIsRefusedByTheReader) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const std::vector<std::uint8_t> untouched = Pattern(kRegion, 121);
+  us.local->Write(untouched);
+  constexpr std::size_t kRuns = (std::size_t{1} << 20) + 1;  // kMaxPushRuns + 1
+  auto batch = std::make_shared<mn::Batch>();
+  batch->op = mn::TransferOp::kRead;
+  batch->local_region = us.local_region;
+  batch->peer = us.peer;
+  batch->remote_region = us.remote_region;
+  batch->token = 121;
+  for (std::size_t i = 0; i < kRuns; ++i) {
+    batch->local_offsets.push_back(static_cast<std::int64_t>(8 * i % kRegion));
+    batch->remote_offsets.push_back(static_cast<std::int64_t>(8 * i % kRegion));
+    batch->sizes.push_back(1);
+  }
+  const auto before = PathCounters();
+  ASSERT_TRUE(us.backend->Submit(batch).ok());
+  mn::Status st = us.sink->Wait(121, std::chrono::seconds(30));
+  EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("1048577 runs, more than a push READ carries (1048576)"),
+            std::string::npos)
+      << st.ToString();
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
+            before[static_cast<int>(Path::kPush)] + 1);
+  EXPECT_EQ(us.local->Read(), untouched) << "a refused READ moved bytes";
+  batch = us.NewBatch(mn::TransferOp::kRead, 122, 100, 122);
+  std::vector<std::uint8_t> want_local = untouched;
+  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
+  Apply(*batch, want_local, want_remote);
+  ASSERT_TRUE(us.backend->Submit(batch).ok());
+  st = us.sink->Wait(122);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
 // The prefill's side of a decode killed mid-READ over TCP: the decode's READ waits at the stopped
 // target, the decode dies, the target resumes, must still serve another reader and must tear
 // down cleanly (exit 0), whatever the error handling mode.

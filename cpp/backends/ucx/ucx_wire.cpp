@@ -277,6 +277,30 @@ std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flag
   return out;
 }
 
+Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes) {
+  if (bytes.size() < kPushHeader ||
+      std::memcmp(bytes.data(), kPushMagic.data(), kPushMagic.size()) != 0) {
+    return InvalidArgumentError("push request of " + std::to_string(bytes.size()) +
+                                " bytes does not start with the ucx backend's push header");
+  }
+  PushReplyTo out;
+  out.id.nonce = Get(bytes, 8, 8);
+  out.id.seq = Get(bytes, 16, 8);
+  out.flags = Get(bytes, 48, 8);
+  const std::uint64_t address_len = Get(bytes, 24, 4);
+  if (address_len > bytes.size() - kPushHeader) {
+    return InvalidArgumentError("push request " + std::to_string(out.id.seq) + " announces a " +
+                                std::to_string(address_len) + "-byte reply address in " +
+                                std::to_string(bytes.size()) + " bytes");
+  }
+  out.reply_address = bytes.subspan(kPushHeader, address_len);
+  if (Result<WireAddress> address = DecodeAddress(out.reply_address); !address.ok()) {
+    return InvalidArgumentError("push request " + std::to_string(out.id.seq) +
+                                ": reply address: " + address.status().message());
+  }
+  return out;
+}
+
 Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
   if (bytes.size() < kPushHeader ||
       std::memcmp(bytes.data(), kPushMagic.data(), kPushMagic.size()) != 0) {
@@ -292,6 +316,11 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
   out.region_size = Get(bytes, 40, 8);
   out.flags = Get(bytes, 48, 8);
   const std::string what = "push request " + std::to_string(out.id.seq);
+  if (runs > kMaxPushRuns) {
+    return InvalidArgumentError(what + " carries " + std::to_string(runs) +
+                                " runs, more than a push request may (" +
+                                std::to_string(kMaxPushRuns) + ")");
+  }
   if (address_len == 0 || address_len > kMaxBlob ||
       bytes.size() != kPushHeader + address_len + 16 * runs) {
     return InvalidArgumentError(what + " is " + std::to_string(bytes.size()) +
