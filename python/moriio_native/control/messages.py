@@ -566,7 +566,8 @@ def _check_protocol_version(payload: Any, accept: tuple[type, ...]) -> None:
         return  # not a map: the schema check says what is wrong
     version = peek.protocol_version
     if (
-        peek.type in versioned
+        isinstance(peek.type, str)
+        and peek.type in versioned
         and isinstance(version, int)
         and not isinstance(version, bool)
         and version != PROTOCOL_VERSION
