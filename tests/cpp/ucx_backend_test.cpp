@@ -1599,6 +1599,15 @@ TEST(UcxBackend, BadOptionsAreRefused) {
   options = BaseOptions();
   options["ucx_config"] = "no equals sign";
   EXPECT_EQ(plugin->probe(options).code(), mn::StatusCode::kInvalidArgument);
+  for (const char* queue : {"0", "-1", "1048577", "12x", "", "lots"}) {
+    SCOPED_TRACE(queue);
+    options = BaseOptions();
+    options["ucx_push_queue"] = queue;
+    st = plugin->probe(options);
+    EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("ucx_push_queue='" + std::string(queue) + "'"), std::string::npos)
+        << st.ToString();
+  }
   options = BaseOptions();
   REQUIRE_UCX(options);
   options["ucx_config"] = "NOT_A_UCX_SETTING_AT_ALL=1";
