@@ -731,6 +731,20 @@ struct Initiator {
     backend.reset();
   }
 
+  /// Checks that a READ of `runs` runs (MakeRuns from `token`) from `remote` (a region of a
+  /// Target holding its kChildSeed pattern) completes and moves exactly its bytes.
+  void ExpectReadServed(std::uint64_t token, std::size_t runs, std::uint64_t remote) const {
+    auto batch = NewBatch(mn::TransferOp::kRead, token, runs, token);
+    batch->remote_region = remote;
+    std::vector<std::uint8_t> want_local = local->Read();
+    std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
+    Apply(*batch, want_local, want_remote);
+    ASSERT_TRUE(backend->Submit(batch).ok());
+    const mn::Status st = sink->Wait(token);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(FirstDiff(local->Read().data(), want_local.data(), kRegion), -1);
+  }
+
   /// A batch between the two regions with `runs` runs placed by MakeRuns from `seed`.
   std::shared_ptr<mn::Batch> NewBatch(mn::TransferOp op, std::uint64_t token, std::size_t runs,
                                       std::uint64_t seed) const {
@@ -1250,15 +1264,7 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   // The same endpoint still serves a READ of the region as the target registered it.
   auto real = us.backend->ImportRemoteRegion(us.peer, real_range, real_key);
   ASSERT_TRUE(real.ok()) << real.status().ToString();
-  batch = us.NewBatch(mn::TransferOp::kRead, 82, 100, 82);
-  batch->remote_region = *real;
-  std::vector<std::uint8_t> want_local = untouched;
-  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
-  Apply(*batch, want_local, want_remote);
-  ASSERT_TRUE(us.backend->Submit(batch).ok());
-  st = us.sink->Wait(82);
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(82, 100, *real));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
@@ -1304,14 +1310,7 @@ TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
   EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
             before[static_cast<int>(Path::kPush)] + 4);
   // Once the first is served the target takes requests again.
-  auto batch = us.NewBatch(mn::TransferOp::kRead, 115, 100, 115);
-  std::vector<std::uint8_t> want_local = us.local->Read();
-  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
-  Apply(*batch, want_local, want_remote);
-  ASSERT_TRUE(us.backend->Submit(batch).ok());
-  st = us.sink->Wait(115);
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(115, 100, us.remote_region));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
@@ -1352,14 +1351,7 @@ TEST(UcxBackend, PushReadOfMoreRunsThanARequestCarriesIsRefusedByTheReader) {
   EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
             before[static_cast<int>(Path::kPush)] + 1);
   EXPECT_EQ(us.local->Read(), untouched) << "a refused READ moved bytes";
-  batch = us.NewBatch(mn::TransferOp::kRead, 122, 100, 122);
-  std::vector<std::uint8_t> want_local = untouched;
-  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
-  Apply(*batch, want_local, want_remote);
-  ASSERT_TRUE(us.backend->Submit(batch).ok());
-  st = us.sink->Wait(122);
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(122, 100, us.remote_region));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }

@@ -302,19 +302,16 @@ Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes) {
 }
 
 Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
-  if (bytes.size() < kPushHeader ||
-      std::memcmp(bytes.data(), kPushMagic.data(), kPushMagic.size()) != 0) {
-    return InvalidArgumentError("push request of " + std::to_string(bytes.size()) +
-                                " bytes does not start with the ucx backend's push header");
-  }
+  Result<PushReplyTo> to = DecodePushReplyTo(bytes);
+  if (!to.ok()) return to.status();
   PushRequest out;
-  out.id.nonce = Get(bytes, 8, 8);
-  out.id.seq = Get(bytes, 16, 8);
-  const std::uint64_t address_len = Get(bytes, 24, 4);
+  out.id = to->id;
+  out.flags = to->flags;
+  out.reply_address = to->reply_address;
+  const std::uint64_t address_len = to->reply_address.size();
   const std::uint64_t runs = Get(bytes, 28, 4);
   out.region_start = Get(bytes, 32, 8);
   out.region_size = Get(bytes, 40, 8);
-  out.flags = Get(bytes, 48, 8);
   const std::string what = "push request " + std::to_string(out.id.seq);
   if (runs > kMaxPushRuns) {
     return InvalidArgumentError(what + " carries " + std::to_string(runs) +
@@ -336,7 +333,6 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
     return InvalidArgumentError(what + ": region [" + std::to_string(out.region_start) + ", +" +
                                 std::to_string(out.region_size) + ") wraps around");
   }
-  out.reply_address = bytes.subspan(kPushHeader, address_len);
   out.offsets.resize(runs);
   out.sizes.resize(runs);
   std::size_t at = kPushHeader + address_len;
