@@ -73,6 +73,14 @@ const mn::BackendPlugin* Plugin(std::string* why) {
 /// Options pointing at the UCX found at build time, unless the environment names one.
 mn::BackendOptions BaseOptions() { return mn::testing_support::UcxTestOptions(); }
 
+/// UCX over tcp only, plain memory moved by UCX (not process_vm_readv): host READs then push.
+mn::BackendOptions TcpOptions() {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";
+  return options;
+}
+
 #define REQUIRE_UCX(options)                                                  \
   do {                                                                        \
     std::string why_;                                                         \
@@ -1125,9 +1133,7 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
 TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
   for (const char* mode : {"auto", "peer"}) {
     SCOPED_TRACE(mode);
-    mn::BackendOptions options = BaseOptions();
-    options["ucx_tls"] = "tcp";
-    options["ucx_direct_copy"] = "off";
+    mn::BackendOptions options = TcpOptions();
     options["ucx_error_handling"] = mode;
     REQUIRE_UCX(options);
     Target target;
@@ -1160,9 +1166,7 @@ TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
 // nothing lands in the batch's memory after its completion. A later READ through a new
 // connection, which the target serves after the first, shows those chunks were sent.
 TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -1221,9 +1225,7 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
 // claims more than the target registered (forged here: the key's checksum is no secret) gets
 // the batch failed with the target's reason, and nothing is read or written.
 TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -1274,9 +1276,7 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
 // (before: the target dropped it and the batch waited for good). The requests arrive together
 // (the target stopped meanwhile), so the later ones find the first, of megabytes, still held.
 TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   options["ucx_push_queue"] = "1";
   REQUIRE_UCX(options);
   Target target;
@@ -1319,9 +1319,7 @@ TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
 // its size) is refused by the reader itself, with the limit in the error: nothing is sent, so
 // it cannot wait for an answer, and nothing moves. The endpoint still serves READs after it.
 TEST(UcxBackend, PushReadOfMoreRunsThanARequestCarriesIsRefusedByTheReader) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -1371,9 +1369,7 @@ class UcxReaderKilled : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(UcxReaderKilled, TargetSurvivesAReaderKilledWithItsReadQueued) {
   constexpr int kRounds = 6;
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   options["ucx_error_handling"] = GetParam();
   REQUIRE_UCX(options);
   for (int round = 0; round < kRounds; ++round) {
