@@ -73,6 +73,14 @@ const mn::BackendPlugin* Plugin(std::string* why) {
 /// Options pointing at the UCX found at build time, unless the environment names one.
 mn::BackendOptions BaseOptions() { return mn::testing_support::UcxTestOptions(); }
 
+/// UCX over tcp only, plain memory moved by UCX (not process_vm_readv): host READs then push.
+mn::BackendOptions TcpOptions() {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_tls"] = "tcp";
+  options["ucx_direct_copy"] = "off";
+  return options;
+}
+
 #define REQUIRE_UCX(options)                                                  \
   do {                                                                        \
     std::string why_;                                                         \
@@ -731,6 +739,20 @@ struct Initiator {
     backend.reset();
   }
 
+  /// Checks that a READ of `runs` runs (MakeRuns from `token`) from `remote` (a region of a
+  /// Target holding its kChildSeed pattern) completes and moves exactly its bytes.
+  void ExpectReadServed(std::uint64_t token, std::size_t runs, std::uint64_t remote) const {
+    auto batch = NewBatch(mn::TransferOp::kRead, token, runs, token);
+    batch->remote_region = remote;
+    std::vector<std::uint8_t> want_local = local->Read();
+    std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
+    Apply(*batch, want_local, want_remote);
+    ASSERT_TRUE(backend->Submit(batch).ok());
+    const mn::Status st = sink->Wait(token);
+    EXPECT_TRUE(st.ok()) << st.ToString();
+    EXPECT_EQ(FirstDiff(local->Read().data(), want_local.data(), kRegion), -1);
+  }
+
   /// A batch between the two regions with `runs` runs placed by MakeRuns from `seed`.
   std::shared_ptr<mn::Batch> NewBatch(mn::TransferOp op, std::uint64_t token, std::size_t runs,
                                       std::uint64_t seed) const {
@@ -1111,9 +1133,7 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
 TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
   for (const char* mode : {"auto", "peer"}) {
     SCOPED_TRACE(mode);
-    mn::BackendOptions options = BaseOptions();
-    options["ucx_tls"] = "tcp";
-    options["ucx_direct_copy"] = "off";
+    mn::BackendOptions options = TcpOptions();
     options["ucx_error_handling"] = mode;
     REQUIRE_UCX(options);
     Target target;
@@ -1146,9 +1166,7 @@ TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
 // nothing lands in the batch's memory after its completion. A later READ through a new
 // connection, which the target serves after the first, shows those chunks were sent.
 TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -1207,9 +1225,7 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
 // claims more than the target registered (forged here: the key's checksum is no secret) gets
 // the batch failed with the target's reason, and nothing is read or written.
 TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
@@ -1250,15 +1266,90 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   // The same endpoint still serves a READ of the region as the target registered it.
   auto real = us.backend->ImportRemoteRegion(us.peer, real_range, real_key);
   ASSERT_TRUE(real.ok()) << real.status().ToString();
-  batch = us.NewBatch(mn::TransferOp::kRead, 82, 100, 82);
-  batch->remote_region = *real;
-  std::vector<std::uint8_t> want_local = untouched;
-  std::vector<std::uint8_t> want_remote = Pattern(kRegion, kChildSeed);
-  Apply(*batch, want_local, want_remote);
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(82, 100, *real));
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// A push READ the target cannot hold (it holds ucx_push_queue requests already: one here) is
+// answered "failed" at once, with the reason: its batch ends at that answer, not at a deadline
+// (before: the target dropped it and the batch waited for good). The requests arrive together
+// (the target stopped meanwhile), so the later ones find the first, of megabytes, still held.
+TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_push_queue"] = "1";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 110, 10, 110)).ok());
+  ASSERT_TRUE(us.sink->Wait(110).ok()) << us.sink->StatusOf(110).ToString();
+  const auto before = PathCounters();
+  target.Pause();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 111, 50, 111)).ok());
+  for (std::uint64_t token = 112; token < 115; ++token) {
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, token, 5, token)).ok());
+  }
+  target.Resume();
+  mn::Status st = us.sink->Wait(111, std::chrono::seconds(30));
+  EXPECT_TRUE(st.ok()) << "the first request is held and served: " << st.ToString();
+  int refused = 0;
+  for (std::uint64_t token = 112; token < 115; ++token) {
+    SCOPED_TRACE(token);
+    st = us.sink->Wait(token, std::chrono::seconds(30));
+    ASSERT_NE(st.code(), mn::StatusCode::kTimeout) << "no answer: the request was dropped";
+    if (st.ok()) continue;  // the first was done by the time this one arrived
+    ++refused;
+    EXPECT_EQ(st.code(), mn::StatusCode::kTransport) << st.ToString();
+    EXPECT_NE(st.message().find("the target is busy"), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find("ucx_push_queue"), std::string::npos) << st.ToString();
+    EXPECT_EQ(us.sink->Count(token), 1);
+  }
+  EXPECT_GE(refused, 1) << "every request found the target free: the test proved nothing";
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
+            before[static_cast<int>(Path::kPush)] + 4);
+  // Once the first is served the target takes requests again.
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(115, 100, us.remote_region));
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// A batch of more runs than one push request carries (the target would refuse the request for
+// its size) is refused by the reader itself, with the limit in the error: nothing is sent, so
+// it cannot wait for an answer, and nothing moves. The endpoint still serves READs after it.
+TEST(UcxBackend, PushReadOfMoreRunsThanARequestCarriesIsRefusedByTheReader) {
+  mn::BackendOptions options = TcpOptions();
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const std::vector<std::uint8_t> untouched = Pattern(kRegion, 121);
+  us.local->Write(untouched);
+  constexpr std::size_t kRuns = (std::size_t{1} << 20) + 1;  // kMaxPushRuns + 1
+  auto batch = std::make_shared<mn::Batch>();
+  batch->op = mn::TransferOp::kRead;
+  batch->local_region = us.local_region;
+  batch->peer = us.peer;
+  batch->remote_region = us.remote_region;
+  batch->token = 121;
+  for (std::size_t i = 0; i < kRuns; ++i) {
+    batch->local_offsets.push_back(static_cast<std::int64_t>(8 * i % kRegion));
+    batch->remote_offsets.push_back(static_cast<std::int64_t>(8 * i % kRegion));
+    batch->sizes.push_back(1);
+  }
+  const auto before = PathCounters();
   ASSERT_TRUE(us.backend->Submit(batch).ok());
-  st = us.sink->Wait(82);
-  EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  mn::Status st = us.sink->Wait(121, std::chrono::seconds(30));
+  EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("1048577 runs, more than a push READ carries (1048576)"),
+            std::string::npos)
+      << st.ToString();
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
+            before[static_cast<int>(Path::kPush)] + 1);
+  EXPECT_EQ(us.local->Read(), untouched) << "a refused READ moved bytes";
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(122, 100, us.remote_region));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
@@ -1278,9 +1369,7 @@ class UcxReaderKilled : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(UcxReaderKilled, TargetSurvivesAReaderKilledWithItsReadQueued) {
   constexpr int kRounds = 6;
-  mn::BackendOptions options = BaseOptions();
-  options["ucx_tls"] = "tcp";
-  options["ucx_direct_copy"] = "off";
+  mn::BackendOptions options = TcpOptions();
   options["ucx_error_handling"] = GetParam();
   REQUIRE_UCX(options);
   for (int round = 0; round < kRounds; ++round) {
@@ -1498,6 +1587,15 @@ TEST(UcxBackend, BadOptionsAreRefused) {
   options = BaseOptions();
   options["ucx_config"] = "no equals sign";
   EXPECT_EQ(plugin->probe(options).code(), mn::StatusCode::kInvalidArgument);
+  for (const char* queue : {"0", "-1", "1048577", "12x", "", "lots"}) {
+    SCOPED_TRACE(queue);
+    options = BaseOptions();
+    options["ucx_push_queue"] = queue;
+    st = plugin->probe(options);
+    EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("ucx_push_queue='" + std::string(queue) + "'"), std::string::npos)
+        << st.ToString();
+  }
   options = BaseOptions();
   REQUIRE_UCX(options);
   options["ucx_config"] = "NOT_A_UCX_SETTING_AT_ALL=1";

@@ -24,6 +24,7 @@ from moriio_native.control.channel import (
     fetch_metadata,
 )
 from moriio_native.control.messages import (
+    PROTOCOL_VERSION,
     AbortWrite,
     HandshakeRejected,
     HandshakeRequest,
@@ -46,6 +47,7 @@ from moriio_native.control.security import (
 )
 from moriio_native.errors import (
     FailedPreconditionError,
+    IncompatiblePeerError,
     TransferTimeoutError,
     TransportError,
 )
@@ -454,15 +456,34 @@ def test_provider_errors_reach_the_requester():
             )
 
 
-def test_other_protocol_version_is_rejected(raw_dealer):
+def _ask_raw(dealer, request: dict) -> HandshakeRejected:
+    dealer.send(msgpack.packb(request))
+    assert dealer.poll(int(WAIT * 1000))
+    empty, payload = dealer.recv_multipart()
+    reply = decode(payload, (HandshakeResponse, HandshakeRejected), max_bytes=1 << 20)
+    assert empty == b"" and isinstance(reply, HandshakeRejected)
+    return reply
+
+
+def test_a_version_1_request_is_refused_by_its_version(raw_dealer):
+    """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
+    fields) gets the version error, with its nonce, and so does a newer one whose request
+    carries a key this version does not know (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
         dealer = raw_dealer(server.port)
-        dealer.send(encode(HandshakeRequest("d", protocol_version=2)))
-        assert dealer.poll(int(WAIT * 1000))
-        empty, payload = dealer.recv_multipart()
-        reply = decode(payload, (HandshakeResponse, HandshakeRejected), max_bytes=1 << 20)
-        assert empty == b"" and isinstance(reply, HandshakeRejected)
-        assert "protocol version 2" in reply.reason
+        v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
+        reply = _ask_raw(dealer, v1)
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 2)"
+        assert reply.nonce == v1["nonce"]
+        v3 = {**v1, "protocol_version": 3, "field_of_version_3": [1, 2]}
+        reply = _ask_raw(dealer, v3)
+        assert reply.reason == "protocol version 3 is not supported (this side speaks 2)"
+        assert server.stats()["rejected"] == 2
+
+
+def test_protocol_version_is_2():
+    assert PROTOCOL_VERSION == 2
+    assert HandshakeRequest("d").protocol_version == 2
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -510,6 +531,21 @@ def test_a_signed_handshake_reply_replayed_to_another_request_is_refused():
 
     with pytest.raises(AuthenticationError, match="nonce"):
         _fake_server_reply(replay, SECRET)
+
+
+def test_a_version_1_reply_is_refused_by_its_version():
+    """A version-1 response lacks the incarnation this version's schema knows and has a key
+    (here a made-up one) this version does not: the requester names the version, not a key."""
+
+    def version_1(request):
+        wire = msgpack.unpackb(encode(HandshakeResponse("p", b"m", nonce=request.nonce)))
+        del wire["incarnation"]
+        wire.update(protocol_version=1, field_of_version_1=True)
+        return [b"", msgpack.packb(wire)]
+
+    with pytest.raises(IncompatiblePeerError) as caught:
+        _fake_server_reply(version_1)
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 2)")
 
 
 @pytest.mark.parametrize(

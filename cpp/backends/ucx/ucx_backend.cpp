@@ -98,9 +98,15 @@ constexpr unsigned kAmPushAnswer = 0x6d03;
 constexpr std::uint64_t kPushChunk = 7u << 10;
 constexpr std::size_t kPushChunksInFlight = 64;
 constexpr std::size_t kMaxPushSends = 1024;
-// Requests received but not yet started (the handler only queues them); more are dropped, so a
-// flood of requests costs bounded memory (their readers' batches then end at their deadlines).
-constexpr std::size_t kMaxQueuedPushRequests = 4096;
+// A target holds at most ucx_push_queue requests (waiting to start or being served) and this
+// many bytes of them; a request beyond either is not kept but answered "failed" (busy), so a
+// flood costs bounded memory and its readers end at the answer, not at their deadlines.
+constexpr std::size_t kMaxHeldPushBytes = std::size_t{64} << 20;
+// Those refusals waiting for their answer, at most (count and reply-address bytes): an answer
+// is one small message per request, never more, and smaller than the request it answers, so
+// refusing cannot amplify a flood; beyond these bounds a request is dropped unanswered.
+constexpr std::size_t kMaxPushRefusals = 1024;
+constexpr std::size_t kMaxPushRefusalBytes = std::size_t{4} << 20;
 // The longest failure reason a reader keeps from a target's answer.
 constexpr std::size_t kMaxPushReason = 1024;
 
@@ -255,11 +261,20 @@ const CudaCopy& LoadCudaCopy() {
 }
 
 std::atomic<std::uint64_t> g_path_batches[kPathCount];
+std::atomic<std::uint64_t> g_push_unanswered;
+
+/// Counts a push request the target drops without an answer: too malformed to name its reader,
+/// no endpoint to the reader, or beyond the bounds on refusals.
+void CountUnansweredPush() { g_push_unanswered.fetch_add(1, std::memory_order_relaxed); }
 
 }  // namespace
 
 void PathCounters(std::uint64_t out[kPathCount]) {
   for (int i = 0; i < kPathCount; ++i) out[i] = g_path_batches[i].load(std::memory_order_relaxed);
+}
+
+std::uint64_t UnansweredPushRequests() {
+  return g_push_unanswered.load(std::memory_order_relaxed);
 }
 
 class UcxBackend;
@@ -377,6 +392,15 @@ struct PushReader {
   bool failed = false;  // UCX reported the endpoint failed: send nothing more, close it
 };
 
+/// A request the target did not keep (it holds too many): who to answer, and why. Worker thread
+/// only.
+struct PushRefusal {
+  PushId id;
+  std::uint64_t flags = 0;
+  std::vector<std::uint8_t> reply_address;
+  Status reason;
+};
+
 struct PushJob;
 
 /// One data or answer message of a push job while UCX sends it. Worker thread only.
@@ -399,6 +423,7 @@ struct PushJob {
   std::size_t next_run = 0;      // first run not fully gathered
   std::uint64_t run_done = 0;    // bytes of runs[next_run] gathered
   std::uint64_t sent = 0;        // stream bytes handed to UCX
+  std::size_t held_bytes = 0;    // of the request, counted in push_held_bytes_
   Status refusal;                // not OK: answer failed with it, send no data
   bool answered = false;         // the answer was handed to UCX
   bool dropped = false;          // the reader is gone: send nothing more
@@ -481,6 +506,8 @@ class UcxBackend final : public Backend {
   // endpoints of readers that failed.
   bool ServePushes();
   void StartPushJob(std::span<const std::uint8_t> message);
+  void RefusePush(PushRefusal refusal);
+  PushJob* NewPushJob(const PushReplyTo& to);
   std::shared_ptr<PushReader> PushReaderFor(std::span<const std::uint8_t> address,
                                             bool peer_mode);
   bool PumpPushJob(PushJob& job);
@@ -549,6 +576,9 @@ class UcxBackend final : public Backend {
   PushId next_push_id_;  // nonce drawn at Init; seq counts this backend's push READs
   std::unordered_map<std::uint64_t, ActiveBatch*> push_reads_;  // by seq, reader side
   std::deque<std::vector<std::uint8_t>> push_requests_;       // received, not yet started
+  std::size_t push_held_bytes_ = 0;  // of push_requests_ and the jobs started from them
+  std::deque<PushRefusal> push_refusals_;  // received, not kept: to answer "failed"
+  std::size_t push_refusal_bytes_ = 0;     // their reply addresses
   std::map<std::vector<std::uint8_t>, std::shared_ptr<PushReader>> push_readers_;
   std::list<PushJob> push_jobs_;
   bool push_reader_failed_ = false;  // some PushReader failed: ServePushes closes it
@@ -1777,6 +1807,14 @@ bool UcxBackend::ReadsByPush(ucp_ep_h ep, const WireAddress& peer) const {
 
 void UcxBackend::StartPush(ActiveBatch& ab) {
   const Batch& b = *ab.batch;
+  if (b.sizes.size() > kMaxPushRuns) {
+    // The target would refuse the request; it is never sent, nothing moves.
+    ab.Fail(InvalidArgumentError(
+        "batch " + std::to_string(b.token) + " to peer " + std::to_string(b.peer) + " has " +
+        std::to_string(b.sizes.size()) + " runs, more than a push READ carries (" +
+        std::to_string(kMaxPushRuns) + "): split it, or set ucx_read_push=off"));
+    return;
+  }
   ab.push_id = {next_push_id_.nonce, ++next_push_id_.seq};
   ab.push_starts.resize(ab.runs());
   std::uint64_t at = 0;
@@ -1888,13 +1926,35 @@ ucs_status_t UcxBackend::OnPushRequest(void* arg, const void* /*header*/,
                                        std::size_t /*header_length*/, void* data,
                                        std::size_t length, const ucp_am_recv_param_t* param) {
   auto* self = static_cast<UcxBackend*>(arg);
-  // Started from the loop (ServePushes), not here: creating endpoints and sending from inside
-  // ucp_worker_progress is what this path avoids.
-  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) == 0 &&
-      self->push_requests_.size() < kMaxQueuedPushRequests) {
-    const auto* bytes = static_cast<const std::uint8_t*>(data);
-    self->push_requests_.emplace_back(bytes, bytes + length);
+  // Started (or refused) from the loop (ServePushes), not here: creating endpoints and sending
+  // from inside ucp_worker_progress is what this path avoids.
+  if ((param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0) {
+    CountUnansweredPush();  // a reader of this version sends eagerly: no header to read here
+    return UCS_OK;
   }
+  const std::span<const std::uint8_t> bytes = Bytes(data, length);
+  const std::size_t held = self->push_requests_.size() + self->push_jobs_.size();
+  if (held < self->options_.push_queue && length <= kMaxHeldPushBytes - self->push_held_bytes_) {
+    self->push_requests_.emplace_back(bytes.begin(), bytes.end());
+    self->push_held_bytes_ += length;
+    return UCS_OK;
+  }
+  Result<PushReplyTo> to = DecodePushReplyTo(bytes);
+  if (!to.ok() || self->push_refusals_.size() >= kMaxPushRefusals ||
+      to->reply_address.size() > kMaxPushRefusalBytes - self->push_refusal_bytes_) {
+    CountUnansweredPush();
+    return UCS_OK;
+  }
+  self->push_refusal_bytes_ += to->reply_address.size();
+  PushRefusal& refusal = self->push_refusals_.emplace_back();
+  refusal.id = to->id;
+  refusal.flags = to->flags;
+  refusal.reply_address.assign(to->reply_address.begin(), to->reply_address.end());
+  refusal.reason = FailedPreconditionError(
+      "the target is busy: it holds " + std::to_string(held) + " push requests (" +
+      std::to_string(self->push_held_bytes_) + " bytes), its limit is " +
+      std::to_string(self->options_.push_queue) + " (ucx_push_queue) and " +
+      std::to_string(kMaxHeldPushBytes) + " bytes");
   return UCS_OK;
 }
 
@@ -1915,8 +1975,18 @@ void UcxBackend::OnPushSent(void* request, ucs_status_t status, void* user_data)
 }
 
 bool UcxBackend::ServePushes() {
-  if (push_requests_.empty() && push_jobs_.empty() && !push_reader_failed_) return false;
+  if (push_requests_.empty() && push_refusals_.empty() && push_jobs_.empty() &&
+      !push_reader_failed_) {
+    return false;
+  }
   bool did = false;
+  while (!push_refusals_.empty()) {
+    PushRefusal refusal = std::move(push_refusals_.front());
+    push_refusals_.pop_front();
+    push_refusal_bytes_ -= refusal.reply_address.size();
+    RefusePush(std::move(refusal));
+    did = true;
+  }
   while (!push_requests_.empty()) {
     std::vector<std::uint8_t> message = std::move(push_requests_.front());
     push_requests_.pop_front();
@@ -1926,6 +1996,7 @@ bool UcxBackend::ServePushes() {
   for (auto it = push_jobs_.begin(); it != push_jobs_.end();) {
     did |= PumpPushJob(*it);
     if (it->sends.empty() && (it->answered || it->dropped)) {
+      push_held_bytes_ -= it->held_bytes;
       it = push_jobs_.erase(it);
       did = true;
     } else {
@@ -1980,17 +2051,45 @@ std::shared_ptr<PushReader> UcxBackend::PushReaderFor(std::span<const std::uint8
   return reader;
 }
 
-void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
-  // Without an id and an address there is nobody to answer: the reader's batch ends at its
-  // deadline (a reader of this version never sends such a request).
-  Result<PushRequest> request = DecodePushRequest(message);
-  if (!request.ok()) return;
-  std::shared_ptr<PushReader> reader = PushReaderFor(
-      request->reply_address, (request->flags & kPushFlagPeerErrorHandling) != 0);
-  if (!reader) return;
+PushJob* UcxBackend::NewPushJob(const PushReplyTo& to) {
+  std::shared_ptr<PushReader> reader =
+      PushReaderFor(to.reply_address, (to.flags & kPushFlagPeerErrorHandling) != 0);
+  if (!reader) {
+    CountUnansweredPush();  // no endpoint to the reader: nothing can reach it
+    return nullptr;
+  }
   PushJob& job = push_jobs_.emplace_back();
-  job.id = request->id;
+  job.id = to.id;
   job.reader = std::move(reader);
+  return &job;
+}
+
+void UcxBackend::RefusePush(PushRefusal refusal) {
+  PushJob* job = NewPushJob({refusal.id, refusal.flags, refusal.reply_address});
+  if (job != nullptr) job->refusal = std::move(refusal.reason);  // answered at once
+}
+
+void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
+  // Without an id and a reply address there is nobody to answer (a reader of this version never
+  // sends such a request). Anything else wrong with it is the failed answer's reason.
+  Result<PushReplyTo> to = DecodePushReplyTo(message);
+  if (!to.ok()) {
+    push_held_bytes_ -= message.size();
+    CountUnansweredPush();
+    return;
+  }
+  PushJob* started = NewPushJob(*to);
+  if (started == nullptr) {
+    push_held_bytes_ -= message.size();
+    return;
+  }
+  PushJob& job = *started;
+  job.held_bytes = message.size();
+  Result<PushRequest> request = DecodePushRequest(message);
+  if (!request.ok()) {
+    job.refusal = request.status();
+    return;
+  }
   const std::uint64_t start = request->region_start, size = request->region_size;
   {
     std::lock_guard<std::mutex> lock(mutex_);

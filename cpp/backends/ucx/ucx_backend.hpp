@@ -30,4 +30,9 @@ inline constexpr int kPathCount = 5;
 /// For tests and diagnostics (which path a configuration really takes). Thread-safe.
 void PathCounters(std::uint64_t out[kPathCount]);
 
+/// Push READ requests this process's UCX backends dropped as targets without answering them:
+/// too malformed to name their reader, no endpoint to the reader, or beyond the bounds on
+/// refusals (ucx_backend.cpp, kMaxPushRefusals). For diagnostics and tests. Thread-safe.
+std::uint64_t UnansweredPushRequests();
+
 }  // namespace moriio_native::detail::ucx

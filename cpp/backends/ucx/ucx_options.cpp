@@ -1,6 +1,9 @@
 #include "ucx_options.hpp"
 
 #include <cctype>
+#include <cstddef>
+#include <stdexcept>
+#include <string>
 #include <string_view>
 
 namespace moriio_native::detail::ucx {
@@ -80,6 +83,21 @@ Result<UcxOptions> ParseUcxOptions(const BackendOptions& options) {
       return InvalidArgumentError("option ucx_read_push='" + *v +
                                   "' is not valid: use 'auto', 'on' or 'off'");
     }
+  }
+  if (const auto* v = Find(options, "ucx_push_queue")) {
+    const std::string text = Trim(*v);
+    std::size_t used = 0;
+    unsigned long long n = 0;
+    try {
+      n = std::stoull(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (text.empty() || used != text.size() || text[0] == '-' || n < 1 || n > (1u << 20)) {
+      return InvalidArgumentError("option ucx_push_queue='" + *v +
+                                  "' is not valid: use a whole number from 1 to 1048576");
+    }
+    out.push_queue = static_cast<std::size_t>(n);
   }
   if (const auto* v = Find(options, "ucx_config")) {
     std::string_view rest = *v;

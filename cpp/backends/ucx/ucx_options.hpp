@@ -36,6 +36,10 @@
 ///                     Only with a peer that serves push READs (this version or newer).
 ///                     "on": every such READ pushed, whatever the transports (tests, benchmarks).
 ///                     "off": always ucp_get_nbx.
+///   ucx_push_queue    Push READ requests this backend holds at once as a target, serving or
+///                     waiting to start (default 4096, 1..1048576). A request beyond them is
+///                     answered "failed" at once (the target is busy): its reader recomputes
+///                     instead of waiting for its deadline.
 ///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
 ///                     prefix), applied with ucp_config_modify after the environment is read.
 ///
@@ -46,6 +50,7 @@
 /// Other keys: CreateBackend refuses unknown ucx_* keys and ignores other backends' keys (see
 /// BackendOptions); ParseUcxOptions itself reads only the keys above.
 
+#include <cstddef>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,8 +64,8 @@ namespace moriio_native::detail::ucx {
 inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls",
                                                  "ucx_net_devices",    "progress_mode",
                                                  "ucx_direct_copy",    "ucx_error_handling",
-                                                 "ucx_read_push",      "ucx_config",
-                                                 nullptr};
+                                                 "ucx_read_push",      "ucx_push_queue",
+                                                 "ucx_config",         nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };
@@ -74,6 +79,7 @@ struct UcxOptions {
   bool direct_copy = true;
   ErrorHandling error_handling = ErrorHandling::kAuto;
   ReadPush read_push = ReadPush::kAuto;
+  std::size_t push_queue = 4096;
   /// NAME (without UCX_) -> VALUE, in the order given.
   std::vector<std::pair<std::string, std::string>> config;
 };

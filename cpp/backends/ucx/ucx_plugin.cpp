@@ -37,6 +37,13 @@ extern "C" __attribute__((visibility("default"))) void moriio_native_ucx_path_co
   moriio_native::detail::ucx::PathCounters(out);
 }
 
+/// Push READ requests this process's UCX backends dropped as targets without an answer (see
+/// UnansweredPushRequests). Thread-safe.
+extern "C" __attribute__((visibility("default"))) std::uint64_t
+moriio_native_ucx_unanswered_push_requests() {
+  return moriio_native::detail::ucx::UnansweredPushRequests();
+}
+
 /// Thread-safe, never blocks; the returned table lives as long as the library is loaded.
 extern "C" __attribute__((visibility("default"))) const moriio_native::BackendPlugin*
 moriio_native_backend_plugin() {

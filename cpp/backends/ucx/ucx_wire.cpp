@@ -277,21 +277,47 @@ std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flag
   return out;
 }
 
-Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
+Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes) {
   if (bytes.size() < kPushHeader ||
       std::memcmp(bytes.data(), kPushMagic.data(), kPushMagic.size()) != 0) {
     return InvalidArgumentError("push request of " + std::to_string(bytes.size()) +
                                 " bytes does not start with the ucx backend's push header");
   }
-  PushRequest out;
+  PushReplyTo out;
   out.id.nonce = Get(bytes, 8, 8);
   out.id.seq = Get(bytes, 16, 8);
+  out.flags = Get(bytes, 48, 8);
   const std::uint64_t address_len = Get(bytes, 24, 4);
+  if (address_len > bytes.size() - kPushHeader) {
+    return InvalidArgumentError("push request " + std::to_string(out.id.seq) + " announces a " +
+                                std::to_string(address_len) + "-byte reply address in " +
+                                std::to_string(bytes.size()) + " bytes");
+  }
+  out.reply_address = bytes.subspan(kPushHeader, address_len);
+  if (Result<WireAddress> address = DecodeAddress(out.reply_address); !address.ok()) {
+    return InvalidArgumentError("push request " + std::to_string(out.id.seq) +
+                                ": reply address: " + address.status().message());
+  }
+  return out;
+}
+
+Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
+  Result<PushReplyTo> to = DecodePushReplyTo(bytes);
+  if (!to.ok()) return to.status();
+  PushRequest out;
+  out.id = to->id;
+  out.flags = to->flags;
+  out.reply_address = to->reply_address;
+  const std::uint64_t address_len = to->reply_address.size();
   const std::uint64_t runs = Get(bytes, 28, 4);
   out.region_start = Get(bytes, 32, 8);
   out.region_size = Get(bytes, 40, 8);
-  out.flags = Get(bytes, 48, 8);
   const std::string what = "push request " + std::to_string(out.id.seq);
+  if (runs > kMaxPushRuns) {
+    return InvalidArgumentError(what + " carries " + std::to_string(runs) +
+                                " runs, more than a push request may (" +
+                                std::to_string(kMaxPushRuns) + ")");
+  }
   if (address_len == 0 || address_len > kMaxBlob ||
       bytes.size() != kPushHeader + address_len + 16 * runs) {
     return InvalidArgumentError(what + " is " + std::to_string(bytes.size()) +
@@ -307,7 +333,6 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
     return InvalidArgumentError(what + ": region [" + std::to_string(out.region_start) + ", +" +
                                 std::to_string(out.region_size) + ") wraps around");
   }
-  out.reply_address = bytes.subspan(kPushHeader, address_len);
   out.offsets.resize(runs);
   out.sizes.resize(runs);
   std::size_t at = kPushHeader + address_len;

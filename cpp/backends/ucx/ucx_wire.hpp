@@ -15,6 +15,7 @@
 ///            start, u64 region size, u64 FNV-1a (as above), blob.
 
 #include <array>
+#include <cstddef>
 #include <initializer_list>
 #include <cstdint>
 #include <span>
@@ -112,6 +113,18 @@ struct PushRequest {
   std::vector<std::uint64_t> sizes;
 };
 
+/// The most runs one push request carries (16 MiB of runs): the target holds whole requests
+/// while they wait, so their size is bounded; a reader refuses a larger batch itself.
+inline constexpr std::size_t kMaxPushRuns = std::size_t{1} << 20;
+
+/// Who a push request asks to be answered: enough of it to send a "failed" answer to, even when
+/// the rest of it (the checksum, the runs) is bad or the target cannot serve it.
+struct PushReplyTo {
+  PushId id;
+  std::uint64_t flags = 0;
+  std::span<const std::uint8_t> reply_address;  ///< points into the decoded buffer
+};
+
 /// Request flag: the reader's endpoint to the target has UCX peer-failure detection. UCX refuses
 /// to connect two workers whose endpoints differ in that, so the target's endpoint must match.
 inline constexpr std::uint64_t kPushFlagPeerErrorHandling = 1;
@@ -121,8 +134,12 @@ std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flag
                                             std::uint64_t region_start, std::uint64_t region_size,
                                             std::span<const std::int64_t> offsets,
                                             std::span<const std::int64_t> sizes);
-/// InvalidArgument naming what is wrong (size, magic, checksum, run count, a wrapping region).
-/// The runs are not checked: see CheckPushRuns.
+/// InvalidArgument when `bytes` has no push header, or its reply address is cut short or does
+/// not decode (DecodeAddress, whose own checksum it has): then nobody can be answered. Checks
+/// nothing else (DecodePushRequest does).
+Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes);
+/// InvalidArgument naming what is wrong (size, magic, checksum, run count above kMaxPushRuns, a
+/// wrapping region). The runs are not checked: see CheckPushRuns.
 Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes);
 /// OutOfRange naming the run index for a run that is empty or does not lie inside the request's
 /// region (overflow included).

@@ -55,7 +55,6 @@ from .messages import (
     MAX_NOTIFY_BYTES,
     MAX_REASON_LEN,
     NOTIFY_TYPES,
-    PROTOCOL_VERSION,
     AbortWrite,
     ChecksumRequest,
     ChecksumResponse,
@@ -64,6 +63,7 @@ from .messages import (
     HandshakeResponse,
     InvalidMessageError,
     NotifyMessage,
+    ProtocolVersionError,
     ProxyRegistration,
     decode,
     encode,
@@ -232,6 +232,8 @@ class _RouterThread(_ClosesOnExit):
             return None
         try:
             return decode(payload, accept, max_bytes=max_bytes)
+        except ProtocolVersionError:
+            raise  # answerable: the handshake server refuses it by name
         except InvalidMessageError as exc:
             self._count("dropped_malformed")
             self._drops.drop(peer, str(exc))
@@ -529,7 +531,14 @@ class HandshakeServer(_RouterThread):
         accept: tuple[type[HandshakeRequest | ChecksumRequest], ...] = (
             (HandshakeRequest, ChecksumRequest) if small else (ChecksumRequest,)
         )
-        request = self._open(body, peer, accept, self._max_message_bytes)
+        try:
+            request = self._open(body, peer, accept, self._max_message_bytes)
+        except ProtocolVersionError as exc:
+            logger.warning("handshake from %s rejected: %s", peer, exc)
+            self._count("rejected")
+            rejected = HandshakeRejected(str(exc), exc.nonce)
+            sock.send_multipart([identity, b"", *self._security.auth.seal(encode(rejected))])
+            return
         if request is None:
             return
         if isinstance(request, ChecksumRequest):
@@ -538,24 +547,17 @@ class HandshakeServer(_RouterThread):
             sock.send_multipart([identity, b"", *self._security.auth.seal(encode(answer))])
             return
         reply: HandshakeResponse | HandshakeRejected
-        if request.protocol_version != PROTOCOL_VERSION:
-            reply = HandshakeRejected(
-                f"protocol version {request.protocol_version} is not supported "
-                f"(this side speaks {PROTOCOL_VERSION})",
-                request.nonce,
-            )
-        else:
-            try:
-                response = self._provider(request)
-                if not isinstance(response, HandshakeResponse):
-                    raise TypeError(f"provider returned {type(response).__name__}")
-                reply = response.replace(nonce=request.nonce)
-            except MoriioError as exc:
-                logger.warning("handshake from %s rejected: %s", peer, exc)
-                reply = HandshakeRejected(_reason_text(exc), request.nonce)
-            except Exception:
-                logger.exception("handshake provider failed for %s", peer)
-                reply = HandshakeRejected("internal error on the serving side", request.nonce)
+        try:
+            response = self._provider(request)
+            if not isinstance(response, HandshakeResponse):
+                raise TypeError(f"provider returned {type(response).__name__}")
+            reply = response.replace(nonce=request.nonce)
+        except MoriioError as exc:
+            logger.warning("handshake from %s rejected: %s", peer, exc)
+            reply = HandshakeRejected(_reason_text(exc), request.nonce)
+        except Exception:
+            logger.exception("handshake provider failed for %s", peer)
+            reply = HandshakeRejected("internal error on the serving side", request.nonce)
         if isinstance(reply, HandshakeResponse) and self._learn_peers and ip:
             self._security.allowlist.learn(ip)
         # Counted before replying, so a requester that got the reply also sees it in stats().
@@ -613,11 +615,6 @@ def fetch_metadata(
         max_response_bytes=max_response_bytes,
     )
     assert isinstance(reply, HandshakeResponse)
-    if reply.protocol_version != PROTOCOL_VERSION:
-        raise IncompatiblePeerError(
-            f"handshake with {host}:{port}: peer speaks protocol {reply.protocol_version}, "
-            f"we speak {PROTOCOL_VERSION}"
-        )
     return reply
 
 
@@ -702,6 +699,8 @@ def _ask(
             payload = security.auth.open(frames[1:])
             try:
                 reply = decode(payload, accept, max_bytes=max_response_bytes)
+            except ProtocolVersionError as exc:
+                raise IncompatiblePeerError(f"{what} {target}: {exc}") from exc
             except InvalidMessageError as exc:
                 raise TransportError(f"{what} {target}: bad reply: {exc}") from exc
             if reply.nonce != request.nonce:

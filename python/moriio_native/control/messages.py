@@ -85,7 +85,10 @@ from .schema import (
     printable,
 )
 
-PROTOCOL_VERSION = 1
+# 2: the handshake response's kv_groups carry tokens_per_state and its incarnation, the
+# kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. A peer of another
+# version is refused at the handshake by its version, before any field of it is checked.
+PROTOCOL_VERSION = 2
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -120,6 +123,26 @@ KvHeads = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 
 class InvalidMessageError(InvalidArgumentError):
     """A control message failed its schema check (or could not be decoded at all)."""
+
+
+class ProtocolVersionError(InvalidMessageError):
+    """A handshake message of another protocol version (``version``): its other fields are
+    not checked, since that version may define them differently."""
+
+    def __init__(self, version: int, nonce: bytes) -> None:
+        super().__init__(
+            f"protocol version {version} is not supported (this side speaks {PROTOCOL_VERSION})"
+        )
+        self.version = version
+        self.nonce = nonce  # the message's nonce (b"" when it had none fit to echo)
+
+
+class _VersionPeek(msgspec.Struct):
+    """The keys of a message that say which protocol version it is (every other key ignored)."""
+
+    type: Any = None
+    protocol_version: Any = None
+    nonce: Any = None
 
 
 class _Message(Schema, frozen=True, tag_field="type"):
@@ -435,8 +458,8 @@ class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
 
 # Handshakes carry every key on the wire: a default only serves the constructor ...
 _EVERY_KEY_REQUIRED = (HandshakeRequest, HandshakeResponse, HandshakeRejected)
-# ... except the keys added since protocol version 1 first shipped: a peer that predates them
-# sends none, which means their default (e.g. verify: false).
+# ... except the keys added while protocol version 1 was current: a peer of version 1 that
+# predated them sent none, which meant their default (e.g. verify: false).
 _OPTIONAL_KEYS = frozenset({"verify", "incarnation"})
 
 # ---- proxy registration -----------------------------------------------------------------------
@@ -530,17 +553,42 @@ def _require_every_key(message: Any, payload: Any) -> None:
             raise InvalidMessageError(f"{message.TYPE} message lacks {', '.join(missing)}")
 
 
+def _check_protocol_version(payload: Any, accept: tuple[type, ...]) -> None:
+    """ProtocolVersionError for a handshake message in ``accept`` whose ``protocol_version``
+    is an integer other than ours: checked before the schema, so that a peer of another
+    version gets that error instead of one about a field its version lacks or adds."""
+    versioned = {c.TYPE for c in accept if c in (HandshakeRequest, HandshakeResponse)}  # type: ignore[attr-defined]
+    if not versioned:
+        return
+    try:
+        peek = msgspec.msgpack.decode(payload, type=_VersionPeek)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return  # not a map: the schema check says what is wrong
+    version = peek.protocol_version
+    if (
+        isinstance(peek.type, str)
+        and peek.type in versioned
+        and isinstance(version, int)
+        and not isinstance(version, bool)
+        and version != PROTOCOL_VERSION
+    ):
+        nonce = peek.nonce if isinstance(peek.nonce, bytes) and len(peek.nonce) <= 64 else b""
+        raise ProtocolVersionError(version, nonce)
+
+
 def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
     """Decode and schema-check ``payload`` into one of the classes in ``accept``.
 
     The size is checked before anything is parsed. Raises InvalidMessageError (never anything
     else) for oversized, non-msgpack, non-map, unknown-type, unknown-key, missing-key or
-    out-of-range input; the message names the field and the bad value.
+    out-of-range input; the message names the field and the bad value. A handshake request
+    or response of another protocol version raises ProtocolVersionError (a subclass) instead.
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidMessageError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
         raise InvalidMessageError(f"message is {len(payload)} bytes, more than {max_bytes}")
+    _check_protocol_version(payload, accept)
     try:
         message = load(_target(accept), payload)
     except msgspec.ValidationError as exc:
@@ -569,6 +617,7 @@ __all__ = [
     "InvalidMessageError",
     "KvGroup",
     "NotifyMessage",
+    "ProtocolVersionError",
     "ProxyRegistration",
     "Release",
     "RemoteBlocks",
