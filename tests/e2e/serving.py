@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -535,10 +535,11 @@ def pd_instance(
     name: str | None = None,
     like: Instance | None = None,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Instance:
     """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
     on that (stopped) instance's ports, so routers see it as the same instance; ``extra_args``
-    follow SERVE_ARGS."""
+    follow SERVE_ARGS; ``extra_env`` is added to its environment last."""
     tp = settings.tp_of(role)
     if like is not None:
         http, (hs, notify) = like.http_port, like.ports
@@ -565,6 +566,7 @@ def pd_instance(
     )
     if settings.ucx_tls:
         e["UCX_TLS"] = settings.ucx_tls
+    e.update(extra_env or {})
     argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS, *extra_args]
     label = name or f"{role}-{settings.mode}-{settings.tag}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
