@@ -2,7 +2,7 @@
 through the real router (examples/launch/proxy.py), checked by code after every round.
 
 One prefill and one decode instance per setup (READ and WRITE at TP 1; in the full tier,
-``MORIIO_E2E_FAULT_ROUNDS`` set, READ at TP 2 on both instances too: two worker processes per
+``MORIIO_E2E_FAULT_ROUNDS`` set, both at TP 2 on both instances too: two worker processes per
 instance, a transfer per pair of ranks), kept across the module's scenarios. UCX runs over
 TCP only, without the engine's same-host copy shortcuts, as between two hosts: a stopped
 prefill really stalls a transfer (shared memory or CMA would read a stopped process's memory
@@ -82,7 +82,7 @@ SETUPS = [("read", 1), ("write", 1)]
 # TP 2 starts two instances of two workers each (minutes more on a 2-core machine) and runs
 # every scenario again: the full tier only (scripts/reliability.sh).
 if os.environ.get("MORIIO_E2E_FAULT_ROUNDS"):
-    SETUPS += [("read", 2)]
+    SETUPS += [("read", 2), ("write", 2)]
 
 logger = logging.getLogger("moriio_native.e2e.faults")
 

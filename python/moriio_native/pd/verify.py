@@ -17,8 +17,10 @@ Test hook, never for production: with ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED
 its environment, a decode rank that verifies inverts the first 8 bytes of the first received
 block of its first ``n`` checked transfers, after the transfer landed and before its own
 checksums (as silent corruption on the way would), so a test can see the check fail the load
-and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verify.py). Set, it is
-logged as an error when the rank starts; it has no effect with ``verify`` off.
+and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verify.py). With
+``<n>:unchecked`` it inverts them right after its checksums instead: the check passes and vLLM
+generates from the corrupted KV (the test's control: that corruption changes the completion).
+Set, it is logged as an error when the rank starts; it has no effect with ``verify`` off.
 
 Checking and computing run on one thread (``moriio-native-verify``; a READ's own checksums on
 a second, while the prefill computes its), never under the context lock; results come back
@@ -83,17 +85,19 @@ class Verifier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
         # Our side of a READ's check, computed while the prefill computes its own.
         self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
-        self._corrupt_left = _corrupt_count()
+        self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
         self._corrupt_lock = threading.Lock()
         if self._corrupt_left:
             logger.error(
-                "%s=%d: TEST HOOK ENABLED on %s: the first %d transfers this rank verifies get "
-                "received bytes corrupted on purpose (their loads fail and are recomputed); "
-                "never set this outside a test",
+                "%s=%s: TEST HOOK ENABLED on %s: the first %d transfers this rank verifies get "
+                "received bytes corrupted on purpose (%s); never set this outside a test",
                 CORRUPT_ENV,
-                self._corrupt_left,
+                os.environ[CORRUPT_ENV].strip(),
                 engine_id,
                 self._corrupt_left,
+                "after the check: it passes and the corrupted KV is used"
+                if self._corrupt_unchecked
+                else "their loads fail and are recomputed",
             )
 
     def shutdown(self) -> None:
@@ -166,14 +170,22 @@ class Verifier:
             corrupt = self._corrupt_left > 0 and len(local_ids) > 0
             if corrupt:
                 self._corrupt_left -= 1
-        if corrupt:
-            if not isinstance(summer, LayerChecksums):
-                raise FailedPreconditionError(
-                    f"{CORRUPT_ENV}: cannot corrupt through a {type(summer).__name__}"
-                )
-            where = summer.invert_first_word(local_ids[0])
-            logger.error("%s: transfer %s: corrupted %s", CORRUPT_ENV, transfer_id, where)
-        return summer.compute(local_ids)
+        if not corrupt:
+            return summer.compute(local_ids)
+        if not isinstance(summer, LayerChecksums):
+            raise FailedPreconditionError(
+                f"{CORRUPT_ENV}: cannot corrupt through a {type(summer).__name__}"
+            )
+        ours = summer.compute(local_ids) if self._corrupt_unchecked else None
+        where = summer.invert_first_word(local_ids[0])
+        logger.error(
+            "%s: transfer %s: corrupted %s%s",
+            CORRUPT_ENV,
+            transfer_id,
+            where,
+            " after its checksums" if ours is not None else "",
+        )
+        return summer.compute(local_ids) if ours is None else ours
 
     def _compare(
         self,
@@ -243,17 +255,19 @@ class Verifier:
         self._pool.submit(task)
 
 
-def _corrupt_count() -> int:
+def _corrupt_setting() -> tuple[int, bool]:
+    """The test hook's ``(count, unchecked)`` from ``CORRUPT_ENV`` (``<n>`` or
+    ``<n>:unchecked``); ``(0, False)`` when unset."""
     value = os.environ.get(CORRUPT_ENV, "").strip()
     if not value:
-        return 0
-    try:
-        count = int(value)
-    except ValueError:
-        count = -1
-    if count < 0:
-        raise ValueError(f"{CORRUPT_ENV} must be a count of transfers (>= 0), got {value!r}")
-    return count
+        return 0, False
+    count, _, mode = value.partition(":")
+    if not count.isdigit() or mode not in ("", "unchecked"):
+        raise ValueError(
+            f"{CORRUPT_ENV} must be a count of transfers (>= 0), optionally followed by "
+            f"':unchecked', got {value!r}"
+        )
+    return int(count), mode == "unchecked"
 
 
 def whole_blocks_only(transfer: str) -> str:
