@@ -308,33 +308,28 @@ class LayerChecksums:
             out[layer.name] = pack(values)
         return out
 
-    def invert_first_word(self, block_id: int) -> str:
-        """TEST HOOK (pd/verify.py's ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV``): invert
-        the first 8 bytes of block ``block_id`` of the first layer in place (the start of its
-        first cell: whole values, sign and exponent included, so a model reading that KV
-        would see it) and say where. Raises FailedPreconditionError when the checksum does not
-        change (the bytes are restored), OutOfRangeError for a bad id. Not synchronized with
-        the engine: only for a block no transfer writes any more."""
+    def poison_first_word(self, block_id: int) -> str:
+        """TEST HOOK (pd/verify.py's ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV``): set the
+        first 8 bytes of block ``block_id`` of the first layer to 0xFF in place (the start of
+        its first cell: NaNs in every float format, so a model reading that KV computes NaNs
+        from it) and say where. Raises FailedPreconditionError when the checksum does not
+        change, OutOfRangeError for a bad id. Not synchronized with the engine: only for a
+        block no transfer writes any more."""
         layer = self._layers[0]
         block = _check_ids(layer.layout, [block_id])[0]
         at = block * layer.layout.block_stride
         before = self.compute([block])[layer.name]
-        self._invert(layer, at)
+        if layer.host is not None:
+            layer.host[at : at + 8] = 0xFF
+        else:
+            raw, base = _byte_view(layer.tensor)
+            raw[base + at : base + at + 8] = 0xFF
         if self.compute([block])[layer.name] == before:
-            self._invert(layer, at)
             raise FailedPreconditionError(
                 f"layer '{layer.name}': bytes {at}..{at + 7} (block {block}) are outside the "
                 "block's cells"
             )
         return f"layer '{layer.name}' block {block} bytes {at}..{at + 7}"
-
-    @staticmethod
-    def _invert(layer: _Layer, at: int) -> None:
-        if layer.host is not None:
-            layer.host[at : at + 8] ^= 0xFF
-            return
-        raw, base = _byte_view(layer.tensor)
-        raw[base + at : base + at + 8] ^= 0xFF
 
 
 def _host_bytes(reg: Any, layout: LayerLayout) -> np.ndarray:

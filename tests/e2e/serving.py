@@ -595,6 +595,35 @@ class Cluster:
     router: Router
 
 
+def start_proxy_pd(
+    env: Env,
+    st: Stack,
+    model: Path,
+    settings: PDSettings,
+    label: str,
+    register_timeout_s: float,
+    decode_env: Mapping[str, str] | None = None,
+) -> tuple[Router, Instance, Instance]:
+    """examples/launch/proxy.py, then a prefill and a decode (``decode_env`` added to the
+    decode's environment), named ``proxy-``/``prefill-``/``decode-<label>``, on ``st``;
+    returns once both are warm and the proxy lists them."""
+    router = proxy_router(env, settings.ping_port, name=f"proxy-{label}")
+    st.add(router.server)
+    router.server.wait_http(router.url + "/health", 60)
+    prefill = pd_instance(env, "prefill", model, settings, name=f"prefill-{label}")
+    decode = pd_instance(
+        env, "decode", model, settings, name=f"decode-{label}", extra_env=decode_env
+    )
+    st.add(prefill.server)
+    st.add(decode.server)
+    prefill.wait_ready(START_TIMEOUT_S)
+    decode.wait_ready(START_TIMEOUT_S)
+    wait_registered(
+        router, register_timeout_s, settings.tp_of("prefill"), decode_tp=settings.tp_of("decode")
+    )
+    return router, prefill, decode
+
+
 def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:
     """examples/launch/proxy.sh on 127.0.0.1."""
     http = free_ports(1)

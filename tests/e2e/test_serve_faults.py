@@ -121,20 +121,9 @@ def faulty(
         ucx_tls="tcp",
     )
     with serving.stack() as st:
-        router = serving.proxy_router(env, settings.ping_port, name=f"proxy-faults-{mode}")
-        st.add(router.server)
-        router.server.wait_http(router.url + "/health", 60)
-        prefill = serving.pd_instance(
-            env, "prefill", models[0], settings, name=f"prefill-faults-{mode}-tp{tp}"
+        router, prefill, decode = serving.start_proxy_pd(
+            env, st, models[0], settings, f"faults-{mode}-tp{tp}", REGISTER_TIMEOUT_S
         )
-        decode = serving.pd_instance(
-            env, "decode", models[0], settings, name=f"decode-faults-{mode}-tp{tp}"
-        )
-        st.add(prefill.server)
-        st.add(decode.server)
-        prefill.wait_ready(START_TIMEOUT_S)
-        decode.wait_ready(START_TIMEOUT_S)
-        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
         yield Faulty(env, st, settings, prefill, decode, router, baseline["faults"])
 
 

@@ -4,8 +4,9 @@ One prefill and one decode instance per setup (READ and WRITE at TP 1; verify co
 blocks, so it needs equal TP sizes), both with ``verify: true`` in their connector config,
 HMAC on, the requests through examples/launch/proxy.py. The decode runs with the test hook
 ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV=1`` (python/moriio_native/pd/verify.py): the
-first transfer it verifies gets the first 8 bytes of its first received block inverted after
-the transfer landed and before the decode's checksums, as silent corruption on the way would.
+first transfer it verifies gets the first 8 bytes of its first received block set to 0xFF
+(NaNs) after the transfer landed and before the decode's checksums, as silent corruption on
+the way would.
 
 * The corrupted transfer (the module's first request): the decode reports one verify failure
   and no verified transfer (and one failed load), its log names the transfer and the corrupted
@@ -75,25 +76,15 @@ def verified(
         extra_config=json.dumps({"verify": True}),
     )
     with serving.stack() as st:
-        router = serving.proxy_router(env, settings.ping_port, name=f"proxy-verify-{mode}")
-        st.add(router.server)
-        router.server.wait_http(router.url + "/health", 60)
-        prefill = serving.pd_instance(
-            env, "prefill", models[0], settings, name=f"prefill-verify-{mode}"
-        )
-        decode = serving.pd_instance(
+        router, prefill, decode = serving.start_proxy_pd(
             env,
-            "decode",
+            st,
             models[0],
             settings,
-            name=f"decode-verify-{mode}",
-            extra_env={CORRUPT_ENV: "1"},
+            f"verify-{mode}",
+            REGISTER_TIMEOUT_S,
+            decode_env={CORRUPT_ENV: "1"},
         )
-        st.add(prefill.server)
-        st.add(decode.server)
-        prefill.wait_ready(START_TIMEOUT_S)
-        decode.wait_ready(START_TIMEOUT_S)
-        serving.wait_registered(router, REGISTER_TIMEOUT_S)
         yield Cluster(env, st, settings, prefill, decode, router)
 
 

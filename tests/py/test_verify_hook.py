@@ -45,22 +45,22 @@ def layer(memory: str = "host", padded: bool = False) -> tuple[Any, LayerChecksu
 @pytest.mark.parametrize(
     ("memory", "padded"), [("host", False), ("host", True), ("cuda", False)], ids=str
 )
-def test_invert_first_word_changes_that_block_only(memory: str, padded: bool) -> None:
+def test_poison_first_word_changes_that_block_only(memory: str, padded: bool) -> None:
     tensor, sums = layer(memory, padded)
     before = tensor.clone()
     ids = list(range(N))
     values = sums.compute(ids)["L0"]
-    where = sums.invert_first_word(2)
+    where = sums.poison_first_word(2)
     assert where.startswith("layer 'L0' block 2 bytes ")
     after = sums.compute(ids)["L0"]
     changed = [b for b in ids if after[8 * b : 8 * b + 8] != values[8 * b : 8 * b + 8]]
     assert changed == [2]
-    # Whole values (sign and exponent), not a rounding bit: the model would see it.
-    assert (tensor - before).abs().max() > 1.0
-    sums.invert_first_word(2)
-    assert sums.compute(ids)["L0"] == values and torch.equal(tensor, before)
+    # NaNs (what a model reading that KV would see), in block 2 only.
+    nan = torch.isnan(tensor)
+    assert nan.sum() == 2 and set(nan.nonzero()[:, 1].tolist()) == {2}
+    assert torch.equal(tensor[~nan], before[~nan])
     with pytest.raises(OutOfRangeError, match="layer 'L0': block id 4"):
-        sums.invert_first_word(N)
+        sums.poison_first_word(N)
 
 
 def verifier(sums: LayerChecksums) -> Verifier:

@@ -14,11 +14,11 @@ A mismatch, a missing answer or a peer that does not verify fails the load: its 
 recomputed, the stats count a verify failure and the log names the transfer, layer and block.
 
 Test hook, never for production: with ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV=<n>`` in
-its environment, a decode rank that verifies inverts the first 8 bytes of the first received
-block of its first ``n`` checked transfers, after the transfer landed and before its own
-checksums (as silent corruption on the way would), so a test can see the check fail the load
-and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verify.py). With
-``<n>:unchecked`` it inverts them right after its checksums instead: the check passes and vLLM
+its environment, a decode rank that verifies sets the first 8 bytes of the first received block
+of its first ``n`` checked transfers to 0xFF (NaNs), after the transfer landed and before its
+own checksums (as silent corruption on the way would), so a test can see the check fail the
+load and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verify.py). With
+``<n>:unchecked`` it sets them right after its checksums instead: the check passes and vLLM
 generates from the corrupted KV (the test's control: that corruption changes the completion).
 Set, it is logged as an error when the rank starts; it has no effect with ``verify`` off.
 
@@ -177,7 +177,7 @@ class Verifier:
                 f"{CORRUPT_ENV}: cannot corrupt through a {type(summer).__name__}"
             )
         ours = summer.compute(local_ids) if self._corrupt_unchecked else None
-        where = summer.invert_first_word(local_ids[0])
+        where = summer.poison_first_word(local_ids[0])
         logger.error(
             "%s: transfer %s: corrupted %s%s",
             CORRUPT_ENV,
