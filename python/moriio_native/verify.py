@@ -308,6 +308,29 @@ class LayerChecksums:
             out[layer.name] = pack(values)
         return out
 
+    def poison_first_word(self, block_id: int) -> str:
+        """TEST HOOK (pd/verify.py's ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV``): set the
+        first 8 bytes of block ``block_id`` of the first layer to 0xFF in place (the start of
+        its first cell: NaNs in every float format, so a model reading that KV computes NaNs
+        from it) and say where. Raises FailedPreconditionError when the checksum does not
+        change, OutOfRangeError for a bad id. Not synchronized with the engine: only for a
+        block no transfer writes any more."""
+        layer = self._layers[0]
+        block = _check_ids(layer.layout, [block_id])[0]
+        at = block * layer.layout.block_stride
+        before = self.compute([block])[layer.name]
+        if layer.host is not None:
+            layer.host[at : at + 8] = 0xFF
+        else:
+            raw, base = _byte_view(layer.tensor)
+            raw[base + at : base + at + 8] = 0xFF
+        if self.compute([block])[layer.name] == before:
+            raise FailedPreconditionError(
+                f"layer '{layer.name}': bytes {at}..{at + 7} (block {block}) are outside the "
+                "block's cells"
+            )
+        return f"layer '{layer.name}' block {block} bytes {at}..{at + 7}"
+
 
 def _host_bytes(reg: Any, layout: LayerLayout) -> np.ndarray:
     """The layer's bytes from its base to the end of its allocation, as a uint8 array that

@@ -24,7 +24,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -535,10 +535,11 @@ def pd_instance(
     name: str | None = None,
     like: Instance | None = None,
     extra_args: Sequence[str] = (),
+    extra_env: Mapping[str, str] | None = None,
 ) -> Instance:
     """A prefill (``role="prefill"``) or decode instance from examples/launch; with ``like``,
     on that (stopped) instance's ports, so routers see it as the same instance; ``extra_args``
-    follow SERVE_ARGS."""
+    follow SERVE_ARGS; ``extra_env`` is added to its environment last."""
     tp = settings.tp_of(role)
     if like is not None:
         http, (hs, notify) = like.http_port, like.ports
@@ -565,6 +566,7 @@ def pd_instance(
     )
     if settings.ucx_tls:
         e["UCX_TLS"] = settings.ucx_tls
+    e.update(extra_env or {})
     argv = ["bash", str(LAUNCH / f"{role}.sh"), *SERVE_ARGS, *extra_args]
     label = name or f"{role}-{settings.mode}-{settings.tag}"
     return Instance(Server(label, argv, e, env.workdir / f"{label}.log"), http, (hs, notify))
@@ -591,6 +593,35 @@ class Cluster:
     prefill: Instance
     decode: Instance
     router: Router
+
+
+def start_proxy_pd(
+    env: Env,
+    st: Stack,
+    model: Path,
+    settings: PDSettings,
+    label: str,
+    register_timeout_s: float,
+    decode_env: Mapping[str, str] | None = None,
+) -> tuple[Router, Instance, Instance]:
+    """examples/launch/proxy.py, then a prefill and a decode (``decode_env`` added to the
+    decode's environment), named ``proxy-``/``prefill-``/``decode-<label>``, on ``st``;
+    returns once both are warm and the proxy lists them."""
+    router = proxy_router(env, settings.ping_port, name=f"proxy-{label}")
+    st.add(router.server)
+    router.server.wait_http(router.url + "/health", 60)
+    prefill = pd_instance(env, "prefill", model, settings, name=f"prefill-{label}")
+    decode = pd_instance(
+        env, "decode", model, settings, name=f"decode-{label}", extra_env=decode_env
+    )
+    st.add(prefill.server)
+    st.add(decode.server)
+    prefill.wait_ready(START_TIMEOUT_S)
+    decode.wait_ready(START_TIMEOUT_S)
+    wait_registered(
+        router, register_timeout_s, settings.tp_of("prefill"), decode_tp=settings.tp_of("decode")
+    )
+    return router, prefill, decode
 
 
 def proxy_router(env: Env, ping_port: int, name: str = "proxy") -> Router:

@@ -1,10 +1,12 @@
 """Faults inside the ``vllm serve`` tier: client disconnects at every stage and a killed prefill,
 through the real router (examples/launch/proxy.py), checked by code after every round.
 
-One prefill and one decode instance per setup (READ and WRITE at TP 1), kept across the
-module's scenarios. UCX runs over TCP only, without the engine's same-host copy shortcuts, as
-between two hosts: a stopped prefill really stalls a transfer (shared memory or CMA would read
-a stopped process's memory without it). Faults:
+One prefill and one decode instance per setup (READ and WRITE at TP 1; in the full tier,
+``MORIIO_E2E_FAULT_ROUNDS`` set, both at TP 2 on both instances too: two worker processes per
+instance, a transfer per pair of ranks), kept across the module's scenarios. UCX runs over
+TCP only, without the engine's same-host copy shortcuts, as between two hosts: a stopped
+prefill really stalls a transfer (shared memory or CMA would read a stopped process's memory
+without it). Faults:
 
 * the client closes its connection while the prefill runs (the whole prefill instance is
   stopped with the request in its socket, unread, and resumed after the disconnect);
@@ -21,12 +23,14 @@ a stopped process's memory without it). Faults:
   new prefill on the same ports must register and the decode load from it again.
 
 Invariants after every round: within a bound, both instances hold no KV blocks
-(``vllm:kv_cache_usage_perc``), no request (running, waiting) and no open transfer
-(``vllm:moriio_native_open_transfers``); the next two requests, never seen by the decode, equal
-the plain instance's completions token for token and their KV moved (the decode's
-``external_kv_transfer`` prompt tokens grow); open file descriptors and threads of each
-instance's processes do not grow over the rounds. Rows go to ``$MORIIO_FAULT_REPORT`` like
-tests/py's fault scenarios (``MORIIO_E2E_FAULT_ROUNDS`` rounds each, default 2).
+(``vllm:kv_cache_usage_perc``: the scheduler's one block pool, which every TP rank's caches
+follow), no request (running, waiting) and no open transfer
+(``vllm:moriio_native_open_transfers``, summed over the TP ranks); the next two requests,
+never seen by the decode, equal the plain instance's completions token for token and their KV
+moved (the decode's ``external_kv_transfer`` prompt tokens grow); open file descriptors and
+threads of each instance's processes do not grow over the rounds. Rows go to
+``$MORIIO_FAULT_REPORT`` like tests/py's fault scenarios (``MORIIO_E2E_FAULT_ROUNDS`` rounds
+each, default 2).
 """
 
 from __future__ import annotations
@@ -75,6 +79,10 @@ REGISTER_TIMEOUT_S = 90.0
 SLACK = {"fds": 4, "threads": 2, "processes": 0}
 
 SETUPS = [("read", 1), ("write", 1)]
+# TP 2 starts two instances of two workers each (minutes more on a 2-core machine) and runs
+# every scenario again: the full tier only (scripts/reliability.sh).
+if os.environ.get("MORIIO_E2E_FAULT_ROUNDS"):
+    SETUPS += [("read", 2), ("write", 2)]
 
 logger = logging.getLogger("moriio_native.e2e.faults")
 
@@ -89,6 +97,11 @@ class Faulty(Cluster):
     @property
     def mode(self) -> str:
         return self.settings.mode.upper()
+
+    @property
+    def what(self) -> str:
+        """The setup as the report rows name it: ``READ tp1``."""
+        return f"{self.mode} {self.settings.tag}"
 
 
 @pytest.fixture(scope="module", params=SETUPS, ids=[f"{m}-tp{tp}" for m, tp in SETUPS])
@@ -108,20 +121,9 @@ def faulty(
         ucx_tls="tcp",
     )
     with serving.stack() as st:
-        router = serving.proxy_router(env, settings.ping_port, name=f"proxy-faults-{mode}")
-        st.add(router.server)
-        router.server.wait_http(router.url + "/health", 60)
-        prefill = serving.pd_instance(
-            env, "prefill", models[0], settings, name=f"prefill-faults-{mode}-tp{tp}"
+        router, prefill, decode = serving.start_proxy_pd(
+            env, st, models[0], settings, f"faults-{mode}-tp{tp}", REGISTER_TIMEOUT_S
         )
-        decode = serving.pd_instance(
-            env, "decode", models[0], settings, name=f"decode-faults-{mode}-tp{tp}"
-        )
-        st.add(prefill.server)
-        st.add(decode.server)
-        prefill.wait_ready(START_TIMEOUT_S)
-        decode.wait_ready(START_TIMEOUT_S)
-        serving.wait_registered(router, REGISTER_TIMEOUT_S, tp=tp)
         yield Faulty(env, st, settings, prefill, decode, router, baseline["faults"])
 
 
@@ -319,7 +321,7 @@ def test_client_disconnect(faulty: Faulty, stage: str) -> None:
         "after": "after the first token",
     }[stage]
     reached: list[str] = []
-    with recorded(f"serve {faulty.mode} tp1, client disconnects {what}") as row:
+    with recorded(f"serve {faulty.what}, client disconnects {what}") as row:
         for i in range(fault_rounds()):
             index = _round_index(place, i)
             fault_at = time.monotonic()
@@ -361,7 +363,7 @@ def test_prefill_killed_mid_request(faulty: Faulty) -> None:
     the decode is clean again; a prefill restarted on the same ports registers and the decode
     loads from it (the requests after equal the baseline)."""
     f = faulty
-    with recorded(f"serve {f.mode} tp1, kill -9 prefill mid-request; restart") as row:
+    with recorded(f"serve {f.what}, kill -9 prefill mid-request; restart") as row:
         for i in range(fault_rounds()):
             index = _round_index(KILL_RANGE, i)
             victim, _ = prompts.fault_round(index)
@@ -407,7 +409,7 @@ def test_prefill_killed_mid_request(faulty: Faulty) -> None:
             )
             f.stack.add(f.prefill.server)
             f.prefill.wait_ready(START_TIMEOUT_S)
-            serving.wait_registered(f.router, REGISTER_TIMEOUT_S, since=restarted)
+            serving.wait_registered(f.router, REGISTER_TIMEOUT_S, tp=f.settings.tp, since=restarted)
             row.rounds += 1
             _check_after(f, row, index, fault_at)
             logger.info("round %d: the client got %s", index, answer)

@@ -12,6 +12,16 @@ transfer's two sides (:mod:`moriio_native.verify` computes them over logical cel
 
 A mismatch, a missing answer or a peer that does not verify fails the load: its blocks are
 recomputed, the stats count a verify failure and the log names the transfer, layer and block.
+
+Test hook, never for production: with ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV=<n>`` in
+its environment, a decode rank that verifies sets the first 8 bytes of the first received block
+of its first ``n`` checked transfers to 0xFF (NaNs), after the transfer landed and before its
+own checksums (as silent corruption on the way would), so a test can see the check fail the
+load and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verify.py). With
+``<n>:unchecked`` it sets them right after its checksums instead: the check passes and vLLM
+generates from the corrupted KV (the test's control: that corruption changes the completion).
+Set, it is logged as an error when the rank starts; it has no effect with ``verify`` off.
+
 Checking and computing run on one thread (``moriio-native-verify``; a READ's own checksums on
 a second, while the prefill computes its), never under the context lock; results come back
 through the callback, on the first. Thread-safe.
@@ -20,6 +30,8 @@ through the callback, on the first. Thread-safe.
 from __future__ import annotations
 
 import logging
+import os
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
@@ -29,9 +41,12 @@ from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.peers import Peer
-from moriio_native.verify import WHOLE_BLOCK, CellWindow, compare
+from moriio_native.verify import WHOLE_BLOCK, CellWindow, LayerChecksums, compare
 
 logger = logging.getLogger("moriio_native.pd.verify")
+
+#: The test hook's variable (module docstring): how many checked transfers to corrupt.
+CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 
 # Mismatched blocks named in one log line / failure reason (the rest are counted).
 MAX_NAMED_MISMATCHES = 8
@@ -70,6 +85,20 @@ class Verifier:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
         # Our side of a READ's check, computed while the prefill computes its own.
         self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
+        self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
+        self._corrupt_lock = threading.Lock()
+        if self._corrupt_left:
+            logger.error(
+                "%s=%s: TEST HOOK ENABLED on %s: the first %d transfers this rank verifies get "
+                "received bytes corrupted on purpose (%s); never set this outside a test",
+                CORRUPT_ENV,
+                os.environ[CORRUPT_ENV].strip(),
+                engine_id,
+                self._corrupt_left,
+                "after the check: it passes and the corrupted KV is used"
+                if self._corrupt_unchecked
+                else "their loads fail and are recomputed",
+            )
 
     def shutdown(self) -> None:
         """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
@@ -96,7 +125,7 @@ class Verifier:
                 transfer_id=transfer_id,
                 block_ids=tuple(int(b) for b in remote_ids),
             )
-            ours = self._local.submit(self._checksummer().compute, local_ids)
+            ours = self._local.submit(self._ours, transfer_id, local_ids)
             try:
                 answer = fetch_checksums(
                     peer.host,
@@ -129,10 +158,34 @@ class Verifier:
                     "the prefill's write_done carries no checksums (it does not verify: set "
                     "verify the same on both instances)"
                 )
-            ours = self._checksummer().compute(local_ids)
+            ours = self._ours(transfer_id, local_ids)
             return self._compare(transfer_id, checksums, local_ids, local_ids, ours)
 
         self._run(transfer_id, check, verdict)
+
+    def _ours(self, transfer_id: str, local_ids: Sequence[int]) -> dict[str, bytes]:
+        """Our checksums of the received ``local_ids``, after the test hook's corruption."""
+        summer = self._checksummer()
+        with self._corrupt_lock:
+            corrupt = self._corrupt_left > 0 and len(local_ids) > 0
+            if corrupt:
+                self._corrupt_left -= 1
+        if not corrupt:
+            return summer.compute(local_ids)
+        if not isinstance(summer, LayerChecksums):
+            raise FailedPreconditionError(
+                f"{CORRUPT_ENV}: cannot corrupt through a {type(summer).__name__}"
+            )
+        ours = summer.compute(local_ids) if self._corrupt_unchecked else None
+        where = summer.poison_first_word(local_ids[0])
+        logger.error(
+            "%s: transfer %s: corrupted %s%s",
+            CORRUPT_ENV,
+            transfer_id,
+            where,
+            " after its checksums" if ours is not None else "",
+        )
+        return summer.compute(local_ids) if ours is None else ours
 
     def _compare(
         self,
@@ -202,6 +255,21 @@ class Verifier:
         self._pool.submit(task)
 
 
+def _corrupt_setting() -> tuple[int, bool]:
+    """The test hook's ``(count, unchecked)`` from ``CORRUPT_ENV`` (``<n>`` or
+    ``<n>:unchecked``); ``(0, False)`` when unset."""
+    value = os.environ.get(CORRUPT_ENV, "").strip()
+    if not value:
+        return 0, False
+    count, _, mode = value.partition(":")
+    if not count.isdigit() or mode not in ("", "unchecked"):
+        raise ValueError(
+            f"{CORRUPT_ENV} must be a count of transfers (>= 0), optionally followed by "
+            f"':unchecked', got {value!r}"
+        )
+    return int(count), mode == "unchecked"
+
+
 def whole_blocks_only(transfer: str) -> str:
     """Why a ``transfer`` ("READ" or "WRITE") cannot be verified: the check compares whole
     blocks of one KV-cache group, and this one moved windows or several groups."""
@@ -212,4 +280,11 @@ def whole_blocks_only(transfer: str) -> str:
     )
 
 
-__all__ = ["MAX_NAMED_MISMATCHES", "Checksummer", "Verdict", "Verifier", "whole_blocks_only"]
+__all__ = [
+    "CORRUPT_ENV",
+    "MAX_NAMED_MISMATCHES",
+    "Checksummer",
+    "Verdict",
+    "Verifier",
+    "whole_blocks_only",
+]
