@@ -32,6 +32,7 @@ from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.core import PdCore
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.pusher import Pusher
+from test_pd_peers import Clock
 from test_pd_protocol import context
 
 LOCAL = "127.0.0.1"
@@ -40,14 +41,6 @@ FLOOD = 300
 BURST = 20  # RateLimitedWarnings' default, which every flooded warning uses
 
 LOGGER = logging.getLogger("moriio_native.tests.control_flood")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 @pytest.fixture
