@@ -73,6 +73,8 @@ from .security import AuthenticationError, ControlSecurity, MessageAuth, PeerAll
 logger = logging.getLogger("moriio_native.control.channel")
 
 _POLL_MS = 100
+# Messages a listener reads per wake-up before it looks at its stop flag and polls again.
+_BURST = 256
 _MAX_TAG_FRAME = 64
 
 
@@ -105,33 +107,79 @@ class _ClosesOnExit:
         self.close()
 
 
-class _DropLog:
-    """Logs dropped messages, at most ``burst`` lines per ``window_s`` per component, so a
-    flood of garbage cannot flood the log too; the suppressed count is reported later."""
+class RateLimitedWarnings:
+    """Warnings through ``log``, at most ``burst`` lines per ``window_s``: a flood of bad or
+    stray messages must not flood the log too (a line per message would itself cost the
+    instance more than rejecting the message). Past the burst, warnings are counted, and the
+    count is logged (one line) with the first warning of a later window. Thread-safe."""
 
-    def __init__(self, component: str, burst: int = 20, window_s: float = 10.0) -> None:
-        self._component = component
+    def __init__(
+        self, log: logging.Logger, what: str, *, burst: int = 20, window_s: float = 10.0
+    ) -> None:
+        if burst < 1 or not window_s > 0:
+            raise InvalidArgumentError("a warning rate limit needs burst >= 1 and window_s > 0")
+        self._log = log
+        self._what = what
         self._burst = burst
         self._window_s = window_s
+        self._lock = threading.Lock()
         self._window_start = time.monotonic()
         self._in_window = 0
         self._suppressed = 0
 
-    def drop(self, peer: str, reason: str) -> None:
+    @property
+    def suppressed(self) -> int:
+        """Warnings not logged in the current window so far."""
+        with self._lock:
+            return self._suppressed
+
+    def allows(self) -> bool:
+        """Whether the next :meth:`warn` would be logged (so its text is worth building)."""
+        with self._lock:
+            return self._in_window < self._burst or self._window_over(time.monotonic())
+
+    def _window_over(self, now: float) -> bool:
+        return now - self._window_start >= self._window_s
+
+    def warn(self, msg: str, *args: object) -> None:
+        """``log.warning(msg, *args)`` unless this window's burst is spent (then counted)."""
         now = time.monotonic()
-        if now - self._window_start >= self._window_s:
-            if self._suppressed:
-                logger.warning(
-                    "%s: %d more bad messages were dropped without logging",
-                    self._component,
-                    self._suppressed,
-                )
-            self._window_start, self._in_window, self._suppressed = now, 0, 0
-        if self._in_window < self._burst:
-            self._in_window += 1
-            logger.warning("%s: dropped message from %s: %s", self._component, peer, reason)
-        else:
-            self._suppressed += 1
+        with self._lock:
+            suppressed, span = 0, 0.0
+            if self._window_over(now):
+                suppressed, span = self._suppressed, now - self._window_start
+                self._window_start, self._in_window, self._suppressed = now, 0, 0
+            logged = self._in_window < self._burst
+            if logged:
+                self._in_window += 1
+            else:
+                self._suppressed += 1
+        # Logged outside the lock: a handler may be slow.
+        if suppressed:
+            self._log.warning(
+                "%s: %d more like this in the last %.0f s were not logged",
+                self._what,
+                suppressed,
+                span,
+                stacklevel=2,
+            )
+        if logged:
+            self._log.warning(msg, *args, stacklevel=2)  # the caller's line, not this one
+
+
+class _DropLog:
+    """Logs dropped messages of one listener, rate limited (:class:`RateLimitedWarnings`)."""
+
+    def __init__(self, component: str) -> None:
+        self._component = component
+        self._limit = RateLimitedWarnings(logger, f"{component}: dropped messages")
+
+    def detailed(self) -> bool:
+        """Whether the next drop is logged: only then is its reason worth explaining."""
+        return self._limit.allows()
+
+    def drop(self, peer: str, reason: str) -> None:
+        self._limit.warn("%s: dropped message from %s: %s", self._component, peer, reason)
 
 
 def _peer_of(frames: list[zmq.Frame]) -> tuple[str, str | None]:
@@ -231,7 +279,7 @@ class _RouterThread(_ClosesOnExit):
             self._drops.drop(peer, str(exc))
             return None
         try:
-            return decode(payload, accept, max_bytes=max_bytes)
+            return decode(payload, accept, max_bytes=max_bytes, explain=self._drops.detailed())
         except ProtocolVersionError:
             raise  # answerable: the handshake server refuses it by name
         except InvalidMessageError as exc:
@@ -247,31 +295,34 @@ class _RouterThread(_ClosesOnExit):
     def _run(self) -> None:
         sock = self._sock
         assert sock is not None
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._wait_ready() or not poller.poll(_POLL_MS):
-                    continue
-                try:
-                    frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                self._count("received")
-                peer = "unknown sender"
-                try:
-                    peer, ip = _peer_of(frames)
-                    self._dispatch(sock, frames, peer, ip)
-                except Exception as exc:  # the listener must survive anything one message does
-                    self._count("dropped_malformed")
-                    logger.exception(
-                        "%s: error handling message from %s: %r", self._name, peer, exc
-                    )
+                if self._wait_ready() and sock.poll(_POLL_MS):
+                    self._read_burst(sock)
         except zmq.ZMQError as exc:
             if not self._stop.is_set():
                 logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
         finally:
             self._release(sock)
+
+    def _read_burst(self, sock: zmq.Socket) -> None:
+        """Handle what is queued, up to ``_BURST`` messages, without polling in between: a
+        poll per message would cost a flood of small messages more than rejecting them."""
+        for _ in range(_BURST):
+            try:
+                frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._count("received")
+            peer = "unknown sender"
+            try:
+                peer, ip = _peer_of(frames)
+                self._dispatch(sock, frames, peer, ip)
+            except Exception as exc:  # the listener must survive anything one message does
+                self._count("dropped_malformed")
+                logger.exception("%s: error handling message from %s: %r", self._name, peer, exc)
+            if self._stop.is_set() or not self._wait_ready():
+                return
 
     def _release(self, sock: zmq.Socket) -> None:
         # ZMQ closes a listening socket asynchronously in its I/O thread. Wait (bounded) for
@@ -917,6 +968,7 @@ __all__ = [
     "NotifyListener",
     "NotifySender",
     "ProxyPinger",
+    "RateLimitedWarnings",
     "fetch_checksums",
     "fetch_metadata",
     "zmq_endpoint",

@@ -576,13 +576,16 @@ def _check_protocol_version(payload: Any, accept: tuple[type, ...]) -> None:
         raise ProtocolVersionError(version, nonce)
 
 
-def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
+def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int, explain: bool = True) -> M:
     """Decode and schema-check ``payload`` into one of the classes in ``accept``.
 
     The size is checked before anything is parsed. Raises InvalidMessageError (never anything
     else) for oversized, non-msgpack, non-map, unknown-type, unknown-key, missing-key or
     out-of-range input; the message names the field and the bad value. A handshake request
     or response of another protocol version raises ProtocolVersionError (a subclass) instead.
+    ``explain=False`` (a listener whose log of drops is rate limited and will not show this
+    one) skips what only the text needs -- parsing the payload again to name its type and
+    field -- and says what msgspec says; the same inputs fail.
     """
     if not isinstance(payload, (bytes, bytearray, memoryview)):
         raise InvalidMessageError(f"payload must be bytes, got {type(payload).__name__}")
@@ -592,7 +595,8 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int) -> M:
     try:
         message = load(_target(accept), payload)
     except msgspec.ValidationError as exc:
-        raise InvalidMessageError(_message_error(exc, payload, accept)) from None
+        text = _message_error(exc, payload, accept) if explain else f"fails the schema: {exc}"
+        raise InvalidMessageError(text) from None
     except msgspec.DecodeError as exc:
         raise InvalidMessageError(f"not a msgpack message ({exc})") from None
     _require_every_key(message, payload)

@@ -31,7 +31,12 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from moriio_native.control.channel import HandshakeServer, NotifyListener, NotifySender
+from moriio_native.control.channel import (
+    HandshakeServer,
+    NotifyListener,
+    NotifySender,
+    RateLimitedWarnings,
+)
 from moriio_native.control.messages import (
     AbortWrite,
     ChecksumRequest,
@@ -88,6 +93,9 @@ class PdCore:
         self.cfg = config
         self._security = security
         self._bind_host = bind_host
+        # Messages a sender may send whatever this instance is (a flood of them must not
+        # become a flood of log lines): logged through one rate limit.
+        self._stray = RateLimitedWarnings(logger, "notify messages ignored or failed")
         self._engine = engine
         sender = NotifySender(security)
         directory = PeerDirectory(
@@ -344,14 +352,16 @@ class PdCore:
         tid = message.transfer_id
         if isinstance(message, (WriteDone, WriteFailed, WriteAborted)):
             if not cfg.consumer:
-                logger.warning(
+                self._stray.warn(
                     "ignoring %s for transfer %s: this instance is not a consumer",
                     message.TYPE,
                     tid,
                 )
                 return
             if isinstance(message, WriteFailed):
-                logger.warning("transfer %s: the prefill failed to write: %s", tid, message.reason)
+                self._stray.warn(
+                    "transfer %s: the prefill failed to write: %s", tid, message.reason
+                )
             self.puller.on_write_result(
                 tid,
                 ok=isinstance(message, WriteDone),
@@ -360,7 +370,7 @@ class PdCore:
             )
             return
         if not cfg.producer:
-            logger.warning(
+            self._stray.warn(
                 "ignoring %s for transfer %s: this instance is not a producer", message.TYPE, tid
             )
             return
@@ -371,7 +381,7 @@ class PdCore:
         elif isinstance(message, RemoteBlocks):
             self.pusher.on_remote_blocks(message)
         else:
-            logger.warning("ignoring unexpected %s for transfer %s", message.TYPE, tid)
+            self._stray.warn("ignoring unexpected %s for transfer %s", message.TYPE, tid)
 
 
 __all__ = ["PdCore"]

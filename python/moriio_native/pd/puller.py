@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import Any, TypeVar
 
+from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
 from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
@@ -260,6 +261,9 @@ class Puller:
 
     def __init__(self, ctx: Context) -> None:
         self._ctx = ctx
+        # Anyone who reaches the notify port can send results of transfers we never had: a
+        # line each would let them flood the log.
+        self._stray_results = RateLimitedWarnings(logger, "write results of unknown transfers")
         self._reads: dict[str, _Read] = {}
         self._parts: dict[str, tuple[_Read, _ReadPart]] = {}  # by engine transfer id
         self._awaits: dict[str, _Await] = {}
@@ -775,7 +779,7 @@ class Puller:
             waiting = self._awaits.get(tid)
             part = None if waiting is None else waiting.parts.get(writer_rank)
         if waiting is None or part is None:
-            logger.warning(
+            self._stray_results.warn(
                 "transfer %s: ignoring a write result from prefill rank %d, which does not "
                 "write it",
                 tid,

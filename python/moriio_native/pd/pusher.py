@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     AbortWrite,
@@ -205,6 +206,9 @@ class Pusher:
 
     def __init__(self, ctx: Context, writer_queue: int = WRITER_QUEUE) -> None:
         self._ctx = ctx
+        # WRITE-mode messages any sender may send a READ-mode prefill: rate limited, not a line
+        # each.
+        self._stray = RateLimitedWarnings(logger, "WRITE-mode messages in READ mode")
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -768,7 +772,7 @@ class Pusher:
     def on_remote_blocks(self, message: RemoteBlocks) -> None:
         tid = message.transfer_id
         if self._ctx.cfg.mode != "write":
-            logger.warning(
+            self._stray.warn(
                 "ignoring remote_blocks for transfer %s: this instance runs READ mode", tid
             )
             return
@@ -788,7 +792,7 @@ class Pusher:
         """The decode gave up on a WRITE and holds its blocks quarantined: stop the transfer,
         and once none of its writes can land, answer write_aborted."""
         if self._ctx.cfg.mode != "write":
-            logger.warning(
+            self._stray.warn(
                 "ignoring abort_write for transfer %s: this instance runs READ mode",
                 message.transfer_id,
             )

@@ -1,0 +1,184 @@
+"""What a flood of bad or stray messages costs a listener and the protocol core: a bounded
+number of log lines (rate limited, the rest counted and summarised), no error text built for
+drops nobody will see, and every message still read and counted."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import zmq
+
+from moriio_native.control import channel, messages
+from moriio_native.control.channel import NotifyListener, RateLimitedWarnings
+from moriio_native.control.messages import (
+    MAX_NOTIFY_BYTES,
+    NOTIFY_TYPES,
+    AbortWrite,
+    InvalidMessageError,
+    Release,
+    RemoteBlocks,
+    WriteAborted,
+    WriteDone,
+    WriteFailed,
+    decode,
+    encode,
+)
+from moriio_native.control.security import ControlSecurity
+from moriio_native.errors import InvalidArgumentError
+from moriio_native.pd.core import PdCore
+from moriio_native.pd.puller import Puller
+from moriio_native.pd.pusher import Pusher
+from test_pd_peers import Clock
+from test_pd_protocol import context
+
+LOCAL = "127.0.0.1"
+WAIT = 10.0
+FLOOD = 300
+BURST = 20  # RateLimitedWarnings' default, which every flooded warning uses
+
+LOGGER = logging.getLogger("moriio_native.tests.control_flood")
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(channel.time, "monotonic", fake)
+    return fake
+
+
+def _lines(caplog: pytest.LogCaptureFixture, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if text in r.getMessage()]
+
+
+def test_warnings_past_the_burst_are_counted_then_summarised(
+    clock: Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger=LOGGER.name)
+    limit = RateLimitedWarnings(LOGGER, "stray things", burst=3, window_s=10.0)
+    for i in range(10):
+        assert limit.allows() == (i < 3)
+        limit.warn("stray %d", i)
+    assert _lines(caplog, "stray") == ["stray 0", "stray 1", "stray 2"]
+    assert limit.suppressed == 7
+    clock.now += 10.0  # the next window: the count first, then the warning
+    assert limit.allows()
+    limit.warn("stray %d", 10)
+    assert _lines(caplog, "stray")[3:] == [
+        "stray things: 7 more like this in the last 10 s were not logged",
+        "stray 10",
+    ]
+    assert limit.suppressed == 0
+
+
+@pytest.mark.parametrize(("burst", "window_s"), [(0, 1.0), (1, 0.0), (1, float("nan"))])
+def test_a_warning_limit_needs_a_positive_burst_and_window(burst: int, window_s: float) -> None:
+    with pytest.raises(InvalidArgumentError, match="burst >= 1 and window_s > 0"):
+        RateLimitedWarnings(LOGGER, "x", burst=burst, window_s=window_s)
+
+
+BAD_PAYLOADS = [
+    msgpack.packb({"type": "release"}),  # missing key
+    msgpack.packb({"type": "no_such_type", "transfer_id": "x"}),
+    msgpack.packb({"type": "release", "transfer_id": "x", "evil": 1}),
+    msgpack.packb([1, 2]),  # not a map
+    msgpack.packb({"type": "write_done", "transfer_id": "x", "writer_rank": -1}),
+]
+
+
+@pytest.mark.parametrize("payload", BAD_PAYLOADS)
+def test_decode_without_explanation_refuses_the_same_input(
+    payload: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with pytest.raises(InvalidMessageError) as explained:
+        decode(payload, NOTIFY_TYPES, max_bytes=MAX_NOTIFY_BYTES)
+
+    def no_second_parse(*args: object) -> str:
+        raise AssertionError("the explanation was built")
+
+    monkeypatch.setattr(messages, "_message_error", no_second_parse)
+    with pytest.raises(InvalidMessageError, match="fails the schema") as short:
+        decode(payload, NOTIFY_TYPES, max_bytes=MAX_NOTIFY_BYTES, explain=False)
+    assert str(short.value) != str(explained.value)
+    good = Release("tx-1")
+    assert decode(encode(good), NOTIFY_TYPES, max_bytes=MAX_NOTIFY_BYTES, explain=False) == good
+
+
+def test_a_flooded_listener_logs_a_burst_and_explains_only_what_it_logs(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: every schema failure was explained (the payload parsed a second time to name
+    its type and field) though the log showed only the first 20 of them."""
+    explained = []
+    explain = messages._message_error
+
+    def counting(*args: object) -> str:
+        explained.append(1)
+        return explain(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(messages, "_message_error", counting)
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    sec = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as listener,
+        contextlib.closing(zmq.Context.instance().socket(zmq.DEALER)) as dealer,
+    ):
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://{LOCAL}:{listener.port}")
+        for i in range(FLOOD):
+            dealer.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)])
+        dealer.send(encode(Release("genuine")))
+        assert listener.get(WAIT) == Release("genuine")
+        stats = listener.stats()
+    assert stats["received"] == FLOOD + 1 and stats["dropped_malformed"] == FLOOD
+    assert len(_lines(caplog, "dropped message from")) == BURST
+    assert len(explained) == BURST
+
+
+def test_stray_write_results_log_a_burst_not_a_line_each(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: a line per write_done/write_failed of a transfer the decode never had."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.pd")
+    ctx, _, _ = context("read", producer=False)
+    puller = Puller(ctx)
+    for i in range(FLOOD):
+        puller.on_write_result(f"stray-{i}", ok=i % 2 == 0)
+    assert len(_lines(caplog, "ignoring a write result")) == BURST
+
+
+def test_write_mode_messages_to_a_read_mode_prefill_log_a_burst(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="moriio_native.pd")
+    ctx, _, _ = context("read", producer=True)
+    pusher = Pusher(ctx)
+    for i in range(FLOOD):
+        if i % 2:
+            pusher.on_abort_write(AbortWrite(f"stray-{i}", "d:1/dp0/tp0", LOCAL, 8000, 8100))
+        else:
+            pusher.on_remote_blocks(RemoteBlocks(f"stray-{i}", ((1,),), "d:1/dp0/tp0"))
+    assert len(_lines(caplog, "this instance runs READ mode")) == BURST
+
+
+def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The connector's notify loop (PdCore._on_message) on a decode rank: write_failed of
+    unknown transfers and releases (a prefill's message) each logged a line before."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.pd")
+    ctx, _, _ = context("read", producer=False)
+    core = SimpleNamespace(
+        cfg=ctx.cfg,
+        puller=Puller(ctx),
+        _stray=RateLimitedWarnings(logging.getLogger("moriio_native.pd.core"), "notify"),
+    )
+    for i in range(FLOOD):
+        message = (WriteFailed(f"s-{i}", reason="flood"), Release(f"s-{i}"), WriteDone(f"s-{i}"))
+        PdCore._on_message(core, message[i % 3])  # type: ignore[arg-type]
+        PdCore._on_message(core, WriteAborted(f"s-{i}"))  # type: ignore[arg-type]
+    core_lines = [r for r in caplog.records if r.name == "moriio_native.pd.core"]
+    assert len(core_lines) == BURST
