@@ -40,8 +40,8 @@
 #   bash bench/h200_session.sh prelaunch  # one call: this tree and base (.variants/base-044b7ad.tar,
 #                                         # a `git archive`), both with UCX; every GPU test on
 #                                         # this tree; gpu_bench --timeline (CUDA calls before the
-#                                         # first launch) for llama3-8b, deepseek-v3 and 4 KiB runs,
-#                                         # unprimed and primed, per build, alternating
+#                                         # first launch) for llama3-8b (also progress_mode=busy)
+#                                         # and 4 KiB runs, unprimed and primed, per build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -395,15 +395,17 @@ prelaunch)  # issue 18: what runs before a request's first launch, and small run
     tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
   echo "elapsed ${SECONDS} s"
   n=0
-  for p in "--preset llama3-8b --preset deepseek-v3 --requests 5" \
+  for p in "--preset llama3-8b --requests 3" \
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
     n=$((n + 1))
-    for v in tree base; do
-      pp=$build/python
+    for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
+      pp=$build/python opt=""
       [ "$v" = base ] && pp=$base_build/python
+      [ "$v" = busy ] && opt="--option progress_mode=busy"
+      [ "$v" = busy ] && [ $n = 2 ] && continue
       echo "== $v: $p"
       nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-      PYTHONPATH=$pp timeout 120 python3 bench/gpu_bench.py $p --pre none --pre prime \
+      PYTHONPATH=$pp timeout 120 python3 bench/gpu_bench.py $p $opt --pre none --pre prime \
         --skip-per-run --json "$out/e2e_${v}_$n.json" --timeline "$out/timeline_${v}_$n.json" 2>&1 |
         grep -E "GB/s|timeline|before the first|rror"
       echo "elapsed ${SECONDS} s"
