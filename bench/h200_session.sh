@@ -96,6 +96,16 @@ build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA 
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
 }
+bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_bench arguments...
+  local v=$1 pp=$build/python opt=""
+  [ "$v" = base ] && pp=$2/python
+  [ "$v" = busy ] && opt="--option progress_mode=busy"  # this tree, progress never sleeping
+  local limit=$3
+  shift 3
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+  PYTHONPATH=$pp timeout "$limit" python3 bench/gpu_bench.py "$@" $opt --skip-per-run 2>&1 |
+    grep -E "GB/s|timeline|before the first|rror"
+}
 case $step in
 build)
   build_with_ucx
@@ -326,14 +336,9 @@ pipeline)  # where a request's time goes beyond the kernel: this tree against th
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
     n=$((n + 1))
     for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
-      pp=$build/python opt=""
-      [ "$v" = base ] && pp=$base_build/python
-      [ "$v" = busy ] && opt="--option progress_mode=busy"
       echo "== $v: $p"
-      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-      PYTHONPATH=$pp timeout 150 python3 bench/gpu_bench.py $p $opt --skip-per-run \
-        --json "$logs/e2e_${v}_$n.json" --timeline "$logs/timeline_${v}_$n.json" 2>&1 |
-        grep -E "GB/s|timeline|rror"
+      bench_variant "$v" $base_build 150 $p --json "$logs/e2e_${v}_$n.json" \
+        --timeline "$logs/timeline_${v}_$n.json"
     done
   done 2>&1 | tee "$out/e2e.log"
   python3 - "$logs" "$out/pipeline.json" <<'PY'
@@ -399,15 +404,10 @@ prelaunch)  # issue 18: what runs before a request's first launch, and small run
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
     n=$((n + 1))
     for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
-      pp=$build/python opt=""
-      [ "$v" = base ] && pp=$base_build/python
-      [ "$v" = busy ] && opt="--option progress_mode=busy"
       [ "$v" = busy ] && [ $n = 2 ] && continue
       echo "== $v: $p"
-      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-      PYTHONPATH=$pp timeout 120 python3 bench/gpu_bench.py $p $opt --pre none --pre prime \
-        --skip-per-run --json "$out/e2e_${v}_$n.json" --timeline "$out/timeline_${v}_$n.json" 2>&1 |
-        grep -E "GB/s|timeline|before the first|rror"
+      bench_variant "$v" $base_build 120 $p --pre none --pre prime --json "$out/e2e_${v}_$n.json" \
+        --timeline "$out/timeline_${v}_$n.json"
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/e2e.log"
