@@ -28,7 +28,8 @@ to hold its layer's value (a copy that ran before its layer's compute would fail
 ``torch.profiler`` in the process that makes the call (the decode for READ, the prefill for
 WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kernel's start and
 end (every batch is one kernel), the terminal event seen, all in ms from the call, with the
-time the GPU copied (the union of the kernels) and the idle gaps between kernels.
+time the GPU copied (the union of the kernels) and the idle gaps between kernels, and every
+CUDA call of any thread between the call and the first launch.
 
 ``--pre MODE`` (repeatable, default ``none`` and ``prime``; each mode gets its own warm-up and
 ``--requests`` requests, in the same process pair, rows tagged with it): what happens between
@@ -59,7 +60,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from device_copy import device_copy_gbps
@@ -131,6 +132,11 @@ class TimelineRow:
     gpu_busy_ms: float  # union of the kernels' intervals
     gaps_ms: float  # idle time between the first kernel's start and the last one's end
     kernel_ms: list[list[float]]  # [start, end] of each kernel, in start order
+    # The CUDA calls of every thread that began between the call and the first launch:
+    # [name, thread, start ms, duration ms] (the progress thread's first one is when the first
+    # batch reached it), and the calls' summed duration by name over the whole request.
+    before_launch: list[list[Any]] = field(default_factory=list)
+    cuda_calls_ms: dict[str, float] = field(default_factory=dict)
     verified: bool = False
     pre: str = "none"
 
@@ -179,6 +185,23 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
         and float(e["ts"]) >= t0
         and float(e["ts"]) <= marks["moriio.wait"][1]
     ]
+    cuda_calls = [
+        e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and float(e["ts"]) >= t0
+        and float(e["ts"]) <= marks["moriio.wait"][1]
+    ]
+    first_launch = launches[0] if launches else marks["moriio.wait"][1]
+    ms = 1e-3
+    before_launch = [
+        [e["name"], e.get("tid", 0), (float(e["ts"]) - t0) * ms, float(e.get("dur", 0)) * ms]
+        for e in sorted(cuda_calls, key=lambda e: float(e["ts"]))
+        if float(e["ts"]) <= first_launch
+    ]
+    by_name: dict[str, float] = {}
+    for e in cuda_calls:
+        by_name[e["name"]] = by_name.get(e["name"], 0.0) + float(e.get("dur", 0)) * ms
     busy, gaps, reach = 0.0, 0.0, None
     for start, end in kernels:
         if reach is None or start > reach:
@@ -189,7 +212,6 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
         elif end > reach:
             busy += end - reach
             reach = end
-    ms = 1e-3
     return {
         "call_ms": (marks["moriio.call"][1] - t0) * ms,
         "kernels": len(kernels),
@@ -201,6 +223,8 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
         "gpu_busy_ms": busy * ms,
         "gaps_ms": gaps * ms,
         "kernel_ms": [[(a - t0) * ms, (b - t0) * ms] for a, b in kernels],
+        "before_launch": before_launch,
+        "cuda_calls_ms": by_name,
     }
 
 
@@ -867,6 +891,14 @@ def main(argv: list[str] | None = None) -> int:
             t.event_ms,
             t.verified,
         )
+        for name, thread, start, dur in t.before_launch:
+            logger.info(
+                "  before the first launch: %8.3f ms %7.3f ms %s (thread %s)",
+                start,
+                dur,
+                name,
+                thread,
+            )
     _write_json(args.json, rows)
     _write_json(args.timeline, timelines)
     return 0 if all(r.verified for r in rows) and all(t.verified for t in timelines) else 1

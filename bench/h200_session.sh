@@ -37,6 +37,11 @@
 #                                         # settle and prime, READ first and WRITE first (does a
 #                                         # WRITE pay for the decode's checks on the shared GPU?);
 #                                         # every GPU test; deepseek-v3 if time is left
+#   bash bench/h200_session.sh prelaunch  # one call: this tree and base (.variants/base-044b7ad.tar,
+#                                         # a `git archive`), both with UCX; every GPU test on
+#                                         # this tree; gpu_bench --timeline (CUDA calls before the
+#                                         # first launch) for llama3-8b (also progress_mode=busy)
+#                                         # and 4 KiB runs, unprimed and primed, per build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -90,6 +95,16 @@ build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA 
     tail -30 "$out/cmake.log"; exit 1; }
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
+}
+bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_bench arguments...
+  local v=$1 pp=$build/python opt=""
+  [ "$v" = base ] && pp=$2/python
+  [ "$v" = busy ] && opt="--option progress_mode=busy"  # this tree, progress never sleeping
+  local limit=$3
+  shift 3
+  nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+  PYTHONPATH=$pp timeout "$limit" python3 bench/gpu_bench.py "$@" $opt --skip-per-run 2>&1 |
+    grep -E "GB/s|timeline|before the first|rror"
 }
 case $step in
 build)
@@ -321,14 +336,9 @@ pipeline)  # where a request's time goes beyond the kernel: this tree against th
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
     n=$((n + 1))
     for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
-      pp=$build/python opt=""
-      [ "$v" = base ] && pp=$base_build/python
-      [ "$v" = busy ] && opt="--option progress_mode=busy"
       echo "== $v: $p"
-      nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
-      PYTHONPATH=$pp timeout 150 python3 bench/gpu_bench.py $p $opt --skip-per-run \
-        --json "$logs/e2e_${v}_$n.json" --timeline "$logs/timeline_${v}_$n.json" 2>&1 |
-        grep -E "GB/s|timeline|rror"
+      bench_variant "$v" $base_build 150 $p --json "$logs/e2e_${v}_$n.json" \
+        --timeline "$logs/timeline_${v}_$n.json"
     done
   done 2>&1 | tee "$out/e2e.log"
   python3 - "$logs" "$out/pipeline.json" <<'PY'
@@ -374,6 +384,33 @@ checks)  # one call after the merges: every GPU test, and the checksum's cost on
     tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
   timeout 120 python3 bench/verify_bench.py --device-only --preset llama3-8b 2>&1 |
     tee "$out/verify-device.log"
+  ;;
+prelaunch)  # issue 18: what runs before a request's first launch, and small runs' host cost
+  base_build=/tmp/moriio-base-build
+  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src &&
+    tar -C /tmp/moriio-base-src -xf .variants/base-044b7ad.tar
+  mkdir -p "$out/base"
+  (cd /tmp/moriio-base-src && build=$base_build out=$out/base && build_with_ucx >/dev/null) &
+  build_with_ucx || exit 1
+  wait
+  PYTHONPATH=$base_build/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
+  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
+  echo "elapsed ${SECONDS} s"
+  n=0
+  for p in "--preset llama3-8b --requests 3" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+    n=$((n + 1))
+    for v in tree base busy; do  # busy: this tree, its progress thread never sleeping
+      [ "$v" = busy ] && [ $n = 2 ] && continue
+      echo "== $v: $p"
+      bench_variant "$v" $base_build 120 $p --pre none --pre prime --json "$out/e2e_${v}_$n.json" \
+        --timeline "$out/timeline_${v}_$n.json"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/e2e.log"
   ;;
 order)  # is the first size measured in a process faster? the same size twice, other orders
   build_without_ucx

@@ -324,6 +324,10 @@ TEST_P(BackendContract, BadRunsAreRefusedAtSubmitNamingTheRunAndNothingStarts) {
       {{0}, {0}, {n + 1}, StatusCode::kOutOfRange, "run 0"},
       {{0}, {INT64_MAX - 2}, {8}, StatusCode::kOutOfRange, "run 0"},
       {{INT64_MAX}, {0}, {INT64_MAX}, StatusCode::kOutOfRange, "run 0"},
+      // The first bad run is named, past good ones and before other bad ones.
+      {{0, 8, 16, 24, 32}, {0, 8, 16, n, -8}, {8, 8, 8, 8, 8}, StatusCode::kOutOfRange, "run 3"},
+      {{0, 8, 16, n - 8}, {0, 8, 16, n - 8}, {8, 8, 8, 9}, StatusCode::kOutOfRange, "run 3"},
+      {{0, 8, 16}, {0, 8, 16}, {8, INT64_MIN, 8}, StatusCode::kInvalidArgument, "run 1"},
   };
   std::uint64_t token = 100;
   for (const Bad& b : bad) {
