@@ -544,7 +544,11 @@ def pd_instance(
     if like is not None:
         http, (hs, notify) = like.http_port, like.ports
     else:
-        http, hs, notify = free_ports(1), free_ports(tp), free_ports(tp)
+        # One block for all three: picked apart, the per-rank port ranges could overlap (a
+        # TP-2 instance once drew handshake ports 21279..21280 and notify ports 21280..21281,
+        # which the connector rightly refuses).
+        http = free_ports(1 + 2 * tp)
+        hs, notify = http + 1, http + 1 + tp
     prefix = role.upper()
     e = env.base_env()
     e.update(
