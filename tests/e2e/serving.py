@@ -57,9 +57,9 @@ CPU_ENV = {
     # UCX's network transports on the loopback device only: nothing the tier starts listens
     # beyond 127.0.0.1 (same-host shared memory and CMA are not network devices).
     "UCX_NET_DEVICES": "lo",
-    # Idle keep-alive connections kept longer than the routers keep theirs pooled (vllm-router:
-    # 50 s; the example proxy pools none): a router never reuses a connection in the moment
-    # the instance closes it (5 s by default), which failed the request ("connection reset").
+    # Idle keep-alive connections kept longer than the routers keep theirs pooled (the routers
+    # derived from SGLang's, as vllm-router is, pool them 50 s; the example proxy pools none):
+    # no router request goes out on a connection the instance is closing ("connection reset").
     "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "120",
 }
 SERVE_ARGS = [
