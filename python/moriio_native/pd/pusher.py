@@ -497,10 +497,10 @@ class Pusher:
         # other way round). Only a handshake completed on its own thread feeds.
         _debug(
             job,
-            "handshaking the decode rank (%s:%d)%s",
+            "connecting the decode rank (%s:%d): handshake %s",
             address.host,
             address.handshake_port,
-            "" if not future.done() else ", handshaken already",
+            "answered at once (cached, or failed recently)" if future.done() else "started",
         )
         caller = threading.get_ident()
         future.add_done_callback(
