@@ -115,6 +115,21 @@ bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_ben
   PYTHONPATH=$pp timeout "$limit" python3 bench/gpu_bench.py "$@" $opt --skip-per-run 2>&1 |
     grep -E "GB/s|timeline|before the first|rror"
 }
+build_tree_and_base() {  # base's source tar, base's build folder: both built with UCX, in parallel
+  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src "$out/base" &&
+    tar -C /tmp/moriio-base-src -xf "$1"
+  (cd /tmp/moriio-base-src && build=$2 out=$out/base && build_with_ucx >/dev/null) &
+  build_with_ucx || exit 1
+  wait
+  PYTHONPATH=$2/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
+  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
+}
+every_gpu_test() {  # this tree's GPU tests: kernels, cells, verify's checksums, UCX two processes
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
+  echo "elapsed ${SECONDS} s"
+}
 case $step in
 build)
   build_with_ucx
@@ -396,18 +411,8 @@ checks)  # one call after the merges: every GPU test, and the checksum's cost on
   ;;
 prelaunch)  # issue 18: what runs before a request's first launch, and small runs' host cost
   base_build=/tmp/moriio-base-build
-  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src &&
-    tar -C /tmp/moriio-base-src -xf .variants/base-044b7ad.tar
-  mkdir -p "$out/base"
-  (cd /tmp/moriio-base-src && build=$base_build out=$out/base && build_with_ucx >/dev/null) &
-  build_with_ucx || exit 1
-  wait
-  PYTHONPATH=$base_build/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
-  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
-    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
-    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
-  echo "elapsed ${SECONDS} s"
+  build_tree_and_base .variants/base-044b7ad.tar $base_build
+  every_gpu_test
   n=0
   for p in "--preset llama3-8b --requests 3" \
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
@@ -436,17 +441,8 @@ marks)  # issue 18: the engine's host marks before the first launch (this tree, 
   ;;
 versus)  # issue 18: this tree against base, marks off, every byte verified
   base_build=/tmp/moriio-base-build
-  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src "$out/base" &&
-    tar -C /tmp/moriio-base-src -xf .variants/base-src.tar
-  (cd /tmp/moriio-base-src && build=$base_build out=$out/base && build_with_ucx >/dev/null) &
-  build_with_ucx || exit 1
-  wait
-  PYTHONPATH=$base_build/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
-  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
-    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
-    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
-  echo "elapsed ${SECONDS} s"
+  build_tree_and_base .variants/base-src.tar $base_build
+  every_gpu_test
   n=0
   for p in "--preset llama3-8b --requests 5" "--preset deepseek-v3 --requests 3" \
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do

@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <string_view>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "test_printers.hpp"
@@ -102,18 +104,22 @@ TEST_F(TraceMarks, EachThreadGetsItsOwnNumber) {
 }
 
 TEST_F(TraceMarks, EveryMarkHasItsName) {
-  EXPECT_EQ(trace::MarkName(Mark::kCallEntry), "call_entry");
-  EXPECT_EQ(trace::MarkName(Mark::kPlanned), "planned");
-  EXPECT_EQ(trace::MarkName(Mark::kPieceCut), "piece_cut");
-  EXPECT_EQ(trace::MarkName(Mark::kSubmitEntry), "submit_entry");
-  EXPECT_EQ(trace::MarkName(Mark::kSubmitExit), "submit_exit");
-  EXPECT_EQ(trace::MarkName(Mark::kCallExit), "call_exit");
-  EXPECT_EQ(trace::MarkName(Mark::kActivated), "activated");
-  EXPECT_EQ(trace::MarkName(Mark::kCopySubmitEntry), "copy_submit_entry");
-  EXPECT_EQ(trace::MarkName(Mark::kCopySubmitExit), "copy_submit_exit");
-  EXPECT_EQ(trace::MarkName(Mark::kBindingEntry), "binding_entry");
-  EXPECT_EQ(trace::MarkName(Mark::kPairsChecked), "pairs_checked");
-  EXPECT_EQ(trace::MarkName(Mark::kLayersPlanned), "layers_planned");
+  const std::vector<std::pair<Mark, std::string_view>> names = {
+      {Mark::kCallEntry, "call_entry"},
+      {Mark::kPlanned, "planned"},
+      {Mark::kPieceCut, "piece_cut"},
+      {Mark::kSubmitEntry, "submit_entry"},
+      {Mark::kSubmitExit, "submit_exit"},
+      {Mark::kCallExit, "call_exit"},
+      {Mark::kActivated, "activated"},
+      {Mark::kCopySubmitEntry, "copy_submit_entry"},
+      {Mark::kCopySubmitExit, "copy_submit_exit"},
+      {Mark::kBindingEntry, "binding_entry"},
+      {Mark::kPairsChecked, "pairs_checked"},
+      {Mark::kLayersPlanned, "layers_planned"},
+  };
+  ASSERT_EQ(names.size(), trace::kMarkCount);
+  for (const auto& [mark, name] : names) EXPECT_EQ(trace::MarkName(mark), name);
   EXPECT_EQ(trace::MarkName(static_cast<Mark>(trace::kMarkCount)), "unknown");
 }
 
