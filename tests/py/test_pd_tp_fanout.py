@@ -23,6 +23,7 @@ from moriio_native.control.messages import (
     WriteDone,
 )
 from moriio_native.control.ports import rank_port
+from moriio_native.errors import FailedPreconditionError
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -440,3 +441,26 @@ def test_each_step_of_a_write_job_is_logged_at_debug(caplog: pytest.LogCaptureFi
         ]
         at = [next((i for i, s in enumerate(steps) if s.startswith(e)), -1) for e in expected]
         assert -1 not in at and at == sorted(at), f"{tid}: {mine}"
+
+
+def test_feeding_the_writer_under_the_context_lock_is_refused() -> None:
+    """The lock-order guard: feed_writer may wait for room in the writer queue, and the writer
+    thread takes the context lock after each get, so feeding with that lock held can deadlock
+    (as the inline connect callback of 8930e3d did). Called with it held, the feed raises and
+    moves nothing; the staged writes enter the queue at the next feed without it."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.directory = HandshakenDirectory()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-9", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-9", ((20, 21, 22),), "d:8000/dp0/tp0", decode_tp_rank=0)
+    )
+    assert pusher.job_states()["tx-9"] is JobState.WRITING
+    queued = pusher._writer_q.qsize()
+    with ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
+        pusher.layer_saved(DENSE[0], None)  # stages the layer's write, then feeds
+    assert pusher._writer_q.qsize() == queued, "the refused feed moved writer work"
+    with ctx.lock, ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
+        pusher.feed_writer()  # held at any depth (the lock is reentrant)
+    pusher.feed_writer()
+    assert pusher._writer_q.qsize() == queued + 1, "the staged write did not enter the queue"

@@ -640,6 +640,8 @@ class Pusher:
             except Exception as exc:
                 self._ack_failed(request, exc)
                 return
+            # May run inline under the caller's context lock (a handshaken peer's future is
+            # done): NotifySender.send never waits (zmq NOBLOCK; a full queue raises).
             self._send(peer, ack)
 
         future.add_done_callback(acked)
@@ -931,8 +933,17 @@ class Pusher:
     def feed_writer(self) -> None:
         """Move staged writer work into the bounded writer queue, waiting for room when it is
         full (backpressure). Called WITHOUT the context lock: the writer takes it after each
-        get, so it could never make room for a producer that held it."""
+        get, so it could never make room for a producer that held it, and a step's feed takes
+        the feed lock before the context lock. Called with it, this raises
+        FailedPreconditionError and moves nothing (a deadlock made loud, as an illegal
+        transition is; the staged work stays for the next feed)."""
         ctx = self._ctx
+        if ctx.holds_lock():
+            raise FailedPreconditionError(
+                f"rank {ctx.cfg.tp_rank}: feed_writer called with the context lock held: it "
+                f"may wait for the writer thread, which needs that lock ({len(self._staged)} "
+                "writer ops stay staged)"
+            )
         with self._feed:
             with ctx.lock:
                 ops, self._staged = self._staged, []
