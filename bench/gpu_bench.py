@@ -29,7 +29,11 @@ to hold its layer's value (a copy that ran before its layer's compute would fail
 WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kernel's start and
 end (every batch is one kernel), the terminal event seen, all in ms from the call, with the
 time the GPU copied (the union of the kernels) and the idle gaps between kernels, and every
-CUDA call of any thread between the call and the first launch.
+CUDA call of any thread between the call and the first launch. With a build that has the
+engine's timing marks compiled in (``-DMORIIO_NATIVE_TRACE_MARKS=ON``), the profiled request
+also records them (steady clock, in the calling process: the engine's call entry, planning,
+each batch cut and handed to the backend, the progress thread taking it and submitting its
+copy) and the timeline lists them in ms from the Python call, with the first of each.
 
 ``--pre MODE`` (repeatable, default ``none`` and ``prime``; each mode gets its own warm-up and
 ``--requests`` requests, in the same process pair, rows tagged with it): what happens between
@@ -137,6 +141,12 @@ class TimelineRow:
     # batch reached it), and the calls' summed duration by name over the whole request.
     before_launch: list[list[Any]] = field(default_factory=list)
     cuda_calls_ms: dict[str, float] = field(default_factory=dict)
+    # The engine's timing marks (empty unless compiled in): [name, ms from the Python call,
+    # batch token, thread number] in recording order; ``first_marks_ms`` the first of each name
+    # (``call_exit``: the last), ``marks_dropped`` those past the recorder's capacity.
+    marks: list[list[Any]] = field(default_factory=list)
+    first_marks_ms: dict[str, float] = field(default_factory=dict)
+    marks_dropped: int = 0
     verified: bool = False
     pre: str = "none"
 
@@ -228,6 +238,21 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
     }
 
 
+def _marks_of(start_ns: int) -> dict[str, Any]:
+    """The engine's timing marks recorded since ``trace_marks_enable``, in ms from ``start_ns``
+    (``time.monotonic_ns``: the clock the engine stamps with)."""
+    from moriio_native import _native
+
+    stamps, dropped = _native.trace_marks_take()
+    _native.trace_marks_disable()
+    marks = [[name, (ns - start_ns) * 1e-6, token, thread] for name, ns, token, thread in stamps]
+    first: dict[str, float] = {}
+    for name, ms, _token, _thread in marks:
+        if name == "call_exit" or name not in first:
+            first[name] = ms
+    return {"marks": marks, "first_marks_ms": first, "marks_dropped": dropped}
+
+
 def _timed_request(
     engine: Any, tid: str, call: Any, timeline: bool, prime: bool
 ) -> tuple[float, Any, Any]:
@@ -247,18 +272,27 @@ def _timed_request(
         return time.perf_counter() - start, event, None
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    from moriio_native import _native
+
+    marked = _native.trace_marks_compiled_in()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("warm-up"):
             call(tid + "-warm-up")
             engine.wait([tid + "-warm-up"], timeout=300)
         torch.cuda.synchronize()
+        if marked:
+            _native.trace_marks_enable(65536)
         start = time.perf_counter()
         with record_function("moriio.call"):
+            start_ns = time.monotonic_ns()
             call(tid)
         with record_function("moriio.wait"):
             event = engine.wait([tid], timeout=300)[tid]
         seconds = time.perf_counter() - start
-    return seconds, event, _timeline_of(prof)
+    timeline = _timeline_of(prof)
+    if marked:
+        timeline.update(_marks_of(start_ns))
+    return seconds, event, timeline
 
 
 def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: int) -> list[Any]:
@@ -891,6 +925,12 @@ def main(argv: list[str] | None = None) -> int:
             t.event_ms,
             t.verified,
         )
+        if t.first_marks_ms:
+            logger.info(
+                "  marks (first of each, ms from the call): %s%s",
+                ", ".join(f"{k} {v:.3f}" for k, v in t.first_marks_ms.items()),
+                f" ({t.marks_dropped} dropped)" if t.marks_dropped else "",
+            )
         for name, thread, start, dur in t.before_launch:
             logger.info(
                 "  before the first launch: %8.3f ms %7.3f ms %s (thread %s)",

@@ -42,6 +42,15 @@
 #                                         # this tree; gpu_bench --timeline (CUDA calls before the
 #                                         # first launch) for llama3-8b (also progress_mode=busy)
 #                                         # and 4 KiB runs, unprimed and primed, per build
+#   bash bench/h200_session.sh marks      # one call: this tree built with the engine's timing
+#                                         # marks (-DMORIIO_NATIVE_TRACE_MARKS=ON); gpu_bench
+#                                         # --timeline for llama3-8b (unprimed and primed) and
+#                                         # 4 KiB runs: where the host time before the first
+#                                         # launch goes
+#   bash bench/h200_session.sh versus     # one call: this tree and base (.variants/base-src.tar),
+#                                         # both with UCX, marks off; every GPU test on this tree;
+#                                         # gpu_bench llama3-8b, deepseek-v3 and 4 KiB runs per
+#                                         # build in turn, every byte verified
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -91,7 +100,7 @@ build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA 
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
     -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
     -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
+    ${extra_cmake:-} -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
     tail -30 "$out/cmake.log"; exit 1; }
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
@@ -105,6 +114,21 @@ bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_ben
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
   PYTHONPATH=$pp timeout "$limit" python3 bench/gpu_bench.py "$@" $opt --skip-per-run 2>&1 |
     grep -E "GB/s|timeline|before the first|rror"
+}
+build_tree_and_base() {  # base's source tar, base's build folder: both built with UCX, in parallel
+  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src "$out/base" &&
+    tar -C /tmp/moriio-base-src -xf "$1"
+  (cd /tmp/moriio-base-src && build=$2 out=$out/base && build_with_ucx >/dev/null) &
+  build_with_ucx || exit 1
+  wait
+  PYTHONPATH=$2/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
+  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
+}
+every_gpu_test() {  # this tree's GPU tests: kernels, cells, verify's checksums, UCX two processes
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
+  echo "elapsed ${SECONDS} s"
 }
 case $step in
 build)
@@ -387,18 +411,8 @@ checks)  # one call after the merges: every GPU test, and the checksum's cost on
   ;;
 prelaunch)  # issue 18: what runs before a request's first launch, and small runs' host cost
   base_build=/tmp/moriio-base-build
-  rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src &&
-    tar -C /tmp/moriio-base-src -xf .variants/base-044b7ad.tar
-  mkdir -p "$out/base"
-  (cd /tmp/moriio-base-src && build=$base_build out=$out/base && build_with_ucx >/dev/null) &
-  build_with_ucx || exit 1
-  wait
-  PYTHONPATH=$base_build/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
-  python3 -c "import moriio_native as m; print('tree', m.available_backends())"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
-    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
-    tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
-  echo "elapsed ${SECONDS} s"
+  build_tree_and_base .variants/base-044b7ad.tar $base_build
+  every_gpu_test
   n=0
   for p in "--preset llama3-8b --requests 3" \
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
@@ -408,6 +422,34 @@ prelaunch)  # issue 18: what runs before a request's first launch, and small run
       echo "== $v: $p"
       bench_variant "$v" $base_build 120 $p --pre none --pre prime --json "$out/e2e_${v}_$n.json" \
         --timeline "$out/timeline_${v}_$n.json"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/e2e.log"
+  ;;
+marks)  # issue 18: the engine's host marks before the first launch (this tree, marks compiled in)
+  extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build_with_ucx || exit 1
+  python3 -c "import moriio_native._native as n; print('marks', n.trace_marks_compiled_in())"
+  echo "elapsed ${SECONDS} s"
+  n=0
+  for p in "--preset llama3-8b --requests 3 --pre none --pre prime" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3 --pre prime"; do
+    n=$((n + 1))
+    echo "== tree with marks: $p"
+    bench_variant tree "" 150 $p --json "$out/e2e_marks_$n.json" --timeline "$out/timeline_marks_$n.json"
+    echo "elapsed ${SECONDS} s"
+  done 2>&1 | tee "$out/marks.log"
+  ;;
+versus)  # issue 18: this tree against base, marks off, every byte verified
+  base_build=/tmp/moriio-base-build
+  build_tree_and_base .variants/base-src.tar $base_build
+  every_gpu_test
+  n=0
+  for p in "--preset llama3-8b --requests 5" "--preset deepseek-v3 --requests 3" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+    n=$((n + 1))
+    for v in tree base; do
+      echo "== $v: $p"
+      bench_variant "$v" $base_build 100 $p --pre none --pre prime --json "$out/e2e_${v}_$n.json"
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/e2e.log"

@@ -11,6 +11,7 @@
 
 #include "column_pool.hpp"
 #include "moriio_native/memory.hpp"
+#include "moriio_native/trace_marks.hpp"
 #include "msgpack_lite.hpp"
 #include "peer_metadata.hpp"
 #include "transfer_tracker.hpp"
@@ -533,12 +534,15 @@ struct Engine::Impl {
   bool Submit(std::vector<BatchBuilder::Piece> pieces, std::string_view transfer_id,
               const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, bool)>& add) {
     for (BatchBuilder::Piece& piece : pieces) {
+      trace::Record(trace::Mark::kPieceCut);
       Batch& batch = *piece.batch;
       batch.local_region = regions[piece.key.local].handle;
       Result<std::uint64_t> token = add(piece.bytes, piece.runs, batch.cells.has_value());
       if (!token.ok()) return false;
       batch.token = *token;
+      trace::Record(trace::Mark::kSubmitEntry, *token);
       Status st = backend->Submit(std::move(piece.batch));
+      trace::Record(trace::Mark::kSubmitExit, *token);
       if (!st.ok()) {
         tracker->OnBatchComplete(*token,
                                  st.WithContext("transfer '" + std::string(transfer_id) + "'"));
@@ -547,6 +551,19 @@ struct Engine::Impl {
     return true;
   }
 };
+
+namespace {
+
+// Stamps a READ or WRITE call's entry and, on every way out, its exit (trace_marks.hpp).
+class CallMarks {
+ public:
+  CallMarks() { trace::Record(trace::Mark::kCallEntry); }
+  ~CallMarks() { trace::Record(trace::Mark::kCallExit); }
+  CallMarks(const CallMarks&) = delete;
+  CallMarks& operator=(const CallMarks&) = delete;
+};
+
+}  // namespace
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
@@ -817,6 +834,7 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
                     std::span<const std::int64_t> local_blocks,
                     std::span<const std::int64_t> remote_blocks,
                     std::span<const std::string> layer_names) {
+  const CallMarks marks;
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
@@ -825,17 +843,20 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   Result<BlockPairs> pairs = BlockPairs::Create(local_blocks, remote_blocks);
   if (!pairs.ok()) return pairs.status().WithContext(ctx);
+  trace::Record(trace::Mark::kPairsChecked);
   std::vector<PlannedSegment> planned;
   MORIIO_ASSIGN_OR_RETURN(
       planned.emplace_back(),
       d.PlanSegment(*peer, layer_names,
                     std::make_shared<const BlockPairs>(std::move(pairs).value()), CellWindow{},
                     CellWindow{}, std::nullopt, ctx, /*bare_lookup=*/true));
+  trace::Record(trace::Mark::kLayersPlanned);
   return d.StartRead(transfer_id, *peer, planned, ctx);
 }
 
 Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
                     std::span<const BlockSegment> segments) {
+  const CallMarks marks;
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
@@ -857,6 +878,7 @@ Status Engine::Read(std::string_view transfer_id, std::string_view peer_id,
                       /*bare_lookup=*/false));
   }
   MORIIO_RETURN_IF_ERROR(d.CheckDisjointDestinations(*peer, planned, TransferOp::kRead, ctx));
+  trace::Record(trace::Mark::kLayersPlanned);
   return d.StartRead(transfer_id, *peer, planned, ctx);
 }
 
@@ -878,6 +900,7 @@ Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
     for (const PlannedSegment& seg : planned) {
       for (const SegmentLayer& l : seg.layers) builder.Reserve(layers[l.layer], l.link, *seg.pairs);
     }
+    trace::Record(trace::Mark::kPlanned);
     bool open = true;
     for (std::size_t k = 0; k < planned.size() && open; ++k) {
       const PlannedSegment& seg = planned[k];
@@ -915,6 +938,7 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
       [&](const Peer& peer, std::size_t i) -> Result<std::vector<PlannedSegment>> {
         MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const BlockPairs> pairs,
                                 d.write_pairs.Get(local_blocks, remote_blocks));
+        trace::Record(trace::Mark::kPairsChecked);
         std::vector<PlannedSegment> planned;
         MORIIO_ASSIGN_OR_RETURN(planned.emplace_back(),
                                 d.PlanSegment(peer, {}, std::move(pairs), CellWindow{},
@@ -958,6 +982,7 @@ Result<bool> Engine::Impl::WriteSegments(
     std::string_view transfer_id, std::string_view layer, std::string_view peer_id,
     std::uint64_t cuda_event,
     const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan) {
+  const CallMarks marks;
   MORIIO_RETURN_IF_ERROR(CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
@@ -987,6 +1012,7 @@ Result<bool> Engine::Impl::WriteSegments(
   }
   Result<std::vector<PlannedSegment>> planned = plan(**peer, *i);
   if (!planned.ok()) return refuse(planned.status());
+  trace::Record(trace::Mark::kLayersPlanned);
   // One batch per write: cells only when every segment goes as cells of one geometry (all
   // segments share the layer's region pair), runs otherwise.
   bool cells = !planned->empty();
@@ -995,6 +1021,7 @@ Result<bool> Engine::Impl::WriteSegments(
     const LinkPlan& first = planned->front().layers.front().link;
     cells = cells && link.cells && *link.tmpl->cell_geometry() == *first.tmpl->cell_geometry();
   }
+  trace::Record(trace::Mark::kPlanned);
   BatchBuilder builder(TransferOp::kWrite, **peer, *columns);
   for (const PlannedSegment& seg : *planned) {
     LinkPlan link = seg.layers.front().link;

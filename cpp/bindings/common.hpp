@@ -123,5 +123,6 @@ void BindLayout(pybind11::module_& m);
 void BindMemory(pybind11::module_& m);
 void BindEngine(pybind11::module_& m);
 void BindChecksum(pybind11::module_& m);
+void BindTrace(pybind11::module_& m);
 
 }  // namespace moriio_native::bindings

@@ -4,6 +4,7 @@
 #include "bindings/common.hpp"
 #include "moriio_native/backend.hpp"
 #include "moriio_native/engine.hpp"
+#include "moriio_native/trace_marks.hpp"
 
 namespace py = pybind11;
 
@@ -178,6 +179,7 @@ void BindEngine(py::module_& m) {
       .def("read",
            [](Engine& e, const std::string& tid, const std::string& peer, const py::object& local,
               const py::object& remote, const std::vector<std::string>& layers) {
+             trace::Record(trace::Mark::kBindingEntry);
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
              Status st;
@@ -190,6 +192,7 @@ void BindEngine(py::module_& m) {
       .def("write_layer",
            [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
               const py::object& local, const py::object& remote, std::uint64_t cuda_event) {
+             trace::Record(trace::Mark::kBindingEntry);
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
              Result<bool> r = [&] {

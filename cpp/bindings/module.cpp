@@ -33,4 +33,5 @@ PYBIND11_MODULE(_native, m) {
   moriio_native::bindings::BindMemory(m);
   moriio_native::bindings::BindEngine(m);
   moriio_native::bindings::BindChecksum(m);
+  moriio_native::bindings::BindTrace(m);
 }

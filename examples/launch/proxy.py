@@ -168,6 +168,20 @@ def _prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any
     return out
 
 
+def _log_write_prefill_failure(task: asyncio.Task[Any], url: str, tid: str) -> None:
+    """A WRITE-mode prefill leg ended: its failure is logged at once, not when the decode leg
+    ends (the decode waits abort_timeout for writes that never come, then recomputes)."""
+    if task.cancelled() or task.exception() is None:
+        return
+    logger.warning(
+        "prefill %s failed for transfer %s: %s; the decode recomputes the request after its "
+        "abort_timeout",
+        url,
+        tid,
+        task.exception(),
+    )
+
+
 def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
     state: dict[str, aiohttp.ClientSession] = {}
 
@@ -181,7 +195,16 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
 
     async def session() -> aiohttp.ClientSession:
         if "s" not in state:
-            state["s"] = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+            # A connection per leg, closed after it (force_close): a pooled keep-alive
+            # connection the instance closes when it has sat idle past the server's keep-alive
+            # timeout (vLLM's VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s by default) can be reused in
+            # the moment the server closes it, and that request then fails with "connection
+            # reset" although the instance is fine. A new loopback or LAN connection costs far
+            # less than the prefill or decode it carries.
+            state["s"] = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=timeout_s),
+                connector=aiohttp.TCPConnector(force_close=True),
+            )
         return state["s"]
 
     @app.get("/health")
@@ -248,6 +271,9 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
                     d_params[key] = returned.get(key)
             else:
                 prefill_task = asyncio.create_task(run_prefill())
+                prefill_task.add_done_callback(
+                    lambda task: _log_write_prefill_failure(task, prefill.url, tid)
+                )
         except aiohttp.ClientError as exc:
             logger.error("prefill %s failed: %s", prefill.url, exc)
             return JSONResponse({"error": f"prefill failed: {exc}"}, status_code=502)
@@ -264,10 +290,9 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
             finally:
                 resp.release()
                 if prefill_task is not None:
-                    try:
+                    # The decode still answered; the failure was logged when it happened.
+                    with contextlib.suppress(Exception):
                         await prefill_task
-                    except Exception as exc:  # the decode still answered; just log
-                        logger.warning("prefill %s failed: %s", prefill.url, exc)
 
         return StreamingResponse(
             relay(),

@@ -6,7 +6,7 @@ import collections.abc
 import numpy
 import numpy.typing
 import typing
-__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'DrainedTransfer', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'checksum_blocks', 'plan_registration']
+__all__: list[str] = ['BlockPairs', 'BlockTemplate', 'CacheSpec', 'CopyPlan', 'DrainedTransfer', 'LayerLayout', 'RegistrationPlan', 'TensorGeometry', 'TransferEvent', 'available_backends', 'checksum_blocks', 'plan_registration', 'trace_marks_compiled_in', 'trace_marks_disable', 'trace_marks_enable', 'trace_marks_take']
 class CacheSpec:
     """
     Logical description of one layer's KV cache.
@@ -314,4 +314,20 @@ def checksum_blocks(layout: LayerLayout, buffer: typing.Any, block_ids: typing.A
 def plan_registration(allocation_base: typing.SupportsInt | typing.SupportsIndex, allocation_size: typing.SupportsInt | typing.SupportsIndex, regions: collections.abc.Sequence[tuple[typing.SupportsInt | typing.SupportsIndex, typing.SupportsInt | typing.SupportsIndex]], page_size: typing.SupportsInt | typing.SupportsIndex = 4096, allow_unaligned: bool = True) -> RegistrationPlan:
     """
     Plan one memory region for views (ptr, nbytes) that share one allocation.
+    """
+def trace_marks_compiled_in() -> bool:
+    """
+    True when this build records timing marks (-DMORIIO_NATIVE_TRACE_MARKS=ON).
+    """
+def trace_marks_enable(capacity: typing.SupportsInt | typing.SupportsIndex = 65536) -> None:
+    """
+    Clear the process's marks and record up to `capacity` of them until trace_marks_disable.
+    """
+def trace_marks_disable() -> None:
+    """
+    Stop recording marks (the recorded ones stay).
+    """
+def trace_marks_take() -> tuple[list[tuple[str, int, int, int]], int]:
+    """
+    The marks since enable or the last take as (name, monotonic ns, batch token, thread) in recording order, and how many were dropped for lack of capacity.
     """

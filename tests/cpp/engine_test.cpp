@@ -7,6 +7,7 @@
 // offset. Every transfer test also checks that no byte outside the requested blocks changed.
 
 #include "moriio_native/engine.hpp"
+#include "moriio_native/trace_marks.hpp"
 
 #include <gtest/gtest.h>
 
@@ -933,6 +934,67 @@ TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
   events.Poll(20ms);
   EXPECT_EQ(events.Count("w-1"), 1u);
   EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+}
+
+// ---- timing marks (trace_marks.hpp) ------------------------------------------------------------
+
+// The marks' names, in recording order, of the calling thread (the loopback backend records none).
+std::vector<std::string> MarkNames(const trace::Taken& taken) {
+  std::vector<std::string> out;
+  for (const trace::Stamp& s : taken.stamps) out.emplace_back(trace::MarkName(s.mark));
+  return out;
+}
+
+TEST_F(EnginePair, ReadAndWriteLayerStampTheirPathInOrder) {
+  if (!trace::CompiledIn()) GTEST_SKIP() << "built without MORIIO_NATIVE_TRACE_MARKS";
+  const std::vector<std::int64_t> local = {3, 1};
+  const std::vector<std::int64_t> remote = {2, 0};
+  ASSERT_TRUE(trace::Enable(1024).ok());
+  ASSERT_TRUE(d_.engine->Read("marks-r", "P", local, remote).ok());
+  trace::Taken read = trace::Take();
+  Result<bool> w = p_.engine->WriteLayer("marks-w", p_.layers.front().name, "D", local, remote);
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  trace::Taken write = trace::Take();
+  // A refused call stamps its entry and exit and nothing between.
+  EXPECT_FALSE(d_.engine->Read("marks-bad", "nobody", local, remote).ok());
+  trace::Taken refused = trace::Take();
+  trace::Disable();
+  ASSERT_TRUE(p_.engine->Seal("marks-w", "D", 1).ok());
+  Events dr(d_.engine.get());
+  Events pw(p_.engine.get());
+  EXPECT_EQ(dr.Wait("marks-r").state, TransferState::kDone);
+  EXPECT_EQ(pw.Wait("marks-w").state, TransferState::kDone);
+
+  // Entry, the ids checked, every layer planned, ready to cut, then per batch the piece and the
+  // backend's Submit around its token, then the exit. A WRITE of one layer is one batch; the
+  // READ has one batch per region pair of these caches.
+  const std::vector<std::string> head = {"call_entry", "pairs_checked", "layers_planned",
+                                         "planned"};
+  const std::vector<std::string> per_batch = {"piece_cut", "submit_entry", "submit_exit"};
+  for (const trace::Taken* t : {&read, &write}) {
+    const std::vector<std::string> names = MarkNames(*t);
+    EXPECT_EQ(t->dropped, 0u);
+    ASSERT_GE(names.size(), head.size() + per_batch.size() + 1) << ::testing::PrintToString(names);
+    const std::size_t batches = (names.size() - head.size() - 1) / per_batch.size();
+    std::vector<std::string> expected = head;
+    for (std::size_t b = 0; b < batches; ++b) {
+      expected.insert(expected.end(), per_batch.begin(), per_batch.end());
+    }
+    expected.push_back("call_exit");
+    EXPECT_EQ(names, expected);
+    EXPECT_EQ(t->stamps[0].token, 0u);
+    std::set<std::uint64_t> tokens;
+    for (std::size_t b = 0; b < batches && names == expected; ++b) {
+      const trace::Stamp& in = t->stamps[head.size() + b * 3 + 1];
+      const trace::Stamp& out = t->stamps[head.size() + b * 3 + 2];
+      EXPECT_NE(in.token, 0u) << "submit_entry carries the batch's token";
+      EXPECT_EQ(in.token, out.token);
+      tokens.insert(in.token);
+    }
+    EXPECT_EQ(tokens.size(), batches) << "one token per batch";
+  }
+  EXPECT_EQ(MarkNames(write).size(), head.size() + per_batch.size() + 1) << "one layer, one batch";
+  EXPECT_EQ(MarkNames(refused), (std::vector<std::string>{"call_entry", "call_exit"}));
 }
 
 TEST_F(EnginePair, WriteIsDoneOnlyAfterSealAndEveryScheduledLayer) {

@@ -7,10 +7,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <optional>
+#include <random>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -623,6 +627,45 @@ TEST(LayoutTest, BlockPairsSortLocalIdsCarryingRemoteIds) {
               c.remote_by_local);
     EXPECT_EQ(pairs->max_local(), c.local_sorted.back());
   }
+}
+
+// Requests of growing and shrinking sizes and spans, one after another and on several threads
+// at once, each come out as a reference sort of their own pairs (nothing left over from the
+// call before), and a pairs object stays intact after later ones were created.
+TEST(LayoutTest, BlockPairsSortedOneAfterAnotherKeepTheirOwnPairs) {
+  auto check = [](std::uint32_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<BlockPairs> kept;
+    std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> expected;
+    for (const std::size_t n : {2048u, 64u, 4096u, 1u, 700u, 2048u}) {
+      Ids pool(n * 3);
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), rng);
+      const Ids local(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(n));
+      std::shuffle(pool.begin(), pool.end(), rng);
+      const Ids remote(pool.begin(), pool.begin() + static_cast<std::ptrdiff_t>(n));
+      std::vector<std::pair<std::int64_t, std::int64_t>> ref;
+      for (std::size_t i = 0; i < n; ++i) ref.emplace_back(local[i], remote[i]);
+      std::sort(ref.begin(), ref.end());
+      Result<BlockPairs> pairs = BlockPairs::Create(local, remote);
+      ASSERT_TRUE(pairs.ok()) << pairs.status().ToString();
+      kept.push_back(std::move(pairs).value());
+      expected.push_back(std::move(ref));
+    }
+    for (std::size_t k = 0; k < kept.size(); ++k) {
+      const auto l = kept[k].local_sorted();
+      const auto r = kept[k].remote_by_local();
+      ASSERT_EQ(l.size(), expected[k].size()) << "request " << k;
+      for (std::size_t i = 0; i < l.size(); ++i) {
+        ASSERT_EQ(l[i], expected[k][i].first) << "request " << k << " position " << i;
+        ASSERT_EQ(r[i], expected[k][i].second) << "request " << k << " position " << i;
+      }
+    }
+  };
+  check(1);
+  std::vector<std::thread> threads;
+  for (std::uint32_t t = 0; t < 3; ++t) threads.emplace_back([&, t] { check(10 + t); });
+  for (std::thread& t : threads) t.join();
 }
 
 TEST(LayoutTest, DuplicateBlockIdsRejected) {

@@ -655,14 +655,33 @@ class Target {
   void Kill() {
     if (pid_ > 0) ::kill(pid_, SIGKILL);
   }
-  void Pause() { ::kill(pid_, SIGSTOP); }
+  /// Stops the child and returns once every one of its threads is stopped (the kernel reports
+  /// the group stop to us, its parent): nothing of the child runs until Resume. kill() alone
+  /// only queues SIGSTOP, and a child still running then may serve what the caller posts next.
+  /// False (call inside ASSERT_TRUE) when the child exited instead.
+  bool Pause() {
+    if (pid_ <= 0 || ::kill(pid_, SIGSTOP) != 0) return false;
+    for (;;) {
+      int status = 0;
+      const pid_t r = ::waitpid(pid_, &status, WUNTRACED);
+      if (r < 0 && errno == EINTR) continue;
+      if (r != pid_) return false;
+      if (WIFSTOPPED(status)) return true;
+      exited_ = status;  // it ended: Stop() and the destructor must not wait for it again
+      return false;
+    }
+  }
   void Resume() { ::kill(pid_, SIGCONT); }
   /// Ends the child; its exit code (0 = clean teardown in the child too).
   int Stop() {
     if (pid_ <= 0) return -1;
     Send(fd_, {'Q'});
     int status = 0;
-    ::waitpid(pid_, &status, 0);
+    if (exited_.has_value()) {
+      status = *exited_;
+    } else {
+      ::waitpid(pid_, &status, 0);
+    }
     pid_ = -1;
     ::close(fd_);
     return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
@@ -670,7 +689,7 @@ class Target {
   ~Target() {
     if (pid_ > 0) {
       Kill();
-      ::waitpid(pid_, nullptr, 0);
+      if (!exited_.has_value()) ::waitpid(pid_, nullptr, 0);
       ::close(fd_);
     }
   }
@@ -681,6 +700,7 @@ class Target {
  private:
   pid_t pid_ = -1;
   int fd_ = -1;
+  std::optional<int> exited_;  // the wait status, once Pause() found the child ended
 };
 
 std::unique_ptr<mn::Backend> MakeBackend(const mn::BackendOptions& options,
@@ -1001,7 +1021,7 @@ TEST(UcxBackend, TeardownWithOperationsStuckOnAStoppedPeer) {
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  target.Pause();
+  ASSERT_TRUE(target.Pause());
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 42, 500, 42)).ok());
   EXPECT_EQ(us.sink->Wait(42, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout)
       << "a read from a stopped process cannot have finished";
@@ -1117,7 +1137,7 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
   ASSERT_TRUE(us.sink->Wait(60).ok()) << us.sink->StatusOf(60).ToString();
   // Stopped, the target cannot answer the gets (TCP gets are served by the target): the READ is
   // in flight when the target dies.
-  target.Pause();
+  ASSERT_TRUE(target.Pause());
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 61, 500, 61)).ok());
   target.Kill();
   mn::Status st = us.sink->Wait(61, std::chrono::seconds(60));
@@ -1142,7 +1162,7 @@ TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
     ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
     ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 70, 50, 70)).ok());
     ASSERT_TRUE(us.sink->Wait(70).ok()) << us.sink->StatusOf(70).ToString();
-    target.Pause();
+    ASSERT_TRUE(target.Pause());
     const auto before = PathCounters();
     const std::vector<std::uint8_t> untouched = Pattern(kRegion, 71);
     us.local->Write(untouched);
@@ -1192,7 +1212,7 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
   ASSERT_TRUE(us.sink->Wait(90).ok()) << us.sink->StatusOf(90).ToString();
   const std::vector<std::uint8_t> untouched = Pattern(kRegion, 91);
   us.local->Write(untouched);
-  target.Pause();
+  ASSERT_TRUE(target.Pause());
   const auto before = PathCounters();
   ASSERT_TRUE(us.backend->Submit(half(91, us.remote_region, 0)).ok());
   EXPECT_EQ(us.sink->Wait(91, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout);
@@ -1286,7 +1306,7 @@ TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 110, 10, 110)).ok());
   ASSERT_TRUE(us.sink->Wait(110).ok()) << us.sink->StatusOf(110).ToString();
   const auto before = PathCounters();
-  target.Pause();
+  ASSERT_TRUE(target.Pause());
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 111, 50, 111)).ok());
   for (std::uint64_t token = 112; token < 115; ++token) {
     ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, token, 5, token)).ok());
@@ -1383,8 +1403,9 @@ TEST_P(UcxReaderKilled, TargetSurvivesAReaderKilledWithItsReadQueued) {
     const bool ready = Send(fd, target.address) && Send(fd, target.key) &&
                        Send(fd, target.base_) && Recv(fd, reply);
     const std::vector<std::uint8_t> first = reply;
-    if (ready && first == std::vector<std::uint8_t>{'W'}) {
-      target.Pause();
+    // Stopped before the reader posts its READ: the target cannot serve it before the kill.
+    const bool paused = ready && first == std::vector<std::uint8_t>{'W'} && target.Pause();
+    if (paused) {
       Send(fd, {'G'});
       reply.clear();
       Recv(fd, reply);
@@ -1397,6 +1418,7 @@ TEST_P(UcxReaderKilled, TargetSurvivesAReaderKilledWithItsReadQueued) {
     ASSERT_TRUE(ready) << "the reader child could not complete its first READ";
     ASSERT_EQ(first, std::vector<std::uint8_t>{'W'})
         << "the reader child's first READ did not take the push path";
+    ASSERT_TRUE(paused) << "the target exited instead of stopping";
     EXPECT_EQ(reply, std::vector<std::uint8_t>{'P'});
     // Another reader: the target meets the dead reader's queued request first, then serves this.
     Initiator us;

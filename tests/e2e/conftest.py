@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Generator
 from pathlib import Path
 
 import prompts
@@ -14,6 +15,19 @@ import pytest
 import serving
 from prompts import FAULT_SCENARIOS, fault_rounds
 from serving import START_TIMEOUT_S, Completion, Env
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test's report carries the logs of the servers still up (or died on their own),
+    before its fixtures stop them: CI output alone must tell what the instances saw."""
+    report = yield
+    if report.failed:
+        for title, text in serving.failure_logs():
+            report.sections.append((title, text))
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,10 @@ CPU_ENV = {
     # UCX's network transports on the loopback device only: nothing the tier starts listens
     # beyond 127.0.0.1 (same-host shared memory and CMA are not network devices).
     "UCX_NET_DEVICES": "lo",
+    # Idle keep-alive connections kept longer than the routers keep theirs pooled (the routers
+    # derived from SGLang's, as vllm-router is, pool them 50 s; the example proxy pools none):
+    # no router request goes out on a connection the instance is closing ("connection reset").
+    "VLLM_HTTP_TIMEOUT_KEEP_ALIVE": "120",
 }
 SERVE_ARGS = [
     "--host",
@@ -100,6 +104,12 @@ def _on_sigterm(signum: int, frame: object) -> None:
 
 
 atexit.register(_kill_live_groups)
+
+# Servers started and not stopped by the harness (running, or died on their own): their logs
+# are what a failed test's report shows (conftest.py, failure_logs).
+_UNSTOPPED: list[Server] = []
+FAILURE_TAIL_LINES = 80
+FAILURE_PROBLEM_LINES = 40
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _on_sigterm)
 
@@ -130,6 +140,7 @@ class Server:
         finally:
             log.close()
         _LIVE_GROUPS.add(self.proc.pid)
+        _UNSTOPPED.append(self)
         logger.info("started %s (pid %d): %s", self.name, self.proc.pid, " ".join(self.argv))
         return self
 
@@ -148,6 +159,16 @@ class Server:
         except OSError:
             return "(no log)"
         return "\n".join(text[-lines:])
+
+    def problem_lines(self, lines: int) -> str:
+        """The last ``lines`` warnings and errors of its log (a stall's first sign may be
+        minutes before the tail)."""
+        try:
+            text = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return "(no log)"
+        marks = (" WARNING ", " ERROR ", "Traceback", "WARN ", "ERROR ")
+        return "\n".join([line for line in text if any(m in line for m in marks)][-lines:])
 
     def check_alive(self) -> None:
         if not self.alive():
@@ -176,6 +197,8 @@ class Server:
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the process group, SIGKILL after ``grace_s``; waits for the leader."""
+        if self in _UNSTOPPED:
+            _UNSTOPPED.remove(self)
         if self.proc is None or self.proc.returncode is not None:
             return
         pid = self.proc.pid
@@ -219,6 +242,23 @@ class Stack:
             except Exception:
                 logger.exception("stopping %s", server.name)
         self.servers.clear()
+
+
+def failure_logs() -> list[tuple[str, str]]:
+    """(title, text) per server the harness has not stopped: where its log is, its warnings
+    and errors, and its tail; for the report of a failed test."""
+    out = []
+    for server in _UNSTOPPED:
+        code = server.proc.returncode if server.proc is not None else None
+        state = "running" if server.alive() else f"exited (code {code})"
+        out.append(
+            (
+                f"{server.name} ({state}), log {server.log_path}",
+                f"-- last warnings and errors --\n{server.problem_lines(FAILURE_PROBLEM_LINES)}\n"
+                f"-- last {FAILURE_TAIL_LINES} lines --\n{server.log_tail(FAILURE_TAIL_LINES)}",
+            )
+        )
+    return out
 
 
 @contextlib.contextmanager
@@ -566,6 +606,9 @@ def pd_instance(
             f"{prefix}_NOTIFY_PORT": str(notify),
             "MORIIO_NATIVE_AUTH_SECRET": settings.secret,
             "EXTRA_CONFIG": settings.extra_config,
+            # The connector's DEBUG lines (each WRITE job's steps) in the instance's log, so a
+            # stalled transfer shows where it stopped; vLLM's own stay at its level.
+            "MORIIO_NATIVE_LOG_LEVEL": os.environ.get("MORIIO_NATIVE_LOG_LEVEL", "DEBUG"),
         }
     )
     if settings.ucx_tls:

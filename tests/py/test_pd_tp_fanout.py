@@ -23,6 +23,7 @@ from moriio_native.control.messages import (
     WriteDone,
 )
 from moriio_native.control.ports import rank_port
+from moriio_native.errors import FailedPreconditionError
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -394,3 +395,72 @@ def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lo
     announce.join(20)
     assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
     assert pusher.job_states()["tx-9"] is JobState.WRITING
+
+
+def test_each_step_of_a_write_job_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    """A WRITE job that stalls must show in the instance's log where it stopped: at DEBUG each
+    job of a fanned-out request (prefill TP 1 -> decode TP 2) logs its save, its remote_blocks,
+    every transition of its machine, what was fed to the writer and what the writer posted,
+    each line naming the job's transfer id and decode rank."""
+    caplog.set_level("DEBUG", logger="moriio_native.pd.pusher")
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    # remote_blocks of decode rank 1 before the save, of rank 0 after it.
+    pusher.on_remote_blocks(RemoteBlocks("tx-5", ((20, 21),), "d:8000/dp0/tp1", decode_tp_rank=1))
+    pusher.begin_step([SaveTask("req-1", "tx-5", (1, 2), 2, DECODE, remote_tp_size=2)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-5", ((20, 21),), "d:8000/dp0/tp0", decode_tp_rank=0))
+    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [1, 0]
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    for tid in ("tx-5", "tx-5#d1"):
+        pusher.on_event(event(tid), drained=True)
+    lines = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    for tid, rank, remote_first in (("tx-5", 0, False), ("tx-5#d1", 1, True)):
+        mine = [line for line in lines if line.startswith(f"WRITE {tid} (decode rank {rank}): ")]
+        steps = [line.split(": ", 1)[1] for line in mine]
+        saved = "request saved (2 prompt blocks), remote_blocks " + (
+            "known, in PENDING" if remote_first else "not yet received, in PENDING"
+        )
+        received = "remote_blocks received (2 blocks in 1 groups), request " + (
+            "not saved yet" if remote_first else "saved"
+        )
+        assert saved in steps and received in steps, mine
+        first, second = (received, saved) if remote_first else (saved, received)
+        assert steps.index(first) < steps.index(second), mine
+        expected = [
+            "PENDING -> CONNECTING on READY",
+            "CONNECTING -> WRITING on CONNECTED",
+            "3 layers staged, 3 in all",
+            "WRITING -> SEALED on SEAL",
+            *(f"fed to the writer: write {layer}" for layer in (*DENSE, *WHOLE)),
+            "fed to the writer: seal (expected writes 3)",
+            *(f"posted write {layer}" for layer in (*DENSE, *WHOLE)),
+            "posted seal (expected writes 3)",
+            "engine event done (drained: True) in SEALED",
+            "SEALED -> DONE on ENGINE_DONE",
+        ]
+        at = [next((i for i, s in enumerate(steps) if s.startswith(e)), -1) for e in expected]
+        assert -1 not in at and at == sorted(at), f"{tid}: {mine}"
+
+
+def test_feeding_the_writer_under_the_context_lock_is_refused() -> None:
+    """The lock-order guard: feed_writer may wait for room in the writer queue, and the writer
+    thread takes the context lock after each get, so feeding with that lock held can deadlock
+    (as the inline connect callback of 8930e3d did). Called with it held, the feed raises and
+    moves nothing; the staged writes enter the queue at the next feed without it."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.directory = HandshakenDirectory()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-9", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-9", ((20, 21, 22),), "d:8000/dp0/tp0", decode_tp_rank=0)
+    )
+    assert pusher.job_states()["tx-9"] is JobState.WRITING
+    queued = pusher._writer_q.qsize()
+    with ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
+        pusher.layer_saved(DENSE[0], None)  # stages the layer's write, then feeds
+    assert pusher._writer_q.qsize() == queued, "the refused feed moved writer work"
+    with ctx.lock, ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
+        pusher.feed_writer()  # held at any depth (the lock is reentrant)
+    pusher.feed_writer()
+    assert pusher._writer_q.qsize() == queued + 1, "the staged write did not enter the queue"

@@ -12,6 +12,8 @@ import asyncio
 import importlib.util
 import json
 import logging
+import socket
+import struct
 import sys
 import threading
 import time
@@ -148,6 +150,124 @@ def test_proxy_routes_both_legs(fakes: tuple[FakeInstance, FakeInstance], mode: 
         assert dp["remote_block_ids"] == [4, 5] and dp["remote_engine_id"] == "10.0.0.1:6301"
     else:
         assert dp["remote_block_ids"] is None
+
+
+class ResettingPrefill:
+    """A prefill whose HTTP server keeps each connection open after answering (keep-alive) and
+    resets it (RST) when another request arrives on it: what a client meets when it reuses a
+    pooled connection in the moment the server closes it for sitting idle past its keep-alive
+    timeout (vLLM's uvicorn: VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s). Listens on 127.0.0.1; every
+    socket has a timeout, and ``stop`` ends it."""
+
+    def __init__(self) -> None:
+        self.answered = 0
+        self.connections = 0
+        self._lock = threading.Lock()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener.settimeout(0.2)
+        self.port = self._listener.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._accept = threading.Thread(target=self._accept_loop, daemon=True)
+        self._accept.start()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                self.connections += 1
+            thread = threading.Thread(target=self._serve, args=(conn,), daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    @staticmethod
+    def _read_request(conn: socket.socket) -> dict[str, Any] | None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            data += chunk
+        head, body = data.split(b"\r\n\r\n", 1)
+        length = next(
+            int(line.split(b":", 1)[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length:")
+        )
+        while len(body) < length:
+            chunk = conn.recv(65536)
+            if not chunk:
+                return None
+            body += chunk
+        parsed: dict[str, Any] = json.loads(body)
+        return parsed
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(30)
+        with conn:
+            try:
+                request = self._read_request(conn)
+                if request is None:
+                    return
+                params = dict(request["kv_transfer_params"])
+                params.update(remote_block_ids=[4, 5], remote_engine_id="10.0.0.1:6301")
+                body = json.dumps({"choices": [{"text": "x"}], "kv_transfer_params": params})
+                conn.sendall(
+                    b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                    b"Connection: keep-alive\r\n"
+                    + f"Content-Length: {len(body)}\r\n\r\n{body}".encode()
+                )
+                with self._lock:
+                    self.answered += 1
+                if conn.recv(65536):  # a second request on this connection: reset it
+                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except OSError:
+                return
+
+    def registration(self) -> ProxyRegistration:
+        return ProxyRegistration(
+            role="P",
+            http_address=f"127.0.0.1:{self.port}",
+            zmq_address=ZmqAddress("127.0.0.1", 6301, 61005),
+            dp_size=1,
+            tp_size=1,
+            transfer_mode="READ",
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()
+        self._accept.join(5)
+        for thread in self._threads:
+            thread.join(35)
+
+
+def test_proxy_never_reuses_a_connection_the_instance_may_be_closing() -> None:
+    """Before: the proxy pooled keep-alive connections, and a request sent on one the prefill
+    closed at that moment failed (HTTP 502, "connection reset"; in WRITE mode the decode then
+    waited abort_timeout for writes that never came). Each leg has its own connection now."""
+    proxy = load_proxy()
+    p, d = ResettingPrefill(), FakeInstance("D")
+    try:
+        registry = proxy.Registry()
+        registry.update(p.registration())
+        registry.update(d.registration("READ", 7301, 7501))
+        with TestClient(proxy.make_app(registry)) as client:
+            for i in range(2):
+                resp = client.post(
+                    "/v1/completions", json={"model": "m", "prompt": f"hi {i}", "max_tokens": 9}
+                )
+                assert resp.status_code == 200, f"request {i}: {resp.status_code} {resp.text}"
+        assert (p.answered, p.connections) == (2, 2)
+        assert len(d.requests) == 2
+    finally:
+        p.stop()
+        d.stop()
 
 
 def test_proxy_without_instances_answers_503() -> None:

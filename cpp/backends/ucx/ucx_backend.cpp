@@ -31,6 +31,7 @@
 
 #include "cudacopy_abi.h"
 #include "dynamic_library.hpp"
+#include "moriio_native/trace_marks.hpp"
 #include "ucx_api.hpp"
 #include "ucx_options.hpp"
 #include "ucx_wire.hpp"
@@ -1320,6 +1321,7 @@ bool UcxBackend::ActivateSubmitted() {
   if (batches.empty()) return false;
   queued_.fetch_sub(batches.size(), std::memory_order_acq_rel);
   for (auto& p : batches) {
+    trace::Record(trace::Mark::kActivated, p.batch->token);
     ActiveBatch& ab = active_.emplace_back();
     ab.owner = this;
     ab.batch = std::move(p.batch);
@@ -1404,12 +1406,14 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
     ab.next_run = 0;
     return;
   }
+  trace::Record(trace::Mark::kCopySubmitEntry, b.token);
   const int rc = write ? cc->submit(queue, remote, local, b.remote_offsets.data(),
                                     b.local_offsets.data(), b.sizes.data(), n,
                                     b.device_wait_event, &ab.cuda_op, err, sizeof(err))
                        : cc->submit(queue, local, remote, b.local_offsets.data(),
                                     b.remote_offsets.data(), b.sizes.data(), n,
                                     b.device_wait_event, &ab.cuda_op, err, sizeof(err));
+  trace::Record(trace::Mark::kCopySubmitExit, b.token);
   if (rc != 0) {
     ab.cuda_op = nullptr;
     ab.stop = true;
@@ -1441,6 +1445,7 @@ void UcxBackend::StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local
                                     src.token_stride};
   const moriio_cudacopy_api* cc = LoadCudaCopy().api;
   char err[256] = {};
+  trace::Record(trace::Mark::kCopySubmitEntry, b.token);
   const int rc =
       write ? cc->submit_cells(queue, remote, local, &cells, c.blocks.remote.data(),
                                c.blocks.local.data(), c.blocks.size(), b.device_wait_event,
@@ -1448,6 +1453,7 @@ void UcxBackend::StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local
             : cc->submit_cells(queue, local, remote, &cells, c.blocks.local.data(),
                                c.blocks.remote.data(), c.blocks.size(), b.device_wait_event,
                                &ab.cuda_op, err, sizeof(err));
+  trace::Record(trace::Mark::kCopySubmitExit, b.token);
   if (rc != 0) {
     ab.cuda_op = nullptr;
     ab.stop = true;
