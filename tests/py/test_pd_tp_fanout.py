@@ -24,6 +24,7 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.errors import FailedPreconditionError
+from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -66,9 +67,15 @@ class Engine:
 
 
 def context(
-    mode: str, *, producer: bool, tp_rank: int, tp_size: int, heads: int = 8
+    mode: str,
+    *,
+    producer: bool,
+    tp_rank: int,
+    tp_size: int,
+    heads: int = 8,
+    engine: Engine | None = None,
 ) -> tuple[Context, Directory, Sender, Engine]:
-    engine = Engine()
+    engine = engine if engine is not None else Engine()
     base = PREFILL if producer else DECODE
     ctx, directory, sender = protocol_context(
         mode,
@@ -464,3 +471,52 @@ def test_feeding_the_writer_under_the_context_lock_is_refused() -> None:
         pusher.feed_writer()  # held at any depth (the lock is reentrant)
     pusher.feed_writer()
     assert pusher._writer_q.qsize() == queued + 1, "the staged write did not enter the queue"
+
+
+class SteppedClock:
+    """time.monotonic for the pusher: moves only when a test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+class SlowEngine(Engine):
+    """write_layer of ``slow_layer`` takes ``call_s`` on the pusher's clock."""
+
+    def __init__(self, clock: SteppedClock, slow_layer: str, call_s: float) -> None:
+        super().__init__()
+        self._clock, self._slow_layer, self._call_s = clock, slow_layer, call_s
+
+    def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
+        if layer == self._slow_layer:
+            self._clock.now += self._call_s
+        return super().write_layer(tid, layer, peer, *a, **k)
+
+
+def test_a_slow_writer_post_is_logged_with_its_lock_wait_and_engine_time(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A WRITE whose writer stalls must say so when it happens, not only as its deadline 30 s
+    later: a post that spends SLOW_WRITER_POST_S or more in the engine call (or waiting for
+    the context lock) logs one WARNING naming the job, the layer and both times; the posts
+    around it, fast, log nothing."""
+    clock = SteppedClock()
+    monkeypatch.setattr(pusher_module, "time", clock)
+    engine = SlowEngine(clock, DENSE[0], 27.0)
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1, engine=engine)
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21),), "d:8000/dp0/tp0", decode_tp_rank=0))
+    assert answer_handshakes(directory, DECODE, 1, "WRITE") == [0]
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    slow = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert slow == [
+        f"transfer tx-7 (decode rank 0): posting write {DENSE[0]} waited 0.0 s for the "
+        "context lock and spent 27.0 s in the engine call"
+    ], slow
+    posted = [c[2] for c in engine.calls if c[0] == "write_layer"]
+    assert posted == [*DENSE, *WHOLE], "the slow post held back or dropped the others"

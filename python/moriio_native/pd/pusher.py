@@ -72,6 +72,10 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 MAX_EARLY_MESSAGES = 65536
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
+# A writer post that waits this long for the context lock, or spends this long in its engine
+# call, is logged with both times: a stalled WRITE otherwise shows only as its deadline expiring
+# long after (and which of the two stalled tells a contended lock from a blocked engine call).
+SLOW_WRITER_POST_S = 2.0
 
 
 class SendState(Enum):
@@ -225,6 +229,7 @@ class Pusher:
         # WRITE-mode messages any sender may send a READ-mode prefill: rate limited, not a line
         # each.
         self._stray = RateLimitedWarnings(logger, "WRITE-mode messages in READ mode")
+        self._slow_posts = RateLimitedWarnings(logger, "slow writer posts")
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -961,6 +966,24 @@ class Pusher:
                     except queue.Full:
                         continue
 
+    def _note_slow_post(
+        self, job: _Job, op: str, layer: str, lock_wait_s: float, call_s: float
+    ) -> None:
+        """Logs a post that took SLOW_WRITER_POST_S or more waiting for the lock or in the
+        engine (rate limited: under a stall every post is slow)."""
+        if max(lock_wait_s, call_s) < SLOW_WRITER_POST_S or not self._slow_posts.allows():
+            return
+        self._slow_posts.warn(
+            "transfer %s (decode rank %d): posting %s %s waited %.1f s for the context lock and "
+            "spent %.1f s in the engine call",
+            job.transfer_id,
+            job.decode_rank,
+            op,
+            layer or "(seal)",
+            lock_wait_s,
+            call_s,
+        )
+
     def writer_loop(self) -> None:
         ctx = self._ctx
         live = (JobState.WRITING, JobState.SEALED)
@@ -978,7 +1001,9 @@ class Pusher:
                     arg[0].synchronize()  # the layer's device event: its KV is computed
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
+                asked = time.monotonic()
                 with ctx.lock:
+                    locked = time.monotonic()
                     if job.state not in live:
                         continue
                     peer = job.peer
@@ -1005,7 +1030,9 @@ class Pusher:
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
                         ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
+                    posted = time.monotonic()
                     _debug(job, "posted %s %s", op, layer or f"(expected writes {arg})")
+                self._note_slow_post(job, op, layer, locked - asked, posted - locked)
             except Exception as exc:
                 with ctx.lock:
                     self._fail(job, f"{op} {layer}: {exc}".strip())
