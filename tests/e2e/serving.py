@@ -606,9 +606,6 @@ def pd_instance(
             f"{prefix}_NOTIFY_PORT": str(notify),
             "MORIIO_NATIVE_AUTH_SECRET": settings.secret,
             "EXTRA_CONFIG": settings.extra_config,
-            # The connector's DEBUG lines (each WRITE job's steps) in the instance's log, so a
-            # stalled transfer shows where it stopped; vLLM's own stay at its level.
-            "MORIIO_NATIVE_LOG_LEVEL": os.environ.get("MORIIO_NATIVE_LOG_LEVEL", "DEBUG"),
         }
     )
     if settings.ucx_tls:

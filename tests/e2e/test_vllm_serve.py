@@ -234,6 +234,9 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     router = serving.vllm_router(cluster.env, cluster.settings.ping_port)
     cluster.stack.stop(cluster.router.server)
     cluster.stack.add(router.server)
+    # Recorded at once: a failure below must not leave the next test stopping the stopped
+    # proxy while this router keeps the ping port (its fresh proxy then cannot bind it).
+    cluster.router = router
     _wait_registered(router, cluster.settings)
     before = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
     got = _run_all(router.url, prompts.ROUTER)
@@ -244,7 +247,6 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     assert loaded > 0, f"{cluster.settings.mode} via vllm-router: no prompt token was loaded"
     samples = serving.metric_samples(_connector_side(cluster).url)
     assert serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total") == 0
-    cluster.router = router
 
 
 def test_negative_control_prefill_with_other_weights(

@@ -23,8 +23,6 @@ from moriio_native.control.messages import (
     WriteDone,
 )
 from moriio_native.control.ports import rank_port
-from moriio_native.errors import FailedPreconditionError
-from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -67,15 +65,9 @@ class Engine:
 
 
 def context(
-    mode: str,
-    *,
-    producer: bool,
-    tp_rank: int,
-    tp_size: int,
-    heads: int = 8,
-    engine: Engine | None = None,
+    mode: str, *, producer: bool, tp_rank: int, tp_size: int, heads: int = 8
 ) -> tuple[Context, Directory, Sender, Engine]:
-    engine = engine if engine is not None else Engine()
+    engine = Engine()
     base = PREFILL if producer else DECODE
     ctx, directory, sender = protocol_context(
         mode,
@@ -402,121 +394,3 @@ def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lo
     announce.join(20)
     assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
     assert pusher.job_states()["tx-9"] is JobState.WRITING
-
-
-def test_each_step_of_a_write_job_is_logged_at_debug(caplog: pytest.LogCaptureFixture) -> None:
-    """A WRITE job that stalls must show in the instance's log where it stopped: at DEBUG each
-    job of a fanned-out request (prefill TP 1 -> decode TP 2) logs its save, its remote_blocks,
-    every transition of its machine, what was fed to the writer and what the writer posted,
-    each line naming the job's transfer id and decode rank."""
-    caplog.set_level("DEBUG", logger="moriio_native.pd.pusher")
-    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    pusher = Pusher(ctx)
-    # remote_blocks of decode rank 1 before the save, of rank 0 after it.
-    pusher.on_remote_blocks(RemoteBlocks("tx-5", ((20, 21),), "d:8000/dp0/tp1", decode_tp_rank=1))
-    pusher.begin_step([SaveTask("req-1", "tx-5", (1, 2), 2, DECODE, remote_tp_size=2)], [])
-    pusher.on_remote_blocks(RemoteBlocks("tx-5", ((20, 21),), "d:8000/dp0/tp0", decode_tp_rank=0))
-    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [1, 0]
-    pusher.forward_done([*DENSE, *WHOLE], None)
-    run_writer(ctx, pusher)
-    for tid in ("tx-5", "tx-5#d1"):
-        pusher.on_event(event(tid), drained=True)
-    lines = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
-    for tid, rank, remote_first in (("tx-5", 0, False), ("tx-5#d1", 1, True)):
-        mine = [line for line in lines if line.startswith(f"WRITE {tid} (decode rank {rank}): ")]
-        steps = [line.split(": ", 1)[1] for line in mine]
-        saved = "request saved (2 prompt blocks), remote_blocks " + (
-            "known, in PENDING" if remote_first else "not yet received, in PENDING"
-        )
-        received = "remote_blocks received (2 blocks in 1 groups), request " + (
-            "not saved yet" if remote_first else "saved"
-        )
-        assert saved in steps and received in steps, mine
-        first, second = (received, saved) if remote_first else (saved, received)
-        assert steps.index(first) < steps.index(second), mine
-        expected = [
-            "PENDING -> CONNECTING on READY",
-            "CONNECTING -> WRITING on CONNECTED",
-            "3 layers staged, 3 in all",
-            "WRITING -> SEALED on SEAL",
-            *(f"fed to the writer: write {layer}" for layer in (*DENSE, *WHOLE)),
-            "fed to the writer: seal (expected writes 3)",
-            *(f"posted write {layer}" for layer in (*DENSE, *WHOLE)),
-            "posted seal (expected writes 3)",
-            "engine event done (drained: True) in SEALED",
-            "SEALED -> DONE on ENGINE_DONE",
-        ]
-        at = [next((i for i, s in enumerate(steps) if s.startswith(e)), -1) for e in expected]
-        assert -1 not in at and at == sorted(at), f"{tid}: {mine}"
-
-
-def test_feeding_the_writer_under_the_context_lock_is_refused() -> None:
-    """The lock-order guard: feed_writer may wait for room in the writer queue, and the writer
-    thread takes the context lock after each get, so feeding with that lock held can deadlock
-    (as the inline connect callback of 8930e3d did). Called with it held, the feed raises and
-    moves nothing; the staged writes enter the queue at the next feed without it."""
-    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.directory = HandshakenDirectory()  # type: ignore[assignment]
-    pusher = Pusher(ctx)
-    pusher.begin_step([SaveTask("req-1", "tx-9", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
-    pusher.on_remote_blocks(
-        RemoteBlocks("tx-9", ((20, 21, 22),), "d:8000/dp0/tp0", decode_tp_rank=0)
-    )
-    assert pusher.job_states()["tx-9"] is JobState.WRITING
-    queued = pusher._writer_q.qsize()
-    with ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
-        pusher.layer_saved(DENSE[0], None)  # stages the layer's write, then feeds
-    assert pusher._writer_q.qsize() == queued, "the refused feed moved writer work"
-    with ctx.lock, ctx.lock, pytest.raises(FailedPreconditionError, match="context lock held"):
-        pusher.feed_writer()  # held at any depth (the lock is reentrant)
-    pusher.feed_writer()
-    assert pusher._writer_q.qsize() == queued + 1, "the staged write did not enter the queue"
-
-
-class SteppedClock:
-    """time.monotonic for the pusher: moves only when a test says."""
-
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def monotonic(self) -> float:
-        return self.now
-
-
-class SlowEngine(Engine):
-    """write_layer of ``slow_layer`` takes ``call_s`` on the pusher's clock."""
-
-    def __init__(self, clock: SteppedClock, slow_layer: str, call_s: float) -> None:
-        super().__init__()
-        self._clock, self._slow_layer, self._call_s = clock, slow_layer, call_s
-
-    def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
-        if layer == self._slow_layer:
-            self._clock.now += self._call_s
-        return super().write_layer(tid, layer, peer, *a, **k)
-
-
-def test_a_slow_writer_post_is_logged_with_its_lock_wait_and_engine_time(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """A WRITE whose writer stalls must say so when it happens, not only as its deadline 30 s
-    later: a post that spends SLOW_WRITER_POST_S or more in the engine call (or waiting for
-    the context lock) logs one WARNING naming the job, the layer and both times; the posts
-    around it, fast, log nothing."""
-    clock = SteppedClock()
-    monkeypatch.setattr(pusher_module, "time", clock)
-    engine = SlowEngine(clock, DENSE[0], 27.0)
-    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1, engine=engine)
-    pusher = Pusher(ctx)
-    pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2), 2, DECODE, remote_tp_size=1)], [])
-    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21),), "d:8000/dp0/tp0", decode_tp_rank=0))
-    assert answer_handshakes(directory, DECODE, 1, "WRITE") == [0]
-    pusher.forward_done([*DENSE, *WHOLE], None)
-    run_writer(ctx, pusher)
-    slow = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert slow == [
-        f"transfer tx-7 (decode rank 0): posting write {DENSE[0]} waited 0.0 s for the "
-        "context lock and spent 27.0 s in the engine call"
-    ], slow
-    posted = [c[2] for c in engine.calls if c[0] == "write_layer"]
-    assert posted == [*DENSE, *WHOLE], "the slow post held back or dropped the others"

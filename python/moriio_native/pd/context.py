@@ -92,11 +92,6 @@ class Context:
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
 
-    def holds_lock(self) -> bool:
-        """Whether the calling thread holds ``lock`` (at any depth). Cheap: for the lock-order
-        guards of the code that must never run under it."""
-        return bool(self.lock._is_owned())
-
     def tp_plan(self, host: str, remote_tp_size: int, *, prefill: bool) -> TpPlan:
         """The rank plan between us (the ``prefill`` side, or the decode side) and a peer
         instance of ``remote_tp_size`` ranks at ``host`` (:mod:`moriio_native.pd.heads`; 0:

@@ -158,11 +158,6 @@ class PeerDirectory:
                 )
                 del self._peers[key]
                 peer = None
-            # A done future runs each callback added to it inline, in the caller's thread and
-            # under whatever lock the caller holds (the context lock, in the pusher and the
-            # puller): such a callback must not block (no queue put that may wait, no feed of
-            # the writer, no future's result) or take a lock another thread takes before the
-            # caller's. Pusher.feed_writer refuses to run there.
             if peer is not None:
                 return _done(peer)
             failure = self._failures.get(key)
@@ -180,8 +175,6 @@ class PeerDirectory:
         except RuntimeError as exc:  # shut down meanwhile
             with self._lock:
                 self._inflight.pop(key, None)
-            # Runs the callbacks already added (those of other callers waiting for this key)
-            # here, under the caller's lock: they must not block (see above).
             future.set_exception(MoriioError(f"peer {key}: not handshaken ({exc})"))
         return future
 
@@ -270,8 +263,6 @@ class PeerDirectory:
             ]:
                 del self._peers[other]  # the same engine before its restart, at any address
             self._peers[key] = peer
-        # The directory lock is released: the hook and the callbacks set_result runs (on this
-        # pool thread) may take the context lock, as the connect's callers' do.
         if self._on_handshake is not None:
             self._on_handshake(peer)
         logger.info("handshake with %s at %s done", peer.response.engine_id, key)

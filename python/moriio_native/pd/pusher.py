@@ -72,10 +72,6 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 MAX_EARLY_MESSAGES = 65536
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
-# A writer post that waits this long for the context lock, or spends this long in its engine
-# call, is logged with both times: a stalled WRITE otherwise shows only as its deadline expiring
-# long after (and which of the two stalled tells a contended lock from a blocked engine call).
-SLOW_WRITER_POST_S = 2.0
 
 
 class SendState(Enum):
@@ -193,22 +189,6 @@ class _Job:
         return self.machine.state
 
 
-def _debug(job: _Job, what: str, *args: object) -> None:
-    """One DEBUG line about ``job`` (its engine transfer id and decode rank first): the WRITE
-    jobs' steps, so a job that stalls shows in the instance's log where it stopped. Costs a
-    level check when DEBUG is off."""
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("WRITE %s (decode rank %d): " + what, job.transfer_id, job.decode_rank, *args)
-
-
-def _step(job: _Job, event: JobEvent) -> None:
-    """Advance ``job``'s machine by ``event`` (the only way pusher changes a job's state),
-    logged at DEBUG."""
-    before = job.machine.state
-    after = job.machine.advance(event)
-    _debug(job, "%s -> %s on %s", before.name, after.name, event.name)
-
-
 def job_transfer_id(transfer_id: str, decode_rank: int, tp_rank: int) -> str:
     """The engine transfer id of prefill rank ``tp_rank``'s job writing ``transfer_id`` into
     decode rank ``decode_rank``: the request's own id for the decode rank of our index (the
@@ -229,7 +209,6 @@ class Pusher:
         # WRITE-mode messages any sender may send a READ-mode prefill: rate limited, not a line
         # each.
         self._stray = RateLimitedWarnings(logger, "WRITE-mode messages in READ mode")
-        self._slow_posts = RateLimitedWarnings(logger, "slow writer posts")
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -254,13 +233,6 @@ class Pusher:
             self._step_jobs = []
             for save in saves:
                 for job in self._plan_jobs(save, now):
-                    _debug(
-                        job,
-                        "request saved (%d prompt blocks), remote_blocks %s, in %s",
-                        len(save.block_ids),
-                        "known" if job.remote is not None else "not yet received",
-                        job.state.name,
-                    )
                     self._step_jobs.append(job)
                     self._advance(job)
             for send in sends:
@@ -418,7 +390,7 @@ class Pusher:
                 np.asarray(have[len(have) - len(wanted) :], dtype=np.int64),
                 np.asarray(wanted, dtype=np.int64),
             )
-            _step(job, JobEvent.READY)
+            job.machine.advance(JobEvent.READY)
             self._connect(job)
             return
         if state is not JobState.WRITING:
@@ -439,11 +411,9 @@ class Pusher:
                     continue  # a whole layer another prefill rank writes to this decode rank
             self._staged.append(("write", job, layer, (event, segments)))
             job.submitted += 1
-        if job.pending:
-            _debug(job, "%d layers staged, %d in all", len(job.pending), job.submitted)
         job.pending = []
         if job.forward_done:
-            _step(job, JobEvent.SEAL)
+            job.machine.advance(JobEvent.SEAL)
             self._staged.append(("seal", job, "", job.submitted))
 
     def _ready_grouped(self, job: _Job) -> None:
@@ -463,7 +433,7 @@ class Pusher:
                 job, f"the decode needs the KV of {needed} tokens, the prompt computed {computed}"
             )
             return
-        _step(job, JobEvent.READY)
+        job.machine.advance(JobEvent.READY)
         self._connect(job)
 
     def _plan_grouped(self, job: _Job, peer: Peer) -> dict[str, list[Segment]]:
@@ -500,13 +470,6 @@ class Pusher:
         # the caller's lock: the caller feeds the writer once it released it (feeding under the
         # lock would take the feed lock after the context lock, which a step's feed takes the
         # other way round). Only a handshake completed on its own thread feeds.
-        _debug(
-            job,
-            "connecting the decode rank (%s:%d): handshake %s",
-            address.host,
-            address.handshake_port,
-            "answered at once (cached, or failed recently)" if future.done() else "started",
-        )
         caller = threading.get_ident()
         future.add_done_callback(
             lambda f: self._connected(job, f, feed=threading.get_ident() != caller)
@@ -545,11 +508,10 @@ class Pusher:
             return
         with ctx.lock:
             if job.state is not JobState.CONNECTING:
-                _debug(job, "handshake done after the job ended (%s)", job.state.name)
                 return  # failed meanwhile
             job.peer = peer
             job.segments = segments
-            _step(job, JobEvent.CONNECTED)
+            job.machine.advance(JobEvent.CONNECTED)
             self._advance(job)
         if feed:
             self.feed_writer()
@@ -567,11 +529,11 @@ class Pusher:
         ):
             try:
                 self._ctx.engine().abort(job.transfer_id)
-                _step(job, JobEvent.ABORT)
+                job.machine.advance(JobEvent.ABORT)
                 return  # the aborted event completes the job
             except MoriioError:
                 pass  # nothing of it reached the engine
-        _step(job, JobEvent.FAIL)
+        job.machine.advance(JobEvent.FAIL)
         self._complete(job)
 
     def _complete(self, job: _Job, event: Any = None) -> None:
@@ -645,8 +607,6 @@ class Pusher:
             except Exception as exc:
                 self._ack_failed(request, exc)
                 return
-            # May run inline under the caller's context lock (a handshaken peer's future is
-            # done): NotifySender.send never waits (zmq NOBLOCK; a full queue raises).
             self._send(peer, ack)
 
         future.add_done_callback(acked)
@@ -667,14 +627,13 @@ class Pusher:
             job = self._jobs.get(event.transfer_id)
             if job is None or job.state in JOB_TERMINAL:
                 return job is not None
-            _debug(job, "engine event %s (drained: %s) in %s", event.state, drained, job.state.name)
             if job.state is JobState.DRAINING:
                 return True
             if not drained:
                 # Writes may still land in the decode's blocks (and read ours): nothing is
                 # reported, nothing freed, until the engine says they drained.
                 job.reason = job.reason or f"{event.state}: {event.message}"
-                _step(job, JobEvent.ENGINE_UNDRAINED)
+                job.machine.advance(JobEvent.ENGINE_UNDRAINED)
                 logger.warning(
                     "transfer %s: WRITE ended with writes in flight (%s); holding it until "
                     "they drain",
@@ -696,12 +655,12 @@ class Pusher:
                 return True
             verifier = self._ctx.verifier
             if ok and verifier is not None and job.machine.allows(JobEvent.CHECKSUM):
-                _step(job, JobEvent.CHECKSUM)
+                job.machine.advance(JobEvent.CHECKSUM)
                 local = self._verified_ids(job)
                 if local is None:
                     job.reason = whole_blocks_only("WRITE")
                     logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, job.reason)
-                    _step(job, JobEvent.FAIL)
+                    job.machine.advance(JobEvent.FAIL)
                     self._complete(job)
                     return True
                 verifier.for_write_done(
@@ -710,7 +669,7 @@ class Pusher:
                     lambda sums, why: self._checksummed(job, event, sums, why),
                 )
                 return True
-            _step(job, next_event)
+            job.machine.advance(next_event)
             self._complete(job, event)
         return True
 
@@ -756,11 +715,11 @@ class Pusher:
             if checksums is None:
                 job.reason = why
                 logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, why)
-                _step(job, JobEvent.FAIL)
+                job.machine.advance(JobEvent.FAIL)
                 self._complete(job)
                 return
             job.checksums = checksums
-            _step(job, JobEvent.CHECKSUMMED)
+            job.machine.advance(JobEvent.CHECKSUMMED)
             self._complete(job, event)
 
     def on_drained(self, tid: str) -> str:
@@ -771,7 +730,7 @@ class Pusher:
             if job is None:
                 return ""
             if job.state is JobState.DRAINING:
-                _step(job, JobEvent.DRAINED)
+                job.machine.advance(JobEvent.DRAINED)
                 self._complete(job)
                 return "done"
             return "" if job.state in JOB_TERMINAL else "early"
@@ -820,16 +779,8 @@ class Pusher:
         with self._ctx.lock:
             job = self._job(tid, message.decode_tp_rank, time.monotonic(), orphan=True)
             if job.remote is not None or job.state is not JobState.PENDING:
-                _debug(job, "remote_blocks ignored: a copy came already (%s)", job.state.name)
                 return
             job.remote = message
-            _debug(
-                job,
-                "remote_blocks received (%d blocks in %d groups), request %s",
-                sum(len(g) for g in message.block_ids),
-                len(message.block_ids),
-                "saved" if job.save is not None else "not saved yet",
-            )
             if not any(message.block_ids):
                 job.released = True
                 self._fail(job, "the decode needs no blocks")
@@ -938,17 +889,8 @@ class Pusher:
     def feed_writer(self) -> None:
         """Move staged writer work into the bounded writer queue, waiting for room when it is
         full (backpressure). Called WITHOUT the context lock: the writer takes it after each
-        get, so it could never make room for a producer that held it, and a step's feed takes
-        the feed lock before the context lock. Called with it, this raises
-        FailedPreconditionError and moves nothing (a deadlock made loud, as an illegal
-        transition is; the staged work stays for the next feed)."""
+        get, so it could never make room for a producer that held it."""
         ctx = self._ctx
-        if ctx.holds_lock():
-            raise FailedPreconditionError(
-                f"rank {ctx.cfg.tp_rank}: feed_writer called with the context lock held: it "
-                f"may wait for the writer thread, which needs that lock ({len(self._staged)} "
-                "writer ops stay staged)"
-            )
         with self._feed:
             with ctx.lock:
                 ops, self._staged = self._staged, []
@@ -956,33 +898,9 @@ class Pusher:
                 while not ctx.stop.is_set():
                     try:
                         self._writer_q.put(op, timeout=WAIT_SLICE_S)
-                        _debug(
-                            op[1],
-                            "fed to the writer: %s %s",
-                            op[0],
-                            op[2] or f"(expected writes {op[3]})",
-                        )
                         break
                     except queue.Full:
                         continue
-
-    def _note_slow_post(
-        self, job: _Job, op: str, layer: str, lock_wait_s: float, call_s: float
-    ) -> None:
-        """Logs a post that took SLOW_WRITER_POST_S or more waiting for the lock or in the
-        engine (rate limited: under a stall every post is slow)."""
-        if max(lock_wait_s, call_s) < SLOW_WRITER_POST_S or not self._slow_posts.allows():
-            return
-        self._slow_posts.warn(
-            "transfer %s (decode rank %d): posting %s %s waited %.1f s for the context lock and "
-            "spent %.1f s in the engine call",
-            job.transfer_id,
-            job.decode_rank,
-            op,
-            layer or "(seal)",
-            lock_wait_s,
-            call_s,
-        )
 
     def writer_loop(self) -> None:
         ctx = self._ctx
@@ -994,16 +912,13 @@ class Pusher:
                 continue
             with ctx.lock:
                 if job.state not in live:
-                    _debug(job, "writer dropped %s %s: the job is %s", op, layer, job.state.name)
                     continue
             try:
                 if op == "write" and arg[0] is not None:
                     arg[0].synchronize()  # the layer's device event: its KV is computed
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
-                asked = time.monotonic()
                 with ctx.lock:
-                    locked = time.monotonic()
                     if job.state not in live:
                         continue
                     peer = job.peer
@@ -1030,9 +945,6 @@ class Pusher:
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
                         ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
-                    posted = time.monotonic()
-                    _debug(job, "posted %s %s", op, layer or f"(expected writes {arg})")
-                self._note_slow_post(job, op, layer, locked - asked, posted - locked)
             except Exception as exc:
                 with ctx.lock:
                     self._fail(job, f"{op} {layer}: {exc}".strip())

@@ -22,32 +22,21 @@ CONNECTOR_NAME = "MoRIIONativeConnector"
 logger = logging.getLogger("moriio_native.vllm")
 
 
-# The package's own level (e.g. DEBUG for the WRITE jobs' transitions) without vLLM's.
-ENV_LOG_LEVEL = "MORIIO_NATIVE_LOG_LEVEL"
-
-
 class _VllmLogHandler(logging.Handler):
     """Hands each record to the handlers the ``vllm`` logger has at that moment (vLLM may
     configure, or reconfigure, its logging after this package was loaded); to the root
-    logger's when vLLM has none (``VLLM_CONFIGURE_LOGGING=0``). With ``own_level`` (the
-    package's level was asked for by ``MORIIO_NATIVE_LOG_LEVEL``) the package's records pass
-    those handlers' own level too: the ``moriio_native`` logger filtered them already."""
-
-    def __init__(self, own_level: bool = False) -> None:
-        super().__init__()
-        self._own_level = own_level
+    logger's when vLLM has none (``VLLM_CONFIGURE_LOGGING=0``)."""
 
     def emit(self, record: logging.LogRecord) -> None:
         handlers = logging.getLogger("vllm").handlers or logging.getLogger().handlers
         for handler in handlers:
-            if self._own_level or record.levelno >= handler.level:
+            if record.levelno >= handler.level:
                 handler.handle(record)
 
 
 def use_vllm_logging() -> None:
     """Show the package's log records (``moriio_native.*``) where vLLM shows its own, at vLLM's
-    level (``VLLM_LOGGING_LEVEL``, default INFO), or at ``MORIIO_NATIVE_LOG_LEVEL`` when set
-    (e.g. ``DEBUG``: each WRITE job's steps, without vLLM's own debug output).
+    level (``VLLM_LOGGING_LEVEL``, default INFO).
 
     vLLM configures only its own ``vllm`` logger (not the root), so without this the connector's
     INFO lines (registrations, handshakes) never appear under ``vllm serve``. Does nothing when
@@ -57,15 +46,8 @@ def use_vllm_logging() -> None:
     ours = logging.getLogger("moriio_native")
     if any(not isinstance(h, logging.NullHandler) for h in ours.handlers):
         return
-    own = os.environ.get(ENV_LOG_LEVEL, "").strip().upper()
-    if own and not isinstance(logging.getLevelName(own), int):
-        raise ValueError(
-            f"{ENV_LOG_LEVEL}={own!r} is not a logging level (DEBUG, INFO, WARNING, ERROR)"
-        )
-    ours.addHandler(_VllmLogHandler(own_level=bool(own)))
-    if own:
-        ours.setLevel(own)
-    elif ours.level == logging.NOTSET:
+    ours.addHandler(_VllmLogHandler())
+    if ours.level == logging.NOTSET:
         ours.setLevel(os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper())
     # The handler already reaches the root's handlers when vLLM has none: no second copy.
     ours.propagate = False
@@ -98,10 +80,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = [
-    "CONNECTOR_NAME",
-    "ENV_LOG_LEVEL",
-    "MoRIIONativeConnector",
-    "register",
-    "use_vllm_logging",
-]
+__all__ = ["CONNECTOR_NAME", "MoRIIONativeConnector", "register", "use_vllm_logging"]
