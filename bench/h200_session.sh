@@ -51,6 +51,12 @@
 #                                         # both with UCX, marks off; every GPU test on this tree;
 #                                         # gpu_bench llama3-8b, deepseek-v3 and 4 KiB runs per
 #                                         # build in turn, every byte verified
+#   bash bench/h200_session.sh hostcut    # one call: `versus` (tree and base, every GPU test,
+#                                         # llama3-8b, 4 KiB runs, deepseek-v3 while time is
+#                                         # left), each build's block pairs alone
+#                                         # (bench/pairs_bench.py), then both built with the
+#                                         # marks: gpu_bench --timeline for llama3-8b per build
+#                                         # (7 files in $OUT: the device tool returns 8 at most)
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -453,6 +459,45 @@ versus)  # issue 18: this tree against base, marks off, every byte verified
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/e2e.log"
+  ;;
+hostcut)  # issue 18: the block ids' check and sort cut: this tree against base, in one call
+  base_build=/tmp/moriio-base-build
+  build_tree_and_base .variants/base-src.tar $base_build
+  rm -rf "$out/base" "$out/cmake.log"  # both built: their logs are not among the 8 files back
+  for v in tree base tree base; do  # the ids alone, each build twice, alternating
+    pp=$build/python
+    [ "$v" = base ] && pp=$base_build/python
+    PYTHONPATH=$pp timeout 30 python3 bench/pairs_bench.py --label "$v "
+  done 2>&1 | tee "$out/pairs.log"
+  every_gpu_test
+  n=0
+  for p in "--preset llama3-8b --requests 5" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3" \
+    "--preset deepseek-v3 --requests 3"; do
+    n=$((n + 1))
+    for v in tree base; do
+      [ "$SECONDS" -gt 300 ] && break 2  # leave the marks their time
+      echo "== $v: $p"
+      bench_variant "$v" $base_build 60 $p --pre none --pre prime  # the log says it all
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/e2e.log"
+  # The device tool brings back 8 files at most: the marks builds' logs stay in /tmp.
+  mkdir -p /tmp/marks-tree /tmp/marks-base
+  (cd /tmp/moriio-base-src && extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON \
+    build=/tmp/moriio-marks-base out=/tmp/marks-base build_with_ucx >/dev/null) &
+  (extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build=/tmp/moriio-marks-tree out=/tmp/marks-tree \
+    build_with_ucx >/dev/null) || { tail -20 /tmp/marks-tree/build.log; exit 1; }
+  wait
+  echo "elapsed ${SECONDS} s"
+  for v in tree base; do
+    [ "$SECONDS" -gt 420 ] && break
+    echo "== $v with marks: llama3-8b"
+    PYTHONPATH=/tmp/moriio-marks-$v/python timeout $((450 - SECONDS)) python3 bench/gpu_bench.py \
+      --preset llama3-8b --skip-per-run --requests 3 --pre none --pre prime \
+      --timeline "$out/timeline_marks_$v.json" 2>&1 | grep -E "GB/s|timeline|marks|rror"
+    echo "elapsed ${SECONDS} s"
+  done 2>&1 | tee "$out/marks.log"
   ;;
 order)  # is the first size measured in a process faster? the same size twice, other orders
   build_without_ucx

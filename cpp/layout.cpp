@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <limits>
 #include <numeric>
 
 #include "checked_math.hpp"
@@ -696,12 +695,17 @@ BlockTemplate BlockTemplate::BuildWindows(const LayerLayout& local, const Resolv
 
 namespace {
 
-// First id that occurs twice in `ids` (all in [0, max_id]), or -1. A bitmap when it is small
-// against the input (the common case: ids below the cache's block count), else a sorted copy.
+// Whether a bitmap of `max_id + 1` bits is small against `n` ids (the common case: ids below
+// the cache's block count); otherwise duplicates are found from a sorted order.
+bool BitmapFits(std::size_t n, std::int64_t max_id) {
+  return static_cast<std::size_t>(max_id / 64 + 1) <= std::max<std::size_t>(n * 4, 4096);
+}
+
+// First id that occurs twice in `ids` (all in [0, max_id]), or -1: in input order when the
+// bitmap fits, else the smallest repeated id (from a sorted copy).
 std::int64_t FirstDuplicate(std::span<const std::int64_t> ids, std::int64_t max_id) {
-  const auto words = static_cast<std::size_t>(max_id / 64 + 1);
-  if (words <= std::max<std::size_t>(ids.size() * 4, 4096)) {
-    std::vector<std::uint64_t> seen(words, 0);
+  if (BitmapFits(ids.size(), max_id)) {
+    std::vector<std::uint64_t> seen(static_cast<std::size_t>(max_id / 64 + 1), 0);
     for (std::int64_t id : ids) {
       std::uint64_t& w = seen[static_cast<std::size_t>(id / 64)];
       const std::uint64_t bit = std::uint64_t{1} << (id % 64);
@@ -716,34 +720,46 @@ std::int64_t FirstDuplicate(std::span<const std::int64_t> ids, std::int64_t max_
   return dup == sorted.end() ? -1 : *dup;
 }
 
-// Sorts the (unique) local ids ascending, carrying their remote ids along. When the ids are
-// dense (the common case: ids below the cache's block count) each pair is placed by its id in
-// O(n + max_id), several times faster than a comparison sort of random ids; otherwise sorted.
-void SortByLocal(std::vector<std::int64_t>* local, std::vector<std::int64_t>* remote,
-                 std::int64_t max_local) {
-  const std::size_t n = local->size();
-  const auto span = static_cast<std::size_t>(max_local) + 1;
-  if (n < std::numeric_limits<std::uint32_t>::max() && span <= std::max<std::size_t>(n * 8, 4096)) {
-    constexpr std::uint32_t kEmpty = std::numeric_limits<std::uint32_t>::max();
-    std::vector<std::uint32_t> position(span, kEmpty);
-    for (std::size_t i = 0; i < n; ++i) {
-      position[static_cast<std::size_t>((*local)[i])] = static_cast<std::uint32_t>(i);
-    }
-    std::vector<std::int64_t> remote_sorted;
-    remote_sorted.reserve(n);
-    std::size_t k = 0;
-    for (std::size_t id = 0; id < span; ++id) {
-      if (position[id] == kEmpty) continue;
-      remote_sorted.push_back((*remote)[position[id]]);
-      (*local)[k++] = static_cast<std::int64_t>(id);
-    }
-    *remote = std::move(remote_sorted);
-    return;
+Status DuplicateError(const char* side, std::int64_t id) {
+  return InvalidArgumentError(std::string("duplicate ") + side + " block id " +
+                              std::to_string(id));
+}
+
+// Whether unsorted local ids up to `max_local` are dense enough to be placed by id, in
+// O(n + max_local): several times faster than a comparison sort of random ids.
+bool PlacesByLocal(std::size_t n, std::int64_t max_local) {
+  return static_cast<std::size_t>(max_local) + 1 <= std::max<std::size_t>(n * 8, 4096);
+}
+
+// Places each pair at its local id in `table` (max_local + 1 zeros on entry), storing the
+// remote id's complement (ids are >= 0, so a stored pair is never 0). Returns the first local
+// id repeated, in input order (what FirstDuplicate's bitmap reports: a dense span always fits
+// it), or -1.
+std::int64_t PlaceByLocal(std::span<const std::int64_t> local,
+                          std::span<const std::int64_t> remote, std::vector<std::int64_t>* table) {
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    std::int64_t& slot = (*table)[static_cast<std::size_t>(local[i])];
+    if (slot != 0) return local[i];
+    slot = ~remote[i];
   }
-  std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
-  for (std::size_t i = 0; i < n; ++i) zipped[i] = {(*local)[i], (*remote)[i]};
-  std::sort(zipped.begin(), zipped.end());  // local ids are unique: a total order
-  for (std::size_t i = 0; i < n; ++i) std::tie((*local)[i], (*remote)[i]) = zipped[i];
+  return -1;
+}
+
+// Reads the placed pairs back in local id order, over `local` and `remote` (their size). The
+// loop has no branch on the random occupancy of the table: every id is written and the output
+// position advances only past a placed one. The last id is placed (it is the maximum), so no
+// write goes past the n-th position.
+void TakePlaced(const std::vector<std::int64_t>& table, std::vector<std::int64_t>* local,
+                std::vector<std::int64_t>* remote) {
+  std::int64_t* out_local = local->data();
+  std::int64_t* out_remote = remote->data();
+  std::size_t k = 0;
+  for (std::size_t id = 0; id < table.size(); ++id) {
+    const std::int64_t v = table[id];
+    out_local[k] = static_cast<std::int64_t>(id);
+    out_remote[k] = ~v;
+    k += static_cast<std::size_t>(v != 0);
+  }
 }
 
 }  // namespace
@@ -776,18 +792,43 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
       remote_ascending &= remote[i - 1] < remote[i];
     }
   }
-  // Strictly ascending ids cannot repeat; otherwise check explicitly.
-  if (!local_sorted) {
+  // Strictly ascending ids cannot repeat; otherwise check explicitly. A repeated local id is
+  // reported before a repeated remote one.
+  auto check_remote = [&]() -> Status {
+    if (remote_ascending) return Status::OK();
+    const std::int64_t dup = FirstDuplicate(remote, pairs.max_remote_);
+    return dup >= 0 ? DuplicateError("remote", dup) : Status::OK();
+  };
+  if (local_sorted) {
+    MORIIO_RETURN_IF_ERROR(check_remote());
+    return pairs;
+  }
+  if (PlacesByLocal(n, pairs.max_local_)) {
+    std::vector<std::int64_t> table(static_cast<std::size_t>(pairs.max_local_) + 1, 0);
+    if (std::int64_t dup = PlaceByLocal(local, remote, &table); dup >= 0) {
+      return DuplicateError("local", dup);
+    }
+    MORIIO_RETURN_IF_ERROR(check_remote());
+    TakePlaced(table, &local, &remote);
+    return pairs;
+  }
+  // Sparse ids: sorted by comparison (by local id, then remote: a total order even with
+  // repeats). Where no bitmap fits, the sorted order itself finds the smallest repeated id.
+  if (BitmapFits(n, pairs.max_local_)) {
     if (std::int64_t dup = FirstDuplicate(local, pairs.max_local_); dup >= 0) {
-      return InvalidArgumentError("duplicate local block id " + std::to_string(dup));
+      return DuplicateError("local", dup);
     }
   }
-  if (!remote_ascending) {
-    if (std::int64_t dup = FirstDuplicate(remote, pairs.max_remote_); dup >= 0) {
-      return InvalidArgumentError("duplicate remote block id " + std::to_string(dup));
-    }
+  std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
+  for (std::size_t i = 0; i < n; ++i) zipped[i] = {local[i], remote[i]};
+  std::sort(zipped.begin(), zipped.end());
+  if (!BitmapFits(n, pairs.max_local_)) {
+    auto dup = std::adjacent_find(zipped.begin(), zipped.end(),
+                                  [](const auto& a, const auto& b) { return a.first == b.first; });
+    if (dup != zipped.end()) return DuplicateError("local", dup->first);
   }
-  if (!local_sorted) SortByLocal(&local, &remote, pairs.max_local_);
+  MORIIO_RETURN_IF_ERROR(check_remote());
+  for (std::size_t i = 0; i < n; ++i) std::tie(local[i], remote[i]) = zipped[i];
   return pairs;
 }
 

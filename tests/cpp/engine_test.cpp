@@ -1158,25 +1158,35 @@ TEST_F(EnginePair, BadBlockIdsFailTheCallAndCreateNoTransfer) {
     const char* what;
     std::vector<std::int64_t> local, remote;
     StatusCode code;
+    std::string says;  // in the READ's message (the WRITE swaps the lists)
   };
   // D reads from P: local ids are D's (9 blocks), remote ids are P's (6 blocks).
   const std::vector<Case> cases = {
-      {"local id == local num_blocks", {1, 9}, {0, 1}, StatusCode::kOutOfRange},
-      {"local id far out of range", {1 << 30}, {0}, StatusCode::kOutOfRange},
-      {"remote id == remote num_blocks", {0, 1}, {2, 6}, StatusCode::kOutOfRange},
-      {"remote id valid locally but not remotely", {0}, {8}, StatusCode::kOutOfRange},
-      {"negative local id", {-1}, {0}, StatusCode::kOutOfRange},
-      {"negative remote id", {0}, {-3}, StatusCode::kOutOfRange},
-      {"local longer than remote", {0, 1, 2}, {0, 1}, StatusCode::kInvalidArgument},
-      {"duplicate local id", {3, 3}, {0, 1}, StatusCode::kInvalidArgument},
-      {"duplicate remote id", {3, 4}, {1, 1}, StatusCode::kInvalidArgument},
+      {"local id == local num_blocks", {1, 9}, {0, 1}, StatusCode::kOutOfRange, "9"},
+      {"local id far out of range", {1 << 30}, {0}, StatusCode::kOutOfRange, "1073741824"},
+      {"remote id == remote num_blocks", {0, 1}, {2, 6}, StatusCode::kOutOfRange, "6"},
+      {"remote id valid locally but not remotely", {0}, {8}, StatusCode::kOutOfRange, "8"},
+      {"negative local id", {-1}, {0}, StatusCode::kOutOfRange, "local -1"},
+      {"negative remote id", {0}, {-3}, StatusCode::kOutOfRange, "remote -3"},
+      {"negative id after a repeat, unsorted", {4, 4, 2, -2}, {0, 1, 2, 3},
+       StatusCode::kOutOfRange, "position 3: local -2, remote 3"},
+      {"local longer than remote", {0, 1, 2}, {0, 1}, StatusCode::kInvalidArgument, "3 > 2"},
+      {"duplicate local id", {3, 3}, {0, 1}, StatusCode::kInvalidArgument,
+       "duplicate local block id 3"},
+      {"duplicate local id, unsorted", {5, 2, 7, 2, 5}, {0, 1, 2, 3, 4},
+       StatusCode::kInvalidArgument, "duplicate local block id 2"},
+      {"duplicate remote id", {3, 4}, {1, 1}, StatusCode::kInvalidArgument,
+       "duplicate remote block id 1"},
+      {"duplicate remote id, unsorted local", {4, 0, 3}, {5, 2, 5}, StatusCode::kInvalidArgument,
+       "duplicate remote block id 5"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     Status st = d_.engine->Read("bad", "P", c.local, c.remote);
     EXPECT_EQ(st.code(), c.code) << st.ToString();
-    EXPECT_NE(st.message().find("bad"), std::string::npos)
+    EXPECT_NE(st.message().find("transfer 'bad'"), std::string::npos)
         << "names the transfer: " << st.ToString();
+    EXPECT_NE(st.message().find(c.says), std::string::npos) << st.ToString();
     EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
     EXPECT_TRUE(d_.engine->PollEvents(16, 0ms).empty()) << "a refused READ created a transfer";
     // P writes to D: local ids are P's (6 blocks), remote ids are D's (9), so the case's lists

@@ -683,6 +683,101 @@ TEST(LayoutTest, DuplicateBlockIdsRejected) {
   EXPECT_FALSE(PlanBlockCopies(local, remote, Ids{1, 2, 3}, Ids{5, 4, 5}).ok());
 }
 
+// Every way BlockPairs orders and checks ids (ascending local ids kept as they are; dense ids
+// placed by id; ids too spread for that but within a bitmap; ids too sparse for a bitmap,
+// sorted) gives the pairs sorted by local id, or the same error: a negative id before a
+// repeated one (naming its position and both ids), a repeated local id before a repeated remote
+// one; the repeat reported is the first in input order where a bitmap fits, else the smallest.
+TEST(LayoutTest, BlockPairsEveryPathSortsAndRefusesAlike) {
+  struct Case {
+    const char* what;
+    Ids local, remote;
+    Ids local_sorted, remote_by_local;  // when it succeeds
+    std::string error;                  // the whole message when it fails
+  };
+  const std::vector<Case> cases = {
+      {"ascending local, ascending remote", {1, 4, 6}, {0, 2, 3}, {1, 4, 6}, {0, 2, 3}, ""},
+      {"ascending local, unsorted remote", {1, 4, 6}, {3, 0, 2}, {1, 4, 6}, {3, 0, 2}, ""},
+      {"ascending local, repeated remote", {1, 4, 6}, {8, 2, 8}, {}, {}, "duplicate remote block id 8"},
+      {"dense", {7, 2, 9, 0, 4}, {10, 11, 12, 13, 14}, {0, 2, 4, 7, 9}, {13, 11, 14, 10, 12}, ""},
+      {"dense, first id the largest", {4095, 0, 17}, {1, 2, 3}, {0, 17, 4095}, {2, 3, 1}, ""},
+      {"dense, remote id 0 and the largest", {2, 1}, {0, std::numeric_limits<std::int64_t>::max()},
+       {1, 2}, {std::numeric_limits<std::int64_t>::max(), 0}, ""},
+      {"dense, repeats: first in input order", {5, 9, 7, 9, 5}, {0, 1, 2, 3, 4}, {}, {},
+       "duplicate local block id 9"},
+      {"dense, repeated remote", {3, 1, 2}, {7, 8, 7}, {}, {}, "duplicate remote block id 7"},
+      {"dense, both repeated: local first", {3, 1, 3}, {6, 6, 5}, {}, {}, "duplicate local block id 3"},
+      {"dense, negative after a repeat", {5, 5, -1}, {0, 1, 2}, {}, {},
+       "negative block id at position 2: local -1, remote 2"},
+      {"dense, negative remote", {5, 2}, {0, -4}, {}, {},
+       "negative block id at position 1: local 2, remote -4"},
+      {"spread", {90000, 5, 70000}, {1, 2, 3}, {5, 70000, 90000}, {2, 3, 1}, ""},
+      {"spread, repeats: first in input order", {90000, 5, 70000, 90000, 5}, {0, 1, 2, 3, 4}, {},
+       {}, "duplicate local block id 90000"},
+      {"spread, repeated remote", {90000, 5}, {4, 4}, {}, {}, "duplicate remote block id 4"},
+      {"sparse", {900000, 5, 700000}, {1, 2, 3}, {5, 700000, 900000}, {2, 3, 1}, ""},
+      {"sparse, repeats: the smallest", {900000, 5, 700000, 900000, 5}, {0, 1, 2, 3, 4}, {}, {},
+       "duplicate local block id 5"},
+      {"sparse, both repeated: local first", {900000, 7, 900000}, {3, 3, 1}, {}, {},
+       "duplicate local block id 900000"},
+      {"sparse, repeated remote", {900000, 7}, {1 << 30, 1 << 30}, {}, {},
+       "duplicate remote block id 1073741824"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    Result<BlockPairs> pairs = BlockPairs::Create(c.local, c.remote);
+    if (!c.error.empty()) {
+      ASSERT_FALSE(pairs.ok());
+      EXPECT_EQ(pairs.status().message(), c.error);
+      continue;
+    }
+    ASSERT_TRUE(pairs.ok()) << pairs.status().ToString();
+    EXPECT_EQ(Ids(pairs->local_sorted().begin(), pairs->local_sorted().end()), c.local_sorted);
+    EXPECT_EQ(Ids(pairs->remote_by_local().begin(), pairs->remote_by_local().end()),
+              c.remote_by_local);
+    EXPECT_EQ(pairs->max_local(), c.local_sorted.back());
+    EXPECT_EQ(pairs->max_remote(), *std::max_element(c.remote.begin(), c.remote.end()));
+  }
+}
+
+// A request's worth of random dense ids (as a decode's READ names them) with one local or one
+// remote id repeated at random positions: the repeat is the one reported, and without it the
+// pairs come out sorted by local id.
+TEST(LayoutTest, BlockPairsDenseRepeatsFoundAtAnyPosition) {
+  std::mt19937_64 rng(7);
+  for (int round = 0; round < 20; ++round) {
+    SCOPED_TRACE(round);
+    Ids pool(4096);
+    std::iota(pool.begin(), pool.end(), 0);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    Ids local(pool.begin(), pool.begin() + 2048);
+    std::shuffle(pool.begin(), pool.end(), rng);
+    Ids remote(pool.begin(), pool.begin() + 2048);
+    std::uniform_int_distribution<std::size_t> at(0, 2047);
+    const std::size_t from = at(rng);
+    std::size_t to = at(rng);
+    if (to == from) to = (from + 1) % 2048;
+    Ids* side = round % 2 == 0 ? &local : &remote;
+    const std::int64_t replaced = (*side)[to];
+    (*side)[to] = (*side)[from];
+    Result<BlockPairs> bad = BlockPairs::Create(local, remote);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().message(), std::string("duplicate ") +
+                                          (round % 2 == 0 ? "local" : "remote") + " block id " +
+                                          std::to_string((*side)[from]));
+    (*side)[to] = replaced;
+    Result<BlockPairs> good = BlockPairs::Create(local, remote);
+    ASSERT_TRUE(good.ok()) << good.status().ToString();
+    std::vector<std::pair<std::int64_t, std::int64_t>> ref;
+    for (std::size_t i = 0; i < local.size(); ++i) ref.emplace_back(local[i], remote[i]);
+    std::sort(ref.begin(), ref.end());
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      ASSERT_EQ(good->local_sorted()[i], ref[i].first) << "position " << i;
+      ASSERT_EQ(good->remote_by_local()[i], ref[i].second) << "position " << i;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Logical mismatches.
 
