@@ -14,15 +14,20 @@ from typing import Any
 import pytest
 
 from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.channel import NotifyListener, NotifySender
 from moriio_native.control.messages import (
     AbortWrite,
     HandshakeResponse,
     KvGroup,
     Release,
     RemoteBlocks,
+    WriteAborted,
     WriteDone,
+    WriteFailed,
 )
 from moriio_native.control.ports import rank_port
+from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
+from moriio_native.errors import TransportError
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -280,6 +285,185 @@ def test_a_prefill_rank_writes_one_job_per_decode_rank_and_frees_after_both() ->
     done = [(port, m) for port, m in sender.ports if isinstance(m, WriteDone)]
     assert sorted(port for port, _ in done) == [DECODE.notify_port, DECODE.notify_port + 1]
     assert all(m.transfer_id == "tx-7" and m.num_writers == 1 for _, m in done)
+
+
+def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:
+    """(port, type, transfer id, writer rank) of every final message sent, in order."""
+    return [
+        (port, m.TYPE, m.transfer_id, m.writer_rank)
+        for port, m in sender.ports
+        if isinstance(m, (WriteDone, WriteFailed, WriteAborted))
+    ]
+
+
+@pytest.mark.parametrize("unreachable", [0, 1])
+def test_a_decode_rank_that_cannot_be_handshaken_is_told_write_failed(unreachable: int) -> None:
+    """Before: a WRITE job whose decode rank could not be handshaken ended FAILED without a
+    message (it had no handshaken peer to send one to), and that decode rank waited its
+    abort_timeout (120 s) holding its blocks. Now the decode rank that announced gets one
+    write_failed at the notify port of its rank at the request's decode address (nothing was
+    posted to the engine, so nothing can land), naming the rank, its address and the failure,
+    and ends its load at once; the other decode rank's job writes on, and the prefill's
+    blocks are freed once both jobs ended (prefill TP 1 -> decode TP 2)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    decodes = []
+    for rank in (0, 1):  # each decode rank handshakes the prefill and announces its blocks
+        dctx, ddirectory, dsender, _ = context("write", producer=False, tp_rank=rank, tp_size=2)
+        dctx.incarnation = incarnation(rank)
+        puller = Puller(dctx)
+        puller.start(RecvTask("req-1", "tx-1", PREFILL, "p:7000", 0, 1, (4, 5), report_done=True))
+        answer_handshakes(ddirectory, PREFILL, 1, "WRITE")
+        (announced,) = [m for m in dsender.sent if isinstance(m, RemoteBlocks)]
+        pusher.on_remote_blocks(announced)
+        decodes.append((dctx, puller))
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    jobs = {0: "tx-1", 1: "tx-1#d1"}
+    other = 1 - unreachable
+    [(key, future)] = [p for p in directory.pending if p[0].handshake_port == 8000 + unreachable]
+    directory.pending.remove((key, future))
+    future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [other]
+
+    assert final_messages(sender) == [(8100 + unreachable, "write_failed", "tx-1", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert f"decode rank {unreachable} at 127.0.0.1:{8000 + unreachable}" in failed.reason
+    assert "cannot be handshaken: handshake with" in failed.reason
+    assert "timed out after 30s" in failed.reason
+    assert pusher.job_states() == {
+        jobs[unreachable]: JobState.FAILED,
+        jobs[other]: JobState.WRITING,
+    }
+    # The decode rank takes it (by transfer id and writer rank) and recomputes now.
+    dctx, puller = decodes[unreachable]
+    puller.on_write_result(failed.transfer_id, ok=False, writer_rank=failed.writer_rank)
+    assert dctx.reports.failed_recving == {"req-1"} and dctx.reports.invalid_blocks == {4, 5}
+    assert decodes[other][1].await_states() == {"tx-1": AwaitState.ANNOUNCED}
+
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    assert {c[1] for c in engine.calls if c[0] in ("write_layer", "seal")} == {jobs[other]}
+    pusher.begin_step([], [SendTask("req-1", "tx-1")])
+    assert not ctx.reports.done_sending  # the other decode rank's job is still writing
+    pusher.on_event(event(jobs[other]), drained=True)
+    assert ctx.reports.done_sending == {"req-1"}
+    assert sorted(final_messages(sender)) == sorted(
+        [(8100 + unreachable, "write_failed", "tx-1", 0), (8100 + other, "write_done", "tx-1", 0)]
+    )
+
+
+def test_a_job_that_ends_before_its_handshake_answers_sends_one_write_failed() -> None:
+    """The request is aborted while the decode rank's handshake is still out: nothing was
+    posted, so its write_failed goes to the rank's notify port at once, and the handshake that
+    answers later neither writes nor sends a second final message."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tx-4", ((20, 21),), "d:8000/dp0/tp0"))
+    pusher.begin_step([SaveTask("req-4", "tx-4", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    assert pusher.job_states() == {"tx-4": JobState.CONNECTING}
+    pusher.begin_step([], [SendTask("req-4", "tx-4", aborted=True)])
+    assert final_messages(sender) == [(8100, "write_failed", "tx-4", 0)]
+    assert ctx.reports.done_sending == {"req-4"}
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    assert final_messages(sender) == [(8100, "write_failed", "tx-4", 0)] and not engine.calls
+
+
+def test_blocks_that_do_not_pair_with_the_prompt_are_told_write_failed() -> None:
+    """The decode announced more blocks than the prompt has: the job fails before any
+    handshake (docs/protocol.md section 7 said `write_failed`, but none went out), and that
+    decode rank is told so at its notify port, with both counts."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tx-6", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    pusher.begin_step([SaveTask("req-6", "tx-6", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    assert final_messages(sender) == [(8100, "write_failed", "tx-6", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert "3 blocks, the prompt has 2" in failed.reason
+    assert not directory.pending and not engine.calls
+
+
+def test_the_write_failed_of_an_unhandshaken_decode_rank_arrives_authenticated() -> None:
+    """Over the real notify channel, with a shared secret: the write_failed for decode rank 1
+    of TP 2, whose handshake failed, reaches the listener on that rank's notify port (base + 1)
+    signed, as the decode's listener accepts it."""
+    secure = ControlSecurity(MessageAuth("a shared secret of 32 bytes!!!!!"), PeerAllowlist())
+    secure.allowlist.learn("127.0.0.1")
+    with (
+        NotifyListener(0, secure, bind_host="127.0.0.1") as listener,
+        NotifySender(secure) as notify,
+    ):
+        decode = ZmqAddress("127.0.0.1", 8000, listener.port - 1)
+        ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+        ctx.sender = notify
+        pusher = Pusher(ctx)
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-5", ((20, 21),), "d:8000/dp0/tp1", decode_tp_rank=1)
+        )
+        pusher.begin_step([SaveTask("req-5", "tx-5", (1, 2), 2, decode, remote_tp_size=2)], [])
+        [(key, future)] = directory.pending
+        future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+        received = listener.get(5.0)
+        assert listener.stats()["dropped_auth"] == 0
+    assert isinstance(received, WriteFailed), received
+    assert (received.transfer_id, received.writer_rank) == ("tx-5", 0)
+    assert "decode rank 1 at 127.0.0.1:8001 cannot be handshaken" in received.reason
+
+
+class FailedDirectory(Directory):
+    """Every handshake failed recently: connect answers with the remembered error at once, as
+    the real directory does within a failure's backoff (the callback runs inline, under the
+    caller's lock)."""
+
+    def connect(
+        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+    ) -> Future[Peer]:
+        future: Future[Peer] = Future()
+        future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+        return future
+
+
+def test_a_write_failed_the_allowlist_refuses_is_logged_not_raised_into_the_step(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The write_failed of an unhandshaken decode rank goes through the allowlist like every
+    message: to a host it refuses nothing is sent, and the refusal is logged; it never raises
+    into the step that failed the job (vLLM's), and the job still fails and frees the blocks."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.directory = FailedDirectory()  # type: ignore[assignment]
+    ctx.sender = NotifySender(ControlSecurity(MessageAuth(None), PeerAllowlist()))
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tx-2", ((20, 21),), "d:8000/dp0/tp0"))
+    with caplog.at_level("WARNING", logger="moriio_native"):
+        pusher.begin_step([SaveTask("req-2", "tx-2", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    assert pusher.job_states() == {"tx-2": JobState.FAILED}
+    refused = [r.getMessage() for r in caplog.records if "write_failed not sent" in r.getMessage()]
+    assert len(refused) == 1 and "'127.0.0.1' is not in the allowlist" in refused[0], refused
+    pusher.begin_step([], [SendTask("req-2", "tx-2")])
+    assert ctx.reports.done_sending == {"req-2"}
+    ctx.sender.close()
+
+
+def test_a_decode_that_restarted_since_announcing_gets_no_write_failed() -> None:
+    """The handshake answers, but as another incarnation than the one that announced the
+    blocks: that process is gone and nobody waits for this job, so nothing is written and no
+    final message goes to the process at the address (it never knew the transfer)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-3", ((20, 21),), "d:8000/dp0/tp0", decode_incarnation="ab" * 16)
+    )
+    pusher.begin_step([SaveTask("req-3", "tx-3", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    answer_handshakes(directory, DECODE, 1, "WRITE")  # answers as incarnation(0)
+    assert pusher.job_states() == {"tx-3": JobState.FAILED}
+    assert not final_messages(sender) and not engine.calls
+    pusher.begin_step([], [SendTask("req-3", "tx-3")])
+    assert ctx.reports.done_sending == {"req-3"}
 
 
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:

@@ -13,7 +13,10 @@ for the writer thread as its layer is computed, and once the forward ended the s
 the number of writes queued, so the engine cannot call the transfer done before every one of
 them completed. Its engine event ends it: exactly one ``write_done`` / ``write_failed`` goes
 to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` once nothing of
-it can land), and the blocks are reported free once the request finished. With ``verify``
+it can land), and the blocks are reported free once the request finished. A job that ends
+before its decode rank was handshaken (the handshake failed, or had not answered) posted
+nothing to the engine: its ``write_failed`` goes at once to the notify port that rank has at
+the request's decode address, so the decode need not wait out its ``abort_timeout``. With ``verify``
 on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
 its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
 A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
@@ -49,6 +52,7 @@ from moriio_native.control.messages import (
     WriteDone,
     WriteFailed,
 )
+from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError, MoriioError
 from moriio_native.pd.context import Context, plan_grouped
@@ -181,6 +185,9 @@ class _Job:
     deadline: float = 0.0
     reason: str = ""
     released: bool = False  # the decode said it needs nothing: no write_failed to it
+    # The decode process that announced the blocks restarted since: nobody waits for a final
+    # message (the one at its address never knew the transfer).
+    announcer_gone: bool = False
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
     checksums: dict[str, bytes] | None = None  # verify: what write_done carries
 
@@ -449,10 +456,30 @@ class Pusher:
             by_group.setdefault(segment.group, []).append(segment)
         return {layer: by_group.get(g, []) for layer, g in group_of_layer(cfg.groups).items()}
 
+    def _decode_tp(self, job: _Job) -> int:
+        """The TP size of the decode instance ``job`` writes to (the request's, also when no
+        plan was made; 0 in a request: ours)."""
+        if job.plan is not None:
+            return job.plan.decode_tp
+        stated = job.save.remote_tp_size if job.save is not None else 0
+        return stated or self._ctx.cfg.tp_size
+
+    def _decode_rank_ports(self, job: _Job) -> tuple[str, int, int]:
+        """(host, handshake port, notify port) of the decode rank that announced ``job``'s
+        blocks, at the request's decode address by the port formula (InvalidArgumentError for
+        a rank or port out of range)."""
+        assert job.save is not None and job.save.peer is not None and job.remote is not None
+        address, dp_rank, tp = job.save.peer, job.remote.decode_dp_rank, self._decode_tp(job)
+        return (
+            address.host,
+            rank_port(address.handshake_port, dp_rank, job.decode_rank, tp),
+            rank_port(address.notify_port, dp_rank, job.decode_rank, tp),
+        )
+
     def _connect(self, job: _Job) -> None:
         assert job.save is not None and job.save.peer is not None and job.remote is not None
         address = job.save.peer
-        decode_tp = job.plan.decode_tp if job.plan is not None else self._ctx.cfg.tp_size
+        decode_tp = self._decode_tp(job)
         try:
             future = self._ctx.connect_rank(
                 address.host,
@@ -464,7 +491,7 @@ class Pusher:
                 incarnation=job.remote.decode_incarnation,
             )
         except MoriioError as exc:
-            self._fail(job, f"cannot reach the decode rank: {exc}")
+            self._fail(job, f"cannot reach decode rank {job.decode_rank}: {exc}")
             return
         # A handshaken peer's future is done already, and the callback then runs here, under
         # the caller's lock: the caller feeds the writer once it released it (feeding under the
@@ -480,6 +507,14 @@ class Pusher:
         ctx = self._ctx
         try:
             peer = future.result()
+        except Exception as exc:
+            host, port, _ = self._decode_rank_ports(job)  # computed by the connect already
+            why = f"decode rank {job.decode_rank} at {host}:{port} cannot be handshaken: {exc}"
+            logger.error("transfer %s: %s", job.transfer_id, why)
+            with ctx.lock:
+                self._fail(job, why)
+            return
+        try:
             if peer.response.engine_id != job.remote.decode_engine_id:
                 with ctx.lock:
                     job.peer = peer  # it answers there: tell it we failed
@@ -491,6 +526,8 @@ class Pusher:
             if announced and peer.response.incarnation != announced:
                 # Not the process whose blocks were announced: it restarted since, and its
                 # blocks of those ids hold something else. Nobody waits for this transfer.
+                with ctx.lock:
+                    job.announcer_gone = True
                 raise FailedPreconditionError(
                     f"decode {peer.response.engine_id} at {peer.key} is incarnation "
                     f"{peer.response.incarnation or '(none stated)'}, remote_blocks came from "
@@ -502,7 +539,7 @@ class Pusher:
                     job.peer = peer  # it answers there: tell it we failed
                 segments = self._plan_grouped(job, peer)
         except Exception as exc:
-            logger.error("transfer %s: cannot reach the decode rank: %s", job.transfer_id, exc)
+            logger.error("transfer %s: cannot write to the decode rank: %s", job.transfer_id, exc)
             with ctx.lock:
                 self._fail(job, str(exc))
             return
@@ -547,7 +584,7 @@ class Pusher:
             ctx.stats.record(ok=False)
         if job.abort_requested is not None:
             self._send_write_aborted(job)
-        elif job.peer is not None and not job.released:
+        elif not job.released and not job.announcer_gone:
             writers = len(job.plan.sources(job.decode_rank)) if job.plan is not None else 1
             message: NotifyMessage = (
                 WriteDone(
@@ -563,13 +600,33 @@ class Pusher:
                     reason=job.reason[:1000] or "failed",
                 )
             )
-            self._send(job.peer, message)
+            self._send_final(job, message)
         if job.send is not None:
             self._request_ended(self._requests.get(job.request, [job]))
 
-    def _send(self, peer: Peer, message: NotifyMessage) -> None:
+    def _send_final(self, job: _Job, message: NotifyMessage) -> None:
+        """``job``'s final message (lock held), to its handshaken decode rank; without a
+        handshake (it failed, or the job ended before it answered: nothing was posted to the
+        engine, so nothing can land) to the notify port of the rank that announced the blocks
+        at the request's decode address. A decode rank that never announced waits for nothing
+        from this rank. The allowlist decides as for any message; a refusal is logged."""
+        if job.peer is not None:
+            self._send(job.peer.host, job.peer.notify_port, message)
+            return
+        if job.remote is None or job.save is None or job.save.peer is None:
+            return
         try:
-            self._ctx.sender.send(peer.host, peer.notify_port, message)
+            host, _, notify_port = self._decode_rank_ports(job)
+        except MoriioError as exc:
+            logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
+            return
+        self._send(host, notify_port, message)
+
+    def _send(self, host: str, port: int, message: NotifyMessage) -> None:
+        """Never waits (NotifySender.send: zmq NOBLOCK); a message that cannot go (a host the
+        allowlist refuses, a full queue) is logged, not raised."""
+        try:
+            self._ctx.sender.send(host, port, message)
         except MoriioError as exc:
             logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
 
@@ -581,7 +638,7 @@ class Pusher:
         ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
         peer = job.peer or self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None:
-            self._send(peer, ack)
+            self._send(peer.host, peer.notify_port, ack)
             return
         try:
             future = self._ctx.connect_rank(
@@ -607,7 +664,7 @@ class Pusher:
             except Exception as exc:
                 self._ack_failed(request, exc)
                 return
-            self._send(peer, ack)
+            self._send(peer.host, peer.notify_port, ack)
 
         future.add_done_callback(acked)
 
