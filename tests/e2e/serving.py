@@ -543,6 +543,24 @@ def plain_instance(
     return Instance(Server(name, argv, env.base_env(), env.workdir / f"{name}.log"), port)
 
 
+# The connector settings every P/D instance of the tier starts with (a setup's extra_config
+# overrides them). transfer_timeout: a WRITE lasts the prefill's whole forward, and on this
+# 2-core machine, with up to seven vLLM processes sharing it, one TP-2 step has taken over 60 s
+# (vLLM: "No available shared memory broadcast block found in 60 seconds", in passing runs too);
+# WRITE transfers averaged 7-9 s in the negative control. At the connector's default (30 s) a
+# WRITE that was merely slow then ended timed_out and its decode recomputed the request. Kept
+# below the decode's abort_timeout (120 s), so the decode is still the one that gives up last.
+CONNECTOR_DEFAULTS: dict[str, Any] = {"transfer_timeout": 90.0}
+
+
+def connector_config(extra_config: str) -> str:
+    """EXTRA_CONFIG for an instance: CONNECTOR_DEFAULTS, then the setup's own JSON object."""
+    extra = json.loads(extra_config) if extra_config else {}
+    if not isinstance(extra, dict):
+        raise ValueError(f"extra_config must be a JSON object, got {extra_config!r}")
+    return json.dumps({**CONNECTOR_DEFAULTS, **extra})
+
+
 @dataclass(frozen=True)
 class PDSettings:
     mode: str  # "read" | "write"
@@ -605,7 +623,7 @@ def pd_instance(
             f"{prefix}_HANDSHAKE_PORT": str(hs),
             f"{prefix}_NOTIFY_PORT": str(notify),
             "MORIIO_NATIVE_AUTH_SECRET": settings.secret,
-            "EXTRA_CONFIG": settings.extra_config,
+            "EXTRA_CONFIG": connector_config(settings.extra_config),
         }
     )
     if settings.ucx_tls:
