@@ -814,7 +814,8 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
   }
   // Sparse ids: sorted by comparison (by local id, then remote: a total order even with
   // repeats). Where no bitmap fits, the sorted order itself finds the smallest repeated id.
-  if (BitmapFits(n, pairs.max_local_)) {
+  const bool bitmap_fits = BitmapFits(n, pairs.max_local_);
+  if (bitmap_fits) {
     if (std::int64_t dup = FirstDuplicate(local, pairs.max_local_); dup >= 0) {
       return DuplicateError("local", dup);
     }
@@ -822,7 +823,7 @@ Result<BlockPairs> BlockPairs::Create(std::span<const std::int64_t> local_ids,
   std::vector<std::pair<std::int64_t, std::int64_t>> zipped(n);
   for (std::size_t i = 0; i < n; ++i) zipped[i] = {local[i], remote[i]};
   std::sort(zipped.begin(), zipped.end());
-  if (!BitmapFits(n, pairs.max_local_)) {
+  if (!bitmap_fits) {
     auto dup = std::adjacent_find(zipped.begin(), zipped.end(),
                                   [](const auto& a, const auto& b) { return a.first == b.first; });
     if (dup != zipped.end()) return DuplicateError("local", dup->first);
