@@ -57,6 +57,13 @@
 #                                         # (bench/pairs_bench.py), then both built with the
 #                                         # marks: gpu_bench --timeline for llama3-8b per build
 #                                         # (7 files in $OUT: the device tool returns 8 at most)
+#   bash bench/h200_session.sh stamps     # one call: build with UCX; every GPU test (the stamp
+#                                         # kernel's among them) and memcheck of the stamp kernel;
+#                                         # gpu_bench llama3-8b, 4 KiB runs and deepseek-v3 with
+#                                         # stamped batches (ucx_stamps on, the default) and the
+#                                         # engine's runs (off), alternating, bytes verified
+#   bash bench/h200_session.sh stamp-groups  # one call: the stamp kernel with at most 32, 8 and 1
+#                                         # pieces per warp, 2 rounds
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
 step=${1:?build, kernel, e2e, overlap or cells}
@@ -115,6 +122,7 @@ bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_ben
   local v=$1 pp=$build/python opt=""
   [ "$v" = base ] && pp=$2/python
   [ "$v" = busy ] && opt="--option progress_mode=busy"  # this tree, progress never sleeping
+  [ "$v" = runs ] && opt="--option ucx_stamps=off"  # this tree, the engine planning runs
   local limit=$3
   shift 3
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
@@ -459,6 +467,56 @@ versus)  # issue 18: this tree against base, marks off, every byte verified
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/e2e.log"
+  ;;
+stamps)  # issue 18: stamped batches (templates and ids, offsets on the GPU) against runs
+  build_with_ucx || exit 1
+  timeout 150 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+    tests/py/test_ucx_two_process.py 2>&1 | tail -6 | tee "$out/checks.log"
+  n=0
+  for p in "--preset llama3-8b --requests 5" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3" \
+    "--preset deepseek-v3 --requests 3"; do
+    n=$((n + 1))
+    for v in tree runs tree runs; do
+      [ "$SECONDS" -gt 400 ] && break 2
+      echo "== $v: $p"
+      bench_variant "$v" "" 80 $p --pre none --pre prime
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/e2e.log"
+  [ "$SECONDS" -lt 470 ] && timeout 90 compute-sanitizer --tool memcheck python3 -m pytest -q \
+    -p no:cacheprovider tests/py/test_cudacopy.py -k stamps 2>&1 |
+    grep -E "ERROR SUMMARY|passed|failed|rror" | head -5 | tee -a "$out/checks.log"
+  left=$((570 - SECONDS))
+  [ "$left" -gt 20 ] && timeout "$left" python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py 2>&1 |
+    tail -4 | tee -a "$out/checks.log"
+  echo "elapsed ${SECONDS} s"
+  ;;
+stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
+  build_with_ucx || exit 1
+  for g in 8 1; do
+    cuda_variant "g$g" cpp/cudacopy/cudacopy.cu -DMORIIO_CUDACOPY_STAMP_GROUP=$g &
+  done
+  wait
+  cp "$build/lib/libmoriio_native_cudacopy.so" "$variants/g32.so"
+  for round in 1 2; do
+    for g in 32 8 1; do
+      if [ "$g" = 32 ]; then
+        cp "$variants/g32.so" "$build/lib/libmoriio_native_cudacopy.so"
+      else
+        cp "$variants/g$g/libmoriio_native_cudacopy.so" "$build/lib/"
+      fi
+      for p in "--preset llama3-8b --requests 5" \
+        "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+        [ "$SECONDS" -gt 520 ] && break 3
+        echo "== group $g, round $round: $p"
+        bench_variant tree "" 60 $p --pre prime
+      done
+    done
+  done 2>&1 | tee "$out/e2e.log"
+  cp "$variants/g32.so" "$build/lib/libmoriio_native_cudacopy.so"
+  echo "elapsed ${SECONDS} s"
   ;;
 hostcut)  # issue 18: the block ids' check and sort cut: this tree against base, in one call
   base_build=/tmp/moriio-base-build

@@ -27,6 +27,8 @@ bool Backend::AcceptsCells(std::uint64_t, std::uint64_t, const CellGeometry&) co
   return false;
 }
 
+bool Backend::AcceptsStamps(std::uint64_t, std::uint64_t) const { return false; }
+
 void Backend::ExpectSubmits() {}
 
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
@@ -34,6 +36,11 @@ Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t re
     return FailedPreconditionError("batch " + std::to_string(b.token) +
                                    " is a cell batch; this backend moves runs only for this "
                                    "region pair (AcceptsCells said no)");
+  }
+  if (b.stamps) {
+    return FailedPreconditionError("batch " + std::to_string(b.token) +
+                                   " is a stamped batch; this backend moves runs only for this "
+                                   "region pair (AcceptsStamps said no)");
   }
   const std::size_t n = b.sizes.size();
   if (b.local_offsets.size() != n || b.remote_offsets.size() != n) {
@@ -118,8 +125,9 @@ bool InsideRegion(std::int64_t offset, std::int64_t low, std::int64_t high, std:
 Status CheckBatchCells(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
   const std::string batch = "batch " + std::to_string(b.token);
   if (!b.cells) return InvalidArgumentError(batch + " has no cells");
-  if (!b.sizes.empty() || !b.local_offsets.empty() || !b.remote_offsets.empty()) {
-    return InvalidArgumentError(batch + " carries cells and runs; a batch carries one or the other");
+  if (b.stamps || !b.sizes.empty() || !b.local_offsets.empty() || !b.remote_offsets.empty()) {
+    return InvalidArgumentError(batch +
+                                " carries cells and runs or stamps; a batch carries one of them");
   }
   const CellGeometry& g = b.cells->geometry;
   if (g.planes < 1 || g.heads < 1 || g.tokens < 1 || g.cell_bytes < 1) {

@@ -84,6 +84,7 @@ struct LocalLayer {
 struct WindowLink {
   BlockTemplate tmpl;
   bool cells = false;
+  bool stamps = false;
 };
 
 // Windowed templates a peer keeps at most; past it the cache starts over (a request's windows
@@ -108,6 +109,9 @@ struct Peer {
     // Whether this layer's blocks go to the backend as cells: the pair prefers a cell copy and
     // the backend takes cells of its geometry for this region pair (asked once, in AddPeer).
     bool cells = false;
+    // Else whether they go as a stamped layer (template and block ids, StampedLayer): the
+    // backend takes stamped batches for this region pair and the template is short enough.
+    bool stamps = false;
   };
   std::vector<LayerLink> links;
   std::vector<std::uint8_t> metadata;
@@ -127,6 +131,7 @@ struct Peer {
 struct LinkPlan {
   const BlockTemplate* tmpl = nullptr;
   bool cells = false;
+  bool stamps = false;
   std::uint32_t region = 0;  // peer region index
   std::int64_t offset = 0;   // peer layer base - peer region start
 };
@@ -160,18 +165,27 @@ constexpr std::size_t kMaxPieceRuns = 65536;
 // than the copy moves them (64 KiB runs: ~5-10 ns of host time against ~32 ns of an H200's
 // copy), so each piece is planned while the one before is copied.
 constexpr std::size_t kRampPieces = 3;
+// Layers after which a request's stamped batch is closed (the ramp applies): planning one costs
+// nothing per run, but one kernel for a whole READ left its tail unhidden, where consecutive
+// batches overlap on the plugin's two streams (docs/benchmarks.md, issue 18).
+constexpr std::size_t kStampPieceLayers = 8;
 
 // Collects one request's runs per (local region, remote region) into batches: every layer's
 // plan is stamped straight into its region pair's batch, shifted to region offsets. Layers the
 // backend moves as cells (Peer::LayerLink::cells) collect their block offsets instead, in one
-// cell batch per region pair and cell geometry. Batches and their columns come from the engine's
-// ColumnPool, which gets the columns back when the backend drops the batch.
+// cell batch per region pair and cell geometry; layers it moves stamped (LayerLink::stamps) add
+// one StampedLayer each to their region pair's stamped batch, which holds each template and each
+// set of block ids once, so planning them costs per layer, not per run. Batches and their
+// columns come from the engine's ColumnPool, which gets the columns back when the backend drops
+// the batch.
 class BatchBuilder {
  public:
+  static constexpr int kRunsKey = -1;
+  static constexpr int kStampsKey = -2;
   struct Key {
     std::uint32_t local = 0;   // local region
     std::uint32_t remote = 0;  // peer region
-    int geometry = -1;         // -1: runs; else the cell batch of geometries_[geometry]
+    int geometry = kRunsKey;   // kRunsKey, kStampsKey, or the cell batch of geometries_[geometry]
     auto operator<=>(const Key&) const = default;
   };
 
@@ -206,13 +220,14 @@ class BatchBuilder {
   /// nothing was added.
   Status Add(const LocalLayer& layer, const LinkPlan& link, const BlockPairs& pairs) {
     Entry& e = entries_[KeyOf(layer, link)];
+    if (link.stamps) {
+      AddStamped(e, layer, link, pairs);
+      return Status::OK();
+    }
     const std::size_t units = Units(link, pairs);
     const std::size_t room = std::min(e.upcoming, (link.cells ? kPieceUnits : kMaxPieceRuns) + units);
     if (!e.batch) {
-      e.batch = pool_.NewBatch();
-      e.batch->op = op_;
-      e.batch->peer = peer_.handle;
-      e.batch->remote_region = peer_.remote_regions[link.region];
+      StartBatch(e, link);
       if (link.cells) {
         e.batch->cells.emplace();
         e.batch->cells->geometry = *link.tmpl->cell_geometry();
@@ -230,35 +245,32 @@ class BatchBuilder {
                                  &e.batch->cells->blocks)
             : AppendBlockCopies(*link.tmpl, pairs, layer.offset, link.offset, &e.plan));
     e.upcoming -= std::min(e.upcoming, units);
-    std::int64_t per_block = 0;
-    for (const CopyRun& r : link.tmpl->runs()) per_block += r.size;
-    e.bytes += per_block * static_cast<std::int64_t>(pairs.size());
-    if (link.cells) {
-      e.cell_runs += static_cast<std::int64_t>(pairs.size() * link.tmpl->runs().size());
-    }
+    Count(e, link, pairs);
     return Status::OK();
   }
 
   /// The open batches that are full (`all`: every open batch, also an empty one), their runs
   /// moved in. A cell batch is full at kPieceUnits blocks, a run batch at kPieceUnits runs that
   /// carry kPieceBytes, or at kMaxPieceRuns runs; the request's first pieces at a fraction of
-  /// these (kRampPieces). Their keys start new batches on the next Add. Local region handles are
-  /// filled by the caller.
+  /// these (kRampPieces). A stamped batch at kStampPieceLayers layers, ramped alike. Their keys
+  /// start new batches on the next Add. Local region handles are filled by the caller.
   std::vector<Piece> Take(bool all) {
     std::vector<Piece> out;
     const std::size_t shift = kRampPieces - std::min(taken_, kRampPieces);
     for (auto& [key, e] : entries_) {
       if (!e.batch) continue;
       const bool cells = e.batch->cells.has_value();
+      const bool stamps = e.batch->stamps.has_value();
       const std::size_t units = cells ? e.batch->cells->blocks.size() : e.plan.size();
-      const bool full = cells ? units >= kPieceUnits >> shift
-                              : units >= kMaxPieceRuns >> shift ||
-                                    (units >= kPieceUnits >> shift &&
-                                     e.bytes >= kPieceBytes >> shift);
+      const bool full = stamps  ? e.batch->stamps->layers.size() >= kStampPieceLayers >> shift
+                        : cells ? units >= kPieceUnits >> shift
+                                : units >= kMaxPieceRuns >> shift ||
+                                      (units >= kPieceUnits >> shift &&
+                                       e.bytes >= kPieceBytes >> shift);
       if (!all && !full) continue;
       ++taken_;
       std::int64_t runs = e.cell_runs;
-      if (!cells) {
+      if (!cells && !stamps) {
         runs = static_cast<std::int64_t>(e.plan.size());
         e.batch->local_offsets = std::move(e.plan.local_offsets);
         e.batch->remote_offsets = std::move(e.plan.remote_offsets);
@@ -277,16 +289,67 @@ class BatchBuilder {
     std::shared_ptr<Batch> batch;  // null until the next Add
     CopyPlan plan;                 // a run batch's runs until Take
     std::int64_t bytes = 0;
-    std::int64_t cell_runs = 0;  // a cell batch: the runs its cells replace
+    std::int64_t cell_runs = 0;  // a cell or stamped batch: the runs it replaces
     std::size_t upcoming = 0;    // units of this batch's layers not yet added (an upper bound)
+    // A stamped batch: where each BlockPairs' ids and each template's runs start in it.
+    std::map<const BlockPairs*, std::uint64_t> stamped_ids;
+    std::map<const BlockTemplate*, std::uint32_t> stamped_runs;
   };
 
+  void StartBatch(Entry& e, const LinkPlan& link) {
+    e.batch = pool_.NewBatch();
+    e.batch->op = op_;
+    e.batch->peer = peer_.handle;
+    e.batch->remote_region = peer_.remote_regions[link.region];
+  }
+
+  // The layer's bytes, and for a cell or stamped batch the runs it replaces.
+  static void Count(Entry& e, const LinkPlan& link, const BlockPairs& pairs) {
+    std::int64_t per_block = 0;
+    for (const CopyRun& r : link.tmpl->runs()) per_block += r.size;
+    const auto blocks = static_cast<std::int64_t>(pairs.size());
+    e.bytes += per_block * blocks;
+    if (link.cells || link.stamps) {
+      e.cell_runs += blocks * static_cast<std::int64_t>(link.tmpl->runs().size());
+    }
+  }
+
+  // One StampedLayer for `layer` in its region pair's stamped batch; the template's runs and
+  // the pairs' ids go in the first time the batch meets them. Ids were checked by PlanSegment.
+  void AddStamped(Entry& e, const LocalLayer& layer, const LinkPlan& link,
+                  const BlockPairs& pairs) {
+    if (!e.batch) {
+      StartBatch(e, link);
+      e.batch->stamps.emplace();
+      e.stamped_ids.clear();
+      e.stamped_runs.clear();
+    }
+    BatchStamps& s = *e.batch->stamps;
+    const BlockTemplate& tmpl = *link.tmpl;
+    Count(e, link, pairs);
+    if (pairs.empty()) return;
+    auto [ids, new_ids] = e.stamped_ids.try_emplace(&pairs, s.local_ids.size());
+    if (new_ids) {
+      s.local_ids.insert(s.local_ids.end(), pairs.local_sorted().begin(),
+                         pairs.local_sorted().end());
+      s.remote_ids.insert(s.remote_ids.end(), pairs.remote_by_local().begin(),
+                          pairs.remote_by_local().end());
+    }
+    auto [runs, new_runs] =
+        e.stamped_runs.try_emplace(&tmpl, static_cast<std::uint32_t>(s.runs.size()));
+    if (new_runs) s.runs.insert(s.runs.end(), tmpl.runs().begin(), tmpl.runs().end());
+    s.layers.push_back(StampedLayer{layer.offset, link.offset, tmpl.local_block_stride(),
+                                    tmpl.remote_block_stride(), ids->second, pairs.size(),
+                                    runs->second, static_cast<std::uint32_t>(tmpl.runs().size())});
+  }
+
   static std::size_t Units(const LinkPlan& link, const BlockPairs& pairs) {
+    if (link.stamps) return 0;  // a stamped layer reserves no columns
     return link.cells ? pairs.size() : pairs.size() * link.tmpl->runs().size();
   }
 
   Key KeyOf(const LocalLayer& layer, const LinkPlan& link) {
-    Key key{layer.region, link.region, -1};
+    Key key{layer.region, link.region, link.stamps ? kStampsKey : kRunsKey};
     if (!link.cells) return key;
     const CellGeometry& g = *link.tmpl->cell_geometry();
     auto it = std::ranges::find(geometries_, g);
@@ -383,11 +446,12 @@ struct Engine::Impl {
                                const CellWindow& remote_window) const {
     const Peer::LayerLink& link = peer.links[i];
     const LayerLayout& mine = layers[i].layout;
-    SegmentLayer out{i, LinkPlan{nullptr, false, link.region, link.offset}, nullptr};
+    SegmentLayer out{i, LinkPlan{nullptr, false, false, link.region, link.offset}, nullptr};
     auto whole = [&]() -> Result<SegmentLayer> {
       if (!link.tmpl) return link.whole_error;
       out.link.tmpl = &*link.tmpl;
       out.link.cells = link.cells;
+      out.link.stamps = link.stamps;
       return out;
     };
     if (local_window == CellWindow{} && remote_window == CellWindow{}) return whole();
@@ -407,19 +471,30 @@ struct Engine::Impl {
     if (!out.hold) {
       MORIIO_ASSIGN_OR_RETURN(BlockTemplate tmpl,
                               BlockTemplate::Build(mine, local_window, link.remote, remote_window));
-      auto built = std::make_shared<WindowLink>(WindowLink{std::move(tmpl), false});
+      auto built = std::make_shared<WindowLink>(WindowLink{std::move(tmpl), false, false});
+      const std::uint64_t local_region = regions[layers[i].region].handle;
+      const std::uint64_t remote_region = peer.remote_regions[link.region];
       if (built->tmpl.prefers_cell_copy()) {
-        built->cells = backend->AcceptsCells(regions[layers[i].region].handle,
-                                             peer.remote_regions[link.region],
-                                             *built->tmpl.cell_geometry());
+        built->cells =
+            backend->AcceptsCells(local_region, remote_region, *built->tmpl.cell_geometry());
       }
+      built->stamps = !built->cells && Stampable(built->tmpl, local_region, remote_region);
       std::lock_guard lock(peer.windows_mu);
       if (peer.windows.size() >= kMaxWindowTemplates) peer.windows.clear();
       out.hold = peer.windows.try_emplace(key, std::move(built)).first->second;
     }
     out.link.tmpl = &out.hold->tmpl;
     out.link.cells = out.hold->cells;
+    out.link.stamps = out.hold->stamps;
     return out;
+  }
+
+  // Whether a layer pair's blocks may go as a stamped layer between these regions: the backend
+  // takes stamped batches there and the template fits one (kMaxStampRunsPerLayer).
+  bool Stampable(const BlockTemplate& tmpl, std::uint64_t local_region,
+                 std::uint64_t remote_region) const {
+    return !tmpl.runs().empty() && tmpl.runs().size() <= kMaxStampRunsPerLayer &&
+           backend->AcceptsStamps(local_region, remote_region);
   }
 
   // Checks one segment against every layer it moves: `names` (empty: every layer), or only
@@ -763,13 +838,18 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
     }
     peer->remote_regions.push_back(*imported);
   }
-  // Cell copies where a pair wants one and the backend takes it; runs everywhere else.
+  // Cell copies where a pair wants one and the backend takes it; else stamped layers where the
+  // backend takes them; runs everywhere else.
   for (std::size_t k = 0; k < peer->links.size(); ++k) {
     Peer::LayerLink& link = peer->links[k];
-    if (!link.tmpl || !link.tmpl->prefers_cell_copy()) continue;
-    link.cells = d.backend->AcceptsCells(d.regions[d.layers[k].region].handle,
-                                         peer->remote_regions[link.region],
-                                         *link.tmpl->cell_geometry());
+    if (!link.tmpl) continue;
+    const std::uint64_t local_region = d.regions[d.layers[k].region].handle;
+    const std::uint64_t remote_region = peer->remote_regions[link.region];
+    if (link.tmpl->prefers_cell_copy()) {
+      link.cells =
+          d.backend->AcceptsCells(local_region, remote_region, *link.tmpl->cell_geometry());
+    }
+    link.stamps = !link.cells && d.Stampable(*link.tmpl, local_region, remote_region);
   }
   std::shared_ptr<const Peer> old;
   {
@@ -1014,18 +1094,22 @@ Result<bool> Engine::Impl::WriteSegments(
   if (!planned.ok()) return refuse(planned.status());
   trace::Record(trace::Mark::kLayersPlanned);
   // One batch per write: cells only when every segment goes as cells of one geometry (all
-  // segments share the layer's region pair), runs otherwise.
+  // segments share the layer's region pair), else stamped when every segment may, runs
+  // otherwise.
   bool cells = !planned->empty();
+  bool stamps = !planned->empty();
   for (const PlannedSegment& seg : *planned) {
     const LinkPlan& link = seg.layers.front().link;
     const LinkPlan& first = planned->front().layers.front().link;
     cells = cells && link.cells && *link.tmpl->cell_geometry() == *first.tmpl->cell_geometry();
+    stamps = stamps && link.stamps;
   }
   trace::Record(trace::Mark::kPlanned);
   BatchBuilder builder(TransferOp::kWrite, **peer, *columns);
   for (const PlannedSegment& seg : *planned) {
     LinkPlan link = seg.layers.front().link;
     link.cells = cells;
+    link.stamps = !cells && stamps;
     Status st = builder.Add(layers[*i], link, *seg.pairs);
     if (!st.ok()) return refuse(st);
   }

@@ -346,6 +346,104 @@ __global__ void __launch_bounds__(kThreads, kRunCtasPerSm)
   }
 }
 
+// ---- The stamped copy (submit_stamps) -----------------------------------------------------
+//
+// Why: with runs, the host writes one table entry per run, and before that the engine plans
+// one per run: for 4 KiB runs (a TP-8 rank's one KV head) a request of 262,144 runs cost the
+// host ~3.5 ms against ~0.6 ms of copy on the H200 (docs/benchmarks.md, issue 18). A stamped
+// batch carries each layer's template runs and the request's block ids once; the kernel stamps
+// them. The grid's y index is the layer, whose record and runs a CTA keeps in shared memory;
+// each warp takes `group` consecutive pieces at a time (a piece: one run of one block, or a
+// 16 KiB chunk of a longer run), each of its first `group` lanes works out one piece's addresses
+// (their ids are one coalesced read of the mapped table per warp), and the warp copies the
+// pieces one after another with WarpCopy, sharing each lane's addresses by shuffle. `group` is
+// 32 when the batch has pieces enough for every resident warp to take 32, fewer when not (one
+// layer's WRITE): then every resident warp still gets pieces, not a few warps 32 each.
+
+#ifndef MORIIO_CUDACOPY_STAMP_GROUP
+#define MORIIO_CUDACOPY_STAMP_GROUP 32
+#endif
+constexpr std::uint64_t kStampChunk = 16 * 1024;
+constexpr std::uint64_t kStampMaxGroup = MORIIO_CUDACOPY_STAMP_GROUP;  // pieces per warp, 1..32
+constexpr std::uint32_t kMaxStampRuns = 256;  // per layer: cudacopy_abi.h, backend.hpp
+constexpr int kStampLayerWords = 8;
+constexpr int kStampRunWords = 4;
+
+/// A template run as the kernel reads it: offsets, length, and the index of its first chunk
+/// among all chunks of the batch's runs (so a layer's chunks are a contiguous range).
+struct StampRunEntry {
+  std::int64_t dst;
+  std::int64_t src;
+  std::int64_t size;
+  std::int64_t first_chunk;
+};
+
+/// table: num_layers records of kStampLayerWords words (dst_layer, src_layer, dst_stride,
+/// src_stride, first_block, num_blocks, first_run | num_runs << 32, first_chunk | chunks per
+/// block << 32), then num_runs StampRunEntry, then dst ids[num_ids], then src ids[num_ids].
+struct StampGrid {
+  std::uint64_t dst_base;
+  std::uint64_t src_base;
+  const std::int64_t* table;
+  std::uint32_t num_layers;
+  std::uint32_t num_runs;
+  std::uint64_t num_ids;
+  std::uint32_t group;  // pieces a warp takes at a time, 1..32
+};
+
+__global__ void __launch_bounds__(kThreads) StampKernel(StampGrid g) {
+  __shared__ std::int64_t layer[kStampLayerWords];
+  __shared__ StampRunEntry runs[kMaxStampRuns];
+  if (threadIdx.x < kStampLayerWords) {
+    layer[threadIdx.x] = g.table[blockIdx.y * kStampLayerWords + threadIdx.x];
+  }
+  __syncthreads();
+  const auto first_run = static_cast<std::uint32_t>(layer[6]);
+  const auto num_runs = static_cast<std::uint32_t>(static_cast<std::uint64_t>(layer[6]) >> 32);
+  const auto* entries = reinterpret_cast<const StampRunEntry*>(
+      g.table + static_cast<std::uint64_t>(g.num_layers) * kStampLayerWords);
+  for (std::uint32_t r = threadIdx.x; r < num_runs; r += kThreads) runs[r] = entries[first_run + r];
+  __syncthreads();
+  const std::int64_t* ids = g.table + static_cast<std::uint64_t>(g.num_layers) * kStampLayerWords +
+                            static_cast<std::uint64_t>(g.num_runs) * kStampRunWords;
+  const std::int64_t* dst_ids = ids + layer[4];
+  const std::int64_t* src_ids = ids + g.num_ids + layer[4];
+  const auto first_chunk = static_cast<std::uint32_t>(layer[7]);
+  const std::uint64_t per_block = static_cast<std::uint64_t>(layer[7]) >> 32;
+  const std::uint64_t pieces = static_cast<std::uint64_t>(layer[5]) * per_block;
+  const unsigned lane = threadIdx.x % 32;
+  const std::uint64_t stride = static_cast<std::uint64_t>(gridDim.x) * kWarpsPerCta * g.group;
+  for (std::uint64_t base = (static_cast<std::uint64_t>(blockIdx.x) * kWarpsPerCta +
+                             threadIdx.x / 32) * g.group;
+       base < pieces; base += stride) {
+    const std::uint64_t q = base + lane;
+    std::uint64_t dst = 0, src = 0, len = 0;
+    if (lane < g.group && q < pieces) {
+      const std::uint64_t block = q / per_block;
+      const std::int64_t chunk = first_chunk + static_cast<std::int64_t>(q - block * per_block);
+      // The run holding the chunk: the last one whose first chunk is not after it.
+      std::uint32_t lo = 0, hi = num_runs;
+      while (hi - lo > 1) {
+        const std::uint32_t mid = (lo + hi) / 2;
+        if (runs[mid].first_chunk <= chunk) lo = mid; else hi = mid;
+      }
+      const StampRunEntry& run = runs[lo];
+      const auto within = static_cast<std::uint64_t>(chunk - run.first_chunk) * kStampChunk;
+      len = Min(kStampChunk, static_cast<std::uint64_t>(run.size) - within);
+      dst = g.dst_base + layer[0] + dst_ids[block] * layer[2] + run.dst + within;
+      src = g.src_base + layer[1] + src_ids[block] * layer[3] + run.src + within;
+    }
+    const auto count = static_cast<unsigned>(Min(g.group, pieces - base));
+    for (unsigned k = 0; k < count; ++k) {
+      const std::uint64_t d = __shfl_sync(0xffffffffu, dst, k);
+      const std::uint64_t s = __shfl_sync(0xffffffffu, src, k);
+      const std::uint64_t n = __shfl_sync(0xffffffffu, len, k);
+      WarpCopy(reinterpret_cast<unsigned char*>(d), reinterpret_cast<const unsigned char*>(s), n,
+               lane);
+    }
+  }
+}
+
 // ---- The transposing cell copy (submit_cells) -------------------------------------------------
 //
 // Why: a layer pair whose axes are ordered differently (prefill [2,N,B,H,D] NHD, decode
@@ -540,6 +638,7 @@ struct Queue {
   int max_ctas = 0;  // resident CTAs of GatherScatter
   int max_aligned_ctas = 0;  // resident CTAs of GatherScatterAligned
   int max_cell_ctas = 0;  // resident CTAs of CellCopyKernel (the same for every vector type)
+  int max_stamp_ctas = 0;  // resident CTAs of StampKernel
   cudaStream_t streams[kStreams] = {};
   int next_stream = 0;
   std::vector<Slot> free_slots;  // reused: pinned allocations cost milliseconds
@@ -600,7 +699,11 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   int per_sm = 0;
   int cell_per_sm = 0;
   int aligned_per_sm = 0;
+  int stamp_per_sm = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, GatherScatter, kThreads, 0);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&stamp_per_sm, StampKernel, kThreads, 0);
+  }
   if (e == cudaSuccess) {
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&aligned_per_sm, GatherScatterAligned,
                                                       kThreads, 0);
@@ -619,6 +722,7 @@ int CreateQueue(int device, void** out, char* err, size_t err_len) {
   q->max_ctas = sms * std::max(per_sm, 1);
   q->max_aligned_ctas = sms * std::max(aligned_per_sm, 1);
   q->max_cell_ctas = sms * std::max(cell_per_sm, 1);
+  q->max_stamp_ctas = sms * std::max(stamp_per_sm, 1);
   for (cudaStream_t& stream : q->streams) {
     e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking);
     if (e != cudaSuccess) {
@@ -952,6 +1056,107 @@ int SubmitCells(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
       out, err, err_len);
 }
 
+int SubmitStamps(void* queue, std::uint64_t dst_base, std::uint64_t src_base,
+                 const moriio_cudacopy_stamp_layer* layers, std::uint32_t num_layers,
+                 const moriio_cudacopy_stamp_run* runs, std::uint32_t num_runs,
+                 const std::int64_t* dst_ids, const std::int64_t* src_ids, std::uint64_t num_ids,
+                 std::uint64_t wait_event, void** out, char* err, size_t err_len) {
+  auto* q = static_cast<Queue*>(queue);
+  // Each run's first chunk among all the runs' chunks, so a layer's chunks are a range.
+  std::vector<std::int64_t> first_chunk(num_runs + 1, 0);
+  for (std::uint32_t r = 0; r < num_runs; ++r) {
+    if (runs[r].size < 1) {
+      SetMessage(err, err_len, "stamp run %u has size %lld (must be > 0)", r,
+                 static_cast<long long>(runs[r].size));
+      return -1;
+    }
+    first_chunk[r + 1] =
+        first_chunk[r] + static_cast<std::int64_t>((runs[r].size + kStampChunk - 1) / kStampChunk);
+  }
+  if (first_chunk[num_runs] > 0xffffffffll) {
+    SetMessage(err, err_len, "stamp runs of %lld chunks: at most 2^32 - 1",
+               static_cast<long long>(first_chunk[num_runs]));
+    return -1;
+  }
+  std::uint64_t most_pieces = 0, all_pieces = 0;
+  for (std::uint32_t i = 0; i < num_layers; ++i) {
+    const moriio_cudacopy_stamp_layer& l = layers[i];
+    if (l.num_runs < 1 || l.num_runs > kMaxStampRuns || l.first_run > num_runs ||
+        l.num_runs > num_runs - l.first_run || l.first_block > num_ids ||
+        l.num_blocks > num_ids - l.first_block) {
+      SetMessage(err, err_len,
+                 "stamp layer %u names runs [%u, +%u) of %u (1..%u per layer) and block ids "
+                 "[%llu, +%llu) of %llu",
+                 i, l.first_run, l.num_runs, num_runs, kMaxStampRuns,
+                 static_cast<unsigned long long>(l.first_block),
+                 static_cast<unsigned long long>(l.num_blocks),
+                 static_cast<unsigned long long>(num_ids));
+      return -1;
+    }
+    const auto per_block = static_cast<std::uint64_t>(first_chunk[l.first_run + l.num_runs] -
+                                                      first_chunk[l.first_run]);
+    most_pieces = std::max(most_pieces, l.num_blocks * per_block);
+    all_pieces += l.num_blocks * per_block;
+  }
+  if (num_layers > 65535) {
+    SetMessage(err, err_len, "%u stamp layers in one batch: at most 65535", num_layers);
+    return -1;
+  }
+  cudaError_t e = cudaSetDevice(q->device);
+  if (e != cudaSuccess) {
+    SetError(err, err_len, "cudaSetDevice", e);
+    return -1;
+  }
+  const std::size_t words = std::size_t{num_layers} * kStampLayerWords +
+                            std::size_t{num_runs} * kStampRunWords + 2 * num_ids;
+  Slot slot;
+  if (!TakeSlot(q, words, &slot, err, err_len)) return -1;
+  std::int64_t* w = slot.host;
+  for (std::uint32_t i = 0; i < num_layers; ++i, w += kStampLayerWords) {
+    const moriio_cudacopy_stamp_layer& l = layers[i];
+    const auto per_block = static_cast<std::uint64_t>(first_chunk[l.first_run + l.num_runs] -
+                                                      first_chunk[l.first_run]);
+    w[0] = l.dst_layer;
+    w[1] = l.src_layer;
+    w[2] = l.dst_stride;
+    w[3] = l.src_stride;
+    w[4] = static_cast<std::int64_t>(l.first_block);
+    w[5] = static_cast<std::int64_t>(l.num_blocks);
+    w[6] = static_cast<std::int64_t>(l.first_run | (std::uint64_t{l.num_runs} << 32));
+    w[7] = static_cast<std::int64_t>(static_cast<std::uint64_t>(first_chunk[l.first_run]) |
+                                     (per_block << 32));
+  }
+  for (std::uint32_t r = 0; r < num_runs; ++r, w += kStampRunWords) {
+    w[0] = runs[r].dst;
+    w[1] = runs[r].src;
+    w[2] = runs[r].size;
+    w[3] = first_chunk[r];
+  }
+  std::memcpy(w, dst_ids, num_ids * 8);
+  std::memcpy(w + num_ids, src_ids, num_ids * 8);
+  // Pieces per warp: as many as make the batch's pieces fill every resident warp, 32 at most.
+  const std::uint64_t warps = static_cast<std::uint64_t>(q->max_stamp_ctas) * kWarpsPerCta;
+  const auto group =
+      static_cast<std::uint32_t>(std::clamp<std::uint64_t>((all_pieces + warps - 1) / warps, 1,
+                                                           kStampMaxGroup));
+  const StampGrid g{dst_base, src_base, slot.device, num_layers, num_runs, num_ids, group};
+  // As many CTAs in all as can be resident, spread over the layers; none beyond what the
+  // largest layer's pieces need.
+  const std::uint64_t per_cta = std::uint64_t{kWarpsPerCta} * group;
+  const std::uint64_t wanted = (static_cast<std::uint64_t>(q->max_stamp_ctas) + num_layers - 1) /
+                               std::max<std::uint64_t>(num_layers, 1);
+  const auto across = static_cast<unsigned>(
+      std::max<std::uint64_t>(1, std::min(wanted, (most_pieces + per_cta - 1) / per_cta)));
+  return Enqueue(
+      q, slot, wait_event,
+      [&](cudaStream_t stream) {
+        if (most_pieces == 0) return cudaSuccess;
+        StampKernel<<<dim3(across, num_layers), kThreads, 0, stream>>>(g);
+        return cudaGetLastError();
+      },
+      out, err, err_len);
+}
+
 int PollOp(void* op_ptr, char* err, size_t err_len) {
   auto* op = static_cast<Op*>(op_ptr);
   cudaError_t e = cudaEventQuery(op->done);
@@ -973,7 +1178,7 @@ void ReleaseOp(void* op_ptr) {
 
 const moriio_cudacopy_api kApi = {
     MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit,
-    &PollOp,                     &ReleaseOp, &SubmitCells,
+    &PollOp,                     &ReleaseOp, &SubmitCells, &SubmitStamps,
 };
 
 }  // namespace

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 4u
+#define MORIIO_CUDACOPY_ABI_VERSION 5u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
 
 /* The cells of a block pair as one grid, the same on both sides (moriio_native::CellGeometry):
@@ -34,6 +34,22 @@ typedef struct moriio_cudacopy_cells {
   int64_t dst_plane_stride, dst_head_stride, dst_token_stride;
   int64_t src_plane_stride, src_head_stride, src_token_stride;
 } moriio_cudacopy_cells;
+
+/* One layer of a stamped copy (moriio_native::StampedLayer, in destination and source terms):
+ * for every i < num_blocks and every k < num_runs, runs[first_run + k].size bytes from
+ *   src_base + src_layer + src_ids[first_block + i] * src_stride + runs[first_run + k].src
+ * to the same expression on the destination side. */
+typedef struct moriio_cudacopy_stamp_layer {
+  int64_t dst_layer, src_layer;   /* bytes from each base to the layer's block 0, >= 0 */
+  int64_t dst_stride, src_stride; /* bytes between consecutive blocks, >= 0 */
+  uint64_t first_block, num_blocks;
+  uint32_t first_run, num_runs; /* num_runs 1 .. 256 */
+} moriio_cudacopy_stamp_layer;
+
+/* A template run: offsets from each side's block start, and its length (> 0). */
+typedef struct moriio_cudacopy_stamp_run {
+  int64_t dst, src, size;
+} moriio_cudacopy_stamp_run;
 
 typedef struct moriio_cudacopy_api {
   uint32_t abi_version; /* MORIIO_CUDACOPY_ABI_VERSION */
@@ -71,6 +87,17 @@ typedef struct moriio_cudacopy_api {
                       const moriio_cudacopy_cells* cells, const int64_t* dst_blocks,
                       const int64_t* src_blocks, uint64_t count, uint64_t wait_event, void** op,
                       char* err, size_t err_len);
+  /* Enqueues ONE kernel that copies every run of every layer of a stamped batch (see
+   * moriio_cudacopy_stamp_layer): the GPU computes each run's offsets from the layer, its
+   * template run and the two block ids, so the host writes per block and per layer, not per run.
+   * The caller has checked every run against its regions; a layer whose runs or ids lie outside
+   * the arrays, or with num_runs outside 1..256, fails the call (err names the layer). The arrays
+   * are copied before it returns. Ops, `wait_event` and ordering as for submit. (ABI 5.) */
+  int (*submit_stamps)(void* queue, uint64_t dst_base, uint64_t src_base,
+                       const moriio_cudacopy_stamp_layer* layers, uint32_t num_layers,
+                       const moriio_cudacopy_stamp_run* runs, uint32_t num_runs,
+                       const int64_t* dst_ids, const int64_t* src_ids, uint64_t num_ids,
+                       uint64_t wait_event, void** op, char* err, size_t err_len);
 } moriio_cudacopy_api;
 
 /* The plugin exports: const moriio_cudacopy_api* moriio_native_cudacopy_api(void); */

@@ -47,8 +47,51 @@ struct BatchCells {
   BlockOffsets blocks;
 };
 
+/// One layer of a stamped batch: template runs [first_run, first_run + num_runs) of
+/// BatchStamps::runs, stamped for every block pair [first_block, first_block + num_blocks) of
+/// BatchStamps::local_ids / remote_ids. Run k of block pair i copies runs[k].size bytes between
+///   local_base + local_ids[i] * local_stride + runs[k].local   (local region offset) and
+///   remote_base + remote_ids[i] * remote_stride + runs[k].remote (remote region offset),
+/// exactly the runs the engine would otherwise stamp itself (AppendBlockCopies), unmerged.
+struct StampedLayer {
+  std::int64_t local_base = 0;   ///< bytes from the local region's start to the layer's block 0
+  std::int64_t remote_base = 0;  ///< the same in the remote region
+  std::int64_t local_stride = 0;   ///< bytes between consecutive local blocks
+  std::int64_t remote_stride = 0;  ///< bytes between consecutive remote blocks
+  std::uint64_t first_block = 0;
+  std::uint64_t num_blocks = 0;
+  std::uint32_t first_run = 0;
+  std::uint32_t num_runs = 0;  ///< 1 .. kMaxStampRunsPerLayer
+};
+
+/// Most template runs one stamped layer may have (the GPU kernel keeps a layer's runs in shared
+/// memory); the engine plans runs for a layer pair whose template has more.
+inline constexpr std::uint32_t kMaxStampRunsPerLayer = 256;
+
+/// The stamped part of a batch: block ids and per-layer templates instead of one entry per run,
+/// so the host's cost of a request is per layer and per block, not per run (4 KiB runs: the
+/// engine's planning bounded the copy; docs/benchmarks.md, issue 18). The backend (a GPU kernel,
+/// or CopyStampedRuns) computes every run's offsets itself.
+struct BatchStamps {
+  std::vector<StampedLayer> layers;
+  std::vector<CopyRun> runs;  ///< templates: offsets relative to each side's block start
+  std::vector<std::int64_t> local_ids;
+  std::vector<std::int64_t> remote_ids;
+
+  /// Runs the batch moves (every layer's blocks times its template runs).
+  std::int64_t run_count() const;
+};
+
+/// The CPU reference of a stamped batch: copies every run of `stamps` between the region bases
+/// `local` and `remote`, in `direction` (a memcpy per run). The GPU kernel must produce the same
+/// bytes. The caller guarantees the batch passed CheckBatchStamps for these two regions.
+/// Blocking; thread-safe for disjoint destinations.
+void CopyStampedRuns(const BatchStamps& stamps, std::byte* local, std::byte* remote,
+                     CellCopyDirection direction);
+
 /// All runs of one request between one local region and one remote region of one peer, or (a
-/// cell batch) all its blocks of one cell geometry between them.
+/// cell batch) all its blocks of one cell geometry between them, or (a stamped batch) its
+/// layers' templates and block ids between them.
 /// Offsets are bytes relative to each region's start. Immutable once submitted; the backend may
 /// keep the shared_ptr for as long as the transport uses it.
 struct Batch {
@@ -68,6 +111,9 @@ struct Batch {
   /// Set: a cell batch, whose three run arrays are empty. Only for a region pair and geometry
   /// for which Backend::AcceptsCells said yes; every other backend refuses it at Submit.
   std::optional<BatchCells> cells;
+  /// Set: a stamped batch, whose three run arrays are empty and which has no cells. Only for a
+  /// region pair for which Backend::AcceptsStamps said yes; every other backend refuses it.
+  std::optional<BatchStamps> stamps;
 };
 
 /// Receives completions. Backends call it from their own threads; implementations must be
@@ -144,6 +190,13 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 ///   (InvalidArgument), and one with a block whose cells leave its region (OutOfRange naming the
 ///   block index). An accepted cell batch keeps every rule above (one completion, in flight
 ///   until then, disconnect); one with no blocks completes OK without moving bytes.
+/// - Stamped batches (Batch::stamps) likewise, asked per region pair with AcceptsStamps (loopback
+///   with its option loopback_stamps; UCX only on its CUDA IPC direct path with the CUDA copy
+///   plugin loaded, unless ucx_stamps is off; MoRI never). A backend refuses, at Submit, a
+///   stamped batch it did not accept (FailedPrecondition), one that also carries runs or cells or
+///   whose layers name runs or ids it does not have (InvalidArgument naming the layer), and one
+///   with a run that leaves its region (OutOfRange naming the layer). It moves exactly the runs
+///   StampedLayer describes, with every rule above; one with no runs completes OK.
 /// - Options: see BackendOptions; each backend reports the keys it accepts (BackendOptionKeys).
 class Backend {
  public:
@@ -171,6 +224,11 @@ class Backend {
   /// Default: false (runs only).
   virtual bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                             const CellGeometry& geometry) const;
+  /// Whether Submit takes stamped batches between local region `local_region` and imported
+  /// region `remote_region` (see the contract above); the answer stays the same while both stay
+  /// registered and imported. False for unknown handles. Thread-safe, non-blocking, no
+  /// transfer. Default: false (runs only).
+  virtual bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// A hint that Submit calls follow shortly (the engine has started planning a request): a
   /// backend whose progress thread sleeps when idle may wake it now, so that the wake-up
   /// overlaps the planning instead of delaying the first batch. Moves nothing and changes no
@@ -196,6 +254,15 @@ Status CheckBatchRuns(const Batch& batch, std::uint64_t local_size, std::uint64_
 /// block arrays of different lengths; OutOfRange naming the block index when a block's cells do
 /// not lie inside the local or remote region, overflowing offsets included. Pure.
 Status CheckBatchCells(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
+
+/// Checks a stamped batch as Submit must (see Backend): InvalidArgument (naming the batch token
+/// and, where one is at fault, the layer index) when it has no stamped part, also carries runs
+/// or cells, has id arrays of different lengths, a layer whose runs or ids lie outside the
+/// batch's arrays, more than kMaxStampRunsPerLayer runs, a negative base, stride, id, run
+/// offset or a run size < 1; OutOfRange naming the layer when one of its runs does not lie
+/// inside the local or remote region, overflowing offsets included. Pure; O(layers + ids + runs)
+/// when consecutive layers share their block range (a request's layers do).
+Status CheckBatchStamps(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
 
 /// Entry points of a backend plugin library `libmoriio_native_<name>.so`, which exports
 /// `extern "C" const moriio_native::BackendPlugin* moriio_native_backend_plugin();`.

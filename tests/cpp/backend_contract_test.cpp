@@ -165,6 +165,14 @@ std::vector<Kind> Kinds() {
        },
        [] { ExpectUnknownKeyRefused("loopback", {{"loopback_cells", "0"}}, "loopback_cell"); },
        false});
+  // Loopback with stamped batches on: the contract of a backend that takes them.
+  kinds.push_back(
+      {"loopback_stamps", [] { return std::string(); },
+       [](int, std::shared_ptr<CompletionSink> sink) {
+         return CreateBackend("loopback", {{"loopback_stamps", "1"}}, std::move(sink));
+       },
+       [] { ExpectUnknownKeyRefused("loopback", {{"loopback_stamps", "1"}}, "loopback_stamp"); },
+       false});
   kinds.push_back({"ucx",
                    [] {
                      for (const auto& b : AvailableBackends(UcxOptions())) {
@@ -476,6 +484,108 @@ TEST_P(BackendContract, CellBatchesAreTakenExactlyWhereAcceptsCellsSaysSo) {
   EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed cell batches hold no region";
 }
 
+std::shared_ptr<Batch> WithStamps(std::shared_ptr<Batch> b, BatchStamps stamps) {
+  b->stamps = std::move(stamps);
+  return b;
+}
+
+// Two layers over 1 KiB blocks: one of two runs per block (K and V halves, placed differently on
+// each side), one of a single run; the second layer starts 16 KiB into each region.
+BatchStamps TwoLayerStamps(std::vector<std::int64_t> local_ids,
+                           std::vector<std::int64_t> remote_ids) {
+  BatchStamps s;
+  s.runs = {{0, 512, 512}, {512, 0, 512}, {0, 0, 1024}};
+  const auto n = static_cast<std::uint64_t>(local_ids.size());
+  s.layers = {{0, 0, 1024, 1024, 0, n, 0, 2}, {16384, 16384, 1024, 2048, 0, n, 2, 1}};
+  s.local_ids = std::move(local_ids);
+  s.remote_ids = std::move(remote_ids);
+  return s;
+}
+
+TEST_P(BackendContract, StampedBatchesAreTakenExactlyWhereAcceptsStampsSaysSo) {
+  EXPECT_FALSE(a_->AcceptsStamps(local_ + 1000, remote_)) << "unknown local region";
+  EXPECT_FALSE(a_->AcceptsStamps(local_, remote_ + 1000)) << "unknown remote region";
+  std::vector<std::uint8_t> want_a(a_buf_.data, a_buf_.data + kSize);
+  std::vector<std::uint8_t> want_b(b_buf_.data, b_buf_.data + kSize);
+  const BatchStamps read = TwoLayerStamps({3, 0, 7}, {5, 1, 2});
+  if (!a_->AcceptsStamps(local_, remote_)) {
+    const Status st = a_->Submit(WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), read));
+    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
+    EXPECT_NE(st.message().find("batch 5"), std::string::npos) << st.ToString();
+    ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 6)).ok());
+    EXPECT_TRUE(a_sink_->Await(6).ok());
+    EXPECT_EQ(a_sink_->Total(), 1u) << "a refused stamped batch must not complete";
+    EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+    return;
+  }
+  // READ B -> A and WRITE A -> B: exactly the bytes of the CPU reference.
+  ASSERT_TRUE(a_->Submit(WithStamps(MakeBatch(TransferOp::kRead, {}, {}, {}, 1), read)).ok());
+  CopyStampedRuns(read, reinterpret_cast<std::byte*>(want_a.data()),
+                  reinterpret_cast<std::byte*>(want_b.data()), CellCopyDirection::kRemoteToLocal);
+  ASSERT_TRUE(a_sink_->Await(1).ok());
+  EXPECT_EQ(std::memcmp(a_buf_.data, want_a.data(), kSize), 0) << "stamped READ bytes wrong";
+  const BatchStamps write = TwoLayerStamps({1, 9}, {0, 3});
+  ASSERT_TRUE(a_->Submit(WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, 2), write)).ok());
+  CopyStampedRuns(write, reinterpret_cast<std::byte*>(want_a.data()),
+                  reinterpret_cast<std::byte*>(want_b.data()), CellCopyDirection::kLocalToRemote);
+  ASSERT_TRUE(a_sink_->Await(2).ok());
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "stamped WRITE bytes wrong";
+  // No blocks: completes OK without moving bytes.
+  ASSERT_TRUE(
+      a_->Submit(WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, 3), TwoLayerStamps({}, {})))
+          .ok());
+  EXPECT_TRUE(a_sink_->Await(3).ok());
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0);
+  // Bad stamped batches: refused at Submit, naming the batch (and the layer), nothing moves.
+  struct Bad {
+    std::shared_ptr<Batch> batch;
+    StatusCode code;
+    std::string words;
+  };
+  auto bad_stamps = [](auto change) {
+    BatchStamps s = TwoLayerStamps({0, 1}, {0, 1});
+    change(s);
+    return s;
+  };
+  auto batch = [&](std::uint64_t token, BatchStamps s) {
+    return WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, token), std::move(s));
+  };
+  const std::vector<Bad> bad = {
+      {WithStamps(MakeBatch(TransferOp::kWrite, {0}, {0}, {8}, 101), TwoLayerStamps({0}, {0})),
+       StatusCode::kInvalidArgument, "stamps and runs"},
+      {batch(102, bad_stamps([](BatchStamps& s) { s.remote_ids.pop_back(); })),
+       StatusCode::kInvalidArgument, "must be equal"},
+      {batch(103, bad_stamps([](BatchStamps& s) { s.layers[1].num_runs = 2; })),
+       StatusCode::kInvalidArgument, "layer 1 names runs [2, +2)"},
+      {batch(104, bad_stamps([](BatchStamps& s) { s.layers[0].num_blocks = 3; })),
+       StatusCode::kInvalidArgument, "layer 0 names block ids"},
+      {batch(105, bad_stamps([](BatchStamps& s) { s.remote_ids[1] = -1; })),
+       StatusCode::kInvalidArgument, "negative block id"},
+      {batch(106, bad_stamps([](BatchStamps& s) { s.runs[1].size = 0; })),
+       StatusCode::kInvalidArgument, "layer 0 run 1"},
+      {batch(107, bad_stamps([](BatchStamps& s) { s.local_ids[1] = 64; })),
+       StatusCode::kOutOfRange, "layer 0"},
+      {batch(108, bad_stamps([](BatchStamps& s) { s.remote_ids[0] = 24; })),
+       StatusCode::kOutOfRange, "layer 1"},
+      {batch(109, bad_stamps([](BatchStamps& s) { s.layers[1].remote_stride = INT64_MAX / 2; })),
+       StatusCode::kOutOfRange, "layer 1"},
+      {batch(110, bad_stamps([](BatchStamps& s) { s.layers[0].local_base = -8; })),
+       StatusCode::kInvalidArgument, "negative base"},
+  };
+  for (const Bad& b : bad) {
+    const Status st = a_->Submit(b.batch);
+    EXPECT_EQ(st.code(), b.code) << "batch " << b.batch->token << ": " << st.ToString();
+    EXPECT_NE(st.message().find(b.words), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find("batch " + std::to_string(b.batch->token)), std::string::npos)
+        << st.ToString();
+  }
+  ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 4)).ok());
+  EXPECT_TRUE(a_sink_->Await(4).ok());
+  EXPECT_EQ(a_sink_->Total(), 4u) << "a refused stamped batch must not complete";
+  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+  EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed stamped batches hold no region";
+}
+
 TEST_P(BackendContract, DisconnectCompletesPendingBatchesWithErrors) {
   ASSERT_NO_FATAL_FAILURE(Plug(1));
   ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kWrite, {0}, {0}, {4096}, 2)).ok());
@@ -530,13 +640,15 @@ TEST(BackendOptionsSharing, OtherBackendsKeysAreIgnoredUnknownOnesRefused) {
   auto bad = CreateBackend("loopback", {{"qp_per_transfr", "2"}}, sink);
   EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(bad.status().message().find("unknown option 'qp_per_transfr' for backend loopback; "
-                                        "known: loopback_cells, loopback_delay_ms"),
+                                        "known: loopback_cells, loopback_delay_ms, "
+                                        "loopback_stamps"),
             std::string::npos)
       << bad.status().ToString();
   EXPECT_EQ(BackendOptionKeys("nope").status().code(), StatusCode::kNotFound);
   auto loopback = BackendOptionKeys("loopback");
   ASSERT_TRUE(loopback.ok());
-  EXPECT_EQ(*loopback, (std::vector<std::string>{"loopback_cells", "loopback_delay_ms"}));
+  EXPECT_EQ(*loopback, (std::vector<std::string>{"loopback_cells", "loopback_delay_ms",
+                                                 "loopback_stamps"}));
 }
 
 TEST(BackendOptionsSharing, UcxListsEveryKeyItParses) {
@@ -544,7 +656,7 @@ TEST(BackendOptionsSharing, UcxListsEveryKeyItParses) {
   if (!keys.ok()) GTEST_SKIP() << keys.status().ToString();
   for (const char* k : {"ucx_library_path", "ucx_tls", "ucx_net_devices", "progress_mode",
                         "ucx_direct_copy", "ucx_error_handling", "ucx_read_push",
-                        "ucx_config"}) {
+                        "ucx_stamps", "ucx_config"}) {
     EXPECT_TRUE(std::ranges::binary_search(*keys, std::string(k))) << k;
   }
 }

@@ -657,9 +657,9 @@ bool PrefersCells(const TestLayer& local, const TestLayer& remote) {
 }
 
 // Every pair of K/V layouts, READ and WRITE through two engines, with the loopback backend
-// taking cells and with it refusing them (the engine's run fallback): the same bytes as the
-// hand-indexed reference, the same byte and run counts, and cell batches exactly where the pair
-// prefers a cell copy and the backend takes cells.
+// taking cells, refusing them (the engine's run fallback), and refusing them but taking stamped
+// batches: the same bytes as the hand-indexed reference, the same byte and run counts, and cell
+// batches exactly where the pair prefers a cell copy and the backend takes cells.
 TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
   const Physical layouts[] = {Physical::kSeparated,   Physical::kSeparatedHB, Physical::kInterleaved,
                               Physical::kInterleavedHB, Physical::kPacked,    Physical::kPackedPermuted};
@@ -669,10 +669,12 @@ TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
       const CellCase c{lp, rp};
       const bool prefers = PrefersCells(CellLayers(lp, 1)[0], CellLayers(rp, 1)[0]);
       cell_pairs += prefers ? 1 : 0;
-      std::map<bool, std::pair<std::int64_t, std::int64_t>> counts;  // cells on -> (bytes, runs)
-      for (const bool cells : {true, false}) {
-        SCOPED_TRACE(::testing::PrintToString(c) + (cells ? " cells on" : " cells off"));
-        const BackendOptions options{{"loopback_cells", cells ? "1" : "0"}};
+      std::map<std::string, std::pair<std::int64_t, std::int64_t>> counts;  // -> (bytes, runs)
+      for (const auto& [cells, stamps] : {std::pair{true, false}, {false, false}, {false, true}}) {
+        const std::string path = cells ? "cells" : stamps ? "stamps" : "runs";
+        SCOPED_TRACE(::testing::PrintToString(c) + " " + path);
+        const BackendOptions options{{"loopback_cells", cells ? "1" : "0"},
+                                     {"loopback_stamps", stamps ? "1" : "0"}};
         Side d, p;
         EnginesFirst guard({&d, &p});
         ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", CellLayers(lp, 7), 3, options));
@@ -693,7 +695,7 @@ TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
         EXPECT_EQ(e.batches, 1);
         EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
         ExpectBytes(d.buffer->Snapshot(), expected, touched);
-        counts[cells] = {e.bytes, e.runs};
+        counts[path] = {e.bytes, e.runs};
         // WRITE: P pushes its blocks back into other blocks of D's.
         const std::vector<std::int64_t> d_to = {2, 5};
         std::vector<std::uint8_t> w_expected = d.buffer->Snapshot();
@@ -708,8 +710,9 @@ TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
         EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
         ExpectBytes(d.buffer->Snapshot(), w_expected, w_touched);
       }
-      EXPECT_EQ(counts[true], counts[false]) << ::testing::PrintToString(c)
-                                             << ": bytes and runs must not depend on the path";
+      EXPECT_EQ(counts["cells"], counts["runs"]) << ::testing::PrintToString(c)
+                                                 << ": bytes and runs must not depend on the path";
+      EXPECT_EQ(counts["stamps"], counts["runs"]) << ::testing::PrintToString(c);
     }
   }
   EXPECT_GE(cell_pairs, 8) << "the NHD/HND pairs must prefer cells";
@@ -2169,4 +2172,71 @@ TEST(EngineSegments, ConcurrentSegmentedReadsShareTheWindowCache) {
 }
 
 }  // namespace
+// The mixed model (dense layers of four layouts, a latent layer with padded pages; different
+// layouts on each side) with stamped batches: a READ of its four layers goes in the ramp's
+// pieces (one layer, two, then the last), a WRITE one batch per layer, and every byte equals the
+// reference.
+TEST(EngineStamps, MixedLayersAndWindowsMoveTheReferenceBytesInStampedBatches) {
+  const BackendOptions options{{"loopback_cells", "0"}, {"loopback_stamps", "1"}};
+  Side d, p;
+  EnginesFirst guard({&d, &p});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 3, options));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 4, options));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  Events d_events(d.engine.get());
+  Events p_events(p.engine.get());
+  const std::vector<std::int64_t> d_ids = {8, 0, 3, 4}, p_ids = {1, 5, 2, 3};
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::int64_t bytes = ApplyReference(d, p, Names(d), d_ids, p_ids, &expected, &touched);
+  ASSERT_TRUE(d.engine->Read("r", "P", d_ids, p_ids).ok());
+  TransferEvent e = d_events.Wait("r");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_EQ(e.batches, 3) << "stamped pieces of one, two and one layers";
+  EXPECT_EQ(e.cell_batches, 0);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+  // WRITE, layer by layer, into other blocks of D's.
+  const std::vector<std::int64_t> w_from = {0, 4}, w_to = {7, 2};
+  expected = d.buffer->Snapshot();
+  touched.assign(expected.size(), false);
+  ApplyReference(d, p, Names(d), w_to, w_from, &expected, &touched);
+  for (const std::string& layer : Names(d)) {
+    Result<bool> w = p.engine->WriteLayer("w", layer, "D", w_from, w_to);
+    ASSERT_TRUE(w.ok() && *w) << layer << ": " << w.status().ToString();
+  }
+  ASSERT_TRUE(p.engine->Seal("w", "D", static_cast<int>(Names(d).size())).ok());
+  e = p_events.Wait("w");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, static_cast<std::int64_t>(Names(d).size()));
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
+TEST(EngineStamps, HeadWindowsGoStampedAndEqualTheReference) {
+  const BackendOptions options = {{"loopback_cells", "0"}, {"loopback_stamps", "1"}};
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(
+      p, "P", {MakeLayer("attn.0", Physical::kSeparated, 6, 8, 16, 8, 2)}, 1, options));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(
+      d, "D", {MakeLayer("attn.0", Physical::kInterleavedHB, 9, 4, 16, 8, 2)}, 2, options));
+  ASSERT_NO_FATAL_FAILURE(Connect(p, d));
+  Events events(d.engine.get());
+  const std::vector<std::int64_t> local = {8, 1}, remote = {0, 5};
+  std::vector<std::uint8_t> expected = d.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  ApplyReference(d, p, {"attn.0"}, local, remote, &expected, &touched, Win{}, Win{4, 4});
+  ApplyReference(d, p, {"attn.0"}, {3}, {2}, &expected, &touched, Win{}, Win{0, 4});
+  ApplyReference(d, p, {"attn.0"}, {6, 0}, {4, 1}, &expected, &touched, Win{}, Win{2, 4});
+  const std::vector<BlockSegment> segments = {{{}, local, remote, {}, HeadWindow(4, 4)},
+                                              {{}, {3}, {2}, {}, HeadWindow(0, 4)},
+                                              {{}, {6, 0}, {4, 1}, {}, HeadWindow(2, 4)}};
+  ASSERT_TRUE(d.engine->Read("c", "P", segments).ok());
+  TransferEvent e = events.Wait("c");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  // The ramp's first piece holds segment 0; the second both others' templates and ids.
+  EXPECT_EQ(e.batches, 2);
+  ExpectBytes(d.buffer->Snapshot(), expected, touched);
+}
+
 }  // namespace moriio_native

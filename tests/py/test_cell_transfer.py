@@ -1,10 +1,11 @@
 """Layer pairs of different axis orders (prefill NHD, decode HND) through the Engine, byte for
 byte: READ and WRITE between two engines of this process, on the loopback backend taking cells
 (the CPU reference of the transposing copy), on loopback with cells off and on UCX host memory
-(both the engine's run fallback). Every byte of the destination backing is compared with what
-plain numpy indexing says (kvcache.expected_after_copy), and each transfer's event says which
-path moved it (``cell_batches``). The GPU path (UCX CUDA IPC with the cell kernel) is checked in
-test_ucx_two_process.py.
+(both the engine's run fallback), and on loopback taking stamped batches instead (templates and
+block ids, the CPU reference of the stamping kernel). Every byte of the destination backing is
+compared with what plain numpy indexing says (kvcache.expected_after_copy), and each transfer's
+event says which path moved it (``cell_batches``). The GPU path (UCX CUDA IPC with the cell
+kernel) is checked in test_ucx_two_process.py.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ def _ucx_available() -> bool:
 CASES = [
     pytest.param("loopback", {}, True, id="loopback-cells"),
     pytest.param("loopback", {"loopback_cells": "0"}, False, id="loopback-runs"),
+    pytest.param(
+        "loopback",
+        {"loopback_cells": "0", "loopback_stamps": "1"},
+        False,
+        id="loopback-stamps",
+    ),
     pytest.param(
         "ucx",
         {},
@@ -94,6 +101,7 @@ def test_nhd_hnd_read_and_write_are_byte_exact(
     np.testing.assert_array_equal(decode.backing, expected)
 
 
-def test_loopback_cells_option_is_checked() -> None:
-    with pytest.raises(mn.InvalidArgumentError, match="loopback_cells must be '0' or '1'"):
-        mn.Engine("x", "loopback", options={"loopback_cells": "yes"})
+@pytest.mark.parametrize("key", ["loopback_cells", "loopback_stamps"])
+def test_loopback_path_options_are_checked(key: str) -> None:
+    with pytest.raises(mn.InvalidArgumentError, match=f"{key} must be '0' or '1'"):
+        mn.Engine("x", "loopback", options={key: "yes"})

@@ -7,6 +7,7 @@ says which of the two is missing.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 import numpy as np
@@ -316,3 +317,121 @@ def test_cells_refuse_a_geometry_out_of_range(queue: Queue) -> None:
     for cells in (Cells(2, 8, 16, 0, 0, 0, 0, 0, 0, 0), Cells(3, 8, 16, 256, 0, 0, 0, 0, 0, 0)):
         with pytest.raises(CudaCopyError, match="cell geometry out of range"):
             queue.copy_cells(buf.data_ptr(), buf.data_ptr(), cells, [(blocks, blocks)])
+
+
+# ---- stamped copies (submit_stamps): layers x blocks x template runs, offsets on the GPU ----
+
+
+def _stamp_reference(
+    dst: np.ndarray,
+    src: np.ndarray,
+    layers: list[Any],
+    runs: list[Any],
+    dst_ids: np.ndarray,
+    src_ids: np.ndarray,
+) -> None:
+    """Applies a stamped copy on the host: what the kernel must produce, byte for byte."""
+    for layer in layers:
+        for i in range(layer.first_block, layer.first_block + layer.num_blocks):
+            d0 = layer.dst_layer + int(dst_ids[i]) * layer.dst_stride
+            s0 = layer.src_layer + int(src_ids[i]) * layer.src_stride
+            for run in runs[layer.first_run : layer.first_run + layer.num_runs]:
+                dst[d0 + run.dst : d0 + run.dst + run.size] = src[
+                    s0 + run.src : s0 + run.src + run.size
+                ]
+
+
+def _check_stamps(
+    queue: Queue,
+    layers: list[Any],
+    runs: list[Any],
+    dst_ids: np.ndarray,
+    src_ids: np.ndarray,
+    dst_len: int,
+    src_len: int,
+    seed: int,
+) -> None:
+    import torch
+
+    rng = np.random.default_rng(seed)
+    src_host = rng.integers(0, 256, src_len, dtype=np.uint8)
+    dst_host = rng.integers(0, 256, dst_len, dtype=np.uint8)  # poison: every byte random
+    src = torch.from_numpy(src_host).cuda()
+    dst = torch.from_numpy(dst_host.copy()).cuda()
+    queue.copy_stamps(dst.data_ptr(), src.data_ptr(), layers, runs, dst_ids, src_ids)
+    torch.cuda.synchronize()
+    want = dst_host.copy()
+    _stamp_reference(want, src_host, layers, runs, dst_ids, src_ids)
+    got = dst.cpu().numpy()
+    wrong = np.flatnonzero(got != want)
+    assert wrong.size == 0, f"{wrong.size} bytes differ, first at {wrong[:8]}"
+
+
+def test_stamps_of_kv_layers_with_split_planes(queue: Queue) -> None:
+    from moriio_native.bench.cudacopy import StampLayer, StampRun
+
+    # 8 layers of 2 planes of 4 KiB per block (separated K and V: the plane stride is the
+    # cache's half), blocks gathered at random from 64 into 64 others, then a 1-run layer of
+    # 64 KiB blocks (chunked into 16 KiB pieces) and a 3-run layer of odd sizes and offsets.
+    blocks, plane, n = 64, 4096, 48
+    rng = np.random.default_rng(5)
+    dst_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    src_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    layer_bytes = 2 * plane * blocks
+    layers = [
+        StampLayer(i * layer_bytes, i * layer_bytes, plane, plane, 0, n, 0, 2) for i in range(8)
+    ]
+    runs = [StampRun(0, 0, plane), StampRun(plane * blocks, plane * blocks, plane)]
+    big = 8 * layer_bytes
+    layers.append(StampLayer(big, big, 65536, 65536, 0, n, 2, 1))
+    runs.append(StampRun(0, 0, 65536))
+    odd = big + 65536 * blocks
+    layers.append(StampLayer(odd, odd + 3, 1000, 1003, 16, 20, 3, 3))
+    runs += [StampRun(0, 5, 17), StampRun(100, 40, 333), StampRun(500, 700, 300)]
+    size = odd + 1003 * blocks + 4096
+    _check_stamps(queue, layers, runs, dst_ids, src_ids, size, size, seed=6)
+
+
+def test_stamps_with_many_blocks_and_many_runs_per_layer(queue: Queue) -> None:
+    from moriio_native.bench.cudacopy import StampLayer, StampRun
+
+    # 256 runs per layer (the most a layer may have: every cell of a head window) over 3 layers
+    # sharing 1,000 block pairs, so every CTA binary-searches a long run table.
+    blocks, n, cell = 2048, 1000, 64
+    rng = np.random.default_rng(7)
+    dst_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    src_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    block = 256 * cell * 2
+    runs = [StampRun(k * cell, k * 2 * cell + cell, cell) for k in range(256)]
+    layers = [
+        StampLayer(i * block * blocks, i * block * blocks, block, block, 0, n, 0, 256)
+        for i in range(3)
+    ]
+    size = 3 * block * blocks
+    _check_stamps(queue, layers, runs, dst_ids, src_ids, size, size, seed=8)
+
+
+def test_stamps_refuse_a_layer_outside_the_arrays(queue: Queue) -> None:
+    import torch
+
+    from moriio_native.bench.cudacopy import StampLayer, StampRun
+
+    buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
+    ids = np.zeros(4, dtype=np.int64)
+    runs = [StampRun(0, 0, 64)]
+    for layer, words in [
+        (StampLayer(0, 0, 64, 64, 0, 4, 0, 2), "stamp layer 0 names runs [0, +2) of 1"),
+        (StampLayer(0, 0, 64, 64, 2, 3, 0, 1), "block ids [2, +3) of 4"),
+        (StampLayer(0, 0, 64, 64, 0, 4, 0, 257), "1..256 per layer"),
+    ]:
+        with pytest.raises(CudaCopyError, match=re.escape(words)):
+            queue.copy_stamps(buf.data_ptr(), buf.data_ptr(), [layer], runs, ids, ids)
+    with pytest.raises(CudaCopyError, match="stamp run 0 has size 0"):
+        queue.copy_stamps(
+            buf.data_ptr(),
+            buf.data_ptr(),
+            [StampLayer(0, 0, 64, 64, 0, 4, 0, 1)],
+            [StampRun(0, 0, 0)],
+            ids,
+            ids,
+        )

@@ -280,16 +280,19 @@ def _cuda_available() -> bool:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_mixed_layouts_in_gpu_memory_read_and_write() -> None:
+@pytest.mark.parametrize("stamps", ["on", "off"])
+def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
     """Both processes hold their caches in CUDA memory (one device backing each, same mixed
-    layouts as above): READ and WRITE over UCX (CUDA IPC on one node; the gather/scatter kernel
-    when ucp_rkey_ptr maps the peer, the transposing cell kernel for the layer pairs of different
-    axis orders), every byte of both backings checked."""
-    prefill_child = Child("prefill", {}, cuda=True)
+    layouts as above): READ and WRITE over UCX (CUDA IPC on one node; the transposing cell kernel
+    for the layer pairs of different axis orders, and for the others the stamping kernel, or with
+    ucx_stamps off the gather/scatter kernel over the engine's runs), every byte of both backings
+    checked."""
+    options = {"ucx_stamps": stamps}
+    prefill_child = Child("prefill", options, cuda=True)
     try:
         decode = _caches("decode")
         gpu = GpuMirror(decode)
-        engine = mn.Engine("decode-0", "ucx", {})
+        engine = mn.Engine("decode-0", "ucx", options)
         engine.register_kv_caches(gpu.registrations())
         assert engine.add_peer(prefill_child.metadata) == "prefill-child"
         prefill_replica = _caches("prefill")

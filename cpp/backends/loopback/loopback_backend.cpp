@@ -135,12 +135,23 @@ bool ParsePair(std::string_view s, std::uint64_t* a, std::uint64_t* b) {
          ParseU64(s.substr(colon + 1), b);
 }
 
+// Option `key` as "0" or "1", or `absent` when not given.
+Result<bool> ParseFlag(const BackendOptions& options, std::string_view key, bool absent) {
+  auto it = options.find(key);
+  if (it == options.end()) return absent;
+  if (it->second != "0" && it->second != "1") {
+    return InvalidArgumentError(std::string(key) + " must be '0' or '1', got '" + it->second + "'");
+  }
+  return it->second == "1";
+}
+
 class LoopbackBackend final : public Backend {
  public:
-  LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms, bool cells)
+  LoopbackBackend(std::shared_ptr<CompletionSink> sink, int delay_ms, bool cells, bool stamps)
       : sink_(std::move(sink)),
         delay_ms_(delay_ms),
         cells_(cells),
+        stamps_(stamps),
         instance_(Directory::Get().AddInstance()) {
     Directory::Get().MarkLive(instance_);
     worker_ = std::thread([this] { Run(); });
@@ -264,9 +275,15 @@ class LoopbackBackend final : public Backend {
       return FailedPreconditionError("batch " + std::to_string(batch->token) +
                                      " is a cell batch; loopback_cells is off");
     }
-    MORIIO_RETURN_IF_ERROR(
-        batch->cells ? CheckBatchCells(*batch, local->second.size, remote->second.range.size)
-                     : CheckBatchRuns(*batch, local->second.size, remote->second.range.size));
+    if (batch->stamps && !stamps_) {
+      return FailedPreconditionError("batch " + std::to_string(batch->token) +
+                                     " is a stamped batch; loopback_stamps is off");
+    }
+    const std::uint64_t local_size = local->second.size;
+    const std::uint64_t remote_size = remote->second.range.size;
+    MORIIO_RETURN_IF_ERROR(batch->cells    ? CheckBatchCells(*batch, local_size, remote_size)
+                           : batch->stamps ? CheckBatchStamps(*batch, local_size, remote_size)
+                                           : CheckBatchRuns(*batch, local_size, remote_size));
     ++in_flight_[batch->local_region];
     queue_.push_back(std::move(batch));
     cv_.notify_one();
@@ -278,6 +295,12 @@ class LoopbackBackend final : public Backend {
                     const CellGeometry&) const override {
     std::lock_guard lock(mu_);
     return cells_ && regions_.count(local_region) && remotes_.count(remote_region);
+  }
+
+  // The same for stamped batches (CopyStampedRuns), when loopback_stamps is on.
+  bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const override {
+    std::lock_guard lock(mu_);
+    return stamps_ && regions_.count(local_region) && remotes_.count(remote_region);
   }
 
  private:
@@ -308,12 +331,17 @@ class LoopbackBackend final : public Backend {
     // Runs were checked against these ranges at Submit (a region's range never changes).
     const MemoryRange& l_range = *local.range();
     const MemoryRange& r_range = *peer.range();
+    auto* const local_base = reinterpret_cast<std::byte*>(l_range.address);
+    auto* const remote_base = reinterpret_cast<std::byte*>(r_range.address);
+    const CellCopyDirection direction = b.op == TransferOp::kRead
+                                            ? CellCopyDirection::kRemoteToLocal
+                                            : CellCopyDirection::kLocalToRemote;
     if (b.cells) {
-      CopyBlockCells(b.cells->geometry, b.cells->blocks,
-                     reinterpret_cast<std::byte*>(l_range.address),
-                     reinterpret_cast<std::byte*>(r_range.address),
-                     b.op == TransferOp::kRead ? CellCopyDirection::kRemoteToLocal
-                                               : CellCopyDirection::kLocalToRemote);
+      CopyBlockCells(b.cells->geometry, b.cells->blocks, local_base, remote_base, direction);
+      return Status::OK();
+    }
+    if (b.stamps) {
+      CopyStampedRuns(*b.stamps, local_base, remote_base, direction);
       return Status::OK();
     }
     for (std::size_t i = 0; i < b.sizes.size(); ++i) {
@@ -355,6 +383,7 @@ class LoopbackBackend final : public Backend {
   const std::shared_ptr<CompletionSink> sink_;
   const int delay_ms_;
   const bool cells_;
+  const bool stamps_;
   const std::uint64_t instance_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
@@ -380,16 +409,11 @@ Result<std::unique_ptr<Backend>> CreateLoopbackBackend(const BackendOptions& opt
                                   it->second + "'");
     }
   }
-  bool cells = true;
-  if (auto it = options.find("loopback_cells"); it != options.end()) {
-    if (it->second != "0" && it->second != "1") {
-      return InvalidArgumentError("loopback_cells must be '0' or '1', got '" + it->second + "'");
-    }
-    cells = it->second == "1";
-  }
+  MORIIO_ASSIGN_OR_RETURN(const bool cells, ParseFlag(options, "loopback_cells", true));
+  MORIIO_ASSIGN_OR_RETURN(const bool stamps, ParseFlag(options, "loopback_stamps", false));
   if (!sink) return InvalidArgumentError("a completion sink is required");
   return std::unique_ptr<Backend>(
-      std::make_unique<LoopbackBackend>(std::move(sink), delay_ms, cells));
+      std::make_unique<LoopbackBackend>(std::move(sink), delay_ms, cells, stamps));
 }
 
 }  // namespace moriio_native::detail

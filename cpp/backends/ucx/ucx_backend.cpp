@@ -343,6 +343,13 @@ bool TakesCells(const LocalRegion& local, const RemoteRegion& remote, const Cell
          g.cell_bytes <= kMaxCudaCellBytes;
 }
 
+/// Whether stamped batches between these regions run on the CUDA copy path, the only one with a
+/// stamping kernel (the same conditions as cells, unless ucx_stamps is off).
+bool TakesStamps(const LocalRegion& local, const RemoteRegion& remote, bool enabled) {
+  return enabled && remote.direct != nullptr && local.range.kind == MemoryKind::kCuda &&
+         remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+}
+
 /// A submitted batch while the worker thread drives it. Worker thread only.
 struct ActiveBatch {
   UcxBackend* owner = nullptr;
@@ -451,6 +458,7 @@ class UcxBackend final : public Backend {
   Status Submit(std::shared_ptr<const Batch> batch) override;
   bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                     const CellGeometry& geometry) const override;
+  bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const override;
   void ExpectSubmits() override;
   Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
   Status Free(const MemoryRange& range) override;
@@ -518,6 +526,8 @@ class UcxBackend final : public Backend {
   void StartCudaCopy(ActiveBatch& ab);
   // The cell part of StartCudaCopy: one submit_cells for the whole batch.
   void StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
+  // The stamped part of StartCudaCopy: one submit_stamps for the whole batch.
+  void StartStampCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
   /// Progresses the worker until `done()` or the deadline; true when done() held.
   bool ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline);
   void CloseEndpoint(ucp_ep_h ep);
@@ -1091,9 +1101,18 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
           "mapped into this process, with the CUDA copy plugin, and cells of 1.." +
           std::to_string(kMaxCudaCellBytes) + " bytes); AcceptsCells says no for this pair");
     }
-    MORIIO_RETURN_IF_ERROR(
-        b.cells ? CheckBatchCells(b, l->second->range.size, r->second->range.size)
-                : CheckBatchRuns(b, l->second->range.size, r->second->range.size));
+    if (b.stamps && !TakesStamps(*l->second, *r->second, options_.stamps)) {
+      return FailedPreconditionError(
+          "batch " + std::to_string(b.token) +
+          " is a stamped batch, but its copy cannot run on the GPU (both ends must be CUDA "
+          "memory mapped into this process, with the CUDA copy plugin, and ucx_stamps on); "
+          "AcceptsStamps says no for this pair");
+    }
+    const std::uint64_t local_size = l->second->range.size;
+    const std::uint64_t remote_size = r->second->range.size;
+    MORIIO_RETURN_IF_ERROR(b.cells    ? CheckBatchCells(b, local_size, remote_size)
+                           : b.stamps ? CheckBatchStamps(b, local_size, remote_size)
+                                      : CheckBatchRuns(b, local_size, remote_size));
     l->second->inflight++;
     p.local = l->second;
     p.remote = r->second;
@@ -1130,6 +1149,14 @@ bool UcxBackend::AcceptsCells(std::uint64_t local_region, std::uint64_t remote_r
   auto l = regions_.find(local_region);
   auto r = remotes_.find(remote_region);
   return l != regions_.end() && r != remotes_.end() && TakesCells(*l->second, *r->second, geometry);
+}
+
+bool UcxBackend::AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto l = regions_.find(local_region);
+  auto r = remotes_.find(remote_region);
+  return l != regions_.end() && r != remotes_.end() &&
+         TakesStamps(*l->second, *r->second, options_.stamps);
 }
 
 Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {
@@ -1353,10 +1380,11 @@ bool UcxBackend::ActivateSubmitted() {
           "event on the host instead");
       continue;
     }
-    if (ab.batch->cells && !cuda_copy) {
+    if ((ab.batch->cells || ab.batch->stamps) && !cuda_copy) {
       // Submit accepted it for this pair, whose memory kinds and mapping never change.
       ab.stop = true;
-      ab.error = InternalError("cell batch " + std::to_string(ab.batch->token) +
+      ab.error = InternalError(std::string(ab.batch->cells ? "cell" : "stamped") + " batch " +
+                               std::to_string(ab.batch->token) +
                                " reached a path other than the CUDA copy");
       continue;
     }
@@ -1399,6 +1427,10 @@ void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
   const bool write = b.op == TransferOp::kWrite;
   if (b.cells) {
     StartCellCopy(ab, queue, local, remote);
+    return;
+  }
+  if (b.stamps) {
+    StartStampCopy(ab, queue, local, remote);
     return;
   }
   const std::size_t n = b.sizes.size();
@@ -1459,6 +1491,50 @@ void UcxBackend::StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local
     ab.stop = true;
     ab.error = TransportError(std::string("CUDA cell copy of batch ") + std::to_string(b.token) +
                               " failed to start: " + err);
+  }
+}
+
+void UcxBackend::StartStampCopy(ActiveBatch& ab, void* queue, std::uint64_t local,
+                                std::uint64_t remote) {
+  const Batch& b = *ab.batch;
+  const BatchStamps& s = *b.stamps;
+  if (s.run_count() == 0) return;  // nothing to move: done once polled
+  const bool write = b.op == TransferOp::kWrite;
+  // The plugin speaks destination and source; the batch local and remote. O(layers + runs).
+  std::vector<moriio_cudacopy_stamp_layer> layers;
+  layers.reserve(s.layers.size());
+  for (const StampedLayer& l : s.layers) {
+    layers.push_back(write ? moriio_cudacopy_stamp_layer{l.remote_base, l.local_base,
+                                                         l.remote_stride, l.local_stride,
+                                                         l.first_block, l.num_blocks,
+                                                         l.first_run, l.num_runs}
+                           : moriio_cudacopy_stamp_layer{l.local_base, l.remote_base,
+                                                         l.local_stride, l.remote_stride,
+                                                         l.first_block, l.num_blocks,
+                                                         l.first_run, l.num_runs});
+  }
+  std::vector<moriio_cudacopy_stamp_run> runs;
+  runs.reserve(s.runs.size());
+  for (const CopyRun& r : s.runs) {
+    runs.push_back(write ? moriio_cudacopy_stamp_run{r.remote, r.local, r.size}
+                         : moriio_cudacopy_stamp_run{r.local, r.remote, r.size});
+  }
+  const std::vector<std::int64_t>& dst_ids = write ? s.remote_ids : s.local_ids;
+  const std::vector<std::int64_t>& src_ids = write ? s.local_ids : s.remote_ids;
+  const moriio_cudacopy_api* cc = LoadCudaCopy().api;
+  char err[256] = {};
+  trace::Record(trace::Mark::kCopySubmitEntry, b.token);
+  const int rc = cc->submit_stamps(queue, write ? remote : local, write ? local : remote,
+                                   layers.data(), static_cast<std::uint32_t>(layers.size()),
+                                   runs.data(), static_cast<std::uint32_t>(runs.size()),
+                                   dst_ids.data(), src_ids.data(), dst_ids.size(),
+                                   b.device_wait_event, &ab.cuda_op, err, sizeof(err));
+  trace::Record(trace::Mark::kCopySubmitExit, b.token);
+  if (rc != 0) {
+    ab.cuda_op = nullptr;
+    ab.stop = true;
+    ab.error = TransportError(std::string("CUDA stamped copy of batch ") +
+                              std::to_string(b.token) + " failed to start: " + err);
   }
 }
 

@@ -58,6 +58,13 @@ Result<UcxOptions> ParseUcxOptions(const BackendOptions& options) {
                                   "' is not valid: use 'auto' or 'off'");
     }
   }
+  if (const auto* v = Find(options, "ucx_stamps")) {
+    const std::string mode = Trim(*v);
+    if (mode != "on" && mode != "off") {
+      return InvalidArgumentError("option ucx_stamps='" + *v + "' is not valid: use 'on' or 'off'");
+    }
+    out.stamps = mode == "on";
+  }
   if (const auto* v = Find(options, "ucx_error_handling")) {
     std::string mode = Trim(*v);
     if (mode.empty() || mode == "auto") {

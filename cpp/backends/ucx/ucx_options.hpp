@@ -40,6 +40,12 @@
 ///                     waiting to start (default 4096, 1..1048576). A request beyond them is
 ///                     answered "failed" at once (the target is busy): its reader recomputes
 ///                     instead of waiting for its deadline.
+///   ucx_stamps        "on" (default): where a batch runs on the CUDA copy path (above), the
+///                     engine hands the backend stamped batches (each layer's template and the
+///                     request's block ids, backend.hpp BatchStamps) and one kernel computes every
+///                     run's offsets, instead of the engine planning one entry per run (measured
+///                     faster for 4 KiB to 72 KiB runs, READ and WRITE: docs/benchmarks.md).
+///                     "off": runs only (the path before; for comparisons).
 ///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
 ///                     prefix), applied with ucp_config_modify after the environment is read.
 ///
@@ -65,11 +71,13 @@ inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls"
                                                  "ucx_net_devices",    "progress_mode",
                                                  "ucx_direct_copy",    "ucx_error_handling",
                                                  "ucx_read_push",      "ucx_push_queue",
-                                                 "ucx_config",         nullptr};
+                                                 "ucx_stamps",         "ucx_config",
+                                                 nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };
 enum class ReadPush { kAuto, kOn, kOff };
+
 
 struct UcxOptions {
   std::string library_path;
@@ -80,6 +88,7 @@ struct UcxOptions {
   ErrorHandling error_handling = ErrorHandling::kAuto;
   ReadPush read_push = ReadPush::kAuto;
   std::size_t push_queue = 4096;
+  bool stamps = true;
   /// NAME (without UCX_) -> VALUE, in the order given.
   std::vector<std::pair<std::string, std::string>> config;
 };

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _ERR = ctypes.c_char_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -51,8 +51,29 @@ def cells_of(geometry: dict[str, Any], into_local: bool) -> Cells:
     )
 
 
+class StampLayer(ctypes.Structure):
+    """``moriio_cudacopy_stamp_layer`` of cudacopy_abi.h: one layer of a stamped copy."""
+
+    _fields_ = [
+        ("dst_layer", ctypes.c_int64),
+        ("src_layer", ctypes.c_int64),
+        ("dst_stride", ctypes.c_int64),
+        ("src_stride", ctypes.c_int64),
+        ("first_block", ctypes.c_uint64),
+        ("num_blocks", ctypes.c_uint64),
+        ("first_run", ctypes.c_uint32),
+        ("num_runs", ctypes.c_uint32),
+    ]
+
+
+class StampRun(ctypes.Structure):
+    """``moriio_cudacopy_stamp_run`` of cudacopy_abi.h: a template run within a block."""
+
+    _fields_ = [("dst", ctypes.c_int64), ("src", ctypes.c_int64), ("size", ctypes.c_int64)]
+
+
 class _Api(ctypes.Structure):
-    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 4)."""
+    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 5)."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
@@ -91,6 +112,26 @@ class _Api(ctypes.Structure):
                 ctypes.c_uint64,
                 ctypes.c_uint64,
                 ctypes.POINTER(Cells),
+                _I64P,
+                _I64P,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(ctypes.c_void_p),
+                _ERR,
+                ctypes.c_size_t,
+            ),
+        ),
+        (
+            "submit_stamps",
+            ctypes.CFUNCTYPE(
+                ctypes.c_int,
+                ctypes.c_void_p,
+                ctypes.c_uint64,
+                ctypes.c_uint64,
+                ctypes.POINTER(StampLayer),
+                ctypes.c_uint32,
+                ctypes.POINTER(StampRun),
+                ctypes.c_uint32,
                 _I64P,
                 _I64P,
                 ctypes.c_uint64,
@@ -200,6 +241,50 @@ class Queue:
             for d, s in batches
         ]
         return lambda: self._run(args, self.api.submit_cells)
+
+    def copy_stamps(
+        self,
+        dst: int,
+        src: int,
+        layers: list[StampLayer],
+        runs: list[StampRun],
+        dst_ids: Any,
+        src_ids: Any,
+        wait_event: int = 0,
+    ) -> float:
+        """Submits one stamped copy (every run of every layer, block ids as int64 numpy arrays)
+        and waits for it (as ``gather``)."""
+        return self.prepare_stamps(dst, src, layers, runs, dst_ids, src_ids, wait_event)()
+
+    def prepare_stamps(
+        self,
+        dst: int,
+        src: int,
+        layers: list[StampLayer],
+        runs: list[StampRun],
+        dst_ids: Any,
+        src_ids: Any,
+        wait_event: int = 0,
+    ) -> Callable[[], float]:
+        """``copy_stamps`` with the ctypes arguments built now (as ``prepare_gather``)."""
+        layer_array = (StampLayer * len(layers))(*layers)
+        run_array = (StampRun * len(runs))(*runs)
+        args = [
+            (
+                self.handle,
+                dst,
+                src,
+                layer_array,
+                len(layers),
+                run_array,
+                len(runs),
+                dst_ids.ctypes.data_as(_I64P),
+                src_ids.ctypes.data_as(_I64P),
+                len(dst_ids),
+                wait_event,
+            )
+        ]
+        return lambda: self._run(args, self.api.submit_stamps)
 
     def _run(self, batches: list[tuple[Any, ...]], submit: Any) -> float:
         """Calls ``submit(*args, op, err, err_len)`` for every argument tuple, then waits for
