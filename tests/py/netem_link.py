@@ -116,13 +116,14 @@ def open_tun(name: str) -> int:
 
 
 class _Direction:
-    """Packets read from ``src`` on their way into ``dst``, the held ones in send order."""
+    """Packets read from ``src`` on their way into ``dst``. The held ones, with the time each
+    is due, stay in arrival order: one goes when it is due and all ahead of it went, so the
+    jitter reorders nothing."""
 
     def __init__(self, src: int, dst: int) -> None:
         self.src = src
         self.dst = dst
         self.held: collections.deque[tuple[float, bytes]] = collections.deque()
-        self.last_due = 0.0  # the send time of the packet held last: no later packet goes before
 
 
 class _Forwarder:
@@ -176,8 +177,7 @@ class _Forwarder:
             self._write(d, packet)
         else:
             jitter = self.rng.uniform(-imp.jitter_s, imp.jitter_s)
-            d.last_due = max(d.last_due, now + imp.delay_s + jitter)
-            d.held.append((d.last_due, packet))
+            d.held.append((now + imp.delay_s + jitter, packet))
 
     def _send_due(self, now: float) -> None:
         for d in self.directions:
@@ -224,7 +224,7 @@ def _answer(reply: dict[str, Any]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description="A link emulator between two new TUN devices.")
     parser.add_argument("devices", nargs=2, help="names of the two TUN devices to create")
     parser.add_argument("--seed", type=int, default=0, help="of the loss/reorder/jitter draws")
     args = parser.parse_args(argv)
