@@ -664,6 +664,36 @@ def test_write_prefill_aborted_mid_prefill_decode_times_out(
     assert d.step().scheduled == {rid: 32}  # recomputing (chunked)
 
 
+def test_write_announced_after_the_prefill_gave_up_is_recomputed_at_once(
+    sides: list[Side], model_dir: str
+) -> None:
+    """The decode leg reaches the decode only after the prefill's job gave up on it (the
+    prefill's abort_timeout passed without remote_blocks; its blocks are free). Before: the
+    prefill's listener dropped the late announcement (its transfer was terminal), and the
+    decode held its blocks for its own abort_timeout (120 s by default; 600 s here, beyond
+    the test's wait) before recomputing. Now the prefill answers write_failed at once: the
+    decode recomputes, writing nothing of the prefill's, and frees every block."""
+    p, d = make_pair(
+        sides,
+        model_dir,
+        "write",
+        p_extra={"abort_timeout": 5},
+        d_extra={"abort_timeout": 600},
+    )
+    prompt = prompt_of(40, seed=37)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill gave up")
+    assert p.free_blocks() == p.initial_free
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, max_wait=60, what="write_failed")
+    assert rid in res[-1].transfer.finished_recving
+    assert d.step().scheduled == {rid: len(prompt)}  # recomputed from scratch
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
+
+
 def test_write_posts_each_layer_only_after_its_event(
     sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
