@@ -537,6 +537,35 @@ def test_a_late_announcement_reaches_the_prefill_and_its_write_failed_the_decode
     assert "the request was aborted" in received.reason and not engine.calls
 
 
+def test_a_request_that_ended_before_its_prompt_was_computed_tells_every_announced_rank() -> None:
+    """The request ended at the prefill before its last prompt chunk (no save task: its blocks
+    were freed at once), after decode rank 1 announced and before rank 0 did. Before: nothing
+    told the workers, rank 1's announcement waited out abort_timeout as an orphan, and both
+    decode ranks held their blocks for their abort_timeout. Now the scheduler's notice ends
+    the request's jobs: rank 1 is told write_failed at once, rank 0 when it announces, each
+    once; nothing is handshaken or written, and nothing is reported freed (vLLM holds no
+    blocks of it)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tx-6", ((20, 21),), "d:8000/dp0/tp1", decode_tp_rank=1))
+    ended = SendTask("req-6", "tx-6", aborted=True, unsaved=True, peer=DECODE, remote_tp_size=2)
+    pusher.begin_step([], [ended])
+    assert final_messages(sender) == [(8101, "write_failed", "tx-6", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert "before its prompt was computed" in failed.reason
+    assert not pusher.job_states() and not ctx.reports.done_sending
+    for rank in (0, 1):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-6", ((20, 21),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    assert final_messages(sender) == [
+        (8101, "write_failed", "tx-6", 0),
+        (8100, "write_failed", "tx-6", 0),
+    ]
+    assert not directory.pending and not engine.calls and not ctx.reports.done_sending
+
+
 def abort_write(tid: str, rank: int, engine_rank: int | None = None) -> AbortWrite:
     """Decode rank ``rank``'s abort_write (its engine id: that of ``engine_rank``, default
     its own), naming the decode's base address."""

@@ -16,15 +16,20 @@ to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` onc
 it can land), and the blocks are reported free once the request finished. A job that ends
 before its decode rank was handshaken (the handshake failed, or had not answered) posted
 nothing to the engine: its ``write_failed`` goes at once to the notify port that rank has at
-the request's decode address, so the decode need not wait out its ``abort_timeout``. With ``verify``
+the request's decode address, so the decode need not wait out its ``abort_timeout``. So does
+the ``write_failed`` of a job that ended before its decode rank announced (also one of a
+request that ended, or one that ended before its prompt was computed: an ``unsaved`` send
+task), once the announcement comes, and the ``write_aborted`` of a job never handshaken: each
+where the job writes or would write (an ``abort_write`` of a transfer never known here is
+answered at its own address only after a handshake there confirmed its rank). With ``verify``
 on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
 its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
 A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
 that.
 
 Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
-overtake the scheduler) are kept in bounded records, so unauthenticated peers cannot make
-this side hold unbounded state.
+overtake the scheduler), and what late messages of ended jobs need, are kept in bounded
+records, so unauthenticated peers cannot make this side hold unbounded state.
 """
 
 from __future__ import annotations
@@ -368,6 +373,10 @@ class Pusher:
         deadline = now + ctx.cfg.abort_timeout
         early = self._early_releases.pop(tid, None)
         released = early[1] if early is not None else _Releases()
+        if send.unsaved:
+            if ctx.cfg.mode == "write":
+                self._end_unsaved(send, now)
+            return
         if ctx.cfg.mode == "read":
             machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
             held = _Send(send, deadline, machine, released)
@@ -395,6 +404,23 @@ class Pusher:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
 
+    def _end_unsaved(self, send: SendTask, now: float) -> None:
+        """A request that ended before its prompt was computed (lock held): its jobs, one per
+        decode rank the plan has us write (announcements that came first included), end
+        failed with nothing written; the ranks that announced are told write_failed now, the
+        others when they announce (their ended records). Nothing is reported: vLLM holds no
+        blocks of it."""
+        # What its save task would have said: the decode it names, and no blocks computed.
+        save = SaveTask(send.req_id, send.transfer_id, (), 0, send.peer, send.remote_tp_size)
+        jobs = self._plan_jobs(save, now)
+        self._unwritten.discard(send.transfer_id)
+        for job in jobs:
+            job.send = send
+        for job in jobs:  # the last one to fail ends the request
+            self._fail(job, "the request ended at the prefill before its prompt was computed")
+        if send.transfer_id in self._requests:  # every job had failed already (at planning)
+            self._request_ended(jobs)
+
     def _request_ended(self, jobs: list[_Job]) -> bool:
         """Once every job of a finished request is terminal: its blocks are free, late
         messages for it are dropped (lock held). Whether it ended."""
@@ -403,7 +429,8 @@ class Pusher:
         send = jobs[0].send
         if send is None:
             return False
-        self._ctx.reports.done_sending.add(send.req_id)
+        if not send.unsaved:  # vLLM freed an unsaved request's blocks already
+            self._ctx.reports.done_sending.add(send.req_id)
         self._ctx.mark_terminal(send.transfer_id)
         self._requests.pop(send.transfer_id, None)
         now = time.monotonic()
@@ -634,8 +661,8 @@ class Pusher:
         ok = job.state is JobState.DONE
         if ok and event is not None:
             ctx.stats.record_transfer(event, self._groups_moved(job))
-        elif not ok and not job.released:
-            ctx.stats.record(ok=False)
+        elif not ok and not job.released and not (job.send is not None and job.send.unsaved):
+            ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
         if job.abort_requested is not None:
             self._send_write_aborted(job)
         elif not job.released and not job.announcer_gone:
