@@ -229,7 +229,7 @@ class _Ended:
     reason: str
     ended: float
     settled: bool  # no write_failed owed (see _Job.settled), or it went out
-    acked: bool  # its abort_write was answered (or nothing may answer one)
+    acked: bool  # its abort_write came (and was answered)
 
 
 def rank_ports(address: ZmqAddress, dp_rank: int, rank: int, tp_size: int) -> tuple[str, int, int]:
@@ -715,7 +715,8 @@ class Pusher:
         the job writes: its handshaken decode rank, or, unhandshaken, that rank's notify port
         at the request's decode address (where a handshake would have gone). Only a job of a
         request this rank never had is answered at the abort's own address, after a handshake
-        confirmed the rank there (:meth:`_ack_by_handshake`)."""
+        confirmed the rank there (:meth:`_ack_by_handshake`); so is one whose request named
+        no decode address."""
         request = job.abort_requested
         assert request is not None
         ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
@@ -750,12 +751,13 @@ class Pusher:
         self._send(host, notify_port, message)
 
     def _ack_by_handshake(self, request: AbortWrite, ack: WriteAborted) -> None:
-        """Acknowledge an abort_write of a transfer whose request this rank never had (lock
-        held): only at the rank it names, proven by a handshake at its address (allowlist;
-        the rank, its TP size and ``decode_engine_id`` must match), or a cached handshake of
-        that engine id and rank. An ack tells its receiver that this rank's writes of the
-        transfer into it stopped, so it must reach no other rank: one this rank may still write
-        into later, should the request come."""
+        """Acknowledge an abort_write whose decode address this rank does not know (it never
+        had the request, or the request named none; lock held): only at the rank it names,
+        proven by a handshake at its address (allowlist; the rank, its TP size and
+        ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
+        ack tells its receiver that this rank's writes of the transfer into it stopped, so it
+        must reach no other rank: one this rank may still write into later, should the request
+        come."""
         rank = (request.decode_dp_rank, request.decode_tp_rank)
         peer = self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
