@@ -28,6 +28,7 @@ from moriio_native.control.messages import (
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
 from moriio_native.errors import TransportError
+from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -564,6 +565,27 @@ def test_a_request_that_ended_before_its_prompt_was_computed_tells_every_announc
         (8100, "write_failed", "tx-6", 0),
     ]
     assert not directory.pending and not engine.calls and not ctx.reports.done_sending
+
+
+def test_the_records_of_ended_jobs_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What answers late announcements is bounded (the newest ended jobs) and kept for
+    abort_timeout; past either, a late announcement is kept like one for a request never seen
+    (an orphan, forgotten after abort_timeout), never answered from a guess."""
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", 4)
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    for i in range(10):
+        pusher.begin_step([SaveTask(f"req-{i}", f"tx-{i}", (1, 2), 2, DECODE, 1)], [])
+        pusher.begin_step([], [SendTask(f"req-{i}", f"tx-{i}", aborted=True)])
+    for i in (0, 9):
+        pusher.on_remote_blocks(RemoteBlocks(f"tx-{i}", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-9", 0)]
+    assert pusher.job_states() == {"tx-0": JobState.PENDING}  # an orphan now
+    pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    pusher.on_remote_blocks(RemoteBlocks("tx-8", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-9", 0)]
+    assert pusher.job_states() == {"tx-8": JobState.PENDING}
 
 
 def abort_write(tid: str, rank: int, engine_rank: int | None = None) -> AbortWrite:
