@@ -790,3 +790,21 @@ def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lo
     announce.join(20)
     assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
     assert pusher.job_states()["tx-9"] is JobState.WRITING
+
+
+def test_an_announcement_for_a_request_that_cannot_be_written_is_told_write_failed() -> None:
+    """The request still runs at the prefill, but its job failed when its save task came (a
+    decode of another TP size, with two KV-cache groups: no plan). Before: the decode rank's
+    later announcement found the job no longer PENDING and got no answer. Now it is told
+    write_failed at once, with the reason, at its notify port; nothing is handshaken."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.cfg = dataclasses.replace(ctx.cfg, groups=GROUPS)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-7", "tx-7", (1, 2), 2, DECODE, remote_tp_size=2)], [])
+    assert pusher.job_states() == {"tx-7": JobState.FAILED} and not final_messages(sender)
+    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-7", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert "prefill TP 1 and decode TP 2 differ" in failed.reason
+    assert not directory.pending and not engine.calls
