@@ -215,6 +215,13 @@ def test_messages_of_terminal_transfers_are_not_delivered():
         abort = AbortWrite("tx-late", "d0", LOCAL, 7301, 7401)
         sender.send(LOCAL, listener.port, abort)
         assert listener.get(WAIT) == abort
+        # So is another decode rank's first remote_blocks (the writer ended before it came:
+        # the rank waits for its write_failed); a copy of one seen before is still a duplicate.
+        announced = RemoteBlocks("tx-late", ((2,),), "d1")
+        sender.send(LOCAL, listener.port, RemoteBlocks("tx-late", ((1,),), "d"))
+        sender.send(LOCAL, listener.port, announced)
+        assert listener.get(WAIT) == announced
+        assert listener.stats()["dropped_duplicate"] == 1
 
 
 def test_signed_replays_and_moved_tags_are_rejected(raw_dealer):

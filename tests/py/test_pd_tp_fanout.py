@@ -28,6 +28,7 @@ from moriio_native.control.messages import (
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
 from moriio_native.errors import TransportError
+from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import Peer, PeerKey
@@ -466,6 +467,217 @@ def test_a_decode_that_restarted_since_announcing_gets_no_write_failed() -> None
     assert ctx.reports.done_sending == {"req-3"}
 
 
+def end_request_before_announcement(
+    ended: str,
+) -> tuple[Context, PortSender, Directory, Engine, Pusher]:
+    """Prefill TP 1 -> decode TP 2: the request's save task came, then its jobs ended FAILED
+    (``ended``: the request was aborted, or no announcement came within abort_timeout) before
+    either decode rank announced its blocks; the request ended with them."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=ended == "aborted")])
+    if ended == "deadline":
+        pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    assert ctx.reports.done_sending == {"req-1"} and not pusher.job_states()
+    assert not final_messages(sender)  # nobody had announced: nobody to tell yet
+    return ctx, sender, directory, engine, pusher
+
+
+@pytest.mark.parametrize("ended", ["aborted", "deadline"])
+def test_an_announcement_after_the_job_ended_is_told_write_failed_at_once(ended: str) -> None:
+    """Before: a job that ended FAILED before its decode rank's remote_blocks came (the request
+    aborted at the prefill, its abort_timeout) dropped the late announcement without an answer
+    (the job was no longer PENDING, or no longer known), and the decode rank held its blocks
+    for its abort_timeout (120 s). Now each announcing rank gets one write_failed at once, at
+    its notify port at the request's decode address, naming why the job ended; nothing is
+    handshaken or written, and a copy of the announcement gets no second answer."""
+    _, sender, directory, engine, pusher = end_request_before_announcement(ended)
+    for rank in (1, 0, 1):  # rank 1's announcement twice (a copy past the listener's memory)
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-1", ((20, 21),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    assert final_messages(sender) == [
+        (8101, "write_failed", "tx-1", 0),
+        (8100, "write_failed", "tx-1", 0),
+    ]
+    why = "the request was aborted" if ended == "aborted" else "within abort_timeout"
+    assert all(why in m.reason for m in sender.sent if isinstance(m, WriteFailed)), sender.sent
+    assert not directory.pending and not engine.calls and not pusher.job_states()
+
+
+def test_a_late_announcement_reaches_the_prefill_and_its_write_failed_the_decode() -> None:
+    """Over the real notify channel with a shared secret: the prefill's request was aborted
+    before the decode rank announced, so the transfer is terminal at the prefill's listener.
+    Before: the listener dropped the late remote_blocks as a message of a terminal transfer,
+    and the decode rank waited its abort_timeout. Now it reaches the pusher, and the decode
+    rank's listener gets the write_failed, authenticated."""
+    secure = ControlSecurity(MessageAuth("a shared secret of 32 bytes!!!!!"), PeerAllowlist())
+    secure.allowlist.learn("127.0.0.1")
+    with (
+        NotifyListener(0, secure, bind_host="127.0.0.1") as prefill,
+        NotifyListener(0, secure, bind_host="127.0.0.1") as decode,
+        NotifySender(secure) as notify,
+    ):
+        address = ZmqAddress("127.0.0.1", 8000, decode.port)
+        ctx, _, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+        ctx.sender, ctx.mark_terminal = notify, prefill.mark_terminal
+        pusher = Pusher(ctx)
+        pusher.begin_step([SaveTask("req-2", "tx-2", (1, 2), 2, address, remote_tp_size=1)], [])
+        pusher.begin_step([], [SendTask("req-2", "tx-2", aborted=True)])
+        assert ctx.reports.done_sending == {"req-2"}
+        notify.send("127.0.0.1", prefill.port, RemoteBlocks("tx-2", ((20, 21),), "d:8000/dp0/tp0"))
+        announced = prefill.get(5.0)
+        assert isinstance(announced, RemoteBlocks), prefill.stats()
+        pusher.on_remote_blocks(announced)
+        received = decode.get(5.0)
+        assert decode.stats()["dropped_auth"] == 0
+    assert isinstance(received, WriteFailed), received
+    assert (received.transfer_id, received.writer_rank) == ("tx-2", 0)
+    assert "the request was aborted" in received.reason and not engine.calls
+
+
+def test_a_request_that_ended_before_its_prompt_was_computed_tells_every_announced_rank() -> None:
+    """The request ended at the prefill before its last prompt chunk (no save task: its blocks
+    were freed at once), after decode rank 1 announced and before rank 0 did. Before: nothing
+    told the workers, rank 1's announcement waited out abort_timeout as an orphan, and both
+    decode ranks held their blocks for their abort_timeout. Now the scheduler's notice ends
+    the request's jobs: rank 1 is told write_failed at once, rank 0 when it announces, each
+    once; nothing is handshaken or written, and nothing is reported freed (vLLM holds no
+    blocks of it)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tx-6", ((20, 21),), "d:8000/dp0/tp1", decode_tp_rank=1))
+    ended = SendTask("req-6", "tx-6", aborted=True, unsaved=True, peer=DECODE, remote_tp_size=2)
+    pusher.begin_step([], [ended])
+    assert final_messages(sender) == [(8101, "write_failed", "tx-6", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert "before its prompt was computed" in failed.reason
+    assert not pusher.job_states() and not ctx.reports.done_sending
+    for rank in (0, 1):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-6", ((20, 21),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    assert final_messages(sender) == [
+        (8101, "write_failed", "tx-6", 0),
+        (8100, "write_failed", "tx-6", 0),
+    ]
+    assert not directory.pending and not engine.calls and not ctx.reports.done_sending
+
+
+def test_the_records_of_ended_jobs_are_bounded_and_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What answers late announcements is bounded (the newest ended jobs) and kept for
+    abort_timeout; past either, a late announcement is kept like one for a request never seen
+    (an orphan, forgotten after abort_timeout), never answered from a guess."""
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", 4)
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    for i in range(10):
+        pusher.begin_step([SaveTask(f"req-{i}", f"tx-{i}", (1, 2), 2, DECODE, 1)], [])
+        pusher.begin_step([], [SendTask(f"req-{i}", f"tx-{i}", aborted=True)])
+    for i in (0, 9):
+        pusher.on_remote_blocks(RemoteBlocks(f"tx-{i}", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-9", 0)]
+    assert pusher.job_states() == {"tx-0": JobState.PENDING}  # an orphan now
+    pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    pusher.on_remote_blocks(RemoteBlocks("tx-8", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-9", 0)]
+    assert pusher.job_states() == {"tx-8": JobState.PENDING}
+
+
+def abort_write(tid: str, rank: int, engine_rank: int | None = None) -> AbortWrite:
+    """Decode rank ``rank``'s abort_write (its engine id: that of ``engine_rank``, default
+    its own), naming the decode's base address."""
+    named = rank if engine_rank is None else engine_rank
+    return AbortWrite(
+        tid,
+        f"d:8000/dp0/tp{named}",
+        DECODE.host,
+        DECODE.handshake_port,
+        DECODE.notify_port,
+        decode_tp_rank=rank,
+        decode_tp_size=2,
+    )
+
+
+@pytest.mark.parametrize("when", ["handshake pending", "request ended"])
+def test_an_abort_of_an_unhandshaken_job_is_acknowledged_at_once(when: str) -> None:
+    """Decode rank 1 announced, the prefill's handshake of it never answers, and the decode
+    rank gives up (abort_write) -- with the job still connecting, or after the request ended
+    (its write_failed lost). Nothing of the job was posted, so nothing can land. Before: the
+    write_aborted waited for a handshake of the decode rank (the one that never answers),
+    and the decode rank kept its blocks quarantined for quarantine_timeout (300 s). Now it goes
+    at once to that rank's notify port at the request's decode address, once; the late
+    handshake then writes nothing and sends nothing more."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-3", "tx-3", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    for rank in (0, 1):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-3", ((20, 21),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    [(_, stuck)] = [p for p in directory.pending if p[0].handshake_port == 8001]
+    directory.pending = [p for p in directory.pending if p[0].handshake_port != 8001]
+    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [0]
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    pusher.on_event(event("tx-3"), drained=True)  # rank 0's job is done
+    expected = [(8100, "write_done", "tx-3", 0)]
+    if when == "request ended":
+        stuck.set_exception(TransportError("handshake with 127.0.0.1:8001 timed out after 30s"))
+        pusher.begin_step([], [SendTask("req-3", "tx-3")])
+        assert ctx.reports.done_sending == {"req-3"} and not pusher.job_states()
+        expected.append((8101, "write_failed", "tx-3", 0))
+    assert final_messages(sender) == expected
+    pusher.on_abort_write(abort_write("tx-3", 1))
+    pusher.on_abort_write(abort_write("tx-3", 1))  # a copy past the listener's memory
+    assert final_messages(sender) == [*expected, (8101, "write_aborted", "tx-3", 0)]
+    assert not directory.pending  # no handshake for the acknowledgement
+    if when == "handshake pending":
+        assert pusher.job_states()["tx-3#d1"] is JobState.FAILED
+        stuck.set_result(peer_at(PeerKey("127.0.0.1", 8001), DECODE, 1, 2, "WRITE"))
+    assert {c[1] for c in engine.calls if c[0] in ("write_layer", "seal")} == {"tx-3"}
+    assert final_messages(sender) == [*expected, (8101, "write_aborted", "tx-3", 0)]
+
+
+class CachedDirectory(Directory):
+    """Decode rank 0 of TP 2 is handshaken (the cache's only peer); handshakes stay pending."""
+
+    def find_engine(self, engine_id: str) -> Peer | None:
+        key = PeerKey("127.0.0.1", DECODE.handshake_port)
+        peer = peer_at(key, DECODE, 0, 2, "WRITE")
+        return peer if peer.response.engine_id == engine_id else None
+
+
+def test_an_abort_for_a_transfer_never_known_is_acknowledged_only_by_the_rank_it_names() -> None:
+    """An abort_write for a transfer this prefill rank never knew (nothing of it was or is
+    written here) names decode rank 1 but the engine id of rank 0, which the prefill has
+    handshaken. Before: the write_aborted went to rank 0 (the cached peer of that engine id),
+    which would free blocks this rank may still write for that transfer. Now only the rank the
+    abort names is answered, after a handshake at the abort's address confirms it; the
+    transfer's job stays failed, and a save task for it later writes nothing into rank 1."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.directory = directory = CachedDirectory()  # type: ignore[assignment]
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_abort_write(abort_write("tx-4", 1, engine_rank=0))
+    assert not final_messages(sender)
+    [(key, future)] = directory.pending
+    assert key == PeerKey("127.0.0.1", 8001)
+    future.set_result(peer_at(key, DECODE, 1, 2, "WRITE"))  # its engine id is not the abort's
+    assert not final_messages(sender)
+    pusher.on_abort_write(abort_write("tx-5", 1))
+    [(key, future)] = directory.pending[1:]
+    future.set_result(peer_at(key, DECODE, 1, 2, "WRITE"))
+    assert final_messages(sender) == [(8101, "write_aborted", "tx-5", 0)]
+    assert pusher.job_states() == {"tx-4#d1": JobState.FAILED, "tx-5#d1": JobState.FAILED}
+    assert not engine.calls
+
+
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:
     ctx, _, _, _ = context("write", producer=True, tp_rank=1, tp_size=4, heads=2)
     pusher = Pusher(ctx)
@@ -578,3 +790,21 @@ def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lo
     announce.join(20)
     assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
     assert pusher.job_states()["tx-9"] is JobState.WRITING
+
+
+def test_an_announcement_for_a_request_that_cannot_be_written_is_told_write_failed() -> None:
+    """The request still runs at the prefill, but its job failed when its save task came (a
+    decode of another TP size, with two KV-cache groups: no plan). Before: the decode rank's
+    later announcement found the job no longer PENDING and got no answer. Now it is told
+    write_failed at once, with the reason, at its notify port; nothing is handshaken."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.cfg = dataclasses.replace(ctx.cfg, groups=GROUPS)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-7", "tx-7", (1, 2), 2, DECODE, remote_tp_size=2)], [])
+    assert pusher.job_states() == {"tx-7": JobState.FAILED} and not final_messages(sender)
+    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21),), "d:8000/dp0/tp0"))
+    assert final_messages(sender) == [(8100, "write_failed", "tx-7", 0)]
+    (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
+    assert "prefill TP 1 and decode TP 2 differ" in failed.reason
+    assert not directory.pending and not engine.calls

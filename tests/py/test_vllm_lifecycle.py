@@ -644,24 +644,67 @@ def test_write_prefill_failure_makes_decode_recompute(sides: list[Side], model_d
     assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
 
 
-def test_write_prefill_aborted_mid_prefill_decode_times_out(
-    sides: list[Side], model_dir: str
+@pytest.mark.parametrize("announced", ["before", "after"])
+def test_write_prefill_aborted_mid_prefill_decode_recomputes_at_once(
+    sides: list[Side], model_dir: str, announced: str
 ) -> None:
+    """The prefill's request is aborted before its last prompt chunk (nothing was handed to
+    the workers; its blocks are freed at once), with the decode's announcement before or
+    after the abort. Before: the prefill's workers never heard of the abort, and the decode
+    held its blocks for its abort_timeout (600 s here, beyond the test's wait). Now the
+    scheduler tells the workers, which answer the decode write_failed: it recomputes at
+    once."""
     p, d = make_pair(
-        sides, model_dir, "write", d_extra={"abort_timeout": 2}, max_num_batched_tokens=32
+        sides, model_dir, "write", d_extra={"abort_timeout": 600}, max_num_batched_tokens=32
     )
     prompt = prompt_of(80, seed=31)
     rid, tid = pd_request_id(p, d), transfer_id()
-    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
-    d.step()
+    if announced == "before":
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+        d.step()
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
     assert p.step().scheduled == {rid: 32}  # first chunk only
     p.abort(rid)
     p.step()
     assert p.free_blocks() == p.initial_free  # nothing was handed over: freed at once
-    res = d.run_until(lambda r: rid in r.transfer.failed_recving, what="decode abort_timeout")
+    if announced == "after":
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, max_wait=60, what="write_failed")
     assert rid in res[-1].transfer.finished_recving
     assert d.step().scheduled == {rid: 32}  # recomputing (chunked)
+    for _ in range(3):  # the prefill reports nothing for the request vLLM freed
+        assert not p.step().transfer.finished_sending
+    assert p.free_blocks() == p.initial_free
+
+
+def test_write_announced_after_the_prefill_gave_up_is_recomputed_at_once(
+    sides: list[Side], model_dir: str
+) -> None:
+    """The decode leg reaches the decode only after the prefill's job gave up on it (the
+    prefill's abort_timeout passed without remote_blocks; its blocks are free). Before: the
+    prefill's listener dropped the late announcement (its transfer was terminal), and the
+    decode held its blocks for its own abort_timeout (120 s by default; 600 s here, beyond
+    the test's wait) before recomputing. Now the prefill answers write_failed at once: the
+    decode recomputes, writing nothing of the prefill's, and frees every block."""
+    p, d = make_pair(
+        sides,
+        model_dir,
+        "write",
+        p_extra={"abort_timeout": 5},
+        d_extra={"abort_timeout": 600},
+    )
+    prompt = prompt_of(40, seed=37)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill gave up")
+    assert p.free_blocks() == p.initial_free
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    res = d.run_until(lambda r: rid in r.transfer.failed_recving, max_wait=60, what="write_failed")
+    assert rid in res[-1].transfer.finished_recving
+    assert d.step().scheduled == {rid: len(prompt)}  # recomputed from scratch
+    assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert d.free_blocks() == d.initial_free
 
 
 def test_write_posts_each_layer_only_after_its_event(

@@ -65,6 +65,7 @@ from .messages import (
     NotifyMessage,
     ProtocolVersionError,
     ProxyRegistration,
+    RemoteBlocks,
     decode,
     encode,
 )
@@ -378,7 +379,8 @@ class NotifyListener(_RouterThread):
     Delivery promise: each distinct notification is delivered at most once -- a copy with the
     same ``dedup_key`` (same type and transfer, and same writer/consumer rank where the
     message has one) is dropped -- and nothing is delivered for a transfer after
-    :meth:`mark_terminal` (also not what was still queued). Both memories are bounded LRUs.
+    :meth:`mark_terminal` (also not what was still queued) but ``abort_write`` and
+    ``remote_blocks``, which still need their answers. Both memories are bounded LRUs.
     """
 
     _name = "notify listener"
@@ -490,9 +492,13 @@ class NotifyListener(_RouterThread):
                 self._cond.wait(min(remaining, _POLL_MS / 1000))
 
     def _late(self, message: NotifyMessage) -> bool:
-        """Whether ``message`` is for a terminal transfer and dropped. An ``abort_write`` is
-        never late: the decode waits for its answer even when the writer finished already."""
-        return message.transfer_id in self._terminal and not isinstance(message, AbortWrite)
+        """Whether ``message`` is for a terminal transfer and dropped. An ``abort_write`` or a
+        ``remote_blocks`` is never late: the decode rank waits for its answer even when the
+        writer ended already (``write_aborted``; ``write_failed`` for a job that ended before
+        the rank announced)."""
+        return message.transfer_id in self._terminal and not isinstance(
+            message, (AbortWrite, RemoteBlocks)
+        )
 
     def mark_terminal(self, transfer_id: str) -> None:
         """From now on drop every message of ``transfer_id`` (it is done/failed/aborted)."""

@@ -16,15 +16,20 @@ to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` onc
 it can land), and the blocks are reported free once the request finished. A job that ends
 before its decode rank was handshaken (the handshake failed, or had not answered) posted
 nothing to the engine: its ``write_failed`` goes at once to the notify port that rank has at
-the request's decode address, so the decode need not wait out its ``abort_timeout``. With ``verify``
+the request's decode address, so the decode need not wait out its ``abort_timeout``. So does
+the ``write_failed`` of a job that ended before its decode rank announced (also one of a
+request that ended, or one that ended before its prompt was computed: an ``unsaved`` send
+task), once the announcement comes, and the ``write_aborted`` of a job never handshaken: each
+where the job writes or would write (an ``abort_write`` of a transfer never known here is
+answered at its own address only after a handshake there confirmed its rank). With ``verify``
 on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
 its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
 A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
 that.
 
 Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
-overtake the scheduler) are kept in bounded records, so unauthenticated peers cannot make
-this side hold unbounded state.
+overtake the scheduler), and what late messages of ended jobs need, are kept in bounded
+records, so unauthenticated peers cannot make this side hold unbounded state.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
@@ -195,6 +201,47 @@ class _Job:
     def state(self) -> JobState:
         return self.machine.state
 
+    @property
+    def settled(self) -> bool:
+        """Whether the decode rank needs no write_failed for a late announcement: it announced
+        already (its final message went out at the end), released, gave up (abort_write: it
+        gets write_aborted), or is a process that restarted since."""
+        return (
+            self.remote is not None
+            or self.released
+            or self.announcer_gone
+            or self.abort_requested is not None
+        )
+
+
+@dataclass
+class _Ended:
+    """What a job of an ended request leaves for its late messages (bounded, kept for
+    ``abort_timeout``): nothing of the job can land any more, so a late ``remote_blocks`` is
+    told ``write_failed`` and a late ``abort_write`` acknowledged at once, each at most once,
+    at the notify port of the job's decode rank at the request's decode address."""
+
+    request: str
+    decode_rank: int
+    decode_tp: int
+    address: ZmqAddress | None  # the request's decode address (None: it named none)
+    dp_rank: int | None  # the decode DP rank its announcement named (None: it never announced)
+    reason: str
+    ended: float
+    settled: bool  # no write_failed owed (see _Job.settled), or it went out
+    acked: bool  # its abort_write came (and was answered)
+
+
+def rank_ports(address: ZmqAddress, dp_rank: int, rank: int, tp_size: int) -> tuple[str, int, int]:
+    """(host, handshake port, notify port) of rank ``rank`` (DP rank ``dp_rank``, ``tp_size``
+    ranks per DP group) of the instance at base ``address``, by the port formula
+    (InvalidArgumentError for a rank or port out of range)."""
+    return (
+        address.host,
+        rank_port(address.handshake_port, dp_rank, rank, tp_size),
+        rank_port(address.notify_port, dp_rank, rank, tp_size),
+    )
+
 
 def job_transfer_id(transfer_id: str, decode_rank: int, tp_rank: int) -> str:
     """The engine transfer id of prefill rank ``tp_rank``'s job writing ``transfer_id`` into
@@ -223,6 +270,7 @@ class Pusher:
         self._step_jobs: list[_Job] = []
         self._early_releases: OrderedDict[str, tuple[float, _Releases]] = OrderedDict()
         self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
+        self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
         self._staged: list[WriterOp] = []  # guarded by the lock, moved by feed_writer
         # Serialises feeding so staged ops enter the queue in order; the writer never takes it.
@@ -325,6 +373,10 @@ class Pusher:
         deadline = now + ctx.cfg.abort_timeout
         early = self._early_releases.pop(tid, None)
         released = early[1] if early is not None else _Releases()
+        if send.unsaved:
+            if ctx.cfg.mode == "write":
+                self._end_unsaved(send, now)
+            return
         if ctx.cfg.mode == "read":
             machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
             held = _Send(send, deadline, machine, released)
@@ -352,6 +404,23 @@ class Pusher:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
 
+    def _end_unsaved(self, send: SendTask, now: float) -> None:
+        """A request that ended before its prompt was computed (lock held): its jobs, one per
+        decode rank the plan has us write (announcements that came first included), end
+        failed with nothing written; the ranks that announced are told write_failed now, the
+        others when they announce (their ended records). Nothing is reported: vLLM holds no
+        blocks of it."""
+        # What its save task would have said: the decode it names, and no blocks computed.
+        save = SaveTask(send.req_id, send.transfer_id, (), 0, send.peer, send.remote_tp_size)
+        jobs = self._plan_jobs(save, now)
+        self._unwritten.discard(send.transfer_id)
+        for job in jobs:
+            job.send = send
+        for job in jobs:  # the last one to fail ends the request
+            self._fail(job, "the request ended at the prefill before its prompt was computed")
+        if send.transfer_id in self._requests:  # every job had failed already (at planning)
+            self._request_ended(jobs)
+
     def _request_ended(self, jobs: list[_Job]) -> bool:
         """Once every job of a finished request is terminal: its blocks are free, late
         messages for it are dropped (lock held). Whether it ended."""
@@ -360,11 +429,26 @@ class Pusher:
         send = jobs[0].send
         if send is None:
             return False
-        self._ctx.reports.done_sending.add(send.req_id)
+        if not send.unsaved:  # vLLM freed an unsaved request's blocks already
+            self._ctx.reports.done_sending.add(send.req_id)
         self._ctx.mark_terminal(send.transfer_id)
         self._requests.pop(send.transfer_id, None)
+        now = time.monotonic()
         for job in jobs:
             self._jobs.pop(job.transfer_id, None)
+            self._ended[job.transfer_id] = _Ended(
+                request=job.request,
+                decode_rank=job.decode_rank,
+                decode_tp=self._decode_tp(job),
+                address=job.save.peer if job.save is not None else None,
+                dp_rank=job.remote.decode_dp_rank if job.remote is not None else None,
+                reason=job.reason,
+                ended=now,
+                settled=job.settled,
+                acked=job.abort_requested is not None,
+            )
+            while len(self._ended) > MAX_EARLY_MESSAGES:
+                self._ended.popitem(last=False)
         return True
 
     # ---- the job machine (lock held) ----------------------------------------------------------
@@ -469,11 +553,8 @@ class Pusher:
         blocks, at the request's decode address by the port formula (InvalidArgumentError for
         a rank or port out of range)."""
         assert job.save is not None and job.save.peer is not None and job.remote is not None
-        address, dp_rank, tp = job.save.peer, job.remote.decode_dp_rank, self._decode_tp(job)
-        return (
-            address.host,
-            rank_port(address.handshake_port, dp_rank, job.decode_rank, tp),
-            rank_port(address.notify_port, dp_rank, job.decode_rank, tp),
+        return rank_ports(
+            job.save.peer, job.remote.decode_dp_rank, job.decode_rank, self._decode_tp(job)
         )
 
     def _connect(self, job: _Job) -> None:
@@ -580,8 +661,8 @@ class Pusher:
         ok = job.state is JobState.DONE
         if ok and event is not None:
             ctx.stats.record_transfer(event, self._groups_moved(job))
-        elif not ok and not job.released:
-            ctx.stats.record(ok=False)
+        elif not ok and not job.released and not (job.send is not None and job.send.unsaved):
+            ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
         if job.abort_requested is not None:
             self._send_write_aborted(job)
         elif not job.released and not job.announcer_gone:
@@ -594,15 +675,14 @@ class Pusher:
                     checksums=job.checksums,
                 )
                 if ok
-                else WriteFailed(
-                    job.request,
-                    writer_rank=ctx.cfg.tp_rank,
-                    reason=job.reason[:1000] or "failed",
-                )
+                else self._write_failed(job.request, job.reason)
             )
             self._send_final(job, message)
         if job.send is not None:
             self._request_ended(self._requests.get(job.request, [job]))
+
+    def _write_failed(self, request: str, reason: str) -> WriteFailed:
+        return WriteFailed(request, writer_rank=self._rank, reason=reason[:1000] or "failed")
 
     def _send_final(self, job: _Job, message: NotifyMessage) -> None:
         """``job``'s final message (lock held), to its handshaken decode rank; without a
@@ -631,13 +711,56 @@ class Pusher:
             logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
 
     def _send_write_aborted(self, job: _Job) -> None:
-        """The ack of abort_write (lock held; nothing of the job writes any more), to the
-        decode rank handshaken for this job, or one the directory handshakes now."""
+        """The ack of abort_write (lock held; nothing of the job writes any more), to where
+        the job writes: its handshaken decode rank, or, unhandshaken, that rank's notify port
+        at the request's decode address (where a handshake would have gone). Only a job of a
+        request this rank never had is answered at the abort's own address, after a handshake
+        confirmed the rank there (:meth:`_ack_by_handshake`); so is one whose request named
+        no decode address."""
         request = job.abort_requested
         assert request is not None
         ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
-        peer = job.peer or self._ctx.directory.find_engine(request.decode_engine_id)
-        if peer is not None:
+        if job.peer is not None:
+            self._send(job.peer.host, job.peer.notify_port, ack)
+        elif job.save is not None and job.save.peer is not None:
+            dp_rank = job.remote.decode_dp_rank if job.remote is not None else None
+            self._send_to_rank(
+                job.save.peer, dp_rank, job.decode_rank, self._decode_tp(job), request, ack
+            )
+        else:
+            self._ack_by_handshake(request, ack)
+
+    def _send_to_rank(
+        self,
+        address: ZmqAddress,
+        dp_rank: int | None,
+        rank: int,
+        tp_size: int,
+        cause: RemoteBlocks | AbortWrite,
+        message: NotifyMessage,
+    ) -> None:
+        """``message`` to the notify port of decode rank ``rank`` at the request's decode
+        ``address`` (lock held): DP rank ``dp_rank``, the one the rank announced; None (it
+        never announced, so nothing was written to it) takes the one ``cause`` names."""
+        dp_rank = cause.decode_dp_rank if dp_rank is None else dp_rank
+        try:
+            host, _, notify_port = rank_ports(address, dp_rank, rank, tp_size)
+        except MoriioError as exc:
+            logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
+            return
+        self._send(host, notify_port, message)
+
+    def _ack_by_handshake(self, request: AbortWrite, ack: WriteAborted) -> None:
+        """Acknowledge an abort_write whose decode address this rank does not know (it never
+        had the request, or the request named none; lock held): only at the rank it names,
+        proven by a handshake at its address (allowlist; the rank, its TP size and
+        ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
+        ack tells its receiver that this rank's writes of the transfer into it stopped, so it
+        must reach no other rank: one this rank may still write into later, should the request
+        come."""
+        rank = (request.decode_dp_rank, request.decode_tp_rank)
+        peer = self._ctx.directory.find_engine(request.decode_engine_id)
+        if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
             self._send(peer.host, peer.notify_port, ack)
             return
         try:
@@ -827,6 +950,8 @@ class Pusher:
         ctx.mark_terminal(tid)
 
     def on_remote_blocks(self, message: RemoteBlocks) -> None:
+        """A decode rank's blocks for a job: the job goes on, or, when it ended already (also
+        when its request did), the rank is told write_failed at once (once)."""
         tid = message.transfer_id
         if self._ctx.cfg.mode != "write":
             self._stray.warn(
@@ -834,7 +959,17 @@ class Pusher:
             )
             return
         with self._ctx.lock:
+            ended = self._ended.get(job_transfer_id(tid, message.decode_tp_rank, self._rank))
+            if ended is not None:
+                self._late_announcement(ended, message)
+                return
             job = self._job(tid, message.decode_tp_rank, time.monotonic(), orphan=True)
+            if job.state in JOB_TERMINAL and not job.settled:
+                # It ended before the decode rank announced (aborted, its deadline, a request
+                # that cannot be written): nothing was or will be written into the rank.
+                job.remote = message
+                self._send_final(job, self._write_failed(job.request, job.reason))
+                return
             if job.remote is not None or job.state is not JobState.PENDING:
                 return
             job.remote = message
@@ -855,6 +990,13 @@ class Pusher:
             )
             return
         with self._ctx.lock:
+            jid = job_transfer_id(message.transfer_id, message.decode_tp_rank, self._rank)
+            ended = self._ended.get(jid)
+            if ended is not None:
+                if not ended.acked:  # one answer per transfer
+                    ended.acked = True
+                    self._ack_ended(ended, message)
+                return
             job = self._job(
                 message.transfer_id, message.decode_tp_rank, time.monotonic(), orphan=True
             )
@@ -865,6 +1007,36 @@ class Pusher:
                 self._send_write_aborted(job)  # it ended drained already
                 return
             self._fail(job, "the decode aborted the transfer")
+
+    @property
+    def _rank(self) -> int:
+        return self._ctx.cfg.tp_rank
+
+    def _late_announcement(self, ended: _Ended, message: RemoteBlocks) -> None:
+        """remote_blocks for a job of an ended request (lock held): it never wrote (it had no
+        blocks to write), so the announcing rank is told write_failed, once."""
+        if ended.settled:
+            return
+        ended.settled = True
+        failed = self._write_failed(ended.request, ended.reason)
+        if ended.address is None:
+            logger.warning(
+                "transfer %s: write_failed not sent: the request named no decode address",
+                ended.request,
+            )
+            return
+        self._send_to_rank(ended.address, None, ended.decode_rank, ended.decode_tp, message, failed)
+
+    def _ack_ended(self, ended: _Ended, request: AbortWrite) -> None:
+        """abort_write for a job of an ended request (lock held): it ended drained, so the ack
+        goes at once to where the job wrote (or would have)."""
+        ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+        if ended.address is None:
+            self._ack_by_handshake(request, ack)
+            return
+        self._send_to_rank(
+            ended.address, ended.dp_rank, ended.decode_rank, ended.decode_tp, request, ack
+        )
 
     # ---- timeouts -----------------------------------------------------------------------------
 
@@ -884,6 +1056,8 @@ class Pusher:
                         tid,
                         abort_timeout,
                     )
+            while self._ended and now - next(iter(self._ended.values())).ended > abort_timeout:
+                self._ended.popitem(last=False)
             for tid, job in list(self._jobs.items()):
                 if job.state in JOB_TERMINAL and (job.send is not None or job.save is not None):
                     continue  # the scheduler still reports it (a send task frees it)

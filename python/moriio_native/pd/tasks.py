@@ -8,7 +8,9 @@
 * :class:`SaveTask` (prefill side, WRITE): the request's prompt blocks, handed over when its
   last prompt chunk is computed.
 * :class:`SendTask` (prefill side, both modes): the request finished and its blocks are held
-  until the core reports the transfer ended (or ``abort_timeout`` passes).
+  until the core reports the transfer ended (or ``abort_timeout`` passes). WRITE, ``unsaved``:
+  it ended before its last prompt chunk, holds nothing, and is never reported; the decode
+  ranks that announce its blocks are told ``write_failed``.
 
 Block ids come from the caller's allocator (local) or from the peer's advertisement (remote);
 addresses are parsed and checked by :mod:`moriio_native.control.addressing` (whether they may
@@ -78,6 +80,12 @@ class SendTask:
     req_id: str
     transfer_id: str
     aborted: bool = False  # the request was aborted: stop its transfer, then report it
+    # WRITE: it ended before its last prompt chunk (no SaveTask came): nothing of it is written
+    # and vLLM freed its blocks (the core reports nothing). ``peer`` and ``remote_tp_size``: its
+    # decode (as in SaveTask), whose ranks that announced blocks are told write_failed.
+    unsaved: bool = False
+    peer: ZmqAddress | None = None
+    remote_tp_size: int = 0
 
 
 __all__ = ["RecvTask", "SaveTask", "SendTask"]

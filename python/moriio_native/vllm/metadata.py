@@ -16,7 +16,9 @@ Records (defined by the protocol core, :mod:`moriio_native.pd.tasks`):
 * :class:`SaveTask` (prefill side, WRITE): the request's prompt blocks, handed over in the step
   that computes its last prompt chunk.
 * :class:`SendTask` (prefill side, both modes): the request finished and the scheduler keeps
-  its blocks until the worker reports the transfer ended (or ``abort_timeout`` passes).
+  its blocks until the worker reports the transfer ended (or ``abort_timeout`` passes); in
+  WRITE mode, ``unsaved``: it ended before its last prompt chunk, its blocks are free already,
+  and the workers only tell the decode ranks that announce blocks for it ``write_failed``.
 """
 
 from __future__ import annotations

@@ -363,21 +363,25 @@ class SchedulerSide:
             assert self._kv_cache_manager is not None, "the KV cache manager is not bound"
             groups = self._kv_cache_manager.get_block_ids(rid)
         n_prompt = _cdiv(request.num_prompt_tokens, self.block_size)
-        try:
-            peer: ZmqAddress | None = params.peer_address(rid, is_producer=True)
-        except InvalidArgumentError as exc:
-            logger.warning("request %s: no decode address in the request (%s)", rid, exc)
-            peer = None
         return SaveTask(
             req_id=rid,
             transfer_id=params.transfer_id,
             block_ids=tuple(groups[0][:n_prompt]),
             num_prompt_blocks=n_prompt,
-            peer=peer,
+            peer=self._decode_peer(rid, params),
             remote_tp_size=params.remote_tp_size,
             groups=self.hybrid.select(groups),
             num_tokens=request.num_prompt_tokens,
         )
+
+    @staticmethod
+    def _decode_peer(rid: str, params: KvTransferParams) -> ZmqAddress | None:
+        """The decode instance a WRITE prefill request names (None, logged: none)."""
+        try:
+            return params.peer_address(rid, is_producer=True)
+        except InvalidArgumentError as exc:
+            logger.warning("request %s: no decode address in the request (%s)", rid, exc)
+            return None
 
     def request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -413,7 +417,19 @@ class SchedulerSide:
         aborted = request.status in _ABORTED
         if self.config.mode == "write":
             if rid not in self._saved:
-                return False, None  # nothing was handed to the workers, nothing is in flight
+                # Nothing was handed to the workers and nothing is in flight (its blocks are
+                # freed now); they only tell the decode ranks that announce its blocks.
+                self._send.append(
+                    SendTask(
+                        rid,
+                        params.transfer_id,
+                        aborted=True,
+                        unsaved=True,
+                        peer=self._decode_peer(rid, params),
+                        remote_tp_size=params.remote_tp_size,
+                    )
+                )
+                return False, None
             self._saved.discard(rid)
             self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
             self._held.add(rid)
