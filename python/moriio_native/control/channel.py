@@ -193,7 +193,7 @@ class _DropLog:
         """Whether the next drop is logged: only then is its reason worth explaining."""
         return self._limit.allows()
 
-    def drop(self, peer: object, reason: str) -> None:
+    def drop(self, peer: _Sender, reason: str) -> None:
         self._limit.warn("%s: dropped message from %s: %s", self._component, peer, reason)
 
 
