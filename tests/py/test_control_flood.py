@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from types import SimpleNamespace
 
 import msgpack
@@ -13,11 +14,17 @@ import pytest
 import zmq
 
 from moriio_native.control import channel, messages
-from moriio_native.control.channel import NotifyListener, RateLimitedWarnings
+from moriio_native.control.channel import (
+    HandshakeServer,
+    NotifyListener,
+    RateLimitedWarnings,
+    fetch_metadata,
+)
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     NOTIFY_TYPES,
     AbortWrite,
+    HandshakeResponse,
     InvalidMessageError,
     Release,
     RemoteBlocks,
@@ -182,3 +189,98 @@ def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages
         PdCore._on_message(core, WriteAborted(f"s-{i}"))  # type: ignore[arg-type]
     core_lines = [r for r in caplog.records if r.name == "moriio_native.pd.core"]
     assert len(core_lines) == BURST
+
+
+# ---- wake-up moderation: a flooded listener pauses between bursts ------------------------------
+
+
+def _dealer(port: int) -> zmq.Socket:
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://{LOCAL}:{port}")
+    return dealer
+
+
+def test_a_listener_that_drops_nothing_never_pauses() -> None:
+    """Genuine traffic, idle or back to back, is read at once: no flood pause adds to it."""
+    sec = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as listener,
+        contextlib.closing(_dealer(listener.port)) as dealer,
+    ):
+        for i in range(FLOOD):
+            dealer.send(encode(Release(f"genuine-{i}")))
+        got = [listener.get(WAIT) for _ in range(FLOOD)]
+        dealer.send(encode(Release("after-the-batch")))  # the listener is idle again
+        last = listener.get(WAIT)
+        stats = listener.stats()
+    assert got == [Release(f"genuine-{i}") for i in range(FLOOD)]
+    assert last == Release("after-the-batch")
+    assert stats["delivered"] == FLOOD + 1 and stats["flood_pauses"] == 0
+
+
+def test_a_flooded_listener_pauses_yet_reads_every_message_and_delivers_the_genuine_ones() -> None:
+    sec = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    genuine = [Release(f"genuine-{i}") for i in range(10)]
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as listener,
+        contextlib.closing(_dealer(listener.port)) as dealer,
+    ):
+        for message in genuine:
+            for i in range(FLOOD):
+                dealer.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)])
+            dealer.send(encode(message))
+        got = [listener.get(WAIT) for _ in genuine]
+        stats = listener.stats()
+    assert got == genuine
+    assert stats["received"] == len(genuine) * (FLOOD + 1)
+    assert stats["dropped_malformed"] == len(genuine) * FLOOD
+    assert stats["flood_pauses"] > 0
+
+
+def test_a_flooded_handshake_server_still_answers_a_genuine_handshake() -> None:
+    sec = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    provider = lambda _request: HandshakeResponse(engine_id="p", engine_metadata=b"meta")  # noqa: E731
+    with (
+        HandshakeServer(0, provider, sec, bind_host=LOCAL) as server,
+        contextlib.closing(_dealer(server.port)) as dealer,
+    ):
+        for i in range(FLOOD):
+            dealer.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)])
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=sec, requester_engine_id="d"
+        )
+        for i in range(FLOOD):  # and after more flood, once more
+            dealer.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)])
+        again = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=sec, requester_engine_id="d"
+        )
+        # The handshakes come on their own connections, so they may overtake the flood.
+        deadline = time.monotonic() + WAIT
+        while server.stats()["received"] < 2 * FLOOD + 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = server.stats()
+    assert reply.engine_metadata == again.engine_metadata == b"meta"
+    assert stats["answered"] == 2 and stats["dropped_malformed"] == 2 * FLOOD
+    assert stats["flood_pauses"] > 0
+
+
+def test_the_flood_gauge_trips_on_a_flood_and_forgets_it(clock: Clock) -> None:
+    """Flooded from the window with _FLOOD_DROPS drops through the next one; a stray drop now
+    and then, or a flood that ended two windows ago, does not make the listener pause."""
+    gauge = channel._FloodGauge()
+    for _ in range(channel._FLOOD_DROPS - 1):
+        gauge.dropped()
+    assert not gauge.flooded()
+    gauge.dropped()
+    assert gauge.flooded()
+    clock.now += channel._FLOOD_WINDOW_S  # the next window still remembers the last one
+    assert gauge.flooded()
+    gauge.dropped()
+    clock.now += channel._FLOOD_WINDOW_S  # one drop in the last window: not a flood
+    assert not gauge.flooded()
+    for _ in range(channel._FLOOD_DROPS):
+        gauge.dropped()
+    assert gauge.flooded()
+    clock.now += 5 * channel._FLOOD_WINDOW_S  # idle since: forgotten at once
+    assert not gauge.flooded()

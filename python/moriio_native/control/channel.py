@@ -3,10 +3,12 @@ sender and the proxy pinger.
 
 Every listener is a ROUTER socket owned by one background thread that polls with a short
 timeout. A message that fails authentication or its schema is logged (sender address and
-reason, rate limited) and dropped; the thread keeps running. ``close()`` stops the thread,
-closes its socket with linger 0 and joins it within a bounded time. Nothing here terminates
-the ZMQ context (by default the process-wide ``zmq.Context.instance()``), so several
-components -- and other libraries -- can share it.
+reason, rate limited) and dropped; the thread keeps running. A listener that keeps dropping
+messages (a flood) pauses briefly after each burst it reads (:class:`_FloodGauge`), so that one
+wake-up reads many messages; an idle listener or one that drops nothing never pauses.
+``close()`` stops the thread, closes its socket with linger 0 and joins it within a bounded
+time. Nothing here terminates the ZMQ context (by default the process-wide
+``zmq.Context.instance()``), so several components -- and other libraries -- can share it.
 
 Contents:
 
@@ -77,6 +79,19 @@ _POLL_MS = 100
 # Messages a listener reads per wake-up before it looks at its stop flag and polls again.
 _BURST = 256
 _MAX_TAG_FRAME = 64
+# A notify listener wakes its consumers after this many deliveries at most, even mid-burst.
+_WAKE_EVERY = 32
+# A flooded listener's pause after each burst, with the GIL released. Each wake-up of a listener
+# thread costs the process far more than reading one more queued message (the thread takes the
+# GIL from the connector's threads; a lone listener spends ~20 us per dropped message, one in a
+# connector's process several times that), so under a flood it waits for messages to pile up
+# and reads them in one go. The price: a genuine message that arrives meanwhile waits at most
+# this long.
+_FLOOD_PAUSE_S = 0.002
+# Flooded: at least _FLOOD_DROPS messages dropped in the current or the previous window of
+# _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
+_FLOOD_DROPS = 8
+_FLOOD_WINDOW_S = 0.1
 
 
 def zmq_endpoint(host: str, port: int) -> str:
@@ -179,18 +194,59 @@ class _DropLog:
         """Whether the next drop is logged: only then is its reason worth explaining."""
         return self._limit.allows()
 
-    def drop(self, peer: str, reason: str) -> None:
+    def drop(self, peer: _Sender, reason: str) -> None:
         self._limit.warn("%s: dropped message from %s: %s", self._component, peer, reason)
 
 
-def _peer_of(frames: list[zmq.Frame]) -> tuple[str, str | None]:
-    """A printable sender description and its IP (``None`` if ZMQ does not know it)."""
-    ident = frames[0].bytes.hex() if frames else "?"
-    try:
-        ip: str | None = frames[-1].get("Peer-Address")
-    except (zmq.ZMQError, AttributeError, KeyError):
-        ip = None
-    return (f"{ip or 'unknown address'} (identity {ident[:16]})", ip)
+class _Sender:
+    """The sender of one received message, looked up only when needed: its IP when a
+    handshake is accepted, its description when a log line shows it (most dropped messages
+    are counted, not logged)."""
+
+    __slots__ = ("_frames",)
+
+    def __init__(self, frames: list[zmq.Frame]) -> None:
+        self._frames = frames
+
+    @property
+    def ip(self) -> str | None:
+        """The sender's IP, ``None`` if ZMQ does not know it."""
+        try:
+            ip: str | None = self._frames[-1].get("Peer-Address")
+        except (zmq.ZMQError, AttributeError, KeyError):
+            ip = None
+        return ip
+
+    def __str__(self) -> str:
+        ident = self._frames[0].bytes.hex() if self._frames else "?"
+        return f"{self.ip or 'unknown address'} (identity {ident[:16]})"
+
+
+class _FloodGauge:
+    """Whether a listener is flooded: at least ``_FLOOD_DROPS`` messages dropped in the current
+    or the previous ``_FLOOD_WINDOW_S`` window. Used by the listener thread only (no lock)."""
+
+    __slots__ = ("_current", "_previous", "_window_start")
+
+    def __init__(self) -> None:
+        self._previous = 0
+        self._current = 0
+        self._window_start = time.monotonic()
+
+    def _roll(self, now: float) -> None:
+        elapsed = now - self._window_start
+        if elapsed >= _FLOOD_WINDOW_S:
+            # An idle gap longer than a window forgets the drops before it.
+            self._previous = self._current if elapsed < 2 * _FLOOD_WINDOW_S else 0
+            self._current = 0
+            self._window_start = now
+
+    def dropped(self) -> None:
+        self._current += 1
+
+    def flooded(self) -> bool:
+        self._roll(time.monotonic())
+        return max(self._previous, self._current) >= _FLOOD_DROPS
 
 
 class _RouterThread(_ClosesOnExit):
@@ -216,9 +272,11 @@ class _RouterThread(_ClosesOnExit):
         self._thread: threading.Thread | None = None
         self._state_lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(
-            ("received", "dropped_malformed", "dropped_auth", *self._extra_stats), 0
+            ("received", "dropped_malformed", "dropped_auth", *self._extra_stats, "flood_pauses"),
+            0,
         )
         self._drops = _DropLog(self._name)
+        self._flood = _FloodGauge()
         host = "*" if bind_host == "*" else validate_host(bind_host, what="bind host")
         sock = self._context.socket(zmq.ROUTER)
         try:
@@ -256,42 +314,49 @@ class _RouterThread(_ClosesOnExit):
         ``dropped_malformed`` (framing, size or schema), ``dropped_auth`` (missing or bad tag);
         the notify listener adds ``delivered`` (queued for drain/get, less those later
         dropped because their transfer ended), ``dropped_duplicate`` and ``dropped_late``;
-        the handshake server ``answered`` and ``rejected``. Thread-safe."""
+        the handshake server ``answered`` and ``rejected``; and ``flood_pauses``: how often
+        the listener paused after a burst because it was dropping many messages. Thread-safe."""
         with self._state_lock:
             return dict(self._stats)
 
     def _count(self, key: str) -> None:
+        """Count one outcome (on the listener thread; every ``dropped_*`` feeds the gauge)."""
         with self._state_lock:
             self._stats[key] = self._stats.get(key, 0) + 1
+        if key.startswith("dropped"):
+            self._flood.dropped()
+
+    def _drop(self, key: str, peer: _Sender, reason: str) -> None:
+        self._count(key)
+        self._drops.drop(peer, reason)
 
     def _wait_ready(self) -> bool:
         """Whether the loop may read another message now (subclasses add backpressure)."""
         return True
 
     def _open(
-        self, body: list[bytes], peer: str, accept: tuple[type[_M], ...], max_bytes: int
+        self, body: list[bytes], peer: _Sender, accept: tuple[type[_M], ...], max_bytes: int
     ) -> _M | None:
         """The authenticated, schema-checked message in ``body``; None (counted and logged as
         a drop) when the tag or the message is bad."""
         try:
             payload = self._security.auth.open(body)
         except AuthenticationError as exc:
-            self._count("dropped_auth")
-            self._drops.drop(peer, str(exc))
+            self._drop("dropped_auth", peer, str(exc))
             return None
         try:
             return decode(payload, accept, max_bytes=max_bytes, explain=self._drops.detailed())
         except ProtocolVersionError:
             raise  # answerable: the handshake server refuses it by name
         except InvalidMessageError as exc:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, str(exc))
+            self._drop("dropped_malformed", peer, str(exc))
             return None
 
-    def _handle(
-        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
-    ) -> None:
+    def _handle(self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: _Sender) -> None:
         raise NotImplementedError
+
+    def _burst_done(self) -> None:
+        """Called after each burst (subclasses wake their consumers here)."""
 
     def _run(self) -> None:
         sock = self._sock
@@ -300,6 +365,10 @@ class _RouterThread(_ClosesOnExit):
             while not self._stop.is_set():
                 if self._wait_ready() and sock.poll(_POLL_MS):
                     self._read_burst(sock)
+                    self._burst_done()
+                    if self._flood.flooded():
+                        self._count("flood_pauses")
+                        self._stop.wait(_FLOOD_PAUSE_S)
         except zmq.ZMQError as exc:
             if not self._stop.is_set():
                 logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
@@ -315,10 +384,9 @@ class _RouterThread(_ClosesOnExit):
             except zmq.Again:
                 return
             self._count("received")
-            peer = "unknown sender"
+            peer = _Sender(frames)
             try:
-                peer, ip = _peer_of(frames)
-                self._dispatch(sock, frames, peer, ip)
+                self._dispatch(sock, frames, peer)
             except Exception as exc:  # the listener must survive anything one message does
                 self._count("dropped_malformed")
                 logger.exception("%s: error handling message from %s: %r", self._name, peer, exc)
@@ -342,23 +410,19 @@ class _RouterThread(_ClosesOnExit):
             logger.debug("%s on port %d: unbind: %s", self._name, self._port, exc)
         sock.close(linger=0)
 
-    def _dispatch(
-        self, sock: zmq.Socket, frames: list[zmq.Frame], peer: str, ip: str | None
-    ) -> None:
+    def _dispatch(self, sock: zmq.Socket, frames: list[zmq.Frame], peer: _Sender) -> None:
         identity, rest = frames[0].bytes, frames[1:]
         if not 1 <= len(rest) <= 2:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, f"{len(rest)} frames, expected 1 or 2")
+            self._drop("dropped_malformed", peer, f"{len(rest)} frames, expected 1 or 2")
             return
         if len(rest[0]) > self._max_message_bytes:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, f"{len(rest[0])} bytes, more than {self._max_message_bytes}")
+            reason = f"{len(rest[0])} bytes, more than {self._max_message_bytes}"
+            self._drop("dropped_malformed", peer, reason)
             return
         if len(rest) == 2 and len(rest[1]) > _MAX_TAG_FRAME:
-            self._count("dropped_malformed")
-            self._drops.drop(peer, "oversized second frame")
+            self._drop("dropped_malformed", peer, "oversized second frame")
             return
-        self._handle(sock, identity, [f.bytes for f in rest], peer, ip)
+        self._handle(sock, identity, [f.bytes for f in rest], peer)
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop the thread and close the socket; waits at most ``timeout`` seconds (the loop
@@ -410,6 +474,7 @@ class NotifyListener(_RouterThread):
         self._seen_capacity = dedup_capacity
         self._terminal: OrderedDict[str, None] = OrderedDict()
         self._terminal_capacity = terminal_capacity
+        self._unannounced = 0  # deliveries since consumers were last woken (listener thread)
         super().__init__(
             port, bind_host=bind_host, max_message_bytes=max_message_bytes, context=context
         )
@@ -428,12 +493,23 @@ class NotifyListener(_RouterThread):
         with self._cond:
             if len(self._pending) < self._max_pending:
                 return True
+            self._wake_consumers()  # they make the room this thread waits for
             self._cond.wait(_POLL_MS / 1000)
             return len(self._pending) < self._max_pending
 
-    def _handle(
-        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
-    ) -> None:
+    def _wake_consumers(self) -> None:
+        """Wake the threads waiting in get (the condition held). Once per burst or per
+        ``_WAKE_EVERY`` deliveries, not per message: a wake-up per flood message cost the
+        process more than the message itself."""
+        if self._unannounced:
+            self._unannounced = 0
+            self._cond.notify_all()
+
+    def _burst_done(self) -> None:
+        with self._cond:
+            self._wake_consumers()
+
+    def _handle(self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: _Sender) -> None:
         message = self._open(body, peer, NOTIFY_TYPES, self._max_message_bytes)
         if message is None:
             return
@@ -448,10 +524,12 @@ class NotifyListener(_RouterThread):
                 if len(self._seen) > self._seen_capacity:
                     self._seen.popitem(last=False)
                 self._pending.append(message)
+                self._unannounced += 1
             # Counted before waking consumers, so a consumer that got the message also sees it
             # in stats().
             self._count(outcome)
-            self._cond.notify_all()
+            if self._unannounced >= _WAKE_EVERY:
+                self._wake_consumers()
         if outcome != "delivered":
             logger.debug("notify listener: %s %s from %s", outcome, message, peer)
 
@@ -564,7 +642,9 @@ class HandshakeServer(_RouterThread):
             context=context,
         )
 
-    def _answer(self, request: ChecksumRequest, peer: str) -> ChecksumResponse | HandshakeRejected:
+    def _answer(
+        self, request: ChecksumRequest, peer: _Sender
+    ) -> ChecksumResponse | HandshakeRejected:
         if self._checksums is None:
             return HandshakeRejected(
                 f"checksums of transfer {request.transfer_id} asked, but this instance does not "
@@ -580,9 +660,7 @@ class HandshakeServer(_RouterThread):
             logger.exception("checksum provider failed for %s", peer)
             return HandshakeRejected("internal error on the serving side", request.nonce)
 
-    def _handle(
-        self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: str, ip: str | None
-    ) -> None:
+    def _handle(self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: _Sender) -> None:
         # Only a checksum request may be larger than a handshake request.
         small = sum(len(frame) for frame in body[:1]) <= MAX_HANDSHAKE_REQUEST_BYTES
         accept: tuple[type[HandshakeRequest | ChecksumRequest], ...] = (
@@ -615,8 +693,10 @@ class HandshakeServer(_RouterThread):
         except Exception:
             logger.exception("handshake provider failed for %s", peer)
             reply = HandshakeRejected("internal error on the serving side", request.nonce)
-        if isinstance(reply, HandshakeResponse) and self._learn_peers and ip:
-            self._security.allowlist.learn(ip)
+        if isinstance(reply, HandshakeResponse) and self._learn_peers:
+            ip = peer.ip
+            if ip:
+                self._security.allowlist.learn(ip)
         # Counted before replying, so a requester that got the reply also sees it in stats().
         self._count("answered" if isinstance(reply, HandshakeResponse) else "rejected")
         sock.send_multipart([identity, b"", *self._security.auth.seal(encode(reply))])
