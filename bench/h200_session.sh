@@ -66,7 +66,7 @@
 #                                         # pieces per warp, 2 rounds
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?build, kernel, e2e, overlap or cells}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build

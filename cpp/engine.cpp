@@ -1094,10 +1094,10 @@ Result<bool> Engine::Impl::WriteSegments(
   if (!planned.ok()) return refuse(planned.status());
   trace::Record(trace::Mark::kLayersPlanned);
   // One batch per write: cells only when every segment goes as cells of one geometry (all
-  // segments share the layer's region pair), else stamped when every segment may, runs
-  // otherwise.
+  // segments share the layer's region pair), else stamped when every segment may (a stamped
+  // layer each), runs otherwise.
   bool cells = !planned->empty();
-  bool stamps = !planned->empty();
+  bool stamps = !planned->empty() && planned->size() <= kMaxStampLayers;
   for (const PlannedSegment& seg : *planned) {
     const LinkPlan& link = seg.layers.front().link;
     const LinkPlan& first = planned->front().layers.front().link;

@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "checked_math.hpp"
 #include "moriio_native/backend.hpp"
@@ -77,6 +79,27 @@ Status CheckBatchStamps(const Batch& b, std::uint64_t local_size, std::uint64_t 
                                 " local and " + std::to_string(s.remote_ids.size()) +
                                 " remote block ids; they must be equal");
   }
+  constexpr std::size_t kMaxRuns = kMaxStampLayers * kMaxStampRunsPerLayer;
+  if (s.layers.size() > kMaxStampLayers || s.runs.size() > kMaxRuns) {
+    return InvalidArgumentError(batch + " has " + std::to_string(s.layers.size()) + " layers and " +
+                                std::to_string(s.runs.size()) +
+                                " runs; a stamped batch carries at most " +
+                                std::to_string(kMaxStampLayers) + " and " +
+                                std::to_string(kMaxRuns));
+  }
+  // Every run, also one no layer uses (the GPU plugin refuses those too): its end on each side.
+  std::vector<std::int64_t> local_ends(s.runs.size()), remote_ends(s.runs.size());
+  for (std::size_t k = 0; k < s.runs.size(); ++k) {
+    const CopyRun& r = s.runs[k];
+    if (r.local < 0 || r.remote < 0 || r.size < 1 ||
+        !detail::CheckedAdd(r.local, r.size, &local_ends[k]) ||
+        !detail::CheckedAdd(r.remote, r.size, &remote_ends[k])) {
+      return InvalidArgumentError(batch + " run " + std::to_string(k) + " (local " +
+                                  std::to_string(r.local) + ", remote " +
+                                  std::to_string(r.remote) + ", size " + std::to_string(r.size) +
+                                  "): offsets must be >= 0 and sizes > 0");
+    }
+  }
   // Consecutive layers of a request share their block range: its extremes are found once.
   std::uint64_t cached_first = 0, cached_count = 0;
   IdRange local_ids, remote_ids;
@@ -98,19 +121,6 @@ Status CheckBatchStamps(const Batch& b, std::uint64_t local_size, std::uint64_t 
     if ((l.local_base | l.remote_base | l.local_stride | l.remote_stride) < 0) {
       return InvalidArgumentError(layer + " has a negative base or block stride");
     }
-    std::int64_t local_end = 0, remote_end = 0;
-    for (std::uint32_t k = l.first_run; k < l.first_run + l.num_runs; ++k) {
-      const CopyRun& r = s.runs[k];
-      if (r.local < 0 || r.remote < 0 || r.size < 1 ||
-          !detail::CheckedAdd(r.local, r.size, &local_end) ||
-          !detail::CheckedAdd(r.remote, r.size, &remote_end)) {
-        return InvalidArgumentError(layer + " run " + std::to_string(k - l.first_run) +
-                                    " (local " + std::to_string(r.local) + ", remote " +
-                                    std::to_string(r.remote) + ", size " +
-                                    std::to_string(r.size) +
-                                    "): offsets must be >= 0 and sizes > 0");
-      }
-    }
     if (l.num_blocks == 0) continue;
     if (l.first_block != cached_first || l.num_blocks != cached_count) {
       local_ids = RangeOf(s.local_ids, l.first_block, l.num_blocks);
@@ -121,11 +131,10 @@ Status CheckBatchStamps(const Batch& b, std::uint64_t local_size, std::uint64_t 
     if (local_ids.low < 0 || remote_ids.low < 0) {
       return InvalidArgumentError(layer + " has a negative block id");
     }
-    std::int64_t local_reach = 0, remote_reach = 0;
-    for (std::uint32_t k = l.first_run; k < l.first_run + l.num_runs; ++k) {
-      local_reach = std::max(local_reach, s.runs[k].local + s.runs[k].size);
-      remote_reach = std::max(remote_reach, s.runs[k].remote + s.runs[k].size);
-    }
+    const auto runs = std::span(local_ends).subspan(l.first_run, l.num_runs);
+    const auto remote_runs = std::span(remote_ends).subspan(l.first_run, l.num_runs);
+    const std::int64_t local_reach = *std::ranges::max_element(runs);
+    const std::int64_t remote_reach = *std::ranges::max_element(remote_runs);
     if (!SideFits(l.local_base, l.local_stride, local_ids, local_reach, local_size) ||
         !SideFits(l.remote_base, l.remote_stride, remote_ids, remote_reach, remote_size)) {
       return OutOfRangeError(layer + " (local block ids up to " + std::to_string(local_ids.high) +

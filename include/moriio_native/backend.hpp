@@ -67,6 +67,8 @@ struct StampedLayer {
 /// Most template runs one stamped layer may have (the GPU kernel keeps a layer's runs in shared
 /// memory); the engine plans runs for a layer pair whose template has more.
 inline constexpr std::uint32_t kMaxStampRunsPerLayer = 256;
+/// Most layers one stamped batch may carry (the GPU kernel's grid has a y index per layer).
+inline constexpr std::size_t kMaxStampLayers = 65535;
 
 /// The stamped part of a batch: block ids and per-layer templates instead of one entry per run,
 /// so the host's cost of a request is per layer and per block, not per run (4 KiB runs: the
@@ -256,19 +258,22 @@ Status CheckBatchRuns(const Batch& batch, std::uint64_t local_size, std::uint64_
 Status CheckBatchCells(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
 
 /// Checks a stamped batch as Submit must (see Backend): InvalidArgument (naming the batch token
-/// and, where one is at fault, the layer index) when it has no stamped part, also carries runs
-/// or cells, has id arrays of different lengths, a layer whose runs or ids lie outside the
-/// batch's arrays, more than kMaxStampRunsPerLayer runs, a negative base, stride, id, run
-/// offset or a run size < 1; OutOfRange naming the layer when one of its runs does not lie
-/// inside the local or remote region, overflowing offsets included. Pure; O(layers + ids + runs)
-/// when consecutive layers share their block range (a request's layers do).
+/// and, where one is at fault, the layer or run index) when it has no stamped part, also carries
+/// runs or cells, has id arrays of different lengths, more than kMaxStampLayers layers (or
+/// kMaxStampRunsPerLayer times as many runs), a run
+/// (used or not) with a negative offset or a size < 1, a layer whose runs or ids lie outside the
+/// batch's arrays, more than kMaxStampRunsPerLayer runs, a negative base, stride or id;
+/// OutOfRange naming the layer when one of its runs does not lie inside the local or remote
+/// region, overflowing offsets included. Pure; O(runs + layers x runs per layer + ids) when
+/// consecutive layers share their block range (a request's layers do).
 Status CheckBatchStamps(const Batch& batch, std::uint64_t local_size, std::uint64_t remote_size);
 
 /// Entry points of a backend plugin library `libmoriio_native_<name>.so`, which exports
 /// `extern "C" const moriio_native::BackendPlugin* moriio_native_backend_plugin();`.
-/// ABI 2 added `options`; a plugin of another ABI is reported unavailable.
+/// ABI 2 added `options`, ABI 3 Backend::AcceptsStamps and Batch::stamps (the Backend vtable
+/// and Batch changed); a plugin of another ABI is reported unavailable.
 struct BackendPlugin {
-  static constexpr std::uint32_t kAbiVersion = 2;
+  static constexpr std::uint32_t kAbiVersion = 3;
   std::uint32_t abi_version = kAbiVersion;
   const char* name = nullptr;
   /// OK when the transport can run here; otherwise BackendUnavailable with the precise reason.

@@ -146,7 +146,11 @@ class Engine {
   /// larger batches: the host's time per batch is per run); a layer pair whose runs are short because its two sides
   /// order the axes differently goes as cells (a transposing copy) where the backend takes
   /// cells for that region pair (Backend::AcceptsCells), in one batch per region pair and cell
-  /// geometry cut at 8192 blocks, and as runs everywhere else. Each batch is submitted as soon
+  /// geometry cut at 8192 blocks; any other layer pair goes as a stamped layer (its template and
+  /// the ids, Batch::stamps) where the backend takes stamped batches for the region pair
+  /// (Backend::AcceptsStamps), in one batch per region pair cut every 8 layers, and as runs
+  /// everywhere else. The first three batches close at 1/8, 1/4 and 1/2 of these thresholds.
+  /// Each batch is submitted as soon
   /// as it is planned, so the transport starts while later layers are planned. Every argument (every block id against
   /// every layer) is checked before anything starts: on error no transfer exists. Never blocks
   /// on transfer.
@@ -168,7 +172,8 @@ class Engine {
   Status Read(std::string_view transfer_id, std::string_view peer,
               std::span<const BlockSegment> segments);
 
-  /// WRITE: push one layer's blocks to `peer` (one batch: cells or runs, chosen as for Read).
+  /// WRITE: push one layer's blocks to `peer` (one batch: cells, stamped or runs, chosen as for
+  /// Read).
   /// Returns false (and does nothing) when this (transfer, layer) was scheduled before, or the
   /// transfer failed, was aborted, timed out or is terminal. InvalidArgument naming the id, with no change, when `transfer_id` is a READ.
   /// Every other refusal (unknown peer or layer, a bad block id, another peer than the

@@ -259,6 +259,31 @@ class BackendContract : public ::testing::TestWithParam<Kind> {
     ASSERT_TRUE(a_sink_->AwaitBlocked()) << "the plug batch never completed";
   }
 
+  struct Refused {
+    std::shared_ptr<Batch> batch;
+    StatusCode code;
+    std::string words;
+  };
+
+  // Submits every batch of `bad` and expects its refusal, naming the batch and `words`; then a
+  // plain batch (`plain`) completes as A's `total`-th completion (a refused batch never
+  // completes), B's bytes are still `want_b` (it moved nothing), and A's region is free again.
+  void ExpectRefusedAndNothingMoved(const std::vector<Refused>& bad, std::uint64_t plain,
+                                    std::size_t total, const std::vector<std::uint8_t>& want_b) {
+    for (const Refused& b : bad) {
+      const Status st = a_->Submit(b.batch);
+      EXPECT_EQ(st.code(), b.code) << "batch " << b.batch->token << ": " << st.ToString();
+      EXPECT_NE(st.message().find(b.words), std::string::npos) << st.ToString();
+      EXPECT_NE(st.message().find("batch " + std::to_string(b.batch->token)), std::string::npos)
+          << st.ToString();
+    }
+    ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, plain)).ok());
+    EXPECT_TRUE(a_sink_->Await(plain).ok());
+    EXPECT_EQ(a_sink_->Total(), total) << "a refused batch must not complete";
+    EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+    EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed batches hold no region";
+  }
+
   std::shared_ptr<GateSink> a_sink_, b_sink_;
   Buffer a_buf_, b_buf_;  // before the backends: outlive them
   std::unique_ptr<Backend> a_, b_;
@@ -417,13 +442,10 @@ TEST_P(BackendContract, CellBatchesAreTakenExactlyWhereAcceptsCellsSaysSo) {
   const std::vector<std::int64_t> lo = {0, 3072, 10240}, ro = {5120, 1024, 64512};
   if (!a_->AcceptsCells(local_, remote_, g)) {
     // Runs only here (host memory on ucx, mori): a cell batch is refused and moves nothing.
-    const Status st = a_->Submit(WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), g, lo, ro));
-    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
-    EXPECT_NE(st.message().find("batch 5"), std::string::npos) << st.ToString();
-    ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 6)).ok());
-    EXPECT_TRUE(a_sink_->Await(6).ok());
-    EXPECT_EQ(a_sink_->Total(), 1u) << "a refused cell batch must not complete";
-    EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+    ExpectRefusedAndNothingMoved(
+        {{WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), g, lo, ro),
+          StatusCode::kFailedPrecondition, "cell batch"}},
+        6, 1, want_b);
     return;
   }
   // READ B -> A and WRITE A -> B: exactly the bytes of the CPU reference.
@@ -443,17 +465,12 @@ TEST_P(BackendContract, CellBatchesAreTakenExactlyWhereAcceptsCellsSaysSo) {
   EXPECT_TRUE(a_sink_->Await(3).ok());
   EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0);
   // Bad cell batches: refused at Submit, naming the batch (and the block), nothing moves.
-  struct Bad {
-    std::shared_ptr<Batch> batch;
-    StatusCode code;
-    std::string words;
-  };
   CellGeometry empty = g;
   empty.tokens = 0;
   CellGeometry huge = g;
   huge.remote.head_stride = INT64_MAX / 2;
   const std::int64_t n = kSize;
-  const std::vector<Bad> bad = {
+  const std::vector<Refused> bad = {
       {WithCells(MakeBatch(TransferOp::kWrite, {0}, {0}, {8}, 101), g, {0}, {0}),
        StatusCode::kInvalidArgument, "cells and runs"},
       {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 102), empty, {0}, {0}),
@@ -470,18 +487,7 @@ TEST_P(BackendContract, CellBatchesAreTakenExactlyWhereAcceptsCellsSaysSo) {
       {WithCells(MakeBatch(TransferOp::kWrite, {}, {}, {}, 107), huge, {0}, {0}),
        StatusCode::kInvalidArgument, "overflow"},
   };
-  for (const Bad& b : bad) {
-    const Status st = a_->Submit(b.batch);
-    EXPECT_EQ(st.code(), b.code) << "batch " << b.batch->token << ": " << st.ToString();
-    EXPECT_NE(st.message().find(b.words), std::string::npos) << st.ToString();
-    EXPECT_NE(st.message().find("batch " + std::to_string(b.batch->token)), std::string::npos)
-        << st.ToString();
-  }
-  ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 4)).ok());
-  EXPECT_TRUE(a_sink_->Await(4).ok());
-  EXPECT_EQ(a_sink_->Total(), 4u) << "a refused cell batch must not complete";
-  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
-  EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed cell batches hold no region";
+  ExpectRefusedAndNothingMoved(bad, 4, 4, want_b);
 }
 
 std::shared_ptr<Batch> WithStamps(std::shared_ptr<Batch> b, BatchStamps stamps) {
@@ -509,13 +515,9 @@ TEST_P(BackendContract, StampedBatchesAreTakenExactlyWhereAcceptsStampsSaysSo) {
   std::vector<std::uint8_t> want_b(b_buf_.data, b_buf_.data + kSize);
   const BatchStamps read = TwoLayerStamps({3, 0, 7}, {5, 1, 2});
   if (!a_->AcceptsStamps(local_, remote_)) {
-    const Status st = a_->Submit(WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), read));
-    EXPECT_EQ(st.code(), StatusCode::kFailedPrecondition) << st.ToString();
-    EXPECT_NE(st.message().find("batch 5"), std::string::npos) << st.ToString();
-    ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 6)).ok());
-    EXPECT_TRUE(a_sink_->Await(6).ok());
-    EXPECT_EQ(a_sink_->Total(), 1u) << "a refused stamped batch must not complete";
-    EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
+    ExpectRefusedAndNothingMoved({{WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, 5), read),
+                                   StatusCode::kFailedPrecondition, "stamped batch"}},
+                                 6, 1, want_b);
     return;
   }
   // READ B -> A and WRITE A -> B: exactly the bytes of the CPU reference.
@@ -537,11 +539,6 @@ TEST_P(BackendContract, StampedBatchesAreTakenExactlyWhereAcceptsStampsSaysSo) {
   EXPECT_TRUE(a_sink_->Await(3).ok());
   EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0);
   // Bad stamped batches: refused at Submit, naming the batch (and the layer), nothing moves.
-  struct Bad {
-    std::shared_ptr<Batch> batch;
-    StatusCode code;
-    std::string words;
-  };
   auto bad_stamps = [](auto change) {
     BatchStamps s = TwoLayerStamps({0, 1}, {0, 1});
     change(s);
@@ -550,7 +547,7 @@ TEST_P(BackendContract, StampedBatchesAreTakenExactlyWhereAcceptsStampsSaysSo) {
   auto batch = [&](std::uint64_t token, BatchStamps s) {
     return WithStamps(MakeBatch(TransferOp::kWrite, {}, {}, {}, token), std::move(s));
   };
-  const std::vector<Bad> bad = {
+  const std::vector<Refused> bad = {
       {WithStamps(MakeBatch(TransferOp::kWrite, {0}, {0}, {8}, 101), TwoLayerStamps({0}, {0})),
        StatusCode::kInvalidArgument, "stamps and runs"},
       {batch(102, bad_stamps([](BatchStamps& s) { s.remote_ids.pop_back(); })),
@@ -562,28 +559,26 @@ TEST_P(BackendContract, StampedBatchesAreTakenExactlyWhereAcceptsStampsSaysSo) {
       {batch(105, bad_stamps([](BatchStamps& s) { s.remote_ids[1] = -1; })),
        StatusCode::kInvalidArgument, "negative block id"},
       {batch(106, bad_stamps([](BatchStamps& s) { s.runs[1].size = 0; })),
-       StatusCode::kInvalidArgument, "layer 0 run 1"},
+       StatusCode::kInvalidArgument, "run 1 (local 512, remote 0, size 0)"},
       {batch(107, bad_stamps([](BatchStamps& s) { s.local_ids[1] = 64; })),
        StatusCode::kOutOfRange, "layer 0"},
       {batch(108, bad_stamps([](BatchStamps& s) { s.remote_ids[0] = 24; })),
        StatusCode::kOutOfRange, "layer 1"},
-      {batch(109, bad_stamps([](BatchStamps& s) { s.layers[1].remote_stride = INT64_MAX / 2; })),
+      {batch(109, bad_stamps([](BatchStamps& s) {
+         s.layers[1].remote_stride = INT64_MAX / 2;  // id 3 x stride overflows
+         s.remote_ids[1] = 3;
+       })),
        StatusCode::kOutOfRange, "layer 1"},
+      {batch(111, bad_stamps([](BatchStamps& s) { s.runs.push_back({0, 0, 0}); })),
+       StatusCode::kInvalidArgument, "run 3"},  // no layer uses it: refused all the same
+      {batch(112, bad_stamps([](BatchStamps& s) {
+         s.layers.resize(kMaxStampLayers + 1, s.layers[0]);
+       })),
+       StatusCode::kInvalidArgument, "65536 layers"},
       {batch(110, bad_stamps([](BatchStamps& s) { s.layers[0].local_base = -8; })),
        StatusCode::kInvalidArgument, "negative base"},
   };
-  for (const Bad& b : bad) {
-    const Status st = a_->Submit(b.batch);
-    EXPECT_EQ(st.code(), b.code) << "batch " << b.batch->token << ": " << st.ToString();
-    EXPECT_NE(st.message().find(b.words), std::string::npos) << st.ToString();
-    EXPECT_NE(st.message().find("batch " + std::to_string(b.batch->token)), std::string::npos)
-        << st.ToString();
-  }
-  ASSERT_TRUE(a_->Submit(MakeBatch(TransferOp::kRead, {0}, {0}, {8}, 4)).ok());
-  EXPECT_TRUE(a_sink_->Await(4).ok());
-  EXPECT_EQ(a_sink_->Total(), 4u) << "a refused stamped batch must not complete";
-  EXPECT_EQ(std::memcmp(b_buf_.data, want_b.data(), kSize), 0) << "a refused batch moved bytes";
-  EXPECT_TRUE(a_->DeregisterMemory(local_).ok()) << "completed stamped batches hold no region";
+  ExpectRefusedAndNothingMoved(bad, 4, 4, want_b);
 }
 
 TEST_P(BackendContract, DisconnectCompletesPendingBatchesWithErrors) {
