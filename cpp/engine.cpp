@@ -472,13 +472,9 @@ struct Engine::Impl {
       MORIIO_ASSIGN_OR_RETURN(BlockTemplate tmpl,
                               BlockTemplate::Build(mine, local_window, link.remote, remote_window));
       auto built = std::make_shared<WindowLink>(WindowLink{std::move(tmpl), false, false});
-      const std::uint64_t local_region = regions[layers[i].region].handle;
-      const std::uint64_t remote_region = peer.remote_regions[link.region];
-      if (built->tmpl.prefers_cell_copy()) {
-        built->cells =
-            backend->AcceptsCells(local_region, remote_region, *built->tmpl.cell_geometry());
-      }
-      built->stamps = !built->cells && Stampable(built->tmpl, local_region, remote_region);
+      const CopyPath path = PathFor(built->tmpl, i, peer.remote_regions[link.region]);
+      built->cells = path.cells;
+      built->stamps = path.stamps;
       std::lock_guard lock(peer.windows_mu);
       if (peer.windows.size() >= kMaxWindowTemplates) peer.windows.clear();
       out.hold = peer.windows.try_emplace(key, std::move(built)).first->second;
@@ -489,12 +485,25 @@ struct Engine::Impl {
     return out;
   }
 
-  // Whether a layer pair's blocks may go as a stamped layer between these regions: the backend
-  // takes stamped batches there and the template fits one (kMaxStampRunsPerLayer).
-  bool Stampable(const BlockTemplate& tmpl, std::uint64_t local_region,
-                 std::uint64_t remote_region) const {
-    return !tmpl.runs().empty() && tmpl.runs().size() <= kMaxStampRunsPerLayer &&
-           backend->AcceptsStamps(local_region, remote_region);
+  // How layer `layer`'s template `tmpl` to the imported region `remote_region` goes: as cells
+  // where the pair prefers a cell copy and the backend takes its geometry; else stamped where
+  // the backend takes stamped batches and the template fits one (kMaxStampRunsPerLayer); else
+  // (neither) as runs. Asked once per whole-block link (ConnectPeer) and windowed template.
+  struct CopyPath {
+    bool cells = false;
+    bool stamps = false;
+  };
+  CopyPath PathFor(const BlockTemplate& tmpl, std::size_t layer,
+                   std::uint64_t remote_region) const {
+    const std::uint64_t local_region = regions[layers[layer].region].handle;
+    CopyPath path;
+    if (tmpl.prefers_cell_copy()) {
+      path.cells = backend->AcceptsCells(local_region, remote_region, *tmpl.cell_geometry());
+    }
+    path.stamps = !path.cells && !tmpl.runs().empty() &&
+                  tmpl.runs().size() <= kMaxStampRunsPerLayer &&
+                  backend->AcceptsStamps(local_region, remote_region);
+    return path;
   }
 
   // Checks one segment against every layer it moves: `names` (empty: every layer), or only
@@ -843,13 +852,9 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   for (std::size_t k = 0; k < peer->links.size(); ++k) {
     Peer::LayerLink& link = peer->links[k];
     if (!link.tmpl) continue;
-    const std::uint64_t local_region = d.regions[d.layers[k].region].handle;
-    const std::uint64_t remote_region = peer->remote_regions[link.region];
-    if (link.tmpl->prefers_cell_copy()) {
-      link.cells =
-          d.backend->AcceptsCells(local_region, remote_region, *link.tmpl->cell_geometry());
-    }
-    link.stamps = !link.cells && d.Stampable(*link.tmpl, local_region, remote_region);
+    const Impl::CopyPath path = d.PathFor(*link.tmpl, k, peer->remote_regions[link.region]);
+    link.cells = path.cells;
+    link.stamps = path.stamps;
   }
   std::shared_ptr<const Peer> old;
   {

@@ -1,4 +1,5 @@
-"""Ports for the tests' listeners.
+"""Ports for the tests' listeners, and the ``ip`` commands of the tests that build network
+namespaces.
 
 A port found by binding to port 0 comes from the kernel's ephemeral range, which every outbound
 connection also draws from: between choosing it and the listener binding it, any connection (a ZMQ
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import random
 import socket
+import subprocess
 
 _LOW, _HIGH = 20000, 32000  # below Linux's default ephemeral range (32768-60999)
 
@@ -49,3 +51,15 @@ def free_ports(count: int, host: str = "127.0.0.1") -> int:
                 s.close()
         return base
     raise RuntimeError(f"no {count} consecutive bindable ports in [{_LOW}, {_HIGH}) on {host}")
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``ip ARGS`` (iproute2), bounded in time; raises on failure when ``check``."""
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def disable_ipv6(namespace: str, dev: str) -> None:
+    """No IPv6 on ``dev`` inside ``namespace``: no link-local address, router solicitations or
+    MLD reports, so the device carries only what a test sends."""
+    key = f"net.ipv6.conf.{dev}.disable_ipv6=1"
+    ip("netns", "exec", namespace, "sysctl", "-qw", key)

@@ -26,7 +26,6 @@ import logging
 import os
 import random
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -38,16 +37,14 @@ import pytest
 pytest.importorskip("vllm")
 
 import faults_support as fs
+from net_support import disable_ipv6
+from net_support import ip as _ip
 from netem_link import Emulator, Impairment, Stats
 from test_vllm_support import write_model_dir
 
 logger = logging.getLogger("moriio_native.tests.faults_netns")
 
 pytestmark = [pytest.mark.vllm, pytest.mark.ucx, pytest.mark.slow]
-
-
-def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
 
 
 def _namespaces_unavailable() -> str | None:
@@ -94,7 +91,7 @@ class Link:
             "peer", "name", self.dev["d"], "netns", self.ns["d"],
         )  # fmt: skip
         for side in "pd":
-            self._ipv6_off(side, self.dev[side])
+            disable_ipv6(self.ns[side], self.dev[side])
             _ip("-n", self.ns[side], "addr", "add", f"{self.ip[side]}/30", "dev", self.dev[side])
             _ip("-n", self.ns[side], "link", "set", "lo", "up")
             _ip("-n", self.ns[side], "link", "set", self.dev[side], "up")
@@ -103,14 +100,6 @@ class Link:
     def _show(self, side: str, dev: str, *opts: str) -> dict[str, Any]:
         shown = _ip("-n", self.ns[side], "-j", *opts, "link", "show", "dev", dev)
         return dict(json.loads(shown.stdout)[0])
-
-    def _ipv6_off(self, side: str, dev: str) -> None:
-        # No link-local address, no router solicitations or MLD reports: a silent device.
-        key = f"net.ipv6.conf.{dev}.disable_ipv6=1"
-        subprocess.run(
-            ["ip", "netns", "exec", self.ns[side], "sysctl", "-qw", key],
-            capture_output=True, check=True, timeout=30,
-        )  # fmt: skip
 
     def set(self, state: str) -> None:
         _ip("-n", self.ns["p"], "link", "set", self.dev["p"], state)
@@ -122,7 +111,7 @@ class Link:
         try:
             for side in "pd":
                 _ip("link", "set", self.tun[side], "netns", self.ns[side])
-                self._ipv6_off(side, self.tun[side])
+                disable_ipv6(self.ns[side], self.tun[side])
                 _ip("-n", self.ns[side], "link", "set", self.tun[side], "up")
         except BaseException:
             emulator.close()

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from net_support import disable_ipv6
+from net_support import ip as _ip
 from netem_link import Emulator, Impairment, Stats
 
 
@@ -57,10 +59,6 @@ for i in range(int(sys.argv[3])):
 """
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], capture_output=True, text=True, check=True, timeout=30)
-
-
 class Namespaces:
     """Two namespaces, "a" and "b", joined only by the emulator's TUN devices."""
 
@@ -82,9 +80,7 @@ class Namespaces:
     def _attach(self, side: str, other: str, dev: str) -> None:
         ns = self.ns[side]
         _ip("link", "set", dev, "netns", ns)
-        # No IPv6 on the link: only the test's datagrams cross it.
-        sysctl = ["ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv6.conf.{dev}.disable_ipv6=1"]
-        subprocess.run(sysctl, capture_output=True, check=True, timeout=30)
+        disable_ipv6(ns, dev)  # only the test's datagrams cross the link
         _ip("-n", ns, "addr", "add", self.ip[side], "peer", self.ip[other], "dev", dev)
         _ip("-n", ns, "link", "set", dev, "up")
 
@@ -114,7 +110,7 @@ class Namespaces:
         if self.emulator is not None:
             self.emulator.close()
         for side in "ab":
-            subprocess.run(["ip", "netns", "del", self.ns[side]], capture_output=True, timeout=30)
+            _ip("netns", "del", self.ns[side], check=False)
 
 
 @pytest.fixture(scope="module")

@@ -695,12 +695,14 @@ class Pusher:
             return
         if job.remote is None or job.save is None or job.save.peer is None:
             return
-        try:
-            host, _, notify_port = self._decode_rank_ports(job)
-        except MoriioError as exc:
-            logger.warning("transfer %s: %s not sent: %s", message.transfer_id, message.TYPE, exc)
-            return
-        self._send(host, notify_port, message)
+        self._send_to_rank(
+            job.save.peer,
+            job.remote.decode_dp_rank,
+            job.decode_rank,
+            self._decode_tp(job),
+            job.remote,
+            message,
+        )
 
     def _send(self, host: str, port: int, message: NotifyMessage) -> None:
         """Never waits (NotifySender.send: zmq NOBLOCK); a message that cannot go (a host the
