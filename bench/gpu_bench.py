@@ -113,6 +113,7 @@ class Row:
     ratio_to_device_copy: float
     verified: bool
     cell_batches: int = 0  # of the last request: batches moved as cells (a transposing copy)
+    stamped_batches: int = 0  # of the last request: batches moved stamped (template and ids)
     state_copy_gbps: float = 0.0  # median copy_ in the decode's memory state, after each request
     ratio_to_state_copy: float = 0.0
     pre: str = "none"  # what ran between the previous request's checks and this one (--pre)
@@ -504,7 +505,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                 engine.seal(tid, peer, expected_writes=len(views))
 
             seconds, event, trace = _timed_request(engine, tid, call, timeline, prime)
-            conn.send((seconds, event.state, event.bytes, event.message, event.cell_batches, trace))
+            shapes = (event.cell_batches, event.stamped_batches)
+            conn.send((seconds, event.state, event.bytes, event.message, shapes, trace))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
             src_layout = _layout_of(cfg, "prefill")
@@ -727,7 +729,7 @@ def run_case(
     if layout == "nhd-hnd":  # one run per (plane, head, token) cell
         run_bytes = preset["head"] * 2
     for op, pre in ((op, pre) for op in args.ops for pre in args.pre or ["none", "prime"]):
-        samples, copies, verified, total, cells = [], [], True, 0, 0
+        samples, copies, verified, total, shapes = [], [], True, 0, (0, 0)
         # Request 0 warms up (IPC mapping, kernel load); with --timeline one more is profiled.
         profiled = requests + 1 if args.timeline and direct_copy == "auto" else None
         for r in range(requests + 1 + (profiled is not None)):
@@ -743,7 +745,7 @@ def run_case(
             caller = "decode" if op == "read" else "prefill"
             local, remote = (dst, src) if op == "read" else (src, dst)
             conns[caller].send((op, tid, local, remote, r == profiled, pre == "prime"))
-            seconds, state, nbytes, msg, cells, trace = _recv(conns[caller], procs)
+            seconds, state, nbytes, msg, shapes, trace = _recv(conns[caller], procs)
             if state != "done":
                 raise RuntimeError(f"{tid} ended {state}: {msg}")
             conns["decode"].send(("verify", dst, src))
@@ -777,7 +779,7 @@ def run_case(
                 gbps,
                 gbps / device_copy,
                 verified,
-                cells,
+                *shapes,
                 state_copy,
                 gbps / state_copy,
                 pre,
@@ -889,7 +891,7 @@ def main(argv: list[str] | None = None) -> int:
                 logger.info(
                     "%-12s %-13s %-15s %-5s pre=%-6s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx "
                     "device copy, %.3fx a copy_ in the same state (%.0f GB/s), verified=%s, cell "
-                    "batches %d",
+                    "batches %d, stamped batches %d",
                     row.preset,
                     row.layout,
                     row.path,
@@ -903,6 +905,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.state_copy_gbps,
                     row.verified,
                     row.cell_batches,
+                    row.stamped_batches,
                 )
     for t in timelines:
         logger.info(

@@ -64,9 +64,16 @@
 #                                         # engine's runs (off), alternating, bytes verified
 #   bash bench/h200_session.sh stamp-groups  # one call: the stamp kernel with at most 32, 8 and 1
 #                                         # pieces per warp, 2 rounds
+#   bash bench/h200_session.sh small      # one call: this tree built with the marks; every GPU
+#                                         # test; gpu_bench --timeline for 4 KiB runs and
+#                                         # llama3-8b, unprimed and primed: where a small-run
+#                                         # request's host time goes
+#   bash bench/h200_session.sh wake       # one call: this tree against itself with
+#                                         # progress_mode=busy, alternating, for 4 KiB runs and
+#                                         # llama3-8b: what the progress thread's wake-up costs
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -492,6 +499,30 @@ stamps)  # issue 18: stamped batches (templates and ids, offsets on the GPU) aga
     tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py 2>&1 |
     tail -4 | tee -a "$out/checks.log"
   echo "elapsed ${SECONDS} s"
+  ;;
+small)  # issue 18: every GPU test, then where a 4 KiB-run request's time goes (marks compiled in)
+  extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build_with_ucx || exit 1
+  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
+  n=0
+  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3" \
+    "--preset llama3-8b --requests 3"; do
+    n=$((n + 1))
+    echo "== tree with marks: $p"
+    bench_variant tree "" 150 $p --pre none --pre prime --json "$out/e2e_small_$n.json" \
+      --timeline "$out/timeline_small_$n.json"
+    echo "elapsed ${SECONDS} s"
+  done 2>&1 | tee "$out/small.log"
+  ;;
+wake)  # issue 18: what the progress thread's wake-up costs a request: tree against busy progress
+  build_with_ucx || exit 1
+  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 5" \
+    "--preset llama3-8b --requests 5"; do
+    for v in tree busy tree busy; do
+      echo "== $v: $p"
+      bench_variant "$v" "" 80 $p --pre none --pre prime
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/wake.log"
   ;;
 stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
   build_with_ucx || exit 1

@@ -31,9 +31,16 @@ std::string_view TransferStateName(TransferState state) {
 
 namespace {
 
+using detail::BatchShape;
 using detail::EngineMetadata;
 using detail::LayerRecord;
 using detail::RegionRecord;
+
+BatchShape ShapeOf(const Batch& batch) {
+  if (batch.cells) return BatchShape::kCells;
+  if (batch.stamps) return BatchShape::kStamped;
+  return BatchShape::kRuns;
+}
 
 // Forwards backend completions to the tracker; maps backend peer handles to peer ids.
 class Sink final : public CompletionSink {
@@ -616,12 +623,13 @@ struct Engine::Impl {
   // failed so the transfer still ends exactly once. False when the transfer ended meanwhile
   // (deadline, abort): nothing more should be submitted for it.
   bool Submit(std::vector<BatchBuilder::Piece> pieces, std::string_view transfer_id,
-              const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, bool)>& add) {
+              const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, BatchShape)>&
+                  add) {
     for (BatchBuilder::Piece& piece : pieces) {
       trace::Record(trace::Mark::kPieceCut);
       Batch& batch = *piece.batch;
       batch.local_region = regions[piece.key.local].handle;
-      Result<std::uint64_t> token = add(piece.bytes, piece.runs, batch.cells.has_value());
+      Result<std::uint64_t> token = add(piece.bytes, piece.runs, ShapeOf(batch));
       if (!token.ok()) return false;
       batch.token = *token;
       trace::Record(trace::Mark::kSubmitEntry, *token);
@@ -971,12 +979,12 @@ Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
                                const std::vector<PlannedSegment>& planned,
                                const std::string& ctx) {
   MORIIO_RETURN_IF_ERROR(tracker->BeginRead(transfer_id, peer.id));
-  auto add = [&](std::int64_t bytes, std::int64_t runs, bool cells) {
-    return tracker->AddBatch(transfer_id, bytes, runs, cells);
+  auto add = [&](std::int64_t bytes, std::int64_t runs, BatchShape shape) {
+    return tracker->AddBatch(transfer_id, bytes, runs, shape);
   };
   // Fails the open transfer with `why` (a batch that failed at once), so it ends now.
   auto fail = [&](const Status& why) {
-    if (Result<std::uint64_t> token = add(0, 0, false); token.ok()) {
+    if (Result<std::uint64_t> token = add(0, 0, BatchShape::kRuns); token.ok()) {
       tracker->OnBatchComplete(*token, why.WithContext(ctx));
     }
   };
@@ -1126,7 +1134,7 @@ Result<bool> Engine::Impl::WriteSegments(
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
       tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, bytes, runs,
-                             !pieces.empty() && pieces.front().batch->cells.has_value()));
+                             pieces.empty() ? BatchShape::kRuns : ShapeOf(*pieces.front().batch)));
   if (!token) return false;
   if (runs == 0) {
     tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
@@ -1134,7 +1142,7 @@ Result<bool> Engine::Impl::WriteSegments(
   }
   // ScheduleWrite already counted the batch: submit it under that token.
   Submit(std::move(pieces), transfer_id,
-         [&](std::int64_t, std::int64_t, bool) -> Result<std::uint64_t> { return *token; });
+         [&](std::int64_t, std::int64_t, BatchShape) -> Result<std::uint64_t> { return *token; });
   return true;
 }
 

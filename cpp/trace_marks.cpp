@@ -16,7 +16,7 @@ constexpr std::size_t kMaxCapacity = std::size_t{1} << 24;
 constexpr std::array<std::string_view, kMarkCount> kNames = {
     "call_entry",  "planned",   "piece_cut",         "submit_entry",     "submit_exit",
     "call_exit",   "activated", "copy_submit_entry", "copy_submit_exit", "binding_entry",
-    "pairs_checked", "layers_planned",
+    "pairs_checked", "layers_planned", "wake_sent",         "woke",
 };
 
 struct Recorder {

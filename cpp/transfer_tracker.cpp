@@ -56,7 +56,7 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
                                                                     std::string_view peer,
                                                                     std::int64_t bytes,
                                                                     std::int64_t runs,
-                                                                    bool cells) {
+                                                                    BatchShape shape) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
@@ -79,7 +79,7 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
     return refused;
   }
   t.layers.emplace(layer);
-  const std::uint64_t token = AddBatchLocked(id, t, bytes, runs, cells);
+  const std::uint64_t token = AddBatchLocked(id, t, bytes, runs, shape);
   if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
   return std::optional<std::uint64_t>(token);
 }
@@ -136,26 +136,27 @@ Status TransferTracker::FailWrite(std::string_view id_view, std::string_view pee
 }
 
 Result<std::uint64_t> TransferTracker::AddBatch(std::string_view id_view, std::int64_t bytes,
-                                                std::int64_t runs, bool cells) {
+                                                std::int64_t runs, BatchShape shape) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   auto it = pending_.find(id);
   if (it == pending_.end() || it->second.kind != TransferKind::kRead || !it->second.open) {
     return FailedPreconditionError("transfer '" + id + "' is not an open read");
   }
-  return AddBatchLocked(id, it->second, bytes, runs, cells);
+  return AddBatchLocked(id, it->second, bytes, runs, shape);
 }
 
 std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t,
                                               std::int64_t bytes, std::int64_t runs,
-                                              bool cells) {
+                                              BatchShape shape) {
   const std::uint64_t token = next_token_++;
   tokens_.emplace(token, id);
   ++t.in_flight;
   ++live_batches_;
   OnLiveBatchesChangedLocked();
   ++t.batches;
-  if (cells) ++t.cell_batches;
+  if (shape == BatchShape::kStamped) ++t.stamped_batches;
+  if (shape == BatchShape::kCells) ++t.cell_batches;
   t.bytes += bytes;
   t.runs += runs;
   return token;
@@ -273,6 +274,7 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.bytes = t.bytes;
   e.runs = t.runs;
   e.batches = t.batches;
+  e.stamped_batches = t.stamped_batches;
   e.cell_batches = t.cell_batches;
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
   e.drained = drained;

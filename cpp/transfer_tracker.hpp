@@ -21,6 +21,10 @@
 
 namespace moriio_native::detail {
 
+/// How a batch hands its bytes to the backend: runs, a stamped batch (Batch::stamps) or cells
+/// (Batch::cells). Counted per transfer in TransferEvent's stamped_batches and cell_batches.
+enum class BatchShape { kRuns, kStamped, kCells };
+
 /// Thread-safe (one mutex). Terminal rules:
 /// - a transfer is "open" while batches may still be added: a READ until CloseRead, a WRITE
 ///   until it was sealed for N writes and N distinct layers were scheduled;
@@ -49,13 +53,14 @@ class TransferTracker {
 
   /// WRITE: atomically records that (id, layer) is scheduled (creating the transfer) and adds its
   /// in-flight batch. Returns the batch token, or nullopt when the layer was scheduled before or
-  /// the transfer is failed, aborted, timed out or terminal (nothing recorded then). `cells`:
-  /// the batch is a cell batch (counted in TransferEvent::cell_batches).
+  /// the transfer is failed, aborted, timed out or terminal (nothing recorded then). `shape`:
+  /// how the batch goes to the backend.
   /// InvalidArgument (nothing recorded) when `id` is a READ; InvalidArgument that also fails the
   /// transfer when it writes to another peer or this layer is one more than its seal expects.
   Result<std::optional<std::uint64_t>> ScheduleWrite(std::string_view id, std::string_view layer,
                                                      std::string_view peer, std::int64_t bytes,
-                                                     std::int64_t runs, bool cells = false);
+                                                     std::int64_t runs,
+                                                     BatchShape shape = BatchShape::kRuns);
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers for this transfer
   /// (before or after this call); it is done once they all completed. 0 says "nothing to send"
   /// and completes an unwritten transfer at once. Creates the transfer when none exists.
@@ -68,11 +73,11 @@ class TransferTracker {
   /// is a READ; ignored for terminal WRITE ids.
   Status FailWrite(std::string_view id, std::string_view peer, const Status& why);
 
-  /// READ: adds an in-flight batch of `bytes` in `runs` runs (`cells`: a cell batch) to an open
+  /// READ: adds an in-flight batch of `bytes` in `runs` runs (of `shape`) to an open
   /// READ; returns its token (FailedPrecondition if the transfer is no longer pending, e.g. it
   /// timed out).
   Result<std::uint64_t> AddBatch(std::string_view id, std::int64_t bytes, std::int64_t runs,
-                                 bool cells = false);
+                                 BatchShape shape = BatchShape::kRuns);
   /// A batch finished (ok or not). Unknown tokens are ignored.
   void OnBatchComplete(std::uint64_t token, const Status& status);
   /// Fails every pending transfer with `peer` (the transport lost it).
@@ -125,6 +130,7 @@ class TransferTracker {
     std::string failure;  // first failure message; non-empty = failed
     std::int64_t in_flight = 0;
     std::int64_t batches = 0;
+    std::int64_t stamped_batches = 0;
     std::int64_t cell_batches = 0;
     std::int64_t bytes = 0;
     std::int64_t runs = 0;
@@ -139,7 +145,7 @@ class TransferTracker {
   void RememberTerminalLocked(const std::string& id, TransferKind kind);
   Transfer& CreateLocked(const std::string& id, TransferKind kind, std::string_view peer);
   std::uint64_t AddBatchLocked(const std::string& id, Transfer& t, std::int64_t bytes,
-                               std::int64_t runs, bool cells);
+                               std::int64_t runs, BatchShape shape);
   // InvalidArgument when `id` (pending or recently terminal) is a READ.
   Status CheckNotReadLocked(const std::string& id) const;
   void FailLocked(const std::string& id, Transfer& t, std::string why);

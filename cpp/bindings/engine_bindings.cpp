@@ -93,6 +93,8 @@ void BindEngine(py::module_& m) {
       .def_readonly("bytes", &TransferEvent::bytes)
       .def_readonly("runs", &TransferEvent::runs)
       .def_readonly("batches", &TransferEvent::batches)
+      .def_readonly("stamped_batches", &TransferEvent::stamped_batches,
+                    "Of batches, those that went as stamped batches (template and block ids).")
       .def_readonly("cell_batches", &TransferEvent::cell_batches,
                     "Of batches, those that moved whole blocks as cells (a transposing copy).")
       .def_readonly("seconds", &TransferEvent::seconds)

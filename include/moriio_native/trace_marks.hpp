@@ -20,7 +20,8 @@ namespace moriio_native::trace {
 /// Where a stamp was taken, in the order a request passes them: binding_entry, call_entry,
 /// pairs_checked, layers_planned, planned, then per batch piece_cut, submit_entry, submit_exit
 /// on the calling thread and activated, copy_submit_entry, copy_submit_exit on the backend's
-/// progress thread (UCX), and call_exit. The numbering is this build's, not a stable ABI.
+/// progress thread (UCX), and call_exit; wake_sent and woke where a call wakes the progress
+/// thread from its sleep. The numbering is this build's, not a stable ABI.
 enum class Mark : std::uint8_t {
   kCallEntry = 0,     ///< Engine::Read / WriteLayer entered (token 0)
   kPlanned,           ///< the transfer exists and its batches are sized: pieces are cut next
@@ -34,8 +35,10 @@ enum class Mark : std::uint8_t {
   kBindingEntry,      ///< the Python binding of read / write_layer entered (before the ids' copy)
   kPairsChecked,      ///< the block id pairs copied, checked and sorted (BlockPairs; token 0)
   kLayersPlanned,     ///< every layer's link and ids checked (before the transfer exists; token 0)
+  kWakeSent,          ///< a caller wrote the sleeping progress thread's wake fd (UCX; token 0)
+  kWoke,              ///< the progress thread returned from its sleep (UCX; token 0)
 };
-inline constexpr std::size_t kMarkCount = 12;
+inline constexpr std::size_t kMarkCount = 14;
 
 /// The mark's name ("call_entry", "planned", ...), as gpu_bench's timeline lists it.
 std::string_view MarkName(Mark mark);

@@ -247,6 +247,11 @@ class TransferEvent:
     def seconds(self) -> float:
         ...
     @property
+    def stamped_batches(self) -> int:
+        """
+        Of batches, those that went as stamped batches (template and block ids).
+        """
+    @property
     def state(self) -> str:
         ...
     @property

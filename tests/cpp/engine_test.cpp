@@ -694,6 +694,7 @@ TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
         EXPECT_EQ(e.bytes, bytes);
         EXPECT_EQ(e.batches, 1);
         EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
+        EXPECT_EQ(e.stamped_batches, stamps ? 1 : 0);
         ExpectBytes(d.buffer->Snapshot(), expected, touched);
         counts[path] = {e.bytes, e.runs};
         // WRITE: P pushes its blocks back into other blocks of D's.
@@ -708,6 +709,7 @@ TEST(EngineCells, EveryLayoutPairMovesTheSameBytesAsCellsAndAsRuns) {
         e = p_events.Wait("w");
         EXPECT_EQ(e.state, TransferState::kDone) << e.message;
         EXPECT_EQ(e.cell_batches, cells && prefers ? 1 : 0);
+        EXPECT_EQ(e.stamped_batches, stamps ? 1 : 0);
         ExpectBytes(d.buffer->Snapshot(), w_expected, w_touched);
       }
       EXPECT_EQ(counts["cells"], counts["runs"]) << ::testing::PrintToString(c)
@@ -2195,6 +2197,7 @@ TEST(EngineStamps, MixedLayersAndWindowsMoveTheReferenceBytesInStampedBatches) {
   EXPECT_EQ(e.bytes, bytes);
   EXPECT_EQ(e.batches, 3) << "stamped pieces of one, two and one layers";
   EXPECT_EQ(e.cell_batches, 0);
+  EXPECT_EQ(e.stamped_batches, 3);
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
   // WRITE, layer by layer, into other blocks of D's.
   const std::vector<std::int64_t> w_from = {0, 4}, w_to = {7, 2};
@@ -2209,6 +2212,7 @@ TEST(EngineStamps, MixedLayersAndWindowsMoveTheReferenceBytesInStampedBatches) {
   e = p_events.Wait("w");
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
   EXPECT_EQ(e.batches, static_cast<std::int64_t>(Names(d).size()));
+  EXPECT_EQ(e.stamped_batches, e.batches) << "a stamped layer per write";
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 
@@ -2236,6 +2240,7 @@ TEST(EngineStamps, HeadWindowsGoStampedAndEqualTheReference) {
   EXPECT_EQ(e.state, TransferState::kDone) << e.message;
   // The ramp's first piece holds segment 0; the second both others' templates and ids.
   EXPECT_EQ(e.batches, 2);
+  EXPECT_EQ(e.stamped_batches, 2);
   ExpectBytes(d.buffer->Snapshot(), expected, touched);
 }
 

@@ -117,6 +117,8 @@ TEST_F(TraceMarks, EveryMarkHasItsName) {
       {Mark::kBindingEntry, "binding_entry"},
       {Mark::kPairsChecked, "pairs_checked"},
       {Mark::kLayersPlanned, "layers_planned"},
+      {Mark::kWakeSent, "wake_sent"},
+      {Mark::kWoke, "woke"},
   };
   ASSERT_EQ(names.size(), trace::kMarkCount);
   for (const auto& [mark, name] : names) EXPECT_EQ(trace::MarkName(mark), name);

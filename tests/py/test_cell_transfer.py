@@ -40,18 +40,18 @@ def _ucx_available() -> bool:
 
 
 CASES = [
-    pytest.param("loopback", {}, True, id="loopback-cells"),
-    pytest.param("loopback", {"loopback_cells": "0"}, False, id="loopback-runs"),
+    pytest.param("loopback", {}, "cells", id="loopback-cells"),
+    pytest.param("loopback", {"loopback_cells": "0"}, "runs", id="loopback-runs"),
     pytest.param(
         "loopback",
         {"loopback_cells": "0", "loopback_stamps": "1"},
-        False,
+        "stamps",
         id="loopback-stamps",
     ),
     pytest.param(
         "ucx",
         {},
-        False,
+        "runs",
         id="ucx-host-runs",
         marks=[
             pytest.mark.ucx,
@@ -61,9 +61,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("backend", "options", "cells"), CASES)
+@pytest.mark.parametrize(("backend", "options", "path"), CASES)
 def test_nhd_hnd_read_and_write_are_byte_exact(
-    backend: str, options: dict[str, str], cells: bool
+    backend: str, options: dict[str, str], path: str
 ) -> None:
     caches = {}
     engines = {}
@@ -77,8 +77,9 @@ def test_nhd_hnd_read_and_write_are_byte_exact(
     decode, prefill = caches["decode"], caches["prefill"]
     prefill_before = prefill.backing.copy()
     # The two K/V layers move as cells where the backend takes them, one batch each (their
-    # strides differ: two geometries); the latent layer goes as runs.
-    want_cells = 2 if cells else 0
+    # strides differ: two geometries), and the latent layer as runs; with stamps every batch
+    # is a stamped one.
+    want_cells = 2 if path == "cells" else 0
 
     local, remote = [13, 0, 7, 2], [4, 9, 0, 5]
     expected = kc.expected_after_copy(decode, prefill, local, remote)
@@ -86,6 +87,7 @@ def test_nhd_hnd_read_and_write_are_byte_exact(
     event = engines["decode"].wait(["r"], timeout=TIMEOUT)["r"]
     assert event.state == "done", event.message
     assert event.cell_batches == want_cells
+    assert event.stamped_batches == (event.batches if path == "stamps" else 0)
     assert event.bytes == len(local) * decode.total_block_bytes()
     np.testing.assert_array_equal(decode.backing, expected)
     np.testing.assert_array_equal(prefill.backing, prefill_before)
@@ -98,6 +100,7 @@ def test_nhd_hnd_read_and_write_are_byte_exact(
     event = engines["prefill"].wait(["w"], timeout=TIMEOUT)["w"]
     assert event.state == "done", event.message
     assert event.cell_batches == want_cells  # a WRITE's batch is one layer
+    assert event.stamped_batches == (event.batches if path == "stamps" else 0)
     np.testing.assert_array_equal(decode.backing, expected)
 
 

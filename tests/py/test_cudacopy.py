@@ -411,6 +411,32 @@ def test_stamps_with_many_blocks_and_many_runs_per_layer(queue: Queue) -> None:
     _check_stamps(queue, layers, runs, dst_ids, src_ids, size, size, seed=8)
 
 
+def test_stamps_of_runs_over_16_kib_beside_small_ones_in_one_layer(queue: Queue) -> None:
+    from moriio_native.bench.cudacopy import StampLayer, StampRun
+
+    # One layer's template mixes runs of several 16 KiB pieces (the last one short, or exactly
+    # full) with runs of one piece and of a few bytes, packed in another order on each side, so
+    # a warp's pieces cross runs of every kind; a second layer takes a middle slice of the same
+    # template (its first piece is not the template's first).
+    sizes = [40000, 16, 16384, 16385, 100000, 7, 32768, 4096]
+    src_offsets = np.concatenate(([0], np.cumsum(sizes)[:-1])).tolist()
+    dst_offsets, at = [0] * len(sizes), 3
+    for r in reversed(range(len(sizes))):
+        dst_offsets[r], at = at, at + sizes[r] + 5
+    src_block, dst_block = sum(sizes) + 1, at
+    runs = [StampRun(d, s, n) for d, s, n in zip(dst_offsets, src_offsets, sizes, strict=True)]
+    blocks, n = 40, 25
+    rng = np.random.default_rng(11)
+    dst_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    src_ids = rng.permutation(blocks)[:n].astype(np.int64)
+    second_dst, second_src = dst_block * blocks, src_block * blocks
+    layers = [
+        StampLayer(0, 0, dst_block, src_block, 0, n, 0, len(sizes)),
+        StampLayer(second_dst, second_src, dst_block, src_block, 5, 17, 2, 4),
+    ]
+    _check_stamps(queue, layers, runs, dst_ids, src_ids, 2 * second_dst, 2 * second_src, seed=12)
+
+
 def test_stamps_refuse_a_layer_outside_the_arrays(queue: Queue) -> None:
     import torch
 

@@ -305,6 +305,10 @@ def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
         # dense.0-2 pair different axis orders (runs of single 16-byte cells): they move as
         # cells, one submit_cells per layer's geometry (three different ones).
         assert event.cell_batches == 3, event
+        # The other layers in stamped batches (the stamping kernel), or none with it off.
+        want_stamped = event.batches - 3 if stamps == "on" else 0
+        assert event.stamped_batches == want_stamped, event
+        assert event.batches > 3, event
         np.testing.assert_array_equal(gpu.to_host(), expected)
         np.testing.assert_array_equal(prefill_child.backing(), prefill_replica.backing)
 
@@ -318,6 +322,8 @@ def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
         event = engine.wait(["req-gw"], timeout=TIMEOUT)["req-gw"]
         assert (event.kind, event.state) == ("write", "done"), event.message
         assert event.cell_batches == 3, event  # one batch per layer
+        want_stamped = len(decode.shapes) - 3 if stamps == "on" else 0
+        assert event.stamped_batches == want_stamped, event
         np.testing.assert_array_equal(prefill_child.backing(), expected_remote)
     finally:
         assert prefill_child.stop() == 0

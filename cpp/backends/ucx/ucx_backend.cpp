@@ -1128,6 +1128,7 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
     submitted_.push_back(std::move(p));
   }
   queued_.fetch_add(1);
+  if (sleeping_.load(std::memory_order_seq_cst)) trace::Record(trace::Mark::kWakeSent);
   Wake();
   return Status::OK();
 }
@@ -1140,7 +1141,10 @@ void UcxBackend::ExpectSubmits() {
                          std::memory_order_relaxed);
   // A hint that finds the thread awake costs no system call; one that races with it falling
   // asleep at worst leaves the first Submit to wake it, as without the hint.
-  if (sleeping_.load(std::memory_order_seq_cst)) Wake();
+  if (sleeping_.load(std::memory_order_seq_cst)) {
+    trace::Record(trace::Mark::kWakeSent);
+    Wake();
+  }
 }
 
 bool UcxBackend::AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
@@ -1316,6 +1320,7 @@ void UcxBackend::Loop() {
     sleeping_.store(true, std::memory_order_seq_cst);
     int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
     sleeping_.store(false, std::memory_order_relaxed);
+    trace::Record(trace::Mark::kWoke);
     for (int i = 0; i < n; ++i) {
       if (events[i].data.fd == wake_fd_) {
         std::uint64_t v;
