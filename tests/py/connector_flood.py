@@ -10,7 +10,10 @@ handshake requests that fail the schema, on the notify ports valid messages of t
 knows (the prefill's: ``release``; the decode's: ``write_done``, ``write_failed``,
 ``write_aborted``), each with a transfer id never sent before (every one is new to the
 listeners' deduplication memories, and each release to the prefill's memory of early releases,
-so those fill up to their bounds).
+so those fill up to their bounds). With ``--kind valid`` only the notify ports are flooded, and
+only with those valid messages: they pass every check of the listeners (no drop), so only the
+protocol core can tell them from genuine ones (the handshake ports get nothing: a well-formed
+handshake request is no stray, it is answered).
 
 A genuine round is one fresh handshake with the prefill rank (``fetch_metadata`` to its
 handshake port, the answer checked) plus one request through the connector: the prefill computes
@@ -90,6 +93,7 @@ logger = logging.getLogger("moriio_native.tests.connector_flood")
 
 LOCAL = "127.0.0.1"
 PRODUCTION_BOUND = 65536
+KINDS = ("mixed", "valid")  # garbage and valid-schema messages; valid-schema ones only
 GARBAGE = [
     b"",
     b"\xc1",
@@ -108,12 +112,13 @@ BAD_HANDSHAKES = [
 # ---- the flooder (a spawned child) ------------------------------------------------------------
 
 
-def _frames(kind: str, n: int) -> list[bytes]:
-    """The ``n``-th flood message for a port of ``kind``: every fourth is garbage, the rest
-    bad handshakes (handshake ports) or valid messages of unknown transfers (notify ports:
-    the prefill's get releases, which it must remember in case their request comes later; the
-    decode's get the messages a prefill sends it)."""
-    if n % 4 == 0:
+def _frames(kind: str, n: int, flood: str) -> list[bytes]:
+    """The ``n``-th flood message of a ``flood`` (one of KINDS) for a port of ``kind``: in a
+    mixed flood every fourth is garbage, the rest bad handshakes (handshake ports) or valid
+    messages of unknown transfers (notify ports: the prefill's get releases, which it must
+    remember in case their request comes later; the decode's get the messages a prefill sends
+    it); in a valid flood all are the latter."""
+    if flood == "mixed" and n % 4 == 0:
         return [GARBAGE[(n // 4) % len(GARBAGE)]]
     if kind == "handshake":
         return [BAD_HANDSHAKES[n % len(BAD_HANDSHAKES)]]
@@ -124,7 +129,7 @@ def _frames(kind: str, n: int) -> list[bytes]:
     return [encode(message)]
 
 
-def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float) -> None:
+def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, flood: str) -> None:
     """Send to every port in turn at ``rate`` messages per second in all, while the parent
     says so: ``("go",)`` starts, ``("stop",)`` pauses and answers the counts, ``("quit",)``
     ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent."""
@@ -162,7 +167,7 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float) -> None:
         for _ in range(min(due, 500)):
             kind, port, sock = socks[n % len(socks)]
             try:
-                sock.send_multipart(_frames(kind, n // len(socks)), zmq.NOBLOCK)
+                sock.send_multipart(_frames(kind, n // len(socks), flood), zmq.NOBLOCK)
                 sent[port] += 1
             except zmq.Again:
                 refused += 1
@@ -173,10 +178,10 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float) -> None:
 
 
 class Flooder:
-    def __init__(self, ports: list[tuple[str, int]], rate: float) -> None:
+    def __init__(self, ports: list[tuple[str, int]], rate: float, flood: str) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_flood, args=(child, ports, rate), daemon=True)
+        self._proc = ctx.Process(target=_flood, args=(child, ports, rate, flood), daemon=True)
         self._proc.start()
         child.close()
         self._taken = 0
@@ -271,6 +276,7 @@ class Result:
     phases: int
     rate: float
     remember: int
+    kind: str
     baseline_ms: dict[str, float] = field(default_factory=dict)
     flood_ms: dict[str, float] = field(default_factory=dict)
     ratio_p50: float = 0.0
@@ -307,13 +313,15 @@ class Pair:
         self.security = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
         self.seed = 0
 
-    def ports(self) -> list[tuple[str, int]]:
-        return [
+    def ports(self, flood: str) -> list[tuple[str, int]]:
+        """The ports a ``flood`` (one of KINDS) goes to, with their kind."""
+        ports = [
             ("handshake", self.p.handshake_port),
             ("prefill-notify", self.p.notify_port),
             ("handshake", self.d.handshake_port),
             ("decode-notify", self.d.notify_port),
         ]
+        return [port for port in ports if flood == "mixed" or port[0] != "handshake"]
 
     def round(self, violations: list[str]) -> float:
         """One genuine request: (fresh handshake + READ + release) seconds."""
@@ -366,10 +374,10 @@ def _memories(bound: int) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> Result:
-    res = Result(args.rounds, args.phases, args.rate, args.remember)
+    res = Result(args.rounds, args.phases, args.rate, args.remember, args.kind)
     with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
         pair = Pair(write_model_dir(Path(tmp)))
-        flooder = Flooder(pair.ports(), args.rate)
+        flooder = Flooder(pair.ports(args.kind), args.rate, args.kind)
         try:
             _measure(pair, flooder, args, res)
         finally:
@@ -525,6 +533,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=200, help="genuine requests per phase")
     parser.add_argument("--phases", type=int, default=3, help="pairs of (baseline, flood)")
     parser.add_argument("--remember", type=int, default=PRODUCTION_BOUND)
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="mixed",
+        help="mixed: garbage and valid-schema messages on every port; valid: valid-schema "
+        "messages of unknown transfers on the notify ports only",
+    )
     parser.add_argument("--no-fill", dest="fill", action="store_false")
     parser.add_argument("--fill-limit", type=float, default=300.0)
     parser.add_argument("--rss-slack-mib", type=float, default=32.0)
@@ -553,12 +568,13 @@ def main(argv: list[str] | None = None) -> int:
             w.listener_cpu_s,
         )
     logger.warning(
-        "genuine handshake+READ+release, %d rounds each: baseline p50 %.2f ms p99 %.2f ms max "
-        "%.2f ms; under the flood p50 %.2f ms p99 %.2f ms max %.2f ms; ratio p50 %.2fx p99 "
-        "%.2fx; flood %d messages (%d refused by ZMQ's high-water mark), %.0f/s asked, %.0f/s "
-        "sent over %.1f s of flood phases; ratio of the windows' medians p50 %.2fx p99 %.2fx; "
-        "CPU per 1,000 flood messages: process %.1f ms, listener threads %.1f ms; RSS %+.1f "
-        "MiB; violations %d",
+        "%s flood; genuine handshake+READ+release, %d rounds each: baseline p50 %.2f ms p99 "
+        "%.2f ms max %.2f ms; under the flood p50 %.2f ms p99 %.2f ms max %.2f ms; ratio p50 "
+        "%.2fx p99 %.2fx; flood %d messages (%d refused by ZMQ's high-water mark), %.0f/s "
+        "asked, %.0f/s sent over %.1f s of flood phases; ratio of the windows' medians p50 "
+        "%.2fx p99 %.2fx; CPU per 1,000 flood messages: process %.1f ms, listener threads "
+        "%.1f ms; RSS %+.1f MiB; violations %d",
+        res.kind,
         b["n"],
         b["p50"],
         b["p99"],

@@ -3,6 +3,7 @@ vLLM): the review findings on the old worker, each pinned down."""
 
 from __future__ import annotations
 
+import gc
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 
 from moriio_native.control.addressing import ZmqAddress
-from moriio_native.control.messages import AbortWrite, HandshakeResponse, RemoteBlocks
+from moriio_native.control.messages import AbortWrite, HandshakeResponse, Release, RemoteBlocks
 from moriio_native.errors import IncompatiblePeerError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
@@ -18,7 +19,7 @@ from moriio_native.pd.context import Context
 from moriio_native.pd.peers import Peer, PeerKey
 from moriio_native.pd.puller import PROBE_FAILURES_FOR_DEATH, AwaitState, Puller
 from moriio_native.pd.pusher import Pusher
-from moriio_native.pd.tasks import RecvTask
+from moriio_native.pd.tasks import RecvTask, SendTask
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
 
@@ -156,6 +157,33 @@ def test_abort_write_for_unknown_transfers_holds_bounded_state(
     assert len(pusher.job_states()) <= 8
     # The newest ones are kept (a real abort that overtook its request still gets its answer).
     assert "tx-49" in pusher.job_states()
+
+
+def test_early_releases_at_their_bound_add_no_objects_to_the_garbage_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: each release of a transfer the prefill does not know yet (one that overtook its
+    request, or a flood's) was kept as a tuple, a dataclass and a set, all tracked by the cyclic
+    garbage collector, so a flood that filled the memory to its bound lengthened every full
+    collection of the process (3 objects per record; with vLLM loaded a full collection already
+    takes tens of ms). Now the records add a constant number of tracked objects however many
+    there are, and still do their work: the newest are kept, the send task of a released
+    transfer frees at once, that of a forgotten one waits for its release."""
+    bound = 4096
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", bound)
+    ctx, _, _ = context("read", producer=True, tp_size=1)
+    pusher = Pusher(ctx)
+    pusher.on_release(Release("tx-warm-up"))  # the first record's one-off allocations
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(2 * bound):
+        pusher.on_release(Release(f"tx-{i}"))
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    assert len(pusher._early_releases) == bound
+    assert added < 64, f"{added} more tracked objects for {bound} early releases"
+    pusher.begin_step([], [SendTask("req-new", f"tx-{2 * bound - 1}"), SendTask("req-old", "tx-0")])
+    assert ctx.reports.done_sending == {"req-new"}
 
 
 def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:

@@ -240,6 +240,28 @@ def test_held_read_blocks_wait_for_every_reader_once() -> None:
     assert ctx.reports.done_sending == {"req-1"}
 
 
+def test_releases_before_the_send_task_count_as_after_it_and_expire() -> None:
+    """Releases that come before the request's send task count as they would after it (the
+    TP size of the first, each reading rank once, others ignored), and are forgotten after
+    abort_timeout: the blocks then wait for releases that come later."""
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    pusher.on_release(Release("tx-1", consumer_tp_size=2, consumer_tp_rank=0))
+    pusher.on_release(Release("tx-1", consumer_tp_size=2, consumer_tp_rank=0))  # again
+    pusher.on_release(Release("tx-1", consumer_tp_size=4, consumer_tp_rank=1))  # other size
+    pusher.begin_step([], [SendTask("req-1", "tx-1")])
+    assert not ctx.reports.done_sending  # decode rank 1 has not released yet
+    pusher.on_release(Release("tx-1", consumer_tp_size=2, consumer_tp_rank=1))
+    assert ctx.reports.done_sending == {"req-1"}
+    for rank in (0, 1):
+        pusher.on_release(Release("tx-2", consumer_tp_size=2, consumer_tp_rank=rank))
+    pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    for rank in (0, 1):
+        pusher.on_release(Release("tx-3", consumer_tp_size=2, consumer_tp_rank=rank))
+    pusher.begin_step([], [SendTask("req-2", "tx-2"), SendTask("req-3", "tx-3")])
+    assert ctx.reports.done_sending == {"req-1", "req-3"}  # tx-2's releases expired
+
+
 def test_unused_prefill_rank_is_released_by_its_assigned_decode_rank() -> None:
     # 2 KV heads, prefill TP 4 -> decode TP 2: decode rank 1 reads head 1 from prefill rank 3;
     # prefill rank 1 holds a replica nobody reads and is released by decode rank 1 only.

@@ -159,6 +159,18 @@ class _Releases:
     ranks: set[int] = field(default_factory=set)
 
 
+# What releases that came before their send task left: (first seen, monotonic seconds; the
+# decode TP size of the first release; then each decode rank counted so far). One flat tuple
+# of numbers on purpose: CPython's cyclic garbage collector stops tracking such a tuple the
+# first time it sees it, so a flood that fills this memory to its bound adds nothing to the
+# collector's work (a tuple, a _Releases and its set per record did: 196,608 tracked objects at
+# the bound, and filling it made CPython run a full collection, hundreds of ms with vLLM
+# loaded). Not a nested tuple of ranks: the outer one would stay tracked until a second
+# collection of its generation. Not a bitmask of ranks: one rank near the 65,535 limit would
+# make it 8 KiB, so a flood could fill the bound with 512 MiB.
+_EarlyRelease = tuple[float, ...]
+
+
 @dataclass
 class _Send:
     task: SendTask
@@ -268,7 +280,7 @@ class Pusher:
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
-        self._early_releases: OrderedDict[str, tuple[float, _Releases]] = OrderedDict()
+        self._early_releases: OrderedDict[str, _EarlyRelease] = OrderedDict()
         self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
@@ -372,7 +384,9 @@ class Pusher:
         tid = send.transfer_id
         deadline = now + ctx.cfg.abort_timeout
         early = self._early_releases.pop(tid, None)
-        released = early[1] if early is not None else _Releases()
+        released = _Releases()
+        if early is not None:
+            released = _Releases(int(early[1]), {int(rank) for rank in early[2:]})
         if send.unsaved:
             if ctx.cfg.mode == "write":
                 self._end_unsaved(send, now)
@@ -944,8 +958,13 @@ class Pusher:
                 )
                 return
             else:
-                _, early = self._early_releases.setdefault(tid, (time.monotonic(), _Releases()))
-                self._record_release(early, message)
+                rank = message.consumer_tp_rank
+                early = self._early_releases.get(tid)
+                if early is None:
+                    early = (time.monotonic(), message.consumer_tp_size)
+                if self._counts_release(int(early[1]), message) and rank not in early[2:]:
+                    early = (*early, rank)
+                self._early_releases[tid] = early  # a known one keeps its place in the order
                 while len(self._early_releases) > MAX_EARLY_MESSAGES:
                     self._early_releases.popitem(last=False)
                 return
@@ -1069,7 +1088,7 @@ class Pusher:
                     del self._jobs[tid]  # a message for a request we never saw
                     self._orphans.pop(tid, None)
             while self._early_releases:
-                seen, _ = next(iter(self._early_releases.values()))
+                seen = next(iter(self._early_releases.values()))[0]
                 if now - seen <= abort_timeout:
                     break
                 self._early_releases.popitem(last=False)
@@ -1077,14 +1096,18 @@ class Pusher:
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
 
     def _record_release(self, released: _Releases, release: Release) -> None:
-        """Count ``release`` when it is one of the releases this rank waits for: the decode TP
-        size of the first release, from a decode rank that reads this rank or was assigned to
-        release it. Others are logged and ignored, so no message can free blocks a decode rank
-        may still be reading."""
+        """Count ``release`` in ``released`` when :meth:`_counts_release` says so."""
+        released.consumer_tp_size = released.consumer_tp_size or release.consumer_tp_size
+        if self._counts_release(released.consumer_tp_size, release):
+            released.ranks.add(release.consumer_tp_rank)
+
+    def _counts_release(self, expected_size: int, release: Release) -> bool:
+        """Whether ``release`` is one of the releases this rank waits for: of the decode TP
+        size of the transfer's first release (``expected_size``), from a decode rank that reads
+        this rank or was assigned to release it. Others are logged and ignored, so no message
+        can free blocks a decode rank may still be reading."""
         cfg = self._ctx.cfg
         size, rank = release.consumer_tp_size, release.consumer_tp_rank
-        released.consumer_tp_size = released.consumer_tp_size or size
-        expected_size = released.consumer_tp_size
         plan = self._release_plan(expected_size)
         if size != expected_size or (plan is not None and not plan.releases(rank, cfg.tp_rank)):
             logger.warning(
@@ -1097,8 +1120,8 @@ class Pusher:
                 cfg.tp_rank,
                 cfg.tp_size,
             )
-            return
-        released.ranks.add(rank)
+            return False
+        return True
 
     def _release_plan(self, consumer_tp_size: int) -> TpPlan | None:
         """The plan releases are counted by; None when no decode rank of that TP size can
