@@ -71,9 +71,12 @@
 #   bash bench/h200_session.sh wake       # one call: this tree against itself with
 #                                         # progress_mode=busy, alternating, for 4 KiB runs and
 #                                         # llama3-8b: what the progress thread's wake-up costs
+#   bash bench/h200_session.sh overlap-stamps  # one call: gpu_bench --overlap (per-layer WRITE
+#                                         # behind a synthetic forward) for llama3-8b,
+#                                         # deepseek-v3 and 4 KiB runs, stamps on and off
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -523,6 +526,20 @@ wake)  # issue 18: what the progress thread's wake-up costs a request: tree agai
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/wake.log"
+  ;;
+overlap-stamps)  # issue 18: per-layer WRITE behind compute, stamped batches against runs
+  build_with_ucx || exit 1
+  for p in "--preset llama3-8b --preset deepseek-v3" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192"; do
+    for v in tree runs; do
+      echo "== $v: $p"
+      opt=""
+      [ "$v" = runs ] && opt="--option ucx_stamps=off"
+      timeout 200 python3 bench/gpu_bench.py $p --overlap --requests 5 $opt 2>&1 |
+        grep -E "exposed|overlap|rror"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap.log"
   ;;
 stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
   build_with_ucx || exit 1
