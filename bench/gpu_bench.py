@@ -505,7 +505,8 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                 engine.seal(tid, peer, expected_writes=len(views))
 
             seconds, event, trace = _timed_request(engine, tid, call, timeline, prime)
-            shapes = (event.cell_batches, event.stamped_batches)
+            # A base build from before stamped batches has no count of them.
+            shapes = (event.cell_batches, getattr(event, "stamped_batches", 0))
             conn.send((seconds, event.state, event.bytes, event.message, shapes, trace))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
@@ -628,7 +629,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     preset = PRESETS[preset_name]
     cfg = {
         "preset": preset_name,
-        "layout": "standardized",
+        "layout": args.layout if preset["kind"] == "kv" else "standardized",
         "direct_copy": "auto",
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},

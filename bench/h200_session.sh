@@ -123,7 +123,7 @@ build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA 
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
     -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
     -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-    ${extra_cmake:-} -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
+    -DMORIIO_NATIVE_TRACE_MARKS=OFF ${extra_cmake:-} -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
     tail -30 "$out/cmake.log"; exit 1; }
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }

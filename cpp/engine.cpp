@@ -1134,7 +1134,7 @@ Result<bool> Engine::Impl::WriteSegments(
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
       tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, bytes, runs,
-                             pieces.empty() ? BatchShape::kRuns : ShapeOf(*pieces.front().batch)));
+                             runs == 0 ? BatchShape::kRuns : ShapeOf(*pieces.front().batch)));
   if (!token) return false;
   if (runs == 0) {
     tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer

@@ -79,8 +79,8 @@ struct TransferEvent {
   /// Runs of the request's plan; a cell batch counts the runs its cells replace.
   std::int64_t runs = 0;
   std::int64_t batches = 0;
-  /// Of `batches`, those that went as stamped batches (template and block ids, see
-  /// Backend::AcceptsStamps) instead of runs.
+  /// Of `batches`, those handed to the backend as stamped batches (template and block ids, see
+  /// Backend::AcceptsStamps) instead of runs, whether or not it took them.
   std::int64_t stamped_batches = 0;
   /// Of `batches`, those that moved whole blocks as cells (a transposing copy, see
   /// Backend::AcceptsCells) instead of runs.

@@ -36,7 +36,7 @@ enum class Mark : std::uint8_t {
   kPairsChecked,      ///< the block id pairs copied, checked and sorted (BlockPairs; token 0)
   kLayersPlanned,     ///< every layer's link and ids checked (before the transfer exists; token 0)
   kWakeSent,          ///< a caller wrote the sleeping progress thread's wake fd (UCX; token 0)
-  kWoke,              ///< the progress thread returned from its sleep (UCX; token 0)
+  kWoke,              ///< the progress thread returned from its sleep (UCX; token: fds ready)
 };
 inline constexpr std::size_t kMarkCount = 14;
 

@@ -86,6 +86,40 @@ TEST(TransferTrackerWrite, DuplicateScheduleOfALayerIsRefusedAndCountsOnce) {
   EXPECT_EQ(e.peer, "decode-0");
 }
 
+// Each batch counts in the shape it was handed over in: runs in neither count, stamped and
+// cell batches in theirs, for a READ's batches and a WRITE's alike.
+TEST(TransferTrackerShapes, EachBatchCountsInItsShape) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-0").ok());
+  std::vector<std::uint64_t> tokens;
+  for (BatchShape shape : {BatchShape::kRuns, BatchShape::kStamped, BatchShape::kStamped,
+                           BatchShape::kCells}) {
+    tokens.push_back(t.AddBatch("rd", 8, 2, shape).value());
+  }
+  t.CloseRead("rd");
+  for (std::uint64_t token : tokens) t.OnBatchComplete(token, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 4);
+  EXPECT_EQ(e.stamped_batches, 2);
+  EXPECT_EQ(e.cell_batches, 1);
+  EXPECT_EQ(e.runs, 8);
+  const std::uint64_t w0 = t.ScheduleWrite("wr", "l0", "decode-0", 8, 1, BatchShape::kCells)
+                               .value()
+                               .value_or(0);
+  const std::uint64_t w1 = t.ScheduleWrite("wr", "l1", "decode-0", 8, 1, BatchShape::kStamped)
+                               .value()
+                               .value_or(0);
+  const std::uint64_t w2 = Schedule(t, "wr", "l2");  // runs, the default
+  ASSERT_TRUE(t.Seal("wr", "decode-0", 3).ok());
+  for (std::uint64_t token : {w0, w1, w2}) t.OnBatchComplete(token, Status::OK());
+  e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kDone);
+  EXPECT_EQ(e.batches, 3);
+  EXPECT_EQ(e.stamped_batches, 1);
+  EXPECT_EQ(e.cell_batches, 1);
+}
+
 TEST(TransferTrackerWrite, OneTransferWritesToOnePeerOnly) {
   TransferTracker t(kLongTimeout, 16);
   Schedule(t, "req-1", "layer.0", 64, 1, "decode-0");

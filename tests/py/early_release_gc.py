@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                         times[form] += _timed_collections(args.collections)
                         tracked[form] = len(gc.get_objects())
                         held.clear()
-                        pusher._early_releases.clear()
+                        pusher._early_releases = pusher_module._EarlyReleases()
             finally:
                 pusher_module.MAX_EARLY_MESSAGES = saved_bound
         finally:

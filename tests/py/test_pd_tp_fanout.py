@@ -262,6 +262,68 @@ def test_releases_before_the_send_task_count_as_after_it_and_expire() -> None:
     assert ctx.reports.done_sending == {"req-1", "req-3"}  # tx-2's releases expired
 
 
+def test_early_releases_of_many_decode_ranks_all_count() -> None:
+    """4,096 decode ranks (replicated KV heads: each reads this prefill rank) release before
+    the send task, once each and some twice: every rank counts once, so the send task frees the
+    blocks at once; one rank short, it waits."""
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    size = 4096
+    for rank in [*range(size), 7, 4095, 0]:
+        pusher.on_release(Release("tx-all", consumer_tp_size=size, consumer_tp_rank=rank))
+    for rank in range(1, size):  # rank 0 missing
+        pusher.on_release(Release("tx-short", consumer_tp_size=size, consumer_tp_rank=rank))
+    pusher.begin_step([], [SendTask("req-all", "tx-all"), SendTask("req-short", "tx-short")])
+    assert ctx.reports.done_sending == {"req-all"}
+    pusher.on_release(Release("tx-short", consumer_tp_size=size, consumer_tp_rank=0))
+    assert ctx.reports.done_sending == {"req-all", "req-short"}
+
+
+def test_early_releases_are_bounded_in_bytes_as_well_as_in_number(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A record costs a bit per rank of its decode TP size: past MAX_EARLY_RELEASE_BYTES of
+    them the oldest records are forgotten, however few they are."""
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_RELEASE_BYTES", 64 << 10)
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    for i in range(9):  # 8 KiB of bitmap each
+        pusher.on_release(Release(f"tx-{i}", consumer_tp_size=1 << 16, consumer_tp_rank=i))
+    assert len(pusher._early_releases) == 8
+    assert pusher._early_releases.pop("tx-0") == []  # the oldest, forgotten
+    kept = pusher._early_releases.pop("tx-8")
+    assert [(r.consumer_tp_size, r.consumer_tp_rank) for r in kept] == [(1 << 16, 8)]
+
+
+def test_releases_before_the_send_task_work_out_no_plan_per_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any sender may release a transfer the prefill does not know yet, naming any TP size up
+    to 65,536, and a TP plan of that size takes O(size) to work out: such releases are kept
+    without a plan (a bit each) and checked against one plan when the send task comes. The
+    plan of a size is made once while it stays among the context's last PLAN_CACHE."""
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    made: list[tuple[int, int, int]] = []
+    make = pusher_module.TpPlan.make
+
+    def counting_make(prefill_tp: int, decode_tp: int, total: int, whole: bool) -> Any:
+        made.append((prefill_tp, decode_tp, total))
+        return make(prefill_tp, decode_tp, total, whole)
+
+    monkeypatch.setattr(pusher_module.TpPlan, "make", staticmethod(counting_make))
+    pusher = Pusher(ctx)
+    for i in range(200):
+        pusher.on_release(Release(f"flood-{i}", consumer_tp_size=1 << 16, consumer_tp_rank=i))
+    for rank in range(8):
+        pusher.on_release(Release("tx-1", consumer_tp_size=8, consumer_tp_rank=rank))
+    assert made == []
+    pusher.begin_step([], [SendTask("req-1", "tx-1")])
+    assert ctx.reports.done_sending == {"req-1"}
+    assert len(made) == 1  # one plan for the send task's eight ranks
+    assert ctx.tp_plan("decode", 8, prefill=True) is ctx.tp_plan("decode", 8, prefill=True)
+    assert len(made) == 1
+
+
 def test_unused_prefill_rank_is_released_by_its_assigned_decode_rank() -> None:
     # 2 KV heads, prefill TP 4 -> decode TP 2: decode rank 1 reads head 1 from prefill rank 3;
     # prefill rank 1 holds a replica nobody reads and is released by decode rank 1 only.

@@ -1128,7 +1128,9 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
     submitted_.push_back(std::move(p));
   }
   queued_.fetch_add(1);
+#ifdef MORIIO_NATIVE_TRACE_MARKS
   if (sleeping_.load(std::memory_order_seq_cst)) trace::Record(trace::Mark::kWakeSent);
+#endif
   Wake();
   return Status::OK();
 }
@@ -1320,7 +1322,7 @@ void UcxBackend::Loop() {
     sleeping_.store(true, std::memory_order_seq_cst);
     int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
     sleeping_.store(false, std::memory_order_relaxed);
-    trace::Record(trace::Mark::kWoke);
+    trace::Record(trace::Mark::kWoke, static_cast<std::uint64_t>(std::max(n, 0)));  // 0: timed out
     for (int i = 0; i < n; ++i) {
       if (events[i].data.fd == wake_fd_) {
         std::uint64_t v;

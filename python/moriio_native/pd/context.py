@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -33,6 +34,9 @@ if TYPE_CHECKING:
     from moriio_native.pd.verify import Verifier
 
 logger = logging.getLogger("moriio_native.pd.context")
+
+# Plans Context keeps for reuse (_made_plan): a rank pairs with a handful of TP sizes.
+PLAN_CACHE = 16
 
 
 class StatsSink(Protocol):
@@ -83,6 +87,8 @@ class Context:
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
     verifier: Verifier | None = None  # set when cfg.verify: the integrity check
+    # (prefill TP, decode TP, total KV heads) -> the plan, most recently used last (_made_plan)
+    plans: OrderedDict[tuple[int, int, int], TpPlan] = field(default_factory=OrderedDict)
     # (peer host, its TP size, we are the prefill) whose different-TP plan was logged
     logged_plans: set[tuple[str, int, bool]] = field(default_factory=set)
     # This rank's incarnation (random, made when its core starts): in its handshake answers,
@@ -91,6 +97,23 @@ class Context:
 
     def __post_init__(self) -> None:
         self.cond = threading.Condition(self.lock)
+
+    def _made_plan(self, prefill_tp: int, decode_tp: int, total: int) -> TpPlan:
+        """TpPlan.make's plan, the same object for the same sizes while it stays among the last
+        PLAN_CACHE made: a plan works out its rank tables once (O(TP size)), so a release that
+        checks its rank against the plan costs that once, not per message."""
+        key = (prefill_tp, decode_tp, total)
+        with self.lock:
+            plan = self.plans.get(key)
+            if plan is not None:
+                self.plans.move_to_end(key)
+                return plan
+        plan = TpPlan.make(prefill_tp, decode_tp, total, whole=True)
+        with self.lock:
+            self.plans[key] = plan
+            while len(self.plans) > PLAN_CACHE:
+                self.plans.popitem(last=False)
+        return plan
 
     def tp_plan(self, host: str, remote_tp_size: int, *, prefill: bool) -> TpPlan:
         """The rank plan between us (the ``prefill`` side, or the decode side) and a peer
@@ -126,7 +149,7 @@ class Context:
                     "both instances with the same TP size"
                 )
         try:
-            plan = TpPlan.make(prefill_tp, decode_tp, total, whole=True)
+            plan = self._made_plan(prefill_tp, decode_tp, total)
         except IncompatiblePeerError as exc:
             raise IncompatiblePeerError(f"peer {host}: {exc}") from None
         if not plan.identity:

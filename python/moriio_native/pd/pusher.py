@@ -159,16 +159,77 @@ class _Releases:
     ranks: set[int] = field(default_factory=set)
 
 
-# What releases that came before their send task left: (first seen, monotonic seconds; the
-# decode TP size of the first release; then each decode rank counted so far). One flat tuple
-# of numbers on purpose: CPython's cyclic garbage collector stops tracking such a tuple the
-# first time it sees it, so a flood that fills this memory to its bound adds nothing to the
-# collector's work (a tuple, a _Releases and its set per record did: 196,608 tracked objects at
-# the bound, and filling it made CPython run a full collection, hundreds of ms with vLLM
-# loaded). Not a nested tuple of ranks: the outer one would stay tracked until a second
-# collection of its generation. Not a bitmask of ranks: one rank near the 65,535 limit would
-# make it 8 KiB, so a flood could fill the bound with 512 MiB.
-_EarlyRelease = tuple[float, ...]
+# What releases that came before their send task left, per transfer: (first seen, monotonic
+# seconds; the decode TP size of the first release; a bitmap of the decode ranks that released
+# with that size). A float, an int and a bytearray on purpose: CPython's cyclic garbage
+# collector tracks none of them and stops tracking the tuple the first time it sees it, so a
+# flood that fills this memory adds nothing to the collector's work (a tuple, a _Releases and
+# its set per record did: 196,608 tracked objects at the bound, and filling it made CPython run
+# a full collection, hundreds of ms with vLLM loaded). The ranks are checked against the TP plan
+# only when the send task comes: a plan costs O(TP size) to work out, and a stranger's release
+# may name any size up to 65,536. The bitmap costs a bit per rank of that size: all records'
+# bitmaps together stay under MAX_EARLY_RELEASE_BYTES.
+_EarlyRelease = tuple[float, int, bytearray]
+MAX_EARLY_RELEASE_BYTES = 32 << 20  # 4,096 records of TP 65,536; 65,536 of TP 4,096
+
+
+def _bits(byte: int) -> list[int]:
+    """The set bits of ``byte``, lowest first."""
+    return [b for b in range(8) if byte >> b & 1] if byte else []
+
+
+class _EarlyReleases:
+    """Releases of transfers whose send task has not come yet (the pusher's lock held), at most
+    MAX_EARLY_MESSAGES records and MAX_EARLY_RELEASE_BYTES of bitmaps: the oldest go first."""
+
+    def __init__(self) -> None:
+        self._records: OrderedDict[str, _EarlyRelease] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def record(self, release: Release) -> bool:
+        """Keeps ``release``'s rank for its transfer; False (nothing kept) when an earlier
+        release of the transfer named another decode TP size."""
+        tid = release.transfer_id
+        record = self._records.get(tid)
+        if record is None:
+            size = release.consumer_tp_size
+            record = (time.monotonic(), size, bytearray((size + 7) // 8))
+            self._records[tid] = record
+            self._bytes += len(record[2])
+        _, size, ranks = record
+        if release.consumer_tp_size != size:
+            return False
+        rank = release.consumer_tp_rank  # below its size (the message's schema)
+        ranks[rank >> 3] |= 1 << (rank & 7)
+        while len(self._records) > MAX_EARLY_MESSAGES or self._bytes > MAX_EARLY_RELEASE_BYTES:
+            self._forget_oldest()
+        return True
+
+    def pop(self, tid: str) -> list[Release]:
+        """The releases of ``tid`` kept so far (one per rank, the first's TP size), forgotten
+        here."""
+        record = self._records.pop(tid, None)
+        if record is None:
+            return []
+        _, size, ranks = record
+        self._bytes -= len(ranks)
+        return [
+            Release(tid, consumer_tp_size=size, consumer_tp_rank=8 * i + b)
+            for i, bits in enumerate(ranks)
+            for b in _bits(bits)
+        ]
+
+    def expire(self, now: float, lifetime: float) -> None:
+        """Forgets the records first seen more than ``lifetime`` seconds before ``now``."""
+        while self._records and now - next(iter(self._records.values()))[0] > lifetime:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        _, (_, _, ranks) = self._records.popitem(last=False)
+        self._bytes -= len(ranks)
 
 
 @dataclass
@@ -275,12 +336,15 @@ class Pusher:
         # WRITE-mode messages any sender may send a READ-mode prefill: rate limited, not a line
         # each.
         self._stray = RateLimitedWarnings(logger, "WRITE-mode messages in READ mode")
+        # Releases before their send task that contradict the first one's TP size: any sender
+        # may send them, so rate limited too.
+        self._other_size = RateLimitedWarnings(logger, "releases of another decode TP size")
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
-        self._early_releases: OrderedDict[str, _EarlyRelease] = OrderedDict()
+        self._early_releases = _EarlyReleases()
         self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
@@ -383,10 +447,9 @@ class Pusher:
         ctx = self._ctx
         tid = send.transfer_id
         deadline = now + ctx.cfg.abort_timeout
-        early = self._early_releases.pop(tid, None)
         released = _Releases()
-        if early is not None:
-            released = _Releases(int(early[1]), {int(rank) for rank in early[2:]})
+        for early in self._early_releases.pop(tid):
+            self._record_release(released, early)
         if send.unsaved:
             if ctx.cfg.mode == "write":
                 self._end_unsaved(send, now)
@@ -958,15 +1021,14 @@ class Pusher:
                 )
                 return
             else:
-                rank = message.consumer_tp_rank
-                early = self._early_releases.get(tid)
-                if early is None:
-                    early = (time.monotonic(), message.consumer_tp_size)
-                if self._counts_release(int(early[1]), message) and rank not in early[2:]:
-                    early = (*early, rank)
-                self._early_releases[tid] = early  # a known one keeps its place in the order
-                while len(self._early_releases) > MAX_EARLY_MESSAGES:
-                    self._early_releases.popitem(last=False)
+                if not self._early_releases.record(message):
+                    self._other_size.warn(
+                        "ignoring a release of transfer %s by decode rank %d of TP size %d: an "
+                        "earlier one named another TP size",
+                        tid,
+                        message.consumer_tp_rank,
+                        message.consumer_tp_size,
+                    )
                 return
         ctx.mark_terminal(tid)
 
@@ -1087,11 +1149,7 @@ class Pusher:
                 elif job.send is None and job.save is None and now > job.created + abort_timeout:
                     del self._jobs[tid]  # a message for a request we never saw
                     self._orphans.pop(tid, None)
-            while self._early_releases:
-                seen = next(iter(self._early_releases.values()))[0]
-                if now - seen <= abort_timeout:
-                    break
-                self._early_releases.popitem(last=False)
+            self._early_releases.expire(now, abort_timeout)
 
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
 
