@@ -672,6 +672,30 @@ def test_the_records_of_ended_jobs_are_bounded_and_expire(monkeypatch: pytest.Mo
     assert pusher.job_states() == {"tx-8": JobState.PENDING}
 
 
+def test_announcements_of_unknown_requests_are_bounded_in_block_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any sender may announce blocks for a request the prefill has not seen (an orphan job,
+    kept for its save task), with up to about 1.6 million ids a message: past
+    MAX_ORPHAN_BLOCK_IDS in all the oldest orphans are dropped, however few they are; an
+    orphan its save task claims no longer counts."""
+    monkeypatch.setattr(pusher_module, "MAX_ORPHAN_BLOCK_IDS", 10)
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    for i in range(3):
+        pusher.on_remote_blocks(RemoteBlocks(f"tx-{i}", ((20, 21, 22, 23),), "d:8000/dp0/tp0"))
+    assert set(pusher.job_states()) == {"tx-1", "tx-2"}  # 12 ids: tx-0 dropped
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3, 4), 4, DECODE, 1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-3", ((20, 21, 22, 23),), "d:8000/dp0/tp0"))
+    assert set(pusher.job_states()) == {"tx-1", "tx-2", "tx-3"}  # tx-1 is no orphan now
+    pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    for i in range(2):
+        pusher.on_remote_blocks(
+            RemoteBlocks(f"tx-{4 + i}", ((20, 21, 22, 23, 24),), "d:8000/dp0/tp0")
+        )
+    assert {"tx-4", "tx-5"} <= set(pusher.job_states())  # the expired orphans freed their ids
+
+
 def abort_write(tid: str, rank: int, engine_rank: int | None = None) -> AbortWrite:
     """Decode rank ``rank``'s abort_write (its engine id: that of ``engine_rank``, default
     its own), naming the decode's base address."""

@@ -80,6 +80,10 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 # Records kept for transfers not known yet (early releases; jobs a message created before the
 # scheduler's save task): beyond this many the oldest is dropped.
 MAX_EARLY_MESSAGES = 65536
+# Block ids the orphan jobs' announcements hold in all (one remote_blocks of MAX_NOTIFY_BYTES
+# may carry about 1.6 million, some 60 MB as Python ints; 1 million took 40 MB): past it the
+# oldest orphans are dropped too, so they hold at most about 160 MB.
+MAX_ORPHAN_BLOCK_IDS = 1 << 22
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
 
@@ -345,7 +349,9 @@ class Pusher:
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
         self._early_releases = _EarlyReleases()
-        self._orphans: OrderedDict[str, None] = OrderedDict()  # jobs no save task named yet
+        # Jobs no save task named yet -> the block ids their announcement holds (0: none yet).
+        self._orphans: OrderedDict[str, int] = OrderedDict()
+        self._orphan_ids = 0  # the sum of those
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
         self._staged: list[WriterOp] = []  # guarded by the lock, moved by feed_writer
@@ -432,15 +438,29 @@ class Pusher:
                 jid, created=now, machine=machine, request=tid, decode_rank=decode_rank
             )
             if orphan:
-                self._orphans[jid] = None
-                while len(self._orphans) > MAX_EARLY_MESSAGES:
-                    old, _ = self._orphans.popitem(last=False)
-                    dropped = self._jobs.get(old)
-                    if dropped is not None and dropped.save is None:
-                        del self._jobs[old]
+                self._orphans[jid] = 0
+                self._trim_orphans()
         if not orphan:
-            self._orphans.pop(jid, None)
+            self._orphan_ids -= self._orphans.pop(jid, 0)
         return job
+
+    def _hold_orphan_ids(self, job: _Job, message: RemoteBlocks) -> None:
+        """Counts the block ids of an orphan's announcement against MAX_ORPHAN_BLOCK_IDS (lock
+        held); the oldest orphans go when they are too many."""
+        if job.transfer_id not in self._orphans:
+            return
+        ids = sum(len(group) for group in message.block_ids)
+        self._orphan_ids += ids - self._orphans[job.transfer_id]
+        self._orphans[job.transfer_id] = ids
+        self._trim_orphans()
+
+    def _trim_orphans(self) -> None:
+        while len(self._orphans) > MAX_EARLY_MESSAGES or self._orphan_ids > MAX_ORPHAN_BLOCK_IDS:
+            old, ids = self._orphans.popitem(last=False)
+            self._orphan_ids -= ids
+            dropped = self._jobs.get(old)
+            if dropped is not None and dropped.save is None:
+                del self._jobs[old]
 
     def _on_send_task(self, send: SendTask, now: float) -> None:
         """The request finished and its blocks are held for us (lock held)."""
@@ -1056,6 +1076,9 @@ class Pusher:
             if job.remote is not None or job.state is not JobState.PENDING:
                 return
             job.remote = message
+            self._hold_orphan_ids(job, message)
+            if job.transfer_id not in self._jobs:
+                return  # an orphan dropped at once: its announcement alone passed the bound
             if not any(message.block_ids):
                 job.released = True
                 self._fail(job, "the decode needs no blocks")
@@ -1148,7 +1171,7 @@ class Pusher:
                     self._fail(job, f"not finished within abort_timeout ({abort_timeout:.0f}s)")
                 elif job.send is None and job.save is None and now > job.created + abort_timeout:
                     del self._jobs[tid]  # a message for a request we never saw
-                    self._orphans.pop(tid, None)
+                    self._orphan_ids -= self._orphans.pop(tid, 0)
             self._early_releases.expire(now, abort_timeout)
 
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
