@@ -14,10 +14,12 @@ from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     NOTIFY_TYPES,
     AbortWrite,
+    ChecksumRequest,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
     InvalidMessageError,
+    ProtocolVersionError,
     ProxyRegistration,
     Release,
     RemoteBlocks,
@@ -298,3 +300,25 @@ def test_random_structured_payloads_decode_or_raise_invalid_message(msg_type, fi
         return
     # Whatever passed the schema re-encodes to something that decodes to the same message.
     assert decode(encode(message), NOTIFY_TYPES, max_bytes=1 << 16) == message
+
+
+def test_each_accepted_set_is_checked_on_its_own() -> None:
+    """decode() keeps what it derives from ``accept`` (the union, the versioned types) per
+    tuple: the same payloads, alternating between tuples, are judged by each tuple alone."""
+    request = encode(HandshakeRequest("d"))
+    checksums = encode(ChecksumRequest("d", "t1", (3, 1)))
+    version_1 = msgpack.packb({**msgpack.unpackb(request), "protocol_version": 1})
+    both = (HandshakeRequest, ChecksumRequest)
+    for _ in range(2):
+        assert isinstance(decode(request, both, max_bytes=4096), HandshakeRequest)
+        assert isinstance(decode(checksums, both, max_bytes=4096), ChecksumRequest)
+        with pytest.raises(InvalidMessageError, match="unknown message type") as caught:
+            decode(request, (ChecksumRequest,), max_bytes=4096)
+        assert not isinstance(caught.value, ProtocolVersionError)
+        with pytest.raises(ProtocolVersionError):
+            decode(version_1, both, max_bytes=4096)
+        with pytest.raises(InvalidMessageError) as caught:
+            decode(version_1, (ChecksumRequest,), max_bytes=4096)
+        assert not isinstance(caught.value, ProtocolVersionError)
+        with pytest.raises(InvalidMessageError, match="unknown message type"):
+            decode(checksums, (HandshakeRequest,), max_bytes=4096)

@@ -513,7 +513,20 @@ def encode(message: Any) -> bytes:
     return encoder().encode(message)
 
 
+# What decode() derives from its ``accept`` tuple, per tuple: callers pass the same few tuples
+# for every message a listener reads.
+_TARGETS: dict[tuple[type[Any], ...], Any] = {}
+_VERSIONED: dict[tuple[type[Any], ...], frozenset[str]] = {}
+
+
 def _target(accept: tuple[type[Any], ...]) -> Any:
+    target = _TARGETS.get(accept)
+    if target is None:
+        target = _TARGETS[accept] = _union(accept)
+    return target
+
+
+def _union(accept: tuple[type[Any], ...]) -> Any:
     if ProxyRegistration in accept:
         if len(accept) != 1:
             raise InvalidArgumentError("a proxy registration is decoded on its own channel")
@@ -557,7 +570,13 @@ def _check_protocol_version(payload: Any, accept: tuple[type, ...]) -> None:
     """ProtocolVersionError for a handshake message in ``accept`` whose ``protocol_version``
     is an integer other than ours: checked before the schema, so that a peer of another
     version gets that error instead of one about a field its version lacks or adds."""
-    versioned = {c.TYPE for c in accept if c in (HandshakeRequest, HandshakeResponse)}  # type: ignore[attr-defined]
+    versioned = _VERSIONED.get(accept)
+    if versioned is None:
+        versioned = _VERSIONED[accept] = frozenset(
+            c.TYPE  # type: ignore[attr-defined]
+            for c in accept
+            if c in (HandshakeRequest, HandshakeResponse)
+        )
     if not versioned:
         return
     try:

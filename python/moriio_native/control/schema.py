@@ -116,6 +116,11 @@ def encoder() -> msgspec.msgpack.Encoder:
 
 def decoder(target: Any) -> msgspec.msgpack.Decoder[Any]:
     """A cached decoder for ``target`` (a type or a union of tagged structs)."""
+    # Without the lock first: a listener asks for the same few decoders for every message it
+    # reads, and a dict lookup is atomic.
+    dec = _DECODERS.get(target)
+    if dec is not None:
+        return dec
     with _DECODERS_LOCK:
         dec = _DECODERS.get(target)
         if dec is None:
@@ -137,8 +142,14 @@ def _checking() -> Iterator[None]:
 
 def load(target: Any, payload: bytes | bytearray | memoryview) -> Any:
     """``payload`` (msgpack) decoded straight into ``target``; msgspec errors propagate."""
-    with _checking():
+    # What _checking() does, inline: its generator costs a listener more than the decode of a
+    # small message, once per message it reads.
+    outer = getattr(_local, "checking", False)
+    _local.checking = True
+    try:
         return decoder(target).decode(payload)
+    finally:
+        _local.checking = outer
 
 
 def convert(value: Any, target: Any, *, strict: bool = True) -> Any:
