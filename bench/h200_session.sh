@@ -44,8 +44,8 @@
 #                                         # and 4 KiB runs, unprimed and primed, per build
 #   bash bench/h200_session.sh marks      # one call: this tree built with the engine's timing
 #                                         # marks (-DMORIIO_NATIVE_TRACE_MARKS=ON); gpu_bench
-#                                         # --timeline for llama3-8b (unprimed and primed) and
-#                                         # 4 KiB runs: where the host time before the first
+#                                         # --timeline for 4 KiB runs and llama3-8b (unprimed
+#                                         # and primed): where the host time before the first
 #                                         # launch goes
 #   bash bench/h200_session.sh versus     # one call: this tree and base (.variants/base-src.tar),
 #                                         # both with UCX, marks off; every GPU test on this tree;
@@ -123,7 +123,8 @@ build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA 
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
     -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
     -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DMORIIO_NATIVE_TRACE_MARKS=OFF ${extra_cmake:-} -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
+    -DMORIIO_NATIVE_TRACE_MARKS=OFF ${extra_cmake:-} \
+    -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" >"$out/cmake.log" 2>&1 || {
     tail -30 "$out/cmake.log"; exit 1; }
   cmake --build $build -j16 --target stage_python moriio_native_ucx moriio_native_cudacopy \
     >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
@@ -137,7 +138,7 @@ bench_variant() {  # variant (tree, base, busy), base build, time limit, gpu_ben
   shift 3
   nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
   PYTHONPATH=$pp timeout "$limit" python3 bench/gpu_bench.py "$@" $opt --skip-per-run 2>&1 |
-    grep -E "GB/s|timeline|before the first|rror"
+    grep -E "GB/s|timeline|before the first|exposed|rror"
 }
 build_tree_and_base() {  # base's source tar, base's build folder: both built with UCX, in parallel
   rm -rf /tmp/moriio-base-src && mkdir -p /tmp/moriio-base-src "$out/base" &&
@@ -147,6 +148,18 @@ build_tree_and_base() {  # base's source tar, base's build folder: both built wi
   wait
   PYTHONPATH=$2/python python3 -c "import moriio_native as m; print('base', m.available_backends())"
   python3 -c "import moriio_native as m; print('tree', m.available_backends())"
+}
+marked_timelines() {  # label: gpu_bench --timeline of 4 KiB runs and llama3-8b, unprimed and
+  # primed, on a build with the marks; logs and JSON named after the label
+  local n=0 p
+  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3" \
+    "--preset llama3-8b --requests 3"; do
+    n=$((n + 1))
+    echo "== tree with marks: $p"
+    bench_variant tree "" 150 $p --pre none --pre prime --json "$out/e2e_$1_$n.json" \
+      --timeline "$out/timeline_$1_$n.json"
+    echo "elapsed ${SECONDS} s"
+  done 2>&1 | tee "$out/$1.log"
 }
 every_gpu_test() {  # this tree's GPU tests: kernels, cells, verify's checksums, UCX two processes
   timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
@@ -454,14 +467,7 @@ marks)  # issue 18: the engine's host marks before the first launch (this tree, 
   extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build_with_ucx || exit 1
   python3 -c "import moriio_native._native as n; print('marks', n.trace_marks_compiled_in())"
   echo "elapsed ${SECONDS} s"
-  n=0
-  for p in "--preset llama3-8b --requests 3 --pre none --pre prime" \
-    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3 --pre prime"; do
-    n=$((n + 1))
-    echo "== tree with marks: $p"
-    bench_variant tree "" 150 $p --json "$out/e2e_marks_$n.json" --timeline "$out/timeline_marks_$n.json"
-    echo "elapsed ${SECONDS} s"
-  done 2>&1 | tee "$out/marks.log"
+  marked_timelines marks
   ;;
 versus)  # issue 18: this tree against base, marks off, every byte verified
   base_build=/tmp/moriio-base-build
@@ -506,15 +512,7 @@ stamps)  # issue 18: stamped batches (templates and ids, offsets on the GPU) aga
 small)  # issue 18: every GPU test, then where a 4 KiB-run request's time goes (marks compiled in)
   extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build_with_ucx || exit 1
   [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
-  n=0
-  for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3" \
-    "--preset llama3-8b --requests 3"; do
-    n=$((n + 1))
-    echo "== tree with marks: $p"
-    bench_variant tree "" 150 $p --pre none --pre prime --json "$out/e2e_small_$n.json" \
-      --timeline "$out/timeline_small_$n.json"
-    echo "elapsed ${SECONDS} s"
-  done 2>&1 | tee "$out/small.log"
+  marked_timelines small
   ;;
 wake)  # issue 18: what the progress thread's wake-up costs a request: tree against busy progress
   build_with_ucx || exit 1
@@ -533,10 +531,7 @@ overlap-stamps)  # issue 18: per-layer WRITE behind compute, stamped batches aga
     "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192"; do
     for v in tree runs; do
       echo "== $v: $p"
-      opt=""
-      [ "$v" = runs ] && opt="--option ucx_stamps=off"
-      timeout 200 python3 bench/gpu_bench.py $p --overlap --requests 5 $opt 2>&1 |
-        grep -E "exposed|overlap|rror"
+      bench_variant "$v" "" 200 $p --overlap --requests 5
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap.log"

@@ -1177,18 +1177,14 @@ class Pusher:
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
 
     def _record_release(self, released: _Releases, release: Release) -> None:
-        """Count ``release`` in ``released`` when :meth:`_counts_release` says so."""
-        released.consumer_tp_size = released.consumer_tp_size or release.consumer_tp_size
-        if self._counts_release(released.consumer_tp_size, release):
-            released.ranks.add(release.consumer_tp_rank)
-
-    def _counts_release(self, expected_size: int, release: Release) -> bool:
-        """Whether ``release`` is one of the releases this rank waits for: of the decode TP
-        size of the transfer's first release (``expected_size``), from a decode rank that reads
-        this rank or was assigned to release it. Others are logged and ignored, so no message
-        can free blocks a decode rank may still be reading."""
+        """Count ``release`` when it is one of the releases this rank waits for: the decode TP
+        size of the first release, from a decode rank that reads this rank or was assigned to
+        release it. Others are logged and ignored, so no message can free blocks a decode rank
+        may still be reading."""
         cfg = self._ctx.cfg
         size, rank = release.consumer_tp_size, release.consumer_tp_rank
+        released.consumer_tp_size = released.consumer_tp_size or size
+        expected_size = released.consumer_tp_size
         plan = self._release_plan(expected_size)
         if size != expected_size or (plan is not None and not plan.releases(rank, cfg.tp_rank)):
             logger.warning(
@@ -1201,8 +1197,8 @@ class Pusher:
                 cfg.tp_rank,
                 cfg.tp_size,
             )
-            return False
-        return True
+            return
+        released.ranks.add(rank)
 
     def _release_plan(self, consumer_tp_size: int) -> TpPlan | None:
         """The plan releases are counted by; None when no decode rank of that TP size can
