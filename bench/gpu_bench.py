@@ -22,7 +22,11 @@ as attention would write it), records a CUDA event and calls ``write_layer`` wit
 copy waits for that event on the GPU, never on the host. Reported: the transfer time left
 exposed after the last layer's compute finished, next to the same transfer started after the
 whole forward (``after``), and one layer's transfer time; every destination block is checked
-to hold its layer's value (a copy that ran before its layer's compute would fail that).
+to hold its layer's value (a copy that ran before its layer's compute would fail that). Also
+reported: the same overlap with the event waited for on the host (``host wait``: a writer
+thread takes each layer's event, synchronises it, then calls ``write_layer`` without it, as the
+vLLM connector did before it passed events to an engine that honours them, and as it still does
+on any other engine).
 
 ``--timeline PATH``: after the timed requests of each operation, one more request runs under
 ``torch.profiler`` in the process that makes the call (the decode for READ, the prefill for
@@ -60,8 +64,10 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
+import queue
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -97,6 +103,8 @@ class OverlapRow:
     after_forward_exposed_ms: float
     overlapped_exposed_ms: float
     exposed_over_one_layer: float
+    host_wait_exposed_ms: float
+    host_wait_over_one_layer: float
     verified: bool
 
 
@@ -560,12 +568,13 @@ def _forward_write(
     remote: list[int],
     n: int,
     seed: int,
-    overlap: bool,
+    wait: str,
 ) -> tuple[float, float, str, str]:
     """Runs the synthetic forward (per layer: an n x n matmul, then the layer's blocks filled)
-    and WRITEs every layer: behind its CUDA event at once (``overlap``) or after the whole
-    forward. Returns (forward seconds, seconds from the forward's end to the WRITE's event,
-    the event's state, its message)."""
+    and WRITEs every layer: behind its CUDA event at once, the copy waiting for it on the GPU
+    (``wait="device"``), from a writer thread that waits for each event on the host
+    (``"host"``), or after the whole forward (``"after"``). Returns (forward seconds, seconds
+    from the forward's end to the WRITE's event, the event's state, its message)."""
     import torch
 
     local_ids, remote_ids = _ids(local), _ids(remote)
@@ -573,26 +582,46 @@ def _forward_write(
     axis = _block_axis(preset, _layout_of(cfg, "prefill"))
     a, b = operands.setdefault(n, _operands(n)) if n else (None, None)
     events = []  # one per layer, alive until the transfer's event
+    layer_events: queue.Queue[tuple[int, Any] | None] = queue.Queue()
+
+    def host_waiting_writer() -> None:
+        while (item := layer_events.get()) is not None:
+            layer, ev = item
+            ev.synchronize()
+            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
+        engine.seal(tid, peer, expected_writes=len(views))
+
+    writer = threading.Thread(target=host_waiting_writer) if wait == "host" else None
     torch.cuda.synchronize()
     start = time.perf_counter()
+    if writer is not None:
+        writer.start()
     for layer, view in enumerate(views):
         if n:
             torch.matmul(a, b)
         view.index_fill_(axis, ids_t, _fill_value(seed, layer))
-        if overlap:
-            ev = torch.cuda.Event()
-            ev.record()
-            events.append(ev)
+        if wait == "after":
+            continue
+        ev = torch.cuda.Event()
+        ev.record()
+        events.append(ev)
+        if writer is not None:
+            layer_events.put((layer, ev))
+        else:
             engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids, ev.cuda_event)
-    if overlap:
+    if writer is not None:
+        layer_events.put(None)
+    elif wait == "device":
         engine.seal(tid, peer, expected_writes=len(views))
     torch.cuda.synchronize()
     forward_end = time.perf_counter()
-    if not overlap:
+    if wait == "after":
         for layer in range(len(views)):
             engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
         engine.seal(tid, peer, expected_writes=len(views))
     event = engine.wait([tid], timeout=300)[tid]
+    if writer is not None:
+        writer.join()
     done = time.perf_counter()
     return forward_end - start, done - forward_end, event.state, event.message
 
@@ -640,12 +669,12 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     layers = preset["layers"]
     counter = iter(range(1 << 30))
 
-    def one(n: int, overlap: bool) -> tuple[float, float]:
+    def one(n: int, wait: str) -> tuple[float, float]:
         r = next(counter)
         src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
         dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
         tid = f"fw-{r}"
-        conns["prefill"].send(("forward_write", tid, src, dst, n, r, overlap))
+        conns["prefill"].send(("forward_write", tid, src, dst, n, r, wait))
         forward, exposed, state, msg = _recv(conns["prefill"], procs)
         if state != "done":
             raise RuntimeError(f"{tid} ended {state}: {msg}")
@@ -654,9 +683,9 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
             raise RuntimeError(f"{tid}: a destination block does not hold its layer's value")
         return forward, exposed
 
-    one(0, False)  # warm-up: IPC mapping, kernel load
+    one(0, "after")  # warm-up: IPC mapping, kernel load
     # One layer's transfer: the WRITE of all layers after a forward without matmuls, per layer.
-    transfer_layer = statistics.median(one(0, False)[1] for _ in range(3)) / layers
+    transfer_layer = statistics.median(one(0, "after")[1] for _ in range(3)) / layers
     # The matmul size whose time is one layer's transfer: time grows about as n^3, so scale from
     # a timed size, three times (small sizes fill the GPU less, so one step undershoots).
     n = 2048
@@ -666,12 +695,14 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         n = max(256, int(n * (transfer_layer * 1e3 / ms) ** (1 / 3)) // 64 * 64)
     conns["prefill"].send(("matmul_ms", n))
     compute_layer = _recv(conns["prefill"], procs) / 1e3
-    after, overlapped = [], []
-    for _ in range(args.requests):  # interleaved, so drift hits both alike
-        after.append(one(n, False)[1])
-        overlapped.append(one(n, True)[1])
+    after, overlapped, host_waited = [], [], []
+    for _ in range(args.requests):  # interleaved, so drift hits all alike
+        after.append(one(n, "after")[1])
+        overlapped.append(one(n, "device")[1])
+        host_waited.append(one(n, "host")[1])
     _stop_pair(conns, procs)
     exposed = statistics.median(overlapped)
+    host_exposed = statistics.median(host_waited)
     return OverlapRow(
         preset_name,
         args.blocks,
@@ -682,6 +713,8 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         statistics.median(after) * 1e3,
         exposed * 1e3,
         exposed / transfer_layer,
+        host_exposed * 1e3,
+        host_exposed / transfer_layer,
         True,
     )
 
@@ -859,7 +892,7 @@ def main(argv: list[str] | None = None) -> int:
             logger.info(
                 "%-12s %d layers x %d blocks: matmul n=%d %.3f ms/layer, transfer %.3f ms/layer;"
                 " exposed after the forward: WRITE after it %.3f ms, overlapped %.3f ms = %.2f"
-                " layers' transfer, verified=%s",
+                " layers' transfer (host wait: %.3f ms = %.2f), verified=%s",
                 o.preset,
                 o.layers,
                 o.blocks,
@@ -869,6 +902,8 @@ def main(argv: list[str] | None = None) -> int:
                 o.after_forward_exposed_ms,
                 o.overlapped_exposed_ms,
                 o.exposed_over_one_layer,
+                o.host_wait_exposed_ms,
+                o.host_wait_over_one_layer,
                 o.verified,
             )
         _write_json(args.json, overlap_rows)

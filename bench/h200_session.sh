@@ -74,9 +74,12 @@
 #   bash bench/h200_session.sh overlap-stamps  # one call: gpu_bench --overlap (per-layer WRITE
 #                                         # behind a synthetic forward) for llama3-8b,
 #                                         # deepseek-v3 and 4 KiB runs, stamps on and off
+#   bash bench/h200_session.sh overlap-wait  # one call: gpu_bench --overlap, two rounds, each
+#                                         # layer's event waited for on the GPU (the copy) or
+#                                         # on the host (a writer thread), interleaved
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -535,6 +538,19 @@ overlap-stamps)  # issue 18: per-layer WRITE behind compute, stamped batches aga
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap.log"
+  ;;
+overlap-wait)  # per-layer WRITE behind compute: each layer's event waited on the GPU or the host
+  build_with_ucx || exit 1
+  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
+  for round in 1 2; do
+    for p in "--preset llama3-8b --preset deepseek-v3" \
+      "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192"; do
+      [ "$SECONDS" -gt 400 ] && break 2
+      echo "== round $round: $p"
+      bench_variant tree "" 200 $p --overlap --requests 5
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap-wait.log"
   ;;
 stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
   build_with_ucx || exit 1

@@ -688,6 +688,10 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
 const std::string& Engine::engine_id() const { return impl_->config.engine_id; }
 const std::string& Engine::backend_name() const { return impl_->config.backend; }
 
+bool Engine::waits_for_device_events() const {
+  return impl_->backend->capabilities().device_event_wait;
+}
+
 Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
     std::span<const LayerRegistration> layers) {
   Impl& d = *impl_;

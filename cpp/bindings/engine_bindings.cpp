@@ -148,6 +148,7 @@ void BindEngine(py::module_& m) {
            py::arg("transfer_timeout"), py::arg("terminal_history"), py::arg("page_size"))
       .def_property_readonly("engine_id", &Engine::engine_id)
       .def_property_readonly("backend", &Engine::backend_name)
+      .def_property_readonly("waits_for_device_events", &Engine::waits_for_device_events)
       .def("register_kv_caches",
            [](Engine& e, const std::vector<LayerRegistration>& layers) {
              Result<std::vector<std::uint8_t>> meta = [&] {

@@ -113,6 +113,9 @@ class Engine {
 
   const std::string& engine_id() const;
   const std::string& backend_name() const;
+  /// Whether WriteLayer honours a `cuda_event` (the backend's capabilities().device_event_wait):
+  /// a caller that holds a layer's event passes it instead of waiting for it on the host.
+  bool waits_for_device_events() const;
 
   /// Registers every layer (once; layers sharing an allocation share one memory region) and
   /// returns the local metadata peers need. Nothing is registered if any layer is invalid.

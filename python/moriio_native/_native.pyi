@@ -297,6 +297,9 @@ class _Engine:
     def engine_id(self) -> str:
         ...
     @property
+    def waits_for_device_events(self) -> bool:
+        ...
+    @property
     def pending_transfers(self) -> int:
         ...
     @property

@@ -247,6 +247,12 @@ class Engine:
         return self._engine.backend
 
     @property
+    def waits_for_device_events(self) -> bool:
+        """Whether ``write_layer`` honours ``cuda_event`` (the UCX backend with its CUDA copy
+        plugin): a caller holding a layer's event passes it rather than waiting on the host."""
+        return self._engine.waits_for_device_events
+
+    @property
     def pending_transfers(self) -> int:
         return self._engine.pending_transfers
 

@@ -296,6 +296,23 @@ def test_misspelt_option_is_refused_and_other_backends_keys_are_ignored() -> Non
             mn.Engine("x", "ucx", options={"ucx_tsl": "sm,self"})
 
 
+def test_only_a_backend_with_the_cuda_copy_plugin_waits_for_device_events() -> None:
+    """What the vLLM connector asks before passing a layer's CUDA event to ``write_layer``
+    instead of waiting for it on the host: the loopback backend never can, and neither can the
+    UCX backend on a machine without a GPU (its GPU test checks that it can there)."""
+    assert mn.Engine("x", "loopback").waits_for_device_events is False
+    if {b.name: b for b in mn.available_backends()}["ucx"].available and not _cuda_device():
+        assert mn.Engine("x", "ucx").waits_for_device_events is False
+
+
+def _cuda_device() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
 def test_every_key_the_connector_passes_through_is_accepted() -> None:
     # The connector passes these unprefixed keys to whichever backend it picks; the core must
     # know each as a shared key (kSharedBackendOptionKeys), or every backend would refuse it.

@@ -63,7 +63,8 @@ class Engine:
         self.calls.append(("remove_peer", peer))
 
     def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
-        self.calls.append(("write_layer", tid, layer, peer, k.get("segments")))
+        handle = a[2] if len(a) > 2 else k.get("cuda_event", 0)
+        self.calls.append(("write_layer", tid, layer, peer, k.get("segments"), handle))
         return True
 
     def seal(self, tid: str, peer: str, *, expected_writes: int) -> None:
@@ -370,6 +371,61 @@ def test_a_prefill_rank_writes_one_job_per_decode_rank_and_frees_after_both() ->
     done = [(port, m) for port, m in sender.ports if isinstance(m, WriteDone)]
     assert sorted(port for port, _ in done) == [DECODE.notify_port, DECODE.notify_port + 1]
     assert all(m.transfer_id == "tx-7" and m.num_writers == 1 for _, m in done)
+
+
+class LayerEvent:
+    """A stand-in for the CUDA event recorded after a layer's compute: a handle, and a count
+    of the host waits on it."""
+
+    def __init__(self, handle: int) -> None:
+        self.cuda_event = handle
+        self.host_waits = 0
+
+    def synchronize(self) -> None:
+        self.host_waits += 1
+
+
+@pytest.mark.parametrize("device_waits", [True, False])
+def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
+    device_waits: bool,
+) -> None:
+    """With an engine that honours CUDA events (UCX and its copy plugin), each layer's write
+    carries the handle of the event recorded after that layer's compute and the writer never
+    waits on the host, so a layer's copy starts when its compute ends, not when the writer
+    thread sees it; the events stay referenced until the job's transfer drained (the backend
+    may still enqueue a wait for one), then are let go. Any other engine gets each event
+    synchronised on the host and no handle (a handle would fail the transfer there). Prefill
+    TP 1 -> decode TP 2: segments for the split layers, whole blocks for the MLA layer."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    engine.waits_for_device_events = device_waits  # type: ignore[attr-defined]
+    ctx.sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+    for rank in (0, 1):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-7", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    assert answer_handshakes(directory, DECODE, 2, "WRITE") == [0, 1]
+    events = {layer: LayerEvent(0x1000 + i) for i, layer in enumerate(DENSE)}
+    for layer, ev in events.items():
+        pusher.layer_saved(layer, ev)
+    after_forward = LayerEvent(0x2000)  # the layers whose save hook did not run
+    pusher.forward_done([*DENSE, *WHOLE], after_forward)
+    run_writer(ctx, pusher)
+    handles = {(c[1], c[2]): c[5] for c in engine.calls if c[0] == "write_layer"}
+    assert len(handles) == 2 * len(DENSE + WHOLE)
+    expected = {**{layer: ev.cuda_event for layer, ev in events.items()}, "mla": 0x2000}
+    for (_, layer), handle in handles.items():
+        assert handle == (expected[layer] if device_waits else 0)
+    waits = [ev.host_waits for ev in (*events.values(), after_forward)]
+    assert waits == ([0, 0, 0] if device_waits else [2, 2, 2])  # one per job and layer
+    held = {tid: len(j.device_events) for tid, j in pusher._jobs.items()}
+    assert held == ({"tx-7": 3, "tx-7#d1": 3} if device_waits else {"tx-7": 0, "tx-7#d1": 0})
+    pusher.on_event(event("tx-7"), drained=True)
+    assert {tid: len(j.device_events) for tid, j in pusher._jobs.items()} == {
+        "tx-7": 0,
+        "tx-7#d1": held["tx-7#d1"],
+    }
 
 
 def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:

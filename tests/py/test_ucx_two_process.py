@@ -327,3 +327,54 @@ def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
         np.testing.assert_array_equal(prefill_child.backing(), expected_remote)
     finally:
         assert prefill_child.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
+def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu() -> None:
+    """``write_layer(..., cuda_event=...)`` right after enqueuing the work that produces the
+    layer (here: ~0.1 s of spinning, then the new bytes copied in), as the vLLM connector does
+    when the engine says it can: every layer's copy waits for its event on the GPU, so the
+    decode process receives the new bytes, never the ones that were there when the call came
+    (without the events this test fails: the copies run during the spin)."""
+    import torch
+
+    decode_child = Child("decode", {}, cuda=True)
+    try:
+        prefill = _caches("prefill")
+        gpu = GpuMirror(prefill)
+        engine = mn.Engine("prefill-0", "ucx", {})
+        engine.register_kv_caches(gpu.registrations())
+        assert engine.waits_for_device_events
+        assert engine.add_peer(decode_child.metadata) == "decode-child"
+        produced = _caches("prefill")
+        kc.fill_random(produced, 99)
+        produced_on_gpu = torch_from(produced.backing).to("cuda")
+        torch.cuda.synchronize()
+
+        local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
+        # A first WRITE, without events, makes what the copies set up lazily (some of it
+        # synchronises the whole device, which would order the copies below by accident).
+        for shape in prefill.shapes:
+            assert engine.write_layer("req-warm", shape.name, "decode-child", [5], [5])
+        engine.seal("req-warm", "decode-child", expected_writes=len(prefill.shapes))
+        assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+        warmed = _caches("decode")
+        warmed.backing[:] = kc.expected_after_copy(warmed, prefill, [5], [5])
+        expected = kc.expected_after_copy(warmed, produced, remote, local)
+        torch.cuda._sleep(200_000_000)  # about 0.1 s at the H200's clock
+        gpu.backing.copy_(produced_on_gpu)
+        events = []
+        for shape in prefill.shapes:
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            assert engine.write_layer(
+                "req-ev", shape.name, "decode-child", local, remote, ev.cuda_event
+            )
+        engine.seal("req-ev", "decode-child", expected_writes=len(prefill.shapes))
+        event = engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"]
+        assert (event.kind, event.state) == ("write", "done"), event.message
+        np.testing.assert_array_equal(decode_child.backing(), expected)
+    finally:
+        assert decode_child.stop() == 0

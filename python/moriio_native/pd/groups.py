@@ -275,15 +275,27 @@ def post_read(engine: Any, transfer_id: str, peer: str, segments: Sequence[Segme
 
 
 def post_write_layer(
-    engine: Any, transfer_id: str, layer: str, peer: str, segments: Sequence[Segment]
+    engine: Any,
+    transfer_id: str,
+    layer: str,
+    peer: str,
+    segments: Sequence[Segment],
+    cuda_event: int = 0,
 ) -> None:
-    """Post one layer's WRITE of ``segments`` (the segments of the layer's group)."""
+    """Post one layer's WRITE of ``segments`` (the segments of the layer's group); its copy
+    waits on the GPU for ``cuda_event`` when one is given."""
     if len(segments) == 1 and segments[0].tokens is None:
         only = segments[0]
-        engine.write_layer(transfer_id, layer, peer, only.local_blocks, only.remote_blocks)
+        engine.write_layer(
+            transfer_id, layer, peer, only.local_blocks, only.remote_blocks, cuda_event
+        )
         return
     engine.write_layer(
-        transfer_id, layer, peer, segments=engine_segments(segments, with_layers=False)
+        transfer_id,
+        layer,
+        peer,
+        cuda_event=cuda_event,
+        segments=engine_segments(segments, with_layers=False),
     )
 
 

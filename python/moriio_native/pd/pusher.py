@@ -273,6 +273,9 @@ class _Job:
     announcer_gone: bool = False
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
     checksums: dict[str, bytes] | None = None  # verify: what write_done carries
+    # The CUDA events whose handles the engine's copies wait for on the GPU: the backend may
+    # enqueue a wait for one until the transfer drained, so they live until the job completes.
+    device_events: list[Any] = field(default_factory=list)
 
     @property
     def state(self) -> JobState:
@@ -755,6 +758,7 @@ class Pusher:
         """Terminal job (lock held): one final message to the decode, then the blocks are
         reported free once the request finished."""
         ctx = self._ctx
+        job.device_events.clear()  # drained: no copy of the job waits for any of them
         ok = job.state is JobState.DONE
         if ok and event is not None:
             ctx.stats.record_transfer(event, self._groups_moved(job))
@@ -1235,6 +1239,18 @@ class Pusher:
                     except queue.Full:
                         continue
 
+    def _layer_event_handle(self, event: Any) -> int:
+        """The handle of the CUDA event after a layer's compute for its copy to wait on, on the
+        GPU, when the engine can (so the writer never waits and the copy starts the moment the
+        layer is computed); otherwise 0, after waiting for the event here (its KV is computed).
+        No event: a CPU forward, already finished."""
+        if event is None:
+            return 0
+        if self._ctx.engine().waits_for_device_events:
+            return int(event.cuda_event)
+        event.synchronize()
+        return 0
+
     def writer_loop(self) -> None:
         ctx = self._ctx
         live = (JobState.WRITING, JobState.SEALED)
@@ -1247,8 +1263,7 @@ class Pusher:
                 if job.state not in live:
                     continue
             try:
-                if op == "write" and arg[0] is not None:
-                    arg[0].synchronize()  # the layer's device event: its KV is computed
+                handle = self._layer_event_handle(arg[0]) if op == "write" else 0
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
@@ -1256,9 +1271,15 @@ class Pusher:
                         continue
                     peer = job.peer
                     assert peer is not None
+                    if handle:
+                        job.device_events.append(arg[0])
                     if op == "write" and arg[1] is not None:
                         ctx.engine().write_layer(
-                            job.transfer_id, layer, peer.engine_peer, segments=arg[1]
+                            job.transfer_id,
+                            layer,
+                            peer.engine_peer,
+                            cuda_event=handle,
+                            segments=arg[1],
                         )
                     elif op == "write" and job.segments is not None:
                         post_write_layer(
@@ -1267,12 +1288,13 @@ class Pusher:
                             layer,
                             peer.engine_peer,
                             job.segments[layer],
+                            handle,
                         )
                     elif op == "write":
                         assert job.block_ids is not None
                         local_ids, remote_ids = job.block_ids
                         ctx.engine().write_layer(
-                            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids
+                            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids, handle
                         )
                     else:
                         # The seal carries the number of layers queued for the job, so it
