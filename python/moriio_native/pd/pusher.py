@@ -82,10 +82,10 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 # Records kept for transfers not known yet (early releases; jobs a message created before the
 # scheduler's save task): beyond this many the oldest is dropped.
 MAX_EARLY_MESSAGES = 65536
-# Block ids the orphan jobs' announcements hold in all (one remote_blocks of MAX_NOTIFY_BYTES
-# may carry about 1.6 million): past it the oldest orphans are dropped too. An orphan keeps its
-# announcement as wire bytes, at most 5 a block id, so they hold at most about 20 MB (as Python
-# ints, before they were kept so, 1 million ids took 40 MB).
+# Block ids the orphan jobs' announcements hold in all (one remote_blocks may carry 1,048,576,
+# MAX_BLOCK_IDS): past it the oldest orphans are dropped too. An orphan keeps its announcement
+# as wire bytes, at most 5 a block id, so they hold at most about 20 MB (as Python ints, before
+# they were kept so, 1 million ids took 40 MB).
 MAX_ORPHAN_BLOCK_IDS = 1 << 22
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
