@@ -4,6 +4,7 @@ vLLM): the review findings on the old worker, each pinned down."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -12,7 +13,7 @@ import pytest
 
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.messages import AbortWrite, HandshakeResponse, Release, RemoteBlocks
-from moriio_native.errors import IncompatiblePeerError
+from moriio_native.errors import IncompatiblePeerError, TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
@@ -244,6 +245,31 @@ def test_orphan_jobs_at_their_bound_add_no_objects_to_the_garbage_collector(
     assert pusher.job_states()[f"tx-{last}"] is pusher_module.JobState.CONNECTING
     pusher.begin_step([], [SendTask(f"req-{k}", f"tx-{last + k}") for k in (1, 2)])
     assert ctx.reports.done_sending == {"req-1", "req-2"}
+
+
+def test_messages_of_requests_not_seen_log_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: each abort_write, release or empty announcement that ended an orphan job (any
+    sender may send them, naming any transfer) logged a warning, and each abort the prefill could
+    not acknowledge a second one, so a flood of them flooded the log: 800 lines for 200 of
+    each. Now both are rate limited like the listeners' drops (at most 20 lines per 10 s each,
+    then a line with the count); every abort is still answered or tried."""
+    ctx, directory, _ = context("write", producer=True, tp_size=1)
+    pusher = Pusher(ctx)
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
+        for i in range(200):
+            pusher.on_abort_write(AbortWrite(f"tx-{i}", "d:9000/dp0/tp0", "127.0.0.1", 9000, 9100))
+            pusher.on_remote_blocks(RemoteBlocks(f"tx-e{i}", ((),), "d:9000/dp0/tp0"))
+            pusher.on_remote_blocks(RemoteBlocks(f"tx-r{i}", ((7,),), "d:9000/dp0/tp0"))
+            pusher.on_release(Release(f"tx-r{i}"))
+        assert len(directory.pending) == 200  # each abort's handshake, to acknowledge it
+        for _, future in directory.pending:
+            future.set_exception(TransportError("127.0.0.1:9000 does not answer"))
+    lines = [r for r in caplog.records if r.name == "moriio_native.pd.pusher"]
+    assert len(lines) <= 2 * 20, f"{len(lines)} lines logged"
+    states = pusher.job_states()
+    assert len(states) == 600 and set(states.values()) == {pusher_module.JobState.FAILED}
 
 
 def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:

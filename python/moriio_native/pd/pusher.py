@@ -428,6 +428,11 @@ class Pusher:
         # Releases before their send task that contradict the first one's TP size: any sender
         # may send them, so rate limited too.
         self._other_size = RateLimitedWarnings(logger, "releases of another decode TP size")
+        # Orphans any sender may end (an abort_write, a release or an empty announcement naming
+        # any transfer), and aborts of transfers never known that cannot be acknowledged (any
+        # sender may name any address): rate limited too.
+        self._orphan_failed = RateLimitedWarnings(logger, "WRITE jobs of requests not seen failed")
+        self._unacked = RateLimitedWarnings(logger, "aborts not acknowledged")
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -954,9 +959,8 @@ class Pusher:
 
         future.add_done_callback(acked)
 
-    @staticmethod
-    def _ack_failed(request: AbortWrite, exc: Exception) -> None:
-        logger.warning(
+    def _ack_failed(self, request: AbortWrite, exc: Exception) -> None:
+        self._unacked.warn(
             "transfer %s: cannot acknowledge the decode's abort (%s); it frees the blocks "
             "after its quarantine_timeout",
             request.transfer_id,
@@ -1201,7 +1205,7 @@ class Pusher:
         ids = sum(len(group) for group in message.block_ids)
         reason = "" if ids else "the decode needs no blocks"
         if reason:
-            logger.warning("transfer %s: WRITE failed: %s", jid, reason)
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
         created, request, rank, _, _, _, _, _ = _new_orphan(message)
         announced = encode(message)
         self._orphans.keep(jid, (created, request, rank, ids, announced, None, not ids, reason))
@@ -1211,7 +1215,7 @@ class Pusher:
         created, request, rank, ids, announced, aborted, _, reason = orphan
         if not reason:
             reason = "the decode released the transfer"
-            logger.warning("transfer %s: WRITE failed: %s", jid, reason)
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
         self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, True, reason))
 
     def _orphan_aborted(self, jid: str, message: AbortWrite) -> None:
@@ -1223,7 +1227,7 @@ class Pusher:
             return  # one answer per transfer
         if not reason:
             reason = "the decode aborted the transfer"
-            logger.warning("transfer %s: WRITE failed: %s", jid, reason)
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
             self._ctx.stats.record(ok=False)
         aborted = encode(message)
         self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, released, reason))
