@@ -63,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -350,6 +351,9 @@ class Result:
     flood_refused: int = 0
     achieved_rate: float = 0.0
     rss_mib: dict[str, float] = field(default_factory=dict)
+    # Full collections CPython ran by itself (each a stall of the process) during the fill and
+    # the measured phases.
+    full_collections: dict[str, int] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
@@ -556,8 +560,11 @@ def _per_1000(windows: list[Window], attr: str) -> float:
 
 def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -> None:
     pair.round(res.violations)  # warm-up: the decode's handshake cached, first allocations
+    full = gc.get_stats()[2]["collections"]
     if args.fill and not args.secret:  # a flood without the secret fills nothing
         _fill(pair, flooder, args, res)
+    res.full_collections["fill"] = gc.get_stats()[2]["collections"] - full
+    full = gc.get_stats()[2]["collections"]
     rss_start = rss_bytes()
     samples: dict[bool, list[float]] = {False: [], True: []}
     for phase in range(2 * args.phases):
@@ -568,6 +575,7 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
     sent = flooder.stop()
     counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     rss_end = rss_bytes()
+    res.full_collections["phases"] = gc.get_stats()[2]["collections"] - full
     base = [w for w in res.windows if not w.flood]
     flood = [w for w in res.windows if w.flood]
     res.baseline_ms, res.flood_ms = _summary(samples[False]), _summary(samples[True])
@@ -690,7 +698,8 @@ def main(argv: list[str] | None = None) -> int:
         "asked, %.0f/s sent over %.1f s of flood phases; ratio of the windows' medians p50 "
         "%.2fx p99 %.2fx; CPU per 1,000 flood messages: process %.1f ms, listener threads "
         "%.1f ms; RSS %+.1f MiB; at the end: %d / %d keys (prefill / decode notify), %d early "
-        "releases, %d orphan jobs, %d / %d queued; violations %d",
+        "releases, %d orphan jobs, %d / %d queued; full collections: %d in the fill, %d in the "
+        "phases; violations %d",
         res.kind,
         res.mode.upper(),
         ", shared secret" if res.secret else "",
@@ -719,6 +728,8 @@ def main(argv: list[str] | None = None) -> int:
         res.counts["prefill-orphans"]["held"],
         res.counts["prefill-notify"]["queued"],
         res.counts["decode-notify"]["queued"],
+        res.full_collections["fill"],
+        res.full_collections["phases"],
         len(res.violations),
     )
     for line in res.violations:
