@@ -932,10 +932,12 @@ class Pusher:
             self._send(peer.host, peer.notify_port, ack)
             return
         try:
+            # The message's own fields, checked when it was decoded (its decode_address builds
+            # and checks a ZmqAddress per call: most of this path's CPU under a flood).
             future = self._ctx.connect_rank(
-                request.decode_address.host,
-                request.decode_address.handshake_port,
-                request.decode_address.notify_port,
+                request.decode_host,
+                request.decode_handshake_port,
+                request.decode_notify_port,
                 request.decode_dp_rank,
                 request.decode_tp_size,
                 request.decode_tp_rank,
