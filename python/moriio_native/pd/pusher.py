@@ -62,7 +62,13 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
-from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError, MoriioError
+from moriio_native.errors import (
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    MoriioError,
+    TransferTimeoutError,
+    TransportError,
+)
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import (
@@ -89,6 +95,15 @@ MAX_EARLY_MESSAGES = 65536
 MAX_ORPHAN_BLOCK_IDS = 1 << 22
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
+# The acknowledgement of an abort_write that needs a handshake (a transfer never known here)
+# and did not get one (a timeout, a refused connection: often passing, as a busy or restarting
+# decode, or the peer directory's remembered failure of a moment ago) is tried again this often,
+# for abort_timeout after its first try: unanswered, the decode holds the blocks, and its request
+# with them, for its quarantine_timeout (300 s by default).
+ACK_RETRY_EVERY_S = 5.0
+# Acknowledgements waiting to be tried again: past this many (any sender may name an address
+# that does not answer) the oldest are given up.
+MAX_ACK_RETRIES = 1024
 
 
 class SendState(Enum):
@@ -433,6 +448,9 @@ class Pusher:
         # sender may name any address): rate limited too.
         self._orphan_failed = RateLimitedWarnings(logger, "WRITE jobs of requests not seen failed")
         self._unacked = RateLimitedWarnings(logger, "aborts not acknowledged")
+        # abort_write wire bytes -> (its first acknowledgement's try, the next try), in the
+        # order of the next try (numbers and bytes: nothing the garbage collector tracks).
+        self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -918,14 +936,18 @@ class Pusher:
             return
         self._send(host, notify_port, message)
 
-    def _ack_by_handshake(self, request: AbortWrite, ack: WriteAborted) -> None:
+    def _ack_by_handshake(
+        self, request: AbortWrite, ack: WriteAborted, since: float | None = None
+    ) -> None:
         """Acknowledge an abort_write whose decode address this rank does not know (it never
         had the request, or the request named none; lock held): only at the rank it names,
         proven by a handshake at its address (allowlist; the rank, its TP size and
         ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
         ack tells its receiver that this rank's writes of the transfer into it stopped, so it
         must reach no other rank: one this rank may still write into later, should the request
-        come."""
+        come. A handshake that fails is tried again (:data:`ACK_RETRY_EVERY_S`); ``since``:
+        the first try's time, when this is a later one."""
+        since = time.monotonic() if since is None else since
         rank = (request.decode_dp_rank, request.decode_tp_rank)
         peer = self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
@@ -943,7 +965,7 @@ class Pusher:
                 request.decode_tp_rank,
             )
         except MoriioError as exc:
-            self._ack_failed(request, exc)
+            self._ack_failed(request, exc, since)
             return
 
         def acked(f: Future[Peer]) -> None:
@@ -955,19 +977,55 @@ class Pusher:
                         f"address serves {peer.response.engine_id!r}"
                     )
             except Exception as exc:
-                self._ack_failed(request, exc)
+                self._ack_failed(request, exc, since)
                 return
             self._send(peer.host, peer.notify_port, ack)
 
         future.add_done_callback(acked)
 
-    def _ack_failed(self, request: AbortWrite, exc: Exception) -> None:
+    def _ack_failed(self, request: AbortWrite, exc: Exception, since: float) -> None:
+        """No acknowledgement for ``request`` (any thread): kept to be tried again when its
+        handshake failed, which may pass; not when the rank's address answered as another
+        engine or rank, or the allowlist refused it."""
+        if isinstance(exc, (TransportError, TransferTimeoutError)):
+            with self._ctx.lock:
+                due = time.monotonic() + ACK_RETRY_EVERY_S
+                wire = encode(request)
+                self._ack_retries[wire] = (since, due)
+                self._ack_retries.move_to_end(wire)
+                while len(self._ack_retries) > MAX_ACK_RETRIES:
+                    self._ack_retries.popitem(last=False)
+            self._unacked.warn(
+                "transfer %s: cannot acknowledge the decode's abort yet (%s); trying again "
+                "every %.0f s for abort_timeout",
+                request.transfer_id,
+                exc,
+                ACK_RETRY_EVERY_S,
+            )
+            return
         self._unacked.warn(
             "transfer %s: cannot acknowledge the decode's abort (%s); it frees the blocks "
             "after its quarantine_timeout",
             request.transfer_id,
             exc,
         )
+
+    def _retry_acks(self, now: float, abort_timeout: float) -> None:
+        """Try the acknowledgements that are due again (lock held); those first tried more
+        than ``abort_timeout`` before ``now`` are given up (their decode frees the blocks at
+        its quarantine_timeout)."""
+        due = []
+        for wire, (since, at) in self._ack_retries.items():
+            if at > now:
+                break  # in the order of their next try
+            due.append((wire, since))
+        for wire, since in due:
+            del self._ack_retries[wire]
+            if now - since > abort_timeout:
+                continue
+            request = decode(wire, (AbortWrite,), max_bytes=len(wire))
+            ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+            self._ack_by_handshake(request, ack, since)
 
     # ---- engine events (events thread) --------------------------------------------------------
 
@@ -1287,6 +1345,7 @@ class Pusher:
                 if job.send is not None and now > job.deadline:
                     self._fail(job, f"not finished within abort_timeout ({abort_timeout:.0f}s)")
             self._orphans.expire(now, abort_timeout)  # messages of requests we never saw
+            self._retry_acks(now, abort_timeout)
             self._early_releases.expire(now, abort_timeout)
 
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
