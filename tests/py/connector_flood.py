@@ -1,4 +1,4 @@
-"""A flood against a connector pair, measured: genuine READ requests' latency with and without a
+"""A flood against a connector pair, measured: genuine requests' latency with and without a
 concurrent flood of garbage and valid-schema messages on every listening port, in one run.
 
 A prefill and a decode instance (each vLLM 0.33's real ``Scheduler`` plus the connector's worker
@@ -15,10 +15,24 @@ only with those valid messages: they pass every check of the listeners (no drop)
 protocol core can tell them from genuine ones (the handshake ports get nothing: a well-formed
 handshake request is no stray, it is answered).
 
-A genuine round is one fresh handshake with the prefill rank (``fetch_metadata`` to its
-handshake port, the answer checked) plus one request through the connector: the prefill computes
-it (not timed), then the decode's scheduler gets it, READs the KV, and the prefill frees its
-blocks on the decode's release (timed: handshake + transfer + release). Phases alternate without
+``--mode write`` runs both instances in WRITE mode: the prefill's notify port then gets
+``remote_blocks`` and ``abort_write`` of transfers it does not know instead of releases, each of
+which makes an orphan job (kept for a save task that never comes, up to the bound of 65,536, the
+oldest dropped); every ``abort_write`` names the decode's address and an engine id that is not
+the decode's, so the prefill's acknowledgement finds the decode's cached handshake, sees the
+engine id differ and sends nothing. ``--secret`` sets a shared secret on both instances and the
+genuine rounds; the flood does not know it: its messages go unsigned, or (every other one) with
+a forged tag, so every one is dropped at authentication and nothing reaches the memories (no
+fill then).
+
+A genuine round is one fresh handshake with the rank that is dialled (``fetch_metadata`` to its
+handshake port, the answer checked: the prefill's in READ mode, the decode's in WRITE mode) plus
+one request through the connector. READ: the prefill computes it (not timed), then the decode's
+scheduler gets it, READs the KV, and the prefill frees its blocks on the decode's release
+(timed: handshake + transfer + release). WRITE: the decode gets it and announces its blocks, the
+prefill computes it and writes each layer as it is computed, and the decode loads it on the
+prefill's ``write_done`` (timed: handshake + announcement + the prefill's forward and writes +
+the load). Phases alternate without
 and with the flood (``--phases`` of ``--rounds`` each), so drift of the shared machine falls on
 both; before the first flood phase the flood runs until the memories are full (``--fill``), so
 the flood phases run at the bounds. Printed: each phase's p50 / p99 and the CPU time the
@@ -34,8 +48,9 @@ makes the connector log is part of what it costs.
 Checked by code (each a violation): every genuine request loaded (no load error) and freed on
 both sides; every flood message was received and dropped or ignored (nothing answered, nothing
 delivered to a transfer); the remembered-message gauges within their bounds (deduplication keys,
-early releases, queued messages); the process's RSS over the flood phases after the fill grew by
-at most ``--rss-slack-mib``.
+early releases, orphan jobs, queued messages); with ``--secret``, every flood message dropped at
+authentication (or, too large, before it) and none remembered; the process's RSS over the flood
+phases after the fill grew by at most ``--rss-slack-mib``.
 
     PYTHONPATH=build/dev/python python3 tests/py/connector_flood.py [--rate 6000] [--rounds 100]
 
@@ -48,6 +63,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -70,7 +86,9 @@ import zmq
 from moriio_native.control.channel import NotifyListener, fetch_metadata
 from moriio_native.control.messages import (
     MAX_HANDSHAKE_REQUEST_BYTES,
+    AbortWrite,
     Release,
+    RemoteBlocks,
     WriteAborted,
     WriteDone,
     WriteFailed,
@@ -94,6 +112,15 @@ logger = logging.getLogger("moriio_native.tests.connector_flood")
 LOCAL = "127.0.0.1"
 PRODUCTION_BOUND = 65536
 KINDS = ("mixed", "valid")  # garbage and valid-schema messages; valid-schema ones only
+MODES = ("read", "write")
+# The prefill's memories of messages for transfers it does not know yet, in _counts.
+MEMORIES = ("prefill-early-releases", "prefill-orphans")
+# The instances' shared secret with --secret; the flood sends what it cannot sign unsigned or
+# with this tag (of no secret: as good as one of another secret to the receiver, which computes
+# the right tag and compares).
+SECRET = "the flood benchmark's shared secret"
+FORGED_TAG = bytes(range(32))
+FLOOD_ENGINE = "flood:1/dp0/tp0"  # the engine id the flood's WRITE-mode messages name
 GARBAGE = [
     b"",
     b"\xc1",
@@ -112,24 +139,48 @@ BAD_HANDSHAKES = [
 # ---- the flooder (a spawned child) ------------------------------------------------------------
 
 
-def _frames(kind: str, n: int, flood: str) -> list[bytes]:
-    """The ``n``-th flood message of a ``flood`` (one of KINDS) for a port of ``kind``: in a
-    mixed flood every fourth is garbage, the rest bad handshakes (handshake ports) or valid
-    messages of unknown transfers (notify ports: the prefill's get releases, which it must
-    remember in case their request comes later; the decode's get the messages a prefill sends
-    it); in a valid flood all are the latter."""
-    if flood == "mixed" and n % 4 == 0:
+@dataclass(frozen=True)
+class FloodSpec:
+    """What the flooder sends: ``kind`` (one of KINDS) in ``mode`` (one of MODES), with forged
+    tags on every other message (``forge``: the instances have a secret), the WRITE-mode
+    ``abort_write`` naming the decode's base ports."""
+
+    kind: str
+    mode: str
+    forge: bool
+    decode_ports: tuple[int, int]  # handshake, notify
+
+
+def _frames(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
+    """The ``n``-th flood message for a port of ``port_kind``, with a forged tag on every other
+    one when ``spec.forge``."""
+    frames = _payload(spec, port_kind, n)
+    return [*frames, FORGED_TAG] if spec.forge and n % 2 else frames
+
+
+def _payload(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
+    """In a mixed flood every fourth is garbage, the rest bad handshakes (handshake ports) or
+    valid messages of unknown transfers (notify ports: the prefill's get releases in READ mode,
+    which it must remember in case their request comes later, and announcements and aborts in
+    WRITE mode, each an orphan job kept for the same reason; the decode's get the messages a
+    prefill sends it); in a valid flood all are the latter."""
+    if spec.kind == "mixed" and n % 4 == 0:
         return [GARBAGE[(n // 4) % len(GARBAGE)]]
-    if kind == "handshake":
+    if port_kind == "handshake":
         return [BAD_HANDSHAKES[n % len(BAD_HANDSHAKES)]]
     tid = f"flood-{n}"
-    if kind == "prefill-notify":
+    if port_kind == "prefill-notify" and spec.mode == "read":
         return [encode(Release(tid))]
+    if port_kind == "prefill-notify" and n % 2:
+        handshake, notify = spec.decode_ports
+        return [encode(AbortWrite(tid, FLOOD_ENGINE, LOCAL, handshake, notify))]
+    if port_kind == "prefill-notify":
+        return [encode(RemoteBlocks(tid, ((n % 1000 + 1, n % 1000 + 2),), FLOOD_ENGINE))]
     message = (WriteDone(tid), WriteFailed(tid, reason="flood"), WriteAborted(tid))[n % 3]
     return [encode(message)]
 
 
-def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, flood: str) -> None:
+def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> None:
     """Send to every port in turn at ``rate`` messages per second in all, while the parent
     says so: ``("go",)`` starts, ``("stop",)`` pauses and answers the counts, ``("quit",)``
     ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent."""
@@ -140,6 +191,7 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, flood: s
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{LOCAL}:{port}")
         socks.append((kind, port, sock))
+    conn.send({"ready": True})
     sent = {port: 0 for _, port in ports}
     refused = 0
     n = 0
@@ -167,7 +219,7 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, flood: s
         for _ in range(min(due, 500)):
             kind, port, sock = socks[n % len(socks)]
             try:
-                sock.send_multipart(_frames(kind, n // len(socks), flood), zmq.NOBLOCK)
+                sock.send_multipart(_frames(spec, kind, n // len(socks)), zmq.NOBLOCK)
                 sent[port] += 1
             except zmq.Again:
                 refused += 1
@@ -178,12 +230,17 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, flood: s
 
 
 class Flooder:
-    def __init__(self, ports: list[tuple[str, int]], rate: float, flood: str) -> None:
+    def __init__(self, ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_flood, args=(child, ports, rate, flood), daemon=True)
+        self._proc = ctx.Process(target=_flood, args=(child, ports, rate, spec), daemon=True)
         self._proc.start()
         child.close()
+        # Spawned, the child imports this module (and vLLM's) first: a phase that started
+        # before it is ready would flood less than asked.
+        if not self._conn.poll(300):
+            raise AssertionError("the flooder did not start")
+        self._conn.recv()
         self._taken = 0
 
     def go(self) -> None:
@@ -253,7 +310,9 @@ def _counts(p: Side, d: Side) -> dict[str, dict[str, int]]:
         server, listener = _listeners(side)
         out[f"{name}-handshake"] = server.stats()
         out[f"{name}-notify"] = listener.stats()
-    out["prefill-early-releases"] = {"held": len(p.worker.worker.core.pusher._early_releases)}
+    pusher = p.worker.worker.core.pusher
+    out["prefill-early-releases"] = {"held": len(pusher._early_releases)}
+    out["prefill-orphans"] = {"held": len(pusher._orphans)}
     return out
 
 
@@ -277,6 +336,8 @@ class Result:
     rate: float
     remember: int
     kind: str
+    mode: str
+    secret: bool
     baseline_ms: dict[str, float] = field(default_factory=dict)
     flood_ms: dict[str, float] = field(default_factory=dict)
     ratio_p50: float = 0.0
@@ -290,6 +351,9 @@ class Result:
     flood_refused: int = 0
     achieved_rate: float = 0.0
     rss_mib: dict[str, float] = field(default_factory=dict)
+    # Full collections CPython ran by itself (each a stall of the process) during the fill and
+    # the measured phases.
+    full_collections: dict[str, int] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
@@ -306,12 +370,20 @@ def _summary(samples: list[float]) -> dict[str, float]:
 
 
 class Pair:
-    def __init__(self, model_dir: str) -> None:
-        extra = {"abort_timeout": 600, "transfer_timeout": 30}
-        self.p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
-        self.d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra=extra)
-        self.security = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    def __init__(self, model_dir: str, mode: str = "read", secret: bool = False) -> None:
+        extra: dict[str, Any] = {"abort_timeout": 600, "transfer_timeout": 30}
+        if secret:
+            extra["auth_secret"] = SECRET
+        self.mode = mode
+        self.p = Side("prefill", "kv_producer", mode, model_dir, salt=1, extra=extra)
+        self.d = Side("decode", "kv_consumer", mode, model_dir, salt=2, extra=extra)
+        self.security = ControlSecurity.from_config(
+            {"allowed_peers": [f"{LOCAL}/32"], **({"auth_secret": SECRET} if secret else {})}
+        )
         self.seed = 0
+        # The side a genuine round's handshake dials (the one the other side dials in that
+        # mode); the other's handshake port gets only the other side's first handshake.
+        self.dialled = "prefill" if mode == "read" else "decode"
 
     def ports(self, flood: str) -> list[tuple[str, int]]:
         """The ports a ``flood`` (one of KINDS) goes to, with their kind."""
@@ -323,27 +395,42 @@ class Pair:
         ]
         return [port for port in ports if flood == "mixed" or port[0] != "handshake"]
 
+    def _handshake(self, violations: list[str]) -> None:
+        """A fresh handshake with the dialled side's rank, its answer checked."""
+        side = self.p if self.dialled == "prefill" else self.d
+        response = fetch_metadata(
+            LOCAL, side.handshake_port, timeout=30, security=self.security, requester_engine_id="b"
+        )
+        if response.engine_id != side.worker.worker.engine_id:
+            violations.append(f"handshake answered as {response.engine_id}")
+
     def round(self, violations: list[str]) -> float:
-        """One genuine request: (fresh handshake + READ + release) seconds."""
+        """One genuine request: (fresh handshake + READ + release) seconds in READ mode,
+        (fresh handshake + announcement + the prefill's forward and writes + load) in WRITE."""
         p, d = self.p, self.d
         self.seed += 1
         prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
         rid, tid = pd_request_id(p, d), transfer_id()
-        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-        finished = p.step().finished()
-        if rid not in finished:
-            violations.append(f"{rid}: the prefill did not finish it in one step")
-            return 0.0
-        returned = finished[rid].kv_transfer_params
-        started = time.perf_counter()
-        response = fetch_metadata(
-            LOCAL, p.handshake_port, timeout=30, security=self.security, requester_engine_id="b"
-        )
-        if response.engine_id != p.worker.worker.engine_id:
-            violations.append(f"handshake answered as {response.engine_id}")
-        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
-        loaded = load(d, rid)
-        p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"release of {rid}")
+        if self.mode == "read":
+            p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            finished = p.step().finished()
+            if rid not in finished:
+                violations.append(f"{rid}: the prefill did not finish it in one step")
+                return 0.0
+            returned = finished[rid].kv_transfer_params
+            started = time.perf_counter()
+            self._handshake(violations)
+            d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+            loaded = load(d, rid)
+            p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"release of {rid}")
+        else:
+            started = time.perf_counter()
+            self._handshake(violations)
+            d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+            d.step()  # its remote_blocks goes out
+            p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"write of {rid}")
+            loaded = load(d, rid)
         took = time.perf_counter() - started
         if loaded.invalid_blocks:
             violations.append(f"{rid}: load error on blocks {sorted(loaded.invalid_blocks)}")
@@ -374,10 +461,14 @@ def _memories(bound: int) -> Iterator[None]:
 
 
 def run(args: argparse.Namespace) -> Result:
-    res = Result(args.rounds, args.phases, args.rate, args.remember, args.kind)
+    res = Result(
+        args.rounds, args.phases, args.rate, args.remember, args.kind, args.mode, args.secret
+    )
     with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
-        pair = Pair(write_model_dir(Path(tmp)))
-        flooder = Flooder(pair.ports(args.kind), args.rate, args.kind)
+        pair = Pair(write_model_dir(Path(tmp)), args.mode, args.secret)
+        decode_ports = (pair.d.handshake_port, pair.d.notify_port)
+        spec = FloodSpec(args.kind, args.mode, args.secret, decode_ports)
+        flooder = Flooder(pair.ports(args.kind), args.rate, spec)
         try:
             _measure(pair, flooder, args, res)
         finally:
@@ -387,16 +478,23 @@ def run(args: argparse.Namespace) -> Result:
 
 
 def _received(counts: dict[str, dict[str, int]]) -> int:
-    return sum(c.get("received", 0) for k, c in counts.items() if "early" not in k)
+    return sum(c.get("received", 0) for k, c in counts.items() if k not in MEMORIES)
 
 
-def _settle(pair: Pair, want: int, limit: float) -> dict[str, dict[str, int]]:
-    """Wait until the listeners counted ``want`` messages in all (the flood's tail drained)."""
+def _dropped(counts: dict[str, dict[str, int]]) -> int:
+    """Messages dropped before the schema (with a secret: the flood's, every one)."""
+    return sum(c.get("dropped_auth", 0) + c.get("dropped_malformed", 0) for c in counts.values())
+
+
+def _settle(pair: Pair, want: int, limit: float, secret: bool) -> dict[str, dict[str, int]]:
+    """Wait until the listeners counted ``want`` messages in all, or with a secret ``want``
+    drops (the flood's tail drained)."""
     deadline = time.monotonic() + limit
     while True:
         counts = _counts(pair.p, pair.d)
         queued = sum(c.get("queued", 0) for c in counts.values())
-        if (_received(counts) >= want and queued == 0) or time.monotonic() > deadline:
+        read = _dropped(counts) if secret else _received(counts)
+        if (read >= want and queued == 0) or time.monotonic() > deadline:
             return counts
         time.sleep(0.05)
 
@@ -406,19 +504,20 @@ def _fill(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -
     flooder.go()
     bound = args.remember
     deadline = time.monotonic() + args.fill_limit
+    memory = "prefill-early-releases" if args.mode == "read" else "prefill-orphans"
     while time.monotonic() < deadline:
         c = _counts(pair.p, pair.d)
         if (
             c["prefill-notify"]["remembered"] >= bound
             and c["decode-notify"]["remembered"] >= bound
-            and c["prefill-early-releases"]["held"] >= bound
+            and c[memory]["held"] >= bound
         ):
             break
         time.sleep(0.2)
     else:
         res.violations.append(f"the flood did not fill the memories within {args.fill_limit}s")
     sent = flooder.stop()
-    _settle(pair, sent["total"] - sent["refused"], 60)
+    _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     return int(sent["total"])
 
 
@@ -429,7 +528,8 @@ def _window(
     ``flooder`` is given; its CPU is counted until the listeners read every message the flood
     sent in it."""
     threads = _listener_threads(pair.p, pair.d)
-    before = _received(_counts(pair.p, pair.d))
+    counts = _counts(pair.p, pair.d)
+    before = _dropped(counts) if res.secret else _received(counts)
     cpu0, lcpu0 = _cpu(threads)
     sent = 0
     t0 = time.monotonic()
@@ -439,7 +539,8 @@ def _window(
     seconds = time.monotonic() - t0
     if flooder is not None:
         sent = flooder.stop()["delivered"]
-        _settle(pair, before + sent + rounds, 60)  # each round: at least its handshake
+        genuine = 0 if res.secret else rounds  # each round: at least its handshake
+        _settle(pair, before + sent + genuine, 60, res.secret)
     cpu1, lcpu1 = _cpu(threads)
     window = Window(
         flooder is not None, _summary(samples), seconds, sent, cpu1 - cpu0, lcpu1 - lcpu0
@@ -459,8 +560,11 @@ def _per_1000(windows: list[Window], attr: str) -> float:
 
 def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -> None:
     pair.round(res.violations)  # warm-up: the decode's handshake cached, first allocations
-    if args.fill:
+    full = gc.get_stats()[2]["collections"]
+    if args.fill and not args.secret:  # a flood without the secret fills nothing
         _fill(pair, flooder, args, res)
+    res.full_collections["fill"] = gc.get_stats()[2]["collections"] - full
+    full = gc.get_stats()[2]["collections"]
     rss_start = rss_bytes()
     samples: dict[bool, list[float]] = {False: [], True: []}
     for phase in range(2 * args.phases):
@@ -469,8 +573,9 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
         res.windows.append(window)
         samples[with_flood] += took
     sent = flooder.stop()
-    counts = _settle(pair, sent["total"] - sent["refused"], 60)
+    counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     rss_end = rss_bytes()
+    res.full_collections["phases"] = gc.get_stats()[2]["collections"] - full
     base = [w for w in res.windows if not w.flood]
     flood = [w for w in res.windows if w.flood]
     res.baseline_ms, res.flood_ms = _summary(samples[False]), _summary(samples[True])
@@ -502,24 +607,36 @@ def _check(
     res: Result, counts: dict[str, dict[str, int]], sent: dict[str, Any], args: argparse.Namespace
 ) -> None:
     v = res.violations
-    received = sum(c.get("received", 0) for k, c in counts.items() if "early" not in k)
+    received = _received(counts)
+    flood = sent["total"] - sent["refused"]
     # Every genuine handshake and message of the rounds is counted too: at least the flood.
-    if received < sent["total"] - sent["refused"]:
-        v.append(f"listeners received {received} of {sent['total'] - sent['refused']} sent")
-    # Only genuine handshakes are answered: each round's, the warm-up's and the decode's one.
+    if received < flood:
+        v.append(f"listeners received {received} of {flood} sent")
+    # Only genuine handshakes are answered: each round's and the warm-up's on the dialled
+    # side, plus the other side's one of it in either direction (WRITE: each dials the other).
     genuine = res.rounds_per_phase * 2 * res.phases + 2
-    for name, want in (("prefill-handshake", genuine), ("decode-handshake", 0)):
-        if counts[name]["answered"] != want:
-            v.append(f"{name}: answered {counts[name]['answered']} handshakes, expected {want}")
+    other = "decode" if res.mode == "read" else "prefill"
+    want = {f"{other}-handshake": 0 if res.mode == "read" else 1}
+    want[f"{'prefill' if other == 'decode' else 'decode'}-handshake"] = genuine
+    for name, answered in want.items():
+        if counts[name]["answered"] != answered:
+            v.append(f"{name}: answered {counts[name]['answered']} handshakes, expected {answered}")
+    if res.secret:
+        dropped = _dropped(counts)
+        if dropped != flood:
+            v.append(f"{dropped} messages dropped at authentication or framing, {flood} sent")
+        for name in MEMORIES:
+            if counts[name]["held"]:
+                v.append(f"{name}: {counts[name]['held']} held, none expected")
     for name in ("prefill-notify", "decode-notify"):
         c = counts[name]
         if c["remembered"] > args.remember:
             v.append(f"{name}: {c['remembered']} keys remembered, bound {args.remember}")
         if c["queued"] > args.remember:
             v.append(f"{name}: {c['queued']} queued, bound {args.remember}")
-    held = counts["prefill-early-releases"]["held"]
-    if held > args.remember:
-        v.append(f"prefill: {held} early releases held, bound {args.remember}")
+    for name in MEMORIES:
+        if counts[name]["held"] > args.remember:
+            v.append(f"{name}: {counts[name]['held']} held, bound {args.remember}")
     if res.rss_mib["growth"] > args.rss_slack_mib:
         v.append(
             f"RSS grew {res.rss_mib['growth']:.1f} MiB over the flood phases "
@@ -539,6 +656,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="mixed",
         help="mixed: garbage and valid-schema messages on every port; valid: valid-schema "
         "messages of unknown transfers on the notify ports only",
+    )
+    parser.add_argument("--mode", choices=MODES, default="read", help="of both instances")
+    parser.add_argument(
+        "--secret",
+        action="store_true",
+        help="a shared secret on both instances and the genuine rounds; the flood goes unsigned "
+        "or with forged tags",
     )
     parser.add_argument("--no-fill", dest="fill", action="store_false")
     parser.add_argument("--fill-limit", type=float, default=300.0)
@@ -568,13 +692,17 @@ def main(argv: list[str] | None = None) -> int:
             w.listener_cpu_s,
         )
     logger.warning(
-        "%s flood; genuine handshake+READ+release, %d rounds each: baseline p50 %.2f ms p99 "
+        "%s flood, %s mode%s; genuine rounds, %d each: baseline p50 %.2f ms p99 "
         "%.2f ms max %.2f ms; under the flood p50 %.2f ms p99 %.2f ms max %.2f ms; ratio p50 "
         "%.2fx p99 %.2fx; flood %d messages (%d refused by ZMQ's high-water mark), %.0f/s "
         "asked, %.0f/s sent over %.1f s of flood phases; ratio of the windows' medians p50 "
         "%.2fx p99 %.2fx; CPU per 1,000 flood messages: process %.1f ms, listener threads "
-        "%.1f ms; RSS %+.1f MiB; violations %d",
+        "%.1f ms; RSS %+.1f MiB; at the end: %d / %d keys (prefill / decode notify), %d early "
+        "releases, %d orphan jobs, %d / %d queued; full collections: %d in the fill, %d in the "
+        "phases; violations %d",
         res.kind,
+        res.mode.upper(),
+        ", shared secret" if res.secret else "",
         b["n"],
         b["p50"],
         b["p99"],
@@ -594,6 +722,14 @@ def main(argv: list[str] | None = None) -> int:
         res.cpu_ms_per_1000["process"],
         res.cpu_ms_per_1000["listener_threads"],
         res.rss_mib["growth"],
+        res.counts["prefill-notify"]["remembered"],
+        res.counts["decode-notify"]["remembered"],
+        res.counts["prefill-early-releases"]["held"],
+        res.counts["prefill-orphans"]["held"],
+        res.counts["prefill-notify"]["queued"],
+        res.counts["decode-notify"]["queued"],
+        res.full_collections["fill"],
+        res.full_collections["phases"],
         len(res.violations),
     )
     for line in res.violations:

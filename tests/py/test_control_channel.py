@@ -281,6 +281,29 @@ def test_full_listener_pushes_back_instead_of_dropping():
     assert got == [Release(f"tx-{i}") for i in range(n)]
 
 
+def test_a_listener_stops_reading_past_its_byte_bound_until_drained():
+    """Before: the queue was bounded by count only (65,536 messages, each up to 8 MiB), so a
+    consumer that fell behind let it hold up to 512 GiB of payloads. Now the listener stops
+    reading while its queued payloads are over ``max_pending_bytes`` (the message that passes
+    the bound is queued), and reads on once the consumer drains: nothing is lost."""
+    sec = security()
+    messages = [RemoteBlocks(f"tx-{i:02d}", (tuple(range(1000, 1500)),), "d-0") for i in range(12)]
+    size = len(encode(messages[0]))  # each the same
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL, max_pending_bytes=3 * size) as listener,
+        NotifySender(sec) as sender,
+    ):
+        for message in messages:
+            sender.send(LOCAL, listener.port, message)
+        wait_until(lambda: listener.stats()["queued_bytes"] > 3 * size)
+        time.sleep(0.3)  # three of the listener's poll slices: time to read on, which it must not
+        stats = listener.stats()
+        assert (stats["received"], stats["queued"], stats["queued_bytes"]) == (4, 4, 4 * size)
+        got = [listener.get(WAIT) for _ in messages]
+        assert listener.stats()["queued_bytes"] == 0
+    assert got == messages
+
+
 def test_evicted_sender_sockets_still_flush_their_messages():
     sec = security()
     with (

@@ -4,6 +4,7 @@ vLLM): the review findings on the old worker, each pinned down."""
 from __future__ import annotations
 
 import gc
+import logging
 import time
 from concurrent.futures import Future
 from typing import Any
@@ -12,14 +13,14 @@ import pytest
 
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.messages import AbortWrite, HandshakeResponse, Release, RemoteBlocks
-from moriio_native.errors import IncompatiblePeerError
+from moriio_native.errors import IncompatiblePeerError, TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
 from moriio_native.pd.peers import Peer, PeerKey
 from moriio_native.pd.puller import PROBE_FAILURES_FOR_DEATH, AwaitState, Puller
 from moriio_native.pd.pusher import Pusher
-from moriio_native.pd.tasks import RecvTask, SendTask
+from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
 
@@ -184,6 +185,91 @@ def test_early_releases_at_their_bound_add_no_objects_to_the_garbage_collector(
     assert added < 64, f"{added} more tracked objects for {bound} early releases"
     pusher.begin_step([], [SendTask("req-new", f"tx-{2 * bound - 1}"), SendTask("req-old", "tx-0")])
     assert ctx.reports.done_sending == {"req-new"}
+
+
+def test_orphan_jobs_at_their_bound_add_no_objects_to_the_garbage_collector(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: each remote_blocks of a request a WRITE-mode prefill has not seen yet (one that
+    overtook its request, or a flood's) was kept as a whole job -- a dataclass, its state
+    machine, lists, a set, a dict and the message -- all tracked by the cyclic garbage
+    collector, so a flood that filled the orphans to their bound lengthened every full
+    collection of the process, as the early releases did. Now the orphans, also those a
+    release or an abort_write then ended, add a constant number of tracked objects however
+    many there are, and still do their work: the newest are kept, a save task continues an
+    announced one (its handshake starts), one the decode released or aborted stays failed,
+    and an abort_write is acknowledged as before."""
+    bound = 4096
+    monkeypatch.setattr(pusher_module, "MAX_EARLY_MESSAGES", bound)
+    # Each failed orphan logs a warning, and pytest's log capture keeps every record.
+    monkeypatch.setattr(pusher_module.logger, "disabled", True)
+    ctx, directory, _ = context("write", producer=True, tp_size=1)
+    pusher = Pusher(ctx)
+
+    def announce(tid: str) -> None:
+        pusher.on_remote_blocks(RemoteBlocks(tid, ((20, 21, 22),), "d:9000/dp0/tp0"))
+
+    def abort(tid: str) -> None:
+        pusher.on_abort_write(AbortWrite(tid, "d:9000/dp0/tp0", "127.0.0.1", 9000, 9100))
+
+    announce("tx-warm-up")  # the first orphan's one-off allocations
+    pusher.on_release(Release("tx-warm-up"))
+    abort("tx-warm-up")
+    directory.pending.clear()
+    gc.collect()
+    before = len(gc.get_objects())
+    for i in range(2 * bound):
+        announce(f"tx-{i}")
+        if i % 4 == 1:
+            pusher.on_release(Release(f"tx-{i}"))
+        elif i % 4 == 2:
+            abort(f"tx-{i}")
+    acks = len(directory.pending)  # an abort of a transfer never known: a handshake proves it
+    directory.pending.clear()
+    gc.collect()
+    added = len(gc.get_objects()) - before
+    states = pusher.job_states()
+    assert len(states) == bound and "tx-0" not in states and f"tx-{2 * bound - 1}" in states
+    assert acks == 2 * bound // 4
+    assert added < 64, f"{added} more tracked objects for {bound} orphan jobs"
+    last = 2 * bound - 4
+    assert [states[f"tx-{last + k}"] for k in range(3)] == [
+        pusher_module.JobState.PENDING,
+        pusher_module.JobState.FAILED,
+        pusher_module.JobState.FAILED,
+    ]
+    decode = ZmqAddress("127.0.0.1", 9000, 9100)
+    saves = [SaveTask(f"req-{k}", f"tx-{last + k}", (1, 2, 3), 3, decode, 1) for k in range(3)]
+    pusher.begin_step(saves, [])
+    assert [key.handshake_port for key, _ in directory.pending] == [9000]  # tx-{last} goes on
+    assert pusher.job_states()[f"tx-{last}"] is pusher_module.JobState.CONNECTING
+    pusher.begin_step([], [SendTask(f"req-{k}", f"tx-{last + k}") for k in (1, 2)])
+    assert ctx.reports.done_sending == {"req-1", "req-2"}
+
+
+def test_messages_of_requests_not_seen_log_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: each abort_write, release or empty announcement that ended an orphan job (any
+    sender may send them, naming any transfer) logged a warning, and each abort the prefill could
+    not acknowledge a second one, so a flood of them flooded the log: 800 lines for 200 of
+    each. Now both are rate limited like the listeners' drops (at most 20 lines per 10 s each,
+    then a line with the count); every abort is still answered or tried."""
+    ctx, directory, _ = context("write", producer=True, tp_size=1)
+    pusher = Pusher(ctx)
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
+        for i in range(200):
+            pusher.on_abort_write(AbortWrite(f"tx-{i}", "d:9000/dp0/tp0", "127.0.0.1", 9000, 9100))
+            pusher.on_remote_blocks(RemoteBlocks(f"tx-e{i}", ((),), "d:9000/dp0/tp0"))
+            pusher.on_remote_blocks(RemoteBlocks(f"tx-r{i}", ((7,),), "d:9000/dp0/tp0"))
+            pusher.on_release(Release(f"tx-r{i}"))
+        assert len(directory.pending) == 200  # each abort's handshake, to acknowledge it
+        for _, future in directory.pending:
+            future.set_exception(TransportError("127.0.0.1:9000 does not answer"))
+    lines = [r for r in caplog.records if r.name == "moriio_native.pd.pusher"]
+    assert len(lines) <= 2 * 20, f"{len(lines)} lines logged"
+    states = pusher.job_states()
+    assert len(states) == 600 and set(states.values()) == {pusher_module.JobState.FAILED}
 
 
 def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:

@@ -842,6 +842,44 @@ def test_an_abort_for_a_transfer_never_known_is_acknowledged_only_by_the_rank_it
     assert not engine.calls
 
 
+def test_an_abort_whose_handshake_failed_is_acknowledged_when_it_answers_again() -> None:
+    """An abort_write for a transfer this prefill rank never had (its prefill leg lost), from
+    decode rank 1, whose handshake fails once (a busy or restarting decode). Before: the
+    acknowledgement was given up at once, so the decode held its quarantined blocks, and the
+    request with them, for quarantine_timeout (300 s). Now it is tried again every
+    ACK_RETRY_EVERY_S, still only through a handshake that proves the rank, and goes out once
+    that answers; one whose handshakes keep failing is given up after abort_timeout; one whose
+    address answers as another engine is not tried again."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    retry, late = pusher_module.ACK_RETRY_EVERY_S, ctx.cfg.abort_timeout
+    start = time.monotonic()
+    for tid in ("tx-1", "tx-2"):
+        pusher.on_abort_write(abort_write(tid, 1))
+    pusher.on_abort_write(abort_write("tx-3", 1, engine_rank=0))
+    for key, future in directory.pending:
+        future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    directory.pending = []
+    pusher.check_timeouts(start + retry / 2)  # not due yet
+    assert not directory.pending and not final_messages(sender)
+    pusher.check_timeouts(time.monotonic() + retry + 1)
+    assert [key.handshake_port for key, _ in directory.pending] == [8001] * 3
+    (key, answers), (_, fails), (_, other) = directory.pending
+    answers.set_result(peer_at(key, DECODE, 1, 2, "WRITE"))
+    fails.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    other.set_result(peer_at(key, DECODE, 1, 2, "WRITE"))  # not the engine tx-3's abort named
+    assert final_messages(sender) == [(8101, "write_aborted", "tx-1", 0)]
+    directory.pending = []
+    pusher.check_timeouts(time.monotonic() + 2 * retry + 1)  # tx-2 again, nothing else
+    [(_, fails)] = directory.pending
+    fails.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    directory.pending = []
+    pusher.check_timeouts(start + late + 2 * retry)  # past abort_timeout: given up
+    assert not directory.pending
+    assert final_messages(sender) == [(8101, "write_aborted", "tx-1", 0)]
+
+
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:
     ctx, _, _, _ = context("write", producer=True, tp_rank=1, tp_size=4, heads=2)
     pusher = Pusher(ctx)

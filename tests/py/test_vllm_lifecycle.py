@@ -545,9 +545,9 @@ def test_write_into_a_decode_restarted_after_announcing_is_refused(
     rid, tid = pd_request_id(p, d), transfer_id()
     d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
     d.step()  # remote_blocks goes out
-    jobs = p.worker.worker.core.pusher._jobs
+    pusher = p.worker.worker.core.pusher
     wait = time.monotonic() + 20
-    while not any(j.transfer_id == tid and j.remote for j in list(jobs.values())):
+    while tid not in pusher.job_states():  # the announcement's orphan job
         assert time.monotonic() < wait, "the prefill never got remote_blocks"
         time.sleep(0.01)
     d = restart(sides, d, model_dir, salt=4)

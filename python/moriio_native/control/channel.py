@@ -14,8 +14,9 @@ Contents:
 
 * :class:`NotifyListener` -- receives :data:`~.messages.NotifyMessage` s into a bounded queue;
   drops duplicates and messages of transfers marked terminal. ``drain``/``get``/
-  ``mark_terminal``/``stats``/``close`` are thread-safe. When the queue is full the listener
-  stops reading (ZMQ's own high-water marks then push back on senders) rather than dropping.
+  ``mark_terminal``/``stats``/``close`` are thread-safe. When the queue is full (in messages
+  or in payload bytes) the listener stops reading (ZMQ's own high-water marks then push back on
+  senders) rather than dropping.
 * :class:`HandshakeServer` -- answers handshake requests with the metadata a provider callable
   returns; learns the source address of every accepted requester into the allowlist. The
   provider runs on the server thread. ``close``/``stats`` are thread-safe.
@@ -92,6 +93,14 @@ _FLOOD_PAUSE_S = 0.002
 # _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
 _FLOOD_DROPS = 8
 _FLOOD_WINDOW_S = 0.1
+# Payload bytes a notify listener's queue may hold: past them it stops reading until its
+# consumers drain (the backpressure of its count bound; the senders' ZMQ queues then fill). The
+# count bound alone (65,536 messages of up to MAX_NOTIFY_BYTES) would let a stalled consumer's
+# queue hold 512 GiB. Two messages of the largest size fit, or about 400 announcements of a
+# 128k-token prompt (8,192 block ids, up to 40 KB): a consumer that keeps up never meets it.
+# Decoded, a message takes up to about 12 times its bytes (a block id of 3 bytes is an int of
+# 28 and a pointer), so the queue holds at most about 300 MB.
+MAX_PENDING_NOTIFY_BYTES = 16 << 20
 
 
 def zmq_endpoint(host: str, port: int) -> str:
@@ -469,19 +478,26 @@ class NotifyListener(_RouterThread):
         *,
         bind_host: str = "*",
         max_pending: int = 65536,
+        max_pending_bytes: int = MAX_PENDING_NOTIFY_BYTES,
         dedup_capacity: int = 65536,
         terminal_capacity: int = 65536,
         max_message_bytes: int = MAX_NOTIFY_BYTES,
         context: zmq.Context | None = None,
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and starts
-        the thread. Raises TransportError when the port cannot be bound."""
-        if min(max_pending, dedup_capacity, terminal_capacity, max_message_bytes) < 1:
+        the thread. Raises TransportError when the port cannot be bound. The listener stops
+        reading while ``max_pending`` messages, or more than ``max_pending_bytes`` of their
+        payloads, wait for drain/get."""
+        bounds = (max_pending, max_pending_bytes, dedup_capacity, terminal_capacity)
+        if min(*bounds, max_message_bytes) < 1:
             raise InvalidArgumentError("notify listener bounds must be positive")
         self._security = security
         self._cond = threading.Condition()
-        self._pending: deque[NotifyMessage] = deque()
+        # Each with its payload's size, which _pending_bytes sums.
+        self._pending: deque[tuple[NotifyMessage, int]] = deque()
         self._max_pending = max_pending
+        self._pending_bytes = 0
+        self._max_pending_bytes = max_pending_bytes
         self._seen: OrderedDict[tuple[str, ...], None] = OrderedDict()
         self._seen_capacity = dedup_capacity
         self._terminal: OrderedDict[str, None] = OrderedDict()
@@ -492,22 +508,31 @@ class NotifyListener(_RouterThread):
         )
 
     def stats(self) -> dict[str, int]:
-        """The counters of :meth:`_RouterThread.stats` plus two gauges: ``queued`` (messages
-        waiting for drain/get, at most ``max_pending``) and ``remembered`` (deduplication keys
-        held, at most ``dedup_capacity``). Thread-safe."""
+        """The counters of :meth:`_RouterThread.stats` plus three gauges: ``queued`` (messages
+        waiting for drain/get, at most ``max_pending``), ``queued_bytes`` (their payloads'
+        bytes: at most ``max_pending_bytes`` and one message more) and ``remembered``
+        (deduplication keys held, at most ``dedup_capacity``). Thread-safe."""
         out = super().stats()
         with self._cond:
             out["queued"] = len(self._pending)
+            out["queued_bytes"] = self._pending_bytes
             out["remembered"] = len(self._seen)
         return out
 
+    def _has_room(self) -> bool:
+        """Whether the queue takes another message (the condition held)."""
+        return (
+            len(self._pending) < self._max_pending
+            and self._pending_bytes <= self._max_pending_bytes
+        )
+
     def _wait_ready(self) -> bool:
         with self._cond:
-            if len(self._pending) < self._max_pending:
+            if self._has_room():
                 return True
             self._wake_consumers()  # they make the room this thread waits for
             self._cond.wait(_POLL_MS / 1000)
-            return len(self._pending) < self._max_pending
+            return self._has_room()
 
     def _wake_consumers(self) -> None:
         """Wake the threads waiting in get (the condition held). Once per burst or per
@@ -535,7 +560,8 @@ class NotifyListener(_RouterThread):
                 self._seen[message.dedup_key] = None
                 if len(self._seen) > self._seen_capacity:
                     self._seen.popitem(last=False)
-                self._pending.append(message)
+                self._pending.append((message, len(body[0])))
+                self._pending_bytes += len(body[0])
                 self._unannounced += 1
             # Counted before waking consumers, so a consumer that got the message also sees it
             # in stats().
@@ -551,7 +577,7 @@ class NotifyListener(_RouterThread):
         late = 0
         with self._cond:
             while self._pending and (max_items is None or len(out) < max_items):
-                message = self._pending.popleft()
+                message = self._pop()
                 if self._late(message):
                     late += 1
                 else:
@@ -569,7 +595,7 @@ class NotifyListener(_RouterThread):
         with self._cond:
             while True:
                 while self._pending:
-                    message = self._pending.popleft()
+                    message = self._pop()
                     self._cond.notify_all()
                     if not self._late(message):
                         return message
@@ -580,6 +606,12 @@ class NotifyListener(_RouterThread):
                 if remaining <= 0:
                     return None
                 self._cond.wait(min(remaining, _POLL_MS / 1000))
+
+    def _pop(self) -> NotifyMessage:
+        """The oldest queued message, out of the queue (the condition held)."""
+        message, size = self._pending.popleft()
+        self._pending_bytes -= size
+        return message
 
     def _late(self, message: NotifyMessage) -> bool:
         """Whether ``message`` is for a terminal transfer and dropped. An ``abort_write`` or a

@@ -42,7 +42,7 @@ from collections import OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -57,10 +57,18 @@ from moriio_native.control.messages import (
     WriteAborted,
     WriteDone,
     WriteFailed,
+    decode,
+    encode,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
-from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError, MoriioError
+from moriio_native.errors import (
+    FailedPreconditionError,
+    IncompatiblePeerError,
+    MoriioError,
+    TransferTimeoutError,
+    TransportError,
+)
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import (
@@ -80,12 +88,22 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 # Records kept for transfers not known yet (early releases; jobs a message created before the
 # scheduler's save task): beyond this many the oldest is dropped.
 MAX_EARLY_MESSAGES = 65536
-# Block ids the orphan jobs' announcements hold in all (one remote_blocks of MAX_NOTIFY_BYTES
-# may carry about 1.6 million, some 60 MB as Python ints; 1 million took 40 MB): past it the
-# oldest orphans are dropped too, so they hold at most about 160 MB.
+# Block ids the orphan jobs' announcements hold in all (one remote_blocks may carry 1,048,576,
+# MAX_BLOCK_IDS): past it the oldest orphans are dropped too. An orphan keeps its announcement
+# as wire bytes, at most 5 a block id, so they hold at most about 20 MB (as Python ints, before
+# they were kept so, 1 million ids took 40 MB).
 MAX_ORPHAN_BLOCK_IDS = 1 << 22
 WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
+# The acknowledgement of an abort_write that needs a handshake (a transfer never known here)
+# and did not get one (a timeout, a refused connection: often passing, as a busy or restarting
+# decode, or the peer directory's remembered failure of a moment ago) is tried again this often,
+# for abort_timeout after its first try: unanswered, the decode holds the blocks, and its request
+# with them, for its quarantine_timeout (300 s by default).
+ACK_RETRY_EVERY_S = 5.0
+# Acknowledgements waiting to be tried again: past this many (any sender may name an address
+# that does not answer) the oldest are given up.
+MAX_ACK_RETRIES = 1024
 
 
 class SendState(Enum):
@@ -247,7 +265,6 @@ class _Send:
 @dataclass
 class _Job:
     transfer_id: str  # the engine transfer's (see job_transfer_id)
-    created: float
     machine: Machine[JobState, JobEvent]
     request: str  # the request's transfer id (what messages carry)
     decode_rank: int
@@ -312,6 +329,89 @@ class _Ended:
     acked: bool  # its abort_write came (and was answered)
 
 
+# An orphan job: one a decode rank's remote_blocks or abort_write made for a request whose save
+# (or send) task has not come, kept until that task continues it as a _Job: (first seen,
+# monotonic seconds; the request's transfer id; the decode rank; the block ids its announcement
+# holds; the announcement and the abort_write as their wire bytes, None until they came; whether
+# the decode released it; why it failed, "" while it waits for its save task). A PENDING job
+# without a save task can only fail (the decode released or aborted it, or needs no blocks), so
+# this is all of its state. Numbers, strings and bytes on purpose, as _EarlyRelease: CPython's
+# cyclic garbage collector tracks none of them and stops tracking the tuple the first time it
+# sees it, so a flood that fills the orphans adds nothing to the collector's work (a _Job with
+# its machine, lists, set, dict and message did: 20,579 tracked objects for 4,096 orphans).
+_Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
+
+
+def _new_orphan(message: RemoteBlocks | AbortWrite) -> _Orphan:
+    """The orphan ``message`` makes of a job not known yet, waiting and holding nothing."""
+    return (time.monotonic(), message.transfer_id, message.decode_tp_rank, 0, None, None, False, "")
+
+
+class _Orphans:
+    """Orphan jobs (the pusher's lock held), by engine transfer id: at most MAX_EARLY_MESSAGES
+    of them and MAX_ORPHAN_BLOCK_IDS block ids in their announcements, the oldest go first."""
+
+    def __init__(self) -> None:
+        self._records: OrderedDict[str, _Orphan] = OrderedDict()
+        self._ids = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def get(self, jid: str) -> _Orphan | None:
+        return self._records.get(jid)
+
+    def keep(self, jid: str, orphan: _Orphan) -> None:
+        """Keeps ``orphan`` as ``jid``'s (in its place when it replaces one); past the bounds
+        the oldest are dropped, ``orphan`` too when its announcement alone passes them."""
+        old = self._records.get(jid)
+        self._ids += orphan[3] - (old[3] if old is not None else 0)
+        self._records[jid] = orphan
+        while len(self._records) > MAX_EARLY_MESSAGES or self._ids > MAX_ORPHAN_BLOCK_IDS:
+            self._forget_oldest()
+
+    def pop(self, jid: str) -> _Job | None:
+        """``jid``'s orphan as a job, for its save or send task to continue; forgotten here."""
+        orphan = self._records.pop(jid, None)
+        if orphan is None:
+            return None
+        _, request, rank, ids, announced, aborted, released, reason = orphan
+        self._ids -= ids
+        state = JobState.FAILED if reason else JobState.PENDING
+        return _Job(
+            jid,
+            Machine("WRITE", jid, JOB_TRANSITIONS, state),
+            request,
+            rank,
+            remote=_load(RemoteBlocks, announced),
+            reason=reason,
+            released=released,
+            abort_requested=_load(AbortWrite, aborted),
+        )
+
+    def states(self) -> dict[str, JobState]:
+        failed, waiting = JobState.FAILED, JobState.PENDING
+        return {jid: failed if o[7] else waiting for jid, o in self._records.items()}
+
+    def expire(self, now: float, lifetime: float) -> None:
+        """Forgets the orphans first seen more than ``lifetime`` seconds before ``now``."""
+        while self._records and now - next(iter(self._records.values()))[0] > lifetime:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        _, orphan = self._records.popitem(last=False)
+        self._ids -= orphan[3]
+
+
+_M = TypeVar("_M", RemoteBlocks, AbortWrite)
+
+
+def _load(cls: type[_M], wire: bytes | None) -> _M | None:
+    """The message an orphan kept as ``wire`` (None: none came); its own bytes, so their length
+    is their bound."""
+    return None if wire is None else decode(wire, (cls,), max_bytes=len(wire))
+
+
 def rank_ports(address: ZmqAddress, dp_rank: int, rank: int, tp_size: int) -> tuple[str, int, int]:
     """(host, handshake port, notify port) of rank ``rank`` (DP rank ``dp_rank``, ``tp_size``
     ranks per DP group) of the instance at base ``address``, by the port formula
@@ -346,15 +446,21 @@ class Pusher:
         # Releases before their send task that contradict the first one's TP size: any sender
         # may send them, so rate limited too.
         self._other_size = RateLimitedWarnings(logger, "releases of another decode TP size")
+        # Orphans any sender may end (an abort_write, a release or an empty announcement naming
+        # any transfer), and aborts of transfers never known that cannot be acknowledged (any
+        # sender may name any address): rate limited too.
+        self._orphan_failed = RateLimitedWarnings(logger, "WRITE jobs of requests not seen failed")
+        self._unacked = RateLimitedWarnings(logger, "aborts not acknowledged")
+        # abort_write wire bytes -> (its first acknowledgement's try, the next try), in the
+        # order of the next try (numbers and bytes: nothing the garbage collector tracks).
+        self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
         self._early_releases = _EarlyReleases()
-        # Jobs no save task named yet -> the block ids their announcement holds (0: none yet).
-        self._orphans: OrderedDict[str, int] = OrderedDict()
-        self._orphan_ids = 0  # the sum of those
+        self._orphans = _Orphans()  # jobs no save or send task named yet
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
         self._staged: list[WriterOp] = []  # guarded by the lock, moved by feed_writer
@@ -363,7 +469,7 @@ class Pusher:
 
     def job_states(self) -> dict[str, JobState]:
         with self._ctx.lock:
-            return {tid: j.state for tid, j in self._jobs.items()}
+            return {**{tid: j.state for tid, j in self._jobs.items()}, **self._orphans.states()}
 
     # ---- scheduler tasks (caller thread) ------------------------------------------------------
 
@@ -372,7 +478,7 @@ class Pusher:
         with self._ctx.lock:
             self._step_jobs = []
             for save in saves:
-                for job in self._plan_jobs(save, now):
+                for job in self._plan_jobs(save):
                     self._step_jobs.append(job)
                     self._advance(job)
             for send in sends:
@@ -405,7 +511,7 @@ class Pusher:
             self._step_jobs = []
         self.feed_writer()
 
-    def _plan_jobs(self, save: SaveTask, now: float) -> list[_Job]:
+    def _plan_jobs(self, save: SaveTask) -> list[_Job]:
         """The request's jobs, one per decode rank the plan has us write (lock held); none
         when no decode rank needs this rank's heads (its blocks are free once it finished)."""
         ctx = self._ctx
@@ -414,7 +520,7 @@ class Pusher:
         try:
             plan = ctx.tp_plan(host, save.remote_tp_size, prefill=True)
         except MoriioError as exc:
-            job = self._job(tid, ctx.cfg.tp_rank, now, orphan=False)
+            job = self._job(tid, ctx.cfg.tp_rank)
             job.save = save
             self._requests[tid] = [job]
             self._fail(job, str(exc))
@@ -425,45 +531,26 @@ class Pusher:
             return []
         jobs = []
         for rank in ranks:
-            job = self._job(tid, rank, now, orphan=False)
+            job = self._job(tid, rank)
             job.save, job.plan = save, plan
             jobs.append(job)
         self._requests[tid] = jobs
         return jobs
 
-    def _job(self, tid: str, decode_rank: int, now: float, *, orphan: bool) -> _Job:
-        """The job of request ``tid`` for ``decode_rank`` (lock held), created if new."""
+    def _job(self, tid: str, decode_rank: int) -> _Job:
+        """The job of request ``tid`` for ``decode_rank`` (lock held), the scheduler's task at
+        hand: the orphan the decode rank's messages made, continued, or a new one."""
         jid = job_transfer_id(tid, decode_rank, self._ctx.cfg.tp_rank)
         job = self._jobs.get(jid)
         if job is None:
-            machine = Machine("WRITE", jid, JOB_TRANSITIONS, JobState.PENDING)
-            job = self._jobs[jid] = _Job(
-                jid, created=now, machine=machine, request=tid, decode_rank=decode_rank
+            job = self._orphans.pop(jid) or _Job(
+                jid,
+                Machine("WRITE", jid, JOB_TRANSITIONS, JobState.PENDING),
+                request=tid,
+                decode_rank=decode_rank,
             )
-            if orphan:
-                self._orphans[jid] = 0
-                self._trim_orphans()
-        if not orphan:
-            self._orphan_ids -= self._orphans.pop(jid, 0)
+            self._jobs[jid] = job
         return job
-
-    def _hold_orphan_ids(self, job: _Job, message: RemoteBlocks) -> None:
-        """Counts the block ids of an orphan's announcement against MAX_ORPHAN_BLOCK_IDS (lock
-        held); the oldest orphans go when they are too many."""
-        if job.transfer_id not in self._orphans:
-            return
-        ids = sum(len(group) for group in message.block_ids)
-        self._orphan_ids += ids - self._orphans[job.transfer_id]
-        self._orphans[job.transfer_id] = ids
-        self._trim_orphans()
-
-    def _trim_orphans(self) -> None:
-        while len(self._orphans) > MAX_EARLY_MESSAGES or self._orphan_ids > MAX_ORPHAN_BLOCK_IDS:
-            old, ids = self._orphans.popitem(last=False)
-            self._orphan_ids -= ids
-            dropped = self._jobs.get(old)
-            if dropped is not None and dropped.save is None:
-                del self._jobs[old]
 
     def _on_send_task(self, send: SendTask, now: float) -> None:
         """The request finished and its blocks are held for us (lock held)."""
@@ -475,7 +562,7 @@ class Pusher:
             self._record_release(released, early)
         if send.unsaved:
             if ctx.cfg.mode == "write":
-                self._end_unsaved(send, now)
+                self._end_unsaved(send)
             return
         if ctx.cfg.mode == "read":
             machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
@@ -491,7 +578,7 @@ class Pusher:
             return
         jobs = self._requests.get(tid)
         if jobs is None:  # no save task: the request ended before its last prompt chunk
-            jobs = self._requests[tid] = [self._job(tid, ctx.cfg.tp_rank, now, orphan=False)]
+            jobs = self._requests[tid] = [self._job(tid, ctx.cfg.tp_rank)]
         for job in jobs:
             job.send, job.deadline = send, deadline
         if self._request_ended(jobs):
@@ -504,7 +591,7 @@ class Pusher:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
 
-    def _end_unsaved(self, send: SendTask, now: float) -> None:
+    def _end_unsaved(self, send: SendTask) -> None:
         """A request that ended before its prompt was computed (lock held): its jobs, one per
         decode rank the plan has us write (announcements that came first included), end
         failed with nothing written; the ranks that announced are told write_failed now, the
@@ -512,7 +599,7 @@ class Pusher:
         blocks of it."""
         # What its save task would have said: the decode it names, and no blocks computed.
         save = SaveTask(send.req_id, send.transfer_id, (), 0, send.peer, send.remote_tp_size)
-        jobs = self._plan_jobs(save, now)
+        jobs = self._plan_jobs(save)
         self._unwritten.discard(send.transfer_id)
         for job in jobs:
             job.send = send
@@ -853,30 +940,36 @@ class Pusher:
             return
         self._send(host, notify_port, message)
 
-    def _ack_by_handshake(self, request: AbortWrite, ack: WriteAborted) -> None:
+    def _ack_by_handshake(
+        self, request: AbortWrite, ack: WriteAborted, since: float | None = None
+    ) -> None:
         """Acknowledge an abort_write whose decode address this rank does not know (it never
         had the request, or the request named none; lock held): only at the rank it names,
         proven by a handshake at its address (allowlist; the rank, its TP size and
         ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
         ack tells its receiver that this rank's writes of the transfer into it stopped, so it
         must reach no other rank: one this rank may still write into later, should the request
-        come."""
+        come. A handshake that fails is tried again (:data:`ACK_RETRY_EVERY_S`); ``since``:
+        the first try's time, when this is a later one."""
+        since = time.monotonic() if since is None else since
         rank = (request.decode_dp_rank, request.decode_tp_rank)
         peer = self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
             self._send(peer.host, peer.notify_port, ack)
             return
         try:
+            # The message's own fields, checked when it was decoded (its decode_address builds
+            # and checks a ZmqAddress per call: most of this path's CPU under a flood).
             future = self._ctx.connect_rank(
-                request.decode_address.host,
-                request.decode_address.handshake_port,
-                request.decode_address.notify_port,
+                request.decode_host,
+                request.decode_handshake_port,
+                request.decode_notify_port,
                 request.decode_dp_rank,
                 request.decode_tp_size,
                 request.decode_tp_rank,
             )
         except MoriioError as exc:
-            self._ack_failed(request, exc)
+            self._ack_failed(request, exc, since)
             return
 
         def acked(f: Future[Peer]) -> None:
@@ -888,20 +981,55 @@ class Pusher:
                         f"address serves {peer.response.engine_id!r}"
                     )
             except Exception as exc:
-                self._ack_failed(request, exc)
+                self._ack_failed(request, exc, since)
                 return
             self._send(peer.host, peer.notify_port, ack)
 
         future.add_done_callback(acked)
 
-    @staticmethod
-    def _ack_failed(request: AbortWrite, exc: Exception) -> None:
-        logger.warning(
+    def _ack_failed(self, request: AbortWrite, exc: Exception, since: float) -> None:
+        """No acknowledgement for ``request`` (any thread): kept to be tried again when its
+        handshake failed, which may pass; not when the rank's address answered as another
+        engine or rank, or the allowlist refused it."""
+        if isinstance(exc, (TransportError, TransferTimeoutError)):
+            with self._ctx.lock:
+                due = time.monotonic() + ACK_RETRY_EVERY_S
+                wire = encode(request)
+                self._ack_retries[wire] = (since, due)
+                self._ack_retries.move_to_end(wire)
+                while len(self._ack_retries) > MAX_ACK_RETRIES:
+                    self._ack_retries.popitem(last=False)
+            self._unacked.warn(
+                "transfer %s: cannot acknowledge the decode's abort yet (%s); trying again "
+                "every %.0f s for abort_timeout",
+                request.transfer_id,
+                exc,
+                ACK_RETRY_EVERY_S,
+            )
+            return
+        self._unacked.warn(
             "transfer %s: cannot acknowledge the decode's abort (%s); it frees the blocks "
             "after its quarantine_timeout",
             request.transfer_id,
             exc,
         )
+
+    def _retry_acks(self, now: float, abort_timeout: float) -> None:
+        """Try the acknowledgements that are due again (lock held); those first tried more
+        than ``abort_timeout`` before ``now`` are given up (their decode frees the blocks at
+        its quarantine_timeout)."""
+        due = []
+        for wire, (since, at) in self._ack_retries.items():
+            if at > now:
+                break  # in the order of their next try
+            due.append((wire, since))
+        for wire, since in due:
+            del self._ack_retries[wire]
+            if now - since > abort_timeout:
+                continue
+            request = decode(wire, (AbortWrite,), max_bytes=len(wire))
+            ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+            self._ack_by_handshake(request, ack, since)
 
     # ---- engine events (events thread) --------------------------------------------------------
 
@@ -1025,7 +1153,9 @@ class Pusher:
         tid = message.transfer_id
         with ctx.lock:
             send = self._sends.get(tid)
-            job = self._jobs.get(job_transfer_id(tid, message.consumer_tp_rank, ctx.cfg.tp_rank))
+            jid = job_transfer_id(tid, message.consumer_tp_rank, ctx.cfg.tp_rank)
+            job = self._jobs.get(jid)
+            orphan = self._orphans.get(jid)
             if send is not None:
                 self._record_release(send.released, message)
                 if not self._fully_released(send.released):
@@ -1036,6 +1166,9 @@ class Pusher:
             elif job is not None:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
+                return
+            elif orphan is not None:
+                self._orphan_released(jid, orphan)
                 return
             elif tid in self._requests or tid in self._unwritten:
                 logger.info(
@@ -1066,11 +1199,15 @@ class Pusher:
             )
             return
         with self._ctx.lock:
-            ended = self._ended.get(job_transfer_id(tid, message.decode_tp_rank, self._rank))
+            jid = job_transfer_id(tid, message.decode_tp_rank, self._rank)
+            ended = self._ended.get(jid)
             if ended is not None:
                 self._late_announcement(ended, message)
                 return
-            job = self._job(tid, message.decode_tp_rank, time.monotonic(), orphan=True)
+            job = self._jobs.get(jid)
+            if job is None:
+                self._orphan_announced(jid, message)
+                return
             if job.state in JOB_TERMINAL and not job.settled:
                 # It ended before the decode rank announced (aborted, its deadline, a request
                 # that cannot be written): nothing was or will be written into the rank.
@@ -1080,9 +1217,6 @@ class Pusher:
             if job.remote is not None or job.state is not JobState.PENDING:
                 return
             job.remote = message
-            self._hold_orphan_ids(job, message)
-            if job.transfer_id not in self._jobs:
-                return  # an orphan dropped at once: its announcement alone passed the bound
             if not any(message.block_ids):
                 job.released = True
                 self._fail(job, "the decode needs no blocks")
@@ -1107,9 +1241,10 @@ class Pusher:
                     ended.acked = True
                     self._ack_ended(ended, message)
                 return
-            job = self._job(
-                message.transfer_id, message.decode_tp_rank, time.monotonic(), orphan=True
-            )
+            job = self._jobs.get(jid)
+            if job is None:
+                self._orphan_aborted(jid, message)
+                return
             if job.abort_requested is not None:
                 return  # one answer per transfer
             job.abort_requested = message
@@ -1121,6 +1256,46 @@ class Pusher:
     @property
     def _rank(self) -> int:
         return self._ctx.cfg.tp_rank
+
+    # ---- orphans: messages of requests without a save task yet (lock held) --------------------
+    # What _fail and _complete do to a job without a save or send task, on its flat record.
+
+    def _orphan_announced(self, jid: str, message: RemoteBlocks) -> None:
+        """remote_blocks: the orphan waits for its save task; one whose decode needs no blocks
+        fails (and sends nothing: the decode released it). An orphan kept already has its
+        announcement or failed (released, aborted), so it takes none."""
+        if self._orphans.get(jid) is not None:
+            return
+        ids = sum(len(group) for group in message.block_ids)
+        reason = "" if ids else "the decode needs no blocks"
+        if reason:
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
+        created, request, rank, _, _, _, _, _ = _new_orphan(message)
+        announced = encode(message)
+        self._orphans.keep(jid, (created, request, rank, ids, announced, None, not ids, reason))
+
+    def _orphan_released(self, jid: str, orphan: _Orphan) -> None:
+        """A release: the orphan fails, with no final message owed."""
+        created, request, rank, ids, announced, aborted, _, reason = orphan
+        if not reason:
+            reason = "the decode released the transfer"
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
+        self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, True, reason))
+
+    def _orphan_aborted(self, jid: str, message: AbortWrite) -> None:
+        """abort_write: the orphan fails (nothing of it was written), and the abort is
+        acknowledged, once, at the rank it names (:meth:`_ack_by_handshake`)."""
+        orphan = self._orphans.get(jid) or _new_orphan(message)
+        created, request, rank, ids, announced, aborted, released, reason = orphan
+        if aborted is not None:
+            return  # one answer per transfer
+        if not reason:
+            reason = "the decode aborted the transfer"
+            self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
+            self._ctx.stats.record(ok=False)
+        aborted = encode(message)
+        self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, released, reason))
+        self._ack_by_handshake(message, WriteAborted(message.transfer_id, writer_rank=self._rank))
 
     def _late_announcement(self, ended: _Ended, message: RemoteBlocks) -> None:
         """remote_blocks for a job of an ended request (lock held): it never wrote (it had no
@@ -1168,14 +1343,13 @@ class Pusher:
                     )
             while self._ended and now - next(iter(self._ended.values())).ended > abort_timeout:
                 self._ended.popitem(last=False)
-            for tid, job in list(self._jobs.items()):
-                if job.state in JOB_TERMINAL and (job.send is not None or job.save is not None):
-                    continue  # the scheduler still reports it (a send task frees it)
+            # Each job has its save or send task: the scheduler's send task ends it, or its
+            # deadline (_fail does nothing to one that ended).
+            for job in list(self._jobs.values()):
                 if job.send is not None and now > job.deadline:
                     self._fail(job, f"not finished within abort_timeout ({abort_timeout:.0f}s)")
-                elif job.send is None and job.save is None and now > job.created + abort_timeout:
-                    del self._jobs[tid]  # a message for a request we never saw
-                    self._orphan_ids -= self._orphans.pop(tid, 0)
+            self._orphans.expire(now, abort_timeout)  # messages of requests we never saw
+            self._retry_acks(now, abort_timeout)
             self._early_releases.expire(now, abort_timeout)
 
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
