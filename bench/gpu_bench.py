@@ -585,11 +585,13 @@ def _forward_write(
     layer_events: queue.Queue[tuple[int, Any] | None] = queue.Queue()
 
     def host_waiting_writer() -> None:
-        while (item := layer_events.get()) is not None:
-            layer, ev = item
-            ev.synchronize()
-            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
-        engine.seal(tid, peer, expected_writes=len(views))
+        try:
+            while (item := layer_events.get()) is not None:
+                layer, ev = item
+                ev.synchronize()
+                engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
+        finally:  # sealed whatever happened, so the wait below ends with the transfer's state
+            engine.seal(tid, peer, expected_writes=len(views))
 
     writer = threading.Thread(target=host_waiting_writer) if wait == "host" else None
     torch.cuda.synchronize()

@@ -29,6 +29,8 @@ bool Backend::AcceptsCells(std::uint64_t, std::uint64_t, const CellGeometry&) co
 
 bool Backend::AcceptsStamps(std::uint64_t, std::uint64_t) const { return false; }
 
+bool Backend::AcceptsDeviceWaits(std::uint64_t, std::uint64_t) const { return false; }
+
 void Backend::ExpectSubmits() {}
 
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {

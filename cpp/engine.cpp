@@ -121,6 +121,10 @@ struct Peer {
     bool stamps = false;
   };
   std::vector<LayerLink> links;
+  // Whether write_layer to this peer may carry a CUDA event: every layer's region pair copies
+  // on the GPU (the backend's AcceptsDeviceWaits), e.g. CUDA IPC on one node, not RDMA to
+  // another (asked once, in AddPeer).
+  bool device_waits = false;
   std::vector<std::uint8_t> metadata;
 
   struct WindowKey {
@@ -688,8 +692,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
 const std::string& Engine::engine_id() const { return impl_->config.engine_id; }
 const std::string& Engine::backend_name() const { return impl_->config.backend; }
 
-bool Engine::waits_for_device_events() const {
-  return impl_->backend->capabilities().device_event_wait;
+Result<bool> Engine::WaitsForDeviceEvents(std::string_view peer) const {
+  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> p, impl_->FindPeer(peer));
+  return p->device_waits;
 }
 
 Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
@@ -867,6 +872,11 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
     const Impl::CopyPath path = d.PathFor(*link.tmpl, k, peer->remote_regions[link.region]);
     link.cells = path.cells;
     link.stamps = path.stamps;
+  }
+  peer->device_waits = d.backend->capabilities().device_event_wait;
+  for (std::size_t k = 0; k < peer->links.size() && peer->device_waits; ++k) {
+    peer->device_waits = d.backend->AcceptsDeviceWaits(
+        d.regions[d.layers[k].region].handle, peer->remote_regions[peer->links[k].region]);
   }
   std::shared_ptr<const Peer> old;
   {
@@ -1100,11 +1110,12 @@ Result<bool> Engine::Impl::WriteSegments(
       return refuse(FailedPreconditionError(
           "not in CUDA memory; a CUDA event cannot order its copy"));
     }
-    if (!backend->capabilities().device_event_wait) {
+    if (!(*peer)->device_waits) {
       return refuse(FailedPreconditionError(
-          "backend '" + config.backend +
-          "' cannot wait for a CUDA event on the GPU (needs the CUDA copy plugin); synchronise "
-          "the event and call write_layer without it"));
+          "peer '" + (*peer)->id + "': backend '" + config.backend +
+          "' cannot wait for a CUDA event on the GPU for it (that needs the CUDA copy plugin "
+          "and the peer's memory mapped into this process, as CUDA IPC on one node; see "
+          "waits_for_device_events); synchronise the event and call write_layer without it"));
     }
   }
   Result<std::vector<PlannedSegment>> planned = plan(**peer, *i);

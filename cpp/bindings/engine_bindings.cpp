@@ -148,7 +148,6 @@ void BindEngine(py::module_& m) {
            py::arg("transfer_timeout"), py::arg("terminal_history"), py::arg("page_size"))
       .def_property_readonly("engine_id", &Engine::engine_id)
       .def_property_readonly("backend", &Engine::backend_name)
-      .def_property_readonly("waits_for_device_events", &Engine::waits_for_device_events)
       .def("register_kv_caches",
            [](Engine& e, const std::vector<LayerRegistration>& layers) {
              Result<std::vector<std::uint8_t>> meta = [&] {
@@ -179,6 +178,10 @@ void BindEngine(py::module_& m) {
         ThrowIfError(st);
       })
       .def("peers", &Engine::Peers)
+      .def("waits_for_device_events",
+           [](const Engine& e, const std::string& peer) {
+             return Unwrap(e.WaitsForDeviceEvents(peer));
+           })
       .def("read",
            [](Engine& e, const std::string& tid, const std::string& peer, const py::object& local,
               const py::object& remote, const std::vector<std::string>& layers) {

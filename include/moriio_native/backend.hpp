@@ -231,6 +231,11 @@ class Backend {
   /// registered and imported. False for unknown handles. Thread-safe, non-blocking, no
   /// transfer. Default: false (runs only).
   virtual bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const;
+  /// Whether Submit honours Batch::device_wait_event between local region `local_region` and
+  /// imported region `remote_region` (the copy waits for it on the GPU); a batch carrying one
+  /// fails otherwise. The answer stays the same while both stay registered and imported. False
+  /// for unknown handles. Thread-safe, non-blocking, no transfer. Default: false.
+  virtual bool AcceptsDeviceWaits(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// A hint that Submit calls follow shortly (the engine has started planning a request): a
   /// backend whose progress thread sleeps when idle may wake it now, so that the wake-up
   /// overlaps the planning instead of delaying the first batch. Moves nothing and changes no

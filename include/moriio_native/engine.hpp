@@ -113,9 +113,6 @@ class Engine {
 
   const std::string& engine_id() const;
   const std::string& backend_name() const;
-  /// Whether WriteLayer honours a `cuda_event` (the backend's capabilities().device_event_wait):
-  /// a caller that holds a layer's event passes it instead of waiting for it on the host.
-  bool waits_for_device_events() const;
 
   /// Registers every layer (once; layers sharing an allocation share one memory region) and
   /// returns the local metadata peers need. Nothing is registered if any layer is invalid.
@@ -189,8 +186,15 @@ class Engine {
   /// `cuda_event` (0: none): a cudaEvent_t of this process recorded after the work that
   /// produces this layer's blocks; the copy then waits for it on the GPU, so the call may come
   /// before that work has finished (per-layer WRITE overlapped with the forward pass). It needs a
-  /// CUDA layer and a backend with capabilities().device_event_wait (FailedPrecondition
+  /// CUDA layer and a peer for which WaitsForDeviceEvents is true (FailedPrecondition
   /// otherwise); keep the event valid and unrecorded until the transfer's event.
+  /// Whether WriteLayer to `peer` honours a `cuda_event`: the backend copies every layer's
+  /// blocks to that peer on the GPU (UCX with its CUDA copy plugin, the peer's memory mapped
+  /// into this process: CUDA IPC on one node; not RDMA to another node, nor with
+  /// ucx_direct_copy off). A caller holding a layer's event passes it when true and waits for
+  /// it on the host otherwise. NotFound for an unknown peer. Thread-safe, non-blocking; the
+  /// answer stays the same while the peer stays added.
+  Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks,

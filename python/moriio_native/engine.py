@@ -247,12 +247,6 @@ class Engine:
         return self._engine.backend
 
     @property
-    def waits_for_device_events(self) -> bool:
-        """Whether ``write_layer`` honours ``cuda_event`` (the UCX backend with its CUDA copy
-        plugin): a caller holding a layer's event passes it rather than waiting on the host."""
-        return self._engine.waits_for_device_events
-
-    @property
     def pending_transfers(self) -> int:
         return self._engine.pending_transfers
 
@@ -297,6 +291,14 @@ class Engine:
 
     def peers(self) -> list[str]:
         return self._engine.peers()
+
+    def waits_for_device_events(self, peer: str) -> bool:
+        """Whether ``write_layer`` to ``peer`` honours ``cuda_event``: every layer's copy to it
+        runs on the GPU (UCX with its CUDA copy plugin and the peer's memory mapped into this
+        process, as CUDA IPC on one node; not RDMA to another node, nor ``ucx_direct_copy``
+        off). A caller holding a layer's event passes it when True and synchronises it on the
+        host otherwise. NotFoundError for an unknown peer."""
+        return self._engine.waits_for_device_events(peer)
 
     def read(
         self,

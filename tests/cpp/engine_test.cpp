@@ -884,6 +884,19 @@ TEST(EngineLargeRead, RequestsAfterEachOtherReuseColumnsAndMoveOnlyTheirOwnRuns)
 // A CUDA event orders a copy only on the GPU: for a host layer (or a backend without the CUDA
 // copy kernel) WriteLayer refuses it, naming why, schedules nothing and fails the transfer (its
 // caller was told this layer will not arrive).
+// Whether a caller may pass CUDA events is a property of the peer (its memory mapped for the GPU
+// copy); the loopback backend never copies on a GPU, and an unknown peer is named.
+TEST_F(EnginePair, WaitsForDeviceEventsIsAskedPerPeer) {
+  Result<bool> d = p_.engine->WaitsForDeviceEvents("D");
+  ASSERT_TRUE(d.ok()) << d.status().ToString();
+  EXPECT_FALSE(*d);
+  Result<bool> unknown = p_.engine->WaitsForDeviceEvents("nobody");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_EQ(unknown.status().code(), StatusCode::kNotFound);
+  EXPECT_NE(unknown.status().ToString().find("nobody"), std::string::npos)
+      << unknown.status().ToString();
+}
+
 TEST_F(EnginePair, WriteLayerRefusesACudaEventItCannotHonour) {
   const std::vector<std::int64_t> ids = {4, 1};
   Result<bool> r = p_.engine->WriteLayer("w-ev", "attn.0", "D", ids, ids, /*cuda_event=*/0x1234);

@@ -296,21 +296,18 @@ def test_misspelt_option_is_refused_and_other_backends_keys_are_ignored() -> Non
             mn.Engine("x", "ucx", options={"ucx_tsl": "sm,self"})
 
 
-def test_only_a_backend_with_the_cuda_copy_plugin_waits_for_device_events() -> None:
+def test_waits_for_device_events_is_asked_per_peer_and_names_an_unknown_one() -> None:
     """What the vLLM connector asks before passing a layer's CUDA event to ``write_layer``
-    instead of waiting for it on the host: the loopback backend never can, and neither can the
-    UCX backend on a machine without a GPU (its GPU test checks that it can there)."""
-    assert mn.Engine("x", "loopback").waits_for_device_events is False
-    if {b.name: b for b in mn.available_backends()}["ucx"].available and not _cuda_device():
-        assert mn.Engine("x", "ucx").waits_for_device_events is False
-
-
-def _cuda_device() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return bool(torch.cuda.is_available())
+    instead of waiting for it on the host: a property of the peer (the loopback backend never
+    copies on a GPU; the UCX GPU tests check both answers); an unknown peer is named."""
+    prefill, decode = mn.Engine("p", "loopback"), mn.Engine("d", "loopback")
+    caches = {role: kc.build_caches(kc.mixed_model(role), 4) for role in ("prefill", "decode")}
+    prefill.register_kv_caches(caches["prefill"].registrations())
+    decode.register_kv_caches(caches["decode"].registrations())
+    peer = prefill.add_peer(decode.local_metadata())
+    assert prefill.waits_for_device_events(peer) is False
+    with pytest.raises(mn.NotFoundError, match="nobody"):
+        prefill.waits_for_device_events("nobody")
 
 
 def test_every_key_the_connector_passes_through_is_accepted() -> None:

@@ -389,15 +389,22 @@ class LayerEvent:
 def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
     device_waits: bool,
 ) -> None:
-    """With an engine that honours CUDA events (UCX and its copy plugin), each layer's write
-    carries the handle of the event recorded after that layer's compute and the writer never
-    waits on the host, so a layer's copy starts when its compute ends, not when the writer
-    thread sees it; the events stay referenced until the job's transfer drained (the backend
-    may still enqueue a wait for one), then are let go. Any other engine gets each event
+    """With an engine that honours CUDA events for the decode rank's peer (UCX and its copy
+    plugin, the peer's memory mapped: one node), each layer's write carries the handle of the
+    event recorded after that layer's compute and the writer never waits on the host, so a
+    layer's copy starts when its compute ends, not when the writer thread sees it; the events
+    stay referenced until the job's transfer drained (the backend may still enqueue a wait for
+    one), then are let go. Any other peer (another node, another backend) gets each event
     synchronised on the host and no handle (a handle would fail the transfer there). Prefill
     TP 1 -> decode TP 2: segments for the split layers, whole blocks for the MLA layer."""
     ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
-    engine.waits_for_device_events = device_waits  # type: ignore[attr-defined]
+    asked: list[str] = []
+
+    def waits_for_device_events(peer: str) -> bool:
+        asked.append(peer)
+        return device_waits
+
+    engine.waits_for_device_events = waits_for_device_events  # type: ignore[attr-defined]
     ctx.sender = PortSender()  # type: ignore[assignment]
     pusher = Pusher(ctx)
     pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
@@ -419,6 +426,7 @@ def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
         assert handle == (expected[layer] if device_waits else 0)
     waits = [ev.host_waits for ev in (*events.values(), after_forward)]
     assert waits == ([0, 0, 0] if device_waits else [2, 2, 2])  # one per job and layer
+    assert set(asked) == {"d:8000/dp0/tp0", "d:8000/dp0/tp1"}  # asked per decode rank
     held = {tid: len(j.device_events) for tid, j in pusher._jobs.items()}
     assert held == ({"tx-7": 3, "tx-7#d1": 3} if device_waits else {"tx-7": 0, "tx-7#d1": 0})
     pusher.on_event(event("tx-7"), drained=True)
@@ -426,6 +434,12 @@ def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
         "tx-7": 0,
         "tx-7#d1": held["tx-7#d1"],
     }
+    # Ended with copies still in flight: held while the job drains, let go once it drained.
+    pusher.on_event(event("tx-7#d1", "timed_out", drained=False), drained=False)
+    assert pusher.job_states()["tx-7#d1"] is JobState.DRAINING
+    assert len(pusher._jobs["tx-7#d1"].device_events) == held["tx-7#d1"]
+    assert pusher.on_drained("tx-7#d1") == "done"
+    assert len(pusher._jobs["tx-7#d1"].device_events) == 0
 
 
 def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:

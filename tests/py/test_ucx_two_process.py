@@ -345,8 +345,8 @@ def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu() -> None:
         gpu = GpuMirror(prefill)
         engine = mn.Engine("prefill-0", "ucx", {})
         engine.register_kv_caches(gpu.registrations())
-        assert engine.waits_for_device_events
         assert engine.add_peer(decode_child.metadata) == "decode-child"
+        assert engine.waits_for_device_events("decode-child")
         produced = _caches("prefill")
         kc.fill_random(produced, 99)
         produced_on_gpu = torch_from(produced.backing).to("cuda")
@@ -376,5 +376,38 @@ def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu() -> None:
         event = engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"]
         assert (event.kind, event.state) == ("write", "done"), event.message
         np.testing.assert_array_equal(decode_child.backing(), expected)
+    finally:
+        assert decode_child.stop() == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
+def test_a_peer_whose_memory_is_not_mapped_takes_no_cuda_event() -> None:
+    """With the peer's memory not mapped into this process (``ucx_direct_copy`` off here; a
+    peer on another node, over RDMA, likewise) the copies run as UCX operations, which cannot
+    wait on the GPU: ``waits_for_device_events`` says so for that peer, so the vLLM connector
+    waits for its events on the host, and a ``write_layer`` with an event is refused naming
+    the peer, before anything moves (the transfer fails); without one it goes through."""
+    import torch
+
+    decode_child = Child("decode", {}, cuda=True)
+    try:
+        prefill = _caches("prefill")
+        gpu = GpuMirror(prefill)
+        engine = mn.Engine("prefill-0", "ucx", {"ucx_direct_copy": "off"})
+        engine.register_kv_caches(gpu.registrations())
+        assert engine.add_peer(decode_child.metadata) == "decode-child"
+        assert engine.waits_for_device_events("decode-child") is False
+        ev = torch.cuda.Event()
+        ev.record()
+        first = prefill.shapes[0].name
+        with pytest.raises(mn.FailedPreconditionError, match=r"peer 'decode-child'.*synchronise"):
+            engine.write_layer("req-ev", first, "decode-child", [0], [2], ev.cuda_event)
+        assert engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"].state == "failed"
+        ev.synchronize()
+        assert engine.write_layer("req-host", first, "decode-child", [0], [2])
+        engine.seal("req-host", "decode-child", expected_writes=1)
+        event = engine.wait(["req-host"], timeout=TIMEOUT)["req-host"]
+        assert (event.kind, event.state) == ("write", "done"), event.message
     finally:
         assert decode_child.stop() == 0

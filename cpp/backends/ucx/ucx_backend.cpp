@@ -334,11 +334,19 @@ constexpr std::int64_t kMaxCudaCellBytes = 16384;
 /// with a transposing copy: both ends CUDA memory, the remote one mapped into this process, the
 /// plugin loaded, and a geometry in its ranges. Fixed for the pair's lifetime (the kinds and
 /// the mapping are set at registration and import).
+/// Whether batches between these regions run on the CUDA copy path: both ends CUDA memory, the
+/// peer's mapped into this process (ucp_rkey_ptr: CUDA IPC on one node), the plugin loaded. The
+/// only path with kernels for cells and stamps, and the only one that can wait for a CUDA event
+/// on the GPU.
+bool CopiesOnGpu(const LocalRegion& local, const RemoteRegion& remote) {
+  return remote.direct != nullptr && local.range.kind == MemoryKind::kCuda &&
+         remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+}
+
 bool TakesCells(const LocalRegion& local, const RemoteRegion& remote, const CellGeometry& g) {
   constexpr std::int64_t kMax32 = std::numeric_limits<std::uint32_t>::max();
-  return remote.direct != nullptr && local.range.kind == MemoryKind::kCuda &&
-         remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr &&
-         (g.planes == 1 || g.planes == 2) && g.heads >= 1 && g.heads <= kMax32 &&
+  return CopiesOnGpu(local, remote) && (g.planes == 1 || g.planes == 2) && g.heads >= 1 &&
+         g.heads <= kMax32 &&
          g.tokens >= 1 && g.tokens <= kMax32 && g.cell_bytes >= 1 &&
          g.cell_bytes <= kMaxCudaCellBytes;
 }
@@ -346,8 +354,7 @@ bool TakesCells(const LocalRegion& local, const RemoteRegion& remote, const Cell
 /// Whether stamped batches between these regions run on the CUDA copy path, the only one with a
 /// stamping kernel (the same conditions as cells, unless ucx_stamps is off).
 bool TakesStamps(const LocalRegion& local, const RemoteRegion& remote, bool enabled) {
-  return enabled && remote.direct != nullptr && local.range.kind == MemoryKind::kCuda &&
-         remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+  return enabled && CopiesOnGpu(local, remote);
 }
 
 /// A submitted batch while the worker thread drives it. Worker thread only.
@@ -459,6 +466,8 @@ class UcxBackend final : public Backend {
   bool AcceptsCells(std::uint64_t local_region, std::uint64_t remote_region,
                     const CellGeometry& geometry) const override;
   bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const override;
+  bool AcceptsDeviceWaits(std::uint64_t local_region,
+                          std::uint64_t remote_region) const override;
   void ExpectSubmits() override;
   Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
   Status Free(const MemoryRange& range) override;
@@ -1165,6 +1174,14 @@ bool UcxBackend::AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_
          TakesStamps(*l->second, *r->second, options_.stamps);
 }
 
+bool UcxBackend::AcceptsDeviceWaits(std::uint64_t local_region,
+                                    std::uint64_t remote_region) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto l = regions_.find(local_region);
+  auto r = remotes_.find(remote_region);
+  return l != regions_.end() && r != remotes_.end() && CopiesOnGpu(*l->second, *r->second);
+}
+
 Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {
   if (kind != MemoryKind::kHost) {
     return InvalidArgumentError(
@@ -1375,8 +1392,7 @@ bool UcxBackend::ActivateSubmitted() {
       continue;
     }
     const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
-    const bool cuda_copy = ab.remote->direct != nullptr && lk == rk &&
-                           lk == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+    const bool cuda_copy = CopiesOnGpu(*ab.local, *ab.remote);
     if (ab.batch->device_wait_event != 0 && !cuda_copy) {
       // Every other path copies from the host's side of time: it cannot wait on the device.
       ab.stop = true;

@@ -97,9 +97,11 @@ WRITER_QUEUE = 65536
 WAIT_SLICE_S = 0.1
 # The acknowledgement of an abort_write that needs a handshake (a transfer never known here)
 # and did not get one (a timeout, a refused connection: often passing, as a busy or restarting
-# decode, or the peer directory's remembered failure of a moment ago) is tried again this often,
-# for abort_timeout after its first try: unanswered, the decode holds the blocks, and its request
-# with them, for its quarantine_timeout (300 s by default).
+# decode, or the peer directory's remembered failure of a moment ago) is tried again at most this
+# often, for abort_timeout after its first try (a try within the directory's backoff of a failed
+# handshake, 5 s doubling to 60 s, fails at once, so real handshakes come at about 0, 5, 15, 35,
+# 75 s): unanswered, the decode holds the blocks, and its request with them, for its
+# quarantine_timeout (300 s by default).
 ACK_RETRY_EVERY_S = 5.0
 # Acknowledgements waiting to be tried again: past this many (any sender may name an address
 # that does not answer) the oldest are given up.
@@ -998,7 +1000,7 @@ class Pusher:
                 self._ack_retries[wire] = (since, due)
                 self._ack_retries.move_to_end(wire)
                 while len(self._ack_retries) > MAX_ACK_RETRIES:
-                    self._ack_retries.popitem(last=False)
+                    self._give_up_ack(self._ack_retries.popitem(last=False)[0], "too many waiting")
             self._unacked.warn(
                 "transfer %s: cannot acknowledge the decode's abort yet (%s); trying again "
                 "every %.0f s for abort_timeout",
@@ -1014,6 +1016,18 @@ class Pusher:
             exc,
         )
 
+    def _give_up_ack(self, wire: bytes, why: str) -> None:
+        """An acknowledgement no longer tried (lock held): said, rate limited, for the operator
+        of a decode that now waits out its quarantine_timeout."""
+        request = decode(wire, (AbortWrite,), max_bytes=len(wire))
+        self._unacked.warn(
+            "transfer %s: gave up acknowledging the decode's abort (%s); decode rank %d frees "
+            "the blocks after its quarantine_timeout",
+            request.transfer_id,
+            why,
+            request.decode_tp_rank,
+        )
+
     def _retry_acks(self, now: float, abort_timeout: float) -> None:
         """Try the acknowledgements that are due again (lock held); those first tried more
         than ``abort_timeout`` before ``now`` are given up (their decode frees the blocks at
@@ -1026,6 +1040,7 @@ class Pusher:
         for wire, since in due:
             del self._ack_retries[wire]
             if now - since > abort_timeout:
+                self._give_up_ack(wire, f"no handshake for {abort_timeout:.0f} s")
                 continue
             request = decode(wire, (AbortWrite,), max_bytes=len(wire))
             ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
@@ -1413,14 +1428,14 @@ class Pusher:
                     except queue.Full:
                         continue
 
-    def _layer_event_handle(self, event: Any) -> int:
-        """The handle of the CUDA event after a layer's compute for its copy to wait on, on the
-        GPU, when the engine can (so the writer never waits and the copy starts the moment the
-        layer is computed); otherwise 0, after waiting for the event here (its KV is computed).
-        No event: a CPU forward, already finished."""
+    def _layer_event_handle(self, event: Any, peer: Peer) -> int:
+        """The handle of the CUDA event after a layer's compute for its copy to ``peer`` to
+        wait on, on the GPU, when the engine can for that peer (so the writer never waits and
+        the copy starts the moment the layer is computed); otherwise 0, after waiting for the
+        event here (its KV is computed). No event: a CPU forward, already finished."""
         if event is None:
             return 0
-        if self._ctx.engine().waits_for_device_events:
+        if self._ctx.engine().waits_for_device_events(peer.engine_peer):
             return int(event.cuda_event)
         event.synchronize()
         return 0
@@ -1436,8 +1451,10 @@ class Pusher:
             with ctx.lock:
                 if job.state not in live:
                     continue
+                target = job.peer
+                assert target is not None
             try:
-                handle = self._layer_event_handle(arg[0]) if op == "write" else 0
+                handle = self._layer_event_handle(arg[0], target) if op == "write" else 0
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
