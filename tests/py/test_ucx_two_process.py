@@ -329,9 +329,29 @@ def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
         assert prefill_child.stop() == 0
 
 
+@pytest.fixture()
+def cuda_decode_child() -> Iterator[Child]:
+    """The decode process with its caches on the GPU (default options)."""
+    child = Child("decode", {}, cuda=True)
+    yield child
+    assert child.stop() == 0
+
+
+def _gpu_prefill_of(
+    decode_child: Child, options: dict[str, str]
+) -> tuple[kc.KvCacheSet, GpuMirror, mn.Engine]:
+    """This process as a prefill with its caches on the GPU, `decode_child` added as a peer."""
+    prefill = _caches("prefill")
+    gpu = GpuMirror(prefill)
+    engine = mn.Engine("prefill-0", "ucx", options)
+    engine.register_kv_caches(gpu.registrations())
+    assert engine.add_peer(decode_child.metadata) == "decode-child"
+    return prefill, gpu, engine
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu() -> None:
+def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(cuda_decode_child: Child) -> None:
     """``write_layer(..., cuda_event=...)`` right after enqueuing the work that produces the
     layer (here: ~0.1 s of spinning, then the new bytes copied in), as the vLLM connector does
     when the engine says it can: every layer's copy waits for its event on the GPU, so the
@@ -339,50 +359,44 @@ def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu() -> None:
     (without the events this test fails: the copies run during the spin)."""
     import torch
 
-    decode_child = Child("decode", {}, cuda=True)
-    try:
-        prefill = _caches("prefill")
-        gpu = GpuMirror(prefill)
-        engine = mn.Engine("prefill-0", "ucx", {})
-        engine.register_kv_caches(gpu.registrations())
-        assert engine.add_peer(decode_child.metadata) == "decode-child"
-        assert engine.waits_for_device_events("decode-child")
-        produced = _caches("prefill")
-        kc.fill_random(produced, 99)
-        produced_on_gpu = torch_from(produced.backing).to("cuda")
-        torch.cuda.synchronize()
+    prefill, gpu, engine = _gpu_prefill_of(cuda_decode_child, {})
+    assert engine.waits_for_device_events("decode-child")
+    produced = _caches("prefill")
+    kc.fill_random(produced, 99)
+    produced_on_gpu = torch_from(produced.backing).to("cuda")
+    torch.cuda.synchronize()
 
-        local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
-        # A first WRITE, without events, makes what the copies set up lazily (some of it
-        # synchronises the whole device, which would order the copies below by accident).
-        for shape in prefill.shapes:
-            assert engine.write_layer("req-warm", shape.name, "decode-child", [5], [5])
-        engine.seal("req-warm", "decode-child", expected_writes=len(prefill.shapes))
-        assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
-        warmed = _caches("decode")
-        warmed.backing[:] = kc.expected_after_copy(warmed, prefill, [5], [5])
-        expected = kc.expected_after_copy(warmed, produced, remote, local)
-        torch.cuda._sleep(200_000_000)  # about 0.1 s at the H200's clock
-        gpu.backing.copy_(produced_on_gpu)
-        events = []
-        for shape in prefill.shapes:
-            ev = torch.cuda.Event()
-            ev.record()
-            events.append(ev)
-            assert engine.write_layer(
-                "req-ev", shape.name, "decode-child", local, remote, ev.cuda_event
-            )
-        engine.seal("req-ev", "decode-child", expected_writes=len(prefill.shapes))
-        event = engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"]
-        assert (event.kind, event.state) == ("write", "done"), event.message
-        np.testing.assert_array_equal(decode_child.backing(), expected)
-    finally:
-        assert decode_child.stop() == 0
+    local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
+    # A first WRITE, without events, makes what the copies set up lazily (some of it
+    # synchronises the whole device, which would order the copies below by accident).
+    for shape in prefill.shapes:
+        assert engine.write_layer("req-warm", shape.name, "decode-child", [5], [5])
+    engine.seal("req-warm", "decode-child", expected_writes=len(prefill.shapes))
+    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+    warmed = _caches("decode")
+    warmed.backing[:] = kc.expected_after_copy(warmed, prefill, [5], [5])
+    expected = kc.expected_after_copy(warmed, produced, remote, local)
+    torch.cuda._sleep(200_000_000)  # about 0.1 s at the H200's clock
+    gpu.backing.copy_(produced_on_gpu)
+    events = []
+    for shape in prefill.shapes:
+        ev = torch.cuda.Event()
+        ev.record()
+        events.append(ev)
+        assert engine.write_layer(
+            "req-ev", shape.name, "decode-child", local, remote, ev.cuda_event
+        )
+    engine.seal("req-ev", "decode-child", expected_writes=len(prefill.shapes))
+    event = engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"]
+    assert (event.kind, event.state) == ("write", "done"), event.message
+    np.testing.assert_array_equal(cuda_decode_child.backing(), expected)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_a_peer_whose_memory_is_not_mapped_takes_no_cuda_event() -> None:
+def test_a_peer_whose_memory_is_not_mapped_takes_no_cuda_event(
+    cuda_decode_child: Child,
+) -> None:
     """With the peer's memory not mapped into this process (``ucx_direct_copy`` off here; a
     peer on another node, over RDMA, likewise) the copies run as UCX operations, which cannot
     wait on the GPU: ``waits_for_device_events`` says so for that peer, so the vLLM connector
@@ -390,24 +404,16 @@ def test_a_peer_whose_memory_is_not_mapped_takes_no_cuda_event() -> None:
     the peer, before anything moves (the transfer fails); without one it goes through."""
     import torch
 
-    decode_child = Child("decode", {}, cuda=True)
-    try:
-        prefill = _caches("prefill")
-        gpu = GpuMirror(prefill)
-        engine = mn.Engine("prefill-0", "ucx", {"ucx_direct_copy": "off"})
-        engine.register_kv_caches(gpu.registrations())
-        assert engine.add_peer(decode_child.metadata) == "decode-child"
-        assert engine.waits_for_device_events("decode-child") is False
-        ev = torch.cuda.Event()
-        ev.record()
-        first = prefill.shapes[0].name
-        with pytest.raises(mn.FailedPreconditionError, match=r"peer 'decode-child'.*synchronise"):
-            engine.write_layer("req-ev", first, "decode-child", [0], [2], ev.cuda_event)
-        assert engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"].state == "failed"
-        ev.synchronize()
-        assert engine.write_layer("req-host", first, "decode-child", [0], [2])
-        engine.seal("req-host", "decode-child", expected_writes=1)
-        event = engine.wait(["req-host"], timeout=TIMEOUT)["req-host"]
-        assert (event.kind, event.state) == ("write", "done"), event.message
-    finally:
-        assert decode_child.stop() == 0
+    prefill, _, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": "off"})
+    assert engine.waits_for_device_events("decode-child") is False
+    ev = torch.cuda.Event()
+    ev.record()
+    first = prefill.shapes[0].name
+    with pytest.raises(mn.FailedPreconditionError, match=r"peer 'decode-child'.*synchronise"):
+        engine.write_layer("req-ev", first, "decode-child", [0], [2], ev.cuda_event)
+    assert engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"].state == "failed"
+    ev.synchronize()
+    assert engine.write_layer("req-host", first, "decode-child", [0], [2])
+    engine.seal("req-host", "decode-child", expected_writes=1)
+    event = engine.wait(["req-host"], timeout=TIMEOUT)["req-host"]
+    assert (event.kind, event.state) == ("write", "done"), event.message

@@ -344,9 +344,26 @@ class _Ended:
 _Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
 
 
-def _new_orphan(message: RemoteBlocks | AbortWrite) -> _Orphan:
-    """The orphan ``message`` makes of a job not known yet, waiting and holding nothing."""
-    return (time.monotonic(), message.transfer_id, message.decode_tp_rank, 0, None, None, False, "")
+def _new_orphan(
+    message: RemoteBlocks | AbortWrite,
+    *,
+    ids: int = 0,
+    announced: bytes | None = None,
+    released: bool = False,
+    reason: str = "",
+) -> _Orphan:
+    """The orphan ``message`` makes of a job not known yet (by default waiting and holding
+    nothing)."""
+    return (
+        time.monotonic(),
+        message.transfer_id,
+        message.decode_tp_rank,
+        ids,
+        announced,
+        None,
+        released,
+        reason,
+    )
 
 
 class _Orphans:
@@ -1285,9 +1302,10 @@ class Pusher:
         reason = "" if ids else "the decode needs no blocks"
         if reason:
             self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
-        created, request, rank, _, _, _, _, _ = _new_orphan(message)
-        announced = encode(message)
-        self._orphans.keep(jid, (created, request, rank, ids, announced, None, not ids, reason))
+        orphan = _new_orphan(
+            message, ids=ids, announced=encode(message), released=not ids, reason=reason
+        )
+        self._orphans.keep(jid, orphan)
 
     def _orphan_released(self, jid: str, orphan: _Orphan) -> None:
         """A release: the orphan fails, with no final message owed."""
@@ -1451,17 +1469,15 @@ class Pusher:
             with ctx.lock:
                 if job.state not in live:
                     continue
-                target = job.peer
-                assert target is not None
+                peer = job.peer  # set before WRITING, never changed after
+                assert peer is not None
             try:
-                handle = self._layer_event_handle(arg[0], target) if op == "write" else 0
+                handle = self._layer_event_handle(arg[0], peer) if op == "write" else 0
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
                     if job.state not in live:
                         continue
-                    peer = job.peer
-                    assert peer is not None
                     if handle:
                         job.device_events.append(arg[0])
                     if op == "write" and arg[1] is not None:
