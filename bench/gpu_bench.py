@@ -3,7 +3,9 @@
 Prefill and decode each own one page-aligned CUDA backing holding every layer's cache in a vLLM
 layout (Llama-3-8B-like dense K/V, or DeepSeek-V3-like MLA latent). For each request of
 ``--blocks`` random, non-contiguous block ids the decode READs (pulls) and the prefill WRITEs
-(pushes, one ``write_layer`` per layer, then ``seal``); every destination block is verified on
+(pushes, one ``write_layer`` per layer, then ``seal``; op ``write_layers``: every layer in one
+``write_layers`` call, then ``seal``, as a WRITE flushed after the forward); every destination
+block is verified on
 the GPU against a regenerated copy of the source. GB/s is printed beside one large
 ``torch`` copy measured in the same run (on one device, or from the prefill's device to the
 decode's with ``--devices 0,1``: the peer-to-peer rate), for the batched-kernel path
@@ -421,12 +423,16 @@ def _device_pair(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+# READ; WRITE one write_layer per layer; WRITE every layer in one write_layers call.
+_OPS = ("read", "write", "write_layers")
+
+
 def _ops(text: str) -> tuple[str, ...]:
     """``"write,read"`` -> ("write", "read"): the operations of --ops, in order."""
     ops = tuple(o.strip() for o in text.split(","))
-    if not ops or any(o not in ("read", "write") for o in ops):
+    if not ops or any(o not in _OPS for o in ops):
         raise argparse.ArgumentTypeError(
-            f"expected read and/or write, comma-separated, got {text!r}"
+            f"expected some of {', '.join(_OPS)}, comma-separated, got {text!r}"
         )
     return ops
 
@@ -475,6 +481,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
     conn.send(engine.register_kv_caches(regs))
     engine.add_peer(conn.recv())
     peer = "decode" if role == "prefill" else "prefill"
+    names = [f"layer.{i}" for i in range(len(views))]
     mirror: Any = None
     mirror_views = None
     operands: dict[int, tuple[Any, Any]] = {}
@@ -499,7 +506,7 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
             )
             conn.send(ok)
             continue
-        if cmd in ("read", "write"):
+        if cmd in _OPS:
             # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
             # request, outside the timing).
             tid, local, remote, timeline, prime = args[0], _ids(args[1]), _ids(args[2]), *args[3:]
@@ -508,9 +515,12 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                 if op == "read":
                     engine.read(tid, peer, local, remote)
                     return
-                for i in range(len(views)):
-                    engine.write_layer(tid, f"layer.{i}", peer, local, remote)
-                engine.seal(tid, peer, expected_writes=len(views))
+                if op == "write_layers":
+                    engine.write_layers(tid, names, peer, local, remote)
+                else:
+                    for name in names:
+                        engine.write_layer(tid, name, peer, local, remote)
+                engine.seal(tid, peer, expected_writes=len(names))
 
             seconds, event, trace = _timed_request(engine, tid, call, timeline, prime)
             # A base build from before stamped batches has no count of them.
@@ -875,7 +885,7 @@ def main(argv: list[str] | None = None) -> int:
         "--ops",
         type=_ops,
         default=("read", "write"),
-        help="the operations in order, comma-separated (default read,write)",
+        help=f"the operations in order, comma-separated, of {', '.join(_OPS)} (default read,write)",
     )
     parser.add_argument("--json", help="write the rows as JSON to this file")
     parser.add_argument(

@@ -77,9 +77,13 @@
 #   bash bench/h200_session.sh overlap-wait  # one call: gpu_bench --overlap, two rounds, each
 #                                         # layer's event waited for on the GPU (the copy) or
 #                                         # on the host (a writer thread), interleaved
+#   bash bench/h200_session.sh write-layers  # one call: every GPU test (unless SKIP_GPU_TESTS=1),
+#                                         # then gpu_bench READ, WRITE by write_layer per layer
+#                                         # and by one write_layers call, two rounds, for 4 KiB
+#                                         # runs, llama3-8b and deepseek-v3
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -551,6 +555,20 @@ overlap-wait)  # per-layer WRITE behind compute: each layer's event waited on th
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap-wait.log"
+  ;;
+write-layers)  # issue 18: a WRITE after the forward by one write_layers call, not one per layer
+  build_with_ucx || exit 1
+  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
+  for round in 1 2; do
+    for p in "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192" \
+      "--preset llama3-8b" "--preset deepseek-v3"; do
+      [ "$SECONDS" -gt 460 ] && break 2
+      echo "== round $round: $p"
+      bench_variant tree "" 100 $p --requests 5 --ops read,write,write_layers \
+        --pre none --pre prime
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/write-layers.log"
   ;;
 stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
   build_with_ucx || exit 1

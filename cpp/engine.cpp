@@ -616,6 +616,43 @@ struct Engine::Impl {
   Status StartRead(std::string_view transfer_id, const Peer& peer,
                    const std::vector<PlannedSegment>& planned, const std::string& ctx);
 
+  // A batch's token from the tracker, given its bytes, runs and shape.
+  using AddBatchFn =
+      std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, BatchShape)>;
+
+  // Cuts `planned` into batches (BatchBuilder: per region pair and kind; a full one is
+  // submitted at once, so the transport starts while later layers are cut) under tokens from
+  // `add`, each waiting for `cuda_event` (0: none). A cutting error (unreachable after
+  // PlanSegment checked every id) stops it and is returned.
+  Status SubmitPlanned(TransferOp op, const Peer& peer, const std::vector<PlannedSegment>& planned,
+                       std::string_view transfer_id, std::uint64_t cuda_event,
+                       const AddBatchFn& add);
+
+  // `why` with `context`, after failing the WRITE `transfer_id` with it: the caller was told a
+  // layer will not arrive, so no later seal may make the transfer done. A READ id is refused
+  // without touching the READ.
+  Status RefuseWrite(std::string_view transfer_id, std::string_view peer_id, const Status& why,
+                     const std::string& context) {
+    const Status st = why.WithContext(context);
+    MORIIO_RETURN_IF_ERROR(tracker->FailWrite(transfer_id, peer_id, st));
+    return st;
+  }
+
+  // Why layer `i`'s copy to `peer` cannot wait for a CUDA event on the GPU; OK when it can.
+  Status CheckDeviceWait(const Peer& peer, std::size_t i) const {
+    if (regions[layers[i].region].range.kind != MemoryKind::kCuda) {
+      return FailedPreconditionError("not in CUDA memory; a CUDA event cannot order its copy");
+    }
+    if (!peer.device_waits) {
+      return FailedPreconditionError(
+          "peer '" + peer.id + "': backend '" + config.backend +
+          "' cannot wait for a CUDA event on the GPU for it (that needs the CUDA copy plugin "
+          "and the peer's memory mapped into this process, as CUDA IPC on one node; see "
+          "waits_for_device_events); synchronise the event and write without it");
+    }
+    return Status::OK();
+  }
+
   // Both WriteLayers: the checks every write makes, `plan` (the layer's segments, checked),
   // then one batch for them. Every refusal but a READ id fails the transfer.
   Result<bool> WriteSegments(
@@ -623,16 +660,17 @@ struct Engine::Impl {
       std::uint64_t cuda_event,
       const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan);
 
-  // Submits prepared batches of one transfer; a batch that cannot be submitted completes as
-  // failed so the transfer still ends exactly once. False when the transfer ended meanwhile
-  // (deadline, abort): nothing more should be submitted for it.
+  // Submits prepared batches of one transfer, each waiting for `cuda_event` (0: none); a batch
+  // that cannot be submitted completes as failed so the transfer still ends exactly once.
+  // False when the transfer ended meanwhile (deadline, abort): nothing more should be
+  // submitted for it.
   bool Submit(std::vector<BatchBuilder::Piece> pieces, std::string_view transfer_id,
-              const std::function<Result<std::uint64_t>(std::int64_t, std::int64_t, BatchShape)>&
-                  add) {
+              std::uint64_t cuda_event, const AddBatchFn& add) {
     for (BatchBuilder::Piece& piece : pieces) {
       trace::Record(trace::Mark::kPieceCut);
       Batch& batch = *piece.batch;
       batch.local_region = regions[piece.key.local].handle;
+      batch.device_wait_event = cuda_event;
       Result<std::uint64_t> token = add(piece.bytes, piece.runs, ShapeOf(batch));
       if (!token.ok()) return false;
       batch.token = *token;
@@ -1003,26 +1041,9 @@ Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
     }
   };
   try {
-    BatchBuilder builder(TransferOp::kRead, peer, *columns);
-    for (const PlannedSegment& seg : planned) {
-      for (const SegmentLayer& l : seg.layers) builder.Reserve(layers[l.layer], l.link, *seg.pairs);
+    if (Status st = SubmitPlanned(TransferOp::kRead, peer, planned, transfer_id, 0, add); !st.ok()) {
+      fail(st);
     }
-    trace::Record(trace::Mark::kPlanned);
-    bool open = true;
-    for (std::size_t k = 0; k < planned.size() && open; ++k) {
-      const PlannedSegment& seg = planned[k];
-      for (std::size_t j = 0; j < seg.layers.size() && open; ++j) {
-        const SegmentLayer& l = seg.layers[j];
-        Status st = builder.Add(layers[l.layer], l.link, *seg.pairs);
-        if (!st.ok()) {
-          fail(st);  // unreachable after PlanSegment; should it happen, the transfer says why
-          open = false;
-          break;
-        }
-        open = Submit(builder.Take(/*all=*/false), transfer_id, add);
-      }
-    }
-    if (open) Submit(builder.Take(/*all=*/true), transfer_id, add);
   } catch (const std::bad_alloc&) {
     // Pieces are planned after the transfer began: end it rather than leave it open until its
     // deadline, then let the caller see the allocation failure.
@@ -1031,6 +1052,25 @@ Status Engine::Impl::StartRead(std::string_view transfer_id, const Peer& peer,
     throw;
   }
   tracker->CloseRead(transfer_id);
+  return Status::OK();
+}
+
+Status Engine::Impl::SubmitPlanned(TransferOp op, const Peer& peer,
+                                   const std::vector<PlannedSegment>& planned,
+                                   std::string_view transfer_id, std::uint64_t cuda_event,
+                                   const AddBatchFn& add) {
+  BatchBuilder builder(op, peer, *columns);
+  for (const PlannedSegment& seg : planned) {
+    for (const SegmentLayer& l : seg.layers) builder.Reserve(layers[l.layer], l.link, *seg.pairs);
+  }
+  trace::Record(trace::Mark::kPlanned);
+  for (const PlannedSegment& seg : planned) {
+    for (const SegmentLayer& l : seg.layers) {
+      MORIIO_RETURN_IF_ERROR(builder.Add(layers[l.layer], l.link, *seg.pairs));
+      if (!Submit(builder.Take(/*all=*/false), transfer_id, cuda_event, add)) return Status::OK();
+    }
+  }
+  Submit(builder.Take(/*all=*/true), transfer_id, cuda_event, add);
   return Status::OK();
 }
 
@@ -1092,31 +1132,16 @@ Result<bool> Engine::Impl::WriteSegments(
   const CallMarks marks;
   MORIIO_RETURN_IF_ERROR(CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
-  const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
-  // A refused layer fails its transfer: the caller was told this layer will not arrive, so no
-  // later seal may make the transfer done. A READ id is refused without touching the READ.
-  auto refuse = [&](const Status& why) -> Status {
-    const Status st = why.WithContext(ctx + " layer '" + std::string(layer) + "'");
-    MORIIO_RETURN_IF_ERROR(tracker->FailWrite(transfer_id, peer_id, st));
-    return st;
-  };
+  const std::string ctx = "transfer '" + std::string(transfer_id) + "' layer '" +
+                          std::string(layer) + "'";
+  auto refuse = [&](const Status& why) { return RefuseWrite(transfer_id, peer_id, why, ctx); };
   Result<std::shared_ptr<const Peer>> peer = FindPeer(peer_id);
   if (!peer.ok()) return refuse(peer.status());
   backend->ExpectSubmits();  // a WRITE's first layer: the backend wakes while it is planned
   Result<std::size_t> i = FindLayer(layer);
   if (!i.ok()) return refuse(i.status());
   if (cuda_event != 0) {
-    if (regions[layers[*i].region].range.kind != MemoryKind::kCuda) {
-      return refuse(FailedPreconditionError(
-          "not in CUDA memory; a CUDA event cannot order its copy"));
-    }
-    if (!(*peer)->device_waits) {
-      return refuse(FailedPreconditionError(
-          "peer '" + (*peer)->id + "': backend '" + config.backend +
-          "' cannot wait for a CUDA event on the GPU for it (that needs the CUDA copy plugin "
-          "and the peer's memory mapped into this process, as CUDA IPC on one node; see "
-          "waits_for_device_events); synchronise the event and call write_layer without it"));
-    }
+    if (Status st = CheckDeviceWait(**peer, *i); !st.ok()) return refuse(st);
   }
   Result<std::vector<PlannedSegment>> planned = plan(**peer, *i);
   if (!planned.ok()) return refuse(planned.status());
@@ -1145,7 +1170,6 @@ Result<bool> Engine::Impl::WriteSegments(
   MORIIO_CHECK(pieces.size() <= 1, "one write makes one batch");
   const std::int64_t bytes = pieces.empty() ? 0 : pieces.front().bytes;
   const std::int64_t runs = pieces.empty() ? 0 : pieces.front().runs;
-  if (!pieces.empty()) pieces.front().batch->device_wait_event = cuda_event;
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
       tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, bytes, runs,
@@ -1156,8 +1180,64 @@ Result<bool> Engine::Impl::WriteSegments(
     return true;
   }
   // ScheduleWrite already counted the batch: submit it under that token.
-  Submit(std::move(pieces), transfer_id,
+  Submit(std::move(pieces), transfer_id, cuda_event,
          [&](std::int64_t, std::int64_t, BatchShape) -> Result<std::uint64_t> { return *token; });
+  return true;
+}
+
+Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const std::string> names,
+                                 std::string_view peer_id,
+                                 std::span<const std::int64_t> local_blocks,
+                                 std::span<const std::int64_t> remote_blocks,
+                                 std::uint64_t cuda_event) {
+  const CallMarks marks;
+  Impl& d = *impl_;
+  MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
+  if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
+  if (names.empty()) return InvalidArgumentError(ctx + ": write_layers names no layers");
+  auto refuse = [&](const Status& why, const std::string& context) {
+    return d.RefuseWrite(transfer_id, peer_id, why, context);
+  };
+  Result<std::shared_ptr<const Peer>> peer = d.FindPeer(peer_id);
+  if (!peer.ok()) return refuse(peer.status(), ctx);
+  d.backend->ExpectSubmits();  // the backend wakes while the layers are planned
+  Result<std::shared_ptr<const BlockPairs>> pairs = d.write_pairs.Get(local_blocks, remote_blocks);
+  if (!pairs.ok()) return refuse(pairs.status(), ctx);
+  trace::Record(trace::Mark::kPairsChecked);
+  std::vector<PlannedSegment> planned;
+  Result<PlannedSegment> segment =
+      d.PlanSegment(**peer, names, std::move(pairs).value(), CellWindow{}, CellWindow{},
+                    std::nullopt, "write_layers", /*bare_lookup=*/false);
+  if (!segment.ok()) return refuse(segment.status(), ctx);
+  planned.push_back(std::move(segment).value());
+  if (cuda_event != 0) {
+    for (const SegmentLayer& l : planned.front().layers) {
+      if (Status st = d.CheckDeviceWait(**peer, l.layer); !st.ok()) {
+        return refuse(st, ctx + " layer '" + d.layers[l.layer].layout.name() + "'");
+      }
+    }
+  }
+  trace::Record(trace::Mark::kLayersPlanned);
+  MORIIO_ASSIGN_OR_RETURN(bool began, d.tracker->BeginWrites(transfer_id, names, (*peer)->id));
+  if (!began) return false;
+  // The transfer cannot end while its batches are still being added; released on every exit.
+  struct EndWrites {
+    detail::TransferTracker& tracker;
+    std::string_view id;
+    ~EndWrites() { tracker.EndWrites(id); }
+  } end_writes{*d.tracker, transfer_id};
+  auto add = [&](std::int64_t bytes, std::int64_t runs, BatchShape shape) {
+    return d.tracker->AddBatch(transfer_id, bytes, runs, shape);
+  };
+  try {
+    Status st = d.SubmitPlanned(TransferOp::kWrite, **peer, planned, transfer_id, cuda_event, add);
+    if (!st.ok()) (void)d.tracker->FailWrite(transfer_id, (*peer)->id, st.WithContext(ctx));
+  } catch (const std::bad_alloc&) {
+    (void)d.tracker->FailWrite(transfer_id, (*peer)->id,
+                               AbortedError("out of memory while planning the layers"));
+    throw;
+  }
   return true;
 }
 

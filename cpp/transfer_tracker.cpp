@@ -1,5 +1,7 @@
 #include "transfer_tracker.hpp"
 
+#include <algorithm>
+
 namespace moriio_native::detail {
 
 TransferTracker::TransferTracker(std::chrono::milliseconds timeout, std::size_t terminal_history)
@@ -51,6 +53,72 @@ void TransferTracker::FailLocked(const std::string& id, Transfer& t, std::string
   MaybeFinishLocked(id, t);
 }
 
+Result<bool> TransferTracker::BeginWrites(std::string_view id_view,
+                                          std::span<const std::string> layers,
+                                          std::string_view peer) {
+  std::string id(id_view);
+  if (layers.empty()) return InvalidArgumentError("transfer '" + id + "': a write names no layers");
+  std::unordered_set<std::string_view> named;
+  for (const std::string& layer : layers) {
+    if (!named.insert(layer).second) {
+      return InvalidArgumentError("transfer '" + id + "': layer '" + layer +
+                                  "' is named twice in one write");
+    }
+  }
+  std::lock_guard lock(mu_);
+  return BeginWritesLocked(id, layers, peer);
+}
+
+Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
+                                                std::span<const std::string> layers,
+                                                std::string_view peer) {
+  MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
+  if (terminal_.count(id) || quarantined_.count(id)) return false;
+  auto it = pending_.find(id);
+  Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
+  if (!t.failure.empty() || t.aborted || t.timed_out) return false;
+  const auto scheduled_before =
+      std::ranges::find_if(layers, [&](const std::string& l) { return t.layers.count(l) > 0; });
+  const auto repeated = static_cast<std::size_t>(
+      std::ranges::count_if(layers, [&](const std::string& l) { return t.layers.count(l) > 0; }));
+  if (repeated == layers.size()) return false;  // the same write again
+  Status refused;
+  const std::size_t after = t.layers.size() + layers.size();
+  if (t.peer != peer) {
+    refused = InvalidArgumentError("transfer '" + id + "' writes to peer '" + t.peer + "', not '" +
+                                   std::string(peer) + "'");
+  } else if (repeated > 0) {
+    refused = InvalidArgumentError(
+        "transfer '" + id + "': layer '" + *scheduled_before + "' was scheduled before, but " +
+        std::to_string(layers.size() - repeated) + " other layers of this write were not");
+  } else if (t.expected && static_cast<std::int64_t>(after) > *t.expected) {
+    const auto first_extra = static_cast<std::size_t>(*t.expected) - t.layers.size();
+    refused = InvalidArgumentError("transfer '" + id + "' was sealed for " +
+                                   std::to_string(*t.expected) + " writes; layer '" +
+                                   layers[first_extra] + "' is one more");
+  }
+  if (!refused.ok()) {
+    FailLocked(id, t, refused.ToString());
+    return refused;
+  }
+  t.layers.insert(layers.begin(), layers.end());
+  ++t.writers;
+  if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
+  return true;
+}
+
+void TransferTracker::EndWrites(std::string_view id_view) {
+  std::string id(id_view);
+  std::lock_guard lock(mu_);
+  auto it = pending_.find(id);
+  if (it != pending_.end()) EndWritesLocked(id, it->second);
+}
+
+void TransferTracker::EndWritesLocked(const std::string& id, Transfer& t) {
+  --t.writers;
+  MaybeFinishLocked(id, t);
+}
+
 Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_view id_view,
                                                                     std::string_view layer,
                                                                     std::string_view peer,
@@ -58,29 +126,13 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
                                                                     std::int64_t runs,
                                                                     BatchShape shape) {
   std::string id(id_view);
+  const std::string name(layer);
   std::lock_guard lock(mu_);
-  MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
-  if (terminal_.count(id) || quarantined_.count(id)) return std::optional<std::uint64_t>();
-  auto it = pending_.find(id);
-  Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
-  if (!t.failure.empty() || t.aborted || t.timed_out) return std::optional<std::uint64_t>();
-  if (t.layers.count(std::string(layer))) return std::optional<std::uint64_t>();
-  Status refused;
-  if (t.peer != peer) {
-    refused = InvalidArgumentError("transfer '" + id + "' writes to peer '" + t.peer + "', not '" +
-                                   std::string(peer) + "'");
-  } else if (t.expected && static_cast<std::int64_t>(t.layers.size()) >= *t.expected) {
-    refused = InvalidArgumentError("transfer '" + id + "' was sealed for " +
-                                   std::to_string(*t.expected) + " writes; layer '" +
-                                   std::string(layer) + "' is one more");
-  }
-  if (!refused.ok()) {
-    FailLocked(id, t, refused.ToString());
-    return refused;
-  }
-  t.layers.emplace(layer);
+  MORIIO_ASSIGN_OR_RETURN(bool began, BeginWritesLocked(id, std::span(&name, 1), peer));
+  if (!began) return std::optional<std::uint64_t>();
+  Transfer& t = pending_.at(id);
   const std::uint64_t token = AddBatchLocked(id, t, bytes, runs, shape);
-  if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
+  EndWritesLocked(id, t);
   return std::optional<std::uint64_t>(token);
 }
 
@@ -140,10 +192,17 @@ Result<std::uint64_t> TransferTracker::AddBatch(std::string_view id_view, std::i
   std::string id(id_view);
   std::lock_guard lock(mu_);
   auto it = pending_.find(id);
-  if (it == pending_.end() || it->second.kind != TransferKind::kRead || !it->second.open) {
-    return FailedPreconditionError("transfer '" + id + "' is not an open read");
+  if (it == pending_.end()) return FailedPreconditionError("transfer '" + id + "' is not pending");
+  Transfer& t = it->second;
+  const bool takes = t.kind == TransferKind::kRead
+                         ? t.open
+                         : t.writers > 0 && !t.aborted && !t.timed_out && t.failure.empty();
+  if (!takes) {
+    return FailedPreconditionError(
+        "transfer '" + id + "' takes no more batches (" +
+        (t.kind == TransferKind::kRead ? "a closed read" : "a write not held, or ended") + ")");
   }
-  return AddBatchLocked(id, it->second, bytes, runs, shape);
+  return AddBatchLocked(id, t, bytes, runs, shape);
 }
 
 std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t,
@@ -243,7 +302,7 @@ void TransferTracker::ExpireDeadlines(Clock::time_point now) {
 }
 
 bool TransferTracker::MaybeFinishLocked(const std::string& id, Transfer& t) {
-  if (t.in_flight > 0) return false;
+  if (t.in_flight > 0 || t.writers > 0) return false;
   if (t.aborted) {
     FinishLocked(id, t, TransferState::kAborted, "aborted");
     return true;

@@ -9,6 +9,7 @@
 #include <deque>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <thread>
@@ -61,6 +62,18 @@ class TransferTracker {
                                                      std::string_view peer, std::int64_t bytes,
                                                      std::int64_t runs,
                                                      BatchShape shape = BatchShape::kRuns);
+  /// WRITE: atomically records that the distinct `layers` of `id` are scheduled (creating the
+  /// transfer) and holds it open for their batches: AddBatch adds them, EndWrites releases the
+  /// hold; the transfer cannot end (but by its deadline's quarantine) while held. Returns false,
+  /// recording nothing, when every one of `layers` was scheduled before or the transfer is
+  /// failed, aborted, timed out or terminal. InvalidArgument (nothing recorded) when `id` is a
+  /// READ or `layers` is empty or names a layer twice; InvalidArgument that also fails the
+  /// transfer when it writes to another peer, some but not all of `layers` were scheduled
+  /// before (which is the caller's, an ambiguous retry), or they are more than its seal expects.
+  Result<bool> BeginWrites(std::string_view id, std::span<const std::string> layers,
+                           std::string_view peer);
+  /// WRITE: releases BeginWrites' hold; the transfer ends now if it can. Unknown ids: ignored.
+  void EndWrites(std::string_view id);
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers for this transfer
   /// (before or after this call); it is done once they all completed. 0 says "nothing to send"
   /// and completes an unwritten transfer at once. Creates the transfer when none exists.
@@ -73,9 +86,10 @@ class TransferTracker {
   /// is a READ; ignored for terminal WRITE ids.
   Status FailWrite(std::string_view id, std::string_view peer, const Status& why);
 
-  /// READ: adds an in-flight batch of `bytes` in `runs` runs (of `shape`) to an open
-  /// READ; returns its token (FailedPrecondition if the transfer is no longer pending, e.g. it
-  /// timed out).
+  /// Adds an in-flight batch of `bytes` in `runs` runs (of `shape`) to an open READ or a WRITE
+  /// held by BeginWrites; returns its token. FailedPrecondition when the transfer is no longer
+  /// pending, or no longer takes batches (a READ closed, a held WRITE aborted, timed out or
+  /// failed).
   Result<std::uint64_t> AddBatch(std::string_view id, std::int64_t bytes, std::int64_t runs,
                                  BatchShape shape = BatchShape::kRuns);
   /// A batch finished (ok or not). Unknown tokens are ignored.
@@ -129,6 +143,7 @@ class TransferTracker {
     bool timed_out = false;  // deadline passed; ends when in-flight batches drain
     std::string failure;  // first failure message; non-empty = failed
     std::int64_t in_flight = 0;
+    std::int64_t writers = 0;  // WRITE: BeginWrites holds not yet released (EndWrites)
     std::int64_t batches = 0;
     std::int64_t stamped_batches = 0;
     std::int64_t cell_batches = 0;
@@ -148,6 +163,11 @@ class TransferTracker {
                                std::int64_t runs, BatchShape shape);
   // InvalidArgument when `id` (pending or recently terminal) is a READ.
   Status CheckNotReadLocked(const std::string& id) const;
+  // BeginWrites under mu_, the layers checked distinct and non-empty.
+  Result<bool> BeginWritesLocked(const std::string& id, std::span<const std::string> layers,
+                                 std::string_view peer);
+  // EndWrites under mu_, for a pending `t`.
+  void EndWritesLocked(const std::string& id, Transfer& t);
   void FailLocked(const std::string& id, Transfer& t, std::string why);
   bool LastBatchesInFlightLocked() const;  // 1 to kSpinBatches live batches
   void OnLiveBatchesChangedLocked();

@@ -209,6 +209,21 @@ void BindEngine(py::module_& m) {
            },
            py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("local_blocks"),
            py::arg("remote_blocks"), py::arg("cuda_event") = 0)
+      .def("write_layers",
+           [](Engine& e, const std::string& tid, const std::vector<std::string>& layers,
+              const std::string& peer, const py::object& local, const py::object& remote,
+              std::uint64_t cuda_event) {
+             trace::Record(trace::Mark::kBindingEntry);
+             const auto local_ids = BlockIds(local, "local_blocks");
+             const auto remote_ids = BlockIds(remote, "remote_blocks");
+             Result<bool> r = [&] {
+               py::gil_scoped_release release;
+               return e.WriteLayers(tid, layers, peer, local_ids, remote_ids, cuda_event);
+             }();
+             return Unwrap(std::move(r));
+           },
+           py::arg("transfer_id"), py::arg("layers"), py::arg("peer"), py::arg("local_blocks"),
+           py::arg("remote_blocks"), py::arg("cuda_event") = 0)
       .def(
           "read_segments",
           [](Engine& e, const std::string& tid, const std::string& peer, const py::list& segments) {

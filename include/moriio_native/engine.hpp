@@ -188,13 +188,6 @@ class Engine {
   /// before that work has finished (per-layer WRITE overlapped with the forward pass). It needs a
   /// CUDA layer and a peer for which WaitsForDeviceEvents is true (FailedPrecondition
   /// otherwise); keep the event valid and unrecorded until the transfer's event.
-  /// Whether WriteLayer to `peer` honours a `cuda_event`: the backend copies every layer's
-  /// blocks to that peer on the GPU (UCX with its CUDA copy plugin, the peer's memory mapped
-  /// into this process: CUDA IPC on one node; not RDMA to another node, nor with
-  /// ucx_direct_copy off). A caller holding a layer's event passes it when true and waits for
-  /// it on the host otherwise. NotFound for an unknown peer. Thread-safe, non-blocking; the
-  /// answer stays the same while the peer stays added.
-  Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks,
@@ -210,6 +203,32 @@ class Engine {
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const BlockSegment> segments,
                           std::uint64_t cuda_event = 0);
+
+  /// WriteLayer of several whole-block layers in one call: each layer counts as one write of
+  /// the transfer (towards the seal), and their blocks go batched as Read batches them (the
+  /// stamped layers of one region pair share a batch, cut every 8 layers, the first ones
+  /// sooner), so a WRITE flushed after the forward pays one plan and a few batches, not a
+  /// batch per layer. Checked before anything is recorded: an unknown or repeated layer, a bad
+  /// block id, a CUDA event that one of the layers or the peer cannot honour (each named) is
+  /// refused and fails the transfer, as WriteLayer's refusals do; empty `layers` is
+  /// InvalidArgument with no change. Returns false (and does nothing) when every one of
+  /// `layers` was scheduled before or the transfer failed, was aborted, timed out or is
+  /// terminal; some of them scheduled before, but not all, is InvalidArgument that fails the
+  /// transfer (an ambiguous retry). `cuda_event`: one event, recorded after the work producing
+  /// every one of the layers, that each of their batches waits for on the GPU (as WriteLayer).
+  /// Never blocks on transfer.
+  Result<bool> WriteLayers(std::string_view transfer_id, std::span<const std::string> layers,
+                           std::string_view peer, std::span<const std::int64_t> local_blocks,
+                           std::span<const std::int64_t> remote_blocks,
+                           std::uint64_t cuda_event = 0);
+
+  /// Whether WriteLayer to `peer` honours a `cuda_event`: the backend copies every layer's
+  /// blocks to that peer on the GPU (UCX with its CUDA copy plugin, the peer's memory mapped
+  /// into this process: CUDA IPC on one node; not RDMA to another node, nor with
+  /// ucx_direct_copy off). A caller holding a layer's event passes it when true and waits for
+  /// it on the host otherwise. NotFound for an unknown peer. Thread-safe, non-blocking; the
+  /// answer stays the same while the peer stays added.
+  Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
 
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to
   /// `peer` -- before or after this call (a seal may overtake its writes); the transfer is done

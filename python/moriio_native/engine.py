@@ -369,6 +369,31 @@ class Engine:
             transfer_id, layer, peer, local_blocks, remote_blocks, cuda_event
         )
 
+    def write_layers(
+        self,
+        transfer_id: str,
+        layers: Sequence[str],
+        peer: str,
+        local_blocks: BlockIds,
+        remote_blocks: BlockIds,
+        cuda_event: int = 0,
+    ) -> bool:
+        """Push several layers' whole blocks in one call: each layer counts as one write of the
+        transfer (towards ``seal``), and the layers go batched as ``read`` batches them (a few
+        batches, not one per layer), so a WRITE flushed after the forward pays one plan.
+
+        False when every one of ``layers`` was scheduled before or the transfer failed, ended
+        or was aborted. Refusals raise AND fail the transfer as ``write_layer``'s do, naming
+        the layer (unknown or repeated, bad block ids, a CUDA event it cannot honour); some of
+        ``layers`` scheduled before but not all is InvalidArgumentError that fails the transfer.
+        Empty ``layers``: InvalidArgumentError, nothing changed.
+
+        ``cuda_event``: one event recorded after the work that produces every one of
+        ``layers``; each of their copies waits for it on the GPU (see ``write_layer``)."""
+        return self._engine.write_layers(
+            transfer_id, list(layers), peer, local_blocks, remote_blocks, cuda_event
+        )
+
     def seal(self, transfer_id: str, peer: str, *, expected_writes: int) -> None:
         """This WRITE transfer consists of exactly ``expected_writes`` distinct layers, scheduled
         before or after this call; it is ``done`` once all of them completed.

@@ -954,6 +954,92 @@ TEST_F(EnginePair, WriteLayerBySealPushesEveryLayerOnce) {
   EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
 }
 
+// Several layers in one call: each counts towards the seal as one write, the bytes are those of
+// per-layer writes, and the layers share batches (one per region pair and kind of copy, not one
+// per layer).
+TEST_F(EnginePair, WriteLayersPushesSeveralLayersInOneCallEachCountingTowardsTheSeal) {
+  const std::vector<std::uint8_t> p_before = p_.buffer->Snapshot();
+  std::vector<std::uint8_t> expected = d_.buffer->Snapshot();
+  std::vector<bool> touched(expected.size(), false);
+  const std::vector<std::int64_t> local = {4, 1};
+  const std::vector<std::int64_t> remote = {0, 8};
+  const std::vector<std::string> names = Names(p_);
+  const std::int64_t bytes = ApplyReference(d_, p_, names, remote, local, &expected, &touched);
+  const std::vector<std::string> all_but_last(names.begin(), names.end() - 1);
+
+  Result<bool> r = p_.engine->WriteLayers("wl", all_but_last, "D", local, remote);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(*r);
+  // The same layers again (a retry) are refused and move nothing more.
+  Result<bool> again = p_.engine->WriteLayers("wl", all_but_last, "D", local, remote);
+  ASSERT_TRUE(again.ok()) << again.status().ToString();
+  EXPECT_FALSE(*again);
+  const auto n_layers = static_cast<std::int64_t>(names.size());
+  ASSERT_TRUE(p_.engine->Seal("wl", "D", n_layers).ok());
+  Events events(p_.engine.get());
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("wl"), 0u) << "done with one sealed layer never written";
+  Result<bool> last = p_.engine->WriteLayer("wl", names.back(), "D", local, remote);
+  ASSERT_TRUE(last.ok()) << last.status().ToString();
+  EXPECT_TRUE(*last);
+  TransferEvent e = events.Wait("wl");
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.bytes, bytes);
+  EXPECT_LT(e.batches, n_layers) << "the call's layers shared batches";
+  ExpectBytes(d_.buffer->Snapshot(), expected, touched);
+  EXPECT_EQ(p_.buffer->Snapshot(), p_before) << "a WRITE modified its source";
+  events.Poll(20ms);
+  EXPECT_EQ(events.Count("wl"), 1u);
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+}
+
+// Every refusal names what was wrong; the ones about a layer fail the transfer (its caller was
+// told those layers will not arrive), an empty list and a READ id change nothing.
+TEST_F(EnginePair, WriteLayersRefusesBadInputNamingIt) {
+  const std::vector<std::uint8_t> p_before = p_.buffer->Snapshot();
+  const std::vector<std::uint8_t> d_before = d_.buffer->Snapshot();
+  const std::vector<std::int64_t> ids = {4, 1};
+  Events events(p_.engine.get());
+  auto expect_refused = [&](const std::string& id, const std::vector<std::string>& layers,
+                            std::span<const std::int64_t> local, std::uint64_t cuda_event,
+                            StatusCode code, const std::string& named) {
+    SCOPED_TRACE(id);
+    Result<bool> r = p_.engine->WriteLayers(id, layers, "D", local, ids, cuda_event);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), code) << r.status().ToString();
+    EXPECT_NE(r.status().ToString().find(named), std::string::npos) << r.status().ToString();
+    EXPECT_NE(r.status().ToString().find("'" + id + "'"), std::string::npos)
+        << r.status().ToString();
+    EXPECT_EQ(events.Wait(id).state, TransferState::kFailed);
+  };
+  const std::vector<std::string> none;
+  Result<bool> empty = p_.engine->WriteLayers("wl-none", none, "D", ids, ids);
+  EXPECT_EQ(empty.status().code(), StatusCode::kInvalidArgument);
+  ExpectNothingHappened(p_before, d_before);
+
+  expect_refused("wl-unknown", {"attn.0", "nope"}, ids, 0, StatusCode::kNotFound, "'nope'");
+  expect_refused("wl-twice", {"attn.0", "mla.0", "attn.0"}, ids, 0, StatusCode::kInvalidArgument,
+                 "'attn.0' listed twice");
+  const std::vector<std::int64_t> out_of_range = {4, 99};
+  expect_refused("wl-id", {"attn.0", "mla.0"}, out_of_range, 0, StatusCode::kOutOfRange, "99");
+  expect_refused("wl-event", {"attn.0", "mla.0"}, ids, 0x1234, StatusCode::kFailedPrecondition,
+                 "layer 'attn.0'");
+  EXPECT_EQ(d_.buffer->Snapshot(), d_before) << "a refused call moved bytes";
+
+  // A READ id: refused, the READ untouched.
+  ASSERT_TRUE(p_.engine->Read("rd", "D", ids, ids).ok());
+  const std::vector<std::string> one = {"attn.0"};
+  Result<bool> on_read = p_.engine->WriteLayers("rd", one, "D", ids, ids);
+  EXPECT_EQ(on_read.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(events.Wait("rd").state, TransferState::kDone);
+
+  // Some of the layers written before, not all: an ambiguous retry, refused naming the layer.
+  ASSERT_TRUE(p_.engine->WriteLayer("wl-part", "attn.0", "D", ids, ids).value());
+  expect_refused("wl-part", {"mla.0", "attn.0"}, ids, 0, StatusCode::kInvalidArgument,
+                 "layer 'attn.0' was scheduled before");
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+}
+
 // ---- timing marks (trace_marks.hpp) ------------------------------------------------------------
 
 // The marks' names, in recording order, of the calling thread (the loopback backend records none).

@@ -378,6 +378,116 @@ TEST(TransferTrackerWrite, ASealOvertakingItsWritesWaitsForThem) {
   ExpectNoEvent(t, "failed, one write in flight");
 }
 
+// Several layers scheduled by one call (Engine::WriteLayers): each counts towards the seal, and
+// the transfer cannot end while the call still adds their batches, even when every batch added
+// so far completed and the seal is met.
+TEST(TransferTrackerWrite, BeginWritesHoldsTheTransferUntilEndWrites) {
+  TransferTracker t(kLongTimeout, 16);
+  ASSERT_TRUE(t.Seal("req", "decode-0", 3).ok());
+  const std::vector<std::string> first = {"l0", "l1"};
+  Result<bool> began = t.BeginWrites("req", first, "decode-0");
+  ASSERT_TRUE(began.ok()) << began.status().ToString();
+  EXPECT_TRUE(*began);
+  Result<std::uint64_t> a = t.AddBatch("req", 100, 2, BatchShape::kStamped);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  t.OnBatchComplete(*a, Status::OK());
+  ExpectNoEvent(t, "held, one batch done");
+  Result<std::uint64_t> b = t.AddBatch("req", 50, 1);
+  ASSERT_TRUE(b.ok()) << b.status().ToString();
+  t.EndWrites("req");
+  t.OnBatchComplete(*b, Status::OK());
+  ExpectNoEvent(t, "two of three sealed layers");
+  t.OnBatchComplete(Schedule(t, "req", "l2"), Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kDone) << e.message;
+  EXPECT_EQ(e.batches, 3);
+  EXPECT_EQ(e.stamped_batches, 1);
+  EXPECT_EQ(e.bytes, 250);
+
+  // A held WRITE whose batches all completed ends as soon as the hold is released.
+  ASSERT_TRUE(t.Seal("quick", "decode-0", 2).ok());
+  ASSERT_TRUE(t.BeginWrites("quick", first, "decode-0").value());
+  t.OnBatchComplete(t.AddBatch("quick", 1, 1).value(), Status::OK());
+  ExpectNoEvent(t, "held after its last batch");
+  t.EndWrites("quick");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kDone);
+  t.EndWrites("quick");  // ended: ignored
+  ExpectNoEvent(t, "a second release");
+}
+
+TEST(TransferTrackerWrite, BeginWritesRefusalsNameTheLayerAndFailOnlyWhatTheySay) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::vector<std::string> none;
+  const std::vector<std::string> twice = {"l0", "l1", "l0"};
+  EXPECT_EQ(t.BeginWrites("req", none, "decode-0").status().code(), StatusCode::kInvalidArgument);
+  Result<bool> dup = t.BeginWrites("req", twice, "decode-0");
+  EXPECT_EQ(dup.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(dup.status().message().find("'l0' is named twice"), std::string::npos)
+      << dup.status().ToString();
+  EXPECT_EQ(t.pending(), 0u) << "refused before anything was recorded";
+  ASSERT_TRUE(t.BeginRead("rd", "decode-0").ok());
+  const std::vector<std::string> two = {"l0", "l1"};
+  EXPECT_EQ(t.BeginWrites("rd", two, "decode-0").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(t.AddBatch("rd", 1, 1).ok()) << "the READ is untouched, still open";
+
+  // The same layers again (a retry) change nothing; some of them again is ambiguous.
+  const std::uint64_t l0 = Schedule(t, "w", "l0");
+  const std::vector<std::string> again = {"l0"};
+  EXPECT_FALSE(t.BeginWrites("w", again, "decode-0").value());
+  Result<bool> partial = t.BeginWrites("w", two, "decode-0");
+  EXPECT_EQ(partial.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(partial.status().message().find("layer 'l0' was scheduled before"), std::string::npos)
+      << partial.status().ToString();
+  t.OnBatchComplete(l0, Status::OK());
+  TransferEvent failed = OnlyEvent(t);
+  EXPECT_EQ(failed.state, TransferState::kFailed);
+  EXPECT_EQ(failed.transfer_id, "w");
+
+  // More layers than the seal said: the first one past it is named, the transfer fails.
+  ASSERT_TRUE(t.Seal("s", "decode-0", 1).ok());
+  Result<bool> extra = t.BeginWrites("s", two, "decode-0");
+  EXPECT_EQ(extra.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(extra.status().message().find("layer 'l1' is one more"), std::string::npos)
+      << extra.status().ToString();
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
+
+  // Another peer than the transfer's fails it.
+  t.OnBatchComplete(Schedule(t, "p", "l0"), Status::OK());
+  const std::vector<std::string> next = {"l1"};
+  EXPECT_EQ(t.BeginWrites("p", next, "decode-9").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
+}
+
+// An abort (or a deadline) while a call still adds batches stops it: the next AddBatch is
+// refused, and the transfer ends aborted once the hold is released and its batches drained.
+TEST(TransferTrackerWrite, AHeldWriteTakesNoBatchAfterItsAbort) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::vector<std::string> two = {"l0", "l1"};
+  ASSERT_TRUE(t.BeginWrites("req", two, "decode-0").value());
+  const std::uint64_t a = t.AddBatch("req", 1, 1).value();
+  ASSERT_TRUE(t.Abort("req").ok());
+  EXPECT_EQ(t.AddBatch("req", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  t.EndWrites("req");
+  ExpectNoEvent(t, "aborted, one batch in flight");
+  t.OnBatchComplete(a, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kAborted);
+  EXPECT_EQ(e.batches, 1);
+  // A failed batch stops the call's later batches too.
+  ASSERT_TRUE(t.BeginWrites("f", two, "decode-0").value());
+  t.OnBatchComplete(t.AddBatch("f", 1, 1).value(), TransportError("link down"));
+  EXPECT_EQ(t.AddBatch("f", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  ExpectNoEvent(t, "failed while held");
+  t.EndWrites("f");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
+  // The deadline's first phase stops it as well.
+  ASSERT_TRUE(t.BeginWrites("late", two, "decode-0").value());
+  t.ExpireDeadlines(TransferTracker::Clock::now() + 2 * kLongTimeout);
+  EXPECT_EQ(t.AddBatch("late", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+  t.EndWrites("late");
+  EXPECT_EQ(OnlyEvent(t).state, TransferState::kTimedOut);
+}
+
 // ---- waiting in Drain -----------------------------------------------------------------------
 
 // Drain's wait spins while a transfer's last batches are in flight and sleeps otherwise; either

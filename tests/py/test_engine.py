@@ -83,6 +83,37 @@ def test_write_pushes_each_layer_and_completes_once_after_seal(pair) -> None:
     assert ep.poll_events(timeout=0.1) == []
 
 
+def test_write_layers_pushes_several_layers_in_one_call(pair) -> None:
+    prefill, decode, ep, _ = pair
+    local, remote = [0, 1, 2, 11], [2, 4, 8, 19]
+    expected = kc.expected_after_copy(decode, prefill, remote, local)
+    names = [shape.name for shape in prefill.shapes]
+    assert ep.write_layers("req-wl", names[:-1], "decode-0", local, remote) is True
+    assert ep.write_layers("req-wl", names[:-1], "decode-0", local, remote) is False  # a retry
+    ep.seal("req-wl", "decode-0", expected_writes=len(names))
+    assert ep.wait(["req-wl"], timeout=0.3) == {}  # one sealed layer not written yet
+    assert ep.write_layers("req-wl", names[-1:], "decode-0", local, remote) is True
+    event = ep.wait(["req-wl"], timeout=10)["req-wl"]
+    assert event.state == "done"
+    assert event.bytes == len(local) * prefill.total_block_bytes()
+    assert event.batches < len(names)  # the first call's layers shared batches
+    assert np.array_equal(decode.backing, expected)
+    assert ep.poll_events(timeout=0.2) == []  # exactly one event
+
+
+def test_write_layers_refusal_names_the_layer_and_fails_the_transfer(pair) -> None:
+    prefill, decode, ep, _ = pair
+    before = decode.backing.copy()
+    with pytest.raises(mn.InvalidArgumentError, match="no layers"):
+        ep.write_layers("req-none", [], "decode-0", [0], [0])
+    assert ep.poll_events(timeout=0.1) == []  # nothing created
+    first = prefill.shapes[0].name
+    with pytest.raises(mn.NotFoundError, match="'nope'"):
+        ep.write_layers("req-bad", [first, "nope"], "decode-0", [0], [0])
+    assert ep.wait(["req-bad"], timeout=5)["req-bad"].state == "failed"
+    assert np.array_equal(decode.backing, before)
+
+
 def test_seal_saying_nothing_to_send_completes_immediately(pair) -> None:
     _, _, ep, _ = pair
     ep.seal("req-empty", "decode-0", expected_writes=0)

@@ -67,6 +67,11 @@ class Engine:
         self.calls.append(("write_layer", tid, layer, peer, k.get("segments"), handle))
         return True
 
+    def write_layers(self, tid: str, layers: list[str], peer: str, *a: Any, **k: Any) -> bool:
+        handle = a[2] if len(a) > 2 else k.get("cuda_event", 0)
+        self.calls.append(("write_layers", tid, tuple(layers), peer, handle))
+        return True
+
     def seal(self, tid: str, peer: str, *, expected_writes: int) -> None:
         self.calls.append(("seal", tid, peer, expected_writes))
 
@@ -383,6 +388,55 @@ class LayerEvent:
 
     def synchronize(self) -> None:
         self.host_waits += 1
+
+    def query(self) -> bool:
+        """Whether the work before the event completed (a real event's non-blocking check)."""
+        return self.completed
+
+    completed = True
+
+
+@pytest.mark.parametrize("device_waits", [True, False])
+def test_layers_computed_before_the_decode_blocks_arrive_go_in_one_engine_call(
+    device_waits: bool,
+) -> None:
+    """The decode's blocks arrive after the forward (a short prompt): every layer is pending
+    at once, and the writer posts the ones already computed in ONE ``write_layers`` call (one
+    plan, a few batches) instead of a call per layer. A layer whose event has not completed
+    yet keeps its own ``write_layer`` with the event's handle, so its copy still waits for it
+    on the GPU; for a peer whose copies cannot wait on the GPU every event is waited for on
+    the host first and all go in the one call. Prefill TP 1 -> decode TP 1, whole blocks."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    engine.waits_for_device_events = lambda peer: device_waits  # type: ignore[attr-defined]
+    ctx.sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    events = {layer: LayerEvent(0x1000 + i) for i, layer in enumerate(DENSE)}
+    events["attn.1"].completed = False  # its compute is still running on the GPU
+    for layer, ev in events.items():
+        pusher.layer_saved(layer, ev)
+    after_forward = LayerEvent(0x2000)
+    pusher.forward_done([*DENSE, *WHOLE], after_forward)
+    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    assert answer_handshakes(directory, DECODE, 1, "WRITE") == [0]
+    pusher.feed_writer()  # what a handshake completed on its own thread does
+    run_writer(ctx, pusher)
+    posts = [c for c in engine.calls if c[0] in ("write_layers", "write_layer", "seal")]
+    if device_waits:
+        assert posts == [
+            ("write_layers", "tx-7", ("attn.0", "mla"), "d:8000/dp0/tp0", 0),
+            ("write_layer", "tx-7", "attn.1", "d:8000/dp0/tp0", None, 0x1001),
+            ("seal", "tx-7", "d:8000/dp0/tp0", 3),
+        ]
+        assert pusher._jobs["tx-7"].device_events == [events["attn.1"]]
+    else:
+        assert posts == [
+            ("write_layers", "tx-7", ("attn.0", "attn.1", "mla"), "d:8000/dp0/tp0", 0),
+            ("seal", "tx-7", "d:8000/dp0/tp0", 3),
+        ]
+        assert pusher._jobs["tx-7"].device_events == []
+    waits = [ev.host_waits for ev in (*events.values(), after_forward)]
+    assert waits == ([0, 0, 0] if device_waits else [1, 1, 1])
 
 
 @pytest.mark.parametrize("device_waits", [True, False])

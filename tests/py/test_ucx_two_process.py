@@ -181,9 +181,12 @@ def test_decode_reads_from_prefill_process(prefill_child: Child, options: dict[s
     np.testing.assert_array_equal(decode.backing, expected)
 
 
+@pytest.mark.parametrize("call", ["write_layer", "write_layers"])
 def test_prefill_writes_layer_by_layer_into_decode_process(
-    decode_child: Child, options: dict[str, str]
+    decode_child: Child, options: dict[str, str], call: str
 ) -> None:
+    """Every layer pushed, by a write_layer each or by one write_layers call (the layers
+    batched together), then sealed: the decode process holds exactly the expected bytes."""
     prefill = _caches("prefill")
     engine = mn.Engine("prefill-0", "ucx", options)
     engine.register_kv_caches(prefill.registrations())
@@ -193,9 +196,13 @@ def test_prefill_writes_layer_by_layer_into_decode_process(
     local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
     expected = kc.expected_after_copy(decode_replica, prefill, remote, local)
     assert not np.array_equal(decode_replica.backing, expected)
-    for shape in prefill.shapes:
-        assert engine.write_layer("req-w", shape.name, "decode-child", local, remote) is True
-    engine.seal("req-w", "decode-child", expected_writes=len(prefill.shapes))
+    names = [shape.name for shape in prefill.shapes]
+    if call == "write_layers":
+        assert engine.write_layers("req-w", names, "decode-child", local, remote) is True
+    else:
+        for name in names:
+            assert engine.write_layer("req-w", name, "decode-child", local, remote) is True
+    engine.seal("req-w", "decode-child", expected_writes=len(names))
     event = engine.wait(["req-w"], timeout=TIMEOUT)["req-w"]
     assert (event.kind, event.state) == ("write", "done"), event.message
     assert event.bytes == len(local) * prefill.total_block_bytes()
@@ -351,12 +358,16 @@ def _gpu_prefill_of(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(cuda_decode_child: Child) -> None:
+@pytest.mark.parametrize("call", ["write_layer", "write_layers"])
+def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(
+    cuda_decode_child: Child, call: str
+) -> None:
     """``write_layer(..., cuda_event=...)`` right after enqueuing the work that produces the
     layer (here: ~0.1 s of spinning, then the new bytes copied in), as the vLLM connector does
     when the engine says it can: every layer's copy waits for its event on the GPU, so the
     decode process receives the new bytes, never the ones that were there when the call came
-    (without the events this test fails: the copies run during the spin)."""
+    (without the events this test fails: the copies run during the spin). ``write_layers``:
+    every layer in one call behind one event, each of its batches waiting for it."""
     import torch
 
     prefill, gpu, engine = _gpu_prefill_of(cuda_decode_child, {})
@@ -369,24 +380,30 @@ def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(cuda_decode_child:
     local, remote = [0, 1, 2, 11, 4], [2, 4, 8, 19, 0]
     # A first WRITE, without events, makes what the copies set up lazily (some of it
     # synchronises the whole device, which would order the copies below by accident).
-    for shape in prefill.shapes:
-        assert engine.write_layer("req-warm", shape.name, "decode-child", [5], [5])
-    engine.seal("req-warm", "decode-child", expected_writes=len(prefill.shapes))
+    names = [shape.name for shape in prefill.shapes]
+    if call == "write_layers":
+        assert engine.write_layers("req-warm", names, "decode-child", [5], [5])
+    else:
+        for name in names:
+            assert engine.write_layer("req-warm", name, "decode-child", [5], [5])
+    engine.seal("req-warm", "decode-child", expected_writes=len(names))
     assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
     warmed = _caches("decode")
     warmed.backing[:] = kc.expected_after_copy(warmed, prefill, [5], [5])
     expected = kc.expected_after_copy(warmed, produced, remote, local)
     torch.cuda._sleep(200_000_000)  # about 0.1 s at the H200's clock
     gpu.backing.copy_(produced_on_gpu)
-    events = []
-    for shape in prefill.shapes:
-        ev = torch.cuda.Event()
-        ev.record()
-        events.append(ev)
-        assert engine.write_layer(
-            "req-ev", shape.name, "decode-child", local, remote, ev.cuda_event
+    events = [torch.cuda.Event() for _ in (names if call == "write_layer" else [call])]
+    if call == "write_layers":
+        events[0].record()
+        assert engine.write_layers(
+            "req-ev", names, "decode-child", local, remote, events[0].cuda_event
         )
-    engine.seal("req-ev", "decode-child", expected_writes=len(prefill.shapes))
+    else:
+        for name, ev in zip(names, events, strict=True):
+            ev.record()
+            assert engine.write_layer("req-ev", name, "decode-child", local, remote, ev.cuda_event)
+    engine.seal("req-ev", "decode-child", expected_writes=len(names))
     event = engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"]
     assert (event.kind, event.state) == ("write", "done"), event.message
     np.testing.assert_array_equal(cuda_decode_child.backing(), expected)

@@ -707,6 +707,39 @@ def test_write_announced_after_the_prefill_gave_up_is_recomputed_at_once(
     assert d.free_blocks() == d.initial_free
 
 
+def test_write_announced_after_the_forward_posts_every_layer_in_one_call(
+    sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The decode's blocks arrive after the prefill's forward (the decode leg came later):
+    every layer is pending at once, and the prefill posts them in ONE write_layers call (one
+    plan, a few batches) instead of a write_layer per layer; the decode gets every byte and
+    both sides free every block."""
+    import moriio_native as mn
+
+    p, d = make_pair(sides, model_dir, "write")
+    posted: list[list[str]] = []
+    real = mn.Engine.write_layers
+
+    def write_layers(self: Any, tid: str, layers: list[str], *a: Any, **k: Any) -> bool:
+        posted.append(list(layers))
+        return real(self, tid, layers, *a, **k)
+
+    monkeypatch.setattr(mn.Engine, "write_layers", write_layers)
+    prompt = prompt_of(45, seed=53)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()  # the forward ran; no decode blocks known yet
+    assert posted == []
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()  # allocates and announces its blocks
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    assert len(posted) == 1 and sorted(posted[0]) == sorted(p.layer_names)
+    d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+
+
 def test_write_posts_each_layer_only_after_its_event(
     sides: list[Side], model_dir: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -33,7 +33,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
+
+import numpy as np
 
 from moriio_native.control.messages import KvGroup
 from moriio_native.errors import IncompatiblePeerError, InvalidArgumentError
@@ -74,6 +77,15 @@ class Segment:
     local_token_begin: int = 0
     remote_token_begin: int = 0
     tokens: int | None = None
+
+    @cached_property
+    def block_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(local, remote) block ids as int64 arrays, made once: every layer of the group
+        passes the same ones to the engine."""
+        return (
+            np.asarray(self.local_blocks, dtype=np.int64),
+            np.asarray(self.remote_blocks, dtype=np.int64),
+        )
 
 
 def _tokens_per_state(group: KvGroup) -> str:

@@ -264,6 +264,10 @@ class _Send:
     released: _Releases = field(default_factory=_Releases)
 
 
+# (local, remote) block ids of a whole-block write, int64 arrays.
+WholeBlocks = tuple[np.ndarray, np.ndarray]
+
+
 @dataclass
 class _Job:
     transfer_id: str  # the engine transfer's (see job_transfer_id)
@@ -449,7 +453,9 @@ def job_transfer_id(transfer_id: str, decode_rank: int, tp_rank: int) -> str:
     return transfer_id if decode_rank == tp_rank else f"{transfer_id}#d{decode_rank}"
 
 
-# ("write", job, layer, (event or None, segments or None)) or ("seal", job, "", writes queued).
+# ("write", job, layer, (event or None, segments or None)), ("writes", job, "", ((local ids,
+# remote ids), [(layer, event or None), ...])) for several layers moving the same whole blocks,
+# or ("seal", job, "", writes queued).
 WriterOp = tuple[str, _Job, str, Any]
 
 
@@ -692,7 +698,18 @@ class Pusher:
             return
         if state is not JobState.WRITING:
             return
+        self._stage_writes(job)
+        job.pending = []
+        if job.forward_done:
+            job.machine.advance(JobEvent.SEAL)
+            self._staged.append(("seal", job, "", job.submitted))
+
+    def _stage_writes(self, job: _Job) -> None:
+        """Stage the writes of the job's pending layers (lock held). Layers that move the same
+        whole blocks go as one "writes" op when there are several of them (their forward ran
+        before the decode's blocks arrived), so the writer posts them in one engine call."""
         local, remote = job.block_ids or (np.empty(0, np.int64), np.empty(0, np.int64))
+        whole: dict[int, tuple[WholeBlocks, list[tuple[str, Any]]]] = {}
         for layer, event in job.pending:
             if job.segments is not None and not job.segments.get(layer):
                 continue  # nothing of this layer's group is written
@@ -706,12 +723,29 @@ class Pusher:
                 segments = write_segments(job.plan, self._ctx.cfg, job.decode_rank, layer, base)
                 if segments == []:
                     continue  # a whole layer another prefill rank writes to this decode rank
-            self._staged.append(("write", job, layer, (event, segments)))
+            ids = None if segments is not None else self._whole_blocks(job, layer)
+            if ids is None:
+                self._staged.append(("write", job, layer, (event, segments)))
+            else:
+                whole.setdefault(id(ids[0]), (ids, []))[1].append((layer, event))
             job.submitted += 1
-        job.pending = []
-        if job.forward_done:
-            job.machine.advance(JobEvent.SEAL)
-            self._staged.append(("seal", job, "", job.submitted))
+        for ids, layers in whole.values():
+            if len(layers) > 1:
+                self._staged.append(("writes", job, "", (ids, layers)))
+            else:
+                (layer, event), *_ = layers
+                self._staged.append(("write", job, layer, (event, None)))
+
+    @staticmethod
+    def _whole_blocks(job: _Job, layer: str) -> WholeBlocks | None:
+        """The (local, remote) block ids ``layer`` moves as whole blocks, one array object per
+        group of layers that move the same ones; None when its write is cut into windows."""
+        if job.segments is None:
+            return job.block_ids
+        segments = job.segments[layer]
+        if len(segments) != 1 or segments[0].tokens is not None:
+            return None
+        return segments[0].block_arrays
 
     def _ready_grouped(self, job: _Job) -> None:
         """A grouped job has both sides' blocks (lock held): the decode must need no more
@@ -1458,6 +1492,80 @@ class Pusher:
         event.synchronize()
         return 0
 
+    def _split_computed(
+        self, layers: list[tuple[str, Any]], peer: Peer
+    ) -> tuple[list[str], list[tuple[str, Any]]]:
+        """``layers`` (name, event or None) split into those whose KV is computed now, which
+        can go in one ``write_layers`` call without an event, and the rest, each for its own
+        ``write_layer`` whose copy waits for its event on the GPU. Computed: no event (a CPU
+        forward), an event that already completed, or, for a peer whose copies cannot wait on
+        the GPU, an event waited for here."""
+        computed: list[str] = []
+        waiting: list[tuple[str, Any]] = []
+        device_waits: bool | None = None
+        for layer, event in layers:
+            if event is None:
+                computed.append(layer)
+                continue
+            if device_waits is None:
+                device_waits = self._ctx.engine().waits_for_device_events(peer.engine_peer)
+            if device_waits and not event.query():
+                waiting.append((layer, event))
+                continue
+            if not device_waits:
+                event.synchronize()
+            computed.append(layer)
+        return computed, waiting
+
+    def _post_layers(
+        self,
+        job: _Job,
+        peer: Peer,
+        ids: WholeBlocks,
+        computed: list[str],
+        waiting: list[tuple[str, Any]],
+    ) -> None:
+        """Post a "writes" op (lock held): the computed layers in one call, then each layer
+        still computing with its event's handle."""
+        local_ids, remote_ids = ids
+        engine = self._ctx.engine()
+        if computed:
+            engine.write_layers(job.transfer_id, computed, peer.engine_peer, local_ids, remote_ids)
+        for layer, event in waiting:
+            job.device_events.append(event)
+            engine.write_layer(
+                job.transfer_id,
+                layer,
+                peer.engine_peer,
+                local_ids,
+                remote_ids,
+                int(event.cuda_event),
+            )
+
+    def _post_layer(
+        self, job: _Job, peer: Peer, layer: str, arg: tuple[Any, Any], handle: int
+    ) -> None:
+        """Post a "write" op (lock held): one layer, its copy waiting on the GPU for the
+        event of ``handle`` when not 0 (the event is then held until the job drained)."""
+        event, segments = arg
+        engine = self._ctx.engine()
+        if handle:
+            job.device_events.append(event)
+        if segments is not None:
+            engine.write_layer(
+                job.transfer_id, layer, peer.engine_peer, cuda_event=handle, segments=segments
+            )
+        elif job.segments is not None:
+            post_write_layer(
+                engine, job.transfer_id, layer, peer.engine_peer, job.segments[layer], handle
+            )
+        else:
+            assert job.block_ids is not None
+            local_ids, remote_ids = job.block_ids
+            engine.write_layer(
+                job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids, handle
+            )
+
     def writer_loop(self) -> None:
         ctx = self._ctx
         live = (JobState.WRITING, JobState.SEALED)
@@ -1473,36 +1581,16 @@ class Pusher:
                 assert peer is not None
             try:
                 handle = self._layer_event_handle(arg[0], peer) if op == "write" else 0
+                split = self._split_computed(arg[1], peer) if op == "writes" else ([], [])
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
                     if job.state not in live:
                         continue
-                    if handle:
-                        job.device_events.append(arg[0])
-                    if op == "write" and arg[1] is not None:
-                        ctx.engine().write_layer(
-                            job.transfer_id,
-                            layer,
-                            peer.engine_peer,
-                            cuda_event=handle,
-                            segments=arg[1],
-                        )
-                    elif op == "write" and job.segments is not None:
-                        post_write_layer(
-                            ctx.engine(),
-                            job.transfer_id,
-                            layer,
-                            peer.engine_peer,
-                            job.segments[layer],
-                            handle,
-                        )
+                    if op == "writes":
+                        self._post_layers(job, peer, arg[0], *split)
                     elif op == "write":
-                        assert job.block_ids is not None
-                        local_ids, remote_ids = job.block_ids
-                        ctx.engine().write_layer(
-                            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids, handle
-                        )
+                        self._post_layer(job, peer, layer, arg, handle)
                     else:
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
