@@ -248,7 +248,7 @@ class _EarlyReleases:
 
     def expire(self, now: float, lifetime: float) -> None:
         """Forgets the records first seen more than ``lifetime`` seconds before ``now``."""
-        while self._records and now - next(iter(self._records.values()))[0] > lifetime:
+        while self._records and now - next(iter(self._records.values()))[_SEEN] > lifetime:
             self._forget_oldest()
 
     def _forget_oldest(self) -> None:
@@ -346,6 +346,8 @@ class _Ended:
 # sees it, so a flood that fills the orphans adds nothing to the collector's work (a _Job with
 # its machine, lists, set, dict and message did: 20,579 tracked objects for 4,096 orphans).
 _Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
+# The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole).
+_SEEN, _IDS, _REASON = 0, 3, 7
 
 
 def _new_orphan(
@@ -388,7 +390,7 @@ class _Orphans:
         """Keeps ``orphan`` as ``jid``'s (in its place when it replaces one); past the bounds
         the oldest are dropped, ``orphan`` too when its announcement alone passes them."""
         old = self._records.get(jid)
-        self._ids += orphan[3] - (old[3] if old is not None else 0)
+        self._ids += orphan[_IDS] - (old[_IDS] if old is not None else 0)
         self._records[jid] = orphan
         while len(self._records) > MAX_EARLY_MESSAGES or self._ids > MAX_ORPHAN_BLOCK_IDS:
             self._forget_oldest()
@@ -414,7 +416,7 @@ class _Orphans:
 
     def states(self) -> dict[str, JobState]:
         failed, waiting = JobState.FAILED, JobState.PENDING
-        return {jid: failed if o[7] else waiting for jid, o in self._records.items()}
+        return {jid: failed if o[_REASON] else waiting for jid, o in self._records.items()}
 
     def expire(self, now: float, lifetime: float) -> None:
         """Forgets the orphans first seen more than ``lifetime`` seconds before ``now``."""
@@ -423,7 +425,7 @@ class _Orphans:
 
     def _forget_oldest(self) -> None:
         _, orphan = self._records.popitem(last=False)
-        self._ids -= orphan[3]
+        self._ids -= orphan[_IDS]
 
 
 _M = TypeVar("_M", RemoteBlocks, AbortWrite)
