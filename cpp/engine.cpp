@@ -1219,23 +1219,26 @@ Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const s
     }
   }
   trace::Record(trace::Mark::kLayersPlanned);
-  MORIIO_ASSIGN_OR_RETURN(bool began, d.tracker->BeginWrites(transfer_id, names, (*peer)->id));
+  const std::string id(transfer_id);  // made before the hold: releasing it allocates nothing
+  MORIIO_ASSIGN_OR_RETURN(bool began, d.tracker->BeginWrites(id, names, (*peer)->id));
   if (!began) return false;
   // The transfer cannot end while its batches are still being added; released on every exit.
-  struct EndWrites {
+  struct WriteHold {
     detail::TransferTracker& tracker;
-    std::string_view id;
-    ~EndWrites() { tracker.EndWrites(id); }
-  } end_writes{*d.tracker, transfer_id};
+    const std::string& id;
+    ~WriteHold() { tracker.EndWrites(id); }
+  } hold{*d.tracker, id};
   auto add = [&](std::int64_t bytes, std::int64_t runs, BatchShape shape) {
-    return d.tracker->AddBatch(transfer_id, bytes, runs, shape);
+    return d.tracker->AddBatch(id, bytes, runs, shape);
   };
   try {
-    Status st = d.SubmitPlanned(TransferOp::kWrite, **peer, planned, transfer_id, cuda_event, add);
-    if (!st.ok()) (void)d.tracker->FailWrite(transfer_id, (*peer)->id, st.WithContext(ctx));
-  } catch (const std::bad_alloc&) {
-    (void)d.tracker->FailWrite(transfer_id, (*peer)->id,
-                               AbortedError("out of memory while planning the layers"));
+    Status st = d.SubmitPlanned(TransferOp::kWrite, **peer, planned, id, cuda_event, add);
+    if (!st.ok()) (void)d.tracker->FailWrite(id, (*peer)->id, st.WithContext(ctx));
+  } catch (...) {
+    // Every layer is recorded as scheduled: without this the batches added so far could end
+    // the transfer done with the others never sent.
+    (void)d.tracker->FailWrite(id, (*peer)->id,
+                               AbortedError("planning the layers threw (out of memory?)"));
     throw;
   }
   return true;

@@ -107,14 +107,14 @@ Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
   return true;
 }
 
-void TransferTracker::EndWrites(std::string_view id_view) {
-  std::string id(id_view);
+void TransferTracker::EndWrites(const std::string& id) {
   std::lock_guard lock(mu_);
   auto it = pending_.find(id);
   if (it != pending_.end()) EndWritesLocked(id, it->second);
 }
 
 void TransferTracker::EndWritesLocked(const std::string& id, Transfer& t) {
+  MORIIO_CHECK(t.writers > 0, "EndWrites without its BeginWrites");
   --t.writers;
   MaybeFinishLocked(id, t);
 }
@@ -286,9 +286,12 @@ void TransferTracker::ExpireDeadlines(Clock::time_point now) {
       t.open = false;
       t.deadline = now + timeout_;
       MaybeFinishLocked(id, t);
-    } else if (t.timed_out && t.deadline <= now) {
+    } else if (t.timed_out && t.deadline <= now && t.writers == 0) {
       // Phase 2: the transport has not finished them; end anyway rather than hang, but the
       // destination is quarantined: the event says so, and DrainQuarantine reports the drain.
+      // Not while a WriteLayers call holds it: the call never waits for the transport, and
+      // ending under it would quarantine nothing in flight (never drained) or let its
+      // EndWrites reach a new transfer of the same id.
       const std::int64_t in_flight = t.in_flight;
       quarantined_[id] = Quarantined{t.kind, t.peer, t.start, in_flight};
       FinishLocked(id, t, t.aborted ? TransferState::kAborted : TransferState::kTimedOut,

@@ -32,7 +32,8 @@ enum class BatchShape { kRuns, kStamped, kCells };
 /// - a terminal event is reported only when none of the transfer's batches is in flight (the
 ///   backend contract: a batch completes once none of its operations can write any more). Past
 ///   its deadline a transfer ends as timed out once its batches drain; after a second timeout
-///   period it ends regardless, with `drained` false: its destination is QUARANTINED, and once
+///   period it ends regardless (unless a BeginWrites call still holds it), with `drained` false:
+///   its destination is QUARANTINED, and once
 ///   its last batch completed the id is reported exactly once by PollDrained;
 /// - aborted beats timed out beats failed beats done; done needs a seal (WRITE), every expected
 ///   write scheduled and every batch finished;
@@ -64,7 +65,8 @@ class TransferTracker {
                                                      BatchShape shape = BatchShape::kRuns);
   /// WRITE: atomically records that the distinct `layers` of `id` are scheduled (creating the
   /// transfer) and holds it open for their batches: AddBatch adds them, EndWrites releases the
-  /// hold; the transfer cannot end (but by its deadline's quarantine) while held. Returns false,
+  /// hold; the transfer cannot end while held (past its deadline it ends timed out when the
+  /// hold is released; the deadline's quarantine waits for that). Returns false,
   /// recording nothing, when every one of `layers` was scheduled before or the transfer is
   /// failed, aborted, timed out or terminal. InvalidArgument (nothing recorded) when `id` is a
   /// READ or `layers` is empty or names a layer twice; InvalidArgument that also fails the
@@ -73,7 +75,8 @@ class TransferTracker {
   Result<bool> BeginWrites(std::string_view id, std::span<const std::string> layers,
                            std::string_view peer);
   /// WRITE: releases BeginWrites' hold; the transfer ends now if it can. Unknown ids: ignored.
-  void EndWrites(std::string_view id);
+  /// Allocates nothing (a caller's destructor may call it).
+  void EndWrites(const std::string& id);
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers for this transfer
   /// (before or after this call); it is done once they all completed. 0 says "nothing to send"
   /// and completes an unwritten transfer at once. Creates the transfer when none exists.

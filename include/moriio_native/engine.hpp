@@ -210,13 +210,13 @@ class Engine {
   /// sooner), so a WRITE flushed after the forward pays one plan and a few batches, not a
   /// batch per layer. Checked before anything is recorded: an unknown or repeated layer, a bad
   /// block id, a CUDA event that one of the layers or the peer cannot honour (each named) is
-  /// refused and fails the transfer, as WriteLayer's refusals do; empty `layers` is
-  /// InvalidArgument with no change. Returns false (and does nothing) when every one of
+  /// refused and fails the transfer, as WriteLayer's refusals do; empty `layers` or a READ id
+  /// is InvalidArgument with no change. Returns false (and does nothing) when every one of
   /// `layers` was scheduled before or the transfer failed, was aborted, timed out or is
   /// terminal; some of them scheduled before, but not all, is InvalidArgument that fails the
   /// transfer (an ambiguous retry). `cuda_event`: one event, recorded after the work producing
   /// every one of the layers, that each of their batches waits for on the GPU (as WriteLayer).
-  /// Never blocks on transfer.
+  /// Thread-safe; never blocks on transfer.
   Result<bool> WriteLayers(std::string_view transfer_id, std::span<const std::string> layers,
                            std::string_view peer, std::span<const std::int64_t> local_blocks,
                            std::span<const std::int64_t> remote_blocks,

@@ -488,6 +488,27 @@ TEST(TransferTrackerWrite, AHeldWriteTakesNoBatchAfterItsAbort) {
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kTimedOut);
 }
 
+// Past both deadline periods a transfer a WriteLayers call still holds waits for the call to
+// let go (the call never waits for the transport): ended under it, it would be quarantined
+// with nothing in flight, never drained, and the call's EndWrites could reach a new transfer
+// of the same id once the old one left the terminal history.
+TEST(TransferTrackerDeadline, AHeldWriteOutlivesTheSecondPeriodUntilItsCallLetsGo) {
+  TransferTracker t(kLongTimeout, 1);
+  const std::vector<std::string> two = {"l0", "l1"};
+  ASSERT_TRUE(t.BeginWrites("req", two, "decode-0").value());
+  const TransferTracker::Clock::time_point now = TransferTracker::Clock::now();
+  t.ExpireDeadlines(now + 2 * kLongTimeout);  // the first period
+  t.ExpireDeadlines(now + 4 * kLongTimeout);  // the second one
+  ExpectNoEvent(t, "held past both periods");
+  EXPECT_EQ(t.quarantined(), 0u);
+  t.EndWrites("req");
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kTimedOut);
+  EXPECT_TRUE(e.drained);
+  EXPECT_EQ(t.quarantined(), 0u);
+  EXPECT_TRUE(t.DrainQuarantine(8).empty());
+}
+
 // ---- waiting in Drain -----------------------------------------------------------------------
 
 // Drain's wait spins while a transfer's last batches are in flight and sleeps otherwise; either

@@ -402,20 +402,20 @@ def test_layers_computed_before_the_decode_blocks_arrive_go_in_one_engine_call(
 ) -> None:
     """The decode's blocks arrive after the forward (a short prompt): every layer is pending
     at once, and the writer posts the ones already computed in ONE ``write_layers`` call (one
-    plan, a few batches) instead of a call per layer. A layer whose event has not completed
-    yet keeps its own ``write_layer`` with the event's handle, so its copy still waits for it
-    on the GPU; for a peer whose copies cannot wait on the GPU every event is waited for on
-    the host first and all go in the one call. Prefill TP 1 -> decode TP 1, whole blocks."""
+    plan, a few batches) instead of a call per layer. Layers whose event has not completed
+    yet go in one call per event with its handle, so their copies still wait for it on the
+    GPU (here the two layers whose save hook did not run share the event recorded after the
+    forward); for a peer whose copies cannot wait on the GPU every event is waited for on the
+    host first and all go in the one call. Prefill TP 1 -> decode TP 1, whole blocks."""
     ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
     engine.waits_for_device_events = lambda peer: device_waits  # type: ignore[attr-defined]
     ctx.sender = PortSender()  # type: ignore[assignment]
     pusher = Pusher(ctx)
     pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
-    events = {layer: LayerEvent(0x1000 + i) for i, layer in enumerate(DENSE)}
-    events["attn.1"].completed = False  # its compute is still running on the GPU
-    for layer, ev in events.items():
-        pusher.layer_saved(layer, ev)
+    saved = LayerEvent(0x1000)
+    pusher.layer_saved("attn.0", saved)
     after_forward = LayerEvent(0x2000)
+    after_forward.completed = False  # the forward's tail is still running on the GPU
     pusher.forward_done([*DENSE, *WHOLE], after_forward)
     pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21, 22),), "d:8000/dp0/tp0"))
     assert answer_handshakes(directory, DECODE, 1, "WRITE") == [0]
@@ -424,19 +424,19 @@ def test_layers_computed_before_the_decode_blocks_arrive_go_in_one_engine_call(
     posts = [c for c in engine.calls if c[0] in ("write_layers", "write_layer", "seal")]
     if device_waits:
         assert posts == [
-            ("write_layers", "tx-7", ("attn.0", "mla"), "d:8000/dp0/tp0", 0),
-            ("write_layer", "tx-7", "attn.1", "d:8000/dp0/tp0", None, 0x1001),
+            ("write_layers", "tx-7", ("attn.0",), "d:8000/dp0/tp0", 0),
+            ("write_layers", "tx-7", ("attn.1", "mla"), "d:8000/dp0/tp0", 0x2000),
             ("seal", "tx-7", "d:8000/dp0/tp0", 3),
         ]
-        assert pusher._jobs["tx-7"].device_events == [events["attn.1"]]
+        assert pusher._jobs["tx-7"].device_events == [after_forward]
     else:
         assert posts == [
             ("write_layers", "tx-7", ("attn.0", "attn.1", "mla"), "d:8000/dp0/tp0", 0),
             ("seal", "tx-7", "d:8000/dp0/tp0", 3),
         ]
         assert pusher._jobs["tx-7"].device_events == []
-    waits = [ev.host_waits for ev in (*events.values(), after_forward)]
-    assert waits == ([0, 0, 0] if device_waits else [1, 1, 1])
+    waits = [saved.host_waits, after_forward.host_waits]
+    assert waits == ([0, 0] if device_waits else [1, 2])  # per layer, as before
 
 
 @pytest.mark.parametrize("device_waits", [True, False])

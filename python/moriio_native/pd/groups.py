@@ -80,8 +80,8 @@ class Segment:
 
     @cached_property
     def block_arrays(self) -> tuple[np.ndarray, np.ndarray]:
-        """(local, remote) block ids as int64 arrays, made once: every layer of the group
-        passes the same ones to the engine."""
+        """(local, remote) block ids as int64 arrays, made once: the connector's one call for
+        several layers of the group passes them (and groups those layers by them)."""
         return (
             np.asarray(self.local_blocks, dtype=np.int64),
             np.asarray(self.remote_blocks, dtype=np.int64),

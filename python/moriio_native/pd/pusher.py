@@ -283,7 +283,7 @@ class _Job:
     submitted: int = 0
     forward_done: bool = False
     # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
-    block_ids: tuple[np.ndarray, np.ndarray] | None = None
+    block_ids: WholeBlocks | None = None
     # Grouped jobs (KV-cache groups): each layer's segments, planned once the decode's groups
     # are known from its handshake; a layer without any is not written.
     segments: dict[str, list[Segment]] | None = None
@@ -733,15 +733,17 @@ class Pusher:
             job.submitted += 1
         for ids, layers in whole.values():
             if len(layers) > 1:
-                self._staged.append(("writes", job, "", (ids, layers)))
+                named = f"{layers[0][0]}..{layers[-1][0]} ({len(layers)} layers)"
+                self._staged.append(("writes", job, named, (ids, layers)))
             else:
-                (layer, event), *_ = layers
+                [(layer, event)] = layers
                 self._staged.append(("write", job, layer, (event, None)))
 
     @staticmethod
     def _whole_blocks(job: _Job, layer: str) -> WholeBlocks | None:
         """The (local, remote) block ids ``layer`` moves as whole blocks, one array object per
-        group of layers that move the same ones; None when its write is cut into windows."""
+        group of layers that move the same ones; None when its write is cut into windows (or
+        the job has no whole-block ids)."""
         if job.segments is None:
             return job.block_ids
         segments = job.segments[layer]
@@ -1496,14 +1498,15 @@ class Pusher:
 
     def _split_computed(
         self, layers: list[tuple[str, Any]], peer: Peer
-    ) -> tuple[list[str], list[tuple[str, Any]]]:
+    ) -> tuple[list[str], dict[int, tuple[Any, list[str]]]]:
         """``layers`` (name, event or None) split into those whose KV is computed now, which
-        can go in one ``write_layers`` call without an event, and the rest, each for its own
-        ``write_layer`` whose copy waits for its event on the GPU. Computed: no event (a CPU
-        forward), an event that already completed, or, for a peer whose copies cannot wait on
-        the GPU, an event waited for here."""
+        go in one ``write_layers`` call without an event, and the rest by their event (the
+        layers whose save hook did not run share the one recorded after the forward), each
+        event's layers in one call whose copies wait for it on the GPU. Computed: no event (a
+        CPU forward), an event that already completed, or, for a peer whose copies cannot
+        wait on the GPU, an event waited for here."""
         computed: list[str] = []
-        waiting: list[tuple[str, Any]] = []
+        waiting: dict[int, tuple[Any, list[str]]] = {}
         device_waits: bool | None = None
         for layer, event in layers:
             if event is None:
@@ -1512,7 +1515,7 @@ class Pusher:
             if device_waits is None:
                 device_waits = self._ctx.engine().waits_for_device_events(peer.engine_peer)
             if device_waits and not event.query():
-                waiting.append((layer, event))
+                waiting.setdefault(id(event), (event, []))[1].append(layer)
                 continue
             if not device_waits:
                 event.synchronize()
@@ -1525,19 +1528,20 @@ class Pusher:
         peer: Peer,
         ids: WholeBlocks,
         computed: list[str],
-        waiting: list[tuple[str, Any]],
+        waiting: dict[int, tuple[Any, list[str]]],
     ) -> None:
-        """Post a "writes" op (lock held): the computed layers in one call, then each layer
-        still computing with its event's handle."""
+        """Post a "writes" op (lock held): the computed layers in one call, then the layers
+        still computing, one call per event with its handle (the event held until the job
+        drained)."""
         local_ids, remote_ids = ids
         engine = self._ctx.engine()
         if computed:
             engine.write_layers(job.transfer_id, computed, peer.engine_peer, local_ids, remote_ids)
-        for layer, event in waiting:
+        for event, layers in waiting.values():
             job.device_events.append(event)
-            engine.write_layer(
+            engine.write_layers(
                 job.transfer_id,
-                layer,
+                layers,
                 peer.engine_peer,
                 local_ids,
                 remote_ids,
@@ -1583,7 +1587,7 @@ class Pusher:
                 assert peer is not None
             try:
                 handle = self._layer_event_handle(arg[0], peer) if op == "write" else 0
-                split = self._split_computed(arg[1], peer) if op == "writes" else ([], [])
+                split = self._split_computed(arg[1], peer) if op == "writes" else ([], {})
                 # Posted under the lock (it never waits for the transfer): a job failed
                 # meanwhile (an abort_write already acknowledged) must not start writing.
                 with ctx.lock:
