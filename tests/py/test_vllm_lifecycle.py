@@ -632,7 +632,10 @@ def test_write_prefill_failure_makes_decode_recompute(sides: list[Side], model_d
     def broken_write(*args: object, **kwargs: object) -> bool:
         raise RuntimeError("injected transport failure")
 
+    # Both posts fail: a layer at a time, and several at once (layers computed before the
+    # decode's blocks reached the prefill).
     engine.write_layer = broken_write  # type: ignore[method-assign]
+    engine.write_layers = broken_write  # type: ignore[method-assign]
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
     p.step()
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="failed job reported")
