@@ -54,6 +54,12 @@ phases after the fill grew by at most ``--rss-slack-mib``.
 
     PYTHONPATH=build/dev/python python3 tests/py/connector_flood.py [--rate 6000] [--rounds 100]
 
+``--stages`` (WRITE mode) also times each genuine round's stages (the announcement's and
+write_done's way through the listeners' queues, the prefill's step to its forward, the load),
+the main thread's CPU, run-queue wait and sleeps in them, its waits for the pusher's locks and
+the pusher's time per flood message (:class:`Stages`); printed for the median and the slowest
+rounds, all in the JSON's ``stages``.
+
 ``--remember N`` shrinks the listeners' and the prefill's memories to N entries (production:
 65536) so that a short run fills them; tests/py/test_connector_flood.py runs a short one.
 """
@@ -64,6 +70,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
 import logging
 import multiprocessing as mp
@@ -71,6 +78,7 @@ import os
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -355,6 +363,7 @@ class Result:
     # the measured phases.
     full_collections: dict[str, int] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
+    stages: dict[str, Any] = field(default_factory=dict)  # --stages: Stages.report
     violations: list[str] = field(default_factory=list)
 
 
@@ -367,6 +376,284 @@ def _summary(samples: list[float]) -> dict[str, float]:
         "max": ordered[-1] * 1e3,
         "n": len(ordered),
     }
+
+
+GENUINE_PREFIX = "tx-"  # transfer_id()'s; the flood's are "flood-N"
+# A WRITE round's marks, in order (--stages): the main thread's (start, handshake, announced:
+# the decode's step that sends remote_blocks returned, prefill_added, written: the prefill's
+# finished_sending seen, loaded) and the instances' threads' (ann_read: the prefill's notify
+# listener read the announcement; ann_handled: its notify thread handed it to the pusher;
+# forward: the prefill's first forward_done after the request was added; done_sent: the
+# pusher sent write_done; done_read, done_handled: the decode's listener and notify thread).
+MARKS = (
+    "start",
+    "handshake",
+    "announced",
+    "ann_read",
+    "ann_handled",
+    "prefill_added",
+    "forward",
+    "done_sent",
+    "done_read",
+    "done_handled",
+    "written",
+    "loaded",
+)
+
+# The marks the main thread passes (with "forward", in its forward_done), whose stages --stages
+# splits into the thread's CPU, its run-queue wait and the prefill steps between them.
+MAIN_MARKS = ("start", "handshake", "announced", "prefill_added", "forward", "written", "loaded")
+
+
+def _sleeps() -> float:
+    """The calling thread's voluntary context switches so far: each time it slept (a wait for
+    the GIL, a lock, a sleep, the network)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("voluntary_ctxt_switches"):
+                return float(line.split()[1])
+    return float("nan")
+
+
+def _schedstat_ms() -> tuple[float, float]:
+    """(ms on a CPU, ms runnable but waiting for one) of the calling thread so far."""
+    with open("/proc/thread-self/schedstat") as f:
+        run_ns, wait_ns, _ = f.read().split()
+    return int(run_ns) / 1e6, int(wait_ns) / 1e6
+
+
+class TimedLock:
+    """A lock of the prefill's pusher, timed (``--stages``): how long each thread waited to
+    take it and held it (outermost acquire to release: the context lock is reentrant).
+    Acquires through the context's condition bypass it (the writer's waits)."""
+
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+        self._local = threading.local()
+        self.waits: dict[str, list[float]] = {}
+        self.holds: dict[str, list[float]] = {}
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        depth = getattr(self._local, "depth", 0)
+        asked = time.perf_counter()
+        taken = self._lock.acquire(blocking, timeout)
+        if taken and depth == 0:
+            now = time.perf_counter()
+            name = threading.current_thread().name
+            self.waits.setdefault(name, []).append(now - asked)
+            self._local.since = now
+        if taken:
+            self._local.depth = depth + 1
+        return taken
+
+    def release(self) -> None:
+        self._local.depth -= 1
+        if self._local.depth == 0:
+            name = threading.current_thread().name
+            self.holds.setdefault(name, []).append(time.perf_counter() - self._local.since)
+        self._lock.release()
+
+    def take_main_wait(self) -> float:
+        """Seconds the main thread waited for the lock since the last call."""
+        waits = self.waits.pop(threading.main_thread().name, [])
+        return sum(waits)
+
+
+class Stages:
+    """``--stages``: when each genuine WRITE round passed each of MARKS, the queue it found in
+    each notify listener; between the main thread's marks (MAIN_MARKS) its CPU, its run-queue
+    wait (runnable, no core free), how often it slept (voluntary context switches: waits for
+    the GIL, a lock, a sleep, the network) and the prefill's steps; how long it waited for the
+    pusher's two locks, and how long each thread held them; the pusher's time per flood
+    message. Wraps the instances' methods (instance attributes, so nothing else changes): each
+    flood message costs one more Python call, and the per-message samples count in the RSS
+    figure (a few MiB: give ``--rss-slack-mib`` room)."""
+
+    def __init__(self, pair: Pair) -> None:
+        self.marks: dict[str, dict[str, float]] = {}
+        self.backlog: dict[str, dict[str, int]] = {}
+        self.forwards: list[float] = []
+        self.flood_calls: dict[str, list[float]] = {"remote_blocks": [], "abort_write": []}
+        self.flood_cpu: dict[str, list[float]] = {"remote_blocks": [], "abort_write": []}
+        self.rounds: list[dict[str, float]] = []  # per round: the main thread's lock waits
+        self._tid = ""
+        self.main: dict[str, dict[str, tuple[float, float, float, float]]] = {}
+        self.steps = 0  # the prefill's steps in the round
+        p_core, d_core = pair.p.worker.worker.core, pair.d.worker.worker.core
+        self.lock = TimedLock(p_core.ctx.lock)
+        p_core.ctx.lock = self.lock
+        # The lock that orders feeding the writer queue (taken by the main thread's hooks and
+        # by the notify thread after each message).
+        self.feed = TimedLock(p_core.pusher._feed)
+        p_core.pusher._feed = self.feed
+        self._wrap_listener(_listeners(pair.p)[1], "ann_read")
+        self._wrap_listener(_listeners(pair.d)[1], "done_read")
+        pusher = p_core.pusher
+        self._wrap_handler(pusher, "on_remote_blocks", "remote_blocks", "ann_handled")
+        self._wrap_handler(pusher, "on_abort_write", "abort_write", None)
+        send, forward_done = pusher._send, pusher.forward_done
+
+        def sent(host: str, port: int, message: Any) -> None:
+            send(host, port, message)
+            if isinstance(message, WriteDone):
+                self._mark(message.transfer_id, "done_sent")
+
+        def forwarded(layers: list[str], event: Any) -> None:
+            forward_done(layers, event)
+            self.forwards.append(time.perf_counter())
+            if "prefill_added" in self.main.get(self._tid, {}):
+                here = (*_schedstat_ms(), float(self.steps), _sleeps())
+                self.main[self._tid].setdefault("forward", here)
+
+        pusher._send, pusher.forward_done = sent, forwarded
+        puller = d_core.puller
+        on_write_result = puller.on_write_result
+
+        def write_result(tid: str, **kwargs: Any) -> None:
+            self._mark(tid, "done_handled")
+            on_write_result(tid, **kwargs)
+
+        puller.on_write_result = write_result
+        step = pair.p.step
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.steps += 1
+            return step(*args, **kwargs)
+
+        pair.p.step = counted  # type: ignore[method-assign]
+
+    def _mark(self, tid: str, mark: str) -> None:
+        if tid.startswith(GENUINE_PREFIX):
+            self.marks.setdefault(tid, {}).setdefault(mark, time.perf_counter())
+
+    def _main_mark(self, mark: str) -> None:
+        """A mark of the main thread, with its CPU and run-queue wait and the prefill steps
+        it ran so far in the round."""
+        self._mark(self._tid, mark)
+        self.main[self._tid][mark] = (*_schedstat_ms(), float(self.steps), _sleeps())
+
+    def _wrap_listener(self, listener: NotifyListener, mark: str) -> None:
+        """Marks a genuine message when the listener opened it, with the queue ahead of it."""
+        open_ = listener._open
+
+        def opened(*args: Any) -> Any:
+            message = open_(*args)
+            if message is not None and message.transfer_id.startswith(GENUINE_PREFIX):
+                self._mark(message.transfer_id, mark)
+                self.backlog.setdefault(message.transfer_id, {})[mark] = len(listener._pending)
+            return message
+
+        listener._open = opened  # type: ignore[method-assign]
+
+    def _wrap_handler(self, pusher: Any, name: str, kind: str, mark: str | None) -> None:
+        handler = getattr(pusher, name)
+
+        def timed(message: Any) -> None:
+            if message.transfer_id.startswith(GENUINE_PREFIX):
+                if mark is not None:
+                    self._mark(message.transfer_id, mark)
+                handler(message)
+                return
+            wall, cpu = time.perf_counter(), time.thread_time()
+            handler(message)
+            self.flood_calls[kind].append(time.perf_counter() - wall)
+            self.flood_cpu[kind].append(time.thread_time() - cpu)
+
+        setattr(pusher, name, timed)
+
+    def begin(self, tid: str) -> None:
+        self._tid = tid
+        self.lock.take_main_wait()
+        self.feed.take_main_wait()
+        self.steps = 0
+        self.main[tid] = {}
+        self._main_mark("start")
+
+    def mark(self, mark: str) -> None:
+        self._main_mark(mark)
+
+    def end(self) -> None:
+        marks = self.marks[self._tid]
+        added = marks.get("prefill_added", 0.0)
+        marks["forward"] = next((t for t in self.forwards if t >= added), float("nan"))
+        self.forwards.clear()
+        self.rounds.append(
+            {
+                "lock_wait_ms": self.lock.take_main_wait() * 1e3,
+                "feed_wait_ms": self.feed.take_main_wait() * 1e3,
+            }
+        )
+
+    def report(self, samples: list[float], flood: list[bool]) -> dict[str, Any]:
+        """Per kind of phase: the median round's and the slowest rounds' stages (ms between
+        consecutive MARKS), queues ahead and main-thread CPU; the flood messages' pusher time."""
+        tids = list(self.marks)[-len(samples) :]
+        rows = []
+        for tid, took, with_flood, waits in zip(tids, samples, flood, self.rounds, strict=True):
+            m = self.marks[tid]
+            stages = {
+                f"{a}->{b}": (m.get(b, float("nan")) - m.get(a, float("nan"))) * 1e3
+                for a, b in itertools.pairwise(MARKS)
+            }
+            main = self.main.get(tid, {})
+            for a, b in [*itertools.pairwise(MAIN_MARKS), ("start", "loaded")]:
+                if a in main and b in main:
+                    stages[f"{a}->{b} run"] = main[b][0] - main[a][0]
+                    stages[f"{a}->{b} runq"] = main[b][1] - main[a][1]
+                    stages[f"{a}->{b} steps"] = main[b][2] - main[a][2]
+                    stages[f"{a}->{b} sleeps"] = main[b][3] - main[a][3]
+            rows.append(
+                {
+                    "flood": with_flood,
+                    "ms": took * 1e3,
+                    **stages,
+                    **{f"queued@{k}": v for k, v in self.backlog.get(tid, {}).items()},
+                    "main_lock_wait_ms": waits["lock_wait_ms"],
+                    "main_feed_wait_ms": waits["feed_wait_ms"],
+                }
+            )
+        out: dict[str, Any] = {}
+        for with_flood in (False, True):
+            kind = sorted((r for r in rows if r["flood"] == with_flood), key=lambda r: r["ms"])
+            if not kind:
+                continue
+            name = "flood" if with_flood else "baseline"
+            out[name] = {
+                "median": kind[len(kind) // 2],
+                "slowest": kind[-max(1, len(kind) // 50) :],
+            }
+            out[name]["mean"] = {
+                k: statistics.fmean(r[k] for r in kind if k in r) for k in kind[0] if k != "flood"
+            }
+        for (lock, name), holds in [
+            *((("context", n), h) for n, h in self.lock.holds.items()),
+            *((("feed", n), h) for n, h in self.feed.holds.items()),
+        ]:
+            ordered = sorted(holds)
+            out[f"{lock} lock held by {name}"] = {
+                "n": len(ordered),
+                "mean_us": statistics.fmean(ordered) * 1e6,
+                "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+                "max_us": ordered[-1] * 1e6,
+                "over_1ms": sum(h > 1e-3 for h in ordered),
+            }
+        for kind, calls in self.flood_calls.items():
+            if calls:
+                ordered = sorted(calls)
+                out[f"pusher.on_{kind} per flood message"] = {
+                    "n": len(ordered),
+                    "mean_us": statistics.fmean(ordered) * 1e6,
+                    "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+                    "max_us": ordered[-1] * 1e6,
+                    "cpu_mean_us": statistics.fmean(self.flood_cpu[kind]) * 1e6,
+                }
+        return out
 
 
 class Pair:
@@ -384,6 +671,7 @@ class Pair:
         # The side a genuine round's handshake dials (the one the other side dials in that
         # mode); the other's handshake port gets only the other side's first handshake.
         self.dialled = "prefill" if mode == "read" else "decode"
+        self.stages: Stages | None = None  # --stages (WRITE mode)
 
     def ports(self, flood: str) -> list[tuple[str, int]]:
         """The ports a ``flood`` (one of KINDS) goes to, with their kind."""
@@ -424,13 +712,24 @@ class Pair:
             loaded = load(d, rid)
             p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"release of {rid}")
         else:
+            stages = self.stages
+            mark = stages.mark if stages is not None else lambda _: None
+            if stages is not None:
+                stages.begin(tid)
             started = time.perf_counter()
             self._handshake(violations)
+            mark("handshake")
             d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
             d.step()  # its remote_blocks goes out
+            mark("announced")
             p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+            mark("prefill_added")
             p.run_until(lambda r: rid in r.transfer.finished_sending, what=f"write of {rid}")
+            mark("written")
             loaded = load(d, rid)
+            mark("loaded")
+            if stages is not None:
+                stages.end()
         took = time.perf_counter() - started
         if loaded.invalid_blocks:
             violations.append(f"{rid}: load error on blocks {sorted(loaded.invalid_blocks)}")
@@ -567,11 +866,15 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
     full = gc.get_stats()[2]["collections"]
     rss_start = rss_bytes()
     samples: dict[bool, list[float]] = {False: [], True: []}
+    in_order: list[float] = []
+    if args.stages:
+        pair.stages = Stages(pair)
     for phase in range(2 * args.phases):
         with_flood = phase % 2 == 1
         window, took = _window(pair, flooder if with_flood else None, args.rounds, res)
         res.windows.append(window)
         samples[with_flood] += took
+        in_order += took
     sent = flooder.stop()
     counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     rss_end = rss_bytes()
@@ -600,6 +903,9 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
         "growth": (rss_end - rss_start) / 2**20,
     }
     res.counts = counts
+    if pair.stages is not None:
+        flooded = [w.flood for w in res.windows for _ in range(args.rounds)]
+        res.stages = pair.stages.report(in_order, flooded)
     _check(res, counts, sent, args)
 
 
@@ -667,9 +973,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-fill", dest="fill", action="store_false")
     parser.add_argument("--fill-limit", type=float, default=300.0)
     parser.add_argument("--rss-slack-mib", type=float, default=32.0)
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="WRITE mode: time each genuine round's stages, the queues ahead of its messages and "
+        "the pusher's time per flood message (in the JSON's 'stages')",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log-level", default="warning", help="of the moriio_native loggers")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.stages and args.mode != "write":
+        parser.error("--stages times WRITE rounds: it needs --mode write")
+    return args
+
+
+def _log_stages(report: dict[str, Any]) -> None:
+    """--stages: the baseline's median round against the flood's median and slowest rounds
+    (their mean), where the time went."""
+    step = "prefill_added->forward"
+    for name, rows in (
+        ("baseline median", [report["baseline"]["median"]]),
+        ("flood median", [report["flood"]["median"]]),
+        (f"flood slowest {len(report['flood']['slowest'])}", report["flood"]["slowest"]),
+    ):
+
+        def mean(key: str, rows: list[dict[str, float]] = rows) -> float:
+            return statistics.fmean(r.get(key, float("nan")) for r in rows)
+
+        logger.warning(
+            "stages, %s: round %.1f ms (main thread CPU %.1f ms, run-queue %.1f ms, %.0f "
+            "sleeps; waited %.2f ms for the context lock, %.2f ms for the feed lock); the "
+            "prefill's step to its forward_done %.1f ms (CPU %.1f, run-queue %.1f, %.0f sleeps, "
+            "%.0f steps); written to loaded %.1f ms; the announcement found %.0f flood messages "
+            "queued and waited %.1f ms for the notify thread, write_done %.0f and %.1f ms",
+            name,
+            mean("ms"),
+            mean("start->loaded run"),
+            mean("start->loaded runq"),
+            mean("start->loaded sleeps"),
+            mean("main_lock_wait_ms"),
+            mean("main_feed_wait_ms"),
+            mean(step),
+            mean(f"{step} run"),
+            mean(f"{step} runq"),
+            mean(f"{step} sleeps"),
+            mean(f"{step} steps"),
+            mean("written->loaded"),
+            mean("queued@ann_read"),
+            mean("ann_read->ann_handled"),
+            mean("queued@done_read"),
+            mean("done_read->done_handled"),
+        )
+    for key, value in report.items():
+        if " per flood message" in key or " held by " in key:
+            logger.warning("stages, %s: %s", key, {k: round(v, 1) for k, v in value.items()})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -732,6 +1089,8 @@ def main(argv: list[str] | None = None) -> int:
         res.full_collections["phases"],
         len(res.violations),
     )
+    if res.stages:
+        _log_stages(res.stages)
     for line in res.violations:
         logger.error("violation: %s", line)
     text = json.dumps(asdict(res), indent=2, sort_keys=True)

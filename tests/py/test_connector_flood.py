@@ -4,10 +4,15 @@ only, on the notify ports) while genuine requests run, in READ or WRITE mode, wi
 shared secret the flood does not know. Checks what the benchmark checks (every genuine request
 loaded and freed, every flood message received and dropped or ignored, no flood handshake
 answered, the remembered-message gauges at most their bound, with a secret every flood message
-dropped at authentication, bounded RSS growth); the latency ratio is printed by the full run,
-not asserted (no timings in tests)."""
+dropped at authentication, bounded RSS growth), and that ``--stages`` times every stage of a
+WRITE round; the latency ratio is printed by the full run, not asserted (no timings in
+tests)."""
 
 from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
 
 import pytest
 
@@ -32,11 +37,19 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory(
 ) -> None:
     bound = 1500
     short = ["--rounds", "15", "--phases", "2", "--rate", "3000", "--remember", str(bound)]
+    stages = mode == "write" and not secret  # the WRITE rounds' breakdown too
     args = connector_flood.parse_args(
-        [*short, "--kind", kind, "--mode", mode, *(["--secret"] if secret else [])]
+        [
+            *short,
+            *("--kind", kind, "--mode", mode),
+            *(["--secret"] if secret else []),
+            *(["--stages"] if stages else []),
+        ]
     )
     res = connector_flood.run(args)
     assert res.violations == []
+    if stages:
+        _assert_every_stage_timed(res.stages)
     assert res.baseline_ms["n"] == res.flood_ms["n"] == 30
     counts = res.counts
     memory = "prefill-early-releases" if mode == "read" else "prefill-orphans"
@@ -55,3 +68,15 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory(
     # Every port's flood at least filled the memories (a valid one floods the 2 notify ports).
     if not secret:
         assert res.flood_messages > (4 if kind == "mixed" else 2) * bound
+
+
+def _assert_every_stage_timed(report: dict[str, Any]) -> None:
+    """Every mark of a WRITE round was passed in the median rounds (a stage not timed reads
+    NaN), and the pusher's time was taken for the flood's messages."""
+    for kind in ("baseline", "flood"):
+        row = report[kind]["median"]
+        for a, b in itertools.pairwise(connector_flood.MARKS):
+            assert math.isfinite(row[f"{a}->{b}"]), (kind, a, b)
+        assert row["prefill_added->forward steps"] >= 1
+    for message in ("remote_blocks", "abort_write"):
+        assert report[f"pusher.on_{message} per flood message"]["n"] > 0
