@@ -465,6 +465,17 @@ class TimedLock:
         return sum(waits)
 
 
+def _durations_us(seconds: list[float]) -> dict[str, float]:
+    """Count, mean, p99 and max of ``seconds`` (not empty), the times in microseconds."""
+    ordered = sorted(seconds)
+    return {
+        "n": len(ordered),
+        "mean_us": statistics.fmean(ordered) * 1e6,
+        "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
+        "max_us": ordered[-1] * 1e6,
+    }
+
+
 class Stages:
     """``--stages``: when each genuine WRITE round passed each of MARKS, the queue it found in
     each notify listener; between the main thread's marks (MAIN_MARKS) its CPU, its run-queue
@@ -635,22 +646,14 @@ class Stages:
             *((("context", n), h) for n, h in self.lock.holds.items()),
             *((("feed", n), h) for n, h in self.feed.holds.items()),
         ]:
-            ordered = sorted(holds)
             out[f"{lock} lock held by {name}"] = {
-                "n": len(ordered),
-                "mean_us": statistics.fmean(ordered) * 1e6,
-                "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
-                "max_us": ordered[-1] * 1e6,
-                "over_1ms": sum(h > 1e-3 for h in ordered),
+                **_durations_us(holds),
+                "over_1ms": sum(h > 1e-3 for h in holds),
             }
         for kind, calls in self.flood_calls.items():
             if calls:
-                ordered = sorted(calls)
                 out[f"pusher.on_{kind} per flood message"] = {
-                    "n": len(ordered),
-                    "mean_us": statistics.fmean(ordered) * 1e6,
-                    "p99_us": ordered[int(0.99 * (len(ordered) - 1))] * 1e6,
-                    "max_us": ordered[-1] * 1e6,
+                    **_durations_us(calls),
                     "cpu_mean_us": statistics.fmean(self.flood_cpu[kind]) * 1e6,
                 }
         return out
