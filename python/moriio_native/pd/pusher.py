@@ -346,7 +346,8 @@ class _Ended:
 # sees it, so a flood that fills the orphans adds nothing to the collector's work (a _Job with
 # its machine, lists, set, dict and message did: 20,579 tracked objects for 4,096 orphans).
 _Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
-# The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole).
+# The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole); _SEEN,
+# first seen, is the first field of an _EarlyRelease too.
 _SEEN, _IDS, _REASON = 0, 3, 7
 
 
@@ -420,7 +421,7 @@ class _Orphans:
 
     def expire(self, now: float, lifetime: float) -> None:
         """Forgets the orphans first seen more than ``lifetime`` seconds before ``now``."""
-        while self._records and now - next(iter(self._records.values()))[0] > lifetime:
+        while self._records and now - next(iter(self._records.values()))[_SEEN] > lifetime:
             self._forget_oldest()
 
     def _forget_oldest(self) -> None:
