@@ -77,10 +77,8 @@ Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
   auto it = pending_.find(id);
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
   if (!t.failure.empty() || t.aborted || t.timed_out) return false;
-  const auto scheduled_before =
-      std::ranges::find_if(layers, [&](const std::string& l) { return t.layers.count(l) > 0; });
-  const auto repeated = static_cast<std::size_t>(
-      std::ranges::count_if(layers, [&](const std::string& l) { return t.layers.count(l) > 0; }));
+  auto scheduled = [&](const std::string& l) { return t.layers.count(l) > 0; };
+  const auto repeated = static_cast<std::size_t>(std::ranges::count_if(layers, scheduled));
   if (repeated == layers.size()) return false;  // the same write again
   Status refused;
   const std::size_t after = t.layers.size() + layers.size();
@@ -89,7 +87,8 @@ Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
                                    std::string(peer) + "'");
   } else if (repeated > 0) {
     refused = InvalidArgumentError(
-        "transfer '" + id + "': layer '" + *scheduled_before + "' was scheduled before, but " +
+        "transfer '" + id + "': layer '" + *std::ranges::find_if(layers, scheduled) +
+        "' was scheduled before, but " +
         std::to_string(layers.size() - repeated) + " other layers of this write were not");
   } else if (t.expected && static_cast<std::int64_t>(after) > *t.expected) {
     const auto first_extra = static_cast<std::size_t>(*t.expected) - t.layers.size();
