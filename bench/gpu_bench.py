@@ -28,7 +28,9 @@ to hold its layer's value (a copy that ran before its layer's compute would fail
 reported: the same overlap with the event waited for on the host (``host wait``: a writer
 thread takes each layer's event, synchronises it, then calls ``write_layer`` without it, as the
 vLLM connector did before it passed events to an engine that honours them, and as it still does
-on any other engine).
+on any other engine). ``--direct-copy off``: the copies are UCX operations (the path to a peer
+on another node, over RDMA), which cannot wait on the GPU: the engine's progress thread polls
+each layer's event and posts the layer once it completed, against the same host wait.
 
 ``--timeline PATH``: after the timed requests of each operation, one more request runs under
 ``torch.profiler`` in the process that makes the call (the decode for READ, the prefill for
@@ -97,6 +99,7 @@ def _fill_value(seed: int, layer: int) -> float:
 @dataclass
 class OverlapRow:
     preset: str
+    direct_copy: str
     blocks: int
     layers: int
     matmul_n: int
@@ -671,7 +674,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     cfg = {
         "preset": preset_name,
         "layout": args.layout if preset["kind"] == "kv" else "standardized",
-        "direct_copy": "auto",
+        "direct_copy": args.direct_copy,
         "num_blocks": args.num_blocks,
         "devices": {"prefill": args.devices[0], "decode": args.devices[1]},
         "options": dict(o.split("=", 1) for o in args.option),
@@ -717,6 +720,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     host_exposed = statistics.median(host_waited)
     return OverlapRow(
         preset_name,
+        args.direct_copy,
         args.blocks,
         layers,
         n,
@@ -865,6 +869,14 @@ def main(argv: list[str] | None = None) -> int:
         help="per-layer WRITE overlapped with a synthetic forward (see the module docstring)",
     )
     parser.add_argument(
+        "--direct-copy",
+        default="auto",
+        choices=["auto", "off"],
+        help="--overlap's copy path: auto, the kernel behind each event on the GPU; off, UCX "
+        "operations (the path to a peer on another node), posted once the engine's progress "
+        "thread saw the event complete",
+    )
+    parser.add_argument(
         "--option",
         action="append",
         default=[],
@@ -902,10 +914,12 @@ def main(argv: list[str] | None = None) -> int:
             o = run_overlap_case(name, args)
             overlap_rows.append(o)
             logger.info(
-                "%-12s %d layers x %d blocks: matmul n=%d %.3f ms/layer, transfer %.3f ms/layer;"
+                "%-12s direct copy %s, %d layers x %d blocks: matmul n=%d %.3f ms/layer, transfer"
+                " %.3f ms/layer;"
                 " exposed after the forward: WRITE after it %.3f ms, overlapped %.3f ms = %.2f"
                 " layers' transfer (host wait: %.3f ms = %.2f), verified=%s",
                 o.preset,
+                o.direct_copy,
                 o.layers,
                 o.blocks,
                 o.matmul_n,

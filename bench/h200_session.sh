@@ -81,9 +81,16 @@
 #                                         # then gpu_bench READ, WRITE by write_layer per layer
 #                                         # and by one write_layers call, two rounds, for 4 KiB
 #                                         # runs, llama3-8b and deepseek-v3
+#   bash bench/h200_session.sh overlap-parked  # one call: every GPU test (unless
+#                                         # SKIP_GPU_TESTS=1), then gpu_bench --overlap with the
+#                                         # copies as UCX operations (--direct-copy off: the path
+#                                         # to a peer on another node), two rounds: each layer's
+#                                         # event polled by the engine against the host wait.
+#                                         # BASE_TAR=tree.tar (git archive of an older tree) first
+#                                         # runs this tree's event tests against that build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -555,6 +562,26 @@ overlap-wait)  # per-layer WRITE behind compute: each layer's event waited on th
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap-wait.log"
+  ;;
+overlap-parked)  # per-layer WRITE as UCX operations: each event polled by the engine, or the host
+  if [ -n "${BASE_TAR:-}" ]; then
+    build_tree_and_base "$BASE_TAR" /tmp/moriio-base-build
+    PYTHONPATH=/tmp/moriio-base-build/python timeout 120 python3 -m pytest -q -p no:cacheprovider \
+      tests/py/test_ucx_two_process.py -k "waits_for_its_cuda_event or holds_up_no_other" 2>&1 |
+      tail -6 | tee "$out/base-checks.log"
+  else
+    build_with_ucx || exit 1
+  fi
+  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
+  for round in 1 2; do
+    for p in "--preset llama3-8b --blocks 32" "--preset llama3-8b --blocks 256" \
+      "--preset llama3-8b-tp8 --layout separated --blocks 64 --num-blocks 8192"; do
+      [ "$SECONDS" -gt 480 ] && break 2
+      echo "== round $round: $p"
+      bench_variant tree "" 150 $p --overlap --direct-copy off --requests 5
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap-parked.log"
   ;;
 write-layers)  # issue 18: a WRITE after the forward by one write_layers call, not one per layer
   build_with_ucx || exit 1

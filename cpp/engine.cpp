@@ -121,9 +121,9 @@ struct Peer {
     bool stamps = false;
   };
   std::vector<LayerLink> links;
-  // Whether write_layer to this peer may carry a CUDA event: every layer's region pair copies
-  // on the GPU (the backend's AcceptsDeviceWaits), e.g. CUDA IPC on one node, not RDMA to
-  // another (asked once, in AddPeer).
+  // Whether write_layer to this peer may carry a CUDA event: the backend honours one for every
+  // layer's region pair (AcceptsDeviceWaits: UCX from CUDA memory, waiting on the GPU for CUDA
+  // IPC on one node, in its progress thread for RDMA to another; asked once, in AddPeer).
   bool device_waits = false;
   std::vector<std::uint8_t> metadata;
 
@@ -638,7 +638,7 @@ struct Engine::Impl {
     return st;
   }
 
-  // Why layer `i`'s copy to `peer` cannot wait for a CUDA event on the GPU; OK when it can.
+  // Why layer `i`'s copy to `peer` cannot wait for a CUDA event; OK when it can.
   Status CheckDeviceWait(const Peer& peer, std::size_t i) const {
     if (regions[layers[i].region].range.kind != MemoryKind::kCuda) {
       return FailedPreconditionError("not in CUDA memory; a CUDA event cannot order its copy");
@@ -646,9 +646,9 @@ struct Engine::Impl {
     if (!peer.device_waits) {
       return FailedPreconditionError(
           "peer '" + peer.id + "': backend '" + config.backend +
-          "' cannot wait for a CUDA event on the GPU for it (that needs the CUDA copy plugin "
-          "and the peer's memory mapped into this process, as CUDA IPC on one node; see "
-          "waits_for_device_events); synchronise the event and write without it");
+          "' cannot wait for a CUDA event for it (that needs the UCX backend with its CUDA "
+          "copy plugin; see waits_for_device_events); synchronise the event and write without "
+          "it");
     }
     return Status::OK();
   }

@@ -1166,6 +1166,14 @@ int PollOp(void* op_ptr, char* err, size_t err_len) {
   return -1;
 }
 
+int QueryEvent(uint64_t event, char* err, size_t err_len) {
+  cudaError_t e = cudaEventQuery(reinterpret_cast<cudaEvent_t>(event));
+  if (e == cudaSuccess) return 1;
+  if (e == cudaErrorNotReady) return 0;
+  SetError(err, err_len, "waited-for event", e);
+  return -1;
+}
+
 void ReleaseOp(void* op_ptr) {
   auto* op = static_cast<Op*>(op_ptr);
   if (op == nullptr) return;
@@ -1178,7 +1186,7 @@ void ReleaseOp(void* op_ptr) {
 
 const moriio_cudacopy_api kApi = {
     MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit,
-    &PollOp,                     &ReleaseOp, &SubmitCells, &SubmitStamps,
+    &PollOp,                     &ReleaseOp, &SubmitCells, &SubmitStamps, &QueryEvent,
 };
 
 }  // namespace

@@ -8,6 +8,10 @@
  * process (CUDA IPC on one node), and then moves the whole batch with one kernel launch instead
  * of one UCX operation per run.
  *
+ * It also answers whether a CUDA event has completed (query_event), so that a batch whose copies
+ * are UCX operations (RDMA to another node) can wait for its producer's event without the caller
+ * waiting on the host.
+ *
  * Threading: a queue is used by one thread at a time (the UCX progress thread); different queues
  * are independent. Nothing here blocks except destroy_queue (waits for the queue's kernels).
  * Errors: functions return 0 on success and a negative value on error, writing a NUL-terminated
@@ -20,7 +24,7 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 5u
+#define MORIIO_CUDACOPY_ABI_VERSION 6u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
 
 /* The cells of a block pair as one grid, the same on both sides (moriio_native::CellGeometry):
@@ -98,6 +102,10 @@ typedef struct moriio_cudacopy_api {
                        const moriio_cudacopy_stamp_run* runs, uint32_t num_runs,
                        const int64_t* dst_ids, const int64_t* src_ids, uint64_t num_ids,
                        uint64_t wait_event, void** op, char* err, size_t err_len);
+  /* Whether the work `event` (a cudaEvent_t of this process, on any device) recorded has
+   * finished: 1 yes (or never recorded), 0 not yet, negative: the query failed (err says why).
+   * Never blocks; callable from any thread. (ABI 6.) */
+  int (*query_event)(uint64_t event, char* err, size_t err_len);
 } moriio_cudacopy_api;
 
 /* The plugin exports: const moriio_cudacopy_api* moriio_native_cudacopy_api(void); */

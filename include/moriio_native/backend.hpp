@@ -105,9 +105,10 @@ struct Batch {
   std::vector<std::int64_t> remote_offsets;
   std::vector<std::int64_t> sizes;
   std::uint64_t token = 0;  ///< passed back in the completion
-  /// A cudaEvent_t of this process (0: none) that the copy waits for on the GPU before it starts
-  /// (no host wait), when capabilities().device_event_wait; a backend that cannot honour it for
-  /// this batch fails the batch. The caller keeps the event valid and unrecorded until the batch
+  /// A cudaEvent_t of this process (0: none) that the copy waits for before it starts (on the GPU
+  /// or in the backend's own thread; the caller never waits), when
+  /// capabilities().device_event_wait and AcceptsDeviceWaits; a backend that cannot honour it
+  /// for this batch fails the batch. The caller keeps the event valid and unrecorded until the batch
   /// completes.
   std::uint64_t device_wait_event = 0;
   /// Set: a cell batch, whose three run arrays are empty. Only for a region pair and geometry
@@ -138,7 +139,8 @@ struct BackendCapabilities {
   bool unaligned_registration = true;
   /// Whether Allocate() is implemented (memory peers on this host can map directly).
   bool allocation = false;
-  /// Whether GPU-to-GPU batches may carry Batch::device_wait_event (copies run on the GPU).
+  /// Whether batches from CUDA memory may carry Batch::device_wait_event (AcceptsDeviceWaits
+  /// says for which region pairs).
   bool device_event_wait = false;
 };
 
@@ -232,8 +234,8 @@ class Backend {
   /// transfer. Default: false (runs only).
   virtual bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// Whether Submit honours Batch::device_wait_event between local region `local_region` and
-  /// imported region `remote_region` (the copy waits for it on the GPU); a batch carrying one
-  /// fails otherwise. The answer stays the same while both stay registered and imported. False
+  /// imported region `remote_region` (the copy starts only after the event's work, without the
+  /// caller waiting); a batch carrying one fails otherwise. The answer stays the same while both stay registered and imported. False
   /// for unknown handles. Thread-safe, non-blocking, no transfer. Default: false.
   virtual bool AcceptsDeviceWaits(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// A hint that Submit calls follow shortly (the engine has started planning a request): a

@@ -184,8 +184,8 @@ class Engine {
   /// error AND fails the transfer, so a transfer one of whose layers was refused never ends done.
   /// A submission failure fails the transfer too (its event says why). Never blocks on transfer.
   /// `cuda_event` (0: none): a cudaEvent_t of this process recorded after the work that
-  /// produces this layer's blocks; the copy then waits for it on the GPU, so the call may come
-  /// before that work has finished (per-layer WRITE overlapped with the forward pass). It needs a
+  /// produces this layer's blocks; the copy then starts only once that work has finished, so the
+  /// call may come before it has (per-layer WRITE overlapped with the forward pass). It needs a
   /// CUDA layer and a peer for which WaitsForDeviceEvents is true (FailedPrecondition
   /// otherwise); keep the event valid and unrecorded until the transfer's event.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
@@ -215,19 +215,21 @@ class Engine {
   /// `layers` was scheduled before or the transfer failed, was aborted, timed out or is
   /// terminal; some of them scheduled before, but not all, is InvalidArgument that fails the
   /// transfer (an ambiguous retry). `cuda_event`: one event, recorded after the work producing
-  /// every one of the layers, that each of their batches waits for on the GPU (as WriteLayer).
+  /// every one of the layers, that each of their batches waits for (as WriteLayer).
   /// Thread-safe; never blocks on transfer.
   Result<bool> WriteLayers(std::string_view transfer_id, std::span<const std::string> layers,
                            std::string_view peer, std::span<const std::int64_t> local_blocks,
                            std::span<const std::int64_t> remote_blocks,
                            std::uint64_t cuda_event = 0);
 
-  /// Whether WriteLayer to `peer` honours a `cuda_event`: the backend copies every layer's
-  /// blocks to that peer on the GPU (UCX with its CUDA copy plugin, the peer's memory mapped
-  /// into this process: CUDA IPC on one node; not RDMA to another node, nor with
-  /// ucx_direct_copy off). A caller holding a layer's event passes it when true and waits for
-  /// it on the host otherwise. NotFound for an unknown peer. Thread-safe, non-blocking; the
-  /// answer stays the same while the peer stays added.
+  /// Whether WriteLayer to `peer` honours a `cuda_event`: the UCX backend with its CUDA copy
+  /// plugin and CUDA layers. Where the peer's memory is mapped into this process (CUDA IPC on
+  /// one node) the copy waits for the event on the GPU; where the copies are UCX operations
+  /// (RDMA to another node, ucx_direct_copy off) the backend's progress thread polls the event
+  /// and posts the layer's first operation once it completed. Either way the caller never
+  /// waits. A caller holding a layer's event passes it when true and waits for it on the host
+  /// otherwise (host memory, MoRI-IO, loopback). NotFound for an unknown peer. Thread-safe,
+  /// non-blocking; the answer stays the same while the peer stays added.
   Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
 
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to

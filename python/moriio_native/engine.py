@@ -293,11 +293,13 @@ class Engine:
         return self._engine.peers()
 
     def waits_for_device_events(self, peer: str) -> bool:
-        """Whether ``write_layer`` to ``peer`` honours ``cuda_event``: every layer's copy to it
-        runs on the GPU (UCX with its CUDA copy plugin and the peer's memory mapped into this
-        process, as CUDA IPC on one node; not RDMA to another node, nor ``ucx_direct_copy``
-        off). A caller holding a layer's event passes it when True and synchronises it on the
-        host otherwise. NotFoundError for an unknown peer."""
+        """Whether ``write_layer`` to ``peer`` honours ``cuda_event``: UCX with its CUDA copy
+        plugin and CUDA layers. The copy waits for the event on the GPU where the peer's memory
+        is mapped into this process (CUDA IPC on one node); where the copies are UCX operations
+        (RDMA to another node, ``ucx_direct_copy`` off) the engine's progress thread polls the
+        event and posts the layer once it completed. The caller never waits either way. A
+        caller holding a layer's event passes it when True and synchronises it on the host
+        otherwise (host memory, MoRI-IO, loopback). NotFoundError for an unknown peer."""
         return self._engine.waits_for_device_events(peer)
 
     def read(
@@ -346,9 +348,10 @@ class Engine:
         InvalidArgumentError, with nothing changed, when ``transfer_id`` is a READ.
 
         ``cuda_event``: the handle of a CUDA event recorded after the work that produces this
-        layer (``torch.cuda.Event().cuda_event`` once recorded); the copy then waits for it on
-        the GPU, so this may be called before that work finished. Needs a CUDA layer and the UCX
-        backend with its CUDA copy plugin (FailedPreconditionError otherwise). Use one event per
+        layer (``torch.cuda.Event().cuda_event`` once recorded); the copy then waits for it (on
+        the GPU, or in the engine's progress thread, see ``waits_for_device_events``), so this
+        may be called before that work finished. Needs a CUDA layer and a peer for which
+        ``waits_for_device_events`` is True (FailedPreconditionError otherwise). Use one event per
         layer and keep it until the transfer's event arrives.
         """
         if segments is not None:
@@ -389,7 +392,7 @@ class Engine:
         Empty ``layers``: InvalidArgumentError, nothing changed.
 
         ``cuda_event``: one event recorded after the work that produces every one of
-        ``layers``; each of their copies waits for it on the GPU (see ``write_layer``)."""
+        ``layers``; each of their copies waits for it (see ``write_layer``)."""
         return self._engine.write_layers(
             transfer_id, list(layers), peer, local_blocks, remote_blocks, cuda_event
         )

@@ -164,6 +164,25 @@ def test_copy_waits_on_the_device_for_the_event(queue: Queue) -> None:
     assert bool((dst == 7).all()), "the copy ran before the event's work finished"
 
 
+def test_an_event_reads_completed_only_once_its_work_finished() -> None:
+    # The UCX backend's query before it posts a batch that waits for an event as UCX operations
+    # (a peer on another node): "not yet" while the producer still sleeps, then completed.
+    if _SKIP:
+        pytest.skip(_SKIP)
+    import torch
+
+    plugin = Plugin(default_plugin_path())
+    producer = torch.cuda.Stream()
+    ready = torch.cuda.Event()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(100_000_000)
+        ready.record(producer)
+    assert not plugin.event_completed(ready.cuda_event)
+    ready.synchronize()
+    assert plugin.event_completed(ready.cuda_event)
+
+
 def test_empty_batch_completes(queue: Queue) -> None:
     empty = np.zeros(0, dtype=np.int64)
     assert queue.gather(0, 0, [(empty, empty, empty)]) >= 0.0

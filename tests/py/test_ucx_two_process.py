@@ -358,19 +358,23 @@ def _gpu_prefill_of(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
+@pytest.mark.parametrize("direct_copy", ["auto", "off"])
 @pytest.mark.parametrize("call", ["write_layer", "write_layers"])
-def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(
-    cuda_decode_child: Child, call: str
+def test_each_layer_write_waits_for_its_cuda_event(
+    cuda_decode_child: Child, call: str, direct_copy: str
 ) -> None:
     """``write_layer(..., cuda_event=...)`` right after enqueuing the work that produces the
     layer (here: ~0.1 s of spinning, then the new bytes copied in), as the vLLM connector does
-    when the engine says it can: every layer's copy waits for its event on the GPU, so the
-    decode process receives the new bytes, never the ones that were there when the call came
-    (without the events this test fails: the copies run during the spin). ``write_layers``:
-    every layer in one call behind one event, each of its batches waiting for it."""
+    when the engine says it can: every layer's copy waits for its event, so the decode process
+    receives the new bytes, never the ones that were there when the call came (without the
+    events this test fails: the copies run during the spin). ``write_layers``: every layer in
+    one call behind one event, each of its batches waiting for it. Direct copy ``auto``: the
+    peer's memory is mapped into this process and the kernel waits on the GPU; ``off`` (the
+    path of a peer on another node, over RDMA): the copies are UCX operations, which the
+    progress thread posts once it saw the event complete (before, such a peer took no event)."""
     import torch
 
-    prefill, gpu, engine = _gpu_prefill_of(cuda_decode_child, {})
+    prefill, gpu, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": direct_copy})
     assert engine.waits_for_device_events("decode-child")
     produced = _caches("prefill")
     kc.fill_random(produced, 99)
@@ -411,26 +415,37 @@ def test_each_layer_write_waits_for_its_cuda_event_on_the_gpu(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_a_peer_whose_memory_is_not_mapped_takes_no_cuda_event(
+def test_a_write_waiting_for_its_event_holds_up_no_other_transfer(
     cuda_decode_child: Child,
 ) -> None:
-    """With the peer's memory not mapped into this process (``ucx_direct_copy`` off here; a
-    peer on another node, over RDMA, likewise) the copies run as UCX operations, which cannot
-    wait on the GPU: ``waits_for_device_events`` says so for that peer, so the vLLM connector
-    waits for its events on the host, and a ``write_layer`` with an event is refused naming
-    the peer, before anything moves (the transfer fails); without one it goes through."""
+    """With the copies as UCX operations (``ucx_direct_copy`` off, as to a peer on another
+    node) a layer whose event has not completed posts nothing, and only it waits: a transfer
+    without an event to the same peer, called after it, ends ``done`` while the producer (a
+    side stream spinning ~0.5 s) still runs; the first ends ``done`` once it finished; the
+    decode holds both transfers' bytes."""
     import torch
 
     prefill, _, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": "off"})
-    assert engine.waits_for_device_events("decode-child") is False
-    ev = torch.cuda.Event()
-    ev.record()
     first = prefill.shapes[0].name
-    with pytest.raises(mn.FailedPreconditionError, match=r"peer 'decode-child'.*synchronise"):
-        engine.write_layer("req-ev", first, "decode-child", [0], [2], ev.cuda_event)
-    assert engine.wait(["req-ev"], timeout=TIMEOUT)["req-ev"].state == "failed"
-    ev.synchronize()
-    assert engine.write_layer("req-host", first, "decode-child", [0], [2])
-    engine.seal("req-host", "decode-child", expected_writes=1)
-    event = engine.wait(["req-host"], timeout=TIMEOUT)["req-host"]
-    assert (event.kind, event.state) == ("write", "done"), event.message
+    assert engine.write_layer("req-warm", first, "decode-child", [5], [5])
+    engine.seal("req-warm", "decode-child", expected_writes=1)
+    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+    producer, ev = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(1_000_000_000)
+        ev.record(producer)
+    assert engine.write_layer("req-waits", first, "decode-child", [0, 1], [2, 3], ev.cuda_event)
+    engine.seal("req-waits", "decode-child", expected_writes=1)
+    assert engine.write_layer("req-free", first, "decode-child", [2, 4], [8, 19])
+    engine.seal("req-free", "decode-child", expected_writes=1)
+    free = engine.wait(["req-free"], timeout=TIMEOUT)["req-free"]
+    assert (free.kind, free.state) == ("write", "done"), free.message
+    assert not ev.query(), "the producer finished first: the test proves nothing"
+    waited = engine.wait(["req-waits"], timeout=TIMEOUT)["req-waits"]
+    assert (waited.kind, waited.state) == ("write", "done"), waited.message
+    assert ev.query()
+    decode = _caches("decode")
+    decode.backing[:] = cuda_decode_child.backing()
+    for local, remote in (([5], [5]), ([0, 1], [2, 3]), ([2, 4], [8, 19])):
+        moved = kc.expected_after_copy(decode, prefill, remote, local, layers=[first])
+        np.testing.assert_array_equal(decode.backing, moved)  # those blocks hold the prefill's

@@ -52,6 +52,8 @@ constexpr std::size_t kOpsPerBatchPerRound = 64;
 constexpr std::uint64_t kDirectCopyBudget = 8ull << 20;
 // Unfinished CUDA copies PollCudaCopies queries per pass, oldest first (one per plugin stream).
 constexpr int kCudaPollAhead = 2;
+// Distinct uncompleted CUDA events PollDeviceWaits queries per pass, oldest batch first.
+constexpr int kDeviceWaitPollAhead = 4;
 // How long the thread keeps spinning after an ExpectSubmits hint while no batch has arrived: the
 // engine plans a request's first piece in tens of microseconds, and a thread asleep on this VM
 // took 0.15-0.28 ms to wake (measured on the engine's event wait, docs/benchmarks.md), which the
@@ -343,6 +345,15 @@ bool CopiesOnGpu(const LocalRegion& local, const RemoteRegion& remote) {
          remote.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
 }
 
+/// Whether batches from this region may carry a CUDA event (Batch::device_wait_event): on the
+/// CUDA copy path the kernel waits for it on the GPU; on every other path a CUDA region takes
+/// (UCX operations: RDMA to another node, or ucx_direct_copy off) the progress thread asks the
+/// plugin whether the event completed and posts the batch's first run only then, so the caller
+/// never waits for it. Host regions take no event: no producer of theirs records one.
+bool TakesDeviceWaits(const LocalRegion& local) {
+  return local.range.kind == MemoryKind::kCuda && LoadCudaCopy().api != nullptr;
+}
+
 bool TakesCells(const LocalRegion& local, const RemoteRegion& remote, const CellGeometry& g) {
   constexpr std::int64_t kMax32 = std::numeric_limits<std::uint32_t>::max();
   return CopiesOnGpu(local, remote) && (g.planes == 1 || g.planes == 2) && g.heads >= 1 &&
@@ -369,6 +380,9 @@ struct ActiveBatch {
   bool needs_flush = false;     // WRITE over UCX ops: remote completion needs an ep flush
   bool flush_posted = false;
   void* cuda_op = nullptr;
+  // Path::kOps: the CUDA event (Batch::device_wait_event) this batch posts nothing before; 0 once
+  // it completed (PollDeviceWaits) or when there is none.
+  std::uint64_t awaited_event = 0;
   bool cma_checked = false;  // Path::kCma: the peer's cookie was read again for this batch
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
@@ -389,6 +403,7 @@ struct ActiveBatch {
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
+    if (awaited_event != 0) return false;  // even a batch of no runs ends after its producer
     if (path == Path::kPush) return push_done && push_received == push_total;
     return next_run == runs() && (!needs_flush || flush_posted);
   }
@@ -511,6 +526,7 @@ class UcxBackend final : public Backend {
   bool CmaCopies();
   void CmaCopy(ActiveBatch& ab, std::uint64_t& budget);
   bool PollCudaCopies();
+  bool PollDeviceWaits();
   bool CheckPeersAlive();
   bool HandlePeerFailures();
   // Push READ, reader side: whether READs from the endpoint's peer go by push (ConnectPeer);
@@ -1179,7 +1195,7 @@ bool UcxBackend::AcceptsDeviceWaits(std::uint64_t local_region,
   std::lock_guard<std::mutex> lock(mutex_);
   auto l = regions_.find(local_region);
   auto r = remotes_.find(remote_region);
-  return l != regions_.end() && r != remotes_.end() && CopiesOnGpu(*l->second, *r->second);
+  return l != regions_.end() && r != remotes_.end() && TakesDeviceWaits(*l->second);
 }
 
 Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {
@@ -1306,6 +1322,7 @@ void UcxBackend::Loop() {
     did |= DirectHostCopies();
     did |= CmaCopies();
     did |= PollCudaCopies();
+    did |= PollDeviceWaits();
     if (api_->worker_progress(worker_) != 0) did = true;
     did |= ServePushes();
     did |= CheckPeersAlive();
@@ -1324,9 +1341,10 @@ void UcxBackend::Loop() {
       continue;  // a batch is coming (ExpectSubmits)
     }
     bool cuda_pending = false;
-    for (const auto& ab : active_) cuda_pending |= ab.cuda_op != nullptr;
+    for (const auto& ab : active_) cuda_pending |= ab.cuda_op != nullptr || ab.awaited_event != 0;
     if (cuda_pending) {
-      // Kernels signal no fd; poll them without hogging the CPU from the other threads.
+      // Kernels and events signal no fd; poll them without hogging the CPU from the other
+      // threads.
       sched_yield();
       continue;
     }
@@ -1393,14 +1411,14 @@ bool UcxBackend::ActivateSubmitted() {
     }
     const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
     const bool cuda_copy = CopiesOnGpu(*ab.local, *ab.remote);
-    if (ab.batch->device_wait_event != 0 && !cuda_copy) {
-      // Every other path copies from the host's side of time: it cannot wait on the device.
+    if (ab.batch->device_wait_event != 0 && !TakesDeviceWaits(*ab.local)) {
+      // Host memory: its paths copy from the host's side of time and no producer of it records
+      // CUDA events; the engine refuses such a batch before Submit (AcceptsDeviceWaits).
       ab.stop = true;
       ab.error = InvalidArgumentError(
           "batch " + std::to_string(ab.batch->token) +
-          " carries a CUDA event to wait for, but its copy cannot run on the GPU (both ends must "
-          "be CUDA memory mapped into this process, with the CUDA copy plugin); synchronise the "
-          "event on the host instead");
+          " carries a CUDA event to wait for, but its local memory is not CUDA memory (or the "
+          "CUDA copy plugin is missing); synchronise the event on the host instead");
       continue;
     }
     if ((ab.batch->cells || ab.batch->stamps) && !cuda_copy) {
@@ -1425,6 +1443,7 @@ bool UcxBackend::ActivateSubmitted() {
     } else {
       ab.path = Path::kOps;
       ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
+      ab.awaited_event = ab.batch->device_wait_event;
     }
     g_path_batches[static_cast<int>(ab.path)].fetch_add(1, std::memory_order_relaxed);
   }
@@ -1591,6 +1610,37 @@ bool UcxBackend::PollCudaCopies() {
   return did;
 }
 
+bool UcxBackend::PollDeviceWaits() {
+  bool did = false;
+  const moriio_cudacopy_api* cc = nullptr;
+  // Producers record their events in order (a forward's layers), and the batches of one
+  // write_layers call share one: each pass asks about an event once, and stops at the
+  // kDeviceWaitPollAhead-th that has not completed (every query is a driver call).
+  std::uint64_t event = 0;
+  int answer = 0;  // of the query about `event`: 1 completed, 0 not yet, negative failed
+  char err[256] = {};
+  int pending = 0;
+  for (auto& ab : active_) {
+    if (ab.awaited_event == 0 || ab.stop) continue;
+    if (ab.awaited_event != event) {
+      if (pending == kDeviceWaitPollAhead) break;
+      if (cc == nullptr) cc = LoadCudaCopy().api;
+      event = ab.awaited_event;
+      answer = cc->query_event(event, err, sizeof(err));
+      if (answer == 0) ++pending;
+    }
+    if (answer < 0) {
+      ab.Fail(TransportError("batch " + std::to_string(ab.batch->token) +
+                             ": the CUDA event it waits for cannot be queried: " + err));
+      did = true;
+    } else if (answer == 1) {
+      ab.awaited_event = 0;
+      did = true;
+    }
+  }
+  return did;
+}
+
 bool UcxBackend::IssueOps() {
   bool did = false;
   bool more = true;
@@ -1598,7 +1648,7 @@ bool UcxBackend::IssueOps() {
   while (more && outstanding_ops_ < kMaxOutstandingOps) {
     more = false;
     for (auto& ab : active_) {
-      if (ab.path != Path::kOps || ab.stop) continue;
+      if (ab.path != Path::kOps || ab.stop || ab.awaited_event != 0) continue;
       std::size_t quota = kOpsPerBatchPerRound;
       while (ab.next_run < ab.runs() && quota > 0 && !ab.stop &&
              outstanding_ops_ < kMaxOutstandingOps) {

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-ABI_VERSION = 5
+ABI_VERSION = 6
 
 _ERR = ctypes.c_char_p
 _I64P = ctypes.POINTER(ctypes.c_int64)
@@ -73,7 +73,7 @@ class StampRun(ctypes.Structure):
 
 
 class _Api(ctypes.Structure):
-    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 5)."""
+    """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 6)."""
 
     _fields_ = [
         ("abi_version", ctypes.c_uint32),
@@ -141,6 +141,7 @@ class _Api(ctypes.Structure):
                 ctypes.c_size_t,
             ),
         ),
+        ("query_event", ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_uint64, _ERR, ctypes.c_size_t)),
     ]
 
 
@@ -175,6 +176,15 @@ class Plugin:
         err = ctypes.create_string_buffer(_ERR_LEN)
         if self.api.probe(err, _ERR_LEN) != 0:
             raise CudaCopyError(f"{path}: {err.value.decode()}")
+
+    def event_completed(self, event: int) -> bool:
+        """Whether the work the cudaEvent_t handle ``event`` recorded has finished (the query
+        the UCX backend makes before posting a batch that waits for it as UCX operations)."""
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        done = self.api.query_event(event, err, _ERR_LEN)
+        if done < 0:
+            raise CudaCopyError(err.value.decode())
+        return done == 1
 
 
 class Queue:

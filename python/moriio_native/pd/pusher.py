@@ -296,8 +296,9 @@ class _Job:
     announcer_gone: bool = False
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
     checksums: dict[str, bytes] | None = None  # verify: what write_done carries
-    # The CUDA events whose handles the engine's copies wait for on the GPU: the backend may
-    # enqueue a wait for one until the transfer drained, so they live until the job completes.
+    # The CUDA events whose handles the engine's copies wait for (on the GPU or in its progress
+    # thread): the backend may wait for one until the transfer drained, so they live until the
+    # job completes.
     device_events: list[Any] = field(default_factory=list)
 
     @property
@@ -1487,9 +1488,10 @@ class Pusher:
 
     def _layer_event_handle(self, event: Any, peer: Peer) -> int:
         """The handle of the CUDA event after a layer's compute for its copy to ``peer`` to
-        wait on, on the GPU, when the engine can for that peer (so the writer never waits and
-        the copy starts the moment the layer is computed); otherwise 0, after waiting for the
-        event here (its KV is computed). No event: a CPU forward, already finished."""
+        wait on when the engine can for that peer (on the GPU, or in its progress thread for a
+        peer on another node: the writer never waits and the copy starts the moment the layer
+        is computed); otherwise 0, after waiting for the event here (its KV is computed). No
+        event: a CPU forward, already finished."""
         if event is None:
             return 0
         if self._ctx.engine().waits_for_device_events(peer.engine_peer):
@@ -1503,9 +1505,9 @@ class Pusher:
         """``layers`` (name, event or None) split into those whose KV is computed now, which
         go in one ``write_layers`` call without an event, and the rest by their event (the
         layers whose save hook did not run share the one recorded after the forward), each
-        event's layers in one call whose copies wait for it on the GPU. Computed: no event (a
+        event's layers in one call whose copies wait for it in the engine. Computed: no event (a
         CPU forward), an event that already completed, or, for a peer whose copies cannot
-        wait on the GPU, an event waited for here."""
+        wait for events, an event waited for here."""
         computed: list[str] = []
         waiting: dict[int, tuple[Any, list[str]]] = {}
         device_waits: bool | None = None
@@ -1552,7 +1554,7 @@ class Pusher:
     def _post_layer(
         self, job: _Job, peer: Peer, layer: str, arg: tuple[Any, Any], handle: int
     ) -> None:
-        """Post a "write" op (lock held): one layer, its copy waiting on the GPU for the
+        """Post a "write" op (lock held): one layer, its copy waiting in the engine for the
         event of ``handle`` when not 0 (the event is then held until the job drained)."""
         event, segments = arg
         engine = self._ctx.engine()
