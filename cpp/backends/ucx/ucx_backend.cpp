@@ -1625,6 +1625,9 @@ bool UcxBackend::PollDeviceWaits() {
     if (ab.awaited_event != event) {
       if (pending == kDeviceWaitPollAhead) break;
       if (cc == nullptr) cc = LoadCudaCopy().api;
+      // The runtime answers in the thread's current context: the producer's device's primary
+      // one, as for the copy kernels.
+      BindCudaDevice(ab.local->range.device < 0 ? 0 : ab.local->range.device);
       event = ab.awaited_event;
       answer = cc->query_event(event, err, sizeof(err));
       if (answer == 0) ++pending;
