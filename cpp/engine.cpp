@@ -121,9 +121,10 @@ struct Peer {
     bool stamps = false;
   };
   std::vector<LayerLink> links;
-  // Whether write_layer to this peer may carry a CUDA event: the backend honours one for every
-  // layer's region pair (AcceptsDeviceWaits: UCX from CUDA memory, waiting on the GPU for CUDA
-  // IPC on one node, in its progress thread for RDMA to another; asked once, in AddPeer).
+  // Whether write_layer to this peer may carry a device event: the backend honours one for
+  // every layer's region pair (AcceptsDeviceWaits: UCX from CUDA memory, waiting on the GPU for
+  // CUDA IPC on one node, in its progress thread for RDMA to another; MoRI-IO from ROCm memory,
+  // in its poster thread; asked once, in AddPeer).
   bool device_waits = false;
   std::vector<std::uint8_t> metadata;
 
@@ -640,14 +641,14 @@ struct Engine::Impl {
 
   // Why layer `i`'s copy to `peer` cannot wait for a CUDA event; OK when it can.
   Status CheckDeviceWait(const Peer& peer, std::size_t i) const {
-    if (regions[layers[i].region].range.kind != MemoryKind::kCuda) {
-      return FailedPreconditionError("not in CUDA memory; a CUDA event cannot order its copy");
+    if (regions[layers[i].region].range.kind == MemoryKind::kHost) {
+      return FailedPreconditionError("not in GPU memory; a device event cannot order its copy");
     }
     if (!peer.device_waits) {
       return FailedPreconditionError(
           "peer '" + peer.id + "': backend '" + config.backend +
-          "' cannot wait for a CUDA event for it (that needs the UCX backend with its CUDA "
-          "copy plugin; see waits_for_device_events); synchronise the event and write without "
+          "' cannot wait for a device event for it (that needs UCX with its CUDA copy plugin, "
+          "or MoRI-IO; see waits_for_device_events); synchronise the event and write without "
           "it");
     }
     return Status::OK();

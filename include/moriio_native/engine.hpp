@@ -183,11 +183,12 @@ class Engine {
   /// transfer's, one layer more than the seal said, a CUDA event it cannot honour) returns the
   /// error AND fails the transfer, so a transfer one of whose layers was refused never ends done.
   /// A submission failure fails the transfer too (its event says why). Never blocks on transfer.
-  /// `cuda_event` (0: none): a cudaEvent_t of this process recorded after the work that
-  /// produces this layer's blocks; the copy then starts only once that work has finished, so the
-  /// call may come before it has (per-layer WRITE overlapped with the forward pass). It needs a
-  /// CUDA layer and a peer for which WaitsForDeviceEvents is true (FailedPrecondition
-  /// otherwise); keep the event valid and unrecorded until the transfer's event.
+  /// `cuda_event` (0: none): a cudaEvent_t (hipEvent_t on ROCm) of this process recorded after
+  /// the work that produces this layer's blocks; the copy then starts only once that work has
+  /// finished, so the call may come before it has (per-layer WRITE overlapped with the forward
+  /// pass). It needs a GPU layer and a peer for which WaitsForDeviceEvents is true
+  /// (FailedPrecondition otherwise); keep the event valid and unrecorded until the transfer's
+  /// event.
   Result<bool> WriteLayer(std::string_view transfer_id, std::string_view layer,
                           std::string_view peer, std::span<const std::int64_t> local_blocks,
                           std::span<const std::int64_t> remote_blocks,
@@ -223,12 +224,13 @@ class Engine {
                            std::uint64_t cuda_event = 0);
 
   /// Whether WriteLayer to `peer` honours a `cuda_event`: the UCX backend with its CUDA copy
-  /// plugin and CUDA layers. Where the peer's memory is mapped into this process (CUDA IPC on
-  /// one node) the copy waits for the event on the GPU; where the copies are UCX operations
-  /// (RDMA to another node, ucx_direct_copy off) the backend's progress thread polls the event
-  /// and posts the layer's first operation once it completed. Either way the caller never
-  /// waits. A caller holding a layer's event passes it when true and waits for it on the host
-  /// otherwise (host memory, MoRI-IO, loopback). NotFound for an unknown peer. Thread-safe,
+  /// plugin and CUDA layers, or MoRI-IO and ROCm layers. Where UCX maps the peer's memory into
+  /// this process (CUDA IPC on one node) the copy waits for the event on the GPU; where the
+  /// copies are UCX operations (RDMA to another node, ucx_direct_copy off) the backend's
+  /// progress thread polls the event and posts the layer's first operation once it completed;
+  /// MoRI-IO's poster thread likewise (hipEventQuery) before it hands the batch to MoRI. Either
+  /// way the caller never waits. A caller holding a layer's event passes it when true and waits
+  /// for it on the host otherwise (host memory, loopback). NotFound for an unknown peer. Thread-safe,
   /// non-blocking; the answer stays the same while the peer stays added.
   Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
 

@@ -294,12 +294,13 @@ class Engine:
 
     def waits_for_device_events(self, peer: str) -> bool:
         """Whether ``write_layer`` to ``peer`` honours ``cuda_event``: UCX with its CUDA copy
-        plugin and CUDA layers. The copy waits for the event on the GPU where the peer's memory
-        is mapped into this process (CUDA IPC on one node); where the copies are UCX operations
-        (RDMA to another node, ``ucx_direct_copy`` off) the engine's progress thread polls the
+        plugin and CUDA layers, or MoRI-IO and ROCm layers (``torch.cuda.Event`` is a HIP event
+        there). The copy waits for the event on the GPU where UCX maps the peer's memory into
+        this process (CUDA IPC on one node); where the copies are UCX operations (RDMA to
+        another node, ``ucx_direct_copy`` off) or MoRI-IO's, the engine's own thread polls the
         event and posts the layer once it completed. The caller never waits either way. A
         caller holding a layer's event passes it when True and synchronises it on the host
-        otherwise (host memory, MoRI-IO, loopback). NotFoundError for an unknown peer."""
+        otherwise (host memory, loopback). NotFoundError for an unknown peer."""
         return self._engine.waits_for_device_events(peer)
 
     def read(

@@ -902,7 +902,7 @@ TEST_F(EnginePair, WriteLayerRefusesACudaEventItCannotHonour) {
   Result<bool> r = p_.engine->WriteLayer("w-ev", "attn.0", "D", ids, ids, /*cuda_event=*/0x1234);
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition);
-  EXPECT_NE(r.status().ToString().find("not in CUDA memory"), std::string::npos)
+  EXPECT_NE(r.status().ToString().find("not in GPU memory"), std::string::npos)
       << r.status().ToString();
   Events events(p_.engine.get());
   EXPECT_EQ(events.Wait("w-ev").state, TransferState::kFailed);

@@ -76,6 +76,11 @@ struct World {
   // A late write found its status already freed. Must stay 0.
   int late_write_to_freed = 0;
   std::deque<mb::MoriPeerFailure> failures;
+  // HIP events (Batch::device_wait_event): not completed while in pending_events; those in
+  // broken_events cannot be queried. Every other event has completed.
+  std::set<std::uint64_t> pending_events;
+  std::set<std::uint64_t> broken_events;
+  int event_queries = 0;
   // Behaviour switches.
   bool auto_complete = true;  // PostBatch moves the bytes and reports SUCCESS at once
   bool fail_create_session = false;
@@ -325,6 +330,20 @@ class FakeMoriApi final : public mb::MoriApi {
     auto f = world_->failures.front();
     world_->failures.pop_front();
     return f;
+  }
+
+  Result<bool> EventCompleted(std::uint64_t event) override {
+    Result<bool> answer = false;
+    {
+      std::lock_guard lock(world_->mu);
+      ++world_->event_queries;
+      answer = world_->broken_events.count(event)
+                   ? Result<bool>(TransportError("fake HIP cannot query event " +
+                                                 std::to_string(event)))
+                   : Result<bool>(world_->pending_events.count(event) == 0);
+    }
+    world_->cv.notify_all();  // WaitUntil on event_queries
+    return answer;
   }
 
  private:

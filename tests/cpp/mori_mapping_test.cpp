@@ -156,6 +156,26 @@ class MoriMappingTest : public ::testing::Test {
     *link = {local->handle, peer, *remote};
   }
 
+  // `host` with its local region registered again as ROCm memory (the fake moves host bytes all
+  // the same): the regions of batches that may wait for a HIP event.
+  void LinkGpuRegion(const Link& host, Link* gpu) {
+    MemoryRange range = local_buf_.range(0, kSize);
+    range.kind = MemoryKind::kRocm;
+    range.device = 0;
+    auto local = backend_->RegisterMemory(range);
+    ASSERT_TRUE(local.ok()) << local.status().ToString();
+    *gpu = {local->handle, host.peer, host.remote};
+  }
+
+  // A WRITE of 64 bytes at `offset` on both sides, posted after HIP event `event` (0: none).
+  static std::shared_ptr<Batch> WriteWaitingFor(const Link& link, std::uint64_t event,
+                                                std::int64_t offset, std::uint64_t token) {
+    auto b = MakeBatch(TransferOp::kWrite, link.local, link.peer, link.remote, {offset},
+                       {offset}, {64}, token);
+    b->device_wait_event = event;
+    return b;
+  }
+
   // A batch of one run: the first 64 bytes of each side.
   Status SubmitOneRun(const Link& link, TransferOp op, std::uint64_t token) {
     return backend_->Submit(
@@ -749,6 +769,108 @@ TEST_F(MoriMappingTest, PeerFailureReachesTheSinkAndStopsNewBatches) {
   std::set<std::uint64_t> peers = {failures[1].first, failures[2].first};
   EXPECT_EQ(peers, (std::set<std::uint64_t>{peer_b, peer_c}));
   EXPECT_NE(failures[1].second.message().find("LOCAL_PORT_DOWN"), std::string::npos);
+}
+
+// ---- batches that wait for their producer's HIP event ----------------------------------------
+
+// MoRI posts on the host, so a batch from GPU memory whose producer's event has not completed is
+// held back by the poster, never handed to MoRI, and only it: a later batch without an event
+// goes first. Once the event completes the batch is posted and moves the producer's bytes.
+TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpNoOther) {
+  Make();
+  Link host;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
+  Link gpu;
+  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
+  EXPECT_TRUE(backend_->capabilities().device_event_wait);
+  EXPECT_TRUE(backend_->AcceptsDeviceWaits(gpu.local, gpu.remote));
+  EXPECT_FALSE(backend_->AcceptsDeviceWaits(host.local, host.remote));  // host memory
+  EXPECT_FALSE(backend_->AcceptsDeviceWaits(gpu.local, 777));             // unknown import
+  {
+    std::lock_guard lock(world_->mu);
+    world_->pending_events.insert(0xE1);
+  }
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1, 0, 20)).ok());
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0, 128, 21)).ok());
+  ASSERT_TRUE(sink_->Await(21).ok());
+  ASSERT_TRUE(world_->WaitUntil([&] { return world_->event_queries >= 2; }));
+  EXPECT_FALSE(sink_->Completed(20));
+  ASSERT_EQ(Posts(), 1u) << "the batch waiting for its event reached MoRI";
+  EXPECT_EQ(PostAt(0).local_offsets, std::vector<std::size_t>{128});
+  local_buf_.data[0] = 0xAB;  // the producer's work, finished before its event completes
+  {
+    std::lock_guard lock(world_->mu);
+    world_->pending_events.clear();
+  }
+  Status s = sink_->Await(20);
+  EXPECT_TRUE(s.ok()) << s.ToString();
+  ASSERT_EQ(Posts(), 2u);
+  EXPECT_EQ(PostAt(1).local_offsets, std::vector<std::size_t>{0});
+  EXPECT_EQ(peer_buf_.data[0], 0xAB);
+  EXPECT_EQ(sink_->CompletionCount(20), 1u);
+}
+
+// An event HIP cannot answer about fails its batch (naming it) without posting it, and releases
+// its region; a host batch carrying an event is refused at Submit, naming the memory kind.
+TEST_F(MoriMappingTest, BatchWhoseEventCannotBeQueriedFailsAndHostBatchesTakeNoEvent) {
+  Make();
+  Link host;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
+  Link gpu;
+  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
+  {
+    std::lock_guard lock(world_->mu);
+    world_->broken_events.insert(0xE2);
+  }
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE2, 0, 22)).ok());
+  Status s = sink_->Await(22);
+  EXPECT_EQ(s.code(), StatusCode::kTransport) << s.ToString();
+  EXPECT_NE(s.message().find("token 22"), std::string::npos) << s.ToString();
+  EXPECT_NE(s.message().find("HIP event"), std::string::npos) << s.ToString();
+  EXPECT_EQ(Posts(), 0u);
+  EXPECT_TRUE(backend_->DeregisterMemory(gpu.local).ok());  // nothing holds the region
+
+  Status refused = backend_->Submit(WriteWaitingFor(host, 0xE3, 0, 23));
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("host memory"), std::string::npos) << refused.ToString();
+  EXPECT_FALSE(sink_->Completed(23));
+  EXPECT_EQ(Posts(), 0u);
+}
+
+// A batch still waiting for its event when its peer is disconnected, or the backend destroyed,
+// ends aborted, once, without ever reaching MoRI.
+TEST_F(MoriMappingTest, BatchWaitingForItsEventEndsAbortedOnDisconnectAndTeardown) {
+  Make();
+  Link host;
+  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
+  Link gpu;
+  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
+  {
+    std::lock_guard lock(world_->mu);
+    world_->pending_events.insert(0xE4);
+  }
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE4, 0, 24)).ok());
+  ASSERT_TRUE(world_->WaitUntil([&] { return world_->event_queries >= 1; }));
+  ASSERT_TRUE(backend_->DisconnectPeer(gpu.peer).ok());
+  Status s = sink_->Await(24);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_NE(s.message().find("disconnected"), std::string::npos) << s.ToString();
+
+  const std::uint64_t peer = Connect("C");
+  auto remote = backend_->ImportRemoteRegion(peer, peer_buf_.range(0, kSize), [&] {
+    mb::MoriMemory m = PeerMemory();
+    m.engine_key = "C";
+    m.desc = MemBlob(m);
+    return m.desc;
+  }());
+  ASSERT_TRUE(remote.ok()) << remote.status().ToString();
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor({gpu.local, peer, *remote}, 0xE4, 0, 25)).ok());
+  backend_.reset();
+  s = sink_->Await(25);
+  EXPECT_EQ(s.code(), StatusCode::kAborted) << s.ToString();
+  EXPECT_EQ(sink_->CompletionCount(24), 1u);
+  EXPECT_EQ(sink_->CompletionCount(25), 1u);
+  EXPECT_EQ(Posts(), 0u);
 }
 
 TEST_F(MoriMappingTest, CapabilitiesAndMemoryKindsFollowTheTransport) {

@@ -87,7 +87,8 @@ struct MoriPeerFailure {
 };
 
 /// What the mapping layer needs from MoRI-IO. Thread-safety: the mapping layer serialises every
-/// call except the status methods and PopPeerFailure, which may run concurrently with others.
+/// call except the status methods, PopPeerFailure and EventCompleted, which may run concurrently
+/// with others.
 /// Methods return errors, never throw (the MoRI implementation converts exceptions).
 class MoriApi {
  public:
@@ -128,6 +129,11 @@ class MoriApi {
 
   /// The oldest link failure MoRI observed and nobody took yet.
   virtual std::optional<MoriPeerFailure> PopPeerFailure() = 0;
+
+  /// Whether the work the HIP event `event` (a hipEvent_t of this process, Batch::
+  /// device_wait_event) recorded has finished (hipEventQuery); never blocks. An error when HIP
+  /// cannot answer.
+  virtual Result<bool> EventCompleted(std::uint64_t event) = 0;
 };
 
 }  // namespace moriio_native::detail::mori_backend

@@ -147,6 +147,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// How often the poster asks again about the events its queued batches wait for while none is
+// ready (HIP signals no fd): short against a layer's compute, long against a query (~1 us).
+constexpr auto kEventPollInterval = std::chrono::microseconds(50);
+// Distinct pending events asked about per pass.
+constexpr int kEventPollAhead = 4;
+
 std::string Hex(std::uint64_t v) {
   char buf[19] = "0x";
   auto [p, ec] = std::to_chars(buf + 2, buf + sizeof(buf), v, 16);
@@ -213,6 +219,9 @@ struct Work {
   std::uint64_t remote_region = 0;
   std::uint32_t local_mori_id = 0;
   std::size_t runs = 0;
+  // A HIP event (Batch::device_wait_event) the batch is posted only after; 0 once PostLoop saw
+  // it completed, or when there is none.
+  std::uint64_t wait_event = 0;
   std::vector<std::size_t> local_offsets;
   std::vector<std::size_t> remote_offsets;
   std::vector<std::size_t> sizes;
@@ -283,7 +292,18 @@ class MoriBackend final : public Backend {
             .cuda_memory = false,
             .rocm_memory = true,
             .unaligned_registration = !rdma,
-            .allocation = false};
+            .allocation = false,
+            .device_event_wait = true};
+  }
+
+  // A batch from GPU memory may wait for its producer's HIP event: MoRI posts work on the host
+  // (RDMA work requests, XGMI copies), so the poster thread holds it back until the event
+  // completed, and the caller never waits. Host memory has no producer that records one.
+  bool AcceptsDeviceWaits(std::uint64_t local_region, std::uint64_t remote_region) const override {
+    std::lock_guard lock(mu_);
+    auto l = locals_.find(local_region);
+    return l != locals_.end() && remotes_.count(remote_region) != 0 &&
+           l->second.range.kind == MemoryKind::kRocm;
   }
 
   Result<std::vector<std::uint8_t>> LocalAddress() override {
@@ -534,7 +554,15 @@ class MoriBackend final : public Backend {
       MORIIO_RETURN_IF_ERROR(FindLocked(b, &local, &remote, &peer_key));
       // Region sizes never change, so the runs checked here stay valid for MapRuns below.
       MORIIO_RETURN_IF_ERROR(CheckBatchRuns(b, local.range.size, remote.size));
+      if (b.device_wait_event != 0 && local.range.kind != MemoryKind::kRocm) {
+        return InvalidArgumentError("batch " + std::to_string(b.token) +
+                                    " carries a device event to wait for, but its local region " +
+                                    std::to_string(b.local_region) + " is " +
+                                    std::string(KindName(local.range.kind)) +
+                                    " memory; synchronise the event on the host instead");
+      }
       if (n == 0) {
+        // (With an event too: nothing of the producer's is read.)
         // Nothing for MoRI to move (MoRI refuses empty batches): complete OK from the reaper.
         deliver_.emplace_back(b.token, Status::OK());
         reap_cv_.notify_all();
@@ -549,6 +577,7 @@ class MoriBackend final : public Backend {
     work->remote_region = b.remote_region;
     work->local_mori_id = local.mori_id;
     work->runs = n;
+    work->wait_event = b.device_wait_event;
     work->peer_key = peer_key;
     MORIIO_RETURN_IF_ERROR(MapRuns(b, local, remote, work.get()));
     {
@@ -654,6 +683,50 @@ class MoriBackend final : public Backend {
     }
   }
 
+  // Clears the wait of every queued batch whose event completed (asking HIP about at most
+  // kEventPollAhead distinct pending events, oldest batch first: producers record in order) and
+  // fails those whose event HIP cannot answer; returns whether a queued batch is ready to post.
+  bool PollEventsLocked() {
+    std::uint64_t event = 0;
+    Result<bool> completed = false;  // HIP's answer about `event`
+    int pending = 0;
+    bool ready = false;
+    for (auto it = queue_.begin(); it != queue_.end();) {
+      Work& w = **it;
+      if (w.wait_event != 0 && w.wait_event != event && pending < kEventPollAhead) {
+        event = w.wait_event;
+        completed = api_->EventCompleted(event);
+        if (completed.ok() && !*completed) ++pending;
+      }
+      if (w.wait_event != 0 && w.wait_event == event) {
+        if (!completed.ok()) {
+          ReleaseLocked(w);
+          deliver_.emplace_back(w.token, TransportError(Describe(w) +
+                                                        ": the HIP event it waits for cannot "
+                                                        "be queried: " +
+                                                        completed.status().message()));
+          reap_cv_.notify_all();
+          it = queue_.erase(it);
+          continue;
+        }
+        if (*completed) w.wait_event = 0;
+      }
+      ready |= w.wait_event == 0;
+      ++it;
+    }
+    return ready;
+  }
+
+  // The oldest queued batch that waits for nothing, taken off the queue (null when none).
+  std::unique_ptr<Work> TakeReadyLocked() {
+    auto it = std::find_if(queue_.begin(), queue_.end(),
+                           [](const std::unique_ptr<Work>& w) { return w->wait_event == 0; });
+    if (it == queue_.end()) return nullptr;
+    std::unique_ptr<Work> w = std::move(*it);
+    queue_.erase(it);
+    return w;
+  }
+
   void PostLoop() {
     while (true) {
       {
@@ -666,6 +739,12 @@ class MoriBackend final : public Backend {
           reap_cv_.notify_all();
           return;
         }
+        if (!PollEventsLocked()) {
+          // Every queued batch waits for an event, which signals nothing: look again shortly,
+          // or at once when a batch is submitted.
+          post_cv_.wait_for(lock, kEventPollInterval);
+          continue;
+        }
       }
       // api_mu_ across the whole post: DisconnectPeer/DeregisterMemory cannot remove what this
       // batch uses between the pop and MoRI's call.
@@ -675,9 +754,9 @@ class MoriBackend final : public Backend {
       MoriMemory remote_mem;
       {
         std::lock_guard lock(mu_);
-        if (stopping_ || queue_.empty()) continue;
-        w = std::move(queue_.front());
-        queue_.pop_front();
+        if (stopping_) continue;
+        w = TakeReadyLocked();
+        if (!w) continue;
         auto s = sessions_.find(SessionKey{w->local_mori_id, w->remote_region});
         if (s != sessions_.end()) {
           session = s->second.id;
@@ -850,7 +929,7 @@ class MoriBackend final : public Backend {
   // Lock order: api_mu_ before mu_. api_mu_ serialises every MoriApi call except statuses and
   // PopPeerFailure (MoRI's registration tables are not thread-safe).
   std::mutex api_mu_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable post_cv_;
   std::condition_variable reap_cv_;
   bool stopping_ = false;

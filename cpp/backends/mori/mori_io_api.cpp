@@ -83,10 +83,30 @@ class RealStatus final : public MoriTransferStatus {
   mio::TransferStatus status;  // non-movable; MoRI holds its address while the batch runs
 };
 
+// Opens a library already mapped as our dependency (RTLD_NOLOAD finds it), else maps it.
+Result<DynamicLibrary> OpenLibrary(const std::string& name) {
+  Result<DynamicLibrary> mapped = DynamicLibrary::Open(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
+  return mapped.ok() ? std::move(mapped) : DynamicLibrary::Open(name);
+}
+
+// hipError_t values of hip_runtime_api.h that EventCompleted tells apart.
+constexpr int kHipSuccess = 0;
+constexpr int kHipErrorNotReady = 600;
+using HipEventQuery = int (*)(void*);  // hipError_t hipEventQuery(hipEvent_t)
+
 class MoriIoApi final : public MoriApi {
  public:
   static Result<std::unique_ptr<MoriApi>> Create(const MoriOptions& o) {
     auto api = std::unique_ptr<MoriIoApi>(new MoriIoApi(MakeEngineKey(o.engine_key_prefix)));
+    Result<DynamicLibrary> hip = OpenLibrary("libamdhip64.so.7");
+    Result<HipEventQuery> query =
+        hip.ok() ? hip->Symbol<HipEventQuery>("hipEventQuery") : Result<HipEventQuery>(hip.status());
+    if (!query.ok()) {
+      return BackendUnavailableError("MoRI-IO's backend needs HIP's hipEventQuery: " +
+                                     query.status().message());
+    }
+    hip->KeepLoaded();  // MoRI itself runs on it until the process exits
+    api->event_query_ = *query;
     const std::string host = o.host.empty() ? DefaultHost() : o.host;
     try {
       api->engine_ = std::make_unique<mio::IOEngine>(api->key_, mio::IOEngineConfig{host, o.port});
@@ -280,10 +300,19 @@ class MoriIoApi final : public MoriApi {
     }
   }
 
+  Result<bool> EventCompleted(std::uint64_t event) override {
+    const int rc = event_query_(reinterpret_cast<void*>(event));
+    if (rc == kHipSuccess) return true;
+    if (rc == kHipErrorNotReady) return false;
+    return TransportError("hipEventQuery of event " + std::to_string(event) +
+                          " failed with HIP error " + std::to_string(rc));
+  }
+
  private:
   explicit MoriIoApi(std::string key) : key_(std::move(key)) {}
 
   const std::string key_;
+  HipEventQuery event_query_ = nullptr;
   std::unique_ptr<mio::IOEngine> engine_;
   std::map<std::uint32_t, mio::MemoryDesc> locals_;
   std::map<std::string, mio::EngineDesc> remotes_;
@@ -292,12 +321,6 @@ class MoriIoApi final : public MoriApi {
 };
 
 // ---- probe: find out, without letting MoRI exit the process, whether MoRI can run here -------
-
-// Opens a library already mapped as our dependency (RTLD_NOLOAD finds it), else maps it.
-Result<DynamicLibrary> OpenLibrary(const std::string& name) {
-  Result<DynamicLibrary> mapped = DynamicLibrary::Open(name, RTLD_NOW | RTLD_LOCAL | RTLD_NOLOAD);
-  return mapped.ok() ? std::move(mapped) : DynamicLibrary::Open(name);
-}
 
 Status ProbeGpu() {
   Result<DynamicLibrary> hip = OpenLibrary("libamdhip64.so.7");
