@@ -110,6 +110,11 @@ class OverlapRow:
     exposed_over_one_layer: float
     host_wait_exposed_ms: float
     host_wait_over_one_layer: float
+    # The forward's own time (medians): after it, overlapped, with the host wait. A waiting
+    # path that slowed the forward would show here, not in the exposed times.
+    forward_after_ms: float
+    forward_overlapped_ms: float
+    forward_host_wait_ms: float
     verified: bool
 
 
@@ -584,10 +589,11 @@ def _forward_write(
     wait: str,
 ) -> tuple[float, float, str, str]:
     """Runs the synthetic forward (per layer: an n x n matmul, then the layer's blocks filled)
-    and WRITEs every layer: behind its CUDA event at once, the copy waiting for it on the GPU
-    (``wait="device"``), from a writer thread that waits for each event on the host
-    (``"host"``), or after the whole forward (``"after"``). Returns (forward seconds, seconds
-    from the forward's end to the WRITE's event, the event's state, its message)."""
+    and WRITEs every layer: behind its CUDA event at once, the engine waiting for it (on the GPU,
+    or in its progress thread with ``--direct-copy off``; ``wait="device"``), from a writer
+    thread that waits for each event on the host (``"host"``), or after the whole forward
+    (``"after"``). Returns (forward seconds, seconds from the forward's end to the WRITE's
+    event, the event's state, its message)."""
     import torch
 
     local_ids, remote_ids = _ids(local), _ids(remote)
@@ -710,14 +716,17 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         n = max(256, int(n * (transfer_layer * 1e3 / ms) ** (1 / 3)) // 64 * 64)
     conns["prefill"].send(("matmul_ms", n))
     compute_layer = _recv(conns["prefill"], procs) / 1e3
-    after, overlapped, host_waited = [], [], []
+    runs: dict[str, list[tuple[float, float]]] = {"after": [], "device": [], "host": []}
     for _ in range(args.requests):  # interleaved, so drift hits all alike
-        after.append(one(n, "after")[1])
-        overlapped.append(one(n, "device")[1])
-        host_waited.append(one(n, "host")[1])
+        for wait, timed in runs.items():
+            timed.append(one(n, wait))
     _stop_pair(conns, procs)
-    exposed = statistics.median(overlapped)
-    host_exposed = statistics.median(host_waited)
+
+    def median(wait: str, part: int) -> float:
+        return statistics.median(t[part] for t in runs[wait])
+
+    exposed = median("device", 1)
+    host_exposed = median("host", 1)
     return OverlapRow(
         preset_name,
         args.direct_copy,
@@ -726,11 +735,14 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
         n,
         compute_layer * 1e3,
         transfer_layer * 1e3,
-        statistics.median(after) * 1e3,
+        median("after", 1) * 1e3,
         exposed * 1e3,
         exposed / transfer_layer,
         host_exposed * 1e3,
         host_exposed / transfer_layer,
+        median("after", 0) * 1e3,
+        median("device", 0) * 1e3,
+        median("host", 0) * 1e3,
         True,
     )
 
@@ -917,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
                 "%-12s direct copy %s, %d layers x %d blocks: matmul n=%d %.3f ms/layer, transfer"
                 " %.3f ms/layer;"
                 " exposed after the forward: WRITE after it %.3f ms, overlapped %.3f ms = %.2f"
-                " layers' transfer (host wait: %.3f ms = %.2f), verified=%s",
+                " layers' transfer (host wait: %.3f ms = %.2f); forward %.3f / %.3f / %.3f ms"
+                " (after / overlapped / host wait), verified=%s",
                 o.preset,
                 o.direct_copy,
                 o.layers,
@@ -930,6 +943,9 @@ def main(argv: list[str] | None = None) -> int:
                 o.exposed_over_one_layer,
                 o.host_wait_exposed_ms,
                 o.host_wait_over_one_layer,
+                o.forward_after_ms,
+                o.forward_overlapped_ms,
+                o.forward_host_wait_ms,
                 o.verified,
             )
         _write_json(args.json, overlap_rows)

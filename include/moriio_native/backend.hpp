@@ -105,11 +105,11 @@ struct Batch {
   std::vector<std::int64_t> remote_offsets;
   std::vector<std::int64_t> sizes;
   std::uint64_t token = 0;  ///< passed back in the completion
-  /// A cudaEvent_t of this process (0: none) that the copy waits for before it starts (on the GPU
-  /// or in the backend's own thread; the caller never waits), when
-  /// capabilities().device_event_wait and AcceptsDeviceWaits; a backend that cannot honour it
-  /// for this batch fails the batch. The caller keeps the event valid and unrecorded until the batch
-  /// completes.
+  /// A device event of this process (0: none; a cudaEvent_t, a hipEvent_t for MoRI-IO) that the
+  /// copy waits for before it starts (on the GPU or in the backend's own thread; the caller never
+  /// waits), when capabilities().device_event_wait and AcceptsDeviceWaits; a backend that cannot
+  /// honour it for this batch fails the batch. The caller keeps the event valid and unrecorded
+  /// until the batch completes.
   std::uint64_t device_wait_event = 0;
   /// Set: a cell batch, whose three run arrays are empty. Only for a region pair and geometry
   /// for which Backend::AcceptsCells said yes; every other backend refuses it at Submit.
@@ -139,7 +139,7 @@ struct BackendCapabilities {
   bool unaligned_registration = true;
   /// Whether Allocate() is implemented (memory peers on this host can map directly).
   bool allocation = false;
-  /// Whether batches from CUDA memory may carry Batch::device_wait_event (AcceptsDeviceWaits
+  /// Whether batches from GPU memory may carry Batch::device_wait_event (AcceptsDeviceWaits
   /// says for which region pairs).
   bool device_event_wait = false;
 };
@@ -235,8 +235,9 @@ class Backend {
   virtual bool AcceptsStamps(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// Whether Submit honours Batch::device_wait_event between local region `local_region` and
   /// imported region `remote_region` (the copy starts only after the event's work, without the
-  /// caller waiting); a batch carrying one fails otherwise. The answer stays the same while both stay registered and imported. False
-  /// for unknown handles. Thread-safe, non-blocking, no transfer. Default: false.
+  /// caller waiting); a batch carrying one fails otherwise. The answer stays the same while both
+  /// stay registered and imported. False for unknown handles. Thread-safe, non-blocking, no
+  /// transfer. Default: false.
   virtual bool AcceptsDeviceWaits(std::uint64_t local_region, std::uint64_t remote_region) const;
   /// A hint that Submit calls follow shortly (the engine has started planning a request): a
   /// backend whose progress thread sleeps when idle may wake it now, so that the wake-up

@@ -230,8 +230,8 @@ class Engine {
   /// progress thread polls the event and posts the layer's first operation once it completed;
   /// MoRI-IO's poster thread likewise (hipEventQuery) before it hands the batch to MoRI. Either
   /// way the caller never waits. A caller holding a layer's event passes it when true and waits
-  /// for it on the host otherwise (host memory, loopback). NotFound for an unknown peer. Thread-safe,
-  /// non-blocking; the answer stays the same while the peer stays added.
+  /// for it on the host otherwise (host memory, loopback). NotFound for an unknown peer.
+  /// Thread-safe, non-blocking; the answer stays the same while the peer stays added.
   Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
 
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to

@@ -351,7 +351,7 @@ class Engine:
         ``cuda_event``: the handle of a CUDA event recorded after the work that produces this
         layer (``torch.cuda.Event().cuda_event`` once recorded); the copy then waits for it (on
         the GPU, or in the engine's progress thread, see ``waits_for_device_events``), so this
-        may be called before that work finished. Needs a CUDA layer and a peer for which
+        may be called before that work finished. Needs a GPU layer and a peer for which
         ``waits_for_device_events`` is True (FailedPreconditionError otherwise). Use one event per
         layer and keep it until the transfer's event arrives.
         """

@@ -23,6 +23,7 @@
 #include "backends/mori/mori_api.hpp"
 #include "backends/mori/mori_backend.hpp"
 #include "backend_test_support.hpp"
+#include "event_poll.hpp"
 #include "fake_mori.hpp"
 
 namespace {
@@ -786,28 +787,42 @@ TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpN
   EXPECT_TRUE(backend_->AcceptsDeviceWaits(gpu.local, gpu.remote));
   EXPECT_FALSE(backend_->AcceptsDeviceWaits(host.local, host.remote));  // host memory
   EXPECT_FALSE(backend_->AcceptsDeviceWaits(gpu.local, 777));             // unknown import
+  // More batches waiting for events than the poster asks about in one pass (a deep forward's
+  // layers), then one without an event: it still goes first.
+  constexpr std::uint64_t kWaiting = detail::EventPass::kMaxPending + 2;
   {
     std::lock_guard lock(world_->mu);
-    world_->pending_events.insert(0xE1);
+    for (std::uint64_t i = 0; i < kWaiting; ++i) world_->pending_events.insert(0xE1 + i);
   }
-  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1, 0, 20)).ok());
+  for (std::uint64_t i = 0; i < kWaiting; ++i) {
+    ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1 + i, 0, 30 + i)).ok());
+  }
   ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0, 128, 21)).ok());
   ASSERT_TRUE(sink_->Await(21).ok());
-  ASSERT_TRUE(world_->WaitUntil([&] { return world_->event_queries >= 2; }));
-  EXPECT_FALSE(sink_->Completed(20));
-  ASSERT_EQ(Posts(), 1u) << "the batch waiting for its event reached MoRI";
+  ASSERT_TRUE(world_->WaitUntil(
+      [&] { return world_->event_queries >= 2 * detail::EventPass::kMaxPending; }));
+  for (std::uint64_t i = 0; i < kWaiting; ++i) EXPECT_FALSE(sink_->Completed(30 + i));
+  ASSERT_EQ(Posts(), 1u) << "a batch waiting for its event reached MoRI";
   EXPECT_EQ(PostAt(0).local_offsets, std::vector<std::size_t>{128});
+  {
+    std::lock_guard lock(world_->mu);
+    for (std::uint64_t i = 1; i < kWaiting; ++i) world_->pending_events.erase(0xE1 + i);
+  }
+  for (std::uint64_t i = 1; i < kWaiting; ++i) ASSERT_TRUE(sink_->Await(30 + i).ok());
+  EXPECT_FALSE(sink_->Completed(30)) << "posted before its event completed";
+  ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1, 0, 20)).ok());
   local_buf_.data[0] = 0xAB;  // the producer's work, finished before its event completes
   {
     std::lock_guard lock(world_->mu);
     world_->pending_events.clear();
   }
-  Status s = sink_->Await(20);
-  EXPECT_TRUE(s.ok()) << s.ToString();
-  ASSERT_EQ(Posts(), 2u);
-  EXPECT_EQ(PostAt(1).local_offsets, std::vector<std::size_t>{0});
+  for (std::uint64_t token : {20, 30}) {
+    Status s = sink_->Await(token);
+    EXPECT_TRUE(s.ok()) << s.ToString();
+    EXPECT_EQ(sink_->CompletionCount(token), 1u);
+  }
+  ASSERT_EQ(Posts(), kWaiting + 2);
   EXPECT_EQ(peer_buf_.data[0], 0xAB);
-  EXPECT_EQ(sink_->CompletionCount(20), 1u);
 }
 
 // An event HIP cannot answer about fails its batch (naming it) without posting it, and releases

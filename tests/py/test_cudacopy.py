@@ -173,10 +173,12 @@ def test_an_event_reads_completed_only_once_its_work_finished() -> None:
 
     plugin = Plugin(default_plugin_path())
     producer = torch.cuda.Stream()
-    ready = torch.cuda.Event()
+    done, ready = torch.cuda.Event(), torch.cuda.Event()
+    done.record()
     torch.cuda.synchronize()
+    assert plugin.event_completed(done.cuda_event)  # the plugin's runtime set up before the sleep
     with torch.cuda.stream(producer):
-        torch.cuda._sleep(100_000_000)
+        torch.cuda._sleep(1_000_000_000)  # about 0.5 s
         ready.record(producer)
     assert not plugin.event_completed(ready.cuda_event)
     ready.synchronize()

@@ -449,3 +449,35 @@ def test_a_write_waiting_for_its_event_holds_up_no_other_transfer(
     for local, remote in (([5], [5]), ([0, 1], [2, 3]), ([2, 4], [8, 19])):
         moved = kc.expected_after_copy(decode, prefill, remote, local, layers=[first])
         np.testing.assert_array_equal(decode.backing, moved)  # those blocks hold the prefill's
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
+def test_a_write_waiting_for_its_event_ends_once_when_its_peer_is_removed(
+    cuda_decode_child: Child,
+) -> None:
+    """With the copies as UCX operations (``ucx_direct_copy`` off) a layer waiting for its
+    event is parked in the engine; removing the peer meanwhile ends the transfer at once (not
+    after the producer's ~0.5 s), exactly once, and the parked batch never posts: once the
+    producer finished, the decode's blocks still hold what they held."""
+    import torch
+
+    prefill, _, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": "off"})
+    first = prefill.shapes[0].name
+    assert engine.write_layer("req-warm", first, "decode-child", [5], [5])
+    engine.seal("req-warm", "decode-child", expected_writes=1)
+    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+    before = cuda_decode_child.backing().copy()
+    producer, ev = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(1_000_000_000)
+        ev.record(producer)
+    assert engine.write_layer("req-parked", first, "decode-child", [0, 1], [2, 3], ev.cuda_event)
+    engine.seal("req-parked", "decode-child", expected_writes=1)
+    engine.remove_peer("decode-child")
+    ended = engine.wait(["req-parked"], timeout=TIMEOUT)["req-parked"]
+    assert ended.state in ("failed", "aborted"), ended
+    assert not ev.query(), "the producer finished first: the test proves nothing"
+    ev.synchronize()
+    assert engine.poll_events(timeout=0.2) == []  # no second event for it
+    np.testing.assert_array_equal(cuda_decode_child.backing(), before)

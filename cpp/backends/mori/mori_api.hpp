@@ -132,7 +132,8 @@ class MoriApi {
 
   /// Whether the work the HIP event `event` (a hipEvent_t of this process, Batch::
   /// device_wait_event) recorded has finished (hipEventQuery); never blocks. An error when HIP
-  /// cannot answer.
+  /// cannot answer. The mapping layer calls it holding its own lock, so it must never call back
+  /// into the backend.
   virtual Result<bool> EventCompleted(std::uint64_t event) = 0;
 };
 

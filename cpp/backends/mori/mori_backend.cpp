@@ -14,6 +14,8 @@
 #include <thread>
 #include <utility>
 
+#include "event_poll.hpp"
+
 namespace moriio_native::detail::mori_backend {
 
 std::string MoriCodeName(std::uint32_t code) {
@@ -150,8 +152,6 @@ using Clock = std::chrono::steady_clock;
 // How often the poster asks again about the events its queued batches wait for while none is
 // ready (HIP signals no fd): short against a layer's compute, long against a query (~1 us).
 constexpr auto kEventPollInterval = std::chrono::microseconds(50);
-// Distinct pending events asked about per pass.
-constexpr int kEventPollAhead = 4;
 
 std::string Hex(std::uint64_t v) {
   char buf[19] = "0x";
@@ -562,7 +562,8 @@ class MoriBackend final : public Backend {
                                     " memory; synchronise the event on the host instead");
       }
       if (n == 0) {
-        // (With an event too: nothing of the producer's is read.)
+        // With an event too: a batch of no runs reads nothing of its producer's, so it ends at
+        // once, on every backend.
         // Nothing for MoRI to move (MoRI refuses empty batches): complete OK from the reaper.
         deliver_.emplace_back(b.token, Status::OK());
         reap_cv_.notify_all();
@@ -683,38 +684,40 @@ class MoriBackend final : public Backend {
     }
   }
 
-  // Clears the wait of every queued batch whose event completed (asking HIP about at most
-  // kEventPollAhead distinct pending events, oldest batch first: producers record in order) and
-  // fails those whose event HIP cannot answer; returns whether a queued batch is ready to post.
+  // Whether a queued batch is ready to post: walks the queue oldest first, clearing the wait
+  // of each batch whose HIP event completed (EventPass: each distinct event asked once, at most a
+  // few pending ones) until one waits for nothing, and fails those whose event HIP cannot
+  // answer about. Under mu_, HIP call included: a batch taken off the queue may be delivered at
+  // once and its event destroyed, so its event is only ever asked about while it is queued;
+  // EventCompleted never calls back into the backend.
   bool PollEventsLocked() {
-    std::uint64_t event = 0;
-    Result<bool> completed = false;  // HIP's answer about `event`
-    int pending = 0;
-    bool ready = false;
+    EventPass pass;
     for (auto it = queue_.begin(); it != queue_.end();) {
       Work& w = **it;
-      if (w.wait_event != 0 && w.wait_event != event && pending < kEventPollAhead) {
-        event = w.wait_event;
-        completed = api_->EventCompleted(event);
-        if (completed.ok() && !*completed) ++pending;
+      if (w.wait_event == 0) return true;
+      const std::optional<Result<bool>> completed =
+          pass.Ask(w.wait_event, [&](std::uint64_t e) { return api_->EventCompleted(e); });
+      if (!completed) {  // not asked this pass; a batch without an event may still follow
+        ++it;
+        continue;
       }
-      if (w.wait_event != 0 && w.wait_event == event) {
-        if (!completed.ok()) {
-          ReleaseLocked(w);
-          deliver_.emplace_back(w.token, TransportError(Describe(w) +
-                                                        ": the HIP event it waits for cannot "
-                                                        "be queried: " +
-                                                        completed.status().message()));
-          reap_cv_.notify_all();
-          it = queue_.erase(it);
-          continue;
-        }
-        if (*completed) w.wait_event = 0;
+      if (!completed->ok()) {
+        ReleaseLocked(w);
+        deliver_.emplace_back(w.token, TransportError(Describe(w) + ": HIP event " +
+                                                      std::to_string(w.wait_event) +
+                                                      " it waits for cannot be queried: " +
+                                                      completed->status().message()));
+        reap_cv_.notify_all();
+        it = queue_.erase(it);
+        continue;
       }
-      ready |= w.wait_event == 0;
+      if (**completed) {
+        w.wait_event = 0;
+        return true;
+      }
       ++it;
     }
-    return ready;
+    return false;
   }
 
   // The oldest queued batch that waits for nothing, taken off the queue (null when none).

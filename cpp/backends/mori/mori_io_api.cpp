@@ -99,8 +99,8 @@ class MoriIoApi final : public MoriApi {
   static Result<std::unique_ptr<MoriApi>> Create(const MoriOptions& o) {
     auto api = std::unique_ptr<MoriIoApi>(new MoriIoApi(MakeEngineKey(o.engine_key_prefix)));
     Result<DynamicLibrary> hip = OpenLibrary("libamdhip64.so.7");
-    Result<HipEventQuery> query =
-        hip.ok() ? hip->Symbol<HipEventQuery>("hipEventQuery") : Result<HipEventQuery>(hip.status());
+    Result<HipEventQuery> query = hip.ok() ? hip->Symbol<HipEventQuery>("hipEventQuery")
+                                           : Result<HipEventQuery>(hip.status());
     if (!query.ok()) {
       return BackendUnavailableError("MoRI-IO's backend needs HIP's hipEventQuery: " +
                                      query.status().message());

@@ -31,6 +31,7 @@
 
 #include "cudacopy_abi.h"
 #include "dynamic_library.hpp"
+#include "event_poll.hpp"
 #include "moriio_native/trace_marks.hpp"
 #include "ucx_api.hpp"
 #include "ucx_options.hpp"
@@ -52,8 +53,9 @@ constexpr std::size_t kOpsPerBatchPerRound = 64;
 constexpr std::uint64_t kDirectCopyBudget = 8ull << 20;
 // Unfinished CUDA copies PollCudaCopies queries per pass, oldest first (one per plugin stream).
 constexpr int kCudaPollAhead = 2;
-// Distinct uncompleted CUDA events PollDeviceWaits queries per pass, oldest batch first.
-constexpr int kDeviceWaitPollAhead = 4;
+// How often PollDeviceWaits asks about the events parked batches wait for: short against a
+// layer's compute, long against a query (about a microsecond).
+constexpr auto kDeviceWaitPollInterval = std::chrono::microseconds(20);
 // How long the thread keeps spinning after an ExpectSubmits hint while no batch has arrived: the
 // engine plans a request's first piece in tens of microseconds, and a thread asleep on this VM
 // took 0.15-0.28 ms to wake (measured on the engine's event wait, docs/benchmarks.md), which the
@@ -403,7 +405,6 @@ struct ActiveBatch {
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
-    if (awaited_event != 0) return false;  // even a batch of no runs ends after its producer
     if (path == Path::kPush) return push_done && push_received == push_total;
     return next_run == runs() && (!needs_flush || flush_posted);
   }
@@ -527,6 +528,8 @@ class UcxBackend final : public Backend {
   void CmaCopy(ActiveBatch& ab, std::uint64_t& budget);
   bool PollCudaCopies();
   bool PollDeviceWaits();
+  // Whether CUDA event `event` (of a region on `device`) completed; worker thread only.
+  static Result<bool> QueryDeviceEvent(std::uint64_t event, int device);
   bool CheckPeersAlive();
   bool HandlePeerFailures();
   // Push READ, reader side: whether READs from the endpoint's peer go by push (ConnectPeer);
@@ -601,6 +604,7 @@ class UcxBackend final : public Backend {
   std::size_t outstanding_ops_ = 0;
   std::vector<std::uint64_t> failed_peers_;
   Clock::time_point next_liveness_check_{};
+  Clock::time_point next_device_wait_poll_{};  // PollDeviceWaits asks nothing before it
   // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
   // dropped once those requests do end, else when the worker is destroyed.
   std::list<ActiveBatch> abandoned_;
@@ -1416,9 +1420,11 @@ bool UcxBackend::ActivateSubmitted() {
       // CUDA events; the engine refuses such a batch before Submit (AcceptsDeviceWaits).
       ab.stop = true;
       ab.error = InvalidArgumentError(
-          "batch " + std::to_string(ab.batch->token) +
-          " carries a CUDA event to wait for, but its local memory is not CUDA memory (or the "
-          "CUDA copy plugin is missing); synchronise the event on the host instead");
+          "batch " + std::to_string(ab.batch->token) + " to peer " + std::to_string(peer.id) +
+          " carries a CUDA event to wait for, but its local region " +
+          std::to_string(ab.batch->local_region) + " is " + KindName(lk) +
+          " memory (or the CUDA copy plugin is missing); synchronise the event on the host "
+          "instead");
       continue;
     }
     if ((ab.batch->cells || ab.batch->stamps) && !cuda_copy) {
@@ -1443,7 +1449,8 @@ bool UcxBackend::ActivateSubmitted() {
     } else {
       ab.path = Path::kOps;
       ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
-      ab.awaited_event = ab.batch->device_wait_event;
+      // A batch of no runs reads nothing of its producer's: it ends at once, on every backend.
+      ab.awaited_event = ab.runs() != 0 ? ab.batch->device_wait_event : 0;
     }
     g_path_batches[static_cast<int>(ab.path)].fetch_add(1, std::memory_order_relaxed);
   }
@@ -1611,37 +1618,43 @@ bool UcxBackend::PollCudaCopies() {
 }
 
 bool UcxBackend::PollDeviceWaits() {
+  // The loop passes every few microseconds while a batch is parked, for as long as the forward
+  // runs: ask the driver at most every kDeviceWaitPollInterval, not on every pass.
+  const auto now = Clock::now();
+  if (now < next_device_wait_poll_) return false;
+  next_device_wait_poll_ = now + kDeviceWaitPollInterval;
   bool did = false;
-  const moriio_cudacopy_api* cc = nullptr;
-  // Producers record their events in order (a forward's layers), and the batches of one
-  // write_layers call share one: each pass asks about an event once, and stops at the
-  // kDeviceWaitPollAhead-th that has not completed (every query is a driver call).
-  std::uint64_t event = 0;
-  int answer = 0;  // of the query about `event`: 1 completed, 0 not yet, negative failed
-  char err[256] = {};
-  int pending = 0;
+  EventPass pass;
   for (auto& ab : active_) {
     if (ab.awaited_event == 0 || ab.stop) continue;
-    if (ab.awaited_event != event) {
-      if (pending == kDeviceWaitPollAhead) break;
-      if (cc == nullptr) cc = LoadCudaCopy().api;
-      // The runtime answers in the thread's current context: the producer's device's primary
-      // one, as for the copy kernels.
-      BindCudaDevice(ab.local->range.device < 0 ? 0 : ab.local->range.device);
-      event = ab.awaited_event;
-      answer = cc->query_event(event, err, sizeof(err));
-      if (answer == 0) ++pending;
-    }
-    if (answer < 0) {
-      ab.Fail(TransportError("batch " + std::to_string(ab.batch->token) +
-                             ": the CUDA event it waits for cannot be queried: " + err));
+    const std::optional<Result<bool>> completed = pass.Ask(ab.awaited_event, [&](std::uint64_t e) {
+      return QueryDeviceEvent(e, ab.local->range.device);
+    });
+    if (!completed) break;
+    if (!completed->ok()) {
+      ab.Fail(TransportError("batch " + std::to_string(ab.batch->token) + " to peer " +
+                             std::to_string(ab.batch->peer) + ": CUDA event " +
+                             std::to_string(ab.awaited_event) +
+                             " it waits for cannot be queried: " +
+                             completed->status().message()));
       did = true;
-    } else if (answer == 1) {
+    } else if (**completed) {
       ab.awaited_event = 0;
       did = true;
     }
   }
   return did;
+}
+
+Result<bool> UcxBackend::QueryDeviceEvent(std::uint64_t event, int device) {
+  // The runtime answers in the thread's current context: the producer's device's primary one,
+  // as for the copy kernels.
+  const std::string unbound = BindCudaDevice(device < 0 ? 0 : device);
+  if (!unbound.empty()) return TransportError(unbound);
+  char err[256] = {};
+  const int answer = LoadCudaCopy().api->query_event(event, err, sizeof(err));
+  if (answer < 0) return TransportError(err);
+  return answer == 1;
 }
 
 bool UcxBackend::IssueOps() {

@@ -295,7 +295,7 @@ def post_write_layer(
     cuda_event: int = 0,
 ) -> None:
     """Post one layer's WRITE of ``segments`` (the segments of the layer's group); its copy
-    waits on the GPU for ``cuda_event`` when one is given."""
+    waits for ``cuda_event`` when one is given (see ``Engine.write_layer``)."""
     if len(segments) == 1 and segments[0].tokens is None:
         only = segments[0]
         engine.write_layer(
