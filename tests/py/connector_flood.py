@@ -54,6 +54,21 @@ phases after the fill grew by at most ``--rss-slack-mib``.
 
     PYTHONPATH=build/dev/python python3 tests/py/connector_flood.py [--rate 6000] [--rounds 100]
 
+``--kind unanswered`` (WRITE mode) floods the prefill's notify port with ``abort_write`` of
+transfers it never knew, each naming another decode address where nothing answers: every other
+one a port of 127.0.0.1 where nothing listens (refused), the others one of ``--silent-listeners``
+ports of 127.0.0.1 whose listener (a thread of the flooder, stopped with it) accepts the TCP
+connection and never answers. The prefill acknowledges such an abort only after a handshake
+with that address, so each message asks for a handshake that can only time out
+(``--transfer-timeout``). Every genuine round first drops the prefill's cached handshake with
+the decode, so its WRITE needs a handshake through the same handshake threads as the flood's.
+Checked too (sampled every 0.2 s, peaks and end): the peer directory's handshakes in flight
+at most its threads (none waits behind the flood's), none left once the flood stopped for twice
+the handshake timeout (nothing blocked past its deadline), the pusher's acknowledgements
+waiting to be tried again at most their bound, the process's threads and fds at most a few
+handshakes' worth above where they started, and fewer log lines than one per 100 messages (or
+than LOG_LINES_SHORT in a short run: each rate limit allows 20 lines per 10 s).
+
 ``--stages`` (WRITE mode) also times each genuine round's stages (the announcement's and
 write_done's way through the listeners' queues, the prefill's step to its forward, the load),
 the main thread's CPU, run-queue wait and sleeps in them, its waits for the pusher's locks and
@@ -67,6 +82,7 @@ rounds, all in the JSON's ``stages``.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import functools
 import gc
@@ -75,6 +91,8 @@ import json
 import logging
 import multiprocessing as mp
 import os
+import selectors
+import socket
 import statistics
 import sys
 import tempfile
@@ -105,6 +123,7 @@ from moriio_native.control.messages import (
 from moriio_native.control.security import ControlSecurity
 from moriio_native.pd import core as core_module
 from moriio_native.pd import pusher as pusher_module
+from moriio_native.pd.peers import HANDSHAKE_THREADS, PeerKey
 from test_vllm_support import (
     Side,
     decode_params,
@@ -119,7 +138,9 @@ logger = logging.getLogger("moriio_native.tests.connector_flood")
 
 LOCAL = "127.0.0.1"
 PRODUCTION_BOUND = 65536
-KINDS = ("mixed", "valid")  # garbage and valid-schema messages; valid-schema ones only
+# Garbage and valid-schema messages; valid-schema ones only; abort_write naming addresses that
+# never answer.
+KINDS = ("mixed", "valid", "unanswered")
 MODES = ("read", "write")
 # The prefill's memories of messages for transfers it does not know yet, in _counts.
 MEMORIES = ("prefill-early-releases", "prefill-orphans")
@@ -129,6 +150,17 @@ MEMORIES = ("prefill-early-releases", "prefill-orphans")
 SECRET = "the flood benchmark's shared secret"
 FORGED_TAG = bytes(range(32))
 FLOOD_ENGINE = "flood:1/dp0/tp0"  # the engine id the flood's WRITE-mode messages name
+# --kind unanswered: the ports of 127.0.0.1 tried for refused ones (below the ephemeral range,
+# so no outgoing connection takes one meanwhile), and the most connections a silent listener
+# holds (the oldest closed past it).
+REFUSED_PORTS = range(10000, 30000)
+MAX_SILENT_HELD = 4096
+# Fds the process may hold above where the flood phases started: a handshake's socket and its
+# TCP connection for each handshake thread, ZMQ's own.
+FD_SLACK = 32
+# Log lines a short run of --kind unanswered may write whatever its messages: a few rate limits'
+# bursts (a line per message would be thousands).
+LOG_LINES_SHORT = 200
 GARBAGE = [
     b"",
     b"\xc1",
@@ -157,13 +189,77 @@ class FloodSpec:
     mode: str
     forge: bool
     decode_ports: tuple[int, int]  # handshake, notify
+    silent_listeners: int = 0  # --kind unanswered
 
 
-def _frames(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
+def _frames(
+    spec: FloodSpec, port_kind: str, n: int, silent: list[int], refused: list[int]
+) -> list[bytes]:
     """The ``n``-th flood message for a port of ``port_kind``, with a forged tag on every other
-    one when ``spec.forge``."""
+    one when ``spec.forge``; ``--kind unanswered``: an abort naming, in turn, one of the
+    ``silent`` listeners' ports and one of the ``refused`` ports."""
+    if spec.kind == "unanswered":
+        port = silent[(n // 2) % len(silent)] if n % 2 else refused[(n // 2) % len(refused)]
+        return [encode(AbortWrite(f"flood-{n}", FLOOD_ENGINE, LOCAL, port, port))]
     frames = _payload(spec, port_kind, n)
     return [*frames, FORGED_TAG] if spec.forge and n % 2 else frames
+
+
+class SilentListeners:
+    """``count`` TCP listeners on 127.0.0.1 that accept every connection and never read or
+    write (a handshake to one times out); at most MAX_SILENT_HELD connections held, the oldest
+    closed past it. A thread of the flooder; :meth:`close` stops it and closes every socket."""
+
+    def __init__(self, count: int) -> None:
+        self._selector = selectors.DefaultSelector()
+        self.ports: list[int] = []
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind((LOCAL, 0))
+            sock.listen(128)
+            sock.setblocking(False)
+            self._selector.register(sock, selectors.EVENT_READ)
+            self.ports.append(sock.getsockname()[1])
+        self._held: collections.deque[socket.socket] = collections.deque()
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="silent-listeners", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for key, _ in self._selector.select(0.1):
+                with contextlib.suppress(BlockingIOError):
+                    conn, _ = key.fileobj.accept()  # type: ignore[union-attr]
+                    self.accepted += 1
+                    self._held.append(conn)
+                    if len(self._held) > MAX_SILENT_HELD:
+                        self._held.popleft().close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        for key in list(self._selector.get_map().values()):
+            key.fileobj.close()  # type: ignore[union-attr]
+        self._selector.close()
+        for conn in self._held:
+            conn.close()
+
+
+def refused_ports(exclude: set[int]) -> list[int]:
+    """Ports of REFUSED_PORTS where nothing is bound on 127.0.0.1 now (a connection there is
+    refused), ``exclude`` left out."""
+    free = []
+    for port in REFUSED_PORTS:
+        if port in exclude:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((LOCAL, port))
+            except OSError:
+                continue
+        free.append(port)
+    return free
 
 
 def _payload(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
@@ -191,7 +287,11 @@ def _payload(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
 def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> None:
     """Send to every port in turn at ``rate`` messages per second in all, while the parent
     says so: ``("go",)`` starts, ``("stop",)`` pauses and answers the counts, ``("quit",)``
-    ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent."""
+    ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent. With
+    ``--kind unanswered`` it runs the silent listeners too (closed when it ends)."""
+    silent = SilentListeners(spec.silent_listeners) if spec.kind == "unanswered" else None
+    silent_ports = silent.ports if silent is not None else []
+    refused = refused_ports({*silent_ports, *spec.decode_ports}) if silent is not None else []
     ctx = zmq.Context()
     socks = []
     for kind, port in ports:
@@ -199,9 +299,9 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{LOCAL}:{port}")
         socks.append((kind, port, sock))
-    conn.send({"ready": True})
+    conn.send({"silent": len(silent_ports), "refused": len(refused)})  # ready
     sent = {port: 0 for _, port in ports}
-    refused = 0
+    dropped = 0
     n = 0
     running = False
     started = 0.0
@@ -214,7 +314,10 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
                 sent_at_start = n
             elif cmd == "stop":
                 running = False
-                conn.send({"sent": dict(sent), "refused": refused, "total": n})
+                accepted = silent.accepted if silent is not None else 0
+                conn.send(
+                    {"sent": dict(sent), "refused": dropped, "total": n, "accepted": accepted}
+                )
             else:
                 break
             continue
@@ -227,14 +330,17 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
         for _ in range(min(due, 500)):
             kind, port, sock = socks[n % len(socks)]
             try:
-                sock.send_multipart(_frames(spec, kind, n // len(socks)), zmq.NOBLOCK)
+                frames = _frames(spec, kind, n // len(socks), silent_ports, refused)
+                sock.send_multipart(frames, zmq.NOBLOCK)
                 sent[port] += 1
             except zmq.Again:
-                refused += 1
+                dropped += 1
             n += 1
     for _, _, sock in socks:
         sock.close(linger=0)
     ctx.term()
+    if silent is not None:
+        silent.close()
 
 
 class Flooder:
@@ -248,7 +354,8 @@ class Flooder:
         # before it is ready would flood less than asked.
         if not self._conn.poll(300):
             raise AssertionError("the flooder did not start")
-        self._conn.recv()
+        # --kind unanswered: how many silent listeners and refused ports its aborts name.
+        self.targets: dict[str, int] = self._conn.recv()
         self._taken = 0
 
     def go(self) -> None:
@@ -321,7 +428,81 @@ def _counts(p: Side, d: Side) -> dict[str, dict[str, int]]:
     pusher = p.worker.worker.core.pusher
     out["prefill-early-releases"] = {"held": len(pusher._early_releases)}
     out["prefill-orphans"] = {"held": len(pusher._orphans)}
+    out["prefill-acks"] = {"retries": len(pusher._ack_retries)}
+    out["prefill-directory"] = _directory(p)
+    out["process"] = _process()
     return out
+
+
+def _directory(p: Side) -> dict[str, int]:
+    """The prefill's peer directory: handshakes in flight (running or queued for a thread),
+    work queued for its threads, remembered failures (backoff records), cached peers."""
+    directory = p.worker.worker.core.ctx.directory
+    return {
+        "inflight": len(directory._inflight),
+        "queued": directory._pool._work_queue.qsize(),
+        "failures": len(directory._failures),
+        "peers": len(directory._peers),
+    }
+
+
+def _process() -> dict[str, int]:
+    """This process's threads (all, and the handshake threads of both instances' directories)
+    and open fds."""
+    names = [t.name for t in threading.enumerate()]
+    return {
+        "threads": len(os.listdir("/proc/self/task")),
+        "handshake_threads": sum(n.startswith("moriio-native-handshake") for n in names),
+        "fds": len(os.listdir("/proc/self/fd")),
+    }
+
+
+class Peaks:
+    """The largest figures of the prefill's directory, its pusher's retries and the process
+    (threads, fds) seen while it runs, sampled every 0.2 s by a thread (the same in baseline
+    and flood phases)."""
+
+    KEYS = ("prefill-acks", "prefill-directory", "process")
+
+    def __init__(self, p: Side) -> None:
+        self._p = p
+        self.peak: dict[str, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="flood-peaks", daemon=True)
+        self._thread.start()
+
+    def _sample(self) -> None:
+        pusher = self._p.worker.worker.core.pusher
+        now = {
+            "prefill-acks": {"retries": len(pusher._ack_retries)},
+            "prefill-directory": _directory(self._p),
+            "process": _process(),
+        }
+        for name, figures in now.items():
+            peak = self.peak.setdefault(name, {})
+            for key, value in figures.items():
+                peak[key] = max(peak.get(key, value), value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.2):
+            self._sample()
+
+    def close(self) -> dict[str, dict[str, int]]:
+        self._stop.set()
+        self._thread.join(5)
+        self._sample()
+        return self.peak
+
+
+class LogCount(logging.Handler):
+    """Records the moriio_native loggers emit (at their level) while attached."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
 
 
 @dataclass
@@ -364,6 +545,15 @@ class Result:
     full_collections: dict[str, int] = field(default_factory=dict)
     counts: dict[str, dict[str, int]] = field(default_factory=dict)
     stages: dict[str, Any] = field(default_factory=dict)  # --stages: Stages.report
+    # --kind unanswered: what the flood named (silent listeners, refused ports), the silent
+    # listeners' accepted connections, the figures' peaks over the flood phases and their
+    # values where those started, the moriio_native log lines in them.
+    targets: dict[str, int] = field(default_factory=dict)
+    peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    at_start: dict[str, dict[str, int]] = field(default_factory=dict)
+    log_lines: int = 0
+    drained_s: float = 0.0  # after the flood, until no handshake was in flight
+    after_drain: dict[str, int] = field(default_factory=dict)  # the directory then
     violations: list[str] = field(default_factory=list)
 
 
@@ -660,8 +850,16 @@ class Stages:
 
 
 class Pair:
-    def __init__(self, model_dir: str, mode: str = "read", secret: bool = False) -> None:
-        extra: dict[str, Any] = {"abort_timeout": 600, "transfer_timeout": 30}
+    def __init__(
+        self,
+        model_dir: str,
+        mode: str = "read",
+        secret: bool = False,
+        *,
+        transfer_timeout: float = 30.0,
+        fresh_peer: bool = False,
+    ) -> None:
+        extra: dict[str, Any] = {"abort_timeout": 600, "transfer_timeout": transfer_timeout}
         if secret:
             extra["auth_secret"] = SECRET
         self.mode = mode
@@ -675,6 +873,9 @@ class Pair:
         # mode); the other's handshake port gets only the other side's first handshake.
         self.dialled = "prefill" if mode == "read" else "decode"
         self.stages: Stages | None = None  # --stages (WRITE mode)
+        # Each WRITE round drops the prefill's cached handshake with the decode first, so its
+        # write needs a handshake (--kind unanswered: through the threads the flood keeps busy).
+        self.fresh_peer = fresh_peer
 
     def ports(self, flood: str) -> list[tuple[str, int]]:
         """The ports a ``flood`` (one of KINDS) goes to, with their kind."""
@@ -684,6 +885,8 @@ class Pair:
             ("handshake", self.d.handshake_port),
             ("decode-notify", self.d.notify_port),
         ]
+        if flood == "unanswered":
+            return [("prefill-notify", self.p.notify_port)]
         return [port for port in ports if flood == "mixed" or port[0] != "handshake"]
 
     def _handshake(self, violations: list[str]) -> None:
@@ -719,6 +922,9 @@ class Pair:
             mark = stages.mark if stages is not None else lambda _: None
             if stages is not None:
                 stages.begin(tid)
+            if self.fresh_peer:
+                directory = p.worker.worker.core.ctx.directory
+                directory.forget(directory.cached(PeerKey(LOCAL, d.handshake_port)))
             started = time.perf_counter()
             self._handshake(violations)
             mark("handshake")
@@ -767,10 +973,19 @@ def run(args: argparse.Namespace) -> Result:
         args.rounds, args.phases, args.rate, args.remember, args.kind, args.mode, args.secret
     )
     with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
-        pair = Pair(write_model_dir(Path(tmp)), args.mode, args.secret)
+        unanswered = args.kind == "unanswered"
+        pair = Pair(
+            write_model_dir(Path(tmp)),
+            args.mode,
+            args.secret,
+            transfer_timeout=args.transfer_timeout,
+            fresh_peer=unanswered,
+        )
         decode_ports = (pair.d.handshake_port, pair.d.notify_port)
-        spec = FloodSpec(args.kind, args.mode, args.secret, decode_ports)
+        silent = args.silent_listeners if unanswered else 0
+        spec = FloodSpec(args.kind, args.mode, args.secret, decode_ports, silent)
         flooder = Flooder(pair.ports(args.kind), args.rate, spec)
+        res.targets = dict(flooder.targets)
         try:
             _measure(pair, flooder, args, res)
         finally:
@@ -809,9 +1024,10 @@ def _fill(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -
     memory = "prefill-early-releases" if args.mode == "read" else "prefill-orphans"
     while time.monotonic() < deadline:
         c = _counts(pair.p, pair.d)
+        decode_filled = args.kind == "unanswered" or c["decode-notify"]["remembered"] >= bound
         if (
             c["prefill-notify"]["remembered"] >= bound
-            and c["decode-notify"]["remembered"] >= bound
+            and decode_filled
             and c[memory]["held"] >= bound
         ):
             break
@@ -850,6 +1066,15 @@ def _window(
     return window, samples
 
 
+def _drain(pair: Pair, limit: float) -> float:
+    """Seconds until the prefill's directory had no handshake in flight, at most ``limit``
+    (then ``limit``, with some still in flight)."""
+    started = time.monotonic()
+    while _directory(pair.p)["inflight"] and time.monotonic() - started < limit:
+        time.sleep(0.1)
+    return time.monotonic() - started
+
+
 def _per_1000(windows: list[Window], attr: str) -> float:
     """CPU milliseconds per 1,000 flood messages: the flood windows' CPU less the baseline
     windows' (the same genuine rounds), over the flood windows' messages."""
@@ -872,14 +1097,27 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
     in_order: list[float] = []
     if args.stages:
         pair.stages = Stages(pair)
-    for phase in range(2 * args.phases):
-        with_flood = phase % 2 == 1
-        window, took = _window(pair, flooder if with_flood else None, args.rounds, res)
-        res.windows.append(window)
-        samples[with_flood] += took
-        in_order += took
-    sent = flooder.stop()
-    counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
+    res.at_start = {k: v for k, v in _counts(pair.p, pair.d).items() if k in Peaks.KEYS}
+    peaks = Peaks(pair.p)
+    lines = LogCount()
+    logging.getLogger("moriio_native").addHandler(lines)
+    try:
+        for phase in range(2 * args.phases):
+            with_flood = phase % 2 == 1
+            window, took = _window(pair, flooder if with_flood else None, args.rounds, res)
+            res.windows.append(window)
+            samples[with_flood] += took
+            in_order += took
+        sent = flooder.stop()
+        counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
+    finally:
+        logging.getLogger("moriio_native").removeHandler(lines)
+        res.peaks = peaks.close()
+    res.log_lines = lines.count
+    res.targets["accepted"] = sent.get("accepted", 0)
+    if args.kind == "unanswered":
+        res.drained_s = _drain(pair, 2 * args.transfer_timeout + 5)
+        res.after_drain = _directory(pair.p)
     rss_end = rss_bytes()
     res.full_collections["phases"] = gc.get_stats()[2]["collections"] - full
     base = [w for w in res.windows if not w.flood]
@@ -924,6 +1162,8 @@ def _check(
     # Only genuine handshakes are answered: each round's and the warm-up's on the dialled
     # side, plus the other side's one of it in either direction (WRITE: each dials the other).
     genuine = res.rounds_per_phase * 2 * res.phases + 2
+    if res.kind == "unanswered":  # the prefill handshakes the decode afresh in each round too
+        genuine += res.rounds_per_phase * 2 * res.phases
     other = "decode" if res.mode == "read" else "prefill"
     want = {f"{other}-handshake": 0 if res.mode == "read" else 1}
     want[f"{'prefill' if other == 'decode' else 'decode'}-handshake"] = genuine
@@ -951,6 +1191,45 @@ def _check(
             f"RSS grew {res.rss_mib['growth']:.1f} MiB over the flood phases "
             f"(slack {args.rss_slack_mib} MiB)"
         )
+    if res.kind == "unanswered":
+        _check_unanswered(res, counts, sent, args)
+
+
+def _check_unanswered(
+    res: Result, counts: dict[str, dict[str, int]], sent: dict[str, Any], args: argparse.Namespace
+) -> None:
+    """--kind unanswered: the handshakes, retries, threads, fds and log lines the flood's
+    aborts cost stayed bounded, and none outlived its deadline."""
+    v = res.violations
+    peak, start = res.peaks, res.at_start
+    directory = peak["prefill-directory"]
+    # More in flight than threads: some wait for a thread (the queue's own figure also counts
+    # a handshake submitted a moment before an idle thread takes it).
+    if directory["inflight"] > HANDSHAKE_THREADS:
+        v.append(
+            f"the prefill's directory had up to {directory['inflight']} handshakes in flight "
+            f"for its {HANDSHAKE_THREADS} threads (genuine ones wait behind them)"
+        )
+    if res.after_drain["inflight"]:
+        v.append(
+            f"{res.after_drain['inflight']} handshakes still in flight {res.drained_s:.0f} s "
+            f"after the flood (timeout {args.transfer_timeout:.0f} s)"
+        )
+    retries = peak["prefill-acks"]["retries"]
+    if retries > pusher_module.MAX_ACK_RETRIES:
+        v.append(f"{retries} acknowledgements waiting, bound {pusher_module.MAX_ACK_RETRIES}")
+    process = peak["process"]
+    # Both instances' directories run in this process, each with its own threads.
+    if process["handshake_threads"] > 2 * HANDSHAKE_THREADS:
+        v.append(
+            f"{process['handshake_threads']} handshake threads, {2 * HANDSHAKE_THREADS} at most"
+        )
+    if process["threads"] > start["process"]["threads"] + HANDSHAKE_THREADS:
+        v.append(f"threads grew from {start['process']['threads']} to {process['threads']}")
+    if process["fds"] > start["process"]["fds"] + FD_SLACK:
+        v.append(f"fds grew from {start['process']['fds']} to {process['fds']}")
+    if res.log_lines > max(sent["total"] / 100, LOG_LINES_SHORT):
+        v.append(f"{res.log_lines} log lines for {sent['total']} flood messages")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -964,9 +1243,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=KINDS,
         default="mixed",
         help="mixed: garbage and valid-schema messages on every port; valid: valid-schema "
-        "messages of unknown transfers on the notify ports only",
+        "messages of unknown transfers on the notify ports only; unanswered (WRITE mode): "
+        "abort_write of unknown transfers naming decode addresses that never answer",
     )
     parser.add_argument("--mode", choices=MODES, default="read", help="of both instances")
+    parser.add_argument(
+        "--transfer-timeout",
+        type=float,
+        default=30.0,
+        help="of both instances: a handshake's timeout (--kind unanswered: each flood message's)",
+    )
+    parser.add_argument(
+        "--silent-listeners",
+        type=int,
+        default=128,
+        help="--kind unanswered: listeners on 127.0.0.1 that accept and never answer",
+    )
     parser.add_argument(
         "--secret",
         action="store_true",
@@ -987,6 +1279,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.stages and args.mode != "write":
         parser.error("--stages times WRITE rounds: it needs --mode write")
+    if args.kind == "unanswered" and (args.mode != "write" or args.secret):
+        parser.error(
+            "--kind unanswered floods a WRITE-mode prefill's aborts: --mode write, no --secret"
+        )
     return args
 
 
@@ -1092,6 +1388,24 @@ def main(argv: list[str] | None = None) -> int:
         res.full_collections["phases"],
         len(res.violations),
     )
+    if res.kind == "unanswered":
+        logger.warning(
+            "unanswered: aborts named %d silent listeners (%d connections accepted) and %d "
+            "refused ports; peaks over the phases (at their start): directory %s (%s), "
+            "acknowledgements waiting %d, process %s (%s); %d log lines; no handshake in "
+            "flight %.1f s after the flood (then %s)",
+            res.targets.get("silent", 0),
+            res.targets.get("accepted", 0),
+            res.targets.get("refused", 0),
+            res.peaks["prefill-directory"],
+            res.at_start["prefill-directory"],
+            res.peaks["prefill-acks"]["retries"],
+            res.peaks["process"],
+            res.at_start["process"],
+            res.log_lines,
+            res.drained_s,
+            res.after_drain,
+        )
     if res.stages:
         _log_stages(res.stages)
     for line in res.violations:

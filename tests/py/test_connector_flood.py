@@ -5,8 +5,9 @@ shared secret the flood does not know. Checks what the benchmark checks (every g
 loaded and freed, every flood message received and dropped or ignored, no flood handshake
 answered, the remembered-message gauges at most their bound, with a secret every flood message
 dropped at authentication, bounded RSS growth), and that ``--stages`` times every stage of a
-WRITE round; the latency ratio is printed by the full run, not asserted (no timings in
-tests)."""
+WRITE round; and ``--kind unanswered``: aborts naming addresses that never answer leave the
+prefill's handshakes, retries, threads, fds and log lines bounded. The latency ratio is printed
+by the full run, not asserted (no timings in tests)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,29 @@ def _assert_every_stage_timed(report: dict[str, Any]) -> None:
         assert row["prefill_added->forward steps"] >= 1
     for message in ("remote_blocks", "abort_write"):
         assert report[f"pusher.on_{message} per flood message"]["n"] > 0
+
+
+def test_aborts_naming_unanswering_addresses_stay_bounded() -> None:
+    """abort_write of transfers the prefill never knew, each naming another decode address that
+    never answers (refused ports, and listeners that accept and stay silent): the handshakes
+    their acknowledgements need keep no genuine handshake waiting (each round's WRITE needs
+    one), and the directory, the acknowledgements waiting, threads, fds and log lines stay
+    bounded; every handshake ended after the flood."""
+    bound = 1500
+    args = connector_flood.parse_args(
+        [
+            *("--rounds", "5", "--phases", "2", "--rate", "3000", "--remember", str(bound)),
+            *("--kind", "unanswered", "--mode", "write"),
+            *("--transfer-timeout", "2", "--silent-listeners", "16"),
+        ]
+    )
+    res = connector_flood.run(args)
+    assert res.violations == []
+    assert res.baseline_ms["n"] == res.flood_ms["n"] == 10
+    # Both kinds of address were named, and the flood's handshakes went to them.
+    assert res.targets["silent"] == 16 and res.targets["refused"] > 1000
+    assert res.targets["accepted"] > 0
+    assert res.after_drain["failures"] > 0  # handshakes with them timed out
+    assert 0 < res.peaks["prefill-acks"]["retries"] <= connector_flood.pusher_module.MAX_ACK_RETRIES
+    assert res.counts["prefill-orphans"]["held"] == bound
+    assert res.after_drain["inflight"] == 0

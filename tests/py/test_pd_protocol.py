@@ -224,13 +224,17 @@ def test_orphan_jobs_at_their_bound_add_no_objects_to_the_garbage_collector(
             pusher.on_release(Release(f"tx-{i}"))
         elif i % 4 == 2:
             abort(f"tx-{i}")
-    acks = len(directory.pending)  # an abort of a transfer never known: a handshake proves it
+    # An abort of a transfer never known: a handshake proves its rank, at most
+    # MAX_ACK_HANDSHAKES at once (the warm-up's holds one: none of these futures completes), the
+    # others wait to be tried again (1,024 at most, as wire bytes and times).
+    acks = len(directory.pending)
     directory.pending.clear()
     gc.collect()
     added = len(gc.get_objects()) - before
     states = pusher.job_states()
     assert len(states) == bound and "tx-0" not in states and f"tx-{2 * bound - 1}" in states
-    assert acks == 2 * bound // 4
+    assert acks == pusher_module.MAX_ACK_HANDSHAKES - 1
+    assert len(pusher._ack_retries) == pusher_module.MAX_ACK_RETRIES
     assert added < 64, f"{added} more tracked objects for {bound} orphan jobs"
     last = 2 * bound - 4
     assert [states[f"tx-{last + k}"] for k in range(3)] == [
@@ -254,7 +258,8 @@ def test_messages_of_requests_not_seen_log_a_bounded_number_of_lines(
     sender may send them, naming any transfer) logged a warning, and each abort the prefill could
     not acknowledge a second one, so a flood of them flooded the log: 800 lines for 200 of
     each. Now both are rate limited like the listeners' drops (at most 20 lines per 10 s each,
-    then a line with the count); every abort is still answered or tried."""
+    then a line with the count); every abort is still answered or tried (a handshake, at most
+    MAX_ACK_HANDSHAKES at once, or a place among those tried again)."""
     ctx, directory, _ = context("write", producer=True, tp_size=1)
     pusher = Pusher(ctx)
     with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
@@ -263,7 +268,8 @@ def test_messages_of_requests_not_seen_log_a_bounded_number_of_lines(
             pusher.on_remote_blocks(RemoteBlocks(f"tx-e{i}", ((),), "d:9000/dp0/tp0"))
             pusher.on_remote_blocks(RemoteBlocks(f"tx-r{i}", ((7,),), "d:9000/dp0/tp0"))
             pusher.on_release(Release(f"tx-r{i}"))
-        assert len(directory.pending) == 200  # each abort's handshake, to acknowledge it
+        assert len(directory.pending) == pusher_module.MAX_ACK_HANDSHAKES
+        assert len(pusher._ack_retries) == 200 - pusher_module.MAX_ACK_HANDSHAKES
         for _, future in directory.pending:
             future.set_exception(TransportError("127.0.0.1:9000 does not answer"))
     lines = [r for r in caplog.records if r.name == "moriio_native.pd.pusher"]

@@ -31,7 +31,7 @@ from moriio_native.errors import TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import Context
 from moriio_native.pd.groups import GroupedBlocks
-from moriio_native.pd.peers import Peer, PeerKey
+from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
@@ -910,7 +910,9 @@ def test_an_abort_for_a_transfer_never_known_is_acknowledged_only_by_the_rank_it
     assert not engine.calls
 
 
-def test_an_abort_whose_handshake_failed_is_acknowledged_when_it_answers_again() -> None:
+def test_an_abort_whose_handshake_failed_is_acknowledged_when_it_answers_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """An abort_write for a transfer this prefill rank never had (its prefill leg lost), from
     decode rank 1, whose handshake fails once (a busy or restarting decode). Before: the
     acknowledgement was given up at once, so the decode held its quarantined blocks, and the
@@ -918,6 +920,8 @@ def test_an_abort_whose_handshake_failed_is_acknowledged_when_it_answers_again()
     ACK_RETRY_EVERY_S, still only through a handshake that proves the rank, and goes out once
     that answers; one whose handshakes keep failing is given up after abort_timeout; one whose
     address answers as another engine is not tried again."""
+    # Its three handshakes at once (the bound is tested on its own).
+    monkeypatch.setattr(pusher_module, "MAX_ACK_HANDSHAKES", 3)
     ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
     ctx.sender = sender = PortSender()  # type: ignore[assignment]
     pusher = Pusher(ctx)
@@ -946,6 +950,57 @@ def test_an_abort_whose_handshake_failed_is_acknowledged_when_it_answers_again()
     pusher.check_timeouts(start + late + 2 * retry)  # past abort_timeout: given up
     assert not directory.pending
     assert final_messages(sender) == [(8101, "write_aborted", "tx-1", 0)]
+
+
+def test_aborts_naming_addresses_that_never_answer_hold_few_handshake_threads() -> None:
+    """A flood of abort_write for transfers this prefill rank never knew, each naming another
+    decode address where nothing answers (any sender may send them). Before: each one queued a
+    handshake for the peer directory's few threads, which time out one by one (transfer_timeout
+    each), so thousands of them queued and a genuine transfer's handshake waited behind all of
+    them. Now at most MAX_ACK_HANDSHAKES are in flight; the rest wait for their next try, in
+    the bounded map of acknowledgements tried again, and one starts when one ends."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", "flood:1/dp0/tp0", "127.0.0.1", port, port))
+    # Fewer than the directory's threads: one stays free for genuine handshakes.
+    assert len(directory.pending) < HANDSHAKE_THREADS
+    assert len(directory.pending) == pusher_module.MAX_ACK_HANDSHAKES
+    assert len(pusher._ack_retries) == 200 - pusher_module.MAX_ACK_HANDSHAKES
+    key, future = directory.pending.pop(0)
+    future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    pusher.check_timeouts(time.monotonic() + pusher_module.ACK_RETRY_EVERY_S + 1)
+    assert len(directory.pending) == pusher_module.MAX_ACK_HANDSHAKES
+
+
+def test_acknowledgements_waiting_for_a_handshake_are_not_retried_while_none_may_start() -> None:
+    """The same flood: 198 acknowledgements wait while the 2 handshakes the acknowledgements may
+    have are in flight. Before: each pass over those due (check_timeouts, under the context
+    lock) tried every one again, each failing at once for want of a handshake and queued again:
+    23 ms of the lock per 1,024 of them, every 5 s, that genuine transfers wait for. Now a pass
+    tries only as many as handshakes may start; the rest stay due, tried once one ends."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", "flood:1/dp0/tp0", "127.0.0.1", port, port))
+    tried: list[str] = []
+    ack_by_handshake = pusher._ack_by_handshake
+
+    def counted(request: AbortWrite, ack: WriteAborted, since: float | None = None) -> None:
+        tried.append(request.transfer_id)
+        ack_by_handshake(request, ack, since)
+
+    pusher._ack_by_handshake = counted  # type: ignore[method-assign]
+    later = time.monotonic() + pusher_module.ACK_RETRY_EVERY_S + 1
+    pusher.check_timeouts(later)
+    assert tried == []
+    key, future = directory.pending.pop(0)
+    future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
+    pusher.check_timeouts(later)
+    assert tried == ["flood-2"]  # the first waiting, in a handshake that may start now
+    assert len(directory.pending) == pusher_module.MAX_ACK_HANDSHAKES
 
 
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:

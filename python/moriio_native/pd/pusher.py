@@ -79,7 +79,7 @@ from moriio_native.pd.groups import (
     post_write_layer,
 )
 from moriio_native.pd.heads import TpPlan, write_segments
-from moriio_native.pd.peers import Peer
+from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer
 from moriio_native.pd.tasks import SaveTask, SendTask
 from moriio_native.pd.verify import whole_blocks_only
 
@@ -106,6 +106,12 @@ ACK_RETRY_EVERY_S = 5.0
 # Acknowledgements waiting to be tried again: past this many (any sender may name an address
 # that does not answer) the oldest are given up.
 MAX_ACK_RETRIES = 1024
+# Handshakes those acknowledgements may have in flight at once: any sender may name a new address
+# that never answers in each abort, and each such handshake holds one of the peer directory's
+# threads for transfer_timeout. Without a bound they queued for those threads faster than they
+# timed out, and a genuine transfer's handshake waited behind them all. Past it an
+# acknowledgement waits for its next try (ACK_RETRY_EVERY_S); the other threads stay free.
+MAX_ACK_HANDSHAKES = HANDSHAKE_THREADS // 2
 
 
 class SendState(Enum):
@@ -483,6 +489,7 @@ class Pusher:
         # abort_write wire bytes -> (its first acknowledgement's try, the next try), in the
         # order of the next try (numbers and bytes: nothing the garbage collector tracks).
         self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        self._ack_handshakes = 0  # their handshakes in flight (MAX_ACK_HANDSHAKES)
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -1008,13 +1015,18 @@ class Pusher:
         ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
         ack tells its receiver that this rank's writes of the transfer into it stopped, so it
         must reach no other rank: one this rank may still write into later, should the request
-        come. A handshake that fails is tried again (:data:`ACK_RETRY_EVERY_S`); ``since``:
-        the first try's time, when this is a later one."""
+        come. A handshake that fails, or that would be one more than
+        :data:`MAX_ACK_HANDSHAKES` in flight, is tried again (:data:`ACK_RETRY_EVERY_S`);
+        ``since``: the first try's time, when this is a later one."""
         since = time.monotonic() if since is None else since
         rank = (request.decode_dp_rank, request.decode_tp_rank)
         peer = self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
             self._send(peer.host, peer.notify_port, ack)
+            return
+        if self._ack_handshakes >= MAX_ACK_HANDSHAKES:
+            busy = f"{self._ack_handshakes} handshakes of other acknowledgements in flight"
+            self._ack_failed(request, TransportError(busy), since)
             return
         try:
             # The message's own fields, checked when it was decoded (its decode_address builds
@@ -1030,8 +1042,14 @@ class Pusher:
         except MoriioError as exc:
             self._ack_failed(request, exc, since)
             return
+        # A future done already (a cached failure) held no thread.
+        counted = not future.done()
+        self._ack_handshakes += counted
 
         def acked(f: Future[Peer]) -> None:
+            if counted:
+                with self._ctx.lock:
+                    self._ack_handshakes -= 1
             try:
                 peer = f.result()
                 if peer.response.engine_id != request.decode_engine_id:
@@ -1086,17 +1104,25 @@ class Pusher:
         )
 
     def _retry_acks(self, now: float, abort_timeout: float) -> None:
-        """Try the acknowledgements that are due again (lock held); those first tried more
-        than ``abort_timeout`` before ``now`` are given up (their decode frees the blocks at
-        its quarantine_timeout)."""
+        """Try the acknowledgements that are due again (lock held), only as many as
+        handshakes may start (:data:`MAX_ACK_HANDSHAKES`): the others stay due, tried in later
+        passes (trying each, to fail at once for want of a handshake, held the lock 23 ms per
+        1,024 of them under a flood). Those first tried more than ``abort_timeout`` before
+        ``now`` are given up (their decode frees the blocks at its quarantine_timeout)."""
         due = []
+        free = MAX_ACK_HANDSHAKES - self._ack_handshakes
         for wire, (since, at) in self._ack_retries.items():
             if at > now:
                 break  # in the order of their next try
-            due.append((wire, since))
-        for wire, since in due:
+            expired = now - since > abort_timeout
+            if not expired:
+                if free <= 0:
+                    break
+                free -= 1
+            due.append((wire, since, expired))
+        for wire, since, expired in due:
             del self._ack_retries[wire]
-            if now - since > abort_timeout:
+            if expired:
                 self._give_up_ack(wire, f"no handshake for {abort_timeout:.0f} s")
                 continue
             request = decode(wire, (AbortWrite,), max_bytes=len(wire))
