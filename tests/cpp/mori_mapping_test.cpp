@@ -157,15 +157,24 @@ class MoriMappingTest : public ::testing::Test {
     *link = {local->handle, peer, *remote};
   }
 
-  // `host` with its local region registered again as ROCm memory (the fake moves host bytes all
-  // the same): the regions of batches that may wait for a HIP event.
-  void LinkGpuRegion(const Link& host, Link* gpu) {
+  // A backend with LinkWholeBuffers' regions (`host`), and `gpu`: the same with its local region
+  // registered again as ROCm memory (the fake moves host bytes all the same), the regions of
+  // batches that may wait for a HIP event.
+  void MakeWithGpuRegion(Link* host, Link* gpu) {
+    Make();
+    ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(host));
     MemoryRange range = local_buf_.range(0, kSize);
     range.kind = MemoryKind::kRocm;
     range.device = 0;
     auto local = backend_->RegisterMemory(range);
     ASSERT_TRUE(local.ok()) << local.status().ToString();
-    *gpu = {local->handle, host.peer, host.remote};
+    *gpu = {local->handle, host->peer, host->remote};
+  }
+
+  // Puts `event` in one of the fake HIP's sets (pending_events, broken_events).
+  void MarkEvent(std::set<std::uint64_t> World::*events, std::uint64_t event) {
+    std::lock_guard lock(world_->mu);
+    ((*world_).*events).insert(event);
   }
 
   // A WRITE of 64 bytes at `offset` on both sides, posted after HIP event `event` (0: none).
@@ -778,11 +787,8 @@ TEST_F(MoriMappingTest, PeerFailureReachesTheSinkAndStopsNewBatches) {
 // held back by the poster, never handed to MoRI, and only it: a later batch without an event
 // goes first. Once the event completes the batch is posted and moves the producer's bytes.
 TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpNoOther) {
-  Make();
-  Link host;
-  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
-  Link gpu;
-  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
+  Link host, gpu;
+  ASSERT_NO_FATAL_FAILURE(MakeWithGpuRegion(&host, &gpu));
   EXPECT_TRUE(backend_->capabilities().device_event_wait);
   EXPECT_TRUE(backend_->AcceptsDeviceWaits(gpu.local, gpu.remote));
   EXPECT_FALSE(backend_->AcceptsDeviceWaits(host.local, host.remote));  // host memory
@@ -790,10 +796,7 @@ TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpN
   // More batches waiting for events than the poster asks about in one pass (a deep forward's
   // layers), then one without an event: it still goes first.
   constexpr std::uint64_t kWaiting = detail::EventPass::kMaxPending + 2;
-  {
-    std::lock_guard lock(world_->mu);
-    for (std::uint64_t i = 0; i < kWaiting; ++i) world_->pending_events.insert(0xE1 + i);
-  }
+  for (std::uint64_t i = 0; i < kWaiting; ++i) MarkEvent(&World::pending_events, 0xE1 + i);
   for (std::uint64_t i = 0; i < kWaiting; ++i) {
     ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1 + i, 0, 30 + i)).ok());
   }
@@ -828,15 +831,9 @@ TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpN
 // An event HIP cannot answer about fails its batch (naming it) without posting it, and releases
 // its region; a host batch carrying an event is refused at Submit, naming the memory kind.
 TEST_F(MoriMappingTest, BatchWhoseEventCannotBeQueriedFailsAndHostBatchesTakeNoEvent) {
-  Make();
-  Link host;
-  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
-  Link gpu;
-  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
-  {
-    std::lock_guard lock(world_->mu);
-    world_->broken_events.insert(0xE2);
-  }
+  Link host, gpu;
+  ASSERT_NO_FATAL_FAILURE(MakeWithGpuRegion(&host, &gpu));
+  MarkEvent(&World::broken_events, 0xE2);
   ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE2, 0, 22)).ok());
   Status s = sink_->Await(22);
   EXPECT_EQ(s.code(), StatusCode::kTransport) << s.ToString();
@@ -855,15 +852,9 @@ TEST_F(MoriMappingTest, BatchWhoseEventCannotBeQueriedFailsAndHostBatchesTakeNoE
 // A batch still waiting for its event when its peer is disconnected, or the backend destroyed,
 // ends aborted, once, without ever reaching MoRI.
 TEST_F(MoriMappingTest, BatchWaitingForItsEventEndsAbortedOnDisconnectAndTeardown) {
-  Make();
-  Link host;
-  ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(&host));
-  Link gpu;
-  ASSERT_NO_FATAL_FAILURE(LinkGpuRegion(host, &gpu));
-  {
-    std::lock_guard lock(world_->mu);
-    world_->pending_events.insert(0xE4);
-  }
+  Link host, gpu;
+  ASSERT_NO_FATAL_FAILURE(MakeWithGpuRegion(&host, &gpu));
+  MarkEvent(&World::pending_events, 0xE4);
   ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE4, 0, 24)).ok());
   ASSERT_TRUE(world_->WaitUntil([&] { return world_->event_queries >= 1; }));
   ASSERT_TRUE(backend_->DisconnectPeer(gpu.peer).ok());

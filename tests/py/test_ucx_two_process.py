@@ -413,6 +413,29 @@ def test_each_layer_write_waits_for_its_cuda_event(
     np.testing.assert_array_equal(cuda_decode_child.backing(), expected)
 
 
+def _prefill_over_ucx_operations(decode_child: Child) -> tuple[kc.KvCacheSet, mn.Engine, str]:
+    """This process as a prefill whose copies to `decode_child` are UCX operations
+    (``ucx_direct_copy`` off: the path to a peer on another node), after one WRITE without an
+    event (what the copies set up lazily); and its first layer's name."""
+    prefill, _, engine = _gpu_prefill_of(decode_child, {"ucx_direct_copy": "off"})
+    first = prefill.shapes[0].name
+    assert engine.write_layer("req-warm", first, "decode-child", [5], [5])
+    engine.seal("req-warm", "decode-child", expected_writes=1)
+    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+    return prefill, engine, first
+
+
+def _event_after_half_a_second() -> Any:
+    """A CUDA event recorded on a side stream after about 0.5 s of spinning (a producer)."""
+    import torch
+
+    producer, ev = torch.cuda.Stream(), torch.cuda.Event()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(1_000_000_000)
+        ev.record(producer)
+    return ev
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
 def test_a_write_waiting_for_its_event_holds_up_no_other_transfer(
@@ -423,17 +446,8 @@ def test_a_write_waiting_for_its_event_holds_up_no_other_transfer(
     without an event to the same peer, called after it, ends ``done`` while the producer (a
     side stream spinning ~0.5 s) still runs; the first ends ``done`` once it finished; the
     decode holds both transfers' bytes."""
-    import torch
-
-    prefill, _, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": "off"})
-    first = prefill.shapes[0].name
-    assert engine.write_layer("req-warm", first, "decode-child", [5], [5])
-    engine.seal("req-warm", "decode-child", expected_writes=1)
-    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
-    producer, ev = torch.cuda.Stream(), torch.cuda.Event()
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(1_000_000_000)
-        ev.record(producer)
+    prefill, engine, first = _prefill_over_ucx_operations(cuda_decode_child)
+    ev = _event_after_half_a_second()
     assert engine.write_layer("req-waits", first, "decode-child", [0, 1], [2, 3], ev.cuda_event)
     engine.seal("req-waits", "decode-child", expected_writes=1)
     assert engine.write_layer("req-free", first, "decode-child", [2, 4], [8, 19])
@@ -460,18 +474,9 @@ def test_a_write_waiting_for_its_event_ends_once_when_its_peer_is_removed(
     event is parked in the engine; removing the peer meanwhile ends the transfer at once (not
     after the producer's ~0.5 s), exactly once, and the parked batch never posts: once the
     producer finished, the decode's blocks still hold what they held."""
-    import torch
-
-    prefill, _, engine = _gpu_prefill_of(cuda_decode_child, {"ucx_direct_copy": "off"})
-    first = prefill.shapes[0].name
-    assert engine.write_layer("req-warm", first, "decode-child", [5], [5])
-    engine.seal("req-warm", "decode-child", expected_writes=1)
-    assert engine.wait(["req-warm"], timeout=TIMEOUT)["req-warm"].state == "done"
+    _, engine, first = _prefill_over_ucx_operations(cuda_decode_child)
     before = cuda_decode_child.backing().copy()
-    producer, ev = torch.cuda.Stream(), torch.cuda.Event()
-    with torch.cuda.stream(producer):
-        torch.cuda._sleep(1_000_000_000)
-        ev.record(producer)
+    ev = _event_after_half_a_second()
     assert engine.write_layer("req-parked", first, "decode-child", [0, 1], [2, 3], ev.cuda_event)
     engine.seal("req-parked", "decode-child", expected_writes=1)
     engine.remove_peer("decode-child")
