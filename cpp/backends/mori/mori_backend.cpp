@@ -562,9 +562,9 @@ class MoriBackend final : public Backend {
                                     " memory; synchronise the event on the host instead");
       }
       if (n == 0) {
-        // With an event too: a batch of no runs reads nothing of its producer's, so it ends at
-        // once, on every backend.
-        // Nothing for MoRI to move (MoRI refuses empty batches): complete OK from the reaper.
+        // Nothing for MoRI to move (MoRI refuses empty batches): complete OK from the reaper,
+        // with an event too (a batch of no runs reads nothing of its producer's, on every
+        // backend).
         deliver_.emplace_back(b.token, Status::OK());
         reap_cv_.notify_all();
         return Status::OK();
