@@ -639,7 +639,7 @@ struct Engine::Impl {
     return st;
   }
 
-  // Why layer `i`'s copy to `peer` cannot wait for a CUDA event; OK when it can.
+  // Why layer `i`'s copy to `peer` cannot wait for a device event; OK when it can.
   Status CheckDeviceWait(const Peer& peer, std::size_t i) const {
     if (regions[layers[i].region].range.kind == MemoryKind::kHost) {
       return FailedPreconditionError("not in GPU memory; a device event cannot order its copy");
