@@ -969,6 +969,27 @@ Status Engine::RemovePeer(std::string_view id) {
   return d.backend->DisconnectPeer(peer->handle);
 }
 
+Status Engine::RemoveIdlePeer(std::string_view id) {
+  Impl& d = *impl_;
+  std::shared_ptr<const Peer> peer;
+  {
+    // Under the peer map's lock so that no AddPeer or RemovePeer of the same id interleaves
+    // between the count and the erase (lock order: the engine's, then the tracker's).
+    std::lock_guard lock(d.mu);
+    auto it = d.peers.find(id);
+    if (it == d.peers.end()) return NotFoundError("unknown peer '" + std::string(id) + "'");
+    if (const std::size_t busy = d.tracker->TransfersWith(id); busy != 0) {
+      return FailedPreconditionError("peer '" + std::string(id) + "' has " +
+                                     std::to_string(busy) +
+                                     " transfers pending or quarantined; not removed");
+    }
+    peer = it->second;
+    d.peers.erase(it);
+  }
+  d.sink->UnmapPeer(peer->handle);
+  return d.backend->DisconnectPeer(peer->handle);
+}
+
 std::vector<std::string> Engine::Peers() const {
   std::lock_guard lock(impl_->mu);
   std::vector<std::string> out;

@@ -424,6 +424,14 @@ std::size_t TransferTracker::pending() const {
   return pending_.size();
 }
 
+std::size_t TransferTracker::TransfersWith(std::string_view peer) const {
+  std::lock_guard lock(mu_);
+  std::size_t count = 0;
+  for (const auto& [id, t] : pending_) count += t.peer == peer ? 1 : 0;
+  for (const auto& [id, q] : quarantined_) count += q.peer == peer ? 1 : 0;
+  return count;
+}
+
 bool TransferTracker::IsTerminal(std::string_view id) const {
   std::lock_guard lock(mu_);
   return terminal_.count(std::string(id)) > 0;

@@ -130,6 +130,9 @@ class TransferTracker {
   std::size_t quarantined() const;
 
   std::size_t pending() const;
+  /// Transfers with `peer` that are pending or quarantined (batches of theirs may still be in
+  /// flight): a peer with none may be disconnected without ending or stranding anything.
+  std::size_t TransfersWith(std::string_view peer) const;
   bool IsTerminal(std::string_view id) const;
   /// Batches in flight for pending transfers (not for quarantined ones): what Drain's spin
   /// looks at.

@@ -177,6 +177,17 @@ void BindEngine(py::module_& m) {
         }
         ThrowIfError(st);
       })
+      .def("remove_idle_peer",
+           [](Engine& e, const std::string& peer) {
+             Status st;
+             {
+               py::gil_scoped_release release;
+               st = e.RemoveIdlePeer(peer);
+             }
+             if (st.code() == StatusCode::kFailedPrecondition) return false;
+             ThrowIfError(st);
+             return true;
+           })
       .def("peers", &Engine::Peers)
       .def("waits_for_device_events",
            [](const Engine& e, const std::string& peer) {

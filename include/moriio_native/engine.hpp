@@ -141,6 +141,11 @@ class Engine {
   /// Disconnects `peer`; its pending transfers end (never `done`). NotFound for an unknown id.
   /// Thread-safe; blocks while the backend disconnects.
   Status RemovePeer(std::string_view peer);
+  /// As RemovePeer, but only while no transfer with `peer` is pending or quarantined: then
+  /// disconnecting it ends and strands nothing. FailedPrecondition naming the count otherwise
+  /// (nothing changes). A call that found the peer before this one removed it fails as for an
+  /// unknown peer. What bounds a directory of peers: the least recently used idle one goes.
+  Status RemoveIdlePeer(std::string_view peer);
   std::vector<std::string> Peers() const;
 
   /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from

@@ -287,7 +287,15 @@ class Engine:
         return self._engine.add_peer(bytes(metadata), replace)
 
     def remove_peer(self, peer: str) -> None:
+        """Disconnect ``peer``; its pending transfers end (never ``done``). NotFoundError for
+        an unknown peer."""
         self._engine.remove_peer(peer)
+
+    def remove_idle_peer(self, peer: str) -> bool:
+        """Disconnect ``peer`` only while no transfer with it is pending or quarantined (so
+        nothing ends or is stranded): True when removed, False (nothing changed) when it is
+        busy. NotFoundError for an unknown peer."""
+        return self._engine.remove_idle_peer(peer)
 
     def peers(self) -> list[str]:
         return self._engine.peers()

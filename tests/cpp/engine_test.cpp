@@ -1760,6 +1760,46 @@ TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
   EXPECT_EQ(p.engine->RemovePeer("D").code(), StatusCode::kNotFound);
 }
 
+TEST(EnginePeers, RemoveIdlePeerKeepsAPeerWithATransferPending) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1};
+  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());  // in flight, unsealed
+  const Status busy = p.engine->RemoveIdlePeer("D");
+  EXPECT_EQ(busy.code(), StatusCode::kFailedPrecondition) << busy.ToString();
+  EXPECT_NE(busy.message().find("'D' has 1 transfers"), std::string::npos) << busy.ToString();
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"});
+  ASSERT_TRUE(p.engine->Seal("w", "D", 1).ok());
+  Events events(p.engine.get());
+  EXPECT_EQ(events.Wait("w").state, TransferState::kDone) << "a refused removal ends nothing";
+  ASSERT_TRUE(p.engine->RemoveIdlePeer("D").ok());
+  EXPECT_TRUE(p.engine->Peers().empty());
+  EXPECT_EQ(p.engine->RemoveIdlePeer("D").code(), StatusCode::kNotFound);
+  EXPECT_EQ(p.engine->Read("r", "D", ids, ids).code(), StatusCode::kNotFound);
+}
+
+TEST_F(EnginePair, RemoveIdlePeerKeepsAPeerWithAQuarantinedTransfer) {
+  // D's transport sleeps far longer than the transfer timeout: the READ ends timed out with its
+  // batch in flight, so its destination is quarantined until the batch completes.
+  Build({}, {{"loopback_delay_ms", "1000"}}, /*timeout=*/20ms);
+  const std::vector<std::int64_t> ids = {1};
+  ASSERT_TRUE(d_.engine->Read("slow", "P", ids, ids).ok());
+  Events events(d_.engine.get());
+  ASSERT_EQ(events.Wait("slow").state, TransferState::kTimedOut);
+  ASSERT_EQ(d_.engine->QuarantinedTransfers(), 1u);
+  EXPECT_EQ(d_.engine->RemoveIdlePeer("P").code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(d_.engine->Peers(), std::vector<std::string>{"P"});
+  const auto give_up = std::chrono::steady_clock::now() + 60s;
+  while (d_.engine->PollDrained(16).empty() && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(10ms);
+  }
+  EXPECT_TRUE(d_.engine->RemoveIdlePeer("P").ok());
+  EXPECT_TRUE(d_.engine->Peers().empty());
+}
+
 TEST(EngineWrite, OneFailedLayerFailsTheWholeTransferOnce) {
   Side p, d;
   EnginesFirst guard({&p, &d});

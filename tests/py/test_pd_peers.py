@@ -17,7 +17,12 @@ from moriio_native.control.channel import HandshakeServer
 from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.schema import new_incarnation
 from moriio_native.control.security import ControlSecurity
-from moriio_native.errors import IncompatiblePeerError, MoriioError, TransferTimeoutError
+from moriio_native.errors import (
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    MoriioError,
+    TransferTimeoutError,
+)
 from moriio_native.pd.peers import PeerDirectory, PeerKey
 from net_support import free_port
 
@@ -28,11 +33,13 @@ def security() -> ControlSecurity:
     return ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
 
 
-def engine(name: str, salt: int) -> tuple[mn.Engine, kc.KvCacheSet]:
+def engine(
+    name: str, salt: int, options: dict[str, str] | None = None
+) -> tuple[mn.Engine, kc.KvCacheSet]:
     side = "decode" if name.startswith("decode") else "prefill"
     caches = kc.build_caches(kc.mixed_model(side), num_blocks=8)
     kc.fill_random(caches, seed=salt)
-    e = mn.Engine(name, "loopback")
+    e = mn.Engine(name, "loopback", options)
     e.register_kv_caches(caches.registrations())
     return e, caches
 
@@ -284,3 +291,71 @@ def test_connect_after_close_fails_without_dialling(made: list) -> None:
     peers.close()
     with pytest.raises(MoriioError, match="shut down"):
         peers.connect(PeerKey(LOCAL, free_port()), 1, accept).result(timeout=5)
+
+
+def prefills(made: list, names: list[str]) -> dict[str, PeerKey]:
+    """One prefill engine of each name behind its own handshake server."""
+    keys = {}
+    for salt, name in enumerate(names, start=2):
+        port = free_port()
+        made.append(Prefill(name, port, salt))
+        keys[name] = PeerKey(LOCAL, port)
+    return keys
+
+
+def test_max_peers_evicts_the_least_recently_used_idle_peer(made: list) -> None:
+    """Addresses that answer with ever new engine ids (anyone an abort_write or a request can
+    point this rank at) cannot grow its peers past max_peers: the least recently used goes."""
+    decode, _ = engine("decode", 1)
+    keys = prefills(made, ["prefill-a", "prefill-b", "prefill-c"])
+    peers = directory(decode, made, max_peers=2)
+    for name in ("prefill-a", "prefill-b"):
+        peers.connect(keys[name], 1, accept).result(timeout=30)
+    assert peers.connect(keys["prefill-a"], 1, accept).done()  # a cache hit: a is used now
+    assert peers.connect(keys["prefill-c"], 1, accept).result(timeout=30).engine_peer == "prefill-c"
+    assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
+    assert peers.cached(keys["prefill-b"]) is None
+    assert peers.find_engine("prefill-c") is not None  # c is used now, a the oldest
+    again = peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)  # handshaken again
+    assert again.engine_peer == "prefill-b"
+    assert sorted(decode.peers()) == ["prefill-b", "prefill-c"]
+    assert peers.cached(keys["prefill-a"]) is None
+
+
+def test_a_peer_with_a_transfer_pending_is_never_evicted(made: list) -> None:
+    """Eviction ends nothing: a peer with a transfer pending stays, and the new address is
+    refused naming the bound until the transfer ended."""
+    decode, _caches = engine("decode", 1, {"loopback_delay_ms": "500"})
+    keys = prefills(made, ["prefill-a", "prefill-b"])
+    clock = Clock()
+    peers = directory(decode, made, max_peers=1, clock=clock)
+    peers.connect(keys["prefill-a"], 1, accept).result(timeout=30)
+    decode.read("busy", "prefill-a", [0, 1], [2, 3])
+    with pytest.raises(MoriioError, match=r"max_peers 1\), none idle"):
+        peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
+    assert decode.peers() == ["prefill-a"]
+    assert decode.wait(["busy"], timeout=30)["busy"].state == "done"
+    clock.now += 100  # past the refused handshake's backoff
+    assert peers.connect(keys["prefill-b"], 1, accept).result(timeout=30).engine_peer == "prefill-b"
+    assert decode.peers() == ["prefill-b"]
+
+
+def test_engine_peers_no_cached_address_names_go_first(made: list) -> None:
+    """A peer the directory forgot (after a failure) but the engine still holds is the first to
+    go: it cannot be found again without a handshake anyway."""
+    decode, _ = engine("decode", 1)
+    keys = prefills(made, ["prefill-a", "prefill-b", "prefill-c"])
+    peers = directory(decode, made, max_peers=2)
+    a = peers.connect(keys["prefill-a"], 1, accept).result(timeout=30)
+    peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
+    peers.connect(keys["prefill-a"], 1, accept)  # a is used now, b the least recently used
+    peers.forget(a)
+    peers.connect(keys["prefill-c"], 1, accept).result(timeout=30)
+    assert sorted(decode.peers()) == ["prefill-b", "prefill-c"]
+    assert peers.cached(keys["prefill-b"]) is not None
+
+
+def test_max_peers_must_be_positive() -> None:
+    decode, _ = engine("decode", 1)
+    with pytest.raises(InvalidArgumentError, match="max_peers must be >= 1, got 0"):
+        PeerDirectory(lambda: decode, security(), "decode/dp0/tp0", timeout=5.0, max_peers=0)  # type: ignore[arg-type]

@@ -9,6 +9,8 @@ from moriio_native.control.messages import KvGroup
 from moriio_native.errors import InvalidArgumentError
 
 Mode = Literal["read", "write"]
+# Peers one rank keeps connected (and peer addresses it caches) at most (pd/peers.py).
+DEFAULT_MAX_PEERS = 1024
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class PdConfig:
     # READ: refuse (recompute) a request that names no prefill incarnation; False reads it from
     # whichever process answers the handshake (what peers without incarnations allow).
     require_incarnation: bool = True
+    # At most this many peer addresses cached and peers connected per rank (pd/peers.py): the
+    # least recently used idle one goes before another connects.
+    max_peers: int = DEFAULT_MAX_PEERS
 
     def __post_init__(self) -> None:
         if self.mode not in ("read", "write"):
@@ -62,6 +67,8 @@ class PdConfig:
                 f"rank dp{self.dp_rank}/tp{self.tp_rank} outside dp_size {self.dp_size} / "
                 f"tp_size {self.tp_size}"
             )
+        if self.max_peers < 1:
+            raise InvalidArgumentError(f"max_peers must be >= 1, got {self.max_peers}")
         if self.total_kv_heads < 0:
             raise InvalidArgumentError(f"total_kv_heads must be >= 0, got {self.total_kv_heads}")
         for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
@@ -74,4 +81,4 @@ class PdConfig:
         return self.mode.upper()
 
 
-__all__ = ["Mode", "PdConfig"]
+__all__ = ["DEFAULT_MAX_PEERS", "Mode", "PdConfig"]

@@ -103,6 +103,7 @@ class PdCore:
             security,
             config.engine_id,
             timeout=config.transfer_timeout,
+            max_peers=config.max_peers,
             on_handshake=lambda peer: self._on_handshake(),
             verify=config.verify,
         )

@@ -20,9 +20,20 @@
   caller then checks that the fresh handshake names the incarnation it needs);
 * :meth:`probe` re-handshakes a known peer to tell whether it is still the same live instance,
   on its OWN single thread (``moriio-native-probe``): probes never queue behind (or starve)
-  the handshakes requests wait for.
+  the handshakes requests wait for;
+* at most ``max_peers`` addresses are cached and at most ``max_peers`` peers connected in the
+  engine: anyone who can make this rank handshake an address of theirs (an ``abort_write``
+  naming it, a request's ``remote_host``) and answers with valid metadata under ever new engine
+  ids would otherwise grow both without end. Before one more is connected, the least recently
+  used one without a transfer pending or quarantined goes (:meth:`Engine.remove_idle_peer`:
+  nothing ends or is stranded); engine peers no cached address names go first. When every one
+  is busy the handshake fails, naming the bound. A peer that went is handshaken again when
+  next named; a caller that took it from the cache just before it went fails that transfer as
+  for an unknown peer (recomputed), never anything worse.
 
-Thread-safe (one lock, never held across a network call or an engine call).
+Thread-safe (one lock, never held across a network call or an engine call; a second one,
+``_admit``, serializes making room and connecting, so the bound holds under concurrent
+handshakes).
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,7 +50,13 @@ from typing import Protocol
 from moriio_native.control.channel import fetch_metadata
 from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.security import ControlSecurity
-from moriio_native.errors import IncompatiblePeerError, MoriioError
+from moriio_native.errors import (
+    IncompatiblePeerError,
+    InvalidArgumentError,
+    MoriioError,
+    NotFoundError,
+)
+from moriio_native.pd.config import DEFAULT_MAX_PEERS
 
 logger = logging.getLogger("moriio_native.pd.peers")
 
@@ -88,6 +106,10 @@ class _EngineLike(Protocol):
 
     def add_peer(self, metadata: bytes, *, replace: bool = False) -> str: ...
 
+    def remove_idle_peer(self, peer: str) -> bool: ...
+
+    def peers(self) -> list[str]: ...
+
 
 class PeerDirectory:
     """Handshaken peers of one engine rank, keyed by :class:`PeerKey`."""
@@ -101,11 +123,15 @@ class PeerDirectory:
         timeout: float,
         retry_after: float = DEFAULT_RETRY_AFTER_S,
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
+        max_peers: int = DEFAULT_MAX_PEERS,
         on_handshake: Callable[[Peer], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify: bool = False,
     ) -> None:
+        if max_peers < 1:
+            raise InvalidArgumentError(f"max_peers must be >= 1, got {max_peers}")
         self._engine = engine
+        self._max_peers = max_peers
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
@@ -115,7 +141,8 @@ class PeerDirectory:
         self._on_handshake = on_handshake
         self._clock = clock
         self._lock = threading.Lock()
-        self._peers: dict[PeerKey, Peer] = {}
+        self._admit = threading.Lock()
+        self._peers: OrderedDict[PeerKey, Peer] = OrderedDict()  # least recently used first
         self._inflight: dict[PeerKey, Future[Peer]] = {}
         self._failures: dict[PeerKey, _Failure] = {}
         self._pool = ThreadPoolExecutor(
@@ -131,11 +158,15 @@ class PeerDirectory:
             return self._peers.get(key)
 
     def find_engine(self, engine_id: str) -> Peer | None:
-        """The cached peer whose handshake named ``engine_id``, if any."""
+        """The cached peer whose handshake named ``engine_id``, if any (now the most recently
+        used)."""
         with self._lock:
-            return next(
+            peer = next(
                 (p for p in self._peers.values() if p.response.engine_id == engine_id), None
             )
+            if peer is not None:
+                self._peers.move_to_end(peer.key)
+            return peer
 
     def connect(
         self, key: PeerKey, notify_port: int, validate: Validator, *, incarnation: str = ""
@@ -159,6 +190,7 @@ class PeerDirectory:
                 del self._peers[key]
                 peer = None
             if peer is not None:
+                self._peers.move_to_end(key)
                 return _done(peer)
             failure = self._failures.get(key)
             if failure is not None and self._clock() < failure.until:
@@ -263,6 +295,7 @@ class PeerDirectory:
             ]:
                 del self._peers[other]  # the same engine before its restart, at any address
             self._peers[key] = peer
+            self._peers.move_to_end(key)
         if self._on_handshake is not None:
             self._on_handshake(peer)
         logger.info("handshake with %s at %s done", peer.response.engine_id, key)
@@ -315,15 +348,91 @@ class PeerDirectory:
             )
         if elsewhere is not None:
             self._check_replaced(key, elsewhere, response)
-        # Same engine id with new metadata: that peer restarted under this address (the
-        # handshake we just made proved who answers here). The engine swaps the connection.
-        engine_peer = self._engine().add_peer(response.engine_metadata, replace=True)
-        if engine_peer != response.engine_id:
-            raise IncompatiblePeerError(
-                f"peer at {key}: its handshake names engine {response.engine_id!r} but its "
-                f"metadata {engine_peer!r}"
+        with self._admit:
+            engine = self._engine()
+            self._make_room(engine, key, response.engine_id)
+            # Same engine id with new metadata: that peer restarted under this address (the
+            # handshake we just made proved who answers here). The engine swaps the connection.
+            engine_peer = engine.add_peer(response.engine_metadata, replace=True)
+            if engine_peer != response.engine_id:
+                raise IncompatiblePeerError(
+                    f"peer at {key}: its handshake names engine {response.engine_id!r} but its "
+                    f"metadata {engine_peer!r}"
+                )
+            peer = Peer(
+                key=key, engine_peer=engine_peer, notify_port=notify_port, response=response
             )
-        return Peer(key=key, engine_peer=engine_peer, notify_port=notify_port, response=response)
+            with self._lock:
+                # Cached (as most recently used) before _admit is released, so that the next
+                # admission counts it; _handshake stores the same entry again.
+                self._peers[key] = peer
+                self._peers.move_to_end(key)
+            return peer
+
+    # ---- the bound (pool thread, under _admit) ------------------------------------------------
+
+    def _make_room(self, engine: _EngineLike, key: PeerKey, engine_id: str) -> None:
+        """Before ``engine_id`` is connected for ``key``: evict until one more address and one
+        more engine peer fit under ``max_peers`` -- engine peers no cached address names first,
+        then cached addresses from the least recently used, each only while it has no transfer
+        pending or quarantined. Raises when what is left is busy."""
+        with self._lock:
+            candidates = [p for k, p in self._peers.items() if k != key]
+        cached_engines = {p.engine_peer for p in candidates}
+        orphans = sorted(set(engine.peers()) - cached_engines - {engine_id})
+        for orphan in orphans:
+            if not self._over(engine, key, engine_id):
+                return
+            if _remove_idle(engine, orphan):
+                logger.info("peer %s removed: no cached address names it (max_peers)", orphan)
+        for victim in candidates:
+            if not self._over(engine, key, engine_id):
+                return
+            if victim.engine_peer != engine_id:
+                self._evict(engine, victim)
+        if self._over(engine, key, engine_id):
+            raise MoriioError(
+                f"peer {key}: not connected: {len(engine.peers())} peers connected and "
+                f"{len(self._peers)} addresses cached (max_peers {self._max_peers}), none "
+                "idle (each has transfers pending or quarantined)"
+            )
+
+    def _over(self, engine: _EngineLike, key: PeerKey, engine_id: str) -> bool:
+        """Whether caching ``key`` and connecting ``engine_id`` would pass ``max_peers``."""
+        with self._lock:
+            keys = len(self._peers) + (key not in self._peers)
+        peers = engine.peers()
+        return keys > self._max_peers or len(peers) + (engine_id not in peers) > self._max_peers
+
+    def _evict(self, engine: _EngineLike, victim: Peer) -> None:
+        """Drop ``victim``'s address; its engine peer too when no other cached address names
+        it -- unless that peer has a transfer pending or quarantined (then nothing changes)."""
+        with self._lock:
+            if self._peers.get(victim.key) is not victim:
+                return  # replaced or forgotten meanwhile
+            shared = any(
+                p.engine_peer == victim.engine_peer and k != victim.key
+                for k, p in self._peers.items()
+            )
+        if not shared and not _remove_idle(engine, victim.engine_peer):
+            return
+        with self._lock:
+            if self._peers.get(victim.key) is victim:
+                del self._peers[victim.key]
+        logger.info(
+            "peer %s at %s evicted: least recently used of max_peers %d",
+            victim.engine_peer,
+            victim.key,
+            self._max_peers,
+        )
+
+
+def _remove_idle(engine: _EngineLike, peer: str) -> bool:
+    """Whether ``peer`` is gone from the engine now: removed, or removed by another caller."""
+    try:
+        return engine.remove_idle_peer(peer)
+    except NotFoundError:
+        return True
 
 
 def _done(peer: Peer) -> Future[Peer]:

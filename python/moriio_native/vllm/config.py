@@ -58,6 +58,12 @@ key                   default      meaning
                                    ``false``: such a request is read from the handshaken prefill
                                    (a prefill restarted after computing it cannot be detected);
                                    for a proxy that drops the key
+``max_peers``         ``1024``     peers one rank keeps connected (and addresses it caches) at
+                                   most: before one more connects, the least recently used
+                                   without a transfer pending or quarantined is disconnected;
+                                   with every one busy the handshake fails (the request is
+                                   recomputed). Bounds what a peer answering from ever new
+                                   engine ids can make a rank hold
 ``engine_options``    ``{}``       extra options for the native backend (string -> string)
 ``ucx_*``, ``mori_*`` --           passed through to the backend as engine options, as are
                                    ``qp_per_transfer``, ``post_batch_size``, ``num_workers``,
@@ -86,6 +92,7 @@ from moriio_native.control.ports import PortPlan
 from moriio_native.control.schema import Port, Schema, Size, convert, explain
 from moriio_native.control.security import ENV_AUTH_SECRET, MIN_SECRET_BYTES, PeerAllowlist
 from moriio_native.errors import InvalidArgumentError
+from moriio_native.pd.config import DEFAULT_MAX_PEERS as DEFAULT_PD_MAX_PEERS
 
 logger = logging.getLogger("moriio_native.vllm.config")
 
@@ -94,6 +101,7 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 Backend = Literal["auto", "ucx", "mori", "loopback"]
 #: A positive, finite number of seconds (at most ~30 years).
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+PeerCount = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 ReadLoading = Literal["async", "sync"]
 
 DEFAULT_BACKEND = "auto"
@@ -105,6 +113,7 @@ DEFAULT_PING_INTERVAL = 3.0
 DEFAULT_TRANSFER_TIMEOUT = 30.0
 DEFAULT_ABORT_TIMEOUT = 120.0
 DEFAULT_QUARANTINE_TIMEOUT = 300.0
+DEFAULT_MAX_PEERS = DEFAULT_PD_MAX_PEERS
 DEFAULT_READ_LOADING: ReadLoading = "async"
 BACKENDS = ("auto", "ucx", "mori", "loopback")
 BACKEND_OPTION_PREFIXES = ("ucx_", "mori_")
@@ -129,6 +138,7 @@ _PLAIN_KEYS = (
     "read_loading",
     "verify",
     "require_incarnation",
+    "max_peers",
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -200,6 +210,7 @@ class ConnectorConfig(Schema, frozen=True):
     read_loading: ReadLoading = DEFAULT_READ_LOADING
     verify: bool = False
     require_incarnation: bool = True
+    max_peers: PeerCount = DEFAULT_MAX_PEERS
 
     def _check(self) -> None:
         for key in ("host_ip", "bind_host", "proxy_ip"):

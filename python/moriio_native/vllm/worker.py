@@ -118,6 +118,7 @@ class WorkerSide:
                 verify=config.verify,
                 groups=groups,
                 require_incarnation=config.require_incarnation,
+                max_peers=config.max_peers,
             ),
             self._security,
             self._stats,
