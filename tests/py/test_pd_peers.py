@@ -359,3 +359,34 @@ def test_max_peers_must_be_positive() -> None:
     decode, _ = engine("decode", 1)
     with pytest.raises(InvalidArgumentError, match="max_peers must be >= 1, got 0"):
         PeerDirectory(lambda: decode, security(), "decode/dp0/tp0", timeout=5.0, max_peers=0)  # type: ignore[arg-type]
+
+
+def test_addresses_answering_under_ever_new_engine_ids_cannot_grow_the_peers(made: list) -> None:
+    """What a stranger who can point this rank at addresses of theirs (abort_write, a
+    request's remote_host) and answers every handshake with valid metadata under a new engine
+    id does: 40 such addresses named in turn, 3 times over. The engine never holds more than
+    max_peers, the genuine peer (used between them, a transfer of it pending at times) is never
+    evicted, and its reads stay byte-exact."""
+    decode, decode_caches = engine("decode", 1, {"loopback_delay_ms": "20"})
+    genuine_port = free_port()
+    genuine = Prefill("prefill", genuine_port, 2)
+    made.append(genuine)
+    strangers = prefills(made, [f"prefill-stranger-{i}" for i in range(40)])
+    peers = directory(decode, made, max_peers=4)
+    genuine_key = PeerKey(LOCAL, genuine_port)
+    peers.connect(genuine_key, 1, accept).result(timeout=30)
+    most = 0
+    for n, key in enumerate(list(strangers.values()) * 3):
+        if n % 10 == 0:  # a genuine read now and then, pending while strangers are connected
+            tid = f"genuine-{n}"
+            peer = peers.connect(genuine_key, 1, accept).result(timeout=30)
+            expected = kc.expected_after_copy(decode_caches, genuine.caches, [0, 1], [2, 3])
+            decode.read(tid, peer.engine_peer, [0, 1], [2, 3])
+        peers.connect(key, 1, accept).result(timeout=30)
+        most = max(most, len(decode.peers()))
+        if n % 10 == 9:
+            assert decode.wait([tid], timeout=30)[tid].state == "done"
+            assert np.array_equal(decode_caches.backing, expected)
+    assert most == 4
+    assert "prefill" in decode.peers() and peers.cached(genuine_key) is not None
+    assert genuine.answered == 1  # never evicted, so never handshaken again

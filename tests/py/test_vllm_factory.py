@@ -115,6 +115,10 @@ def test_config_defaults() -> None:
     assert cfg.proxy_ip is None and cfg.allowed_peers == () and cfg.auth_secret is None
     assert cfg.engine_id == "10.1.2.3:6301"
     assert cfg.bind_host == "10.1.2.3"  # the listeners bind only the address peers use
+    assert cfg.max_peers == 1024
+    assert (
+        ConnectorConfig.from_extra_config({"max_peers": "64"}, role="kv_producer").max_peers == 64
+    )
 
 
 def test_config_bind_host_may_be_every_interface_or_another_address() -> None:
@@ -176,6 +180,8 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
         ({"notify_port": "abc"}, "notify_port"),
         ({"transfer_timeout": "-1"}, "transfer_timeout"),
         ({"abort_timeout": "soon"}, "abort_timeout"),
+        ({"max_peers": 0}, "max_peers"),
+        ({"max_peers": "many"}, "max_peers"),
         ({"proxy_ip": "127.0.0.1"}, "http_port"),
         ({"host_ip": "not a host"}, "host_ip"),
         ({"bind_host": "not a host"}, "bind_host"),
