@@ -340,6 +340,22 @@ def test_a_peer_with_a_transfer_pending_is_never_evicted(made: list) -> None:
     assert decode.peers() == ["prefill-b"]
 
 
+def test_a_peer_a_job_holds_is_never_evicted(made: list) -> None:
+    """A job that holds a peer before it posted anything (a WRITE waiting for the forward) has
+    no transfer in the engine yet: the caller's in_use keeps its peer."""
+    decode, _ = engine("decode", 1)
+    keys = prefills(made, ["prefill-a", "prefill-b", "prefill-c"])
+    held = {"prefill-a"}
+    peers = directory(decode, made, max_peers=2, in_use=lambda: set(held))
+    for name in ("prefill-a", "prefill-b", "prefill-c"):
+        peers.connect(keys[name], 1, accept).result(timeout=30)
+    assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]  # b went, not the older a
+    held.add("prefill-c")
+    with pytest.raises(MoriioError, match="or a job holds it"):
+        peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
+    assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
+
+
 def test_engine_peers_no_cached_address_names_go_first(made: list) -> None:
     """A peer the directory forgot (after a failure) but the engine still holds is the first to
     go: it cannot be found again without a handshake anyway."""

@@ -104,6 +104,7 @@ class PdCore:
             config.engine_id,
             timeout=config.transfer_timeout,
             max_peers=config.max_peers,
+            in_use=self._peers_in_use,
             on_handshake=lambda peer: self._on_handshake(),
             verify=config.verify,
         )
@@ -149,6 +150,12 @@ class PdCore:
     def _on_handshake(self) -> None:
         with self.ctx.lock:
             self.ctx.stats.record_handshake()
+
+    def _peers_in_use(self) -> set[str]:
+        """Engine peers a live READ or WRITE job holds: the peer directory never evicts them,
+        whether or not a transfer of theirs is in the engine yet."""
+        with self.ctx.lock:
+            return self.puller.peers_in_use() | self.pusher.peers_in_use()
 
     def _mark_terminal(self, transfer_id: str) -> None:
         if self.listener is not None:

@@ -26,10 +26,11 @@
   naming it, a request's ``remote_host``) and answers with valid metadata under ever new engine
   ids would otherwise grow both without end. Before one more is connected, the least recently
   used one without a transfer pending or quarantined goes (:meth:`Engine.remove_idle_peer`:
-  nothing ends or is stranded); engine peers no cached address names go first. When every one
-  is busy the handshake fails, naming the bound. A peer that went is handshaken again when
-  next named; a caller that took it from the cache just before it went fails that transfer as
-  for an unknown peer (recomputed), never anything worse.
+  nothing ends or is stranded), nor one the caller's ``in_use`` names (a job that holds it and
+  has not posted yet); engine peers no cached address names go first. When every one is busy
+  the handshake fails, naming the bound. A peer that went is handshaken again when next named;
+  a caller that took it from the cache just before it went fails that transfer as for an
+  unknown peer (recomputed), never anything worse.
 
 Thread-safe (one lock, never held across a network call or an engine call; a second one,
 ``_admit``, serializes making room and connecting, so the bound holds under concurrent
@@ -124,6 +125,7 @@ class PeerDirectory:
         retry_after: float = DEFAULT_RETRY_AFTER_S,
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
         max_peers: int = DEFAULT_MAX_PEERS,
+        in_use: Callable[[], set[str]] = set,
         on_handshake: Callable[[Peer], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify: bool = False,
@@ -132,6 +134,7 @@ class PeerDirectory:
             raise InvalidArgumentError(f"max_peers must be >= 1, got {max_peers}")
         self._engine = engine
         self._max_peers = max_peers
+        self._in_use = in_use  # engine peers the caller's jobs hold (never evicted)
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
@@ -378,8 +381,9 @@ class PeerDirectory:
         pending or quarantined. Raises when what is left is busy."""
         with self._lock:
             candidates = [p for k, p in self._peers.items() if k != key]
+        kept = {engine_id, *self._in_use()}
         cached_engines = {p.engine_peer for p in candidates}
-        orphans = sorted(set(engine.peers()) - cached_engines - {engine_id})
+        orphans = sorted(set(engine.peers()) - cached_engines - kept)
         for orphan in orphans:
             if not self._over(engine, key, engine_id):
                 return
@@ -388,13 +392,13 @@ class PeerDirectory:
         for victim in candidates:
             if not self._over(engine, key, engine_id):
                 return
-            if victim.engine_peer != engine_id:
+            if victim.engine_peer not in kept:
                 self._evict(engine, victim)
         if self._over(engine, key, engine_id):
             raise MoriioError(
                 f"peer {key}: not connected: {len(engine.peers())} peers connected and "
                 f"{len(self._peers)} addresses cached (max_peers {self._max_peers}), none "
-                "idle (each has transfers pending or quarantined)"
+                "idle (each has transfers pending or quarantined, or a job holds it)"
             )
 
     def _over(self, engine: _EngineLike, key: PeerKey, engine_id: str) -> bool:

@@ -413,6 +413,14 @@ class Puller:
         else:
             engine.read(part.engine_tid, peer.engine_peer, *pairs)
 
+    def peers_in_use(self) -> set[str]:
+        """Engine peers of READ parts not yet terminal (lock held)."""
+        return {
+            part.peer.engine_peer
+            for _, part in self._parts.values()
+            if part.peer is not None and part.machine.state not in READ_TERMINAL
+        }
+
     def on_event(self, event: Any) -> bool:
         """An engine terminal event; False when it is not one of our READs."""
         ctx = self._ctx

@@ -509,6 +509,14 @@ class Pusher:
 
     # ---- scheduler tasks (caller thread) ------------------------------------------------------
 
+    def peers_in_use(self) -> set[str]:
+        """Engine peers of jobs not yet terminal (lock held)."""
+        return {
+            j.peer.engine_peer
+            for j in self._jobs.values()
+            if j.peer is not None and j.state not in JOB_TERMINAL
+        }
+
     def begin_step(self, saves: list[SaveTask], sends: list[SendTask]) -> None:
         now = time.monotonic()
         with self._ctx.lock:

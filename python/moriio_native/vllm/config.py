@@ -60,7 +60,8 @@ key                   default      meaning
                                    for a proxy that drops the key
 ``max_peers``         ``1024``     peers one rank keeps connected (and addresses it caches) at
                                    most: before one more connects, the least recently used
-                                   without a transfer pending or quarantined is disconnected;
+                                   that no request is using (no transfer pending or
+                                   quarantined, no live job) is disconnected;
                                    with every one busy the handshake fails (the request is
                                    recomputed). Bounds what a peer answering from ever new
                                    engine ids can make a rank hold
