@@ -832,18 +832,25 @@ Result<std::vector<std::uint8_t>> Engine::LocalMetadata() const {
   return impl_->metadata;
 }
 
-Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata) {
-  return ConnectPeer(metadata, /*replace=*/false);
+Result<std::string> Engine::AddPeer(std::span<const std::uint8_t> metadata,
+                                    std::string_view expected_engine_id) {
+  return ConnectPeer(metadata, /*replace=*/false, expected_engine_id);
 }
 
-Result<std::string> Engine::ReplacePeer(std::span<const std::uint8_t> metadata) {
-  return ConnectPeer(metadata, /*replace=*/true);
+Result<std::string> Engine::ReplacePeer(std::span<const std::uint8_t> metadata,
+                                        std::string_view expected_engine_id) {
+  return ConnectPeer(metadata, /*replace=*/true, expected_engine_id);
 }
 
-Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, bool replace) {
+Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, bool replace,
+                                        std::string_view expected_engine_id) {
   Impl& d = *impl_;
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   MORIIO_ASSIGN_OR_RETURN(EngineMetadata meta, detail::DecodeMetadata(metadata));
+  if (!expected_engine_id.empty() && meta.engine_id != expected_engine_id) {
+    return IncompatibleError("peer metadata names engine '" + meta.engine_id + "', not '" +
+                             std::string(expected_engine_id) + "' as expected; nothing changed");
+  }
   if (meta.backend != d.config.backend) {
     return IncompatibleError("peer '" + meta.engine_id + "' uses backend '" + meta.backend +
                              "', this engine uses '" + d.config.backend + "'");

@@ -159,16 +159,18 @@ void BindEngine(py::module_& m) {
       .def("local_metadata", [](const Engine& e) { return ToBytes(Unwrap(e.LocalMetadata())); })
       .def(
           "add_peer",
-          [](Engine& e, const py::bytes& metadata, bool replace) {
+          [](Engine& e, const py::bytes& metadata, bool replace,
+             const std::string& expected_engine_id) {
             std::string holder;
             auto span = ByteSpan(metadata, holder);
             Result<std::string> peer = [&] {
               py::gil_scoped_release release;
-              return replace ? e.ReplacePeer(span) : e.AddPeer(span);
+              return replace ? e.ReplacePeer(span, expected_engine_id)
+                             : e.AddPeer(span, expected_engine_id);
             }();
             return Unwrap(std::move(peer));
           },
-          py::arg("metadata"), py::arg("replace") = false)
+          py::arg("metadata"), py::arg("replace") = false, py::arg("expected_engine_id") = "")
       .def("remove_peer", [](Engine& e, const std::string& peer) {
         Status st;
         {

@@ -128,15 +128,22 @@ class Engine {
   /// windows pair, and a whole-block Read or WriteLayer of it is Incompatible naming both
   /// layouts), connects, and returns the peer's engine id. On error
   /// nothing changes. Adding a peer again with identical metadata is a no-op. Blocks on connect.
-  Result<std::string> AddPeer(std::span<const std::uint8_t> metadata);
+  /// With `expected_engine_id`, metadata naming another engine is Incompatible (nothing changes):
+  /// what a handshake answered as and what its metadata says must agree BEFORE anything is
+  /// connected or replaced.
+  Result<std::string> AddPeer(std::span<const std::uint8_t> metadata,
+                              std::string_view expected_engine_id = {});
 
   /// As AddPeer, but a peer already connected under the same engine id with OTHER metadata (that
   /// peer restarted: new transport address, new memory) is replaced: the new connection is made
   /// first, then the old one's pending transfers end (never `done`) and it is disconnected. On error
   /// the old peer stays as it was. Identical metadata is a no-op. Thread-safe; blocks on connect.
   /// Use it only where the caller authenticated the metadata as coming from that peer (a
-  /// handshake with it), since it ends every transfer to the old instance.
-  Result<std::string> ReplacePeer(std::span<const std::uint8_t> metadata);
+  /// handshake with it), since it ends every transfer to the old instance; pass the id that
+  /// handshake answered as in `expected_engine_id`, so that an answer carrying another engine's
+  /// id in its metadata cannot replace that engine's connection (as AddPeer).
+  Result<std::string> ReplacePeer(std::span<const std::uint8_t> metadata,
+                                  std::string_view expected_engine_id = {});
 
   /// Disconnects `peer`; its pending transfers end (never `done`). NotFound for an unknown id.
   /// Thread-safe; blocks while the backend disconnects.
@@ -281,7 +288,8 @@ class Engine {
  private:
   explicit Engine(std::unique_ptr<Impl> impl);
   // AddPeer (replace=false) and ReplacePeer (replace=true).
-  Result<std::string> ConnectPeer(std::span<const std::uint8_t> metadata, bool replace);
+  Result<std::string> ConnectPeer(std::span<const std::uint8_t> metadata, bool replace,
+                                  std::string_view expected_engine_id);
   std::unique_ptr<Impl> impl_;
 };
 

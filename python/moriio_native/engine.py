@@ -277,14 +277,18 @@ class Engine:
     def local_metadata(self) -> bytes:
         return self._engine.local_metadata()
 
-    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str:
+    def add_peer(
+        self, metadata: bytes, *, replace: bool = False, expected_engine_id: str = ""
+    ) -> str:
         """Validate and connect a peer; returns its engine id. IncompatiblePeerError names the
         layer that differs. The same metadata again is a no-op; other metadata under a connected
         engine id is AlreadyExistsError -- unless ``replace``: that peer restarted, and once the
         new connection stands the old one's pending transfers end (never ``done``) and it is
         disconnected (on error the old peer stays). Use ``replace`` only for metadata a
-        handshake with that peer returned."""
-        return self._engine.add_peer(bytes(metadata), replace)
+        handshake with that peer returned, with the engine id that handshake answered as in
+        ``expected_engine_id``: metadata naming another engine is then IncompatiblePeerError
+        and changes nothing (an answer cannot replace another engine's connection)."""
+        return self._engine.add_peer(bytes(metadata), replace, expected_engine_id)
 
     def remove_peer(self, peer: str) -> None:
         """Disconnect ``peer``; its pending transfers end (never ``done``). NotFoundError for

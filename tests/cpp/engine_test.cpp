@@ -1723,6 +1723,31 @@ TEST(EnginePeers, ReplacePeerSwapsARestartedPeerAndEndsTheOldTransfersOnce) {
   EXPECT_EQ(p.engine->PendingTransfers(), 0u);
 }
 
+TEST(EnginePeers, ReplacementByMetadataOfAnotherEngineThanExpectedChangesNothing) {
+  // A handshake answered as engine "X" whose metadata names the connected engine "D" (other
+  // memory): without the expected id the replacement would end D's transfers and point "D" at
+  // that memory.
+  Side p, d, d2;
+  EnginesFirst guard({&p, &d, &d2});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d2, "D", DecodeLayers(), 3));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  const std::vector<std::int64_t> ids = {0, 1};
+  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());  // in flight
+  Result<std::string> replaced = p.engine->ReplacePeer(d2.metadata, "X");
+  ASSERT_EQ(replaced.status().code(), StatusCode::kIncompatible) << replaced.status().ToString();
+  EXPECT_NE(replaced.status().message().find("names engine 'D', not 'X'"), std::string::npos)
+      << replaced.status().ToString();
+  EXPECT_EQ(p.engine->AddPeer(d2.metadata, "X").status().code(), StatusCode::kIncompatible);
+  EXPECT_EQ(p.engine->PendingTransfers(), 1u) << "a refused replacement must end nothing";
+  ASSERT_TRUE(p.engine->Seal("w", "D", 1).ok());
+  Events events(p.engine.get());
+  EXPECT_EQ(events.Wait("w").state, TransferState::kDone);
+  Result<std::string> same = p.engine->ReplacePeer(d.metadata, "D");  // agreeing: as before
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+}
+
 TEST(EnginePeers, FailedReplacementKeepsTheOldPeer) {
   Side p, d;
   EnginesFirst guard({&p, &d});

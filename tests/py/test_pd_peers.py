@@ -23,7 +23,7 @@ from moriio_native.errors import (
     MoriioError,
     TransferTimeoutError,
 )
-from moriio_native.pd.peers import PeerDirectory, PeerKey
+from moriio_native.pd.peers import CAPACITY_RETRY_S, PeerCapacityError, PeerDirectory, PeerKey
 from net_support import free_port
 
 LOCAL = "127.0.0.1"
@@ -47,8 +47,9 @@ def engine(
 class Prefill:
     """A loopback engine behind a handshake server; ``gate`` holds its answers."""
 
-    def __init__(self, engine_id: str, port: int, salt: int) -> None:
+    def __init__(self, engine_id: str, port: int, salt: int, claims: str = "") -> None:
         self.engine, self.caches = engine(engine_id, salt)
+        self.claims = claims or engine_id  # the engine id it answers as
         self.gate = threading.Event()
         self.gate.set()
         self.answered = 0
@@ -59,7 +60,7 @@ class Prefill:
         self.gate.wait(30)
         self.answered += 1
         return HandshakeResponse(
-            self.engine.engine_id,
+            self.claims,
             self.engine.local_metadata(),
             0,
             0,
@@ -331,11 +332,12 @@ def test_a_peer_with_a_transfer_pending_is_never_evicted(made: list) -> None:
     peers = directory(decode, made, max_peers=1, clock=clock)
     peers.connect(keys["prefill-a"], 1, accept).result(timeout=30)
     decode.read("busy", "prefill-a", [0, 1], [2, 3])
-    with pytest.raises(MoriioError, match=r"max_peers 1\), none idle"):
+    with pytest.raises(PeerCapacityError, match=r"max_peers 1\); none of the least recently"):
         peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
     assert decode.peers() == ["prefill-a"]
     assert decode.wait(["busy"], timeout=30)["busy"].state == "done"
-    clock.now += 100  # past the refused handshake's backoff
+    assert peers.connect(keys["prefill-b"], 1, accept).done()  # refused, not asked again yet
+    clock.now += CAPACITY_RETRY_S  # a refusal at the bound is not backed off
     assert peers.connect(keys["prefill-b"], 1, accept).result(timeout=30).engine_peer == "prefill-b"
     assert decode.peers() == ["prefill-b"]
 
@@ -351,7 +353,7 @@ def test_a_peer_a_job_holds_is_never_evicted(made: list) -> None:
         peers.connect(keys[name], 1, accept).result(timeout=30)
     assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]  # b went, not the older a
     held.add("prefill-c")
-    with pytest.raises(MoriioError, match="or a job holds it"):
+    with pytest.raises(PeerCapacityError, match="or a job holds it"):
         peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
     assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
 
@@ -393,16 +395,39 @@ def test_addresses_answering_under_ever_new_engine_ids_cannot_grow_the_peers(mad
     peers.connect(genuine_key, 1, accept).result(timeout=30)
     most = 0
     for n, key in enumerate(list(strangers.values()) * 3):
+        peer = peers.connect(genuine_key, 1, accept).result(timeout=30)  # used between them
         if n % 10 == 0:  # a genuine read now and then, pending while strangers are connected
             tid = f"genuine-{n}"
-            peer = peers.connect(genuine_key, 1, accept).result(timeout=30)
             expected = kc.expected_after_copy(decode_caches, genuine.caches, [0, 1], [2, 3])
             decode.read(tid, peer.engine_peer, [0, 1], [2, 3])
         peers.connect(key, 1, accept).result(timeout=30)
-        most = max(most, len(decode.peers()))
+        most = max(most, len(decode.peers()), len(peers))
         if n % 10 == 9:
             assert decode.wait([tid], timeout=30)[tid].state == "done"
             assert np.array_equal(decode_caches.backing, expected)
     assert most == 4
     assert "prefill" in decode.peers() and peers.cached(genuine_key) is not None
     assert genuine.answered == 1  # never evicted, so never handshaken again
+
+
+def test_an_answer_cannot_take_over_another_engines_connection(made: list) -> None:
+    """A stranger answers as a new engine id with metadata naming the connected genuine engine
+    (its own memory behind it): refused before anything changes, so the genuine peer's read in
+    flight completes and the genuine bytes arrive (before, the engine swapped that peer's
+    connection to the stranger's memory and ended its transfers)."""
+    decode, decode_caches = engine("decode", 1, {"loopback_delay_ms": "200"})
+    genuine_port, stranger_port = free_port(), free_port()
+    genuine = Prefill("prefill", genuine_port, 2)
+    made.append(genuine)
+    made.append(Prefill("prefill", stranger_port, 3, claims="prefill-stranger"))
+    peers = directory(decode, made)
+    peer = peers.connect(PeerKey(LOCAL, genuine_port), 1, accept).result(timeout=30)
+    expected = kc.expected_after_copy(decode_caches, genuine.caches, [0, 1], [2, 3])
+    decode.read("genuine", peer.engine_peer, [0, 1], [2, 3])
+    with pytest.raises(
+        IncompatiblePeerError, match="names engine 'prefill', not 'prefill-stranger'"
+    ):
+        peers.connect(PeerKey(LOCAL, stranger_port), 1, accept).result(timeout=30)
+    assert decode.wait(["genuine"], timeout=30)["genuine"].state == "done"
+    assert np.array_equal(decode_caches.backing, expected)
+    assert decode.peers() == ["prefill"] and len(peers) == 1

@@ -24,17 +24,23 @@
 * at most ``max_peers`` addresses are cached and at most ``max_peers`` peers connected in the
   engine: anyone who can make this rank handshake an address of theirs (an ``abort_write``
   naming it, a request's ``remote_host``) and answers with valid metadata under ever new engine
-  ids would otherwise grow both without end. Before one more is connected, the least recently
-  used one without a transfer pending or quarantined goes (:meth:`Engine.remove_idle_peer`:
-  nothing ends or is stranded), nor one the caller's ``in_use`` names (a job that holds it and
-  has not posted yet); engine peers no cached address names go first. When every one is busy
-  the handshake fails, naming the bound. A peer that went is handshaken again when next named;
-  a caller that took it from the cache just before it went fails that transfer as for an
-  unknown peer (recomputed), never anything worse.
+  ids would otherwise grow both without end. Before one more is connected, engine peers no
+  cached address names go, then the least recently used addresses -- each only while no
+  transfer of it is pending or quarantined (:meth:`Engine.remove_idle_peer`: nothing ends or
+  is stranded), no job holds it (the caller's ``in_use``, asked afresh for each) and it is not
+  one just connected whose callers have not had it yet. When none of the
+  :data:`MAX_EVICTION_TRIES` least recently used can go, the handshake fails with
+  :class:`PeerCapacityError`, tried again after :data:`CAPACITY_RETRY_S`. A peer that went is
+  handshaken again when next named; a caller that took it from the cache just before it went,
+  and had not registered its job yet, fails that transfer as for an unknown peer (recomputed),
+  never anything worse.
+* a handshake's metadata must name the engine the handshake answered as: checked by the
+  engine before anything is connected or replaced, so an answer cannot take over another
+  engine's connection.
 
 Thread-safe (one lock, never held across a network call or an engine call; a second one,
 ``_admit``, serializes making room and connecting, so the bound holds under concurrent
-handshakes).
+handshakes; ``in_use`` is called under ``_admit`` only, never under the first).
 """
 
 from __future__ import annotations
@@ -52,6 +58,7 @@ from moriio_native.control.channel import fetch_metadata
 from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import (
+    FailedPreconditionError,
     IncompatiblePeerError,
     InvalidArgumentError,
     MoriioError,
@@ -64,6 +71,12 @@ logger = logging.getLogger("moriio_native.pd.peers")
 HANDSHAKE_THREADS = 4
 DEFAULT_RETRY_AFTER_S = 5.0
 DEFAULT_MAX_BACKOFF_S = 60.0
+# A handshake refused at max_peers is tried again after this long (not backed off: nothing is
+# wrong with that peer, and room may free any moment).
+CAPACITY_RETRY_S = 1.0
+# The least recently used cached addresses one admission tries to evict, at most: past them
+# it is refused (bounds its cost when nearly every peer is busy).
+MAX_EVICTION_TRIES = 64
 
 
 @dataclass(frozen=True)
@@ -95,6 +108,10 @@ class Peer:
 Validator = Callable[[HandshakeResponse], None]
 
 
+class PeerCapacityError(FailedPreconditionError):
+    """A handshake refused because ``max_peers`` peers are connected and none may go."""
+
+
 @dataclass
 class _Failure:
     until: float
@@ -105,7 +122,9 @@ class _Failure:
 class _EngineLike(Protocol):
     """What the directory needs of the engine (the facade's Engine satisfies it)."""
 
-    def add_peer(self, metadata: bytes, *, replace: bool = False) -> str: ...
+    def add_peer(
+        self, metadata: bytes, *, replace: bool = False, expected_engine_id: str = ""
+    ) -> str: ...
 
     def remove_idle_peer(self, peer: str) -> bool: ...
 
@@ -135,6 +154,7 @@ class PeerDirectory:
         self._engine = engine
         self._max_peers = max_peers
         self._in_use = in_use  # engine peers the caller's jobs hold (never evicted)
+        self._pinned: set[str] = set()  # engine peers connected, not yet handed to callers
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
@@ -155,6 +175,11 @@ class PeerDirectory:
         self._closed = False
 
     # ---- lookups ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Cached peer addresses (at most ``max_peers``)."""
+        with self._lock:
+            return len(self._peers)
 
     def cached(self, key: PeerKey) -> Peer | None:
         with self._lock:
@@ -283,6 +308,9 @@ class PeerDirectory:
                 previous = self._failures.get(key)
                 attempts = previous.attempts + 1 if previous is not None else 1
                 delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
+                if isinstance(error, PeerCapacityError):
+                    # Nothing is wrong with that peer: room may free any moment.
+                    attempts, delay = 0, min(CAPACITY_RETRY_S, self._retry_after)
                 self._failures[key] = _Failure(self._clock() + delay, error, attempts)
             logger.warning("handshake with %s failed (%s); retrying after %.0fs", key, error, delay)
             future.set_exception(error)
@@ -297,12 +325,14 @@ class PeerDirectory:
                 and p.response.engine_metadata != peer.response.engine_metadata
             ]:
                 del self._peers[other]  # the same engine before its restart, at any address
-            self._peers[key] = peer
-            self._peers.move_to_end(key)
         if self._on_handshake is not None:
             self._on_handshake(peer)
         logger.info("handshake with %s at %s done", peer.response.engine_id, key)
-        future.set_result(peer)
+        try:
+            future.set_result(peer)
+        finally:
+            with self._lock:
+                self._pinned.discard(peer.engine_peer)  # its first callers have it now
 
     def _fetch(self, key: PeerKey) -> HandshakeResponse:
         """One handshake with ``key`` under this directory's timeout and security (any thread)."""
@@ -355,21 +385,21 @@ class PeerDirectory:
             engine = self._engine()
             self._make_room(engine, key, response.engine_id)
             # Same engine id with new metadata: that peer restarted under this address (the
-            # handshake we just made proved who answers here). The engine swaps the connection.
-            engine_peer = engine.add_peer(response.engine_metadata, replace=True)
-            if engine_peer != response.engine_id:
-                raise IncompatiblePeerError(
-                    f"peer at {key}: its handshake names engine {response.engine_id!r} but its "
-                    f"metadata {engine_peer!r}"
-                )
+            # handshake we just made proved who answers here). The engine swaps the connection
+            # -- only when the metadata names the engine the handshake answered as (refused
+            # before anything changes otherwise: an answer cannot take another's connection).
+            engine_peer = engine.add_peer(
+                response.engine_metadata, replace=True, expected_engine_id=response.engine_id
+            )
             peer = Peer(
                 key=key, engine_peer=engine_peer, notify_port=notify_port, response=response
             )
             with self._lock:
                 # Cached (as most recently used) before _admit is released, so that the next
-                # admission counts it; _handshake stores the same entry again.
+                # admission counts it, and pinned until _handshake handed it to its callers.
                 self._peers[key] = peer
                 self._peers.move_to_end(key)
+                self._pinned.add(engine_peer)
             return peer
 
     # ---- the bound (pool thread, under _admit) ------------------------------------------------
@@ -377,52 +407,75 @@ class PeerDirectory:
     def _make_room(self, engine: _EngineLike, key: PeerKey, engine_id: str) -> None:
         """Before ``engine_id`` is connected for ``key``: evict until one more address and one
         more engine peer fit under ``max_peers`` -- engine peers no cached address names first,
-        then cached addresses from the least recently used, each only while it has no transfer
-        pending or quarantined. Raises when what is left is busy."""
+        then cached addresses from the least recently used (at most :data:`MAX_EVICTION_TRIES`
+        of them), each only while no transfer of it is pending or quarantined and no job holds
+        it. Raises PeerCapacityError when what is left is busy."""
+        connected = set(engine.peers())
+        if not self._over(connected, key, engine_id):
+            return
         with self._lock:
-            candidates = [p for k, p in self._peers.items() if k != key]
-        kept = {engine_id, *self._in_use()}
-        cached_engines = {p.engine_peer for p in candidates}
-        orphans = sorted(set(engine.peers()) - cached_engines - kept)
-        for orphan in orphans:
-            if not self._over(engine, key, engine_id):
-                return
+            cached = {p.engine_peer for p in self._peers.values()}
+        for orphan in sorted(connected - cached - self._kept(engine_id)):
             if _remove_idle(engine, orphan):
+                connected.discard(orphan)
                 logger.info("peer %s removed: no cached address names it (max_peers)", orphan)
-        for victim in candidates:
-            if not self._over(engine, key, engine_id):
+            if not self._over(connected, key, engine_id):
                 return
-            if victim.engine_peer not in kept:
-                self._evict(engine, victim)
-        if self._over(engine, key, engine_id):
-            raise MoriioError(
-                f"peer {key}: not connected: {len(engine.peers())} peers connected and "
-                f"{len(self._peers)} addresses cached (max_peers {self._max_peers}), none "
-                "idle (each has transfers pending or quarantined, or a job holds it)"
+        tried: set[PeerKey] = {key}
+        while len(tried) <= MAX_EVICTION_TRIES and self._over(connected, key, engine_id):
+            with self._lock:
+                victim = next((p for k, p in self._peers.items() if k not in tried), None)
+            if victim is None:
+                break
+            tried.add(victim.key)
+            self._evict(engine, victim, connected, engine_id)
+        if self._over(connected, key, engine_id):
+            raise PeerCapacityError(
+                f"peer {key}: not connected: {len(connected)} peers connected and "
+                f"{len(self._peers)} addresses cached (max_peers {self._max_peers}); none of "
+                "the least recently used is idle (each has transfers pending or quarantined, "
+                "or a job holds it)"
             )
 
-    def _over(self, engine: _EngineLike, key: PeerKey, engine_id: str) -> bool:
+    def _kept(self, engine_id: str) -> set[str]:
+        """Engine peers never evicted now: the one being connected, those just connected and
+        not yet handed out, and those the caller's jobs hold (asked afresh each time)."""
+        with self._lock:
+            pinned = set(self._pinned)
+        return {engine_id, *pinned, *self._in_use()}
+
+    def _over(self, connected: set[str], key: PeerKey, engine_id: str) -> bool:
         """Whether caching ``key`` and connecting ``engine_id`` would pass ``max_peers``."""
         with self._lock:
             keys = len(self._peers) + (key not in self._peers)
-        peers = engine.peers()
-        return keys > self._max_peers or len(peers) + (engine_id not in peers) > self._max_peers
+        peers = len(connected) + (engine_id not in connected)
+        return keys > self._max_peers or peers > self._max_peers
 
-    def _evict(self, engine: _EngineLike, victim: Peer) -> None:
+    def _evict(
+        self, engine: _EngineLike, victim: Peer, connected: set[str], engine_id: str
+    ) -> None:
         """Drop ``victim``'s address; its engine peer too when no other cached address names
-        it -- unless that peer has a transfer pending or quarantined (then nothing changes)."""
+        it -- unless that peer is kept or has a transfer pending or quarantined (then nothing
+        changes). The address leaves the cache first, so no caller takes it meanwhile."""
         with self._lock:
             if self._peers.get(victim.key) is not victim:
                 return  # replaced or forgotten meanwhile
-            shared = any(
-                p.engine_peer == victim.engine_peer and k != victim.key
-                for k, p in self._peers.items()
-            )
-        if not shared and not _remove_idle(engine, victim.engine_peer):
+            del self._peers[victim.key]
+            shared = any(p.engine_peer == victim.engine_peer for p in self._peers.values())
+        if shared:
+            gone = True  # the engine peer stays for the other address
+        elif victim.engine_peer in self._kept(engine_id):
+            gone = False
+        else:
+            gone = _remove_idle(engine, victim.engine_peer)
+            if gone:
+                connected.discard(victim.engine_peer)
+        if not gone:
+            with self._lock:
+                if victim.key not in self._peers:
+                    self._peers[victim.key] = victim
+                    self._peers.move_to_end(victim.key, last=False)  # still the least used
             return
-        with self._lock:
-            if self._peers.get(victim.key) is victim:
-                del self._peers[victim.key]
         logger.info(
             "peer %s at %s evicted: least recently used of max_peers %d",
             victim.engine_peer,
@@ -451,4 +504,11 @@ def _failed(error: BaseException) -> Future[Peer]:
     return future
 
 
-__all__ = ["HANDSHAKE_THREADS", "Peer", "PeerDirectory", "PeerKey", "Validator"]
+__all__ = [
+    "HANDSHAKE_THREADS",
+    "Peer",
+    "PeerCapacityError",
+    "PeerDirectory",
+    "PeerKey",
+    "Validator",
+]

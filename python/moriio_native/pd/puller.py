@@ -414,12 +414,20 @@ class Puller:
             engine.read(part.engine_tid, peer.engine_peer, *pairs)
 
     def peers_in_use(self) -> set[str]:
-        """Engine peers of READ parts not yet terminal (lock held)."""
-        return {
+        """Engine peers of READ parts and of WRITE waits (a prefill that may be writing into
+        our blocks) not yet terminal (lock held)."""
+        reads = {
             part.peer.engine_peer
             for _, part in self._parts.values()
             if part.peer is not None and part.machine.state not in READ_TERMINAL
         }
+        writes = {
+            part.peer.engine_peer
+            for waiting in self._awaits.values()
+            for part in waiting.parts.values()
+            if part.peer is not None and part.machine.state not in AWAIT_TERMINAL
+        }
+        return reads | writes
 
     def on_event(self, event: Any) -> bool:
         """An engine terminal event; False when it is not one of our READs."""
