@@ -32,6 +32,15 @@ on any other engine). ``--direct-copy off``: the copies are UCX operations (the 
 on another node, over RDMA), which cannot wait on the GPU: the engine's progress thread polls
 each layer's event and posts the layer once it completed, against the same host wait.
 
+``--overlap-trace PATH`` (with ``--overlap``): after the timed requests, one more overlapped
+request and one WRITE after the forward run under ``torch.profiler`` in the prefill process
+(which issues the copies: the kernels, or with ``--direct-copy off`` UCX's own copies, which
+CUPTI records as memcpys), and PATH gets, per request, where the copies ran against the
+forward: the matmul and copy intervals on the GPU (copy time inside the forward's window and
+after it, time a copy ran alongside a matmul), and the host calls that issued the copies
+(how many before the forward ended) -- what tells a copy that waited for the host from one
+that waited for the GPU.
+
 ``--timeline PATH``: after the timed requests of each operation, one more request runs under
 ``torch.profiler`` in the process that makes the call (the decode for READ, the prefill for
 WRITE) and its timeline goes to PATH as JSON: the call returning, each copy kernel's start and
@@ -68,6 +77,7 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
+import os
 import queue
 import statistics
 import sys
@@ -587,14 +597,19 @@ def _forward_write(
     n: int,
     seed: int,
     wait: str,
-) -> tuple[float, float, str, str]:
+    trace: bool = False,
+) -> tuple[float, float, str, str, dict[str, Any] | None]:
     """Runs the synthetic forward (per layer: an n x n matmul, then the layer's blocks filled)
     and WRITEs every layer: behind its CUDA event at once, the engine waiting for it (on the GPU,
     or in its progress thread with ``--direct-copy off``; ``wait="device"``), from a writer
     thread that waits for each event on the host (``"host"``), or after the whole forward
     (``"after"``). Returns (forward seconds, seconds from the forward's end to the WRITE's
-    event, the event's state, its message)."""
+    event, the event's state, its message, and with ``trace`` the request's
+    :func:`_overlap_trace_of`)."""
+    import contextlib
+
     import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     local_ids, remote_ids = _ids(local), _ids(remote)
     ids_t = torch.as_tensor(local_ids, device="cuda")
@@ -613,38 +628,138 @@ def _forward_write(
             engine.seal(tid, peer, expected_writes=len(views))
 
     writer = threading.Thread(target=host_waiting_writer) if wait == "host" else None
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    if writer is not None:
-        writer.start()
-    for layer, view in enumerate(views):
-        if n:
-            torch.matmul(a, b)
-        view.index_fill_(axis, ids_t, _fill_value(seed, layer))
-        if wait == "after":
-            continue
-        ev = torch.cuda.Event()
-        ev.record()
-        events.append(ev)
+
+    def run_forward() -> None:
+        """Per layer a matmul, the layer's blocks filled, its event recorded and (unless
+        ``wait="after"``) the layer handed to the engine or to the host-waiting writer."""
         if writer is not None:
-            layer_events.put((layer, ev))
-        else:
-            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids, ev.cuda_event)
-    if writer is not None:
-        layer_events.put(None)
-    elif wait == "device":
-        engine.seal(tid, peer, expected_writes=len(views))
+            writer.start()
+        for layer, view in enumerate(views):
+            if a is not None:
+                torch.matmul(a, b)
+            view.index_fill_(axis, ids_t, _fill_value(seed, layer))
+            if wait == "after":
+                continue
+            ev = torch.cuda.Event()
+            ev.record()
+            events.append(ev)
+            if writer is not None:
+                layer_events.put((layer, ev))
+            else:
+                engine.write_layer(
+                    tid, f"layer.{layer}", peer, local_ids, remote_ids, ev.cuda_event
+                )
+        if writer is not None:
+            layer_events.put(None)
+        elif wait == "device":
+            engine.seal(tid, peer, expected_writes=len(views))
+
     torch.cuda.synchronize()
-    forward_end = time.perf_counter()
-    if wait == "after":
-        for layer in range(len(views)):
-            engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
-        engine.seal(tid, peer, expected_writes=len(views))
-    event = engine.wait([tid], timeout=300)[tid]
-    if writer is not None:
-        writer.join()
-    done = time.perf_counter()
-    return forward_end - start, done - forward_end, event.state, event.message
+    profiler = (
+        profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        if trace
+        else contextlib.nullcontext()
+    )
+    mark = record_function if trace else lambda _: contextlib.nullcontext()
+    with profiler as prof:
+        start = time.perf_counter()
+        with mark("overlap.forward"):
+            run_forward()
+            torch.cuda.synchronize()
+        forward_end = time.perf_counter()
+        with mark("overlap.wait"):
+            if wait == "after":
+                for layer in range(len(views)):
+                    engine.write_layer(tid, f"layer.{layer}", peer, local_ids, remote_ids)
+                engine.seal(tid, peer, expected_writes=len(views))
+            event = engine.wait([tid], timeout=300)[tid]
+        if writer is not None:
+            writer.join()
+        done = time.perf_counter()
+    summary = _overlap_trace_of(prof) if trace else None
+    return forward_end - start, done - forward_end, event.state, event.message, summary
+
+
+_GEMM_NAMES = ("gemm", "cutlass", "nvjet", "sm90_xmma", "matmul")
+# The CUDA copy plugin's kernels (cpp/cudacopy/cudacopy.cu), lower-cased.
+_COPY_KERNEL_NAMES = ("gatherscatter", "stampkernel", "cellcopykernel")
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    """The summed length of the union of ``intervals`` (µs in, ms out)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total / 1e3
+
+
+def _clipped(
+    intervals: list[tuple[float, float]], lo: float, hi: float
+) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
+
+
+def _overlap_trace_of(prof: Any) -> dict[str, Any]:
+    """Where one overlapped request's copies ran (see ``--overlap-trace``), from its profile:
+    ms from the forward's start."""
+    import tempfile
+
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.unlink(path)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    marks = {
+        e["name"]: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in spans
+        if e.get("cat") == "user_annotation" and e.get("name", "").startswith("overlap.")
+    }
+    f0, f1 = marks["overlap.forward"]
+    w1 = marks["overlap.wait"][1]
+
+    def gpu(cat: str, pick: Any = lambda name: True) -> list[tuple[float, float]]:
+        return [
+            (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+            for e in spans
+            if e.get("cat") == cat and pick(e.get("name", "").lower())
+        ]
+
+    gemms = gpu("kernel", lambda n: any(g in n for g in _GEMM_NAMES))
+    copy_kernels = gpu("kernel", lambda n: any(k in n for k in _COPY_KERNEL_NAMES))
+    memcpys = gpu("gpu_memcpy", lambda n: "htod" not in n and "dtoh" not in n)
+    copies = copy_kernels + memcpys
+    posts = sorted(
+        float(e["ts"])
+        for e in spans
+        if e.get("cat") in ("cuda_runtime", "cuda_driver")
+        and ("memcpy" in e.get("name", "").lower() or "launchkernel" in e.get("name", "").lower())
+        and f0 <= float(e["ts"]) <= w1
+    )
+    alongside = sum(_union_ms(_clipped(copies, lo, hi)) for lo, hi in gemms)
+    return {
+        "forward_ms": (f1 - f0) / 1e3,
+        "wait_end_ms": (w1 - f0) / 1e3,
+        "gemm_kernels": len(gemms),
+        "gemm_busy_ms": _union_ms(gemms),
+        "copy_kernels": len(copy_kernels),
+        "memcpys": len(memcpys),
+        "memcpy_streams": len({e.get("tid") for e in spans if e.get("cat") == "gpu_memcpy"}),
+        "copy_busy_in_forward_ms": _union_ms(_clipped(copies, f0, f1)),
+        "copy_busy_after_forward_ms": _union_ms(_clipped(copies, f1, w1)),
+        "copy_alongside_gemm_ms": alongside,
+        "first_copy_ms": (min(a for a, _ in copies) - f0) / 1e3 if copies else -1.0,
+        "last_copy_end_ms": (max(b for _, b in copies) - f0) / 1e3 if copies else -1.0,
+        "copy_calls": len(posts),
+        "copy_calls_in_forward": sum(1 for t in posts if t <= f1),
+        "last_copy_call_ms": (posts[-1] - f0) / 1e3 if posts else -1.0,
+    }
 
 
 def _start_pair(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
@@ -690,18 +805,30 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     layers = preset["layers"]
     counter = iter(range(1 << 30))
 
-    def one(n: int, wait: str) -> tuple[float, float]:
+    traces: list[dict[str, Any]] = []
+
+    def one(n: int, wait: str, trace: bool = False) -> tuple[float, float]:
         r = next(counter)
         src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
         dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
         tid = f"fw-{r}"
-        conns["prefill"].send(("forward_write", tid, src, dst, n, r, wait))
-        forward, exposed, state, msg = _recv(conns["prefill"], procs)
+        conns["prefill"].send(("forward_write", tid, src, dst, n, r, wait, trace))
+        forward, exposed, state, msg, summary = _recv(conns["prefill"], procs)
         if state != "done":
             raise RuntimeError(f"{tid} ended {state}: {msg}")
         conns["decode"].send(("verify_fill", dst, r))
         if not _recv(conns["decode"], procs):
             raise RuntimeError(f"{tid}: a destination block does not hold its layer's value")
+        if summary is not None:
+            traces.append(
+                {
+                    "preset": preset_name,
+                    "direct_copy": args.direct_copy,
+                    "wait": wait,
+                    "exposed_ms": exposed * 1e3,
+                    **summary,
+                }
+            )
         return forward, exposed
 
     one(0, "after")  # warm-up: IPC mapping, kernel load
@@ -720,6 +847,12 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
     for _ in range(args.requests):  # interleaved, so drift hits all alike
         for wait, timed in runs.items():
             timed.append(one(n, wait))
+    if args.overlap_trace:
+        for wait in ("device", "after", "device"):  # the first profiled run pays for CUPTI
+            one(n, wait, trace=True)
+        _append_json(args.overlap_trace, traces[1:])
+        for t in traces[1:]:
+            logging.info("overlap trace %s", json.dumps(t))
     _stop_pair(conns, procs)
 
     def median(wait: str, part: int) -> float:
@@ -851,6 +984,16 @@ def run_case(
     return rows
 
 
+def _append_json(path: str, items: list[dict[str, Any]]) -> None:
+    """``items`` added to the JSON list at ``path`` (created when absent)."""
+    existing = []
+    if os.path.exists(path):
+        with open(path) as f:
+            existing = json.load(f)
+    with open(path, "w") as f:
+        json.dump(existing + items, f, indent=1)
+
+
 def _write_json(path: str | None, rows: Sequence[Any]) -> None:
     """The rows as a JSON list of objects, when ``--json PATH`` was given."""
     if path:
@@ -879,6 +1022,12 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap",
         action="store_true",
         help="per-layer WRITE overlapped with a synthetic forward (see the module docstring)",
+    )
+    parser.add_argument(
+        "--overlap-trace",
+        metavar="PATH",
+        help="--overlap: profile one more overlapped request and one WRITE after the forward "
+        "and append where their copies ran to PATH as JSON (see the module docstring)",
     )
     parser.add_argument(
         "--direct-copy",

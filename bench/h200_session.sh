@@ -81,6 +81,13 @@
 #                                         # then gpu_bench READ, WRITE by write_layer per layer
 #                                         # and by one write_layers call, two rounds, for 4 KiB
 #                                         # runs, llama3-8b and deepseek-v3
+#   bash bench/h200_session.sh overlap-trace   # one call: gpu_bench --overlap --overlap-trace,
+#                                         # copies as UCX operations and as the kernel, llama3-8b
+#                                         # (32 and 256 blocks): where the copies ran against the
+#                                         # forward (GPU intervals, host calls)
+#   bash bench/h200_session.sh overlap-progress  # one call: the same, copies as UCX operations,
+#                                         # llama3-8b 256 blocks: default, progress_mode=busy and
+#                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
 #   bash bench/h200_session.sh overlap-parked  # one call: every GPU test (unless
 #                                         # SKIP_GPU_TESTS=1), then gpu_bench --overlap with the
 #                                         # copies as UCX operations (--direct-copy off: the path
@@ -90,7 +97,7 @@
 #                                         # runs this tree's event tests against that build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked, overlap-trace, overlap-progress)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -582,6 +589,35 @@ overlap-parked)  # per-layer WRITE as UCX operations: each event polled by the e
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap-parked.log"
+  ;;
+overlap-trace)  # issue 18: where an overlapped WRITE's copies ran, UCX operations against the kernel
+  build_with_ucx || exit 1
+  for p in "--preset llama3-8b --blocks 32" "--preset llama3-8b --blocks 256"; do
+    for path in off auto; do
+      [ "$SECONDS" -gt 480 ] && break 2
+      echo "== $p, direct copy $path"
+      bench_variant tree "" 200 $p --overlap --direct-copy $path --requests 3 \
+        --overlap-trace "$out/overlap-trace.json"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap-trace.log"
+  ;;
+overlap-progress)  # issue 18: the UCX-operation path's per-operation pace: progress mode, UCX poll
+  build_with_ucx || exit 1
+  for round in 1 2; do
+    for v in tree busy poll; do
+      [ "$SECONDS" -gt 500 ] && break 2
+      echo "== round $round: $v"
+      if [ "$v" = poll ]; then  # cuda_ipc's completions picked per progress call, raised
+        UCX_CUDA_IPC_MAX_POLL=1024 bench_variant tree "" 200 --preset llama3-8b --blocks 256 \
+          --overlap --direct-copy off --requests 3 --overlap-trace "$out/overlap-$v.json"
+      else
+        bench_variant $v "" 200 --preset llama3-8b --blocks 256 --overlap --direct-copy off \
+          --requests 3 --overlap-trace "$out/overlap-$v.json"
+      fi
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap-progress.log"
   ;;
 write-layers)  # issue 18: a WRITE after the forward by one write_layers call, not one per layer
   build_with_ucx || exit 1
