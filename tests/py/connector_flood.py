@@ -69,6 +69,17 @@ waiting to be tried again at most their bound, the process's threads and fds at 
 handshakes' worth above where they started, and fewer log lines than one per 100 messages (or
 than LOG_LINES_SHORT in a short run: each rate limit allows 20 lines per 10 s).
 
+``--kind answering`` (WRITE mode) is the same flood, each ``abort_write`` naming one of
+``--answering`` addresses of the flooder that DO answer, each a handshake server of its own
+engine id with valid metadata (loopback engines the measured process made over the decode's
+memory, so that its engine accepts them; the answer otherwise the genuine decode's). The
+prefill handshakes each, connects it in its engine and acknowledges the abort -- what anyone
+who can point it at addresses of theirs makes it do. With more addresses than the instances'
+``max_peers`` (``--max-peers``) the prefill's peer directory evicts as the flood goes on.
+Checked too: the prefill's engine peers and cached addresses at most ``max_peers`` (sampled
+every 0.2 s and at the end), the strangers' handshakes answered, and the rest as for
+``unanswered``.
+
 ``--stages`` (WRITE mode) also times each genuine round's stages (the announcement's and
 write_done's way through the listeners' queues, the prefill's step to its forward, the load),
 the main thread's CPU, run-queue wait and sleeps in them, its waits for the pusher's locks and
@@ -107,12 +118,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import msgpack
+import msgspec
 import zmq
 
-from moriio_native.control.channel import NotifyListener, fetch_metadata
+from moriio_native.control.channel import HandshakeServer, NotifyListener, fetch_metadata
 from moriio_native.control.messages import (
     MAX_HANDSHAKE_REQUEST_BYTES,
     AbortWrite,
+    HandshakeResponse,
     Release,
     RemoteBlocks,
     WriteAborted,
@@ -120,10 +133,13 @@ from moriio_native.control.messages import (
     WriteFailed,
     encode,
 )
+from moriio_native.control.schema import new_incarnation
 from moriio_native.control.security import ControlSecurity
+from moriio_native.engine import Engine
 from moriio_native.pd import core as core_module
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.peers import HANDSHAKE_THREADS, PeerKey
+from moriio_native.vllm import worker as worker_module
 from test_vllm_support import (
     Side,
     decode_params,
@@ -140,7 +156,9 @@ LOCAL = "127.0.0.1"
 PRODUCTION_BOUND = 65536
 # Garbage and valid-schema messages; valid-schema ones only; abort_write naming addresses that
 # never answer.
-KINDS = ("mixed", "valid", "unanswered")
+KINDS = ("mixed", "valid", "unanswered", "answering")
+# Kinds whose abort_writes name decode addresses the prefill must handshake to acknowledge.
+ACK_KINDS = ("unanswered", "answering")
 MODES = ("read", "write")
 # The prefill's memories of messages for transfers it does not know yet, in _counts.
 MEMORIES = ("prefill-early-releases", "prefill-orphans")
@@ -158,6 +176,8 @@ MAX_SILENT_HELD = 4096
 # Fds the process may hold above where the flood phases started: a handshake's socket and its
 # TCP connection for each handshake thread, ZMQ's own.
 FD_SLACK = 32
+# A notify socket's fds in this process: its TCP connection and ZMQ's mailbox of the socket.
+FDS_PER_NOTIFY_SOCKET = 2
 # Log lines a short run of --kind unanswered may write whatever its messages: a few rate limits'
 # bursts (a line per message would be thousands).
 LOG_LINES_SHORT = 200
@@ -190,6 +210,9 @@ class FloodSpec:
     forge: bool
     decode_ports: tuple[int, int]  # handshake, notify
     silent_listeners: int = 0  # --kind unanswered
+    # --kind answering: the answer of each of the flooder's handshake servers (its own engine
+    # id and metadata).
+    strangers: tuple[HandshakeResponse, ...] = ()
 
 
 def _frames(
@@ -201,6 +224,10 @@ def _frames(
     if spec.kind == "unanswered":
         port = silent[(n // 2) % len(silent)] if n % 2 else refused[(n // 2) % len(refused)]
         return [encode(AbortWrite(f"flood-{n}", FLOOD_ENGINE, LOCAL, port, port))]
+    if spec.kind == "answering":  # ``silent``: the answering servers' ports, in turn
+        i = n % len(silent)
+        engine_id = spec.strangers[i].engine_id
+        return [encode(AbortWrite(f"flood-{n}", engine_id, LOCAL, silent[i], silent[i]))]
     frames = _payload(spec, port_kind, n)
     return [*frames, FORGED_TAG] if spec.forge and n % 2 else frames
 
@@ -244,6 +271,27 @@ class SilentListeners:
         self._selector.close()
         for conn in self._held:
             conn.close()
+
+
+class AnsweringServers:
+    """One handshake server on 127.0.0.1 per answer in ``strangers``, each answering every
+    handshake with it (a thread of the flooder each); :meth:`close` stops them."""
+
+    def __init__(self, strangers: tuple[HandshakeResponse, ...]) -> None:
+        security = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+        self._servers = [
+            HandshakeServer(0, lambda _request, a=answer: a, security, bind_host=LOCAL)
+            for answer in strangers
+        ]
+        self.ports = [server.port for server in self._servers]
+
+    @property
+    def answered(self) -> int:
+        return sum(server.stats()["answered"] for server in self._servers)
+
+    def close(self) -> None:
+        for server in self._servers:
+            server.close()
 
 
 def refused_ports(exclude: set[int]) -> list[int]:
@@ -290,8 +338,11 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
     ends. A full socket (ZMQ's high-water mark) counts the message as refused, not sent. With
     ``--kind unanswered`` it runs the silent listeners too (closed when it ends)."""
     silent = SilentListeners(spec.silent_listeners) if spec.kind == "unanswered" else None
+    answering = AnsweringServers(spec.strangers) if spec.kind == "answering" else None
     silent_ports = silent.ports if silent is not None else []
     refused = refused_ports({*silent_ports, *spec.decode_ports}) if silent is not None else []
+    if answering is not None:
+        silent_ports = answering.ports
     ctx = zmq.Context()
     socks = []
     for kind, port in ports:
@@ -299,7 +350,10 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(f"tcp://{LOCAL}:{port}")
         socks.append((kind, port, sock))
-    conn.send({"silent": len(silent_ports), "refused": len(refused)})  # ready
+    ready = {"silent": len(silent_ports), "refused": len(refused)}
+    if answering is not None:
+        ready = {"silent": 0, "refused": 0, "answering": len(answering.ports)}
+    conn.send(ready)
     sent = {port: 0 for _, port in ports}
     dropped = 0
     n = 0
@@ -315,8 +369,15 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
             elif cmd == "stop":
                 running = False
                 accepted = silent.accepted if silent is not None else 0
+                answered = answering.answered if answering is not None else 0
                 conn.send(
-                    {"sent": dict(sent), "refused": dropped, "total": n, "accepted": accepted}
+                    {
+                        "sent": dict(sent),
+                        "refused": dropped,
+                        "total": n,
+                        "accepted": accepted,
+                        "answered": answered,
+                    }
                 )
             else:
                 break
@@ -341,6 +402,8 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
     ctx.term()
     if silent is not None:
         silent.close()
+    if answering is not None:
+        answering.close()
 
 
 class Flooder:
@@ -430,8 +493,15 @@ def _counts(p: Side, d: Side) -> dict[str, dict[str, int]]:
     out["prefill-orphans"] = {"held": len(pusher._orphans)}
     out["prefill-acks"] = {"retries": len(pusher._ack_retries)}
     out["prefill-directory"] = _directory(p)
+    out["prefill-sender"] = _sender(p)
     out["process"] = _process()
     return out
+
+
+def _sender(p: Side) -> dict[str, int]:
+    """The prefill's notify sockets (an LRU of NotifySender's bound): one per address it sent
+    to, an acknowledged abort's among them."""
+    return {"sockets": len(p.worker.worker.core.ctx.sender._sockets)}
 
 
 def _directory(p: Side) -> dict[str, int]:
@@ -442,7 +512,8 @@ def _directory(p: Side) -> dict[str, int]:
         "inflight": len(directory._inflight),
         "queued": directory._pool._work_queue.qsize(),
         "failures": len(directory._failures),
-        "peers": len(directory._peers),
+        "peers": len(directory),
+        "engine_peers": len(p.worker.worker.core.ctx.engine().peers()),
     }
 
 
@@ -462,7 +533,7 @@ class Peaks:
     (threads, fds) seen while it runs, sampled every 0.2 s by a thread (the same in baseline
     and flood phases)."""
 
-    KEYS = ("prefill-acks", "prefill-directory", "process")
+    KEYS = ("prefill-acks", "prefill-directory", "prefill-sender", "process")
 
     def __init__(self, p: Side) -> None:
         self._p = p
@@ -476,6 +547,7 @@ class Peaks:
         now = {
             "prefill-acks": {"retries": len(pusher._ack_retries)},
             "prefill-directory": _directory(self._p),
+            "prefill-sender": _sender(self._p),
             "process": _process(),
         }
         for name, figures in now.items():
@@ -858,8 +930,11 @@ class Pair:
         *,
         transfer_timeout: float = 30.0,
         fresh_peer: bool = False,
+        max_peers: int | None = None,
     ) -> None:
         extra: dict[str, Any] = {"abort_timeout": 600, "transfer_timeout": transfer_timeout}
+        if max_peers is not None:
+            extra["max_peers"] = max_peers
         if secret:
             extra["auth_secret"] = SECRET
         self.mode = mode
@@ -885,7 +960,7 @@ class Pair:
             ("handshake", self.d.handshake_port),
             ("decode-notify", self.d.notify_port),
         ]
-        if flood == "unanswered":
+        if flood in ACK_KINDS:
             return [("prefill-notify", self.p.notify_port)]
         return [port for port in ports if flood == "mixed" or port[0] != "handshake"]
 
@@ -972,18 +1047,25 @@ def run(args: argparse.Namespace) -> Result:
     res = Result(
         args.rounds, args.phases, args.rate, args.remember, args.kind, args.mode, args.secret
     )
-    with tempfile.TemporaryDirectory(prefix="flood-model-") as tmp, _memories(args.remember):
-        unanswered = args.kind == "unanswered"
+    with (
+        tempfile.TemporaryDirectory(prefix="flood-model-") as tmp,
+        _memories(args.remember),
+        _registrations() as registered,
+    ):
+        answering = args.kind == "answering"
         pair = Pair(
             write_model_dir(Path(tmp)),
             args.mode,
             args.secret,
             transfer_timeout=args.transfer_timeout,
-            fresh_peer=unanswered,
+            fresh_peer=args.kind in ACK_KINDS,
+            max_peers=args.max_peers if answering else None,
         )
         decode_ports = (pair.d.handshake_port, pair.d.notify_port)
-        silent = args.silent_listeners if unanswered else 0
-        spec = FloodSpec(args.kind, args.mode, args.secret, decode_ports, silent)
+        silent = args.silent_listeners if args.kind == "unanswered" else 0
+        engines = _stranger_engines(pair, registered, args.answering) if answering else []
+        strangers = _answers_as(pair, engines) if answering else ()
+        spec = FloodSpec(args.kind, args.mode, args.secret, decode_ports, silent, strangers)
         flooder = Flooder(pair.ports(args.kind), args.rate, spec)
         res.targets = dict(flooder.targets)
         try:
@@ -992,6 +1074,57 @@ def run(args: argparse.Namespace) -> Result:
             flooder.close()
             pair.shutdown()
     return res
+
+
+@contextlib.contextmanager
+def _registrations() -> Iterator[dict[str, list[Any]]]:
+    """Every layer registration the connector's engines get while the pair is made, by engine
+    id (--kind answering builds its strangers' engines over the decode's memory)."""
+    seen: dict[str, list[Any]] = {}
+    original = worker_module.Engine
+
+    class Recording(original):  # type: ignore[misc,valid-type]
+        def register_kv_caches(self, layers: Any) -> bytes:
+            seen[self.engine_id] = list(layers)
+            return super().register_kv_caches(layers)
+
+    worker_module.Engine = Recording  # type: ignore[misc]
+    try:
+        yield seen
+    finally:
+        worker_module.Engine = original  # type: ignore[misc]
+
+
+def _stranger_engines(pair: Pair, registered: dict[str, list[Any]], count: int) -> list[Any]:
+    """``count`` loopback engines of their own ids over the decode's memory: metadata this
+    process's prefill engine accepts (a loopback peer lives in the same process), served by the
+    flooder's handshake servers. Nothing is ever transferred with them."""
+    layers = registered[pair.d.worker.worker.engine_id]
+    engines = []
+    for i in range(count):
+        engine = Engine(f"{FLOOD_ENGINE.split('/')[0]}-stranger-{i}/dp0/tp0", "loopback")
+        engine.register_kv_caches(layers)
+        engines.append(engine)
+    return engines
+
+
+def _answers_as(pair: Pair, engines: list[Any]) -> tuple[HandshakeResponse, ...]:
+    """The genuine decode's handshake answer (fetched once) with each of ``engines``' id and
+    metadata: answers that pass every check of the prefill's (rank, TP size, mode, groups) and
+    name other engines."""
+    genuine = fetch_metadata(
+        LOCAL, pair.d.handshake_port, timeout=30, security=pair.security, requester_engine_id="b"
+    )
+    return tuple(
+        msgspec.structs.replace(
+            genuine,
+            engine_id=engine.engine_id,
+            engine_metadata=engine.local_metadata(),
+            incarnation=new_incarnation(),
+            nonce=b"",
+        )
+        for engine in engines
+    )
 
 
 def _received(counts: dict[str, dict[str, int]]) -> int:
@@ -1024,7 +1157,7 @@ def _fill(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -
     memory = "prefill-early-releases" if args.mode == "read" else "prefill-orphans"
     while time.monotonic() < deadline:
         c = _counts(pair.p, pair.d)
-        decode_filled = args.kind == "unanswered" or c["decode-notify"]["remembered"] >= bound
+        decode_filled = args.kind in ACK_KINDS or c["decode-notify"]["remembered"] >= bound
         if (
             c["prefill-notify"]["remembered"] >= bound
             and decode_filled
@@ -1115,7 +1248,8 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
         res.peaks = peaks.close()
     res.log_lines = lines.count
     res.targets["accepted"] = sent.get("accepted", 0)
-    if args.kind == "unanswered":
+    res.targets["answered"] = sent.get("answered", 0)
+    if args.kind in ACK_KINDS:
         res.drained_s = _drain(pair, 2 * args.transfer_timeout + 5)
         res.after_drain = _directory(pair.p)
     rss_end = rss_bytes()
@@ -1162,8 +1296,10 @@ def _check(
     # Only genuine handshakes are answered: each round's and the warm-up's on the dialled
     # side, plus the other side's one of it in either direction (WRITE: each dials the other).
     genuine = res.rounds_per_phase * 2 * res.phases + 2
-    if res.kind == "unanswered":  # the prefill handshakes the decode afresh in each round too
+    if res.kind in ACK_KINDS:  # the prefill handshakes the decode afresh in each round too
         genuine += res.rounds_per_phase * 2 * res.phases
+    if res.kind == "answering":  # the genuine answer the strangers' answers are made of
+        genuine += 1
     other = "decode" if res.mode == "read" else "prefill"
     want = {f"{other}-handshake": 0 if res.mode == "read" else 1}
     want[f"{'prefill' if other == 'decode' else 'decode'}-handshake"] = genuine
@@ -1191,8 +1327,10 @@ def _check(
             f"RSS grew {res.rss_mib['growth']:.1f} MiB over the flood phases "
             f"(slack {args.rss_slack_mib} MiB)"
         )
-    if res.kind == "unanswered":
+    if res.kind in ACK_KINDS:
         _check_unanswered(res, counts, sent, args)
+    if res.kind == "answering":
+        _check_answering(res, args)
 
 
 def _check_unanswered(
@@ -1226,10 +1364,31 @@ def _check_unanswered(
         )
     if process["threads"] > start["process"]["threads"] + HANDSHAKE_THREADS:
         v.append(f"threads grew from {start['process']['threads']} to {process['threads']}")
-    if process["fds"] > start["process"]["fds"] + FD_SLACK:
-        v.append(f"fds grew from {start['process']['fds']} to {process['fds']}")
+    # Each notify socket opened since (an address acknowledged for the first time, within the
+    # sender's bound) holds its own fds.
+    sockets = peak["prefill-sender"]["sockets"] - start["prefill-sender"]["sockets"]
+    if process["fds"] > start["process"]["fds"] + FD_SLACK + FDS_PER_NOTIFY_SOCKET * sockets:
+        v.append(
+            f"fds grew from {start['process']['fds']} to {process['fds']} "
+            f"({sockets} notify sockets more)"
+        )
     if res.log_lines > max(sent["total"] / 100, LOG_LINES_SHORT):
         v.append(f"{res.log_lines} log lines for {sent['total']} flood messages")
+
+
+def _check_answering(res: Result, args: argparse.Namespace) -> None:
+    """--kind answering: the prefill never held more than max_peers engine peers or cached
+    addresses, and the strangers were handshaken (more of them than max_peers: it evicted)."""
+    v = res.violations
+    for name in ("engine_peers", "peers"):
+        peak = res.peaks["prefill-directory"][name]
+        if peak > args.max_peers:
+            v.append(f"the prefill's directory: {name} reached {peak}, max_peers {args.max_peers}")
+    if res.targets["answered"] <= args.max_peers:
+        v.append(
+            f"the strangers answered {res.targets['answered']} handshakes: no more than "
+            f"max_peers {args.max_peers}, so nothing was evicted"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1244,7 +1403,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="mixed",
         help="mixed: garbage and valid-schema messages on every port; valid: valid-schema "
         "messages of unknown transfers on the notify ports only; unanswered (WRITE mode): "
-        "abort_write of unknown transfers naming decode addresses that never answer",
+        "abort_write of unknown transfers naming decode addresses that never answer; "
+        "answering (WRITE mode): the same, naming addresses that answer as new engines",
     )
     parser.add_argument("--mode", choices=MODES, default="read", help="of both instances")
     parser.add_argument(
@@ -1258,6 +1418,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=128,
         help="--kind unanswered: listeners on 127.0.0.1 that accept and never answer",
+    )
+    parser.add_argument(
+        "--answering",
+        type=int,
+        default=256,
+        help="--kind answering: addresses that answer, each as its own engine",
+    )
+    parser.add_argument(
+        "--max-peers",
+        type=int,
+        default=64,
+        help="--kind answering: the instances' max_peers (below --answering, so it evicts)",
     )
     parser.add_argument(
         "--secret",
@@ -1279,9 +1451,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.stages and args.mode != "write":
         parser.error("--stages times WRITE rounds: it needs --mode write")
-    if args.kind == "unanswered" and (args.mode != "write" or args.secret):
+    if args.kind in ACK_KINDS and (args.mode != "write" or args.secret):
         parser.error(
-            "--kind unanswered floods a WRITE-mode prefill's aborts: --mode write, no --secret"
+            f"--kind {args.kind} floods a WRITE-mode prefill's aborts: --mode write, no --secret"
         )
     return args
 
@@ -1388,15 +1560,19 @@ def main(argv: list[str] | None = None) -> int:
         res.full_collections["phases"],
         len(res.violations),
     )
-    if res.kind == "unanswered":
+    if res.kind in ACK_KINDS:
         logger.warning(
-            "unanswered: aborts named %d silent listeners (%d connections accepted) and %d "
-            "refused ports; peaks over the phases (at their start): directory %s (%s), "
+            "%s: aborts named %d silent listeners (%d connections accepted), %d "
+            "refused ports, %d answering ones (%d handshakes answered); peaks over the phases "
+            "(at their start): directory %s (%s), "
             "acknowledgements waiting %d, process %s (%s); %d log lines; no handshake in "
             "flight %.1f s after the flood (then %s)",
+            res.kind,
             res.targets.get("silent", 0),
             res.targets.get("accepted", 0),
             res.targets.get("refused", 0),
+            res.targets.get("answering", 0),
+            res.targets.get("answered", 0),
             res.peaks["prefill-directory"],
             res.at_start["prefill-directory"],
             res.peaks["prefill-acks"]["retries"],

@@ -107,3 +107,26 @@ def test_aborts_naming_unanswering_addresses_stay_bounded() -> None:
     assert 0 < res.peaks["prefill-acks"]["retries"] <= connector_flood.pusher_module.MAX_ACK_RETRIES
     assert res.counts["prefill-orphans"]["held"] == bound
     assert res.after_drain["inflight"] == 0
+
+
+def test_aborts_naming_answering_addresses_keep_the_peers_bounded() -> None:
+    """abort_write of transfers the prefill never knew, each naming one of 24 addresses that
+    answer every handshake as their own engine with valid metadata: the prefill connects each
+    to acknowledge the abort. It never holds more than max_peers (8) engine peers or cached
+    addresses, though more than 8 were handshaken (it evicted), and every genuine WRITE is
+    written and loaded byte-exact."""
+    bound = 1500
+    args = connector_flood.parse_args(
+        [
+            *("--rounds", "5", "--phases", "2", "--rate", "1000", "--remember", str(bound)),
+            *("--kind", "answering", "--mode", "write", "--transfer-timeout", "5"),
+            *("--answering", "24", "--max-peers", "8"),
+        ]
+    )
+    res = connector_flood.run(args)
+    assert res.violations == []
+    assert res.baseline_ms["n"] == res.flood_ms["n"] == 10
+    assert res.targets["answering"] == 24
+    assert res.targets["answered"] > 8
+    assert res.peaks["prefill-directory"]["engine_peers"] <= 8
+    assert res.peaks["prefill-directory"]["peers"] <= 8

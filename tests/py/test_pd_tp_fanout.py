@@ -180,11 +180,15 @@ def test_a_gather_read_is_one_transfer_per_source_and_ends_with_the_last() -> No
     # Rank 2 gives local heads [0,2) and the whole MLA cache; rank 3 local heads [2,4).
     assert windows[0][0] == (0, 0, 2) and windows[1] == [(2, 0, 2)]
     assert [s.layers for s in posted[0][3]] == [DENSE, WHOLE]
+    # The peer directory never evicts the peers of parts still reading.
+    assert puller.peers_in_use() == {"p:7000/dp0/tp2", "p:7000/dp0/tp3"}
     puller.on_event(event("tx-1#p2"))
     assert puller.read_states() == {"tx-1": ReadState.READING}
+    assert puller.peers_in_use() == {"p:7000/dp0/tp3"}
     assert not ctx.reports.done_recving and not releases_sent(sender)
     puller.on_event(event("tx-1#p3"))
     assert puller.read_states() == {}
+    assert puller.peers_in_use() == set()
     assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
     assert releases_sent(sender) == [2, 3]
 
@@ -212,6 +216,8 @@ def test_write_await_needs_every_writer() -> None:
     answer_handshakes(directory, PREFILL, 2, "WRITE")
     announced = [m for m in sender.sent if isinstance(m, RemoteBlocks)]
     assert len(announced) == 2 and {m.decode_tp_rank for m in announced} == {0}
+    # Announced: both prefill ranks may be writing into our blocks, so they stay connected.
+    assert puller.peers_in_use() == {"p:7000/dp0/tp0", "p:7000/dp0/tp1"}
     puller.on_write_result("tx-3", ok=True, writer_rank=1)
     assert puller.await_states() == {"tx-3": AwaitState.ANNOUNCED}
     puller.on_write_result("tx-3", ok=True, writer_rank=5)  # no such writer: ignored
@@ -1003,6 +1009,39 @@ def test_acknowledgements_waiting_for_a_handshake_are_not_retried_while_none_may
     assert len(directory.pending) == pusher_module.MAX_ACK_HANDSHAKES
 
 
+def test_acknowledgements_start_at_most_their_handshakes_a_second() -> None:
+    """A flood of abort_write each naming another address that answers at once (a stranger's
+    handshake server: each costs a handshake, a connection and an eviction). Before: in flight
+    at most 2 at a time, but no bound on the rate, so all 200 handshakes ran back to back. Now
+    at most ACK_HANDSHAKES_PER_S start a second; the rest wait for their next try, and a second
+    later as many more may start."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    clock = [0.0]
+    pusher._ack_budget = pusher_module._HandshakeBudget(
+        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: clock[0]
+    )
+    started = 0
+
+    def answer_all() -> None:
+        nonlocal started
+        while directory.pending:
+            key, future = directory.pending.pop(0)
+            started += 1
+            future.set_exception(TransportError(f"handshake with {key} answered too late"))
+
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", "flood:1/dp0/tp0", "127.0.0.1", port, port))
+        answer_all()
+    assert started == pusher_module.ACK_HANDSHAKES_PER_S
+    clock[0] += 1.0
+    pusher.check_timeouts(time.monotonic() + pusher_module.ACK_RETRY_EVERY_S + 1)
+    answer_all()
+    assert started <= pusher_module.ACK_HANDSHAKES_PER_S + pusher_module.MAX_ACK_HANDSHAKES
+    assert started > pusher_module.ACK_HANDSHAKES_PER_S  # tried again once the second passed
+
+
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:
     ctx, _, _, _ = context("write", producer=True, tp_rank=1, tp_size=4, heads=2)
     pusher = Pusher(ctx)
@@ -1115,6 +1154,8 @@ def test_remote_blocks_of_a_handshaken_decode_never_feed_the_writer_under_the_lo
     announce.join(20)
     assert got_context_lock == [True], "the announcement fed the writer holding the context lock"
     assert pusher.job_states()["tx-9"] is JobState.WRITING
+    # Nothing is written yet (the forward runs), but the job holds its decode peer.
+    assert len(pusher.peers_in_use()) == 1
 
 
 def test_an_announcement_for_a_request_that_cannot_be_written_is_told_write_failed() -> None:

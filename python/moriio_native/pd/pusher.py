@@ -39,6 +39,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -112,6 +113,42 @@ MAX_ACK_RETRIES = 1024
 # timed out, and a genuine transfer's handshake waited behind them all. Past it an
 # acknowledgement waits for its next try (ACK_RETRY_EVERY_S); the other threads stay free.
 MAX_ACK_HANDSHAKES = HANDSHAKE_THREADS // 2
+# Handshakes those acknowledgements may start per second (and at once, after a quiet spell). An
+# address that answers as a new engine each time costs a handshake, a connection in the engine
+# and, at max_peers, an eviction: about 0.6 ms of the instance's CPU per abort_write naming one,
+# unbounded in rate without this (a flood of 1,000/s doubled the genuine rounds' latency).
+ACK_HANDSHAKES_PER_S = 20.0
+
+
+class _HandshakeBudget:
+    """A token bucket: ``rate`` handshakes a second, at most ``rate`` saved up. Not
+    thread-safe (the pusher's lock)."""
+
+    def __init__(self, rate: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._rate = rate
+        self._clock = clock
+        self._tokens = rate
+        self._at = clock()
+
+    def _refill(self) -> None:
+        now = self._clock()
+        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+
+    def available(self) -> int:
+        self._refill()
+        return int(self._tokens)
+
+    def take(self) -> bool:
+        self._refill()
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+    def give_back(self) -> None:
+        """A taken handshake that did not start (a cached answer or failure)."""
+        self._tokens = min(self._rate, self._tokens + 1)
 
 
 class SendState(Enum):
@@ -490,6 +527,7 @@ class Pusher:
         # order of the next try (numbers and bytes: nothing the garbage collector tracks).
         self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._ack_handshakes = 0  # their handshakes in flight (MAX_ACK_HANDSHAKES)
+        self._ack_budget = _HandshakeBudget(ACK_HANDSHAKES_PER_S)
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -1024,7 +1062,8 @@ class Pusher:
         ack tells its receiver that this rank's writes of the transfer into it stopped, so it
         must reach no other rank: one this rank may still write into later, should the request
         come. A handshake that fails, or that would be one more than
-        :data:`MAX_ACK_HANDSHAKES` in flight, is tried again (:data:`ACK_RETRY_EVERY_S`);
+        :data:`MAX_ACK_HANDSHAKES` in flight or :data:`ACK_HANDSHAKES_PER_S` a second, is tried
+        again (:data:`ACK_RETRY_EVERY_S`);
         ``since``: the first try's time, when this is a later one."""
         since = time.monotonic() if since is None else since
         rank = (request.decode_dp_rank, request.decode_tp_rank)
@@ -1034,6 +1073,10 @@ class Pusher:
             return
         if self._ack_handshakes >= MAX_ACK_HANDSHAKES:
             busy = f"{self._ack_handshakes} handshakes of other acknowledgements in flight"
+            self._ack_failed(request, TransportError(busy), since)
+            return
+        if not self._ack_budget.take():
+            busy = f"{ACK_HANDSHAKES_PER_S:.0f} acknowledgement handshakes a second started"
             self._ack_failed(request, TransportError(busy), since)
             return
         try:
@@ -1048,11 +1091,14 @@ class Pusher:
                 request.decode_tp_rank,
             )
         except MoriioError as exc:
+            self._ack_budget.give_back()
             self._ack_failed(request, exc, since)
             return
-        # A future done already (a cached failure) held no thread.
+        # A future done already (a cached failure) held no thread and started no handshake.
         counted = not future.done()
         self._ack_handshakes += counted
+        if not counted:
+            self._ack_budget.give_back()
 
         def acked(f: Future[Peer]) -> None:
             if counted:
@@ -1113,12 +1159,13 @@ class Pusher:
 
     def _retry_acks(self, now: float, abort_timeout: float) -> None:
         """Try the acknowledgements that are due again (lock held), only as many as
-        handshakes may start (:data:`MAX_ACK_HANDSHAKES`): the others stay due, tried in later
+        handshakes may start (:data:`MAX_ACK_HANDSHAKES` in flight, :data:`ACK_HANDSHAKES_PER_S`
+        a second): the others stay due, tried in later
         passes (trying each, to fail at once for want of a handshake, held the lock 23 ms per
         1,024 of them under a flood). Those first tried more than ``abort_timeout`` before
         ``now`` are given up (their decode frees the blocks at its quarantine_timeout)."""
         due = []
-        free = MAX_ACK_HANDSHAKES - self._ack_handshakes
+        free = min(MAX_ACK_HANDSHAKES - self._ack_handshakes, self._ack_budget.available())
         for wire, (since, at) in self._ack_retries.items():
             if at > now:
                 break  # in the order of their next try
