@@ -152,6 +152,7 @@ class Engine {
   /// disconnecting it ends and strands nothing. FailedPrecondition naming the count otherwise
   /// (nothing changes). A call that found the peer before this one removed it fails as for an
   /// unknown peer. What bounds a directory of peers: the least recently used idle one goes.
+  /// Thread-safe; blocks while the backend disconnects.
   Status RemoveIdlePeer(std::string_view peer);
   std::vector<std::string> Peers() const;
 
