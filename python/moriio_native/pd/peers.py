@@ -48,7 +48,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -154,7 +154,9 @@ class PeerDirectory:
         self._engine = engine
         self._max_peers = max_peers
         self._in_use = in_use  # engine peers the caller's jobs hold (never evicted)
-        self._pinned: set[str] = set()  # engine peers connected, not yet handed to callers
+        # Engine peers connected and not yet handed to their callers (a count per engine peer:
+        # two addresses of one engine may be admitted at once).
+        self._pinned: Counter[str] = Counter()
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
@@ -315,24 +317,29 @@ class PeerDirectory:
             logger.warning("handshake with %s failed (%s); retrying after %.0fs", key, error, delay)
             future.set_exception(error)
             return
-        with self._lock:
-            self._inflight.pop(key, None)
-            self._failures.pop(key, None)
-            for other in [
-                k
-                for k, p in self._peers.items()
-                if p.engine_peer == peer.engine_peer
-                and p.response.engine_metadata != peer.response.engine_metadata
-            ]:
-                del self._peers[other]  # the same engine before its restart, at any address
-        if self._on_handshake is not None:
-            self._on_handshake(peer)
-        logger.info("handshake with %s at %s done", peer.response.engine_id, key)
         try:
+            with self._lock:
+                self._inflight.pop(key, None)
+                self._failures.pop(key, None)
+                for other in [
+                    k
+                    for k, p in self._peers.items()
+                    if p.engine_peer == peer.engine_peer
+                    and p.response.engine_metadata != peer.response.engine_metadata
+                ]:
+                    del self._peers[other]  # the same engine before its restart, at any address
+            if self._on_handshake is not None:
+                try:
+                    self._on_handshake(peer)
+                except Exception:  # a statistic: its callers still get the peer
+                    logger.exception("handshake with %s: its callback failed", key)
+            logger.info("handshake with %s at %s done", peer.response.engine_id, key)
             future.set_result(peer)
         finally:
-            with self._lock:
-                self._pinned.discard(peer.engine_peer)  # its first callers have it now
+            with self._lock:  # its first callers have it now (or it failed on the way)
+                self._pinned[peer.engine_peer] -= 1
+                if not self._pinned[peer.engine_peer]:
+                    del self._pinned[peer.engine_peer]
 
     def _fetch(self, key: PeerKey) -> HandshakeResponse:
         """One handshake with ``key`` under this directory's timeout and security (any thread)."""
@@ -399,7 +406,7 @@ class PeerDirectory:
                 # admission counts it, and pinned until _handshake handed it to its callers.
                 self._peers[key] = peer
                 self._peers.move_to_end(key)
-                self._pinned.add(engine_peer)
+                self._pinned[engine_peer] += 1
             return peer
 
     # ---- the bound (pool thread, under _admit) ------------------------------------------------
