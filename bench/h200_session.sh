@@ -88,6 +88,7 @@
 #   bash bench/h200_session.sh overlap-progress  # one call: the same, copies as UCX operations,
 #                                         # llama3-8b 256 blocks: default, progress_mode=busy and
 #                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
+#   bash bench/h200_session.sh gpu-tests      # one call: build with UCX, every GPU test
 #   bash bench/h200_session.sh overlap-parked  # one call: every GPU test (unless
 #                                         # SKIP_GPU_TESTS=1), then gpu_bench --overlap with the
 #                                         # copies as UCX operations (--direct-copy off: the path
@@ -97,7 +98,7 @@
 #                                         # runs this tree's event tests against that build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked, overlap-trace, overlap-progress)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked, overlap-trace, overlap-progress, gpu-tests)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -189,6 +190,10 @@ every_gpu_test() {  # this tree's GPU tests: kernels, cells, verify's checksums,
   echo "elapsed ${SECONDS} s"
 }
 case $step in
+gpu-tests)  # this tree's GPU tests alone (after a change outside the GPU paths)
+  build_with_ucx || exit 1
+  every_gpu_test
+  ;;
 build)
   build_with_ucx
   cuda_variant old .variants/old_cudacopy.cu &
