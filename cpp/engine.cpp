@@ -848,8 +848,9 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   MORIIO_RETURN_IF_ERROR(d.CheckRegistered());
   MORIIO_ASSIGN_OR_RETURN(EngineMetadata meta, detail::DecodeMetadata(metadata));
   if (!expected_engine_id.empty() && meta.engine_id != expected_engine_id) {
-    return IncompatibleError("peer metadata names engine '" + meta.engine_id + "', not '" +
-                             std::string(expected_engine_id) + "' as expected; nothing changed");
+    return IncompatibleError("peer metadata names engine '" + meta.engine_id +
+                             "', not the expected '" + std::string(expected_engine_id) +
+                             "' (the id its handshake answered as); nothing changed");
   }
   if (meta.backend != d.config.backend) {
     return IncompatibleError("peer '" + meta.engine_id + "' uses backend '" + meta.backend +
@@ -976,7 +977,7 @@ Status Engine::RemovePeer(std::string_view id) {
   return d.backend->DisconnectPeer(peer->handle);
 }
 
-Status Engine::RemoveIdlePeer(std::string_view id) {
+Result<bool> Engine::RemoveIdlePeer(std::string_view id) {
   Impl& d = *impl_;
   std::shared_ptr<const Peer> peer;
   {
@@ -985,16 +986,13 @@ Status Engine::RemoveIdlePeer(std::string_view id) {
     std::lock_guard lock(d.mu);
     auto it = d.peers.find(id);
     if (it == d.peers.end()) return NotFoundError("unknown peer '" + std::string(id) + "'");
-    if (const std::size_t busy = d.tracker->TransfersWith(id); busy != 0) {
-      return FailedPreconditionError("peer '" + std::string(id) + "' has " +
-                                     std::to_string(busy) +
-                                     " transfers pending or quarantined; not removed");
-    }
+    if (d.tracker->TransfersWith(id) != 0) return false;
     peer = it->second;
     d.peers.erase(it);
   }
   d.sink->UnmapPeer(peer->handle);
-  return d.backend->DisconnectPeer(peer->handle);
+  MORIIO_RETURN_IF_ERROR(d.backend->DisconnectPeer(peer->handle));
+  return true;
 }
 
 std::vector<std::string> Engine::Peers() const {

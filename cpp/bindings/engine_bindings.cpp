@@ -181,14 +181,11 @@ void BindEngine(py::module_& m) {
       })
       .def("remove_idle_peer",
            [](Engine& e, const std::string& peer) {
-             Status st;
-             {
+             Result<bool> removed = [&] {
                py::gil_scoped_release release;
-               st = e.RemoveIdlePeer(peer);
-             }
-             if (st.code() == StatusCode::kFailedPrecondition) return false;
-             ThrowIfError(st);
-             return true;
+               return e.RemoveIdlePeer(peer);
+             }();
+             return Unwrap(std::move(removed));
            })
       .def("peers", &Engine::Peers)
       .def("waits_for_device_events",

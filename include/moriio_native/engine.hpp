@@ -149,11 +149,12 @@ class Engine {
   /// Thread-safe; blocks while the backend disconnects.
   Status RemovePeer(std::string_view peer);
   /// As RemovePeer, but only while no transfer with `peer` is pending or quarantined: then
-  /// disconnecting it ends and strands nothing. FailedPrecondition naming the count otherwise
-  /// (nothing changes). A call that found the peer before this one removed it fails as for an
-  /// unknown peer. What bounds a directory of peers: the least recently used idle one goes.
-  /// Thread-safe; blocks while the backend disconnects.
-  Status RemoveIdlePeer(std::string_view peer);
+  /// disconnecting it ends and strands nothing, and the result is true. False when one is
+  /// (nothing changes); NotFound for an unknown peer; the backend's error when disconnecting
+  /// failed (the peer is gone from the engine then too). A call that found the peer before this
+  /// one removed it fails as for an unknown peer. What bounds a directory of peers: the least
+  /// recently used idle one goes. Thread-safe; blocks while the backend disconnects.
+  Result<bool> RemoveIdlePeer(std::string_view peer);
   std::vector<std::string> Peers() const;
 
   /// READ: pull `remote_blocks` of every layer (or of `layers` when given, each once) from

@@ -358,6 +358,24 @@ def test_a_peer_a_job_holds_is_never_evicted(made: list) -> None:
     assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
 
 
+def test_busy_peers_keep_their_place_in_the_eviction_order(made: list) -> None:
+    """Peers found busy when room was made go back where they were: the least recently used
+    stays first in line once it is idle."""
+    decode, _ = engine("decode", 1, {"loopback_delay_ms": "300"})
+    names = ["prefill-a", "prefill-b", "prefill-c", "prefill-d", "prefill-e"]
+    keys = prefills(made, names)
+    peers = directory(decode, made, max_peers=3)
+    for name in names[:3]:
+        peers.connect(keys[name], 1, accept).result(timeout=30)
+    decode.read("on-a", "prefill-a", [0], [2])
+    decode.read("on-b", "prefill-b", [1], [3])
+    peers.connect(keys["prefill-d"], 1, accept).result(timeout=30)  # a, b busy: c goes
+    assert sorted(decode.peers()) == ["prefill-a", "prefill-b", "prefill-d"]
+    assert all(e.state == "done" for e in decode.wait(["on-a", "on-b"], timeout=30).values())
+    peers.connect(keys["prefill-e"], 1, accept).result(timeout=30)
+    assert sorted(decode.peers()) == ["prefill-b", "prefill-d", "prefill-e"]  # a was first
+
+
 def test_engine_peers_no_cached_address_names_go_first(made: list) -> None:
     """A peer the directory forgot (after a failure) but the engine still holds is the first to
     go: it cannot be found again without a handshake anyway."""
@@ -425,7 +443,7 @@ def test_an_answer_cannot_take_over_another_engines_connection(made: list) -> No
     expected = kc.expected_after_copy(decode_caches, genuine.caches, [0, 1], [2, 3])
     decode.read("genuine", peer.engine_peer, [0, 1], [2, 3])
     with pytest.raises(
-        IncompatiblePeerError, match="names engine 'prefill', not 'prefill-stranger'"
+        IncompatiblePeerError, match="names engine 'prefill', not the expected 'prefill-stranger'"
     ):
         peers.connect(PeerKey(LOCAL, stranger_port), 1, accept).result(timeout=30)
     assert decode.wait(["genuine"], timeout=30)["genuine"].state == "done"

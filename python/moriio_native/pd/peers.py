@@ -395,9 +395,12 @@ class PeerDirectory:
             # handshake we just made proved who answers here). The engine swaps the connection
             # -- only when the metadata names the engine the handshake answered as (refused
             # before anything changes otherwise: an answer cannot take another's connection).
-            engine_peer = engine.add_peer(
-                response.engine_metadata, replace=True, expected_engine_id=response.engine_id
-            )
+            try:
+                engine_peer = engine.add_peer(
+                    response.engine_metadata, replace=True, expected_engine_id=response.engine_id
+                )
+            except MoriioError as exc:
+                raise type(exc)(f"peer at {key}: {exc}") from None
             peer = Peer(
                 key=key, engine_peer=engine_peer, notify_port=notify_port, response=response
             )
@@ -428,18 +431,31 @@ class PeerDirectory:
                 logger.info("peer %s removed: no cached address names it (max_peers)", orphan)
             if not self._over(connected, key, engine_id):
                 return
+        kept = self._kept(engine_id)
         tried: set[PeerKey] = {key}
-        while len(tried) <= MAX_EVICTION_TRIES and self._over(connected, key, engine_id):
-            with self._lock:
-                victim = next((p for k, p in self._peers.items() if k not in tried), None)
-            if victim is None:
-                break
-            tried.add(victim.key)
-            self._evict(engine, victim, connected, engine_id)
+        refused: list[Peer] = []  # taken out of the cache, then found busy: put back after
+        try:
+            while len(tried) <= MAX_EVICTION_TRIES and self._over(connected, key, engine_id):
+                with self._lock:
+                    victim = next(
+                        (
+                            p
+                            for k, p in self._peers.items()
+                            if k not in tried and p.engine_peer not in kept
+                        ),
+                        None,
+                    )
+                if victim is None:
+                    break
+                tried.add(victim.key)
+                if not self._evict(engine, victim, connected, engine_id):
+                    refused.append(victim)
+        finally:
+            self._put_back(refused)
         if self._over(connected, key, engine_id):
             raise PeerCapacityError(
                 f"peer {key}: not connected: {len(connected)} peers connected and "
-                f"{len(self._peers)} addresses cached (max_peers {self._max_peers}); none of "
+                f"{len(self)} addresses cached (max_peers {self._max_peers}); none of "
                 "the least recently used is idle (each has transfers pending or quarantined, "
                 "or a job holds it)"
             )
@@ -460,35 +476,39 @@ class PeerDirectory:
 
     def _evict(
         self, engine: _EngineLike, victim: Peer, connected: set[str], engine_id: str
-    ) -> None:
-        """Drop ``victim``'s address; its engine peer too when no other cached address names
-        it -- unless that peer is kept or has a transfer pending or quarantined (then nothing
-        changes). The address leaves the cache first, so no caller takes it meanwhile."""
+    ) -> bool:
+        """Drop ``victim``'s address, and its engine peer when no other cached address names
+        it: True when it went; False when that peer is kept or has a transfer pending or
+        quarantined (the address is then out of the cache until :meth:`_put_back`). The
+        address leaves the cache first, so no caller takes it while the engine is asked; a
+        job that took it just before is seen by the fresh ``in_use``."""
         with self._lock:
             if self._peers.get(victim.key) is not victim:
-                return  # replaced or forgotten meanwhile
+                return True  # replaced or forgotten meanwhile: not ours to put back
             del self._peers[victim.key]
             shared = any(p.engine_peer == victim.engine_peer for p in self._peers.values())
-        if shared:
-            gone = True  # the engine peer stays for the other address
-        elif victim.engine_peer in self._kept(engine_id):
-            gone = False
-        else:
-            gone = _remove_idle(engine, victim.engine_peer)
-            if gone:
-                connected.discard(victim.engine_peer)
-        if not gone:
-            with self._lock:
-                if victim.key not in self._peers:
-                    self._peers[victim.key] = victim
-                    self._peers.move_to_end(victim.key, last=False)  # still the least used
-            return
+        if not shared:  # else the engine peer stays for the other address
+            if victim.engine_peer in self._kept(engine_id):
+                return False
+            if not _remove_idle(engine, victim.engine_peer):
+                return False
+            connected.discard(victim.engine_peer)
         logger.info(
             "peer %s at %s evicted: least recently used of max_peers %d",
             victim.engine_peer,
             victim.key,
             self._max_peers,
         )
+        return True
+
+    def _put_back(self, refused: list[Peer]) -> None:
+        """Refused victims back at the least recently used end, in their order (unless their
+        address was cached anew meanwhile)."""
+        with self._lock:
+            for victim in reversed(refused):
+                if victim.key not in self._peers:
+                    self._peers[victim.key] = victim
+                    self._peers.move_to_end(victim.key, last=False)
 
 
 def _remove_idle(engine: _EngineLike, peer: str) -> bool:
