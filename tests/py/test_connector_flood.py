@@ -128,5 +128,6 @@ def test_aborts_naming_answering_addresses_keep_the_peers_bounded() -> None:
     assert res.baseline_ms["n"] == res.flood_ms["n"] == 10
     assert res.targets["answering"] == 24
     assert res.targets["answered"] > 8
+    assert res.after_drain["evicted"] > 0
     assert res.peaks["prefill-directory"]["engine_peers"] <= 8
     assert res.peaks["prefill-directory"]["peers"] <= 8

@@ -316,6 +316,7 @@ def test_max_peers_evicts_the_least_recently_used_idle_peer(made: list) -> None:
     assert peers.connect(keys["prefill-c"], 1, accept).result(timeout=30).engine_peer == "prefill-c"
     assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
     assert peers.cached(keys["prefill-b"]) is None
+    assert peers.stats() == {"cached": 2, "evicted": 1, "refused": 0}
     assert peers.find_engine("prefill-c") is not None  # c is used now, a the oldest
     again = peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)  # handshaken again
     assert again.engine_peer == "prefill-b"
@@ -334,6 +335,7 @@ def test_a_peer_with_a_transfer_pending_is_never_evicted(made: list) -> None:
     decode.read("busy", "prefill-a", [0, 1], [2, 3])
     with pytest.raises(PeerCapacityError, match=r"max_peers 1\); none of the least recently"):
         peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)
+    assert peers.stats() == {"cached": 1, "evicted": 0, "refused": 1}
     assert decode.peers() == ["prefill-a"]
     assert decode.wait(["busy"], timeout=30)["busy"].state == "done"
     assert peers.connect(keys["prefill-b"], 1, accept).done()  # refused, not asked again yet

@@ -1014,7 +1014,7 @@ def test_acknowledgements_start_at_most_their_handshakes_a_second() -> None:
     handshake server: each costs a handshake, a connection and an eviction). Before: in flight
     at most 2 at a time, but no bound on the rate, so all 200 handshakes ran back to back. Now
     at most ACK_HANDSHAKES_PER_S start a second; the rest wait for their next try, and a second
-    later as many more may start."""
+    later the due ones start handshakes again (2 a pass: the in-flight bound)."""
     ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
     pusher = Pusher(ctx)
     clock = [0.0]

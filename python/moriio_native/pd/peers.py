@@ -157,6 +157,8 @@ class PeerDirectory:
         # Engine peers connected and not yet handed to their callers (a count per engine peer:
         # two addresses of one engine may be admitted at once).
         self._pinned: Counter[str] = Counter()
+        self._evicted = 0  # addresses and engine peers that went to make room
+        self._refused = 0  # handshakes refused at the bound (PeerCapacityError)
         self._security = security
         self._requester = requester_engine_id
         self._timeout = timeout
@@ -182,6 +184,16 @@ class PeerDirectory:
         """Cached peer addresses (at most ``max_peers``)."""
         with self._lock:
             return len(self._peers)
+
+    def stats(self) -> dict[str, int]:
+        """Cached addresses, and since the start: addresses or engine peers evicted to make
+        room, handshakes refused at ``max_peers``."""
+        with self._lock:
+            return {
+                "cached": len(self._peers),
+                "evicted": self._evicted,
+                "refused": self._refused,
+            }
 
     def cached(self, key: PeerKey) -> Peer | None:
         with self._lock:
@@ -428,6 +440,8 @@ class PeerDirectory:
         for orphan in sorted(connected - cached - self._kept(engine_id)):
             if _remove_idle(engine, orphan):
                 connected.discard(orphan)
+                with self._lock:
+                    self._evicted += 1
                 logger.info("peer %s removed: no cached address names it (max_peers)", orphan)
             if not self._over(connected, key, engine_id):
                 return
@@ -453,6 +467,8 @@ class PeerDirectory:
         finally:
             self._put_back(refused)
         if self._over(connected, key, engine_id):
+            with self._lock:
+                self._refused += 1
             raise PeerCapacityError(
                 f"peer {key}: not connected: {len(connected)} peers connected and "
                 f"{len(self)} addresses cached (max_peers {self._max_peers}); none of "
@@ -493,6 +509,8 @@ class PeerDirectory:
             if not _remove_idle(engine, victim.engine_peer):
                 return False
             connected.discard(victim.engine_peer)
+        with self._lock:
+            self._evicted += 1
         logger.info(
             "peer %s at %s evicted: least recently used of max_peers %d",
             victim.engine_peer,
