@@ -368,6 +368,8 @@ class _EventLog:
         self.events: dict[str, Any] = {}
         self.failures = 0
         self.handshakes = 0
+        self.peers_evicted = 0
+        self.peers_refused = 0
         self.quarantined_blocks = 0
         self.verified = 0
         self.verify_failures = 0
@@ -381,6 +383,12 @@ class _EventLog:
 
     def record_handshake(self) -> None:
         self.handshakes += 1
+
+    def record_peer_bound(self, *, evicted: bool) -> None:
+        if evicted:
+            self.peers_evicted += 1
+        else:
+            self.peers_refused += 1
 
     def record_quarantine(self, blocks: int) -> None:
         self.quarantined_blocks += blocks

@@ -309,7 +309,8 @@ def test_max_peers_evicts_the_least_recently_used_idle_peer(made: list) -> None:
     point this rank at) cannot grow its peers past max_peers: the least recently used goes."""
     decode, _ = engine("decode", 1)
     keys = prefills(made, ["prefill-a", "prefill-b", "prefill-c"])
-    peers = directory(decode, made, max_peers=2)
+    bound: list[bool] = []
+    peers = directory(decode, made, max_peers=2, on_bound=bound.append)
     for name in ("prefill-a", "prefill-b"):
         peers.connect(keys[name], 1, accept).result(timeout=30)
     assert peers.connect(keys["prefill-a"], 1, accept).done()  # a cache hit: a is used now
@@ -317,6 +318,7 @@ def test_max_peers_evicts_the_least_recently_used_idle_peer(made: list) -> None:
     assert sorted(decode.peers()) == ["prefill-a", "prefill-c"]
     assert peers.cached(keys["prefill-b"]) is None
     assert peers.stats() == {"cached": 2, "evicted": 1, "refused": 0}
+    assert bound == [True]  # told to the caller (the connector's stats)
     assert peers.find_engine("prefill-c") is not None  # c is used now, a the oldest
     again = peers.connect(keys["prefill-b"], 1, accept).result(timeout=30)  # handshaken again
     assert again.engine_peer == "prefill-b"

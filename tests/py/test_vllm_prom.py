@@ -59,7 +59,10 @@ def two_workers() -> dict[str, Any]:
     a = MoRIIONativeStats()
     a.record(ok=True, nbytes=2_000_000, seconds=0.002, runs=10, batches=1)
     a.record_handshake()
+    a.record_peer_bound(evicted=True)
     b = MoRIIONativeStats()
+    b.record_peer_bound(evicted=True)
+    b.record_peer_bound(evicted=False)
     b.record(ok=True, nbytes=8_000_000, seconds=0.004, runs=300, batches=2, groups=3)
     b.record(ok=False)
     return a.aggregate(b).data
@@ -74,6 +77,8 @@ def test_every_series_exists_before_any_transfer(
             "vllm:moriio_native_failed_transfers_total",
             "vllm:moriio_native_transferred_bytes_total",
             "vllm:moriio_native_handshakes_total",
+            "vllm:moriio_native_peers_evicted_total",
+            "vllm:moriio_native_peers_refused_total",
             "vllm:moriio_native_transferred_groups_total",
             "vllm:moriio_native_transfer_time_seconds_count",
             "vllm:moriio_native_transfer_throughput_bytes_per_second_count",
@@ -92,6 +97,8 @@ def test_observe_counts_and_histograms_per_transfer(
     assert value(registry, "vllm:moriio_native_failed_transfers_total") == 1
     assert value(registry, "vllm:moriio_native_transferred_bytes_total") == 10_000_000
     assert value(registry, "vllm:moriio_native_handshakes_total") == 1
+    assert value(registry, "vllm:moriio_native_peers_evicted_total") == 2
+    assert value(registry, "vllm:moriio_native_peers_refused_total") == 1
     # One single-group transfer and one of a model with three KV-cache groups; failures none.
     assert value(registry, "vllm:moriio_native_transferred_groups_total") == 4
     assert value(registry, "vllm:moriio_native_transfer_time_seconds_count") == 2

@@ -106,6 +106,7 @@ class PdCore:
             max_peers=config.max_peers,
             in_use=self._peers_in_use,
             on_handshake=lambda peer: self._on_handshake(),
+            on_bound=self._on_peer_bound,
             verify=config.verify,
         )
         self.ctx = Context(
@@ -150,6 +151,10 @@ class PdCore:
     def _on_handshake(self) -> None:
         with self.ctx.lock:
             self.ctx.stats.record_handshake()
+
+    def _on_peer_bound(self, evicted: bool) -> None:
+        with self.ctx.lock:
+            self.ctx.stats.record_peer_bound(evicted=evicted)
 
     def _peers_in_use(self) -> set[str]:
         """Engine peers a live READ or WRITE job holds: the peer directory never evicts them,

@@ -146,6 +146,7 @@ class PeerDirectory:
         max_peers: int = DEFAULT_MAX_PEERS,
         in_use: Callable[[], set[str]] = set,
         on_handshake: Callable[[Peer], None] | None = None,
+        on_bound: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify: bool = False,
     ) -> None:
@@ -166,6 +167,7 @@ class PeerDirectory:
         self._retry_after = retry_after
         self._max_backoff = max(max_backoff, retry_after)
         self._on_handshake = on_handshake
+        self._on_bound = on_bound  # (evicted) per eviction (True) or refusal (False)
         self._clock = clock
         self._lock = threading.Lock()
         self._admit = threading.Lock()
@@ -440,8 +442,7 @@ class PeerDirectory:
         for orphan in sorted(connected - cached - self._kept(engine_id)):
             if _remove_idle(engine, orphan):
                 connected.discard(orphan)
-                with self._lock:
-                    self._evicted += 1
+                self._count_bound(evicted=True)
                 logger.info("peer %s removed: no cached address names it (max_peers)", orphan)
             if not self._over(connected, key, engine_id):
                 return
@@ -467,8 +468,7 @@ class PeerDirectory:
         finally:
             self._put_back(refused)
         if self._over(connected, key, engine_id):
-            with self._lock:
-                self._refused += 1
+            self._count_bound(evicted=False)
             raise PeerCapacityError(
                 f"peer {key}: not connected: {len(connected)} peers connected and "
                 f"{len(self)} addresses cached (max_peers {self._max_peers}); none of "
@@ -509,8 +509,7 @@ class PeerDirectory:
             if not _remove_idle(engine, victim.engine_peer):
                 return False
             connected.discard(victim.engine_peer)
-        with self._lock:
-            self._evicted += 1
+        self._count_bound(evicted=True)
         logger.info(
             "peer %s at %s evicted: least recently used of max_peers %d",
             victim.engine_peer,
@@ -518,6 +517,17 @@ class PeerDirectory:
             self._max_peers,
         )
         return True
+
+    def _count_bound(self, *, evicted: bool) -> None:
+        """One eviction or refusal at max_peers: counted here (stats) and told to the caller's
+        ``on_bound`` (outside the directory's lock)."""
+        with self._lock:
+            if evicted:
+                self._evicted += 1
+            else:
+                self._refused += 1
+        if self._on_bound is not None:
+            self._on_bound(evicted)
 
     def _put_back(self, refused: list[Peer]) -> None:
         """Refused victims back at the least recently used end, in their order (unless their

@@ -13,6 +13,8 @@ name                                                          type      what
 ``vllm:moriio_native_failed_transfers_total``                 counter   failed/timed out/aborted
 ``vllm:moriio_native_transferred_bytes_total``                counter   bytes moved
 ``vllm:moriio_native_handshakes_total``                       counter   metadata handshakes done
+``vllm:moriio_native_peers_evicted_total``                    counter   evicted at max_peers
+``vllm:moriio_native_peers_refused_total``                    counter   refused at max_peers
 ``vllm:moriio_native_transferred_groups_total``               counter   KV-cache groups moved
 ``vllm:moriio_native_transfer_time_seconds``                  histogram first submit -> done
 ``vllm:moriio_native_transfer_throughput_bytes_per_second``   histogram bytes / transfer time
@@ -94,6 +96,14 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
         )
         self.bytes = counter("transferred_bytes", "Bytes moved by completed KV transfers.")
         self.handshakes = counter("handshakes", "Metadata handshakes completed with peers.")
+        self.peers_evicted = counter(
+            "peers_evicted",
+            "Peers disconnected to stay within max_peers (the least recently used idle one).",
+        )
+        self.peers_refused = counter(
+            "peers_refused",
+            "Handshakes refused at max_peers: every peer that could go was in use.",
+        )
         self.groups = counter(
             "transferred_groups",
             "KV-cache groups moved by completed KV transfers, summed over the transfers (2 per "
@@ -147,6 +157,8 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
         self.failures[engine_idx].inc(data.get("failures", 0))
         self.bytes[engine_idx].inc(data.get("bytes", 0))
         self.handshakes[engine_idx].inc(data.get("handshakes", 0))
+        self.peers_evicted[engine_idx].inc(data.get("peers_evicted", 0))
+        self.peers_refused[engine_idx].inc(data.get("peers_refused", 0))
         self.groups[engine_idx].inc(data.get("groups", 0))
         for seconds, nbytes, runs in data.get(SAMPLES, ()):
             self.time[engine_idx].observe(seconds)

@@ -14,6 +14,10 @@ key                 meaning
 ``runs``            contiguous copy runs (descriptors) of completed transfers
 ``batches``         backend batches posted for completed transfers
 ``handshakes``      metadata handshakes that succeeded
+``peers_evicted``   peers (or peer addresses) a rank disconnected to stay within
+                    ``max_peers``: the least recently used idle one, to connect another
+``peers_refused``   handshakes refused at ``max_peers``: every peer that could go was in
+                    use (the request was recomputed)
 ``groups``          KV-cache groups moved by completed transfers, summed over them: a
                     transfer of a hybrid model's Mamba and full-attention groups counts 2,
                     one of a single-group model 1
@@ -51,6 +55,8 @@ _COUNTERS = (
     "runs",
     "batches",
     "handshakes",
+    "peers_evicted",
+    "peers_refused",
     "groups",
     "quarantined_blocks",
     "verified",
@@ -120,6 +126,10 @@ class MoRIIONativeStats(KVConnectorStats):
     def record_handshake(self) -> None:
         self.data["handshakes"] += 1
 
+    def record_peer_bound(self, *, evicted: bool) -> None:
+        """Count one peer evicted to stay within max_peers, or one handshake refused there."""
+        self.data["peers_evicted" if evicted else "peers_refused"] += 1
+
     def record_quarantine(self, blocks: int) -> None:
         """Count ``blocks`` decode blocks put into quarantine (once per block and transfer)."""
         self.data["quarantined_blocks"] += int(blocks)
@@ -159,6 +169,8 @@ class MoRIIONativeStats(KVConnectorStats):
             "Avg batches per transfer": round(d["batches"] / n, 2) if n else 0.0,
             "Avg KV-cache groups per transfer": round(d["groups"] / n, 2) if n else 0.0,
             "Handshakes": d["handshakes"],
+            "Peers evicted": d["peers_evicted"],
+            "Peers refused": d["peers_refused"],
             "Quarantined blocks": d["quarantined_blocks"],
             "Open transfers": sum(d[OPEN_TRANSFERS].values()),
         }
