@@ -180,9 +180,8 @@ class TimelineRow:
     pre: str = "none"
 
 
-def _timeline_of(prof: Any) -> dict[str, Any]:
-    """The request's intervals out of a finished ``torch.profiler`` run (its Chrome trace)."""
-    import os
+def _trace_events(prof: Any) -> list[dict[str, Any]]:
+    """The events of a finished ``torch.profiler`` run (its Chrome trace)."""
     import tempfile
 
     fd, path = tempfile.mkstemp(suffix=".json")
@@ -194,6 +193,12 @@ def _timeline_of(prof: Any) -> dict[str, Any]:
     finally:
         os.unlink(path)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return events
+
+
+def _timeline_of(prof: Any) -> dict[str, Any]:
+    """The request's intervals out of a finished ``torch.profiler`` run (its Chrome trace)."""
+    events = _trace_events(prof)
     marks = {
         e["name"]: (float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0)))
         for e in events
@@ -704,17 +709,7 @@ def _clipped(
 def _overlap_trace_of(prof: Any) -> dict[str, Any]:
     """Where one overlapped request's copies ran (see ``--overlap-trace``), from its profile:
     ms from the forward's start."""
-    import tempfile
-
-    fd, path = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    try:
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            trace = json.load(f)
-    finally:
-        os.unlink(path)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    events = _trace_events(prof)
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
     marks = {
         e["name"]: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))

@@ -1765,14 +1765,22 @@ TEST(EnginePeers, FailedReplacementKeepsTheOldPeer) {
   EXPECT_EQ(events.Wait("r").state, TransferState::kDone);
 }
 
-TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
-  Side p, d;
-  EnginesFirst guard({&p, &d});
+const std::vector<std::int64_t> kWriteIds = {0, 1};  // SetUpAWriteInFlight's blocks
+
+// P (its transport 100 ms slow) connected to D, with WRITE "w" of attn.0 blocks {0, 1} in
+// flight and unsealed.
+void SetUpAWriteInFlight(Side& p, Side& d) {
   ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
   ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
   ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
-  const std::vector<std::int64_t> ids = {0, 1};
-  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());  // in flight, unsealed
+  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", kWriteIds, kWriteIds).ok());
+}
+
+TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpAWriteInFlight(p, d));
+  const std::vector<std::int64_t>& ids = kWriteIds;
   ASSERT_TRUE(p.engine->RemovePeer("D").ok());
   EXPECT_TRUE(p.engine->Peers().empty());
   Events events(p.engine.get());
@@ -1789,11 +1797,8 @@ TEST(EnginePeers, RemovePeerFailsItsPendingTransfersOnce) {
 TEST(EnginePeers, RemoveIdlePeerKeepsAPeerWithATransferPending) {
   Side p, d;
   EnginesFirst guard({&p, &d});
-  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1, {{"loopback_delay_ms", "100"}}));
-  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
-  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
-  const std::vector<std::int64_t> ids = {0, 1};
-  ASSERT_TRUE(p.engine->WriteLayer("w", "attn.0", "D", ids, ids).ok());  // in flight, unsealed
+  ASSERT_NO_FATAL_FAILURE(SetUpAWriteInFlight(p, d));
+  const std::vector<std::int64_t>& ids = kWriteIds;
   const Result<bool> busy = p.engine->RemoveIdlePeer("D");
   ASSERT_TRUE(busy.ok()) << busy.status().ToString();
   EXPECT_FALSE(*busy) << "a peer with a transfer pending must stay";
