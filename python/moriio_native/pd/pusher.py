@@ -115,8 +115,9 @@ MAX_ACK_RETRIES = 1024
 MAX_ACK_HANDSHAKES = HANDSHAKE_THREADS // 2
 # Handshakes those acknowledgements may start per second (and at once, after a quiet spell). An
 # address that answers as a new engine each time costs a handshake, a connection in the engine
-# and, at max_peers, an eviction: about 0.6 ms of the instance's CPU per abort_write naming one,
-# unbounded in rate without this (a flood of 1,000/s doubled the genuine rounds' latency).
+# and, at max_peers, an eviction, unbounded in rate without this: 1,000 such aborts a second
+# cost 614-687 ms of the instance's CPU per 1,000 and made genuine rounds 2.0-3.5x slower
+# (375-444 ms, 1.3-1.7x with it; docs/reliability.md).
 ACK_HANDSHAKES_PER_S = 20.0
 
 
