@@ -757,6 +757,15 @@ def _overlap_trace_of(prof: Any) -> dict[str, Any]:
     }
 
 
+def _request_ids(rng: Any, args: argparse.Namespace) -> list[int]:
+    """One side's block ids of an --overlap request: ``--blocks`` random ids of the cache, or
+    with ``--contiguous`` that many consecutive ids from a random start."""
+    if args.contiguous:
+        start = int(rng.integers(0, args.num_blocks - args.blocks + 1))
+        return list(range(start, start + args.blocks))
+    return rng.permutation(args.num_blocks)[: args.blocks].tolist()
+
+
 def _start_pair(cfg: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     """Spawns the prefill and decode workers and lets them exchange their metadata."""
     ctx = mp.get_context("spawn")
@@ -804,8 +813,7 @@ def run_overlap_case(preset_name: str, args: argparse.Namespace) -> OverlapRow:
 
     def one(n: int, wait: str, trace: bool = False) -> tuple[float, float]:
         r = next(counter)
-        src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
-        dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
+        src, dst = (_request_ids(rng, args) for _ in range(2))
         tid = f"fw-{r}"
         conns["prefill"].send(("forward_write", tid, src, dst, n, r, wait, trace))
         forward, exposed, state, msg, summary = _recv(conns["prefill"], procs)
@@ -1017,6 +1025,12 @@ def main(argv: list[str] | None = None) -> int:
         "--overlap",
         action="store_true",
         help="per-layer WRITE overlapped with a synthetic forward (see the module docstring)",
+    )
+    parser.add_argument(
+        "--contiguous",
+        action="store_true",
+        help="--overlap: each request's blocks are consecutive ids on both sides (their runs "
+        "merge: one operation per layer and K/V plane instead of one per block), not random",
     )
     parser.add_argument(
         "--overlap-trace",

@@ -89,6 +89,9 @@
 #                                         # llama3-8b 256 blocks: default, progress_mode=busy and
 #                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
 #   bash bench/h200_session.sh gpu-tests      # one call: build with UCX, every GPU test
+#   bash bench/h200_session.sh overlap-contiguous  # one call: llama3-8b 256 blocks as UCX
+#                                         # operations, random against consecutive block ids
+#                                         # (one operation per layer), two rounds, traced
 #   bash bench/h200_session.sh overlap-parked  # one call: every GPU test (unless
 #                                         # SKIP_GPU_TESTS=1), then gpu_bench --overlap with the
 #                                         # copies as UCX operations (--direct-copy off: the path
@@ -98,7 +101,7 @@
 #                                         # runs this tree's event tests against that build
 # Logs and JSON go to $OUT (the device tool's result folder) or ./h200-out.
 set -uo pipefail
-step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked, overlap-trace, overlap-progress, gpu-tests)}
+step=${1:?a step named above (build, kernel, e2e, ..., stamps, stamp-groups, small, wake, overlap-stamps, overlap-wait, write-layers, overlap-parked, overlap-trace, overlap-progress, gpu-tests, overlap-contiguous)}
 root=$PWD
 out=${OUT:-$root/h200-out}
 build=/tmp/moriio-gpu-build
@@ -623,6 +626,20 @@ overlap-progress)  # issue 18: the UCX-operation path's per-operation pace: prog
       echo "elapsed ${SECONDS} s"
     done
   done 2>&1 | tee "$out/overlap-progress.log"
+  ;;
+overlap-contiguous)  # issue 18: the UCX-operation path with fewer, larger operations per layer
+  build_with_ucx || exit 1
+  for round in 1 2; do
+    for ids in random contiguous; do
+      [ "$SECONDS" -gt 500 ] && break 2
+      flag=""
+      [ "$ids" = contiguous ] && flag="--contiguous"
+      echo "== round $round: $ids block ids"
+      bench_variant tree "" 200 --preset llama3-8b --blocks 256 --overlap --direct-copy off \
+        --requests 3 $flag --overlap-trace "$out/overlap-$ids.json"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/overlap-contiguous.log"
   ;;
 write-layers)  # issue 18: a WRITE after the forward by one write_layers call, not one per layer
   build_with_ucx || exit 1
