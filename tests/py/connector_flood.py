@@ -78,7 +78,11 @@ who can point it at addresses of theirs makes it do. With more addresses than th
 ``max_peers`` (``--max-peers``) the prefill's peer directory evicts as the flood goes on.
 Checked too: the prefill's engine peers and cached addresses at most ``max_peers`` (sampled
 every 0.2 s and at the end), the strangers' handshakes answered, and the rest as for
-``unanswered``.
+``unanswered``. After the measured phases, under the flood again, ``--abort-rounds`` genuine
+aborts: the decode announces a request the prefill does not have yet and aborts it, the
+prefill's cached handshake of the decode dropped first (as an eviction drops it); the decode's
+blocks must be freed on the prefill's ``write_aborted`` within ABORT_ACK_WAIT_S (printed: abort
+to blocks freed).
 
 ``--stages`` (WRITE mode) also times each genuine round's stages (the announcement's and
 write_done's way through the listeners' queues, the prefill's step to its forward, the load),
@@ -181,6 +185,10 @@ FDS_PER_NOTIFY_SOCKET = 2
 # Log lines a short run of --kind unanswered may write whatever its messages: a few rate limits'
 # bursts (a line per message would be thousands).
 LOG_LINES_SHORT = 200
+# --kind answering: how long a genuine abort round waits for the decode's blocks to be freed;
+# an acknowledgement given up, or tried again every 5 s behind the flood's, takes longer.
+ABORT_ACK_WAIT_S = 4.0
+ABORT_FLOOD_LEAD_S = 0.5  # the flood's start before the first of them
 GARBAGE = [
     b"",
     b"\xc1",
@@ -627,6 +635,9 @@ class Result:
     at_start: dict[str, dict[str, int]] = field(default_factory=dict)
     log_lines: int = 0
     drained_s: float = 0.0  # after the flood, until no handshake was in flight
+    # --kind answering: each genuine abort round's ms, abort to the decode's blocks freed (at
+    # most ABORT_ACK_WAIT_S: not freed).
+    abort_acks_ms: list[float] = field(default_factory=list)
     after_drain: dict[str, int] = field(default_factory=dict)  # the directory then
     violations: list[str] = field(default_factory=list)
 
@@ -1024,6 +1035,36 @@ class Pair:
         d.run_until(lambda r: rid not in d.scheduler.requests, what=f"decode of {rid}")
         return took
 
+    def abort_round(self, violations: list[str]) -> float:
+        """A genuine request the decode announces and then aborts (a client that gave up while
+        the prompt queued) before the prefill has it, with the prefill's cached handshake of
+        the decode dropped (as an eviction at max_peers drops it): seconds from the abort until
+        the decode freed the blocks on the prefill's write_aborted (at most ABORT_ACK_WAIT_S;
+        unacknowledged, they stay quarantined for quarantine_timeout)."""
+        p, d = self.p, self.d
+        self.seed += 1
+        prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
+        rid, tid = pd_request_id(p, d), transfer_id()
+        directory = p.worker.worker.core.ctx.directory
+        directory.forget(directory.cached(PeerKey(LOCAL, d.handshake_port)))
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+        d.step()  # its remote_blocks goes out: an orphan job at the prefill
+        started = time.perf_counter()
+        d.abort(rid)
+        try:
+            d.run_until(
+                lambda r: d.free_blocks() == d.initial_free,
+                max_wait=ABORT_ACK_WAIT_S,
+                what=f"write_aborted of {rid}",
+            )
+        except AssertionError:
+            violations.append(
+                f"{rid}: the decode's blocks still quarantined {ABORT_ACK_WAIT_S:.0f} s after its "
+                "abort (no write_aborted)"
+            )
+            return ABORT_ACK_WAIT_S
+        return time.perf_counter() - started
+
     def shutdown(self) -> None:
         self.p.shutdown()
         self.d.shutdown()
@@ -1201,6 +1242,16 @@ def _window(
     return window, samples
 
 
+def _aborts_under_flood(pair: Pair, flooder: Flooder, rounds: int, res: Result) -> None:
+    """``rounds`` genuine aborts (:meth:`Pair.abort_round`) under the flood, after the
+    measured phases (their waits are in no phase's figures), once the flood has had a moment
+    to take the acknowledgement handshakes' budget."""
+    flooder.go()
+    time.sleep(ABORT_FLOOD_LEAD_S)
+    res.abort_acks_ms = [pair.abort_round(res.violations) * 1e3 for _ in range(rounds)]
+    flooder.stop()
+
+
 def _drain(pair: Pair, limit: float) -> float:
     """Seconds until the prefill's directory had no handshake in flight, at most ``limit``
     (then ``limit``, with some still in flight)."""
@@ -1243,6 +1294,8 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
             res.windows.append(window)
             samples[with_flood] += took
             in_order += took
+        if args.kind == "answering":
+            _aborts_under_flood(pair, flooder, args.abort_rounds, res)
         sent = flooder.stop()
         counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     finally:
@@ -1389,6 +1442,8 @@ def _check_answering(res: Result, args: argparse.Namespace) -> None:
             v.append(f"the prefill's directory: {name} reached {peak}, max_peers {args.max_peers}")
     if not res.after_drain["evicted"]:
         v.append(f"the prefill's directory evicted nothing (max_peers {args.max_peers})")
+    if len(res.abort_acks_ms) != args.abort_rounds:
+        v.append(f"{len(res.abort_acks_ms)} genuine abort rounds of {args.abort_rounds}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -1430,6 +1485,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=64,
         help="--kind answering: the instances' max_peers (below --answering, so it evicts)",
+    )
+    parser.add_argument(
+        "--abort-rounds",
+        type=int,
+        default=3,
+        help="--kind answering: genuine aborts under the flood after the phases (Pair.abort_round)",
     )
     parser.add_argument(
         "--secret",
@@ -1581,6 +1642,13 @@ def main(argv: list[str] | None = None) -> int:
             res.log_lines,
             res.drained_s,
             res.after_drain,
+        )
+    if res.abort_acks_ms:
+        logger.warning(
+            "genuine aborts under the flood: %d, abort to blocks freed median %.1f ms, max %.1f ms",
+            len(res.abort_acks_ms),
+            statistics.median(res.abort_acks_ms),
+            max(res.abort_acks_ms),
         )
     if res.stages:
         _log_stages(res.stages)

@@ -1042,6 +1042,57 @@ def test_acknowledgements_start_at_most_their_handshakes_a_second() -> None:
     assert started > pusher_module.ACK_HANDSHAKES_PER_S  # tried again once the second passed
 
 
+def write_one_request(ctx: Context, directory: Directory, pusher: Pusher, tid: str) -> None:
+    """A WRITE of request ``tid`` into decode rank 0 of TP 1, handshaken, written and done."""
+    decode = ZmqAddress(DECODE.host, DECODE.handshake_port, DECODE.notify_port)
+    pusher.begin_step([SaveTask(f"req-{tid}", tid, (1, 2), 2, decode, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks(tid, ((20, 21),), "d:8000/dp0/tp0", decode_tp_rank=0))
+    assert answer_handshakes(directory, DECODE, 1, "WRITE") == [0]
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    ctx.stop.clear()
+    pusher.on_event(event(tid), drained=True)
+
+
+def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flood() -> None:
+    """Decode rank 0 was written to, then its cached handshake went (evicted at max_peers by a
+    flood of aborts naming strangers' answering addresses, whose acknowledgement handshakes
+    took this second's budget). It then announces a request this prefill rank has not
+    scheduled yet and aborts it (a client gave up while the prompt queued). Before: the
+    acknowledgement needed a handshake, which waited behind the flood's for the budget, was
+    given up among the flood's, and the decode kept the request's blocks quarantined for
+    quarantine_timeout (300 s). Now it goes at once to the notify port that decode rank's
+    handshake proved when this rank wrote to it; no handshake starts for it."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher._ack_budget = pusher_module._HandshakeBudget(
+        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: 0.0
+    )
+    write_one_request(ctx, directory, pusher, "tx-1")
+    assert final_messages(sender) == [(8100, "write_done", "tx-1", 0)]
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", f"s{n}:1/dp0/tp0", "127.0.0.1", port, port))
+        for _, future in directory.pending:
+            future.set_exception(TransportError("the stranger's handshake failed"))
+        directory.pending = []
+    assert pusher._ack_budget.available() == 0
+    pusher.on_remote_blocks(RemoteBlocks("tx-2", ((30, 31),), "d:8000/dp0/tp0", decode_tp_rank=0))
+    pusher.on_abort_write(
+        AbortWrite("tx-2", "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, 8100)
+    )
+    assert final_messages(sender)[1:] == [(8100, "write_aborted", "tx-2", 0)]
+    assert not directory.pending
+    # The same engine id naming another rank still needs a handshake proving that rank.
+    pusher.on_abort_write(
+        AbortWrite(
+            "tx-3", "d:8000/dp0/tp0", DECODE.host, 8000, 8100, decode_tp_rank=1, decode_tp_size=2
+        )
+    )
+    assert len(final_messages(sender)) == 2
+
+
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:
     ctx, _, _, _ = context("write", producer=True, tp_rank=1, tp_size=4, heads=2)
     pusher = Pusher(ctx)

@@ -43,7 +43,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -119,6 +119,13 @@ MAX_ACK_HANDSHAKES = HANDSHAKE_THREADS // 2
 # cost 614-687 ms of the instance's CPU per 1,000 and made genuine rounds 2.0-3.5x slower
 # (375-444 ms, 1.3-1.7x with it; docs/reliability.md).
 ACK_HANDSHAKES_PER_S = 20.0
+# Decode ranks this rank wrote to, remembered (engine id -> where its handshake proved it) past
+# the peer directory's cache, whose entries go at max_peers (a flood of aborts naming addresses
+# that answer evicts them as it goes): an abort_write of one of them for a request this rank
+# never had is acknowledged there with no handshake, so it never waits behind a flood's for the
+# acknowledgement handshakes' budget. Only a written job's handshake enters it, which no flood
+# message makes; about 100 bytes each.
+MAX_WRITTEN_DECODE_RANKS = 4096
 
 
 class _HandshakeBudget:
@@ -150,6 +157,16 @@ class _HandshakeBudget:
     def give_back(self) -> None:
         """A taken handshake that did not start (a cached answer or failure)."""
         self._tokens = min(self._rate, self._tokens + 1)
+
+
+@dataclass(frozen=True)
+class _RankAddress:
+    """Where a decode rank's handshake proved it: its notify port, and which rank it is."""
+
+    host: str
+    notify_port: int
+    dp_rank: int
+    tp_rank: int
 
 
 class SendState(Enum):
@@ -246,16 +263,66 @@ def _bits(byte: int) -> list[int]:
     return [b for b in range(8) if byte >> b & 1] if byte else []
 
 
-class _EarlyReleases:
-    """Releases of transfers whose send task has not come yet (the pusher's lock held), at most
-    MAX_EARLY_MESSAGES records and MAX_EARLY_RELEASE_BYTES of bitmaps: the oldest go first."""
+_R = TypeVar("_R", bound=tuple[Any, ...])
 
-    def __init__(self) -> None:
-        self._records: OrderedDict[str, _EarlyRelease] = OrderedDict()
-        self._bytes = 0
+
+class _OldestFirst(Generic[_R]):
+    """Records of transfers by id (the pusher's lock held), oldest first, each of a weight
+    (``_weigh``) that counts towards a bound: past ``max_records`` records or ``max_weight``
+    in all, or past their lifetime (:meth:`expire`), the oldest go first. A record's first
+    field is when it was first seen (monotonic seconds)."""
+
+    def __init__(self, max_records: int, max_weight: int) -> None:
+        self._records: OrderedDict[str, _R] = OrderedDict()
+        self._weight = 0
+        self._max_records = max_records
+        self._max_weight = max_weight
 
     def __len__(self) -> int:
         return len(self._records)
+
+    @staticmethod
+    def _weigh(record: _R) -> int:
+        raise NotImplementedError
+
+    def _put(self, tid: str, record: _R) -> None:
+        """``record`` as ``tid``'s (in its place when it replaces one); then the bounds."""
+        old = self._records.get(tid)
+        self._weight += self._weigh(record) - (self._weigh(old) if old is not None else 0)
+        self._records[tid] = record
+        self._trim()
+
+    def _trim(self) -> None:
+        while len(self._records) > self._max_records or self._weight > self._max_weight:
+            self._forget_oldest()
+
+    def _take(self, tid: str) -> _R | None:
+        """``tid``'s record, forgotten here."""
+        record = self._records.pop(tid, None)
+        if record is not None:
+            self._weight -= self._weigh(record)
+        return record
+
+    def expire(self, now: float, lifetime: float) -> None:
+        """Forgets the records first seen more than ``lifetime`` seconds before ``now``."""
+        while self._records and now - next(iter(self._records.values()))[_SEEN] > lifetime:
+            self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        _, record = self._records.popitem(last=False)
+        self._weight -= self._weigh(record)
+
+
+class _EarlyReleases(_OldestFirst[_EarlyRelease]):
+    """Releases of transfers whose send task has not come yet, at most MAX_EARLY_MESSAGES
+    records and MAX_EARLY_RELEASE_BYTES of bitmaps."""
+
+    def __init__(self) -> None:
+        super().__init__(MAX_EARLY_MESSAGES, MAX_EARLY_RELEASE_BYTES)
+
+    @staticmethod
+    def _weigh(record: _EarlyRelease) -> int:
+        return len(record[2])
 
     def record(self, release: Release) -> bool:
         """Keeps ``release``'s rank for its transfer; False (nothing kept) when an earlier
@@ -265,39 +332,26 @@ class _EarlyReleases:
         if record is None:
             size = release.consumer_tp_size
             record = (time.monotonic(), size, bytearray((size + 7) // 8))
-            self._records[tid] = record
-            self._bytes += len(record[2])
         _, size, ranks = record
         if release.consumer_tp_size != size:
             return False
         rank = release.consumer_tp_rank  # below its size (the message's schema)
         ranks[rank >> 3] |= 1 << (rank & 7)
-        while len(self._records) > MAX_EARLY_MESSAGES or self._bytes > MAX_EARLY_RELEASE_BYTES:
-            self._forget_oldest()
+        self._put(tid, record)
         return True
 
     def pop(self, tid: str) -> list[Release]:
         """The releases of ``tid`` kept so far (one per rank, the first's TP size), forgotten
         here."""
-        record = self._records.pop(tid, None)
+        record = self._take(tid)
         if record is None:
             return []
         _, size, ranks = record
-        self._bytes -= len(ranks)
         return [
             Release(tid, consumer_tp_size=size, consumer_tp_rank=8 * i + b)
             for i, bits in enumerate(ranks)
             for b in _bits(bits)
         ]
-
-    def expire(self, now: float, lifetime: float) -> None:
-        """Forgets the records first seen more than ``lifetime`` seconds before ``now``."""
-        while self._records and now - next(iter(self._records.values()))[_SEEN] > lifetime:
-            self._forget_oldest()
-
-    def _forget_oldest(self) -> None:
-        _, (_, _, ranks) = self._records.popitem(last=False)
-        self._bytes -= len(ranks)
 
 
 @dataclass
@@ -418,16 +472,16 @@ def _new_orphan(
     )
 
 
-class _Orphans:
-    """Orphan jobs (the pusher's lock held), by engine transfer id: at most MAX_EARLY_MESSAGES
-    of them and MAX_ORPHAN_BLOCK_IDS block ids in their announcements, the oldest go first."""
+class _Orphans(_OldestFirst[_Orphan]):
+    """Orphan jobs by engine transfer id: at most MAX_EARLY_MESSAGES of them and
+    MAX_ORPHAN_BLOCK_IDS block ids in their announcements."""
 
     def __init__(self) -> None:
-        self._records: OrderedDict[str, _Orphan] = OrderedDict()
-        self._ids = 0
+        super().__init__(MAX_EARLY_MESSAGES, MAX_ORPHAN_BLOCK_IDS)
 
-    def __len__(self) -> int:
-        return len(self._records)
+    @staticmethod
+    def _weigh(record: _Orphan) -> int:
+        return record[_IDS]
 
     def get(self, jid: str) -> _Orphan | None:
         return self._records.get(jid)
@@ -435,19 +489,14 @@ class _Orphans:
     def keep(self, jid: str, orphan: _Orphan) -> None:
         """Keeps ``orphan`` as ``jid``'s (in its place when it replaces one); past the bounds
         the oldest are dropped, ``orphan`` too when its announcement alone passes them."""
-        old = self._records.get(jid)
-        self._ids += orphan[_IDS] - (old[_IDS] if old is not None else 0)
-        self._records[jid] = orphan
-        while len(self._records) > MAX_EARLY_MESSAGES or self._ids > MAX_ORPHAN_BLOCK_IDS:
-            self._forget_oldest()
+        self._put(jid, orphan)
 
     def pop(self, jid: str) -> _Job | None:
         """``jid``'s orphan as a job, for its save or send task to continue; forgotten here."""
-        orphan = self._records.pop(jid, None)
+        orphan = self._take(jid)
         if orphan is None:
             return None
-        _, request, rank, ids, announced, aborted, released, reason = orphan
-        self._ids -= ids
+        _, request, rank, _, announced, aborted, released, reason = orphan
         state = JobState.FAILED if reason else JobState.PENDING
         return _Job(
             jid,
@@ -463,15 +512,6 @@ class _Orphans:
     def states(self) -> dict[str, JobState]:
         failed, waiting = JobState.FAILED, JobState.PENDING
         return {jid: failed if o[_REASON] else waiting for jid, o in self._records.items()}
-
-    def expire(self, now: float, lifetime: float) -> None:
-        """Forgets the orphans first seen more than ``lifetime`` seconds before ``now``."""
-        while self._records and now - next(iter(self._records.values()))[_SEEN] > lifetime:
-            self._forget_oldest()
-
-    def _forget_oldest(self) -> None:
-        _, orphan = self._records.popitem(last=False)
-        self._ids -= orphan[_IDS]
 
 
 _M = TypeVar("_M", RemoteBlocks, AbortWrite)
@@ -529,6 +569,8 @@ class Pusher:
         self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
         self._ack_handshakes = 0  # their handshakes in flight (MAX_ACK_HANDSHAKES)
         self._ack_budget = _HandshakeBudget(ACK_HANDSHAKES_PER_S)
+        # Decode ranks written to, least recently first (MAX_WRITTEN_DECODE_RANKS).
+        self._written_ranks: OrderedDict[str, _RankAddress] = OrderedDict()
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
@@ -930,6 +972,7 @@ class Pusher:
             job.peer = peer
             job.segments = segments
             job.machine.advance(JobEvent.CONNECTED)
+            self._remember_written(peer)
             self._advance(job)
         if feed:
             self.feed_writer()
@@ -1059,7 +1102,8 @@ class Pusher:
         """Acknowledge an abort_write whose decode address this rank does not know (it never
         had the request, or the request named none; lock held): only at the rank it names,
         proven by a handshake at its address (allowlist; the rank, its TP size and
-        ``decode_engine_id`` must match), or a cached handshake of that engine id and rank. An
+        ``decode_engine_id`` must match), or an earlier handshake of that engine id and rank
+        (:meth:`_proven_rank`: the directory's cache, or a decode rank this rank wrote to). An
         ack tells its receiver that this rank's writes of the transfer into it stopped, so it
         must reach no other rank: one this rank may still write into later, should the request
         come. A handshake that fails, or that would be one more than
@@ -1067,10 +1111,9 @@ class Pusher:
         again (:data:`ACK_RETRY_EVERY_S`);
         ``since``: the first try's time, when this is a later one."""
         since = time.monotonic() if since is None else since
-        rank = (request.decode_dp_rank, request.decode_tp_rank)
-        peer = self._ctx.directory.find_engine(request.decode_engine_id)
-        if peer is not None and (peer.response.dp_rank, peer.response.tp_rank) == rank:
-            self._send(peer.host, peer.notify_port, ack)
+        proven = self._proven_rank(request)
+        if proven is not None:
+            self._send(proven.host, proven.notify_port, ack)
             return
         if self._ack_handshakes >= MAX_ACK_HANDSHAKES:
             busy = f"{self._ack_handshakes} handshakes of other acknowledgements in flight"
@@ -1118,6 +1161,32 @@ class Pusher:
             self._send(peer.host, peer.notify_port, ack)
 
         future.add_done_callback(acked)
+
+    def _remember_written(self, peer: Peer) -> None:
+        """``peer`` is a decode rank this rank writes to (lock held): kept, the most recent."""
+        engine_id = peer.response.engine_id
+        self._written_ranks.pop(engine_id, None)
+        self._written_ranks[engine_id] = _RankAddress(
+            peer.host, peer.notify_port, peer.response.dp_rank, peer.response.tp_rank
+        )
+        if len(self._written_ranks) > MAX_WRITTEN_DECODE_RANKS:
+            self._written_ranks.popitem(last=False)
+
+    def _proven_rank(self, request: AbortWrite) -> _RankAddress | None:
+        """Where a handshake proved the rank ``request`` names, with the engine id it names:
+        the peer directory's cached handshake, else a decode rank this rank wrote to (lock
+        held). None: only a new handshake can prove it."""
+        named = (request.decode_dp_rank, request.decode_tp_rank)
+        peer = self._ctx.directory.find_engine(request.decode_engine_id)
+        if peer is not None:
+            proven = _RankAddress(
+                peer.host, peer.notify_port, peer.response.dp_rank, peer.response.tp_rank
+            )
+        else:
+            proven = self._written_ranks.get(request.decode_engine_id)
+        if proven is None or (proven.dp_rank, proven.tp_rank) != named:
+            return None
+        return proven
 
     def _ack_failed(self, request: AbortWrite, exc: Exception, since: float) -> None:
         """No acknowledgement for ``request`` (any thread): kept to be tried again when its
