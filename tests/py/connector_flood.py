@@ -81,8 +81,8 @@ every 0.2 s and at the end), the strangers' handshakes answered, and the rest as
 ``unanswered``. After the measured phases, under the flood again, ``--abort-rounds`` genuine
 aborts: the decode announces a request the prefill does not have yet and aborts it, the
 prefill's cached handshake of the decode dropped first (as an eviction drops it); the decode's
-blocks must be freed on the prefill's ``write_aborted`` within ABORT_ACK_WAIT_S (printed: abort
-to blocks freed).
+blocks must be freed on the prefill's ``write_aborted`` within ``--abort-wait`` seconds (printed:
+abort to blocks freed).
 
 ``--stages`` (WRITE mode) also times each genuine round's stages (the announcement's and
 write_done's way through the listeners' queues, the prefill's step to its forward, the load),
@@ -185,8 +185,9 @@ FDS_PER_NOTIFY_SOCKET = 2
 # Log lines a short run of --kind unanswered may write whatever its messages: a few rate limits'
 # bursts (a line per message would be thousands).
 LOG_LINES_SHORT = 200
-# --kind answering: how long a genuine abort round waits for the decode's blocks to be freed;
-# an acknowledgement given up, or tried again every 5 s behind the flood's, takes longer.
+# --kind answering: how long a genuine abort round waits for the decode's blocks to be freed
+# (--abort-wait); an acknowledgement given up, or tried again every 5 s behind the flood's,
+# takes longer.
 ABORT_ACK_WAIT_S = 4.0
 ABORT_FLOOD_LEAD_S = 0.5  # the flood's start before the first of them
 GARBAGE = [
@@ -636,7 +637,7 @@ class Result:
     log_lines: int = 0
     drained_s: float = 0.0  # after the flood, until no handshake was in flight
     # --kind answering: each genuine abort round's ms, abort to the decode's blocks freed (at
-    # most ABORT_ACK_WAIT_S: not freed).
+    # most --abort-wait: not freed).
     abort_acks_ms: list[float] = field(default_factory=list)
     after_drain: dict[str, int] = field(default_factory=dict)  # the directory then
     violations: list[str] = field(default_factory=list)
@@ -1035,11 +1036,11 @@ class Pair:
         d.run_until(lambda r: rid not in d.scheduler.requests, what=f"decode of {rid}")
         return took
 
-    def abort_round(self, violations: list[str]) -> float:
+    def abort_round(self, violations: list[str], wait: float = ABORT_ACK_WAIT_S) -> float:
         """A genuine request the decode announces and then aborts (a client that gave up while
         the prompt queued) before the prefill has it, with the prefill's cached handshake of
         the decode dropped (as an eviction at max_peers drops it): seconds from the abort until
-        the decode freed the blocks on the prefill's write_aborted (at most ABORT_ACK_WAIT_S;
+        the decode freed the blocks on the prefill's write_aborted (at most ``wait``;
         unacknowledged, they stay quarantined for quarantine_timeout)."""
         p, d = self.p, self.d
         self.seed += 1
@@ -1049,20 +1050,23 @@ class Pair:
         directory.forget(directory.cached(PeerKey(LOCAL, d.handshake_port)))
         d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
         d.step()  # its remote_blocks goes out: an orphan job at the prefill
+        if not _orphan_arrives(p, tid):
+            violations.append(f"{rid}: its announcement did not reach the prefill")
+            return wait
         started = time.perf_counter()
-        d.abort(rid)
+        d.abort(rid)  # announced: the blocks stay quarantined until the prefill answers
         try:
             d.run_until(
                 lambda r: d.free_blocks() == d.initial_free,
-                max_wait=ABORT_ACK_WAIT_S,
+                max_wait=wait,
                 what=f"write_aborted of {rid}",
             )
         except AssertionError:
             violations.append(
-                f"{rid}: the decode's blocks still quarantined {ABORT_ACK_WAIT_S:.0f} s after its "
-                "abort (no write_aborted)"
+                f"{rid}: the decode's blocks still quarantined {wait:.0f} s after its abort "
+                "(no write_aborted)"
             )
-            return ABORT_ACK_WAIT_S
+            return wait
         return time.perf_counter() - started
 
     def shutdown(self) -> None:
@@ -1242,13 +1246,29 @@ def _window(
     return window, samples
 
 
-def _aborts_under_flood(pair: Pair, flooder: Flooder, rounds: int, res: Result) -> None:
-    """``rounds`` genuine aborts (:meth:`Pair.abort_round`) under the flood, after the
+def _orphan_arrives(p: Side, tid: str, limit: float = 10.0) -> bool:
+    """Whether the prefill holds transfer ``tid`` as an orphan job (its announcement came,
+    no request yet) within ``limit`` seconds."""
+    pusher = p.worker.worker.core.pusher
+    deadline = time.monotonic() + limit
+    while tid not in pusher.job_states():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def _aborts_under_flood(
+    pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
+) -> None:
+    """``--abort-rounds`` genuine aborts (:meth:`Pair.abort_round`) under the flood, after the
     measured phases (their waits are in no phase's figures), once the flood has had a moment
     to take the acknowledgement handshakes' budget."""
     flooder.go()
     time.sleep(ABORT_FLOOD_LEAD_S)
-    res.abort_acks_ms = [pair.abort_round(res.violations) * 1e3 for _ in range(rounds)]
+    res.abort_acks_ms = [
+        pair.abort_round(res.violations, args.abort_wait) * 1e3 for _ in range(args.abort_rounds)
+    ]
     flooder.stop()
 
 
@@ -1295,7 +1315,7 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
             samples[with_flood] += took
             in_order += took
         if args.kind == "answering":
-            _aborts_under_flood(pair, flooder, args.abort_rounds, res)
+            _aborts_under_flood(pair, flooder, args, res)
         sent = flooder.stop()
         counts = _settle(pair, sent["total"] - sent["refused"], 60, args.secret)
     finally:
@@ -1491,6 +1511,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=3,
         help="--kind answering: genuine aborts under the flood after the phases (Pair.abort_round)",
+    )
+    parser.add_argument(
+        "--abort-wait",
+        type=float,
+        default=ABORT_ACK_WAIT_S,
+        help="--kind answering: seconds a genuine abort may take until the decode's blocks are "
+        "freed (the flood goes on meanwhile)",
     )
     parser.add_argument(
         "--secret",

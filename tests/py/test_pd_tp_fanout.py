@@ -1055,9 +1055,10 @@ def write_one_request(ctx: Context, directory: Directory, pusher: Pusher, tid: s
 
 
 def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flood() -> None:
-    """Decode rank 0 was written to, then its cached handshake went (evicted at max_peers by a
-    flood of aborts naming strangers' answering addresses, whose acknowledgement handshakes
-    took this second's budget). It then announces a request this prefill rank has not
+    """Decode rank 0 was written to, then its cached handshake went (the scripted directory
+    caches nothing, as after an eviction at max_peers by a flood of aborts naming strangers'
+    answering addresses), and such aborts took this second's acknowledgement handshakes. It
+    then announces a request this prefill rank has not
     scheduled yet and aborts it (a client gave up while the prompt queued). Before: the
     acknowledgement needed a handshake, which waited behind the flood's for the budget, was
     given up among the flood's, and the decode kept the request's blocks quarantined for
@@ -1091,6 +1092,54 @@ def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flo
         )
     )
     assert len(final_messages(sender)) == 2
+
+
+def test_a_remembered_decode_rank_is_not_acknowledged_at_a_port_it_no_longer_has() -> None:
+    """Decode rank dp1/tp0 of TP 1 was written to (its notify port 8101); then the decode
+    restarted under the same address as TP 2: the same engine ids (vLLM's name the address and
+    the ranks), but dp1/tp0 now listens on 8102, and 8101 is dp0/tp1's. Its abort of a request
+    this rank never had names TP 2. Before: the write_aborted went to the remembered 8101, to
+    another rank that may wait for this rank's writes of that transfer, and the aborting rank's
+    blocks stayed quarantined. Now a remembered rank counts only where the abort's own fields
+    put it (its TP size and notify port); here a handshake proves the rank first."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    engine_id = "d:8000/dp1/tp0"
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-1", ((20, 21),), engine_id, decode_dp_rank=1, decode_tp_rank=0)
+    )
+
+    def answer(tp_size: int) -> None:
+        key, future = directory.pending.pop(0)
+        assert key.handshake_port == rank_port(DECODE.handshake_port, 1, 0, tp_size)
+        response = HandshakeResponse(
+            engine_id,
+            b"meta",
+            1,
+            0,
+            2,
+            tp_size,
+            "WRITE",
+            total_kv_heads=8,
+            incarnation=incarnation(tp_size),
+        )
+        notify = rank_port(DECODE.notify_port, 1, 0, tp_size)
+        future.set_result(
+            Peer(key=key, engine_peer=engine_id, notify_port=notify, response=response)
+        )
+
+    answer(1)
+    assert pusher._written_ranks[engine_id].notify_port == 8101
+    pusher.on_abort_write(
+        AbortWrite(
+            "tx-9", engine_id, DECODE.host, 8000, 8100, 1, decode_tp_rank=0, decode_tp_size=2
+        )
+    )
+    assert final_messages(sender) == []
+    answer(2)
+    assert final_messages(sender) == [(8102, "write_aborted", "tx-9", 0)]
 
 
 def test_a_prefill_rank_no_decode_rank_needs_frees_when_the_request_ends() -> None:

@@ -21,7 +21,9 @@ the ``write_failed`` of a job that ended before its decode rank announced (also 
 request that ended, or one that ended before its prompt was computed: an ``unsaved`` send
 task), once the announcement comes, and the ``write_aborted`` of a job never handshaken: each
 where the job writes or would write (an ``abort_write`` of a transfer never known here is
-answered at its own address only after a handshake there confirmed its rank). With ``verify``
+answered only where a handshake proved the rank it names, at the ports its own fields give
+that rank: one made for it, the peer directory's cached one, or that of a decode rank this
+rank wrote to). With ``verify``
 on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
 its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
 A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
@@ -66,6 +68,7 @@ from moriio_native.engine import BlockSegment
 from moriio_native.errors import (
     FailedPreconditionError,
     IncompatiblePeerError,
+    InvalidArgumentError,
     MoriioError,
     TransferTimeoutError,
     TransportError,
@@ -123,8 +126,9 @@ ACK_HANDSHAKES_PER_S = 20.0
 # the peer directory's cache, whose entries go at max_peers (a flood of aborts naming addresses
 # that answer evicts them as it goes): an abort_write of one of them for a request this rank
 # never had is acknowledged there with no handshake, so it never waits behind a flood's for the
-# acknowledgement handshakes' budget. Only a written job's handshake enters it, which no flood
-# message makes; about 100 bytes each.
+# acknowledgement handshakes' budget. Only the handshake of a job this rank writes enters it:
+# an address a request names as its decode's (the router's word, not a notify message's); a few
+# hundred bytes each.
 MAX_WRITTEN_DECODE_RANKS = 4096
 
 
@@ -159,14 +163,44 @@ class _HandshakeBudget:
         self._tokens = min(self._rate, self._tokens + 1)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class _RankAddress:
-    """Where a decode rank's handshake proved it: its notify port, and which rank it is."""
+    """Where a decode rank's handshake proved it: its notify port, and which rank of which TP
+    size it is."""
 
     host: str
     notify_port: int
     dp_rank: int
     tp_rank: int
+    tp_size: int
+
+    @classmethod
+    def of(cls, peer: Peer) -> _RankAddress:
+        response = peer.response
+        return cls(
+            peer.host, peer.notify_port, response.dp_rank, response.tp_rank, response.tp_size
+        )
+
+    def named_by(self, request: AbortWrite) -> bool:
+        """Whether ``request`` names this rank: the same DP rank, TP rank and TP size, and this
+        notify port where its own fields put that rank (a decode restarted under its address
+        with another TP size keeps its engine ids, but its ranks' ports move)."""
+        if (self.dp_rank, self.tp_rank, self.tp_size) != (
+            request.decode_dp_rank,
+            request.decode_tp_rank,
+            request.decode_tp_size,
+        ):
+            return False
+        try:
+            port = rank_port(
+                request.decode_notify_port,
+                request.decode_dp_rank,
+                request.decode_tp_rank,
+                request.decode_tp_size,
+            )
+        except InvalidArgumentError:
+            return False
+        return port == self.notify_port
 
 
 class SendState(Enum):
@@ -268,21 +302,24 @@ _R = TypeVar("_R", bound=tuple[Any, ...])
 
 class _OldestFirst(Generic[_R]):
     """Records of transfers by id (the pusher's lock held), oldest first, each of a weight
-    (``_weigh``) that counts towards a bound: past ``max_records`` records or ``max_weight``
-    in all, or past their lifetime (:meth:`expire`), the oldest go first. A record's first
-    field is when it was first seen (monotonic seconds)."""
+    (``_weigh``) that counts towards a bound: past ``_bounds()`` (records, weight in all), or
+    past their lifetime (:meth:`expire`), the oldest go first. A record's first field is when
+    it was first seen (monotonic seconds)."""
 
-    def __init__(self, max_records: int, max_weight: int) -> None:
+    def __init__(self) -> None:
         self._records: OrderedDict[str, _R] = OrderedDict()
         self._weight = 0
-        self._max_records = max_records
-        self._max_weight = max_weight
 
     def __len__(self) -> int:
         return len(self._records)
 
     @staticmethod
     def _weigh(record: _R) -> int:
+        raise NotImplementedError
+
+    @staticmethod
+    def _bounds() -> tuple[int, int]:
+        """(records, weight) at most; the module's constants, read when they apply."""
         raise NotImplementedError
 
     def _put(self, tid: str, record: _R) -> None:
@@ -293,7 +330,8 @@ class _OldestFirst(Generic[_R]):
         self._trim()
 
     def _trim(self) -> None:
-        while len(self._records) > self._max_records or self._weight > self._max_weight:
+        max_records, max_weight = self._bounds()
+        while len(self._records) > max_records or self._weight > max_weight:
             self._forget_oldest()
 
     def _take(self, tid: str) -> _R | None:
@@ -317,12 +355,13 @@ class _EarlyReleases(_OldestFirst[_EarlyRelease]):
     """Releases of transfers whose send task has not come yet, at most MAX_EARLY_MESSAGES
     records and MAX_EARLY_RELEASE_BYTES of bitmaps."""
 
-    def __init__(self) -> None:
-        super().__init__(MAX_EARLY_MESSAGES, MAX_EARLY_RELEASE_BYTES)
-
     @staticmethod
     def _weigh(record: _EarlyRelease) -> int:
         return len(record[2])
+
+    @staticmethod
+    def _bounds() -> tuple[int, int]:
+        return MAX_EARLY_MESSAGES, MAX_EARLY_RELEASE_BYTES
 
     def record(self, release: Release) -> bool:
         """Keeps ``release``'s rank for its transfer; False (nothing kept) when an earlier
@@ -476,12 +515,13 @@ class _Orphans(_OldestFirst[_Orphan]):
     """Orphan jobs by engine transfer id: at most MAX_EARLY_MESSAGES of them and
     MAX_ORPHAN_BLOCK_IDS block ids in their announcements."""
 
-    def __init__(self) -> None:
-        super().__init__(MAX_EARLY_MESSAGES, MAX_ORPHAN_BLOCK_IDS)
-
     @staticmethod
     def _weigh(record: _Orphan) -> int:
         return record[_IDS]
+
+    @staticmethod
+    def _bounds() -> tuple[int, int]:
+        return MAX_EARLY_MESSAGES, MAX_ORPHAN_BLOCK_IDS
 
     def get(self, jid: str) -> _Orphan | None:
         return self._records.get(jid)
@@ -1060,9 +1100,8 @@ class Pusher:
         """The ack of abort_write (lock held; nothing of the job writes any more), to where
         the job writes: its handshaken decode rank, or, unhandshaken, that rank's notify port
         at the request's decode address (where a handshake would have gone). Only a job of a
-        request this rank never had is answered at the abort's own address, after a handshake
-        confirmed the rank there (:meth:`_ack_by_handshake`); so is one whose request named
-        no decode address."""
+        request this rank never had is answered where a handshake proved the rank the abort
+        names (:meth:`_ack_by_handshake`); so is one whose request named no decode address."""
         request = job.abort_requested
         assert request is not None
         ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
@@ -1166,9 +1205,7 @@ class Pusher:
         """``peer`` is a decode rank this rank writes to (lock held): kept, the most recent."""
         engine_id = peer.response.engine_id
         self._written_ranks.pop(engine_id, None)
-        self._written_ranks[engine_id] = _RankAddress(
-            peer.host, peer.notify_port, peer.response.dp_rank, peer.response.tp_rank
-        )
+        self._written_ranks[engine_id] = _RankAddress.of(peer)
         if len(self._written_ranks) > MAX_WRITTEN_DECODE_RANKS:
             self._written_ranks.popitem(last=False)
 
@@ -1176,15 +1213,12 @@ class Pusher:
         """Where a handshake proved the rank ``request`` names, with the engine id it names:
         the peer directory's cached handshake, else a decode rank this rank wrote to (lock
         held). None: only a new handshake can prove it."""
-        named = (request.decode_dp_rank, request.decode_tp_rank)
         peer = self._ctx.directory.find_engine(request.decode_engine_id)
         if peer is not None:
-            proven = _RankAddress(
-                peer.host, peer.notify_port, peer.response.dp_rank, peer.response.tp_rank
-            )
+            proven: _RankAddress | None = _RankAddress.of(peer)
         else:
             proven = self._written_ranks.get(request.decode_engine_id)
-        if proven is None or (proven.dp_rank, proven.tp_rank) != named:
+        if proven is None or not proven.named_by(request):
             return None
         return proven
 
