@@ -802,9 +802,7 @@ def _pick_backend(choice: BackendChoice) -> tuple[str, str]:
         return "ucx", "prefill and decode are separate processes, KV moves over UCX" + tls
     ucx = {info.name: info for info in available_backends()}.get("ucx")
     why = "" if choice == "loopback" else f" (UCX unavailable: {ucx.reason if ucx else '?'})"
-    return "loopback", (
-        "loopback backend: prefill and decode are two engines in ONE process (threads)" + why
-    )
+    return "loopback", "prefill and decode are two engines in ONE process (threads)" + why
 
 
 ProgressHook = Callable[[str, int, int], None]
