@@ -987,13 +987,22 @@ class Pair:
         if response.engine_id != side.worker.worker.engine_id:
             violations.append(f"handshake answered as {response.engine_id}")
 
+    def _new_request(self) -> tuple[list[int], str, str]:
+        """A fresh genuine request: (prompt, request id, transfer id)."""
+        self.seed += 1
+        prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
+        return prompt, pd_request_id(self.p, self.d), transfer_id()
+
+    def _drop_prefills_handshake_of_decode(self) -> None:
+        """The prefill's cached handshake with the decode goes (as an eviction drops it)."""
+        directory = self.p.worker.worker.core.ctx.directory
+        directory.forget(directory.cached(PeerKey(LOCAL, self.d.handshake_port)))
+
     def round(self, violations: list[str]) -> float:
         """One genuine request: (fresh handshake + READ + release) seconds in READ mode,
         (fresh handshake + announcement + the prefill's forward and writes + load) in WRITE."""
         p, d = self.p, self.d
-        self.seed += 1
-        prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
-        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt, rid, tid = self._new_request()
         if self.mode == "read":
             p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
             finished = p.step().finished()
@@ -1012,8 +1021,7 @@ class Pair:
             if stages is not None:
                 stages.begin(tid)
             if self.fresh_peer:
-                directory = p.worker.worker.core.ctx.directory
-                directory.forget(directory.cached(PeerKey(LOCAL, d.handshake_port)))
+                self._drop_prefills_handshake_of_decode()
             started = time.perf_counter()
             self._handshake(violations)
             mark("handshake")
@@ -1043,11 +1051,8 @@ class Pair:
         the decode freed the blocks on the prefill's write_aborted (at most ``wait``;
         unacknowledged, they stay quarantined for quarantine_timeout)."""
         p, d = self.p, self.d
-        self.seed += 1
-        prompt = [(self.seed * 7919 + i * 13) % 30011 + 1 for i in range(40)]
-        rid, tid = pd_request_id(p, d), transfer_id()
-        directory = p.worker.worker.core.ctx.directory
-        directory.forget(directory.cached(PeerKey(LOCAL, d.handshake_port)))
+        prompt, rid, tid = self._new_request()
+        self._drop_prefills_handshake_of_decode()
         d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
         d.step()  # its remote_blocks goes out: an orphan job at the prefill
         if not _orphan_arrives(p, tid):
