@@ -32,7 +32,8 @@ from typing import Any
 
 import moriio_native as mn
 from device_copy import device_copy_gbps
-from moriio_native.bench.cudacopy import Plugin, Queue, cells_of, default_plugin_path
+from moriio_native.bench.cudacopy import Queue, cells_of
+from moriio_native.cudacopy import Plugin, default_plugin_path
 
 logger = logging.getLogger("moriio_native.bench.cellcopy")
 

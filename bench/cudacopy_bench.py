@@ -29,7 +29,8 @@ import time
 from dataclasses import asdict, dataclass
 
 from device_copy import device_copy_gbps
-from moriio_native.bench.cudacopy import Plugin, Queue, default_plugin_path
+from moriio_native.bench.cudacopy import Queue
+from moriio_native.cudacopy import Plugin, default_plugin_path
 
 logger = logging.getLogger("moriio_native.bench.cudacopy")
 

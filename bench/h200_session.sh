@@ -21,7 +21,8 @@
 #                                         # before it
 #   bash bench/h200_session.sh checks     # one call: every GPU test (kernels, cells, verify's
 #                                         # device checksums, UCX two processes) and the
-#                                         # checksum's cost against a device copy
+#                                         # checksums' cost (torch, the plugin's kernel) against
+#                                         # a device copy, 64 and 1,024 blocks per layer
 #   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
 #                                         # with a copy_ in the same memory state beside each
 #                                         # size, what degrades the copy (allocator, order), and
@@ -472,8 +473,10 @@ checks)  # one call after the merges: every GPU test, and the checksum's cost on
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
     tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
     tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
-  timeout 120 python3 bench/verify_bench.py --device-only --preset llama3-8b 2>&1 |
-    tee "$out/verify-device.log"
+  for blocks in 64 1024; do
+    timeout 120 python3 bench/verify_bench.py --device-only --blocks-per-request $blocks \
+      --layers $((2048 / blocks))
+  done 2>&1 | tee "$out/verify-device.log"
   ;;
 prelaunch)  # issue 18: what runs before a request's first launch, and small runs' host cost
   base_build=/tmp/moriio-base-build

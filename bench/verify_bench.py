@@ -12,7 +12,8 @@ bytes in this process (``numpy.copyto``: the memory-bandwidth baseline), as GB/s
         --blocks-per-request 64 --requests 16 --rounds 3
     PYTHONPATH=<build>/python python3 bench/verify_bench.py --device-only --blocks-per-request 2048
 
-(``--device-only``: the torch checksum on a GPU against a device copy, no demo.)
+(``--device-only``: the checksums on a GPU, torch and the CUDA copy plugin's kernel, against a
+device copy, no demo.)
 
 Prints a table (or ``--json``). Blocks until done; every demo wait is bounded by its timeout.
 """
@@ -80,24 +81,30 @@ def checksum_throughput(args: argparse.Namespace) -> dict[str, float]:
 
 
 def device_throughput(args: argparse.Namespace) -> dict[str, Any]:
-    """GB/s of the torch checksum on a GPU over ``blocks_per_request`` blocks of one layer
-    shaped as vLLM's [2, N, B, H, D] bf16 (block 16, 8 KV heads, head size 128), against a
-    device copy of the same bytes (``Tensor.copy_``) in this process; medians of
-    ``repeats`` (after a warm-up)."""
+    """GB/s of the checksums on a GPU over ``blocks_per_request`` blocks of layers shaped as
+    vLLM's [2, N, B, H, D] bf16 (block 16, 8 KV heads, head size 128), against a device copy of
+    the same bytes (``Tensor.copy_``) in this process; medians of ``repeats`` (after a warm-up).
+    Torch over one layer; the CUDA copy plugin's kernel over one layer and over ``layers``
+    layers in one call (as ``LayerChecksums`` calls it), its values checked against torch's."""
     import torch
 
     from moriio_native import CacheSpec, describe_layer
-    from moriio_native.verify import checksum_torch
+    from moriio_native.cudacopy import shared_plugin
+    from moriio_native.verify import checksum_cuda, checksum_torch
 
     blocks = args.blocks_per_request
-    cache = torch.randint(
-        -(2**15), 2**15, (2, 2 * blocks, 16, 8, 128), dtype=torch.int16, device="cuda"
-    ).view(torch.bfloat16)
     spec = CacheSpec(kind="kv", block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2)
-    layout = describe_layer("L0", cache, spec)
+    caches = [
+        torch.randint(
+            -(2**15), 2**15, (2, 2 * blocks, 16, 8, 128), dtype=torch.int16, device="cuda"
+        ).view(torch.bfloat16)
+        for _ in range(args.layers)
+    ]
+    pairs = [(describe_layer(f"L{i}", c, spec), c) for i, c in enumerate(caches)]
+    layout, cache = pairs[0]
     ids = list(range(0, 2 * blocks, 2))
     nbytes = blocks * layout.block_bytes
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    src = torch.empty(nbytes * args.layers, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
 
     def timed(fn: Any) -> float:
@@ -111,15 +118,55 @@ def device_throughput(args: argparse.Namespace) -> dict[str, Any]:
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    checksum = nbytes / timed(lambda: checksum_torch(layout, cache, ids)) / 1e9
-    copy = nbytes / timed(lambda: dst.copy_(src)) / 1e9
-    return {
+    copy = nbytes / timed(lambda: dst[:nbytes].copy_(src[:nbytes])) / 1e9
+    copy_all = nbytes * args.layers / timed(lambda: dst.copy_(src)) / 1e9
+    by_torch = nbytes / timed(lambda: checksum_torch(layout, cache, ids)) / 1e9
+    got: dict[str, Any] = {
         "device": torch.cuda.get_device_name(),
         "bytes": nbytes,
-        "checksum_gbps": checksum,
+        "layers": args.layers,
         "copy_gbps": copy,
-        "ratio": checksum / copy,
+        "copy_all_gbps": copy_all,
+        "torch_gbps": by_torch,
+        "torch_ratio": by_torch / copy,
     }
+    plugin = shared_plugin()
+    if plugin is None:
+        return got
+    for layout, cache in pairs:
+        want = checksum_torch(layout, cache, ids)
+        if not np.array_equal(checksum_cuda(plugin, [(layout, cache)], ids)[0], want):
+            raise AssertionError(f"layer {layout.name}: the plugin's checksums differ from torch's")
+    id_array = np.asarray(ids, dtype=np.int64)  # as LayerChecksums passes them
+    one = nbytes / timed(lambda: checksum_cuda(plugin, pairs[:1], id_array)) / 1e9
+    every = nbytes * args.layers / timed(lambda: checksum_cuda(plugin, pairs, id_array)) / 1e9
+    got.update(
+        plugin_gbps=one,
+        plugin_ratio=one / copy,
+        plugin_all_gbps=every,
+        plugin_all_ratio=every / copy_all,
+    )
+    return got
+
+
+def describe_device(got: dict[str, Any]) -> str:
+    """The --device-only result as lines of text."""
+    mib = got["bytes"] / 2**20
+    lines = [
+        f"{got['device']}: one layer, {mib:.1f} MiB: device copy {got['copy_gbps']:.1f} GB/s; "
+        f"torch checksum {got['torch_gbps']:.1f} GB/s ({got['torch_ratio']:.3f}x)"
+    ]
+    if "plugin_gbps" in got:
+        lines.append(
+            f"plugin kernel, one layer: {got['plugin_gbps']:.1f} GB/s "
+            f"({got['plugin_ratio']:.3f}x); {got['layers']} layers in one call "
+            f"({got['layers'] * mib:.0f} MiB): {got['plugin_all_gbps']:.1f} GB/s against a copy "
+            f"of {got['copy_all_gbps']:.1f} GB/s ({got['plugin_all_ratio']:.3f}x); values equal "
+            "torch's"
+        )
+    else:
+        lines.append("CUDA copy plugin not loaded: no kernel figures")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -130,22 +177,19 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=9, help="checksum timing repeats")
+    parser.add_argument(
+        "--layers", type=int, default=32, help="--device-only: layers in the plugin's one call"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--device-only",
         action="store_true",
-        help="only the torch checksum on the GPU against a device copy (no demo)",
+        help="only the checksums on the GPU (torch, the plugin) against a device copy (no demo)",
     )
     args = parser.parse_args()
     if args.device_only:
         got = device_throughput(args)
-        print(
-            json.dumps(got, indent=2)
-            if args.json
-            else f"checksum (torch, {got['device']}) {got['checksum_gbps']:.1f} GB/s over "
-            f"{got['bytes'] / 2**20:.1f} MiB; device copy {got['copy_gbps']:.1f} GB/s; "
-            f"ratio {got['ratio']:.3f}"
-        )
+        print(json.dumps(got, indent=2) if args.json else describe_device(got))
         return 0
 
     latencies: dict[bool, dict[str, list[float]]] = {False: {}, True: {}}

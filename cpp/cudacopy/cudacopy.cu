@@ -35,6 +35,7 @@
 #include <new>
 #include <vector>
 
+#include "checksum.h"
 #include "cudacopy_abi.h"
 
 namespace {
@@ -1185,8 +1186,17 @@ void ReleaseOp(void* op_ptr) {
 }
 
 const moriio_cudacopy_api kApi = {
-    MORIIO_CUDACOPY_ABI_VERSION, &Probe, &CreateQueue, &DestroyQueue, &Submit,
-    &PollOp,                     &ReleaseOp, &SubmitCells, &SubmitStamps, &QueryEvent,
+    MORIIO_CUDACOPY_ABI_VERSION,
+    &Probe,
+    &CreateQueue,
+    &DestroyQueue,
+    &Submit,
+    &PollOp,
+    &ReleaseOp,
+    &SubmitCells,
+    &SubmitStamps,
+    &QueryEvent,
+    &moriio_cudacopy::ChecksumBlocks,
 };
 
 }  // namespace

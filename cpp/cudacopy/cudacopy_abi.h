@@ -10,7 +10,8 @@
  *
  * It also answers whether a CUDA event has completed (query_event), so that a batch whose copies
  * are UCX operations (RDMA to another node) can wait for its producer's event without the caller
- * waiting on the host.
+ * waiting on the host, and computes the integrity check's block checksums of device layers in one
+ * kernel (checksum_blocks, used by python/moriio_native/verify.py).
  *
  * Threading: a queue is used by one thread at a time (the UCX progress thread); different queues
  * are independent. Nothing here blocks except destroy_queue (waits for the queue's kernels).
@@ -24,7 +25,7 @@
 extern "C" {
 #endif
 
-#define MORIIO_CUDACOPY_ABI_VERSION 6u
+#define MORIIO_CUDACOPY_ABI_VERSION 7u
 #define MORIIO_CUDACOPY_SYMBOL "moriio_native_cudacopy_api"
 
 /* The cells of a block pair as one grid, the same on both sides (moriio_native::CellGeometry):
@@ -54,6 +55,22 @@ typedef struct moriio_cudacopy_stamp_layer {
 typedef struct moriio_cudacopy_stamp_run {
   int64_t dst, src, size;
 } moriio_cudacopy_stamp_run;
+
+/* One layer of checksum_blocks (moriio_native::LayoutParams, window resolved): the cell (plane p,
+ * head h, token t) of block b starts at
+ *   base + b*block_stride + plane_offset[p] + h*head_stride
+ *        + (t / kernel_block_size)*kernel_block_stride + (t % kernel_block_size)*token_stride
+ * and is plane_bytes[p] long; the checksum covers heads [head_begin, +heads) and tokens
+ * [token_begin, +tokens) of planes [0, planes). */
+typedef struct moriio_cudacopy_checksum_layer {
+  uint64_t base; /* device address of the layer's block 0 */
+  int64_t block_stride, head_stride, token_stride, kernel_block_stride;
+  int64_t plane_offset[2];
+  uint32_t plane_bytes[2]; /* 1 .. 2^20 each */
+  uint32_t planes;         /* 1 or 2 */
+  uint32_t kernel_block_size;
+  uint32_t head_begin, heads, token_begin, tokens; /* heads, tokens >= 1 */
+} moriio_cudacopy_checksum_layer;
 
 typedef struct moriio_cudacopy_api {
   uint32_t abi_version; /* MORIIO_CUDACOPY_ABI_VERSION */
@@ -106,6 +123,16 @@ typedef struct moriio_cudacopy_api {
    * finished: 1 yes (or never recorded), 0 not yet, negative: the query failed (err says why).
    * Never blocks; callable from any thread. (ABI 6.) */
   int (*query_event)(uint64_t event, char* err, size_t err_len);
+  /* The block checksums of include/moriio_native/checksum.hpp, in one kernel: for every layer
+   * l < num_layers and i < num_ids, the checksum of block block_ids[i] of layer l into
+   * out[l * num_ids + i] (host memory). Runs on `stream` (a cudaStream_t of this process on
+   * `device`; 0: the legacy default stream), so after the work queued there, and returns once
+   * the values are in `out` (blocking; the calling thread's current device is restored). The
+   * caller has checked every id and window against its layer; a layer outside the ranges above
+   * fails the call (err names the layer). Callable from any thread. (ABI 7.) */
+  int (*checksum_blocks)(int device, uint64_t stream, const moriio_cudacopy_checksum_layer* layers,
+                         uint32_t num_layers, const int64_t* block_ids, uint64_t num_ids,
+                         uint64_t* out, char* err, size_t err_len);
 } moriio_cudacopy_api;
 
 /* The plugin exports: const moriio_cudacopy_api* moriio_native_cudacopy_api(void); */

@@ -9,7 +9,10 @@ zero-padded to whole 64-bit little-endian words ``w_i``, the value is
 * :func:`checksum_host` -- the native core over host memory (releases the GIL);
 * :func:`checksum_torch` -- torch on the tensor's own device (CUDA / ROCm, or CPU), through a
   logical view of the layer's bytes: the same value for the same logical bytes
-  (tests/py/test_verify.py checks both against each other on every layout family).
+  (tests/py/test_verify.py checks both against each other on every layout family);
+* :func:`checksum_cuda` -- the CUDA copy plugin's one kernel for every CUDA layer at once,
+  which :class:`LayerChecksums` takes whenever the plugin loads (torch otherwise: ROCm, or a
+  build without nvcc).
 
 :class:`LayerChecksums` holds one rank's registered layers and computes every layer's values
 for a list of blocks; :func:`compare` pairs two sides' values. The wire form of one layer's
@@ -184,6 +187,72 @@ def checksum_torch(
     return out
 
 
+def _checksum_layer(layout: LayerLayout, tensor: Any, window: CellWindow) -> Any:
+    """The plugin's form of ``layout`` over ``tensor`` (its ``data_ptr`` the layer base) with
+    ``window`` resolved; InvalidArgumentError naming the layer for a bad window."""
+    from moriio_native.cudacopy import ChecksumLayer
+
+    head_begin, heads, token_begin, tokens = window.resolve(layout)
+    p = layout.params
+    planes = 2 if p["kind"] == "kv" else 1
+    return ChecksumLayer(
+        base=int(tensor.data_ptr()),
+        block_stride=p["block_stride"],
+        head_stride=p["head_stride"],
+        token_stride=p["token_stride"],
+        kernel_block_stride=p["kernel_block_stride"],
+        plane_offset=(p["plane_offset"][0], p["plane_offset"][1] if planes == 2 else 0),
+        plane_bytes=(p["plane_bytes"][0], p["plane_bytes"][1] if planes == 2 else 0),
+        planes=planes,
+        kernel_block_size=p["kernel_block_size"],
+        head_begin=head_begin,
+        heads=heads,
+        token_begin=token_begin,
+        tokens=tokens,
+    )
+
+
+def checksum_cuda(
+    plugin: Any,
+    layers: Sequence[tuple[LayerLayout, Any]],
+    block_ids: Sequence[int],
+    window: CellWindow = WHOLE_BLOCK,
+) -> list[np.ndarray]:
+    """The values :func:`checksum_host` gives for each ``(layout, tensor)`` of CUDA tensors on
+    one device, by one kernel of the CUDA copy plugin (``plugin``: a
+    :class:`moriio_native.cudacopy.Plugin`) on the current torch stream of that device. Blocks
+    until the values are here. OutOfRangeError / InvalidArgumentError naming the layer for bad
+    ids or windows (nothing computed); FailedPreconditionError naming the layer when the
+    plugin fails."""
+    import torch
+
+    from moriio_native.cudacopy import CudaCopyError
+
+    if not layers:
+        return []
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    lowest, highest = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
+    for layout, _ in layers:
+        if lowest < 0 or highest >= layout.num_blocks:
+            _check_ids(layout, ids.tolist())  # raises, naming the layer, the id and its position
+    described = [_checksum_layer(layout, tensor, window) for layout, tensor in layers]
+    device = layers[0][1].device
+    try:
+        values = plugin.checksum_blocks(
+            device.index,
+            torch.cuda.current_stream(device).cuda_stream,
+            described,
+            ids,
+        )
+    except CudaCopyError as exc:
+        message = str(exc)
+        if message.startswith("checksum layer "):
+            index = int(message.split()[2].rstrip(":"))
+            message = f"layer '{layers[index][0].name}': {message}"
+        raise FailedPreconditionError(f"verify on {device}: {message}") from None
+    return list(values)
+
+
 def pack(values: np.ndarray) -> bytes:
     """The wire form of one layer's values: little-endian uint64, one per block."""
     return np.asarray(values, dtype="<u8").tobytes()
@@ -262,11 +331,14 @@ class _Layer:
 
 
 class LayerChecksums:
-    """The checksums of one rank's registered layers. Host layers go through the native core,
-    device layers through torch on their device. Immutable; thread-safe."""
+    """The checksums of one rank's registered layers. Host layers go through the native core;
+    CUDA layers through the CUDA copy plugin's kernel, all of a device's in one call, when the
+    plugin loads; other device layers (ROCm), or CUDA ones without the plugin, through torch on
+    their device. Immutable; thread-safe."""
 
-    def __init__(self, layers: Sequence[_Layer]) -> None:
+    def __init__(self, layers: Sequence[_Layer], cuda_plugin: Any = None) -> None:
         self._layers = tuple(layers)
+        self._cuda_plugin = cuda_plugin  # a moriio_native.cudacopy.Plugin, or None: torch
 
     @classmethod
     def for_registrations(cls, registrations: Sequence[Any]) -> LayerChecksums:
@@ -287,7 +359,7 @@ class LayerChecksums:
                     f"{type(reg.tensor).__name__}; block checksums on a device need a torch "
                     "tensor (turn verify off, or register the layer as a torch tensor)"
                 )
-        return cls(layers)
+        return cls(layers, _plugin_for(layers))
 
     @property
     def layers(self) -> tuple[str, ...]:
@@ -299,14 +371,24 @@ class LayerChecksums:
         """Every layer's values for ``block_ids`` (wire form, :func:`pack`). Blocking; raises
         OutOfRangeError / InvalidArgumentError naming the layer for bad ids or windows."""
         ids = np.asarray(list(block_ids), dtype=np.int64)
-        out = {}
+        values: dict[str, np.ndarray] = {}
+        on_cuda: dict[Any, list[_Layer]] = {}
         for layer in self._layers:
             if layer.host is not None:
-                values = checksum_host(layer.layout, layer.host, ids, window)
+                values[layer.name] = checksum_host(layer.layout, layer.host, ids, window)
+            elif self._cuda_plugin is not None and _is_cuda(layer.tensor):
+                on_cuda.setdefault(layer.tensor.device, []).append(layer)
             else:
-                values = checksum_torch(layer.layout, layer.tensor, ids.tolist(), window)
-            out[layer.name] = pack(values)
-        return out
+                values[layer.name] = checksum_torch(
+                    layer.layout, layer.tensor, ids.tolist(), window
+                )
+        for layers in on_cuda.values():
+            pairs = [(layer.layout, layer.tensor) for layer in layers]
+            for layer, layer_values in zip(
+                layers, checksum_cuda(self._cuda_plugin, pairs, ids, window), strict=True
+            ):
+                values[layer.name] = layer_values
+        return {layer.name: pack(values[layer.name]) for layer in self._layers}
 
     def poison_first_word(self, block_id: int) -> str:
         """TEST HOOK (pd/verify.py's ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV``): set the
@@ -332,6 +414,23 @@ class LayerChecksums:
         return f"layer '{layer.name}' block {block} bytes {at}..{at + 7}"
 
 
+def _is_cuda(tensor: Any) -> bool:
+    """Whether ``tensor`` lives on a CUDA device (ROCm's torch calls its devices ``cuda`` too,
+    and the plugin is CUDA only)."""
+    import torch
+
+    return bool(tensor.is_cuda) and torch.version.hip is None
+
+
+def _plugin_for(layers: Sequence[_Layer]) -> Any:
+    """The CUDA copy plugin when a layer lives on a CUDA device and it loads; else None."""
+    if not any(layer.tensor is not None and _is_cuda(layer.tensor) for layer in layers):
+        return None
+    from moriio_native.cudacopy import shared_plugin
+
+    return shared_plugin()
+
+
 def _host_bytes(reg: Any, layout: LayerLayout) -> np.ndarray:
     """The layer's bytes from its base to the end of its allocation, as a uint8 array that
     keeps the registered tensor alive."""
@@ -352,6 +451,7 @@ __all__ = [
     "CellWindow",
     "LayerChecksums",
     "Mismatch",
+    "checksum_cuda",
     "checksum_host",
     "checksum_torch",
     "compare",

@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from moriio_native.bench.cudacopy import CudaCopyError, Plugin, Queue, default_plugin_path
+from moriio_native.bench.cudacopy import Queue
+from moriio_native.cudacopy import CudaCopyError, Plugin, default_plugin_path
 
 pytestmark = pytest.mark.gpu
 
@@ -331,7 +332,7 @@ def test_cells_of_windows(queue: Queue, into_local: bool) -> None:
 def test_cells_refuse_a_geometry_out_of_range(queue: Queue) -> None:
     import torch
 
-    from moriio_native.bench.cudacopy import Cells
+    from moriio_native.cudacopy import Cells
 
     buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     blocks = np.zeros(1, dtype=np.int64)
@@ -389,7 +390,7 @@ def _check_stamps(
 
 
 def test_stamps_of_kv_layers_with_split_planes(queue: Queue) -> None:
-    from moriio_native.bench.cudacopy import StampLayer, StampRun
+    from moriio_native.cudacopy import StampLayer, StampRun
 
     # 8 layers of 2 planes of 4 KiB per block (separated K and V: the plane stride is the
     # cache's half), blocks gathered at random from 64 into 64 others, then a 1-run layer of
@@ -414,7 +415,7 @@ def test_stamps_of_kv_layers_with_split_planes(queue: Queue) -> None:
 
 
 def test_stamps_with_many_blocks_and_many_runs_per_layer(queue: Queue) -> None:
-    from moriio_native.bench.cudacopy import StampLayer, StampRun
+    from moriio_native.cudacopy import StampLayer, StampRun
 
     # 256 runs per layer (the most a layer may have: every cell of a head window) over 3 layers
     # sharing 1,000 block pairs, so every CTA binary-searches a long run table.
@@ -433,7 +434,7 @@ def test_stamps_with_many_blocks_and_many_runs_per_layer(queue: Queue) -> None:
 
 
 def test_stamps_of_runs_over_16_kib_beside_small_ones_in_one_layer(queue: Queue) -> None:
-    from moriio_native.bench.cudacopy import StampLayer, StampRun
+    from moriio_native.cudacopy import StampLayer, StampRun
 
     # One layer's template mixes runs of several 16 KiB pieces (the last one short, or exactly
     # full) with runs of one piece and of a few bytes, packed in another order on each side, so
@@ -461,7 +462,7 @@ def test_stamps_of_runs_over_16_kib_beside_small_ones_in_one_layer(queue: Queue)
 def test_stamps_refuse_a_layer_outside_the_arrays(queue: Queue) -> None:
     import torch
 
-    from moriio_native.bench.cudacopy import StampLayer, StampRun
+    from moriio_native.cudacopy import StampLayer, StampRun
 
     buf = torch.zeros(1 << 16, dtype=torch.uint8, device="cuda")
     ids = np.zeros(4, dtype=np.int64)

@@ -32,6 +32,7 @@ from moriio_native.errors import FailedPreconditionError, InvalidArgumentError, 
 from moriio_native.verify import (
     CellWindow,
     LayerChecksums,
+    checksum_cuda,
     checksum_host,
     checksum_torch,
     compare,
@@ -70,6 +71,7 @@ def layouts(content: Any) -> dict[str, tuple[Any, CacheSpec]]:
     """The same logical content in every layout family: (tensor, spec) per name. Padded and
     strided forms are views into larger random buffers, so their gaps hold other bytes."""
     k, v = content[0], content[1]  # [N, B, H, D]
+    d = content.shape[-1]
     out: dict[str, tuple[Any, CacheSpec]] = {
         "sep_nhd": (content.clone(), spec()),
         "sep_hnd": (content.permute(0, 1, 3, 2, 4).contiguous(), spec()),
@@ -80,10 +82,10 @@ def layouts(content: Any) -> dict[str, tuple[Any, CacheSpec]]:
         "packed_nbhc": (torch.cat([k, v], -1).contiguous().permute(0, 2, 1, 3), spec()),
     }
     # Kernel blocks of 2 tokens, HND: [N*2, 2, H, 2, D] (tokens split across kernel blocks).
-    kb = content.reshape(2, N, 2, 2, H, D).permute(1, 2, 0, 4, 3, 5).reshape(N * 2, 2, H, 2, D)
+    kb = content.reshape(2, N, 2, 2, H, d).permute(1, 2, 0, 4, 3, 5).reshape(N * 2, 2, H, 2, d)
     out["kernel_int_hnd"] = (kb.contiguous(), spec("hnd"))
     # Padded blocks: each block's slot 1.5x its bytes, the rest random.
-    padded = noise_like((2, N, H, B + 2, D), 7)
+    padded = noise_like((2, N, H, B + 2, d), 7)
     padded[:, :, :, :B] = content.permute(0, 1, 3, 2, 4)
     out["padded_hnd"] = (padded[:, :, :, :B], spec())
     return out
@@ -280,3 +282,82 @@ def test_device_checksums_equal_the_native_host_ones() -> None:
         device[(1,) * device.dim()] ^= 1  # one moved byte changes exactly one block's value
         changed = checksum_torch(layout, device, every)
         assert int(np.count_nonzero(changed != before)) == 1, name
+
+
+def _cuda_plugin() -> Any:
+    from moriio_native.cudacopy import shared_plugin
+
+    plugin = shared_plugin() if torch.cuda.is_available() and torch.version.hip is None else None
+    if plugin is None:
+        pytest.skip("needs a CUDA device and the CUDA copy plugin (built where nvcc is)")
+    return plugin
+
+
+def _on_cuda(tensor: Any) -> Any:
+    """``tensor``'s storage copied to the GPU, viewed with the same shape and strides."""
+    raw = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage()).cuda()
+    return raw.view(tensor.dtype).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def test_the_cuda_kernel_equals_the_native_host_checksums_in_one_call() -> None:
+    """Every layout family at once (one kernel for all layers): 6-byte cells (the byte path),
+    whole-word cells of 16 and 256 bytes (a warp per cell), windows of heads and tokens; a
+    changed byte changes exactly its block in exactly its layer."""
+    plugin = _cuda_plugin()
+    families: list[tuple[str, Any, CacheSpec]] = []
+    for head_size in (3, 8, 128):
+        content = torch.randint(-(2**15), 2**15, (2, N, B, H, head_size), dtype=torch.int16)
+        for name, (tensor, cache_spec) in layouts(content).items():
+            sized = CacheSpec(
+                kind="kv",
+                block_size=cache_spec.block_size,
+                num_kv_heads=H,
+                head_size=head_size,
+                dtype_bytes=2,
+                axis_order=cache_spec.axis_order,
+            )
+            families.append((f"{name}_d{head_size}", tensor, sized))
+    ids = [4, 1, 5, 1, 0]
+    for window in ({}, {"head_begin": 1}, {"token_begin": 1, "tokens": 2}):
+        w = CellWindow(**window)
+        pairs = []
+        expected = []
+        for name, tensor, cache_spec in families:
+            layout = describe_layer(name, tensor, cache_spec)
+            expected.append(checksum_host(layout, host_bytes(tensor), ids, w))
+            pairs.append((layout, _on_cuda(tensor)))
+        got = checksum_cuda(plugin, pairs, ids, w)
+        for (name, _, _), want, values in zip(families, expected, got, strict=True):
+            np.testing.assert_array_equal(values, want, err_msg=f"{name} {window}")
+    every = list(range(N))
+    before = checksum_cuda(plugin, pairs, every)
+    pairs[5][1][(1,) * pairs[5][1].dim()] ^= 1
+    after = checksum_cuda(plugin, pairs, every)
+    changed = [int(np.count_nonzero(a != b)) for a, b in zip(after, before, strict=True)]
+    assert changed == [0] * 5 + [1] + [0] * (len(pairs) - 6)
+
+
+def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
+    plugin = _cuda_plugin()
+    tensor, cache_spec = layouts(logical(3))["int_hnd"]
+    layout = describe_layer("L7", tensor, cache_spec)
+    pairs = [(layout, _on_cuda(tensor))]
+    with pytest.raises(OutOfRangeError, match="layer 'L7': block id 6 at position 1"):
+        checksum_cuda(plugin, pairs, [0, 6])
+    with pytest.raises(InvalidArgumentError, match="layer 'L7': checksum window heads"):
+        checksum_cuda(plugin, pairs, [0], CellWindow(head_begin=H))
+    assert checksum_cuda(plugin, [], [0]) == []
+    assert [len(v) for v in checksum_cuda(plugin, pairs, [])] == [0]
+
+
+def test_cuda_layers_go_through_the_plugin_and_agree_with_torch() -> None:
+    """LayerChecksums picks the plugin for CUDA layers: its values equal torch's."""
+    plugin = _cuda_plugin()
+    tensor, cache_spec = layouts(logical(5))["sep_nhd"]
+    device = _on_cuda(tensor)
+    registration = LayerRegistration("L0", device, cache_spec, memory="cuda")
+    checksums = LayerChecksums.for_registrations([registration])
+    assert checksums._cuda_plugin is plugin
+    layout = describe_layer("L0", device, cache_spec)
+    values = checksums.compute([3, 0])
+    assert values == {"L0": pack(checksum_torch(layout, device, [3, 0]))}
