@@ -17,6 +17,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <vector>
 
 #include "checksum.h"
@@ -237,6 +240,43 @@ cudaError_t ResidentCtas(int device, int* out) {
   return e;
 }
 
+/// Device memory for the calls' arguments and values, one buffer per device kept for the
+/// process (an allocation per call cost more than the kernel: cudaFree synchronises the device,
+/// and the default pool of cudaMallocAsync gives its memory back at every synchronisation).
+/// Calls hold the lock from taking the buffer to their last use of it.
+class Scratch {
+ public:
+  static Scratch& Shared() {
+    static Scratch* shared = new Scratch;  // never destroyed: callable until the process ends
+    return *shared;
+  }
+  std::mutex& lock() { return lock_; }
+  /// At least `bytes` on the current device `device` (the lock held); null with `*e` set on
+  /// failure.
+  unsigned char* Take(int device, std::size_t bytes, cudaError_t* e) {
+    Buffer& b = buffers_[device];
+    if (b.bytes < bytes) {
+      if (b.data != nullptr) cudaFree(b.data);
+      b = Buffer{};
+      std::size_t size = 64 << 10;
+      while (size < bytes) size *= 2;
+      *e = cudaMalloc(reinterpret_cast<void**>(&b.data), size);
+      if (*e != cudaSuccess) return nullptr;
+      b.bytes = size;
+    }
+    *e = cudaSuccess;
+    return b.data;
+  }
+
+ private:
+  struct Buffer {
+    unsigned char* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  std::mutex lock_;
+  std::map<int, Buffer> buffers_;
+};
+
 }  // namespace
 
 int ChecksumBlocks(int device, std::uint64_t stream, const moriio_cudacopy_checksum_layer* layers,
@@ -268,18 +308,22 @@ int ChecksumBlocks(int device, std::uint64_t stream, const moriio_cudacopy_check
   const std::size_t layer_bytes = prepared.size() * sizeof(SumLayer);
   const std::size_t id_bytes = num_ids * sizeof(std::int64_t);
   const std::size_t out_bytes = std::size_t{num_layers} * num_ids * sizeof(std::uint64_t);
-  unsigned char* scratch = nullptr;
-  e = cudaMallocAsync(reinterpret_cast<void**>(&scratch), layer_bytes + id_bytes + out_bytes, s);
-  if (e != cudaSuccess) {
+  // The arguments in one host buffer: one copy to the device, not two.
+  std::vector<unsigned char> arguments(layer_bytes + id_bytes);
+  std::memcpy(arguments.data(), prepared.data(), layer_bytes);
+  std::memcpy(arguments.data() + layer_bytes, block_ids, id_bytes);
+  Scratch& scratch = Scratch::Shared();
+  const std::lock_guard<std::mutex> hold(scratch.lock());
+  unsigned char* memory = scratch.Take(device, arguments.size() + out_bytes, &e);
+  if (memory == nullptr) {
     SayCuda(err, err_len, "allocating the checksum arguments", e);
     return -1;
   }
-  auto* d_layers = reinterpret_cast<SumLayer*>(scratch);
-  auto* d_ids = reinterpret_cast<std::int64_t*>(scratch + layer_bytes);
-  auto* d_out = reinterpret_cast<unsigned long long*>(scratch + layer_bytes + id_bytes);
+  auto* d_layers = reinterpret_cast<SumLayer*>(memory);
+  auto* d_ids = reinterpret_cast<std::int64_t*>(memory + layer_bytes);
+  auto* d_out = reinterpret_cast<unsigned long long*>(memory + arguments.size());
   const char* what = "copying the checksum arguments";
-  e = cudaMemcpyAsync(d_layers, prepared.data(), layer_bytes, cudaMemcpyHostToDevice, s);
-  if (e == cudaSuccess) e = cudaMemcpyAsync(d_ids, block_ids, id_bytes, cudaMemcpyHostToDevice, s);
+  e = cudaMemcpyAsync(memory, arguments.data(), arguments.size(), cudaMemcpyHostToDevice, s);
   if (e == cudaSuccess) e = cudaMemsetAsync(d_out, 0, out_bytes, s);
   if (e == cudaSuccess) {
     what = "the checksum kernel";
@@ -294,15 +338,11 @@ int ChecksumBlocks(int device, std::uint64_t stream, const moriio_cudacopy_check
     what = "copying the checksums back";
     e = cudaMemcpyAsync(out, d_out, out_bytes, cudaMemcpyDeviceToHost, s);
   }
-  const cudaError_t freed = cudaFreeAsync(scratch, s);
+  // Also after a failure: the buffer is reused only once nothing queued here reads it.
   const cudaError_t done = cudaStreamSynchronize(s);
   if (e == cudaSuccess && done != cudaSuccess) {
     what = "the checksum kernel";
     e = done;
-  }
-  if (e == cudaSuccess && freed != cudaSuccess) {
-    what = "freeing the checksum arguments";
-    e = freed;
   }
   if (e != cudaSuccess) {
     SayCuda(err, err_len, what, e);
