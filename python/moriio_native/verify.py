@@ -114,6 +114,18 @@ def _byte_view(tensor: Any) -> tuple[Any, int]:
     return raw, int(tensor.data_ptr()) - int(storage.data_ptr())
 
 
+def _held_bytes(layout: LayerLayout, tensor: Any) -> tuple[Any, int]:
+    """:func:`_byte_view` of ``tensor``; InvalidArgumentError naming the layer when its storage
+    does not hold the layout's bytes from the base (a device path would read past it)."""
+    raw, base = _byte_view(tensor)
+    if base < 0 or base + layout.span_bytes > raw.numel():
+        raise InvalidArgumentError(
+            f"layer '{layout.name}': the tensor's storage does not hold the layout's "
+            f"{layout.span_bytes} bytes"
+        )
+    return raw, base
+
+
 def _check_ids(layout: LayerLayout, block_ids: Sequence[int]) -> list[int]:
     ids = [int(b) for b in block_ids]
     for position, block in enumerate(ids):
@@ -138,12 +150,7 @@ def checksum_torch(
     ids = _check_ids(layout, block_ids)
     head_begin, heads, token_begin, tokens = window.resolve(layout)
     p = layout.params
-    raw, base = _byte_view(tensor)
-    if base < 0 or base + layout.span_bytes > raw.numel():
-        raise InvalidArgumentError(
-            f"layer '{layout.name}': the tensor's storage does not hold the layout's "
-            f"{layout.span_bytes} bytes"
-        )
+    raw, base = _held_bytes(layout, tensor)
     kernel = p["kernel_block_size"]
     planes = 2 if p["kind"] == "kv" else 1
     words_per_block = sum(heads * tokens * -(-p["plane_bytes"][i] // 8) for i in range(planes))
@@ -189,10 +196,12 @@ def checksum_torch(
 
 def _checksum_layer(layout: LayerLayout, tensor: Any, window: CellWindow) -> Any:
     """The plugin's form of ``layout`` over ``tensor`` (its ``data_ptr`` the layer base) with
-    ``window`` resolved; InvalidArgumentError naming the layer for a bad window."""
+    ``window`` resolved; InvalidArgumentError naming the layer for a bad window, or a storage
+    that does not hold the layout's bytes."""
     from moriio_native.cudacopy import ChecksumLayer
 
     head_begin, heads, token_begin, tokens = window.resolve(layout)
+    _held_bytes(layout, tensor)
     p = layout.params
     planes = 2 if p["kind"] == "kv" else 1
     return ChecksumLayer(

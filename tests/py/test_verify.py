@@ -346,6 +346,9 @@ def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
         checksum_cuda(plugin, pairs, [0, 6])
     with pytest.raises(InvalidArgumentError, match="layer 'L7': checksum window heads"):
         checksum_cuda(plugin, pairs, [0], CellWindow(head_begin=H))
+    short = pairs[0][1].reshape(-1)[: pairs[0][1].numel() // 2]
+    with pytest.raises(InvalidArgumentError, match="layer 'L7': the tensor's storage does not"):
+        checksum_cuda(plugin, [(layout, torch.empty_like(short))], [0])
     assert checksum_cuda(plugin, [], [0]) == []
     assert [len(v) for v in checksum_cuda(plugin, pairs, [])] == [0]
 
