@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "checksum.h"
+#include "moriio_native/checksum_mix.hpp"
 
 namespace moriio_cudacopy {
 namespace {
 
-constexpr std::uint64_t kPositionStep = 0x9E3779B97F4A7C15ULL;
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 // Cell passes per unit: each lane has this many independent words in flight per unit.
@@ -45,15 +45,6 @@ struct SumLayer {
   std::uint64_t cells;       // cells per block: planes * heads * tokens
   std::uint64_t units;       // units per block: cells / cells_per_unit, rounded up
 };
-
-__device__ __forceinline__ std::uint64_t Mix64(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
 
 /// Word `k` of a cell of `bytes` bytes at `cell`, zero-padded past its end.
 __device__ __forceinline__ std::uint64_t LoadWord(const unsigned char* cell, std::uint32_t k,
@@ -93,7 +84,7 @@ __device__ __forceinline__ CellAt Locate(const SumLayer& s, std::int64_t block, 
 }
 
 __device__ __forceinline__ std::uint64_t Term(std::uint64_t word, std::uint64_t position) {
-  return Mix64(word ^ (position * kPositionStep));
+  return moriio_native::Mix64(word ^ (position * moriio_native::kChecksumPositionStep));
 }
 
 /// The terms of this lane's words of the unit's cells (from `first_cell`, a pass apart). When

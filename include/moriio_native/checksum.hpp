@@ -25,24 +25,11 @@
 #include <span>
 #include <vector>
 
+#include "moriio_native/checksum_mix.hpp"
 #include "moriio_native/layout.hpp"
 #include "moriio_native/status.hpp"
 
 namespace moriio_native {
-
-/// MurmurHash3's 64-bit finalizer (fmix64). Exposed so other implementations can be checked
-/// against this one.
-constexpr std::uint64_t Mix64(std::uint64_t x) {
-  x ^= x >> 33;
-  x *= 0xff51afd7ed558ccdULL;
-  x ^= x >> 33;
-  x *= 0xc4ceb9fe1a85ec53ULL;
-  x ^= x >> 33;
-  return x;
-}
-
-/// The step of the position term: word i is mixed with (i + 1) * kChecksumPositionStep.
-inline constexpr std::uint64_t kChecksumPositionStep = 0x9E3779B97F4A7C15ULL;
 
 /// One checksum per entry of `blocks` (in that order) of the layer whose bytes start at `base`,
 /// over the cells of `window` (see the file comment). `base` must hold at least
