@@ -114,16 +114,17 @@ def _byte_view(tensor: Any) -> tuple[Any, int]:
     return raw, int(tensor.data_ptr()) - int(storage.data_ptr())
 
 
-def _held_bytes(layout: LayerLayout, tensor: Any) -> tuple[Any, int]:
-    """:func:`_byte_view` of ``tensor``; InvalidArgumentError naming the layer when its storage
-    does not hold the layout's bytes from the base (a device path would read past it)."""
-    raw, base = _byte_view(tensor)
-    if base < 0 or base + layout.span_bytes > raw.numel():
+def _check_held(layout: LayerLayout, tensor: Any) -> None:
+    """InvalidArgumentError naming the layer when ``tensor``'s storage does not hold the
+    layout's bytes from its base (a device path would read past it). From the storage's
+    addresses alone: no view is built (the plugin path runs this per layer and call)."""
+    storage = tensor.untyped_storage()
+    base = int(tensor.data_ptr()) - int(storage.data_ptr())
+    if base < 0 or base + layout.span_bytes > storage.nbytes():
         raise InvalidArgumentError(
             f"layer '{layout.name}': the tensor's storage does not hold the layout's "
             f"{layout.span_bytes} bytes"
         )
-    return raw, base
 
 
 def _check_ids(layout: LayerLayout, block_ids: Sequence[int]) -> list[int]:
@@ -150,7 +151,8 @@ def checksum_torch(
     ids = _check_ids(layout, block_ids)
     head_begin, heads, token_begin, tokens = window.resolve(layout)
     p = layout.params
-    raw, base = _held_bytes(layout, tensor)
+    _check_held(layout, tensor)
+    raw, base = _byte_view(tensor)
     kernel = p["kernel_block_size"]
     planes = 2 if p["kind"] == "kv" else 1
     words_per_block = sum(heads * tokens * -(-p["plane_bytes"][i] // 8) for i in range(planes))
@@ -201,7 +203,7 @@ def _checksum_layer(layout: LayerLayout, tensor: Any, window: CellWindow) -> Any
     from moriio_native.cudacopy import ChecksumLayer
 
     head_begin, heads, token_begin, tokens = window.resolve(layout)
-    _held_bytes(layout, tensor)
+    _check_held(layout, tensor)
     p = layout.params
     planes = 2 if p["kind"] == "kv" else 1
     return ChecksumLayer(
