@@ -326,6 +326,22 @@ def test_max_peers_evicts_the_least_recently_used_idle_peer(made: list) -> None:
     assert peers.cached(keys["prefill-a"]) is None
 
 
+def test_a_failing_bound_callback_fails_no_handshake(made: list) -> None:
+    """``on_bound`` is a statistic, as ``on_handshake`` is: when it raises, the eviction it
+    reports still happens and the handshake that needed the room still succeeds."""
+    decode, _ = engine("decode", 1)
+    keys = prefills(made, ["prefill-a", "prefill-b"])
+
+    def broken(evicted: bool) -> None:
+        raise RuntimeError("stats are broken")
+
+    peers = directory(decode, made, max_peers=1, on_bound=broken)
+    peers.connect(keys["prefill-a"], 1, accept).result(timeout=30)
+    assert peers.connect(keys["prefill-b"], 1, accept).result(timeout=30).engine_peer == "prefill-b"
+    assert decode.peers() == ["prefill-b"]
+    assert peers.stats() == {"cached": 1, "evicted": 1, "refused": 0}
+
+
 def test_a_peer_with_a_transfer_pending_is_never_evicted(made: list) -> None:
     """Eviction ends nothing: a peer with a transfer pending stays, and the new address is
     refused naming the bound until the transfer ended."""

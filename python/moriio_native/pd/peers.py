@@ -52,7 +52,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from moriio_native.control.channel import fetch_metadata
 from moriio_native.control.messages import HandshakeResponse
@@ -67,6 +67,8 @@ from moriio_native.errors import (
 from moriio_native.pd.config import DEFAULT_MAX_PEERS
 
 logger = logging.getLogger("moriio_native.pd.peers")
+
+_T = TypeVar("_T")
 
 HANDSHAKE_THREADS = 4
 DEFAULT_RETRY_AFTER_S = 5.0
@@ -343,10 +345,7 @@ class PeerDirectory:
                 ]:
                     del self._peers[other]  # the same engine before its restart, at any address
             if self._on_handshake is not None:
-                try:
-                    self._on_handshake(peer)
-                except Exception:  # a statistic: its callers still get the peer
-                    logger.exception("handshake with %s: its callback failed", key)
+                _tell(self._on_handshake, peer, f"handshake with {key}")
             logger.info("handshake with %s at %s done", peer.response.engine_id, key)
             future.set_result(peer)
         finally:
@@ -527,7 +526,7 @@ class PeerDirectory:
             else:
                 self._refused += 1
         if self._on_bound is not None:
-            self._on_bound(evicted)
+            _tell(self._on_bound, evicted, "max_peers")
 
     def _put_back(self, refused: list[Peer]) -> None:
         """Refused victims back at the least recently used end, in their order (unless their
@@ -537,6 +536,15 @@ class PeerDirectory:
                 if victim.key not in self._peers:
                     self._peers[victim.key] = victim
                     self._peers.move_to_end(victim.key, last=False)
+
+
+def _tell(callback: Callable[[_T], None], value: _T, what: str) -> None:
+    """Call one of the caller's statistics callbacks: one that raises is logged, and fails
+    neither the handshake nor the eviction it reports."""
+    try:
+        callback(value)
+    except Exception:
+        logger.exception("%s: its callback failed", what)
 
 
 def _remove_idle(engine: _EngineLike, peer: str) -> bool:
