@@ -1094,6 +1094,41 @@ def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flo
     assert len(final_messages(sender)) == 2
 
 
+def test_an_acknowledgement_waiting_for_a_handshake_goes_once_its_rank_is_proven() -> None:
+    """A flood of aborts naming strangers took this second's acknowledgement handshakes; then
+    decode rank 0, never written to, aborts a request this prefill rank does not have yet, so
+    its acknowledgement waits for a handshake among the flood's. The prefill then writes
+    another request into that rank: its handshake proves the rank. Before: the waiting
+    acknowledgement still waited for the budget (a pass tries only as many as handshakes may
+    start), behind the flood's, and the decode kept the blocks quarantined. Now proving a rank
+    sends the acknowledgements waiting for it, at once, without a handshake."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher._ack_budget = pusher_module._HandshakeBudget(
+        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: 0.0
+    )
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", f"s{n}:1/dp0/tp0", "127.0.0.1", port, port))
+        for _, future in directory.pending:
+            future.set_exception(TransportError("the stranger's handshake failed"))
+        directory.pending = []
+    pusher.on_abort_write(
+        AbortWrite("tx-0", "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, 8100)
+    )
+    assert not directory.pending and not final_messages(sender)
+    assert len(pusher._ack_retries) == 201
+    write_one_request(ctx, directory, pusher, "tx-1")
+    assert final_messages(sender) == [
+        (8100, "write_aborted", "tx-0", 0),
+        (8100, "write_done", "tx-1", 0),
+    ]
+    assert len(pusher._ack_retries) == 200  # the flood's, still waiting for handshakes
+    pusher.check_timeouts(time.monotonic() + pusher_module.ACK_RETRY_EVERY_S + 1)
+    assert len(final_messages(sender)) == 2  # sent once
+
+
 def test_a_remembered_decode_rank_is_not_acknowledged_at_a_port_it_no_longer_has() -> None:
     """Decode rank dp1/tp0 of TP 1 was written to (its notify port 8101); then the decode
     restarted under the same address as TP 2: the same engine ids (vLLM's name the address and

@@ -73,6 +73,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from moriio_native.pd.acks import WaitingAcks
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import (
@@ -604,9 +605,7 @@ class Pusher:
         # sender may name any address): rate limited too.
         self._orphan_failed = RateLimitedWarnings(logger, "WRITE jobs of requests not seen failed")
         self._unacked = RateLimitedWarnings(logger, "aborts not acknowledged")
-        # abort_write wire bytes -> (its first acknowledgement's try, the next try), in the
-        # order of the next try (numbers and bytes: nothing the garbage collector tracks).
-        self._ack_retries: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+        self._ack_retries = WaitingAcks(MAX_ACK_RETRIES)
         self._ack_handshakes = 0  # their handshakes in flight (MAX_ACK_HANDSHAKES)
         self._ack_budget = _HandshakeBudget(ACK_HANDSHAKES_PER_S)
         # Decode ranks written to, least recently first (MAX_WRITTEN_DECODE_RANKS).
@@ -1198,6 +1197,8 @@ class Pusher:
                 self._ack_failed(request, exc, since)
                 return
             self._send(peer.host, peer.notify_port, ack)
+            with self._ctx.lock:
+                self._send_proven_acks(request.decode_engine_id)
 
         future.add_done_callback(acked)
 
@@ -1208,6 +1209,19 @@ class Pusher:
         self._written_ranks[engine_id] = _RankAddress.of(peer)
         if len(self._written_ranks) > MAX_WRITTEN_DECODE_RANKS:
             self._written_ranks.popitem(last=False)
+        self._send_proven_acks(engine_id)
+
+    def _send_proven_acks(self, engine_id: str) -> None:
+        """The acknowledgements waiting for a handshake that name decode engine ``engine_id``,
+        sent where one just proved that rank (lock held), without waiting for the budget;
+        those naming another rank or port than the proven one keep waiting."""
+        for wire, _ in self._ack_retries.naming(engine_id):
+            request = decode(wire, (AbortWrite,), max_bytes=len(wire))
+            proven = self._proven_rank(request)
+            if proven is not None:
+                self._ack_retries.remove(wire)
+                ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+                self._send(proven.host, proven.notify_port, ack)
 
     def _proven_rank(self, request: AbortWrite) -> _RankAddress | None:
         """Where a handshake proved the rank ``request`` names, with the engine id it names:
@@ -1230,10 +1244,8 @@ class Pusher:
             with self._ctx.lock:
                 due = time.monotonic() + ACK_RETRY_EVERY_S
                 wire = encode(request)
-                self._ack_retries[wire] = (since, due)
-                self._ack_retries.move_to_end(wire)
-                while len(self._ack_retries) > MAX_ACK_RETRIES:
-                    self._give_up_ack(self._ack_retries.popitem(last=False)[0], "too many waiting")
+                for dropped in self._ack_retries.put(wire, request.decode_engine_id, since, due):
+                    self._give_up_ack(dropped, "too many waiting")
             self._unacked.warn(
                 "transfer %s: cannot acknowledge the decode's abort yet (%s); trying again "
                 "every %.0f s for abort_timeout",
@@ -1268,25 +1280,14 @@ class Pusher:
         passes (trying each, to fail at once for want of a handshake, held the lock 23 ms per
         1,024 of them under a flood). Those first tried more than ``abort_timeout`` before
         ``now`` are given up (their decode frees the blocks at its quarantine_timeout)."""
-        due = []
         free = min(MAX_ACK_HANDSHAKES - self._ack_handshakes, self._ack_budget.available())
-        for wire, (since, at) in self._ack_retries.items():
-            if at > now:
-                break  # in the order of their next try
-            expired = now - since > abort_timeout
-            if not expired:
-                if free <= 0:
-                    break
-                free -= 1
-            due.append((wire, since, expired))
-        for wire, since, expired in due:
-            del self._ack_retries[wire]
-            if expired:
-                self._give_up_ack(wire, f"no handshake for {abort_timeout:.0f} s")
+        for due in self._ack_retries.take_due(now, abort_timeout, free):
+            if due.expired:
+                self._give_up_ack(due.wire, f"no handshake for {abort_timeout:.0f} s")
                 continue
-            request = decode(wire, (AbortWrite,), max_bytes=len(wire))
+            request = decode(due.wire, (AbortWrite,), max_bytes=len(due.wire))
             ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
-            self._ack_by_handshake(request, ack, since)
+            self._ack_by_handshake(request, ack, due.since)
 
     # ---- engine events (events thread) --------------------------------------------------------
 
