@@ -134,3 +134,30 @@ def test_aborts_naming_answering_addresses_keep_the_peers_bounded() -> None:
     assert res.peaks["prefill-directory"]["engine_peers"] <= 8
     assert res.peaks["prefill-directory"]["peers"] <= 8
     assert len(res.abort_acks_ms) == 3
+
+
+def test_aborts_naming_slowly_answering_addresses_hold_few_handshake_threads() -> None:
+    """The same flood, each address answering a second after the handshake's request (slow, not
+    dead): every acknowledgement's handshake holds one of the prefill's handshake threads for
+    that second. At most MAX_ACK_HANDSHAKES of them are in flight (with a genuine one beside
+    them), so every genuine WRITE, each needing a fresh handshake with the decode, is written and
+    loaded byte-exact, and nothing is in flight once the flood stopped."""
+    bound = 1500
+    args = connector_flood.parse_args(
+        [
+            *("--rounds", "5", "--phases", "2", "--rate", "1000", "--remember", str(bound)),
+            *("--kind", "answering", "--mode", "write", "--transfer-timeout", "5"),
+            *("--answering", "24", "--max-peers", "8", "--answer-delay", "1"),
+        ]
+    )
+    res = connector_flood.run(args)
+    assert res.violations == []
+    assert res.baseline_ms["n"] == res.flood_ms["n"] == 10
+    assert res.targets["answered"] > 0
+    assert (
+        res.peaks["prefill-directory"]["inflight"]
+        <= connector_flood.pusher_module.MAX_ACK_HANDSHAKES + 1
+    )
+    assert res.peaks["prefill-acks"]["retries"] > 0  # the others waited for their next try
+    assert res.after_drain["inflight"] == 0
+    assert len(res.abort_acks_ms) == 3
