@@ -1054,6 +1054,28 @@ def write_one_request(ctx: Context, directory: Directory, pusher: Pusher, tid: s
     pusher.on_event(event(tid), drained=True)
 
 
+def pusher_without_refill(ctx: Context) -> tuple[PortSender, Pusher]:
+    """A pusher whose acknowledgement handshake budget never refills (its clock stands), and
+    the sender that records what it sends."""
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher._ack_budget = pusher_module._HandshakeBudget(
+        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: 0.0
+    )
+    return sender, pusher
+
+
+def flood_of_failing_strangers(directory: Directory, pusher: Pusher) -> None:
+    """200 aborts of transfers never known, each naming a stranger whose handshake fails: they
+    take the acknowledgement handshakes' budget and wait for their next try."""
+    for n in range(200):
+        port = 20000 + n
+        pusher.on_abort_write(AbortWrite(f"flood-{n}", f"s{n}:1/dp0/tp0", "127.0.0.1", port, port))
+        for _, future in directory.pending:
+            future.set_exception(TransportError("the stranger's handshake failed"))
+        directory.pending = []
+
+
 def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flood() -> None:
     """Decode rank 0 was written to, then its cached handshake went (the scripted directory
     caches nothing, as after an eviction at max_peers by a flood of aborts naming strangers'
@@ -1065,19 +1087,10 @@ def test_an_abort_from_a_decode_written_to_before_needs_no_handshake_under_a_flo
     quarantine_timeout (300 s). Now it goes at once to the notify port that decode rank's
     handshake proved when this rank wrote to it; no handshake starts for it."""
     ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.sender = sender = PortSender()  # type: ignore[assignment]
-    pusher = Pusher(ctx)
-    pusher._ack_budget = pusher_module._HandshakeBudget(
-        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: 0.0
-    )
+    sender, pusher = pusher_without_refill(ctx)
     write_one_request(ctx, directory, pusher, "tx-1")
     assert final_messages(sender) == [(8100, "write_done", "tx-1", 0)]
-    for n in range(200):
-        port = 20000 + n
-        pusher.on_abort_write(AbortWrite(f"flood-{n}", f"s{n}:1/dp0/tp0", "127.0.0.1", port, port))
-        for _, future in directory.pending:
-            future.set_exception(TransportError("the stranger's handshake failed"))
-        directory.pending = []
+    flood_of_failing_strangers(directory, pusher)
     assert pusher._ack_budget.available() == 0
     pusher.on_remote_blocks(RemoteBlocks("tx-2", ((30, 31),), "d:8000/dp0/tp0", decode_tp_rank=0))
     pusher.on_abort_write(
@@ -1103,17 +1116,8 @@ def test_an_acknowledgement_waiting_for_a_handshake_goes_once_its_rank_is_proven
     start), behind the flood's, and the decode kept the blocks quarantined. Now proving a rank
     sends the acknowledgements waiting for it, at once, without a handshake."""
     ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.sender = sender = PortSender()  # type: ignore[assignment]
-    pusher = Pusher(ctx)
-    pusher._ack_budget = pusher_module._HandshakeBudget(
-        pusher_module.ACK_HANDSHAKES_PER_S, clock=lambda: 0.0
-    )
-    for n in range(200):
-        port = 20000 + n
-        pusher.on_abort_write(AbortWrite(f"flood-{n}", f"s{n}:1/dp0/tp0", "127.0.0.1", port, port))
-        for _, future in directory.pending:
-            future.set_exception(TransportError("the stranger's handshake failed"))
-        directory.pending = []
+    sender, pusher = pusher_without_refill(ctx)
+    flood_of_failing_strangers(directory, pusher)
     pusher.on_abort_write(
         AbortWrite("tx-0", "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, 8100)
     )
