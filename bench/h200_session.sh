@@ -23,6 +23,7 @@
 #                                         # device checksums, UCX two processes) and the
 #                                         # checksums' cost (torch, the plugin's kernel) against
 #                                         # a device copy, 64 and 1,024 blocks per layer
+#                                         # (with .variants/base_checksum.cu, that kernel too)
 #   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
 #                                         # with a copy_ in the same memory state beside each
 #                                         # size, what degrades the copy (allocator, order), and
@@ -90,6 +91,8 @@
 #                                         # llama3-8b 256 blocks: default, progress_mode=busy and
 #                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
 #   bash bench/h200_session.sh gpu-tests      # one call: build with UCX, every GPU test
+#   bash bench/h200_session.sh checksum-variants  # after checks: the checksum kernel with 4
+#                                         # and 16 passes per unit and the base one, 2 rounds
 #   bash bench/h200_session.sh overlap-contiguous  # one call: llama3-8b 256 blocks as UCX
 #                                         # operations, random against consecutive block ids
 #                                         # (one operation per layer), two rounds, traced
@@ -467,16 +470,44 @@ gap)  # issue 18: what an unprofiled WRITE pays after the decode's verification 
   fi 2>&1 | tee -a "$out/gap.log"
   echo "elapsed ${SECONDS} s"
   ;;
-checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU
+checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU;
+  # with .variants/base_checksum.cu (an earlier checksum.cu) that kernel too, alternating
+  [ -f .variants/base_checksum.cu ] && cuda_variant base-checksum cpp/cudacopy/cudacopy.cu \
+    .variants/base_checksum.cu -Iinclude >/dev/null &
   build_with_ucx
+  wait
   python3 -c "import moriio_native as m; print(m.available_backends())"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
     tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
     tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
+  base=""
+  [ -f .variants/base_checksum.cu ] && base=$(plugin_of base-checksum)
   for blocks in 64 1024; do
-    timeout 120 python3 bench/verify_bench.py --device-only --blocks-per-request $blocks \
-      --layers $((2048 / blocks))
+    for plugin in "" $base "" $base; do
+      timeout 120 python3 bench/verify_bench.py --device-only --blocks-per-request $blocks \
+        --layers $((2048 / blocks)) ${plugin:+--plugin $plugin}
+    done
   done 2>&1 | tee "$out/verify-device.log"
+  ;;
+checksum-variants)  # after checks (same machine): the checksum kernel with other passes per
+  # unit (-D values) and the base kernel (.variants/base_checksum.cu) against this tree's, two
+  # rounds, a 1 GiB and a 128 MiB (32 layers) call
+  for passes in 4 16; do
+    cuda_variant "sum-p$passes" cpp/cudacopy/cudacopy.cu cpp/cudacopy/checksum.cu -Iinclude \
+      -DMORIIO_CUDACOPY_CHECKSUM_PASSES=$passes | grep -A1 ChecksumKernel | tail -1 &
+  done
+  wait
+  for round in 1 2; do
+    for v in tree sum-p4 sum-p16 base-checksum; do
+      [ -f "$(plugin_of $v)" ] || continue
+      for shape in "4096 4" "64 32"; do
+        set -- $shape
+        echo "== $v, $1 blocks x $2 layers, round $round"
+        timeout 100 python3 bench/verify_bench.py --device-only --blocks-per-request $1 \
+          --layers $2 --plugin "$(plugin_of $v)" | grep -v "^NVIDIA"
+      done
+    done
+  done 2>&1 | tee "$out/checksum-variants.log"
   ;;
 prelaunch)  # issue 18: what runs before a request's first launch, and small runs' host cost
   base_build=/tmp/moriio-base-build

@@ -13,7 +13,8 @@ bytes in this process (``numpy.copyto``: the memory-bandwidth baseline), as GB/s
     PYTHONPATH=<build>/python python3 bench/verify_bench.py --device-only --blocks-per-request 2048
 
 (``--device-only``: the checksums on a GPU, torch and the CUDA copy plugin's kernel, against a
-device copy, no demo.)
+device copy, no demo; ``--plugin PATH`` measures another build of the plugin instead of the one
+beside the package.)
 
 Prints a table (or ``--json``). Blocks until done; every demo wait is bounded by its timeout.
 """
@@ -85,12 +86,19 @@ def device_throughput(args: argparse.Namespace) -> dict[str, Any]:
     vLLM's [2, N, B, H, D] bf16 (block 16, 8 KV heads, head size 128), against a device copy of
     the same bytes (``Tensor.copy_``) in this process; medians of ``repeats`` (after a warm-up).
     Torch over one layer; the CUDA copy plugin's kernel over one layer and over ``layers``
-    layers in one call (as ``LayerChecksums`` calls it), its values checked against torch's."""
+    layers in one call, described per call and described once (as ``LayerChecksums`` calls
+    it), its values checked against torch's."""
     import torch
 
     from moriio_native import CacheSpec, describe_layer
-    from moriio_native.cudacopy import shared_plugin
-    from moriio_native.verify import checksum_cuda, checksum_torch
+    from moriio_native.cudacopy import Plugin, shared_plugin
+    from moriio_native.verify import (
+        WHOLE_BLOCK,
+        checksum_cuda,
+        checksum_described,
+        checksum_torch,
+        describe_cuda,
+    )
 
     blocks = args.blocks_per_request
     spec = CacheSpec(kind="kv", block_size=16, num_kv_heads=8, head_size=128, dtype_bytes=2)
@@ -130,9 +138,10 @@ def device_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "torch_gbps": by_torch,
         "torch_ratio": by_torch / copy,
     }
-    plugin = shared_plugin()
+    plugin = Plugin(args.plugin) if args.plugin else shared_plugin()
     if plugin is None:
         return got
+    got["plugin"] = args.plugin or "beside the package"
     for layout, cache in pairs:
         want = checksum_torch(layout, cache, ids)
         if not np.array_equal(checksum_cuda(plugin, [(layout, cache)], ids)[0], want):
@@ -140,11 +149,24 @@ def device_throughput(args: argparse.Namespace) -> dict[str, Any]:
     id_array = np.asarray(ids, dtype=np.int64)  # as LayerChecksums passes them
     one = nbytes / timed(lambda: checksum_cuda(plugin, pairs[:1], id_array)) / 1e9
     every = nbytes * args.layers / timed(lambda: checksum_cuda(plugin, pairs, id_array)) / 1e9
+    described = describe_cuda(pairs, WHOLE_BLOCK)
+    if not all(
+        np.array_equal(a, b)
+        for a, b in zip(
+            checksum_described(plugin, described, id_array),
+            checksum_cuda(plugin, pairs, id_array),
+            strict=True,
+        )
+    ):
+        raise AssertionError("the checksums of layers described once differ from per call")
+    kept = timed(lambda: checksum_described(plugin, described, id_array))
     got.update(
         plugin_gbps=one,
         plugin_ratio=one / copy,
         plugin_all_gbps=every,
         plugin_all_ratio=every / copy_all,
+        plugin_described_gbps=nbytes * args.layers / kept / 1e9,
+        plugin_described_ratio=nbytes * args.layers / kept / 1e9 / copy_all,
     )
     return got
 
@@ -161,8 +183,10 @@ def describe_device(got: dict[str, Any]) -> str:
             f"plugin kernel, one layer: {got['plugin_gbps']:.1f} GB/s "
             f"({got['plugin_ratio']:.3f}x); {got['layers']} layers in one call "
             f"({got['layers'] * mib:.0f} MiB): {got['plugin_all_gbps']:.1f} GB/s against a copy "
-            f"of {got['copy_all_gbps']:.1f} GB/s ({got['plugin_all_ratio']:.3f}x); values equal "
-            "torch's"
+            f"of {got['copy_all_gbps']:.1f} GB/s ({got['plugin_all_ratio']:.3f}x), described "
+            f"once: {got['plugin_described_gbps']:.1f} GB/s "
+            f"({got['plugin_described_ratio']:.3f}x); values equal torch's; plugin "
+            f"{got['plugin']}"
         )
     else:
         lines.append("CUDA copy plugin not loaded: no kernel figures")
@@ -179,6 +203,11 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=9, help="checksum timing repeats")
     parser.add_argument(
         "--layers", type=int, default=32, help="--device-only: layers in the plugin's one call"
+    )
+    parser.add_argument(
+        "--plugin",
+        default="",
+        help="--device-only: a CUDA copy plugin's path (default: beside the package)",
     )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(

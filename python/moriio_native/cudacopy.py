@@ -84,6 +84,11 @@ class ChecksumLayer(ctypes.Structure):
     ]
 
 
+def layer_array(layers: list[ChecksumLayer]) -> ctypes.Array[ChecksumLayer]:
+    """``layers`` as the C array :meth:`Plugin.checksum_blocks` takes (built once, reusable)."""
+    return (ChecksumLayer * len(layers))(*layers)
+
+
 class _Api(ctypes.Structure):
     """``moriio_cudacopy_api`` of cudacopy_abi.h (ABI version 7)."""
 
@@ -215,20 +220,21 @@ class Plugin:
         return done == 1
 
     def checksum_blocks(
-        self, device: int, stream: int, layers: list[ChecksumLayer], block_ids: np.ndarray
+        self, device: int, stream: int, layers: ctypes.Array[ChecksumLayer], block_ids: np.ndarray
     ) -> np.ndarray:
-        """The block checksums of ``block_ids`` (int64) in every layer, one kernel on
-        ``stream`` (a cudaStream_t handle on ``device``, 0: the legacy default stream) after
-        the work queued there: a ``(len(layers), len(block_ids))`` uint64 array. Blocks until
-        the values are here. The caller has checked the ids and windows against the layers;
-        CudaCopyError with the plugin's reason (``checksum layer <i>`` for a bad layer)."""
+        """The block checksums of ``block_ids`` (int64) in every layer (:func:`layer_array`),
+        one kernel on ``stream`` (a cudaStream_t handle on ``device``, 0: the legacy default
+        stream) after the work queued there: a ``(len(layers), len(block_ids))`` uint64 array.
+        Blocks until the values are here. The caller has checked the ids and windows against
+        the layers; CudaCopyError with the plugin's reason (``checksum layer <i>`` for a bad
+        layer)."""
         ids = np.ascontiguousarray(block_ids, dtype=np.int64)
         out = np.zeros((len(layers), len(ids)), dtype=np.uint64)
         err = ctypes.create_string_buffer(ERR_LEN)
         rc = self.api.checksum_blocks(
             device,
             stream,
-            (ChecksumLayer * len(layers))(*layers),
+            layers,
             len(layers),
             ids.ctypes.data_as(INT64_P),
             len(ids),

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +42,10 @@ _MIX2 = 0xC4CEB9FE1A85EC53
 # The torch path works on at most this many bytes of int64 words at once (it needs a few
 # temporaries of that size on the device).
 _TORCH_CHUNK_BYTES = 64 << 20
+# Windows whose description of a device's CUDA layers LayerChecksums keeps: a rank sees the
+# whole block and one head window per peer TP layout, so a few; past it the least recently
+# used is described again when next asked.
+DESCRIBED_WINDOWS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,45 +229,86 @@ def _checksum_layer(layout: LayerLayout, tensor: Any, window: CellWindow) -> Any
     )
 
 
-def checksum_cuda(
-    plugin: Any,
-    layers: Sequence[tuple[LayerLayout, Any]],
-    block_ids: Sequence[int],
-    window: CellWindow = WHOLE_BLOCK,
+@dataclasses.dataclass(frozen=True)
+class CudaLayers:
+    """CUDA layers of one device described for the plugin's kernel with one window
+    (:func:`describe_cuda`): built once and passed to every :func:`checksum_described` call, so
+    a call costs no Python per layer (describing one costs ~7 us). The description holds the
+    tensors' addresses: valid while the tensors live and do not move (registered caches)."""
+
+    layouts: tuple[LayerLayout, ...]
+    tensors: tuple[Any, ...]  # kept alive with their addresses
+    device: Any
+    described: Any  # a ctypes array of moriio_native.cudacopy.ChecksumLayer
+    fewest_blocks: int  # the smallest layer's num_blocks: ids below it need no check per layer
+
+
+def describe_cuda(layers: Sequence[tuple[LayerLayout, Any]], window: CellWindow) -> CudaLayers:
+    """Each ``(layout, tensor)`` of CUDA tensors on one device in the plugin's form, ``window``
+    resolved; InvalidArgumentError naming the layer for a bad window, or a storage that does not
+    hold the layout's bytes."""
+    from moriio_native.cudacopy import layer_array
+
+    layouts = tuple(layout for layout, _ in layers)
+    tensors = tuple(tensor for _, tensor in layers)
+    described = layer_array([_checksum_layer(layout, t, window) for layout, t in layers])
+    return CudaLayers(
+        layouts,
+        tensors,
+        tensors[0].device if tensors else None,
+        described,
+        min((layout.num_blocks for layout in layouts), default=0),
+    )
+
+
+def checksum_described(
+    plugin: Any, layers: CudaLayers, block_ids: Sequence[int]
 ) -> list[np.ndarray]:
-    """The values :func:`checksum_host` gives for each ``(layout, tensor)`` of CUDA tensors on
-    one device, by one kernel of the CUDA copy plugin (``plugin``: a
-    :class:`moriio_native.cudacopy.Plugin`) on the current torch stream of that device. Blocks
-    until the values are here. OutOfRangeError / InvalidArgumentError naming the layer for bad
-    ids or windows (nothing computed); FailedPreconditionError naming the layer when the
-    plugin fails."""
+    """The values :func:`checksum_host` gives for each of ``layers`` (:func:`describe_cuda`),
+    by one kernel of the CUDA copy plugin (``plugin``: a :class:`moriio_native.cudacopy.Plugin`)
+    on the current torch stream of their device. Blocks until the values are here.
+    OutOfRangeError naming the layer for a bad id (nothing computed); FailedPreconditionError
+    naming the layer when the plugin fails."""
     import torch
 
     from moriio_native.cudacopy import CudaCopyError
 
-    if not layers:
+    if not layers.layouts:
         return []
     ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-    lowest, highest = (int(ids.min()), int(ids.max())) if len(ids) else (0, -1)
-    for layout, _ in layers:
-        if lowest < 0 or highest >= layout.num_blocks:
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= layers.fewest_blocks):
+        for layout in layers.layouts:
             _check_ids(layout, ids.tolist())  # raises, naming the layer, the id and its position
-    described = [_checksum_layer(layout, tensor, window) for layout, tensor in layers]
-    device = layers[0][1].device
+    device = layers.device
     try:
         values = plugin.checksum_blocks(
             device.index,
             torch.cuda.current_stream(device).cuda_stream,
-            described,
+            layers.described,
             ids,
         )
     except CudaCopyError as exc:
         message = str(exc)
         if message.startswith("checksum layer "):
             index = int(message.split()[2].rstrip(":"))
-            message = f"layer '{layers[index][0].name}': {message}"
+            message = f"layer '{layers.layouts[index].name}': {message}"
         raise FailedPreconditionError(f"verify on {device}: {message}") from None
     return list(values)
+
+
+def checksum_cuda(
+    plugin: Any,
+    layers: Sequence[tuple[LayerLayout, Any]],
+    block_ids: Sequence[int],
+    window: CellWindow = WHOLE_BLOCK,
+) -> list[np.ndarray]:
+    """:func:`checksum_described` of ``layers`` described for this one call. OutOfRangeError /
+    InvalidArgumentError naming the layer for bad ids or windows (nothing computed)."""
+    if not layers:
+        return []
+    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    described = describe_cuda(layers, window)
+    return checksum_described(plugin, described, ids)
 
 
 def pack(values: np.ndarray) -> bytes:
@@ -344,12 +391,22 @@ class _Layer:
 class LayerChecksums:
     """The checksums of one rank's registered layers. Host layers go through the native core;
     CUDA layers through the CUDA copy plugin's kernel, all of a device's in one call, when the
-    plugin loads; other device layers (ROCm), or CUDA ones without the plugin, through torch on
-    their device. Immutable; thread-safe."""
+    plugin loads (each device's layers described once per window, :data:`DESCRIBED_WINDOWS`
+    windows kept); other device layers (ROCm), or CUDA ones without the plugin, through torch on
+    their device. The layers are fixed; thread-safe."""
 
     def __init__(self, layers: Sequence[_Layer], cuda_plugin: Any = None) -> None:
         self._layers = tuple(layers)
         self._cuda_plugin = cuda_plugin  # a moriio_native.cudacopy.Plugin, or None: torch
+        on_cuda: dict[Any, list[_Layer]] = {}
+        if cuda_plugin is not None:
+            for layer in self._layers:
+                if layer.host is None and _is_cuda(layer.tensor):
+                    on_cuda.setdefault(layer.tensor.device, []).append(layer)
+        self._on_cuda = tuple(tuple(group) for group in on_cuda.values())
+        self._lock = threading.Lock()
+        # (index in _on_cuda, window) -> its description, least recently used first
+        self._described: OrderedDict[tuple[int, CellWindow], CudaLayers] = OrderedDict()
 
     @classmethod
     def for_registrations(cls, registrations: Sequence[Any]) -> LayerChecksums:
@@ -383,23 +440,39 @@ class LayerChecksums:
         OutOfRangeError / InvalidArgumentError naming the layer for bad ids or windows."""
         ids = np.asarray(list(block_ids), dtype=np.int64)
         values: dict[str, np.ndarray] = {}
-        on_cuda: dict[Any, list[_Layer]] = {}
+        for group, layers in enumerate(self._on_cuda):
+            described = self._cuda_layers(group, window)
+            for layer, layer_values in zip(
+                layers, checksum_described(self._cuda_plugin, described, ids), strict=True
+            ):
+                values[layer.name] = layer_values
         for layer in self._layers:
+            if layer.name in values:
+                continue
             if layer.host is not None:
                 values[layer.name] = checksum_host(layer.layout, layer.host, ids, window)
-            elif self._cuda_plugin is not None and _is_cuda(layer.tensor):
-                on_cuda.setdefault(layer.tensor.device, []).append(layer)
             else:
                 values[layer.name] = checksum_torch(
                     layer.layout, layer.tensor, ids.tolist(), window
                 )
-        for layers in on_cuda.values():
-            pairs = [(layer.layout, layer.tensor) for layer in layers]
-            for layer, layer_values in zip(
-                layers, checksum_cuda(self._cuda_plugin, pairs, ids, window), strict=True
-            ):
-                values[layer.name] = layer_values
         return {layer.name: pack(values[layer.name]) for layer in self._layers}
+
+    def _cuda_layers(self, group: int, window: CellWindow) -> CudaLayers:
+        """Device group ``group``'s layers described for ``window``: kept from an earlier call,
+        or described now (InvalidArgumentError naming the layer for a bad window)."""
+        key = (group, window)
+        with self._lock:
+            described = self._described.get(key)
+            if described is not None:
+                self._described.move_to_end(key)
+                return described
+        layers = self._on_cuda[group]
+        described = describe_cuda([(layer.layout, layer.tensor) for layer in layers], window)
+        with self._lock:
+            self._described[key] = described
+            while len(self._described) > DESCRIBED_WINDOWS:
+                self._described.popitem(last=False)
+        return described
 
     def poison_first_word(self, block_id: int) -> str:
         """TEST HOOK (pd/verify.py's ``MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV``): set the
@@ -460,12 +533,15 @@ def _host_bytes(reg: Any, layout: LayerLayout) -> np.ndarray:
 __all__ = [
     "WHOLE_BLOCK",
     "CellWindow",
+    "CudaLayers",
     "LayerChecksums",
     "Mismatch",
     "checksum_cuda",
+    "checksum_described",
     "checksum_host",
     "checksum_torch",
     "compare",
+    "describe_cuda",
     "pack",
     "unpack",
 ]

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from moriio_native import CacheSpec, describe_layer
+from moriio_native import verify as verify_module
 from moriio_native.control.messages import (
     MAX_CHECKSUM_REQUEST_BYTES,
     MAX_NOTIFY_BYTES,
@@ -30,6 +31,7 @@ from moriio_native.control.messages import (
 from moriio_native.engine import LayerRegistration
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError, OutOfRangeError
 from moriio_native.verify import (
+    WHOLE_BLOCK,
     CellWindow,
     LayerChecksums,
     checksum_cuda,
@@ -45,12 +47,12 @@ torch = pytest.importorskip("torch")
 N, B, H, D = 6, 4, 2, 3  # blocks, tokens per block, heads, head size (bf16: 6-byte cells)
 
 
-def spec(order: str = "auto", heads: int = H, block_size: int = B) -> CacheSpec:
+def spec(order: str = "auto", heads: int = H, block_size: int = B, head_size: int = D) -> CacheSpec:
     return CacheSpec(
         kind="kv",
         block_size=block_size,
         num_kv_heads=heads,
-        head_size=D,
+        head_size=head_size,
         dtype_bytes=2,
         axis_order=order,
     )
@@ -308,14 +310,7 @@ def test_the_cuda_kernel_equals_the_native_host_checksums_in_one_call() -> None:
     for head_size in (3, 8, 128):
         content = torch.randint(-(2**15), 2**15, (2, N, B, H, head_size), dtype=torch.int16)
         for name, (tensor, cache_spec) in layouts(content).items():
-            sized = CacheSpec(
-                kind="kv",
-                block_size=cache_spec.block_size,
-                num_kv_heads=H,
-                head_size=head_size,
-                dtype_bytes=2,
-                axis_order=cache_spec.axis_order,
-            )
+            sized = spec(cache_spec.axis_order, H, cache_spec.block_size, head_size)
             families.append((f"{name}_d{head_size}", tensor, sized))
     ids = [4, 1, 5, 1, 0]
     for window in ({}, {"head_begin": 1}, {"token_begin": 1, "tokens": 2}):
@@ -353,14 +348,89 @@ def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
     assert [len(v) for v in checksum_cuda(plugin, pairs, [])] == [0]
 
 
-def test_cuda_layers_go_through_the_plugin_and_agree_with_torch() -> None:
-    """LayerChecksums picks the plugin for CUDA layers: its values equal torch's."""
+def _plugin_checksums(form: str, seed: int) -> tuple[LayerChecksums, Any, Any]:
+    """LayerChecksums of one CUDA layer ``L0`` in layout family ``form`` (checked to go through
+    the plugin), its layout and its tensor."""
     plugin = _cuda_plugin()
-    tensor, cache_spec = layouts(logical(5))["sep_nhd"]
+    tensor, cache_spec = layouts(logical(seed))[form]
     device = _on_cuda(tensor)
     registration = LayerRegistration("L0", device, cache_spec, memory="cuda")
     checksums = LayerChecksums.for_registrations([registration])
     assert checksums._cuda_plugin is plugin
-    layout = describe_layer("L0", device, cache_spec)
+    return checksums, describe_layer("L0", device, cache_spec), device
+
+
+def test_cuda_layers_go_through_the_plugin_and_agree_with_torch() -> None:
+    """LayerChecksums picks the plugin for CUDA layers: its values equal torch's."""
+    checksums, layout, device = _plugin_checksums("sep_nhd", 5)
     values = checksums.compute([3, 0])
     assert values == {"L0": pack(checksum_torch(layout, device, [3, 0]))}
+
+
+def test_the_cuda_kernel_steps_through_large_blocks_as_the_host_does() -> None:
+    """Blocks of many heads and tokens, where the kernel steps each lane's cell from one pass to
+    the next instead of dividing (a plane holds at least a pass of cells), for cells of 4 to
+    512 bytes (512: the loop over a cell's words), with kernel blocks of 4 tokens and windows
+    inside the first kernel block, across kernel blocks and over a head range; 40 ids so a
+    block's units spread over the grid."""
+    plugin = _cuda_plugin()
+    blocks, tokens, heads, kernel = 48, 32, 8, 4
+    ids = [(7 * i + 3) % blocks for i in range(40)] + [3]
+    windows = (
+        {},
+        {"token_begin": 1, "tokens": 2},  # inside the first kernel block
+        {"token_begin": 3, "tokens": 26},  # across kernel blocks
+        {"head_begin": 3, "heads": 4, "token_begin": 5},
+    )
+    for head_size in (2, 8, 64, 128, 256):
+        gen = torch.Generator().manual_seed(head_size)
+        content = torch.randint(
+            -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
+        )
+        split = content.reshape(2, blocks, tokens // kernel, kernel, heads, head_size)
+        forms = {
+            "sep_nhd": (content, "auto"),
+            "int_hnd": (content.permute(1, 0, 3, 2, 4).contiguous(), "auto"),
+            # [N * tokens/kernel, 2, H, kernel, D]: tokens split across kernel blocks
+            "kernel_int_hnd": (
+                split.permute(1, 2, 0, 4, 3, 5)
+                .reshape(blocks * (tokens // kernel), 2, heads, kernel, head_size)
+                .contiguous(),
+                "hnd",
+            ),
+        }
+        for form, (tensor, order) in forms.items():
+            cache_spec = spec(order, heads, tokens, head_size)
+            layout = describe_layer(form, tensor, cache_spec)
+            on_gpu = _on_cuda(tensor)
+            for window in windows:
+                w = CellWindow(**window)
+                want = checksum_host(layout, host_bytes(tensor), ids, w)
+                got = checksum_cuda(plugin, [(layout, on_gpu)], ids, w)[0]
+                np.testing.assert_array_equal(got, want, err_msg=f"{form} d{head_size} {window}")
+
+
+def test_layer_checksums_describe_each_window_once_and_see_new_bytes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """LayerChecksums keeps each window's description of its CUDA layers (describing costs
+    Python per layer and call), not their values: bytes written after a call change the next."""
+    checksums, layout, device = _plugin_checksums("int_nhd", 6)
+    described: list[CellWindow] = []
+    describe = verify_module.describe_cuda
+
+    def counted(layers: Any, window: CellWindow) -> Any:
+        described.append(window)
+        return describe(layers, window)
+
+    monkeypatch.setattr(verify_module, "describe_cuda", counted)
+    head = CellWindow(head_begin=1)
+    first = checksums.compute([2, 5])
+    assert checksums.compute([5], head) == {"L0": pack(checksum_torch(layout, device, [5], head))}
+    device[2] ^= 0x0101  # block 2's cells change
+    second = checksums.compute([2, 5])
+    assert checksums.compute([5], head) == {"L0": pack(checksum_torch(layout, device, [5], head))}
+    assert described == [WHOLE_BLOCK, head]
+    assert second == {"L0": pack(checksum_torch(layout, device, [2, 5]))}
+    assert unpack(first["L0"])[0] != unpack(second["L0"])[0]
+    assert unpack(first["L0"])[1] == unpack(second["L0"])[1]
