@@ -69,7 +69,8 @@ typedef struct moriio_cudacopy_checksum_layer {
   uint32_t plane_bytes[2]; /* 1 .. 2^20 each */
   uint32_t planes;         /* 1 or 2 */
   uint32_t kernel_block_size;
-  uint32_t head_begin, heads, token_begin, tokens; /* heads, tokens >= 1 */
+  uint32_t head_begin, heads, token_begin, tokens; /* heads, tokens >= 1; planes * heads *
+                                                      tokens < 2^31 (cells per block) */
 } moriio_cudacopy_checksum_layer;
 
 typedef struct moriio_cudacopy_api {
