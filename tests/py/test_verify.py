@@ -28,6 +28,7 @@ from moriio_native.control.messages import (
     decode,
     encode,
 )
+from moriio_native.cudacopy import ChecksumLayer, CudaCopyError, layer_array
 from moriio_native.engine import LayerRegistration
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError, OutOfRangeError
 from moriio_native.verify import (
@@ -346,6 +347,18 @@ def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
         checksum_cuda(plugin, [(layout, torch.empty_like(short))], [0])
     assert checksum_cuda(plugin, [], [0]) == []
     assert [len(v) for v in checksum_cuda(plugin, pairs, [])] == [0]
+    # The plugin's own bound (its cell indices are 32-bit), named by the layer's index.
+    huge = ChecksumLayer(
+        base=int(pairs[0][1].data_ptr()),
+        plane_bytes=(8, 8),
+        planes=2,
+        kernel_block_size=1 << 15,
+        heads=1 << 16,
+        tokens=1 << 15,
+    )
+    fine = verify_module.describe_cuda(pairs, WHOLE_BLOCK).described[0]
+    with pytest.raises(CudaCopyError, match=r"checksum layer 1: 4294967296 cells per block"):
+        plugin.checksum_blocks(0, 0, layer_array([fine, huge]), np.zeros(1, dtype=np.int64))
 
 
 def _plugin_checksums(form: str, seed: int) -> tuple[LayerChecksums, Any, Any]:
