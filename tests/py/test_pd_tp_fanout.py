@@ -1129,8 +1129,37 @@ def test_an_acknowledgement_waiting_for_a_handshake_goes_once_its_rank_is_proven
         (8100, "write_done", "tx-1", 0),
     ]
     assert len(pusher._ack_retries) == 200  # the flood's, still waiting for handshakes
-    pusher.check_timeouts(time.monotonic() + pusher_module.ACK_RETRY_EVERY_S + 1)
-    assert len(final_messages(sender)) == 2  # sent once
+    assert pusher._ack_retries.take_naming(("d:8000/dp0/tp0", 0, 0, 1, 8100)) == []  # sent once
+
+
+def test_an_acknowledgements_handshake_sends_the_others_waiting_for_that_rank() -> None:
+    """Two aborts of decode rank 0 (never written to) for requests this prefill rank does not
+    have: the first one's handshake starts; a stranger's takes the last acknowledgement
+    handshake slot, so the second waits. When the first handshake proves the rank, both are
+    acknowledged there, once each, and nothing waits for that rank any more; the stranger's
+    handshake is still its own."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+
+    def abort(tid: str) -> None:
+        pusher.on_abort_write(
+            AbortWrite(tid, "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, 8100)
+        )
+
+    abort("tx-a")
+    pusher.on_abort_write(AbortWrite("flood-0", "s0:1/dp0/tp0", "127.0.0.1", 20000, 20000))
+    abort("tx-b")
+    assert [key.handshake_port for key, _ in directory.pending] == [8000, 20000]
+    assert len(pusher._ack_retries) == 1  # tx-b: no slot
+    key, future = directory.pending.pop(0)
+    future.set_result(peer_at(key, DECODE, 0, 1, "WRITE"))
+    assert sorted(final_messages(sender)) == [
+        (8100, "write_aborted", "tx-a", 0),
+        (8100, "write_aborted", "tx-b", 0),
+    ]
+    assert len(pusher._ack_retries) == 0
+    assert [key.handshake_port for key, _ in directory.pending] == [20000]
 
 
 def test_a_remembered_decode_rank_is_not_acknowledged_at_a_port_it_no_longer_has() -> None:

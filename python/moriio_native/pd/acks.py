@@ -2,17 +2,23 @@
 
 An ``abort_write`` of a transfer a prefill rank never knew is acknowledged only where a
 handshake proved the decode rank it names. When no handshake may start (a flood took the
-budget) or one failed, the acknowledgement waits here for its next try, as its wire bytes
-(numbers and bytes: nothing the garbage collector tracks per message). Each is also indexed by
-the decode engine id it names, so that a handshake proving that rank (a genuine WRITE into it,
-or another acknowledgement's handshake) sends the acknowledgements waiting for it at once,
-instead of leaving them behind a flood's for the budget.
+budget) or one failed, the acknowledgement waits here for its next try, as its wire bytes and
+the decode rank it names (:data:`RankKey`), in one flat tuple of numbers, strings and bytes
+(nothing the garbage collector tracks per message), so that a handshake proving that rank (a
+genuine WRITE into it, or another acknowledgement's handshake) finds the acknowledgements
+waiting for it by comparing those fields, decoding none, and sends them at once instead of
+leaving them behind a flood's for the budget.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+# A decode rank as an abort_write names it and as a handshake proves it: its engine id, DP
+# rank, TP rank, TP size and the notify port those put it at (-1: a port its fields cannot
+# give, which nothing proves).
+RankKey = tuple[str, int, int, int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,19 +37,22 @@ class WaitingAcks:
 
     def __init__(self, bound: int) -> None:
         self._bound = bound
-        # wire -> (first try, next try, decode engine id it names)
-        self._entries: OrderedDict[bytes, tuple[float, float, str]] = OrderedDict()
-        self._by_engine: dict[str, set[bytes]] = {}
+        # wire -> (first try, next try, its transfer id, *the decode rank it names)
+        self._entries: OrderedDict[bytes, tuple[float, float, str, str, int, int, int, int]] = (
+            OrderedDict()
+        )
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def put(self, wire: bytes, engine_id: str, since: float, due: float) -> list[bytes]:
-        """``wire`` waits until ``due`` (last in order; it is the latest next try), naming
-        ``engine_id``; returns the oldest ones it pushed past the bound (removed)."""
+    def put(
+        self, wire: bytes, rank: RankKey, transfer_id: str, since: float, due: float
+    ) -> list[bytes]:
+        """``wire`` (of ``transfer_id``) waits until ``due`` (last in order; it is the latest
+        next try), naming ``rank``; returns the oldest ones it pushed past the bound
+        (removed)."""
         self.remove(wire)
-        self._entries[wire] = (since, due, engine_id)
-        self._by_engine.setdefault(engine_id, set()).add(wire)
+        self._entries[wire] = (since, due, transfer_id, *rank)
         dropped = []
         while len(self._entries) > self._bound:
             oldest = next(iter(self._entries))
@@ -55,7 +64,7 @@ class WaitingAcks:
         """Remove and return those due at ``now``: every one expired, and at most ``free`` of
         the others (as many as handshakes may start; the rest stay due)."""
         taken = []
-        for wire, (since, at, _) in self._entries.items():
+        for wire, (since, at, *_) in self._entries.items():
             if at > now:
                 break  # in the order of their next try
             expired = now - since > abort_timeout
@@ -68,21 +77,15 @@ class WaitingAcks:
             self.remove(ack.wire)
         return taken
 
-    def naming(self, engine_id: str) -> list[tuple[bytes, float]]:
-        """The waiting acknowledgements that name decode engine ``engine_id``, with their
-        first try's time (left waiting: :meth:`remove` the ones sent)."""
-        wires = self._by_engine.get(engine_id, ())
-        return [(wire, self._entries[wire][0]) for wire in wires]
+    def take_naming(self, rank: RankKey) -> list[str]:
+        """Remove those that name ``rank`` and return their transfer ids, oldest first (a
+        comparison per waiting one: at most ``bound``, each without decoding it)."""
+        wires = [wire for wire, entry in self._entries.items() if entry[3:] == rank]
+        taken = sorted((self._entries.pop(wire) for wire in wires), key=lambda e: e[0])
+        return [entry[2] for entry in taken]
 
     def remove(self, wire: bytes) -> None:
-        entry = self._entries.pop(wire, None)
-        if entry is None:
-            return
-        engine_id = entry[2]
-        wires = self._by_engine[engine_id]
-        wires.discard(wire)
-        if not wires:
-            del self._by_engine[engine_id]
+        self._entries.pop(wire, None)
 
 
-__all__ = ["DueAck", "WaitingAcks"]
+__all__ = ["DueAck", "RankKey", "WaitingAcks"]

@@ -73,7 +73,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from moriio_native.pd.acks import WaitingAcks
+from moriio_native.pd.acks import RankKey, WaitingAcks
 from moriio_native.pd.context import Context, plan_grouped
 from moriio_native.pd.fsm import Machine
 from moriio_native.pd.groups import (
@@ -186,22 +186,33 @@ class _RankAddress:
         """Whether ``request`` names this rank: the same DP rank, TP rank and TP size, and this
         notify port where its own fields put that rank (a decode restarted under its address
         with another TP size keeps its engine ids, but its ranks' ports move)."""
-        if (self.dp_rank, self.tp_rank, self.tp_size) != (
+        return self.key(request.decode_engine_id) == _named_rank(request)
+
+    def key(self, engine_id: str) -> RankKey:
+        """This rank of engine ``engine_id`` as :class:`~moriio_native.pd.acks.WaitingAcks`
+        indexes it."""
+        return (engine_id, self.dp_rank, self.tp_rank, self.tp_size, self.notify_port)
+
+
+def _named_rank(request: AbortWrite) -> RankKey:
+    """The decode rank ``request`` names, with the notify port its own fields put it at (-1
+    where they cannot give one: no handshake proves such a rank)."""
+    try:
+        port = rank_port(
+            request.decode_notify_port,
             request.decode_dp_rank,
             request.decode_tp_rank,
             request.decode_tp_size,
-        ):
-            return False
-        try:
-            port = rank_port(
-                request.decode_notify_port,
-                request.decode_dp_rank,
-                request.decode_tp_rank,
-                request.decode_tp_size,
-            )
-        except InvalidArgumentError:
-            return False
-        return port == self.notify_port
+        )
+    except InvalidArgumentError:
+        port = -1
+    return (
+        request.decode_engine_id,
+        request.decode_dp_rank,
+        request.decode_tp_rank,
+        request.decode_tp_size,
+        port,
+    )
 
 
 class SendState(Enum):
@@ -1198,30 +1209,28 @@ class Pusher:
                 return
             self._send(peer.host, peer.notify_port, ack)
             with self._ctx.lock:
-                self._send_proven_acks(request.decode_engine_id)
+                self._send_proven_acks(request.decode_engine_id, _RankAddress.of(peer))
 
         future.add_done_callback(acked)
 
     def _remember_written(self, peer: Peer) -> None:
         """``peer`` is a decode rank this rank writes to (lock held): kept, the most recent."""
         engine_id = peer.response.engine_id
+        proven = _RankAddress.of(peer)
         self._written_ranks.pop(engine_id, None)
-        self._written_ranks[engine_id] = _RankAddress.of(peer)
+        self._written_ranks[engine_id] = proven
         if len(self._written_ranks) > MAX_WRITTEN_DECODE_RANKS:
             self._written_ranks.popitem(last=False)
-        self._send_proven_acks(engine_id)
+        self._send_proven_acks(engine_id, proven)
 
-    def _send_proven_acks(self, engine_id: str) -> None:
-        """The acknowledgements waiting for a handshake that name decode engine ``engine_id``,
-        sent where one just proved that rank (lock held), without waiting for the budget;
-        those naming another rank or port than the proven one keep waiting."""
-        for wire, _ in self._ack_retries.naming(engine_id):
-            request = decode(wire, (AbortWrite,), max_bytes=len(wire))
-            proven = self._proven_rank(request)
-            if proven is not None:
-                self._ack_retries.remove(wire)
-                ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
-                self._send(proven.host, proven.notify_port, ack)
+    def _send_proven_acks(self, engine_id: str, proven: _RankAddress) -> None:
+        """The acknowledgements waiting for a handshake that name rank ``proven`` of decode
+        engine ``engine_id``, which a handshake just proved (lock held): sent there at once,
+        without waiting for the budget. Found by the rank each names (none is decoded); those
+        naming another rank or port keep waiting."""
+        for transfer_id in self._ack_retries.take_naming(proven.key(engine_id)):
+            ack = WriteAborted(transfer_id, writer_rank=self._rank)
+            self._send(proven.host, proven.notify_port, ack)
 
     def _proven_rank(self, request: AbortWrite) -> _RankAddress | None:
         """Where a handshake proved the rank ``request`` names, with the engine id it names:
@@ -1244,7 +1253,8 @@ class Pusher:
             with self._ctx.lock:
                 due = time.monotonic() + ACK_RETRY_EVERY_S
                 wire = encode(request)
-                for dropped in self._ack_retries.put(wire, request.decode_engine_id, since, due):
+                rank = _named_rank(request)
+                for dropped in self._ack_retries.put(wire, rank, request.transfer_id, since, due):
                     self._give_up_ack(dropped, "too many waiting")
             self._unacked.warn(
                 "transfer %s: cannot acknowledge the decode's abort yet (%s); trying again "
