@@ -353,11 +353,11 @@ def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
         plane_bytes=(8, 8),
         planes=2,
         kernel_block_size=1 << 15,
-        heads=1 << 16,
+        heads=1 << 15,
         tokens=1 << 15,
-    )
+    )  # 2^31 cells: the first count the plugin refuses
     fine = verify_module.describe_cuda(pairs, WHOLE_BLOCK).described[0]
-    with pytest.raises(CudaCopyError, match=r"checksum layer 1: 4294967296 cells per block"):
+    with pytest.raises(CudaCopyError, match=r"checksum layer 1: 2147483648 cells per block"):
         plugin.checksum_blocks(0, 0, layer_array([fine, huge]), np.zeros(1, dtype=np.int64))
 
 
@@ -447,3 +447,26 @@ def test_layer_checksums_describe_each_window_once_and_see_new_bytes(
     assert second == {"L0": pack(checksum_torch(layout, device, [2, 5]))}
     assert unpack(first["L0"])[0] != unpack(second["L0"])[0]
     assert unpack(first["L0"])[1] == unpack(second["L0"])[1]
+
+
+def test_the_cuda_kernel_walks_many_units_per_cta_as_the_host_does() -> None:
+    """More units than the grid has CTAs, so each CTA walks several, a unit count per block (7)
+    that does not divide a grid of 396 (132 SMs, 3 CTAs each, two layers): the walk's carries
+    from one block's units to the next are taken. Two layers of 1,000 blocks of 7 heads and 32
+    tokens of 256-byte cells, every block, against the host checksums."""
+    plugin = _cuda_plugin()
+    blocks, tokens, heads, head_size = 1000, 32, 7, 128
+    pairs = []
+    expected = []
+    ids = list(range(blocks - 1, -1, -1))
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        content = torch.randint(
+            -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
+        )
+        layout = describe_layer(f"L{seed}", content, spec("auto", heads, tokens, head_size))
+        expected.append(checksum_host(layout, host_bytes(content), ids))
+        pairs.append((layout, _on_cuda(content)))
+    got = checksum_cuda(plugin, pairs, ids)
+    for (layout, _), want, values in zip(pairs, expected, got, strict=True):
+        np.testing.assert_array_equal(values, want, err_msg=layout.name)
