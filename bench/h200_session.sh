@@ -22,8 +22,9 @@
 #   bash bench/h200_session.sh checks     # one call: every GPU test (kernels, cells, verify's
 #                                         # device checksums, UCX two processes) and the
 #                                         # checksums' cost (torch, the plugin's kernel) against
-#                                         # a device copy, 64 and 1,024 blocks per layer
-#                                         # (with .variants/base_checksum.cu, that kernel too)
+#                                         # a device copy, 1 GiB and 128 MiB in 32 layers, two
+#                                         # rounds (with .variants/prev_checksum.cu, else
+#                                         # base_checksum.cu, that kernel too, alternating)
 #   bash bench/h200_session.sh fair       # one call: build with UCX, kernel pytest, cudacopy_bench
 #                                         # with a copy_ in the same memory state beside each
 #                                         # size, what degrades the copy (allocator, order), and
@@ -91,8 +92,10 @@
 #                                         # llama3-8b 256 blocks: default, progress_mode=busy and
 #                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
 #   bash bench/h200_session.sh gpu-tests      # one call: build with UCX, every GPU test
-#   bash bench/h200_session.sh checksum-variants  # after checks: the checksum kernel with 4
-#                                         # and 16 passes per unit and the base one, 2 rounds
+#   bash bench/h200_session.sh checksum-variants  # after checks: the checksum kernel, the one
+#                                         # before it (.variants/prev_checksum.cu) and -D
+#                                         # variants (8-byte loads, no cell table, 4 passes,
+#                                         # streaming loads), 2 rounds
 #   bash bench/h200_session.sh overlap-contiguous  # one call: llama3-8b 256 blocks as UCX
 #                                         # operations, random against consecutive block ids
 #                                         # (one operation per layer), two rounds, traced
@@ -470,35 +473,48 @@ gap)  # issue 18: what an unprofiled WRITE pays after the decode's verification 
   fi 2>&1 | tee -a "$out/gap.log"
   echo "elapsed ${SECONDS} s"
   ;;
-checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU;
-  # with .variants/base_checksum.cu (an earlier checksum.cu) that kernel too, alternating
-  [ -f .variants/base_checksum.cu ] && cuda_variant base-checksum cpp/cudacopy/cudacopy.cu \
-    .variants/base_checksum.cu -Iinclude >/dev/null &
+checks)  # one call after the merges: every GPU test, and the checksum's cost on the GPU; with
+  # .variants/prev_checksum.cu (the committed checksum.cu before a kernel change; else
+  # .variants/base_checksum.cu, an earlier one) that kernel too: it and this tree's alternate,
+  # two rounds, a 1 GiB call (4,096 blocks x 4 layers) and 128 MiB in 32 layers (64 blocks)
+  other=""
+  [ -f .variants/base_checksum.cu ] && other=base
+  [ -f .variants/prev_checksum.cu ] && other=prev
+  [ -n "$other" ] && cuda_variant $other-checksum cpp/cudacopy/cudacopy.cu \
+    .variants/${other}_checksum.cu -Iinclude >/dev/null &
   build_with_ucx
   wait
   python3 -c "import moriio_native as m; print(m.available_backends())"
   timeout 300 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
     tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
     tests/py/test_ucx_two_process.py 2>&1 | tail -25 | tee "$out/checks.log"
-  base=""
-  [ -f .variants/base_checksum.cu ] && base=$(plugin_of base-checksum)
-  for blocks in 64 1024; do
-    for plugin in "" $base "" $base; do
-      timeout 120 python3 bench/verify_bench.py --device-only --blocks-per-request $blocks \
-        --layers $((2048 / blocks)) ${plugin:+--plugin $plugin}
+  for round in 1 2; do
+    for shape in "4096 4" "64 32"; do
+      set -- $shape
+      for v in tree ${other:+$other-checksum}; do
+        echo "== $v, $1 blocks x $2 layers, round $round"
+        timeout 120 python3 bench/verify_bench.py --device-only --blocks-per-request $1 \
+          --layers $2 --plugin "$(plugin_of $v)"
+      done
     done
   done 2>&1 | tee "$out/verify-device.log"
   ;;
-checksum-variants)  # after checks (same machine): the checksum kernel with other passes per
-  # unit (-D values) and the base kernel (.variants/base_checksum.cu) against this tree's, two
-  # rounds, a 1 GiB and a 128 MiB (32 layers) call
-  for passes in 4 16; do
-    cuda_variant "sum-p$passes" cpp/cudacopy/cudacopy.cu cpp/cudacopy/checksum.cu -Iinclude \
-      -DMORIIO_CUDACOPY_CHECKSUM_PASSES=$passes | grep -A1 ChecksumKernel | tail -1 &
+checksum-variants)  # after checks (same machine; built again if it is a fresh one): this tree's
+  # checksum kernel, the one before it (.variants/prev_checksum.cu) and this kernel's -D
+  # variants (8-byte loads only, every block walked without the cell table, 4 passes per unit,
+  # streaming loads), in turn, two rounds, a 1 GiB and a 128 MiB (32 layers) call
+  [ -f "$(plugin_of tree)" ] || build_without_ucx
+  [ -f .variants/prev_checksum.cu ] && [ ! -f "$(plugin_of prev-checksum)" ] &&
+    cuda_variant prev-checksum cpp/cudacopy/cudacopy.cu .variants/prev_checksum.cu -Iinclude \
+      >/dev/null &
+  for spec in sum-words:WIDE=0 sum-walk:TABLE_CELLS=0 sum-p4:PASSES=4 sum-stream:STREAMING=1; do
+    cuda_variant "${spec%%:*}" cpp/cudacopy/cudacopy.cu cpp/cudacopy/checksum.cu -Iinclude \
+      "-DMORIIO_CUDACOPY_CHECKSUM_${spec#*:}" | grep -E -A2 "ChecksumKernel|error" | tail -2 |
+      sed "s/^ */${spec%%:*}: /" &
   done
   wait
   for round in 1 2; do
-    for v in tree sum-p4 sum-p16 base-checksum; do
+    for v in tree prev-checksum sum-words sum-walk sum-p4 sum-stream; do
       [ -f "$(plugin_of $v)" ] || continue
       for shape in "4096 4" "64 32"; do
         set -- $shape

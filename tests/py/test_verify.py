@@ -470,3 +470,79 @@ def test_the_cuda_kernel_walks_many_units_per_cta_as_the_host_does() -> None:
     got = checksum_cuda(plugin, pairs, ids)
     for (layout, _), want, values in zip(pairs, expected, got, strict=True):
         np.testing.assert_array_equal(values, want, err_msg=layout.name)
+
+
+def _aligned_and_odd_cells() -> list[tuple[str, Any, CacheSpec]]:
+    """Layers whose cells the kernel reads 16, 8 or 1 bytes at a time: [2, N, B, H, D] placed 0,
+    2, 8 and 16 bytes into their storage, and HND with each token's slot 8 bytes longer than
+    its cell (a token stride of 8 modulo 16), for cells of 6, 16, 24, 256 and 528 bytes (528:
+    33 chunks of 16 bytes, more than a warp has lanes)."""
+    families: list[tuple[str, Any, CacheSpec]] = []
+    for head_size in (3, 8, 12, 128, 264):
+        cache_spec = spec("auto", H, B, head_size)
+        numel = 2 * N * B * H * head_size
+        for shift in (0, 1, 4, 8):  # int16 elements into the storage: 0, 2, 8, 16 bytes
+            storage = noise_like((numel + 8,), 10 * head_size + shift)
+            tensor = storage[shift : shift + numel].view(2, N, B, H, head_size)
+            families.append((f"d{head_size}_at{2 * shift}", tensor, cache_spec))
+        padded = noise_like((2, N, H, B, head_size + 4), head_size)
+        families.append((f"d{head_size}_padded", padded[..., :head_size], cache_spec))
+    return families
+
+
+def test_the_cuda_kernel_reads_16_8_and_1_byte_aligned_cells_as_the_host_does() -> None:
+    """The kernel loads 16 bytes at a time where every cell of a layer is 16-byte aligned and a
+    multiple of 16 bytes long, whole 8-byte words where they are 8-byte aligned whole words, and
+    bytes otherwise; layers of each kind in one call, whole blocks and windows, give the host's
+    values, and a changed byte changes only its block."""
+    plugin = _cuda_plugin()
+    families = _aligned_and_odd_cells()
+    ids = [3, 0, 5, 3, 1]
+    pairs = [(describe_layer(name, t, s), _on_cuda(t)) for name, t, s in families]
+    for window in ({}, {"head_begin": 1}, {"token_begin": 1, "tokens": 2}):
+        w = CellWindow(**window)
+        got = checksum_cuda(plugin, pairs, ids, w)
+        for (name, tensor, _), (layout, _), values in zip(families, pairs, got, strict=True):
+            want = checksum_host(layout, host_bytes(tensor), ids, w)
+            np.testing.assert_array_equal(values, want, err_msg=f"{name} {window}")
+    every = list(range(N))
+    before = checksum_cuda(plugin, pairs, every)
+    for index in range(len(pairs)):
+        layer = pairs[index][1]
+        layer[(1,) * layer.dim()] ^= 1  # block 1, one byte
+    after = checksum_cuda(plugin, pairs, every)
+    for (name, _, _), a, b in zip(families, after, before, strict=True):
+        assert (a != b).tolist() == [False, True] + [False] * (N - 2), name
+
+
+def test_the_cuda_kernel_walks_blocks_of_more_cells_than_its_table() -> None:
+    """Blocks of more than 2,048 cells (the kernel's table of cell offsets holds that many; past
+    it a cursor steps each lane's cell from one pass to the next): 8 heads of 136 tokens, kernel
+    blocks of 8 tokens, cells of 4 to 528 bytes, whole blocks and windows, against the host."""
+    plugin = _cuda_plugin()
+    blocks, tokens, heads, kernel = 6, 136, 8, 8
+    ids = [5, 0, 3, 5]
+    windows = ({}, {"token_begin": 5, "tokens": 100}, {"head_begin": 3, "heads": 4})
+    for head_size in (2, 8, 128, 264):
+        gen = torch.Generator().manual_seed(head_size)
+        content = torch.randint(
+            -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
+        )
+        split = content.reshape(2, blocks, tokens // kernel, kernel, heads, head_size)
+        forms = {
+            "sep_nhd": (content, "auto"),
+            "kernel_int_hnd": (
+                split.permute(1, 2, 0, 4, 3, 5)
+                .reshape(blocks * (tokens // kernel), 2, heads, kernel, head_size)
+                .contiguous(),
+                "hnd",
+            ),
+        }
+        for form, (tensor, order) in forms.items():
+            layout = describe_layer(form, tensor, spec(order, heads, tokens, head_size))
+            on_gpu = _on_cuda(tensor)
+            for window in windows:
+                w = CellWindow(**window)
+                want = checksum_host(layout, host_bytes(tensor), ids, w)
+                got = checksum_cuda(plugin, [(layout, on_gpu)], ids, w)[0]
+                np.testing.assert_array_equal(got, want, err_msg=f"{form} d{head_size} {window}")
