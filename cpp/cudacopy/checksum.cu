@@ -21,16 +21,16 @@
 // plane has at least a pass of cells), a unit's block by adding the grid's stride as blocks and
 // units, and tokens split into kernel blocks only where the window crosses one.
 //
-// What a word costs besides its load was mostly finding its cell and its position term (64-bit
-// multiplies, which a GPU builds from 32-bit ones; Mix64's two are the value's own), about 45
-// instructions per word against Mix64's 20. So a block of at most kTableCells cells (vLLM's
-// blocks) has each cell's offset and first position term computed once per CTA into a table in
-// shared memory, and a pass costs one shared load; the next word's term is the previous one
-// plus the step; the block's address is computed once per unit and the next unit's block id
-// read one unit ahead. 16-byte loads halve the loads and cell lookups per word and double the
-// bytes each lane has in flight (kPasses loads of 16 bytes). Together: 3.0-3.2 TB/s at 1 GiB on
-// an H200, 1.45-1.54x a device copy of the same bytes, from 0.55-0.64x (docs/benchmarks.md,
-// session 19; what each part bought is there too).
+// What a load cost besides Mix64 was mostly finding its cell and its position term (64-bit
+// multiplies, which a GPU builds from 32-bit ones; Mix64's two are the value's own): about 45
+// instructions per pass, against about 20 per word for Mix64. So a block of at most kTableCells
+// cells (vLLM's blocks) has each cell's offset and first position term computed once per CTA
+// into a table in shared memory, and a pass costs one shared load; the next word's term is the
+// previous one plus the step; the block's address is computed once per unit and the next unit's
+// block id read one unit ahead. 16-byte loads halve the loads and cell lookups per word and
+// double the bytes each lane has in flight (kPasses loads of 16 bytes). Together: 3.0-3.2 TB/s
+// at 1 GiB on an H200, 1.45-1.54x a device copy of the same bytes, from 0.55-0.64x
+// (docs/benchmarks.md, session 19; what each part bought is there too).
 
 #include <cuda_runtime.h>
 
