@@ -381,11 +381,11 @@ def test_cuda_layers_go_through_the_plugin_and_agree_with_torch() -> None:
 
 
 def test_the_cuda_kernel_steps_through_large_blocks_as_the_host_does() -> None:
-    """Blocks of many heads and tokens, where the kernel steps each lane's cell from one pass to
-    the next instead of dividing (a plane holds at least a pass of cells), for cells of 4 to
-    512 bytes (512: the loop over a cell's words), with kernel blocks of 4 tokens and windows
-    inside the first kernel block, across kernel blocks and over a head range; 40 ids so a
-    block's units spread over the grid."""
+    """Blocks of many heads and tokens (512 cells, which the kernel looks up in its cell table;
+    a later test takes blocks past it, where a cursor steps), for cells of 4 to 512 bytes (512:
+    a whole warp per cell, 16 bytes a lane), with kernel blocks of 4 tokens and windows inside
+    the first kernel block, across kernel blocks and over a head range; 40 ids so a block's
+    units spread over the grid."""
     plugin = _cuda_plugin()
     blocks, tokens, heads, kernel = 48, 32, 8, 4
     ids = [(7 * i + 3) % blocks for i in range(40)] + [3]
