@@ -32,18 +32,17 @@ scheduler gets it, READs the KV, and the prefill frees its blocks on the decode'
 (timed: handshake + transfer + release). WRITE: the decode gets it and announces its blocks, the
 prefill computes it and writes each layer as it is computed, and the decode loads it on the
 prefill's ``write_done`` (timed: handshake + announcement + the prefill's forward and writes +
-the load). Phases alternate without
-and with the flood (``--phases`` of ``--rounds`` each), so drift of the shared machine falls on
-both; before the first flood phase the flood runs until the memories are full (``--fill``), so
-the flood phases run at the bounds. Printed: each phase's p50 / p99 and the CPU time the
-process and its four listener threads spent in it (a flood phase's until the listeners read its
-last message); p50 / p99 / max of all rounds of each kind and their ratio; the ratio of the
-median over phases of each kind (drift between phases moves it less); the CPU the flood cost
-per 1,000 messages (the flood phases' CPU less the baseline phases', which ran the same genuine
-rounds, over the flood's messages) -- the figure the code controls: on shared cores the
-latency ratio is bounded by it; the flood rate achieved and what the listeners counted. The
-moriio_native loggers run at production's WARNING level (``--log-level``): what the flood
-makes the connector log is part of what it costs.
+the load). Phases alternate without and with the flood (``--phases`` of ``--rounds`` each), so
+drift of the shared machine falls on both; before the first flood phase the flood runs until the
+memories are full (``--fill``), so the flood phases run at the bounds. Printed: each phase's p50
+/ p99 and the CPU time the process and its listener threads (one hub thread) spent in it (a
+flood phase's until the listeners read its last message); p50 / p99 / max of all rounds of each
+kind and their ratio; the ratio of the median over phases of each kind (drift between phases
+moves it less); the CPU the flood cost per 1,000 messages (the flood phases' CPU less the
+baseline phases', which ran the same genuine rounds, over the flood's messages) -- the figure
+the code controls: on shared cores the latency ratio is bounded by it; the flood rate achieved
+and what the listeners counted. The moriio_native loggers run at production's WARNING level
+(``--log-level``): what the flood makes the connector log is part of what it costs.
 
 Checked by code (each a violation): every genuine request loaded (no load error) and freed on
 both sides; every flood message was received and dropped or ignored (nothing answered, nothing
@@ -300,8 +299,11 @@ class AnsweringServers:
 
             return answer_late
 
+        # Each on a thread of its own, as another process's would be: a late answer holds no
+        # other address's.
         self._servers = [
-            HandshakeServer(0, answering(answer), security, bind_host=LOCAL) for answer in strangers
+            HandshakeServer(0, answering(answer), security, bind_host=LOCAL, own_thread=True)
+            for answer in strangers
         ]
         self.ports = [server.port for server in self._servers]
 
@@ -485,13 +487,14 @@ def thread_cpu_s(native_id: int) -> float:
 
 
 def _listener_threads(p: Side, d: Side) -> list[int]:
-    ids = []
+    """The threads that read the instances' listeners (one hub thread, shared by all four)."""
+    ids = set()
     for side in (p, d):
         for router in _listeners(side):
-            thread = router._thread
+            thread = router.reader
             assert thread is not None and thread.native_id is not None
-            ids.append(thread.native_id)
-    return ids
+            ids.add(thread.native_id)
+    return sorted(ids)
 
 
 def _cpu(threads: list[int]) -> tuple[float, float]:

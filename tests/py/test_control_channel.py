@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,11 +23,14 @@ from moriio_native.control.channel import (
     NotifyListener,
     NotifySender,
     ProxyPinger,
+    fetch_checksums,
     fetch_metadata,
 )
 from moriio_native.control.messages import (
     PROTOCOL_VERSION,
     AbortWrite,
+    ChecksumRequest,
+    ChecksumResponse,
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
@@ -341,15 +346,126 @@ def test_sender_after_close_and_bad_input():
         sender.send(LOCAL, 5555, Release("t"))
 
 
-def test_close_joins_thread_and_frees_the_port():
+def test_close_frees_the_port_and_the_last_close_ends_the_reading_thread():
     listener = NotifyListener(0, security(), bind_host=LOCAL)
     port = listener.port
-    thread = listener._thread
+    thread = listener.reader
+    assert thread is not None and thread.is_alive()
     listener.close()
     listener.close()  # idempotent
-    assert thread is not None and not thread.is_alive()
     with NotifyListener(port, security(), bind_host=LOCAL) as again:
         assert again.port == port
+    # Nothing else in this test process is attached: the hub's thread ends.
+    wait_until(lambda: not thread.is_alive())
+
+
+# ---- the listeners' hub ------------------------------------------------------------------------
+
+
+def test_the_listeners_of_a_process_are_read_by_one_thread():
+    """One thread reads every listener of the process (a flood on several ports wakes one
+    thread, not one per port); each still delivers or answers what it gets."""
+    sec = security()
+    threads_before = threading.active_count()
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as a,
+        NotifyListener(0, sec, bind_host=LOCAL) as b,
+        HandshakeServer(0, provider_for(), sec, bind_host=LOCAL) as server,
+        NotifySender(sec) as sender,
+    ):
+        assert a.reader is b.reader is server.reader
+        assert threading.active_count() <= threads_before + 1
+        sender.send(LOCAL, a.port, Release("t-a"))
+        sender.send(LOCAL, b.port, Release("t-b"))
+        assert (a.get(WAIT), b.get(WAIT)) == (Release("t-a"), Release("t-b"))
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=sec, requester_engine_id="d0"
+        )
+        assert reply.engine_id == "prefill-0"
+
+
+def test_a_listener_held_back_by_its_full_queue_holds_back_no_other():
+    sec = security()
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL, max_pending=1) as full,
+        NotifyListener(0, sec, bind_host=LOCAL) as other,
+        NotifySender(sec) as sender,
+    ):
+        for i in range(5):
+            sender.send(LOCAL, full.port, Release(f"f-{i}"))
+        wait_until(lambda: full.stats()["queued"] == 1)
+        sender.send(LOCAL, other.port, Release("o"))
+        assert other.get(WAIT) == Release("o")
+        # The consumer's room wakes the hub: the held-back messages follow, in order.
+        assert [full.get(WAIT) for _ in range(5)] == [Release(f"f-{i}") for i in range(5)]
+
+
+def test_a_slow_checksum_answer_delays_no_notification():
+    """A checksum answer reads the transfer's blocks (seconds for a long prompt on a host): a
+    server that gives them reads on a thread of its own, so notifications go on meanwhile."""
+    sec = security()
+    answer = threading.Event()
+
+    def slow_checksums(request: ChecksumRequest) -> ChecksumResponse:
+        answer.wait(WAIT)
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={"L0": b"\0" * 8})
+
+    with (
+        HandshakeServer(
+            0, provider_for(), sec, bind_host=LOCAL, checksums=slow_checksums
+        ) as server,
+        NotifyListener(0, sec, bind_host=LOCAL) as listener,
+        NotifySender(sec) as sender,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        assert server.reader is not listener.reader
+        request = ChecksumRequest(requester_engine_id="d0", transfer_id="t1", block_ids=(1,))
+        asked = pool.submit(
+            fetch_checksums, LOCAL, server.port, request, timeout=WAIT, security=sec
+        )
+        wait_until(lambda: server.stats()["received"] == 1)
+        sender.send(LOCAL, listener.port, Release("t2"))
+        try:
+            assert listener.get(WAIT / 2) == Release("t2")
+            assert not asked.done()
+        finally:
+            answer.set()
+        assert asked.result(WAIT).transfer_id == "t1"
+
+
+def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port():
+    sec = security()
+    other = NotifyListener(0, sec, bind_host=LOCAL)
+    answer = provider_for()
+
+    def closing_provider(request: HandshakeRequest) -> HandshakeResponse:
+        other.close()  # on the hub's thread, which reads `other` too
+        return answer(request)
+
+    with HandshakeServer(0, closing_provider, sec, bind_host=LOCAL) as server:
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=sec, requester_engine_id="d0"
+        )
+        assert reply.engine_id == "prefill-0"
+        with NotifyListener(other.port, sec, bind_host=LOCAL) as again, NotifySender(sec) as sender:
+            sender.send(LOCAL, again.port, Release("t"))
+            assert again.get(WAIT) == Release("t")
+
+
+def test_checksum_servers_leave_no_descriptors_behind():
+    """Each checksum server's own hub has a wake pipe: closed with the server."""
+
+    def open_and_close() -> None:
+        with HandshakeServer(
+            0, provider_for(), security(), bind_host=LOCAL, checksums=lambda _request: None
+        ):
+            pass
+
+    open_and_close()  # ZMQ's own descriptors, opened once per context
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(10):
+        open_and_close()
+    assert len(os.listdir("/proc/self/fd")) <= before + 2
 
 
 def test_port_in_use_is_a_transport_error():

@@ -54,7 +54,10 @@ class Prefill:
         self.gate.set()
         self.answered = 0
         self.incarnation = new_incarnation()
-        self.server = HandshakeServer(port, self._answer, security(), bind_host=LOCAL)
+        # Its own thread: a stand-in for another process, whose held answers hold no other's.
+        self.server = HandshakeServer(
+            port, self._answer, security(), bind_host=LOCAL, own_thread=True
+        )
 
     def _answer(self, request: object) -> HandshakeResponse:
         self.gate.wait(30)

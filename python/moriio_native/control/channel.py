@@ -1,14 +1,18 @@
 """ZMQ sockets and threads of the control plane: listeners, the handshake client, the notify
 sender and the proxy pinger.
 
-Every listener is a ROUTER socket owned by one background thread that polls with a short
-timeout. A message that fails authentication or its schema is logged (sender address and
-reason, rate limited) and dropped; the thread keeps running. A listener that keeps dropping
-messages (a flood) pauses briefly after each burst it reads (:class:`_FloodGauge`), so that one
-wake-up reads many messages; an idle listener or one that drops nothing never pauses.
-``close()`` stops the thread, closes its socket with linger 0 and joins it within a bounded
-time. Nothing here terminates the ZMQ context (by default the process-wide
-``zmq.Context.instance()``), so several components -- and other libraries -- can share it.
+Every listener is a ROUTER socket read by a :class:`_ListenerHub`: one background thread that
+polls all the sockets attached to it. The listeners of a process share one hub (a handshake
+server that answers checksum requests, whose answers can take long, gets its own), so a flood
+on several ports wakes one thread, not one per port: every wake-up of a Python thread takes the
+GIL from the connector's threads. A message that fails authentication or its schema is logged
+(sender address and reason, rate limited) and dropped; the hub keeps running. While a listener
+keeps dropping messages (a flood) the hub pauses briefly after each round of reads
+(:class:`_FloodGauge`), so that one wake-up reads many messages; idle listeners or ones that
+drop nothing never make it pause. ``close()`` detaches the listener, closes its socket with
+linger 0 and waits for that within a bounded time. Nothing here terminates the ZMQ context (by
+default the process-wide ``zmq.Context.instance()``), so several components -- and other
+libraries -- can share it.
 
 Contents:
 
@@ -19,7 +23,7 @@ Contents:
   senders) rather than dropping.
 * :class:`HandshakeServer` -- answers handshake requests with the metadata a provider callable
   returns; learns the source address of every accepted requester into the allowlist. The
-  provider runs on the server thread. ``close``/``stats`` are thread-safe.
+  provider runs on the hub's thread. ``close``/``stats`` are thread-safe.
 * :func:`fetch_metadata` -- the handshake client: allowlist check, one request, bounded wait.
   Blocks the calling thread at most ``timeout`` seconds (in 100 ms slices, so Ctrl-C works).
 * :class:`NotifySender` -- sends notify messages; allowlist check before any socket; an LRU of
@@ -31,7 +35,9 @@ Contents:
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections import OrderedDict, deque
@@ -82,12 +88,12 @@ _BURST = 256
 _MAX_TAG_FRAME = 64
 # A notify listener wakes its consumers after this many deliveries at most, even mid-burst.
 _WAKE_EVERY = 32
-# A flooded listener's pause after each burst, with the GIL released. Each wake-up of a listener
-# thread costs the process far more than reading one more queued message (the thread takes the
-# GIL from the connector's threads; a lone listener spends ~20 us per dropped message, one in a
-# connector's process several times that), so under a flood it waits for messages to pile up
-# and reads them in one go. The price: a genuine message that arrives meanwhile waits at most
-# this long.
+# A hub's pause after a round of reads in which a flooded listener read, with the GIL released.
+# Each wake-up of a listener thread costs the process far more than reading one more queued
+# message (the thread takes the GIL from the connector's threads; a lone listener spends ~20 us
+# per dropped message, one in a connector's process several times that), so under a flood it
+# waits for messages to pile up and reads them in one go. The price: a genuine message that
+# arrives meanwhile waits at most this long.
 _FLOOD_PAUSE_S = 0.002
 # Flooded: at least _FLOOD_DROPS messages dropped in the current or the previous window of
 # _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
@@ -258,12 +264,141 @@ class _FloodGauge:
         return max(self._previous, self._current) >= _FLOOD_DROPS
 
 
-class _RouterThread(_ClosesOnExit):
-    """A bound ROUTER socket and the thread that reads it. Subclasses implement ``_handle``."""
+class _ListenerHub:
+    """One thread that reads the sockets of every listener attached to it.
+
+    The thread polls the attached sockets (and a pipe that wakes it for attach and detach);
+    for each socket with messages it reads a burst through its listener. It owns the sockets
+    while they are attached: a ZMQ socket is used by one thread at a time. It starts with the
+    first listener attached and ends when the last one is detached. Thread-safe.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._lock = threading.Lock()
+        self._commands: deque[tuple[_RouterListener, threading.Event | None]] = deque()
+        self._thread: threading.Thread | None = None
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The thread reading the listeners now (None while none is attached)."""
+        return self._thread
+
+    def attach(self, listener: _RouterListener) -> None:
+        """Start reading ``listener`` (its socket then belongs to the hub's thread)."""
+        self._command(listener, None)
+
+    def detach(self, listener: _RouterListener, timeout: float) -> bool:
+        """Stop reading ``listener`` and release its socket (unbound and closed); whether that
+        happened within ``timeout`` seconds."""
+        if threading.current_thread() is self._thread:
+            listener._release()  # a listener closed from a handler: the socket is ours here
+            return True
+        done = threading.Event()
+        self._command(listener, done)
+        return done.wait(timeout)
+
+    def _command(self, listener: _RouterListener, done: threading.Event | None) -> None:
+        with self._lock:
+            self._commands.append((listener, done))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"moriio-{self._name}", daemon=True
+                )
+                self._thread.start()
+        self.wake()
+
+    def wake(self) -> None:
+        """Make the thread look at its commands and its listeners' readiness now."""
+        with contextlib.suppress(BlockingIOError):  # full: the thread has wake-ups to read
+            os.write(self._wake_write, b"\0")
+
+    def _apply_commands(self, attached: dict[zmq.Socket, _RouterListener]) -> bool:
+        """Attach and detach what was asked; whether the thread goes on (False: nothing is
+        attached nor asked, and the thread is forgotten so that the next attach starts one)."""
+        with self._lock:
+            commands = list(self._commands)
+            self._commands.clear()
+        for listener, done in commands:
+            if done is None:
+                attached[listener.socket] = listener
+            else:
+                attached.pop(listener.socket, None)
+                listener._release()
+                done.set()
+        with self._lock:
+            if not attached and not self._commands:
+                self._thread = None
+                return False
+        return True
+
+    def _run(self) -> None:
+        attached: dict[zmq.Socket, _RouterListener] = {}
+        while self._apply_commands(attached):
+            try:
+                self._read_round(attached)
+            except Exception:  # the hub must survive anything: its listeners depend on it
+                logger.exception("%s: error in a round of reads", self._name)
+                time.sleep(_POLL_MS / 1000)
+
+    def _read_round(self, attached: dict[zmq.Socket, _RouterListener]) -> None:
+        """Poll the attached sockets whose listeners may read, read a burst from each that has
+        messages, then pause if one of those is flooded."""
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        for sock, listener in list(attached.items()):
+            if listener._detached:  # released by a handler on this thread (detach)
+                del attached[sock]
+            elif listener._ready():
+                poller.register(sock, zmq.POLLIN)
+        events = dict(poller.poll(_POLL_MS))
+        if self._wake_read in events:
+            with contextlib.suppress(BlockingIOError):
+                os.read(self._wake_read, 4096)
+        flooded = False
+        for sock, listener in list(attached.items()):
+            if sock not in events:
+                continue
+            if not listener._read_burst():
+                del attached[sock]
+                listener._release()
+                continue
+            listener._burst_done()
+            if listener._flooded():
+                flooded = True
+        if flooded:
+            # time.sleep, not an Event's wait: the GIL is released in both, but an Event builds a
+            # lock and a Condition's bookkeeping, once per round; a detach waits this much longer.
+            time.sleep(_FLOOD_PAUSE_S)
+
+    def close(self) -> None:
+        """Close the wake pipe of a hub that nothing is attached to any more and that no one
+        attaches to again (a listener's private hub, after the listener was detached)."""
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: no thread reads anything there, and the parent's sockets must not
+        be used; the next listener attached starts a thread of the child's own."""
+        self._lock = threading.Lock()
+        self._commands = deque()
+        self._thread = None
+
+
+# The hub of every listener of the process but checksum-answering handshake servers.
+_SHARED_HUB = _ListenerHub("listeners")
+os.register_at_fork(after_in_child=_SHARED_HUB.forget_after_fork)
+
+
+class _RouterListener(_ClosesOnExit):
+    """A bound ROUTER socket read by a :class:`_ListenerHub`. Subclasses implement ``_handle``."""
 
     _name = "router"
     _extra_stats: tuple[str, ...] = ()
-    _security: ControlSecurity  # set by each subclass before it starts the thread
+    _security: ControlSecurity  # set by each subclass before it attaches to its hub
 
     def __init__(
         self,
@@ -272,13 +407,13 @@ class _RouterThread(_ClosesOnExit):
         bind_host: str,
         max_message_bytes: int,
         context: zmq.Context | None,
+        own_thread: bool,
     ) -> None:
         if port != 0:
             port = validate_port(port, what=f"{self._name} port")
         self._context = context if context is not None else zmq.Context.instance()
         self._max_message_bytes = max_message_bytes
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._state_lock = threading.Lock()
         self._stats: dict[str, int] = dict.fromkeys(
             ("received", "dropped_malformed", "dropped_auth", *self._extra_stats, "flood_pauses"),
@@ -306,12 +441,22 @@ class _RouterThread(_ClosesOnExit):
         except BaseException:
             sock.close(linger=0)
             raise
-        self._sock: zmq.Socket | None = sock
-        self._thread = threading.Thread(
-            target=self._run, name=f"moriio-{self._name}-{self._port}", daemon=True
-        )
-        self._thread.start()
+        self._sock = sock
+        self._hub = _ListenerHub(self._name) if own_thread else _SHARED_HUB
+        self._detached = False
+        self._hub.attach(self)
         logger.info("%s listening on port %d", self._name, self._port)
+
+    @property
+    def socket(self) -> zmq.Socket:
+        """The bound socket (used by the hub's thread only while attached)."""
+        return self._sock
+
+    @property
+    def reader(self) -> threading.Thread | None:
+        """The thread that reads this listener now: its hub's (shared with the process's other
+        listeners)."""
+        return self._hub.thread
 
     @property
     def port(self) -> int:
@@ -339,8 +484,9 @@ class _RouterThread(_ClosesOnExit):
         self._count(key)
         self._drops.drop(peer, reason)
 
-    def _wait_ready(self) -> bool:
-        """Whether the loop may read another message now (subclasses add backpressure)."""
+    def _ready(self) -> bool:
+        """Whether the hub may read another message of this listener now (subclasses hold
+        back while their consumers lag). Never blocks: the hub reads other listeners too."""
         return True
 
     def _open(
@@ -376,34 +522,26 @@ class _RouterThread(_ClosesOnExit):
     def _burst_done(self) -> None:
         """Called after each burst (subclasses wake their consumers here)."""
 
-    def _run(self) -> None:
-        sock = self._sock
-        assert sock is not None
-        try:
-            while not self._stop.is_set():
-                if self._wait_ready() and sock.poll(_POLL_MS):
-                    self._read_burst(sock)
-                    self._burst_done()
-                    if self._flood.flooded():
-                        self._count("flood_pauses")
-                        # time.sleep, not self._stop.wait: the GIL is released in both, but an
-                        # Event's wait builds a lock and a Condition's bookkeeping, once per
-                        # burst; close() waits at most this pause longer.
-                        time.sleep(_FLOOD_PAUSE_S)
-        except zmq.ZMQError as exc:
-            if not self._stop.is_set():
-                logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
-        finally:
-            self._release(sock)
+    def _flooded(self) -> bool:
+        """Whether this listener keeps dropping messages (its hub then pauses; counted)."""
+        if not self._flood.flooded():
+            return False
+        self._count("flood_pauses")
+        return True
 
-    def _read_burst(self, sock: zmq.Socket) -> None:
+    def _read_burst(self) -> bool:
         """Handle what is queued, up to ``_BURST`` messages, without polling in between: a
-        poll per message would cost a flood of small messages more than rejecting them."""
+        poll per message would cost a flood of small messages more than rejecting them.
+        False when the socket failed (logged; the hub then releases it)."""
+        sock = self._sock
         for _ in range(_BURST):
             try:
                 frames = sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
             except zmq.Again:
-                return
+                return True
+            except zmq.ZMQError as exc:
+                logger.error("%s on port %d stopped: %s", self._name, self._port, exc)
+                return False
             self._count("received")
             peer = _Sender(frames)
             try:
@@ -411,10 +549,16 @@ class _RouterThread(_ClosesOnExit):
             except Exception as exc:  # the listener must survive anything one message does
                 self._count("dropped_malformed")
                 logger.exception("%s: error handling message from %s: %r", self._name, peer, exc)
-            if self._stop.is_set() or not self._wait_ready():
-                return
+            if self._stop.is_set() or not self._ready():
+                return True
+        return True
 
-    def _release(self, sock: zmq.Socket) -> None:
+    def _release(self) -> None:
+        """Unbind and close the socket, once (on the hub's thread)."""
+        if self._detached:
+            return
+        self._detached = True
+        sock = self._sock
         # ZMQ closes a listening socket asynchronously in its I/O thread. Wait (bounded) for
         # the CLOSED event so the port is really free when close() returns and a restarted
         # listener can bind it again at once.
@@ -446,19 +590,18 @@ class _RouterThread(_ClosesOnExit):
         self._handle(sock, identity, [f.bytes for f in rest], peer)
 
     def close(self, timeout: float = 5.0) -> None:
-        """Stop the thread and close the socket; waits at most ``timeout`` seconds (the loop
-        notices within ~100 ms). Idempotent; thread-safe."""
+        """Detach from the hub and close the socket; waits at most ``timeout`` seconds (the hub
+        notices within a round of reads). Idempotent; thread-safe."""
+        if self._stop.is_set():
+            return
         self._stop.set()
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout)
-            if thread.is_alive():
-                logger.error(
-                    "%s on port %d did not stop within %.1fs", self._name, self._port, timeout
-                )
+        if not self._hub.detach(self, timeout):
+            logger.error("%s on port %d did not stop within %.1fs", self._name, self._port, timeout)
+        elif self._hub is not _SHARED_HUB:
+            self._hub.close()  # its own: nothing else is attached to it
 
 
-class NotifyListener(_RouterThread):
+class NotifyListener(_RouterListener):
     """Receives notify messages on ``port`` and queues them for :meth:`drain`/:meth:`get`.
 
     Delivery promise: each distinct notification is delivered at most once -- a copy with the
@@ -483,11 +626,13 @@ class NotifyListener(_RouterThread):
         terminal_capacity: int = 65536,
         max_message_bytes: int = MAX_NOTIFY_BYTES,
         context: zmq.Context | None = None,
+        own_thread: bool = False,
     ) -> None:
-        """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and starts
-        the thread. Raises TransportError when the port cannot be bound. The listener stops
-        reading while ``max_pending`` messages, or more than ``max_pending_bytes`` of their
-        payloads, wait for drain/get."""
+        """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and has it
+        read by the process's listener thread (``own_thread``: by a thread of its own, as a
+        listener of another process would be). Raises TransportError when the port cannot be
+        bound. The listener stops reading while ``max_pending`` messages, or more than
+        ``max_pending_bytes`` of their payloads, wait for drain/get."""
         bounds = (max_pending, max_pending_bytes, dedup_capacity, terminal_capacity)
         if min(*bounds, max_message_bytes) < 1:
             raise InvalidArgumentError("notify listener bounds must be positive")
@@ -502,13 +647,18 @@ class NotifyListener(_RouterThread):
         self._seen_capacity = dedup_capacity
         self._terminal: OrderedDict[str, None] = OrderedDict()
         self._terminal_capacity = terminal_capacity
-        self._unannounced = 0  # deliveries since consumers were last woken (listener thread)
+        self._unannounced = 0  # deliveries since consumers were last woken (hub thread)
+        self._held_back = False  # the hub stopped reading for want of room (the condition held)
         super().__init__(
-            port, bind_host=bind_host, max_message_bytes=max_message_bytes, context=context
+            port,
+            bind_host=bind_host,
+            max_message_bytes=max_message_bytes,
+            context=context,
+            own_thread=own_thread,
         )
 
     def stats(self) -> dict[str, int]:
-        """The counters of :meth:`_RouterThread.stats` plus three gauges: ``queued`` (messages
+        """The counters of :meth:`_RouterListener.stats` plus three gauges: ``queued`` (messages
         waiting for drain/get, at most ``max_pending``), ``queued_bytes`` (their payloads'
         bytes: at most ``max_pending_bytes`` and one message more) and ``remembered``
         (deduplication keys held, at most ``dedup_capacity``). Thread-safe."""
@@ -526,13 +676,13 @@ class NotifyListener(_RouterThread):
             and self._pending_bytes <= self._max_pending_bytes
         )
 
-    def _wait_ready(self) -> bool:
+    def _ready(self) -> bool:
         with self._cond:
             if self._has_room():
                 return True
-            self._wake_consumers()  # they make the room this thread waits for
-            self._cond.wait(_POLL_MS / 1000)
-            return self._has_room()
+            self._held_back = True  # the consumer that makes room wakes the hub (_pop)
+            self._wake_consumers()  # they make the room the hub waits for
+            return False
 
     def _wake_consumers(self) -> None:
         """Wake the threads waiting in get (the condition held). Once per burst or per
@@ -611,6 +761,9 @@ class NotifyListener(_RouterThread):
         """The oldest queued message, out of the queue (the condition held)."""
         message, size = self._pending.popleft()
         self._pending_bytes -= size
+        if self._held_back and self._has_room():
+            self._held_back = False
+            self._hub.wake()
         return message
 
     def _late(self, message: NotifyMessage) -> bool:
@@ -641,10 +794,11 @@ def _reason_text(exc: BaseException) -> str:
     return text[:MAX_REASON_LEN]
 
 
-class HandshakeServer(_RouterThread):
+class HandshakeServer(_RouterListener):
     """Answers handshake requests on ``port`` with ``provider(request)``.
 
-    ``provider`` runs on the server thread and returns the :class:`HandshakeResponse` to send
+    ``provider`` runs on the thread that reads the server (the process's listener hub, shared
+    with its other listeners: keep it quick) and returns the :class:`HandshakeResponse` to send
     (its nonce is filled in here). If it raises a :class:`MoriioError` -- say, KV caches not
     registered yet -- the requester gets a :class:`HandshakeRejected` with the message; any
     other exception is logged and rejected as an internal error. Requests that fail
@@ -653,8 +807,9 @@ class HandshakeServer(_RouterThread):
     allowlist, so this side may later notify that peer.
 
     ``checksums`` (set where transfers are verified) answers :class:`ChecksumRequest` s the
-    same way, on the server thread; without it they are rejected ("does not verify"), and
-    requests larger than a handshake request are dropped.
+    same way, on a hub thread of this server's own (a checksum answer can take long); without
+    it they are rejected ("does not verify"), and requests larger than a handshake request are
+    dropped.
     """
 
     _name = "handshake server"
@@ -670,9 +825,12 @@ class HandshakeServer(_RouterThread):
         learn_peers: bool = True,
         context: zmq.Context | None = None,
         checksums: ChecksumProvider | None = None,
+        own_thread: bool = False,
     ) -> None:
-        """Binds ``bind_host:port`` (``port=0``: any free port) and starts the thread. Raises
-        TransportError when the port cannot be bound."""
+        """Binds ``bind_host:port`` (``port=0``: any free port) and has it read by the
+        process's listener thread, or by a thread of its own with ``own_thread`` (as a server
+        of another process would be) or ``checksums``. Raises TransportError when the port
+        cannot be bound."""
         self._provider = provider
         self._checksums = checksums
         self._security = security
@@ -684,6 +842,9 @@ class HandshakeServer(_RouterThread):
                 MAX_HANDSHAKE_REQUEST_BYTES if checksums is None else MAX_CHECKSUM_REQUEST_BYTES
             ),
             context=context,
+            # A checksum answer reads the transfer's blocks (seconds for a long prompt on a
+            # host): on a thread of its own, so that it delays no other listener's messages.
+            own_thread=own_thread or checksums is not None,
         )
 
     def _answer(
