@@ -433,7 +433,8 @@ def test_a_slow_checksum_answer_delays_no_notification():
         assert asked.result(WAIT).transfer_id == "t1"
 
 
-def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port():
+def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port(caplog):
+    caplog.set_level(logging.ERROR, logger="moriio_native.control")
     sec = security()
     other = NotifyListener(0, sec, bind_host=LOCAL)
     answer = provider_for()
@@ -450,6 +451,89 @@ def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port():
         with NotifyListener(other.port, sec, bind_host=LOCAL) as again, NotifySender(sec) as sender:
             sender.send(LOCAL, again.port, Release("t"))
             assert again.get(WAIT) == Release("t")
+    assert not caplog.records  # the closed socket was not read after its close
+
+
+def test_a_forked_child_reads_its_listeners_on_its_own_thread_and_pipe():
+    """Before: the child kept the parent's wake pipe, so each process read the other's
+    wake-ups (an attach or close then waited for the poll's timeout)."""
+    sec = security()
+    with NotifyListener(0, sec, bind_host=LOCAL) as parent, NotifySender(sec) as sender:
+        parent_pipe = os.fstat(parent._hub._wake_read).st_ino
+        pid = os.fork()
+        if pid == 0:  # the child: exit code 0 only if all is well
+            ok = False
+            try:
+                with NotifyListener(0, sec, bind_host=LOCAL) as child:
+                    own_pipe = os.fstat(child._hub._wake_read).st_ino != parent_pipe
+                    with NotifySender(sec) as child_sender:
+                        child_sender.send(LOCAL, child.port, Release("in the child"))
+                        ok = own_pipe and child.get(WAIT) == Release("in the child")
+            finally:
+                os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        sender.send(LOCAL, parent.port, Release("in the parent"))
+        assert parent.get(WAIT) == Release("in the parent")
+
+
+def test_a_listener_of_its_own_drained_after_its_close_touches_no_closed_pipe():
+    """Review: the private hub's pipe was closed with the listener, and a consumer that made
+    room in the held-back queue afterwards woke the hub through it (EBADF, or a write into
+    whatever descriptor took its number)."""
+    sec = security()
+    listener = NotifyListener(0, sec, bind_host=LOCAL, max_pending=1, own_thread=True)
+    with NotifySender(sec) as sender:
+        for i in range(3):
+            sender.send(LOCAL, listener.port, Release(f"t-{i}"))
+        wait_until(lambda: listener.stats()["queued"] == 1)
+        listener.close()
+    assert listener.drain() == [Release("t-0")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_handler_that_ends_the_reading_thread_gets_it_replaced():
+    """Review: a provider that raised SystemExit ended the hub's thread, and nothing of the
+    process was read again (every close then waited its timeout)."""
+    sec = security()
+    calls = []
+    answer = provider_for()
+
+    def exiting_once(request: HandshakeRequest) -> HandshakeResponse:
+        calls.append(request)
+        if len(calls) == 1:
+            raise SystemExit("a handler that exits")
+        return answer(request)
+
+    with (
+        HandshakeServer(0, exiting_once, sec, bind_host=LOCAL) as server,
+        NotifyListener(0, sec, bind_host=LOCAL) as listener,
+        NotifySender(sec) as sender,
+    ):
+        with pytest.raises(TransferTimeoutError):
+            fetch_metadata(LOCAL, server.port, timeout=0.5, security=sec, requester_engine_id="d")
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=sec, requester_engine_id="d"
+        )
+        assert reply.engine_id == "prefill-0"
+        sender.send(LOCAL, listener.port, Release("t"))
+        assert listener.get(WAIT) == Release("t")
+
+
+def test_a_terminated_context_stops_only_its_own_listener():
+    """Review: a poll that failed on one socket (its context terminated) failed every round,
+    so no listener was read again and the context's term() waited for ever."""
+    sec = security()
+    own = zmq.Context()
+    doomed = NotifyListener(0, sec, bind_host=LOCAL, context=own)
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
+        terminating = threading.Thread(target=own.term, daemon=True)
+        terminating.start()
+        terminating.join(WAIT)
+        assert not terminating.is_alive()  # the hub released the doomed socket
+        sender.send(LOCAL, listener.port, Release("t"))
+        assert listener.get(WAIT) == Release("t")
+    doomed.close()
 
 
 def test_checksum_servers_leave_no_descriptors_behind():

@@ -270,17 +270,34 @@ class _ListenerHub:
     The thread polls the attached sockets (and a pipe that wakes it for attach and detach);
     for each socket with messages it reads a burst through its listener. It owns the sockets
     while they are attached: a ZMQ socket is used by one thread at a time. It starts with the
-    first listener attached and ends when the last one is detached. Thread-safe.
+    first listener attached and ends when the last one is detached; a thread that died (a
+    handler raised ``SystemExit``) is replaced by one that reads on. A private hub (one
+    listener's own) closes its wake pipe when its thread ends. In a forked child a hub starts
+    afresh (its own lock, pipe and thread; the parent's sockets are not touched). Thread-safe.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, private: bool = False) -> None:
         self._name = name
+        self._private = private
+        self._start_afresh()
+
+    def _start_afresh(self) -> None:
+        self._pid = os.getpid()
         self._lock = threading.Lock()
+        # Both used by the thread only (commands pass through _commands, under the lock).
+        self._attached: dict[zmq.Socket, _RouterListener] = {}
         self._commands: deque[tuple[_RouterListener, threading.Event | None]] = deque()
         self._thread: threading.Thread | None = None
+        self._closed = False  # the pipe closed (a private hub whose thread ended)
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
+
+    def _check_fork(self) -> None:
+        """In a forked child: nothing reads there, and the parent's sockets, thread and pipe
+        (through which each process would read the other's wake-ups) are not the child's."""
+        if self._pid != os.getpid():
+            self._start_afresh()
 
     @property
     def thread(self) -> threading.Thread | None:
@@ -288,7 +305,8 @@ class _ListenerHub:
         return self._thread
 
     def attach(self, listener: _RouterListener) -> None:
-        """Start reading ``listener`` (its socket then belongs to the hub's thread)."""
+        """Start reading ``listener`` (its socket then belongs to the hub's thread). Raises
+        RuntimeError when no thread can be started (nothing attached then)."""
         self._command(listener, None)
 
     def detach(self, listener: _RouterListener, timeout: float) -> bool:
@@ -302,21 +320,39 @@ class _ListenerHub:
         return done.wait(timeout)
 
     def _command(self, listener: _RouterListener, done: threading.Event | None) -> None:
+        self._check_fork()
         with self._lock:
+            if self._closed:  # a private hub after its one listener was detached
+                if done is not None:
+                    done.set()
+                return
             self._commands.append((listener, done))
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name=f"moriio-{self._name}", daemon=True
-                )
-                self._thread.start()
-        self.wake()
+            try:
+                self._start_thread()
+            except BaseException:
+                self._commands.pop()
+                raise
+            self._wake_locked()
+
+    def _start_thread(self) -> None:
+        """Start the thread if none runs (the lock held)."""
+        if self._thread is None:
+            thread = threading.Thread(target=self._run, name=f"moriio-{self._name}", daemon=True)
+            thread.start()
+            self._thread = thread
 
     def wake(self) -> None:
         """Make the thread look at its commands and its listeners' readiness now."""
+        self._check_fork()
+        with self._lock:
+            if not self._closed:
+                self._wake_locked()
+
+    def _wake_locked(self) -> None:
         with contextlib.suppress(BlockingIOError):  # full: the thread has wake-ups to read
             os.write(self._wake_write, b"\0")
 
-    def _apply_commands(self, attached: dict[zmq.Socket, _RouterListener]) -> bool:
+    def _apply_commands(self) -> bool:
         """Attach and detach what was asked; whether the thread goes on (False: nothing is
         attached nor asked, and the thread is forgotten so that the next attach starts one)."""
         with self._lock:
@@ -324,46 +360,62 @@ class _ListenerHub:
             self._commands.clear()
         for listener, done in commands:
             if done is None:
-                attached[listener.socket] = listener
+                self._attached[listener.socket] = listener
             else:
-                attached.pop(listener.socket, None)
+                self._attached.pop(listener.socket, None)
                 listener._release()
                 done.set()
         with self._lock:
-            if not attached and not self._commands:
-                self._thread = None
-                return False
-        return True
+            if self._attached or self._commands:
+                return True
+            self._thread = None
+            if self._private:
+                self._closed = True
+                os.close(self._wake_read)
+                os.close(self._wake_write)
+            return False
 
     def _run(self) -> None:
-        attached: dict[zmq.Socket, _RouterListener] = {}
-        while self._apply_commands(attached):
-            try:
-                self._read_round(attached)
-            except Exception:  # the hub must survive anything: its listeners depend on it
-                logger.exception("%s: error in a round of reads", self._name)
-                time.sleep(_POLL_MS / 1000)
+        try:
+            while self._apply_commands():
+                try:
+                    self._read_round()
+                except Exception:  # the hub must survive anything: its listeners depend on it
+                    logger.exception("%s: error in a round of reads", self._name)
+                    time.sleep(_POLL_MS / 1000)
+        finally:
+            with self._lock:
+                if self._thread is threading.current_thread():
+                    # Ended by what no round survives (SystemExit from a handler): another
+                    # thread reads on.
+                    logger.error("%s: the reading thread ended; starting another", self._name)
+                    self._thread = None
+                    self._start_thread()
 
-    def _read_round(self, attached: dict[zmq.Socket, _RouterListener]) -> None:
+    def _read_round(self) -> None:
         """Poll the attached sockets whose listeners may read, read a burst from each that has
         messages, then pause if one of those is flooded."""
         poller = zmq.Poller()
         poller.register(self._wake_read, zmq.POLLIN)
-        for sock, listener in list(attached.items()):
+        for sock, listener in list(self._attached.items()):
             if listener._detached:  # released by a handler on this thread (detach)
-                del attached[sock]
+                del self._attached[sock]
             elif listener._ready():
                 poller.register(sock, zmq.POLLIN)
-        events = dict(poller.poll(_POLL_MS))
+        try:
+            events = dict(poller.poll(_POLL_MS))
+        except zmq.ZMQError as exc:
+            self._release_failed(exc)
+            return
         if self._wake_read in events:
             with contextlib.suppress(BlockingIOError):
                 os.read(self._wake_read, 4096)
         flooded = False
-        for sock, listener in list(attached.items()):
-            if sock not in events:
+        for sock, listener in list(self._attached.items()):
+            if sock not in events or listener._detached:
                 continue
             if not listener._read_burst():
-                del attached[sock]
+                del self._attached[sock]
                 listener._release()
                 continue
             listener._burst_done()
@@ -374,23 +426,21 @@ class _ListenerHub:
             # lock and a Condition's bookkeeping, once per round; a detach waits this much longer.
             time.sleep(_FLOOD_PAUSE_S)
 
-    def close(self) -> None:
-        """Close the wake pipe of a hub that nothing is attached to any more and that no one
-        attaches to again (a listener's private hub, after the listener was detached)."""
-        os.close(self._wake_read)
-        os.close(self._wake_write)
-
-    def forget_after_fork(self) -> None:
-        """In a forked child: no thread reads anything there, and the parent's sockets must not
-        be used; the next listener attached starts a thread of the child's own."""
-        self._lock = threading.Lock()
-        self._commands = deque()
-        self._thread = None
+    def _release_failed(self, exc: zmq.ZMQError) -> None:
+        """After a failed poll: release the sockets that fail on their own (their context was
+        terminated, say), so that the others are read on."""
+        for sock, listener in list(self._attached.items()):
+            try:
+                sock.getsockopt(zmq.EVENTS)
+            except zmq.ZMQError as failed:
+                logger.error("%s on port %d stopped: %s", listener._name, listener.port, failed)
+                del self._attached[sock]
+                listener._release()
+        logger.debug("%s: poll failed: %s", self._name, exc)
 
 
 # The hub of every listener of the process but checksum-answering handshake servers.
 _SHARED_HUB = _ListenerHub("listeners")
-os.register_at_fork(after_in_child=_SHARED_HUB.forget_after_fork)
 
 
 class _RouterListener(_ClosesOnExit):
@@ -442,9 +492,15 @@ class _RouterListener(_ClosesOnExit):
             sock.close(linger=0)
             raise
         self._sock = sock
-        self._hub = _ListenerHub(self._name) if own_thread else _SHARED_HUB
+        self._hub = _ListenerHub(self._name, private=True) if own_thread else _SHARED_HUB
+        self._pid = os.getpid()
         self._detached = False
-        self._hub.attach(self)
+        try:
+            self._hub.attach(self)
+        except BaseException:
+            self._detached = True
+            sock.close(linger=0)
+            raise
         logger.info("%s listening on port %d", self._name, self._port)
 
     @property
@@ -454,8 +510,8 @@ class _RouterListener(_ClosesOnExit):
 
     @property
     def reader(self) -> threading.Thread | None:
-        """The thread that reads this listener now: its hub's (shared with the process's other
-        listeners)."""
+        """The thread that reads this listener now: its hub's (the process's, shared with its
+        other listeners, or with ``own_thread`` its own)."""
         return self._hub.thread
 
     @property
@@ -561,7 +617,8 @@ class _RouterListener(_ClosesOnExit):
         sock = self._sock
         # ZMQ closes a listening socket asynchronously in its I/O thread. Wait (bounded) for
         # the CLOSED event so the port is really free when close() returns and a restarted
-        # listener can bind it again at once.
+        # listener can bind it again at once. The hub's other listeners wait meanwhile (ZMQ
+        # takes milliseconds; at most a second): a listener closes at shutdown, not per request.
         try:
             monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED)
             try:
@@ -591,14 +648,17 @@ class _RouterListener(_ClosesOnExit):
 
     def close(self, timeout: float = 5.0) -> None:
         """Detach from the hub and close the socket; waits at most ``timeout`` seconds (the hub
-        notices within a round of reads). Idempotent; thread-safe."""
-        if self._stop.is_set():
+        notices within a round of reads). Idempotent; thread-safe. In a forked child the socket
+        is the parent's: it is left alone."""
+        with self._state_lock:
+            if self._stop.is_set():
+                return
+            self._stop.set()
+        if self._pid != os.getpid():
+            self._detached = True
             return
-        self._stop.set()
         if not self._hub.detach(self, timeout):
             logger.error("%s on port %d did not stop within %.1fs", self._name, self._port, timeout)
-        elif self._hub is not _SHARED_HUB:
-            self._hub.close()  # its own: nothing else is attached to it
 
 
 class NotifyListener(_RouterListener):
@@ -630,7 +690,8 @@ class NotifyListener(_RouterListener):
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and has it
         read by the process's listener thread (``own_thread``: by a thread of its own, as a
-        listener of another process would be). Raises TransportError when the port cannot be
+        listener of another process would be: for tests and benchmarks that stand in for other
+        processes). Raises TransportError when the port cannot be
         bound. The listener stops reading while ``max_pending`` messages, or more than
         ``max_pending_bytes`` of their payloads, wait for drain/get."""
         bounds = (max_pending, max_pending_bytes, dedup_capacity, terminal_capacity)
@@ -674,6 +735,15 @@ class NotifyListener(_RouterListener):
         return (
             len(self._pending) < self._max_pending
             and self._pending_bytes <= self._max_pending_bytes
+        )
+
+    def _half_empty(self) -> bool:
+        """Whether the queue holds at most half its bounds (the condition held): where a
+        held-back listener is read again. Waking the hub as soon as one message fits would cost
+        a round of reads per message while consumers lag."""
+        return (
+            len(self._pending) <= self._max_pending // 2
+            and self._pending_bytes <= self._max_pending_bytes // 2
         )
 
     def _ready(self) -> bool:
@@ -761,7 +831,7 @@ class NotifyListener(_RouterListener):
         """The oldest queued message, out of the queue (the condition held)."""
         message, size = self._pending.popleft()
         self._pending_bytes -= size
-        if self._held_back and self._has_room():
+        if self._held_back and self._half_empty():
             self._held_back = False
             self._hub.wake()
         return message
@@ -828,8 +898,9 @@ class HandshakeServer(_RouterListener):
         own_thread: bool = False,
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port) and has it read by the
-        process's listener thread, or by a thread of its own with ``own_thread`` (as a server
-        of another process would be) or ``checksums``. Raises TransportError when the port
+        process's listener thread, or by a thread of its own with ``checksums`` or
+        ``own_thread`` (as a server of another process would be: for tests and benchmarks that
+        stand in for other processes). Raises TransportError when the port
         cannot be bound."""
         self._provider = provider
         self._checksums = checksums
