@@ -380,6 +380,49 @@ def test_cuda_layers_go_through_the_plugin_and_agree_with_torch() -> None:
     assert values == {"L0": pack(checksum_torch(layout, device, [3, 0]))}
 
 
+def _kv_forms(
+    blocks: int, tokens: int, heads: int, kernel: int, head_size: int, *, interleaved: bool
+) -> dict[str, tuple[Any, str]]:
+    """Random int16 K/V content of ``blocks`` blocks as separated NHD, interleaved HND (with
+    ``interleaved``) and interleaved HND with its tokens split into kernel blocks of ``kernel``
+    (``[N * tokens/kernel, 2, H, kernel, D]``): each form's tensor and block order."""
+    gen = torch.Generator().manual_seed(head_size)
+    content = torch.randint(
+        -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
+    )
+    split = content.reshape(2, blocks, tokens // kernel, kernel, heads, head_size)
+    forms = {"sep_nhd": (content, "auto")}
+    if interleaved:
+        forms["int_hnd"] = (content.permute(1, 0, 3, 2, 4).contiguous(), "auto")
+    forms["kernel_int_hnd"] = (
+        split.permute(1, 2, 0, 4, 3, 5)
+        .reshape(blocks * (tokens // kernel), 2, heads, kernel, head_size)
+        .contiguous(),
+        "hnd",
+    )
+    return forms
+
+
+def _assert_kernel_equals_host(
+    plugin: Any,
+    forms: dict[str, tuple[Any, str]],
+    geometry: tuple[int, int, int],
+    ids: list[int],
+    windows: tuple[dict[str, int], ...],
+) -> None:
+    """Each form's checksums by the kernel (one layer per call) equal the host's, per window;
+    ``geometry``: heads, tokens, head size."""
+    heads, tokens, head_size = geometry
+    for form, (tensor, order) in forms.items():
+        layout = describe_layer(form, tensor, spec(order, heads, tokens, head_size))
+        on_gpu = _on_cuda(tensor)
+        for window in windows:
+            w = CellWindow(**window)
+            want = checksum_host(layout, host_bytes(tensor), ids, w)
+            got = checksum_cuda(plugin, [(layout, on_gpu)], ids, w)[0]
+            np.testing.assert_array_equal(got, want, err_msg=f"{form} d{head_size} {window}")
+
+
 def test_the_cuda_kernel_steps_through_large_blocks_as_the_host_does() -> None:
     """Blocks of many heads and tokens (512 cells, which the kernel looks up in its cell table;
     a later test takes blocks past it, where a cursor steps), for cells of 4 to 512 bytes (512:
@@ -396,31 +439,8 @@ def test_the_cuda_kernel_steps_through_large_blocks_as_the_host_does() -> None:
         {"head_begin": 3, "heads": 4, "token_begin": 5},
     )
     for head_size in (2, 8, 64, 128, 256):
-        gen = torch.Generator().manual_seed(head_size)
-        content = torch.randint(
-            -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
-        )
-        split = content.reshape(2, blocks, tokens // kernel, kernel, heads, head_size)
-        forms = {
-            "sep_nhd": (content, "auto"),
-            "int_hnd": (content.permute(1, 0, 3, 2, 4).contiguous(), "auto"),
-            # [N * tokens/kernel, 2, H, kernel, D]: tokens split across kernel blocks
-            "kernel_int_hnd": (
-                split.permute(1, 2, 0, 4, 3, 5)
-                .reshape(blocks * (tokens // kernel), 2, heads, kernel, head_size)
-                .contiguous(),
-                "hnd",
-            ),
-        }
-        for form, (tensor, order) in forms.items():
-            cache_spec = spec(order, heads, tokens, head_size)
-            layout = describe_layer(form, tensor, cache_spec)
-            on_gpu = _on_cuda(tensor)
-            for window in windows:
-                w = CellWindow(**window)
-                want = checksum_host(layout, host_bytes(tensor), ids, w)
-                got = checksum_cuda(plugin, [(layout, on_gpu)], ids, w)[0]
-                np.testing.assert_array_equal(got, want, err_msg=f"{form} d{head_size} {window}")
+        forms = _kv_forms(blocks, tokens, heads, kernel, head_size, interleaved=True)
+        _assert_kernel_equals_host(plugin, forms, (heads, tokens, head_size), ids, windows)
 
 
 def test_layer_checksums_describe_each_window_once_and_see_new_bytes(
@@ -524,25 +544,5 @@ def test_the_cuda_kernel_walks_blocks_of_more_cells_than_its_table() -> None:
     ids = [5, 0, 3, 5]
     windows = ({}, {"token_begin": 5, "tokens": 100}, {"head_begin": 3, "heads": 4})
     for head_size in (2, 8, 128, 264):
-        gen = torch.Generator().manual_seed(head_size)
-        content = torch.randint(
-            -(2**15), 2**15, (2, blocks, tokens, heads, head_size), dtype=torch.int16, generator=gen
-        )
-        split = content.reshape(2, blocks, tokens // kernel, kernel, heads, head_size)
-        forms = {
-            "sep_nhd": (content, "auto"),
-            "kernel_int_hnd": (
-                split.permute(1, 2, 0, 4, 3, 5)
-                .reshape(blocks * (tokens // kernel), 2, heads, kernel, head_size)
-                .contiguous(),
-                "hnd",
-            ),
-        }
-        for form, (tensor, order) in forms.items():
-            layout = describe_layer(form, tensor, spec(order, heads, tokens, head_size))
-            on_gpu = _on_cuda(tensor)
-            for window in windows:
-                w = CellWindow(**window)
-                want = checksum_host(layout, host_bytes(tensor), ids, w)
-                got = checksum_cuda(plugin, [(layout, on_gpu)], ids, w)[0]
-                np.testing.assert_array_equal(got, want, err_msg=f"{form} d{head_size} {window}")
+        forms = _kv_forms(blocks, tokens, heads, kernel, head_size, interleaved=False)
+        _assert_kernel_equals_host(plugin, forms, (heads, tokens, head_size), ids, windows)
