@@ -108,7 +108,9 @@ struct SumLayer {
 #define MORIIO_CHECKSUM_HD __device__ __forceinline__
 #endif
 
-/// 8 bytes at `at` (8-byte aligned), little-endian.
+/// 8 bytes at `at` (8-byte aligned), little-endian. Through the read-only data path (`__ldg`),
+/// which needs memory that nothing writes while the kernel runs: a write to checked cells
+/// meanwhile would race the check itself.
 MORIIO_CHECKSUM_HD std::uint64_t LoadOne(const unsigned char* at) {
 #if defined(__CUDA_ARCH__)
 #if MORIIO_CUDACOPY_CHECKSUM_STREAMING
@@ -431,10 +433,15 @@ bool Prepare(const moriio_cudacopy_checksum_layer& l, std::uint32_t index, SumLa
     bytes_or |= l.plane_bytes[p];
     misaligned |= static_cast<std::uint64_t>(l.plane_offset[p]);
   }
-  const std::uint64_t cells = std::uint64_t{l.planes} * l.heads * l.tokens;
+  // heads * tokens cannot wrap 64 bits (each factor is below 2^32); times two planes it could,
+  // so the per-plane count is bounded first.
+  const std::uint64_t per_plane = std::uint64_t{l.heads} * l.tokens;
+  const std::uint64_t cells = l.planes * std::min(per_plane, kMaxCells);
   if (cells >= kMaxCells) {
-    Say(err, err_len, "checksum layer %u: %llu cells per block (planes * heads * tokens; < %llu)",
-        index, static_cast<unsigned long long>(cells), static_cast<unsigned long long>(kMaxCells));
+    Say(err, err_len,
+        "checksum layer %u: %u * %u * %u cells per block (planes * heads * tokens; fewer than "
+        "%llu)",
+        index, l.planes, l.heads, l.tokens, static_cast<unsigned long long>(kMaxCells));
     return false;
   }
   s.aligned = (misaligned & 7) == 0;

@@ -347,17 +347,25 @@ def test_the_cuda_kernel_refuses_bad_ids_and_windows_naming_the_layer() -> None:
         checksum_cuda(plugin, [(layout, torch.empty_like(short))], [0])
     assert checksum_cuda(plugin, [], [0]) == []
     assert [len(v) for v in checksum_cuda(plugin, pairs, [])] == [0]
+
     # The plugin's own bound (its cell indices are 32-bit), named by the layer's index.
-    huge = ChecksumLayer(
-        base=int(pairs[0][1].data_ptr()),
-        plane_bytes=(8, 8),
-        planes=2,
-        kernel_block_size=1 << 15,
-        heads=1 << 15,
-        tokens=1 << 15,
-    )  # 2^31 cells: the first count the plugin refuses
+    def planes_of(heads: int, tokens: int) -> ChecksumLayer:
+        return ChecksumLayer(
+            base=int(pairs[0][1].data_ptr()),
+            plane_bytes=(8, 8),
+            planes=2,
+            kernel_block_size=tokens,
+            heads=heads,
+            tokens=tokens,
+        )
+
+    huge = planes_of(1 << 15, 1 << 15)  # 2^31 cells: the first count the plugin refuses
     fine = verify_module.describe_cuda(pairs, WHOLE_BLOCK).described[0]
-    with pytest.raises(CudaCopyError, match=r"checksum layer 1: 2147483648 cells per block"):
+    # Review: 2 * heads * tokens wrapped 64 bits to 290,948,384 cells and passed the bound.
+    wrapping = planes_of(3_037_000_500, 3_037_000_500)
+    with pytest.raises(CudaCopyError, match=r"checksum layer 0: 2 \* 3037000500 \* 3037000500"):
+        plugin.checksum_blocks(0, 0, layer_array([wrapping]), np.zeros(1, dtype=np.int64))
+    with pytest.raises(CudaCopyError, match=r"checksum layer 1: 2 \* 32768 \* 32768 cells per"):
         plugin.checksum_blocks(0, 0, layer_array([fine, huge]), np.zeros(1, dtype=np.int64))
 
 
