@@ -42,12 +42,13 @@ logger = logging.getLogger("moriio_native.bench.listener_threads")
 LOCAL = "127.0.0.1"
 GARBAGE = (b"", b"\xc1\xc1", b"not msgpack at all", b"\x93\x01\x02\x03")
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+OWN_THREADS, ONE_THREAD = "own threads", "one thread"  # the arrangements, baseline first
 
 
 @dataclass
 class Trial:
     listeners: int
-    arrangement: str  # "own threads" or "one thread"
+    arrangement: str  # OWN_THREADS or ONE_THREAD
     messages: int
     reader_threads: int
     reader_cpu_us_per_message: float
@@ -128,12 +129,23 @@ def run_trial(listeners: int, own_threads: bool, messages: int, rate: float) -> 
             listener.close()
     return Trial(
         listeners,
-        "own threads" if own_threads else "one thread",
+        OWN_THREADS if own_threads else ONE_THREAD,
         messages,
         len(ids),
         reader_cpu / messages * 1e6,
         process_cpu / messages * 1e6,
     )
+
+
+def _medians(trials: list[Trial], listeners: int, field: str) -> tuple[float, float]:
+    """The medians of ``field`` over the trials of ``listeners``: own threads, one thread."""
+    own, one = (
+        statistics.median(
+            getattr(t, field) for t in trials if t.listeners == listeners and t.arrangement == a
+        )
+        for a in (OWN_THREADS, ONE_THREAD)
+    )
+    return own, one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -168,18 +180,8 @@ def main(argv: list[str] | None = None) -> int:
                     trial.process_cpu_us_per_message,
                 )
     for listeners in args.listeners:
-
-        def median(arrangement: str, field: str, n: int = listeners) -> float:
-            return statistics.median(
-                getattr(t, field)
-                for t in trials
-                if t.listeners == n and t.arrangement == arrangement
-            )
-
-        own, one = (median(a, "reader_cpu_us_per_message") for a in ("own threads", "one thread"))
-        own_p, one_p = (
-            median(a, "process_cpu_us_per_message") for a in ("own threads", "one thread")
-        )
+        own, one = _medians(trials, listeners, "reader_cpu_us_per_message")
+        own_p, one_p = _medians(trials, listeners, "process_cpu_us_per_message")
         logger.info(
             "%d listeners, medians: reader %.1f -> %.1f us (%.2fx), process %.1f -> %.1f us "
             "(%.2fx) per message, own threads -> one thread",

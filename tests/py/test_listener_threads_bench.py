@@ -21,4 +21,4 @@ def test_a_trial_reads_every_flood_message_on_the_arrangements_threads(
     trial = bench.run_trial(3, own_threads, messages=2_000, rate=4_000.0)
     assert trial.messages == 2_000
     assert trial.reader_threads == reader_threads
-    assert trial.arrangement == ("own threads" if own_threads else "one thread")
+    assert trial.arrangement == (bench.OWN_THREADS if own_threads else bench.ONE_THREAD)

@@ -691,9 +691,9 @@ class NotifyListener(_RouterListener):
         """Binds ``bind_host:port`` (``port=0``: any free port, see :attr:`port`) and has it
         read by the process's listener thread (``own_thread``: by a thread of its own, as a
         listener of another process would be: for tests and benchmarks that stand in for other
-        processes). Raises TransportError when the port cannot be
-        bound. The listener stops reading while ``max_pending`` messages, or more than
-        ``max_pending_bytes`` of their payloads, wait for drain/get."""
+        processes). Raises TransportError when the port cannot be bound. The listener stops
+        reading while ``max_pending`` messages, or more than ``max_pending_bytes`` of their
+        payloads, wait for drain/get."""
         bounds = (max_pending, max_pending_bytes, dedup_capacity, terminal_capacity)
         if min(*bounds, max_message_bytes) < 1:
             raise InvalidArgumentError("notify listener bounds must be positive")
@@ -900,8 +900,7 @@ class HandshakeServer(_RouterListener):
         """Binds ``bind_host:port`` (``port=0``: any free port) and has it read by the
         process's listener thread, or by a thread of its own with ``checksums`` or
         ``own_thread`` (as a server of another process would be: for tests and benchmarks that
-        stand in for other processes). Raises TransportError when the port
-        cannot be bound."""
+        stand in for other processes). Raises TransportError when the port cannot be bound."""
         self._provider = provider
         self._checksums = checksums
         self._security = security
