@@ -141,8 +141,18 @@ run_kernels() {  # "variants" label log [cudacopy_bench arguments]: each variant
       grep -v "^one"
   done 2>&1 | tee "$out/$log"
 }
+touch_changed_sources() {  # a warm machine keeps $build between calls, and a carried source can
+  # be older than the object its previous version built there, which ninja would then keep: each
+  # source whose content differs from the last build's is touched (a manifest in $build)
+  local manifest=$build/.sources.sha1 now
+  mkdir -p $build
+  now=$(find cpp include -type f | sort | xargs sha1sum)
+  [ -f $manifest ] && diff <(echo "$now") $manifest | sed -n 's/^< [0-9a-f]*  //p' | xargs -r touch
+  echo "$now" >$manifest
+}
 build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough for the kernels
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  touch_changed_sources
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=OFF \
     -DMORIIO_NATIVE_WITH_CUDA=ON -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF \
     -DCMAKE_CUDA_ARCHITECTURES=90 -Dpybind11_DIR="$(python3 -m pybind11 --cmakedir)" \
@@ -152,6 +162,7 @@ build_without_ucx() {  # the core, the Python module and the CUDA plugin: enough
 }
 build_with_ucx() {  # the core, the Python module, the UCX backend and the CUDA plugin
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  touch_changed_sources
   cmake -S . -B $build -G Ninja -DMORIIO_NATIVE_BUILD_PYTHON=ON -DMORIIO_NATIVE_WITH_UCX=ON \
     -DMORIIO_NATIVE_UCX_INCLUDE_DIR=$root/.ucx/libucx/include -DMORIIO_NATIVE_WITH_CUDA=ON \
     -DMORIIO_NATIVE_WITH_MORI=OFF -DMORIIO_NATIVE_BUILD_TESTS=OFF -DCMAKE_CUDA_ARCHITECTURES=90 \
