@@ -91,6 +91,15 @@ the main thread's CPU, run-queue wait and sleeps in them, its waits for the push
 the pusher's time per flood message (:class:`Stages`); printed for the median and the slowest
 rounds, all in the JSON's ``stages``.
 
+``--sink`` adds a third kind of phase: the same flood, at the same rate, to the ports of a
+spawned sink process that reads and counts it and does nothing else (phases in turn: baseline,
+flood, sink). Its rounds against the baseline's are what the flood costs the shared machine
+itself (its sender, ZMQ's delivery over loopback TCP, a reader that costs next to nothing); the
+flood phases' rounds against the sink phases' are what the instances' reading, checking and
+dropping of it adds -- the part their code controls. Checked too: the sink read every message
+sent to it. Printed: both ratios, and the CPU per 1,000 messages of the sink and of this
+process in the sink phases (beyond the baseline's).
+
 ``--remember N`` shrinks the listeners' and the prefill's memories to N entries (production:
 65536) so that a short run fills them; tests/py/test_connector_flood.py runs a short one.
 """
@@ -126,6 +135,7 @@ import msgpack
 import msgspec
 import zmq
 
+from moriio_native.control import channel as channel_module
 from moriio_native.control.channel import HandshakeServer, NotifyListener, fetch_metadata
 from moriio_native.control.messages import (
     MAX_HANDSHAKE_REQUEST_BYTES,
@@ -186,6 +196,7 @@ FDS_PER_NOTIFY_SOCKET = 2
 # Log lines a short run of --kind unanswered may write whatever its messages: a few rate limits'
 # bursts (a line per message would be thousands).
 LOG_LINES_SHORT = 200
+SINK_BURST = 256  # messages a sink reads from one socket between polls
 # --kind answering: how long a genuine abort round waits for the decode's blocks to be freed
 # (--abort-wait); an acknowledgement given up, or tried again every 5 s behind the flood's,
 # takes longer.
@@ -468,6 +479,72 @@ class Flooder:
             self._proc.join(5)
 
 
+def _sink(conn: Connection, count: int) -> None:
+    """Bind ``count`` ROUTER sockets on 127.0.0.1 (their ports go to the parent first) and read
+    and count whatever comes, doing nothing else, until ``("quit",)``; ``("count",)`` answers
+    the messages read so far and this process's CPU seconds."""
+    ctx = zmq.Context()
+    socks = []
+    for _ in range(count):
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.bind_to_random_port(f"tcp://{LOCAL}")
+        socks.append(sock)
+    conn.send([int(sock.getsockopt(zmq.LAST_ENDPOINT).rsplit(b":", 1)[1]) for sock in socks])
+    poller = zmq.Poller()
+    for sock in socks:
+        poller.register(sock, zmq.POLLIN)
+    read = 0
+    while True:
+        if conn.poll(0):
+            if conn.recv()[0] != "count":
+                break
+            conn.send({"read": read, "cpu_s": time.process_time()})
+        for sock, _ in poller.poll(50):
+            for _ in range(SINK_BURST):
+                try:
+                    sock.recv_multipart(copy=False, flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                read += 1
+    for sock in socks:
+        sock.close(linger=0)
+    ctx.term()
+
+
+class Sink:
+    """A spawned process whose ports take a flood in place of the instances' (--sink): the same
+    messages at the same rate, read and counted and nothing else, so the flood's sender and
+    ZMQ's delivery load the shared machine as in a flood phase while the instances read none
+    of it."""
+
+    def __init__(self, count: int) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_sink, args=(child, count), daemon=True)
+        self._proc.start()
+        child.close()
+        if not self._conn.poll(300):
+            raise AssertionError("the sink did not start")
+        self.ports: list[int] = self._conn.recv()
+
+    def count(self) -> dict[str, float]:
+        """``read``: the messages read so far; ``cpu_s``: the sink process's CPU seconds."""
+        self._conn.send(("count",))
+        if not self._conn.poll(30):
+            raise AssertionError("the sink did not answer")
+        counts: dict[str, float] = self._conn.recv()
+        return counts
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._conn.send(("quit",))
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
 # ---- the measured process ---------------------------------------------------------------------
 
 
@@ -615,6 +692,14 @@ class Window:
     messages: int
     cpu_s: float
     listener_cpu_s: float
+    # --sink: the flood went to the sink's ports (``flood`` False), which spent ``sink_cpu_s``.
+    sink: bool = False
+    sink_cpu_s: float = 0.0
+    received: int = 0  # messages the instances' listeners read in the phase
+
+    @property
+    def baseline(self) -> bool:
+        return not self.flood and not self.sink
 
 
 @dataclass
@@ -656,6 +741,15 @@ class Result:
     # most --abort-wait: not freed).
     abort_acks_ms: list[float] = field(default_factory=list)
     after_drain: dict[str, int] = field(default_factory=dict)  # the directory then
+    # --sink: the rounds whose flood went to the sink instead, their ratios to the baseline's and
+    # the flood phases' to theirs (what the instances' reading of the flood adds), the sink's CPU
+    # and the process's CPU beyond the baseline's in those phases, per 1,000 messages.
+    sink_ms: dict[str, float] = field(default_factory=dict)
+    sink_ratio: dict[str, float] = field(default_factory=dict)
+    sink_window_ratio: dict[str, float] = field(default_factory=dict)
+    flood_over_sink: dict[str, float] = field(default_factory=dict)
+    sink_cpu_ms_per_1000: dict[str, float] = field(default_factory=dict)
+    sink_messages: int = 0
     violations: list[str] = field(default_factory=list)
 
 
@@ -1144,12 +1238,28 @@ def run(args: argparse.Namespace) -> Result:
         )
         flooder = Flooder(pair.ports(args.kind), args.rate, spec)
         res.targets = dict(flooder.targets)
+        sink = _sink_flood(pair.ports(args.kind), args.rate, spec) if args.sink else None
         try:
-            _measure(pair, flooder, args, res)
+            _measure(pair, flooder, args, res, sink)
         finally:
             flooder.close()
+            if sink is not None:
+                sink.flooder.close()
+                sink.sink.close()
             pair.shutdown()
     return res
+
+
+def _sink_flood(ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> SinkFlood:
+    """A sink with a port for each of ``ports`` and a flooder sending to those what the
+    instances' flooder sends to ``ports``."""
+    sink = Sink(len(ports))
+    try:
+        sunk = [(kind, port) for (kind, _), port in zip(ports, sink.ports, strict=True)]
+        return SinkFlood(sink, Flooder(sunk, rate, spec))
+    except BaseException:
+        sink.close()
+        raise
 
 
 @contextlib.contextmanager
@@ -1248,15 +1358,37 @@ def _fill(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -
     return int(sent["total"])
 
 
+@dataclass
+class SinkFlood:
+    """--sink: the sink and the flooder of its ports."""
+
+    sink: Sink
+    flooder: Flooder
+
+
+def _sink_settle(sink: Sink, want: float, limit: float) -> dict[str, float]:
+    """The sink's counts once it read ``want`` messages in all, or after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while True:
+        counts = sink.count()
+        if counts["read"] >= want or time.monotonic() > deadline:
+            return counts
+        time.sleep(0.05)
+
+
 def _window(
-    pair: Pair, flooder: Flooder | None, rounds: int, res: Result
+    pair: Pair, flooder: Flooder | None, rounds: int, res: Result, sink: Sink | None = None
 ) -> tuple[Window, list[float]]:
     """One phase of ``rounds`` genuine rounds (and their seconds), with the flood when
-    ``flooder`` is given; its CPU is counted until the listeners read every message the flood
+    ``flooder`` is given (to the instances' ports, or to the ``sink``'s when given: it floods
+    those); its CPU is counted until the listeners (or the sink) read every message the flood
     sent in it."""
     threads = _listener_threads(pair.p, pair.d)
     counts = _counts(pair.p, pair.d)
     before = _dropped(counts) if res.secret else _received(counts)
+    received_before = _received(counts)
+    sink_before = sink.count() if sink is not None else {"read": 0, "cpu_s": 0.0}
+    sink_cpu = 0.0
     cpu0, lcpu0 = _cpu(threads)
     sent = 0
     t0 = time.monotonic()
@@ -1266,11 +1398,26 @@ def _window(
     seconds = time.monotonic() - t0
     if flooder is not None:
         sent = flooder.stop()["delivered"]
-        genuine = 0 if res.secret else rounds  # each round: at least its handshake
-        _settle(pair, before + sent + genuine, 60, res.secret)
+        if sink is not None:
+            after = _sink_settle(sink, sink_before["read"] + sent, 60)
+            sink_cpu = after["cpu_s"] - sink_before["cpu_s"]
+            if after["read"] - sink_before["read"] != sent:
+                read = after["read"] - sink_before["read"]
+                res.violations.append(f"the sink read {read:.0f} of {sent} messages")
+        else:
+            genuine = 0 if res.secret else rounds  # each round: at least its handshake
+            _settle(pair, before + sent + genuine, 60, res.secret)
     cpu1, lcpu1 = _cpu(threads)
     window = Window(
-        flooder is not None, _summary(samples), seconds, sent, cpu1 - cpu0, lcpu1 - lcpu0
+        flooder is not None and sink is None,
+        _summary(samples),
+        seconds,
+        sent,
+        cpu1 - cpu0,
+        lcpu1 - lcpu0,
+        sink is not None,
+        sink_cpu,
+        _received(_counts(pair.p, pair.d)) - received_before,
     )
     return window, samples
 
@@ -1313,14 +1460,27 @@ def _drain(pair: Pair, limit: float) -> float:
 def _per_1000(windows: list[Window], attr: str) -> float:
     """CPU milliseconds per 1,000 flood messages: the flood windows' CPU less the baseline
     windows' (the same genuine rounds), over the flood windows' messages."""
-    flooded = [w for w in windows if w.flood]
+    return _extra_per_1000(windows, attr, sink=False)
+
+
+def _extra_per_1000(windows: list[Window], attr: str, *, sink: bool) -> float:
+    """CPU milliseconds per 1,000 messages of the flood (``sink``: of the flood to the sink):
+    those windows' CPU less as many baseline windows' (the same genuine rounds), over their
+    messages."""
+    flooded = [w for w in windows if (w.sink if sink else w.flood)]
     extra = sum(getattr(w, attr) for w in flooded) - sum(
-        getattr(w, attr) for w in windows if not w.flood
+        getattr(w, attr) for w in windows if w.baseline
     )
     return extra * 1e6 / max(1, sum(w.messages for w in flooded))
 
 
-def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result) -> None:
+def _measure(
+    pair: Pair,
+    flooder: Flooder,
+    args: argparse.Namespace,
+    res: Result,
+    sink: SinkFlood | None = None,
+) -> None:
     pair.round(res.violations)  # warm-up: the decode's handshake cached, first allocations
     full = gc.get_stats()[2]["collections"]
     if args.fill and not args.secret:  # a flood without the secret fills nothing
@@ -1328,7 +1488,10 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
     res.full_collections["fill"] = gc.get_stats()[2]["collections"] - full
     full = gc.get_stats()[2]["collections"]
     rss_start = rss_bytes()
-    samples: dict[bool, list[float]] = {False: [], True: []}
+    # Phases in turn: without the flood, with it (to the instances' ports) and, with --sink,
+    # with it to the sink's ports.
+    targets = ("baseline", "flood", "sink") if sink is not None else ("baseline", "flood")
+    samples: dict[str, list[float]] = {target: [] for target in targets}
     in_order: list[float] = []
     if args.stages:
         pair.stages = Stages(pair)
@@ -1337,12 +1500,18 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
     lines = LogCount()
     logging.getLogger("moriio_native").addHandler(lines)
     try:
-        for phase in range(2 * args.phases):
-            with_flood = phase % 2 == 1
-            window, took = _window(pair, flooder if with_flood else None, args.rounds, res)
+        for phase in range(len(targets) * args.phases):
+            target = targets[phase % len(targets)]
+            if target == "sink":
+                assert sink is not None
+                window, took = _window(pair, sink.flooder, args.rounds, res, sink.sink)
+            else:
+                phase_flooder = flooder if target == "flood" else None
+                window, took = _window(pair, phase_flooder, args.rounds, res)
             res.windows.append(window)
-            samples[with_flood] += took
-            in_order += took
+            samples[target] += took
+            if target != "sink":  # --stages splits the baseline and flood rounds
+                in_order += took
         if args.kind == "answering":
             _aborts_under_flood(pair, flooder, args, res)
         sent = flooder.stop()
@@ -1359,9 +1528,9 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
         res.after_drain = _directory(pair.p)
     rss_end = rss_bytes()
     res.full_collections["phases"] = gc.get_stats()[2]["collections"] - full
-    base = [w for w in res.windows if not w.flood]
+    base = [w for w in res.windows if w.baseline]
     flood = [w for w in res.windows if w.flood]
-    res.baseline_ms, res.flood_ms = _summary(samples[False]), _summary(samples[True])
+    res.baseline_ms, res.flood_ms = _summary(samples["baseline"]), _summary(samples["flood"])
     res.ratio_p50 = res.flood_ms["p50"] / res.baseline_ms["p50"]
     res.ratio_p99 = res.flood_ms["p99"] / res.baseline_ms["p99"]
     for key in ("p50", "p99"):
@@ -1383,10 +1552,44 @@ def _measure(pair: Pair, flooder: Flooder, args: argparse.Namespace, res: Result
         "growth": (rss_end - rss_start) / 2**20,
     }
     res.counts = counts
+    if sink is not None:
+        _sink_figures(res, samples["sink"])
     if pair.stages is not None:
-        flooded = [w.flood for w in res.windows for _ in range(args.rounds)]
+        flooded = [w.flood for w in res.windows if not w.sink for _ in range(args.rounds)]
         res.stages = pair.stages.report(in_order, flooded)
     _check(res, counts, sent, args)
+
+
+def _sink_figures(res: Result, samples: list[float]) -> None:
+    """--sink: the rounds under the flood to the sink against the baseline's, the flood phases'
+    against theirs, and the CPU per 1,000 messages of the sink and of this process."""
+    base = [w for w in res.windows if w.baseline]
+    sunk = [w for w in res.windows if w.sink]
+    flood = [w for w in res.windows if w.flood]
+    res.sink_ms = _summary(samples)
+    res.sink_messages = sum(w.messages for w in sunk)
+    for key in ("p50", "p99"):
+        res.sink_ratio[key] = res.sink_ms[key] / res.baseline_ms[key]
+        res.flood_over_sink[key] = res.flood_ms[key] / res.sink_ms[key]
+        res.sink_window_ratio[key] = statistics.median(w.ms[key] for w in sunk) / statistics.median(
+            w.ms[key] for w in base
+        )
+        res.flood_over_sink[f"windows_{key}"] = statistics.median(
+            w.ms[key] for w in flood
+        ) / statistics.median(w.ms[key] for w in sunk)
+    res.sink_cpu_ms_per_1000 = {
+        "sink": sum(w.sink_cpu_s for w in sunk) * 1e6 / max(1, res.sink_messages),
+        "process": _extra_per_1000(res.windows, "cpu_s", sink=True),
+    }
+    # The instances read only the genuine rounds' messages then: as many as in a baseline phase
+    # (the same rounds), give or take one a round.
+    genuine = max(w.received for w in base) + res.rounds_per_phase
+    for w in sunk:
+        if w.received > genuine:
+            res.violations.append(
+                f"the instances read {w.received} messages in a sink phase, a baseline phase's "
+                f"rounds at most {genuine}"
+            )
 
 
 def _check(
@@ -1400,9 +1603,10 @@ def _check(
         v.append(f"listeners received {received} of {flood} sent")
     # Only genuine handshakes are answered: each round's and the warm-up's on the dialled
     # side, plus the other side's one of it in either direction (WRITE: each dials the other).
-    genuine = res.rounds_per_phase * 2 * res.phases + 2
+    rounds = res.rounds_per_phase * len(res.windows)
+    genuine = rounds + 2
     if res.kind in ACK_KINDS:  # the prefill handshakes the decode afresh in each round too
-        genuine += res.rounds_per_phase * 2 * res.phases
+        genuine += rounds
     if res.kind == "answering":  # the genuine answer the strangers' answers are made of
         genuine += 1
     other = "decode" if res.mode == "read" else "prefill"
@@ -1569,6 +1773,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a shared secret on both instances and the genuine rounds; the flood goes unsigned "
         "or with forged tags",
     )
+    parser.add_argument(
+        "--sink",
+        action="store_true",
+        help="a third kind of phase: the same flood to a sink process's ports (read and "
+        "counted, nothing else) -- what the flood's sender and ZMQ's delivery cost the shared "
+        "machine while the instances read none of it",
+    )
     parser.add_argument("--no-fill", dest="fill", action="store_false")
     parser.add_argument("--fill-limit", type=float, default=300.0)
     parser.add_argument("--rss-slack-mib", type=float, default=32.0)
@@ -1578,11 +1789,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="WRITE mode: time each genuine round's stages, the queues ahead of its messages and "
         "the pusher's time per flood message (in the JSON's 'stages')",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        help="sys.setswitchinterval for the measured process (CPython's default: 0.005 s): how "
+        "long a thread that wants the GIL waits before it asks the holder to drop it",
+    )
+    parser.add_argument(
+        "--flood-pause",
+        type=float,
+        help="the listener hub's pause after a round of reads in which a flooded listener read "
+        f"(control/channel.py's _FLOOD_PAUSE_S, {channel_module._FLOOD_PAUSE_S} s)",
+    )
     parser.add_argument("--json", type=Path)
     parser.add_argument("--log-level", default="warning", help="of the moriio_native loggers")
     args = parser.parse_args(argv)
     if args.stages and args.mode != "write":
         parser.error("--stages times WRITE rounds: it needs --mode write")
+    if args.sink and args.kind in ACK_KINDS:
+        parser.error(f"--sink compares floods the listeners drop: not --kind {args.kind}")
     if args.kind in ACK_KINDS and (args.mode != "write" or args.secret):
         parser.error(
             f"--kind {args.kind} floods a WRITE-mode prefill's aborts: --mode write, no --secret"
@@ -1637,6 +1862,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     # Production's level: what the flood makes the connector log is part of its cost.
     logging.getLogger("moriio_native").setLevel(args.log_level.upper())
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
+    if args.flood_pause is not None:
+        channel_module._FLOOD_PAUSE_S = args.flood_pause
     res = run(args)
     b, f = res.baseline_ms, res.flood_ms
     for i, w in enumerate(res.windows):
@@ -1644,7 +1873,7 @@ def main(argv: list[str] | None = None) -> int:
             "window %d %s: p50 %.2f ms p99 %.2f ms; %d flood messages; CPU: process %.2f s, "
             "listener threads %.2f s",
             i,
-            "flood   " if w.flood else "baseline",
+            "flood   " if w.flood else "sink    " if w.sink else "baseline",
             w.ms["p50"],
             w.ms["p99"],
             w.messages,
@@ -1713,6 +1942,27 @@ def main(argv: list[str] | None = None) -> int:
             res.log_lines,
             res.drained_s,
             res.after_drain,
+        )
+    if res.sink_ms:
+        logger.warning(
+            "the same flood to a sink's ports (%d messages): genuine rounds p50 %.2f ms p99 "
+            "%.2f ms, ratio to the baseline p50 %.2fx p99 %.2fx (windows' medians %.2fx / "
+            "%.2fx); the flood to the instances over it p50 %.2fx p99 %.2fx (windows' "
+            "medians %.2fx / %.2fx); CPU per 1,000 messages: the sink %.1f ms, this process "
+            "%.1f ms",
+            res.sink_messages,
+            res.sink_ms["p50"],
+            res.sink_ms["p99"],
+            res.sink_ratio["p50"],
+            res.sink_ratio["p99"],
+            res.sink_window_ratio["p50"],
+            res.sink_window_ratio["p99"],
+            res.flood_over_sink["p50"],
+            res.flood_over_sink["p99"],
+            res.flood_over_sink["windows_p50"],
+            res.flood_over_sink["windows_p99"],
+            res.sink_cpu_ms_per_1000["sink"],
+            res.sink_cpu_ms_per_1000["process"],
         )
     if res.abort_acks_ms:
         logger.warning(

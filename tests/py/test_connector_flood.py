@@ -71,6 +71,30 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory(
         assert res.flood_messages > (4 if kind == "mixed" else 2) * bound
 
 
+def test_a_flood_to_a_sink_is_read_there_and_measured_beside_the_instances_flood() -> None:
+    """--sink: a third kind of phase floods a sink process's ports instead of the instances';
+    the sink reads every message, the instances' listeners none of it, and both ratios and the
+    sink's CPU are reported."""
+    args = connector_flood.parse_args(
+        ["--rounds", "10", "--phases", "2", "--rate", "3000", "--remember", "1000", "--sink"]
+    )
+    res = connector_flood.run(args)
+    assert res.violations == []
+    kinds = [(w.flood, w.sink) for w in res.windows]
+    assert kinds == [(False, False), (True, False), (False, True)] * 2
+    assert res.baseline_ms["n"] == res.flood_ms["n"] == res.sink_ms["n"] == 20
+    sunk = [w.messages for w in res.windows if w.sink]
+    assert all(n > 0 for n in sunk) and res.sink_messages == sum(sunk)
+    assert res.sink_cpu_ms_per_1000["sink"] > 0
+    for key in ("p50", "p99"):
+        assert res.sink_ratio[key] > 0 and res.flood_over_sink[key] > 0
+    # In the sink phases the instances' listeners read the genuine rounds' messages (as in the
+    # baseline phases: checked as a violation) and none of the sink's flood.
+    for window in res.windows:
+        if window.sink:
+            assert 0 < window.received < window.messages
+
+
 def _assert_every_stage_timed(report: dict[str, Any]) -> None:
     """Every mark of a WRITE round was passed in the median rounds (a stage not timed reads
     NaN), and the pusher's time was taken for the flood's messages."""

@@ -93,8 +93,12 @@ _WAKE_EVERY = 32
 # message (the thread takes the GIL from the connector's threads; a lone listener spends ~20 us
 # per dropped message, one in a connector's process several times that), so under a flood it
 # waits for messages to pile up and reads them in one go. The price: a genuine message that
-# arrives meanwhile waits at most this long.
-_FLOOD_PAUSE_S = 0.002
+# arrives meanwhile waits at most this long -- on a flooded port every genuine message waits
+# half of it on average, which is what a flood slowed genuine requests by. With one hub thread
+# per process a wake-up costs less than when every listener had a thread: 0.5 ms keeps genuine
+# rounds within 1.07-1.08x (p50) of a quiet instance's under a 6,000/s flood, against
+# 1.16-1.18x with 2 ms, for 15-25 % more CPU per flood message (docs/reliability.md, Flood).
+_FLOOD_PAUSE_S = 0.0005
 # Flooded: at least _FLOOD_DROPS messages dropped in the current or the previous window of
 # _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
 _FLOOD_DROPS = 8
