@@ -74,12 +74,15 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory(
 def test_a_flood_to_a_sink_is_read_there_and_measured_beside_the_instances_flood() -> None:
     """--sink: a third kind of phase floods a sink process's ports instead of the instances';
     the sink reads every message, the instances' listeners none of it, and both ratios and the
-    sink's CPU are reported."""
-    args = connector_flood.parse_args(
-        ["--rounds", "10", "--phases", "2", "--rate", "3000", "--remember", "1000", "--sink"]
-    )
+    sink's CPU are reported. The hub's pause asked for (--flood-pause) holds while the phases
+    run and is recorded; the module's own comes back after."""
+    pause = connector_flood.channel_module._FLOOD_PAUSE_S
+    short = ["--rounds", "10", "--phases", "2", "--rate", "3000", "--remember", "1000"]
+    args = connector_flood.parse_args([*short, "--sink", "--flood-pause", str(2 * pause)])
     res = connector_flood.run(args)
     assert res.violations == []
+    assert res.flood_pause_s == 2 * pause
+    assert pause == connector_flood.channel_module._FLOOD_PAUSE_S  # restored
     kinds = [(w.flood, w.sink) for w in res.windows]
     assert kinds == [(False, False), (True, False), (False, True)] * 2
     assert res.baseline_ms["n"] == res.flood_ms["n"] == res.sink_ms["n"] == 20
@@ -93,6 +96,20 @@ def test_a_flood_to_a_sink_is_read_there_and_measured_beside_the_instances_flood
     for window in res.windows:
         if window.sink:
             assert 0 < window.received < window.messages
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--sink", "--mode", "write", "--stages"],
+        ["--sink", "--kind", "unanswered", "--mode", "write"],
+        ["--flood-pause", "-0.001"],
+        ["--switch-interval", "0"],
+    ],
+)
+def test_the_flood_benchmark_refuses_options_it_cannot_measure(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        connector_flood.parse_args(argv)
 
 
 def _assert_every_stage_timed(report: dict[str, Any]) -> None:

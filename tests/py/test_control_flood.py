@@ -265,6 +265,38 @@ def test_a_flooded_handshake_server_still_answers_a_genuine_handshake() -> None:
     assert stats["flood_pauses"] > 0
 
 
+def test_a_flooded_listener_pauses_alone_not_the_other_listeners_of_its_process(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The listeners of a process share one reading thread; a flooded one pauses only its own
+    reads (its next wake-up then reads what piled up): a genuine message to another listener is
+    read during that pause, and closing it is not held up either."""
+    monkeypatch.setattr(channel, "_FLOOD_PAUSE_S", 60.0)  # far beyond any wait below
+    sec = ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as flooded,
+        NotifyListener(0, sec, bind_host=LOCAL) as other,
+        contextlib.closing(_dealer(flooded.port)) as flooder,
+        contextlib.closing(_dealer(other.port)) as genuine,
+    ):
+        assert flooded.reader is other.reader  # one thread reads both
+        for i in range(FLOOD):
+            flooder.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)])
+        deadline = time.monotonic() + WAIT
+        while flooded.stats()["flood_pauses"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert flooded.stats()["flood_pauses"] == 1  # it pauses now, for a minute
+        genuine.send(encode(Release("genuine")))
+        assert other.get(WAIT) == Release("genuine")
+        flooder.send(encode(Release("behind the pause")))
+        time.sleep(0.2)  # the paused listener does not read it yet
+        assert flooded.drain() == []
+        started = time.monotonic()
+        other.close()
+        assert time.monotonic() - started < WAIT
+    assert flooded.stats()["received"] < FLOOD + 1  # closed in its pause, not read on
+
+
 def test_the_flood_gauge_trips_on_a_flood_and_forgets_it(clock: Clock) -> None:
     """Flooded from the window with _FLOOD_DROPS drops through the next one; a stray drop now
     and then, or a flood that ended two windows ago, does not make the listener pause."""

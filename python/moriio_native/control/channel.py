@@ -3,16 +3,16 @@ sender and the proxy pinger.
 
 Every listener is a ROUTER socket read by a :class:`_ListenerHub`: one background thread that
 polls all the sockets attached to it. The listeners of a process share one hub (a handshake
-server that answers checksum requests, whose answers can take long, gets its own), so a flood
-on several ports wakes one thread, not one per port: every wake-up of a Python thread takes the
-GIL from the connector's threads. A message that fails authentication or its schema is logged
+server that answers checksum requests, whose answers can take long, gets its own), so a flood on
+several ports wakes one thread, not one per port: every wake-up of a Python thread takes the GIL
+from the connector's threads. A message that fails authentication or its schema is logged
 (sender address and reason, rate limited) and dropped; the hub keeps running. While a listener
-keeps dropping messages (a flood) the hub pauses briefly after each round of reads
-(:class:`_FloodGauge`), so that one wake-up reads many messages; idle listeners or ones that
-drop nothing never make it pause. ``close()`` detaches the listener, closes its socket with
-linger 0 and waits for that within a bounded time. Nothing here terminates the ZMQ context (by
-default the process-wide ``zmq.Context.instance()``), so several components -- and other
-libraries -- can share it.
+keeps dropping messages (a flood) the hub pauses its reads briefly after each burst
+(:class:`_FloodGauge`), so that one wake-up reads many of its messages; the hub's other
+listeners are read on meanwhile, and idle listeners or ones that drop nothing never pause.
+``close()`` detaches the listener, closes its socket with linger 0 and waits for that within a
+bounded time. Nothing here terminates the ZMQ context (by default the process-wide
+``zmq.Context.instance()``), so several components -- and other libraries -- can share it.
 
 Contents:
 
@@ -37,7 +37,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
+import select
 import threading
 import time
 from collections import OrderedDict, deque
@@ -88,16 +90,14 @@ _BURST = 256
 _MAX_TAG_FRAME = 64
 # A notify listener wakes its consumers after this many deliveries at most, even mid-burst.
 _WAKE_EVERY = 32
-# A hub's pause after a round of reads in which a flooded listener read, with the GIL released.
-# Each wake-up of a listener thread costs the process far more than reading one more queued
-# message (the thread takes the GIL from the connector's threads; a lone listener spends ~20 us
-# per dropped message, one in a connector's process several times that), so under a flood it
-# waits for messages to pile up and reads them in one go. The price: a genuine message that
-# arrives meanwhile waits at most this long -- on a flooded port every genuine message waits
-# half of it on average, which is what a flood slowed genuine requests by. With one hub thread
-# per process a wake-up costs less than when every listener had a thread: 0.5 ms keeps genuine
-# rounds within 1.07-1.08x (p50) of a quiet instance's under a 6,000/s flood, against
-# 1.16-1.18x with 2 ms, for 15-25 % more CPU per flood message (docs/reliability.md, Flood).
+# A flooded listener's pause after a burst: the hub reads its socket again this much later (the
+# others meanwhile), waiting with the GIL released when no other listener has work. Each
+# wake-up of the reading thread costs the process far more than reading one more queued message
+# (it takes the GIL from the connector's threads), so under a flood it lets messages pile up and
+# reads them in one go. The price: a genuine message that arrives meanwhile on the flooded port
+# waits up to this long -- most of what a flood slowed genuine requests by. 0.5 ms keeps genuine
+# rounds within 1.06-1.08x (p50) of a quiet instance's under a 6,000/s flood of every port,
+# against 1.16-1.20x with 2 ms, for more CPU per flood message (docs/reliability.md, Flood).
 _FLOOD_PAUSE_S = 0.0005
 # Flooded: at least _FLOOD_DROPS messages dropped in the current or the previous window of
 # _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
@@ -397,24 +397,38 @@ class _ListenerHub:
                     self._start_thread()
 
     def _read_round(self) -> None:
-        """Poll the attached sockets whose listeners may read, read a burst from each that has
-        messages, then pause if one of those is flooded."""
-        poller = zmq.Poller()
-        poller.register(self._wake_read, zmq.POLLIN)
+        """Poll the attached sockets whose listeners may read (neither paused after a flooded
+        burst nor held back by their consumers), read a burst from each that has messages, and
+        pause each of those that is flooded. While every listener with work pauses, wait for
+        the first pause to end (or for a command)."""
+        now = time.monotonic()
+        readable: list[zmq.Socket] = []
+        resume = math.inf  # when the first paused listener reads again
         for sock, listener in list(self._attached.items()):
             if listener._detached:  # released by a handler on this thread (detach)
                 del self._attached[sock]
+            elif listener._paused_until > now:
+                resume = min(resume, listener._paused_until)
             elif listener._ready():
-                poller.register(sock, zmq.POLLIN)
+                readable.append(sock)
+        if not readable and resume < math.inf:
+            self._pause(min(resume - now, _POLL_MS / 1000))
+            return
+        poller = zmq.Poller()
+        poller.register(self._wake_read, zmq.POLLIN)
+        for sock in readable:
+            poller.register(sock, zmq.POLLIN)
+        timeout = _POLL_MS
+        if resume < math.inf:  # a paused listener reads again within it
+            timeout = min(timeout, max(1, math.ceil((resume - now) * 1000)))
         try:
-            events = dict(poller.poll(_POLL_MS))
+            events = dict(poller.poll(timeout))
         except zmq.ZMQError as exc:
             self._release_failed(exc)
             return
         if self._wake_read in events:
-            with contextlib.suppress(BlockingIOError):
-                os.read(self._wake_read, 4096)
-        flooded = False
+            self._drain_wake_pipe()
+        flooded = []
         for sock, listener in list(self._attached.items()):
             if sock not in events or listener._detached:
                 continue
@@ -424,11 +438,24 @@ class _ListenerHub:
                 continue
             listener._burst_done()
             if listener._flooded():
-                flooded = True
-        if flooded:
-            # time.sleep, not an Event's wait: the GIL is released in both, but an Event builds a
-            # lock and a Condition's bookkeeping, once per round; a detach waits this much longer.
-            time.sleep(_FLOOD_PAUSE_S)
+                flooded.append(listener)
+        # One end for the round's pauses: listeners flooded together are read again together,
+        # in one wake-up, not one each.
+        until = time.monotonic() + _FLOOD_PAUSE_S
+        for listener in flooded:
+            listener._paused_until = until
+
+    def _pause(self, seconds: float) -> None:
+        """Wait ``seconds`` with the GIL released, or until the wake pipe has a command (a
+        close is not held up by a pause). ``select`` on the pipe alone: it costs a pause about
+        what a sleep does (a ZMQ poll that times out costs twice that)."""
+        woken, _, _ = select.select([self._wake_read], [], [], seconds)
+        if woken:
+            self._drain_wake_pipe()
+
+    def _drain_wake_pipe(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.read(self._wake_read, 4096)
 
     def _release_failed(self, exc: zmq.ZMQError) -> None:
         """After a failed poll: release the sockets that fail on their own (their context was
@@ -475,6 +502,9 @@ class _RouterListener(_ClosesOnExit):
         )
         self._drops = _DropLog(self._name)
         self._flood = _FloodGauge()
+        # Set by the hub's thread after a flooded burst: it reads this socket again from then on
+        # (time.monotonic()).
+        self._paused_until = 0.0
         host = "*" if bind_host == "*" else validate_host(bind_host, what="bind host")
         sock = self._context.socket(zmq.ROUTER)
         try:
@@ -583,7 +613,8 @@ class _RouterListener(_ClosesOnExit):
         """Called after each burst (subclasses wake their consumers here)."""
 
     def _flooded(self) -> bool:
-        """Whether this listener keeps dropping messages (its hub then pauses; counted)."""
+        """Whether this listener keeps dropping messages (its hub then pauses its reads;
+        counted)."""
         if not self._flood.flooded():
             return False
         self._count("flood_pauses")
