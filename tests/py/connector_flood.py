@@ -441,34 +441,28 @@ def _flood(conn: Connection, ports: list[tuple[str, int]], rate: float, spec: Fl
         answering.close()
 
 
-class Flooder:
-    def __init__(self, ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> None:
+class _Child:
+    """A spawned child process spoken to over a pipe: its first message says it is ready (it
+    imports this module, and vLLM's, first); ``("quit",)`` ends it."""
+
+    def __init__(self, target: Callable[..., None], args: tuple[Any, ...], what: str) -> None:
         ctx = mp.get_context("spawn")
+        self._what = what
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_flood, args=(child, ports, rate, spec), daemon=True)
+        self._proc = ctx.Process(target=target, args=(child, *args), daemon=True)
         self._proc.start()
         child.close()
-        # Spawned, the child imports this module (and vLLM's) first: a phase that started
-        # before it is ready would flood less than asked.
         if not self._conn.poll(300):
-            raise AssertionError("the flooder did not start")
-        # --kind unanswered: how many silent listeners and refused ports its aborts name.
-        self.targets: dict[str, int] = self._conn.recv()
-        self._taken = 0
+            self._proc.kill()
+            self._proc.join(5)
+            raise AssertionError(f"the {what} did not start")
+        self.ready: Any = self._conn.recv()
 
-    def go(self) -> None:
-        self._conn.send(("go",))
-
-    def stop(self) -> dict[str, Any]:
-        """The counts so far (``sent`` per port, ``refused``, ``total``) plus ``delivered``:
-        the messages ZMQ took since the previous stop."""
-        self._conn.send(("stop",))
+    def _ask(self, command: str) -> Any:
+        self._conn.send((command,))
         if not self._conn.poll(30):
-            raise AssertionError("the flooder did not answer")
-        counts: dict[str, Any] = self._conn.recv()
-        taken = counts["total"] - counts["refused"]
-        counts["delivered"], self._taken = taken - self._taken, taken
-        return counts
+            raise AssertionError(f"the {self._what} did not answer")
+        return self._conn.recv()
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -477,6 +471,26 @@ class Flooder:
         if self._proc.is_alive():
             self._proc.kill()
             self._proc.join(5)
+
+
+class Flooder(_Child):
+    def __init__(self, ports: list[tuple[str, int]], rate: float, spec: FloodSpec) -> None:
+        # Ready before the first phase: a phase that started before it would flood less.
+        super().__init__(_flood, (ports, rate, spec), "flooder")
+        # --kind unanswered: how many silent listeners and refused ports its aborts name.
+        self.targets: dict[str, int] = self.ready
+        self._taken = 0
+
+    def go(self) -> None:
+        self._conn.send(("go",))
+
+    def stop(self) -> dict[str, Any]:
+        """The counts so far (``sent`` per port, ``refused``, ``total``) plus ``delivered``:
+        the messages ZMQ took since the previous stop."""
+        counts: dict[str, Any] = self._ask("stop")
+        taken = counts["total"] - counts["refused"]
+        counts["delivered"], self._taken = taken - self._taken, taken
+        return counts
 
 
 def _sink(conn: Connection, count: int) -> None:
@@ -512,39 +526,20 @@ def _sink(conn: Connection, count: int) -> None:
     ctx.term()
 
 
-class Sink:
+class Sink(_Child):
     """A spawned process whose ports take a flood in place of the instances' (--sink): the same
     messages at the same rate, read and counted and nothing else, so the flood's sender and
     ZMQ's delivery load the shared machine as in a flood phase while the instances read none
     of it."""
 
     def __init__(self, count: int) -> None:
-        ctx = mp.get_context("spawn")
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_sink, args=(child, count), daemon=True)
-        self._proc.start()
-        child.close()
-        if not self._conn.poll(300):
-            self._proc.kill()
-            self._proc.join(5)
-            raise AssertionError("the sink did not start")
-        self.ports: list[int] = self._conn.recv()
+        super().__init__(_sink, (count,), "sink")
+        self.ports: list[int] = self.ready
 
     def count(self) -> dict[str, float]:
         """``read``: the messages read so far; ``cpu_s``: the sink process's CPU seconds."""
-        self._conn.send(("count",))
-        if not self._conn.poll(30):
-            raise AssertionError("the sink did not answer")
-        counts: dict[str, float] = self._conn.recv()
+        counts: dict[str, float] = self._ask("count")
         return counts
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._conn.send(("quit",))
-        self._proc.join(10)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join(5)
 
 
 # ---- the measured process ---------------------------------------------------------------------
