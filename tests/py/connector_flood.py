@@ -1480,15 +1480,9 @@ def _drain(pair: Pair, limit: float) -> float:
     return time.monotonic() - started
 
 
-def _per_1000(windows: list[Window], attr: str) -> float:
-    """CPU milliseconds per 1,000 flood messages: the flood windows' CPU less the baseline
-    windows' (the same genuine rounds), over the flood windows' messages."""
-    return _extra_per_1000(windows, attr, sink=False)
-
-
-def _extra_per_1000(windows: list[Window], attr: str, *, sink: bool) -> float:
-    """CPU milliseconds per 1,000 messages of the flood (``sink``: of the flood to the sink):
-    those windows' CPU less as many baseline windows' (the same genuine rounds), over their
+def _per_1000(windows: list[Window], attr: str, *, sink: bool = False) -> float:
+    """CPU milliseconds per 1,000 flood messages (``sink``: of the flood to the sink): those
+    windows' CPU less as many baseline windows' (the same genuine rounds), over their
     messages."""
     flooded = [w for w in windows if (w.sink if sink else w.flood)]
     extra = sum(getattr(w, attr) for w in flooded) - sum(
@@ -1561,10 +1555,7 @@ def _measure(
     res.ratio_p50 = res.flood_ms["p50"] / res.baseline_ms["p50"]
     res.ratio_p99 = res.flood_ms["p99"] / res.baseline_ms["p99"]
     for key in ("p50", "p99"):
-        ratio = statistics.median(w.ms[key] for w in flood) / statistics.median(
-            w.ms[key] for w in base
-        )
-        setattr(res, f"window_ratio_{key}", ratio)
+        setattr(res, f"window_ratio_{key}", _windows_ratio(flood, base, key))
     res.cpu_ms_per_1000 = {
         "process": _per_1000(res.windows, "cpu_s"),
         "listener_threads": _per_1000(res.windows, "listener_cpu_s"),
@@ -1587,6 +1578,14 @@ def _measure(
     _check(res, counts, sent, args)
 
 
+def _windows_ratio(phases: list[Window], against: list[Window], key: str) -> float:
+    """The median over ``phases`` of their ``key`` latency (p50 or p99) over that of
+    ``against`` (drift between phases moves it less than the ratio of all rounds)."""
+    return statistics.median(w.ms[key] for w in phases) / statistics.median(
+        w.ms[key] for w in against
+    )
+
+
 def _sink_figures(res: Result, samples: list[float]) -> None:
     """--sink: the rounds under the flood to the sink against the baseline's, the flood phases'
     against theirs, and the CPU per 1,000 messages of the sink and of this process."""
@@ -1598,15 +1597,11 @@ def _sink_figures(res: Result, samples: list[float]) -> None:
     for key in ("p50", "p99"):
         res.sink_ratio[key] = res.sink_ms[key] / res.baseline_ms[key]
         res.flood_over_sink[key] = res.flood_ms[key] / res.sink_ms[key]
-        res.sink_window_ratio[key] = statistics.median(w.ms[key] for w in sunk) / statistics.median(
-            w.ms[key] for w in base
-        )
-        res.flood_over_sink[f"windows_{key}"] = statistics.median(
-            w.ms[key] for w in flood
-        ) / statistics.median(w.ms[key] for w in sunk)
+        res.sink_window_ratio[key] = _windows_ratio(sunk, base, key)
+        res.flood_over_sink[f"windows_{key}"] = _windows_ratio(flood, sunk, key)
     res.sink_cpu_ms_per_1000 = {
         "sink": sum(w.sink_cpu_s for w in sunk) * 1e6 / max(1, res.sink_messages),
-        "process": _extra_per_1000(res.windows, "cpu_s", sink=True),
+        "process": _per_1000(res.windows, "cpu_s", sink=True),
     }
     # The instances read only the genuine rounds' messages then -- as many as in a baseline
     # phase (the same rounds) -- and what the flood phase before left unread: it is settled once
@@ -1826,7 +1821,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--flood-pause",
         type=float,
-        help="the listener hub's pause after a round of reads in which a flooded listener read "
+        help="how long the listener hub leaves a flooded listener unread after each burst "
         f"(control/channel.py's _FLOOD_PAUSE_S, {channel_module._FLOOD_PAUSE_S} s)",
     )
     parser.add_argument("--json", type=Path)
@@ -1838,10 +1833,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--sink compares floods the listeners drop: not --kind {args.kind}")
     if args.sink and args.stages:
         parser.error("--stages splits the baseline and flood rounds: not with --sink")
-    for name in ("flood_pause", "switch_interval"):
-        value = getattr(args, name)
-        if value is not None and not (value >= 0 if name == "flood_pause" else value > 0):
-            parser.error(f"--{name.replace('_', '-')} {value}: out of range")
+    if args.flood_pause is not None and args.flood_pause < 0:
+        parser.error(f"--flood-pause {args.flood_pause}: a pause is at least 0 s")
+    if args.switch_interval is not None and args.switch_interval <= 0:
+        parser.error(f"--switch-interval {args.switch_interval}: CPython needs more than 0 s")
     if args.kind in ACK_KINDS and (args.mode != "write" or args.secret):
         parser.error(
             f"--kind {args.kind} floods a WRITE-mode prefill's aborts: --mode write, no --secret"
