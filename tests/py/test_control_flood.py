@@ -194,11 +194,43 @@ def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages
 # ---- wake-up moderation: a flooded listener pauses between bursts ------------------------------
 
 
-def _dealer(port: int) -> zmq.Socket:
+def _dealer(port: int, *, source: str | None = None) -> zmq.Socket:
+    """A DEALER connected to ``port`` of 127.0.0.1, from the loopback address ``source``."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://{LOCAL}:{port}")
+    dealer.connect(f"tcp://{f'{source}:0;' if source else ''}{LOCAL}:{port}")
     return dealer
+
+
+def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages() -> None:
+    """With accept_only_allowed_peers, ZMQ closes a stranger's connection as it accepts it: its
+    flood is never read (not even counted), while a peer inside the allowed networks is read as
+    before, on the notify and on the handshake port."""
+    allowed = "127.0.0.2"
+    sec = ControlSecurity.from_config(
+        {"allowed_peers": [f"{allowed}/32"], "accept_only_allowed_peers": True}
+    )
+    provider = lambda _request: HandshakeResponse(engine_id="p", engine_metadata=b"meta")  # noqa: E731
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as notify,
+        HandshakeServer(0, provider, sec, bind_host=LOCAL) as handshake,
+    ):
+        for listener in (notify, handshake):
+            with (
+                contextlib.closing(_dealer(listener.port)) as stranger,  # from 127.0.0.1
+                contextlib.closing(_dealer(listener.port, source=allowed)) as peer,
+            ):
+                for i in range(FLOOD):
+                    with contextlib.suppress(zmq.Again):  # nobody takes them
+                        stranger.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)], zmq.NOBLOCK)
+                peer.send(encode(Release("from inside")))
+                deadline = time.monotonic() + WAIT
+                while listener.stats()["received"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # time for a stranger's message to be read, were it let in
+                assert listener.stats()["received"] == 1
+        assert notify.get(WAIT) == Release("from inside")
+        assert handshake.stats()["dropped_malformed"] == 1  # a release is no handshake
 
 
 def test_a_listener_that_drops_nothing_never_pauses() -> None:

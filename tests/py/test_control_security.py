@@ -225,3 +225,30 @@ def test_verifier_refuses_rather_than_forgets_when_full():
         verifier.open(auth.seal_registration(b"ping", now=1000.0))
     with pytest.raises(AuthenticationError, match="more than 2"):
         verifier.open(auth.seal_registration(b"ping", now=1000.0))
+
+
+def test_accepting_only_allowed_peers_filters_on_their_networks():
+    allow = PeerAllowlist.from_config(
+        {
+            "allowed_peers": "10.0.0.0/16, 127.0.0.1, 2001:db8::/64",
+            "accept_only_allowed_peers": True,
+        }
+    )
+    assert allow.accept_filters == ("10.0.0.0/16", "127.0.0.1/32", "2001:db8::/64")
+    assert PeerAllowlist.from_config({"allowed_peers": "10.0.0.0/16"}).accept_filters == ()
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        ({"accept_only_allowed_peers": True}, "without it no peer could connect"),
+        ({"allowed_peers": [], "accept_only_allowed_peers": True}, "without it no peer"),
+        ({"allowed_peers": ["10.0.0.0/8", "node1"], "accept_only_allowed_peers": True}, "'node1'"),
+        ({"allowed_peers": ["*"], "accept_only_allowed_peers": True}, "accepts everyone"),
+        ({"allowed_peers": ["10.0.0.0/8"], "accept_only_allowed_peers": "yes"}, "'yes'"),
+    ],
+)
+def test_accepting_only_allowed_peers_refuses_what_it_cannot_filter_on(config, named):
+    with pytest.raises(InvalidArgumentError, match=named) as err:
+        ControlSecurity.from_config(config)
+    assert "accept_only_allowed_peers" in str(err.value)

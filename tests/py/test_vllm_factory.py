@@ -14,6 +14,7 @@ pytest.importorskip("vllm")
 
 import torch
 
+from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.vllm import CONNECTOR_NAME, register
 from moriio_native.vllm.config import (
@@ -165,6 +166,18 @@ def test_config_reads_strings_legacy_keys_and_backend_options(
     assert cfg.ports.notify_port(0, 3) == 7504
 
 
+def test_config_accept_only_allowed_peers_reaches_the_listeners_security() -> None:
+    """The key (a string from vLLM's command line too) reaches the control plane's
+    allowlist, whose accept filters every listener of the instance sets."""
+    extra = {"allowed_peers": "10.0.0.0/8, 192.168.1.7", "accept_only_allowed_peers": "true"}
+    cfg = ConnectorConfig.from_extra_config(extra, role="kv_consumer")
+    assert cfg.accept_only_allowed_peers
+    security = ControlSecurity.from_config(cfg.control_config())
+    assert security.allowlist.accept_filters == ("10.0.0.0/8", "192.168.1.7/32")
+    default = ConnectorConfig.from_extra_config({"allowed_peers": "10.0.0.0/8"}, role="kv_both")
+    assert ControlSecurity.from_config(default.control_config()).allowlist.accept_filters == ()
+
+
 def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MORIIO_NATIVE_AUTH_SECRET", "s" * 32)
     assert ConnectorConfig.from_extra_config({}, role="kv_both").auth_secret == "s" * 32
@@ -187,6 +200,12 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
         ({"bind_host": "not a host"}, "bind_host"),
         ({"allowed_peers": ["10.0.0.0/33x"]}, "allowed_peers"),
         ({"auth_secret": "short"}, "auth_secret"),
+        ({"accept_only_allowed_peers": "true"}, "accept_only_allowed_peers"),
+        (
+            {"allowed_peers": "prefill-node", "accept_only_allowed_peers": True},
+            "accept_only_allowed_peers",
+        ),
+        ({"accept_only_allowed_peers": "sometimes"}, "accept_only_allowed_peers"),
         ({"handshake_port": 6301, "notify_port": 6302}, "overlap"),
     ],
 )

@@ -512,6 +512,10 @@ class _RouterListener(_ClosesOnExit):
             # Transport-level cap: ZMQ disconnects a peer that sends more. The application
             # check below is tighter, so ordinary oversize messages are logged, not silent.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+            # accept_only_allowed_peers: ZMQ closes a connection from elsewhere as it accepts
+            # it, so a stranger's messages cost this process no read at all.
+            for network in self._security.allowlist.accept_filters:
+                sock.setsockopt_string(zmq.TCP_ACCEPT_FILTER, network)
             if ":" in host:
                 sock.setsockopt(zmq.IPV6, 1)
             shown = f"[{host}]" if ":" in host else host

@@ -69,6 +69,7 @@ logger = logging.getLogger("moriio_native.control.security")
 ENV_AUTH_SECRET = "MORIIO_NATIVE_AUTH_SECRET"
 CONFIG_AUTH_SECRET = "auth_secret"
 CONFIG_ALLOWED_PEERS = "allowed_peers"
+CONFIG_ACCEPT_ONLY_ALLOWED = "accept_only_allowed_peers"
 MIN_SECRET_BYTES = 16
 TAG_BYTES = 32
 STAMP_BYTES = 24
@@ -268,15 +269,20 @@ class PeerAllowlist:
     All methods are thread-safe (one internal lock); none blocks on the network.
     """
 
-    def __init__(self, allowed: Iterable[str] = (), *, max_learned: int = 4096) -> None:
+    def __init__(
+        self, allowed: Iterable[str] = (), *, max_learned: int = 4096, accept_only: bool = False
+    ) -> None:
         """``allowed``: CIDRs (``10.0.0.0/16``), single addresses, exact host names, or ``"*"``
-        for everything. Raises InvalidArgumentError naming the first bad entry."""
+        for everything. ``accept_only``: the listeners also accept connections only from the
+        configured addresses (:attr:`accept_filters`), which must then be CIDRs or addresses,
+        at least one and not ``"*"``. Raises InvalidArgumentError naming the first bad entry."""
         if isinstance(allowed, str):
             raise InvalidArgumentError(f"{CONFIG_ALLOWED_PEERS} must be a list of strings")
         if max_learned < 0:
             raise InvalidArgumentError("max_learned must be >= 0")
         networks: list[IpNetwork] = []
         names: set[str] = set()
+        everyone = False
         for entry in allowed:
             if not isinstance(entry, str) or not entry.strip():
                 raise InvalidArgumentError(
@@ -289,6 +295,7 @@ class PeerAllowlist:
                     CONFIG_ALLOWED_PEERS,
                 )
                 networks += [ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")]
+                everyone = True
                 continue
             try:
                 networks.append(ipaddress.ip_network(text, strict=False))
@@ -304,6 +311,7 @@ class PeerAllowlist:
                 ) from exc
         self._networks: tuple[IpNetwork, ...] = tuple(networks)
         self._names = frozenset(names)
+        self._accept_filters = _accept_filters(networks, names, everyone) if accept_only else ()
         self._learned: OrderedDict[IpAddress, None] = OrderedDict()
         self._max_learned = max_learned
         self._lock = threading.Lock()
@@ -313,7 +321,7 @@ class PeerAllowlist:
         """From ``config["allowed_peers"]``: a list of strings or one comma-separated string."""
         value = None if config is None else config.get(CONFIG_ALLOWED_PEERS)
         if value is None:
-            return cls()
+            value = []
         if isinstance(value, str):
             value = [v for v in value.split(",") if v.strip()]
         if not isinstance(value, (list, tuple)):
@@ -321,7 +329,18 @@ class PeerAllowlist:
                 f"{CONFIG_ALLOWED_PEERS} must be a list or a comma-separated string, "
                 f"got {type(value).__name__}"
             )
-        return cls(value)
+        accept_only = False if config is None else config.get(CONFIG_ACCEPT_ONLY_ALLOWED, False)
+        if not isinstance(accept_only, bool):
+            raise InvalidArgumentError(
+                f"{CONFIG_ACCEPT_ONLY_ALLOWED} must be true or false, got {accept_only!r}"
+            )
+        return cls(value, accept_only=accept_only)
+
+    @property
+    def accept_filters(self) -> tuple[str, ...]:
+        """The networks a listener accepts TCP connections from (ZMQ's accept filter), as
+        ``address/prefix`` strings; empty: from anyone (``accept_only`` off)."""
+        return self._accept_filters
 
     def learn(self, host: str) -> bool:
         """Allow ``host`` (an IP literal: the source address of an accepted handshake) from now
@@ -373,6 +392,28 @@ class PeerAllowlist:
         return f"networks: {nets}; names: {len(self._names)}; learned hosts: {n_learned}"
 
 
+def _accept_filters(networks: list[IpNetwork], names: set[str], everyone: bool) -> tuple[str, ...]:
+    """``networks`` as accept filters; InvalidArgumentError when they cannot stand for the
+    allowlist: with a name (a TCP accept sees addresses, and names are never resolved here),
+    ``"*"`` (``everyone``: no filter at all) or nothing (nobody could connect)."""
+    if names:
+        raise InvalidArgumentError(
+            f"{CONFIG_ACCEPT_ONLY_ALLOWED} needs {CONFIG_ALLOWED_PEERS} as CIDRs or addresses: "
+            f"{sorted(names)[0]!r} is a host name, and a connection is accepted by its address"
+        )
+    if everyone:
+        raise InvalidArgumentError(
+            f"{CONFIG_ACCEPT_ONLY_ALLOWED} with '*' in {CONFIG_ALLOWED_PEERS} accepts everyone: "
+            "name the networks to accept, or turn it off"
+        )
+    if not networks:
+        raise InvalidArgumentError(
+            f"{CONFIG_ACCEPT_ONLY_ALLOWED} needs {CONFIG_ALLOWED_PEERS}: without it no peer "
+            "could connect"
+        )
+    return tuple(str(network) for network in networks)
+
+
 @dataclass(frozen=True, slots=True)
 class ControlSecurity:
     """The authentication mode and the allowlist one worker uses for all its channels."""
@@ -388,6 +429,7 @@ class ControlSecurity:
 
 
 __all__ = [
+    "CONFIG_ACCEPT_ONLY_ALLOWED",
     "CONFIG_ALLOWED_PEERS",
     "CONFIG_AUTH_SECRET",
     "ENV_AUTH_SECRET",

@@ -45,6 +45,11 @@ key                   default      meaning
 ``allowed_peers``     none         CIDRs / IPs / host names this instance may dial besides hosts
                                    that handshook with it (list or comma-separated string);
                                    ``"*"`` allows all (insecure)
+``accept_only_allowed_peers`` ``false`` the listening ports also accept TCP connections only
+                                   from ``allowed_peers`` (then CIDRs / IPs only, at least
+                                   one): ZMQ closes any other as it accepts it, so a stranger's
+                                   messages are never read. Every peer that connects (decode
+                                   ranks handshaking, prefills notifying) must be inside them
 ``auth_secret``       unset        shared secret (>= 16 bytes) -> HMAC-SHA256 on every control
                                    message; else ``$MORIIO_NATIVE_AUTH_SECRET``
 ``verify``            ``false``    check every transfer end to end: both sides compute block
@@ -140,6 +145,7 @@ _PLAIN_KEYS = (
     "verify",
     "require_incarnation",
     "max_peers",
+    "accept_only_allowed_peers",
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -204,6 +210,7 @@ class ConnectorConfig(Schema, frozen=True):
     abort_timeout: Seconds = DEFAULT_ABORT_TIMEOUT
     quarantine_timeout: Seconds = DEFAULT_QUARANTINE_TIMEOUT
     allowed_peers: tuple[str, ...] = ()
+    accept_only_allowed_peers: bool = False
     auth_secret: str | None = None
     engine_options: dict[str, str] = msgspec.field(default_factory=dict)
     dp_size: Size = 1
@@ -228,7 +235,7 @@ class ConnectorConfig(Schema, frozen=True):
         if self.auth_secret is not None and len(self.auth_secret.encode()) < MIN_SECRET_BYTES:
             raise ValueError(f"{_WHAT}.auth_secret must be at least {MIN_SECRET_BYTES} bytes")
         # Both raise InvalidArgumentError naming the bad value.
-        PeerAllowlist(self.allowed_peers)
+        PeerAllowlist(self.allowed_peers, accept_only=self.accept_only_allowed_peers)
         self.ports  # noqa: B018 -- validates every rank's ports now, not at bind time
 
     def __repr__(self) -> str:
@@ -263,7 +270,10 @@ class ConnectorConfig(Schema, frozen=True):
 
     def control_config(self) -> dict[str, Any]:
         """The mapping ``moriio_native.control`` builds its security from."""
-        out: dict[str, Any] = {"allowed_peers": list(self.allowed_peers)}
+        out: dict[str, Any] = {
+            "allowed_peers": list(self.allowed_peers),
+            "accept_only_allowed_peers": self.accept_only_allowed_peers,
+        }
         if self.auth_secret is not None:
             out["auth_secret"] = self.auth_secret
         return out
