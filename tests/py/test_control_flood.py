@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import time
 from types import SimpleNamespace
 
@@ -194,12 +195,24 @@ def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages
 # ---- wake-up moderation: a flooded listener pauses between bursts ------------------------------
 
 
-def _dealer(port: int, *, source: str | None = None) -> zmq.Socket:
-    """A DEALER connected to ``port`` of 127.0.0.1, from the loopback address ``source``."""
+def _dealer(port: int, *, source: str | None = None, host: str = LOCAL) -> zmq.Socket:
+    """A DEALER connected to ``port`` of ``host``, from the loopback address ``source``."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
-    dealer.connect(f"tcp://{f'{source}:0;' if source else ''}{LOCAL}:{port}")
+    if ":" in host:
+        dealer.setsockopt(zmq.IPV6, 1)
+        host = f"[{host}]"
+    dealer.connect(f"tcp://{f'{source}:0;' if source else ''}{host}:{port}")
     return dealer
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
 
 
 def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages() -> None:
@@ -231,6 +244,34 @@ def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages(
                 assert listener.stats()["received"] == 1
         assert notify.get(WAIT) == Release("from inside")
         assert handshake.stats()["dropped_malformed"] == 1  # a release is no handshake
+
+
+@pytest.mark.parametrize(
+    ("bind_host", "allowed", "target", "source", "read"),
+    [
+        # A listener on an IPv6 address sees an IPv4 peer as ::ffff:a.b.c.d: each IPv4 network
+        # must match it so, and 10.0.0.0/8 must not become a prefix of 8 bits of all 128 (which
+        # would let every IPv4 peer in).
+        ("::ffff:127.0.0.1", ["127.0.0.2/32", "10.0.0.0/8"], LOCAL, "127.0.0.2", True),
+        ("::ffff:127.0.0.1", ["127.0.0.2/32", "10.0.0.0/8"], LOCAL, None, False),
+        pytest.param("::1", ["::1/128"], "::1", None, True, id="ipv6-allowed"),
+        pytest.param("::1", ["2001:db8::/64", "127.0.0.1"], "::1", None, False, id="ipv6-stranger"),
+    ],
+)
+def test_a_listener_on_an_ipv6_address_accepts_only_allowed_peers_of_either_family(
+    bind_host: str, allowed: list[str], target: str, source: str | None, read: bool
+) -> None:
+    if ":" in target and not _ipv6_loopback():
+        pytest.skip("no IPv6 loopback address (::1) on this machine")
+    sec = ControlSecurity.from_config({"allowed_peers": allowed, "accept_only_allowed_peers": True})
+    with (
+        NotifyListener(0, sec, bind_host=bind_host) as listener,
+        contextlib.closing(_dealer(listener.port, source=source, host=target)) as sender,
+    ):
+        with contextlib.suppress(zmq.Again):  # a refused sender has nobody to take it
+            sender.send(encode(Release("from the sender")), zmq.NOBLOCK)
+        assert listener.get(WAIT if read else 0.5) == (Release("from the sender") if read else None)
+        assert listener.stats()["received"] == int(read)
 
 
 def test_a_listener_that_drops_nothing_never_pauses() -> None:

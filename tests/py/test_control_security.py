@@ -227,15 +227,27 @@ def test_verifier_refuses_rather_than_forgets_when_full():
         verifier.open(auth.seal_registration(b"ping", now=1000.0))
 
 
-def test_accepting_only_allowed_peers_filters_on_their_networks():
+def test_accepting_only_allowed_peers_filters_on_their_networks_in_the_listeners_family():
     allow = PeerAllowlist.from_config(
         {
             "allowed_peers": "10.0.0.0/16, 127.0.0.1, 2001:db8::/64",
             "accept_only_allowed_peers": True,
         }
     )
-    assert allow.accept_filters == ("10.0.0.0/16", "127.0.0.1/32", "2001:db8::/64")
-    assert PeerAllowlist.from_config({"allowed_peers": "10.0.0.0/16"}).accept_filters == ()
+    assert allow.accept_filters(ipv6=False) == ("10.0.0.0/16", "127.0.0.1/32")
+    # An IPv6 listener sees IPv4 peers as IPv4-mapped addresses: the prefix covers all 128 bits.
+    assert allow.accept_filters(ipv6=True) == (
+        "::ffff:10.0.0.0/112",
+        "::ffff:127.0.0.1/128",
+        "2001:db8::/64",
+    )
+    assert (
+        PeerAllowlist.from_config({"allowed_peers": "10.0.0.0/16"}).accept_filters(ipv6=False) == ()
+    )
+    only_ipv6 = PeerAllowlist(["2001:db8::/64"], accept_only=True)
+    assert only_ipv6.accept_filters(ipv6=True) == ("2001:db8::/64",)
+    with pytest.raises(InvalidArgumentError, match=r"accept_only_allowed_peers.*only IPv6"):
+        only_ipv6.accept_filters(ipv6=False)
 
 
 @pytest.mark.parametrize(

@@ -173,9 +173,10 @@ def test_config_accept_only_allowed_peers_reaches_the_listeners_security() -> No
     cfg = ConnectorConfig.from_extra_config(extra, role="kv_consumer")
     assert cfg.accept_only_allowed_peers
     security = ControlSecurity.from_config(cfg.control_config())
-    assert security.allowlist.accept_filters == ("10.0.0.0/8", "192.168.1.7/32")
+    assert security.allowlist.accept_filters(ipv6=False) == ("10.0.0.0/8", "192.168.1.7/32")
     default = ConnectorConfig.from_extra_config({"allowed_peers": "10.0.0.0/8"}, role="kv_both")
-    assert ControlSecurity.from_config(default.control_config()).allowlist.accept_filters == ()
+    allowlist = ControlSecurity.from_config(default.control_config()).allowlist
+    assert allowlist.accept_filters(ipv6=False) == ()
 
 
 def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -206,6 +207,10 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
             "accept_only_allowed_peers",
         ),
         ({"accept_only_allowed_peers": "sometimes"}, "accept_only_allowed_peers"),
+        (
+            {"allowed_peers": "2001:db8::/64", "accept_only_allowed_peers": True},
+            "only IPv6",
+        ),
         ({"handshake_port": 6301, "notify_port": 6302}, "overlap"),
     ],
 )

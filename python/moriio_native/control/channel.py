@@ -512,13 +512,14 @@ class _RouterListener(_ClosesOnExit):
             # Transport-level cap: ZMQ disconnects a peer that sends more. The application
             # check below is tighter, so ordinary oversize messages are logged, not silent.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+            ipv6 = ":" in host
+            if ipv6:  # before the accept filters: ZMQ parses each in the socket's family
+                sock.setsockopt(zmq.IPV6, 1)
             # accept_only_allowed_peers: ZMQ closes a connection from elsewhere as it accepts
             # it, so a stranger's messages cost this process no read at all.
-            for network in self._security.allowlist.accept_filters:
+            for network in self._security.allowlist.accept_filters(ipv6=ipv6):
                 sock.setsockopt_string(zmq.TCP_ACCEPT_FILTER, network)
-            if ":" in host:
-                sock.setsockopt(zmq.IPV6, 1)
-            shown = f"[{host}]" if ":" in host else host
+            shown = f"[{host}]" if ipv6 else host
             endpoint = f"tcp://{shown}:{port if port else '*'}"
             try:
                 sock.bind(endpoint)

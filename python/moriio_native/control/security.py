@@ -311,7 +311,9 @@ class PeerAllowlist:
                 ) from exc
         self._networks: tuple[IpNetwork, ...] = tuple(networks)
         self._names = frozenset(names)
-        self._accept_filters = _accept_filters(networks, names, everyone) if accept_only else ()
+        if accept_only:
+            _check_accept_filters(networks, names, everyone)
+        self._accept_only = accept_only
         self._learned: OrderedDict[IpAddress, None] = OrderedDict()
         self._max_learned = max_learned
         self._lock = threading.Lock()
@@ -336,11 +338,26 @@ class PeerAllowlist:
             )
         return cls(value, accept_only=accept_only)
 
-    @property
-    def accept_filters(self) -> tuple[str, ...]:
+    def accept_filters(self, *, ipv6: bool) -> tuple[str, ...]:
         """The networks a listener accepts TCP connections from (ZMQ's accept filter), as
-        ``address/prefix`` strings; empty: from anyone (``accept_only`` off)."""
-        return self._accept_filters
+        ``address/prefix`` strings; empty: from anyone (``accept_only`` off). ``ipv6``: for a
+        listener on an IPv6 address, which sees an IPv4 peer as an IPv4-mapped address (so an
+        IPv4 network is given as its mapped network: ZMQ would apply its prefix to all 128
+        bits); on an IPv4 one, IPv6 networks cannot match and are left out. Raises
+        InvalidArgumentError, naming the key, when no network is left for that listener."""
+        if not self._accept_only:
+            return ()
+        filters = tuple(
+            _mapped(network) if ipv6 and network.version == 4 else str(network)
+            for network in self._networks
+            if ipv6 or network.version == 4
+        )
+        if not filters:
+            raise InvalidArgumentError(
+                f"{CONFIG_ACCEPT_ONLY_ALLOWED}: {CONFIG_ALLOWED_PEERS} holds only IPv6 networks, "
+                "and this listener is on an IPv4 address: no peer could connect to it"
+            )
+        return filters
 
     def learn(self, host: str) -> bool:
         """Allow ``host`` (an IP literal: the source address of an accepted handshake) from now
@@ -392,10 +409,10 @@ class PeerAllowlist:
         return f"networks: {nets}; names: {len(self._names)}; learned hosts: {n_learned}"
 
 
-def _accept_filters(networks: list[IpNetwork], names: set[str], everyone: bool) -> tuple[str, ...]:
-    """``networks`` as accept filters; InvalidArgumentError when they cannot stand for the
-    allowlist: with a name (a TCP accept sees addresses, and names are never resolved here),
-    ``"*"`` (``everyone``: no filter at all) or nothing (nobody could connect)."""
+def _check_accept_filters(networks: list[IpNetwork], names: set[str], everyone: bool) -> None:
+    """InvalidArgumentError when ``networks`` cannot stand for the allowlist as accept filters:
+    with a name (a TCP accept sees addresses, and names are never resolved here), ``"*"``
+    (``everyone``: no filter at all) or nothing (nobody could connect)."""
     if names:
         raise InvalidArgumentError(
             f"{CONFIG_ACCEPT_ONLY_ALLOWED} needs {CONFIG_ALLOWED_PEERS} as CIDRs or addresses: "
@@ -411,7 +428,11 @@ def _accept_filters(networks: list[IpNetwork], names: set[str], everyone: bool) 
             f"{CONFIG_ACCEPT_ONLY_ALLOWED} needs {CONFIG_ALLOWED_PEERS}: without it no peer "
             "could connect"
         )
-    return tuple(str(network) for network in networks)
+
+
+def _mapped(network: ipaddress.IPv4Network) -> str:
+    """``network`` as the IPv4-mapped IPv6 network an IPv6 listener sees its peers in."""
+    return f"::ffff:{network.network_address}/{96 + network.prefixlen}"
 
 
 @dataclass(frozen=True, slots=True)

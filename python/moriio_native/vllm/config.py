@@ -48,8 +48,9 @@ key                   default      meaning
 ``accept_only_allowed_peers`` ``false`` the listening ports also accept TCP connections only
                                    from ``allowed_peers`` (then CIDRs / IPs only, at least
                                    one): ZMQ closes any other as it accepts it, so a stranger's
-                                   messages are never read. Every peer that connects (decode
-                                   ranks handshaking, prefills notifying) must be inside them
+                                   messages are never read. On a prefill every decode's
+                                   source addresses must be inside them, on a WRITE-mode
+                                   decode every prefill's
 ``auth_secret``       unset        shared secret (>= 16 bytes) -> HMAC-SHA256 on every control
                                    message; else ``$MORIIO_NATIVE_AUTH_SECRET``
 ``verify``            ``false``    check every transfer end to end: both sides compute block
@@ -235,7 +236,9 @@ class ConnectorConfig(Schema, frozen=True):
         if self.auth_secret is not None and len(self.auth_secret.encode()) < MIN_SECRET_BYTES:
             raise ValueError(f"{_WHAT}.auth_secret must be at least {MIN_SECRET_BYTES} bytes")
         # Both raise InvalidArgumentError naming the bad value.
-        PeerAllowlist(self.allowed_peers, accept_only=self.accept_only_allowed_peers)
+        PeerAllowlist(
+            self.allowed_peers, accept_only=self.accept_only_allowed_peers
+        ).accept_filters(ipv6=":" in self.bind_host)
         self.ports  # noqa: B018 -- validates every rank's ports now, not at bind time
 
     def __repr__(self) -> str:
