@@ -465,6 +465,59 @@ def test_read_peer_outside_allowlist_is_not_dialled(sides: list[Side], model_dir
     assert p.free_blocks() == p.initial_free
 
 
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_instances_accepting_only_allowed_peers_serve_each_other(
+    sides: list[Side], model_dir: str, mode: str
+) -> None:
+    """With accept_only_allowed_peers on both instances and each other's address allowed, a
+    request moves as without it: every connection each makes to the other is accepted."""
+    accept = {"allowed_peers": ["127.0.0.1/32"], "accept_only_allowed_peers": True}
+    p, d = make_pair(sides, model_dir, mode, p_extra=accept, d_extra=accept)
+    prompt = prompt_of(40, seed=17)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    if mode == "read":
+        returned = run_prefill(p, rid, prompt, tid)
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=3)
+    else:
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=3)
+        d.step()  # remote_blocks goes out
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.step()
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill's blocks freed")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_a_decode_outside_an_accept_only_prefills_networks_is_never_read(
+    sides: list[Side], model_dir: str
+) -> None:
+    """The prefill accepts connections only from 127.0.0.2: the decode's handshake from
+    127.0.0.1 is closed at accept, unread; the decode recomputes, the prefill frees its blocks
+    at its abort_timeout."""
+    p, d = make_pair(
+        sides,
+        model_dir,
+        "read",
+        p_extra={
+            "allowed_peers": ["127.0.0.2/32"],
+            "accept_only_allowed_peers": True,
+            "abort_timeout": 2,
+        },
+        d_extra={"transfer_timeout": 2},
+    )
+    prompt = prompt_of(24, seed=19)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
+    assert load(d, rid).invalid_blocks  # the handshake timed out: recomputed
+    server = p.worker.worker._server
+    assert server is not None and server.stats()["received"] == 0
+    assert p.worker.worker._listener.stats()["received"] == 0
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="abort timeout")
+    assert p.free_blocks() == p.initial_free
+
+
 # ---- WRITE ------------------------------------------------------------------------------------
 
 
