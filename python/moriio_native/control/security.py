@@ -274,7 +274,7 @@ class PeerAllowlist:
     ) -> None:
         """``allowed``: CIDRs (``10.0.0.0/16``), single addresses, exact host names, or ``"*"``
         for everything. ``accept_only``: the listeners also accept connections only from the
-        configured addresses (:attr:`accept_filters`), which must then be CIDRs or addresses,
+        configured addresses (:meth:`accept_filters`), which must then be CIDRs or addresses,
         at least one and not ``"*"``. Raises InvalidArgumentError naming the first bad entry."""
         if isinstance(allowed, str):
             raise InvalidArgumentError(f"{CONFIG_ALLOWED_PEERS} must be a list of strings")
