@@ -51,6 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moriio_native.control.addressing import format_request_id
+from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_PING_BYTES,
     InvalidMessageError,
@@ -143,6 +144,9 @@ def discovery_loop(
         sock.setsockopt(zmq.IPV6, 1)
     shown = "*" if host in ("0.0.0.0", "*") else f"[{host}]" if ":" in host else host
     sock.bind(f"tcp://{shown}:{port}")
+    # A bug one ping reaches must not end registration for every instance: it is logged, with
+    # its traceback, at most a few times per window (a stranger may send that ping in a loop).
+    errors = RateLimitedWarnings(logger, "errors handling registrations")
     try:
         while not stop.is_set():
             if not sock.poll(200):
@@ -153,6 +157,8 @@ def discovery_loop(
                 registry.update(decode(payload, (ProxyRegistration,), max_bytes=MAX_PING_BYTES))
             except (AuthenticationError, InvalidMessageError) as exc:
                 logger.warning("dropped registration: %s", exc)
+            except Exception as exc:
+                errors.warn("dropped registration after an error: %r", exc, exc_info=exc)
     finally:
         sock.close(linger=0)
 

@@ -173,6 +173,38 @@ def test_decode_rejects_deep_nesting():
         decode(payload, NOTIFY_TYPES, max_bytes=1 << 20)
 
 
+# 1,000 nested one-element arrays under a key of a map (about 1 KB): deeper than msgspec can
+# decode untyped, which it answers with RecursionError.
+_DEEP = b"\x91" * 1000 + b"\xc0"
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x81\xa1x" + _DEEP,  # {"x": [[[...]]]}
+        b"\x82\xa4type\xb1handshake_request\xa1x" + _DEEP,
+        b"\x82\xa4type\xa1P\xachttp_address" + _DEEP,  # a registration ping's shape
+    ],
+    ids=["untyped", "handshake", "registration"],
+)
+@pytest.mark.parametrize(
+    "accept",
+    [NOTIFY_TYPES, (HandshakeRequest,), (ProxyRegistration,)],
+    ids=["notify", "handshake", "registration"],
+)
+@pytest.mark.parametrize("explain", [True, False], ids=["explained", "terse"])
+def test_decode_refuses_deep_nesting_inside_a_map_as_an_invalid_message(payload, accept, explain):
+    """A listener catches InvalidMessageError only: anything else escaping decode() would end
+    the proxy's discovery thread or cost a listener a traceback per message."""
+    with pytest.raises(InvalidMessageError):
+        decode(payload, accept, max_bytes=MAX_NOTIFY_BYTES, explain=explain)
+
+
+def test_decode_names_deep_nesting_as_the_cause():
+    with pytest.raises(InvalidMessageError, match="nested too deeply"):
+        decode(b"\x81\xa1x" + _DEEP, NOTIFY_TYPES, max_bytes=MAX_NOTIFY_BYTES)
+
+
 def test_handshake_response_checks_ranks_against_sizes():
     with pytest.raises(InvalidMessageError, match="tp_rank"):
         HandshakeResponse("p0", b"", dp_rank=0, tp_rank=4, dp_size=1, tp_size=4)

@@ -176,8 +176,9 @@ class RateLimitedWarnings:
     def _window_over(self, now: float) -> bool:
         return now - self._window_start >= self._window_s
 
-    def warn(self, msg: str, *args: object) -> None:
-        """``log.warning(msg, *args)`` unless this window's burst is spent (then counted)."""
+    def warn(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
+        """``log.warning(msg, *args)`` unless this window's burst is spent (then counted);
+        ``exc_info``: an exception whose traceback the line carries (an unexpected error)."""
         now = time.monotonic()
         with self._lock:
             suppressed, span = 0, 0.0
@@ -199,7 +200,8 @@ class RateLimitedWarnings:
                 stacklevel=2,
             )
         if logged:
-            self._log.warning(msg, *args, stacklevel=2)  # the caller's line, not this one
+            # The caller's line, not this one.
+            self._log.warning(msg, *args, exc_info=exc_info, stacklevel=2)
 
 
 class _DropLog:

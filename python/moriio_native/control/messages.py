@@ -74,6 +74,7 @@ from .schema import (
     BlockId,
     Id,
     IncarnationOrEmpty,
+    NestedTooDeeplyError,
     Port,
     Rank,
     Schema,
@@ -543,7 +544,9 @@ def _message_error(exc: msgspec.ValidationError, payload: Any, accept: tuple[typ
     if text.startswith("Expected `object`") and " - at " not in text and "`ext`" not in text:
         return f"message must be a map, got {text.split('got ', 1)[-1].strip('`')}"
     try:
-        wire_type: Any = msgspec.msgpack.decode(payload, type=dict[str, Any]).get("type")
+        wire_type: Any = load(dict[str, Any], payload).get("type")
+    except NestedTooDeeplyError as nested:
+        return f"message is {nested}"  # its type and field cannot be read either
     except (msgspec.DecodeError, msgspec.ValidationError):
         wire_type = None
     if text.endswith("- at `$.type`") or text == "Object missing required field `type`":
@@ -560,7 +563,7 @@ def _message_error(exc: msgspec.ValidationError, payload: Any, accept: tuple[typ
 def _require_every_key(message: Any, payload: Any) -> None:
     """Handshakes carry every key (defaults serve constructors only)."""
     if isinstance(message, _EVERY_KEY_REQUIRED):
-        keys = msgspec.msgpack.decode(payload, type=dict[str, msgspec.Raw]).keys()
+        keys = load(dict[str, msgspec.Raw], payload).keys()
         missing = sorted(set(message.__struct_encode_fields__) - {"type", *_OPTIONAL_KEYS, *keys})
         if missing:
             raise InvalidMessageError(f"{message.TYPE} message lacks {', '.join(missing)}")
@@ -580,7 +583,9 @@ def _check_protocol_version(payload: Any, accept: tuple[type, ...]) -> None:
     if not versioned:
         return
     try:
-        peek = msgspec.msgpack.decode(payload, type=_VersionPeek)
+        peek = load(_VersionPeek, payload)
+    except NestedTooDeeplyError:
+        raise  # no check can read it: decode() says so
     except (msgspec.DecodeError, msgspec.ValidationError):
         return  # not a map: the schema check says what is wrong
     version = peek.protocol_version
@@ -599,9 +604,10 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int, explain
     """Decode and schema-check ``payload`` into one of the classes in ``accept``.
 
     The size is checked before anything is parsed. Raises InvalidMessageError (never anything
-    else) for oversized, non-msgpack, non-map, unknown-type, unknown-key, missing-key or
-    out-of-range input; the message names the field and the bad value. A handshake request
-    or response of another protocol version raises ProtocolVersionError (a subclass) instead.
+    else) for oversized, non-msgpack, too deeply nested, non-map, unknown-type, unknown-key,
+    missing-key or out-of-range input; the message names the field and the bad value. A
+    handshake request or response of another protocol version raises ProtocolVersionError (a
+    subclass) instead.
     ``explain=False`` (a listener whose log of drops is rate limited and will not show this
     one) skips what only the text needs -- parsing the payload again to name its type and
     field -- and says what msgspec says; the same inputs fail.
@@ -610,12 +616,14 @@ def decode(payload: Any, accept: tuple[type[M], ...], *, max_bytes: int, explain
         raise InvalidMessageError(f"payload must be bytes, got {type(payload).__name__}")
     if len(payload) > max_bytes:
         raise InvalidMessageError(f"message is {len(payload)} bytes, more than {max_bytes}")
-    _check_protocol_version(payload, accept)
     try:
+        _check_protocol_version(payload, accept)
         message = load(_target(accept), payload)
     except msgspec.ValidationError as exc:
         text = _message_error(exc, payload, accept) if explain else f"fails the schema: {exc}"
         raise InvalidMessageError(text) from None
+    except NestedTooDeeplyError as exc:
+        raise InvalidMessageError(f"message is {exc}") from None
     except msgspec.DecodeError as exc:
         raise InvalidMessageError(f"not a msgpack message ({exc})") from None
     _require_every_key(message, payload)

@@ -15,7 +15,9 @@ Contents (pure; thread-safe -- the construction check's re-entrancy flag is thre
 
 * bounds ``MAX_*`` and the bounded types :data:`Id`, :data:`Port`, :data:`Rank`, :data:`Size`,
   :data:`BlockId`, :func:`printable` (a bounded printable string type)
-* :class:`Schema`, :func:`decoder`, :func:`encoder`, :func:`convert`, :func:`explain`
+* :class:`Schema`, :func:`decoder`, :func:`encoder`, :func:`load`, :func:`convert`,
+  :func:`explain`; :class:`NestedTooDeeplyError`, what :func:`load` raises for msgpack nested
+  deeper than the interpreter's recursion limit (never RecursionError)
 * :class:`WireValue` -- the protocol of a non-struct value with its own wire form (a zmq address
   string, block ids flat or per group), encoded and decoded through msgspec's hooks
 """
@@ -26,6 +28,7 @@ import contextlib
 import functools
 import os
 import re
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from typing import Annotated, Any, ClassVar, Protocol, TypeVar, runtime_checkable
@@ -140,14 +143,26 @@ def _checking() -> Iterator[None]:
         _local.checking = outer
 
 
+class NestedTooDeeplyError(msgspec.DecodeError):
+    """msgpack nested deeper than the decoder can follow. msgspec descends one interpreter
+    frame per level of a container it decodes untyped (``Any``, a key it skips) and raises
+    RecursionError past the recursion limit: about 1,000 levels, a 1 KB message. A
+    ``msgspec.DecodeError``, so that whoever handles undecodable input handles this too."""
+
+
 def load(target: Any, payload: bytes | bytearray | memoryview) -> Any:
-    """``payload`` (msgpack) decoded straight into ``target``; msgspec errors propagate."""
+    """``payload`` (msgpack) decoded straight into ``target``; msgspec errors propagate, and
+    input nested too deeply raises :class:`NestedTooDeeplyError` (a ``msgspec.DecodeError``)."""
     # What _checking() does, inline: its generator costs a listener more than the decode of a
     # small message, once per message it reads.
     outer = getattr(_local, "checking", False)
     _local.checking = True
     try:
         return decoder(target).decode(payload)
+    except RecursionError:
+        raise NestedTooDeeplyError(
+            f"nested too deeply (more than about {sys.getrecursionlimit()} levels)"
+        ) from None
     finally:
         _local.checking = outer
 
@@ -258,7 +273,7 @@ def explain(what: str, exc: msgspec.ValidationError, raw: Any) -> str:
         return f"{what} = {describe(raw)}: {reason}"
     if isinstance(raw, (bytes, bytearray, memoryview)):
         try:
-            raw = msgspec.msgpack.decode(raw)
+            raw = load(Any, raw)
         except msgspec.DecodeError:
             raw = _NOTHING
     value = _lookup(raw, path) if raw is not _NOTHING else _NOTHING
@@ -283,6 +298,7 @@ __all__ = [
     "Id",
     "Incarnation",
     "IncarnationOrEmpty",
+    "NestedTooDeeplyError",
     "Port",
     "Rank",
     "Schema",
