@@ -12,6 +12,7 @@ import msgpack
 import pytest
 import zmq
 
+from moriio_native.control import channel
 from moriio_native.control.addressing import (
     ZmqAddress,
     format_request_id,
@@ -155,6 +156,62 @@ def test_listener_survives_bad_messages_and_keeps_delivering(raw_dealer, caplog)
     dropped_lines = [r.getMessage() for r in caplog.records if "dropped message" in r.getMessage()]
     assert len(dropped_lines) == len(bad_frames)
     assert all(LOCAL in line for line in dropped_lines)  # the sender is named
+
+
+FLOOD = 200
+# {"type": "handshake_request", "x": [[[...1,000 deep...]]]}: 1 KB no decoder can follow.
+NESTED = b"\x82\xa4type\xb1handshake_request\xa1x" + b"\x91" * 1000 + b"\xc0"
+
+
+def _warnings_for_a_flood(listener, payload, caplog, raw_dealer):
+    """The warning lines ``listener`` logs for FLOOD copies of ``payload`` (all read)."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    dealer = raw_dealer(listener.port)
+    for _ in range(FLOOD):
+        dealer.send(payload)
+    wait_until(lambda: listener.stats()["received"] == FLOOD)
+    return [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("server", [False, True], ids=["notify", "handshake"])
+def test_a_flood_of_deeply_nested_messages_is_dropped_with_few_log_lines(
+    server, raw_dealer, caplog
+):
+    """Each is a malformed drop, logged through the listener's rate limit (20 lines per 10 s:
+    two windows at most while the flood is read), never a traceback per message."""
+    sec = security()
+    listener = (
+        HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, own_thread=True)
+        if server
+        else NotifyListener(0, sec, bind_host=LOCAL, own_thread=True)
+    )
+    with listener:
+        lines = _warnings_for_a_flood(listener, NESTED, caplog, raw_dealer)
+        assert listener.stats()["dropped_malformed"] == FLOOD
+    assert len(lines) < FLOOD // 4
+    assert "nested too deeply" in lines[0].getMessage()
+    assert not any(r.exc_info for r in lines)
+
+
+def test_a_bug_reached_by_every_message_logs_through_the_rate_limit(
+    raw_dealer, caplog, monkeypatch
+):
+    """An unexpected error handling a message drops it; its traceback is logged, but within
+    the drop log's rate limit: a stranger may send whatever reaches the bug in a loop."""
+
+    def bug(*args, **kwargs):
+        raise ZeroDivisionError("a bug in the listener")
+
+    monkeypatch.setattr(channel, "decode", bug)
+    with NotifyListener(0, security(), bind_host=LOCAL, own_thread=True) as listener:
+        lines = _warnings_for_a_flood(listener, encode(Release("tx")), caplog, raw_dealer)
+        assert listener.stats()["dropped_malformed"] == FLOOD
+        monkeypatch.undo()
+        raw_dealer(listener.port).send(encode(Release("tx-after")))
+        assert listener.get(WAIT) == Release("tx-after")
+    assert len(lines) < FLOOD // 4
+    assert "a bug in the listener" in lines[0].getMessage()
+    assert lines[0].exc_info is not None
 
 
 def test_plain_listener_drops_tagged_messages(raw_dealer):

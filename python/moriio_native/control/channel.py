@@ -215,8 +215,16 @@ class _DropLog:
         """Whether the next drop is logged: only then is its reason worth explaining."""
         return self._limit.allows()
 
-    def drop(self, peer: _Sender, reason: str) -> None:
-        self._limit.warn("%s: dropped message from %s: %s", self._component, peer, reason)
+    def drop(self, peer: _Sender, reason: str, exc_info: BaseException | None = None) -> None:
+        """Log the drop unless the rate limit is spent; ``exc_info``: the unexpected error
+        that dropped it (its traceback is logged with the line)."""
+        self._limit.warn(
+            "%s: dropped message from %s: %s",
+            self._component,
+            peer,
+            reason,
+            exc_info=exc_info,
+        )
 
 
 class _Sender:
@@ -577,9 +585,11 @@ class _RouterListener(_ClosesOnExit):
         if key.startswith("dropped"):
             self._flood.dropped()
 
-    def _drop(self, key: str, peer: _Sender, reason: str) -> None:
+    def _drop(
+        self, key: str, peer: _Sender, reason: str, exc_info: BaseException | None = None
+    ) -> None:
         self._count(key)
-        self._drops.drop(peer, reason)
+        self._drops.drop(peer, reason, exc_info)
 
     def _ready(self) -> bool:
         """Whether the hub may read another message of this listener now (subclasses hold
@@ -645,8 +655,9 @@ class _RouterListener(_ClosesOnExit):
             try:
                 self._dispatch(sock, frames, peer)
             except Exception as exc:  # the listener must survive anything one message does
-                self._count("dropped_malformed")
-                logger.exception("%s: error handling message from %s: %r", self._name, peer, exc)
+                # Through the drop log's rate limit: whoever found a message that reaches a bug
+                # can send it in a loop, and a traceback per message would flood the log.
+                self._drop("dropped_malformed", peer, f"error handling it: {exc!r}", exc)
             if self._stop.is_set() or not self._ready():
                 return True
         return True
