@@ -5,11 +5,11 @@ It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can re
 * service discovery: instances register by sending msgpack pings
   ``{"type": "P"|"D", "http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"}``
   to this proxy's ZMQ ROUTER port (``--discovery-host``:``--discovery-port``, default
-  ``--host``:36367); every ping is schema-checked and a bad one is logged and dropped. With a
-  secret (``--auth-secret-env``, default ``$MORIIO_NATIVE_AUTH_SECRET``) only pings signed with
-  it are believed (HMAC-SHA256, fresh stamp, each stamp once: see
-  ``moriio_native.control.security``); the instances need the same ``auth_secret`` and
-  ``proxy_auth: true``;
+  ``--host``:36367); every ping is schema-checked and a bad one is dropped (logged at most 20
+  lines per 10 s). With a secret (``--auth-secret-env``, default
+  ``$MORIIO_NATIVE_AUTH_SECRET``) only pings signed with it are believed (HMAC-SHA256, fresh
+  stamp, each stamp once: see ``moriio_native.control.security``); the instances need the same
+  ``auth_secret`` and ``proxy_auth: true``;
 * per request: the request id embeds both instances' control addresses
   (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``), a fresh ``transfer_id`` goes to both legs;
   the prefill leg runs with ``max_tokens=1``; in READ mode the decode leg waits for the prefill's
@@ -144,8 +144,10 @@ def discovery_loop(
         sock.setsockopt(zmq.IPV6, 1)
     shown = "*" if host in ("0.0.0.0", "*") else f"[{host}]" if ":" in host else host
     sock.bind(f"tcp://{shown}:{port}")
-    # A bug one ping reaches must not end registration for every instance: it is logged, with
-    # its traceback, at most a few times per window (a stranger may send that ping in a loop).
+    # A stranger may send garbage in a loop: drops are logged at most 20 lines per 10 s, as the
+    # instances' listeners log theirs. A bug one ping reaches must not end registration for
+    # every instance: it is logged the same way, with its traceback.
+    drops = RateLimitedWarnings(logger, "dropped registrations")
     errors = RateLimitedWarnings(logger, "errors handling registrations")
     try:
         while not stop.is_set():
@@ -156,7 +158,7 @@ def discovery_loop(
                 payload = verifier.open(frames[1:])
                 registry.update(decode(payload, (ProxyRegistration,), max_bytes=MAX_PING_BYTES))
             except (AuthenticationError, InvalidMessageError) as exc:
-                logger.warning("dropped registration: %s", exc)
+                drops.warn("dropped registration: %s", exc)
             except Exception as exc:
                 errors.warn("dropped registration after an error: %r", exc, exc_info=exc)
     finally:

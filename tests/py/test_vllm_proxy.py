@@ -440,6 +440,29 @@ def test_an_unexpected_error_on_one_ping_leaves_registration_working(
         discovery.close()
 
 
+def test_a_flood_of_bad_pings_logs_a_few_lines_only(caplog: pytest.LogCaptureFixture) -> None:
+    """Dropped registrations are logged through a rate limit (20 lines per 10 s, as the
+    instances' listeners log their drops): a stranger's garbage must not flood the log."""
+    flood = 500
+    proxy = load_proxy()
+    discovery = Discovery(proxy, RegistrationVerifier(MessageAuth(SECRET)))
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{discovery.port}")
+    try:
+        with caplog.at_level(logging.WARNING, logger="moriio_native.proxy"):
+            for _ in range(flood):
+                sock.send(b"garbage")
+            # Over the same connection, so read after every bad ping.
+            sock.send_multipart(MessageAuth(SECRET).seal_registration(encode(_registration(8001))))
+            _wait_until(lambda: discovery.addresses() == {"127.0.0.1:8001"}, "registration")
+    finally:
+        sock.close()
+        discovery.close()
+    lines = [r for r in caplog.records if "dropped registration" in r.getMessage()]
+    assert 0 < len(lines) < flood // 10  # two windows at most while the flood is read
+
+
 def _listening_addresses(port: int) -> set[str]:
     """The local addresses with a TCP socket listening on ``port`` (IPv4, from /proc)."""
     out = set()
