@@ -254,6 +254,12 @@ def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages(
         # would let every IPv4 peer in).
         ("::ffff:127.0.0.1", ["127.0.0.2/32", "10.0.0.0/8"], LOCAL, "127.0.0.2", True),
         ("::ffff:127.0.0.1", ["127.0.0.2/32", "10.0.0.0/8"], LOCAL, None, False),
+        # An IPv6 network holding the IPv4-mapped range ("any IPv6 peer") admits no IPv4 peer:
+        # the allowlist's own check refuses them.
+        pytest.param(
+            "::ffff:127.0.0.1", ["10.0.0.0/8", "::/0"], LOCAL, None, False, id="ipv6-any-not-ipv4"
+        ),
+        pytest.param("::1", ["10.0.0.0/8", "::/0"], "::1", None, True, id="ipv6-any"),
         pytest.param("::1", ["::1/128"], "::1", None, True, id="ipv6-allowed"),
         pytest.param("::1", ["2001:db8::/64", "127.0.0.1"], "::1", None, False, id="ipv6-stranger"),
     ],

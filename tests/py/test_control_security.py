@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 import pytest
 
 from moriio_native.control.security import (
@@ -244,6 +246,17 @@ def test_accepting_only_allowed_peers_filters_on_their_networks_in_the_listeners
     assert (
         PeerAllowlist.from_config({"allowed_peers": "10.0.0.0/16"}).accept_filters(ipv6=False) == ()
     )
+    # An IPv6 network is given without the IPv4-mapped range: an IPv4 peer gets in through its
+    # IPv4 networks only, as check() has it.
+    any_ipv6 = PeerAllowlist(["10.0.0.0/8", "::/0"], accept_only=True)
+    filters = [ipaddress.ip_network(f) for f in any_ipv6.accept_filters(ipv6=True)]
+    for address, admitted in (("::ffff:10.1.2.3", True), ("::ffff:127.0.0.1", False)):
+        assert any(ipaddress.ip_address(address) in f for f in filters) == admitted
+        assert any_ipv6.check(address) == admitted
+    assert all(any(ipaddress.ip_address(a) in f for f in filters) for a in ("::1", "2001:db8::7"))
+    only_mapped = PeerAllowlist(["::ffff:10.0.0.0/104"], accept_only=True)
+    with pytest.raises(InvalidArgumentError, match=r"only IPv4-mapped IPv6 networks"):
+        only_mapped.accept_filters(ipv6=True)
     only_ipv6 = PeerAllowlist(["2001:db8::/64"], accept_only=True)
     assert only_ipv6.accept_filters(ipv6=True) == ("2001:db8::/64",)
     with pytest.raises(InvalidArgumentError, match=r"accept_only_allowed_peers.*only IPv6"):

@@ -341,21 +341,29 @@ class PeerAllowlist:
     def accept_filters(self, *, ipv6: bool) -> tuple[str, ...]:
         """The networks a listener accepts TCP connections from (ZMQ's accept filter), as
         ``address/prefix`` strings; empty: from anyone (``accept_only`` off). ``ipv6``: for a
-        listener on an IPv6 address, which sees an IPv4 peer as an IPv4-mapped address (so an
-        IPv4 network is given as its mapped network: ZMQ would apply its prefix to all 128
-        bits); on an IPv4 one, IPv6 networks cannot match and are left out. Raises
-        InvalidArgumentError, naming the key, when no network is left for that listener."""
+        listener on an IPv6 address, which sees an IPv4 peer as an IPv4-mapped address: an
+        IPv4 network is given as its mapped network (ZMQ would apply its prefix to all 128
+        bits), an IPv6 network without the mapped range (``::/0`` would let every IPv4 peer in,
+        which :meth:`check` refuses); on an IPv4 one, IPv6 networks cannot match and are left
+        out. Raises InvalidArgumentError, naming the key, when no network is left for that
+        listener."""
         if not self._accept_only:
             return ()
-        filters = tuple(
-            _mapped(network) if ipv6 and network.version == 4 else str(network)
-            for network in self._networks
-            if ipv6 or network.version == 4
-        )
+        if ipv6:
+            filters = tuple(
+                text for network in self._networks for text in _ipv6_listener_filters(network)
+            )
+        else:
+            filters = tuple(str(network) for network in self._networks if network.version == 4)
         if not filters:
+            held = (
+                "only IPv4-mapped IPv6 networks, which hold no peer (write them as IPv4)"
+                if ipv6
+                else "only IPv6 networks, and this listener is on an IPv4 address"
+            )
             raise InvalidArgumentError(
-                f"{CONFIG_ACCEPT_ONLY_ALLOWED}: {CONFIG_ALLOWED_PEERS} holds only IPv6 networks, "
-                "and this listener is on an IPv4 address: no peer could connect to it"
+                f"{CONFIG_ACCEPT_ONLY_ALLOWED}: {CONFIG_ALLOWED_PEERS} holds {held}: no peer "
+                "could connect to it"
             )
         return filters
 
@@ -433,6 +441,24 @@ def _check_accept_filters(networks: list[IpNetwork], names: set[str], everyone: 
 def _mapped(network: ipaddress.IPv4Network) -> str:
     """``network`` as the IPv4-mapped IPv6 network an IPv6 listener sees its peers in."""
     return f"::ffff:{network.network_address}/{96 + network.prefixlen}"
+
+
+# Where an IPv6 listener sees its IPv4 peers.
+_IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def _ipv6_listener_filters(network: IpNetwork) -> list[str]:
+    """The accept filters that stand for ``network`` on an IPv6 listener: an IPv4 network
+    mapped; an IPv6 network less the IPv4-mapped range, since :meth:`PeerAllowlist.check`
+    judges an IPv4-mapped peer by the IPv4 networks alone (a network inside that range holds
+    no peer at all)."""
+    if isinstance(network, ipaddress.IPv4Network):
+        return [_mapped(network)]
+    if network.subnet_of(_IPV4_MAPPED):
+        return []
+    if network.supernet_of(_IPV4_MAPPED):
+        return [str(part) for part in network.address_exclude(_IPV4_MAPPED)]
+    return [str(network)]
 
 
 @dataclass(frozen=True, slots=True)
