@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -691,6 +692,58 @@ def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
     assert stats["answered"] == 1 and stats["dropped_auth"] >= 2
 
 
+def _dealer_from(source, port):
+    """A DEALER connected to ``port`` from the local address ``source``."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{source}:0;{LOCAL}:{port}")
+    return sock
+
+
+def test_a_replayed_or_stale_signed_handshake_request_is_dropped_and_not_learned(
+    raw_dealer, caplog
+):
+    """An eavesdropper without the secret replays a genuine request it captured, or sends an
+    old capture, from its own address: neither is answered (no signed metadata for it) nor
+    is its address learned into the allowlist."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    auth = MessageAuth(SECRET)
+    captured = auth.seal(encode(HandshakeRequest("decode-0")))
+    an_hour_ago = int(time.time() * 1000) - 3_600_000
+    old = auth.seal(encode(HandshakeRequest("decode-0", sent_ms=an_hour_ago)))
+    server_sec = security(SECRET, allowed=())
+    with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
+        genuine = raw_dealer(server.port)
+        genuine.send_multipart(captured)
+        assert genuine.poll(int(WAIT * 1000))  # the genuine exchange is answered
+        replayer = _dealer_from("127.0.0.2", server.port)
+        try:
+            replayer.send_multipart(captured)
+            replayer.send_multipart(old)
+            replayer.send_multipart(auth.seal(b"\xc1"))  # tagged but malformed: a marker
+            wait_until(lambda: server.stats()["dropped_malformed"] == 1)
+        finally:
+            replayer.close()
+        stats = server.stats()
+    assert stats["answered"] == 1 and stats["dropped_auth"] == 2
+    assert not server_sec.allowlist.check("127.0.0.2")
+    assert "replayed" in caplog.text and "old" in caplog.text
+
+
+def test_without_a_secret_a_handshake_request_is_answered_whatever_its_clock():
+    """Unsigned deployments authenticate nothing: clocks apart must not break them."""
+    an_hour_ago = int(time.time() * 1000) - 3_600_000
+    with (
+        HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server,
+        contextlib.closing(_dealer_from(LOCAL, server.port)) as dealer,
+    ):
+        for _ in range(2):  # twice: no nonce memory either
+            dealer.send(encode(HandshakeRequest("d", nonce=b"n" * 16, sent_ms=an_hour_ago)))
+            assert dealer.poll(int(WAIT * 1000))
+            _empty, payload = dealer.recv_multipart()
+            assert decode(payload, (HandshakeResponse,), max_bytes=1 << 20).nonce == b"n" * 16
+
+
 def test_unauthenticated_requester_is_not_learned(raw_dealer):
     server_sec = security(SECRET, allowed=())
     with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
@@ -752,25 +805,29 @@ def _ask_raw(dealer, request: dict) -> HandshakeRejected:
     return reply
 
 
-def test_a_version_1_request_is_refused_by_its_version(raw_dealer):
+def test_a_version_1_or_2_request_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
-    fields) gets the version error, with its nonce, and so does a newer one whose request
-    carries a key this version does not know (its keys are not checked at all)."""
+    fields) or 2 (before the request's sent_ms) gets the version error, with its nonce, and so
+    does a newer one whose request carries a key this version does not know (its keys are not
+    checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
         dealer = raw_dealer(server.port)
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
+        del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 2)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 3)"
         assert reply.nonce == v1["nonce"]
-        v3 = {**v1, "protocol_version": 3, "field_of_version_3": [1, 2]}
-        reply = _ask_raw(dealer, v3)
-        assert reply.reason == "protocol version 3 is not supported (this side speaks 2)"
-        assert server.stats()["rejected"] == 2
+        reply = _ask_raw(dealer, {**v1, "protocol_version": 2})
+        assert reply.reason == "protocol version 2 is not supported (this side speaks 3)"
+        v4 = {**v1, "protocol_version": 4, "field_of_version_4": [1, 2]}
+        reply = _ask_raw(dealer, v4)
+        assert reply.reason == "protocol version 4 is not supported (this side speaks 3)"
+        assert server.stats()["rejected"] == 3
 
 
-def test_protocol_version_is_2():
-    assert PROTOCOL_VERSION == 2
-    assert HandshakeRequest("d").protocol_version == 2
+def test_protocol_version_is_3():
+    assert PROTOCOL_VERSION == 3
+    assert HandshakeRequest("d").protocol_version == 3
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -832,7 +889,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 2)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 3)")
 
 
 @pytest.mark.parametrize(

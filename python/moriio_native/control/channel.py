@@ -80,7 +80,13 @@ from .messages import (
     decode,
     encode,
 )
-from .security import AuthenticationError, ControlSecurity, MessageAuth, PeerAllowlist
+from .security import (
+    AuthenticationError,
+    ControlSecurity,
+    FreshStamps,
+    MessageAuth,
+    PeerAllowlist,
+)
 
 logger = logging.getLogger("moriio_native.control.channel")
 
@@ -925,9 +931,10 @@ class HandshakeServer(_RouterListener):
     (its nonce is filled in here). If it raises a :class:`MoriioError` -- say, KV caches not
     registered yet -- the requester gets a :class:`HandshakeRejected` with the message; any
     other exception is logged and rejected as an internal error. Requests that fail
-    authentication or the schema get no answer (the requester times out). When
-    ``learn_peers`` is true, the source IP of each accepted request is added to the
-    allowlist, so this side may later notify that peer.
+    authentication or the schema get no answer (the requester times out); with a secret, so
+    do requests sent more than a minute from this side's clock or whose nonce was answered
+    before (a captured request replayed). When ``learn_peers`` is true, the source IP of each
+    answered request is added to the allowlist, so this side may later notify that peer.
 
     ``checksums`` (set where transfers are verified) answers :class:`ChecksumRequest` s the
     same way, on a hub thread of this server's own (a checksum answer can take long); without
@@ -958,6 +965,7 @@ class HandshakeServer(_RouterListener):
         self._checksums = checksums
         self._security = security
         self._learn_peers = learn_peers
+        self._fresh_requests = FreshStamps("handshake request")
         super().__init__(
             port,
             bind_host=bind_host,
@@ -988,6 +996,20 @@ class HandshakeServer(_RouterListener):
             logger.exception("checksum provider failed for %s", peer)
             return HandshakeRejected("internal error on the serving side", request.nonce)
 
+    def _fresh(self, request: HandshakeRequest | ChecksumRequest, peer: _Sender) -> bool:
+        """Whether a signed handshake request is fresh: sent within the window of this side's
+        clock, its nonce not seen before (else dropped as an authentication failure). A
+        captured request replayed must get no signed metadata and teach the allowlist nothing.
+        Without a secret nothing is authenticated, so nothing is checked."""
+        if not isinstance(request, HandshakeRequest) or not self._security.auth.enabled:
+            return True
+        try:
+            self._fresh_requests.accept(request.sent_ms, request.nonce)
+        except AuthenticationError as exc:
+            self._drop("dropped_auth", peer, str(exc))
+            return False
+        return True
+
     def _handle(self, sock: zmq.Socket, identity: bytes, body: list[bytes], peer: _Sender) -> None:
         # Only a checksum request may be larger than a handshake request.
         small = sum(len(frame) for frame in body[:1]) <= MAX_HANDSHAKE_REQUEST_BYTES
@@ -1002,7 +1024,7 @@ class HandshakeServer(_RouterListener):
             rejected = HandshakeRejected(str(exc), exc.nonce)
             sock.send_multipart([identity, b"", *self._security.auth.seal(encode(rejected))])
             return
-        if request is None:
+        if request is None or not self._fresh(request, peer):
             return
         if isinstance(request, ChecksumRequest):
             answer = self._answer(request, peer)

@@ -31,12 +31,12 @@ type                  direction  fields (wire name)
 ===================== ========== ==============================================================
 
 Handshake channel (request/reply, DEALER <-> ROUTER): ``handshake_request`` (protocol version,
-requester engine id, a fresh nonce) answered by ``handshake_response`` (our native engine
-metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the nonce echoed, the
-model's total KV heads) or ``handshake_rejected`` (reason, nonce). With ``verify`` on, the same
-channel carries ``checksum_request`` (transfer id, the prefill block ids a READ moved, a window,
-a nonce) answered by ``checksum_response`` (per layer, the blocks' checksums) or
-``handshake_rejected``.
+requester engine id, a fresh nonce, when it was sent) answered by ``handshake_response`` (our
+native engine metadata as opaque bytes, engine id, dp/tp rank and size, transfer mode, the
+nonce echoed, the model's total KV heads) or ``handshake_rejected`` (reason, nonce). With
+``verify`` on, the same channel carries ``checksum_request`` (transfer id, the prefill block
+ids a READ moved, a window, a nonce) answered by ``checksum_response`` (per layer, the blocks'
+checksums) or ``handshake_rejected``.
 
 Proxy registration (DEALER -> the router's ROUTER, exactly vLLM's format):
 ``{"type": "P"|"D", "http_address": "ip:port", "zmq_address": "host:..,handshake:..,notify:..",
@@ -59,6 +59,7 @@ Contents (all values immutable; functions pure and thread-safe):
 from __future__ import annotations
 
 import os
+import time
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 import msgspec
@@ -87,9 +88,10 @@ from .schema import (
 )
 
 # 2: the handshake response's kv_groups carry tokens_per_state and its incarnation, the
-# kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. A peer of another
-# version is refused at the handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 2
+# kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. 3: the handshake
+# request carries sent_ms (a server with a secret answers it only while fresh). A peer of
+# another version is refused at the handshake by its version, before any field of it is checked.
+PROTOCOL_VERSION = 3
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -111,6 +113,8 @@ RequestId = printable(0, MAX_REQUEST_ID_LEN)
 ProtocolVersion = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
 Nonce = Annotated[bytes, msgspec.Meta(max_length=64)]
 FreshNonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=64)]
+#: Milliseconds since the Unix epoch.
+EpochMs = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 EngineMetadata = Annotated[bytes, msgspec.Meta(max_length=MAX_HANDSHAKE_RESPONSE_BYTES)]
 HttpAddress = Annotated[str, msgspec.Meta(min_length=3, max_length=300)]
 #: One layer's block checksums: little-endian uint64, one per block (moriio_native.verify.pack).
@@ -330,17 +334,25 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
+def now_ms() -> int:
+    """This side's clock, in milliseconds since the Unix epoch (a request's ``sent_ms``)."""
+    return time.time_ns() // 1_000_000
+
+
 @_tagged
 class HandshakeRequest(_Message, frozen=True, tag="handshake_request"):
     """Asks a worker for its engine metadata. ``nonce`` must come back in the reply, which
-    binds the reply to this request (a replayed reply is refused). Every key is required on
-    the wire."""
+    binds the reply to this request (a replayed reply is refused). With a secret, a server
+    answers the request only within a minute of ``sent_ms`` (its own clock) and each nonce once,
+    so a captured request replayed gets no answer. Every key is required on the wire."""
 
     requester_engine_id: Id
     nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
     protocol_version: ProtocolVersion = PROTOCOL_VERSION
     # Whether the requester checks every transfer end to end (both sides must agree).
     verify: bool = False
+    # When the requester made the request (ms since the Unix epoch): its freshness.
+    sent_ms: EpochMs = msgspec.field(default_factory=now_ms)
 
 
 KvGroupKind = Literal["full", "sliding", "mamba"]
@@ -658,4 +670,5 @@ __all__ = [
     "decode",
     "encode",
     "new_nonce",
+    "now_ms",
 ]

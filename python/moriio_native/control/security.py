@@ -8,7 +8,9 @@ drops (and logs) a message whose tag is missing or wrong, compared in constant t
 secret, messages are one frame, as in vLLM's MoRIIO connector. The payload itself is never
 altered, so what the tag covers is exactly what the schema check reads. Replays of a valid
 message are not detected here; the receivers make them harmless (duplicates are dropped,
-messages for finished transfers are ignored, handshake replies echo a fresh nonce).
+messages for finished transfers are ignored, handshake replies echo a fresh nonce, and a
+handshake server with a secret answers a request only within a minute of its ``sent_ms`` and
+each nonce once: :class:`FreshStamps`).
 
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
 ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
@@ -40,6 +42,8 @@ Contents:
 * :class:`AuthenticationError`, :class:`PeerNotAllowedError`
 * :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``,
   ``seal_registration``; immutable, safe from any thread.
+* :class:`FreshStamps` -- each stamp once, within a window of the clock; thread-safe. Used by
+  :class:`RegistrationVerifier` and, for signed handshake requests, by the handshake server.
 * :class:`RegistrationVerifier` -- the proxy side of signed registrations; thread-safe.
 * :class:`PeerAllowlist` -- ``check``, ``require``, ``learn``; internally locked, safe from any
   thread.
@@ -56,7 +60,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,12 +200,60 @@ class MessageAuth:
         return payload
 
 
-class RegistrationVerifier:
-    """Checks signed proxy registrations: tag, freshness and first use of each stamp.
+class FreshStamps:
+    """Accepts each stamp once, and only within ``window_s`` of this side's clock: an old
+    capture is refused as stale, a replay within the window as seen before. Signed messages
+    carry the stamp (a send time and random bytes), so it cannot be changed without the secret.
 
     Remembers the stamps of the last ``window_s`` seconds (at most ``max_stamps``; when that
-    many unexpired stamps are held, new pings are refused rather than a remembered stamp
+    many unexpired stamps are held, new ones are refused rather than a remembered stamp
     forgotten, so a replay can never slip through). Thread-safe (one lock).
+    """
+
+    def __init__(
+        self,
+        what: str,
+        *,
+        window_s: float = 60.0,
+        max_stamps: int = 65536,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``what``: the messages stamped (``"registration"``), for the errors' text;
+        ``clock``: seconds since the Unix epoch."""
+        if not window_s > 0 or max_stamps < 1:
+            raise InvalidArgumentError("window_s must be > 0 and max_stamps >= 1")
+        self._what = what
+        self._window_ms = int(window_s * 1000)
+        self._max_stamps = max_stamps
+        self._clock = clock
+        self._seen: OrderedDict[bytes, int] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def accept(self, sent_ms: int, stamp: bytes) -> None:
+        """Accept ``stamp``, sent at ``sent_ms`` (milliseconds since the Unix epoch), or raise
+        AuthenticationError naming why not (stale, from the future, replayed, too many)."""
+        now_ms = int(self._clock() * 1000)
+        if abs(now_ms - sent_ms) > self._window_ms:
+            raise AuthenticationError(
+                f"{self._what} stamp is {(now_ms - sent_ms) / 1000:.1f}s old; accepted within "
+                f"{self._window_ms / 1000:.0f}s (replayed capture, or clocks apart)"
+            )
+        with self._lock:
+            # Each stamp is remembered until it would be refused as stale anyway.
+            while self._seen and next(iter(self._seen.values())) < now_ms:
+                self._seen.popitem(last=False)
+            if stamp in self._seen:
+                raise AuthenticationError(f"{self._what} replayed (its stamp was used before)")
+            if len(self._seen) >= self._max_stamps:
+                raise AuthenticationError(
+                    f"more than {self._max_stamps} {self._what}s within the window; refused"
+                )
+            self._seen[stamp] = sent_ms + self._window_ms
+
+
+class RegistrationVerifier:
+    """Checks signed proxy registrations: tag, freshness and first use of each stamp
+    (:class:`FreshStamps`). Thread-safe.
     """
 
     def __init__(
@@ -210,16 +262,12 @@ class RegistrationVerifier:
         *,
         window_s: float = 60.0,
         max_stamps: int = 65536,
-        clock: Any = time.time,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        if not window_s > 0 or max_stamps < 1:
-            raise InvalidArgumentError("window_s must be > 0 and max_stamps >= 1")
         self._auth = auth
-        self._window_ms = int(window_s * 1000)
-        self._max_stamps = max_stamps
-        self._clock = clock
-        self._seen: OrderedDict[bytes, int] = OrderedDict()
-        self._lock = threading.Lock()
+        self._stamps = FreshStamps(
+            "registration", window_s=window_s, max_stamps=max_stamps, clock=clock
+        )
 
     @property
     def enabled(self) -> bool:
@@ -230,26 +278,8 @@ class RegistrationVerifier:
         """The payload of an accepted registration; AuthenticationError naming why it was
         refused (unsigned, forged, stale, from the future, replayed)."""
         payload, stamp = self._auth.registration_stamp(frames)
-        if stamp is None:
-            return payload
-        now_ms = int(self._clock() * 1000)
-        sent_ms = int.from_bytes(stamp[:8], "big")
-        if abs(now_ms - sent_ms) > self._window_ms:
-            raise AuthenticationError(
-                f"registration stamp is {(now_ms - sent_ms) / 1000:.1f}s old; accepted within "
-                f"{self._window_ms / 1000:.0f}s (replayed capture, or clocks apart)"
-            )
-        with self._lock:
-            # Each stamp is remembered until it would be refused as stale anyway.
-            while self._seen and next(iter(self._seen.values())) < now_ms:
-                self._seen.popitem(last=False)
-            if stamp in self._seen:
-                raise AuthenticationError("registration replayed (its stamp was used before)")
-            if len(self._seen) >= self._max_stamps:
-                raise AuthenticationError(
-                    f"more than {self._max_stamps} registrations within the window; refused"
-                )
-            self._seen[stamp] = sent_ms + self._window_ms
+        if stamp is not None:
+            self._stamps.accept(int.from_bytes(stamp[:8], "big"), stamp)
         return payload
 
 
@@ -483,6 +513,7 @@ __all__ = [
     "MIN_SECRET_BYTES",
     "AuthenticationError",
     "ControlSecurity",
+    "FreshStamps",
     "MessageAuth",
     "PeerAllowlist",
     "PeerNotAllowedError",
