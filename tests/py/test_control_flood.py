@@ -246,6 +246,42 @@ def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages(
         assert handshake.stats()["dropped_malformed"] == 1  # a release is no handshake
 
 
+# A ZMTP 3.0 greeting (NULL mechanism): what any ZMQ peer, a stranger too, sends first.
+_ZMTP_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+
+
+def _greeted(port: int, source: str) -> bool:
+    """Whether the listener at ``port`` answers a raw connection from ``source`` with its own
+    ZMTP greeting (False: it closed the connection, as its accept filter does)."""
+    address, origin = (LOCAL, port), (source, 0)
+    with socket.create_connection(address, timeout=WAIT, source_address=origin) as conn:
+        try:
+            conn.sendall(_ZMTP_GREETING)
+            return conn.recv(1) == b"\xff"
+        except ConnectionError:  # reset: closed at accept
+            return False
+
+
+def test_an_accept_only_listener_closes_a_stranger_before_its_first_frame() -> None:
+    """ZMQ queues every frame of a multipart message until its last one, with no limit on their
+    number (MAXMSGSIZE bounds one frame), before the application sees anything: a stranger's
+    never-ending message of empty frames grows a listener's process without bound, whatever the
+    secret (docs/reliability.md, Security). accept_only_allowed_peers is the mitigation: the
+    stranger's connection is closed at accept, before its first frame, while a peer inside the
+    networks is greeted as before."""
+    sec = ControlSecurity.from_config(
+        {"allowed_peers": ["127.0.0.2/32"], "accept_only_allowed_peers": True}
+    )
+    provider = lambda _request: HandshakeResponse(engine_id="p", engine_metadata=b"meta")  # noqa: E731
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as notify,
+        HandshakeServer(0, provider, sec, bind_host=LOCAL) as handshake,
+    ):
+        for listener in (notify, handshake):
+            assert not _greeted(listener.port, source=LOCAL)
+            assert _greeted(listener.port, source="127.0.0.2")
+
+
 @pytest.mark.parametrize(
     ("bind_host", "allowed", "target", "source", "read"),
     [
