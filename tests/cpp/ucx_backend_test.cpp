@@ -26,11 +26,13 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <numeric>
 #include <optional>
+#include <set>
 #include <random>
 #include <string>
 #include <type_traits>
@@ -1554,6 +1556,45 @@ TEST_F(UcxLocal, BadBatchesAreRefusedWithoutCompletion) {
   EXPECT_EQ(std::memcmp(after.data(), before.data() + 4096, 4096), 0);
   EXPECT_EQ(sink_->Completed(), 1u) << "refused batches must not complete";
   EXPECT_TRUE(backend_->DisconnectPeer(*peer).ok());
+}
+
+/// This process's mappings of shared-memory segments (sysv and /dev/shm), one line each.
+std::set<std::string> SharedMemoryMappings() {
+  std::set<std::string> out;
+  std::ifstream maps("/proc/self/maps");
+  for (std::string line; std::getline(maps, line);) {
+    if (line.find("/SYSV") != std::string::npos || line.find("/dev/shm/") != std::string::npos) {
+      out.insert(line);
+    }
+  }
+  return out;
+}
+
+// Two peers of one backend that are the same process: UCX's cuda_ipc transport drops every GPU
+// mapping it holds from a process when any endpoint to that process is destroyed, which would
+// unmap memory the other peer's imports still copy through. So disconnecting one keeps its
+// endpoint open (the other process's shared-memory segments stay mapped here) until the last
+// peer of that process is disconnected, which closes both.
+TEST_F(UcxLocal, AnEndpointStaysOpenWhileAnotherPeerIsTheSameProcess) {
+  auto sink = std::make_shared<Sink>();
+  std::unique_ptr<mn::Backend> other = MakeBackend(options_, sink);
+  ASSERT_NE(other, nullptr);
+  auto address = other->LocalAddress();
+  ASSERT_TRUE(address.ok());
+  const std::set<std::string> before = SharedMemoryMappings();
+  auto first = backend_->ConnectPeer(*address);
+  auto second = backend_->ConnectPeer(*address);
+  ASSERT_TRUE(first.ok() && second.ok());
+  const std::set<std::string> connected = SharedMemoryMappings();
+  ASSERT_NE(connected, before) << "the endpoints mapped nothing to check";
+  ASSERT_TRUE(backend_->DisconnectPeer(*first).ok());
+  // The backend closes released endpoints on its thread after the call: a later call on that
+  // thread (here an import the peer refuses) runs after it.
+  EXPECT_FALSE(backend_->ImportRemoteRegion(*first, buf_->range, reg_.remote_key).ok());
+  EXPECT_EQ(SharedMemoryMappings(), connected);
+  ASSERT_TRUE(backend_->DisconnectPeer(*second).ok());
+  EXPECT_FALSE(backend_->ImportRemoteRegion(*second, buf_->range, reg_.remote_key).ok());
+  EXPECT_EQ(SharedMemoryMappings(), before);
 }
 
 TEST_F(UcxLocal, AllocationLifecycle) {

@@ -10,6 +10,7 @@ indexing says it must be; the source backing must be unchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
@@ -241,6 +242,53 @@ def test_bad_remote_blocks_fail_before_anything_moves(
         engine.read("req-bad", "prefill-child", [0], [12])
     assert engine.poll_events(timeout=0.1) == []
     np.testing.assert_array_equal(decode.backing, before)
+
+
+def _shared_memory_mappings() -> set[str]:
+    """This process's mappings of shared-memory segments (sysv and /dev/shm), one line each."""
+    with open("/proc/self/maps") as maps:
+        return {line for line in maps if "/SYSV" in line or "/dev/shm/" in line}
+
+
+def _mapped_since(before: set[str]) -> set[str]:
+    """The shared-memory mappings added since ``before`` once they are gone, or those left after
+    TIMEOUT (the backend closes a removed peer's endpoint on its thread after the call)."""
+    deadline = time.monotonic() + TIMEOUT
+    while (left := _shared_memory_mappings() - before) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return left
+
+
+@pytest.mark.parametrize("ending", ["removed", "killed, then removed"])
+def test_removing_a_same_host_peer_closes_its_endpoint(ending: str) -> None:
+    """A same-host peer's endpoint maps the peer's shared-memory segments into this process
+    (and, with CUDA memory, its GPU memory). Removing the peer closes the endpoint, so they
+    leave this process, also when the peer was killed first, and repeated adds and removals do
+    not accumulate them. Before, UCX refused the forced close of an endpoint without
+    peer-failure detection (every same-host one) and nothing was closed until the engine went:
+    two segments stayed per add, and on the H200 a killed peer's 24 GiB of GPU memory stayed
+    allocated (docs/reliability.md)."""
+    child = Child("prefill", {})
+    try:
+        decode = _caches("decode")
+        engine = mn.Engine("decode-0", "ucx")
+        engine.register_kv_caches(decode.registrations())
+        before = _shared_memory_mappings()
+        for round_ in range(3):
+            tid = f"req-ep-{round_}"
+            engine.add_peer(child.metadata)
+            engine.read(tid, "prefill-child", [0, 1], [2, 3])
+            assert engine.wait([tid], timeout=TIMEOUT)[tid].state == "done"
+            assert _shared_memory_mappings() - before, "the endpoint mapped nothing to check"
+            if ending != "removed":
+                child.proc.kill()
+                child.proc.join(TIMEOUT)
+            engine.remove_peer("prefill-child")
+            assert _mapped_since(before) == set()
+            if ending != "removed":
+                break
+    finally:
+        child.stop()
 
 
 def test_both_sides_on_backend_allocated_memory_read_and_write() -> None:

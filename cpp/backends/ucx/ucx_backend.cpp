@@ -302,6 +302,31 @@ struct LocalRegion {
   bool deregistered = false;          // worker thread only: push jobs stop reading it
 };
 
+/// The process an endpoint reaches, as far as its address says: the host, and on it the pid in
+/// its pid namespace (pid 0: not known, which matches nothing).
+struct RemoteProcess {
+  HostId host{};
+  std::uint32_t pid = 0;
+  std::uint64_t pidns_dev = 0;
+  std::uint64_t pidns_ino = 0;
+
+  static RemoteProcess Of(const WireAddress& wire) {
+    return {wire.host, wire.process.pid, wire.process.pidns_dev, wire.process.pidns_ino};
+  }
+  bool Same(const RemoteProcess& other) const {
+    return pid != 0 && pid == other.pid && pidns_dev == other.pidns_dev &&
+           pidns_ino == other.pidns_ino && host == other.host;
+  }
+};
+
+/// An endpoint this backend no longer uses but keeps open while another of its endpoints
+/// reaches the same process (UcxBackend::ReleaseEndpoint). Worker thread only.
+struct KeptEndpoint {
+  ucp_ep_h ep = nullptr;
+  bool peer_mode = false;
+  RemoteProcess process;
+};
+
 struct PeerState {
   std::uint64_t id = 0;
   UcxBackend* owner = nullptr;
@@ -319,6 +344,7 @@ struct PeerState {
   // READs of host memory from this peer take the push path (ConnectPeer decides, once).
   bool push = false;
   bool peer_mode = false;  // ep has UCX peer-failure detection (push requests say so)
+  RemoteProcess process;   // what ep reaches
 };
 
 struct RemoteRegion {
@@ -420,7 +446,9 @@ struct ActiveBatch {
 struct PushReader {
   UcxBackend* owner = nullptr;
   ucp_ep_h ep = nullptr;
-  bool failed = false;  // UCX reported the endpoint failed: send nothing more, close it
+  bool failed = false;     // UCX reported the endpoint failed: send nothing more, close it
+  bool peer_mode = false;  // ep has UCX peer-failure detection
+  RemoteProcess process;   // what ep reaches
 };
 
 /// A request the target did not keep (it holds too many): who to answer, and why. Worker thread
@@ -558,7 +586,16 @@ class UcxBackend final : public Backend {
   void StartStampCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
   /// Progresses the worker until `done()` or the deadline; true when done() held.
   bool ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline);
-  void CloseEndpoint(ucp_ep_h ep);
+  // Queues `ep` for CloseReleasedEndpoints: the close waits for the device (below), and the
+  // caller (DisconnectPeer, the liveness check) must not.
+  void ReleaseEndpoint(ucp_ep_h ep, bool peer_mode, const RemoteProcess& process);
+  // Closes each released endpoint unless another open endpoint of this backend reaches the same
+  // process, in which case it stays open (kept_open_) until the last of them is closed.
+  bool CloseReleasedEndpoints();
+  bool ReachesProcess(const RemoteProcess& process) const;
+  // Starts closing `ep`; a close that does not end at once is finished by FinishClosing.
+  void CloseEndpoint(ucp_ep_h ep, bool peer_mode);
+  bool FinishClosing();
   void Shutdown();
 
   const UcxApi* api_;
@@ -608,6 +645,9 @@ class UcxBackend final : public Backend {
   // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
   // dropped once those requests do end, else when the worker is destroyed.
   std::list<ActiveBatch> abandoned_;
+  std::vector<KeptEndpoint> released_;    // ReleaseEndpoint: to close
+  std::vector<KeptEndpoint> kept_open_;   // see CloseReleasedEndpoints
+  std::vector<ucs_status_ptr_t> closing_;  // endpoint closes still under way
   std::map<int, void*> cuda_queues_;  // device -> cudacopy queue
   int cuda_device_ = 0;               // device of our CUDA registrations (last one registered)
 
@@ -968,6 +1008,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
     peer->push = ReadsByPush(peer->ep, wire);
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
+    peer->process = RemoteProcess::Of(wire);
     if (proven && !peer->peer_mode) peer->liveness_identity = wire.process;
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -1093,8 +1134,8 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
     // UCX wants rkeys destroyed before their endpoint; only operations stuck past the deadline
     // (a hung peer) force the reverse order, since the forced close is what cancels them.
     if (drained) destroy_rkeys();
-    CloseEndpoint(peer->ep);
-    peer->ep = nullptr;
+    ucp_ep_h ep = std::exchange(peer->ep, nullptr);
+    ReleaseEndpoint(ep, peer->peer_mode, peer->process);
     if (!drained) destroy_rkeys();
     std::lock_guard<std::mutex> lock(mutex_);
     peers_.erase(peer_id);
@@ -1332,6 +1373,8 @@ void UcxBackend::Loop() {
     did |= CheckPeersAlive();
     did |= HandlePeerFailures();
     did |= FinishBatches();
+    did |= CloseReleasedEndpoints();
+    if (!closing_.empty()) did |= FinishClosing();
 
     if (did) {
       last_activity = Clock::now();
@@ -1356,7 +1399,9 @@ void UcxBackend::Loop() {
     // The timeout is a safety net against a transport that signals no event; the wake fd and
     // the worker fd are what normally end the wait.
     const int timeout_ms =
-        (outstanding_ops_ != 0 || !active_.empty() || !push_jobs_.empty()) ? 1 : 100;
+        (outstanding_ops_ != 0 || !active_.empty() || !push_jobs_.empty() || !closing_.empty())
+            ? 1
+            : 100;
     epoll_event events[4];
     sleeping_.store(true, std::memory_order_seq_cst);
     int n = ::epoll_wait(epoll_fd_, events, 4, timeout_ms);
@@ -1890,8 +1935,8 @@ bool UcxBackend::CheckPeersAlive() {
   // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
   std::vector<std::pair<std::uint64_t, Status>> done;
   for (auto& peer : dead) {
-    CloseEndpoint(peer->ep);
-    peer->ep = nullptr;
+    ucp_ep_h ep = std::exchange(peer->ep, nullptr);
+    ReleaseEndpoint(ep, peer->peer_mode, peer->process);
     for (auto it = active_.begin(); it != active_.end();) {
       ActiveBatch& ab = *it;
       if (ab.remote->peer != peer || ab.outstanding == 0) {
@@ -2176,18 +2221,18 @@ bool UcxBackend::ServePushes() {
   }
   if (push_reader_failed_) {
     push_reader_failed_ = false;
-    std::vector<ucp_ep_h> failed;
+    std::vector<KeptEndpoint> failed;
     for (auto it = push_readers_.begin(); it != push_readers_.end();) {
       if (!it->second->failed) {
         ++it;
         continue;
       }
-      failed.push_back(it->second->ep);
-      it->second->ep = nullptr;
+      PushReader& reader = *it->second;
+      failed.push_back({std::exchange(reader.ep, nullptr), reader.peer_mode, reader.process});
       it = push_readers_.erase(it);
     }
     // Closing cancels what is still queued to them; OnPushSent drops those sends.
-    for (ucp_ep_h ep : failed) CloseEndpoint(ep);
+    for (const KeptEndpoint& f : failed) ReleaseEndpoint(f.ep, f.peer_mode, f.process);
     did = true;
   }
   return did;
@@ -2200,14 +2245,16 @@ std::shared_ptr<PushReader> UcxBackend::PushReaderFor(std::span<const std::uint8
   auto it = push_readers_.find(key);
   if (it != push_readers_.end()) {
     if (!it->second->failed) return it->second;
-    CloseEndpoint(it->second->ep);
-    it->second->ep = nullptr;
+    std::shared_ptr<PushReader> failed = it->second;
     push_readers_.erase(it);
+    ReleaseEndpoint(std::exchange(failed->ep, nullptr), failed->peer_mode, failed->process);
   }
   Result<WireAddress> wire = DecodeAddress(address);
   if (!wire.ok()) return nullptr;
   auto reader = std::make_shared<PushReader>();
   reader->owner = this;
+  reader->peer_mode = peer_mode;
+  reader->process = RemoteProcess::Of(*wire);
   ucp_ep_params_t ep{};
   ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
                   UCP_EP_PARAM_FIELD_ERR_HANDLER;
@@ -2421,16 +2468,72 @@ bool UcxBackend::ProgressUntil(const std::function<bool()>& done, Clock::time_po
   return true;
 }
 
-void UcxBackend::CloseEndpoint(ucp_ep_h ep) {
+void UcxBackend::ReleaseEndpoint(ucp_ep_h ep, bool peer_mode, const RemoteProcess& process) {
+  if (ep != nullptr) released_.push_back({ep, peer_mode, process});
+}
+
+bool UcxBackend::CloseReleasedEndpoints() {
+  if (released_.empty()) return false;
+  // UCX's cuda_ipc transport keeps the GPU memory it mapped from a process in one cache per
+  // remote process, and destroying any endpoint to that process drops the whole cache: the
+  // mappings that another endpoint's imports (ucp_rkey_ptr, the direct copies) still use would
+  // go with it. So an endpoint to a process that another open one reaches stays open; the last
+  // one closed closes them all. Unmapping a peer's GPU memory waits for this process's work on
+  // the device to finish: the reason this runs in the loop, after the peer's batches ended.
+  for (KeptEndpoint& released : std::exchange(released_, {})) {
+    if (ReachesProcess(released.process)) {
+      kept_open_.push_back(released);
+      continue;
+    }
+    CloseEndpoint(released.ep, released.peer_mode);
+    std::erase_if(kept_open_, [&](const KeptEndpoint& kept) {
+      if (!kept.process.Same(released.process)) return false;
+      CloseEndpoint(kept.ep, kept.peer_mode);
+      return true;
+    });
+  }
+  return true;
+}
+
+bool UcxBackend::ReachesProcess(const RemoteProcess& process) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (const auto& [id, peer] : peers_) {
+    if (peer->ep != nullptr && !peer->closed.load() && peer->process.Same(process)) return true;
+  }
+  for (const auto& [address, reader] : push_readers_) {
+    if (reader->ep != nullptr && reader->process.Same(process)) return true;
+  }
+  return false;
+}
+
+void UcxBackend::CloseEndpoint(ucp_ep_h ep, bool peer_mode) {
   if (ep == nullptr) return;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-  // FORCE: no handshake with a peer that may be gone; anything still posted is cancelled.
-  p.flags = UCP_EP_CLOSE_FLAG_FORCE;
+  // FORCE (no handshake with a peer that may be gone; anything still posted is cancelled) is
+  // for endpoints with peer-failure detection only: on the others UCX refuses it and closes
+  // nothing, which left every same-host endpoint open, its peer's shared-memory segments
+  // attached and its GPU memory mapped, until the worker was destroyed. Those are closed by a
+  // flush, which their transports (shared memory, cma, cuda_ipc) complete locally.
+  p.flags = peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
   ucs_status_ptr_t r = api_->ep_close_nbx(ep, &p);
   if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
-  while (api_->request_check_status(r) == UCS_INPROGRESS) api_->worker_progress(worker_);
+  api_->worker_progress(worker_);
+  if (api_->request_check_status(r) == UCS_INPROGRESS) {
+    closing_.push_back(r);
+    return;
+  }
   api_->request_free(r);
+}
+
+bool UcxBackend::FinishClosing() {
+  const std::size_t before = closing_.size();
+  std::erase_if(closing_, [&](ucs_status_ptr_t r) {
+    if (api_->request_check_status(r) == UCS_INPROGRESS) return false;
+    api_->request_free(r);
+    return true;
+  });
+  return closing_.size() != before;
 }
 
 void UcxBackend::Shutdown() {
@@ -2476,21 +2579,27 @@ void UcxBackend::Shutdown() {
   if (drained) destroy_rkeys();
   for (auto& p : peers) {
     p->closed.store(true);
-    CloseEndpoint(p->ep);
-    p->ep = nullptr;
+    CloseEndpoint(std::exchange(p->ep, nullptr), p->peer_mode);
   }
+  for (const KeptEndpoint& kept : released_) CloseEndpoint(kept.ep, kept.peer_mode);
+  for (const KeptEndpoint& kept : kept_open_) CloseEndpoint(kept.ep, kept.peer_mode);
+  released_.clear();
+  kept_open_.clear();
   // Push jobs send nothing more; closing their readers' endpoints cancels what UCX still holds.
   push_requests_.clear();
   for (auto& job : push_jobs_) job.dropped = true;
   for (auto& [address, reader] : push_readers_) {
-    CloseEndpoint(reader->ep);
-    reader->ep = nullptr;
+    CloseEndpoint(std::exchange(reader->ep, nullptr), reader->peer_mode);
   }
   push_readers_.clear();
   if (!drained) destroy_rkeys();
-  // Operations the forced close cancelled report through their callbacks.
-  ProgressUntil([&] { return outstanding_ops_ == 0 && push_sends_ == 0; },
-                Clock::now() + kCancelDeadline);
+  // Operations the forced close cancelled report through their callbacks; flush closes end.
+  ProgressUntil(
+      [&] {
+        FinishClosing();
+        return outstanding_ops_ == 0 && push_sends_ == 0 && closing_.empty();
+      },
+      Clock::now() + kCancelDeadline);
   for (auto& ab : active_) {
     if (ab.cuda_op != nullptr) {
       LoadCudaCopy().api->release_op(ab.cuda_op);  // waits for the kernel
