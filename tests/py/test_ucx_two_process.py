@@ -291,6 +291,33 @@ def test_removing_a_same_host_peer_closes_its_endpoint(ending: str) -> None:
         child.stop()
 
 
+def test_a_same_host_peer_that_dies_idle_is_failed_and_its_endpoint_closed() -> None:
+    """A same-host peer killed while nothing is in flight to it: without a remove_peer, the
+    backend finds it gone (its liveness check, which covered only peers with operations in
+    flight), closes its endpoint (its segments leave this process: on a GPU, the peer's memory
+    is freed) and fails what is asked of it next, instead of reading or writing memory nobody
+    owns any more."""
+    child = Child("prefill", {})
+    try:
+        decode = _caches("decode")
+        engine = mn.Engine("decode-0", "ucx")
+        engine.register_kv_caches(decode.registrations())
+        before = _shared_memory_mappings()
+        engine.add_peer(child.metadata)
+        engine.read("req-idle-0", "prefill-child", [0, 1], [2, 3])
+        assert engine.wait(["req-idle-0"], timeout=TIMEOUT)["req-idle-0"].state == "done"
+        assert _shared_memory_mappings() - before, "the endpoint mapped nothing to check"
+        child.proc.kill()
+        child.proc.join(TIMEOUT)
+        assert _mapped_since(before) == set()
+        engine.read("req-idle-1", "prefill-child", [0, 1], [2, 3])
+        event = engine.wait(["req-idle-1"], timeout=TIMEOUT)["req-idle-1"]
+        assert event.state == "failed", event
+        assert "exited" in event.message, event
+    finally:
+        child.stop()
+
+
 def test_both_sides_on_backend_allocated_memory_read_and_write() -> None:
     """Backings allocated by UCX (shared memory): the peer maps them and copies with memcpy."""
     child = Child("prefill", {}, allocate=True)

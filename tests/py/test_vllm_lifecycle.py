@@ -119,6 +119,25 @@ def test_read_prefill_then_decode(sides: list[Side], model_dir: str, loading: st
     assert d.free_blocks() == d.initial_free
 
 
+@pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
+def test_requests_with_invalid_params_leave_nothing_once_finished(
+    sides: list[Side], model_dir: str, role: str
+) -> None:
+    """Requests whose kv_transfer_params are invalid (no transfer_id) run as ordinary ones and
+    leave nothing behind: every block back, and not their ids either. The scheduler side logs
+    bad params once per request by remembering its id; request_finished forgot it first and
+    then parsed the params again, which remembered it for good (50 ids after 50 requests)."""
+    side = Side("s", role, "read", model_dir)
+    sides.append(side)
+    initial = side.free_blocks()
+    bad = {"do_remote_prefill": role == "kv_consumer", "do_remote_decode": role == "kv_producer"}
+    for i in range(50):
+        side.add_request(f"bad-{i}", [i % 7 + 1] * 20, params=bad, max_tokens=1)
+    side.run_until(lambda r: not side.scheduler.requests, what="every request finished")
+    assert side.free_blocks() == initial
+    assert side.connector.scheduler._invalid_logged == set()
+
+
 def test_listeners_bind_only_the_instance_address(sides: list[Side], model_dir: str) -> None:
     p, d = make_pair(sides, model_dir, "read")
     for side in (p, d):

@@ -71,6 +71,10 @@ constexpr auto kCancelDeadline = std::chrono::seconds(1);
 // How often the progress thread checks that a same-host peer without UCX peer-failure detection
 // still exists while operations to it are in flight (one process_vm_readv per such peer).
 constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
+// How often it checks the same-host peers nothing is in flight to: one that died still holds
+// its shared-memory segments and the GPU memory its endpoint mapped (CUDA IPC) in this process
+// until its endpoint closes, and a restarted peer on the same GPU would find that memory taken.
+constexpr auto kIdleLivenessInterval = std::chrono::seconds(1);
 
 // ---- Push READ ----------------------------------------------------------------------------------
 // Over transports without a one-sided get (tcp, ud), UCX serves a ucp_get_nbx in software: the
@@ -353,6 +357,7 @@ struct RemoteRegion {
   MemoryRange range;
   ucp_rkey_h rkey = nullptr;      // worker thread only after import
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
+  Status released;  // guarded by mutex_: why its rkey and mapping went while imported (not OK)
 };
 
 enum class Path : std::uint8_t { kOps, kHostCopy, kCudaCopy, kCma, kPush };
@@ -559,6 +564,10 @@ class UcxBackend final : public Backend {
   // Whether CUDA event `event` (of a region on `device`) completed; worker thread only.
   static Result<bool> QueryDeviceEvent(std::uint64_t event, int device);
   bool CheckPeersAlive();
+  // Fails each same-host peer with nothing in flight whose process is gone, and releases its
+  // imports and endpoint (the in-flight ones are CheckPeersAlive's).
+  bool ReleaseDeadIdlePeers();
+  bool HasBatches(const PeerState& peer) const;
   bool HandlePeerFailures();
   // Push READ, reader side: whether READs from the endpoint's peer go by push (ConnectPeer);
   // the request message; the active batch a target's message names (null: none, or ended); the
@@ -641,6 +650,7 @@ class UcxBackend final : public Backend {
   std::size_t outstanding_ops_ = 0;
   std::vector<std::uint64_t> failed_peers_;
   Clock::time_point next_liveness_check_{};
+  Clock::time_point next_idle_liveness_check_{};
   Clock::time_point next_device_wait_poll_{};  // PollDeviceWaits asks nothing before it
   // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
   // dropped once those requests do end, else when the worker is destroyed.
@@ -1159,6 +1169,9 @@ Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
       return NotFoundError("batch " + std::to_string(b.token) + ": remote region " +
                            std::to_string(b.remote_region) + " is not imported");
     }
+    if (!r->second->released.ok()) {
+      return r->second->released.WithContext("batch " + std::to_string(b.token));
+    }
     if (r->second->peer->id != b.peer || r->second->peer->closed.load()) {
       return InvalidArgumentError("batch " + std::to_string(b.token) + ": remote region " +
                                   std::to_string(b.remote_region) + " does not belong to peer " +
@@ -1371,6 +1384,7 @@ void UcxBackend::Loop() {
     if (api_->worker_progress(worker_) != 0) did = true;
     did |= ServePushes();
     did |= CheckPeersAlive();
+    did |= ReleaseDeadIdlePeers();
     did |= HandlePeerFailures();
     did |= FinishBatches();
     did |= CloseReleasedEndpoints();
@@ -1967,6 +1981,52 @@ bool UcxBackend::CheckPeersAlive() {
   }
   for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
   return !dead.empty();
+}
+
+bool UcxBackend::ReleaseDeadIdlePeers() {
+  const auto now = Clock::now();
+  if (now < next_idle_liveness_check_) return false;
+  next_idle_liveness_check_ = now + kIdleLivenessInterval;
+  std::vector<std::shared_ptr<PeerState>> watched;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (const auto& [id, peer] : peers_) {
+      if (peer->ep != nullptr && !peer->closed.load() && !peer->failed &&
+          peer->liveness_identity.pid != 0) {
+        watched.push_back(peer);
+      }
+    }
+  }
+  bool did = false;
+  for (const auto& peer : watched) {
+    if (HasBatches(*peer) || VerifyProcessIdentity(peer->liveness_identity)) continue;
+    peer->failed = true;
+    peer->failure = TransportError("peer " + std::to_string(peer->id) + " (pid " +
+                                   std::to_string(peer->liveness_identity.pid) +
+                                   " on this host) exited");
+    failed_peers_.push_back(peer->id);
+    {
+      // Nothing is in flight to it, and nothing starts (ActivateSubmitted fails its batches):
+      // its rkeys and mappings go before its endpoint, as UCX wants.
+      std::lock_guard<std::mutex> lock(mutex_);
+      for (auto& [id, remote] : remotes_) {
+        if (remote->peer != peer || remote->rkey == nullptr) continue;
+        api_->rkey_destroy(remote->rkey);
+        remote->rkey = nullptr;
+        remote->direct = nullptr;
+        remote->released = peer->failure;
+      }
+    }
+    ReleaseEndpoint(std::exchange(peer->ep, nullptr), peer->peer_mode, peer->process);
+    did = true;
+  }
+  return did;
+}
+
+bool UcxBackend::HasBatches(const PeerState& peer) const {
+  const auto of_peer = [&](const ActiveBatch& ab) { return ab.remote->peer.get() == &peer; };
+  return std::any_of(active_.begin(), active_.end(), of_peer) ||
+         std::any_of(abandoned_.begin(), abandoned_.end(), of_peer);
 }
 
 // ---- push READ (see the comment at kAmPushRequest) ---------------------------------------------

@@ -388,9 +388,17 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished(_all_groups): ``block_ids`` holds one list per KV-cache
         group (one group without the hybrid KV-cache manager)."""
+        try:
+            return self._request_finished(request, block_ids)
+        finally:
+            # Last: the parsing there logs bad params once per request by remembering its id.
+            self._invalid_logged.discard(request.request_id)
+
+    def _request_finished(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         self._local_tokens.pop(rid, None)
-        self._invalid_logged.discard(rid)
         self._truncated.discard(rid)
         params = self._params(request)
         if self._is_remote_prefill(params):
