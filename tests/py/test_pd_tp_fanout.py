@@ -5,6 +5,7 @@ part ended, releases and WRITE jobs counted by the head plan."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -1342,3 +1343,79 @@ def test_an_announcement_for_a_request_that_cannot_be_written_is_told_write_fail
     (failed,) = [m for m in sender.sent if isinstance(m, WriteFailed)]
     assert "prefill TP 1 and decode TP 2 differ" in failed.reason
     assert not directory.pending and not engine.calls
+
+
+def test_a_request_naming_a_huge_decode_tp_makes_few_jobs_and_ends_at_its_deadline(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: a request whose kv_transfer_params named decode TP 65,536 (the largest they
+    accept) made this TP 1 prefill rank a job per decode rank it names, at once, and their
+    expiry re-checked the request's jobs at each one's end, under the context lock, in vLLM's
+    engine step (34 s for 16,384 ranks). Now the client's number makes at most
+    MAX_UNCONFIRMED_JOBS jobs until a handshake confirms it; the request ends at its
+    abort_timeout with its blocks freed, and the log names remote_tp_size and the transfer."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    save = SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, remote_tp_size=65536)
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd.pusher"):
+        pusher.begin_step([save], [])
+        assert len(pusher.job_states()) == pusher_module.MAX_UNCONFIRMED_JOBS
+        pusher.forward_done([*DENSE, *WHOLE], None)
+        pusher.begin_step([], [SendTask("req-1", "tx-1")])
+        assert not ctx.reports.done_sending  # held for the decode ranks that may announce
+        pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    assert ctx.reports.done_sending == {"req-1"} and not pusher.job_states()
+    assert not directory.pending and not engine.calls and not final_messages(sender)
+    named = [r.getMessage() for r in caplog.records if "remote_tp_size" in r.getMessage()]
+    assert named and all("tx-1" in m and "65536" in m for m in named), caplog.text
+
+
+class CountedStates(frozenset[JobState]):
+    """JOB_TERMINAL that counts the membership checks made of it."""
+
+    def __init__(self, states: frozenset[JobState]) -> None:
+        self.checks = 0
+
+    def __contains__(self, state: object) -> bool:
+        self.checks += 1
+        return super().__contains__(state)
+
+
+def test_a_confirmed_large_fanout_writes_every_rank_and_each_job_end_costs_the_same(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Prefill TP 1 -> decode TP 128 (each decode rank holds a replica of its heads): the first
+    MAX_UNCONFIRMED_JOBS jobs wait for their ranks, the other ranks' announcements wait as
+    orphans, and the first handshake (of the TP size the request named) makes their jobs, with
+    the layers computed so far; every rank is written and sealed. Before: each job's end
+    re-checked every job of the request (O(ranks^2) checks of terminal states for the request:
+    8,256 here); now a count of the request's live jobs makes it a few checks per job."""
+    decode_tp = 128
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, decode_tp)], [])
+    for rank in range(decode_tp):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-1", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    pusher.layer_saved("attn.0", None)  # before the handshake confirmed the decode's TP size
+    assert answer_handshakes(directory, DECODE, decode_tp, "WRITE") == list(range(decode_tp))
+    pusher.forward_done([*DENSE, *WHOLE], None)  # after it
+    run_writer(ctx, pusher)
+    jobs = ["tx-1", *(f"tx-1#d{rank}" for rank in range(1, decode_tp))]
+    seals = sorted((c[1], c[3]) for c in engine.calls if c[0] == "seal")
+    assert seals == sorted((job, 3) for job in jobs)
+    written = {(c[1], c[2]) for c in engine.calls if c[0] == "write_layer"}
+    assert written == {(job, layer) for job in jobs for layer in (*DENSE, *WHOLE)}
+
+    terminal = CountedStates(pusher_module.JOB_TERMINAL)
+    monkeypatch.setattr(pusher_module, "JOB_TERMINAL", terminal)
+    pusher.begin_step([], [SendTask("req-1", "tx-1")])
+    for job in jobs:
+        pusher.on_event(event(job), drained=True)
+    assert ctx.reports.done_sending == {"req-1"} and not pusher.job_states()
+    assert terminal.checks <= 4 * decode_tp, f"{terminal.checks} checks for {decode_tp} jobs"
+    done = [port - DECODE.notify_port for port, m in sender.ports if isinstance(m, WriteDone)]
+    assert sorted(done) == list(range(decode_tp))

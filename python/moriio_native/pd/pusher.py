@@ -6,28 +6,28 @@ reads from this rank (or is assigned to release it) released them
 
 WRITE job (:class:`JobState`), one per request and decode rank this rank writes to (one with
 equal TP sizes; with different sizes each gets its head range, :mod:`moriio_native.pd.heads`,
-and the request's blocks are freed once every job ended): it needs the request's prompt blocks
-(:class:`~moriio_native.pd.tasks.SaveTask`) and the decode's ``remote_blocks``, in either
-order; then the decode rank is handshaken in the background, each layer's write is queued
-for the writer thread as its layer is computed, and once the forward ended the seal carries
-the number of writes queued, so the engine cannot call the transfer done before every one of
-them completed. Its engine event ends it: exactly one ``write_done`` / ``write_failed`` goes
-to the decode (or, after the decode's ``abort_write``, one ``write_aborted`` once nothing of
-it can land), and the blocks are reported free once the request finished. A job that ends
-before its decode rank was handshaken (the handshake failed, or had not answered) posted
-nothing to the engine: its ``write_failed`` goes at once to the notify port that rank has at
-the request's decode address, so the decode need not wait out its ``abort_timeout``. So does
-the ``write_failed`` of a job that ended before its decode rank announced (also one of a
-request that ended, or one that ended before its prompt was computed: an ``unsaved`` send
-task), once the announcement comes, and the ``write_aborted`` of a job never handshaken: each
-where the job writes or would write (an ``abort_write`` of a transfer never known here is
-answered only where a handshake proved the rank it names, at the ports its own fields give
-that rank: one made for it, the peer directory's cached one, or that of a decode rank this
-rank wrote to). With ``verify``
-on, a job the engine completed first computes its blocks' checksums (CHECKSUMMING), which
-its ``write_done`` carries (:mod:`moriio_native.pd.verify`); the blocks are held until then.
-A job the engine ended with writes in flight waits (DRAINING) for their drain before any of
-that.
+and the request's blocks are freed once every job ended; past :data:`MAX_UNCONFIRMED_JOBS`
+decode ranks the others' jobs wait for a handshake that confirms the decode's TP size): it
+needs the request's prompt blocks (:class:`~moriio_native.pd.tasks.SaveTask`) and the decode's
+``remote_blocks``, in either order; then the decode rank is handshaken in the background, each
+layer's write is queued for the writer thread as its layer is computed, and once the forward
+ended the seal carries the number of writes queued, so the engine cannot call the transfer done
+before every one of them completed. Its engine event ends it: exactly one ``write_done`` /
+``write_failed`` goes to the decode (or, after the decode's ``abort_write``, one
+``write_aborted`` once nothing of it can land), and the blocks are reported free once the
+request finished. A job that ends before its decode rank was handshaken (the handshake failed,
+or had not answered) posted nothing to the engine: its ``write_failed`` goes at once to the
+notify port that rank has at the request's decode address, so the decode need not wait out its
+``abort_timeout``. So does the ``write_failed`` of a job that ended before its decode rank
+announced (also one of a request that ended, or one that ended before its prompt was computed:
+an ``unsaved`` send task), once the announcement comes, and the ``write_aborted`` of a job
+never handshaken: each where the job writes or would write (an ``abort_write`` of a transfer
+never known here is answered only where a handshake proved the rank it names, at the ports its
+own fields give that rank: one made for it, the peer directory's cached one, or that of a
+decode rank this rank wrote to). With ``verify`` on, a job the engine completed first computes
+its blocks' checksums (CHECKSUMMING), which its ``write_done`` carries
+(:mod:`moriio_native.pd.verify`); the blocks are held until then. A job the engine ended with
+writes in flight waits (DRAINING) for their drain before any of that.
 
 Messages for transfers we do not know yet (releases, ``remote_blocks``, ``abort_write`` that
 overtake the scheduler), and what late messages of ended jobs need, are kept in bounded
@@ -93,6 +93,13 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 # Records kept for transfers not known yet (early releases; jobs a message created before the
 # scheduler's save task): beyond this many the oldest is dropped.
 MAX_EARLY_MESSAGES = 65536
+# Decode ranks one request may have this rank write before a handshake confirmed the decode's
+# TP size: the request's remote_tp_size is the client's word (up to 65,536), and a job for each
+# rank it names cost the prefill that many jobs per request, each checked at every timeout pass
+# (one request of 16,384 held vLLM's engine step 34 s). The others' jobs are made once a job's
+# handshake proves a decode rank of that TP size at the request's decode address; a request
+# whose size none confirms ends at its abort_timeout (MAX_UNCONFIRMED_RELEASES on the decode).
+MAX_UNCONFIRMED_JOBS = 16
 # Block ids the orphan jobs' announcements hold in all (one remote_blocks may carry 1,048,576,
 # MAX_BLOCK_IDS): past it the oldest orphans are dropped too. An orphan keeps its announcement
 # as wire bytes, at most 5 a block id, so they hold at most about 20 MB (as Python ints, before
@@ -417,6 +424,39 @@ class _Send:
 WholeBlocks = tuple[np.ndarray, np.ndarray]
 
 
+@dataclass(eq=False)
+class _Request:
+    """A WRITE request's jobs on this rank, from its save (or send) task until every one of
+    them is terminal and the request finished."""
+
+    jobs: list[_Job]
+    # Its jobs not terminal yet: the request ends when none is, so a job's end costs O(1)
+    # (checking every job of the request at each end cost O(jobs^2)).
+    live: int = 0
+    save: SaveTask | None = None
+    plan: TpPlan | None = None
+    send: SendTask | None = None
+    deadline: float = 0.0
+    # The decode ranks at the end of the plan's consumers that have no job until a handshake
+    # confirms the decode's TP size (MAX_UNCONFIRMED_JOBS); for their jobs, what the forward
+    # saved so far ((layer, event) in order) and whether it ended (kept only while any wait).
+    unconfirmed: int = 0
+    layers: list[tuple[str, Any]] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    forward_done: bool = False
+
+    def add(self, job: _Job) -> None:
+        """``job`` is one of the request's (one an orphan's messages ended may be terminal)."""
+        self.jobs.append(job)
+        self.live += job.state not in JOB_TERMINAL
+
+    def saved(self, layer: str, event: Any) -> None:
+        """The forward saved ``layer`` (its event), for the jobs still to be made."""
+        if layer not in self.seen:
+            self.seen.add(layer)
+            self.layers.append((layer, event))
+
+
 @dataclass
 class _Job:
     transfer_id: str  # the engine transfer's (see job_transfer_id)
@@ -623,9 +663,10 @@ class Pusher:
         self._written_ranks: OrderedDict[str, _RankAddress] = OrderedDict()
         self._sends: dict[str, _Send] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
-        self._requests: dict[str, list[_Job]] = {}  # a request's jobs, once its save task came
+        self._requests: dict[str, _Request] = {}  # once its save (or send) task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
         self._step_jobs: list[_Job] = []
+        self._step_requests: list[_Request] = []  # of the step, with ranks not confirmed
         self._early_releases = _EarlyReleases()
         self._orphans = _Orphans()  # jobs no save or send task named yet
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
@@ -652,16 +693,22 @@ class Pusher:
         now = time.monotonic()
         with self._ctx.lock:
             self._step_jobs = []
+            self._step_requests = []
             for save in saves:
                 for job in self._plan_jobs(save):
                     self._step_jobs.append(job)
                     self._advance(job)
+                request = self._requests.get(save.transfer_id)
+                if request is not None and request.unconfirmed:
+                    self._step_requests.append(request)
             for send in sends:
                 self._on_send_task(send, now)
         self.feed_writer()
 
     def layer_saved(self, layer: str, event: Any) -> None:
         with self._ctx.lock:
+            for request in self._step_requests:
+                request.saved(layer, event)
             for job in self._step_jobs:
                 if layer not in job.seen:
                     job.seen.add(layer)
@@ -676,6 +723,10 @@ class Pusher:
     def forward_done(self, layers: list[str], event: Any) -> None:
         """Queue every layer whose save hook did not run, then seal."""
         with self._ctx.lock:
+            for request in self._step_requests:
+                for name in layers:
+                    request.saved(name, event)
+                request.forward_done = True
             for job in self._step_jobs:
                 for name in layers:
                     if name not in job.seen:
@@ -684,11 +735,14 @@ class Pusher:
                 job.forward_done = True
                 self._advance(job)
             self._step_jobs = []
+            self._step_requests = []
         self.feed_writer()
 
     def _plan_jobs(self, save: SaveTask) -> list[_Job]:
-        """The request's jobs, one per decode rank the plan has us write (lock held); none
-        when no decode rank needs this rank's heads (its blocks are free once it finished)."""
+        """The request's jobs, one per decode rank the plan has us write, at most
+        MAX_UNCONFIRMED_JOBS of them until a handshake confirms the decode's TP size (lock
+        held); none when no decode rank needs this rank's heads (its blocks are free once it
+        finished)."""
         ctx = self._ctx
         tid = save.transfer_id
         host = save.peer.host if save.peer is not None else "(no decode address)"
@@ -697,20 +751,71 @@ class Pusher:
         except MoriioError as exc:
             job = self._job(tid, ctx.cfg.tp_rank)
             job.save = save
-            self._requests[tid] = [job]
+            request = self._requests[tid] = _Request([], save=save)
+            request.add(job)
             self._fail(job, str(exc))
             return [job]
         ranks = plan.consumers(ctx.cfg.tp_rank)
         if not ranks:
             self._unwritten.add(tid)
             return []
-        jobs = []
-        for rank in ranks:
-            job = self._job(tid, rank)
-            job.save, job.plan = save, plan
-            jobs.append(job)
-        self._requests[tid] = jobs
-        return jobs
+        request = self._requests[tid] = _Request([], save=save, plan=plan)
+        if len(ranks) > MAX_UNCONFIRMED_JOBS:
+            request.unconfirmed = len(ranks) - MAX_UNCONFIRMED_JOBS
+            ranks = ranks[:MAX_UNCONFIRMED_JOBS]
+            logger.warning(
+                "transfer %s: the request names a decode TP size of %d (remote_tp_size), %d "
+                "decode ranks for prefill rank %d to write, which no handshake confirmed; "
+                "writing the first %d until one does",
+                tid,
+                plan.decode_tp,
+                len(ranks) + request.unconfirmed,
+                ctx.cfg.tp_rank,
+                len(ranks),
+            )
+        return [self._add_job(request, tid, rank) for rank in ranks]
+
+    def _add_job(self, request: _Request, tid: str, rank: int) -> _Job:
+        """The job of ``request`` (transfer ``tid``) for decode rank ``rank``, made one of its
+        jobs (lock held)."""
+        job = self._job(tid, rank)
+        job.save, job.plan = request.save, request.plan
+        request.add(job)
+        return job
+
+    def _confirm_decode_tp(self, job: _Job, peer: Peer) -> None:
+        """``job``'s handshake answered (lock held): when it proved a decode rank of the TP
+        size its request names, the jobs of the ranks kept back until then
+        (MAX_UNCONFIRMED_JOBS) are made, with the layers the forward saved so far, and go on
+        as the first ones (their announcements that came meanwhile were kept as orphans)."""
+        request = self._requests.get(job.request)
+        if request is None or not request.unconfirmed:
+            return
+        if peer.response.tp_size != self._decode_tp(job):
+            return
+        assert request.plan is not None
+        ranks = request.plan.consumers(self._rank)[-request.unconfirmed :]
+        request.unconfirmed = 0
+        logger.info(
+            "transfer %s: decode rank %d confirmed the decode TP size %d; writing its other %d "
+            "ranks too",
+            job.request,
+            job.decode_rank,
+            peer.response.tp_size,
+            len(ranks),
+        )
+        # (Not aborted: an abort failed every job, this one's handshake included.)
+        in_step = request in self._step_requests
+        jobs = [self._add_job(request, job.request, rank) for rank in ranks]
+        for new in jobs:
+            new.seen, new.pending = set(request.seen), list(request.layers)
+            new.forward_done = request.forward_done
+            new.send, new.deadline = request.send, request.deadline
+            if in_step:  # the forward goes on: its next layers reach these jobs too
+                self._step_jobs.append(new)
+        request.layers, request.seen = [], set()
+        for new in jobs:
+            self._advance(new)
 
     def _job(self, tid: str, decode_rank: int) -> _Job:
         """The job of request ``tid`` for ``decode_rank`` (lock held), the scheduler's task at
@@ -751,12 +856,15 @@ class Pusher:
             self._unwritten.discard(tid)
             ctx.reports.done_sending.add(send.req_id)
             return
-        jobs = self._requests.get(tid)
-        if jobs is None:  # no save task: the request ended before its last prompt chunk
-            jobs = self._requests[tid] = [self._job(tid, ctx.cfg.tp_rank)]
+        request = self._requests.get(tid)
+        if request is None:  # no save task: the request ended before its last prompt chunk
+            request = self._requests[tid] = _Request([])
+            request.add(self._job(tid, ctx.cfg.tp_rank))
+        request.send, request.deadline = send, deadline
+        jobs = request.jobs
         for job in jobs:
             job.send, job.deadline = send, deadline
-        if self._request_ended(jobs):
+        if self._request_ended(request):
             return
         for job in jobs:
             if send.aborted:
@@ -776,27 +884,38 @@ class Pusher:
         save = SaveTask(send.req_id, send.transfer_id, (), 0, send.peer, send.remote_tp_size)
         jobs = self._plan_jobs(save)
         self._unwritten.discard(send.transfer_id)
+        request = self._requests.get(send.transfer_id)
+        if request is None:
+            return
+        request.send = send
         for job in jobs:
             job.send = send
         for job in jobs:  # the last one to fail ends the request
             self._fail(job, "the request ended at the prefill before its prompt was computed")
         if send.transfer_id in self._requests:  # every job had failed already (at planning)
-            self._request_ended(jobs)
+            self._request_ended(request)
 
-    def _request_ended(self, jobs: list[_Job]) -> bool:
+    def _request_ended(self, request: _Request) -> bool:
         """Once every job of a finished request is terminal: its blocks are free, late
         messages for it are dropped (lock held). Whether it ended."""
-        if not all(j.state in JOB_TERMINAL for j in jobs):
+        send = request.send
+        if request.live or send is None:
             return False
-        send = jobs[0].send
-        if send is None:
-            return False
+        if request.unconfirmed and not send.unsaved:  # (an unsaved one writes no rank)
+            assert request.plan is not None
+            logger.warning(
+                "transfer %s: %d decode ranks the request's remote_tp_size (%d) names were not "
+                "written: no handshake confirmed that decode TP size",
+                send.transfer_id,
+                request.unconfirmed,
+                request.plan.decode_tp,
+            )
         if not send.unsaved:  # vLLM freed an unsaved request's blocks already
             self._ctx.reports.done_sending.add(send.req_id)
         self._ctx.mark_terminal(send.transfer_id)
         self._requests.pop(send.transfer_id, None)
         now = time.monotonic()
-        for job in jobs:
+        for job in request.jobs:
             self._jobs.pop(job.transfer_id, None)
             self._ended[job.transfer_id] = _Ended(
                 request=job.request,
@@ -1024,6 +1143,7 @@ class Pusher:
             job.machine.advance(JobEvent.CONNECTED)
             self._remember_written(peer)
             self._advance(job)
+            self._confirm_decode_tp(job, peer)
         if feed:
             self.feed_writer()
 
@@ -1072,8 +1192,10 @@ class Pusher:
                 else self._write_failed(job.request, job.reason)
             )
             self._send_final(job, message)
-        if job.send is not None:
-            self._request_ended(self._requests.get(job.request, [job]))
+        request = self._requests.get(job.request)
+        if request is not None:
+            request.live -= 1
+            self._request_ended(request)
 
     def _write_failed(self, request: str, reason: str) -> WriteFailed:
         return WriteFailed(request, writer_rank=self._rank, reason=reason[:1000] or "failed")
