@@ -1419,3 +1419,19 @@ def test_a_confirmed_large_fanout_writes_every_rank_and_each_job_end_costs_the_s
     assert terminal.checks <= 4 * decode_tp, f"{terminal.checks} checks for {decode_tp} jobs"
     done = [port - DECODE.notify_port for port, m in sender.ports if isinstance(m, WriteDone)]
     assert sorted(done) == list(range(decode_tp))
+
+
+def test_the_plan_for_a_huge_tp_size_is_logged_in_one_short_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before: the first plan for a peer's TP size logged what this rank moves rank by rank:
+    for the decode TP 65,536 a request may name, a 2.3 MB line that took 1.4 s to make, in
+    vLLM's engine step. Now a plan past MAX_DESCRIBED_TP ranks is logged by its sizes alone;
+    smaller ones are listed as before."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    with caplog.at_level(logging.INFO, logger="moriio_native.pd.context"):
+        ctx.tp_plan(DECODE.host, 65536, prefill=True)
+        ctx.tp_plan(DECODE.host, 2, prefill=True)
+    huge, small = (r.getMessage() for r in caplog.records)
+    assert "prefill TP 1 -> decode TP 65536, 8 KV heads" in huge and len(huge) < 200, huge[:300]
+    assert "[4, 8) to decode rank 1" in small
