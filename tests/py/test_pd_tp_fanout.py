@@ -1435,3 +1435,27 @@ def test_the_plan_for_a_huge_tp_size_is_logged_in_one_short_line(
     huge, small = (r.getMessage() for r in caplog.records)
     assert "prefill TP 1 -> decode TP 65536, 8 KV heads" in huge and len(huge) < 200, huge[:300]
     assert "[4, 8) to decode rank 1" in small
+
+
+def test_releases_from_ranks_whose_jobs_wait_for_the_tp_confirmation_end_those_jobs() -> None:
+    """Prefill TP 1 -> decode TP 32: the jobs of decode ranks 16-31 wait for a handshake to
+    confirm the size. Decode rank 30 released before the request reached the prefill and rank
+    20 after its save task, both before the confirmation (each gave up): their jobs, made when
+    it comes, end at once, released (no write_failed owed), instead of waiting for the
+    abort_timeout; the others go on."""
+    decode_tp = 32
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_release(Release("tx-1", consumer_tp_size=decode_tp, consumer_tp_rank=30))
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, decode_tp)], [])
+    pusher.on_release(Release("tx-1", consumer_tp_size=decode_tp, consumer_tp_rank=20))
+    pusher.begin_step([], [SendTask("req-1", "tx-1")])
+    pusher.on_remote_blocks(RemoteBlocks("tx-1", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    assert answer_handshakes(directory, DECODE, decode_tp, "WRITE") == [0]
+    states = pusher.job_states()
+    assert len(states) == decode_tp
+    assert states["tx-1#d20"] is states["tx-1#d30"] is JobState.FAILED
+    assert states["tx-1"] is JobState.WRITING
+    assert all(states[f"tx-1#d{rank}"] is JobState.PENDING for rank in (1, 19, 21, 31))
+    assert not final_messages(sender)

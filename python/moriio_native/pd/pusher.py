@@ -873,6 +873,24 @@ class Pusher:
                 # The decode gave up before we had the request (its release came first).
                 job.released = True
                 self._fail(job, "the decode released the transfer")
+        for rank in released.ranks:  # those of ranks whose jobs are not made yet
+            self._release_unconfirmed(tid, released.consumer_tp_size, rank)
+
+    def _release_unconfirmed(self, tid: str, size: int, rank: int) -> bool:
+        """A release from decode rank ``rank`` (of TP ``size``) whose job waits for a handshake
+        to confirm the request's decode TP size (MAX_UNCONFIRMED_JOBS; lock held): kept as a
+        released orphan, so that job, made then, fails at once, owing the rank no message.
+        Whether it was one."""
+        request = self._requests.get(tid)
+        plan = request.plan if request is not None else None
+        if request is None or not request.unconfirmed or plan is None or size != plan.decode_tp:
+            return False
+        jid = job_transfer_id(tid, rank, self._rank)
+        if jid in self._jobs or self._rank not in plan.sources(rank):
+            return False
+        waiting: _Orphan = (time.monotonic(), tid, rank, 0, None, None, False, "")
+        self._orphan_released(jid, self._orphans.get(jid) or waiting)
+        return True
 
     def _end_unsaved(self, send: SendTask) -> None:
         """A request that ended before its prompt was computed (lock held): its jobs, one per
@@ -1559,6 +1577,8 @@ class Pusher:
                 return
             elif orphan is not None:
                 self._orphan_released(jid, orphan)
+                return
+            elif self._release_unconfirmed(tid, message.consumer_tp_size, message.consumer_tp_rank):
                 return
             elif tid in self._requests or tid in self._unwritten:
                 logger.info(
