@@ -194,6 +194,17 @@ def test_a_flood_of_deeply_nested_messages_is_dropped_with_few_log_lines(
     assert not any(r.exc_info for r in lines)
 
 
+def test_a_flood_of_requests_of_another_version_is_refused_with_few_log_lines(raw_dealer, caplog):
+    """Each gets the version error (so a genuine peer of another release learns why), but the
+    log gets at most the rate limit's lines, not one per request (it was one per request)."""
+    old = msgpack.packb({**msgpack.unpackb(encode(HandshakeRequest("d"))), "protocol_version": 2})
+    with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL, own_thread=True) as srv:
+        lines = _warnings_for_a_flood(srv, old, caplog, raw_dealer)
+        wait_until(lambda: srv.stats()["rejected"] == FLOOD)
+    assert len(lines) < FLOOD // 4
+    assert "protocol version 2 is not supported" in lines[0].getMessage()
+
+
 def test_a_bug_reached_by_every_message_logs_through_the_rate_limit(
     raw_dealer, caplog, monkeypatch
 ):
@@ -728,6 +739,32 @@ def test_a_replayed_or_stale_signed_handshake_request_is_dropped_and_not_learned
     assert stats["answered"] == 1 and stats["dropped_auth"] == 2
     assert not server_sec.allowlist.check("127.0.0.2")
     assert "replayed" in caplog.text and "old" in caplog.text
+
+
+def test_a_replayed_or_stale_signed_checksum_request_is_dropped_unread():
+    """A captured checksum request replayed, or an old one: neither is answered, and the
+    provider (which reads the transfer's blocks) is not even asked."""
+    auth = MessageAuth(SECRET)
+    request = ChecksumRequest(requester_engine_id="d", transfer_id="tx", block_ids=(1, 2))
+    captured = auth.seal(encode(request))
+    an_hour_ago = int(time.time() * 1000) - 3_600_000
+    old = auth.seal(encode(request.replace(nonce=b"o" * 16, sent_ms=an_hour_ago)))
+    asked: list[ChecksumRequest] = []
+
+    def checksums(req: ChecksumRequest) -> ChecksumResponse:
+        asked.append(req)
+        return ChecksumResponse(transfer_id=req.transfer_id, checksums={"L0": b"\0" * 16})
+
+    server_sec = security(SECRET)
+    with (
+        HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL, checksums=checksums) as srv,
+        contextlib.closing(_dealer_from(LOCAL, srv.port)) as dealer,
+    ):
+        for frames in (captured, captured, old):
+            dealer.send_multipart(frames)
+        wait_until(lambda: srv.stats()["dropped_auth"] == 2)
+        stats = srv.stats()
+    assert stats["answered"] == 1 and len(asked) == 1
 
 
 def test_without_a_secret_a_handshake_request_is_answered_whatever_its_clock():

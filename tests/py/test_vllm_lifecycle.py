@@ -564,6 +564,109 @@ def test_write_prefill_and_decode_concurrently(sides: list[Side], model_dir: str
     assert d.free_blocks() == d.initial_free
 
 
+# ---- two live requests carrying one transfer id -----------------------------------------------
+# Both instances keep a transfer's state by its id alone. A second live request with the id of
+# another (a retried or duplicated request, a client's own params) took over the first one's
+# records or was dropped: the prefill stranded blocks past abort_timeout, the decode waited for
+# good, and a synchronous READ computed on blocks that were never loaded. The second now runs
+# as an ordinary request, and the first as if alone.
+
+
+def test_a_prefill_request_reusing_a_live_transfer_id_runs_without_transfer(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read")
+    prompt = prompt_of(40, seed=1)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    held = p.initial_free - p.free_blocks()
+    again = pd_request_id(p, d)
+    p.add_request(again, prompt_of(40, seed=2), params=prefill_params(tid), max_tokens=1)
+    finished = p.run_until(lambda r: again in r.finished(), what="the second request")[-1]
+    assert finished.finished()[again].kv_transfer_params is None  # nothing for a decode to read
+    assert p.initial_free - p.free_blocks() == held  # its blocks freed at once
+
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    d.run_until(lambda r: rid in r.finished(), what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+
+
+@LOADING
+def test_a_decode_request_reusing_a_live_transfer_id_is_computed_locally(
+    sides: list[Side], model_dir: str, loading: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "read", d_extra={"read_loading": loading})
+    prompt, other = prompt_of(40, seed=11), prompt_of(40, seed=12)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    again = pd_request_id(p, d)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    d.add_request(again, other, params=decode_params(tid, returned), max_tokens=2)
+    computed: dict[str, int] = {}
+
+    def both_ran(r: Any) -> bool:
+        for req, n in r.scheduled.items():
+            computed.setdefault(req, n)
+        return rid in computed and again in computed
+
+    d.run_until(both_ran, what="both requests to run")
+    assert computed == {rid: 1, again: len(other)}  # the second computes its whole prompt
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    d.run_until(lambda r: not d.scheduler.requests, what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+
+
+def test_a_decode_request_reusing_the_id_of_an_aborted_load_still_running_is_recomputed(
+    sides: list[Side], model_dir: str
+) -> None:
+    """The scheduler side frees a transfer id when its request ends, but an aborted READ may
+    still run on the workers (its batches in flight). A request that takes the id meanwhile
+    fails its load at once (recomputed) instead of being dropped by the workers, which left it
+    waiting for good; the aborted one ends as before and the prefill gets its release."""
+    p, d = make_pair(
+        sides, model_dir, "read", d_extra={"engine_options": {"loopback_delay_ms": "1500"}}
+    )
+    prompt = prompt_of(40, seed=21)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    d.step()  # the READ starts; each batch takes 1.5 s
+    d.abort(rid)
+    again = pd_request_id(p, d)
+    other = prompt_of(40, seed=22)
+    d.add_request(again, other, params=decode_params(tid, returned), max_tokens=2)
+    second = load(d, again)
+    assert second.invalid_blocks  # its load failed at once: recomputed
+    assert all(d.slot_matches(again, range(len(other)), d.salt, other))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release of the aborted READ")
+    d.run_until(lambda r: not d.scheduler.requests, what="decode to finish")
+    d.run_until(lambda r: d.free_blocks() == d.initial_free, what="the aborted load's blocks")
+    assert p.free_blocks() == p.initial_free
+
+
+def test_a_write_decode_request_reusing_a_live_transfer_id_is_computed_locally(
+    sides: list[Side], model_dir: str
+) -> None:
+    p, d = make_pair(sides, model_dir, "write")
+    prompt, other = prompt_of(45, seed=7), prompt_of(45, seed=8)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    again = pd_request_id(p, d)
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.add_request(again, other, params=decode_params(tid), max_tokens=2)
+    assert d.step().scheduled == {again: len(other)}  # the first waits for the writes
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    got = d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert got[-1].scheduled[rid] == 1
+    assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    d.run_until(lambda r: not d.scheduler.requests, what="decode to finish")
+    assert p.free_blocks() == p.initial_free and d.free_blocks() == d.initial_free
+
+
 def write_request(p: Side, d: Side, seed: int) -> bool:
     """One WRITE request, both legs at once; whether the decode got the prefill's bytes (else
     it recomputed them after a reported load error). Both sides end with every block free."""

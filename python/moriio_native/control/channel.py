@@ -965,7 +965,10 @@ class HandshakeServer(_RouterListener):
         self._checksums = checksums
         self._security = security
         self._learn_peers = learn_peers
-        self._fresh_requests = FreshStamps("handshake request")
+        self._fresh_requests = FreshStamps("handshake or checksum request")
+        # Whoever reaches the port may send requests that are refused (another protocol
+        # version, an engine the provider refuses) in a loop: one line each would flood the log.
+        self._rejections = RateLimitedWarnings(logger, "handshake server: rejected requests")
         super().__init__(
             port,
             bind_host=bind_host,
@@ -990,18 +993,19 @@ class HandshakeServer(_RouterListener):
         try:
             return self._checksums(request).replace(nonce=request.nonce)
         except MoriioError as exc:
-            logger.warning("checksum request from %s rejected: %s", peer, exc)
+            self._rejections.warn("checksum request from %s rejected: %s", peer, exc)
             return HandshakeRejected(_reason_text(exc), request.nonce)
         except Exception:
             logger.exception("checksum provider failed for %s", peer)
             return HandshakeRejected("internal error on the serving side", request.nonce)
 
     def _fresh(self, request: HandshakeRequest | ChecksumRequest, peer: _Sender) -> bool:
-        """Whether a signed handshake request is fresh: sent within the window of this side's
-        clock, its nonce not seen before (else dropped as an authentication failure). A
-        captured request replayed must get no signed metadata and teach the allowlist nothing.
-        Without a secret nothing is authenticated, so nothing is checked."""
-        if not isinstance(request, HandshakeRequest) or not self._security.auth.enabled:
+        """Whether a signed request is fresh: sent within the window of this side's clock, its
+        nonce not seen before (else dropped as an authentication failure). A captured request
+        replayed must get no signed metadata or checksums, cost no read of the blocks, and
+        teach the allowlist nothing. Without a secret nothing is authenticated, so nothing is
+        checked."""
+        if not self._security.auth.enabled:
             return True
         try:
             self._fresh_requests.accept(request.sent_ms, request.nonce)
@@ -1019,7 +1023,7 @@ class HandshakeServer(_RouterListener):
         try:
             request = self._open(body, peer, accept, self._max_message_bytes)
         except ProtocolVersionError as exc:
-            logger.warning("handshake from %s rejected: %s", peer, exc)
+            self._rejections.warn("handshake from %s rejected: %s", peer, exc)
             self._count("rejected")
             rejected = HandshakeRejected(str(exc), exc.nonce)
             sock.send_multipart([identity, b"", *self._security.auth.seal(encode(rejected))])
@@ -1038,7 +1042,7 @@ class HandshakeServer(_RouterListener):
                 raise TypeError(f"provider returned {type(response).__name__}")
             reply = response.replace(nonce=request.nonce)
         except MoriioError as exc:
-            logger.warning("handshake from %s rejected: %s", peer, exc)
+            self._rejections.warn("handshake from %s rejected: %s", peer, exc)
             reply = HandshakeRejected(_reason_text(exc), request.nonce)
         except Exception:
             logger.exception("handshake provider failed for %s", peer)

@@ -454,6 +454,9 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     transfer_id: Id
     block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
     nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
+    # As a handshake request's: with a secret, answered only while fresh and once (a replay
+    # would make the prefill read the blocks again and hand their checksums to the replayer).
+    sent_ms: EpochMs = msgspec.field(default_factory=now_ms)
     head_begin: WindowStart = 0
     heads: WindowCount = 0
     token_begin: WindowStart = 0

@@ -322,12 +322,14 @@ class Puller:
         tid = task.transfer_id
         read = _Read(task, time.monotonic(), sync=ctx.cfg.sync_read)
         with ctx.lock:
-            if tid in self._reads:
-                logger.warning("transfer %s: a second READ for it is ignored", tid)
-                return
-            self._reads[tid] = read
-            if read.sync:
-                self._step_reads.append(tid)
+            duplicate = tid in self._reads
+            if not duplicate:
+                self._reads[tid] = read
+                if read.sync:
+                    self._step_reads.append(tid)
+        if duplicate:
+            self._refuse_duplicate(task, "READ")
+            return
         try:
             read.plan = plan = self._plan(task)
         except MoriioError as exc:
@@ -687,9 +689,12 @@ class Puller:
         ctx = self._ctx
         waiting = _Await(task, time.monotonic() + ctx.cfg.abort_timeout)
         with ctx.lock:
-            if task.transfer_id in self._awaits:
-                return
-            self._awaits[task.transfer_id] = waiting
+            duplicate = task.transfer_id in self._awaits
+            if not duplicate:
+                self._awaits[task.transfer_id] = waiting
+        if duplicate:
+            self._refuse_duplicate(task, "WRITE")
+            return
         try:
             waiting.plan = plan = self._plan(task)
         except MoriioError as exc:
@@ -1003,8 +1008,28 @@ class Puller:
 
     # ---- shared -------------------------------------------------------------------------------
 
+    def _refuse_duplicate(self, task: RecvTask, what: str) -> None:
+        """A load for a transfer id another live load holds (two requests carrying one
+        transfer_id; the scheduler side refuses the second, so a request that came after the
+        first ended on the scheduler side while its load still runs): its blocks are
+        recomputed. No release goes to the prefill: what it holds under that id is the first
+        load's."""
+        logger.warning(
+            "request %s (transfer %s): another %s of this transfer is still live; this "
+            "request's blocks are recomputed",
+            task.req_id,
+            task.transfer_id,
+            what,
+        )
+        self._report_load_failed(task)
+
     def _fail_unplanned(self, task: RecvTask) -> None:
         """A load the planner could not pair: its blocks are recomputed, the prefill freed."""
+        self._report_load_failed(task)
+        self.send_release(task, {})
+
+    def _report_load_failed(self, task: RecvTask) -> None:
+        """The task's blocks are load errors (recomputed), and the load ended failed."""
         ctx = self._ctx
         with ctx.lock:
             ctx.reports.invalid_blocks.update(task.local_block_ids)
@@ -1012,7 +1037,6 @@ class Puller:
                 ctx.reports.done_recving.add(task.req_id)
                 ctx.reports.failed_recving.add(task.req_id)
             ctx.stats.record(ok=False)
-        self.send_release(task, {})
 
     def send_release(
         self, task: RecvTask, peers: dict[int, Peer], plan: TpPlan | None = None

@@ -122,6 +122,12 @@ class SchedulerSide:
         # P requests finished with delay_free whose blocks the workers have not released yet.
         self._held: set[str] = set()
         self._invalid_logged: set[str] = set()
+        # Transfer ids of live requests: the first request naming one owns it (until it ends;
+        # on the prefill, until its blocks are freed), and one that names a transfer id
+        # another owns runs without KV transfer (_claim).
+        self._transfer_owners: dict[str, str] = {}  # transfer id -> request id
+        self._claimed: dict[str, str] = {}  # request id -> the transfer id it owns
+        self._duplicates: set[str] = set()  # requests refused a transfer id another owns
         self._recv: list[RecvTask] = []
         self._send: list[SendTask] = []
         # The workers' incarnations by TP rank (set once they registered their caches); the
@@ -141,7 +147,7 @@ class SchedulerSide:
         if not raw:
             return None
         try:
-            return parse_kv_transfer_params(raw)
+            params = parse_kv_transfer_params(raw)
         except InvalidArgumentError as exc:
             if request.request_id not in self._invalid_logged:
                 self._invalid_logged.add(request.request_id)
@@ -151,6 +157,37 @@ class SchedulerSide:
                     exc,
                 )
             return None
+        return params if self._claim(request.request_id, params) else None
+
+    def _claim(self, rid: str, params: KvTransferParams) -> bool:
+        """Whether request ``rid`` may use its transfer id: the first live request naming it
+        owns it. Both instances keep a transfer's state by its id alone, so a second live
+        request with the same id (a retried or duplicated request, a client's own params)
+        would take over the first one's records: the first would then wait for good or strand
+        its blocks, and a synchronous READ could compute on blocks never loaded. It runs
+        without KV transfer instead (refused once, for its whole life)."""
+        if rid in self._duplicates:
+            return False
+        owner = self._transfer_owners.setdefault(params.transfer_id, rid)
+        if owner == rid:
+            self._claimed[rid] = params.transfer_id
+            return True
+        self._duplicates.add(rid)
+        logger.warning(
+            "request %s: transfer %s belongs to live request %s; this request runs without KV "
+            "transfer",
+            rid,
+            params.transfer_id,
+            owner,
+        )
+        return False
+
+    def _release_claim(self, rid: str) -> None:
+        """``rid`` ended (on the prefill: its blocks were freed): its transfer id is free."""
+        self._duplicates.discard(rid)
+        tid = self._claimed.pop(rid, None)
+        if tid is not None and self._transfer_owners.get(tid) == rid:
+            del self._transfer_owners[tid]
 
     def _prefill_peer(self, request: Request, params: KvTransferParams) -> ZmqAddress | None:
         try:
@@ -388,11 +425,15 @@ class SchedulerSide:
     ) -> tuple[bool, dict[str, Any] | None]:
         """vLLM's request_finished(_all_groups): ``block_ids`` holds one list per KV-cache
         group (one group without the hybrid KV-cache manager)."""
+        rid = request.request_id
         try:
             return self._request_finished(request, block_ids)
         finally:
-            # Last: the parsing there logs bad params once per request by remembering its id.
-            self._invalid_logged.discard(request.request_id)
+            # Last: the parsing there logs bad params once per request by remembering its id,
+            # and claims its transfer id, which a request whose blocks stay held keeps.
+            self._invalid_logged.discard(rid)
+            if rid not in self._held:
+                self._release_claim(rid)
 
     def _request_finished(
         self, request: Request, block_ids: tuple[list[int], ...]
@@ -487,6 +528,8 @@ class SchedulerSide:
         """The workers released these requests' blocks (vLLM frees them now)."""
         if finished_sending:
             self._held.difference_update(finished_sending)
+            for rid in finished_sending:
+                self._release_claim(rid)
 
     def has_pending_block_frees(self) -> bool:
         """Whether finished requests still hold blocks that a transfer will release (bounded
