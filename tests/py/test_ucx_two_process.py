@@ -259,8 +259,30 @@ def _mapped_since(before: set[str]) -> set[str]:
     return left
 
 
+@pytest.fixture()
+def host_decode_engine() -> Iterator[mn.Engine]:
+    """A decode engine over UCX on host caches, which live as long as the test."""
+    decode = _caches("decode")
+    engine = mn.Engine("decode-0", "ucx")
+    engine.register_kv_caches(decode.registrations())
+    yield engine
+
+
+def _read_through_a_new_endpoint(
+    engine: mn.Engine, child: Child, tid: str, before: set[str]
+) -> None:
+    """Adds ``child`` as a peer of ``engine`` and reads two blocks from it: its endpoint then
+    maps the child's shared-memory segments, mappings ``before`` did not hold."""
+    engine.add_peer(child.metadata)
+    engine.read(tid, "prefill-child", [0, 1], [2, 3])
+    assert engine.wait([tid], timeout=TIMEOUT)[tid].state == "done"
+    assert _shared_memory_mappings() - before, "the endpoint mapped nothing to check"
+
+
 @pytest.mark.parametrize("ending", ["removed", "killed, then removed"])
-def test_removing_a_same_host_peer_closes_its_endpoint(ending: str) -> None:
+def test_removing_a_same_host_peer_closes_its_endpoint(
+    ending: str, host_decode_engine: mn.Engine
+) -> None:
     """A same-host peer's endpoint maps the peer's shared-memory segments into this process
     (and, with CUDA memory, its GPU memory). Removing the peer closes the endpoint, so they
     leave this process, also when the peer was killed first, and repeated adds and removals do
@@ -268,18 +290,12 @@ def test_removing_a_same_host_peer_closes_its_endpoint(ending: str) -> None:
     peer-failure detection (every same-host one) and nothing was closed until the engine went:
     two segments stayed per add, and on the H200 a killed peer's 24 GiB of GPU memory stayed
     allocated (docs/reliability.md)."""
+    engine = host_decode_engine
     child = Child("prefill", {})
     try:
-        decode = _caches("decode")
-        engine = mn.Engine("decode-0", "ucx")
-        engine.register_kv_caches(decode.registrations())
         before = _shared_memory_mappings()
         for round_ in range(3):
-            tid = f"req-ep-{round_}"
-            engine.add_peer(child.metadata)
-            engine.read(tid, "prefill-child", [0, 1], [2, 3])
-            assert engine.wait([tid], timeout=TIMEOUT)[tid].state == "done"
-            assert _shared_memory_mappings() - before, "the endpoint mapped nothing to check"
+            _read_through_a_new_endpoint(engine, child, f"req-ep-{round_}", before)
             if ending != "removed":
                 child.proc.kill()
                 child.proc.join(TIMEOUT)
@@ -291,22 +307,19 @@ def test_removing_a_same_host_peer_closes_its_endpoint(ending: str) -> None:
         child.stop()
 
 
-def test_a_same_host_peer_that_dies_idle_is_failed_and_its_endpoint_closed() -> None:
+def test_a_same_host_peer_that_dies_idle_is_failed_and_its_endpoint_closed(
+    host_decode_engine: mn.Engine,
+) -> None:
     """A same-host peer killed while nothing is in flight to it: without a remove_peer, the
     backend finds it gone (its liveness check, which covered only peers with operations in
     flight), closes its endpoint (its segments leave this process: on a GPU, the peer's memory
     is freed) and fails what is asked of it next, instead of reading or writing memory nobody
     owns any more."""
+    engine = host_decode_engine
     child = Child("prefill", {})
     try:
-        decode = _caches("decode")
-        engine = mn.Engine("decode-0", "ucx")
-        engine.register_kv_caches(decode.registrations())
         before = _shared_memory_mappings()
-        engine.add_peer(child.metadata)
-        engine.read("req-idle-0", "prefill-child", [0, 1], [2, 3])
-        assert engine.wait(["req-idle-0"], timeout=TIMEOUT)["req-idle-0"].state == "done"
-        assert _shared_memory_mappings() - before, "the endpoint mapped nothing to check"
+        _read_through_a_new_endpoint(engine, child, "req-idle-0", before)
         child.proc.kill()
         child.proc.join(TIMEOUT)
         assert _mapped_since(before) == set()
