@@ -24,6 +24,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <unordered_map>
 #include <utility>
@@ -564,6 +565,9 @@ class UcxBackend final : public Backend {
   // Whether CUDA event `event` (of a region on `device`) completed; worker thread only.
   static Result<bool> QueryDeviceEvent(std::uint64_t event, int device);
   bool CheckPeersAlive();
+  // Marks `peer`, a same-host peer whose process is gone, failed (reported to the engine by
+  // HandlePeerFailures); `circumstance` ends the failure's text.
+  void FailExitedPeer(PeerState& peer, std::string_view circumstance);
   // Fails each same-host peer with nothing in flight whose process is gone, and releases its
   // imports and endpoint (the in-flight ones are CheckPeersAlive's).
   bool ReleaseDeadIdlePeers();
@@ -595,9 +599,14 @@ class UcxBackend final : public Backend {
   void StartStampCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
   /// Progresses the worker until `done()` or the deadline; true when done() held.
   bool ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline);
-  // Queues `ep` for CloseReleasedEndpoints: the close waits for the device (below), and the
-  // caller (DisconnectPeer, the liveness check) must not.
-  void ReleaseEndpoint(ucp_ep_h ep, bool peer_mode, const RemoteProcess& process);
+  // Takes the endpoint of `holder` (a PeerState or a PushReader) and queues it for
+  // CloseReleasedEndpoints: the close waits for the device (below), and the caller
+  // (DisconnectPeer, the liveness checks, a failed push reader) must not.
+  template <typename Holder>
+  void ReleaseEndpoint(Holder& holder) {
+    if (holder.ep == nullptr) return;
+    released_.push_back({std::exchange(holder.ep, nullptr), holder.peer_mode, holder.process});
+  }
   // Closes each released endpoint unless another open endpoint of this backend reaches the same
   // process, in which case it stays open (kept_open_) until the last of them is closed.
   bool CloseReleasedEndpoints();
@@ -1144,8 +1153,7 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
     // UCX wants rkeys destroyed before their endpoint; only operations stuck past the deadline
     // (a hung peer) force the reverse order, since the forced close is what cancels them.
     if (drained) destroy_rkeys();
-    ucp_ep_h ep = std::exchange(peer->ep, nullptr);
-    ReleaseEndpoint(ep, peer->peer_mode, peer->process);
+    ReleaseEndpoint(*peer);
     if (!drained) destroy_rkeys();
     std::lock_guard<std::mutex> lock(mutex_);
     peers_.erase(peer_id);
@@ -1934,12 +1942,7 @@ bool UcxBackend::CheckPeersAlive() {
       continue;
     }
     if (VerifyProcessIdentity(peer->liveness_identity)) continue;
-    peer->failed = true;
-    peer->failure = TransportError(
-        "peer " + std::to_string(peer->id) + " (pid " +
-        std::to_string(peer->liveness_identity.pid) +
-        " on this host) exited with UCX operations in flight to it");
-    failed_peers_.push_back(peer->id);
+    FailExitedPeer(*peer, " with UCX operations in flight to it");
     dead.push_back(peer);
   }
   // Without PEER mode UCX never ends operations to a dead peer, not even on a forced close (it
@@ -1949,8 +1952,7 @@ bool UcxBackend::CheckPeersAlive() {
   // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
   std::vector<std::pair<std::uint64_t, Status>> done;
   for (auto& peer : dead) {
-    ucp_ep_h ep = std::exchange(peer->ep, nullptr);
-    ReleaseEndpoint(ep, peer->peer_mode, peer->process);
+    ReleaseEndpoint(*peer);
     for (auto it = active_.begin(); it != active_.end();) {
       ActiveBatch& ab = *it;
       if (ab.remote->peer != peer || ab.outstanding == 0) {
@@ -1983,6 +1985,14 @@ bool UcxBackend::CheckPeersAlive() {
   return !dead.empty();
 }
 
+void UcxBackend::FailExitedPeer(PeerState& peer, std::string_view circumstance) {
+  peer.failed = true;
+  peer.failure = TransportError("peer " + std::to_string(peer.id) + " (pid " +
+                                std::to_string(peer.liveness_identity.pid) +
+                                " on this host) exited" + std::string(circumstance));
+  failed_peers_.push_back(peer.id);
+}
+
 bool UcxBackend::ReleaseDeadIdlePeers() {
   const auto now = Clock::now();
   if (now < next_idle_liveness_check_) return false;
@@ -2000,11 +2010,7 @@ bool UcxBackend::ReleaseDeadIdlePeers() {
   bool did = false;
   for (const auto& peer : watched) {
     if (HasBatches(*peer) || VerifyProcessIdentity(peer->liveness_identity)) continue;
-    peer->failed = true;
-    peer->failure = TransportError("peer " + std::to_string(peer->id) + " (pid " +
-                                   std::to_string(peer->liveness_identity.pid) +
-                                   " on this host) exited");
-    failed_peers_.push_back(peer->id);
+    FailExitedPeer(*peer, "");
     {
       // Nothing is in flight to it, and nothing starts (ActivateSubmitted fails its batches):
       // its rkeys and mappings go before its endpoint, as UCX wants.
@@ -2017,7 +2023,7 @@ bool UcxBackend::ReleaseDeadIdlePeers() {
         remote->released = peer->failure;
       }
     }
-    ReleaseEndpoint(std::exchange(peer->ep, nullptr), peer->peer_mode, peer->process);
+    ReleaseEndpoint(*peer);
     did = true;
   }
   return did;
@@ -2281,18 +2287,15 @@ bool UcxBackend::ServePushes() {
   }
   if (push_reader_failed_) {
     push_reader_failed_ = false;
-    std::vector<KeptEndpoint> failed;
+    // Closing cancels what is still queued to them; OnPushSent drops those sends.
     for (auto it = push_readers_.begin(); it != push_readers_.end();) {
       if (!it->second->failed) {
         ++it;
         continue;
       }
-      PushReader& reader = *it->second;
-      failed.push_back({std::exchange(reader.ep, nullptr), reader.peer_mode, reader.process});
+      ReleaseEndpoint(*it->second);
       it = push_readers_.erase(it);
     }
-    // Closing cancels what is still queued to them; OnPushSent drops those sends.
-    for (const KeptEndpoint& f : failed) ReleaseEndpoint(f.ep, f.peer_mode, f.process);
     did = true;
   }
   return did;
@@ -2305,9 +2308,8 @@ std::shared_ptr<PushReader> UcxBackend::PushReaderFor(std::span<const std::uint8
   auto it = push_readers_.find(key);
   if (it != push_readers_.end()) {
     if (!it->second->failed) return it->second;
-    std::shared_ptr<PushReader> failed = it->second;
+    ReleaseEndpoint(*it->second);
     push_readers_.erase(it);
-    ReleaseEndpoint(std::exchange(failed->ep, nullptr), failed->peer_mode, failed->process);
   }
   Result<WireAddress> wire = DecodeAddress(address);
   if (!wire.ok()) return nullptr;
@@ -2526,10 +2528,6 @@ bool UcxBackend::ProgressUntil(const std::function<bool()>& done, Clock::time_po
     }
   }
   return true;
-}
-
-void UcxBackend::ReleaseEndpoint(ucp_ep_h ep, bool peer_mode, const RemoteProcess& process) {
-  if (ep != nullptr) released_.push_back({ep, peer_mode, process});
 }
 
 bool UcxBackend::CloseReleasedEndpoints() {
