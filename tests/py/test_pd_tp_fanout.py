@@ -1459,3 +1459,55 @@ def test_releases_from_ranks_whose_jobs_wait_for_the_tp_confirmation_end_those_j
     assert states["tx-1"] is JobState.WRITING
     assert all(states[f"tx-1#d{rank}"] is JobState.PENDING for rank in (1, 19, 21, 31))
     assert not final_messages(sender)
+
+
+@pytest.mark.parametrize("ending", ["aborted", "unconfirmed"])
+def test_ranks_held_back_for_the_tp_confirmation_are_told_write_failed_when_the_request_ends(
+    ending: str,
+) -> None:
+    """Prefill TP 1 -> decode TP 32: the jobs of decode ranks 16-31 wait for a handshake to
+    confirm the size, and the request ends before one does -- aborted, or every made job's
+    handshake failing (nothing answers at the decode's ports). Before: a held-back rank that
+    had announced its blocks (kept as an orphan) and one announcing after the end got no answer
+    at all, so each held those blocks until its own timeout (and the orphan stayed). Now each
+    is told write_failed, once, with the reason, at its notify port, and an abort_write from
+    one is acknowledged at once; ranks that never announce are owed nothing."""
+    decode_tp = 32
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    announce = [
+        RemoteBlocks("tx-1", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        for rank in range(decode_tp)
+    ]
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, decode_tp)], [])
+    for rank in (0, 3, 20):  # a made job's rank and a held-back one's announce before the end
+        pusher.on_remote_blocks(announce[rank])
+    if ending == "aborted":
+        pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=True)])
+    else:
+        while directory.pending:
+            _, future = directory.pending.pop(0)
+            future.set_exception(TransportError("no reply"))
+        pusher.forward_done([*DENSE, *WHOLE], None)
+        pusher.begin_step([], [SendTask("req-1", "tx-1")])
+        pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    assert ctx.reports.done_sending == {"req-1"} and not pusher.job_states()
+    for rank in (3, 20, 25, 31):  # (and again: each rank is answered once)
+        pusher.on_remote_blocks(announce[rank])
+        pusher.on_remote_blocks(announce[rank])
+    abort = AbortWrite("tx-1", "d:8000/dp0/tp28", "d", 9000, 9100, 0, 28, decode_tp)
+    pusher.on_abort_write(abort)
+    pusher.on_abort_write(abort)
+    acked = [port - DECODE.notify_port for port, m in sender.ports if isinstance(m, WriteAborted)]
+    assert acked == [28]
+    failed = sorted(
+        (port - DECODE.notify_port, m.reason)
+        for port, m in sender.ports
+        if isinstance(m, WriteFailed)
+    )
+    assert [rank for rank, _ in failed] == [0, 3, 20, 25, 31]
+    assert all(reason for _, reason in failed), failed
+    held_back = [reason for rank, reason in failed if rank >= pusher_module.MAX_UNCONFIRMED_JOBS]
+    assert all("decode TP size 32" in reason for reason in held_back), held_back
+    assert not [c for c in engine.calls if c[0] == "write_layer"]

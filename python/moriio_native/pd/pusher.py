@@ -7,7 +7,9 @@ reads from this rank (or is assigned to release it) released them
 WRITE job (:class:`JobState`), one per request and decode rank this rank writes to (one with
 equal TP sizes; with different sizes each gets its head range, :mod:`moriio_native.pd.heads`,
 and the request's blocks are freed once every job ended; past :data:`MAX_UNCONFIRMED_JOBS`
-decode ranks the others' jobs wait for a handshake that confirms the decode's TP size): it
+decode ranks the others' jobs wait for a handshake that confirms the decode's TP size, and
+when the request ends before one does, those ranks are owed a ``write_failed`` as a job's
+would be): it
 needs the request's prompt blocks (:class:`~moriio_native.pd.tasks.SaveTask`) and the decode's
 ``remote_blocks``, in either order; then the decode rank is handshaken in the background, each
 layer's write is queued for the writer thread as its layer is computed, and once the forward
@@ -98,8 +100,13 @@ MAX_EARLY_MESSAGES = 65536
 # rank it names cost the prefill that many jobs per request, each checked at every timeout pass
 # (one request of 16,384 held vLLM's engine step 34 s). The others' jobs are made once a job's
 # handshake proves a decode rank of that TP size at the request's decode address; a request
-# whose size none confirms ends at its abort_timeout (MAX_UNCONFIRMED_RELEASES on the decode).
+# whose size none confirms ends at its abort_timeout (MAX_UNCONFIRMED_RELEASES on the decode),
+# and each held-back rank that announces blocks is told write_failed (MAX_HELD_BACK_REQUESTS).
 MAX_UNCONFIRMED_JOBS = 16
+# Requests that ended with decode ranks held back for that confirmation, remembered (for
+# abort_timeout) so that those ranks' announcements are told write_failed: past it the oldest
+# are forgotten (their ranks then wait for their own timeout). Up to 16 KiB each.
+MAX_HELD_BACK_REQUESTS = 1024
 # Block ids the orphan jobs' announcements hold in all (one remote_blocks may carry 1,048,576,
 # MAX_BLOCK_IDS): past it the oldest orphans are dropped too. An orphan keeps its announcement
 # as wire bytes, at most 5 a block id, so they hold at most about 20 MB (as Python ints, before
@@ -525,6 +532,50 @@ class _Ended:
     acked: bool  # its abort_write came (and was answered)
 
 
+class _RankBits:
+    """One bit per decode rank (a request may name 65,536 ranks: 8 KiB, not a set of them)."""
+
+    __slots__ = ("_bits",)
+
+    def __init__(self, ranks: int) -> None:
+        self._bits = bytearray((ranks + 7) // 8)
+
+    def first(self, rank: int) -> bool:
+        """Marks ``rank`` (within the size); whether it was not marked before."""
+        byte, bit = divmod(rank, 8)
+        if self._bits[byte] >> bit & 1:
+            return False
+        self._bits[byte] |= 1 << bit
+        return True
+
+
+@dataclass
+class _HeldBack:
+    """What a request that ended with decode ranks held back for the TP confirmation
+    (MAX_UNCONFIRMED_JOBS) leaves for those ranks' messages (bounded, kept for
+    ``abort_timeout``): none of them was or will be written, so each that announces blocks is
+    told ``write_failed`` and each ``abort_write`` acknowledged, once, at the rank's notify port
+    at the request's decode address. The ranks are kept as the plan that names them, not a set:
+    a request may name 65,536."""
+
+    plan: TpPlan
+    made: frozenset[int]  # the decode ranks whose jobs were made (they have _Ended records)
+    address: ZmqAddress | None
+    reason: str
+    ended: float
+    answered: _RankBits  # ranks told write_failed
+    acked: _RankBits  # ranks whose abort_write was acknowledged
+
+    def covers(self, rank: int, prefill_rank: int) -> bool:
+        """Whether decode rank ``rank`` was one held back (a rank prefill rank
+        ``prefill_rank`` writes, whose job was never made)."""
+        return (
+            0 <= rank < self.plan.decode_tp
+            and rank not in self.made
+            and prefill_rank in self.plan.sources(rank)
+        )
+
+
 # An orphan job: one a decode rank's remote_blocks or abort_write made for a request whose save
 # (or send) task has not come, kept until that task continues it as a _Job: (first seen,
 # monotonic seconds; the request's transfer id; the decode rank; the block ids its announcement
@@ -538,7 +589,7 @@ class _Ended:
 _Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
 # The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole); _SEEN,
 # first seen, is the first field of an _EarlyRelease too.
-_SEEN, _IDS, _REASON = 0, 3, 7
+_SEEN, _REQUEST, _RANK, _IDS, _REASON = 0, 1, 2, 3, 7
 
 
 def _new_orphan(
@@ -600,6 +651,14 @@ class _Orphans(_OldestFirst[_Orphan]):
             released=released,
             abort_requested=_load(AbortWrite, aborted),
         )
+
+    def take(self, jid: str) -> _Orphan | None:
+        """``jid``'s orphan, forgotten here (its request ended without making its job)."""
+        return self._take(jid)
+
+    def of_request(self, tid: str) -> list[str]:
+        """The orphans of request ``tid`` (a pass over every orphan)."""
+        return [jid for jid, orphan in self._records.items() if orphan[_REQUEST] == tid]
 
     def states(self) -> dict[str, JobState]:
         failed, waiting = JobState.FAILED, JobState.PENDING
@@ -670,6 +729,8 @@ class Pusher:
         self._early_releases = _EarlyReleases()
         self._orphans = _Orphans()  # jobs no save or send task named yet
         self._ended: OrderedDict[str, _Ended] = OrderedDict()  # jobs of ended requests
+        # Ended requests' ranks whose jobs were never made (MAX_UNCONFIRMED_JOBS), by request.
+        self._held_back: OrderedDict[str, _HeldBack] = OrderedDict()
         self._writer_q: queue.Queue[WriterOp] = queue.Queue(writer_queue)
         self._staged: list[WriterOp] = []  # guarded by the lock, moved by feed_writer
         # Serialises feeding so staged ops enter the queue in order; the writer never takes it.
@@ -948,7 +1009,72 @@ class Pusher:
             )
             while len(self._ended) > MAX_EARLY_MESSAGES:
                 self._ended.popitem(last=False)
+        if request.unconfirmed:
+            self._end_held_back(request, send.transfer_id, now)
         return True
+
+    def _end_held_back(self, request: _Request, tid: str, now: float) -> None:
+        """The decode ranks ``request`` (transfer ``tid``) held back for the TP confirmation,
+        at its end (lock held): nothing was or will be written into them, so those that
+        announced blocks already (orphans) are told write_failed now, the others when they
+        announce (a _HeldBack record)."""
+        plan = request.plan
+        assert plan is not None
+        cause = next((job.reason for job in request.jobs if job.reason), "the request ended")
+        held = _HeldBack(
+            plan,
+            frozenset(job.decode_rank for job in request.jobs),
+            request.save.peer if request.save is not None else None,
+            f"not written: no handshake confirmed the decode TP size {plan.decode_tp} the "
+            f"request named ({cause})",
+            now,
+            _RankBits(plan.decode_tp),
+            _RankBits(plan.decode_tp),
+        )
+        self._held_back[tid] = held
+        while len(self._held_back) > MAX_HELD_BACK_REQUESTS:
+            self._held_back.popitem(last=False)
+        ranks = plan.consumers(self._rank)[-request.unconfirmed :]
+        # Whichever is fewer: the held-back ranks' orphan ids, or a pass over the orphans.
+        if len(ranks) <= len(self._orphans):
+            jids = [job_transfer_id(tid, rank, self._rank) for rank in ranks]
+        else:
+            jids = self._orphans.of_request(tid)
+        for jid in jids:
+            orphan = self._orphans.get(jid)
+            if orphan is None or not held.covers(orphan[_RANK], self._rank):
+                continue
+            self._orphans.take(jid)
+            _, _, rank, _, announced, aborted, released, _ = orphan
+            if aborted is not None:
+                held.acked.first(rank)  # acknowledged when it came (_orphan_aborted)
+            announcement = _load(RemoteBlocks, announced)
+            if announcement is not None and not released:
+                self._tell_held_back(held, announcement)
+
+    def _ack_held_back(self, held: _HeldBack, request: AbortWrite) -> None:
+        """A held-back rank's abort_write, its request ended (lock held): nothing was written
+        into it, so the ack goes at once to that rank at the request's decode address."""
+        ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+        if held.address is None:
+            self._ack_by_handshake(request, ack)
+            return
+        rank, tp_size = request.decode_tp_rank, held.plan.decode_tp
+        self._send_to_rank(held.address, None, rank, tp_size, request, ack)
+
+    def _tell_held_back(self, held: _HeldBack, message: RemoteBlocks) -> None:
+        """A held-back rank's announcement, its request ended (lock held): write_failed, once."""
+        if not held.answered.first(message.decode_tp_rank):
+            return
+        failed = self._write_failed(message.transfer_id, held.reason)
+        if held.address is None:
+            logger.warning(
+                "transfer %s: write_failed not sent: the request named no decode address",
+                message.transfer_id,
+            )
+            return
+        rank, tp_size = message.decode_tp_rank, held.plan.decode_tp
+        self._send_to_rank(held.address, None, rank, tp_size, message, failed)
 
     # ---- the job machine (lock held) ----------------------------------------------------------
 
@@ -1614,6 +1740,10 @@ class Pusher:
             if ended is not None:
                 self._late_announcement(ended, message)
                 return
+            held = self._held_back.get(tid)
+            if held is not None and held.covers(message.decode_tp_rank, self._rank):
+                self._tell_held_back(held, message)
+                return
             job = self._jobs.get(jid)
             if job is None:
                 self._orphan_announced(jid, message)
@@ -1650,6 +1780,11 @@ class Pusher:
                 if not ended.acked:  # one answer per transfer
                     ended.acked = True
                     self._ack_ended(ended, message)
+                return
+            held = self._held_back.get(message.transfer_id)
+            if held is not None and held.covers(message.decode_tp_rank, self._rank):
+                if held.acked.first(message.decode_tp_rank):  # one answer per transfer
+                    self._ack_held_back(held, message)
                 return
             job = self._jobs.get(jid)
             if job is None:
@@ -1754,6 +1889,9 @@ class Pusher:
                     )
             while self._ended and now - next(iter(self._ended.values())).ended > abort_timeout:
                 self._ended.popitem(last=False)
+            held_back = self._held_back
+            while held_back and now - next(iter(held_back.values())).ended > abort_timeout:
+                held_back.popitem(last=False)
             # Each job has its save or send task: the scheduler's send task ends it, or its
             # deadline (_fail does nothing to one that ended).
             for job in list(self._jobs.values()):
