@@ -140,6 +140,7 @@ def discovery_loop(
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PING_BYTES)
+    verifier.secure_listener(sock)  # with a secret: only pingers that hold it connect
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     shown = "*" if host in ("0.0.0.0", "*") else f"[{host}]" if ":" in host else host

@@ -85,9 +85,12 @@ class CountingContext:
 def raw_dealer():
     socks = []
 
-    def connect(port):
+    def connect(port, secret=None):
+        """A DEALER connected to ``port``; with ``secret``, past the listener's CURVE (as a
+        holder of the secret), so that what it sends reaches the message checks."""
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        MessageAuth(secret).secure_dialer(sock)
         sock.connect(f"tcp://{LOCAL}:{port}")
         socks.append(sock)
         return sock
@@ -143,7 +146,7 @@ def test_listener_survives_bad_messages_and_keeps_delivering(raw_dealer, caplog)
     ]
     caplog.set_level(logging.WARNING, logger="moriio_native.control")
     with NotifyListener(0, sec, bind_host=LOCAL, max_message_bytes=2048) as listener:
-        dealer = raw_dealer(listener.port)
+        dealer = raw_dealer(listener.port, SECRET)
         for frames in bad_frames:
             dealer.send_multipart(frames)
         dealer.send_multipart(auth.seal(encode(good)))
@@ -299,17 +302,18 @@ def test_messages_of_terminal_transfers_are_not_delivered():
 
 
 def test_signed_replays_and_moved_tags_are_rejected(raw_dealer):
-    """With a secret: a genuinely signed message captured off the wire and sent again is
-    delivered once (a copy of it while the transfer runs is a duplicate, after the transfer
-    ended it is late); its tag on another transfer's payload fails authentication; a message
-    signed with another secret fails too. None of them reaches the protocol core."""
+    """With a secret: a genuinely signed message sent again is delivered once (a copy of it
+    while the transfer runs is a duplicate, after the transfer ended it is late); its tag on
+    another transfer's payload fails authentication; a message signed with another secret fails
+    too. None of them reaches the protocol core. (Sent over a connection that holds the
+    secret's CURVE keys: without them nothing is read at all, test_control_flood.py.)"""
     sec = security(SECRET)
     auth = MessageAuth(SECRET)
     genuine = Release("tx-a", consumer_tp_size=2, consumer_tp_rank=1)
     payload, tag = auth.seal(encode(genuine))
     moved = encode(Release("tx-b", consumer_tp_size=2, consumer_tp_rank=1))
     with NotifyListener(0, sec, bind_host=LOCAL) as listener:
-        wire = raw_dealer(listener.port)
+        wire = raw_dealer(listener.port, SECRET)
         wire.send_multipart([payload, tag])
         assert listener.get(WAIT) == genuine
         wire.send_multipart([payload, tag])  # replayed while the transfer runs
@@ -686,8 +690,9 @@ def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
                 security=security("another-secret-0123456789"),
                 requester_engine_id="intruder",
             )
-        # Over one connection (so in order): untagged, wrongly tagged, then a good request.
-        dealer = raw_dealer(server.port)
+        # Over one connection past CURVE (so in order): untagged, wrongly tagged, then a good
+        # request.
+        dealer = raw_dealer(server.port, SECRET)
         untagged, wrong, good = (HandshakeRequest(n) for n in ("a", "b", "c"))
         dealer.send(encode(untagged))
         dealer.send_multipart(MessageAuth("another-secret-0123456789").seal(encode(wrong)))
@@ -703,10 +708,12 @@ def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
     assert stats["answered"] == 1 and stats["dropped_auth"] >= 2
 
 
-def _dealer_from(source, port):
-    """A DEALER connected to ``port`` from the local address ``source``."""
+def _dealer_from(source, port, secret=None):
+    """A DEALER connected to ``port`` from the local address ``source`` (``secret``: with its
+    CURVE keys)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    MessageAuth(secret).secure_dialer(sock)
     sock.connect(f"tcp://{source}:0;{LOCAL}:{port}")
     return sock
 
@@ -714,9 +721,10 @@ def _dealer_from(source, port):
 def test_a_replayed_or_stale_signed_handshake_request_is_dropped_and_not_learned(
     raw_dealer, caplog
 ):
-    """An eavesdropper without the secret replays a genuine request it captured, or sends an
-    old capture, from its own address: neither is answered (no signed metadata for it) nor
-    is its address learned into the allowlist."""
+    """A genuine request replayed, or an old one, from another address: neither is answered
+    (no signed metadata for it) nor is that address learned into the allowlist. (Sent past
+    CURVE: an eavesdropper without the secret can neither read a request off the wire nor
+    connect to replay it.)"""
     caplog.set_level(logging.WARNING, logger="moriio_native.control")
     auth = MessageAuth(SECRET)
     captured = auth.seal(encode(HandshakeRequest("decode-0")))
@@ -724,10 +732,10 @@ def test_a_replayed_or_stale_signed_handshake_request_is_dropped_and_not_learned
     old = auth.seal(encode(HandshakeRequest("decode-0", sent_ms=an_hour_ago)))
     server_sec = security(SECRET, allowed=())
     with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
-        genuine = raw_dealer(server.port)
+        genuine = raw_dealer(server.port, SECRET)
         genuine.send_multipart(captured)
         assert genuine.poll(int(WAIT * 1000))  # the genuine exchange is answered
-        replayer = _dealer_from("127.0.0.2", server.port)
+        replayer = _dealer_from("127.0.0.2", server.port, SECRET)
         try:
             replayer.send_multipart(captured)
             replayer.send_multipart(old)
@@ -758,7 +766,7 @@ def test_a_replayed_or_stale_signed_checksum_request_is_dropped_unread():
     server_sec = security(SECRET)
     with (
         HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL, checksums=checksums) as srv,
-        contextlib.closing(_dealer_from(LOCAL, srv.port)) as dealer,
+        contextlib.closing(_dealer_from(LOCAL, srv.port, SECRET)) as dealer,
     ):
         for frames in (captured, captured, old):
             dealer.send_multipart(frames)
@@ -784,7 +792,7 @@ def test_without_a_secret_a_handshake_request_is_answered_whatever_its_clock():
 def test_unauthenticated_requester_is_not_learned(raw_dealer):
     server_sec = security(SECRET, allowed=())
     with HandshakeServer(0, provider_for(), server_sec, bind_host=LOCAL) as server:
-        dealer = raw_dealer(server.port)
+        dealer = raw_dealer(server.port, SECRET)
         dealer.send(encode(HandshakeRequest("intruder")))  # no tag
         dealer.send_multipart(server_sec.auth.seal(b"\xc1"))  # tagged but malformed: a marker
         wait_until(lambda: server.stats()["dropped_malformed"] == 1)
@@ -873,6 +881,7 @@ def _fake_server_reply(make_reply, secret=None):
     ctx = zmq.Context.instance()
     router = ctx.socket(zmq.ROUTER)
     router.setsockopt(zmq.LINGER, 0)
+    MessageAuth(secret).secure_listener(router)
     port = router.bind_to_random_port(f"tcp://{LOCAL}")
     try:
         with ThreadPoolExecutor(1) as pool:

@@ -35,13 +35,14 @@ from moriio_native.control.messages import (
     decode,
     encode,
 )
-from moriio_native.control.security import ControlSecurity
+from moriio_native.control.security import ControlSecurity, MessageAuth
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.core import PdCore
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.pusher import Pusher
 from test_pd_peers import Clock
 from test_pd_protocol import context
+from zmtp_support import greeted, send_endless_message
 
 LOCAL = "127.0.0.1"
 WAIT = 10.0
@@ -195,10 +196,14 @@ def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages
 # ---- wake-up moderation: a flooded listener pauses between bursts ------------------------------
 
 
-def _dealer(port: int, *, source: str | None = None, host: str = LOCAL) -> zmq.Socket:
-    """A DEALER connected to ``port`` of ``host``, from the loopback address ``source``."""
+def _dealer(
+    port: int, *, source: str | None = None, host: str = LOCAL, secret: str | None = None
+) -> zmq.Socket:
+    """A DEALER connected to ``port`` of ``host``, from the loopback address ``source``; with
+    ``secret``, a CURVE client with that secret's keys, as an instance dials."""
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
+    MessageAuth(secret).secure_dialer(dealer)
     if ":" in host:
         dealer.setsockopt(zmq.IPV6, 1)
         host = f"[{host}]"
@@ -246,18 +251,13 @@ def test_listeners_accepting_only_allowed_peers_never_read_a_strangers_messages(
         assert handshake.stats()["dropped_malformed"] == 1  # a release is no handshake
 
 
-# A ZMTP 3.0 greeting (NULL mechanism): what any ZMQ peer, a stranger too, sends first.
-_ZMTP_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
-
-
 def _greeted(port: int, source: str) -> bool:
     """Whether the listener at ``port`` answers a raw connection from ``source`` with its own
     ZMTP greeting (False: it closed the connection, as its accept filter does)."""
     address, origin = (LOCAL, port), (source, 0)
     with socket.create_connection(address, timeout=WAIT, source_address=origin) as conn:
         try:
-            conn.sendall(_ZMTP_GREETING)
-            return conn.recv(1) == b"\xff"
+            return greeted(conn)
         except ConnectionError:  # reset: closed at accept
             return False
 
@@ -265,10 +265,10 @@ def _greeted(port: int, source: str) -> bool:
 def test_an_accept_only_listener_closes_a_stranger_before_its_first_frame() -> None:
     """ZMQ queues every frame of a multipart message until its last one, with no limit on their
     number (MAXMSGSIZE bounds one frame), before the application sees anything: a stranger's
-    never-ending message of empty frames grows a listener's process without bound, whatever the
-    secret (docs/reliability.md, Security). accept_only_allowed_peers is the mitigation: the
-    stranger's connection is closed at accept, before its first frame, while a peer inside the
-    networks is greeted as before."""
+    never-ending message of empty frames grows a listener's process without bound, unless a
+    secret is set (the next test; docs/reliability.md, Security). Without one,
+    accept_only_allowed_peers is the mitigation: the stranger's connection is closed at accept,
+    before its first frame, while a peer inside the networks is greeted as before."""
     sec = ControlSecurity.from_config(
         {"allowed_peers": ["127.0.0.2/32"], "accept_only_allowed_peers": True}
     )
@@ -280,6 +280,53 @@ def test_an_accept_only_listener_closes_a_stranger_before_its_first_frame() -> N
         for listener in (notify, handshake):
             assert not _greeted(listener.port, source=LOCAL)
             assert _greeted(listener.port, source="127.0.0.2")
+
+
+SECRET = "test-secret-0123456789"
+
+
+def test_with_a_secret_a_peer_without_it_gets_no_frame_queued_nor_read() -> None:
+    """With a secret, every listener is a CURVE server whose keys only a holder of the secret
+    can derive. Before: anyone who reached a port could send a multipart message that never
+    ends (ZMQ queued its frames without bound; the HMAC is checked only on a whole message:
+    491 MiB for 8 million empty frames) and a flood of forged messages that the listener read
+    and dropped one by one. Now ZMQ's I/O thread closes such a connection at its handshake: the
+    endless message is cut off, and neither a plain peer's nor a wrong secret's messages are
+    read (not even counted), while a peer with the secret is read as before."""
+    sec = ControlSecurity.from_config({"auth_secret": SECRET, "allowed_peers": ["127.0.0.0/8"]})
+    provider = lambda _request: HandshakeResponse(engine_id="p", engine_metadata=b"meta")  # noqa: E731
+    auth = MessageAuth(SECRET)
+    with (
+        NotifyListener(0, sec, bind_host=LOCAL) as notify,
+        HandshakeServer(0, provider, sec, bind_host=LOCAL) as handshake,
+    ):
+        for listener in (notify, handshake):
+            # A multipart message that never ends is cut off (not taken on for 2 s).
+            endless = send_endless_message(LOCAL, listener.port, frames=200_000, linger_s=2.0)
+            assert endless.closed
+            with (
+                contextlib.closing(_dealer(listener.port)) as plain,
+                contextlib.closing(
+                    _dealer(listener.port, secret="another secret, 0123456789")
+                ) as wrong,
+                contextlib.closing(_dealer(listener.port, secret=SECRET)) as holder,
+            ):
+                for i in range(FLOOD):
+                    with contextlib.suppress(zmq.Again):  # nobody takes them
+                        plain.send(BAD_PAYLOADS[i % len(BAD_PAYLOADS)], zmq.NOBLOCK)
+                        wrong.send_multipart(
+                            MessageAuth("another secret, 0123456789").seal(encode(Release("x"))),
+                            zmq.NOBLOCK,
+                        )
+                holder.send_multipart(auth.seal(encode(Release("from a holder"))))
+                deadline = time.monotonic() + WAIT
+                while listener.stats()["received"] < 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                time.sleep(0.3)  # time for another message to be read, were it let in
+                stats = listener.stats()
+                assert stats["received"] == 1 and stats["dropped_auth"] == 0, stats
+        assert notify.get(WAIT) == Release("from a holder")
+        assert handshake.stats()["dropped_malformed"] == 1  # a release is no handshake
 
 
 @pytest.mark.parametrize(

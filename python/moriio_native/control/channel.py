@@ -535,6 +535,9 @@ class _RouterListener(_ClosesOnExit):
             # it, so a stranger's messages cost this process no read at all.
             for network in self._security.allowlist.accept_filters(ipv6=ipv6):
                 sock.setsockopt_string(zmq.TCP_ACCEPT_FILTER, network)
+            # With a secret, a peer without it fails ZMQ's CURVE handshake: none of its frames
+            # is queued or read (security.py).
+            self._security.auth.secure_listener(sock)
             shown = f"[{host}]" if ipv6 else host
             endpoint = f"tcp://{shown}:{port if port else '*'}"
             try:
@@ -1169,6 +1172,7 @@ def _ask(
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_response_bytes + 4096)
+        security.auth.secure_dialer(sock)
         sock.connect(zmq_endpoint(host, port))
         try:
             sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
@@ -1180,7 +1184,8 @@ def _ask(
             if remaining <= 0:
                 raise TransferTimeoutError(
                     f"{what} {target}: no reply within {timeout:.3g}s "
-                    "(is the peer running and the port right?)"
+                    "(is the peer running, the port right, and auth_secret the same on both "
+                    "sides? a peer with another secret, or none, cannot connect)"
                 )
             if not sock.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))):
                 continue
@@ -1285,6 +1290,7 @@ class NotifySender(_ClosesOnExit):
             sock.setsockopt(zmq.LINGER, self._linger_ms)
             sock.setsockopt(zmq.SNDHWM, self._send_hwm)
             sock.setsockopt(zmq.IPV6, 1)
+            self._security.auth.secure_dialer(sock)
             sock.connect(zmq_endpoint(host, port))
         except BaseException:
             sock.close(linger=0)
@@ -1365,6 +1371,7 @@ class ProxyPinger:
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.SNDHWM, 1)
             sock.setsockopt(zmq.IPV6, 1)
+            self._auth.secure_dialer(sock)  # signed pings go to a proxy with the secret
             sock.connect(self._endpoint)
             while not self._stop.is_set():
                 try:

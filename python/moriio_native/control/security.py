@@ -12,6 +12,18 @@ messages for finished transfers are ignored, handshake replies echo a fresh nonc
 handshake server with a secret answers a request only within a minute of its ``sent_ms`` and
 each nonce once: :class:`FreshStamps`).
 
+Transport security (the same secret). With a secret, every control connection -- handshake and
+notify ports, and signed proxy registrations -- is also a ZMQ CURVE connection: both ends derive
+one server and one client key pair from the secret (``HMAC-SHA256(secret, domain)`` as the
+Curve25519 secret key), listeners are CURVE servers and dialers CURVE clients. A CURVE client
+must know the server's public key, which is never sent on the wire and only a holder of the
+secret can derive, so a peer without the secret fails ZMQ's handshake and is disconnected by
+ZMQ's I/O thread before it can send a single message frame: what ZMQ would otherwise queue
+without bound from anyone who can connect (a multipart message that never ends, the HMAC
+checked only once it is whole), and what the listeners would read and drop one by one (a flood
+of forged messages), never reaches them. The traffic is encrypted too. Without a secret the
+connections are plain ZMQ, as in vLLM's MoRIIO connector.
+
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
 ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
 three frames: ``payload``, a 24-byte stamp (8-byte big-endian milliseconds since the Unix epoch, 16
@@ -41,7 +53,9 @@ Contents:
 * :data:`ENV_AUTH_SECRET`, :data:`MIN_SECRET_BYTES`
 * :class:`AuthenticationError`, :class:`PeerNotAllowedError`
 * :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``,
-  ``seal_registration``; immutable, safe from any thread.
+  ``seal_registration``, ``secure_listener(socket)`` and ``secure_dialer(socket)`` (CURVE with
+  the secret's keys, before bind or connect); immutable, safe from any thread.
+* :class:`TransportKeys` -- the CURVE key pairs a secret derives.
 * :class:`FreshStamps` -- each stamp once, within a window of the clock; thread-safe. Used by
   :class:`RegistrationVerifier` and, for signed handshake requests, by the handshake server.
 * :class:`RegistrationVerifier` -- the proxy side of signed registrations; thread-safe.
@@ -64,6 +78,9 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import zmq
+from zmq.utils import z85
+
 from moriio_native.errors import InvalidArgumentError, MoriioError
 
 from .addressing import validate_host
@@ -79,6 +96,8 @@ TAG_BYTES = 32
 STAMP_BYTES = 24
 _MAC_DOMAIN = b"moriio-native/control/v1\x00"
 _REGISTRATION_DOMAIN = b"moriio-native/registration/v1\x00"
+_CURVE_SERVER_DOMAIN = b"moriio-native/curve-server/v1\x00"
+_CURVE_CLIENT_DOMAIN = b"moriio-native/curve-client/v1\x00"
 
 IpNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -92,14 +111,51 @@ class PeerNotAllowedError(MoriioError, PermissionError):
     """A host is not in the peer allowlist; nothing was dialled."""
 
 
+@dataclass(frozen=True, slots=True)
+class TransportKeys:
+    """The CURVE key pairs (Z85-encoded, as ZMQ takes them) that every holder of one secret
+    derives alike: the server pair for listeners, the client pair for dialers."""
+
+    server_secret: bytes
+    server_public: bytes
+    client_secret: bytes
+    client_public: bytes
+
+    @classmethod
+    def derive(cls, secret: bytes) -> TransportKeys:
+        """The pairs of ``secret``. InvalidArgumentError when this libzmq has no CURVE."""
+        if not zmq.has("curve"):
+            raise InvalidArgumentError(
+                f"{CONFIG_AUTH_SECRET} is set, but this libzmq ({zmq.zmq_version()}) was built "
+                "without CURVE security, which a secret's connections use; install a pyzmq "
+                "wheel (they bundle a libzmq with CURVE)"
+            )
+        server = z85.encode(hmac.new(secret, _CURVE_SERVER_DOMAIN, hashlib.sha256).digest())
+        client = z85.encode(hmac.new(secret, _CURVE_CLIENT_DOMAIN, hashlib.sha256).digest())
+        return cls(server, zmq.curve_public(server), client, zmq.curve_public(client))
+
+    def listen(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not bound yet) a CURVE server with the server pair."""
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.server_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.server_public)
+
+    def dial(self, sock: zmq.Socket) -> None:
+        """Make ``sock`` (not connected yet) a CURVE client of the server pair's holder."""
+        sock.setsockopt(zmq.CURVE_SERVERKEY, self.server_public)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, self.client_secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, self.client_public)
+
+
 class MessageAuth:
-    """Tags outgoing payloads and checks incoming ones with an optional shared secret.
+    """Tags outgoing payloads and checks incoming ones with an optional shared secret, and
+    secures the sockets that carry them (CURVE with the secret's :class:`TransportKeys`).
 
     Immutable after construction; safe to share between threads. ``MessageAuth(None)`` is the
-    no-secret mode: one frame out, exactly one frame accepted.
+    no-secret mode: one frame out, exactly one frame accepted, plain sockets.
     """
 
-    __slots__ = ("_key",)
+    __slots__ = ("_key", "_transport")
 
     def __init__(self, secret: bytes | str | None) -> None:
         """``secret``: at least 16 bytes (str is UTF-8 encoded), or ``None`` for no
@@ -117,6 +173,7 @@ class MessageAuth:
                     f"{MIN_SECRET_BYTES} random bytes"
                 )
         self._key = secret
+        self._transport = TransportKeys.derive(secret) if secret is not None else None
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None = None) -> MessageAuth:
@@ -133,6 +190,18 @@ class MessageAuth:
     def enabled(self) -> bool:
         """True when a secret is configured."""
         return self._key is not None
+
+    def secure_listener(self, sock: zmq.Socket) -> None:
+        """With a secret, make ``sock`` (before its bind) accept only CURVE clients that hold
+        the secret; without one, leave it plain."""
+        if self._transport is not None:
+            self._transport.listen(sock)
+
+    def secure_dialer(self, sock: zmq.Socket) -> None:
+        """With a secret, make ``sock`` (before its connect) a CURVE client of listeners that
+        hold the secret; without one, leave it plain."""
+        if self._transport is not None:
+            self._transport.dial(sock)
 
     def _tag(self, payload: bytes, domain: bytes = _MAC_DOMAIN) -> bytes:
         assert self._key is not None
@@ -273,6 +342,11 @@ class RegistrationVerifier:
     def enabled(self) -> bool:
         """True when registrations must be signed (a secret is configured)."""
         return self._auth.enabled
+
+    def secure_listener(self, sock: zmq.Socket) -> None:
+        """With a secret, make the registration socket (before its bind) a CURVE server, as
+        signing pingers dial it (:meth:`MessageAuth.secure_listener`)."""
+        self._auth.secure_listener(sock)
 
     def open(self, frames: Sequence[bytes]) -> bytes:
         """The payload of an accepted registration; AuthenticationError naming why it was
@@ -518,4 +592,5 @@ __all__ = [
     "PeerAllowlist",
     "PeerNotAllowedError",
     "RegistrationVerifier",
+    "TransportKeys",
 ]
