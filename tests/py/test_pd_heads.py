@@ -174,3 +174,51 @@ def test_describe_names_every_part_in_global_heads() -> None:
     assert plan.describe(1, prefill=True, whole_layers=False).endswith(
         "prefill rank 1 moves no split heads"
     )
+
+
+def _reference_consumers(plan: TpPlan, prefill_rank: int) -> tuple[int, ...]:
+    """The definition: every decode rank that names the prefill rank among its sources."""
+    return tuple(d for d in range(plan.decode_tp) if prefill_rank in plan.sources(d))
+
+
+@pytest.mark.parametrize("total", [0, 1, 2, 4, 8, 16])
+def test_consumers_worked_out_from_the_heads_equal_every_decode_ranks_sources(total: int) -> None:
+    sizes = (1, 2, 3, 4, 8, 16, 32, 64)
+    for p, d in itertools.product(sizes, sizes):
+        if total and not (_valid(total, p) and _valid(total, d)):
+            continue
+        for whole in (True, False) if total else (True,):
+            plan = TpPlan.make(p, d, total, whole)
+            for prefill in range(p):
+                assert plan.consumers(prefill) == _reference_consumers(plan, prefill), (
+                    total,
+                    p,
+                    d,
+                    whole,
+                    prefill,
+                )
+
+
+def test_the_consumers_of_a_huge_decode_tp_ask_no_decode_rank_for_its_sources(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Before: a prefill rank's consumers were found by asking each of the decode TP size's
+    ranks for its sources; for the 65,536 a request may name (the client's word), a third of a
+    second per new size in vLLM's engine step. Now they follow from the rank's heads: no decode
+    rank is asked, and the answer is the same."""
+    asked: list[int] = []
+    sources = TpPlan.sources
+
+    def counted(plan: TpPlan, decode_rank: int) -> tuple[int, ...]:
+        asked.append(decode_rank)
+        return sources(plan, decode_rank)
+
+    monkeypatch.setattr(TpPlan, "sources", counted)
+    for prefill_tp in (1, 4, 16):
+        plan = TpPlan.make(prefill_tp, 65536, 8, True)
+        consumers = plan.consumers(prefill_tp - 1)
+        assert len(consumers) == 65536 // prefill_tp
+        assert plan.expected_releases(prefill_tp - 1) == len(consumers)
+    assert asked == []
+    monkeypatch.setattr(TpPlan, "sources", sources)
+    assert consumers == _reference_consumers(plan, 15)

@@ -83,6 +83,31 @@ def holders(total_kv_heads: int, tp_size: int, head: int) -> range:
     return range(head * rep, head * rep + rep)
 
 
+def consumer_ranks(
+    prefill_tp: int, decode_tp: int, total_kv_heads: int, prefill_rank: int
+) -> tuple[int, ...]:
+    """The decode ranks that take something from prefill rank ``prefill_rank`` under the rules
+    of :class:`TpPlan` (its :meth:`TpPlan.sources`, inverted), in order, in time linear in
+    their number: no decode rank that takes nothing is looked at."""
+    if prefill_tp == decode_tp:
+        return (prefill_rank,)
+    if not total_kv_heads:  # whole caches only: decode rank d takes them from d mod P
+        return tuple(range(prefill_rank, decode_tp, prefill_tp))
+    heads = rank_heads(total_kv_heads, prefill_tp, prefill_rank)
+    if prefill_tp <= total_kv_heads:
+        # This rank is each of its heads' only holder: every decode rank holding one of them
+        # takes it from here (the whole caches too, from its first head's source).
+        first = holders(total_kv_heads, decode_tp, heads.start).start
+        last = holders(total_kv_heads, decode_tp, heads.stop - 1).stop
+        return tuple(range(first, last))
+    # One head, replicated on ``copies`` prefill ranks: a decode rank holding it takes it from
+    # replica ``d mod copies``, so from this rank when d is congruent to its replica index.
+    copies = prefill_tp // total_kv_heads
+    takers = holders(total_kv_heads, decode_tp, heads.start)
+    first = takers.start + (prefill_rank - takers.start) % copies
+    return tuple(range(first, takers.stop, copies))
+
+
 @dataclass(frozen=True)
 class TpPlan:
     """Prefill TP ``prefill_tp`` -> decode TP ``decode_tp`` for one model: ``total_kv_heads``
@@ -187,9 +212,16 @@ class TpPlan:
 
     def consumers(self, prefill_rank: int) -> tuple[int, ...]:
         """The decode ranks that transfer with prefill rank ``prefill_rank`` (read from it, or
-        receive its writes)."""
+        receive its writes), in order. Worked out from the rank's heads, not by asking every
+        decode rank for its sources: a request may name a decode TP size of 65,536, and asking
+        each took a third of a second."""
         self._check_rank(prefill_rank, self.prefill_tp, "prefill")
-        return self._consumers[prefill_rank]
+        known = self._consumers.get(prefill_rank)
+        if known is None:
+            known = self._consumers[prefill_rank] = consumer_ranks(
+                self.prefill_tp, self.decode_tp, self.total_kv_heads, prefill_rank
+            )
+        return known
 
     def releases(self, decode_rank: int, prefill_rank: int) -> bool:
         """Whether decode rank ``decode_rank`` is one that releases ``prefill_rank``."""
@@ -233,16 +265,17 @@ class TpPlan:
         return f"{sizes}, {total} KV heads: {what} {moved}" + (f"; {whole_text}" if whole else "")
 
     @cached_property
-    def _consumers(self) -> tuple[tuple[int, ...], ...]:
-        out: list[list[int]] = [[] for _ in range(self.prefill_tp)]
-        for d in range(self.decode_tp):
-            for p in self.sources(d):
-                out[p].append(d)
-        return tuple(tuple(c) for c in out)
+    def _consumers(self) -> dict[int, tuple[int, ...]]:
+        """Each prefill rank's consumers once worked out (the same tuple for the same rank
+        whichever thread asks first)."""
+        return {}
 
     @cached_property
     def _unused_prefill_ranks(self) -> tuple[int, ...]:
-        return tuple(p for p in range(self.prefill_tp) if not self._consumers[p])
+        if self.decode_tp < self.prefill_tp:  # the few decode ranks' sources are the used ones
+            used = {p for d in range(self.decode_tp) for p in self.sources(d)}
+            return tuple(p for p in range(self.prefill_tp) if p not in used)
+        return tuple(p for p in range(self.prefill_tp) if not self.consumers(p))
 
     @staticmethod
     def _check_rank(rank: int, size: int, side: str) -> None:
