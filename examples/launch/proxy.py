@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moriio_native.control.addressing import format_request_id
-from moriio_native.control.channel import RateLimitedWarnings
+from moriio_native.control.channel import LISTENER_HANDSHAKE_MS, RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_PING_BYTES,
     InvalidMessageError,
@@ -140,6 +140,7 @@ def discovery_loop(
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PING_BYTES)
+    sock.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)  # a stalled handshake ends soon
     verifier.secure_listener(sock)  # with a secret: only pingers that hold it connect
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)

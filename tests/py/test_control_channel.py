@@ -682,11 +682,12 @@ def test_fetch_to_refused_host_opens_no_socket():
 
 def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
     with HandshakeServer(0, provider_for(), security(SECRET), bind_host=LOCAL) as server:
-        with pytest.raises(TransferTimeoutError):
+        # Another secret: every connection fails ZMQ's CURVE handshake, which the error names.
+        with pytest.raises(TransferTimeoutError, match=r"ZMQ's handshake failed .* auth_secret"):
             fetch_metadata(
                 LOCAL,
                 server.port,
-                timeout=0.3,
+                timeout=0.5,
                 security=security("another-secret-0123456789"),
                 requester_engine_id="intruder",
             )
@@ -706,6 +707,46 @@ def test_wrong_secret_gets_no_answer_and_server_keeps_serving(raw_dealer):
         assert not dealer.poll(200)  # and nothing else
         stats = server.stats()
     assert stats["answered"] == 1 and stats["dropped_auth"] >= 2
+
+
+@pytest.mark.parametrize(("server_secret", "client_secret"), [(SECRET, None), (None, SECRET)])
+def test_a_secret_on_one_side_only_fails_the_handshake_at_once_naming_it(
+    server_secret, client_secret
+):
+    """A secret on one side only: ZMQ's handshake finds different security mechanisms (CURVE
+    and NULL), and nothing can ever pass. Before: the requester waited out its timeout and got
+    "no reply"; now it gets an AuthenticationError naming the cause as soon as ZMQ reports
+    it (here the timeout is a minute, so a timeout would fail the test)."""
+    with HandshakeServer(0, provider_for(), security(server_secret), bind_host=LOCAL) as server:
+        with pytest.raises(AuthenticationError, match="one side has an auth_secret"):
+            fetch_metadata(
+                LOCAL,
+                server.port,
+                timeout=60,
+                security=security(client_secret),
+                requester_engine_id="d",
+            )
+        assert server.stats()["received"] == 0
+
+
+def test_a_proxy_pinger_whose_handshakes_fail_says_why(caplog):
+    """A proxy with a secret and an instance that does not sign its pings (or the reverse):
+    every ping fails ZMQ's handshake, so the proxy never lists the instance and its listener
+    sees nothing to log. Before: nothing was logged on either side (found by a review); now the
+    pinger warns, naming the cause, and does so once for a run of failures."""
+    proxy = zmq.Context.instance().socket(zmq.ROUTER)
+    proxy.setsockopt(zmq.LINGER, 0)
+    MessageAuth(SECRET).secure_listener(proxy)
+    port = proxy.bind_to_random_port(f"tcp://{LOCAL}")
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    try:
+        with ProxyPinger(LOCAL, port, REGISTRATION, interval=0.05):
+            wait_until(lambda: "proxy registration to" in caplog.text)
+            time.sleep(0.5)  # more failures: no more lines
+    finally:
+        proxy.close(linger=0)
+    lines = [r.getMessage() for r in caplog.records if "proxy registration to" in r.getMessage()]
+    assert len(lines) == 1 and "one side has an auth_secret" in lines[0], lines
 
 
 def _dealer_from(source, port, secret=None):

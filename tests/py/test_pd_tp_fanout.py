@@ -1511,3 +1511,24 @@ def test_ranks_held_back_for_the_tp_confirmation_are_told_write_failed_when_the_
     held_back = [reason for rank, reason in failed if rank >= pusher_module.MAX_UNCONFIRMED_JOBS]
     assert all("decode TP size 32" in reason for reason in held_back), held_back
     assert not [c for c in engine.calls if c[0] == "write_layer"]
+
+
+def test_a_held_back_rank_that_announced_and_aborted_gets_one_answer() -> None:
+    """A made job's rank that announced and then aborted is answered write_aborted alone (its
+    abort settles it). Before: a held-back rank in the same place (its orphan had both) was
+    also told write_failed when the request ended, two answers for one transfer (found by a
+    review). Now it gets the write_aborted only, as a made job's rank does."""
+    decode_tp = 32
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, decode_tp)], [])
+    for rank in (3, 20):  # 3: a made job's rank; 20: one held back for the TP confirmation
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-1", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+        pusher.on_abort_write(
+            AbortWrite("tx-1", f"d:8000/dp0/tp{rank}", "d", 9000, 9100, 0, rank, decode_tp)
+        )
+    pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=True)])
+    assert not [m for _, m in sender.ports if isinstance(m, WriteFailed)]

@@ -10,8 +10,14 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 
-# A ZMTP 3.0 greeting (NULL mechanism): what any ZMQ peer without CURVE keys sends first.
-ZMTP_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" * 32
+
+def zmtp_greeting(mechanism: bytes) -> bytes:
+    """A ZMTP 3.0 greeting of a client with ``mechanism`` (``b"NULL"``, ``b"CURVE"``)."""
+    return b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + mechanism.ljust(20, b"\0") + b"\0" * 32
+
+
+# What any ZMQ peer without CURVE keys sends first.
+ZMTP_GREETING = zmtp_greeting(b"NULL")
 # The NULL mechanism's READY command of a DEALER, which must follow the greetings.
 _READY_BODY = b"\x05READY\x0bSocket-Type" + (6).to_bytes(4, "big") + b"DEALER"
 ZMTP_READY = b"\x04" + bytes([len(_READY_BODY)]) + _READY_BODY
@@ -76,3 +82,29 @@ def send_endless_message(
         except TimeoutError:
             return EndlessMessage(sent, False)
     return EndlessMessage(sent, True)
+
+
+def stalled_handshake(
+    host: str, port: int, *, mechanism: bytes, declared: int, sent: int, wait_s: float
+) -> bool:
+    """Open a ZMQ handshake with ``mechanism``'s greeting, then send the first ``sent`` bytes
+    of a handshake command declared ``declared`` bytes long (a CURVE HELLO is 200, a READY
+    tens) and stall; whether the listener closed the connection within ``wait_s`` seconds."""
+    with socket.create_connection((host, port), timeout=10) as conn:
+        try:
+            conn.sendall(zmtp_greeting(mechanism))
+            got = 0
+            while got < len(ZMTP_GREETING):  # the listener's greeting: it took the mechanism
+                part = conn.recv(len(ZMTP_GREETING) - got)
+                if not part:
+                    return True
+                got += len(part)
+            conn.sendall(b"\x06" + declared.to_bytes(8, "big") + b"\0" * sent)
+            conn.settimeout(wait_s)
+            while conn.recv(65536):
+                pass
+        except ConnectionError:
+            return True
+        except TimeoutError:
+            return False
+    return True

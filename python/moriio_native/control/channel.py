@@ -48,6 +48,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from moriio_native.errors import (
     FailedPreconditionError,
@@ -91,6 +92,16 @@ from .security import (
 logger = logging.getLogger("moriio_native.control.channel")
 
 _POLL_MS = 100
+# How long a listener keeps a connection that has not finished ZMQ's handshake (ZMQ's default:
+# 30 s). ZMQ reads a handshake command as it reads a message, up to MAXMSGSIZE, so a peer
+# without the secret that opens a CURVE handshake and sends a huge HELLO it never finishes
+# holds that much of the listener's memory, on as many connections as it opens, until this
+# ends them: what it can hold is what it sends in this time. A genuine handshake takes a few
+# round trips; a dialer whose handshake is cut off reconnects.
+LISTENER_HANDSHAKE_MS = 2000
+# A proxy pinger whose every connection fails ZMQ's handshake (the proxy has another secret, or
+# none) says so at once, then at most this often.
+_PROXY_HANDSHAKE_WARN_EVERY_S = 60.0
 # Messages a listener reads per wake-up before it looks at its stop flag and polls again.
 _BURST = 256
 _MAX_TAG_FRAME = 64
@@ -528,6 +539,7 @@ class _RouterListener(_ClosesOnExit):
             # Transport-level cap: ZMQ disconnects a peer that sends more. The application
             # check below is tighter, so ordinary oversize messages are logged, not silent.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+            sock.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)
             ipv6 = ":" in host
             if ipv6:  # before the accept filters: ZMQ parses each in the socket's family
                 sock.setsockopt(zmq.IPV6, 1)
@@ -1065,6 +1077,59 @@ class HandshakeServer(_RouterListener):
         )
 
 
+_HANDSHAKE_FAILED_EVENTS = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+SECRET_MISMATCH = (
+    "one side has an auth_secret and the other none (ZMQ's handshake found different security "
+    "mechanisms)"
+)
+HANDSHAKE_CLOSED = (
+    "the peer closed the connection during ZMQ's handshake (it has another auth_secret, or "
+    "accepts only its allowed_peers)"
+)
+
+
+class _HandshakeWatch:
+    """The ZMQ handshake failures of one dialing socket (a monitor of those events only), read
+    by the thread that uses the socket. A secret on one side only, or two secrets, fail every
+    connection inside ZMQ, where neither side's listener sees a message: this names it on the
+    dialing side. The events are few (one per reconnection, at most ten a second), and each
+    owner reads them as it waits, so the monitor's queue never fills (a full one would stall
+    ZMQ's I/O thread)."""
+
+    def __init__(self, sock: zmq.Socket) -> None:
+        """Watch ``sock`` (before its connect)."""
+        self._sock = sock
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED_EVENTS)
+        self.failures = 0
+        self.mismatch = False  # a failure that can only be a secret on one side
+        self.reason = ""
+
+    def read(self) -> bool:
+        """Take what the monitor reported (never blocks); whether there was a failure."""
+        failed = False
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            failed = True
+            self.failures += 1
+            if (
+                event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
+            ):
+                self.mismatch = True
+                self.reason = SECRET_MISMATCH
+            elif not self.mismatch:
+                self.reason = HANDSHAKE_CLOSED
+        return failed
+
+    def close(self) -> None:
+        self._sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
 def _check_seconds(value: float, what: str) -> float:
     if (
         not isinstance(value, (int, float))
@@ -1168,26 +1233,39 @@ def _ask(
     host = security.allowlist.require(host, purpose=f"{what} {target}")
     ctx = context if context is not None else zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
+    watch: _HandshakeWatch | None = None
     try:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IPV6, 1)
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_response_bytes + 4096)
         security.auth.secure_dialer(sock)
+        watch = _HandshakeWatch(sock)
         sock.connect(zmq_endpoint(host, port))
         try:
             sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
             raise TransportError(f"{what} {target}: cannot send: {exc}") from exc
         deadline = time.monotonic() + timeout
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                failed = (
+                    f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
+                    if watch.failures
+                    else ""
+                )
                 raise TransferTimeoutError(
                     f"{what} {target}: no reply within {timeout:.3g}s "
                     "(is the peer running, the port right, and auth_secret the same on both "
-                    "sides? a peer with another secret, or none, cannot connect)"
+                    f"sides?){failed}"
                 )
-            if not sock.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))):
+            ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
+            if watch.monitor in ready and watch.read() and watch.mismatch:
+                raise AuthenticationError(f"{what} {target}: {watch.reason}")
+            if sock not in ready:
                 continue
             frames = sock.recv_multipart()
             if len(frames) < 2 or frames[0] != b"":
@@ -1209,6 +1287,8 @@ def _ask(
                 )
             return reply
     finally:
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
 
 
@@ -1366,27 +1446,46 @@ class ProxyPinger:
 
     def _run(self) -> None:
         sock = self._context.socket(zmq.DEALER)
+        watch: _HandshakeWatch | None = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.SNDHWM, 1)
             sock.setsockopt(zmq.IPV6, 1)
             self._auth.secure_dialer(sock)  # signed pings go to a proxy with the secret
+            watch = _HandshakeWatch(sock)
             sock.connect(self._endpoint)
+            next_ping = time.monotonic()
+            warned = -math.inf
             while not self._stop.is_set():
-                try:
-                    sock.send_multipart(
-                        self._auth.seal_registration(self._payload), flags=zmq.NOBLOCK
+                if time.monotonic() >= next_ping:
+                    self._ping(sock)
+                    next_ping = time.monotonic() + self._interval
+                if watch.read() and time.monotonic() - warned >= _PROXY_HANDSHAKE_WARN_EVERY_S:
+                    warned = time.monotonic()
+                    logger.warning(
+                        "proxy registration to %s: %s; no ping reaches the proxy (this side "
+                        "signs them: %s)",
+                        self._endpoint,
+                        watch.reason,
+                        "yes" if self._auth.enabled else "no",
                     )
-                    with self._lock:
-                        self._sent += 1
-                except zmq.Again:
-                    logger.debug("proxy %s not reachable yet; ping skipped", self._endpoint)
-                except zmq.ZMQError as exc:
-                    logger.warning("proxy ping to %s failed: %s", self._endpoint, exc)
-                self._stop.wait(self._interval)
+                # In slices: the handshake failures are read as they come, whatever the interval.
+                self._stop.wait(min(1.0, max(0.0, next_ping - time.monotonic())))
         finally:
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
+
+    def _ping(self, sock: zmq.Socket) -> None:
+        try:
+            sock.send_multipart(self._auth.seal_registration(self._payload), flags=zmq.NOBLOCK)
+            with self._lock:
+                self._sent += 1
+        except zmq.Again:
+            logger.debug("proxy %s not reachable yet; ping skipped", self._endpoint)
+        except zmq.ZMQError as exc:
+            logger.warning("proxy ping to %s failed: %s", self._endpoint, exc)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop pinging and join the thread (at most ``timeout`` s). Idempotent."""
@@ -1409,6 +1508,7 @@ class ProxyPinger:
 
 
 __all__ = [
+    "LISTENER_HANDSHAKE_MS",
     "ChecksumProvider",
     "HandshakeServer",
     "MetadataProvider",

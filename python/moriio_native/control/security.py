@@ -21,8 +21,10 @@ secret can derive, so a peer without the secret fails ZMQ's handshake and is dis
 ZMQ's I/O thread before it can send a single message frame: what ZMQ would otherwise queue
 without bound from anyone who can connect (a multipart message that never ends, the HMAC
 checked only once it is whole), and what the listeners would read and drop one by one (a flood
-of forged messages), never reaches them. The traffic is encrypted too. Without a secret the
-connections are plain ZMQ, as in vLLM's MoRIIO connector.
+of forged messages), never reaches them. What such a peer can still make a listener hold is a
+handshake command it never finishes (ZMQ reads one up to the socket's MAXMSGSIZE), for at most
+the listener's handshake limit (``LISTENER_HANDSHAKE_MS`` in :mod:`.channel`). The traffic is
+encrypted too. Without a secret the connections are plain ZMQ, as in vLLM's MoRIIO connector.
 
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
 ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
@@ -75,7 +77,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -116,9 +118,11 @@ class TransportKeys:
     """The CURVE key pairs (Z85-encoded, as ZMQ takes them) that every holder of one secret
     derives alike: the server pair for listeners, the client pair for dialers."""
 
-    server_secret: bytes
+    # The secret keys stay out of repr (logs, tracebacks): either lets its holder pass as a
+    # listener or a dialer of every instance.
+    server_secret: bytes = field(repr=False)
     server_public: bytes
-    client_secret: bytes
+    client_secret: bytes = field(repr=False)
     client_public: bytes
 
     @classmethod

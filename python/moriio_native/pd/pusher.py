@@ -1047,7 +1047,10 @@ class Pusher:
             self._orphans.take(jid)
             _, _, rank, _, announced, aborted, released, _ = orphan
             if aborted is not None:
-                held.acked.first(rank)  # acknowledged when it came (_orphan_aborted)
+                # Acknowledged when it came (_orphan_aborted): that is the rank's one answer, as
+                # a made job's abort settles it (no write_failed after a write_aborted).
+                held.acked.first(rank)
+                continue
             announcement = _load(RemoteBlocks, announced)
             if announcement is not None and not released:
                 self._tell_held_back(held, announcement)
