@@ -1067,17 +1067,9 @@ class Pusher:
 
     def _tell_held_back(self, held: _HeldBack, message: RemoteBlocks) -> None:
         """A held-back rank's announcement, its request ended (lock held): write_failed, once."""
-        if not held.answered.first(message.decode_tp_rank):
-            return
-        failed = self._write_failed(message.transfer_id, held.reason)
-        if held.address is None:
-            logger.warning(
-                "transfer %s: write_failed not sent: the request named no decode address",
-                message.transfer_id,
-            )
-            return
-        rank, tp_size = message.decode_tp_rank, held.plan.decode_tp
-        self._send_to_rank(held.address, None, rank, tp_size, message, failed)
+        if held.answered.first(message.decode_tp_rank):
+            rank, tp_size = message.decode_tp_rank, held.plan.decode_tp
+            self._tell_unwritten(held.address, rank, tp_size, held.reason, message)
 
     # ---- the job machine (lock held) ----------------------------------------------------------
 
@@ -1852,14 +1844,28 @@ class Pusher:
         if ended.settled:
             return
         ended.settled = True
-        failed = self._write_failed(ended.request, ended.reason)
-        if ended.address is None:
+        rank, tp_size = ended.decode_rank, ended.decode_tp
+        self._tell_unwritten(ended.address, rank, tp_size, ended.reason, message)
+
+    def _tell_unwritten(
+        self,
+        address: ZmqAddress | None,
+        rank: int,
+        tp_size: int,
+        reason: str,
+        message: RemoteBlocks,
+    ) -> None:
+        """write_failed (``reason``) to decode rank ``rank`` of ``tp_size``, which announced
+        ``message`` for blocks nothing was or will be written into (lock held), at the
+        request's decode ``address`` (logged instead when the request named none)."""
+        failed = self._write_failed(message.transfer_id, reason)
+        if address is None:
             logger.warning(
                 "transfer %s: write_failed not sent: the request named no decode address",
-                ended.request,
+                message.transfer_id,
             )
             return
-        self._send_to_rank(ended.address, None, ended.decode_rank, ended.decode_tp, message, failed)
+        self._send_to_rank(address, None, rank, tp_size, message, failed)
 
     def _ack_ended(self, ended: _Ended, request: AbortWrite) -> None:
         """abort_write for a job of an ended request (lock held): it ended drained, so the ack
