@@ -36,6 +36,7 @@ Contents:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import math
 import os
@@ -1086,6 +1087,7 @@ SECRET_MISMATCH = (
     "one side has an auth_secret and the other none (ZMQ's handshake found different security "
     "mechanisms)"
 )
+_WATCH_IDS = itertools.count()  # next() is atomic under the GIL
 HANDSHAKE_CLOSED = (
     "the peer closed the connection during ZMQ's handshake (it has another auth_secret, or "
     "accepts only its allowed_peers)"
@@ -1103,7 +1105,11 @@ class _HandshakeWatch:
     def __init__(self, sock: zmq.Socket) -> None:
         """Watch ``sock`` (before its connect)."""
         self._sock = sock
-        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED_EVENTS)
+        # A name of its own: pyzmq's default names the monitor after the socket's descriptor,
+        # which a socket of another handshake thread may take over while ZMQ still closes the
+        # previous monitor's endpoint in the background.
+        address = f"inproc://moriio-native.handshake-watch.{next(_WATCH_IDS)}"
+        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED_EVENTS, address)
         self.failures = 0
         self.mismatch = False  # a failure that can only be a secret on one side
         self.reason = ""
