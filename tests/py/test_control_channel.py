@@ -749,6 +749,53 @@ def test_a_proxy_pinger_whose_handshakes_fail_says_why(caplog):
     assert len(lines) == 1 and "one side has an auth_secret" in lines[0], lines
 
 
+def _router(secret, port=0):
+    """A bare ROUTER on 127.0.0.1 (``port`` 0: any), CURVE with ``secret``'s keys when given."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    MessageAuth(secret).secure_listener(sock)
+    if port:
+        sock.bind(f"tcp://{LOCAL}:{port}")
+        return sock, port
+    return sock, sock.bind_to_random_port(f"tcp://{LOCAL}")
+
+
+def test_a_proxy_pinger_dials_again_once_a_misconfigured_proxy_is_fixed():
+    """A signing pinger meets a proxy without the secret (different security mechanisms):
+    ZMQ ends that connection for good, with no reconnect. Before: the pinger never reached the
+    proxy again, even after it was restarted with the secret on the same port, and logged
+    nothing more (found by a review). Now it dials again a second after such a failure."""
+    wrong, port = _router(None)
+    with ProxyPinger(LOCAL, port, REGISTRATION, interval=0.1, auth=MessageAuth(SECRET)):
+        time.sleep(1.0)  # the mismatch happened
+        wrong.close(linger=0)
+        time.sleep(0.2)
+        right, _ = _router(SECRET, port)
+        try:
+            assert right.poll(int(WAIT * 1000)), "no ping after the proxy was fixed"
+        finally:
+            right.close(linger=0)
+
+
+def test_a_notify_sender_dials_again_once_a_misconfigured_peer_is_fixed(caplog):
+    """The same for notify messages: a sender with a secret whose peer listener had none kept
+    its dead connection (ZMQ does not reconnect after a protocol failure), so every later
+    message to that peer queued until the send queue was full, even once the peer was
+    restarted with the secret. Now a send that finds its connection given up dials again (and
+    says why, within the log's rate limit)."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.control")
+    wrong, port = _router(None)
+    with NotifySender(security(SECRET)) as sender:
+        sender.send(LOCAL, port, Release("tx-1"))
+        time.sleep(1.0)  # the mismatch happened
+        wrong.close(linger=0)
+        time.sleep(0.2)
+        with NotifyListener(port, security(SECRET), bind_host=LOCAL) as listener:
+            sender.send(LOCAL, port, Release("tx-2"))
+            assert listener.get(WAIT) == Release("tx-2")
+    assert "dialling again" in caplog.text and "one side has an auth_secret" in caplog.text
+
+
 def _dealer_from(source, port, secret=None):
     """A DEALER connected to ``port`` from the local address ``source`` (``secret``: with its
     CURVE keys)."""

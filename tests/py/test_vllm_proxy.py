@@ -338,7 +338,9 @@ def _send(port: int, frames: list[bytes], secret: str | None = None) -> None:
     """``frames`` to the proxy's registration port; with ``secret``, over a CURVE connection
     with its keys (as a signing pinger dials a proxy with the secret)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 1000)
+    # ZMQ delivers in the background after close: long enough for a loaded machine's handshake
+    # (1 s lost a ping now and then while a full test run shared the cores).
+    sock.setsockopt(zmq.LINGER, 10_000)
     MessageAuth(secret).secure_dialer(sock)
     sock.connect(f"tcp://127.0.0.1:{port}")
     sock.send_multipart(frames)

@@ -45,6 +45,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
 
@@ -103,6 +104,13 @@ LISTENER_HANDSHAKE_MS = 2000
 # A proxy pinger whose every connection fails ZMQ's handshake (the proxy has another secret, or
 # none) says so at once, then at most this often.
 _PROXY_HANDSHAKE_WARN_EVERY_S = 60.0
+# ... and, when ZMQ gave its connection up for good (a protocol failure), dials again this much
+# later.
+_PROXY_REDIAL_S = 1.0
+# Numbers for the monitors' inproc addresses. pyzmq's default names a monitor after its socket's
+# descriptor, which another thread's new socket may take over while ZMQ still closes the
+# previous monitor's endpoint in the background. next() is atomic under the GIL.
+_MONITOR_IDS = itertools.count()
 # Messages a listener reads per wake-up before it looks at its stop flag and polls again.
 _BURST = 256
 _MAX_TAG_FRAME = 64
@@ -695,7 +703,8 @@ class _RouterListener(_ClosesOnExit):
         # listener can bind it again at once. The hub's other listeners wait meanwhile (ZMQ
         # takes milliseconds; at most a second): a listener closes at shutdown, not per request.
         try:
-            monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED)
+            address = f"inproc://moriio-native.listener-close.{next(_MONITOR_IDS)}"
+            monitor = sock.get_monitor_socket(zmq.EVENT_CLOSED, address)
             try:
                 sock.unbind(self._endpoint)
                 if monitor.poll(1000):
@@ -1087,10 +1096,10 @@ SECRET_MISMATCH = (
     "one side has an auth_secret and the other none (ZMQ's handshake found different security "
     "mechanisms)"
 )
-_WATCH_IDS = itertools.count()  # next() is atomic under the GIL
 HANDSHAKE_CLOSED = (
-    "the peer closed the connection during ZMQ's handshake (it has another auth_secret, or "
-    "accepts only its allowed_peers)"
+    "the peer closed the connection during ZMQ's handshake (it has another auth_secret, "
+    "accepts only its allowed_peers, or the handshake took it longer than its "
+    f"{LISTENER_HANDSHAKE_MS} ms: an overloaded host or a round trip near a second)"
 )
 
 
@@ -1100,18 +1109,18 @@ class _HandshakeWatch:
     connection inside ZMQ, where neither side's listener sees a message: this names it on the
     dialing side. The events are few (one per reconnection, at most ten a second), and each
     owner reads them as it waits, so the monitor's queue never fills (a full one would stall
-    ZMQ's I/O thread)."""
+    ZMQ's I/O thread). A protocol failure (different security mechanisms among them) ends the
+    socket's connection for good: ZMQ does not reconnect after one (``ended``), so its owner
+    must dial again on a new socket."""
 
-    def __init__(self, sock: zmq.Socket) -> None:
-        """Watch ``sock`` (before its connect)."""
+    def __init__(self, sock: zmq.Socket, events: int = _HANDSHAKE_FAILED_EVENTS) -> None:
+        """Watch ``sock`` (before its connect) for ``events`` (handshake failures)."""
         self._sock = sock
-        # A name of its own: pyzmq's default names the monitor after the socket's descriptor,
-        # which a socket of another handshake thread may take over while ZMQ still closes the
-        # previous monitor's endpoint in the background.
-        address = f"inproc://moriio-native.handshake-watch.{next(_WATCH_IDS)}"
-        self.monitor = sock.get_monitor_socket(_HANDSHAKE_FAILED_EVENTS, address)
+        address = f"inproc://moriio-native.handshake-watch.{next(_MONITOR_IDS)}"
+        self.monitor = sock.get_monitor_socket(events, address)
         self.failures = 0
         self.mismatch = False  # a failure that can only be a secret on one side
+        self.ended = False  # a protocol failure: ZMQ will not reconnect this socket
         self.reason = ""
 
     def read(self) -> bool:
@@ -1121,6 +1130,7 @@ class _HandshakeWatch:
             event = recv_monitor_message(self.monitor)
             failed = True
             self.failures += 1
+            self.ended = self.ended or event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
             if (
                 event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
                 and event["value"] == zmq.PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH
@@ -1134,6 +1144,18 @@ class _HandshakeWatch:
     def close(self) -> None:
         self._sock.disable_monitor()
         self.monitor.close(linger=0)
+
+
+@dataclass(frozen=True, slots=True)
+class _Dialed:
+    """A notify sender's socket to one peer and the watch of its handshakes."""
+
+    sock: zmq.Socket
+    watch: _HandshakeWatch
+
+    def close(self, linger_ms: int) -> None:
+        self.watch.close()
+        self.sock.close(linger=linger_ms)
 
 
 def _check_seconds(value: float, what: str) -> float:
@@ -1246,7 +1268,10 @@ def _ask(
         sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_response_bytes + 4096)
         security.auth.secure_dialer(sock)
         watch = _HandshakeWatch(sock)
-        sock.connect(zmq_endpoint(host, port))
+        try:
+            sock.connect(zmq_endpoint(host, port))
+        except zmq.ZMQError as exc:
+            raise TransportError(f"{what} {target}: cannot connect: {exc}") from exc
         try:
             sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -1325,8 +1350,9 @@ class NotifySender(_ClosesOnExit):
         self._send_hwm = send_hwm
         self._linger_ms = linger_ms
         self._lock = threading.Lock()
-        self._sockets: OrderedDict[tuple[str, int], zmq.Socket] = OrderedDict()
+        self._sockets: OrderedDict[tuple[str, int], _Dialed] = OrderedDict()
         self._closed = False
+        self._redialled = RateLimitedWarnings(logger, "notify connections dialled again")
 
     def send(self, host: str, port: int, message: NotifyMessage) -> None:
         """Queue ``message`` for the notify listener at ``host:port``.
@@ -1348,14 +1374,24 @@ class NotifySender(_ClosesOnExit):
         with self._lock:
             if self._closed:
                 raise FailedPreconditionError("notify sender is closed")
-            sock = self._sockets.get(key)
-            if sock is None:
-                sock = self._open(host, port)
-                self._sockets[key] = sock
+            dialed = self._sockets.get(key)
+            if dialed is not None and dialed.watch.read() and dialed.watch.ended:
+                # ZMQ gave this connection up for good (its handshake failed on the protocol):
+                # messages would queue on it forever, even once the peer is fixed. Dial again.
+                self._redialled.warn(
+                    "notify connection to %s: %s; dialling again", target, dialed.watch.reason
+                )
+                del self._sockets[key]
+                dialed.close(0)
+                dialed = None
+            if dialed is None:
+                dialed = self._open(host, port)
+                self._sockets[key] = dialed
                 while len(self._sockets) > self._max_peers:
                     _, old = self._sockets.popitem(last=False)
-                    old.close(linger=self._linger_ms)
+                    old.close(self._linger_ms)
             self._sockets.move_to_end(key)
+            sock = dialed.sock
             try:
                 sock.send_multipart(frames, flags=zmq.NOBLOCK)
             except zmq.Again as exc:
@@ -1365,23 +1401,29 @@ class NotifySender(_ClosesOnExit):
                 ) from exc
             except zmq.ZMQError as exc:
                 self._sockets.pop(key, None)
-                sock.close(linger=0)
+                dialed.close(0)
                 raise TransportError(
                     f"{message.TYPE} of transfer {message.transfer_id} to {target}: {exc}"
                 ) from exc
 
-    def _open(self, host: str, port: int) -> zmq.Socket:
+    def _open(self, host: str, port: int) -> _Dialed:
         sock = self._context.socket(zmq.DEALER)
+        watch = None
         try:
             sock.setsockopt(zmq.LINGER, self._linger_ms)
             sock.setsockopt(zmq.SNDHWM, self._send_hwm)
             sock.setsockopt(zmq.IPV6, 1)
             self._security.auth.secure_dialer(sock)
+            # Protocol failures only: each ends the connection, so a socket reports one at
+            # most and its unread monitor cannot fill (a send reads it).
+            watch = _HandshakeWatch(sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
             sock.connect(zmq_endpoint(host, port))
         except BaseException:
+            if watch is not None:
+                watch.close()
             sock.close(linger=0)
             raise
-        return sock
+        return _Dialed(sock, watch)
 
     def close(self) -> None:
         """Close every socket (queued messages get ``linger_ms`` to flush, in the background).
@@ -1389,8 +1431,8 @@ class NotifySender(_ClosesOnExit):
         with self._lock:
             self._closed = True
             sockets, self._sockets = list(self._sockets.values()), OrderedDict()
-        for sock in sockets:
-            sock.close(linger=self._linger_ms)
+        for dialed in sockets:
+            dialed.close(self._linger_ms)
 
 
 class ProxyPinger:
@@ -1450,9 +1492,9 @@ class ProxyPinger:
                 self._thread.start()
         return self
 
-    def _run(self) -> None:
+    def _dial(self) -> _Dialed:
         sock = self._context.socket(zmq.DEALER)
-        watch: _HandshakeWatch | None = None
+        watch = None
         try:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
@@ -1461,12 +1503,23 @@ class ProxyPinger:
             self._auth.secure_dialer(sock)  # signed pings go to a proxy with the secret
             watch = _HandshakeWatch(sock)
             sock.connect(self._endpoint)
+        except BaseException:
+            if watch is not None:
+                watch.close()
+            sock.close(linger=0)
+            raise
+        return _Dialed(sock, watch)
+
+    def _run(self) -> None:
+        dialed = self._dial()
+        try:
             next_ping = time.monotonic()
             warned = -math.inf
             while not self._stop.is_set():
                 if time.monotonic() >= next_ping:
-                    self._ping(sock)
+                    self._ping(dialed.sock)
                     next_ping = time.monotonic() + self._interval
+                watch = dialed.watch
                 if watch.read() and time.monotonic() - warned >= _PROXY_HANDSHAKE_WARN_EVERY_S:
                     warned = time.monotonic()
                     logger.warning(
@@ -1476,12 +1529,16 @@ class ProxyPinger:
                         watch.reason,
                         "yes" if self._auth.enabled else "no",
                     )
+                if watch.ended and not self._stop.wait(_PROXY_REDIAL_S):
+                    # ZMQ gave the connection up for good (a protocol failure): dial again, so
+                    # that a proxy restarted with the matching configuration is found.
+                    dialed.close(0)
+                    dialed = self._dial()
+                    continue
                 # In slices: the handshake failures are read as they come, whatever the interval.
                 self._stop.wait(min(1.0, max(0.0, next_ping - time.monotonic())))
         finally:
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)
+            dialed.close(0)
 
     def _ping(self, sock: zmq.Socket) -> None:
         try:
