@@ -1158,6 +1158,32 @@ class _Dialed:
         self.sock.close(linger=linger_ms)
 
 
+def _dial(
+    context: zmq.Context,
+    endpoint: str,
+    auth: MessageAuth,
+    options: dict[int, int],
+    events: int = _HANDSHAKE_FAILED_EVENTS,
+) -> _Dialed:
+    """A DEALER with ``options`` (ZMQ option -> value), secured with ``auth``'s secret (CURVE,
+    when it has one), its handshake failures among ``events`` watched, connected to
+    ``endpoint``; nothing left open when that fails."""
+    sock = context.socket(zmq.DEALER)
+    watch = None
+    try:
+        for option, value in options.items():
+            sock.setsockopt(option, value)
+        auth.secure_dialer(sock)
+        watch = _HandshakeWatch(sock, events)
+        sock.connect(endpoint)
+    except BaseException:
+        if watch is not None:
+            watch.close()
+        sock.close(linger=0)
+        raise
+    return _Dialed(sock, watch)
+
+
 def _check_seconds(value: float, what: str) -> float:
     if (
         not isinstance(value, (int, float))
@@ -1407,23 +1433,12 @@ class NotifySender(_ClosesOnExit):
                 ) from exc
 
     def _open(self, host: str, port: int) -> _Dialed:
-        sock = self._context.socket(zmq.DEALER)
-        watch = None
-        try:
-            sock.setsockopt(zmq.LINGER, self._linger_ms)
-            sock.setsockopt(zmq.SNDHWM, self._send_hwm)
-            sock.setsockopt(zmq.IPV6, 1)
-            self._security.auth.secure_dialer(sock)
-            # Protocol failures only: each ends the connection, so a socket reports one at
-            # most and its unread monitor cannot fill (a send reads it).
-            watch = _HandshakeWatch(sock, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
-            sock.connect(zmq_endpoint(host, port))
-        except BaseException:
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)
-            raise
-        return _Dialed(sock, watch)
+        options = {zmq.LINGER: self._linger_ms, zmq.SNDHWM: self._send_hwm, zmq.IPV6: 1}
+        # Protocol failures only: each ends the connection, so a socket reports one at most and
+        # its unread monitor cannot fill (a send reads it).
+        events = zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+        endpoint = zmq_endpoint(host, port)
+        return _dial(self._context, endpoint, self._security.auth, options, events)
 
     def close(self) -> None:
         """Close every socket (queued messages get ``linger_ms`` to flush, in the background).
@@ -1493,22 +1508,9 @@ class ProxyPinger:
         return self
 
     def _dial(self) -> _Dialed:
-        sock = self._context.socket(zmq.DEALER)
-        watch = None
-        try:
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IMMEDIATE, 1)
-            sock.setsockopt(zmq.SNDHWM, 1)
-            sock.setsockopt(zmq.IPV6, 1)
-            self._auth.secure_dialer(sock)  # signed pings go to a proxy with the secret
-            watch = _HandshakeWatch(sock)
-            sock.connect(self._endpoint)
-        except BaseException:
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)
-            raise
-        return _Dialed(sock, watch)
+        options = {zmq.LINGER: 0, zmq.IMMEDIATE: 1, zmq.SNDHWM: 1, zmq.IPV6: 1}
+        # (Signed pings go to a proxy with the secret: CURVE then, as the instances' sockets.)
+        return _dial(self._context, self._endpoint, self._auth, options)
 
     def _run(self) -> None:
         dialed = self._dial()
