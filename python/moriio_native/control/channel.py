@@ -1286,18 +1286,13 @@ def _ask(
     target = f"{host}:{port}"
     host = security.allowlist.require(host, purpose=f"{what} {target}")
     ctx = context if context is not None else zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    watch: _HandshakeWatch | None = None
+    options = {zmq.LINGER: 0, zmq.IPV6: 1, zmq.MAXMSGSIZE: 2 * max_response_bytes + 4096}
     try:
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.IPV6, 1)
-        sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_response_bytes + 4096)
-        security.auth.secure_dialer(sock)
-        watch = _HandshakeWatch(sock)
-        try:
-            sock.connect(zmq_endpoint(host, port))
-        except zmq.ZMQError as exc:
-            raise TransportError(f"{what} {target}: cannot connect: {exc}") from exc
+        dialed = _dial(ctx, zmq_endpoint(host, port), security.auth, options)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"{what} {target}: cannot connect: {exc}") from exc
+    sock, watch = dialed.sock, dialed.watch
+    try:
         try:
             sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:
@@ -1344,9 +1339,7 @@ def _ask(
                 )
             return reply
     finally:
-        if watch is not None:
-            watch.close()
-        sock.close(linger=0)
+        dialed.close(0)
 
 
 class NotifySender(_ClosesOnExit):
