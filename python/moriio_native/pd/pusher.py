@@ -563,8 +563,12 @@ class _HeldBack:
     address: ZmqAddress | None
     reason: str
     ended: float
-    answered: _RankBits  # ranks told write_failed
-    acked: _RankBits  # ranks whose abort_write was acknowledged
+    answered: _RankBits = field(init=False)  # ranks told write_failed
+    acked: _RankBits = field(init=False)  # ranks whose abort_write was acknowledged
+
+    def __post_init__(self) -> None:
+        self.answered = _RankBits(self.plan.decode_tp)
+        self.acked = _RankBits(self.plan.decode_tp)
 
     def covers(self, rank: int, prefill_rank: int) -> bool:
         """Whether decode rank ``rank`` was one held back (a rank prefill rank
@@ -1028,8 +1032,6 @@ class Pusher:
             f"not written: no handshake confirmed the decode TP size {plan.decode_tp} the "
             f"request named ({cause})",
             now,
-            _RankBits(plan.decode_tp),
-            _RankBits(plan.decode_tp),
         )
         self._held_back[tid] = held
         while len(self._held_back) > MAX_HELD_BACK_REQUESTS:
@@ -1054,16 +1056,6 @@ class Pusher:
             announcement = _load(RemoteBlocks, announced)
             if announcement is not None and not released:
                 self._tell_held_back(held, announcement)
-
-    def _ack_held_back(self, held: _HeldBack, request: AbortWrite) -> None:
-        """A held-back rank's abort_write, its request ended (lock held): nothing was written
-        into it, so the ack goes at once to that rank at the request's decode address."""
-        ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
-        if held.address is None:
-            self._ack_by_handshake(request, ack)
-            return
-        rank, tp_size = request.decode_tp_rank, held.plan.decode_tp
-        self._send_to_rank(held.address, None, rank, tp_size, request, ack)
 
     def _tell_held_back(self, held: _HeldBack, message: RemoteBlocks) -> None:
         """A held-back rank's announcement, its request ended (lock held): write_failed, once."""
@@ -1774,12 +1766,14 @@ class Pusher:
             if ended is not None:
                 if not ended.acked:  # one answer per transfer
                     ended.acked = True
-                    self._ack_ended(ended, message)
+                    rank, tp_size = ended.decode_rank, ended.decode_tp
+                    self._ack_unwritten(ended.address, ended.dp_rank, rank, tp_size, message)
                 return
             held = self._held_back.get(message.transfer_id)
             if held is not None and held.covers(message.decode_tp_rank, self._rank):
-                if held.acked.first(message.decode_tp_rank):  # one answer per transfer
-                    self._ack_held_back(held, message)
+                rank, tp_size = message.decode_tp_rank, held.plan.decode_tp
+                if held.acked.first(rank):  # one answer per transfer
+                    self._ack_unwritten(held.address, None, rank, tp_size, message)
                 return
             job = self._jobs.get(jid)
             if job is None:
@@ -1867,16 +1861,24 @@ class Pusher:
             return
         self._send_to_rank(address, None, rank, tp_size, message, failed)
 
-    def _ack_ended(self, ended: _Ended, request: AbortWrite) -> None:
-        """abort_write for a job of an ended request (lock held): it ended drained, so the ack
-        goes at once to where the job wrote (or would have)."""
+    def _ack_unwritten(
+        self,
+        address: ZmqAddress | None,
+        dp_rank: int | None,
+        rank: int,
+        tp_size: int,
+        request: AbortWrite,
+    ) -> None:
+        """abort_write from decode rank ``rank`` of ``tp_size`` for a job of an ended request,
+        or one never made (lock held): nothing of it can land any more, so the ack goes at once
+        to where the job wrote or would have (DP rank ``dp_rank``, None: the one ``request``
+        names), or, when the request named no decode address, where a handshake proves the
+        rank."""
         ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
-        if ended.address is None:
+        if address is None:
             self._ack_by_handshake(request, ack)
             return
-        self._send_to_rank(
-            ended.address, ended.dp_rank, ended.decode_rank, ended.decode_tp, request, ack
-        )
+        self._send_to_rank(address, dp_rank, rank, tp_size, request, ack)
 
     # ---- timeouts -----------------------------------------------------------------------------
 
