@@ -52,6 +52,13 @@ also records them (steady clock, in the calling process: the engine's call entry
 each batch cut and handed to the backend, the progress thread taking it and submitting its
 copy) and the timeline lists them in ms from the Python call, with the first of each.
 
+``--in-flight K`` (default 1): each timed round issues K requests back to back, to disjoint
+destination blocks, before waiting for any, as a decode serving many requests does; GB/s is the
+K requests' bytes over the time from the first call to the last terminal event, so one
+request's fixed costs (planning its first piece, the progress thread's wake-up, the last
+event's notice) overlap with the others' copies. With K = 1 a request's fixed costs are all
+exposed: that is the latency of one request, K > 1 the throughput of several.
+
 ``--pre MODE`` (repeatable, default ``none`` and ``prime``; each mode gets its own warm-up and
 ``--requests`` requests, in the same process pair, rows tagged with it): what happens between
 one request's verification and baseline copy (both in the decode process) and the next timed
@@ -145,6 +152,7 @@ class Row:
     state_copy_gbps: float = 0.0  # median copy_ in the decode's memory state, after each request
     ratio_to_state_copy: float = 0.0
     pre: str = "none"  # what ran between the previous request's checks and this one (--pre)
+    in_flight: int = 1  # requests issued together per timed round (--in-flight)
 
 
 @dataclass
@@ -288,11 +296,12 @@ def _marks_of(start_ns: int) -> dict[str, Any]:
 
 
 def _timed_request(
-    engine: Any, tid: str, call: Any, timeline: bool, prime: bool
-) -> tuple[float, Any, Any]:
-    """Runs ``call(tid)`` (which starts transfer ``tid``) and waits for its terminal event:
-    seconds, the event and, with ``timeline``, the request's intervals under ``torch.profiler``
-    (after the same request once under it: the profiler's first kernels and ranges cost extra).
+    engine: Any, tids: list[str], call: Any, timeline: bool, prime: bool
+) -> tuple[float, list[Any], Any]:
+    """Runs ``call(tid)`` (which starts transfer ``tid``) for every tid, back to back, and waits
+    for their terminal events: seconds from the first call to the last event, the events and,
+    with ``timeline`` (one tid only), the request's intervals under ``torch.profiler`` (after the
+    same request once under it: the profiler's first kernels and ranges cost extra).
     ``prime``: one tiny kernel of this process runs to completion before the clock starts."""
     import torch
 
@@ -301,13 +310,15 @@ def _timed_request(
     torch.cuda.synchronize()
     if not timeline:
         start = time.perf_counter()
-        call(tid)
-        event = engine.wait([tid], timeout=300)[tid]
-        return time.perf_counter() - start, event, None
+        for tid in tids:
+            call(tid)
+        events = engine.wait(tids, timeout=300)
+        return time.perf_counter() - start, [events[t] for t in tids], None
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from moriio_native import _native
 
+    (tid,) = tids
     marked = _native.trace_marks_compiled_in()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         with record_function("warm-up"):
@@ -326,7 +337,7 @@ def _timed_request(
     timeline = _timeline_of(prof)
     if marked:
         timeline.update(_marks_of(start_ns))
-    return seconds, event, timeline
+    return seconds, [event], timeline
 
 
 def _layer_views(backing: Any, preset: dict[str, Any], layout: str, num_blocks: int) -> list[Any]:
@@ -531,10 +542,14 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
             continue
         if cmd in _OPS:
             # Block ids as int64 arrays, as the vLLM connector holds them (converted once per
-            # request, outside the timing).
-            tid, local, remote, timeline, prime = args[0], _ids(args[1]), _ids(args[2]), *args[3:]
+            # request, outside the timing), by transfer id; a profiled warm-up reuses its
+            # request's ids.
+            tids, timeline, prime = args[0], *args[3:]
+            pairs = zip(tids, args[1], args[2], strict=True)
+            ids = {t: (_ids(lo), _ids(re)) for t, lo, re in pairs}
 
-            def call(tid: str, local: Any = local, remote: Any = remote, op: str = cmd) -> None:
+            def call(tid: str, op: str = cmd, ids: dict[str, Any] = ids) -> None:
+                local, remote = ids[tid.removesuffix("-warm-up")]
                 if op == "read":
                     engine.read(tid, peer, local, remote)
                     return
@@ -545,10 +560,11 @@ def _worker(role: str, conn: Any, cfg: dict[str, Any]) -> None:
                         engine.write_layer(tid, name, peer, local, remote)
                 engine.seal(tid, peer, expected_writes=len(names))
 
-            seconds, event, trace = _timed_request(engine, tid, call, timeline, prime)
+            seconds, events, trace = _timed_request(engine, tids, call, timeline, prime)
             # A base build from before stamped batches has no count of them.
-            shapes = (event.cell_batches, getattr(event, "stamped_batches", 0))
-            conn.send((seconds, event.state, event.bytes, event.message, shapes, trace))
+            shapes = (events[-1].cell_batches, getattr(events[-1], "stamped_batches", 0))
+            ends = [(e.state, e.bytes, e.message) for e in events]
+            conn.send((seconds, ends, shapes, trace))
         elif cmd == "verify":  # decode only: destination blocks == regenerated prefill blocks
             dst_ids, src_ids = (torch.as_tensor(x, device="cuda") for x in args)
             src_layout = _layout_of(cfg, "prefill")
@@ -895,6 +911,18 @@ def _recv(conn: Any, procs: list[Any], timeout: float = 300.0) -> Any:
     return conn.recv()
 
 
+def _round_ids(
+    rng: Any, args: argparse.Namespace, in_flight: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Source and destination block ids of a round's ``in_flight`` requests: sources drawn
+    independently (they are only read), destinations disjoint (requests in flight together must
+    not write the same block, or a later one's bytes could pass the earlier one's check)."""
+    b = args.blocks
+    dst_pool = rng.permutation(args.num_blocks)[: b * in_flight].tolist()
+    srcs = [rng.permutation(args.num_blocks)[:b].tolist() for _ in range(in_flight)]
+    return srcs, [dst_pool[k * b : (k + 1) * b] for k in range(in_flight)]
+
+
 def run_case(
     preset_name: str,
     layout: str,
@@ -931,9 +959,8 @@ def run_case(
         # Request 0 warms up (IPC mapping, kernel load); with --timeline one more is profiled.
         profiled = requests + 1 if args.timeline and direct_copy == "auto" else None
         for r in range(requests + 1 + (profiled is not None)):
-            src = rng.permutation(args.num_blocks)[: args.blocks].tolist()
-            dst = rng.permutation(args.num_blocks)[: args.blocks].tolist()
-            tid = f"{op}-{direct_copy}-{pre}-{r}"
+            srcs, dsts = _round_ids(rng, args, 1 if r == profiled else args.in_flight)
+            tids = [f"{op}-{direct_copy}-{pre}-{r}-{k}" for k in range(len(dsts))]
             if pre != "none":
                 for role in ("prefill", "decode"):
                     conns[role].send(("sync",))
@@ -941,23 +968,28 @@ def run_case(
                 time.sleep(args.settle_ms / 1e3)
             # READ: decode pulls prefill's src into its dst; WRITE: prefill pushes src into dst.
             caller = "decode" if op == "read" else "prefill"
-            local, remote = (dst, src) if op == "read" else (src, dst)
-            conns[caller].send((op, tid, local, remote, r == profiled, pre == "prime"))
-            seconds, state, nbytes, msg, shapes, trace = _recv(conns[caller], procs)
-            if state != "done":
-                raise RuntimeError(f"{tid} ended {state}: {msg}")
-            conns["decode"].send(("verify", dst, src))
-            ok = bool(_recv(conns["decode"], procs))
+            locals_, remotes = (dsts, srcs) if op == "read" else (srcs, dsts)
+            conns[caller].send((op, tids, locals_, remotes, r == profiled, pre == "prime"))
+            seconds, ends, shapes, trace = _recv(conns[caller], procs)
+            for tid, (state, _, msg) in zip(tids, ends, strict=True):
+                if state != "done":
+                    raise RuntimeError(f"{tid} ended {state}: {msg}")
+            nbytes = sum(n for _, n, _ in ends)
+            ok = True
+            for dst, src in zip(dsts, srcs, strict=True):
+                conns["decode"].send(("verify", dst, src))
+                ok &= bool(_recv(conns["decode"], procs))
+            verified &= ok
             if trace is not None:
                 timelines.append(
                     TimelineRow(
                         preset_name, op, nbytes, seconds * 1e3, verified=ok, pre=pre, **trace
                     )
                 )
-                verified &= ok
                 continue
-            verified &= ok
-            conns["decode"].send(("copy", nbytes))
+            # The baseline copies one request's bytes (its rate does not depend on the size at
+            # these sizes, and K of them might not fit the cache).
+            conns["decode"].send(("copy", ends[0][1]))
             copy_gbps = _recv(conns["decode"], procs)
             if r > 0:
                 samples.append(nbytes / seconds / 1e9)
@@ -981,6 +1013,7 @@ def run_case(
                 state_copy,
                 gbps / state_copy,
                 pre,
+                args.in_flight,
             )
         )
     _stop_pair(conns, procs)
@@ -1069,6 +1102,13 @@ def main(argv: list[str] | None = None) -> int:
         default=("read", "write"),
         help=f"the operations in order, comma-separated, of {', '.join(_OPS)} (default read,write)",
     )
+    parser.add_argument(
+        "--in-flight",
+        type=int,
+        default=1,
+        help="requests issued together per timed round, to disjoint destination blocks (see "
+        "the module docstring; default 1)",
+    )
     parser.add_argument("--json", help="write the rows as JSON to this file")
     parser.add_argument(
         "--timeline",
@@ -1076,6 +1116,12 @@ def main(argv: list[str] | None = None) -> int:
         help="profile one more request per operation and write its timeline as JSON to PATH",
     )
     args = parser.parse_args(argv)
+    if args.in_flight < 1 or args.in_flight * args.blocks > args.num_blocks:
+        parser.error(
+            f"--in-flight {args.in_flight} with --blocks {args.blocks} needs 1 <= in-flight and "
+            f"in-flight x blocks <= --num-blocks ({args.num_blocks}): the requests' destination "
+            "blocks must be disjoint"
+        )
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     presets = args.preset or ["llama3-8b", "deepseek-v3"]
     if args.overlap:
@@ -1125,7 +1171,8 @@ def main(argv: list[str] | None = None) -> int:
             for row in run_case(name, layout, direct, args, device_copy, timelines):
                 rows.append(row)
                 logger.info(
-                    "%-12s %-13s %-15s %-5s pre=%-6s %6d blocks, runs %6d B: %8.1f GB/s = %.3fx "
+                    "%-12s %-13s %-15s %-5s pre=%-6s %d in flight, %6d blocks, runs %6d B: "
+                    "%8.1f GB/s = %.3fx "
                     "device copy, %.3fx a copy_ in the same state (%.0f GB/s), verified=%s, cell "
                     "batches %d, stamped batches %d",
                     row.preset,
@@ -1133,6 +1180,7 @@ def main(argv: list[str] | None = None) -> int:
                     row.path,
                     row.op,
                     row.pre,
+                    row.in_flight,
                     row.blocks,
                     row.run_bytes,
                     row.gbps,

@@ -99,6 +99,11 @@
 #   bash bench/h200_session.sh overlap-contiguous  # one call: llama3-8b 256 blocks as UCX
 #                                         # operations, random against consecutive block ids
 #                                         # (one operation per layer), two rounds, traced
+#   bash bench/h200_session.sh in-flight  # one call: every GPU test (unless SKIP_GPU_TESTS=1),
+#                                         # then gpu_bench for 4 KiB runs with 1, 2 and 4
+#                                         # requests in flight, two rounds
+#   bash bench/h200_session.sh in-flight-large  # the same for llama3-8b and deepseek-v3
+#                                         # (IN_FLIGHT_OPS=read,write_layers: gpu_bench's --ops)
 #   bash bench/h200_session.sh overlap-parked  # one call: every GPU test (unless
 #                                         # SKIP_GPU_TESTS=1), then gpu_bench --overlap with the
 #                                         # copies as UCX operations (--direct-copy off: the path
@@ -603,6 +608,22 @@ small)  # issue 18: every GPU test, then where a 4 KiB-run request's time goes (
   extra_cmake=-DMORIIO_NATIVE_TRACE_MARKS=ON build_with_ucx || exit 1
   [ "${SKIP_GPU_TESTS:-0}" = 1 ] || every_gpu_test
   marked_timelines small
+  ;;
+in-flight | in-flight-large)  # issue 18: one request against several in flight (--in-flight),
+  # 4 KiB runs (in-flight: every GPU test first, unless SKIP_GPU_TESTS=1) or 64 and 72 KiB runs
+  build_with_ucx || exit 1
+  [ "$step" = in-flight ] && [ "${SKIP_GPU_TESTS:-0}" != 1 ] && every_gpu_test
+  presets=("--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 16384")
+  [ "$step" = in-flight-large ] &&
+    presets=("--preset llama3-8b --num-blocks 8192" "--preset deepseek-v3 --blocks 1024 --num-blocks 4096")
+  for p in "${presets[@]}"; do
+    for k in 1 2 4 1 2 4; do
+      echo "== $k in flight: $p"
+      bench_variant tree "" 80 $p --requests 5 --in-flight $k --pre none --pre prime \
+        --ops "${IN_FLIGHT_OPS:-read,write}"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/$step.log"
   ;;
 wake)  # issue 18: what the progress thread's wake-up costs a request: tree against busy progress
   build_with_ucx || exit 1
