@@ -51,7 +51,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from moriio_native.control.addressing import format_request_id
-from moriio_native.control.channel import LISTENER_HANDSHAKE_MS, RateLimitedWarnings
+from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_PING_BYTES,
     InvalidMessageError,
@@ -59,11 +59,15 @@ from moriio_native.control.messages import (
     decode,
 )
 from moriio_native.control.security import (
+    DEFAULT_LISTENER_HANDSHAKE_MS,
+    DEFAULT_LISTENER_HANDSHAKE_TIMEOUT,
     ENV_AUTH_SECRET,
     AuthenticationError,
     MessageAuth,
     RegistrationVerifier,
+    listener_handshake_ms,
 )
+from moriio_native.errors import InvalidArgumentError
 
 logger = logging.getLogger("moriio_native.proxy")
 
@@ -133,14 +137,16 @@ def discovery_loop(
     port: int,
     stop: threading.Event,
     verifier: RegistrationVerifier | None = None,
+    handshake_ms: int = DEFAULT_LISTENER_HANDSHAKE_MS,
 ) -> None:
     """Receive registration pings on ``host:port`` until ``stop``; a ping that fails
-    ``verifier`` (when given: signed, fresh, first use) or the schema is logged and dropped."""
+    ``verifier`` (when given: signed, fresh, first use) or the schema is logged and dropped. A
+    connection that has not finished ZMQ's handshake within ``handshake_ms`` is closed."""
     verifier = verifier if verifier is not None else RegistrationVerifier(MessageAuth(None))
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PING_BYTES)
-    sock.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)  # a stalled handshake ends soon
+    sock.setsockopt(zmq.HANDSHAKE_IVL, handshake_ms)  # a stalled handshake ends soon
     verifier.secure_listener(sock)  # with a secret: only pingers that hold it connect
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
@@ -338,7 +344,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=ENV_AUTH_SECRET,
         help="environment variable holding the shared secret registrations must be signed with",
     )
+    parser.add_argument(
+        "--handshake-timeout",
+        type=float,
+        default=DEFAULT_LISTENER_HANDSHAKE_TIMEOUT,
+        help="seconds a registration connection gets to finish ZMQ's handshake before it is "
+        "closed (the instances' listener_handshake_timeout)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.handshake_ms = listener_handshake_ms(args.handshake_timeout)
+    except InvalidArgumentError as exc:
+        parser.error(f"--handshake-timeout: {exc}")
     if args.discovery_host is None:
         args.discovery_host = args.host
     return args
@@ -359,7 +376,14 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     thread = threading.Thread(
         target=discovery_loop,
-        args=(registry, args.discovery_host, args.discovery_port, stop, verifier),
+        args=(
+            registry,
+            args.discovery_host,
+            args.discovery_port,
+            stop,
+            verifier,
+            args.handshake_ms,
+        ),
         daemon=True,
     )
     thread.start()

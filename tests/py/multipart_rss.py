@@ -12,7 +12,7 @@ key, is closed at its greeting.
 
 ``--stalled N``: instead, N keyless connections each open a CURVE handshake and send all but the
 last MiB of a HELLO command declared 16 MiB long (a real one is 200 bytes), then stall: printed,
-the RSS right after and once the listener's handshake limit (``LISTENER_HANDSHAKE_MS``) is over,
+the RSS right after and once the listener's handshake limit (2 s by default) is over,
 and how many of the connections the listener had closed by then. Runs anywhere::
 
     PYTHONPATH=build/dev/python python3 tests/py/multipart_rss.py [--frames 8000000] [--stalled 16]
@@ -26,8 +26,8 @@ import json
 import socket
 import time
 
-from moriio_native.control.channel import LISTENER_HANDSHAKE_MS, NotifyListener
-from moriio_native.control.security import ControlSecurity
+from moriio_native.control.channel import NotifyListener
+from moriio_native.control.security import DEFAULT_LISTENER_HANDSHAKE_MS, ControlSecurity
 from zmtp_support import ZMTP_GREETING, send_endless_message, zmtp_greeting
 
 HELLO_BYTES = 16 << 20  # the declared size of the stalled HELLO
@@ -93,7 +93,7 @@ def measure_stalled(connections: int) -> dict[str, object]:
         before = rss_mib()
         conns = [_stall(listener.port) for _ in range(connections)]
         during = rss_mib()
-        time.sleep(LISTENER_HANDSHAKE_MS / 1000 + 1)
+        time.sleep(DEFAULT_LISTENER_HANDSHAKE_MS / 1000 + 1)
         after = rss_mib()
         closed = sum(_closed(conn) for conn in conns)
         for conn in conns:
@@ -104,7 +104,7 @@ def measure_stalled(connections: int) -> dict[str, object]:
             "rss_before_mib": round(before, 1),
             "rss_stalled_mib": round(during, 1),
             "rss_after_limit_mib": round(after, 1),
-            "handshake_limit_ms": LISTENER_HANDSHAKE_MS,
+            "handshake_limit_ms": DEFAULT_LISTENER_HANDSHAKE_MS,
         }
 
 

@@ -35,7 +35,11 @@ from moriio_native.control.messages import (
     decode,
     encode,
 )
-from moriio_native.control.security import ControlSecurity, MessageAuth
+from moriio_native.control.security import (
+    DEFAULT_LISTENER_HANDSHAKE_TIMEOUT,
+    ControlSecurity,
+    MessageAuth,
+)
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.core import PdCore
 from moriio_native.pd.puller import Puller
@@ -336,19 +340,42 @@ def test_a_handshake_that_stalls_with_a_huge_command_is_cut_off_soon(secret: str
     NULL one) and sends most of a 16 MiB HELLO it never finishes holds that memory of the
     listener's process for as long as the connection lasts -- 30 s by ZMQ's default, on as
     many connections as it opens (found by a review: 2,283 MiB with 150 connections). Now a
-    listener ends a handshake after LISTENER_HANDSHAKE_MS: the connection is closed within it
+    listener ends a handshake after its limit (2 s by default): the connection is closed within it
     (and a few seconds' slack), so what such a peer holds is what it can send in that time."""
     config: dict[str, object] = {"allowed_peers": ["127.0.0.0/8"]}
     if secret is not None:
         config["auth_secret"] = secret
     mechanism = b"NULL" if secret is None else b"CURVE"
-    wait_s = channel.LISTENER_HANDSHAKE_MS / 1000 + 3
+    wait_s = DEFAULT_LISTENER_HANDSHAKE_TIMEOUT + 3
     with NotifyListener(0, ControlSecurity.from_config(config), bind_host=LOCAL) as notify:
         closed = stalled_handshake(
             LOCAL, notify.port, mechanism=mechanism, declared=16 << 20, sent=1 << 20, wait_s=wait_s
         )
         assert closed, f"a stalled handshake was still open after {wait_s:.0f}s"
         assert notify.stats()["received"] == 0
+
+
+@pytest.mark.parametrize(
+    ("limit_s", "wait_s", "closed"),
+    [
+        # Closed long before the default 2 s would have closed it...
+        (0.3, 1.5, True),
+        # ... or still open well after it: a slow link's operator can raise the limit.
+        (30.0, DEFAULT_LISTENER_HANDSHAKE_TIMEOUT + 2, False),
+    ],
+    ids=["shorter", "longer"],
+)
+def test_a_listener_ends_a_stalled_handshake_after_the_configured_limit(
+    limit_s: float, wait_s: float, closed: bool
+) -> None:
+    """``listener_handshake_timeout`` is every listener's limit: a link whose round trips are
+    near half a second needs more than 2 s for CURVE's four, and was refused before the key."""
+    config = {"allowed_peers": ["127.0.0.0/8"], "listener_handshake_timeout": limit_s}
+    with NotifyListener(0, ControlSecurity.from_config(config), bind_host=LOCAL) as notify:
+        got = stalled_handshake(
+            LOCAL, notify.port, mechanism=b"NULL", declared=64, sent=8, wait_s=wait_s
+        )
+        assert got == closed, f"limit {limit_s}s: closed={got} after up to {wait_s}s"
 
 
 @pytest.mark.parametrize(

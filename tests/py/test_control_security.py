@@ -14,6 +14,7 @@ from moriio_native.control.security import (
     PeerAllowlist,
     PeerNotAllowedError,
     RegistrationVerifier,
+    listener_handshake_ms,
 )
 from moriio_native.errors import InvalidArgumentError
 
@@ -138,6 +139,24 @@ def test_control_security_from_config(monkeypatch):
     assert sec.allowlist.check("127.0.0.1") and sec.allowlist.check("10.2.3.4")
     with pytest.raises(InvalidArgumentError, match="allowed_peers"):
         ControlSecurity.from_config({"allowed_peers": 5})
+
+
+@pytest.mark.parametrize(
+    ("value", "ms"), [(2, 2000), ("0.5", 500), (0.05, 50), ("30", 30000), (1.2345, 1234)]
+)
+def test_listener_handshake_timeout_becomes_milliseconds(value: object, ms: int) -> None:
+    assert listener_handshake_ms(value) == ms
+    assert (
+        ControlSecurity.from_config({"listener_handshake_timeout": value}).listener_handshake_ms
+        == ms
+    )
+
+
+@pytest.mark.parametrize("value", [0, 0.01, 30.5, -1, "nan", "inf", "soon", True, None, [2]])
+def test_a_bad_listener_handshake_timeout_is_refused_naming_the_key(value: object) -> None:
+    """ZMQ reads 0 as no limit at all, and a bool or NaN must not pass as a number."""
+    with pytest.raises(InvalidArgumentError, match=f"listener_handshake_timeout.*{value!r}"):
+        listener_handshake_ms(value)
 
 
 # ---- signed proxy registrations ---------------------------------------------------------------

@@ -179,6 +179,18 @@ def test_config_accept_only_allowed_peers_reaches_the_listeners_security() -> No
     assert allowlist.accept_filters(ipv6=False) == ()
 
 
+def test_config_listener_handshake_timeout_reaches_the_listeners_security() -> None:
+    """The key (a string from vLLM's command line too) becomes every listener's ZMQ handshake
+    limit; without it the limit is 2 s."""
+    cfg = ConnectorConfig.from_extra_config(
+        {"listener_handshake_timeout": "7.5"}, role="kv_consumer"
+    )
+    assert cfg.listener_handshake_timeout == 7.5
+    assert ControlSecurity.from_config(cfg.control_config()).listener_handshake_ms == 7500
+    default = ConnectorConfig.from_extra_config({}, role="kv_both")
+    assert ControlSecurity.from_config(default.control_config()).listener_handshake_ms == 2000
+
+
 def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MORIIO_NATIVE_AUTH_SECRET", "s" * 32)
     assert ConnectorConfig.from_extra_config({}, role="kv_both").auth_secret == "s" * 32
@@ -207,6 +219,9 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
             "accept_only_allowed_peers",
         ),
         ({"accept_only_allowed_peers": "sometimes"}, "accept_only_allowed_peers"),
+        ({"listener_handshake_timeout": "0"}, "listener_handshake_timeout"),
+        ({"listener_handshake_timeout": 31}, "listener_handshake_timeout"),
+        ({"listener_handshake_timeout": "soon"}, "listener_handshake_timeout"),
         (
             {"allowed_peers": "2001:db8::/64", "accept_only_allowed_peers": True},
             "only IPv6",

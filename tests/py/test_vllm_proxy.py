@@ -488,6 +488,10 @@ def test_proxy_binds_the_configured_address_only() -> None:
     args = proxy.parse_args([])
     assert (args.host, args.discovery_host) == ("127.0.0.1", "127.0.0.1")
     assert proxy.parse_args(["--host", "10.0.0.5"]).discovery_host == "10.0.0.5"
+    assert args.handshake_ms == 2000
+    assert proxy.parse_args(["--handshake-timeout", "6"]).handshake_ms == 6000
+    with pytest.raises(SystemExit):  # argparse's error names the option
+        proxy.parse_args(["--handshake-timeout", "0"])
     discovery = Discovery(proxy, None)
     try:
         _wait_until(lambda: _listening_addresses(discovery.port), "the listener")

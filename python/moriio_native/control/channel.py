@@ -94,13 +94,6 @@ from .security import (
 logger = logging.getLogger("moriio_native.control.channel")
 
 _POLL_MS = 100
-# How long a listener keeps a connection that has not finished ZMQ's handshake (ZMQ's default:
-# 30 s). ZMQ reads a handshake command as it reads a message, up to MAXMSGSIZE, so a peer
-# without the secret that opens a CURVE handshake and sends a huge HELLO it never finishes
-# holds that much of the listener's memory, on as many connections as it opens, until this
-# ends them: what it can hold is what it sends in this time. A genuine handshake takes a few
-# round trips; a dialer whose handshake is cut off reconnects.
-LISTENER_HANDSHAKE_MS = 2000
 # A proxy pinger whose every connection fails ZMQ's handshake (the proxy has another secret, or
 # none) says so at once, then at most this often.
 _PROXY_HANDSHAKE_WARN_EVERY_S = 60.0
@@ -548,7 +541,7 @@ class _RouterListener(_ClosesOnExit):
             # Transport-level cap: ZMQ disconnects a peer that sends more. The application
             # check below is tighter, so ordinary oversize messages are logged, not silent.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
-            sock.setsockopt(zmq.HANDSHAKE_IVL, LISTENER_HANDSHAKE_MS)
+            self._security.limit_handshakes(sock)
             ipv6 = ":" in host
             if ipv6:  # before the accept filters: ZMQ parses each in the socket's family
                 sock.setsockopt(zmq.IPV6, 1)
@@ -1098,8 +1091,8 @@ SECRET_MISMATCH = (
 )
 HANDSHAKE_CLOSED = (
     "the peer closed the connection during ZMQ's handshake (it has another auth_secret, "
-    "accepts only its allowed_peers, or the handshake took it longer than its "
-    f"{LISTENER_HANDSHAKE_MS} ms: an overloaded host or a round trip near a second)"
+    "accepts only its allowed_peers, or the handshake took longer than its "
+    "listener_handshake_timeout, 2 s unless set: an overloaded host or a slow link)"
 )
 
 
@@ -1566,7 +1559,6 @@ class ProxyPinger:
 
 
 __all__ = [
-    "LISTENER_HANDSHAKE_MS",
     "ChecksumProvider",
     "HandshakeServer",
     "MetadataProvider",

@@ -23,7 +23,7 @@ without bound from anyone who can connect (a multipart message that never ends, 
 checked only once it is whole), and what the listeners would read and drop one by one (a flood
 of forged messages), never reaches them. What such a peer can still make a listener hold is a
 handshake command it never finishes (ZMQ reads one up to the socket's MAXMSGSIZE), for at most
-the listener's handshake limit (``LISTENER_HANDSHAKE_MS`` in :mod:`.channel`). The traffic is
+the listener's handshake limit (``listener_handshake_timeout``, 2 s by default). The traffic is
 encrypted too. Without a secret the connections are plain ZMQ, as in vLLM's MoRIIO connector.
 
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
@@ -63,7 +63,9 @@ Contents:
 * :class:`RegistrationVerifier` -- the proxy side of signed registrations; thread-safe.
 * :class:`PeerAllowlist` -- ``check``, ``require``, ``learn``; internally locked, safe from any
   thread.
-* :class:`ControlSecurity` -- both, built from a config mapping by ``from_config``.
+* :class:`ControlSecurity` -- both, and the listeners' handshake limit, built from a config
+  mapping by ``from_config``.
+* :func:`listener_handshake_ms` -- a ``listener_handshake_timeout`` value checked, in ms.
 """
 
 from __future__ import annotations
@@ -93,6 +95,18 @@ ENV_AUTH_SECRET = "MORIIO_NATIVE_AUTH_SECRET"
 CONFIG_AUTH_SECRET = "auth_secret"
 CONFIG_ALLOWED_PEERS = "allowed_peers"
 CONFIG_ACCEPT_ONLY_ALLOWED = "accept_only_allowed_peers"
+CONFIG_LISTENER_HANDSHAKE_TIMEOUT = "listener_handshake_timeout"
+# How long a listener keeps a connection that has not finished ZMQ's handshake (ZMQ's default:
+# 30 s). ZMQ reads a handshake command as it reads a message, up to MAXMSGSIZE, so a peer
+# without the secret that opens a CURVE handshake and sends a huge HELLO it never finishes
+# holds that much of the listener's memory, on as many connections as it opens, until this
+# ends them: what it can hold is what it sends in this time. A genuine handshake takes a few
+# round trips (about four with CURVE); a dialer whose handshake is cut off reconnects.
+DEFAULT_LISTENER_HANDSHAKE_TIMEOUT = 2.0
+# The bounds of the key: below, a loaded host's own handshakes would fail; above, ZMQ's default,
+# a stalled handshake holds its memory longer than ZMQ itself would.
+MIN_LISTENER_HANDSHAKE_TIMEOUT = 0.05
+MAX_LISTENER_HANDSHAKE_TIMEOUT = 30.0
 MIN_SECRET_BYTES = 16
 TAG_BYTES = 32
 STAMP_BYTES = 24
@@ -569,24 +583,62 @@ def _ipv6_listener_filters(network: IpNetwork) -> list[str]:
     return [str(network)]
 
 
+def listener_handshake_ms(seconds: Any) -> int:
+    """A ``listener_handshake_timeout`` (seconds, a number or its text) as ZMQ's HANDSHAKE_IVL in
+    milliseconds. Raises InvalidArgumentError naming the key and the value when it is not a
+    number within its bounds."""
+    what = (
+        f"{CONFIG_LISTENER_HANDSHAKE_TIMEOUT} must be a number of seconds from "
+        f"{MIN_LISTENER_HANDSHAKE_TIMEOUT} to {MAX_LISTENER_HANDSHAKE_TIMEOUT}, got {seconds!r}"
+    )
+    if isinstance(seconds, bool):
+        raise InvalidArgumentError(what)
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(what) from None
+    if not MIN_LISTENER_HANDSHAKE_TIMEOUT <= value <= MAX_LISTENER_HANDSHAKE_TIMEOUT:
+        raise InvalidArgumentError(what)  # NaN fails this too
+    return round(value * 1000)
+
+
+DEFAULT_LISTENER_HANDSHAKE_MS = listener_handshake_ms(DEFAULT_LISTENER_HANDSHAKE_TIMEOUT)
+
+
 @dataclass(frozen=True, slots=True)
 class ControlSecurity:
-    """The authentication mode and the allowlist one worker uses for all its channels."""
+    """The authentication mode and the allowlist one worker uses for all its channels, and how
+    long its listeners give a connection to finish ZMQ's handshake."""
 
     auth: MessageAuth
     allowlist: PeerAllowlist
+    listener_handshake_ms: int = DEFAULT_LISTENER_HANDSHAKE_MS
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any] | None = None) -> ControlSecurity:
-        """From a connector config mapping (``auth_secret``, ``allowed_peers``) and the
-        environment. Raises InvalidArgumentError for a bad value."""
-        return cls(MessageAuth.from_config(config), PeerAllowlist.from_config(config))
+        """From a connector config mapping (``auth_secret``, ``allowed_peers``,
+        ``accept_only_allowed_peers``, ``listener_handshake_timeout``) and the environment.
+        Raises InvalidArgumentError for a bad value."""
+        limit = None if config is None else config.get(CONFIG_LISTENER_HANDSHAKE_TIMEOUT)
+        return cls(
+            MessageAuth.from_config(config),
+            PeerAllowlist.from_config(config),
+            DEFAULT_LISTENER_HANDSHAKE_MS if limit is None else listener_handshake_ms(limit),
+        )
+
+    def limit_handshakes(self, sock: zmq.Socket) -> None:
+        """Makes listening ``sock`` end a connection that has not finished ZMQ's handshake
+        within the limit (before bind)."""
+        sock.setsockopt(zmq.HANDSHAKE_IVL, self.listener_handshake_ms)
 
 
 __all__ = [
     "CONFIG_ACCEPT_ONLY_ALLOWED",
     "CONFIG_ALLOWED_PEERS",
     "CONFIG_AUTH_SECRET",
+    "CONFIG_LISTENER_HANDSHAKE_TIMEOUT",
+    "DEFAULT_LISTENER_HANDSHAKE_MS",
+    "DEFAULT_LISTENER_HANDSHAKE_TIMEOUT",
     "ENV_AUTH_SECRET",
     "MIN_SECRET_BYTES",
     "AuthenticationError",
@@ -597,4 +649,5 @@ __all__ = [
     "PeerNotAllowedError",
     "RegistrationVerifier",
     "TransportKeys",
+    "listener_handshake_ms",
 ]

@@ -53,6 +53,11 @@ key                   default      meaning
                                    decode every prefill's
 ``auth_secret``       unset        shared secret (>= 16 bytes) -> HMAC-SHA256 on every control
                                    message; else ``$MORIIO_NATIVE_AUTH_SECRET``
+``listener_handshake_timeout`` ``2.0`` seconds (0.05-30) the handshake and notify listeners give
+                                   a new connection to finish ZMQ's handshake (about four round
+                                   trips with a secret) before closing it: bounds what a peer
+                                   without the secret holds with a half-sent handshake. Raise
+                                   it for links with round trips near half a second
 ``verify``            ``false``    check every transfer end to end: both sides compute block
                                    checksums over the transferred cells and compare them; a
                                    mismatch fails the load (its blocks are recomputed). Both
@@ -97,7 +102,15 @@ import msgspec
 from moriio_native.control.addressing import HostText, validate_host
 from moriio_native.control.ports import PortPlan
 from moriio_native.control.schema import Port, Schema, Size, convert, explain
-from moriio_native.control.security import ENV_AUTH_SECRET, MIN_SECRET_BYTES, PeerAllowlist
+from moriio_native.control.security import (
+    CONFIG_LISTENER_HANDSHAKE_TIMEOUT,
+    DEFAULT_LISTENER_HANDSHAKE_TIMEOUT,
+    ENV_AUTH_SECRET,
+    MAX_LISTENER_HANDSHAKE_TIMEOUT,
+    MIN_LISTENER_HANDSHAKE_TIMEOUT,
+    MIN_SECRET_BYTES,
+    PeerAllowlist,
+)
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.config import DEFAULT_MAX_PEERS as DEFAULT_PD_MAX_PEERS
 
@@ -109,6 +122,9 @@ Backend = Literal["auto", "ucx", "mori", "loopback"]
 #: A positive, finite number of seconds (at most ~30 years).
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
 PeerCount = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+HandshakeSeconds = Annotated[
+    float, msgspec.Meta(ge=MIN_LISTENER_HANDSHAKE_TIMEOUT, le=MAX_LISTENER_HANDSHAKE_TIMEOUT)
+]
 ReadLoading = Literal["async", "sync"]
 
 DEFAULT_BACKEND = "auto"
@@ -147,6 +163,7 @@ _PLAIN_KEYS = (
     "require_incarnation",
     "max_peers",
     "accept_only_allowed_peers",
+    CONFIG_LISTENER_HANDSHAKE_TIMEOUT,
 )
 _KNOWN_KEYS = frozenset(
     {
@@ -212,6 +229,7 @@ class ConnectorConfig(Schema, frozen=True):
     quarantine_timeout: Seconds = DEFAULT_QUARANTINE_TIMEOUT
     allowed_peers: tuple[str, ...] = ()
     accept_only_allowed_peers: bool = False
+    listener_handshake_timeout: HandshakeSeconds = DEFAULT_LISTENER_HANDSHAKE_TIMEOUT
     auth_secret: str | None = None
     engine_options: dict[str, str] = msgspec.field(default_factory=dict)
     dp_size: Size = 1
@@ -276,6 +294,7 @@ class ConnectorConfig(Schema, frozen=True):
         out: dict[str, Any] = {
             "allowed_peers": list(self.allowed_peers),
             "accept_only_allowed_peers": self.accept_only_allowed_peers,
+            CONFIG_LISTENER_HANDSHAKE_TIMEOUT: self.listener_handshake_timeout,
         }
         if self.auth_secret is not None:
             out["auth_secret"] = self.auth_secret
