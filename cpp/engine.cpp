@@ -1278,7 +1278,9 @@ Status Engine::Seal(std::string_view transfer_id, std::string_view peer,
     return InvalidArgumentError("transfer '" + std::string(transfer_id) +
                                 "': seal needs the peer the transfer writes to");
   }
-  return impl_->tracker->Seal(transfer_id, peer, expected_writes);
+  // A seal that ends a transfer already made (or one the peer's removal ended) needs no
+  // connected peer; one that would start it does.
+  return impl_->tracker->Seal(transfer_id, peer, expected_writes, impl_->FindPeer(peer).ok());
 }
 
 Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abort(transfer_id); }

@@ -136,7 +136,7 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
 }
 
 Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
-                             std::int64_t expected_writes) {
+                             std::int64_t expected_writes, bool peer_connected) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
@@ -157,6 +157,10 @@ Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
                                   std::to_string(*t.expected) + " writes, not " +
                                   std::to_string(expected_writes));
     }
+  }
+  if (it == pending_.end() && !peer_connected) {
+    return NotFoundError("transfer '" + id + "': seal names unknown peer '" + std::string(peer) +
+                         "' and no write of it was made; nothing started");
   }
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
   if (t.expected) return Status::OK();  // the same seal again

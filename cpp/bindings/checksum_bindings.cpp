@@ -51,11 +51,10 @@ void BindChecksum(py::module_& m) {
               std::to_string(layout.span_bytes())));
         }
         const CellWindow window{head_begin, heads, token_begin, tokens};
-        Result<std::vector<std::uint64_t>> sums = [&] {
+        Result<std::vector<std::uint64_t>> sums = WithoutGil([&] {
           // Reads only the buffer held above; touches no Python object.
-          py::gil_scoped_release release;
           return ChecksumBlocks(layout, bytes.data(), ids, window);
-        }();
+        });
         const std::vector<std::uint64_t> values = Unwrap(std::move(sums));
         py::array_t<std::uint64_t> out(static_cast<py::ssize_t>(values.size()));
         std::copy(values.begin(), values.end(), out.mutable_data());

@@ -5,6 +5,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <exception>
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -31,6 +32,27 @@ class StatusError : public std::exception {
 
 inline void ThrowIfError(const Status& status) {
   if (!status.ok()) throw StatusError(status);
+}
+
+/// Runs `fn` (pure C++: it touches no Python object) with the GIL released and returns its
+/// result. Not pybind11's gil_scoped_release: CPython ends a daemon thread that takes the GIL
+/// back while the interpreter finalizes with pthread_exit, whose unwinding must not start in a
+/// destructor (destructors are noexcept: std::terminate aborted the process at exit whenever a
+/// daemon thread was inside such a call, e.g. one polling events). Here it starts in ordinary
+/// code and unwinds the thread's stack, which pybind11 lets pass.
+template <typename Fn>
+auto WithoutGil(Fn&& fn) -> decltype(fn()) {
+  PyThreadState* state = PyEval_SaveThread();
+  std::exception_ptr error;
+  std::optional<decltype(fn())> result;
+  try {
+    result.emplace(fn());
+  } catch (...) {
+    error = std::current_exception();
+  }
+  PyEval_RestoreThread(state);  // may end this thread (see above): after `fn`, not in a destructor
+  if (error) std::rethrow_exception(error);
+  return std::move(*result);
 }
 
 template <typename T>

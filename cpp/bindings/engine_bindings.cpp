@@ -56,11 +56,9 @@ py::bytes ToBytes(const std::vector<std::uint8_t>& v) {
 void BindEngine(py::module_& m) {
   m.def("available_backends", [](const std::map<std::string, std::string>& options) {
         BackendOptions opts(options.begin(), options.end());
-        std::vector<BackendAvailability> all;
-        {
-          py::gil_scoped_release release;  // probing may dlopen libraries
-          all = AvailableBackends(opts);
-        }
+        // Probing may dlopen libraries.
+        const std::vector<BackendAvailability> all =
+            WithoutGil([&] { return AvailableBackends(opts); });
         py::list out;
         for (const auto& b : all) out.append(py::make_tuple(b.name, b.available, b.reason));
         return out;
@@ -138,10 +136,9 @@ void BindEngine(py::module_& m) {
                  std::chrono::milliseconds(static_cast<std::int64_t>(timeout_s * 1000.0));
              config.terminal_history = terminal_history;
              config.page_size = page_size;
-             Result<std::unique_ptr<Engine>> engine = [&] {
-               py::gil_scoped_release release;
+             Result<std::unique_ptr<Engine>> engine = WithoutGil([&] {
                return Engine::Create(std::move(config));
-             }();
+             });
              return Unwrap(std::move(engine));
            }),
            py::arg("engine_id"), py::arg("backend"), py::arg("options"),
@@ -150,10 +147,9 @@ void BindEngine(py::module_& m) {
       .def_property_readonly("backend", &Engine::backend_name)
       .def("register_kv_caches",
            [](Engine& e, const std::vector<LayerRegistration>& layers) {
-             Result<std::vector<std::uint8_t>> meta = [&] {
-               py::gil_scoped_release release;
+             Result<std::vector<std::uint8_t>> meta = WithoutGil([&] {
                return e.RegisterKvCaches(layers);
-             }();
+             });
              return ToBytes(Unwrap(std::move(meta)));
            })
       .def("local_metadata", [](const Engine& e) { return ToBytes(Unwrap(e.LocalMetadata())); })
@@ -163,28 +159,22 @@ void BindEngine(py::module_& m) {
              const std::string& expected_engine_id) {
             std::string holder;
             auto span = ByteSpan(metadata, holder);
-            Result<std::string> peer = [&] {
-              py::gil_scoped_release release;
+            Result<std::string> peer = WithoutGil([&] {
               return replace ? e.ReplacePeer(span, expected_engine_id)
                              : e.AddPeer(span, expected_engine_id);
-            }();
+            });
             return Unwrap(std::move(peer));
           },
           py::arg("metadata"), py::arg("replace") = false, py::arg("expected_engine_id") = "")
       .def("remove_peer", [](Engine& e, const std::string& peer) {
-        Status st;
-        {
-          py::gil_scoped_release release;
-          st = e.RemovePeer(peer);
-        }
+        const Status st = WithoutGil([&] { return e.RemovePeer(peer); });
         ThrowIfError(st);
       })
       .def("remove_idle_peer",
            [](Engine& e, const std::string& peer) {
-             Result<bool> removed = [&] {
-               py::gil_scoped_release release;
+             Result<bool> removed = WithoutGil([&] {
                return e.RemoveIdlePeer(peer);
-             }();
+             });
              return Unwrap(std::move(removed));
            })
       .def("peers", &Engine::Peers)
@@ -198,11 +188,8 @@ void BindEngine(py::module_& m) {
              trace::Record(trace::Mark::kBindingEntry);
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
-             Status st;
-             {
-               py::gil_scoped_release release;
-               st = e.Read(tid, peer, local_ids, remote_ids, layers);
-             }
+             const Status st =
+                 WithoutGil([&] { return e.Read(tid, peer, local_ids, remote_ids, layers); });
              ThrowIfError(st);
            })
       .def("write_layer",
@@ -211,10 +198,9 @@ void BindEngine(py::module_& m) {
              trace::Record(trace::Mark::kBindingEntry);
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
-             Result<bool> r = [&] {
-               py::gil_scoped_release release;
+             Result<bool> r = WithoutGil([&] {
                return e.WriteLayer(tid, layer, peer, local_ids, remote_ids, cuda_event);
-             }();
+             });
              return Unwrap(std::move(r));
            },
            py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("local_blocks"),
@@ -226,10 +212,9 @@ void BindEngine(py::module_& m) {
              trace::Record(trace::Mark::kBindingEntry);
              const auto local_ids = BlockIds(local, "local_blocks");
              const auto remote_ids = BlockIds(remote, "remote_blocks");
-             Result<bool> r = [&] {
-               py::gil_scoped_release release;
+             Result<bool> r = WithoutGil([&] {
                return e.WriteLayers(tid, layers, peer, local_ids, remote_ids, cuda_event);
-             }();
+             });
              return Unwrap(std::move(r));
            },
            py::arg("transfer_id"), py::arg("layers"), py::arg("peer"), py::arg("local_blocks"),
@@ -238,11 +223,7 @@ void BindEngine(py::module_& m) {
           "read_segments",
           [](Engine& e, const std::string& tid, const std::string& peer, const py::list& segments) {
             const std::vector<BlockSegment> segs = ToSegments(segments);
-            Status st;
-            {
-              py::gil_scoped_release release;
-              st = e.Read(tid, peer, segs);
-            }
+            const Status st = WithoutGil([&] { return e.Read(tid, peer, segs); });
             ThrowIfError(st);
           },
           py::arg("transfer_id"), py::arg("peer"), py::arg("segments"))
@@ -251,10 +232,9 @@ void BindEngine(py::module_& m) {
           [](Engine& e, const std::string& tid, const std::string& layer, const std::string& peer,
              const py::list& segments, std::uint64_t cuda_event) {
             const std::vector<BlockSegment> segs = ToSegments(segments);
-            Result<bool> r = [&] {
-              py::gil_scoped_release release;
+            Result<bool> r = WithoutGil([&] {
               return e.WriteLayer(tid, layer, peer, segs, cuda_event);
-            }();
+            });
             return Unwrap(std::move(r));
           },
           py::arg("transfer_id"), py::arg("layer"), py::arg("peer"), py::arg("segments"),
@@ -280,12 +260,10 @@ void BindEngine(py::module_& m) {
              while (true) {
                const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                    until - std::chrono::steady_clock::now());
-               std::vector<TransferEvent> events;
-               {
-                 py::gil_scoped_release release;
-                 events = e.PollEvents(max_events, std::clamp(left, std::chrono::milliseconds(0),
-                                                              std::chrono::milliseconds(100)));
-               }
+               const std::vector<TransferEvent> events = WithoutGil([&] {
+                 return e.PollEvents(max_events, std::clamp(left, std::chrono::milliseconds(0),
+                                                            std::chrono::milliseconds(100)));
+               });
                if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
                if (PyErr_CheckSignals() != 0) throw py::error_already_set();
              }
@@ -294,20 +272,15 @@ void BindEngine(py::module_& m) {
       .def("allocate_backing",
            [](Engine& e, std::uint64_t size, const std::string& memory, int device) {
              const MemoryKind kind = ParseMemory(memory);
-             Result<MemoryRange> range = [&] {
-               py::gil_scoped_release release;
+             Result<MemoryRange> range = WithoutGil([&] {
                return e.AllocateBacking(size, kind, device);
-             }();
+             });
              MemoryRange r = Unwrap(std::move(range));
              return py::make_tuple(r.address, r.size);
            },
            py::arg("size"), py::arg("memory"), py::arg("device"))
       .def("free_backing", [](Engine& e, std::uint64_t address) {
-        Status st;
-        {
-          py::gil_scoped_release release;
-          st = e.FreeBacking(address);
-        }
+        const Status st = WithoutGil([&] { return e.FreeBacking(address); });
         ThrowIfError(st);
       })
       .def_property_readonly("pending_transfers", &Engine::PendingTransfers)

@@ -224,13 +224,11 @@ void BindLayout(py::module_& m) {
              const auto local = BlockIds(local_ids, "local_block_ids");
              const auto remote = BlockIds(remote_ids, "remote_block_ids");
              auto plan = std::make_shared<CopyPlan>();
-             Status st;
-             {
-               // Pure C++ on arrays this call holds: no Python object is touched.
-               py::gil_scoped_release release;
+             // Pure C++ on arrays this call holds: no Python object is touched.
+             const Status st = WithoutGil([&] {
                Result<BlockPairs> pairs = BlockPairs::Create(local, remote);
-               st = pairs.ok() ? StampBlockCopies(t, *pairs, plan.get()) : pairs.status();
-             }
+               return pairs.ok() ? StampBlockCopies(t, *pairs, plan.get()) : pairs.status();
+             });
              ThrowIfError(st);
              return plan;
            },
@@ -238,11 +236,7 @@ void BindLayout(py::module_& m) {
       .def("plan",
            [](const BlockTemplate& t, const BlockPairs& pairs) {
              auto plan = std::make_shared<CopyPlan>();
-             Status st;
-             {
-               py::gil_scoped_release release;
-               st = StampBlockCopies(t, pairs, plan.get());
-             }
+             const Status st = WithoutGil([&] { return StampBlockCopies(t, pairs, plan.get()); });
              ThrowIfError(st);
              return plan;
            },

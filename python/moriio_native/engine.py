@@ -434,19 +434,25 @@ class Engine:
 
     def wait(self, transfer_ids: Sequence[str], timeout: float) -> dict[str, TransferEvent]:
         """Poll until every id in ``transfer_ids`` has its event or ``timeout`` passes; returns
-        the events seen (others that arrive meanwhile are returned too, keyed by id)."""
+        the events seen (others that arrive meanwhile are returned too, keyed by id). ``timeout``
+        0 or below polls once; ``math.inf`` waits for all of them; NaN is refused
+        (InvalidArgumentError), since no deadline would ever pass."""
+        import math
         import time
 
+        if math.isnan(timeout):
+            raise InvalidArgumentError(
+                f"wait: timeout must be a number of seconds, got {timeout!r}"
+            )
         deadline = time.monotonic() + timeout
         seen: dict[str, TransferEvent] = {}
         wanted = set(transfer_ids)
-        while not wanted.issubset(seen):
+        while True:
             left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            for event in self.poll_events(timeout=min(left, 0.1)):
+            for event in self.poll_events(timeout=min(max(left, 0.0), 0.1)):
                 seen[event.transfer_id] = event
-        return seen
+            if wanted.issubset(seen) or left <= 0:
+                return seen
 
 
 __all__ = [

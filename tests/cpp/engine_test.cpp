@@ -1389,6 +1389,26 @@ TEST_F(EnginePair, EmptyTransferIdIsRejected) {
   EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
 }
 
+TEST_F(EnginePair, SealNamingAnUnknownPeerStartsNothing) {
+  // Before: the seal made a WRITE to a peer that does not exist; with 0 writes it was reported
+  // done at once, with more it waited for its deadline.
+  for (std::int64_t writes : {0, 2}) {
+    const std::string id = "ghost-" + std::to_string(writes);
+    Status st = p_.engine->Seal(id, "nobody", writes);
+    EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
+    EXPECT_NE(st.message().find("unknown peer 'nobody'"), std::string::npos) << st.ToString();
+    EXPECT_NE(st.message().find(id), std::string::npos) << st.ToString();
+  }
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+  EXPECT_TRUE(p_.engine->PollEvents(16, std::chrono::milliseconds(50)).empty());
+  // A known peer's "nothing to send" still ends at once, done.
+  ASSERT_TRUE(p_.engine->Seal("nothing", "D", 0).ok());
+  const auto events = p_.engine->PollEvents(16, std::chrono::milliseconds(500));
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].transfer_id, "nothing");
+  EXPECT_EQ(events[0].state, TransferState::kDone);
+}
+
 TEST_F(EnginePair, DuplicateReadIdIsAlreadyExistsWhilePendingAndAfterEnd) {
   Build({}, {{"loopback_delay_ms", "200"}});  // D's reads stay pending for a while
   const auto d_before = d_.buffer->Snapshot();

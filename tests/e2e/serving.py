@@ -549,8 +549,11 @@ def plain_instance(
 # (vLLM: "No available shared memory broadcast block found in 60 seconds", in passing runs too);
 # WRITE transfers averaged 7-9 s in the negative control. At the connector's default (30 s) a
 # WRITE that was merely slow then ended timed_out and its decode recomputed the request. Kept
-# below the decode's abort_timeout (120 s), so the decode is still the one that gives up last.
-CONNECTOR_DEFAULTS: dict[str, Any] = {"transfer_timeout": 90.0}
+# below the decode's abort_timeout, so the decode is still the one that gives up last.
+# abort_timeout: a READ-mode decode reads only if its READ (up to transfer_timeout) ends 1 s
+# before the prefill's hold (its abort_timeout) does; at the default 120 s that left a request
+# 29 s to reach the decode's READ, less than one such TP-2 step.
+CONNECTOR_DEFAULTS: dict[str, Any] = {"transfer_timeout": 90.0, "abort_timeout": 300.0}
 
 
 def connector_config(extra_config: str) -> str:

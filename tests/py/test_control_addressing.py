@@ -148,6 +148,7 @@ def test_kv_transfer_params_key_names():
         "remote_tp_size",
         "remote_dp_size",
         "remote_incarnations",
+        "remote_hold_until_ms",
     )
 
 
@@ -165,10 +166,12 @@ def test_prefill_response_params_parse():
         "tp_size": 4,
         "transfer_id": "tx-42",
         "remote_incarnations": ["0123456789abcdef" * 2, "fedcba9876543210" * 2],
+        "remote_hold_until_ms": 1_764_900_000_000,
         "_p_side_truncated": True,  # vLLM-internal keys are ignored
     }
     kv = parse_kv_transfer_params(params)
     assert kv.remote_incarnations == ("0123456789abcdef" * 2, "fedcba9876543210" * 2)
+    assert kv.remote_hold_until_ms == 1_764_900_000_000
     assert kv.remote_block_ids == ((4, 5, 6),)
     assert kv.remote_tp_size == 4 and kv.remote_handshake_port == 6301
     assert kv.peer_address("cmpl-plain-id", is_producer=False) == P
@@ -229,6 +232,9 @@ def test_request_id_address_wins_over_explicit_keys():
         ({"remote_incarnations": []}, "remote_incarnations"),
         ({"remote_incarnations": ["AB" * 16]}, "remote_incarnations"),
         ({"remote_incarnations": ["ab" * 16, "ab"]}, "remote_incarnations"),
+        ({"remote_hold_until_ms": -1}, "remote_hold_until_ms"),
+        ({"remote_hold_until_ms": "soon"}, "remote_hold_until_ms"),
+        ({"remote_hold_until_ms": 1.5}, "remote_hold_until_ms"),
     ],
 )
 def test_bad_kv_transfer_params_name_the_key(update, needle):

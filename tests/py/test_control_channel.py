@@ -43,6 +43,7 @@ from moriio_native.control.messages import (
     WriteFailed,
     decode,
     encode,
+    now_ms,
 )
 from moriio_native.control.ports import PortPlan, rank_port
 from moriio_native.control.security import (
@@ -55,6 +56,7 @@ from moriio_native.control.security import (
 from moriio_native.errors import (
     FailedPreconditionError,
     IncompatiblePeerError,
+    InvalidArgumentError,
     TransferTimeoutError,
     TransportError,
 )
@@ -659,6 +661,24 @@ def test_fetch_metadata_round_trip(secret):
         assert server.stats()["answered"] == 1
 
 
+def test_a_handshake_answer_states_when_the_server_answered():
+    """``answered_ms`` is the server's clock when it answered (the provider's answer says 0):
+    between the requester's clock before and after the request, on one host."""
+    with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
+        before = now_ms()
+        reply = fetch_metadata(
+            LOCAL, server.port, timeout=WAIT, security=security(), requester_engine_id="d0"
+        )
+        assert before <= reply.answered_ms <= now_ms()
+
+
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), float("inf"), True, 10**400, "1"])
+def test_a_fetch_with_a_bad_timeout_is_refused_naming_it(timeout):
+    """An int beyond any float raised OverflowError instead (found by a review)."""
+    with pytest.raises(InvalidArgumentError, match="timeout"):
+        fetch_metadata(LOCAL, 1, timeout=timeout, security=security(), requester_engine_id="d0")
+
+
 def test_fetch_from_dead_port_times_out():
     with pytest.raises(TransferTimeoutError, match="no reply within"):
         fetch_metadata(
@@ -938,9 +958,10 @@ def _ask_raw(dealer, request: dict) -> HandshakeRejected:
     return reply
 
 
-def test_a_version_1_or_2_request_is_refused_by_its_version(raw_dealer):
+def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
-    fields) or 2 (before the request's sent_ms) gets the version error, with its nonce, and so
+    fields), 2 (before the request's sent_ms) or 3 (before the response's answered_ms and the
+    READ hold) gets the version error, with its nonce, and so
     does a newer one whose request carries a key this version does not know (its keys are not
     checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
@@ -948,19 +969,21 @@ def test_a_version_1_or_2_request_is_refused_by_its_version(raw_dealer):
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 3)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 4)"
         assert reply.nonce == v1["nonce"]
         reply = _ask_raw(dealer, {**v1, "protocol_version": 2})
-        assert reply.reason == "protocol version 2 is not supported (this side speaks 3)"
-        v4 = {**v1, "protocol_version": 4, "field_of_version_4": [1, 2]}
-        reply = _ask_raw(dealer, v4)
-        assert reply.reason == "protocol version 4 is not supported (this side speaks 3)"
-        assert server.stats()["rejected"] == 3
+        assert reply.reason == "protocol version 2 is not supported (this side speaks 4)"
+        reply = _ask_raw(dealer, {**v1, "protocol_version": 3})
+        assert reply.reason == "protocol version 3 is not supported (this side speaks 4)"
+        v5 = {**v1, "protocol_version": 5, "field_of_version_5": [1, 2]}
+        reply = _ask_raw(dealer, v5)
+        assert reply.reason == "protocol version 5 is not supported (this side speaks 4)"
+        assert server.stats()["rejected"] == 4
 
 
-def test_protocol_version_is_3():
-    assert PROTOCOL_VERSION == 3
-    assert HandshakeRequest("d").protocol_version == 3
+def test_protocol_version_is_4():
+    assert PROTOCOL_VERSION == 4
+    assert HandshakeRequest("d").protocol_version == 4
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1023,7 +1046,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 3)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 4)")
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,11 @@ byte over the whole backing (so bytes outside the requested blocks must be uncha
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+import time
+
 import numpy as np
 import pytest
 
@@ -119,6 +124,55 @@ def test_seal_saying_nothing_to_send_completes_immediately(pair) -> None:
     ep.seal("req-empty", "decode-0", expected_writes=0)
     event = ep.wait(["req-empty"], timeout=5)["req-empty"]
     assert (event.kind, event.state, event.bytes) == ("write", "done", 0)
+
+
+def test_seal_naming_an_unknown_peer_starts_nothing(pair) -> None:
+    """Before: a seal with a misspelt peer made a WRITE nothing could ever write (waiting for
+    its deadline), and with 0 writes reported it done at once to a peer that does not exist."""
+    _, _, ep, _ = pair
+    for writes in (0, 2):
+        with pytest.raises(mn.NotFoundError, match=f"ghost-{writes}.*unknown peer 'nobody'"):
+            ep.seal(f"ghost-{writes}", "nobody", expected_writes=writes)
+    assert ep.pending_transfers == 0
+    assert ep.poll_events(timeout=0.05) == []
+
+
+def test_wait_refuses_a_nan_timeout_and_polls_once_at_zero(pair) -> None:
+    """Before: ``wait(ids, timeout=nan)`` never returned (no deadline ever passed), spinning a
+    core; and a timeout of 0 returned without looking at the events at all."""
+    _, _, ep, _ = pair
+    with pytest.raises(mn.InvalidArgumentError, match=r"timeout.*nan"):
+        ep.wait(["req-n"], timeout=float("nan"))
+    ep.seal("req-0", "decode-0", expected_writes=0)
+    time.sleep(0.05)  # the event is queued: a wait of 0 must still return it
+    assert ep.wait(["req-0"], timeout=0)["req-0"].state == "done"
+
+
+@pytest.mark.parametrize("poll_timeout", [0.0, 0.001])
+def test_a_daemon_thread_in_a_native_call_at_exit_does_not_abort_the_process(
+    poll_timeout: float,
+) -> None:
+    """Before: a daemon thread polling events (as the connector's events thread does) made the
+    process abort at interpreter exit ("terminate called without an active exception",
+    SIGABRT): CPython ends such a thread with pthread_exit when it takes the GIL back during
+    finalization, and that unwinding started in pybind11's gil_scoped_release destructor."""
+    script = textwrap.dedent(
+        f"""
+        import threading, time
+        import moriio_native as mn
+        engine = mn.Engine("solo", "loopback")
+        def loop():
+            while True:
+                engine.poll_events(timeout={poll_timeout})
+        threading.Thread(target=loop, daemon=True).start()
+        time.sleep(0.3)
+        """
+    )
+    for _ in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        )
+        assert proc.returncode == 0, (proc.returncode, proc.stderr[-500:])
 
 
 def test_empty_read_is_notify_only(pair) -> None:

@@ -204,6 +204,35 @@ def test_a_refused_handshake_leaves_no_peer(made: list) -> None:
     assert decode.peers() == []
 
 
+def test_a_caller_expecting_another_rank_fails_alone(made: list) -> None:
+    """What one caller expects of the answer (which rank answers there: a request's or a
+    message's word) is checked for it alone: a caller joining a handshake in flight, or taking
+    a cached one, gets the peer when the answer is what it expects, whatever another caller
+    expected; a refusal is remembered for nobody (before, the first caller's check applied to
+    every joiner, and its refusal failed every caller for the backoff)."""
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    prefill = Prefill("prefill", port, 2)
+    made.append(prefill)
+    prefill.gate.clear()
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+
+    def another_rank(response: HandshakeResponse) -> None:
+        raise IncompatiblePeerError(f"peer at {key} is not the rank this caller expects")
+
+    misinformed = peers.connect(key, 1, accept, expect=another_rank)
+    joined = peers.connect(key, 1, accept, expect=accept)  # in flight: shares the handshake
+    prefill.gate.set()
+    with pytest.raises(IncompatiblePeerError, match="not the rank this caller expects"):
+        misinformed.result(timeout=30)
+    assert joined.result(timeout=30).engine_peer == "prefill"
+    assert peers.connect(key, 1, accept).result(timeout=0).engine_peer == "prefill"  # cached
+    with pytest.raises(IncompatiblePeerError):
+        peers.connect(key, 1, accept, expect=another_rank).result(timeout=0)
+    assert prefill.answered == 1
+
+
 def test_a_peer_restarted_under_the_same_address_replaces_the_old_one(made: list) -> None:
     decode, decode_caches = engine("decode", 1)
     port = free_port()

@@ -34,7 +34,13 @@ class Directory:
         self.probes = 0
 
     def connect(
-        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+        self,
+        key: PeerKey,
+        notify_port: int,
+        validate: Any,
+        *,
+        expect: Any = None,
+        incarnation: str = "",
     ) -> Future[Peer]:
         future: Future[Peer] = Future()
         self.pending.append((key, future))
@@ -96,7 +102,9 @@ def context(
 
 def peer(key: PeerKey) -> Peer:
     response = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE")
-    return Peer(key=key, engine_peer="p:7000/dp0/tp0", notify_port=7100, response=response)
+    return Peer(
+        key=key, engine_peer="p:7000/dp0/tp0", notify_port=7100, response=response, asked_at=0.0
+    )
 
 
 def quarantined_await() -> tuple[Puller, Context, Directory]:
@@ -285,9 +293,9 @@ def test_verify_refuses_a_peer_of_another_tp_size_at_handshake() -> None:
     key = PeerKey("127.0.0.1", 7000)
     other_tp = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 2, "READ", verify=True)
     with pytest.raises(IncompatiblePeerError, match=r"TP 2, we run TP 1: 'verify'"):
-        ctx.validator(key, 0, 0, 2)(other_tp)
+        ctx.peer_check(key)(other_tp)
     same_tp = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ", verify=True)
-    ctx.validator(key, 0, 0, 1)(same_tp)
+    ctx.peer_check(key)(same_tp)
 
 
 def test_heads_that_cannot_pair_are_refused_at_handshake() -> None:
@@ -304,20 +312,20 @@ def test_heads_that_cannot_pair_are_refused_at_handshake() -> None:
         match=r"layer layers\.0\.attn .* 1 of 4 KV heads per rank at prefill TP 3 and 2 per "
         r"rank at decode TP 2; the two cannot pair: .*neither divides",
     ):
-        decode.validator(key, 0, 0, 3)(tp3)
+        decode.peer_check(key)(tp3)
     prefill, _, _ = context("write", producer=True, tp_size=2, **layers)
     tp3_decode = HandshakeResponse("d:7000/dp0/tp0", b"meta", 0, 0, 1, 3, "WRITE", total_kv_heads=4)
     with pytest.raises(IncompatiblePeerError, match=r"at prefill TP 2 .* at decode TP 3"):
-        prefill.validator(key, 0, 0, 3)(tp3_decode)
+        prefill.peer_check(key)(tp3_decode)
     tp4 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 4, "READ", total_kv_heads=4)
-    decode.validator(key, 0, 0, 4)(tp4)
+    decode.peer_check(key)(tp4)
     tp1_decode = HandshakeResponse("d:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE", total_kv_heads=4)
-    prefill.validator(key, 0, 0, 1)(tp1_decode)
+    prefill.peer_check(key)(tp1_decode)
     # Split layers whose heads neither side knows, or context parallelism here: refused too.
     unknown, _, _ = context("read", producer=False, tp_size=2, split_layers=("layers.0.attn",))
     tp1 = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "READ")
     with pytest.raises(IncompatiblePeerError, match=r"an unknown share .* not known"):
-        unknown.validator(key, 0, 0, 1)(tp1)
+        unknown.peer_check(key)(tp1)
     cp, _, _ = context("read", producer=False, tp_size=2, context_parallel=True, **layers)
     with pytest.raises(IncompatiblePeerError, match="context parallelism"):
-        cp.validator(key, 0, 0, 4)(tp4)
+        cp.peer_check(key)(tp4)

@@ -30,7 +30,7 @@ from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
 from moriio_native.errors import TransportError
 from moriio_native.pd import pusher as pusher_module
-from moriio_native.pd.context import Context
+from moriio_native.pd.context import HOLD_MARGIN_S, Context
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
@@ -103,14 +103,32 @@ def incarnation(rank: int) -> str:
     return f"{rank + 1:032x}"
 
 
-def peer_at(key: PeerKey, base: ZmqAddress, rank: int, tp: int, mode: str) -> Peer:
+def peer_at(
+    key: PeerKey, base: ZmqAddress, rank: int, tp: int, mode: str, *, answered_ms: int = 0
+) -> Peer:
+    """Rank ``rank``'s handshake, answered at ``answered_ms`` by its clock, asked for now."""
     name = "p" if base is PREFILL else "d"
     engine_id = f"{name}:{base.handshake_port}/dp0/tp{rank}"
     response = HandshakeResponse(
-        engine_id, b"meta", 0, rank, 1, tp, mode, total_kv_heads=8, incarnation=incarnation(rank)
+        engine_id,
+        b"meta",
+        0,
+        rank,
+        1,
+        tp,
+        mode,
+        total_kv_heads=8,
+        incarnation=incarnation(rank),
+        answered_ms=answered_ms,
     )
     notify = rank_port(base.notify_port, 0, rank, tp)
-    return Peer(key=key, engine_peer=engine_id, notify_port=notify, response=response)
+    return Peer(
+        key=key,
+        engine_peer=engine_id,
+        notify_port=notify,
+        response=response,
+        asked_at=time.monotonic(),
+    )
 
 
 def answer_handshakes(directory: Directory, base: ZmqAddress, tp: int, mode: str) -> list[int]:
@@ -192,6 +210,68 @@ def test_a_gather_read_is_one_transfer_per_source_and_ends_with_the_last() -> No
     assert puller.peers_in_use() == set()
     assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
     assert releases_sent(sender) == [2, 3]
+
+
+# The prefill's clock when it answered the handshakes of the hold tests (ms since the epoch):
+# the decode's own clock is never compared with it.
+PREFILL_ANSWERED_MS = 5_000_000
+
+
+@pytest.mark.parametrize(
+    ("spare_ms", "posted"),
+    [(-50, False), (-(30 + HOLD_MARGIN_S) * 1000, False), (5_000, True)],
+    ids=["just-short", "expired", "enough"],
+)
+def test_a_read_is_posted_only_while_the_prefill_holds_its_blocks_for_all_of_it(
+    caplog: pytest.LogCaptureFixture, spare_ms: float, posted: bool
+) -> None:
+    """Before: a decode READ whenever it got to a request, also after the prefill's
+    abort_timeout had passed, when the prefill may have given the blocks to another request:
+    the READ loaded that request's bytes as this one's. Now a READ is posted only if it ends,
+    with transfer_timeout (30 s here) and HOLD_MARGIN_S to spare, before the prefill's stated
+    hold ends, by the prefill's clock as its handshake bounds it; else the load fails (recomputed)
+    and the prefill is released."""
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    puller = Puller(ctx)
+    needed_ms = (ctx.cfg.transfer_timeout + HOLD_MARGIN_S) * 1000
+    hold_until = PREFILL_ANSWERED_MS + int(needed_ms + spare_ms)
+    puller.start(dataclasses.replace(read_task("tx-h", 1), remote_hold_until_ms=hold_until))
+    key, future = directory.pending.pop()
+    with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+        future.set_result(peer_at(key, PREFILL, 0, 1, "READ", answered_ms=PREFILL_ANSWERED_MS))
+    reads = [c for c in engine.calls if c[0] == "read"]
+    if posted:
+        assert reads and puller.read_states() == {"tx-h": ReadState.READING}
+        return
+    assert not reads, "a READ was posted that the prefill's hold does not cover"
+    assert puller.read_states() == {}
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {3, 4, 5}
+    assert releases_sent(sender) == [0]
+    assert any(
+        "tx-h" in r.getMessage() and "holds the request's blocks for" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+
+
+def test_a_read_without_a_stated_hold_is_posted_as_before() -> None:
+    """A prefill answer without ``remote_hold_until_ms`` (a proxy that drops the key) is read
+    as before the check existed: nothing tells how long the blocks are held."""
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(read_task("tx-n", 1))
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ", answered_ms=PREFILL_ANSWERED_MS))
+    assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-n"]
+
+
+def test_the_prefills_clock_is_bounded_by_its_handshake_alone() -> None:
+    """The bound grows with the time since the handshake was asked for (and the clocks' rate
+    tolerance), whatever the decode's own wall clock reads."""
+    response = HandshakeResponse("p:7000/dp0/tp0", b"meta", answered_ms=1_000_000)
+    asked = Peer(PeerKey("h", 1), "p", 2, response, asked_at=100.0)
+    assert asked.clock_at_most(100.0) == 1_000_000
+    assert asked.clock_at_most(160.0) == 1_000_000 + 60_000 + 6  # 60 s at 100 ppm
 
 
 def test_a_failed_part_stops_the_other_and_the_blocks_wait_for_its_drain() -> None:
@@ -636,7 +716,13 @@ class FailedDirectory(Directory):
     caller's lock)."""
 
     def connect(
-        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+        self,
+        key: PeerKey,
+        notify_port: int,
+        validate: Any,
+        *,
+        expect: Any = None,
+        incarnation: str = "",
     ) -> Future[Peer]:
         future: Future[Peer] = Future()
         future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
@@ -1196,7 +1282,13 @@ def test_a_remembered_decode_rank_is_not_acknowledged_at_a_port_it_no_longer_has
         )
         notify = rank_port(DECODE.notify_port, 1, 0, tp_size)
         future.set_result(
-            Peer(key=key, engine_peer=engine_id, notify_port=notify, response=response)
+            Peer(
+                key=key,
+                engine_peer=engine_id,
+                notify_port=notify,
+                response=response,
+                asked_at=0.0,
+            )
         )
 
     answer(1)
@@ -1268,7 +1360,13 @@ class HandshakenDirectory(Directory):
     directory does for a cached peer."""
 
     def connect(
-        self, key: PeerKey, notify_port: int, validate: Any, *, incarnation: str = ""
+        self,
+        key: PeerKey,
+        notify_port: int,
+        validate: Any,
+        *,
+        expect: Any = None,
+        incarnation: str = "",
     ) -> Future[Peer]:
         rank = key.handshake_port - DECODE.handshake_port
         future: Future[Peer] = Future()

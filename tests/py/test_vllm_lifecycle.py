@@ -21,6 +21,7 @@ import torch
 
 pytest.importorskip("vllm")
 
+from moriio_native.control.messages import now_ms
 from test_vllm_support import (
     BLOCK_SIZE,
     Side,
@@ -410,6 +411,50 @@ def test_read_without_prefill_incarnations_is_loaded_when_not_required(
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
 
 
+def test_read_after_the_prefill_freed_the_blocks_is_recomputed(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before: a READ-mode prefill frees a request's blocks abort_timeout after it finished,
+    with no release, and a decode that got to the request later still READ those block ids --
+    by then free, or another request's -- and loaded whatever they held as this request's KV.
+    Now the prefill's answer states until when it holds them (``remote_hold_until_ms``, its
+    clock), and the decode reads only if its READ ends, with transfer_timeout and a second to
+    spare, before then; otherwise it recomputes, with the reason logged. A request read in
+    time loads as before."""
+    hold_s, transfer_s = 3.0, 0.5
+    p, d = make_pair(
+        sides,
+        model_dir,
+        "read",
+        p_extra={"abort_timeout": hold_s},
+        d_extra={"transfer_timeout": transfer_s},
+    )
+    in_time = prompt_of(40, seed=41)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, in_time, tid)
+    assert returned["remote_hold_until_ms"] >= now_ms() + hold_s * 1000 - 500
+    d.add_request(rid, in_time, params=decode_params(tid, returned), max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    assert all(d.slot_matches(rid, range(len(in_time) - 1), p.salt, in_time))
+
+    late = prompt_of(40, seed=42)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, late, tid)
+    # No decode released it: the prefill frees its blocks at abort_timeout.
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill freeing")
+    assert p.free_blocks() == p.initial_free
+    d.add_request(rid, late, params=decode_params(tid, returned), max_tokens=2)
+    with caplog.at_level(logging.ERROR, logger="moriio_native.pd.puller"):
+        loaded = load(d, rid)
+    assert loaded.invalid_blocks, "the decode loaded blocks the prefill had freed"
+    assert all(d.slot_matches(rid, range(len(late)), d.salt, late))  # recomputed
+    assert any(
+        tid in r.getMessage() and "not reading blocks it may free" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    assert loaded.stats is not None and loaded.stats.data.get("transfers", 0) == 0
+
+
 def test_bad_handshake_metadata_is_logged_and_changes_nothing(
     sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -562,6 +607,59 @@ def test_write_prefill_and_decode_concurrently(sides: list[Side], model_dir: str
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+@pytest.mark.parametrize("where", ["live job", "ended job"])
+def test_write_whose_event_handling_raises_still_ends(
+    sides: list[Side], model_dir: str, where: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review. Before: an exception while the prefill handled its WRITE's engine
+    event was logged and the job left as it was. Raised before the job ended, it stayed in the
+    engine's states with no deadline left (the engine had nothing to abort); raised after (at
+    the stats sink), the request's count of live jobs was never lowered and no write_done
+    sent. Either way the prefill held its blocks for good, and the decode waited out its
+    abort_timeout. Now a live job fails (the decode is told write_failed and recomputes), an
+    ended one still sends its write_done first (the decode loads), and the blocks are freed."""
+    p, d = make_pair(sides, model_dir, "write")  # abort_timeout 30 s: not what frees them
+    pusher = p.worker.worker._core.pusher
+    calls: list[Any] = []
+    if where == "live job":
+        on_event = pusher.on_event
+
+        def broken(*args: Any, **kwargs: Any) -> bool:
+            calls.append(args)
+            if len(calls) == 1:
+                raise RuntimeError("the job's bookkeeping broke")
+            return bool(on_event(*args, **kwargs))
+
+        monkeypatch.setattr(pusher, "on_event", broken)
+    else:
+
+        def broken_sink(event: Any, groups: int = 1) -> None:
+            calls.append(event)
+            raise RuntimeError("the stats sink broke")
+
+        monkeypatch.setattr(p.worker.worker._core.ctx.stats, "record_transfer", broken_sink)
+    prompt = prompt_of(45, seed=5)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()
+    p.run_until(
+        lambda r: rid in r.transfer.finished_sending,
+        max_wait=10.0,
+        what="the prefill's blocks freed after the error",
+    )
+    assert calls, "the injected fault never ran"
+    assert p.free_blocks() == p.initial_free
+    loaded = load(d, rid)
+    if where == "live job":
+        assert loaded.invalid_blocks
+        assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))  # recomputed
+    else:
+        assert loaded.invalid_blocks == set()
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
 
 
 # ---- two live requests carrying one transfer id -----------------------------------------------

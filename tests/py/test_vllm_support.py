@@ -771,7 +771,13 @@ def prefill_params(tid: str, remote_tp_size: int = 1) -> dict[str, Any]:
 
 
 # The keys of the prefill's answer a proxy passes on to the decode (examples/launch/proxy.py).
-PROXY_FORWARDS = ("remote_engine_id", "remote_block_ids", "transfer_id", "remote_incarnations")
+PROXY_FORWARDS = (
+    "remote_engine_id",
+    "remote_block_ids",
+    "transfer_id",
+    "remote_incarnations",
+    "remote_hold_until_ms",
+)
 
 
 def decode_params(
@@ -790,8 +796,8 @@ def decode_params(
         "remote_dp_rank": 0,
     }
     if prefill_result is not None:
-        for key in PROXY_FORWARDS:
-            params[key] = prefill_result[key]
+        for key in PROXY_FORWARDS:  # as examples/launch/proxy.py: a missing key goes as None
+            params[key] = prefill_result.get(key)
     return params
 
 

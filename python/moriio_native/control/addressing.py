@@ -84,6 +84,10 @@ KEY_REMOTE_DP_SIZE = "remote_dp_size"
 #: This project's own key (not vLLM's): the incarnation of each prefill TP rank that computed the
 #: request, by TP rank. The decode reads only from those processes (docs/protocol.md section 5).
 KEY_REMOTE_INCARNATIONS = "remote_incarnations"
+#: This project's own key: until when the prefill holds the request's blocks for a READ, by the
+#: prefill's clock (ms since the Unix epoch). The decode reads only if its READ ends before then
+#: (docs/protocol.md section 5).
+KEY_REMOTE_HOLD_UNTIL_MS = "remote_hold_until_ms"
 #: Older name of ``remote_tp_size``; vLLM's prefill side still returns it. Read, never written.
 KEY_LEGACY_TP_SIZE = "tp_size"
 
@@ -100,6 +104,7 @@ KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
     KEY_REMOTE_TP_SIZE,
     KEY_REMOTE_DP_SIZE,
     KEY_REMOTE_INCARNATIONS,
+    KEY_REMOTE_HOLD_UNTIL_MS,
 )
 # Integer keys vLLM may pass as decimal strings (its kv_connector_extra_config ports).
 _DECIMAL_KEYS = (
@@ -430,6 +435,9 @@ class KvTransferParams(Schema, frozen=True):
         Annotated[tuple[Incarnation, ...], msgspec.Meta(min_length=1, max_length=MAX_PARALLEL_SIZE)]
         | None
     ) = None
+    # Until when the prefill holds the blocks for a READ (its clock, ms since the Unix epoch;
+    # None: not stated).
+    remote_hold_until_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
 
     def _check(self) -> None:
         if self.do_remote_prefill and self.do_remote_decode:
@@ -503,6 +511,8 @@ class KvTransferParams(Schema, frozen=True):
                 out[key] = getattr(self, key)
         if self.remote_incarnations is not None:
             out[KEY_REMOTE_INCARNATIONS] = list(self.remote_incarnations)
+        if self.remote_hold_until_ms is not None:
+            out[KEY_REMOTE_HOLD_UNTIL_MS] = self.remote_hold_until_ms
         return out
 
 
@@ -544,6 +554,7 @@ __all__ = [
     "KEY_REMOTE_DP_SIZE",
     "KEY_REMOTE_ENGINE_ID",
     "KEY_REMOTE_HANDSHAKE_PORT",
+    "KEY_REMOTE_HOLD_UNTIL_MS",
     "KEY_REMOTE_HOST",
     "KEY_REMOTE_INCARNATIONS",
     "KEY_REMOTE_NOTIFY_PORT",

@@ -82,6 +82,7 @@ from .messages import (
     RemoteBlocks,
     decode,
     encode,
+    now_ms,
 )
 from .security import (
     AuthenticationError,
@@ -1058,7 +1059,7 @@ class HandshakeServer(_RouterListener):
             response = self._provider(request)
             if not isinstance(response, HandshakeResponse):
                 raise TypeError(f"provider returned {type(response).__name__}")
-            reply = response.replace(nonce=request.nonce)
+            reply = response.replace(nonce=request.nonce, answered_ms=now_ms())
         except MoriioError as exc:
             self._rejections.warn("handshake from %s rejected: %s", peer, exc)
             reply = HandshakeRejected(_reason_text(exc), request.nonce)
@@ -1178,13 +1179,15 @@ def _dial(
 
 
 def _check_seconds(value: float, what: str) -> float:
-    if (
-        not isinstance(value, (int, float))
-        or isinstance(value, bool)
-        or not 0 < value < float("inf")
-    ):
+    seconds = math.nan
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            seconds = float(value)
+        except OverflowError:  # an int beyond any float
+            seconds = math.inf
+    if not 0 < seconds < math.inf:  # NaN fails this too
         raise InvalidArgumentError(f"{what} must be a positive number of seconds, got {value!r}")
-    return float(value)
+    return seconds
 
 
 def fetch_metadata(

@@ -89,9 +89,11 @@ from .schema import (
 
 # 2: the handshake response's kv_groups carry tokens_per_state and its incarnation, the
 # kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. 3: the handshake
-# request carries sent_ms (a server with a secret answers it only while fresh). A peer of
-# another version is refused at the handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 3
+# request carries sent_ms (a server with a secret answers it only while fresh). 4: the
+# handshake response carries answered_ms, the kv_transfer_params remote_hold_until_ms (a decode
+# reads a prefill's blocks only while the prefill still holds them). A peer of another version
+# is refused at the handshake by its version, before any field of it is checked.
+PROTOCOL_VERSION = 4
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -426,6 +428,10 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     # The answering process's incarnation (random, made at its start); "": a peer that predates
     # it. A READ whose request names another incarnation is not made: those blocks are gone.
     incarnation: IncarnationOrEmpty = ""
+    # When the server answered, by its clock (ms since the Unix epoch; the server fills it in,
+    # 0 in a provider's answer): bounds how far the peer's clock is ahead of the requester's,
+    # which a READ needs to know whether the prefill still holds the request's blocks.
+    answered_ms: EpochMs = 0
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)

@@ -595,7 +595,7 @@ def listener_handshake_ms(seconds: Any) -> int:
         raise InvalidArgumentError(what)
     try:
         value = float(seconds)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # OverflowError: an int beyond any float
         raise InvalidArgumentError(what) from None
     if not MIN_LISTENER_HANDSHAKE_TIMEOUT <= value <= MAX_LISTENER_HANDSHAKE_TIMEOUT:
         raise InvalidArgumentError(what)  # NaN fails this too

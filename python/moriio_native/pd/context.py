@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,6 +42,11 @@ PLAN_CACHE = 16
 # remote_tp_size is the client's word (up to 65,536): that plan's list took 2.3 MB and 1.4 s to
 # make, in vLLM's engine step. Past it the line gives the sizes alone.
 MAX_DESCRIBED_TP = 64
+# What a READ leaves, past its own transfer_timeout, before the prefill may free the blocks: the
+# prefill's scheduler (which states the hold) and the worker that answered the handshake may sit
+# on two hosts whose clocks agree only to NTP's milliseconds, and the READ is posted a moment
+# after the check.
+HOLD_MARGIN_S = 1.0
 
 
 class StatsSink(Protocol):
@@ -177,14 +183,14 @@ class Context:
         cfg = self.cfg
         return plan.describe(cfg.tp_rank, prefill=prefill, whole_layers=bool(cfg.whole_layers))
 
-    def validator(
-        self, key: PeerKey, dp_rank: int, rank: int, tp_size: int
-    ) -> Callable[[HandshakeResponse], None]:
-        """Checks a handshake answer at ``key`` is the rank we expect, in our transfer mode,
-        with the same KV heads when the TP sizes differ."""
+    def peer_check(self, key: PeerKey) -> Callable[[HandshakeResponse], None]:
+        """Checks a handshake answer at ``key`` can pair with us at all, whoever asked for it:
+        our transfer mode and verify setting, and the same KV heads when its TP size differs
+        from ours (see :meth:`rank_check` for which rank it must be)."""
         cfg = self.cfg
 
         def validate(response: HandshakeResponse) -> None:
+            tp_size = response.tp_size
             if response.verify != cfg.verify:
                 raise IncompatiblePeerError(
                     f"peer {response.engine_id} at {key} "
@@ -202,12 +208,6 @@ class Context:
                     f"peer {response.engine_id} at {key} runs {response.transfer_mode} mode, we "
                     f"run {cfg.transfer_mode}; set the same 'mode' on both instances"
                 )
-            if (response.dp_rank, response.tp_rank, response.tp_size) != (dp_rank, rank, tp_size):
-                raise IncompatiblePeerError(
-                    f"peer at {key} is dp{response.dp_rank}/tp{response.tp_rank} of "
-                    f"{response.tp_size}, expected dp{dp_rank}/tp{rank} of {tp_size} "
-                    "(do both sides use the same handshake base port?)"
-                )
             if tp_size != cfg.tp_size and cfg.split_layers:
                 theirs, ours = response.total_kv_heads, cfg.total_kv_heads
                 if theirs != ours:
@@ -219,6 +219,24 @@ class Context:
                 self._check_heads_pair(response, key, tp_size)
 
         return validate
+
+    @staticmethod
+    def rank_check(
+        key: PeerKey, dp_rank: int, rank: int, tp_size: int
+    ) -> Callable[[HandshakeResponse], None]:
+        """Checks a handshake answer at ``key`` is the rank one caller expects there (a
+        request's or a message's word, which may be wrong: its refusal fails that caller
+        only)."""
+
+        def expect(response: HandshakeResponse) -> None:
+            if (response.dp_rank, response.tp_rank, response.tp_size) != (dp_rank, rank, tp_size):
+                raise IncompatiblePeerError(
+                    f"peer at {key} is dp{response.dp_rank}/tp{response.tp_rank} of "
+                    f"{response.tp_size}, expected dp{dp_rank}/tp{rank} of {tp_size} "
+                    "(do both sides use the same handshake base port?)"
+                )
+
+        return expect
 
     def _check_heads_pair(self, response: HandshakeResponse, key: PeerKey, tp_size: int) -> None:
         """At the handshake, refuse a peer of another TP size whose heads cannot pair with
@@ -265,7 +283,11 @@ class Context:
         key = PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size))
         notify = rank_port(base_notify_port, dp_rank, rank, tp_size)
         return self.directory.connect(
-            key, notify, self.validator(key, dp_rank, rank, tp_size), incarnation=incarnation
+            key,
+            notify,
+            self.peer_check(key),
+            expect=self.rank_check(key, dp_rank, rank, tp_size),
+            incarnation=incarnation,
         )
 
 
@@ -315,6 +337,28 @@ def check_incarnation(peer: Peer, task: RecvTask, expect: str) -> None:
         )
 
 
+def check_hold(peer: Peer, task: RecvTask, transfer_timeout: float, now: float) -> None:
+    """A READ posted at ``now`` (``time.monotonic()``) may run for ``transfer_timeout``; it must
+    end, with ``HOLD_MARGIN_S`` to spare, before the prefill may free the request's blocks
+    (``task.remote_hold_until_ms``, its clock; None checks nothing): after that the prefill may
+    have given them to another request, and the READ would load that request's bytes. The
+    prefill's clock is bounded through its handshake (:meth:`Peer.clock_at_most`), so the two
+    clocks need not agree. Raises FailedPreconditionError naming the transfer otherwise."""
+    hold_until = task.remote_hold_until_ms
+    if hold_until is None:
+        return
+    prefill_now = peer.clock_at_most(now)
+    needed_ms = math.ceil((transfer_timeout + HOLD_MARGIN_S) * 1000)
+    if prefill_now + needed_ms > hold_until:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} "
+            f"holds the request's blocks for {(hold_until - prefill_now) / 1000:.1f} s more at "
+            f"most, and a READ may take transfer_timeout ({transfer_timeout:g} s) + "
+            f"{HOLD_MARGIN_S:g} s: not reading blocks it may free meanwhile (recomputed); the "
+            "request waited on this decode for most of the prefill's abort_timeout"
+        )
+
+
 def check_engine(peer: Peer, expect_engine: str | None) -> None:
     """The request named an instance: the handshaken rank must belong to it."""
     if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
@@ -329,6 +373,7 @@ __all__ = [
     "Reports",
     "StatsSink",
     "check_engine",
+    "check_hold",
     "check_incarnation",
     "expected_incarnation",
     "plan_grouped",

@@ -325,19 +325,26 @@ class PdCore:
     def _on_event(self, event: Any) -> None:
         if self.puller.on_event(event):
             return
+        self.pusher.on_event(event, self._drained(event))
+
+    def _drained(self, event: Any) -> bool:
+        """Whether nothing of ``event``'s WRITE can land any more (its drain notice may have
+        come first)."""
         with self.ctx.lock:
             drained = event.drained or event.transfer_id in self._drained_jobs
             self._drained_jobs.discard(event.transfer_id)
-        self.pusher.on_event(event, drained)
+        return bool(drained)
 
     def _on_event_error(self, event: Any, exc: Exception) -> None:
-        """Handling ``event`` raised: a READ still ends (failed, recomputed); WRITE jobs and
-        awaits end at their own deadlines (abort_timeout)."""
+        """Handling ``event`` raised: its READ or WRITE job still ends (failed: a READ is
+        recomputed, a WRITE's decode told ``write_failed``); awaits end at their own deadlines
+        (abort_timeout)."""
         why = f"internal error handling its {event.state} event ({type(exc).__name__}: {exc})"
         try:
-            self.puller.on_event_error(event, why)
+            if not self.puller.on_event_error(event, why):
+                self.pusher.on_event_error(event, event.drained, why)
         except Exception:
-            logger.exception("transfer %s: its READ could not be ended", event.transfer_id)
+            logger.exception("transfer %s: it could not be ended", event.transfer_id)
 
     def _on_drained(self, drained: DrainedTransfer) -> None:
         tid = drained.transfer_id

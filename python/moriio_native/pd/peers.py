@@ -46,6 +46,7 @@ handshakes; ``in_use`` is called under ``_admit`` only, never under the first).
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter, OrderedDict
@@ -79,6 +80,9 @@ CAPACITY_RETRY_S = 1.0
 # The least recently used cached addresses one admission tries to evict, at most: past them
 # it is refused (bounds its cost when nearly every peer is busy).
 MAX_EVICTION_TRIES = 64
+# How much faster a peer's clock may run than ours (a quartz clock without NTP: up to 100 ppm):
+# what Peer.clock_at_most adds for each second since the handshake.
+CLOCK_RATE_TOLERANCE = 1e-4
 
 
 @dataclass(frozen=True)
@@ -100,10 +104,21 @@ class Peer:
     engine_peer: str  # the native engine's peer id (for read / write_layer / seal)
     notify_port: int  # its rank's notify port (derived from the handshaken rank, not a message)
     response: HandshakeResponse
+    # When this side asked for the handshake (time.monotonic()): the peer's answered_ms was
+    # stamped after it.
+    asked_at: float
 
     @property
     def host(self) -> str:
         return self.key.host
+
+    def clock_at_most(self, now: float) -> int:
+        """The latest the peer's clock (ms since the Unix epoch) can read at ``now`` (this
+        side's ``time.monotonic()``): it stamped its answer ``answered_ms`` after this side
+        asked, so at most ``now - asked_at`` has passed there since, give or take the two
+        clocks' rates (``CLOCK_RATE_TOLERANCE``). Needs no agreement between the two clocks."""
+        elapsed_ms = (now - self.asked_at) * 1000 * (1 + CLOCK_RATE_TOLERANCE)
+        return self.response.answered_ms + math.ceil(elapsed_ms)
 
 
 # Checks a handshake response for the key before the engine connects (raises to refuse).
@@ -215,13 +230,28 @@ class PeerDirectory:
             return peer
 
     def connect(
-        self, key: PeerKey, notify_port: int, validate: Validator, *, incarnation: str = ""
+        self,
+        key: PeerKey,
+        notify_port: int,
+        validate: Validator,
+        *,
+        expect: Validator | None = None,
+        incarnation: str = "",
     ) -> Future[Peer]:
         """The peer at ``key``: cached, failed recently (the remembered error), or handshaken
         in the background (one handshake per key at a time; ``validate`` and ``notify_port``
-        of the first caller apply). With ``incarnation``, a cached handshake that names another
-        one is stale (the peer restarted since): it is dropped and the peer handshaken again.
-        Never blocks on the network."""
+        of the first caller apply: ``validate`` must check only what holds for every caller,
+        its refusal is remembered for the key). ``expect``: what this caller alone expects of
+        the answer (which rank answers there); checked on every caller's result, its refusal
+        fails this caller only and is remembered nowhere, so that a caller misinformed about
+        who answers at ``key`` cannot fail the others. With ``incarnation``, a cached handshake
+        that names another one is stale (the peer restarted since): it is dropped and the peer
+        handshaken again. Never blocks on the network."""
+        return _expecting(self._connect_shared(key, notify_port, validate, incarnation), expect)
+
+    def _connect_shared(
+        self, key: PeerKey, notify_port: int, validate: Validator, incarnation: str
+    ) -> Future[Peer]:
         with self._lock:
             peer = self._peers.get(key)
             if peer is not None and incarnation and peer.response.incarnation != incarnation:
@@ -382,6 +412,7 @@ class PeerDirectory:
             )
 
     def _connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Peer:
+        asked_at = time.monotonic()
         response = self._fetch(key)
         validate(response)
         # The same engine may be reachable under several addresses (host names, a forwarder):
@@ -415,7 +446,11 @@ class PeerDirectory:
             except MoriioError as exc:
                 raise type(exc)(f"peer at {key}: {exc}") from None
             peer = Peer(
-                key=key, engine_peer=engine_peer, notify_port=notify_port, response=response
+                key=key,
+                engine_peer=engine_peer,
+                notify_port=notify_port,
+                response=response,
+                asked_at=asked_at,
             )
             with self._lock:
                 # Cached (as most recently used) before _admit is released, so that the next
@@ -553,6 +588,26 @@ def _remove_idle(engine: _EngineLike, peer: str) -> bool:
         return engine.remove_idle_peer(peer)
     except NotFoundError:
         return True
+
+
+def _expecting(source: Future[Peer], expect: Validator | None) -> Future[Peer]:
+    """``source``'s peer once ``expect`` accepted its answer, else the refusal (or
+    ``source``'s own error)."""
+    if expect is None:
+        return source
+    out: Future[Peer] = Future()
+
+    def check(done: Future[Peer]) -> None:
+        try:
+            peer = done.result()
+            expect(peer.response)
+        except BaseException as exc:  # handed to the caller as its result
+            out.set_exception(exc)
+            return
+        out.set_result(peer)
+
+    source.add_done_callback(check)
+    return out
 
 
 def _done(peer: Peer) -> Future[Peer]:

@@ -46,6 +46,7 @@ from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.context import (
     Context,
     check_engine,
+    check_hold,
     check_incarnation,
     expected_incarnation,
     plan_grouped,
@@ -374,6 +375,7 @@ class Puller:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
             check_incarnation(peer, task, part.incarnation)
+            check_hold(peer, task, self._ctx.cfg.transfer_timeout, time.monotonic())
             part.peer = peer
             with self._ctx.lock:
                 if read.failing:

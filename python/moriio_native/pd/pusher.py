@@ -1300,14 +1300,22 @@ class Pusher:
 
     def _complete(self, job: _Job, event: Any = None) -> None:
         """Terminal job (lock held): one final message to the decode, then the blocks are
-        reported free once the request finished."""
+        reported free once the request finished -- also when the message or the stats raise
+        (a defect of ours), or the request would hold its blocks for good."""
+        try:
+            self._tell_ended(job, event)
+        finally:
+            request = self._requests.get(job.request)
+            if request is not None:
+                request.live -= 1
+                self._request_ended(request)
+
+    def _tell_ended(self, job: _Job, event: Any) -> None:
+        """``job``'s one final message to the decode, then its end in the stats (lock held):
+        the decode waits for the message, nobody for the stats."""
         ctx = self._ctx
         job.device_events.clear()  # drained: no copy of the job waits for any of them
         ok = job.state is JobState.DONE
-        if ok and event is not None:
-            ctx.stats.record_transfer(event, self._groups_moved(job))
-        elif not ok and not job.released and not (job.send is not None and job.send.unsaved):
-            ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
         if job.abort_requested is not None:
             self._send_write_aborted(job)
         elif not job.released and not job.announcer_gone:
@@ -1323,10 +1331,10 @@ class Pusher:
                 else self._write_failed(job.request, job.reason)
             )
             self._send_final(job, message)
-        request = self._requests.get(job.request)
-        if request is not None:
-            request.live -= 1
-            self._request_ended(request)
+        if ok and event is not None:
+            ctx.stats.record_transfer(event, self._groups_moved(job))
+        elif not ok and not job.released and not (job.send is not None and job.send.unsaved):
+            ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
 
     def _write_failed(self, request: str, reason: str) -> WriteFailed:
         return WriteFailed(request, writer_rank=self._rank, reason=reason[:1000] or "failed")
@@ -1553,6 +1561,27 @@ class Pusher:
             self._ack_by_handshake(request, ack, due.since)
 
     # ---- engine events (events thread) --------------------------------------------------------
+
+    def on_event_error(self, event: Any, drained: bool, why: str) -> bool:
+        """Handling ``event`` of one of our WRITE jobs raised (a defect of ours) before the job
+        reached its end: it must still end, or its request holds the prefill's blocks for good
+        (a job whose engine transfer ended has no deadline left: the engine has nothing to
+        abort). It fails now, or once its writes drained when the event says some are still in
+        flight; a job at its end (or waiting for a drain or checksums) keeps its course. False
+        when ``event`` is not one of our jobs."""
+        with self._ctx.lock:
+            job = self._jobs.get(event.transfer_id)
+            if job is None:
+                return False
+            engine_event = JobEvent.ENGINE_FAILED if drained else JobEvent.ENGINE_UNDRAINED
+            if not job.machine.allows(engine_event):
+                return True
+            logger.error("transfer %s: %s", event.transfer_id, why)
+            job.reason = job.reason or why
+            job.machine.advance(engine_event)
+            if job.state in JOB_TERMINAL:
+                self._complete(job)
+        return True
 
     def on_event(self, event: Any, drained: bool) -> bool:
         with self._ctx.lock:

@@ -51,6 +51,9 @@ class RecvTask:
     # READ: the incarnation of each prefill TP rank that computed the request, by TP rank (the
     # prefill's answer); None: not stated, and then nothing is read (docs/protocol.md §5).
     remote_incarnations: tuple[str, ...] | None = None
+    # READ: until when the prefill holds the blocks, by its clock (ms since the Unix epoch; the
+    # prefill's answer); None: not stated, and then nothing checks it.
+    remote_hold_until_ms: int | None = None
 
     @property
     def notify_only(self) -> bool:

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ from moriio_native.control.addressing import (
     KEY_REMOTE_DP_SIZE,
     KEY_REMOTE_ENGINE_ID,
     KEY_REMOTE_HANDSHAKE_PORT,
+    KEY_REMOTE_HOLD_UNTIL_MS,
     KEY_REMOTE_HOST,
     KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_NOTIFY_PORT,
@@ -62,6 +64,7 @@ from moriio_native.control.addressing import (
     ZmqAddress,
     parse_kv_transfer_params,
 )
+from moriio_native.control.messages import now_ms
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.vllm.config import ConnectorConfig
@@ -220,6 +223,7 @@ class SchedulerSide:
             remote_dp_rank=params.remote_dp_rank,
             remote_tp_size=params.remote_tp_size,
             remote_incarnations=params.remote_incarnations,
+            remote_hold_until_ms=params.remote_hold_until_ms,
         )
 
     def set_incarnations(self, ranks: Mapping[Any, object]) -> None:
@@ -512,6 +516,10 @@ class SchedulerSide:
             KEY_LEGACY_TP_SIZE: cfg.tp_size,
             KEY_TRANSFER_ID: params.transfer_id,
         }
+        if cfg.mode == "read":
+            # The workers free the blocks abort_timeout after they learn the request finished,
+            # which is after now: the decode reads only if its READ ends before this.
+            out[KEY_REMOTE_HOLD_UNTIL_MS] = now_ms() + math.floor(cfg.abort_timeout * 1000)
         if self._incarnations is not None:
             out[KEY_REMOTE_INCARNATIONS] = list(self._incarnations)
         elif not self._incarnations_missing_logged:
