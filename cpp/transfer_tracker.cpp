@@ -313,6 +313,10 @@ bool TransferTracker::MaybeFinishLocked(const std::string& id, Transfer& t) {
     FinishLocked(id, t, TransferState::kAborted, "aborted");
     return true;
   }
+  // Past its deadline before ExpireDeadlines (run on the poller's schedule) saw it: timed out
+  // all the same, never done. A caller was promised an end within the deadline: a READ posted
+  // only while the prefill holds its blocks for that long must not be reported done later.
+  if (!t.timed_out && t.deadline <= Clock::now()) t.timed_out = true;
   if (t.timed_out) {
     FinishLocked(id, t, TransferState::kTimedOut,
                  "no completion within " + std::to_string(timeout_.count()) + " ms");

@@ -714,6 +714,23 @@ TEST(TransferTrackerRead, CompletesWhenClosedAndEveryBatchFinished) {
   EXPECT_EQ(e.batches, 2);
 }
 
+TEST(TransferTrackerRead, LastBatchCompletingPastTheDeadlineTimesOutNeverDone) {
+  // Found by a review: the deadline was checked only when the poller next expired deadlines,
+  // so a READ whose last batch completed after it, before that check, was reported done -- past
+  // the time the caller was promised its end by (a READ posted while the prefill held its blocks
+  // for that long could then have read blocks the prefill freed).
+  TransferTracker t(std::chrono::milliseconds(1), 16);
+  ASSERT_TRUE(t.BeginRead("rd", "prefill-1").ok());
+  Result<std::uint64_t> a = t.AddBatch("rd", 100, 3);
+  ASSERT_TRUE(a.ok());
+  t.CloseRead("rd");
+  std::this_thread::sleep_for(5ms);  // past the deadline, no ExpireDeadlines in between
+  t.OnBatchComplete(*a, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kTimedOut) << e.message;
+  EXPECT_TRUE(e.drained);
+}
+
 TEST(TransferTrackerRead, FailsOnceIfAnyBatchFailed) {
   TransferTracker t(kLongTimeout, 16);
   ASSERT_TRUE(t.BeginRead("rd", "prefill-1").ok());

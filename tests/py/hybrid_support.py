@@ -84,7 +84,7 @@ def leg_make(
         salt=salt,
         specs=hybrid_specs(block_size),
         layout=layout,
-        extra={"backend": "ucx", "transfer_timeout": 30},
+        extra={"backend": "ucx", "transfer_timeout": 30, "abort_timeout": 120},
         block_size=block_size,
         prefix_caching=False,
         hybrid_kv_cache_manager=True,

@@ -23,6 +23,7 @@ from moriio_native.errors import (
     MoriioError,
     TransferTimeoutError,
 )
+from moriio_native.pd import peers as peers_module
 from moriio_native.pd.peers import CAPACITY_RETRY_S, PeerCapacityError, PeerDirectory, PeerKey
 from net_support import free_port
 
@@ -231,6 +232,28 @@ def test_a_caller_expecting_another_rank_fails_alone(made: list) -> None:
     with pytest.raises(IncompatiblePeerError):
         peers.connect(key, 1, accept, expect=another_rank).result(timeout=0)
     assert prefill.answered == 1
+
+
+def test_a_cached_handshake_past_its_age_is_made_again(
+    made: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by a review: a cached handshake bounds the peer's clock less tightly with every
+    second (the clocks' rate tolerance), and nothing made it again, so days later every READ's
+    hold check refused it (recomputed). Past HANDSHAKE_MAX_AGE_S the next caller gets a fresh
+    one: the same engine peer, a new bound."""
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    prefill = Prefill("prefill", port, 2)
+    made.append(prefill)
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+    first = peers.connect(key, 1, accept).result(timeout=30)
+    assert peers.connect(key, 1, accept).result(timeout=0) is first  # young: cached
+    monkeypatch.setattr(peers_module, "HANDSHAKE_MAX_AGE_S", 0.0)
+    again = peers.connect(key, 1, accept).result(timeout=30)
+    assert again is not first and again.asked_at > first.asked_at
+    assert again.engine_peer == first.engine_peer and prefill.answered == 2
+    assert decode.peers() == ["prefill"]
 
 
 def test_a_peer_restarted_under_the_same_address_replaces_the_old_one(made: list) -> None:

@@ -42,6 +42,10 @@ class Directory:
         expect: Any = None,
         incarnation: str = "",
     ) -> Future[Peer]:
+        return self.answer(key)
+
+    def answer(self, key: PeerKey) -> Future[Peer]:
+        """The handshake of ``key``: pending until the test completes it."""
         future: Future[Peer] = Future()
         self.pending.append((key, future))
         return future

@@ -31,6 +31,7 @@ from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAll
 from moriio_native.errors import TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import HOLD_MARGIN_S, Context
+from moriio_native.pd.core import PdCore
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
@@ -715,15 +716,7 @@ class FailedDirectory(Directory):
     the real directory does within a failure's backoff (the callback runs inline, under the
     caller's lock)."""
 
-    def connect(
-        self,
-        key: PeerKey,
-        notify_port: int,
-        validate: Any,
-        *,
-        expect: Any = None,
-        incarnation: str = "",
-    ) -> Future[Peer]:
+    def answer(self, key: PeerKey) -> Future[Peer]:
         future: Future[Peer] = Future()
         future.set_exception(TransportError(f"handshake with {key} timed out after 30s"))
         return future
@@ -1359,15 +1352,7 @@ class HandshakenDirectory(Directory):
     """Every decode rank handshaken already: connect returns a completed future, as the real
     directory does for a cached peer."""
 
-    def connect(
-        self,
-        key: PeerKey,
-        notify_port: int,
-        validate: Any,
-        *,
-        expect: Any = None,
-        incarnation: str = "",
-    ) -> Future[Peer]:
+    def answer(self, key: PeerKey) -> Future[Peer]:
         rank = key.handshake_port - DECODE.handshake_port
         future: Future[Peer] = Future()
         future.set_result(peer_at(key, DECODE, rank, 2, "WRITE"))
@@ -1630,3 +1615,46 @@ def test_a_held_back_rank_that_announced_and_aborted_gets_one_answer() -> None:
         )
     pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=True)])
     assert not [m for _, m in sender.ports if isinstance(m, WriteFailed)]
+
+
+def test_a_write_whose_drain_notice_came_first_still_ends_after_an_event_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by a review of the fix for WRITE event errors: the error path told the pusher the
+    event's own ``drained`` (False) although the drain notice had come first and been taken
+    already, so the job waited in DRAINING, which has no deadline, for a notice that would
+    never come again: the blocks were held for good, the decode never told. Now the error path
+    is told what the event's handling was."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    core = SimpleNamespace(ctx=ctx, puller=Puller(ctx), pusher=pusher, _drained_jobs=set())
+    for name in ("_handle_event", "_on_event_error", "_on_drained"):
+        setattr(core, name, getattr(PdCore, name).__get__(core))
+    pusher.begin_step([SaveTask("req-1", "tx-9", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-9", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    for layer in (*DENSE, *WHOLE):
+        pusher.layer_saved(layer, None)
+    pusher.forward_done([*DENSE, *WHOLE], None)
+    run_writer(ctx, pusher)
+    pusher.begin_step([], [SendTask("req-1", "tx-9")])  # the request finished
+    assert pusher._jobs["tx-9"].state is JobState.SEALED
+    # The drain notice overtakes the undrained timed_out event.
+    core._on_drained(SimpleNamespace(transfer_id="tx-9", seconds=0.1))
+    assert core._drained_jobs == {"tx-9"}
+    on_event = pusher.on_event
+    calls: list[Any] = []
+
+    def broken(*args: Any, **kwargs: Any) -> bool:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError("the job's bookkeeping broke")
+        return bool(on_event(*args, **kwargs))
+
+    monkeypatch.setattr(pusher, "on_event", broken)
+    core._handle_event(event("tx-9", "timed_out", drained=False))
+    assert calls and calls[0][1] is True  # the pusher was told: drained
+    assert "tx-9" not in pusher._jobs or pusher._jobs["tx-9"].state is JobState.FAILED
+    assert [m for _, m in sender.ports if isinstance(m, WriteFailed)]
+    assert ctx.reports.done_sending == {"req-1"}

@@ -104,7 +104,9 @@ def _side(
         salt=1 if producer else 2,
         specs=mixed_specs(max(1, heads // tp)),  # vLLM's share: one head when replicated
         layout="LBNHC" if producer else "BLNHC",
-        extra={"backend": "ucx", "transfer_timeout": 30, **extra},
+        # abort_timeout above transfer_timeout + 1 s: a decode READs only while the prefill
+        # holds the blocks for all of a READ.
+        extra={"backend": "ucx", "transfer_timeout": 30, "abort_timeout": 120, **extra},
         tp_size=tp,
         procs=procs,
         placement=placement,
@@ -119,11 +121,12 @@ def _pair(
     d_tp: int,
     heads: int,
     p_extra: dict[str, Any] | None = None,
+    d_extra: dict[str, Any] | None = None,
 ) -> tuple[RankedSide, RankedSide]:
     tag = f"{mode}-{p_tp}-{d_tp}-{transfer_id()[-6:]}"
     model = model_dirs[heads]
     p = _side(procs, model, f"p-{tag}", "kv_producer", mode, p_tp, heads, **(p_extra or {}))
-    d = _side(procs, model, f"d-{tag}", "kv_consumer", mode, d_tp, heads)
+    d = _side(procs, model, f"d-{tag}", "kv_consumer", mode, d_tp, heads, **(d_extra or {}))
     return p, d
 
 
@@ -254,7 +257,16 @@ def test_a_lost_release_frees_at_abort_timeout(
 ) -> None:
     # Prefill TP 1 -> decode TP 2: both decode ranks read the prefill rank; decode rank 1's
     # release is lost, so the prefill holds the blocks until its abort_timeout frees them.
-    p, d = _pair(procs, model_dirs, "read", 1, 2, 8, p_extra={"abort_timeout": 6})
+    p, d = _pair(
+        procs,
+        model_dirs,
+        "read",
+        1,
+        2,
+        8,
+        p_extra={"abort_timeout": 6},
+        d_extra={"transfer_timeout": 4},  # its READs end within the prefill's 6 s hold
+    )
     try:
         d.rank_leg(1, "leg_drop_releases", rank_port(p.notify_port, 0, 0, 1))
         rid = format_request_id(p.zmq_address(), d.zmq_address())

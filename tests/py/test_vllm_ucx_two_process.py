@@ -52,7 +52,9 @@ def _make(proc: RemoteSides, name: str, role: str, mode: str, layout: str, salt:
             "layout": layout,
             "salt": salt,
             "num_blocks": 40,
-            "extra": {"backend": "ucx", "transfer_timeout": 30},
+            # abort_timeout above transfer_timeout + 1 s: a decode READs only while the
+            # prefill holds the blocks for all of a READ.
+            "extra": {"backend": "ucx", "transfer_timeout": 30, "abort_timeout": 120},
         },
     )
     return ZmqAddress("127.0.0.1", hs, notify)

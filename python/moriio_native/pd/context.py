@@ -354,8 +354,9 @@ def check_hold(peer: Peer, task: RecvTask, transfer_timeout: float, now: float) 
             f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} "
             f"holds the request's blocks for {(hold_until - prefill_now) / 1000:.1f} s more at "
             f"most, and a READ may take transfer_timeout ({transfer_timeout:g} s) + "
-            f"{HOLD_MARGIN_S:g} s: not reading blocks it may free meanwhile (recomputed); the "
-            "request waited on this decode for most of the prefill's abort_timeout"
+            f"{HOLD_MARGIN_S:g} s: not reading blocks it may free meanwhile (recomputed); either "
+            "the request waited on this decode too long, or the prefill's abort_timeout is not "
+            "above this decode's transfer_timeout + 1 s"
         )
 
 

@@ -307,42 +307,40 @@ class PdCore:
                 logger.exception("poll_events failed")
                 time.sleep(WAIT_SLICE_S)
                 continue
-            for item in (*events, *drained):
+            for event in events:
+                self._handle_event(event)
+            for notice in drained:
                 try:
-                    if isinstance(item, DrainedTransfer):
-                        self._on_drained(item)
-                    else:
-                        self._on_event(item)
-                except Exception as exc:
-                    logger.exception("error handling %s", item)
-                    if not isinstance(item, DrainedTransfer):
-                        self._on_event_error(item, exc)
+                    self._on_drained(notice)
+                except Exception:
+                    logger.exception("error handling %s", notice)
             now = time.monotonic()
             if now - last_check >= TIMEOUT_CHECK_EVERY_S:
                 last_check = now
                 self.check_timeouts(now)
 
-    def _on_event(self, event: Any) -> None:
-        if self.puller.on_event(event):
-            return
-        self.pusher.on_event(event, self._drained(event))
-
-    def _drained(self, event: Any) -> bool:
-        """Whether nothing of ``event``'s WRITE can land any more (its drain notice may have
-        come first)."""
+    def _handle_event(self, event: Any) -> None:
+        """One terminal event to the puller (READ) or the pusher (WRITE). Whether nothing of
+        it can land any more is settled first: its drain notice may have come before it (and
+        is taken now, so the error path below must be told too)."""
         with self.ctx.lock:
-            drained = event.drained or event.transfer_id in self._drained_jobs
+            drained = bool(event.drained or event.transfer_id in self._drained_jobs)
             self._drained_jobs.discard(event.transfer_id)
-        return bool(drained)
+        try:
+            if not self.puller.on_event(event):
+                self.pusher.on_event(event, drained)
+        except Exception as exc:
+            logger.exception("error handling %s", event)
+            self._on_event_error(event, drained, exc)
 
-    def _on_event_error(self, event: Any, exc: Exception) -> None:
+    def _on_event_error(self, event: Any, drained: bool, exc: Exception) -> None:
         """Handling ``event`` raised: its READ or WRITE job still ends (failed: a READ is
-        recomputed, a WRITE's decode told ``write_failed``); awaits end at their own deadlines
-        (abort_timeout)."""
+        recomputed, a WRITE's decode told ``write_failed``, at once or once its writes
+        drained); awaits end at their own deadlines (abort_timeout)."""
         why = f"internal error handling its {event.state} event ({type(exc).__name__}: {exc})"
         try:
             if not self.puller.on_event_error(event, why):
-                self.pusher.on_event_error(event, event.drained, why)
+                self.pusher.on_event_error(event, drained, why)
         except Exception:
             logger.exception("transfer %s: it could not be ended", event.transfer_id)
 

@@ -83,6 +83,10 @@ MAX_EVICTION_TRIES = 64
 # How much faster a peer's clock may run than ours (a quartz clock without NTP: up to 100 ppm):
 # what Peer.clock_at_most adds for each second since the handshake.
 CLOCK_RATE_TOLERANCE = 1e-4
+# A cached handshake older than this is made again before it is handed out: its bound on the
+# peer's clock (Peer.clock_at_most) loses CLOCK_RATE_TOLERANCE of every second since, 60 ms
+# over this age, which a READ's hold check must not grow to seconds.
+HANDSHAKE_MAX_AGE_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -241,7 +245,8 @@ class PeerDirectory:
         """The peer at ``key``: cached, failed recently (the remembered error), or handshaken
         in the background (one handshake per key at a time; ``validate`` and ``notify_port``
         of the first caller apply: ``validate`` must check only what holds for every caller,
-        its refusal is remembered for the key). ``expect``: what this caller alone expects of
+        its refusal is remembered for the key; a cached handshake older than
+        ``HANDSHAKE_MAX_AGE_S`` is made again). ``expect``: what this caller alone expects of
         the answer (which rank answers there); checked on every caller's result, its refusal
         fails this caller only and is remembered nowhere, so that a caller misinformed about
         who answers at ``key`` cannot fail the others. With ``incarnation``, a cached handshake
@@ -254,6 +259,9 @@ class PeerDirectory:
     ) -> Future[Peer]:
         with self._lock:
             peer = self._peers.get(key)
+            if peer is not None and time.monotonic() - peer.asked_at > HANDSHAKE_MAX_AGE_S:
+                del self._peers[key]  # too old to bound its clock: handshaken again
+                peer = None
             if peer is not None and incarnation and peer.response.incarnation != incarnation:
                 logger.info(
                     "cached handshake of %s at %s names incarnation %s, a request names %s: "
