@@ -104,6 +104,22 @@ def context(
     return ctx, directory, sender
 
 
+def break_first_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[Any]:
+    """``owner.name`` raises on its first call (a defect of ours, injected) and works after;
+    the calls' arguments are recorded in the list returned."""
+    method = getattr(owner, name)
+    calls: list[Any] = []
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        calls.append(args)
+        if len(calls) == 1:
+            raise RuntimeError(f"{name} broke")
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, broken)
+    return calls
+
+
 def peer(key: PeerKey) -> Peer:
     response = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE")
     return Peer(

@@ -37,7 +37,7 @@ from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
-from test_pd_protocol import Directory, Sender
+from test_pd_protocol import Directory, Sender, break_first_call
 from test_pd_protocol import context as protocol_context
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
@@ -1643,16 +1643,7 @@ def test_a_write_whose_drain_notice_came_first_still_ends_after_an_event_error(
     # The drain notice overtakes the undrained timed_out event.
     core._on_drained(SimpleNamespace(transfer_id="tx-9", seconds=0.1))
     assert core._drained_jobs == {"tx-9"}
-    on_event = pusher.on_event
-    calls: list[Any] = []
-
-    def broken(*args: Any, **kwargs: Any) -> bool:
-        calls.append(args)
-        if len(calls) == 1:
-            raise RuntimeError("the job's bookkeeping broke")
-        return bool(on_event(*args, **kwargs))
-
-    monkeypatch.setattr(pusher, "on_event", broken)
+    calls = break_first_call(monkeypatch, pusher, "on_event")
     core._handle_event(event("tx-9", "timed_out", drained=False))
     assert calls and calls[0][1] is True  # the pusher was told: drained
     assert "tx-9" not in pusher._jobs or pusher._jobs["tx-9"].state is JobState.FAILED

@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("vllm")
 
 from moriio_native.control.messages import HandshakeRequest, now_ms
+from test_pd_protocol import break_first_call
 from test_vllm_support import (
     BLOCK_SIZE,
     Side,
@@ -631,24 +632,10 @@ def test_write_whose_event_handling_raises_still_ends(
     ended one still sends its write_done first (the decode loads), and the blocks are freed."""
     p, d = make_pair(sides, model_dir, "write")  # abort_timeout 30 s: not what frees them
     pusher = p.worker.worker._core.pusher
-    calls: list[Any] = []
     if where == "live job":
-        on_event = pusher.on_event
-
-        def broken(*args: Any, **kwargs: Any) -> bool:
-            calls.append(args)
-            if len(calls) == 1:
-                raise RuntimeError("the job's bookkeeping broke")
-            return bool(on_event(*args, **kwargs))
-
-        monkeypatch.setattr(pusher, "on_event", broken)
+        calls = break_first_call(monkeypatch, pusher, "on_event")
     else:
-
-        def broken_sink(event: Any, groups: int = 1) -> None:
-            calls.append(event)
-            raise RuntimeError("the stats sink broke")
-
-        monkeypatch.setattr(p.worker.worker._core.ctx.stats, "record_transfer", broken_sink)
+        calls = break_first_call(monkeypatch, p.worker.worker._core.ctx.stats, "record_transfer")
     prompt = prompt_of(45, seed=5)
     rid, tid = pd_request_id(p, d), transfer_id()
     d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
