@@ -77,9 +77,14 @@ def _wait(cond: Any, what: str) -> None:
         time.sleep(0.01)
 
 
-def _prefill(engine: Engine) -> tuple[Pusher, Context, PeerDirectory, Sender, list[PeerKey]]:
-    """A WRITE-mode prefill rank over a peer directory whose handshakes reach the genuine
-    decode: TP 1, its only rank answering at handshake port 8000, notify port 8100."""
+def test_a_forged_abort_write_does_not_fail_genuine_writes_to_the_decode_rank() -> None:
+    """Before: acknowledging the abort handshook the address its fields name, and the real
+    decode rank answering there as another rank than the abort claimed was remembered as that
+    address's failure: every genuine WRITE to the rank failed at once (write_failed,
+    recomputed) for the directory's backoff, 5 s and doubling, renewed by each retry of the
+    acknowledgement or another such message. Now which rank answers is each caller's own
+    expectation: the abort's acknowledgement fails alone, the genuine job writes."""
+    engine = Engine()
     directory = PeerDirectory(
         lambda: engine,  # type: ignore[arg-type,return-value]
         ControlSecurity.from_config({"allowed_peers": ["127.0.0.1/32"]}),
@@ -89,18 +94,11 @@ def _prefill(engine: Engine) -> tuple[Pusher, Context, PeerDirectory, Sender, li
     fetched: list[PeerKey] = []
 
     def fetch(key: PeerKey) -> HandshakeResponse:
+        # The genuine decode: TP 1, its only rank answers at handshake port 8000.
         fetched.append(key)
         assert key == PeerKey("127.0.0.1", 8000)
         return HandshakeResponse(
-            "d:8000/dp0/tp0",
-            b"meta",
-            0,
-            0,
-            1,
-            1,
-            "WRITE",
-            incarnation=DECODE_INCARNATION,
-            notify_port=DECODE.notify_port,
+            "d:8000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE", incarnation=DECODE_INCARNATION
         )
 
     directory._fetch = fetch  # type: ignore[method-assign]
@@ -124,36 +122,22 @@ def _prefill(engine: Engine) -> tuple[Pusher, Context, PeerDirectory, Sender, li
     )
     pusher = Pusher(ctx)
     threading.Thread(target=pusher.writer_loop, daemon=True).start()
-    return pusher, ctx, directory, sender, fetched
-
-
-def _abort(handshake_base: int, notify_base: int, rank: int, tp_size: int) -> AbortWrite:
-    """An abort_write of a transfer the prefill never had, naming rank ``rank`` of a decode of
-    ``tp_size`` ranks at those base ports."""
-    return AbortWrite(
-        "tx-forged",
-        "d:8000/dp0/tp0",
-        decode_host="127.0.0.1",
-        decode_handshake_port=handshake_base,
-        decode_notify_port=notify_base,
-        decode_dp_rank=0,
-        decode_tp_rank=rank,
-        decode_tp_size=tp_size,
-    )
-
-
-def test_a_forged_abort_write_does_not_fail_genuine_writes_to_the_decode_rank() -> None:
-    """Before: acknowledging the abort handshook the address its fields name, and the real
-    decode rank answering there as another rank than the abort claimed was remembered as that
-    address's failure: every genuine WRITE to the rank failed at once (write_failed,
-    recomputed) for the directory's backoff, 5 s and doubling, renewed by each retry of the
-    acknowledgement or another such message. Now which rank answers is each caller's own
-    expectation: the abort's acknowledgement fails alone, the genuine job writes."""
-    pusher, ctx, directory, sender, fetched = _prefill(Engine())
     try:
-        # Rank 1 of a TP-2 decode whose base port is 7999: by the port formula handshake port
-        # 8000, where the genuine decode's rank 0 answers.
-        pusher.on_abort_write(_abort(7999, 8099, 1, 2))
+        # An abort_write of a transfer the prefill never had, naming rank 1 of a TP-2 decode
+        # whose base port is 7999: by the port formula handshake port 8000, where the genuine
+        # decode's rank 0 answers.
+        pusher.on_abort_write(
+            AbortWrite(
+                "tx-forged",
+                "d:8000/dp0/tp0",
+                decode_host="127.0.0.1",
+                decode_handshake_port=7999,
+                decode_notify_port=8099,
+                decode_dp_rank=0,
+                decode_tp_rank=1,
+                decode_tp_size=2,
+            )
+        )
         _wait(lambda: fetched, "the acknowledgement's handshake")
         time.sleep(0.2)  # answered as rank 0 of TP 1: refused for the acknowledgement
 
@@ -171,27 +155,6 @@ def test_a_forged_abort_write_does_not_fail_genuine_writes_to_the_decode_rank() 
         failed = [m for _, _, m in sender.sent if isinstance(m, WriteFailed)]
         assert not failed, f"the genuine WRITE failed: {failed[0].reason}"
         assert pusher.job_states()["tx-1"] is JobState.WRITING
-    finally:
-        ctx.stop.set()
-        directory.close()
-
-
-def test_an_abort_write_naming_another_notify_port_cannot_redirect_the_decode_ranks_messages() -> (
-    None
-):
-    """Found by a review: the cached handshake of a rank kept the notify port its first caller
-    named, so an abort_write with the right handshake address and a wrong notify port, met
-    before any genuine request handshook that rank, sent every later write_done and
-    write_failed of the rank to that port while the handshake stayed cached (the decode
-    waited out its abort_timeout, then recomputed). Now the rank's own handshake states its
-    notify port."""
-    pusher, ctx, directory, _, fetched = _prefill(Engine())
-    try:
-        pusher.on_abort_write(_abort(8000, 9999, 0, 1))
-        _wait(lambda: directory.cached(PeerKey("127.0.0.1", 8000)) is not None, "the handshake")
-        cached = directory.cached(PeerKey("127.0.0.1", 8000))
-        assert cached is not None and cached.notify_port == DECODE.notify_port
-        assert fetched == [PeerKey("127.0.0.1", 8000)]
     finally:
         ctx.stop.set()
         directory.close()

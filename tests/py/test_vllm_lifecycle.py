@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from moriio_native.control.messages import HandshakeRequest, now_ms
+from moriio_native.control.messages import now_ms
 from test_pd_protocol import break_first_call
 from test_vllm_support import (
     BLOCK_SIZE,
@@ -454,15 +454,6 @@ def test_read_after_the_prefill_freed_the_blocks_is_recomputed(
         for r in caplog.records
     ), [r.getMessage() for r in caplog.records]
     assert loaded.stats is not None and loaded.stats.data.get("transfers", 0) == 0
-
-
-def test_a_handshake_answer_states_the_ranks_notify_port(sides: list[Side], model_dir: str) -> None:
-    """Each rank's handshake answer states its own notify port, which peers use for its
-    messages instead of a port a request or a message named."""
-    p, d = make_pair(sides, model_dir, "write")
-    for side in (p, d):
-        core = side.worker.worker._core
-        assert core._handshake_response(HandshakeRequest("x")).notify_port == side.notify_port
 
 
 def test_bad_handshake_metadata_is_logged_and_changes_nothing(

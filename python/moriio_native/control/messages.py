@@ -90,9 +90,8 @@ from .schema import (
 # 2: the handshake response's kv_groups carry tokens_per_state and its incarnation, the
 # kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. 3: the handshake
 # request carries sent_ms (a server with a secret answers it only while fresh). 4: the
-# handshake response carries answered_ms and notify_port, the kv_transfer_params
-# remote_hold_until_ms (a decode reads a prefill's blocks only while the prefill still holds
-# them). A peer of another version
+# handshake response carries answered_ms, the kv_transfer_params remote_hold_until_ms (a decode
+# reads a prefill's blocks only while the prefill still holds them). A peer of another version
 # is refused at the handshake by its version, before any field of it is checked.
 PROTOCOL_VERSION = 4
 
@@ -433,9 +432,6 @@ class HandshakeResponse(_Message, frozen=True, tag="handshake_response"):
     # 0 in a provider's answer): bounds how far the peer's clock is ahead of the requester's,
     # which a READ needs to know whether the prefill still holds the request's blocks.
     answered_ms: EpochMs = 0
-    # The port of this rank's notify listener (0: not stated). Where its notifications go,
-    # whatever port a request or a message named for it.
-    notify_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] = 0
 
     def _check(self) -> None:
         _rank_below("dp_rank", self.dp_rank, "dp_size", self.dp_size)

@@ -226,7 +226,6 @@ class PdCore:
             total_kv_heads=cfg.total_kv_heads if cfg.split_layers else 0,
             kv_groups=cfg.groups,
             incarnation=self.ctx.incarnation,
-            notify_port=self.listener.port if self.listener is not None else 0,
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:

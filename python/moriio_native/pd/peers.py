@@ -106,8 +106,7 @@ class Peer:
 
     key: PeerKey
     engine_peer: str  # the native engine's peer id (for read / write_layer / seal)
-    # Its rank's notify port: the one its handshake states, else the first caller's word.
-    notify_port: int
+    notify_port: int  # its rank's notify port (derived from the handshaken rank, not a message)
     response: HandshakeResponse
     # When this side asked for the handshake (time.monotonic()): the peer's answered_ms was
     # stamped after it.
@@ -457,9 +456,7 @@ class PeerDirectory:
             peer = Peer(
                 key=key,
                 engine_peer=engine_peer,
-                # The rank's own word, not a request's or a message's (which may be wrong, and
-                # would send every caller's notifications there while the handshake is cached).
-                notify_port=response.notify_port or notify_port,
+                notify_port=notify_port,
                 response=response,
                 asked_at=asked_at,
             )
