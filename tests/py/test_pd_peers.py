@@ -117,14 +117,14 @@ def test_handshake_runs_in_the_background_and_is_cached(made: list) -> None:
     # The caller got its future back while the handshake waits on the peer.
     assert not future.done()
     again = peers.connect(key, 1234, accept)
-    assert again is future  # one handshake per peer at a time
     prefill.gate.set()
     peer = future.result(timeout=30)
     assert peer.engine_peer == "prefill" and peer.notify_port == 1234
+    assert again.result(timeout=30).handshake is peer.handshake  # one handshake at a time
     assert decode.peers() == ["prefill"]
     assert prefill.answered == 1
     cached = peers.connect(key, 1234, accept)
-    assert cached.done() and cached.result() is peer  # no second handshake
+    assert cached.done() and cached.result().handshake is peer.handshake  # no second handshake
     assert prefill.answered == 1
 
 
@@ -139,15 +139,15 @@ def test_a_cached_handshake_of_another_incarnation_is_handshaken_again(made: lis
     key = PeerKey(LOCAL, port)
     first = peers.connect(key, 1, accept, incarnation=old.incarnation).result(timeout=30)
     assert first.response.incarnation == old.incarnation
-    assert peers.connect(key, 1, accept, incarnation=old.incarnation).result() is first
+    assert peers.connect(key, 1, accept, incarnation=old.incarnation).result() == first
     old.close()
     restarted = Prefill("prefill", port, 3)
     made.append(restarted)
     # Without an incarnation the stale cache is all the directory knows ...
-    assert peers.connect(key, 1, accept).result() is first
+    assert peers.connect(key, 1, accept).result() == first
     # ... with the request's, the cached one is stale: handshaken again.
     second = peers.connect(key, 1, accept, incarnation=restarted.incarnation).result(timeout=30)
-    assert second is not first and second.response.incarnation == restarted.incarnation
+    assert second != first and second.response.incarnation == restarted.incarnation
     assert restarted.answered == 1
     expected = kc.expected_after_copy(decode_caches, restarted.caches, [0, 1], [2, 3])
     decode.read("fresh", "prefill", [0, 1], [2, 3])
@@ -157,7 +157,31 @@ def test_a_cached_handshake_of_another_incarnation_is_handshaken_again(made: lis
     # pd.context.check_incarnation), and the live instance's handshake stays cached.
     third = peers.connect(key, 1, accept, incarnation=old.incarnation).result(timeout=30)
     assert third.response.incarnation == restarted.incarnation
-    assert peers.cached(key) is third
+    assert peers.cached(key) is third.handshake
+
+
+def test_each_caller_reaches_the_rank_at_its_own_notify_port(made: list) -> None:
+    """Found by a review: the cached handshake kept the notify port its first caller named and
+    handed it to every later caller, so a message naming a wrong one (an abort_write with the
+    rank's handshake address) redirected the rank's messages of genuine requests while the
+    handshake stayed cached. A handshake does not prove a notify port: each caller keeps the
+    one it named, in flight and from the cache alike."""
+    decode, _ = engine("decode", 1)
+    port = free_port()
+    prefill = Prefill("prefill", port, 2)
+    made.append(prefill)
+    prefill.gate.clear()
+    peers = directory(decode, made)
+    key = PeerKey(LOCAL, port)
+    wrong = peers.connect(key, 9999, accept)
+    joined = peers.connect(key, 1234, accept)  # shares the handshake in flight
+    prefill.gate.set()
+    first = wrong.result(timeout=30)
+    assert first.notify_port == 9999
+    assert joined.result(timeout=30).notify_port == 1234
+    cached = peers.connect(key, 1235, accept).result(timeout=0)
+    assert cached.notify_port == 1235 and cached.handshake is first.handshake
+    assert prefill.answered == 1
 
 
 def test_failed_handshake_is_cached_with_backoff(made: list) -> None:
@@ -248,10 +272,10 @@ def test_a_cached_handshake_past_its_age_is_made_again(
     peers = directory(decode, made)
     key = PeerKey(LOCAL, port)
     first = peers.connect(key, 1, accept).result(timeout=30)
-    assert peers.connect(key, 1, accept).result(timeout=0) is first  # young: cached
+    assert peers.connect(key, 1, accept).result(timeout=0) == first  # young: cached
     monkeypatch.setattr(peers_module, "HANDSHAKE_MAX_AGE_S", 0.0)
     again = peers.connect(key, 1, accept).result(timeout=30)
-    assert again is not first and again.asked_at > first.asked_at
+    assert again != first and again.handshake.asked_at > first.handshake.asked_at
     assert again.engine_peer == first.engine_peer and prefill.answered == 2
     assert decode.peers() == ["prefill"]
 
@@ -268,7 +292,7 @@ def test_a_peer_restarted_under_the_same_address_replaces_the_old_one(made: list
     made.append(restarted)
     peers.forget(first)  # a failed transfer drops the cached handshake
     second = peers.connect(key, 1, accept).result(timeout=30)
-    assert second is not first and second.response.engine_metadata != first.response.engine_metadata
+    assert second != first and second.response.engine_metadata != first.response.engine_metadata
     assert decode.peers() == ["prefill"]
     # The engine reaches the NEW instance: its bytes arrive.
     expected = kc.expected_after_copy(decode_caches, restarted.caches, [0, 1], [2, 3])

@@ -17,7 +17,7 @@ from moriio_native.errors import IncompatiblePeerError, TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
-from moriio_native.pd.peers import Peer, PeerKey
+from moriio_native.pd.peers import Handshake, Peer, PeerKey
 from moriio_native.pd.puller import PROBE_FAILURES_FOR_DEATH, AwaitState, Puller
 from moriio_native.pd.pusher import Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
@@ -122,9 +122,7 @@ def break_first_call(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> 
 
 def peer(key: PeerKey) -> Peer:
     response = HandshakeResponse("p:7000/dp0/tp0", b"meta", 0, 0, 1, 1, "WRITE")
-    return Peer(
-        key=key, engine_peer="p:7000/dp0/tp0", notify_port=7100, response=response, asked_at=0.0
-    )
+    return Peer(Handshake(key, "p:7000/dp0/tp0", response, asked_at=0.0), 7100)
 
 
 def quarantined_await() -> tuple[Puller, Context, Directory]:

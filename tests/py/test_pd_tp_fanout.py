@@ -33,7 +33,7 @@ from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import HOLD_MARGIN_S, Context
 from moriio_native.pd.core import PdCore
 from moriio_native.pd.groups import GroupedBlocks
-from moriio_native.pd.peers import HANDSHAKE_THREADS, Peer, PeerKey
+from moriio_native.pd.peers import HANDSHAKE_THREADS, Handshake, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
@@ -123,13 +123,7 @@ def peer_at(
         answered_ms=answered_ms,
     )
     notify = rank_port(base.notify_port, 0, rank, tp)
-    return Peer(
-        key=key,
-        engine_peer=engine_id,
-        notify_port=notify,
-        response=response,
-        asked_at=time.monotonic(),
-    )
+    return Peer(Handshake(key, engine_id, response, asked_at=time.monotonic()), notify)
 
 
 def answer_handshakes(directory: Directory, base: ZmqAddress, tp: int, mode: str) -> list[int]:
@@ -270,7 +264,7 @@ def test_the_prefills_clock_is_bounded_by_its_handshake_alone() -> None:
     """The bound grows with the time since the handshake was asked for (and the clocks' rate
     tolerance), whatever the decode's own wall clock reads."""
     response = HandshakeResponse("p:7000/dp0/tp0", b"meta", answered_ms=1_000_000)
-    asked = Peer(PeerKey("h", 1), "p", 2, response, asked_at=100.0)
+    asked = Handshake(PeerKey("h", 1), "p", response, asked_at=100.0)
     assert asked.clock_at_most(100.0) == 1_000_000
     assert asked.clock_at_most(160.0) == 1_000_000 + 60_000 + 6  # 60 s at 100 ppm
 
@@ -1274,15 +1268,7 @@ def test_a_remembered_decode_rank_is_not_acknowledged_at_a_port_it_no_longer_has
             incarnation=incarnation(tp_size),
         )
         notify = rank_port(DECODE.notify_port, 1, 0, tp_size)
-        future.set_result(
-            Peer(
-                key=key,
-                engine_peer=engine_id,
-                notify_port=notify,
-                response=response,
-                asked_at=0.0,
-            )
-        )
+        future.set_result(Peer(Handshake(key, engine_id, response, asked_at=0.0), notify))
 
     answer(1)
     assert pusher._written_ranks[engine_id].notify_port == 8101

@@ -7,6 +7,11 @@
 
 * one handshake at a time per peer address: concurrent callers share its future, so two
   requests that race to a restarted prefill cannot both re-add it;
+* what callers share is the :class:`Handshake` (who answers at the address, its engine peer);
+  where a caller's messages to that rank go (its notify port) is each caller's own word, kept
+  in its :class:`Peer` and never cached: a handshake does not prove a notify port (a port
+  forwarder may stand in front of the listener), so a message naming a wrong one can
+  misdirect only its own replies, never another request's;
 * a failed handshake is remembered per address for a while (exponential backoff from
   ``retry_after`` up to ``max_backoff``): requests naming a dead peer fail fast instead of each
   waiting ``timeout`` again; :meth:`expire` drops entries past their time;
@@ -81,10 +86,10 @@ CAPACITY_RETRY_S = 1.0
 # it is refused (bounds its cost when nearly every peer is busy).
 MAX_EVICTION_TRIES = 64
 # How much faster a peer's clock may run than ours (a quartz clock without NTP: up to 100 ppm):
-# what Peer.clock_at_most adds for each second since the handshake.
+# what Handshake.clock_at_most adds for each second since the handshake.
 CLOCK_RATE_TOLERANCE = 1e-4
 # A cached handshake older than this is made again before it is handed out: its bound on the
-# peer's clock (Peer.clock_at_most) loses CLOCK_RATE_TOLERANCE of every second since, 60 ms
+# peer's clock (Handshake.clock_at_most) loses CLOCK_RATE_TOLERANCE of every second since, 60 ms
 # over this age, which a READ's hold check must not grow to seconds.
 HANDSHAKE_MAX_AGE_S = 600.0
 
@@ -101,12 +106,12 @@ class PeerKey:
 
 
 @dataclass(frozen=True)
-class Peer:
-    """A handshaken peer rank, connected in the engine."""
+class Handshake:
+    """A handshaken peer rank, connected in the engine: what the directory caches and every
+    caller shares."""
 
     key: PeerKey
     engine_peer: str  # the native engine's peer id (for read / write_layer / seal)
-    notify_port: int  # its rank's notify port (derived from the handshaken rank, not a message)
     response: HandshakeResponse
     # When this side asked for the handshake (time.monotonic()): the peer's answered_ms was
     # stamped after it.
@@ -123,6 +128,37 @@ class Peer:
         clocks' rates (``CLOCK_RATE_TOLERANCE``). Needs no agreement between the two clocks."""
         elapsed_ms = (now - self.asked_at) * 1000 * (1 + CLOCK_RATE_TOLERANCE)
         return self.response.answered_ms + math.ceil(elapsed_ms)
+
+
+@dataclass(frozen=True)
+class Peer:
+    """One caller's view of a handshaken peer rank: the shared :class:`Handshake`, and the
+    notify port this caller's own request or message names for that rank. The port is never
+    shared: a handshake does not prove it (a port forwarder may sit in front of the rank's
+    listener), so another caller's word for it, true or not, never decides where this
+    caller's messages go."""
+
+    handshake: Handshake
+    notify_port: int
+
+    @property
+    def key(self) -> PeerKey:
+        return self.handshake.key
+
+    @property
+    def engine_peer(self) -> str:
+        return self.handshake.engine_peer
+
+    @property
+    def response(self) -> HandshakeResponse:
+        return self.handshake.response
+
+    @property
+    def host(self) -> str:
+        return self.handshake.host
+
+    def clock_at_most(self, now: float) -> int:
+        return self.handshake.clock_at_most(now)
 
 
 # Checks a handshake response for the key before the engine connects (raises to refuse).
@@ -166,7 +202,7 @@ class PeerDirectory:
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
         max_peers: int = DEFAULT_MAX_PEERS,
         in_use: Callable[[], set[str]] = set,
-        on_handshake: Callable[[Peer], None] | None = None,
+        on_handshake: Callable[[Handshake], None] | None = None,
         on_bound: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify: bool = False,
@@ -192,8 +228,8 @@ class PeerDirectory:
         self._clock = clock
         self._lock = threading.Lock()
         self._admit = threading.Lock()
-        self._peers: OrderedDict[PeerKey, Peer] = OrderedDict()  # least recently used first
-        self._inflight: dict[PeerKey, Future[Peer]] = {}
+        self._peers: OrderedDict[PeerKey, Handshake] = OrderedDict()  # least recently used first
+        self._inflight: dict[PeerKey, Future[Handshake]] = {}
         self._failures: dict[PeerKey, _Failure] = {}
         self._pool = ThreadPoolExecutor(
             HANDSHAKE_THREADS, thread_name_prefix="moriio-native-handshake"
@@ -218,11 +254,11 @@ class PeerDirectory:
                 "refused": self._refused,
             }
 
-    def cached(self, key: PeerKey) -> Peer | None:
+    def cached(self, key: PeerKey) -> Handshake | None:
         with self._lock:
             return self._peers.get(key)
 
-    def find_engine(self, engine_id: str) -> Peer | None:
+    def find_engine(self, engine_id: str) -> Handshake | None:
         """The cached peer whose handshake named ``engine_id``, if any (now the most recently
         used)."""
         with self._lock:
@@ -242,21 +278,22 @@ class PeerDirectory:
         expect: Validator | None = None,
         incarnation: str = "",
     ) -> Future[Peer]:
-        """The peer at ``key``: cached, failed recently (the remembered error), or handshaken
-        in the background (one handshake per key at a time; ``validate`` and ``notify_port``
-        of the first caller apply: ``validate`` must check only what holds for every caller,
-        its refusal is remembered for the key; a cached handshake older than
+        """The peer at ``key`` as this caller reaches it (its messages go to ``notify_port``,
+        this caller's own word: never another caller's): its handshake cached, failed recently
+        (the remembered error), or made in the background (one handshake per key at a time;
+        ``validate`` of the first caller applies: it must check only what holds for every
+        caller, its refusal is remembered for the key; a cached handshake older than
         ``HANDSHAKE_MAX_AGE_S`` is made again). ``expect``: what this caller alone expects of
         the answer (which rank answers there); checked on every caller's result, its refusal
         fails this caller only and is remembered nowhere, so that a caller misinformed about
         who answers at ``key`` cannot fail the others. With ``incarnation``, a cached handshake
         that names another one is stale (the peer restarted since): it is dropped and the peer
         handshaken again. Never blocks on the network."""
-        return _expecting(self._connect_shared(key, notify_port, validate, incarnation), expect)
+        return _for_caller(self._connect_shared(key, validate, incarnation), notify_port, expect)
 
     def _connect_shared(
-        self, key: PeerKey, notify_port: int, validate: Validator, incarnation: str
-    ) -> Future[Peer]:
+        self, key: PeerKey, validate: Validator, incarnation: str
+    ) -> Future[Handshake]:
         with self._lock:
             peer = self._peers.get(key)
             if peer is not None and time.monotonic() - peer.asked_at > HANDSHAKE_MAX_AGE_S:
@@ -287,7 +324,7 @@ class PeerDirectory:
             future = Future()
             self._inflight[key] = future
         try:
-            self._pool.submit(self._handshake, key, notify_port, validate, future)
+            self._pool.submit(self._handshake, key, validate, future)
         except RuntimeError as exc:  # shut down meanwhile
             with self._lock:
                 self._inflight.pop(key, None)
@@ -296,14 +333,15 @@ class PeerDirectory:
 
     # ---- changes ------------------------------------------------------------------------------
 
-    def forget(self, peer: Peer | None) -> None:
+    def forget(self, peer: Peer | Handshake | None) -> None:
         """Drop ``peer``'s cached handshake (after a failure: it may have restarted); the next
         connect handshakes again. A newer entry for the same key is kept."""
         if peer is None:
             return
+        handshake = peer.handshake if isinstance(peer, Peer) else peer
         with self._lock:
-            if self._peers.get(peer.key) is peer:
-                del self._peers[peer.key]
+            if self._peers.get(handshake.key) is handshake:
+                del self._peers[handshake.key]
 
     def expire(self) -> None:
         """Drop failure entries past their time (their backoff is forgotten too)."""
@@ -312,7 +350,7 @@ class PeerDirectory:
             for key in [k for k, f in self._failures.items() if now >= f.until + self._max_backoff]:
                 del self._failures[key]
 
-    def probe(self, peer: Peer) -> Future[str]:
+    def probe(self, peer: Peer | Handshake) -> Future[str]:
         """Re-handshake ``peer`` on the probe thread: "" while it answers as the same instance,
         else why it is not (another instance now, or unreachable). One failed probe alone
         proves nothing about a writer (a busy peer may miss one): the caller decides."""
@@ -352,11 +390,9 @@ class PeerDirectory:
 
     # ---- the handshake (pool thread) ----------------------------------------------------------
 
-    def _handshake(
-        self, key: PeerKey, notify_port: int, validate: Validator, future: Future[Peer]
-    ) -> None:
+    def _handshake(self, key: PeerKey, validate: Validator, future: Future[Handshake]) -> None:
         try:
-            peer = self._connect(key, notify_port, validate)
+            peer = self._connect(key, validate)
         except BaseException as exc:
             error = exc if isinstance(exc, MoriioError) else MoriioError(f"peer {key}: {exc}")
             with self._lock:
@@ -403,7 +439,9 @@ class PeerDirectory:
             verify=self._verify,
         )
 
-    def _check_replaced(self, key: PeerKey, elsewhere: Peer, response: HandshakeResponse) -> None:
+    def _check_replaced(
+        self, key: PeerKey, elsewhere: Handshake, response: HandshakeResponse
+    ) -> None:
         """``response`` at ``key`` names the engine connected at ``elsewhere`` with other
         metadata: a restart seen through another address when the instance there answers with
         the new metadata or not at all; refused while it still answers as it did (two
@@ -419,7 +457,7 @@ class PeerDirectory:
                 "address replace another's peer"
             )
 
-    def _connect(self, key: PeerKey, notify_port: int, validate: Validator) -> Peer:
+    def _connect(self, key: PeerKey, validate: Validator) -> Handshake:
         asked_at = time.monotonic()
         response = self._fetch(key)
         validate(response)
@@ -453,13 +491,7 @@ class PeerDirectory:
                 )
             except MoriioError as exc:
                 raise type(exc)(f"peer at {key}: {exc}") from None
-            peer = Peer(
-                key=key,
-                engine_peer=engine_peer,
-                notify_port=notify_port,
-                response=response,
-                asked_at=asked_at,
-            )
+            peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
             with self._lock:
                 # Cached (as most recently used) before _admit is released, so that the next
                 # admission counts it, and pinned until _handshake handed it to its callers.
@@ -490,7 +522,7 @@ class PeerDirectory:
                 return
         kept = self._kept(engine_id)
         tried: set[PeerKey] = {key}
-        refused: list[Peer] = []  # taken out of the cache, then found busy: put back after
+        refused: list[Handshake] = []  # taken out of the cache, then found busy: put back after
         try:
             while len(tried) <= MAX_EVICTION_TRIES and self._over(connected, key, engine_id):
                 with self._lock:
@@ -533,7 +565,7 @@ class PeerDirectory:
         return keys > self._max_peers or peers > self._max_peers
 
     def _evict(
-        self, engine: _EngineLike, victim: Peer, connected: set[str], engine_id: str
+        self, engine: _EngineLike, victim: Handshake, connected: set[str], engine_id: str
     ) -> bool:
         """Drop ``victim``'s address, and its engine peer when no other cached address names
         it: True when it went; False when that peer is kept or has a transfer pending or
@@ -571,7 +603,7 @@ class PeerDirectory:
         if self._on_bound is not None:
             _tell(self._on_bound, evicted, "max_peers")
 
-    def _put_back(self, refused: list[Peer]) -> None:
+    def _put_back(self, refused: list[Handshake]) -> None:
         """Refused victims back at the least recently used end, in their order (unless their
         address was cached anew meanwhile)."""
         with self._lock:
@@ -598,40 +630,42 @@ def _remove_idle(engine: _EngineLike, peer: str) -> bool:
         return True
 
 
-def _expecting(source: Future[Peer], expect: Validator | None) -> Future[Peer]:
-    """``source``'s peer once ``expect`` accepted its answer, else the refusal (or
-    ``source``'s own error)."""
-    if expect is None:
-        return source
+def _for_caller(
+    source: Future[Handshake], notify_port: int, expect: Validator | None
+) -> Future[Peer]:
+    """``source``'s handshake as this caller's :class:`Peer` (``notify_port``), once
+    ``expect`` (if any) accepted its answer; else the refusal (or ``source``'s own error)."""
     out: Future[Peer] = Future()
 
-    def check(done: Future[Peer]) -> None:
+    def check(done: Future[Handshake]) -> None:
         try:
-            peer = done.result()
-            expect(peer.response)
+            handshake = done.result()
+            if expect is not None:
+                expect(handshake.response)
         except BaseException as exc:  # handed to the caller as its result
             out.set_exception(exc)
             return
-        out.set_result(peer)
+        out.set_result(Peer(handshake, notify_port))
 
     source.add_done_callback(check)
     return out
 
 
-def _done(peer: Peer) -> Future[Peer]:
-    future: Future[Peer] = Future()
-    future.set_result(peer)
+def _done(handshake: Handshake) -> Future[Handshake]:
+    future: Future[Handshake] = Future()
+    future.set_result(handshake)
     return future
 
 
-def _failed(error: BaseException) -> Future[Peer]:
-    future: Future[Peer] = Future()
+def _failed(error: BaseException) -> Future[Handshake]:
+    future: Future[Handshake] = Future()
     future.set_exception(error)
     return future
 
 
 __all__ = [
     "HANDSHAKE_THREADS",
+    "Handshake",
     "Peer",
     "PeerCapacityError",
     "PeerDirectory",

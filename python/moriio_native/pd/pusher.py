@@ -1495,14 +1495,18 @@ class Pusher:
 
     def _proven_rank(self, request: AbortWrite) -> _RankAddress | None:
         """Where a handshake proved the rank ``request`` names, with the engine id it names:
-        the peer directory's cached handshake, else a decode rank this rank wrote to (lock
-        held). None: only a new handshake can prove it."""
-        peer = self._ctx.directory.find_engine(request.decode_engine_id)
-        if peer is not None:
-            proven: _RankAddress | None = _RankAddress.of(peer)
+        the peer directory's cached handshake (at the notify port the request names), else a
+        decode rank this rank wrote to (at its request's notify port; lock held). None: only a
+        new handshake can prove it."""
+        handshake = self._ctx.directory.find_engine(request.decode_engine_id)
+        if handshake is not None:
+            # A handshake proves who answers at its address, not a notify port: the rank's
+            # port is the one the abort names (-1 for none), as for a handshake made for it.
+            named_port = _named_rank(request)[-1]
+            proven: _RankAddress | None = _RankAddress.of(Peer(handshake, named_port))
         else:
             proven = self._written_ranks.get(request.decode_engine_id)
-        if proven is None or not proven.named_by(request):
+        if proven is None or proven.notify_port < 0 or not proven.named_by(request):
             return None
         return proven
 
