@@ -1279,8 +1279,13 @@ Status Engine::Seal(std::string_view transfer_id, std::string_view peer,
                                 "': seal needs the peer the transfer writes to");
   }
   // A seal that ends a transfer already made (or one the peer's removal ended) needs no
-  // connected peer; one that would start it does.
-  return impl_->tracker->Seal(transfer_id, peer, expected_writes, impl_->FindPeer(peer).ok());
+  // connected peer; one that would start it does. Looked up and sealed under the peer map's
+  // lock (then the tracker's: the engine's lock order), so a removal lands wholly before the
+  // seal (which then starts nothing) or after it (and ends what it started).
+  Impl& d = *impl_;
+  std::lock_guard lock(d.mu);
+  const bool connected = d.peers.find(peer) != d.peers.end();
+  return d.tracker->Seal(transfer_id, peer, expected_writes, connected);
 }
 
 Status Engine::Abort(std::string_view transfer_id) { return impl_->tracker->Abort(transfer_id); }
