@@ -383,7 +383,7 @@ def _payload(spec: FloodSpec, port_kind: str, n: int) -> list[bytes]:
         return [encode(AbortWrite(tid, FLOOD_ENGINE, LOCAL, handshake, notify))]
     if port_kind == "prefill-notify":
         return [encode(RemoteBlocks(tid, ((n % 1000 + 1, n % 1000 + 2),), FLOOD_ENGINE))]
-    message = (WriteDone(tid), WriteFailed(tid, reason="flood"), WriteAborted(tid))[n % 3]
+    message = (WriteDone(tid), WriteFailed(tid, reason="flood"), WriteAborted(tid, "flood"))[n % 3]
     return [encode(message)]
 
 

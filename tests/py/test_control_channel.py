@@ -960,30 +960,29 @@ def _ask_raw(dealer, request: dict) -> HandshakeRejected:
 
 def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
-    fields), 2 (before the request's sent_ms) or 3 (before the response's answered_ms and the
-    READ hold) gets the version error, with its nonce, and so
-    does a newer one whose request carries a key this version does not know (its keys are not
-    checked at all)."""
+    fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
+    READ hold) or 4 (before write_aborted named its decode rank) gets the version error, with
+    its nonce, and so does a newer one whose request carries a key this version does not know
+    (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
         dealer = raw_dealer(server.port)
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 4)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 5)"
         assert reply.nonce == v1["nonce"]
-        reply = _ask_raw(dealer, {**v1, "protocol_version": 2})
-        assert reply.reason == "protocol version 2 is not supported (this side speaks 4)"
-        reply = _ask_raw(dealer, {**v1, "protocol_version": 3})
-        assert reply.reason == "protocol version 3 is not supported (this side speaks 4)"
-        v5 = {**v1, "protocol_version": 5, "field_of_version_5": [1, 2]}
-        reply = _ask_raw(dealer, v5)
-        assert reply.reason == "protocol version 5 is not supported (this side speaks 4)"
-        assert server.stats()["rejected"] == 4
+        for older in (2, 3, 4):
+            reply = _ask_raw(dealer, {**v1, "protocol_version": older})
+            assert reply.reason == f"protocol version {older} is not supported (this side speaks 5)"
+        v6 = {**v1, "protocol_version": 6, "field_of_version_6": [1, 2]}
+        reply = _ask_raw(dealer, v6)
+        assert reply.reason == "protocol version 6 is not supported (this side speaks 5)"
+        assert server.stats()["rejected"] == 5
 
 
-def test_protocol_version_is_4():
-    assert PROTOCOL_VERSION == 4
-    assert HandshakeRequest("d").protocol_version == 4
+def test_protocol_version_is_5():
+    assert PROTOCOL_VERSION == 5
+    assert HandshakeRequest("d").protocol_version == 5
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1046,7 +1045,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 4)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 5)")
 
 
 @pytest.mark.parametrize(

@@ -192,7 +192,7 @@ def test_the_notify_loop_logs_a_burst_of_stray_failures_and_misdirected_messages
     for i in range(FLOOD):
         message = (WriteFailed(f"s-{i}", reason="flood"), Release(f"s-{i}"), WriteDone(f"s-{i}"))
         PdCore._on_message(core, message[i % 3])  # type: ignore[arg-type]
-        PdCore._on_message(core, WriteAborted(f"s-{i}"))  # type: ignore[arg-type]
+        PdCore._on_message(core, WriteAborted(f"s-{i}", ctx.cfg.engine_id))  # type: ignore[arg-type]
     core_lines = [r for r in caplog.records if r.name == "moriio_native.pd.core"]
     assert len(core_lines) == BURST
 

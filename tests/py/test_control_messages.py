@@ -41,7 +41,7 @@ SAMPLES = [
     WriteFailed("tx-1", writer_rank=0, reason="RDMA transfer timed out"),
     Release("tx-1", consumer_tp_size=4, consumer_tp_rank=2),
     AbortWrite("tx-1", "d0/dp1/tp0", "10.0.0.2", 7301, 7401, decode_dp_rank=1),
-    WriteAborted("tx-1", writer_rank=2),
+    WriteAborted("tx-1", "d:8000/dp0/tp0", writer_rank=2),
     HandshakeRequest("decode-0"),
     HandshakeResponse("p0", b"\x00\x01native", 1, 2, 2, 4, "WRITE", nonce=b"n" * 16),
     HandshakeResponse("p0", b"meta", incarnation="0123456789abcdef0123456789abcdef"),
@@ -255,7 +255,7 @@ def test_abort_write_checks_the_decode_address_and_ids():
     with pytest.raises(InvalidMessageError, match="decode_engine_id"):
         AbortWrite("tx-1", "", "10.0.0.2", 7301, 7401)
     with pytest.raises(InvalidMessageError, match="writer_rank"):
-        WriteAborted("tx-1", writer_rank=-1)
+        WriteAborted("tx-1", "d:8000/dp0/tp0", writer_rank=-1)
     wire = encode(AbortWrite("tx-1", "d0", "10.0.0.2", 7301, 7401))
     body = msgpack.unpackb(wire)
     body["decode_handshake_port"] = "7301"  # strings are not ports on the wire

@@ -141,7 +141,7 @@ NOTIFY_SAMPLES = st.one_of(
     st.builds(WriteFailed, ids, writer_rank=ranks, reason=texts),
     st.builds(Release, ids, consumer_tp_size=st.just(8), consumer_tp_rank=ranks),
     st.builds(AbortWrite, ids, ids, hosts, ports, ports, decode_dp_rank=ranks),
-    st.builds(WriteAborted, ids, writer_rank=ranks),
+    st.builds(WriteAborted, ids, ids, writer_rank=ranks),
 )
 # Incarnations: valid ones (16..64 lower-case hex) and near misses (upper case, short, other text).
 INCARNATIONS = st.one_of(

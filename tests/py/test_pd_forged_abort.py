@@ -192,11 +192,41 @@ def test_an_abort_write_naming_another_notify_port_cannot_redirect_a_genuine_job
         pusher.on_abort_write(_abort(8000, 9999, 0, 1))  # the rank's address, a wrong port
         _wait(lambda: sender.sent, "the acknowledgement")
         assert [(port, type(m)) for _, port, m in sender.sent] == [(9999, WriteAborted)]
+        assert sender.sent[0][2].decode_engine_id == "d:8000/dp0/tp0"  # the rank it names
         _start_genuine_write(pusher)
         assert fetched == [PeerKey("127.0.0.1", 8000)]  # the job took the cached handshake
         pusher.on_event(SimpleNamespace(transfer_id="tx-1", state="failed", message="lost"), True)
         finals = [(port, m) for _, port, m in sender.sent if isinstance(m, WriteFailed)]
         assert [port for port, _ in finals] == [DECODE.notify_port], finals
+    finally:
+        ctx.stop.set()
+        directory.close()
+
+
+def test_the_acknowledgement_of_a_job_names_the_decode_rank_it_wrote_into() -> None:
+    """write_aborted names the decode rank whose writes stopped, and a rank ignores one naming
+    another: for a job, the rank it wrote into, whichever engine id the abort_write named (a
+    message naming a wrong one still stops the job, as any abort_write does, and its
+    acknowledgement still frees the rank the job wrote into)."""
+    pusher, ctx, directory, sender, _ = _prefill(Engine())
+    try:
+        _start_genuine_write(pusher)
+        wrong = AbortWrite(
+            "tx-1",
+            "x:1/dp0/tp0",
+            decode_host="127.0.0.1",
+            decode_handshake_port=8000,
+            decode_notify_port=8100,
+            decode_dp_rank=0,
+            decode_tp_rank=0,
+            decode_tp_size=1,
+        )
+        pusher.on_abort_write(wrong)
+        pusher.on_event(
+            SimpleNamespace(transfer_id="tx-1", state="failed", message="aborted"), True
+        )
+        acks = [(port, m) for _, port, m in sender.sent if isinstance(m, WriteAborted)]
+        assert [(port, m.decode_engine_id) for port, m in acks] == [(8100, "d:8000/dp0/tp0")]
     finally:
         ctx.stop.set()
         directory.close()

@@ -7,16 +7,25 @@ import gc
 import logging
 import time
 from concurrent.futures import Future
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from moriio_native.control.addressing import ZmqAddress
-from moriio_native.control.messages import AbortWrite, HandshakeResponse, Release, RemoteBlocks
+from moriio_native.control.channel import RateLimitedWarnings
+from moriio_native.control.messages import (
+    AbortWrite,
+    HandshakeResponse,
+    Release,
+    RemoteBlocks,
+    WriteAborted,
+)
 from moriio_native.errors import IncompatiblePeerError, TransportError
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context
+from moriio_native.pd.core import PdCore
 from moriio_native.pd.peers import Handshake, Peer, PeerKey
 from moriio_native.pd.puller import PROBE_FAILURES_FOR_DEATH, AwaitState, Puller
 from moriio_native.pd.pusher import Pusher
@@ -137,6 +146,29 @@ def quarantined_await() -> tuple[Puller, Context, Directory]:
     assert isinstance(sender.sent[-1], AbortWrite)
     assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}
     return puller, ctx, directory
+
+
+def notify_core(ctx: Context, puller: Puller) -> Any:
+    """What PdCore._on_message needs of a core: a decode rank's, over ``puller``."""
+    warnings = RateLimitedWarnings(logging.getLogger("moriio_native.pd.core"), "notify")
+    return SimpleNamespace(cfg=ctx.cfg, puller=puller, _stray=warnings)
+
+
+def test_a_write_aborted_naming_another_decode_rank_does_not_end_the_wait() -> None:
+    """Found by a review: a prefill acknowledges an abort_write of a transfer it has no job of
+    for the rank it names at the notify port the message names, which can be another rank's:
+    one that aborted the same transfer and waits while the prefill's writes into it drain.
+    write_aborted named no decode rank, so that rank freed its blocks at once (the writes could
+    still land in them, now another request's). Now it names the rank it acknowledges, and any
+    other rank ignores it."""
+    puller, ctx, _ = quarantined_await()
+    core = notify_core(ctx, puller)
+    PdCore._on_message(core, WriteAborted("tx-1", "d:9/dp0/tp1"))
+    assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}
+    assert not ctx.reports.failed_recving and not ctx.reports.invalid_blocks
+    PdCore._on_message(core, WriteAborted("tx-1", ctx.cfg.engine_id))
+    assert puller.await_states() == {}
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
 
 
 def test_one_failed_probe_does_not_free_a_quarantined_write() -> None:

@@ -91,9 +91,10 @@ from .schema import (
 # kv_transfer_params remote_incarnations and RemoteBlocks decode_incarnation. 3: the handshake
 # request carries sent_ms (a server with a secret answers it only while fresh). 4: the
 # handshake response carries answered_ms, the kv_transfer_params remote_hold_until_ms (a decode
-# reads a prefill's blocks only while the prefill still holds them). A peer of another version
-# is refused at the handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 4
+# reads a prefill's blocks only while the prefill still holds them). 5: write_aborted carries
+# the decode rank it answers (decode_engine_id). A peer of another version is refused at the
+# handshake by its version, before any field of it is checked.
+PROTOCOL_VERSION = 5
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -308,9 +309,13 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
 @_tagged
 class WriteAborted(_Message, frozen=True, tag="write_aborted"):
     """P -> D (WRITE mode): writer ``writer_rank`` stopped ``transfer_id`` and none of its
-    writes can land any more; D may free (recompute) the blocks."""
+    writes into decode rank ``decode_engine_id`` can land any more; that rank may free
+    (recompute) the blocks. Any other rank ignores it: an acknowledgement steered to its port
+    (by an ``abort_write`` naming a wrong one) must not end its wait while writes of the same
+    transfer into it may still land."""
 
     transfer_id: Id
+    decode_engine_id: Id
     writer_rank: Rank = 0
 
     @property

@@ -376,6 +376,17 @@ class PdCore:
                     tid,
                 )
                 return
+            if isinstance(message, WriteAborted) and message.decode_engine_id != cfg.engine_id:
+                # Steered here by an abort_write naming another rank (or this port): the
+                # prefill's writes of the transfer into this rank may still land.
+                self._stray.warn(
+                    "ignoring write_aborted for transfer %s: it acknowledges decode rank %s, "
+                    "this is %s",
+                    tid,
+                    message.decode_engine_id,
+                    cfg.engine_id,
+                )
+                return
             if isinstance(message, WriteFailed):
                 self._stray.warn(
                     "transfer %s: the prefill failed to write: %s", tid, message.reason

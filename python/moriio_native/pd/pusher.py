@@ -526,6 +526,7 @@ class _Ended:
     decode_tp: int
     address: ZmqAddress | None  # the request's decode address (None: it named none)
     dp_rank: int | None  # the decode DP rank its announcement named (None: it never announced)
+    written: str | None  # the decode rank's engine id its announcement named (None: as above)
     reason: str
     ended: float
     settled: bool  # no write_failed owed (see _Job.settled), or it went out
@@ -1006,6 +1007,7 @@ class Pusher:
                 decode_tp=self._decode_tp(job),
                 address=job.save.peer if job.save is not None else None,
                 dp_rank=job.remote.decode_dp_rank if job.remote is not None else None,
+                written=job.remote.decode_engine_id if job.remote is not None else None,
                 reason=job.reason,
                 ended=now,
                 settled=job.settled,
@@ -1375,7 +1377,10 @@ class Pusher:
         names (:meth:`_ack_by_handshake`); so is one whose request named no decode address."""
         request = job.abort_requested
         assert request is not None
-        ack = WriteAborted(request.transfer_id, writer_rank=self._ctx.cfg.tp_rank)
+        # The rank the job wrote into, where known (the abort's own word otherwise): the ack
+        # is true of it, whichever message asked.
+        written = job.remote.decode_engine_id if job.remote is not None else None
+        ack = self._ack(request, written)
         if job.peer is not None:
             self._send(job.peer.host, job.peer.notify_port, ack)
         elif job.save is not None and job.save.peer is not None:
@@ -1490,7 +1495,7 @@ class Pusher:
         without waiting for the budget. Found by the rank each names (none is decoded); those
         naming another rank or port keep waiting."""
         for transfer_id in self._ack_retries.take_naming(proven.key(engine_id)):
-            ack = WriteAborted(transfer_id, writer_rank=self._rank)
+            ack = WriteAborted(transfer_id, engine_id, writer_rank=self._rank)
             self._send(proven.host, proven.notify_port, ack)
 
     def _proven_rank(self, request: AbortWrite) -> _RankAddress | None:
@@ -1561,8 +1566,7 @@ class Pusher:
                 self._give_up_ack(due.wire, f"no handshake for {abort_timeout:.0f} s")
                 continue
             request = decode(due.wire, (AbortWrite,), max_bytes=len(due.wire))
-            ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
-            self._ack_by_handshake(request, ack, due.since)
+            self._ack_by_handshake(request, self._ack(request), due.since)
 
     # ---- engine events (events thread) --------------------------------------------------------
 
@@ -1800,7 +1804,9 @@ class Pusher:
                 if not ended.acked:  # one answer per transfer
                     ended.acked = True
                     rank, tp_size = ended.decode_rank, ended.decode_tp
-                    self._ack_unwritten(ended.address, ended.dp_rank, rank, tp_size, message)
+                    self._ack_unwritten(
+                        ended.address, ended.dp_rank, rank, tp_size, message, ended.written
+                    )
                 return
             held = self._held_back.get(message.transfer_id)
             if held is not None and held.covers(message.decode_tp_rank, self._rank):
@@ -1823,6 +1829,14 @@ class Pusher:
     @property
     def _rank(self) -> int:
         return self._ctx.cfg.tp_rank
+
+    def _ack(self, request: AbortWrite, written: str | None = None) -> WriteAborted:
+        """This rank's acknowledgement of ``request``, naming the decode rank whose writes
+        stopped: ``written``, the one a job of it wrote into, else the one ``request`` names
+        (what a handshake proves before an acknowledgement of a transfer this rank never had
+        goes out)."""
+        named = request.decode_engine_id if written is None else written
+        return WriteAborted(request.transfer_id, named, writer_rank=self._rank)
 
     # ---- orphans: messages of requests without a save task yet (lock held) --------------------
     # What _fail and _complete do to a job without a save or send task, on its flat record.
@@ -1863,7 +1877,7 @@ class Pusher:
             self._ctx.stats.record(ok=False)
         aborted = encode(message)
         self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, released, reason))
-        self._ack_by_handshake(message, WriteAborted(message.transfer_id, writer_rank=self._rank))
+        self._ack_by_handshake(message, self._ack(message))
 
     def _late_announcement(self, ended: _Ended, message: RemoteBlocks) -> None:
         """remote_blocks for a job of an ended request (lock held): it never wrote (it had no
@@ -1901,13 +1915,14 @@ class Pusher:
         rank: int,
         tp_size: int,
         request: AbortWrite,
+        written: str | None = None,
     ) -> None:
         """abort_write from decode rank ``rank`` of ``tp_size`` for a job of an ended request,
         or one never made (lock held): nothing of it can land any more, so the ack goes at once
         to where the job wrote or would have (DP rank ``dp_rank``, None: the one ``request``
-        names), or, when the request named no decode address, where a handshake proves the
-        rank."""
-        ack = WriteAborted(request.transfer_id, writer_rank=self._rank)
+        names; ``written``: the engine id of the rank it wrote into, None: it never wrote), or,
+        when the request named no decode address, where a handshake proves the rank."""
+        ack = self._ack(request, written)
         if address is None:
             self._ack_by_handshake(request, ack)
             return
