@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -56,6 +57,7 @@ import numpy as np
 
 from moriio_native import control as ctl
 from moriio_native import kvcache as kc
+from moriio_native.control.messages import now_ms
 from moriio_native.engine import Engine, available_backends, choose_backend
 from moriio_native.errors import BackendUnavailableError, InvalidArgumentError, MoriioError
 from moriio_native.layout import BlockPairs, LayerLayout, block_template, describe_layer
@@ -586,7 +588,9 @@ class _PrefillWorker:
             save = SaveTask(request_id, tid, tuple(blocks), len(blocks), decode, remote_tp_size=1)
             self._core.begin_step([save], [])
             self._core.forward_done(self._layers, None)
-        # The request finished: its blocks are held until the core reports them free.
+        # The request finished: its blocks are held until the core reports them free, at most
+        # abort_timeout from the step that hands the core its send task (after this stamp).
+        hold_until = now_ms() + math.floor(self._core.cfg.abort_timeout * 1000)
         self._core.begin_step([], [SendTask(request_id, tid)])
         host, hs_port, notify_port = self._core.address()
         reply = ctl.KvTransferParams(
@@ -598,6 +602,7 @@ class _PrefillWorker:
             remote_handshake_port=hs_port,
             remote_notify_port=notify_port,
             remote_incarnations=(self._core.incarnation,),
+            remote_hold_until_ms=hold_until,
         )
         self._send(
             {"type": "prefilled", "request_id": request_id, "kv_transfer_params": reply.to_dict()}
@@ -980,6 +985,7 @@ def _one_request(
         remote_block_ids=tuple(src) if mode == "read" else (),
         report_done=True,
         remote_incarnations=params.remote_incarnations,
+        remote_hold_until_ms=params.remote_hold_until_ms,
     )
     if mode == "read":
         plan_s, runs = _plan_seconds(decode.templates, dst, src)

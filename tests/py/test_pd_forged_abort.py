@@ -127,12 +127,20 @@ def _prefill(engine: Engine) -> tuple[Pusher, Context, PeerDirectory, Sender, li
     return pusher, ctx, directory, sender, fetched
 
 
-def _abort(handshake_base: int, notify_base: int, rank: int, tp_size: int) -> AbortWrite:
-    """An abort_write of a transfer the prefill never had, naming rank ``rank`` of a decode of
-    ``tp_size`` ranks at those base ports."""
+def _abort(
+    handshake_base: int,
+    notify_base: int,
+    rank: int,
+    tp_size: int,
+    *,
+    transfer_id: str = "tx-forged",
+    engine_id: str = "d:8000/dp0/tp0",
+) -> AbortWrite:
+    """An abort_write (by default of a transfer the prefill never had) naming rank ``rank`` of
+    a decode of ``tp_size`` ranks at those base ports, as engine ``engine_id``."""
     return AbortWrite(
-        "tx-forged",
-        "d:8000/dp0/tp0",
+        transfer_id,
+        engine_id,
         decode_host="127.0.0.1",
         decode_handshake_port=handshake_base,
         decode_notify_port=notify_base,
@@ -211,17 +219,7 @@ def test_the_acknowledgement_of_a_job_names_the_decode_rank_it_wrote_into() -> N
     pusher, ctx, directory, sender, _ = _prefill(Engine())
     try:
         _start_genuine_write(pusher)
-        wrong = AbortWrite(
-            "tx-1",
-            "x:1/dp0/tp0",
-            decode_host="127.0.0.1",
-            decode_handshake_port=8000,
-            decode_notify_port=8100,
-            decode_dp_rank=0,
-            decode_tp_rank=0,
-            decode_tp_size=1,
-        )
-        pusher.on_abort_write(wrong)
+        pusher.on_abort_write(_abort(8000, 8100, 0, 1, transfer_id="tx-1", engine_id="x:1/dp0/tp0"))
         pusher.on_event(
             SimpleNamespace(transfer_id="tx-1", state="failed", message="aborted"), True
         )

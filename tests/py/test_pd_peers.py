@@ -105,14 +105,19 @@ def accept(response: HandshakeResponse) -> None:
     pass
 
 
-def test_handshake_runs_in_the_background_and_is_cached(made: list) -> None:
+def slow_prefill(made: list) -> tuple[mn.Engine, Prefill, PeerDirectory, PeerKey]:
+    """A decode engine, its peer directory, and a prefill at ``key`` that answers handshakes
+    only once its gate is set (a prefill slow to answer)."""
     decode, _ = engine("decode", 1)
     port = free_port()
     prefill = Prefill("prefill", port, 2)
     made.append(prefill)
-    prefill.gate.clear()  # the prefill is slow to answer
-    peers = directory(decode, made)
-    key = PeerKey(LOCAL, port)
+    prefill.gate.clear()
+    return decode, prefill, directory(decode, made), PeerKey(LOCAL, port)
+
+
+def test_handshake_runs_in_the_background_and_is_cached(made: list) -> None:
+    decode, prefill, peers, key = slow_prefill(made)
     future = peers.connect(key, 1234, accept)
     # The caller got its future back while the handshake waits on the peer.
     assert not future.done()
@@ -166,13 +171,7 @@ def test_each_caller_reaches_the_rank_at_its_own_notify_port(made: list) -> None
     rank's handshake address) redirected the rank's messages of genuine requests while the
     handshake stayed cached. A handshake does not prove a notify port: each caller keeps the
     one it named, in flight and from the cache alike."""
-    decode, _ = engine("decode", 1)
-    port = free_port()
-    prefill = Prefill("prefill", port, 2)
-    made.append(prefill)
-    prefill.gate.clear()
-    peers = directory(decode, made)
-    key = PeerKey(LOCAL, port)
+    _, prefill, peers, key = slow_prefill(made)
     wrong = peers.connect(key, 9999, accept)
     joined = peers.connect(key, 1234, accept)  # shares the handshake in flight
     prefill.gate.set()
@@ -235,13 +234,7 @@ def test_a_caller_expecting_another_rank_fails_alone(made: list) -> None:
     a cached one, gets the peer when the answer is what it expects, whatever another caller
     expected; a refusal is remembered for nobody (before, the first caller's check applied to
     every joiner, and its refusal failed every caller for the backoff)."""
-    decode, _ = engine("decode", 1)
-    port = free_port()
-    prefill = Prefill("prefill", port, 2)
-    made.append(prefill)
-    prefill.gate.clear()
-    peers = directory(decode, made)
-    key = PeerKey(LOCAL, port)
+    _, prefill, peers, key = slow_prefill(made)
 
     def another_rank(response: HandshakeResponse) -> None:
         raise IncompatiblePeerError(f"peer at {key} is not the rank this caller expects")

@@ -25,6 +25,7 @@ from moriio_native.control.messages import (
     WriteAborted,
     WriteDone,
     WriteFailed,
+    now_ms,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
@@ -41,6 +42,10 @@ from test_pd_protocol import Directory, Sender, break_first_call
 from test_pd_protocol import context as protocol_context
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
+# When a prefill's handshake answers by its clock, and how long its answers hold the blocks
+# after that (far longer than any test): READs are checked against that hold.
+PREFILL_ANSWERED_MS = 5_000_000
+PREFILL_HOLD_UNTIL_MS = PREFILL_ANSWERED_MS + 3_600_000
 DECODE = ZmqAddress("127.0.0.1", 8000, 8100)
 DENSE = ("attn.0", "attn.1")
 WHOLE = ("mla",)
@@ -105,7 +110,13 @@ def incarnation(rank: int) -> str:
 
 
 def peer_at(
-    key: PeerKey, base: ZmqAddress, rank: int, tp: int, mode: str, *, answered_ms: int = 0
+    key: PeerKey,
+    base: ZmqAddress,
+    rank: int,
+    tp: int,
+    mode: str,
+    *,
+    answered_ms: int = PREFILL_ANSWERED_MS,
 ) -> Peer:
     """Rank ``rank``'s handshake, answered at ``answered_ms`` by its clock, asked for now."""
     name = "p" if base is PREFILL else "d"
@@ -153,6 +164,7 @@ def read_task(tid: str, tp: int) -> RecvTask:
         (10, 11, 12),
         report_done=True,
         remote_incarnations=tuple(incarnation(r) for r in range(tp)),
+        remote_hold_until_ms=PREFILL_HOLD_UNTIL_MS,
     )
 
 
@@ -209,9 +221,6 @@ def test_a_gather_read_is_one_transfer_per_source_and_ends_with_the_last() -> No
 
 # The prefill's clock when it answered the handshakes of the hold tests (ms since the epoch):
 # the decode's own clock is never compared with it.
-PREFILL_ANSWERED_MS = 5_000_000
-
-
 @pytest.mark.parametrize(
     ("spare_ms", "posted"),
     [(-50, False), (-(30 + HOLD_MARGIN_S) * 1000, False), (5_000, True)],
@@ -249,15 +258,94 @@ def test_a_read_is_posted_only_while_the_prefill_holds_its_blocks_for_all_of_it(
     ), [r.getMessage() for r in caplog.records]
 
 
-def test_a_read_without_a_stated_hold_is_posted_as_before() -> None:
-    """A prefill answer without ``remote_hold_until_ms`` (a proxy that drops the key) is read
-    as before the check existed: nothing tells how long the blocks are held."""
+def test_a_read_without_a_stated_hold_is_refused_unless_the_hold_is_not_required() -> None:
+    """A review found the check silently off for a prefill answer without
+    ``remote_hold_until_ms`` (a proxy that drops the key): read whenever it came. Now it is
+    refused (recomputed) by default, naming the key; ``require_hold`` off reads it as before."""
+    for required in (True, False):
+        ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+        ctx.cfg = dataclasses.replace(ctx.cfg, require_hold=required)
+        puller = Puller(ctx)
+        puller.start(dataclasses.replace(read_task("tx-n", 1), remote_hold_until_ms=None))
+        key, future = directory.pending.pop()
+        future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+        reads = [c[1] for c in engine.calls if c[0] == "read"]
+        assert reads == ([] if required else ["tx-n"]), required
+        if required:
+            assert ctx.reports.failed_recving == {"req-1"}
+
+
+def test_a_handshake_answer_stating_no_time_cannot_bound_the_hold() -> None:
+    """A review found an answer with ``answered_ms`` 0 (the field's default) bounding the
+    prefill's clock near 1970, so that any stated hold passed: a hold that ended an hour ago
+    was read. Now such an answer cannot vouch for a hold: refused (recomputed)."""
     ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
     puller = Puller(ctx)
-    puller.start(read_task("tx-n", 1))
+    expired = now_ms() - 3_600_000
+    puller.start(dataclasses.replace(read_task("tx-0", 1), remote_hold_until_ms=expired))
     key, future = directory.pending.pop()
-    future.set_result(peer_at(key, PREFILL, 0, 1, "READ", answered_ms=PREFILL_ANSWERED_MS))
-    assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-n"]
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ", answered_ms=0))
+    assert not [c for c in engine.calls if c[0] == "read"]
+    assert ctx.reports.failed_recving == {"req-1"}
+
+
+def test_a_read_posted_later_than_its_check_allowed_is_aborted() -> None:
+    """A review found the check made before the post only: the engine's deadline starts inside
+    the post, so a pause between them (the lock, planning, a collection) let a READ outlive the
+    hold by the pause. Now the hold is checked again once the READ is posted, and a READ that
+    may outlive it is aborted (its load fails, recomputed)."""
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    real_read = engine.read
+
+    def slow_read(*args: Any) -> None:
+        time.sleep(0.3)  # the pause, inside the post: the deadline starts after it
+        real_read(*args)
+
+    engine.read = slow_read  # type: ignore[method-assign]
+    puller = Puller(ctx)
+    needed_ms = (ctx.cfg.transfer_timeout + HOLD_MARGIN_S) * 1000
+    hold_until = PREFILL_ANSWERED_MS + int(needed_ms) + 100  # the first check passes
+    puller.start(dataclasses.replace(read_task("tx-l", 1), remote_hold_until_ms=hold_until))
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+    assert [c[0:2] for c in engine.calls] == [("read", "tx-l"), ("abort", "tx-l")]
+
+
+def test_a_released_answer_is_not_read_again() -> None:
+    """A review found a prefill answer readable after this decode released it: the release
+    lets the prefill free the blocks at once, and a later request carrying the same answer (a
+    retried request) passed the hold check and loaded whatever the blocks held by then. Now a
+    rank refuses an answer it released until its hold surely ended (recomputed); another
+    answer under the same transfer id (a new hold) is read."""
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(read_task("tx-r", 1))
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+    puller.on_event(event("tx-r"))  # read and released
+    assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
+    puller.start(read_task("tx-r", 1))  # the same answer again
+    assert not directory.pending and ctx.reports.failed_recving == {"req-1"}
+    assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-r"]
+    renewed = PREFILL_HOLD_UNTIL_MS + 1
+    puller.start(dataclasses.replace(read_task("tx-r", 1), remote_hold_until_ms=renewed))
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+    assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-r", "tx-r"]
+
+
+def test_an_expired_hold_drops_its_late_messages() -> None:
+    """A review found a release that came after the hold expired kept as an early release of
+    the next request reusing the transfer id, which freed that request's blocks the moment its
+    send task arrived, while its answer stated a full hold. Now an expired hold marks its
+    transfer terminal, as a released one does: its late messages are dropped."""
+    ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
+    terminal: list[str] = []
+    ctx.mark_terminal = terminal.append  # type: ignore[method-assign]
+    pusher = Pusher(ctx)
+    pusher.begin_step([], [SendTask("req-A", "tx-T")])
+    pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
+    assert ctx.reports.done_sending == {"req-A"} and terminal == ["tx-T"]
 
 
 def test_the_prefills_clock_is_bounded_by_its_handshake_alone() -> None:

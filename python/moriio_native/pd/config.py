@@ -55,6 +55,9 @@ class PdConfig:
     # READ: refuse (recompute) a request that names no prefill incarnation; False reads it from
     # whichever process answers the handshake (what peers without incarnations allow).
     require_incarnation: bool = True
+    # READ: refuse (recompute) a request that states no hold of the prefill's blocks
+    # (remote_hold_until_ms); False reads it whenever it comes (the prefill may have freed them).
+    require_hold: bool = True
     # At most this many peer addresses cached and peers connected per rank (pd/peers.py): the
     # least recently used idle one goes before another connects.
     max_peers: int = DEFAULT_MAX_PEERS

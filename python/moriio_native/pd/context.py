@@ -337,23 +337,37 @@ def check_incarnation(peer: Peer, task: RecvTask, expect: str) -> None:
         )
 
 
-def check_hold(peer: Peer, task: RecvTask, transfer_timeout: float, now: float) -> None:
-    """A READ posted at ``now`` (``time.monotonic()``) may run for ``transfer_timeout``; it must
-    end, with ``HOLD_MARGIN_S`` to spare, before the prefill may free the request's blocks
-    (``task.remote_hold_until_ms``, its clock; None checks nothing): after that the prefill may
-    have given them to another request, and the READ would load that request's bytes. The
-    prefill's clock is bounded through its handshake (:meth:`Peer.clock_at_most`), so the two
-    clocks need not agree. Raises FailedPreconditionError naming the transfer otherwise."""
+def check_hold(peer: Peer, task: RecvTask, cfg: PdConfig, now: float) -> None:
+    """A READ posted at ``now`` (``time.monotonic()``) may run for ``cfg.transfer_timeout``; it
+    must end, with ``HOLD_MARGIN_S`` to spare, before the prefill may free the request's blocks
+    (``task.remote_hold_until_ms``, its clock): after that the prefill may have given them to
+    another request, and the READ would load that request's bytes. The prefill's clock is
+    bounded through its handshake (:meth:`Peer.clock_at_most`), so the two clocks need not
+    agree. A request that states no hold is refused unless ``cfg.require_hold`` is off. Raises
+    FailedPreconditionError naming the transfer otherwise."""
     hold_until = task.remote_hold_until_ms
     if hold_until is None:
-        return
+        if not cfg.require_hold:
+            return
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the request states no hold of the prefill's blocks "
+            "('remote_hold_until_ms' missing from kv_transfer_params: a prefill older than "
+            "protocol version 4, or a proxy that drops the key); not reading blocks the prefill "
+            "may have freed (set 'require_hold': false to read such requests anyway)"
+        )
+    if peer.response.answered_ms <= 0:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} "
+            "stated no time in its handshake answer (answered_ms 0), so how long it still "
+            "holds the request's blocks cannot be bounded; not reading"
+        )
     prefill_now = peer.clock_at_most(now)
-    needed_ms = math.ceil((transfer_timeout + HOLD_MARGIN_S) * 1000)
+    needed_ms = math.ceil((cfg.transfer_timeout + HOLD_MARGIN_S) * 1000)
     if prefill_now + needed_ms > hold_until:
         raise FailedPreconditionError(
             f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} "
             f"holds the request's blocks for {(hold_until - prefill_now) / 1000:.1f} s more at "
-            f"most, and a READ may take transfer_timeout ({transfer_timeout:g} s) + "
+            f"most, and a READ may take transfer_timeout ({cfg.transfer_timeout:g} s) + "
             f"{HOLD_MARGIN_S:g} s: not reading blocks it may free meanwhile (recomputed); either "
             "the request waited on this decode too long, or the prefill's abort_timeout is not "
             "above this decode's transfer_timeout + 1 s"

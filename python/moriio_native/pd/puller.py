@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from enum import Enum, auto
 from typing import Any, TypeVar
 
 from moriio_native.control.channel import RateLimitedWarnings
-from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks
+from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks, now_ms
 from moriio_native.control.ports import rank_port
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, MoriioError
@@ -63,6 +64,13 @@ logger = logging.getLogger("moriio_native.pd.puller")
 # Releases one decode rank sends to unread prefill ranks when no handshake confirmed the
 # prefill's TP size (the request's number could name thousands of ranks).
 MAX_UNCONFIRMED_RELEASES = 16
+# Prefill answers (transfer id, stated hold) this rank released, kept at most this many (the
+# oldest go first) until their hold surely ended: a release ends the hold at once, so a second
+# READ of the same answer (a retried request) would load whatever the freed blocks hold by then.
+MAX_RELEASED_ANSWERS = 65_536
+# With no handshake of the prefill to bound its clock, how far behind this rank's clock it is
+# taken to be when such an answer's hold ends.
+RELEASED_CLOCK_SLACK_S = 60.0
 # A quarantined WRITE's prefill is re-handshaken this often ...
 PROBE_WRITER_EVERY_S = 5.0
 # ... and taken as dead only after this many consecutive failed probes (one missed handshake
@@ -199,6 +207,35 @@ class _Read:
         return {p.rank: p.peer for p in self.parts if p.peer is not None}
 
 
+def _answer_of(task: RecvTask) -> tuple[str, int] | None:
+    """Which prefill answer ``task`` reads: its transfer id and the hold it states (None: it
+    states none)."""
+    hold = task.remote_hold_until_ms
+    return None if hold is None else (task.transfer_id, hold)
+
+
+class _ReleasedAnswers:
+    """Prefill answers this rank released, each until its hold surely ended (bounded: at most
+    :data:`MAX_RELEASED_ANSWERS`, the oldest go first). The context lock held by callers."""
+
+    def __init__(self) -> None:
+        self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
+
+    def add(self, answer: tuple[str, int], until: float, now: float) -> None:
+        self._until.pop(answer, None)
+        self._until[answer] = until
+        while self._until and (
+            len(self._until) > MAX_RELEASED_ANSWERS or next(iter(self._until.values())) <= now
+        ):
+            self._until.popitem(last=False)
+
+    def holds(self, answer: tuple[str, int] | None, now: float) -> bool:
+        if answer is None:
+            return False
+        until = self._until.get(answer)
+        return until is not None and until > now
+
+
 @dataclass
 class _AwaitPart:
     """One writing prefill rank of a WRITE await."""
@@ -272,6 +309,7 @@ class Puller:
         # the event, when it comes, is taken as drained.
         self._drained_early: set[str] = set()
         self._step_reads: list[str] = []
+        self._released = _ReleasedAnswers()
 
     # ---- entry points (any thread) ------------------------------------------------------------
 
@@ -331,6 +369,17 @@ class Puller:
         if duplicate:
             self._refuse_duplicate(task, "READ")
             return
+        with ctx.lock:
+            released = self._released.holds(_answer_of(task), time.monotonic())
+        if released:
+            reused = FailedPreconditionError(
+                f"this rank released transfer {tid} already (its prefill answer, holding until "
+                f"{task.remote_hold_until_ms} by the prefill's clock, was read or given up "
+                "before): a prefill answer is single-use, the release let the prefill free its "
+                "blocks; not reading them again"
+            )
+            self._read_not_planned(read, reused)
+            return
         try:
             read.plan = plan = self._plan(task)
         except MoriioError as exc:
@@ -375,7 +424,7 @@ class Puller:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
             check_incarnation(peer, task, part.incarnation)
-            check_hold(peer, task, self._ctx.cfg.transfer_timeout, time.monotonic())
+            check_hold(peer, task, self._ctx.cfg, time.monotonic())
             part.peer = peer
             with self._ctx.lock:
                 if read.failing:
@@ -389,6 +438,23 @@ class Puller:
         with self._ctx.lock:
             if part.machine.state is ReadState.CONNECTING:
                 part.machine.advance(ReadEvent.POSTED)
+        self._check_posted_within_hold(read, part, peer)
+
+    def _check_posted_within_hold(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
+        """The engine's deadline started inside the post, after the check before it (the lock,
+        planning or a pause of the process came between): checked again now, and a READ that
+        may outlive the prefill's hold is aborted (the load fails, recomputed)."""
+        try:
+            check_hold(peer, read.task, self._ctx.cfg, time.monotonic())
+        except FailedPreconditionError as exc:
+            logger.error(
+                "request %s: %s (posted %.1f s after the request started); aborting the READ "
+                "posted",
+                read.task.req_id,
+                exc,
+                time.monotonic() - read.started,
+            )
+            self._ctx.engine().abort(part.engine_tid)
 
     def _post_part(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
         """Post one part's READ: the request's block pairs (per KV-cache group when grouped),
@@ -1040,6 +1106,23 @@ class Puller:
                 ctx.reports.failed_recving.add(task.req_id)
             ctx.stats.record(ok=False)
 
+    def _remember_released(self, task: RecvTask, confirmed: Peer | None) -> None:
+        """``task``'s answer was released (the prefill may free its blocks now): kept until its
+        hold surely ended, by the prefill's clock as ``confirmed``'s handshake bounds it (a
+        READ then is refused by check_hold anyway), else by this rank's clock taken
+        :data:`RELEASED_CLOCK_SLACK_S` ahead of the prefill's. An answer stating no hold is
+        not kept."""
+        answer = _answer_of(task)
+        if answer is None:
+            return
+        now = time.monotonic()
+        if confirmed is not None:
+            prefill_now = confirmed.clock_at_most(now)
+        else:
+            prefill_now = now_ms() - round(RELEASED_CLOCK_SLACK_S * 1000)
+        with self._ctx.lock:
+            self._released.add(answer, now + max(0.0, (answer[1] - prefill_now) / 1000), now)
+
     def send_release(
         self, task: RecvTask, peers: dict[int, Peer], plan: TpPlan | None = None
     ) -> None:
@@ -1059,6 +1142,7 @@ class Puller:
         ctx = self._ctx
         cfg = ctx.cfg
         confirmed = next(iter(peers.values()), None)
+        self._remember_released(task, confirmed)
         if confirmed is not None:  # the TP size the prefill confirmed in the handshake
             tp_size, host = confirmed.response.tp_size, confirmed.host
         else:  # what the request said: bounded, since nothing confirmed it

@@ -1939,6 +1939,9 @@ class Pusher:
                     send.machine.advance(SendEvent.EXPIRED)
                     del self._sends[tid]
                     ctx.reports.done_sending.add(send.task.req_id)
+                    # As when released: a late release of it must not be kept as an early one
+                    # of a later request reusing the id (which it would free at once).
+                    ctx.mark_terminal(tid)
                     logger.warning(
                         "request %s (transfer %s): no release within abort_timeout (%.0fs); "
                         "freeing",

@@ -69,6 +69,11 @@ key                   default      meaning
                                    ``false``: such a request is read from the handshaken prefill
                                    (a prefill restarted after computing it cannot be detected);
                                    for a proxy that drops the key
+``require_hold``      ``true``     READ: load only while the prefill still holds the request's
+                                   blocks (``remote_hold_until_ms`` of its answer, which the
+                                   proxy must pass on); a request without it is recomputed.
+                                   ``false``: such a request is read whenever it comes (the
+                                   prefill may have freed the blocks by then)
 ``max_peers``         ``1024``     peers one rank keeps connected (and addresses it caches) at
                                    most: before one more connects, the least recently used
                                    that no request is using (no transfer pending or
@@ -161,6 +166,7 @@ _PLAIN_KEYS = (
     "read_loading",
     "verify",
     "require_incarnation",
+    "require_hold",
     "max_peers",
     "accept_only_allowed_peers",
     CONFIG_LISTENER_HANDSHAKE_TIMEOUT,
@@ -237,6 +243,7 @@ class ConnectorConfig(Schema, frozen=True):
     read_loading: ReadLoading = DEFAULT_READ_LOADING
     verify: bool = False
     require_incarnation: bool = True
+    require_hold: bool = True
     max_peers: PeerCount = DEFAULT_MAX_PEERS
 
     def _check(self) -> None:

@@ -118,6 +118,7 @@ class WorkerSide:
                 verify=config.verify,
                 groups=groups,
                 require_incarnation=config.require_incarnation,
+                require_hold=config.require_hold,
                 max_peers=config.max_peers,
             ),
             self._security,
