@@ -30,6 +30,7 @@ from moriio_native.control.messages import (
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
 from moriio_native.errors import TransportError
+from moriio_native.pd import puller as puller_module
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import HOLD_MARGIN_S, Context
 from moriio_native.pd.core import PdCore
@@ -38,7 +39,7 @@ from moriio_native.pd.peers import HANDSHAKE_THREADS, Handshake, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
 from moriio_native.pd.pusher import JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
-from test_pd_protocol import Directory, Sender, break_first_call
+from test_pd_protocol import Directory, Sender, break_first_call, notify_core, quarantined_await
 from test_pd_protocol import context as protocol_context
 
 PREFILL = ZmqAddress("127.0.0.1", 7000, 7100)
@@ -332,6 +333,79 @@ def test_a_released_answer_is_not_read_again() -> None:
     key, future = directory.pending.pop()
     future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
     assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-r", "tx-r"]
+
+
+def test_a_read_that_completed_after_the_hold_ended_is_not_used() -> None:
+    """A review found the check after the post useless against a READ that completed before
+    it (the usual case: a READ takes milliseconds, and an abort of an ended transfer changes
+    nothing): a pause between the check and the post longer than the hold's spare let a READ
+    run wholly after the prefill's hold ended, and the load was reported good. Now a READ's
+    completion is checked against the hold too: one that may have ended after it is not used
+    (recomputed)."""
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    ctx.cfg = dataclasses.replace(ctx.cfg, transfer_timeout=0.2)
+    puller = Puller(ctx)
+    needed_ms = (ctx.cfg.transfer_timeout + HOLD_MARGIN_S) * 1000
+    hold_until = PREFILL_ANSWERED_MS + int(needed_ms) + 100  # the first check passes
+    real_read = engine.read
+
+    def paused_then_done(*args: Any) -> None:
+        time.sleep(1.6)  # before the engine starts: the hold ends meanwhile
+        real_read(*args)
+        puller.on_event(event("tx-h"))  # done at once, before the post returns
+
+    engine.read = paused_then_done  # type: ignore[method-assign]
+    puller.start(dataclasses.replace(read_task("tx-h", 1), remote_hold_until_ms=hold_until))
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+    assert ctx.reports.failed_recving == {"req-1"}
+    assert "completed when the prefill's hold" in ctx.reports.failures["req-1"]
+
+
+def test_a_refused_retry_sends_no_release_and_keeps_the_record(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A review found the refusal of a released answer releasing the prefill again and
+    recording the answer afresh without a handshake (by this rank's clock, 60 s of slack),
+    which replaced the record bounded by the handshake: with this rank's clock more than 60 s
+    ahead of the prefill's, a third try of the same answer was read. Now a refusal sends
+    nothing and a record is never shortened."""
+    monkeypatch.setattr(puller_module, "now_ms", lambda: PREFILL_ANSWERED_MS + 64_000)
+    ctx, directory, sender, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    ctx.cfg = dataclasses.replace(ctx.cfg, transfer_timeout=0.2)
+    puller = Puller(ctx)
+    task = dataclasses.replace(
+        read_task("tx-s", 1), remote_hold_until_ms=PREFILL_ANSWERED_MS + 5_000
+    )
+    puller.start(task)
+    key, future = directory.pending.pop()
+    future.set_result(peer_at(key, PREFILL, 0, 1, "READ"))
+    puller.on_event(event("tx-s"))  # read and released: the prefill may free the blocks
+    releases = sum(isinstance(m, Release) for m in sender.sent)
+    puller.start(task)  # a retry: refused
+    assert sum(isinstance(m, Release) for m in sender.sent) == releases
+    time.sleep(1.2)  # past the 60 s-slack record a refusal wrote before
+    puller.start(task)  # a third try, inside the hold the answer states
+    assert not directory.pending
+    assert [c[1] for c in engine.calls if c[0] == "read"] == ["tx-s"]
+
+
+def test_a_write_aborted_naming_another_rank_does_not_take_the_genuine_ones_place() -> None:
+    """A review found the listener deduplicating write_aborted by transfer and writer alone,
+    before the core looked at the rank it names: one steered here naming another rank, though
+    ignored, made the genuine one a duplicate, and the rank kept its blocks quarantined until
+    quarantine_timeout. Now the rank it names is part of its key."""
+    puller, ctx, _ = quarantined_await()
+    core = notify_core(ctx, puller)
+    plain = ControlSecurity(MessageAuth(None), PeerAllowlist(["127.0.0.1"]))
+    with NotifyListener(0, plain, bind_host="127.0.0.1") as listener, NotifySender(plain) as out:
+        out.send("127.0.0.1", listener.port, WriteAborted("tx-1", "d:9/dp0/tp1"))  # steered
+        out.send("127.0.0.1", listener.port, WriteAborted("tx-1", ctx.cfg.engine_id))
+        for _ in range(2):
+            message = listener.get(5.0)
+            assert message is not None, "a write_aborted was dropped"
+            PdCore._on_message(core, message)
+    assert puller.await_states() == {}
 
 
 def test_an_expired_hold_drops_its_late_messages() -> None:

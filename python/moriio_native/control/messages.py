@@ -320,7 +320,9 @@ class WriteAborted(_Message, frozen=True, tag="write_aborted"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        return (self.TYPE, self.transfer_id, str(self.writer_rank))
+        # With the rank it names: one naming another rank (ignored) must not take the genuine
+        # one's place in the listener's deduplication.
+        return (self.TYPE, self.transfer_id, str(self.writer_rank), self.decode_engine_id)
 
 
 NotifyMessage = RemoteBlocks | WriteDone | WriteFailed | Release | AbortWrite | WriteAborted

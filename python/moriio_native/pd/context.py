@@ -374,6 +374,27 @@ def check_hold(peer: Peer, task: RecvTask, cfg: PdConfig, now: float) -> None:
         )
 
 
+def check_held_until(peer: Peer, task: RecvTask, now: float) -> None:
+    """A READ of ``task`` from ``peer`` completed by ``now`` (``time.monotonic()``): the prefill
+    must still have held the blocks then, with ``HOLD_MARGIN_S`` to spare, by its clock as the
+    handshake bounds it; the hold is a stretch from the request's end, so they were held for all
+    of the READ. Whatever delayed the READ (a pause before or inside the post, a slow transfer)
+    it cannot have read blocks the prefill had freed. No stated hold: nothing to check. Raises
+    FailedPreconditionError naming the transfer otherwise (its bytes are not used)."""
+    hold_until = task.remote_hold_until_ms
+    if hold_until is None:
+        return
+    prefill_now = peer.clock_at_most(now)
+    if prefill_now + math.ceil(HOLD_MARGIN_S * 1000) > hold_until:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: the READ from prefill {peer.response.engine_id} at "
+            f"{peer.key} completed when the prefill's hold of the blocks may have ended "
+            f"({(hold_until - prefill_now) / 1000:.1f} s left at most, {HOLD_MARGIN_S:g} s "
+            "needed): the prefill may have freed them before the READ ended; its bytes are "
+            "not used (recomputed)"
+        )
+
+
 def check_engine(peer: Peer, expect_engine: str | None) -> None:
     """The request named an instance: the handshaken rank must belong to it."""
     if expect_engine and not peer.response.engine_id.startswith(expect_engine + "/"):
@@ -388,6 +409,7 @@ __all__ = [
     "Reports",
     "StatsSink",
     "check_engine",
+    "check_held_until",
     "check_hold",
     "check_incarnation",
     "expected_incarnation",

@@ -47,6 +47,7 @@ from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.context import (
     Context,
     check_engine,
+    check_held_until,
     check_hold,
     check_incarnation,
     expected_incarnation,
@@ -65,7 +66,7 @@ logger = logging.getLogger("moriio_native.pd.puller")
 # prefill's TP size (the request's number could name thousands of ranks).
 MAX_UNCONFIRMED_RELEASES = 16
 # Prefill answers (transfer id, stated hold) this rank released, kept at most this many (the
-# oldest go first) until their hold surely ended: a release ends the hold at once, so a second
+# oldest go first) until their hold may have ended: a release ends the hold at once, so a second
 # READ of the same answer (a retried request) would load whatever the freed blocks hold by then.
 MAX_RELEASED_ANSWERS = 65_536
 # With no handshake of the prefill to bound its clock, how far behind this rank's clock it is
@@ -215,14 +216,15 @@ def _answer_of(task: RecvTask) -> tuple[str, int] | None:
 
 
 class _ReleasedAnswers:
-    """Prefill answers this rank released, each until its hold surely ended (bounded: at most
+    """Prefill answers this rank released, each until its hold may have ended (bounded: at most
     :data:`MAX_RELEASED_ANSWERS`, the oldest go first). The context lock held by callers."""
 
     def __init__(self) -> None:
         self._until: OrderedDict[tuple[str, int], float] = OrderedDict()
 
     def add(self, answer: tuple[str, int], until: float, now: float) -> None:
-        self._until.pop(answer, None)
+        """Keeps ``answer`` until ``until`` at least (a later record never shortens one)."""
+        until = max(until, self._until.pop(answer, until))
         self._until[answer] = until
         while self._until and (
             len(self._until) > MAX_RELEASED_ANSWERS or next(iter(self._until.values())) <= now
@@ -362,23 +364,16 @@ class Puller:
         read = _Read(task, time.monotonic(), sync=ctx.cfg.sync_read)
         with ctx.lock:
             duplicate = tid in self._reads
-            if not duplicate:
+            released = not duplicate and self._released.holds(_answer_of(task), time.monotonic())
+            if not duplicate and not released:
                 self._reads[tid] = read
                 if read.sync:
                     self._step_reads.append(tid)
         if duplicate:
             self._refuse_duplicate(task, "READ")
             return
-        with ctx.lock:
-            released = self._released.holds(_answer_of(task), time.monotonic())
         if released:
-            reused = FailedPreconditionError(
-                f"this rank released transfer {tid} already (its prefill answer, holding until "
-                f"{task.remote_hold_until_ms} by the prefill's clock, was read or given up "
-                "before): a prefill answer is single-use, the release let the prefill free its "
-                "blocks; not reading them again"
-            )
-            self._read_not_planned(read, reused)
+            self._refuse_released(task)
             return
         try:
             read.plan = plan = self._plan(task)
@@ -443,7 +438,8 @@ class Puller:
     def _check_posted_within_hold(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
         """The engine's deadline started inside the post, after the check before it (the lock,
         planning or a pause of the process came between): checked again now, and a READ that
-        may outlive the prefill's hold is aborted (the load fails, recomputed)."""
+        may outlive the prefill's hold is aborted at once (the load fails, recomputed). One that
+        already ended is judged at its completion (:func:`check_held_until`)."""
         try:
             check_hold(peer, read.task, self._ctx.cfg, time.monotonic())
         except FailedPreconditionError as exc:
@@ -454,7 +450,10 @@ class Puller:
                 exc,
                 time.monotonic() - read.started,
             )
-            self._ctx.engine().abort(part.engine_tid)
+            try:
+                self._ctx.engine().abort(part.engine_tid)
+            except MoriioError as abort_error:  # ended meanwhile: its completion is checked
+                logger.info("transfer %s: not aborted: %s", part.engine_tid, abort_error)
 
     def _post_part(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
         """Post one part's READ: the request's block pairs (per KV-cache group when grouped),
@@ -523,15 +522,18 @@ class Puller:
             self._quarantine_read(read, part, event)
             self._stop_other_parts(read)
             return True
-        if event.state == "done" and ctx.verifier is not None:
+        outcome = f"{event.state}: {event.message}"
+        done = event.state == "done"
+        if done and part.peer is not None:
+            try:
+                check_held_until(part.peer, read.task, time.monotonic())
+            except FailedPreconditionError as exc:
+                done, outcome = False, str(exc)
+        if done and ctx.verifier is not None:
             self._verify_read(read, part, event)
             return True
         self._end_read_part(
-            read,
-            part,
-            ReadEvent.DONE if event.state == "done" else ReadEvent.FAILED,
-            f"{event.state}: {event.message}",
-            event,
+            read, part, ReadEvent.DONE if done else ReadEvent.FAILED, outcome, event
         )
         return True
 
@@ -693,6 +695,8 @@ class Puller:
             if read.ended:
                 return
             read.ended = True
+            # Before the READ leaves _reads: no load of the same answer may start in between.
+            self._remember_released(task, next(iter(read.peers().values()), None))
             for part in read.parts:
                 self._parts.pop(part.engine_tid, None)
             state = read.state()
@@ -1091,6 +1095,20 @@ class Puller:
         )
         self._report_load_failed(task)
 
+    def _refuse_released(self, task: RecvTask) -> None:
+        """A load of a prefill answer this rank released already (a retried request carrying
+        it): a release lets the prefill free the blocks at once, so they may hold another
+        request's KV by now. Its blocks are recomputed; no release goes out again (one did)."""
+        logger.error(
+            "request %s (transfer %s): this rank released that prefill answer (holding until "
+            "%d by the prefill's clock) already: an answer is read once, the release let the "
+            "prefill free its blocks; its blocks are recomputed",
+            task.req_id,
+            task.transfer_id,
+            task.remote_hold_until_ms,
+        )
+        self._report_load_failed(task)
+
     def _fail_unplanned(self, task: RecvTask) -> None:
         """A load the planner could not pair: its blocks are recomputed, the prefill freed."""
         self._report_load_failed(task)
@@ -1107,9 +1125,10 @@ class Puller:
             ctx.stats.record(ok=False)
 
     def _remember_released(self, task: RecvTask, confirmed: Peer | None) -> None:
-        """``task``'s answer was released (the prefill may free its blocks now): kept until its
-        hold surely ended, by the prefill's clock as ``confirmed``'s handshake bounds it (a
-        READ then is refused by check_hold anyway), else by this rank's clock taken
+        """``task``'s answer is released (the prefill may free its blocks now): kept until its
+        hold may have ended, by the prefill's clock as ``confirmed``'s handshake bounds it (from
+        then on check_hold refuses a READ of it anyway: any handshake's bound is late by less
+        than the READ's own margin), else by this rank's clock taken
         :data:`RELEASED_CLOCK_SLACK_S` ahead of the prefill's. An answer stating no hold is
         not kept."""
         answer = _answer_of(task)
