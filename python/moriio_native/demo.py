@@ -40,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -57,7 +56,7 @@ import numpy as np
 
 from moriio_native import control as ctl
 from moriio_native import kvcache as kc
-from moriio_native.control.messages import now_ms
+from moriio_native.control.messages import hold_until_ms
 from moriio_native.engine import Engine, available_backends, choose_backend
 from moriio_native.errors import BackendUnavailableError, InvalidArgumentError, MoriioError
 from moriio_native.layout import BlockPairs, LayerLayout, block_template, describe_layer
@@ -590,7 +589,7 @@ class _PrefillWorker:
             self._core.forward_done(self._layers, None)
         # The request finished: its blocks are held until the core reports them free, at most
         # abort_timeout from the step that hands the core its send task (after this stamp).
-        hold_until = now_ms() + math.floor(self._core.cfg.abort_timeout * 1000)
+        hold_until = hold_until_ms(self._core.cfg.abort_timeout)
         self._core.begin_step([], [SendTask(request_id, tid)])
         host, hs_port, notify_port = self._core.address()
         reply = ctl.KvTransferParams(

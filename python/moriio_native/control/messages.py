@@ -58,6 +58,7 @@ Contents (all values immutable; functions pure and thread-safe):
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Annotated, Any, ClassVar, Literal, TypeVar
@@ -346,6 +347,12 @@ def new_nonce() -> bytes:
 def now_ms() -> int:
     """This side's clock, in milliseconds since the Unix epoch (a request's ``sent_ms``)."""
     return time.time_ns() // 1_000_000
+
+
+def hold_until_ms(abort_timeout: float) -> int:
+    """A READ prefill's ``remote_hold_until_ms`` for a request finishing now: its workers free
+    the blocks ``abort_timeout`` after they learn the request finished, which is after now."""
+    return now_ms() + math.floor(abort_timeout * 1000)
 
 
 @_tagged
@@ -685,6 +692,7 @@ __all__ = [
     "WriteFailed",
     "decode",
     "encode",
+    "hold_until_ms",
     "new_nonce",
     "now_ms",
 ]

@@ -502,6 +502,12 @@ class _Job:
         return self.machine.state
 
     @property
+    def written(self) -> str | None:
+        """The engine id of the decode rank the job writes into: the one that announced its
+        blocks (None: none announced yet)."""
+        return self.remote.decode_engine_id if self.remote is not None else None
+
+    @property
     def settled(self) -> bool:
         """Whether the decode rank needs no write_failed for a late announcement: it announced
         already (its final message went out at the end), released, gave up (abort_write: it
@@ -1007,7 +1013,7 @@ class Pusher:
                 decode_tp=self._decode_tp(job),
                 address=job.save.peer if job.save is not None else None,
                 dp_rank=job.remote.decode_dp_rank if job.remote is not None else None,
-                written=job.remote.decode_engine_id if job.remote is not None else None,
+                written=job.written,
                 reason=job.reason,
                 ended=now,
                 settled=job.settled,
@@ -1379,8 +1385,7 @@ class Pusher:
         assert request is not None
         # The rank the job wrote into, where known (the abort's own word otherwise): the ack
         # is true of it, whichever message asked.
-        written = job.remote.decode_engine_id if job.remote is not None else None
-        ack = self._ack(request, written)
+        ack = self._ack(request, job.written)
         if job.peer is not None:
             self._send(job.peer.host, job.peer.notify_port, ack)
         elif job.save is not None and job.save.peer is not None:

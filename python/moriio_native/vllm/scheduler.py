@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +63,7 @@ from moriio_native.control.addressing import (
     ZmqAddress,
     parse_kv_transfer_params,
 )
-from moriio_native.control.messages import now_ms
+from moriio_native.control.messages import hold_until_ms
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.vllm.config import ConnectorConfig
@@ -517,9 +516,8 @@ class SchedulerSide:
             KEY_TRANSFER_ID: params.transfer_id,
         }
         if cfg.mode == "read":
-            # The workers free the blocks abort_timeout after they learn the request finished,
-            # which is after now: the decode reads only if its READ ends before this.
-            out[KEY_REMOTE_HOLD_UNTIL_MS] = now_ms() + math.floor(cfg.abort_timeout * 1000)
+            # The decode reads only if its READ ends before this.
+            out[KEY_REMOTE_HOLD_UNTIL_MS] = hold_until_ms(cfg.abort_timeout)
         if self._incarnations is not None:
             out[KEY_REMOTE_INCARNATIONS] = list(self._incarnations)
         elif not self._incarnations_missing_logged:
