@@ -12,6 +12,7 @@ failure. An untouched run passes the check; a pair whose sides disagree on verif
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any
 
@@ -20,6 +21,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from moriio_native.pd.core import WAIT_SLICE_S
+from moriio_native.pd.pusher import SEND_TASK_WAIT_S
 from test_vllm_lifecycle import make_pair, model_dir, prompt_of, run_prefill, sides  # noqa: F401
 from test_vllm_support import (
     BLOCK_SIZE,
@@ -88,6 +90,7 @@ def test_read_verified_passes(sides: list[Side], model_dir: str) -> None:
     prompt = prompt_of(40, seed=41)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
+    p.step()  # vLLM steps once more for the finished request: its blocks are held from here
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
     first = load(d, rid)
     assert first.scheduled == {rid: 1} and first.invalid_blocks == set()
@@ -112,6 +115,7 @@ def test_read_corrupted_block_fails_the_load_and_is_recomputed(
     prompt = prompt_of(40, seed=43)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
+    p.step()  # vLLM steps once more for the finished request: its blocks are held from here
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
     corrupted: list[int] = []
 
@@ -139,6 +143,75 @@ def test_read_corrupted_block_fails_the_load_and_is_recomputed(
     assert p.free_blocks() == p.initial_free
     d.run_until(lambda r: rid in r.finished(), what="decode to finish")
     assert d.free_blocks() == d.initial_free
+
+
+def test_a_second_decode_given_a_released_answer_fails_its_load(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A router that hands the prefill's answer to a second decode instance after the first
+    read and released it (a retried decode leg): the prefill's blocks are free and hold another
+    request's KV by then. Before: the prefill answered the second decode's checksum request
+    over those blocks as they were then -- the same bytes its READ took -- so verify passed and
+    the second decode generated from another request's KV. Now a prefill answers checksums only
+    for a transfer whose blocks it still holds: the load fails and is recomputed."""
+    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    prompt = prompt_of(40, seed=47)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    p.step()  # vLLM steps once more for the finished request: its blocks are held from here
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    assert load(d, rid).invalid_blocks == set()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
+    for block in returned["remote_block_ids"]:  # another request's KV in the freed blocks
+        for layer in p.layer_names:
+            _int_view(p.caches[layer])[block].fill_(7)
+
+    again = Side("decode", "kv_consumer", "read", model_dir, salt=3, extra=VERIFY)
+    sides.append(again)
+    rid2 = pd_request_id(p, again)
+    again.add_request(rid2, prompt, params=decode_params(tid, returned), max_tokens=2)
+    with caplog.at_level(logging.WARNING, logger="moriio_native"):
+        retried = load(again, rid2)
+    loaded = retried.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)]
+    assert retried.invalid_blocks == set(loaded)
+    assert retried.scheduled == {rid2: len(prompt)}  # recomputed
+    assert all(again.slot_matches(rid2, range(len(prompt)), again.salt, prompt))
+    assert retried.stats is not None and retried.stats.data["verify_failures"] == 1
+    assert f"checksums of transfer {tid}" in caplog.text
+    assert "no longer held" in caplog.text
+
+
+@pytest.mark.parametrize("send_task", ["comes", "never comes"])
+def test_a_checksum_request_before_the_send_task_waits_for_it(
+    sides: list[Side], model_dir: str, send_task: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The decode asks for checksums before the prefill's next step hands its worker the send
+    task (the blocks are held by then, but the worker does not know it yet): the prefill waits
+    for it (SEND_TASK_WAIT_S) and answers; when it does not come within the wait, the load fails
+    and is recomputed -- a checksum is never given for blocks not known to be held."""
+    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    prompt = prompt_of(40, seed=53)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    stepper = threading.Timer(0.6 * SEND_TASK_WAIT_S, p.step)
+    if send_task == "comes":
+        stepper.start()
+    with caplog.at_level(logging.WARNING, logger="moriio_native"):
+        loaded = load(d, rid)
+    if send_task == "comes":
+        stepper.join()
+    assert loaded.stats is not None
+    if send_task == "comes":
+        assert loaded.invalid_blocks == set() and loaded.stats.data["verified"] == 1
+        assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+    else:
+        assert loaded.invalid_blocks and loaded.stats.data["verify_failures"] == 1
+        assert f"checksums of transfer {tid}: this rank holds no blocks of it" in caplog.text
+        assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
+    assert p.free_blocks() == p.initial_free
 
 
 # ---- WRITE ------------------------------------------------------------------------------------

@@ -467,8 +467,9 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     """D -> P on the handshake channel (READ mode, ``verify`` on): after a READ completed, the
     checksums of the prefill blocks it read, per layer, over the window's cells (``heads`` /
     ``tokens`` 0: to the end of the block). Sent before the decode's ``release``, so the blocks
-    cannot have changed. Answered by :class:`ChecksumResponse` or :class:`HandshakeRejected`
-    echoing ``nonce``."""
+    cannot have changed; the prefill answers only while it still holds them (freed, they may
+    hold another request's KV). Answered by :class:`ChecksumResponse` or
+    :class:`HandshakeRejected` echoing ``nonce``."""
 
     requester_engine_id: Id
     transfer_id: Id

@@ -61,7 +61,7 @@ from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context, Reports, StatsSink
 from moriio_native.pd.peers import PeerDirectory
 from moriio_native.pd.puller import Puller
-from moriio_native.pd.pusher import WRITER_QUEUE, Pusher
+from moriio_native.pd.pusher import SEND_TASK_WAIT_S, WRITER_QUEUE, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 from moriio_native.pd.verify import Checksummer, Verifier
 
@@ -229,9 +229,20 @@ class PdCore:
         )
 
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
+        """A decode's checksums of the blocks its READ took, only while this rank still holds
+        them, before and after computing (freed blocks may hold another request's KV, and
+        their checksums would match what a READ of them took)."""
         verifier = self.ctx.verifier
         assert verifier is not None
-        return verifier.answer(request)
+        tid = request.transfer_id
+        unheld = self.pusher.held_for_checksums(tid, SEND_TASK_WAIT_S)
+        if unheld is None:
+            response = verifier.answer(request)
+            unheld = self.pusher.held_for_checksums(tid, 0.0)
+            if unheld is None:
+                return response
+            unheld += " while its checksums were computed"
+        raise FailedPreconditionError(f"checksums of transfer {tid}: {unheld}")
 
     def shutdown(self) -> None:
         """Stop the threads and close every socket. Idempotent."""

@@ -95,6 +95,15 @@ logger = logging.getLogger("moriio_native.pd.pusher")
 # Records kept for transfers not known yet (early releases; jobs a message created before the
 # scheduler's save task): beyond this many the oldest is dropped.
 MAX_EARLY_MESSAGES = 65536
+# READ holds that ended (released, expired, or never held), remembered so that a checksum
+# request for one is refused at once; past this many the oldest is forgotten, and a request
+# for it waits for a hold that never comes before being refused (refused all the same).
+MAX_ENDED_HOLDS = 65536
+# How long a checksum request for a READ transfer not known yet waits for its send task: vLLM
+# hands it over in the step right after the request finished, but a decode may ask first. The
+# wait holds the handshake server's thread (handshakes wait behind it), so it is short; a hold
+# that comes later fails that load (recomputed), never passes it.
+SEND_TASK_WAIT_S = 1.0
 # Decode ranks one request may have this rank write before a handshake confirmed the decode's
 # TP size: the request's remote_tp_size is the client's word (up to 65,536), and a job for each
 # rank it names cost the prefill that many jobs per request, each checked at every timeout pass
@@ -732,6 +741,9 @@ class Pusher:
         # Decode ranks written to, least recently first (MAX_WRITTEN_DECODE_RANKS).
         self._written_ranks: OrderedDict[str, _RankAddress] = OrderedDict()
         self._sends: dict[str, _Send] = {}
+        # Why each READ hold ended, oldest first (MAX_ENDED_HOLDS): see held_for_checksums.
+        self._ended_holds: OrderedDict[str, str] = OrderedDict()
+        self._holds_changed = threading.Condition(ctx.lock)
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, _Request] = {}  # once its save (or send) task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
@@ -921,8 +933,10 @@ class Pusher:
             held = _Send(send, deadline, machine, released)
             if send.aborted or self._fully_released(held.released):
                 ctx.reports.done_sending.add(send.req_id)
+                self._end_hold(tid, "aborted" if send.aborted else "released")
                 return
             self._sends[tid] = held
+            self._holds_changed.notify_all()
             return
         if tid in self._unwritten:
             self._unwritten.discard(tid)
@@ -1709,6 +1723,37 @@ class Pusher:
                 return "done"
             return "" if job.state in JOB_TERMINAL else "early"
 
+    # ---- READ holds (verify) -------------------------------------------------------------------
+
+    def held_for_checksums(self, tid: str, timeout: float) -> str | None:
+        """None while this rank holds the blocks of READ transfer ``tid`` for its decode, else
+        why it does not: a decode's checksums of a READ are worth comparing only with blocks
+        still held, since freed ones may already hold another request's KV (and, read again,
+        match what the READ took from them). A transfer not known yet is waited for up to
+        ``timeout`` seconds (the decode may ask before the step that hands us its send task).
+        Called without the context lock (the handshake server's checksum thread)."""
+        if self._ctx.cfg.mode != "read":
+            return "this prefill runs WRITE mode (its checksums go in write_done)"
+        deadline = time.monotonic() + timeout
+        with self._holds_changed:
+            while tid not in self._sends:
+                ended = self._ended_holds.get(tid)
+                if ended is not None:
+                    return f"its blocks are no longer held: {ended}"
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return f"this rank holds no blocks of it (none within {timeout:g}s)"
+                self._holds_changed.wait(left)
+        return None
+
+    def _end_hold(self, tid: str, why: str) -> None:
+        """READ transfer ``tid`` holds no blocks any more (lock held)."""
+        self._ended_holds[tid] = why
+        self._ended_holds.move_to_end(tid)
+        if len(self._ended_holds) > MAX_ENDED_HOLDS:
+            self._ended_holds.popitem(last=False)
+        self._holds_changed.notify_all()
+
     # ---- control messages (notify thread) -----------------------------------------------------
 
     def on_release(self, message: Release) -> None:
@@ -1726,6 +1771,7 @@ class Pusher:
                 send.machine.advance(SendEvent.RELEASED)
                 del self._sends[tid]
                 ctx.reports.done_sending.add(send.task.req_id)
+                self._end_hold(tid, "released")
             elif job is not None:
                 job.released = True
                 self._fail(job, "the decode released the transfer")
@@ -1944,6 +1990,7 @@ class Pusher:
                     send.machine.advance(SendEvent.EXPIRED)
                     del self._sends[tid]
                     ctx.reports.done_sending.add(send.task.req_id)
+                    self._end_hold(tid, f"expired (no release within {abort_timeout:.0f}s)")
                     # As when released: a late release of it must not be kept as an early one
                     # of a later request reusing the id (which it would free at once).
                     ctx.mark_terminal(tid)
