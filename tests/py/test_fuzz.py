@@ -113,6 +113,7 @@ anything = st.recursive(
     max_leaves=20,
 )
 ids = st.text(min_size=1, max_size=40).filter(str.isprintable)
+transfer_ids = ids.filter(lambda i: "#" not in i)  # '#' is reserved for the engine's part ids
 texts = st.text(max_size=40).filter(str.isprintable)
 ranks = st.integers(0, 7)
 ports = st.integers(1, 65535)
@@ -124,7 +125,7 @@ STATED_INCARNATIONS = st.just("") | st.binary(min_size=8, max_size=32).map(bytes
 NOTIFY_SAMPLES = st.one_of(
     st.builds(
         RemoteBlocks,
-        ids,
+        transfer_ids,
         st.lists(block_lists, min_size=1, max_size=3).map(lambda g: tuple(map(tuple, g))),
         ids,
         decode_dp_rank=ranks,
@@ -133,15 +134,15 @@ NOTIFY_SAMPLES = st.one_of(
     ),
     st.builds(
         WriteDone,
-        ids,
+        transfer_ids,
         writer_rank=ranks,
         num_writers=st.integers(8, 16),
         checksums=st.none() | st.dictionaries(ids, st.binary(max_size=16), max_size=2),
     ),
-    st.builds(WriteFailed, ids, writer_rank=ranks, reason=texts),
-    st.builds(Release, ids, consumer_tp_size=st.just(8), consumer_tp_rank=ranks),
-    st.builds(AbortWrite, ids, ids, hosts, ports, ports, decode_dp_rank=ranks),
-    st.builds(WriteAborted, ids, ids, writer_rank=ranks),
+    st.builds(WriteFailed, transfer_ids, writer_rank=ranks, reason=texts),
+    st.builds(Release, transfer_ids, consumer_tp_size=st.just(8), consumer_tp_rank=ranks),
+    st.builds(AbortWrite, transfer_ids, ids, hosts, ports, ports, decode_dp_rank=ranks),
+    st.builds(WriteAborted, transfer_ids, ids, writer_rank=ranks),
 )
 # Incarnations: valid ones (16..64 lower-case hex) and near misses (upper case, short, other text).
 INCARNATIONS = st.one_of(
@@ -252,14 +253,14 @@ def test_fuzz_handshake_reply_decoder(payload: bytes) -> None:
 CHECKSUM_REQUESTS = st.builds(
     ChecksumRequest,
     requester_engine_id=ids,
-    transfer_id=ids,
+    transfer_id=transfer_ids,
     block_ids=st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple),
     head_begin=st.integers(0, 64),
     heads=st.integers(0, 64),
 )
 CHECKSUM_REPLIES = st.builds(
     ChecksumResponse,
-    transfer_id=ids,
+    transfer_id=transfer_ids,
     checksums=st.dictionaries(ids, st.binary(max_size=32), max_size=3),
 ) | st.builds(HandshakeRejected, st.text(min_size=1, max_size=20).filter(str.isprintable))
 

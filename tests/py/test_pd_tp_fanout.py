@@ -14,22 +14,25 @@ from typing import Any
 
 import pytest
 
-from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.addressing import ZmqAddress, parse_kv_transfer_params
 from moriio_native.control.channel import NotifyListener, NotifySender
 from moriio_native.control.messages import (
     AbortWrite,
     HandshakeResponse,
+    InvalidMessageError,
     KvGroup,
     Release,
     RemoteBlocks,
     WriteAborted,
     WriteDone,
     WriteFailed,
+    decode,
+    encode,
     now_ms,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
-from moriio_native.errors import TransportError
+from moriio_native.errors import InvalidArgumentError, TransportError
 from moriio_native.pd import puller as puller_module
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import HOLD_MARGIN_S, Context
@@ -420,6 +423,31 @@ def test_an_expired_hold_drops_its_late_messages() -> None:
     pusher.begin_step([], [SendTask("req-A", "tx-T")])
     pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
     assert ctx.reports.done_sending == {"req-A"} and terminal == ["tx-T"]
+
+
+def test_a_transfer_id_naming_another_requests_part_is_refused_where_it_enters() -> None:
+    """A review found a request whose transfer id was another request's part id ("tx#p0": the
+    part of request "tx" read from prefill rank 0) taking over that part: the part's
+    completion reported the second request loaded though nothing was read into its blocks
+    (and its own READ was posted after it ended), or the first request's end dropped the
+    second's part, which then never ended. '#' is now reserved: refused in kv_transfer_params
+    (the request runs without KV transfer), in every control message (dropped at the schema)
+    and in the core's tasks, so no request id can name a part."""
+    with pytest.raises(InvalidArgumentError, match=r"'transfer_id' = 'tx#p0': .*'#' \(reserved"):
+        parse_kv_transfer_params({"transfer_id": "tx#p0"})
+    with pytest.raises(InvalidArgumentError, match=r"RecvTask of request req-1: .*'tx#p0'"):
+        read_task("tx#p0", 1)
+    with pytest.raises(InvalidArgumentError, match=r"SendTask of request req-B: .*'tx#d1'"):
+        SendTask("req-B", "tx#d1")
+    with pytest.raises(InvalidMessageError, match=r"'tx#p0'.*reserved"):
+        decode(encode(Release("tx#p0")), (Release,), max_bytes=4096)
+
+    # The parts of one request still get their own ids, none of which a request may carry.
+    ctx, directory, _, engine = context("read", producer=False, tp_rank=0, tp_size=1)
+    puller = Puller(ctx)
+    puller.start(read_task("tx", 2))
+    answer_handshakes(directory, PREFILL, 2, "READ")
+    assert [c[1] for c in engine.calls if c[0] == "read_segments"] == ["tx#p0", "tx#p1"]
 
 
 def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:

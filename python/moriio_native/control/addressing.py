@@ -60,6 +60,7 @@ from .schema import (
     Rank,
     Schema,
     Size,
+    TransferId,
     convert,
     describe,
     explain,
@@ -419,7 +420,7 @@ class KvTransferParams(Schema, frozen=True):
     WHAT: ClassVar[str] = "kv_transfer_params"
     ERROR: ClassVar[type[Exception]] = InvalidArgumentError
 
-    transfer_id: Id
+    transfer_id: TransferId
     do_remote_prefill: bool = False
     do_remote_decode: bool = False
     remote_block_ids: BlockIdGroups | None = None

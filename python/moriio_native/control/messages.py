@@ -81,6 +81,7 @@ from .schema import (
     Rank,
     Schema,
     Size,
+    TransferId,
     describe,
     encoder,
     explain,
@@ -190,7 +191,7 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     what that means is the receiver's business.
     """
 
-    transfer_id: Id
+    transfer_id: TransferId
     block_ids: BlockIdGroups = msgspec.field(name="block_notify_list")
     decode_engine_id: Id
     decode_dp_rank: Rank = msgspec.field(default=0, name="decode_rank")
@@ -222,7 +223,7 @@ class WriteDone(_Message, frozen=True, tag="write_done"):
     write into one decode rank).
     """
 
-    transfer_id: Id
+    transfer_id: TransferId
     writer_rank: Rank = 0
     num_writers: Size = 1
     # With ``verify`` on: per layer, the checksums of the prefill blocks written, in the order
@@ -239,7 +240,7 @@ class WriteFailed(_Message, frozen=True, tag="write_failed"):
     """P -> D (WRITE mode): writer ``writer_rank`` gave up on ``transfer_id`` (``reason`` says
     why), so D fails the request now instead of waiting for its timeout."""
 
-    transfer_id: Id
+    transfer_id: TransferId
     writer_rank: Rank = 0
     reason: Reason = ""
 
@@ -254,7 +255,7 @@ class Release(_Message, frozen=True, tag="release"):
     request ended before D allocated). One per consumer rank that read from this producer
     rank; ``consumer_tp_size`` lets P count the fan-in (see vLLM's expected-ack rule)."""
 
-    transfer_id: Id
+    transfer_id: TransferId
     consumer_tp_size: Size = 1
     consumer_tp_rank: Rank = 0
 
@@ -275,7 +276,7 @@ class AbortWrite(_Message, frozen=True, tag="abort_write"):
     none of its writes can land any more. ``decode_engine_id`` names the decode rank, so P
     answers the handshaken peer, never an address from a message."""
 
-    transfer_id: Id
+    transfer_id: TransferId
     decode_engine_id: Id
     decode_host: Annotated[str, msgspec.Meta(min_length=1, max_length=255)]
     decode_handshake_port: Port
@@ -315,7 +316,7 @@ class WriteAborted(_Message, frozen=True, tag="write_aborted"):
     (by an ``abort_write`` naming a wrong one) must not end its wait while writes of the same
     transfer into it may still land."""
 
-    transfer_id: Id
+    transfer_id: TransferId
     decode_engine_id: Id
     writer_rank: Rank = 0
 
@@ -472,7 +473,7 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     :class:`HandshakeRejected` echoing ``nonce``."""
 
     requester_engine_id: Id
-    transfer_id: Id
+    transfer_id: TransferId
     block_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)]
     nonce: FreshNonce = msgspec.field(default_factory=new_nonce)
     # As a handshake request's: with a secret, answered only while fresh and once (a replay
@@ -488,7 +489,7 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
 class ChecksumResponse(_Message, frozen=True, tag="checksum_response"):
     """P -> D: per layer, the checksums of the requested blocks, in the request's order."""
 
-    transfer_id: Id
+    transfer_id: TransferId
     checksums: Checksums
     nonce: Nonce = b""
 

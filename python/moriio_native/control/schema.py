@@ -57,6 +57,13 @@ def printable(min_length: int, max_length: int) -> Any:
 
 
 Id = printable(1, MAX_ID_LEN)
+#: What separates a transfer id from the engine's name of one part of it: a READ from several
+#: prefill ranks moves ``<id>#p<rank>``, a WRITE into several decode ranks ``<id>#d<rank>``. A
+#: request's own transfer id therefore never holds it (a request ``tx#p0`` took over a part of
+#: request ``tx`` and was reported loaded by that part's completion).
+PART_SEPARATOR = "#"
+_TRANSFER_ID = "^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069#]*$"
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN, pattern=_TRANSFER_ID)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL_SIZE - 1)]
 Size = Annotated[int, msgspec.Meta(ge=1, le=MAX_PARALLEL_SIZE)]
@@ -218,8 +225,13 @@ _UNKNOWN_RE = re.compile(r"^Object contains unknown field `(?P<name>[^`]*)`$")
 # in words.
 _NESTED_AT_RE = re.compile(r" - at `(\[[^`]*\])`")
 _REGEX_RE = re.compile(r"Expected `str` matching regex '(?P<regex>.*)'", re.DOTALL)
-# What a value failing each pattern should have been (the printable-text pattern otherwise).
+# What a value failing each pattern should have been (the printable-text pattern otherwise), by
+# the pattern as msgspec's errors show it (control characters escaped).
 _PATTERN_MEANS = {
+    _TRANSFER_ID.encode("unicode_escape").decode("ascii"): (
+        f"expected printable characters other than '{PART_SEPARATOR}' (reserved: the engine "
+        "names a transfer's parts <id>#p<rank> and <id>#d<rank>)"
+    ),
     _INCARNATION: "expected 16..64 lower-case hex characters (an incarnation)",
     _INCARNATION_OR_EMPTY: "expected 16..64 lower-case hex characters (an incarnation) or ''",
 }
@@ -294,6 +306,7 @@ __all__ = [
     "MAX_KV_GROUPS",
     "MAX_PARALLEL_SIZE",
     "MAX_REQUEST_ID_LEN",
+    "PART_SEPARATOR",
     "BlockId",
     "Id",
     "Incarnation",
@@ -303,6 +316,7 @@ __all__ = [
     "Rank",
     "Schema",
     "Size",
+    "TransferId",
     "WireValue",
     "convert",
     "decoder",

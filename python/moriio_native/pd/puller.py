@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks, now_ms
 from moriio_native.control.ports import rank_port
+from moriio_native.control.schema import PART_SEPARATOR
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.context import (
@@ -293,7 +294,7 @@ def _announced_ids(waiting: _Await) -> Sequence[int] | None:
 def part_transfer_id(transfer_id: str, rank: int, parts: int) -> str:
     """The engine transfer id of one source rank's part: the request's own id when it has
     one part (equal TP sizes), else one id per source rank."""
-    return transfer_id if parts == 1 else f"{transfer_id}#p{rank}"
+    return transfer_id if parts == 1 else f"{transfer_id}{PART_SEPARATOR}p{rank}"
 
 
 class Puller:

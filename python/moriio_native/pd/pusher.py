@@ -66,6 +66,7 @@ from moriio_native.control.messages import (
     encode,
 )
 from moriio_native.control.ports import rank_port
+from moriio_native.control.schema import PART_SEPARATOR
 from moriio_native.engine import BlockSegment
 from moriio_native.errors import (
     FailedPreconditionError,
@@ -709,7 +710,7 @@ def job_transfer_id(transfer_id: str, decode_rank: int, tp_rank: int) -> str:
     """The engine transfer id of prefill rank ``tp_rank``'s job writing ``transfer_id`` into
     decode rank ``decode_rank``: the request's own id for the decode rank of our index (the
     only one with equal TP sizes), one id per decode rank otherwise."""
-    return transfer_id if decode_rank == tp_rank else f"{transfer_id}#d{decode_rank}"
+    return transfer_id if decode_rank == tp_rank else f"{transfer_id}{PART_SEPARATOR}d{decode_rank}"
 
 
 # ("write", job, layer, (event or None, segments or None)), ("writes", job, "", ((local ids,

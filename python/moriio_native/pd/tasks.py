@@ -22,7 +22,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.schema import PART_SEPARATOR
+from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.groups import GroupedBlocks
+
+
+def _check_transfer_id(task: RecvTask | SaveTask | SendTask) -> None:
+    """Refuses a transfer id holding the separator the engine names a transfer's parts with:
+    such an id could name another request's part (kv_transfer_params refuse it already)."""
+    if PART_SEPARATOR in task.transfer_id:
+        raise InvalidArgumentError(
+            f"{type(task).__name__} of request {task.req_id}: transfer id "
+            f"{task.transfer_id!r} holds {PART_SEPARATOR!r}, which is reserved (the engine "
+            f"names a transfer's parts <id>{PART_SEPARATOR}p<rank> and "
+            f"<id>{PART_SEPARATOR}d<rank>)"
+        )
 
 
 @dataclass(frozen=True)
@@ -55,6 +69,9 @@ class RecvTask:
     # prefill's answer); None: not stated, and then nothing checks it.
     remote_hold_until_ms: int | None = None
 
+    def __post_init__(self) -> None:
+        _check_transfer_id(self)
+
     @property
     def notify_only(self) -> bool:
         return not self.local_block_ids
@@ -75,6 +92,9 @@ class SaveTask:
     groups: tuple[tuple[int, ...], ...] = ()
     num_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        _check_transfer_id(self)
+
 
 @dataclass(frozen=True)
 class SendTask:
@@ -89,6 +109,9 @@ class SendTask:
     unsaved: bool = False
     peer: ZmqAddress | None = None
     remote_tp_size: int = 0
+
+    def __post_init__(self) -> None:
+        _check_transfer_id(self)
 
 
 __all__ = ["RecvTask", "SaveTask", "SendTask"]
