@@ -49,6 +49,9 @@ class Sink final : public CompletionSink {
   void OnBatchComplete(std::uint64_t token, Status status) override {
     tracker_->OnBatchComplete(token, status);
   }
+  void OnBatchUnconfirmed(std::uint64_t token, Status status) override {
+    tracker_->OnBatchUnconfirmed(token, status);
+  }
   void OnPeerFailure(std::uint64_t peer, Status status) override {
     std::string id;
     {
@@ -1284,6 +1287,14 @@ Status Engine::Seal(std::string_view transfer_id, std::string_view peer,
   // seal (which then starts nothing) or after it (and ends what it started).
   Impl& d = *impl_;
   std::lock_guard lock(d.mu);
+  // Each (transfer, layer) counts once, so more writes than layers could never all come: the
+  // transfer would only end timed out, its peer waiting out the whole timeout.
+  if (expected_writes > static_cast<std::int64_t>(d.layers.size())) {
+    return InvalidArgumentError("transfer '" + std::string(transfer_id) + "': seal for " +
+                                std::to_string(expected_writes) + " writes, but " +
+                                std::to_string(d.layers.size()) +
+                                " layers are registered and each layer is written once");
+  }
   const bool connected = d.peers.find(peer) != d.peers.end();
   return d.tracker->Seal(transfer_id, peer, expected_writes, connected);
 }

@@ -226,6 +226,16 @@ std::uint64_t TransferTracker::AddBatchLocked(const std::string& id, Transfer& t
 
 void TransferTracker::OnBatchComplete(std::uint64_t token, const Status& status) {
   std::lock_guard lock(mu_);
+  CompleteBatchLocked(token, status, /*unconfirmed=*/false);
+}
+
+void TransferTracker::OnBatchUnconfirmed(std::uint64_t token, const Status& status) {
+  std::lock_guard lock(mu_);
+  CompleteBatchLocked(token, status, /*unconfirmed=*/true);
+}
+
+void TransferTracker::CompleteBatchLocked(std::uint64_t token, const Status& status,
+                                          bool unconfirmed) {
   auto tok = tokens_.find(token);
   if (tok == tokens_.end()) return;
   const std::string id = std::move(tok->second);
@@ -234,18 +244,28 @@ void TransferTracker::OnBatchComplete(std::uint64_t token, const Status& status)
   if (it == pending_.end()) {
     // Ended already (a deadline) while this batch was in flight: the last one drains it.
     auto q = quarantined_.find(id);
-    if (q != quarantined_.end() && --q->second.in_flight == 0) {
-      const double seconds = std::chrono::duration<double>(Clock::now() - q->second.start).count();
-      drained_.push_back({id, q->second.kind, std::move(q->second.peer), seconds});
+    if (q == quarantined_.end()) return;
+    q->second.unconfirmed |= unconfirmed;
+    if (--q->second.in_flight == 0) {
+      // Drained only when every write was confirmed: unconfirmed bytes may land any time.
+      if (!q->second.unconfirmed) {
+        const double seconds =
+            std::chrono::duration<double>(Clock::now() - q->second.start).count();
+        drained_.push_back({id, q->second.kind, std::move(q->second.peer), seconds});
+      }
       quarantined_.erase(q);
     }
     return;
   }
   Transfer& t = it->second;
+  t.unconfirmed |= unconfirmed;
   --t.in_flight;
   --live_batches_;
   OnLiveBatchesChangedLocked();
   if (!status.ok() && t.failure.empty()) t.failure = status.ToString();
+  if (unconfirmed && t.failure.empty()) {
+    t.failure = "the transport could not confirm the writes of a batch";
+  }
   MaybeFinishLocked(id, t);
 }
 
@@ -296,7 +316,7 @@ void TransferTracker::ExpireDeadlines(Clock::time_point now) {
       // ending under it would quarantine nothing in flight (never drained) or let its
       // EndWrites reach a new transfer of the same id.
       const std::int64_t in_flight = t.in_flight;
-      quarantined_[id] = Quarantined{t.kind, t.peer, t.start, in_flight};
+      quarantined_[id] = Quarantined{t.kind, t.peer, t.start, in_flight, t.unconfirmed};
       FinishLocked(id, t, t.aborted ? TransferState::kAborted : TransferState::kTimedOut,
                    "no completion within " + std::to_string(2 * timeout_.count()) + " ms; " +
                        std::to_string(in_flight) +
@@ -346,7 +366,11 @@ void TransferTracker::FinishLocked(const std::string& id, Transfer& t, TransferS
   e.stamped_batches = t.stamped_batches;
   e.cell_batches = t.cell_batches;
   e.seconds = std::chrono::duration<double>(Clock::now() - t.start).count();
-  e.drained = drained;
+  e.drained = drained && !t.unconfirmed;
+  if (t.unconfirmed) {
+    e.message += "; writes the transport could not confirm may still land at the peer: "
+                 "destination quarantined, never reported drained";
+  }
   const TransferKind kind = t.kind;
   live_batches_ -= static_cast<std::size_t>(t.in_flight);  // a quarantined transfer's batches
   events_.push_back(std::move(e));

@@ -34,7 +34,9 @@ enum class BatchShape { kRuns, kStamped, kCells };
 ///   its deadline a transfer ends as timed out once its batches drain; after a second timeout
 ///   period it ends regardless (unless a BeginWrites call still holds it), with `drained` false:
 ///   its destination is QUARANTINED, and once
-///   its last batch completed the id is reported exactly once by PollDrained;
+///   its last batch completed the id is reported exactly once by PollDrained -- never when a
+///   batch's writes were left unconfirmed by the transport (OnBatchUnconfirmed), which also ends
+///   its transfer with `drained` false;
 /// - aborted beats timed out beats failed beats done; done needs a seal (WRITE), every expected
 ///   write scheduled and every batch finished;
 /// - a WRITE fails (once) as soon as a write failed or was refused (FailWrite) and none is in
@@ -100,6 +102,10 @@ class TransferTracker {
                                  BatchShape shape = BatchShape::kRuns);
   /// A batch finished (ok or not). Unknown tokens are ignored.
   void OnBatchComplete(std::uint64_t token, const Status& status);
+  /// A WRITE batch finished without the transport confirming its writes (see
+  /// CompletionSink::OnBatchUnconfirmed): its bytes may still land at the peer, so its transfer
+  /// ends with `drained` false and is never reported by PollDrained. Unknown tokens are ignored.
+  void OnBatchUnconfirmed(std::uint64_t token, const Status& status);
   /// Fails every pending transfer with `peer` (the transport lost it).
   void FailPeer(std::string_view peer, const Status& status);
 
@@ -160,8 +166,11 @@ class TransferTracker {
     std::int64_t runs = 0;
     std::unordered_set<std::string> layers;  // WRITE: scheduled layers
     std::optional<std::int64_t> expected;     // WRITE: the sealed number of layers
+    bool unconfirmed = false;  // a batch's writes may still land: never drained
   };
 
+  // OnBatchComplete and OnBatchUnconfirmed under mu_.
+  void CompleteBatchLocked(std::uint64_t token, const Status& status, bool unconfirmed);
   // Emits the terminal event if `t` can end now; returns true when it ended. Holds mu_.
   bool MaybeFinishLocked(const std::string& id, Transfer& t);
   void FinishLocked(const std::string& id, Transfer& t, TransferState state, std::string message,
@@ -189,6 +198,7 @@ class TransferTracker {
     std::string peer;
     Clock::time_point start;
     std::int64_t in_flight = 0;
+    bool unconfirmed = false;  // a batch's writes may still land: never reported drained
   };
 
   const std::chrono::milliseconds timeout_;

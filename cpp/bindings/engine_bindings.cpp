@@ -98,7 +98,8 @@ void BindEngine(py::module_& m) {
       .def_readonly("seconds", &TransferEvent::seconds)
       .def_readonly("drained", &TransferEvent::drained,
                     "False: the transfer ended with batches in flight; its destination is "
-                    "quarantined until Engine.poll_drained reports it.")
+                    "quarantined until Engine.poll_drained reports it (never, for writes the "
+                    "transport could not confirm before their connection closed).")
       .def("__repr__", [](const TransferEvent& e) {
         return "TransferEvent('" + e.transfer_id + "', " +
                (e.kind == TransferKind::kRead ? "read" : "write") + ", " +

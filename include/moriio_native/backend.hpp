@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "moriio_native/layout.hpp"
@@ -120,11 +121,21 @@ struct Batch {
 };
 
 /// Receives completions. Backends call it from their own threads; implementations must be
-/// thread-safe and must not block for long. Exactly one OnBatchComplete per accepted Submit.
+/// thread-safe and must not block for long. Exactly one OnBatchComplete or OnBatchUnconfirmed
+/// per accepted Submit.
 class CompletionSink {
  public:
   virtual ~CompletionSink() = default;
   virtual void OnBatchComplete(std::uint64_t token, Status status) = 0;
+  /// Instead of OnBatchComplete: a WRITE batch the transport ended without confirming that its
+  /// writes completed at the peer (its connection was closed with them in flight: a peer that
+  /// stopped answering, at DisconnectPeer or destruction), so bytes of it may still land there
+  /// later, while the peer is not proven dead. The backend is done with the batch's memory. By
+  /// default, completed as OnBatchComplete would (for sinks that do not track the peer's
+  /// memory).
+  virtual void OnBatchUnconfirmed(std::uint64_t token, Status status) {
+    OnBatchComplete(token, std::move(status));
+  }
   /// The transport lost a peer; its pending batches complete with errors separately.
   virtual void OnPeerFailure(std::uint64_t peer, Status status) = 0;
 };
@@ -185,7 +196,11 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 /// - DisconnectPeer drops the peer and its imported regions at once: Submit to them is refused
 ///   from then on, and every batch to that peer not yet finished by the transport completes
 ///   exactly once with an error (Aborted or Transport, naming the peer), possibly after
-///   DisconnectPeer returned. A batch the transport had already finished completes OK.
+///   DisconnectPeer returned. A batch the transport had already finished completes OK. A WRITE
+///   batch whose writes the transport could not confirm before the connection closed completes
+///   through OnBatchUnconfirmed: it no longer uses the local memory, but the peer's may still
+///   change (the backend contract that a completed batch writes no more holds only for
+///   OnBatchComplete).
 /// - Cell batches (Batch::cells) are an optional capability, asked per region pair and geometry
 ///   with AcceptsCells before any is built; the engine plans runs wherever the answer is no
 ///   (loopback takes cells between host regions; UCX only on its CUDA IPC direct path with the

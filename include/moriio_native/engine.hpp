@@ -86,10 +86,13 @@ struct TransferEvent {
   /// Backend::AcceptsCells) instead of runs.
   std::int64_t cell_batches = 0;
   double seconds = 0.0;  ///< from the first submit to the terminal state
-  /// True when no operation of this transfer can write any more (always for done and failed).
-  /// False only when the transfer ended (timed out or aborted) while batches were still in
-  /// flight past a second timeout period: its destination is QUARANTINED -- the bytes may still
-  /// change -- until Engine::PollDrained reports this id.
+  /// True when no operation of this transfer can write any more (always for done).
+  /// False when the transfer ended (timed out or aborted) while batches were still in flight
+  /// past a second timeout period: its destination is QUARANTINED -- the bytes may still
+  /// change -- until Engine::PollDrained reports this id. Also false, and then never reported
+  /// by PollDrained, when the transport could not confirm a WRITE batch's writes before its
+  /// connection closed (CompletionSink::OnBatchUnconfirmed): the peer's blocks may change at
+  /// any time, so they stay quarantined until the caller's own bound.
   bool drained = true;
 };
 
@@ -253,8 +256,9 @@ class Engine {
   /// once all of them completed. `expected_writes == 0` is the explicit "nothing to send" (a
   /// full prefix hit): the transfer is done at once. Creates the transfer when nothing was
   /// scheduled yet. InvalidArgument naming the id, with no change, for a READ id, an empty or
-  /// other peer, a negative count or a second seal with another count; InvalidArgument that also
-  /// fails the transfer when more layers than `expected_writes` were scheduled. A seal of a
+  /// other peer, a negative count, a count above the registered layers (each layer is written
+  /// once, so it could never be reached) or a second seal with another count; InvalidArgument
+  /// that also fails the transfer when more layers than `expected_writes` were scheduled. A seal of a
   /// terminal WRITE is ignored. Never blocks.
   Status Seal(std::string_view transfer_id, std::string_view peer, std::int64_t expected_writes);
 

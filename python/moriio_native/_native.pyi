@@ -229,7 +229,7 @@ class TransferEvent:
     @property
     def drained(self) -> bool:
         """
-        False: the transfer ended with batches in flight; its destination is quarantined until Engine.poll_drained reports it.
+        False: the transfer ended with batches in flight; its destination is quarantined until Engine.poll_drained reports it (never, for writes the transport could not confirm before their connection closed).
         """
     @property
     def kind(self) -> str:

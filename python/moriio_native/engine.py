@@ -6,8 +6,10 @@ per layer) transfers. Every transfer ends in exactly one :class:`TransferEvent` 
 :meth:`Engine.poll_events`. No byte of a transfer lands after its event -- except where the
 event says ``drained=False``: the transfer ended while its operations were still in flight, its
 destination is quarantined, and :meth:`Engine.poll_drained` reports it once nothing of it can
-write any more. All methods are thread-safe; none waits for a transfer except ``poll_events``
-with a timeout (which releases the GIL and honours Ctrl-C).
+write any more (never, for a WRITE whose writes the transport could not confirm before its
+connection closed: the peer's blocks may change at any time). All methods are thread-safe;
+none waits for a transfer except ``poll_events`` with a timeout (which releases the GIL and
+honours Ctrl-C).
 """
 
 from __future__ import annotations
@@ -436,7 +438,11 @@ class Engine:
         """Poll until every id in ``transfer_ids`` has its event or ``timeout`` passes; returns
         the events seen (others that arrive meanwhile are returned too, keyed by id). ``timeout``
         0 or below polls once; ``math.inf`` waits for all of them; NaN is refused
-        (InvalidArgumentError), since no deadline would ever pass."""
+        (InvalidArgumentError), since no deadline would ever pass.
+
+        It consumes events as ``poll_events`` does (each is delivered once): one thread of the
+        process polls. Two threads waiting at once each take the other's events, so one may
+        never see its own (with ``math.inf``, wait forever)."""
         import math
         import time
 

@@ -1409,6 +1409,18 @@ TEST_F(EnginePair, SealNamingAnUnknownPeerStartsNothing) {
   EXPECT_EQ(events[0].state, TransferState::kDone);
 }
 
+// Each (transfer, layer) counts once, so a seal for more writes than there are layers could
+// never be met: before, it was accepted and the WRITE could only end timed out (a review found
+// it), its peer waiting out the whole timeout. Now it is refused and starts nothing.
+TEST_F(EnginePair, SealForMoreWritesThanLayersIsRefusedAndStartsNothing) {
+  Status st = p_.engine->Seal("too-many", "D", 1000);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
+  EXPECT_NE(st.message().find("too-many"), std::string::npos) << st.ToString();
+  EXPECT_NE(st.message().find("layers are registered"), std::string::npos) << st.ToString();
+  EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
+  EXPECT_TRUE(p_.engine->PollEvents(16, std::chrono::milliseconds(50)).empty());
+}
+
 TEST_F(EnginePair, DuplicateReadIdIsAlreadyExistsWhilePendingAndAfterEnd) {
   Build({}, {{"loopback_delay_ms", "200"}});  // D's reads stay pending for a while
   const auto d_before = d_.buffer->Snapshot();

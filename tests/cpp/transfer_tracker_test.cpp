@@ -509,6 +509,39 @@ TEST(TransferTrackerDeadline, AHeldWriteOutlivesTheSecondPeriodUntilItsCallLetsG
   EXPECT_TRUE(t.DrainQuarantine(8).empty());
 }
 
+// A batch whose writes the transport could not confirm (OnBatchUnconfirmed: its connection was
+// closed with them in flight) may still change the peer's memory: its transfer ends failed and
+// quarantined, and is never reported drained -- whether it ends then, or was quarantined by
+// its deadline before. A review found such a WRITE reported drained, its bytes landing later.
+TEST(TransferTrackerDeadline, AWriteTheTransportCouldNotConfirmIsNeverReportedDrained) {
+  TransferTracker t(kLongTimeout, 16);
+  const std::uint64_t unconfirmed = Schedule(t, "req", "l0");
+  ASSERT_TRUE(t.Seal("req", "decode-0", 1).ok());
+  t.OnBatchUnconfirmed(unconfirmed, Status::OK());
+  TransferEvent e = OnlyEvent(t);
+  EXPECT_EQ(e.state, TransferState::kFailed);
+  EXPECT_FALSE(e.drained);
+  EXPECT_NE(e.message.find("could not confirm"), std::string::npos) << e.message;
+  EXPECT_EQ(t.quarantined(), 0u);
+  EXPECT_TRUE(t.DrainQuarantine(8).empty());
+
+  // Quarantined by its deadline with two batches in flight, one of them unconfirmed: the last
+  // completion ends the quarantine without a drain notice.
+  const std::uint64_t first = Schedule(t, "late", "l0");
+  const std::uint64_t second = Schedule(t, "late", "l1");
+  const TransferTracker::Clock::time_point now = TransferTracker::Clock::now();
+  t.ExpireDeadlines(now + 2 * kLongTimeout);
+  t.ExpireDeadlines(now + 4 * kLongTimeout);
+  TransferEvent late = OnlyEvent(t);
+  EXPECT_EQ(late.state, TransferState::kTimedOut);
+  EXPECT_FALSE(late.drained);
+  EXPECT_EQ(t.quarantined(), 1u);
+  t.OnBatchUnconfirmed(first, AbortedError("peer removed"));
+  t.OnBatchComplete(second, AbortedError("peer removed"));
+  EXPECT_EQ(t.quarantined(), 0u);
+  EXPECT_TRUE(t.DrainQuarantine(8).empty());
+}
+
 // ---- waiting in Drain -----------------------------------------------------------------------
 
 // Drain's wait spins while a transfer's last batches are in flight and sleeps otherwise; either

@@ -803,6 +803,29 @@ def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
     assert len(pusher._jobs["tx-7#d1"].device_events) == 0
 
 
+def test_a_write_never_reported_drained_ends_after_the_quarantine() -> None:
+    """Writes the transport could not confirm are never reported drained (a review found them
+    landing after a drained report): such a job holds the request's blocks until the decode
+    has freed its own at quarantine_timeout, then ends, and the blocks are freed here too --
+    never held for good."""
+    ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-q", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-q", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    pusher.forward_done(DENSE, LayerEvent(0x1000))
+    run_writer(ctx, pusher)
+    pusher.begin_step([], [SendTask("req-1", "tx-q")])
+    pusher.on_event(event("tx-q", "failed", drained=False), drained=False)
+    assert pusher.job_states()["tx-q"] is JobState.DRAINING
+    deadline = pusher._jobs["tx-q"].deadline
+    pusher.check_timeouts(deadline + ctx.cfg.quarantine_timeout - 1)
+    assert pusher.job_states()["tx-q"] is JobState.DRAINING and not ctx.reports.done_sending
+    pusher.check_timeouts(deadline + ctx.cfg.quarantine_timeout + 1)
+    assert "tx-q" not in pusher.job_states()
+    assert ctx.reports.done_sending == {"req-1"}
+
+
 def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:
     """(port, type, transfer id, writer rank) of every final message sent, in order."""
     return [

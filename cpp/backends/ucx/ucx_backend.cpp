@@ -338,6 +338,7 @@ struct PeerState {
   ucp_ep_h ep = nullptr;           // worker thread only
   std::atomic<bool> closed{false};  // DisconnectPeer started: no new batches
   bool failed = false;              // worker thread only
+  bool exited = false;  // worker thread only: its process is proven gone (FailExitedPeer)
   bool failure_reported = false;    // worker thread only
   Status failure;                   // worker thread only
   // Set when ConnectPeer proved the peer is a process of this host and pid namespace (see
@@ -413,6 +414,7 @@ struct ActiveBatch {
   std::size_t outstanding = 0;  // UCX requests (ops + flush) not yet completed
   bool needs_flush = false;     // WRITE over UCX ops: remote completion needs an ep flush
   bool flush_posted = false;
+  bool flush_confirmed = false;  // that flush completed OK: every put posted before it landed
   void* cuda_op = nullptr;
   // Path::kOps: the CUDA event (Batch::device_wait_event) this batch posts nothing before; 0 once
   // it completed (PollDeviceWaits) or when there is none.
@@ -434,6 +436,13 @@ struct ActiveBatch {
   std::vector<std::uint8_t> push_request;
 
   std::size_t runs() const { return batch->sizes.size(); }
+  /// A WRITE whose puts were posted but never confirmed by its flush (a put's own completion
+  /// only frees our buffer): unless the peer's process is proven gone, bytes of it may still
+  /// land there, since closing our endpoint cancels only our side (data already in the peer's
+  /// socket buffer or on the wire is applied when it gets there).
+  bool WritesUnconfirmed() const {
+    return needs_flush && next_run > 0 && !flush_confirmed && !remote->peer->exited;
+  }
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
@@ -529,7 +538,16 @@ class UcxBackend final : public Backend {
     std::shared_ptr<RemoteRegion> remote;
   };
 
+  // A batch's completion as the sink gets it (unconfirmed: OnBatchUnconfirmed).
+  struct Completion {
+    std::uint64_t token;
+    Status status;
+    bool unconfirmed;
+  };
+
   static void OnOpDone(void* request, ucs_status_t status, void* user_data);
+  // The ep flush after a WRITE batch's puts: OnOpDone, and the writes confirmed when it is OK.
+  static void OnFlushDone(void* request, ucs_status_t status, void* user_data);
   static void OnPeerError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnPushReaderError(void* arg, ucp_ep_h ep, ucs_status_t status);
   static void OnPushSent(void* request, ucs_status_t status, void* user_data);
@@ -592,6 +610,11 @@ class UcxBackend final : public Backend {
   bool PostPushSend(PushJob& job, unsigned id, std::vector<std::uint8_t> header,
                     std::vector<std::uint8_t> payload);
   bool FinishBatches();
+  // Hands `done` to the sink (no lock held).
+  void Deliver(std::vector<Completion>& done);
+  // A WRITE batch stopped before its flush (a disconnect, destruction): its flush is posted
+  // anyway, so that a peer that answers confirms its puts within the drain deadline.
+  void ConfirmStoppedWrites(ActiveBatch& ab);
   void StartCudaCopy(ActiveBatch& ab);
   // The cell part of StartCudaCopy: one submit_cells for the whole batch.
   void StartCellCopy(ActiveBatch& ab, void* queue, std::uint64_t local, std::uint64_t remote);
@@ -1131,6 +1154,7 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
         ab.error = AbortedError("peer " + std::to_string(peer_id) +
                                 " was disconnected while the batch was in flight");
       }
+      ConfirmStoppedWrites(ab);
       mine.push_back(&ab);
     }
     // Operations already posted read or write through the rkeys: let them finish first.
@@ -1363,6 +1387,11 @@ void UcxBackend::OnOpDone(void* request, ucs_status_t status, void* user_data) {
   }
   // Freed here and only here: freeing a request still in flight would suppress this callback.
   self->api_->request_free(request);
+}
+
+void UcxBackend::OnFlushDone(void* request, ucs_status_t status, void* user_data) {
+  if (status == UCS_OK) static_cast<ActiveBatch*>(user_data)->flush_confirmed = true;
+  OnOpDone(request, status, user_data);
 }
 
 void UcxBackend::OnPeerError(void* arg, ucp_ep_h /*ep*/, ucs_status_t status) {
@@ -1792,10 +1821,13 @@ void UcxBackend::PostFlush(ActiveBatch& ab) {
   ab.flush_posted = true;
   ucp_request_param_t p{};
   p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
-  p.cb.send = &UcxBackend::OnOpDone;
+  p.cb.send = &UcxBackend::OnFlushDone;
   p.user_data = &ab;
   ucs_status_ptr_t r = api_->ep_flush_nbx(ab.remote->peer->ep, &p);
-  if (r == nullptr) return;
+  if (r == nullptr) {  // completed in place
+    ab.flush_confirmed = true;
+    return;
+  }
   if (UCS_PTR_IS_ERR(r)) {
     ab.stop = true;
     if (ab.error.ok()) {
@@ -1950,7 +1982,7 @@ bool UcxBackend::CheckPeersAlive() {
   // it, then complete its batches with the cause and keep them, abandoned, for the callbacks UCX
   // may still make. Nothing can land in their local memory any more: the peer is gone. The rkeys
   // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
-  std::vector<std::pair<std::uint64_t, Status>> done;
+  std::vector<Completion> done;
   for (auto& peer : dead) {
     ReleaseEndpoint(*peer);
     for (auto it = active_.begin(); it != active_.end();) {
@@ -1968,7 +2000,7 @@ bool UcxBackend::CheckPeersAlive() {
         std::lock_guard<std::mutex> lock(mutex_);
         ab.local->inflight--;
       }
-      done.emplace_back(ab.batch->token, ab.error);
+      done.push_back({ab.batch->token, ab.error, ab.WritesUnconfirmed()});
       auto next = std::next(it);
       abandoned_.splice(abandoned_.end(), active_, it);
       it = next;
@@ -1981,12 +2013,13 @@ bool UcxBackend::CheckPeersAlive() {
       if (ab.error.ok()) ab.error = peer->failure;
     }
   }
-  for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
+  Deliver(done);
   return !dead.empty();
 }
 
 void UcxBackend::FailExitedPeer(PeerState& peer, std::string_view circumstance) {
   peer.failed = true;
+  peer.exited = true;
   peer.failure = TransportError("peer " + std::to_string(peer.id) + " (pid " +
                                 std::to_string(peer.liveness_identity.pid) +
                                 " on this host) exited" + std::string(circumstance));
@@ -2495,7 +2528,7 @@ bool UcxBackend::HandlePeerFailures() {
 }
 
 bool UcxBackend::FinishBatches() {
-  std::vector<std::pair<std::uint64_t, Status>> done;
+  std::vector<Completion> done;
   // Dropped after the completions are delivered: freeing a batch (its run columns) is not on
   // the path from the last kernel to the caller's event.
   std::vector<std::shared_ptr<const Batch>> finished;
@@ -2509,14 +2542,30 @@ bool UcxBackend::FinishBatches() {
       it->local->inflight--;
     }
     ForgetPushRead(*it);
-    done.emplace_back(it->batch->token, std::move(it->error));
+    done.push_back({it->batch->token, std::move(it->error), it->WritesUnconfirmed()});
     finished.push_back(std::move(it->batch));
     it = active_.erase(it);
   }
   // The sink runs with no lock held and after the list is consistent: it may submit more work
   // or call back into this backend.
-  for (auto& [token, st] : done) sink_->OnBatchComplete(token, std::move(st));
+  Deliver(done);
   return !done.empty();
+}
+
+void UcxBackend::Deliver(std::vector<Completion>& done) {
+  for (auto& [token, status, unconfirmed] : done) {
+    if (unconfirmed) {
+      sink_->OnBatchUnconfirmed(token, std::move(status));
+    } else {
+      sink_->OnBatchComplete(token, std::move(status));
+    }
+  }
+}
+
+void UcxBackend::ConfirmStoppedWrites(ActiveBatch& ab) {
+  if (ab.needs_flush && ab.next_run > 0 && !ab.flush_posted && ab.remote->peer->ep != nullptr) {
+    PostFlush(ab);
+  }
 }
 
 bool UcxBackend::ProgressUntil(const std::function<bool()>& done, Clock::time_point deadline) {
@@ -2602,6 +2651,7 @@ void UcxBackend::Shutdown() {
     if (!ab.Finished()) {
       ab.stop = true;
       if (ab.error.ok()) ab.error = AbortedError("the ucx backend was destroyed");
+      ConfirmStoppedWrites(ab);
     }
   }
   const bool drained = ProgressUntil(
@@ -2669,14 +2719,14 @@ void UcxBackend::Shutdown() {
   // Every batch completes exactly once, also one whose operations UCX never returned. Those stay
   // allocated until the worker is gone: UCX may still call their callbacks while it is destroyed.
   std::list<ActiveBatch> stuck;
-  std::vector<std::pair<std::uint64_t, Status>> stuck_done;
+  std::vector<Completion> stuck_done;
   for (auto& ab : active_) {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       ab.local->inflight--;
     }
     Status st = ab.error.ok() ? AbortedError("the ucx backend was destroyed") : ab.error;
-    stuck_done.emplace_back(ab.batch->token, std::move(st));
+    stuck_done.push_back({ab.batch->token, std::move(st), ab.WritesUnconfirmed()});
   }
   stuck.splice(stuck.end(), active_);
   stuck.splice(stuck.end(), abandoned_);
@@ -2684,7 +2734,7 @@ void UcxBackend::Shutdown() {
   // Jobs whose sends UCX never returned stay allocated with the batches above.
   std::list<PushJob> stuck_jobs;
   stuck_jobs.splice(stuck_jobs.end(), push_jobs_);
-  for (auto& [token, st] : stuck_done) sink_->OnBatchComplete(token, std::move(st));
+  Deliver(stuck_done);
   for (auto& [device, queue] : cuda_queues_) LoadCudaCopy().api->destroy_queue(queue);
   cuda_queues_.clear();
   for (auto& r : regions) {

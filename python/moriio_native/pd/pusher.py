@@ -2008,13 +2008,32 @@ class Pusher:
             while held_back and now - next(iter(held_back.values())).ended > abort_timeout:
                 held_back.popitem(last=False)
             # Each job has its save or send task: the scheduler's send task ends it, or its
-            # deadline (_fail does nothing to one that ended).
+            # deadline (_fail does nothing to one that ended or drains).
+            quarantine = ctx.cfg.quarantine_timeout
             for job in list(self._jobs.values()):
-                if job.send is not None and now > job.deadline:
+                if job.send is None or now <= job.deadline:
+                    continue
+                if job.state is JobState.DRAINING and now > job.deadline + quarantine:
+                    self._give_up_drain(job, quarantine)
+                else:
                     self._fail(job, f"not finished within abort_timeout ({abort_timeout:.0f}s)")
             self._orphans.expire(now, abort_timeout)  # messages of requests we never saw
             self._retry_acks(now, abort_timeout)
             self._early_releases.expire(now, abort_timeout)
+
+    def _give_up_drain(self, job: _Job, quarantine: float) -> None:
+        """A job whose writes the engine never reported drained (writes its transport could
+        not confirm are never reported): ended ``quarantine`` past its deadline, when its
+        decode has freed the blocks at its own quarantine_timeout, so the request's blocks
+        here are freed too (lock held)."""
+        logger.warning(
+            "transfer %s: its writes were not reported drained within quarantine_timeout "
+            "(%.0fs) past its deadline; ending it (its decode freed the blocks by now)",
+            job.transfer_id,
+            quarantine,
+        )
+        job.machine.advance(JobEvent.DRAINED)
+        self._complete(job)
 
     # ---- releases bookkeeping (lock held) -----------------------------------------------------
 
