@@ -451,38 +451,43 @@ def test_a_transfer_id_naming_another_requests_part_is_refused_where_it_enters()
 
 
 def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
-    """verify's checksum answer is worth something only over blocks still held: a review found
-    the prefill answering for released blocks (another request's KV by then, matching what a
-    second decode's READ took). The hold is asked of the pusher: held while the send task
+    """verify's checksum answer is worth something only over blocks still held: the prefill
+    answered for released blocks (another request's KV by then, matching what a second
+    decode's READ took; found 2026-12-05). The hold is asked of the pusher: held while the send task
     holds it (once every decode rank released, no more), never when it expired, was aborted or
-    was released before its send task came, and a transfer not known yet is waited for."""
+    was released before its send task came, and a transfer not known yet is waited for; and
+    only for blocks the transfer's answer named."""
     ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
     pusher = Pusher(ctx)
-    pusher.begin_step([], [SendTask("req-A", "tx-A")])
-    assert pusher.held_for_checksums("tx-A", 0.0) is None
+    pusher.begin_step([], [SendTask("req-A", "tx-A", block_ids=(1, 2, 3))])
+    assert pusher.held_for_checksums("tx-A", (3, 1), 0.0) is None
+    # Only the blocks the answer named (an answer changed on its way names others).
+    assert pusher.held_for_checksums("tx-A", (2, 7, 9), 0.0) == (
+        "blocks [7, 9] (2 in all) are not among the 3 its answer named"
+    )
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=0))
-    assert pusher.held_for_checksums("tx-A", 0.0) is None  # decode rank 1 still reads
+    assert pusher.held_for_checksums("tx-A", (), 0.0) is None  # decode rank 1 still reads
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=1))
-    assert pusher.held_for_checksums("tx-A", 5.0) == "its blocks are no longer held: released"
+    assert pusher.held_for_checksums("tx-A", (), 5.0) == "its blocks are no longer held: released"
 
     pusher.begin_step([], [SendTask("req-B", "tx-B")])
     pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
-    assert "no longer held: expired" in str(pusher.held_for_checksums("tx-B", 5.0))
+    assert "no longer held: expired" in str(pusher.held_for_checksums("tx-B", (), 5.0))
     pusher.begin_step([], [SendTask("req-C", "tx-C", aborted=True)])
-    assert pusher.held_for_checksums("tx-C", 5.0) == "its blocks are no longer held: aborted"
+    assert pusher.held_for_checksums("tx-C", (), 5.0) == "its blocks are no longer held: aborted"
     pusher.on_release(Release("tx-D", consumer_tp_size=1))
     pusher.begin_step([], [SendTask("req-D", "tx-D")])
-    assert pusher.held_for_checksums("tx-D", 5.0) == "its blocks are no longer held: released"
+    assert pusher.held_for_checksums("tx-D", (), 5.0) == "its blocks are no longer held: released"
 
-    unknown = pusher.held_for_checksums("tx-E", 0.05)
+    unknown = pusher.held_for_checksums("tx-E", (), 0.05)
     assert unknown == "this rank holds no blocks of it (none within 0.05s)"
     later = threading.Timer(0.2, pusher.begin_step, ([], [SendTask("req-E", "tx-E")]))
     later.start()
-    assert pusher.held_for_checksums("tx-E", 30.0) is None  # answered once the task came
+    assert pusher.held_for_checksums("tx-E", (), 30.0) is None  # answered once the task came
     later.join()
 
     write, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    assert "runs WRITE mode" in str(Pusher(write).held_for_checksums("tx-A", 0.0))
+    assert "runs WRITE mode" in str(Pusher(write).held_for_checksums("tx-A", (), 0.0))
 
 
 def test_the_prefills_clock_is_bounded_by_its_handshake_alone() -> None:

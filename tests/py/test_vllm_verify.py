@@ -182,6 +182,32 @@ def test_a_second_decode_given_a_released_answer_fails_its_load(
     assert "no longer held" in caplog.text
 
 
+def test_an_answer_naming_another_requests_blocks_fails_its_load(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An answer changed on its way (a router mixing up two requests' answers): the decode's
+    READ of request A takes the blocks of request B, held for B on the same prefill. Before:
+    the prefill answered the checksum request over the blocks it named -- B's, the same bytes
+    the READ took -- so verify passed and A generated from B's KV. Now a prefill answers only
+    for the blocks its answer for that transfer named: the load fails and is recomputed."""
+    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    prompt_a, prompt_b = prompt_of(40, seed=59), prompt_of(40, seed=61)
+    rid_a, tid_a = pd_request_id(p, d), transfer_id()
+    rid_b, tid_b = pd_request_id(p, d), transfer_id()
+    answer_a = run_prefill(p, rid_a, prompt_a, tid_a)
+    answer_b = run_prefill(p, rid_b, prompt_b, tid_b)
+    p.step()  # both held from here
+    mixed = {**answer_a, "remote_block_ids": answer_b["remote_block_ids"]}
+    d.add_request(rid_a, prompt_a, params=decode_params(tid_a, mixed), max_tokens=2)
+    with caplog.at_level(logging.WARNING, logger="moriio_native"):
+        loaded = load(d, rid_a)
+    assert loaded.invalid_blocks == set(loaded.blocks[: -(-(len(prompt_a) - 1) // BLOCK_SIZE)])
+    assert loaded.scheduled == {rid_a: len(prompt_a)}  # recomputed
+    assert all(d.slot_matches(rid_a, range(len(prompt_a)), d.salt, prompt_a))
+    assert loaded.stats is not None and loaded.stats.data["verify_failures"] == 1
+    assert "are not among the 3 its answer named" in caplog.text
+
+
 @pytest.mark.parametrize("send_task", ["comes", "never comes"])
 def test_a_checksum_request_before_the_send_task_waits_for_it(
     sides: list[Side], model_dir: str, send_task: str, caplog: pytest.LogCaptureFixture

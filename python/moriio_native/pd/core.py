@@ -231,14 +231,15 @@ class PdCore:
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
         """A decode's checksums of the blocks its READ took, only while this rank still holds
         them, before and after computing (freed blocks may hold another request's KV, and
-        their checksums would match what a READ of them took)."""
+        their checksums would match what a READ of them took), and only of blocks the
+        transfer's answer named."""
         verifier = self.ctx.verifier
         assert verifier is not None
         tid = request.transfer_id
-        unheld = self.pusher.held_for_checksums(tid, SEND_TASK_WAIT_S)
+        unheld = self.pusher.held_for_checksums(tid, request.block_ids, SEND_TASK_WAIT_S)
         if unheld is None:
             response = verifier.answer(request)
-            unheld = self.pusher.held_for_checksums(tid, 0.0)
+            unheld = self.pusher.held_for_checksums(tid, (), 0.0)
             if unheld is None:
                 return response
             unheld += " while its checksums were computed"

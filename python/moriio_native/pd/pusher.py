@@ -43,7 +43,7 @@ import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum, auto
@@ -435,6 +435,7 @@ class _Send:
     deadline: float
     machine: Machine[SendState, SendEvent]
     released: _Releases = field(default_factory=_Releases)
+    answered: frozenset[int] = frozenset()  # the blocks the answer named (task.block_ids)
 
 
 # (local, remote) block ids of a whole-block write, int64 arrays.
@@ -931,7 +932,7 @@ class Pusher:
             return
         if ctx.cfg.mode == "read":
             machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
-            held = _Send(send, deadline, machine, released)
+            held = _Send(send, deadline, machine, released, frozenset(send.block_ids))
             if send.aborted or self._fully_released(held.released):
                 ctx.reports.done_sending.add(send.req_id)
                 self._end_hold(tid, "aborted" if send.aborted else "released")
@@ -1726,13 +1727,15 @@ class Pusher:
 
     # ---- READ holds (verify) -------------------------------------------------------------------
 
-    def held_for_checksums(self, tid: str, timeout: float) -> str | None:
-        """None while this rank holds the blocks of READ transfer ``tid`` for its decode, else
-        why it does not: a decode's checksums of a READ are worth comparing only with blocks
-        still held, since freed ones may already hold another request's KV (and, read again,
-        match what the READ took from them). A transfer not known yet is waited for up to
-        ``timeout`` seconds (the decode may ask before the step that hands us its send task).
-        Called without the context lock (the handshake server's checksum thread)."""
+    def held_for_checksums(self, tid: str, block_ids: Sequence[int], timeout: float) -> str | None:
+        """None while this rank holds the blocks of READ transfer ``tid`` for its decode and
+        ``block_ids`` are among those its answer named, else why not: a decode's checksums of a
+        READ are worth comparing only with blocks still held, since freed ones may already hold
+        another request's KV (and, read again, match what the READ took from them), and only
+        with the transfer's own (a READ of other blocks, through an answer changed on its way,
+        matches them too). A transfer not known yet is waited for up to ``timeout`` seconds
+        (the decode may ask before the step that hands us its send task). Called without the
+        context lock (the handshake server's checksum thread)."""
         if self._ctx.cfg.mode != "read":
             return "this prefill runs WRITE mode (its checksums go in write_done)"
         deadline = time.monotonic() + timeout
@@ -1745,6 +1748,13 @@ class Pusher:
                 if left <= 0:
                     return f"this rank holds no blocks of it (none within {timeout:g}s)"
                 self._holds_changed.wait(left)
+            answered = self._sends[tid].answered
+        strangers = [b for b in block_ids if b not in answered]
+        if strangers:
+            return (
+                f"blocks {strangers[:8]} ({len(strangers)} in all) are not among the "
+                f"{len(answered)} its answer named"
+            )
         return None
 
     def _end_hold(self, tid: str, why: str) -> None:

@@ -109,6 +109,9 @@ class SendTask:
     unsaved: bool = False
     peer: ZmqAddress | None = None
     remote_tp_size: int = 0
+    # READ: the blocks the prefill's answer names (of every group it moves): a decode's
+    # checksum request (verify) may name only these.
+    block_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_transfer_id(self)

@@ -488,7 +488,8 @@ class SchedulerSide:
             return True, None if aborted else self._returned_params(params, block_ids)
         if aborted or not any(block_ids):
             return False, None
-        self._send.append(SendTask(rid, params.transfer_id))
+        answered = tuple(b for group in self.hybrid.select(block_ids) for b in group)
+        self._send.append(SendTask(rid, params.transfer_id, block_ids=answered))
         self._held.add(rid)
         return True, self._returned_params(params, block_ids)
 
