@@ -808,12 +808,18 @@ def test_layer_copies_wait_for_their_events_on_the_gpu_when_the_engine_can(
     assert len(pusher._jobs["tx-7#d1"].device_events) == 0
 
 
-def test_a_write_never_reported_drained_ends_after_the_quarantine() -> None:
+@pytest.mark.parametrize("abort_first", [False, True])
+def test_a_write_never_reported_drained_ends_after_the_quarantine_telling_nothing(
+    abort_first: bool,
+) -> None:
     """Writes the transport could not confirm are never reported drained (a review found them
-    landing after a drained report): such a job holds the request's blocks until the decode
-    has freed its own at quarantine_timeout, then ends, and the blocks are freed here too --
-    never held for good."""
+    landing after a drained report): such a job holds the request's blocks until
+    quarantine_timeout past its deadline, then ends, so those blocks are freed here -- never
+    held for good -- but it tells the decode nothing, then or on a later abort_write: any final
+    message would end the decode's quarantine (the second review found write_failed, and
+    write_aborted for an abort_write, sent at the give-up), and its writes may still land."""
     ctx, directory, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
     pusher = Pusher(ctx)
     pusher.begin_step([SaveTask("req-1", "tx-q", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
     pusher.on_remote_blocks(RemoteBlocks("tx-q", ((20, 21, 22),), "d:8000/dp0/tp0"))
@@ -822,6 +828,11 @@ def test_a_write_never_reported_drained_ends_after_the_quarantine() -> None:
     run_writer(ctx, pusher)
     pusher.begin_step([], [SendTask("req-1", "tx-q")])
     pusher.on_event(event("tx-q", "failed", drained=False), drained=False)
+    abort = AbortWrite(
+        "tx-q", "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, DECODE.notify_port
+    )
+    if abort_first:
+        pusher.on_abort_write(abort)
     assert pusher.job_states()["tx-q"] is JobState.DRAINING
     deadline = pusher._jobs["tx-q"].deadline
     pusher.check_timeouts(deadline + ctx.cfg.quarantine_timeout - 1)
@@ -829,6 +840,9 @@ def test_a_write_never_reported_drained_ends_after_the_quarantine() -> None:
     pusher.check_timeouts(deadline + ctx.cfg.quarantine_timeout + 1)
     assert "tx-q" not in pusher.job_states()
     assert ctx.reports.done_sending == {"req-1"}
+    if not abort_first:
+        pusher.on_abort_write(abort)
+    assert final_messages(sender) == []
 
 
 def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:

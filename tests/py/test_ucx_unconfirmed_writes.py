@@ -79,6 +79,7 @@ def stopped_decode(transfer_timeout: float) -> Iterator[tuple[mn.Engine, int, Co
         assert engine.wait(["warm-up"], 30)["warm-up"].state == "done"
         os.kill(pid, signal.SIGSTOP)
         stopped = True
+        wait_stopped(pid)
         yield engine, pid, ours
     finally:
         if stopped:
@@ -87,6 +88,18 @@ def stopped_decode(transfer_timeout: float) -> Iterator[tuple[mn.Engine, int, Co
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+def wait_stopped(pid: int) -> None:
+    """Until ``pid`` is stopped (a signal is delivered asynchronously: a WRITE posted before the
+    stop takes effect may complete in full)."""
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline:
+        with open(f"/proc/{pid}/stat") as stat:
+            if stat.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"process {pid} did not stop within 10 s")
 
 
 def landed_after_resume(pid: int, conn: Connection) -> int:

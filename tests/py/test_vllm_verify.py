@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -82,16 +83,41 @@ def summed(results: list[Any], key: str) -> int:
     return sum(r.stats.data.get(key, 0) for r in results if r.stats is not None)
 
 
-# ---- READ -------------------------------------------------------------------------------------
+@dataclass
+class ReadRequest:
+    """One READ request between a verifying prefill and decode, prefilled and handed to the
+    decode (not loaded yet)."""
+
+    p: Side
+    d: Side
+    prompt: list[int]
+    rid: str
+    tid: str
+    returned: dict[str, Any]
 
 
-def test_read_verified_passes(sides: list[Side], model_dir: str) -> None:
-    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
-    prompt = prompt_of(40, seed=41)
+def verified_read(
+    sides: list[Side], model_dir: str, seed: int, d_extra: dict[str, Any] | None = None
+) -> ReadRequest:
+    """A verifying pair (the decode's ``d_extra`` added) and one request prefilled, held and
+    handed to the decode, as vLLM and its proxy would."""
+    p, d = make_pair(
+        sides, model_dir, "read", p_extra=VERIFY, d_extra={**VERIFY, **(d_extra or {})}
+    )
+    prompt = prompt_of(40, seed=seed)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
     p.step()  # vLLM steps once more for the finished request: its blocks are held from here
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    return ReadRequest(p, d, prompt, rid, tid, returned)
+
+
+# ---- READ -------------------------------------------------------------------------------------
+
+
+def test_read_verified_passes(sides: list[Side], model_dir: str) -> None:
+    r = verified_read(sides, model_dir, seed=41)
+    p, d, prompt, rid = r.p, r.d, r.prompt, r.rid
     first = load(d, rid)
     assert first.scheduled == {rid: 1} and first.invalid_blocks == set()
     assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
@@ -109,14 +135,8 @@ def test_read_corrupted_block_fails_the_load_and_is_recomputed(
     loading: str,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    p, d = make_pair(
-        sides, model_dir, "read", p_extra=VERIFY, d_extra={**VERIFY, "read_loading": loading}
-    )
-    prompt = prompt_of(40, seed=43)
-    rid, tid = pd_request_id(p, d), transfer_id()
-    returned = run_prefill(p, rid, prompt, tid)
-    p.step()  # vLLM steps once more for the finished request: its blocks are held from here
-    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    r = verified_read(sides, model_dir, seed=43, d_extra={"read_loading": loading})
+    p, d, prompt, rid, tid, returned = r.p, r.d, r.prompt, r.rid, r.tid, r.returned
     corrupted: list[int] = []
 
     def corrupt() -> None:  # the READ moved every block; one byte of the second goes bad
@@ -154,12 +174,8 @@ def test_a_second_decode_given_a_released_answer_fails_its_load(
     over those blocks as they were then -- the same bytes its READ took -- so verify passed and
     the second decode generated from another request's KV. Now a prefill answers checksums only
     for a transfer whose blocks it still holds: the load fails and is recomputed."""
-    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
-    prompt = prompt_of(40, seed=47)
-    rid, tid = pd_request_id(p, d), transfer_id()
-    returned = run_prefill(p, rid, prompt, tid)
-    p.step()  # vLLM steps once more for the finished request: its blocks are held from here
-    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    r = verified_read(sides, model_dir, seed=47)
+    p, d, prompt, rid, tid, returned = r.p, r.d, r.prompt, r.rid, r.tid, r.returned
     assert load(d, rid).invalid_blocks == set()
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
     assert p.free_blocks() == p.initial_free

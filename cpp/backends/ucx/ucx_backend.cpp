@@ -415,6 +415,7 @@ struct ActiveBatch {
   bool needs_flush = false;     // WRITE over UCX ops: remote completion needs an ep flush
   bool flush_posted = false;
   bool flush_confirmed = false;  // that flush completed OK: every put posted before it landed
+  bool puts_posted = false;      // a put of it was accepted by UCX (it may reach the peer)
   void* cuda_op = nullptr;
   // Path::kOps: the CUDA event (Batch::device_wait_event) this batch posts nothing before; 0 once
   // it completed (PollDeviceWaits) or when there is none.
@@ -441,7 +442,7 @@ struct ActiveBatch {
   /// land there, since closing our endpoint cancels only our side (data already in the peer's
   /// socket buffer or on the wire is applied when it gets there).
   bool WritesUnconfirmed() const {
-    return needs_flush && next_run > 0 && !flush_confirmed && !remote->peer->exited;
+    return puts_posted && !flush_confirmed && !remote->peer->exited;
   }
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
@@ -1801,6 +1802,7 @@ void UcxBackend::PostRun(ActiveBatch& ab) {
   ucs_status_ptr_t r = b.op == TransferOp::kWrite
                            ? api_->put_nbx(ep, local, size, remote, ab.remote->rkey, &p)
                            : api_->get_nbx(ep, local, size, remote, ab.remote->rkey, &p);
+  if (!UCS_PTR_IS_ERR(r) && b.op == TransferOp::kWrite) ab.puts_posted = true;
   if (r == nullptr) return;  // completed in place
   if (UCS_PTR_IS_ERR(r)) {
     ab.stop = true;
@@ -2563,7 +2565,7 @@ void UcxBackend::Deliver(std::vector<Completion>& done) {
 }
 
 void UcxBackend::ConfirmStoppedWrites(ActiveBatch& ab) {
-  if (ab.needs_flush && ab.next_run > 0 && !ab.flush_posted && ab.remote->peer->ep != nullptr) {
+  if (ab.puts_posted && !ab.flush_posted && ab.remote->peer->ep != nullptr) {
     PostFlush(ab);
   }
 }

@@ -502,6 +502,9 @@ class _Job:
     # message (the one at its address never knew the transfer).
     announcer_gone: bool = False
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
+    # Ended without the engine confirming its writes stopped (given up at the quarantine): no
+    # message may tell the decode its blocks are free; it frees them at its quarantine_timeout.
+    undrained: bool = False
     checksums: dict[str, bytes] | None = None  # verify: what write_done carries
     # The CUDA events whose handles the engine's copies wait for (on the GPU or in its progress
     # thread): the backend may wait for one until the transfer drained, so they live until the
@@ -548,6 +551,7 @@ class _Ended:
     ended: float
     settled: bool  # no write_failed owed (see _Job.settled), or it went out
     acked: bool  # its abort_write came (and was answered)
+    undrained: bool  # see _Job.undrained: a late abort_write is not acknowledged either
 
 
 class _RankBits:
@@ -1034,6 +1038,7 @@ class Pusher:
                 ended=now,
                 settled=job.settled,
                 acked=job.abort_requested is not None,
+                undrained=job.undrained,
             )
             while len(self._ended) > MAX_EARLY_MESSAGES:
                 self._ended.popitem(last=False)
@@ -1336,13 +1341,14 @@ class Pusher:
 
     def _tell_ended(self, job: _Job, event: Any) -> None:
         """``job``'s one final message to the decode, then its end in the stats (lock held):
-        the decode waits for the message, nobody for the stats."""
+        the decode waits for the message, nobody for the stats. An undrained job sends none:
+        its writes may still land, and the decode keeps its blocks until its quarantine ends."""
         ctx = self._ctx
         job.device_events.clear()  # drained: no copy of the job waits for any of them
         ok = job.state is JobState.DONE
-        if job.abort_requested is not None:
+        if job.abort_requested is not None and not job.undrained:
             self._send_write_aborted(job)
-        elif not job.released and not job.announcer_gone:
+        elif not job.released and not job.announcer_gone and not job.undrained:
             writers = len(job.plan.sources(job.decode_rank)) if job.plan is not None else 1
             message: NotifyMessage = (
                 WriteDone(
@@ -1863,7 +1869,7 @@ class Pusher:
             jid = job_transfer_id(message.transfer_id, message.decode_tp_rank, self._rank)
             ended = self._ended.get(jid)
             if ended is not None:
-                if not ended.acked:  # one answer per transfer
+                if not ended.acked and not ended.undrained:  # one answer per transfer
                     ended.acked = True
                     rank, tp_size = ended.decode_rank, ended.decode_tp
                     self._ack_unwritten(
@@ -2033,15 +2039,18 @@ class Pusher:
 
     def _give_up_drain(self, job: _Job, quarantine: float) -> None:
         """A job whose writes the engine never reported drained (writes its transport could
-        not confirm are never reported): ended ``quarantine`` past its deadline, when its
-        decode has freed the blocks at its own quarantine_timeout, so the request's blocks
-        here are freed too (lock held)."""
+        not confirm are never reported), ``quarantine`` past its deadline: it ends, so that the
+        request's blocks here are freed (our side of its writes ended long ago), but it tells
+        the decode nothing, now or on a late abort_write: its writes may still land, and the
+        decode keeps its blocks until its own quarantine_timeout (lock held)."""
         logger.warning(
             "transfer %s: its writes were not reported drained within quarantine_timeout "
-            "(%.0fs) past its deadline; ending it (its decode freed the blocks by now)",
+            "(%.0fs) past its deadline; ending it without a final message (the decode frees "
+            "its blocks at its own quarantine_timeout)",
             job.transfer_id,
             quarantine,
         )
+        job.undrained = True
         job.machine.advance(JobEvent.DRAINED)
         self._complete(job)
 
