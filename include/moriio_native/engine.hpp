@@ -258,8 +258,8 @@ class Engine {
   /// scheduled yet. InvalidArgument naming the id, with no change, for a READ id, an empty or
   /// other peer, a negative count, a count above the registered layers (each layer is written
   /// once, so it could never be reached) or a second seal with another count; InvalidArgument
-  /// that also fails the transfer when more layers than `expected_writes` were scheduled. A seal of a
-  /// terminal WRITE is ignored. Never blocks.
+  /// that also fails the transfer when more layers than `expected_writes` were scheduled. A
+  /// seal of a terminal WRITE is ignored. Never blocks.
   Status Seal(std::string_view transfer_id, std::string_view peer, std::int64_t expected_writes);
 
   /// Ends a pending transfer as aborted (its event follows once in-flight batches drained).

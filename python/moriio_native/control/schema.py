@@ -45,7 +45,8 @@ MAX_PARALLEL_SIZE = 1 << 16
 
 # Ids and reasons end up in logs and socket names: no C0/C1 control characters, no line or
 # paragraph separators, no bidirectional overrides (they let a peer forge log lines).
-_PRINTABLE = "^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]*$"
+_UNPRINTABLE = "\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069"
+_PRINTABLE = f"^[^{_UNPRINTABLE}]*$"
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,7 +63,7 @@ Id = printable(1, MAX_ID_LEN)
 #: request's own transfer id therefore never holds it (a request ``tx#p0`` took over a part of
 #: request ``tx`` and was reported loaded by that part's completion).
 PART_SEPARATOR = "#"
-_TRANSFER_ID = "^[^\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069#]*$"
+_TRANSFER_ID = f"^[^{_UNPRINTABLE}{PART_SEPARATOR}]*$"
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ID_LEN, pattern=_TRANSFER_ID)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Rank = Annotated[int, msgspec.Meta(ge=0, le=MAX_PARALLEL_SIZE - 1)]

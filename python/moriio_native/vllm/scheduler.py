@@ -485,21 +485,25 @@ class SchedulerSide:
             self._saved.discard(rid)
             self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
             self._held.add(rid)
-            return True, None if aborted else self._returned_params(params, block_ids)
+            if aborted:
+                return True, None
+            return True, self._returned_params(params, self.hybrid.select(block_ids))
         if aborted or not any(block_ids):
             return False, None
-        answered = tuple(b for group in self.hybrid.select(block_ids) for b in group)
+        selected = self.hybrid.select(block_ids)
+        answered = tuple(b for group in selected for b in group)
         self._send.append(SendTask(rid, params.transfer_id, block_ids=answered))
         self._held.add(rid)
-        return True, self._returned_params(params, block_ids)
+        return True, self._returned_params(params, selected)
 
     def _returned_params(
-        self, params: KvTransferParams, block_ids: tuple[list[int], ...]
+        self, params: KvTransferParams, selected: tuple[tuple[int, ...], ...]
     ) -> dict[str, Any]:
         """What the proxy forwards to the decode instance (vLLM MoRIIO key names): the
-        block ids flat for one group, one list per transfer group otherwise."""
+        block ids of the transfer groups (``selected``: HybridGroups.select's) flat for one
+        group, one list per transfer group otherwise."""
         cfg = self.config
-        remote_ids: list[Any] = [list(g) for g in self.hybrid.select(block_ids)]
+        remote_ids: list[Any] = [list(g) for g in selected]
         if len(remote_ids) == 1:
             remote_ids = remote_ids[0]
         out: dict[str, Any] = {
