@@ -33,6 +33,10 @@ bool Backend::AcceptsDeviceWaits(std::uint64_t, std::uint64_t) const { return fa
 
 void Backend::ExpectSubmits() {}
 
+void Backend::SetOwner(std::string_view) {}
+
+Status Backend::ExpectPeerOwner(std::uint64_t, std::string_view) { return Status::OK(); }
+
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
   if (b.cells) {
     return FailedPreconditionError("batch " + std::to_string(b.token) +

@@ -727,6 +727,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
                                                             config.terminal_history);
   impl->sink = std::make_shared<Sink>(impl->tracker);
   MORIIO_ASSIGN_OR_RETURN(impl->backend, CreateBackend(config.backend, config.options, impl->sink));
+  impl->backend->SetOwner(config.engine_id);
   impl->config = std::move(config);
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }
@@ -905,6 +906,12 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   // Connect and import; undo on failure. A replaced peer stays connected until the new
   // connection stands, so a failed replacement changes nothing.
   MORIIO_ASSIGN_OR_RETURN(peer->handle, d.backend->ConnectPeer(meta.address));
+  // The backend then moves bytes of this peer's ranges only as the claimed engine's: metadata
+  // naming this engine id and another engine's address reaches nothing of that engine.
+  if (Status owner = d.backend->ExpectPeerOwner(peer->handle, meta.engine_id); !owner.ok()) {
+    (void)d.backend->DisconnectPeer(peer->handle);
+    return owner.WithContext("peer '" + meta.engine_id + "'");
+  }
   for (const RegionRecord& r : meta.regions) {
     Result<std::uint64_t> imported = d.backend->ImportRemoteRegion(peer->handle, r.range, r.key);
     if (!imported.ok()) {

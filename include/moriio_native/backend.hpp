@@ -228,6 +228,16 @@ class Backend {
   /// Fails with FailedPrecondition while batches using the region are in flight (see above).
   virtual Status DeregisterMemory(std::uint64_t handle) = 0;
   virtual Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) = 0;
+  /// The engine id this backend serves (the engine calls it once, before registering memory).
+  /// A backend that checks remote ranges with their owner (UCX: its region checks and the table
+  /// of registered regions a process publishes) vouches only for ranges of this engine.
+  /// Default: nothing to record.
+  virtual void SetOwner(std::string_view engine_id);
+  /// The engine id a peer's metadata claims (the engine calls it after ConnectPeer, before
+  /// importing): such a backend then moves bytes of that peer's ranges only once the process
+  /// behind the address vouched for them as that engine's, so metadata naming one engine and
+  /// another's address reaches nothing. NotFound for an unknown peer. Default: OK, no check.
+  virtual Status ExpectPeerOwner(std::uint64_t peer, std::string_view engine_id);
   /// Makes a peer's region addressable; `range` is where it lives in the peer's address space.
   virtual Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                                    std::span<const std::uint8_t> remote_key) = 0;

@@ -399,8 +399,10 @@ constexpr std::size_t kRegion = 8u << 20;
 constexpr std::uint64_t kChildSeed = 77;
 constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
 
-/// Child: owns a target region, serves D(ump) / F(ill) / Q(uit). Never returns.
-[[noreturn]] void ChildMain(int fd, const mn::BackendOptions& options, Mem kind) {
+/// Child: owns a target region, serves D(ump) / F(ill) / Q(uit). Never returns. It registers the
+/// region from byte `registered_from` on (0: all of it) and sends the key of that part.
+[[noreturn]] void ChildMain(int fd, const mn::BackendOptions& options, Mem kind,
+                            std::size_t registered_from = 0) {
   auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "ucx test child: %s\n", why.c_str());
     std::_Exit(3);
@@ -416,7 +418,10 @@ constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
   buf = Memory::Make(*backend, kRegion, kind);
   if (!buf) fail("allocation failed");
   buf->Write(Pattern(kRegion, kChildSeed));
-  auto reg = backend->RegisterMemory(buf->range);
+  mn::MemoryRange registered = buf->range;
+  registered.address += registered_from;
+  registered.size -= registered_from;
+  auto reg = backend->RegisterMemory(registered);
   if (!reg.ok()) fail(reg.status().ToString());
   auto addr = backend->LocalAddress();
   if (!addr.ok()) fail(addr.status().ToString());
@@ -580,8 +585,8 @@ struct ChildSide {
   for (;;) ::pause();
 }
 
-/// "T|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, I = initiator (cma
-/// refused), R = reader.
+/// "T|H|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, H = target that
+/// registers the second half of its region only, I = initiator (cma refused), R = reader.
 [[maybe_unused]] const int kChildDispatch = [] {
   const char* spec = std::getenv(kChildEnv);
   if (spec == nullptr) return 0;
@@ -605,6 +610,7 @@ struct ChildSide {
   const int fd = std::atoi(parts[1].c_str());
   if (parts[0] == "I") InitiatorMain(fd, options);
   if (parts[0] == "R") ReaderMain(fd, options);
+  if (parts[0] == "H") ChildMain(fd, options, Mem::kHeap, kRegion / 2);
   ChildMain(fd, options, static_cast<Mem>(std::atoi(parts[2].c_str())));
 }();
 
@@ -633,8 +639,10 @@ pid_t SpawnSelf(char role, Mem kind, const mn::BackendOptions& options, int* fd)
 /// The parent's view of one target process.
 class Target {
  public:
-  bool Start(const mn::BackendOptions& options, Mem kind) {
-    pid_ = SpawnSelf('T', kind, options, &fd_);
+  /// `role` 'H': heap memory whose first half the child does not register (the key covers the
+  /// second half; `range` is still the whole region).
+  bool Start(const mn::BackendOptions& options, Mem kind, char role = 'T') {
+    pid_ = SpawnSelf(role, kind, options, &fd_);
     if (pid_ < 0) return false;
     std::vector<std::uint8_t> base;
     if (!Recv(fd_, address) || !Recv(fd_, key) || !Recv(fd_, base)) return false;
@@ -891,15 +899,28 @@ std::uint64_t Fnv1a(const std::uint8_t* p, std::size_t n, std::uint64_t h) {
   return h;
 }
 
-/// `address` with `n` bytes at `at` replaced by `value` (little-endian) and the checksum redone.
+/// `bytes`, an envelope with the FNV-1a of its header and blob at `sum_at` and its blob from
+/// `header` on, with `n` bytes at `at` replaced by `value` (little-endian) and the checksum redone.
+std::vector<std::uint8_t> Resealed(std::vector<std::uint8_t> bytes, std::size_t sum_at,
+                                   std::size_t header, std::size_t at, int n,
+                                   std::uint64_t value) {
+  for (int i = 0; i < n; ++i) bytes[at + i] = static_cast<std::uint8_t>(value >> (8 * i));
+  std::uint64_t h = Fnv1a(bytes.data(), sum_at, 0xcbf29ce484222325ull);
+  h = Fnv1a(bytes.data() + header, bytes.size() - header, h);
+  for (int i = 0; i < 8; ++i) bytes[sum_at + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  return bytes;
+}
+
+/// An address ("MNUCXAD2" layout) with a field altered.
 std::vector<std::uint8_t> Forged(std::vector<std::uint8_t> address, std::size_t at, int n,
                                  std::uint64_t value) {
-  constexpr std::size_t kSumAt = 80, kHeader = 88;  // "MNUCXAD2" layout
-  for (int i = 0; i < n; ++i) address[at + i] = static_cast<std::uint8_t>(value >> (8 * i));
-  std::uint64_t h = Fnv1a(address.data(), kSumAt, 0xcbf29ce484222325ull);
-  h = Fnv1a(address.data() + kHeader, address.size() - kHeader, h);
-  for (int i = 0; i < 8; ++i) address[kSumAt + i] = static_cast<std::uint8_t>(h >> (8 * i));
-  return address;
+  return Resealed(std::move(address), 80, 88, at, n, value);
+}
+
+/// A remote key ("MNUCXRK1" layout: region start at 16, size at 24) claiming another region.
+std::vector<std::uint8_t> ForgedKey(std::vector<std::uint8_t> key, const mn::MemoryRange& claim) {
+  key = Resealed(std::move(key), 32, 40, 16, 8, claim.address);
+  return Resealed(std::move(key), 32, 40, 24, 8, claim.size);
 }
 
 std::uint64_t Field(const std::vector<std::uint8_t>& address, std::size_t at, int n) {
@@ -959,6 +980,147 @@ TEST(UcxBackend, UnprovenPeerIdentityFallsBackToUcxOperations) {
     EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
   }
   EXPECT_EQ(target.Stop(), 0);
+}
+
+// A peer's metadata names the range its key covers, and only the owner can vouch for it. A key
+// altered to claim memory the target never registered (the first half of its region) is refused
+// on every path that would move those bytes, and nothing of the target changes: batched cma
+// checks the table the target publishes, UCX operations ask the target first (a region check).
+// Before, cma and UCX's software RMA wrote wherever the metadata pointed (review).
+TEST(UcxBackend, ForgedRegionOutsideTheTargetsRegistrationIsRefused) {
+  struct Case {
+    const char* what;
+    std::map<std::string, std::string> extra;
+    const char* reason;
+  };
+  const std::vector<Case> cases = {
+      {"batched cma", {}, "registered no region that holds it"},
+      {"tcp operations",
+       {{"ucx_tls", "tcp"}, {"ucx_direct_copy", "off"}, {"ucx_read_push", "off"}},
+       "which no registered host region of this target holds"},
+      {"same-host UCX operations",
+       {{"ucx_direct_copy", "off"}},
+       "which no registered host region of this target holds"},
+  };
+  std::uint64_t token = 1;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    mn::BackendOptions options = BaseOptions();
+    for (const auto& [k, v] : c.extra) options[k] = v;
+    REQUIRE_UCX(options);
+    Target target;
+    ASSERT_TRUE(target.Start(options, Mem::kHeap, 'H'));
+    target.key = ForgedKey(target.key, target.range);
+    Initiator us;
+    ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+    us.local->Write(Pattern(kRegion, 1000 + token));
+    const std::vector<std::uint8_t> want_local = us.local->Read();
+    // Submitted together: on the operation paths the WRITE waits for the READ's region check.
+    const std::uint64_t read = token++, write = token++;
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, read, 64, read)).ok());
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kWrite, write, 64, write)).ok());
+    for (std::uint64_t t : {read, write}) {
+      const mn::Status st = us.sink->Wait(t);
+      EXPECT_FALSE(st.ok()) << "batch " << t << " moved bytes the target never registered";
+      EXPECT_NE(st.ToString().find(c.reason), std::string::npos) << st.ToString();
+      EXPECT_EQ(us.sink->Count(t), 1);
+    }
+    const std::vector<std::uint8_t> got_remote = target.Dump();
+    ASSERT_EQ(got_remote.size(), kRegion);
+    EXPECT_EQ(FirstDiff(got_remote.data(), Pattern(kRegion, kChildSeed).data(), kRegion), -1)
+        << "the target's memory changed";
+    EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1)
+        << "bytes were read into the local region";
+    us.Disconnect();
+    EXPECT_EQ(target.Stop(), 0);
+  }
+}
+
+// Batches submitted together to a region not yet confirmed share its one region check (the rest
+// wait for it) and then all move their bytes on the operation path, each counted there once.
+TEST(UcxBackend, BatchesToAFreshRegionWaitForItsCheckThenAllArrive) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_read_push"] = "off";  // gets: the operation path, which checks the region first
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  constexpr std::uint64_t kFirst = 200, kBatches = 16;
+  std::vector<std::uint8_t> want_local = us.local->Read();
+  const std::vector<std::uint8_t> remote = Pattern(kRegion, kChildSeed);
+  const auto before = PathCounters();
+  for (std::uint64_t token = kFirst; token < kFirst + kBatches; ++token) {
+    auto batch = us.NewBatch(mn::TransferOp::kRead, token, 50, token);
+    std::vector<std::uint8_t> unused = remote;
+    Apply(*batch, want_local, unused);
+    ASSERT_TRUE(us.backend->Submit(batch).ok());
+  }
+  for (std::uint64_t token = kFirst; token < kFirst + kBatches; ++token) {
+    const mn::Status st = us.sink->Wait(token);
+    EXPECT_TRUE(st.ok()) << "batch " << token << ": " << st.ToString();
+  }
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kOps)],
+            before[static_cast<int>(Path::kOps)] + kBatches);
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// Disconnecting a peer that stopped answering, with operations posted to it, leaves the backend
+// serving its other peers while those operations drain: a READ from a healthy peer submitted
+// after DisconnectPeer returned completes while the stalled peer's batch still waits (before,
+// DisconnectPeer held the progress thread for the whole 5 s drain deadline, and every other
+// peer's batches with it: a READ ended timed_out after 4 s with a 2 s timeout, review).
+TEST(UcxBackend, DisconnectingAStalledPeerKeepsServingTheOtherPeers) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_read_push"] = "off";  // gets, served by the target's UCX: posted while it stalls
+  // A forced close cancels what is posted: once DisconnectPeer's drain gives up (the deadline),
+  // the stalled peer's batch completes at once, however long the peer stays stopped.
+  options["ucx_error_handling"] = "peer";
+  REQUIRE_UCX(options);
+  Target stalled, healthy;
+  ASSERT_TRUE(stalled.Start(options, Mem::kHeap));
+  ASSERT_TRUE(healthy.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, stalled));
+  auto other = us.backend->ConnectPeer(healthy.address);
+  ASSERT_TRUE(other.ok()) << other.status().ToString();
+  auto other_region = us.backend->ImportRemoteRegion(*other, healthy.range, healthy.key);
+  ASSERT_TRUE(other_region.ok()) << other_region.status().ToString();
+  auto read_from_healthy = [&](std::uint64_t token) {
+    auto batch = us.NewBatch(mn::TransferOp::kRead, token, 50, token);
+    batch->peer = *other;
+    batch->remote_region = *other_region;
+    return batch;
+  };
+  // One READ from each first: both connected, both regions confirmed.
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(300, 50, us.remote_region));
+  ASSERT_TRUE(us.backend->Submit(read_from_healthy(301)).ok());
+  ASSERT_TRUE(us.sink->Wait(301).ok()) << us.sink->StatusOf(301).ToString();
+
+  ASSERT_TRUE(stalled.Pause());
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 302, 500, 302)).ok());
+  // Batches start in order: once this one is done, the stalled peer's gets are posted.
+  ASSERT_TRUE(us.backend->Submit(read_from_healthy(304)).ok());
+  ASSERT_TRUE(us.sink->Wait(304).ok()) << us.sink->StatusOf(304).ToString();
+  ASSERT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+  ASSERT_TRUE(us.backend->Submit(read_from_healthy(303)).ok());
+  const mn::Status healthy_read = us.sink->Wait(303);
+  EXPECT_TRUE(healthy_read.ok()) << healthy_read.ToString();
+  EXPECT_EQ(us.sink->Count(302), 0)
+      << "the stalled peer's batch ended before the healthy peer's READ: the drain held the "
+         "progress thread: "
+      << us.sink->StatusOf(302).ToString();
+  stalled.Resume();
+  const mn::Status stalled_read = us.sink->Wait(302);
+  EXPECT_EQ(stalled_read.code(), mn::StatusCode::kAborted) << stalled_read.ToString();
+  EXPECT_EQ(us.sink->Count(302), 1);
+  EXPECT_TRUE(us.backend->DisconnectPeer(*other).ok());
+  EXPECT_TRUE(us.backend->DeregisterMemory(us.local_region).ok());
+  us.backend.reset();
+  EXPECT_EQ(stalled.Stop(), 0);
+  EXPECT_EQ(healthy.Stop(), 0);
 }
 
 // Only the CUDA copy kernel waits for an event on the device: a host batch carrying one fails
@@ -1251,17 +1413,10 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   REQUIRE_UCX(options);
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  // "MNUCXRK1" layout: region size at 24, checksum at 32 over the header before it and the blob.
-  constexpr std::size_t kSizeAt = 24, kSumAt = 32, kHeader = 40;
   const std::vector<std::uint8_t> real_key = target.key;
   const mn::MemoryRange real_range = target.range;
-  std::vector<std::uint8_t> key = target.key;
-  for (int i = 0; i < 8; ++i) key[kSizeAt + i] = static_cast<std::uint8_t>((2 * kRegion) >> (8 * i));
-  std::uint64_t h = Fnv1a(key.data(), kSumAt, 0xcbf29ce484222325ull);
-  h = Fnv1a(key.data() + kHeader, key.size() - kHeader, h);
-  for (int i = 0; i < 8; ++i) key[kSumAt + i] = static_cast<std::uint8_t>(h >> (8 * i));
-  target.key = key;
   target.range.size = 2 * kRegion;
+  target.key = ForgedKey(target.key, target.range);
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   const std::vector<std::uint8_t> untouched = Pattern(kRegion, 81);

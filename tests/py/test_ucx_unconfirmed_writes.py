@@ -75,8 +75,17 @@ def stopped_decode(transfer_timeout: float) -> Iterator[tuple[mn.Engine, int, Co
         source[:] = SOURCE
         engine.register_kv_caches(_layers(source))
         engine.add_peer(metadata)
-        engine.read("warm-up", "decode", [0], [0])  # the connection is up before the stop
-        assert engine.wait(["warm-up"], 30)["warm-up"].state == "done"
+        # The connection is up before the stop, and the decode's region confirmed (a region
+        # check precedes the first put: with the decode stopped it would never be answered,
+        # and no put would be posted). Block 0 is not among those the tests write.
+        engine.read("warm-up", "decode", [0], [0])
+        engine.write_layer("warm-up-write", "L", "decode", [0], [0])
+        engine.seal("warm-up-write", "decode", expected_writes=1)
+        warm = engine.wait(["warm-up", "warm-up-write"], 30)
+        assert {tid: event.state for tid, event in warm.items()} == {
+            "warm-up": "done",
+            "warm-up-write": "done",
+        }
         os.kill(pid, signal.SIGSTOP)
         stopped = True
         wait_stopped(pid)

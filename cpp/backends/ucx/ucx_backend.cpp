@@ -64,8 +64,8 @@ constexpr auto kDeviceWaitPollInterval = std::chrono::microseconds(20);
 constexpr auto kExpectSpin = std::chrono::microseconds(500);
 // How long the thread keeps spinning after the last activity before it sleeps on the event fd.
 constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
-// How long teardown (destructor, DisconnectPeer) waits for operations already posted to finish
-// before it force-closes the endpoint, which cancels them.
+// How long teardown (destructor, a peer DisconnectPeer dropped) waits for operations already
+// posted to finish before it force-closes the endpoint, which cancels them.
 constexpr auto kDrainDeadline = std::chrono::seconds(5);
 // How long teardown then waits for UCX to report the operations the forced close cancelled.
 constexpr auto kCancelDeadline = std::chrono::seconds(1);
@@ -95,6 +95,9 @@ constexpr auto kIdleLivenessInterval = std::chrono::seconds(1);
 // (done, failed, peer death, disconnect), late chunks are dropped, so nothing lands after a
 // terminal state. The target never writes the reader's memory, so a stranger's request cannot
 // make it write anywhere; all it can read is memory the target registered (as a get could).
+// A request of no runs flagged kPushFlagRegionCheck asks only whether the target registered the
+// range (of the kind it names): a reader sends it before the first UCX operation on an imported
+// region (RegionConfirmed), since UCX's software RMA takes any address behind a valid key.
 // All messages are eager: a rendezvous would make the receiving UCX fetch the payload with a get.
 constexpr unsigned kAmPushRequest = 0x6d01;
 constexpr unsigned kAmPushData = 0x6d02;
@@ -305,6 +308,7 @@ struct LocalRegion {
   std::shared_ptr<Allocation> alloc;  // set: memh belongs to the allocation
   int inflight = 0;                   // batches using it; guarded by UcxBackend::mutex_
   bool deregistered = false;          // worker thread only: push jobs stop reading it
+  RegionPublication published;        // for same-host peers' checks, until deregistered
 };
 
 /// The process an endpoint reaches, as far as its address says: the host, and on it the pid in
@@ -349,6 +353,11 @@ struct PeerState {
   ProcessIdentity liveness_identity;  // pid 0: not watched
   // READs of host memory from this peer take the push path (ConnectPeer decides, once).
   bool push = false;
+  // Its backend answers region checks (it serves push requests) and this one can hear them.
+  bool checks_regions = false;
+  // The engine id its metadata claims (ExpectPeerOwner): its ranges are checked as that
+  // engine's ("" before: as anyone's). Worker thread only.
+  std::string engine_id;
   bool peer_mode = false;  // ep has UCX peer-failure detection (push requests say so)
   RemoteProcess process;   // what ep reaches
 };
@@ -359,6 +368,11 @@ struct RemoteRegion {
   MemoryRange range;
   ucp_rkey_h rkey = nullptr;      // worker thread only after import
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
+  // Whether its owner confirmed that it registered `range` (kPushFlagRegionCheck). The CMA and
+  // UCX operation paths move bytes only of a confirmed range: on them nothing else bounds an
+  // address to what the owner registered (CMA, tcp's software RMA). Worker thread only.
+  enum class Check : std::uint8_t { kUnchecked, kRunning, kConfirmed };
+  Check check = Check::kUnchecked;
   Status released;  // guarded by mutex_: why its rkey and mapping went while imported (not OK)
 };
 
@@ -403,6 +417,16 @@ bool TakesStamps(const LocalRegion& local, const RemoteRegion& remote, bool enab
   return enabled && CopiesOnGpu(local, remote);
 }
 
+/// A peer DisconnectPeer dropped while operations of its batches were posted: those read or write
+/// through its imports' rkeys, so the endpoint and the rkeys stay until the operations end, or
+/// until `deadline`, when closing the endpoint cancels them. The progress loop keeps serving
+/// every other peer meanwhile (FinishDrains). Worker thread only.
+struct DrainingPeer {
+  std::shared_ptr<PeerState> peer;
+  std::vector<std::shared_ptr<RemoteRegion>> imports;
+  std::chrono::steady_clock::time_point deadline;
+};
+
 /// A submitted batch while the worker thread drives it. Worker thread only.
 struct ActiveBatch {
   UcxBackend* owner = nullptr;
@@ -420,7 +444,13 @@ struct ActiveBatch {
   // Path::kOps: the CUDA event (Batch::device_wait_event) this batch posts nothing before; 0 once
   // it completed (PollDeviceWaits) or when there is none.
   std::uint64_t awaited_event = 0;
-  bool cma_checked = false;  // Path::kCma: the peer's cookie was read again for this batch
+  // Path::kCma: the peer's cookie was read again for this batch, and its published regions hold
+  // the remote region.
+  bool cma_checked = false;
+  // Before its path starts, while its remote region is not confirmed: the batch runs the region
+  // check (a push request of no runs, on Path::kPush), or waits for another batch's (parked).
+  bool checking = false;
+  bool parked = false;
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
   // without peer-failure detection): kept only so their callbacks find it.
@@ -447,6 +477,7 @@ struct ActiveBatch {
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
+    if (checking || parked) return false;  // its own path has not started
     if (path == Path::kPush) return push_done && push_received == push_total;
     return next_run == runs() && (!needs_flush || flush_posted);
   }
@@ -456,6 +487,11 @@ struct ActiveBatch {
     if (error.ok()) error = std::move(why);
   }
 };
+
+/// The flags every push request of `ab` carries: the reader endpoint's error handling mode.
+std::uint64_t PushFlags(const ActiveBatch& ab) {
+  return ab.remote->peer->peer_mode ? kPushFlagPeerErrorHandling : 0;
+}
 
 /// A target's own endpoint to a reader that asked for push READs, keyed by the reader's address.
 /// Worker thread only.
@@ -519,6 +555,8 @@ class UcxBackend final : public Backend {
   Result<RegisteredRegion> RegisterMemory(const MemoryRange& range) override;
   Status DeregisterMemory(std::uint64_t handle) override;
   Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) override;
+  void SetOwner(std::string_view engine_id) override;
+  Status ExpectPeerOwner(std::uint64_t peer, std::string_view engine_id) override;
   Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                            std::span<const std::uint8_t> remote_key) override;
   Status DisconnectPeer(std::uint64_t peer) override;
@@ -573,6 +611,15 @@ class UcxBackend final : public Backend {
   void Loop();
   bool RunCommands();
   bool ActivateSubmitted();
+  // Picks the batch's data path and starts it, or, when that path needs its remote region
+  // confirmed first, starts or joins the region check (StartRegionCheck).
+  void StartOnPath(ActiveBatch& ab);
+  // Whether the remote region of `ab` is confirmed; otherwise parks `ab` behind the check that
+  // runs, starts one, or fails `ab` when the peer cannot answer checks.
+  bool RegionConfirmed(ActiveBatch& ab);
+  // A region check that ended (answered, failed, stopped): the region's state follows it, and
+  // the check's batch and those parked behind it start on their paths or fail.
+  bool EndRegionChecks();
   bool IssueOps();
   void PostRun(ActiveBatch& ab);
   void PostFlush(ActiveBatch& ab);
@@ -592,11 +639,18 @@ class UcxBackend final : public Backend {
   bool ReleaseDeadIdlePeers();
   bool HasBatches(const PeerState& peer) const;
   bool HandlePeerFailures();
+  // Ends each draining peer whose operations ended or whose deadline passed: its rkeys and its
+  // endpoint go (rkeys first, unless the forced close must cancel stuck operations).
+  bool FinishDrains();
   // Push READ, reader side: whether READs from the endpoint's peer go by push (ConnectPeer);
   // the request message; the active batch a target's message names (null: none, or ended); the
   // batch leaving the active list.
   bool ReadsByPush(ucp_ep_h ep, const WireAddress& peer) const;
   void StartPush(ActiveBatch& ab);
+  // The id of `ab`'s next push request (a READ or a region check), under which the answer finds
+  // it; then the sending of that request (kept in `ab` while UCX may send from it).
+  PushId NewPushId(ActiveBatch& ab);
+  void SendPushRequest(ActiveBatch& ab, std::vector<std::uint8_t> request);
   ActiveBatch* PushRead(std::span<const std::uint8_t> header, std::size_t header_size);
   void ForgetPushRead(const ActiveBatch& ab);
   // Push READ, target side: starts queued requests, sends their chunks and answers, closes the
@@ -688,6 +742,8 @@ class UcxBackend final : public Backend {
   // Batches completed after their peer died with requests UCX will never end (CheckPeersAlive);
   // dropped once those requests do end, else when the worker is destroyed.
   std::list<ActiveBatch> abandoned_;
+  // Peers DisconnectPeer dropped while operations of theirs were posted (FinishDrains).
+  std::list<DrainingPeer> draining_;
   std::vector<KeptEndpoint> released_;    // ReleaseEndpoint: to close
   std::vector<KeptEndpoint> kept_open_;   // see CloseReleasedEndpoints
   std::vector<ucs_status_ptr_t> closing_;  // endpoint closes still under way
@@ -696,6 +752,9 @@ class UcxBackend final : public Backend {
 
   // Push READ (worker thread only). serves_push_: the AM handlers are installed (Init).
   bool serves_push_ = false;
+  // The engine this backend serves (SetOwner): its registrations are published and its region
+  // checks answered as that engine's. Worker thread only.
+  std::string engine_id_;
   PushId next_push_id_;  // nonce drawn at Init; seq counts this backend's push READs
   std::unordered_map<std::uint64_t, ActiveBatch*> push_reads_;  // by seq, reader side
   std::deque<std::vector<std::uint8_t>> push_requests_;       // received, not yet started
@@ -965,6 +1024,7 @@ Result<RegisteredRegion> UcxBackend::RegisterMemory(const MemoryRange& range) {
     out.remote_key = EncodeKey(key);
     api_->rkey_buffer_release(packed);
 
+    region->published = RegionPublication(range, engine_id_);
     std::lock_guard<std::mutex> lock(mutex_);
     region->id = next_id_++;
     out.handle = region->id;
@@ -993,6 +1053,7 @@ Status UcxBackend::DeregisterMemory(std::uint64_t handle) {
       if (region->alloc) region->alloc->registrations--;
     }
     region->deregistered = true;  // push jobs reading it answer failed (PumpPushJob)
+    region->published = RegionPublication();
     if (!region->alloc) {
       ucs_status_t st = api_->mem_unmap(context_, region->memh);
       region->memh = nullptr;
@@ -1050,6 +1111,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
     if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
     peer->push = ReadsByPush(peer->ep, wire);
+    peer->checks_regions = serves_push_ && (wire.flags & kAddressFlagServesPush) != 0;
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     peer->process = RemoteProcess::Of(wire);
     if (proven && !peer->peer_mode) peer->liveness_identity = wire.process;
@@ -1057,6 +1119,22 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     peer->id = next_id_++;
     peers_.emplace(peer->id, peer);
     return peer->id;
+  });
+}
+
+void UcxBackend::SetOwner(std::string_view engine_id) {
+  OnWorker([&] { engine_id_ = engine_id; });
+}
+
+Status UcxBackend::ExpectPeerOwner(std::uint64_t peer_id, std::string_view engine_id) {
+  return OnWorker([&]() -> Status {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peer_id);
+    if (it == peers_.end() || it->second->closed.load()) {
+      return NotFoundError("peer " + std::to_string(peer_id) + " is not connected");
+    }
+    it->second->engine_id = engine_id;
+    return Status::OK();
   });
 }
 
@@ -1144,7 +1222,6 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
         }
       }
     }
-    std::vector<ActiveBatch*> mine;
     for (auto& ab : active_) {
       if (ab.remote->peer != peer) continue;
       // Asked before stopping it: a stopped batch with nothing in flight counts as finished (a
@@ -1156,20 +1233,31 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
                                 " was disconnected while the batch was in flight");
       }
       ConfirmStoppedWrites(ab);
-      mine.push_back(&ab);
     }
-    // Operations already posted read or write through the rkeys: let them finish first.
-    const bool drained = ProgressUntil(
-        [&] {
-          PollCudaCopies();
-          for (auto* ab : mine) {
-            if (ab->outstanding != 0 || ab->cuda_op != nullptr) return false;
-          }
-          return true;
-        },
-        Clock::now() + kDrainDeadline);
+    // Operations already posted read or write through the rkeys: they go once those end, in
+    // the loop, which serves the other peers meanwhile (a stalled peer held it for the whole
+    // deadline before). Nothing in flight: they go now.
+    draining_.push_back({peer, std::move(imports), Clock::now() + kDrainDeadline});
+    FinishDrains();
+    std::lock_guard<std::mutex> lock(mutex_);
+    peers_.erase(peer_id);
+    return Status::OK();
+  });
+}
+
+bool UcxBackend::FinishDrains() {
+  bool did = false;
+  const auto now = Clock::now();
+  for (auto it = draining_.begin(); it != draining_.end();) {
+    const bool drained = std::none_of(active_.begin(), active_.end(), [&](const ActiveBatch& ab) {
+      return ab.remote->peer == it->peer && (ab.outstanding != 0 || ab.cuda_op != nullptr);
+    });
+    if (!drained && now < it->deadline) {
+      ++it;
+      continue;
+    }
     auto destroy_rkeys = [&] {
-      for (auto& r : imports) {
+      for (auto& r : it->imports) {
         if (r->rkey != nullptr) api_->rkey_destroy(r->rkey);
         r->rkey = nullptr;
         r->direct = nullptr;
@@ -1178,12 +1266,12 @@ Status UcxBackend::DisconnectPeer(std::uint64_t peer_id) {
     // UCX wants rkeys destroyed before their endpoint; only operations stuck past the deadline
     // (a hung peer) force the reverse order, since the forced close is what cancels them.
     if (drained) destroy_rkeys();
-    ReleaseEndpoint(*peer);
+    ReleaseEndpoint(*it->peer);
     if (!drained) destroy_rkeys();
-    std::lock_guard<std::mutex> lock(mutex_);
-    peers_.erase(peer_id);
-    return Status::OK();
-  });
+    it = draining_.erase(it);
+    did = true;
+  }
+  return did;
 }
 
 Status UcxBackend::Submit(std::shared_ptr<const Batch> batch) {
@@ -1424,6 +1512,8 @@ void UcxBackend::Loop() {
     did |= CheckPeersAlive();
     did |= ReleaseDeadIdlePeers();
     did |= HandlePeerFailures();
+    did |= FinishDrains();
+    did |= EndRegionChecks();
     did |= FinishBatches();
     did |= CloseReleasedEndpoints();
     if (!closing_.empty()) did |= FinishClosing();
@@ -1451,7 +1541,8 @@ void UcxBackend::Loop() {
     // The timeout is a safety net against a transport that signals no event; the wake fd and
     // the worker fd are what normally end the wait.
     const int timeout_ms =
-        (outstanding_ops_ != 0 || !active_.empty() || !push_jobs_.empty() || !closing_.empty())
+        (outstanding_ops_ != 0 || !active_.empty() || !push_jobs_.empty() || !closing_.empty() ||
+         !draining_.empty())
             ? 1
             : 100;
     epoll_event events[4];
@@ -1510,7 +1601,7 @@ bool UcxBackend::ActivateSubmitted() {
       ab.error = peer.failure;
       continue;
     }
-    const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
+    const MemoryKind lk = ab.local->range.kind;
     const bool cuda_copy = CopiesOnGpu(*ab.local, *ab.remote);
     if (ab.batch->device_wait_event != 0 && !TakesDeviceWaits(*ab.local)) {
       // Host memory: its paths copy from the host's side of time and no producer of it records
@@ -1532,26 +1623,92 @@ bool UcxBackend::ActivateSubmitted() {
                                " reached a path other than the CUDA copy");
       continue;
     }
-    if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
-      ab.path = Path::kHostCopy;
-    } else if (cuda_copy) {
-      ab.path = Path::kCudaCopy;
-      StartCudaCopy(ab);
-    } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
-      ab.path = Path::kCma;
-    } else if (peer.push && lk == rk && lk == MemoryKind::kHost &&
-               ab.batch->op == TransferOp::kRead && ab.runs() != 0) {
-      ab.path = Path::kPush;
-      StartPush(ab);
-    } else {
-      ab.path = Path::kOps;
-      ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
-      // A batch of no runs reads nothing of its producer's: it ends at once, on every backend.
-      ab.awaited_event = ab.runs() != 0 ? ab.batch->device_wait_event : 0;
-    }
-    g_path_batches[static_cast<int>(ab.path)].fetch_add(1, std::memory_order_relaxed);
+    StartOnPath(ab);
   }
   return true;
+}
+
+void UcxBackend::StartOnPath(ActiveBatch& ab) {
+  const PeerState& peer = *ab.remote->peer;
+  const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
+  // The direct paths copy through UCX's own mappings (ucp_rkey_ptr), which end where the owner's
+  // registration does; a push READ is checked by its target; batched cma against the table the
+  // peer publishes (CmaCopy). UCX operations move a range only once its owner confirmed it.
+  if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
+    ab.path = Path::kHostCopy;
+  } else if (CopiesOnGpu(*ab.local, *ab.remote)) {
+    ab.path = Path::kCudaCopy;
+    StartCudaCopy(ab);
+  } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
+    ab.path = Path::kCma;  // checked against the peer's published regions (CmaCopy)
+  } else if (peer.push && lk == rk && lk == MemoryKind::kHost &&
+             ab.batch->op == TransferOp::kRead && ab.runs() != 0) {
+    ab.path = Path::kPush;
+    StartPush(ab);
+  } else {
+    if (!RegionConfirmed(ab)) return;
+    ab.path = Path::kOps;
+    ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
+    // A batch of no runs reads nothing of its producer's: it ends at once, on every backend.
+    ab.awaited_event = ab.runs() != 0 ? ab.batch->device_wait_event : 0;
+  }
+  g_path_batches[static_cast<int>(ab.path)].fetch_add(1, std::memory_order_relaxed);
+}
+
+bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
+  RemoteRegion& region = *ab.remote;
+  // A batch of no runs touches nothing of the region.
+  if (ab.runs() == 0 || region.check == RemoteRegion::Check::kConfirmed) return true;
+  if (!region.peer->checks_regions) {
+    ab.Fail(FailedPreconditionError(
+        "batch " + std::to_string(ab.batch->token) + ": peer " + std::to_string(ab.batch->peer) +
+        " cannot confirm that it registered remote region " + std::to_string(region.id) + " " +
+        RangeText(region.range) +
+        " (its UCX backend answers no region checks, or this one cannot receive active "
+        "messages), and this path would move bytes of it unchecked"));
+    return false;
+  }
+  // Path::kPush waits for the target's answer and counts as waiting for the peer
+  // (CheckPeersAlive); the batch's own path replaces it once the check ended.
+  ab.path = Path::kPush;
+  if (region.check == RemoteRegion::Check::kRunning) {
+    ab.parked = true;
+    return false;
+  }
+  region.check = RemoteRegion::Check::kRunning;
+  ab.checking = true;
+  SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
+                                        region.range, region.peer->engine_id));
+  return false;
+}
+
+bool UcxBackend::EndRegionChecks() {
+  bool did = false;
+  for (auto& ab : active_) {
+    if (!ab.checking || ab.outstanding != 0 || !(ab.stop || ab.push_done)) continue;
+    did = true;
+    ForgetPushRead(ab);
+    ab.checking = false;
+    ab.push_done = false;
+    ab.push_request.clear();
+    RemoteRegion& region = *ab.remote;
+    const bool confirmed = !ab.stop;
+    region.check = confirmed ? RemoteRegion::Check::kConfirmed : RemoteRegion::Check::kUnchecked;
+    for (auto& other : active_) {
+      if (!other.parked || other.remote != ab.remote) continue;
+      other.parked = false;
+      if (other.stop) continue;
+      if (confirmed) {
+        StartOnPath(other);
+      } else {
+        other.Fail(ab.error.WithContext("batch " + std::to_string(other.batch->token) +
+                                        " waited for batch " + std::to_string(ab.batch->token) +
+                                        "'s check of remote region " + std::to_string(region.id)));
+      }
+    }
+    if (confirmed) StartOnPath(ab);
+  }
+  return did;
 }
 
 void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
@@ -1899,10 +2056,13 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
     }
   };
   // The pid was proven at connect; read the cookie again before each batch, so a peer that
-  // exited (its pid free for reuse by a stranger) fails the batch instead of being written.
+  // exited (its pid free for reuse by a stranger) fails the batch instead of being written, and
+  // with it the regions the peer registered: only a range inside one of them is touched.
   if (!ab.cma_checked) {
-    if (!VerifyProcessIdentity(peer)) {
-      fail("the peer process is gone (its identity cookie no longer reads back)");
+    if (Status held = CheckPublishedRegion(peer, ab.remote->range, ab.remote->peer->engine_id);
+        !held.ok()) {
+      fail("remote region " + std::to_string(ab.remote->id) + " " +
+           RangeText(ab.remote->range) + ": " + held.message());
       return;
     }
     ab.cma_checked = true;
@@ -1997,6 +2157,8 @@ bool UcxBackend::CheckPeersAlive() {
       if (ab.error.ok()) ab.error = peer->failure;
       ab.abandoned = true;
       ForgetPushRead(ab);
+      // Its batches fail with the peer: a later connection's batches check the region again.
+      if (ab.checking) ab.remote->check = RemoteRegion::Check::kUnchecked;
       outstanding_ops_ -= ab.outstanding;
       {
         std::lock_guard<std::mutex> lock(mutex_);
@@ -2086,6 +2248,11 @@ ucp_request_param_t EagerAmParams(ucp_send_nbx_callback_t cb, void* user_data) {
 }
 
 std::string PushWhat(const ActiveBatch& ab) {
+  if (ab.checking) {
+    return "check that peer " + std::to_string(ab.batch->peer) + " registered remote region " +
+           std::to_string(ab.remote->id) + " " + RangeText(ab.remote->range) + " (batch " +
+           std::to_string(ab.batch->token) + ")";
+  }
   return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
          std::to_string(ab.batch->peer);
 }
@@ -2132,7 +2299,6 @@ void UcxBackend::StartPush(ActiveBatch& ab) {
         std::to_string(kMaxPushRuns) + "): split it, or set ucx_read_push=off"));
     return;
   }
-  ab.push_id = {next_push_id_.nonce, ++next_push_id_.seq};
   ab.push_starts.resize(ab.runs());
   std::uint64_t at = 0;
   for (std::size_t i = 0; i < ab.runs(); ++i) {
@@ -2140,17 +2306,25 @@ void UcxBackend::StartPush(ActiveBatch& ab) {
     at += static_cast<std::uint64_t>(b.sizes[i]);
   }
   ab.push_total = at;
-  ab.push_request = EncodePushRequest(
-      ab.push_id, ab.remote->peer->peer_mode ? kPushFlagPeerErrorHandling : 0, local_address_,
-      ab.remote->range.address, ab.remote->range.size, b.remote_offsets, b.sizes);
+  SendPushRequest(ab, EncodePushRequest(NewPushId(ab), PushFlags(ab), local_address_,
+                                        ab.remote->range.address, ab.remote->range.size,
+                                        b.remote_offsets, b.sizes));
+}
+
+PushId UcxBackend::NewPushId(ActiveBatch& ab) {
+  ab.push_id = {next_push_id_.nonce, ++next_push_id_.seq};
   push_reads_[ab.push_id.seq] = &ab;
+  return ab.push_id;
+}
+
+void UcxBackend::SendPushRequest(ActiveBatch& ab, std::vector<std::uint8_t> request) {
+  ab.push_request = std::move(request);
   const ucp_request_param_t p = EagerAmParams(&UcxBackend::OnOpDone, &ab);
   ucs_status_ptr_t r = api_->am_send_nbx(ab.remote->peer->ep, kAmPushRequest, nullptr, 0,
                                          ab.push_request.data(), ab.push_request.size(), &p);
   if (r == nullptr) return;  // sent in place
   if (UCS_PTR_IS_ERR(r)) {
-    ab.Fail(TransportError("UCX could not send the push READ request of batch " +
-                           std::to_string(b.token) + " to peer " + std::to_string(b.peer) + ": " +
+    ab.Fail(TransportError("UCX could not send the request of the " + PushWhat(ab) + ": " +
                            UcsText(UCS_PTR_STATUS(r))));
     return;
   }
@@ -2406,21 +2580,29 @@ void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
     return;
   }
   const std::uint64_t start = request->region_start, size = request->region_size;
+  // A push READ reads host memory; a region check asks about memory of the kind it names.
+  const MemoryKind kind = PushRequestKind(*request);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [id, r] : regions_) {
       const MemoryRange& have = r->range;
-      if (have.kind == MemoryKind::kHost && start >= have.address && size <= have.size &&
+      if (have.kind == kind && start >= have.address && size <= have.size &&
           start - have.address <= have.size - size) {
         job.region = r;
         break;
       }
     }
   }
+  if (job.region && !request->owner.empty() && request->owner != engine_id_) {
+    job.refusal = FailedPreconditionError(
+        "push request " + std::to_string(job.id.seq) + " asks about engine '" + request->owner +
+        "', but this target serves engine '" + engine_id_ + "'");
+    return;
+  }
   if (!job.region) {
     job.refusal = OutOfRangeError("push request " + std::to_string(job.id.seq) + " names " +
-                                  RangeText({start, size, MemoryKind::kHost, -1}) +
-                                  ", which no registered host region of this target holds");
+                                  RangeText({start, size, kind, -1}) + ", which no registered " +
+                                  KindName(kind) + " region of this target holds");
     return;
   }
   if (Status runs = CheckPushRuns(*request); !runs.ok()) {
@@ -2609,6 +2791,10 @@ bool UcxBackend::ReachesProcess(const RemoteProcess& process) const {
   for (const auto& [id, peer] : peers_) {
     if (peer->ep != nullptr && !peer->closed.load() && peer->process.Same(process)) return true;
   }
+  // A draining peer's operations may still use what UCX mapped from that process.
+  for (const DrainingPeer& d : draining_) {
+    if (d.peer->ep != nullptr && d.peer->process.Same(process)) return true;
+  }
   for (const auto& [address, reader] : push_readers_) {
     if (reader->ep != nullptr && reader->process.Same(process)) return true;
   }
@@ -2673,6 +2859,11 @@ void UcxBackend::Shutdown() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (auto& [id, p] : peers_) peers.push_back(p);
     for (auto& [id, r] : remotes_) remotes.push_back(r);
+    for (DrainingPeer& d : draining_) {
+      peers.push_back(d.peer);
+      remotes.insert(remotes.end(), d.imports.begin(), d.imports.end());
+    }
+    draining_.clear();
     for (auto& [id, r] : regions_) regions.push_back(r);
     for (auto& [addr, a] : allocations_) allocations.push_back(a);
     peers_.clear();

@@ -4,13 +4,16 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cctype>
+#include <cstddef>
 #include <cstring>
 #include <fstream>
 #include <mutex>
 #include <random>
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace moriio_native::detail::ucx {
 namespace {
@@ -28,6 +31,8 @@ constexpr std::size_t kKeyHeader = 8 + 1 + 1 + 2 + 4 + 8 + 8 + 8;
 // A UCX worker address is ~70-300 bytes and an rkey well under a kilobyte; anything far bigger
 // is garbage, and refusing it keeps a hostile length from turning into a huge allocation.
 constexpr std::uint32_t kMaxBlob = 1u << 20;
+// An engine id is at most 1,024 bytes (peer_metadata.hpp, kMaxNameBytes).
+constexpr std::uint64_t kMaxOwnerBytes = 1024;
 
 std::uint64_t Fnv1a(std::span<const std::uint8_t> bytes, std::uint64_t h = 0xcbf29ce484222325ull) {
   for (std::uint8_t b : bytes) {
@@ -52,20 +57,197 @@ std::uint64_t Checksum(std::span<const std::uint8_t> header_without_sum,
   return Fnv1a(blob, Fnv1a(header_without_sum));
 }
 
-/// The cookie in static storage (its address stays valid for the life of the process), drawn
-/// again in a forked child: parent and child must not prove each other's identity.
+constexpr std::uint64_t kPublishedMagic = 0x3247524255504e4dull;  // "MNPUBRG2"
+// More than any process publishes (a few records per layer, each well under 2 KiB); a peer reads
+// at most this much, so a corrupted size cannot make it allocate without bound.
+constexpr std::uint64_t kMaxPublishedBytes = std::uint64_t{16} << 20;
+constexpr std::size_t kRecordHeader = 4 * 8;  // start, size, kind, owner length
+
+/// What a peer reads at the cookie address (see RegionPublication). The fields a peer reads
+/// while this process may change them are atomics, written in seqlock order.
+struct PublishedHeader {
+  std::array<std::uint8_t, 16> cookie{};
+  std::uint64_t magic = kPublishedMagic;
+  std::atomic<std::uint64_t> seq{0};
+  std::atomic<std::uint64_t> table_bytes{0};
+  std::atomic<std::uint64_t> table{0};
+};
+static_assert(sizeof(PublishedHeader) == 48 && offsetof(PublishedHeader, seq) == 24);
+
+struct Publication {
+  std::uint64_t id = 0;
+  MemoryRange range;
+  std::string owner;
+};
+
+/// The cookie and the published regions in static storage (their address stays valid for the
+/// life of the process), drawn again in a forked child: parent and child must not prove each
+/// other's identity, and the child registered nothing yet.
 struct CookieState {
   std::mutex mutex;
   pid_t owner = 0;
-  std::array<std::uint8_t, 16> bytes{};
+  PublishedHeader header;
+  std::vector<Publication> publications;
+  std::vector<std::uint8_t> table;  // what the header points at: the publications' records
+  std::uint64_t next_id = 1;
 };
+
+/// The state, its cookie drawn for this pid. Call with `state.mutex` held.
+CookieState& OwnedCookie(CookieState& state) {
+  if (state.owner != ::getpid()) {
+    std::random_device rd;  // the system's random source (getrandom / /dev/urandom)
+    for (std::size_t i = 0; i < state.header.cookie.size(); i += 4) {
+      const std::uint32_t v = rd();
+      std::memcpy(state.header.cookie.data() + i, &v, 4);
+    }
+    state.publications.clear();
+    state.table.clear();
+    state.header.table_bytes.store(0);
+    state.header.table.store(0);
+    state.owner = ::getpid();
+  }
+  return state;
+}
 
 CookieState& Cookie() {
   static CookieState state;
   return state;
 }
 
+/// The records of `publications`: per region u64 start, u64 size, u64 memory kind, u64 owner
+/// length, the owner's bytes padded to 8 (native byte order: only this host reads them).
+std::vector<std::uint8_t> PublishedTable(const std::vector<Publication>& publications) {
+  std::vector<std::uint8_t> out;
+  for (const Publication& p : publications) {
+    const std::uint64_t fields[] = {p.range.address, p.range.size,
+                                    static_cast<std::uint64_t>(p.range.kind), p.owner.size()};
+    const auto* raw = reinterpret_cast<const std::uint8_t*>(fields);
+    out.insert(out.end(), raw, raw + sizeof(fields));
+    out.insert(out.end(), p.owner.begin(), p.owner.end());
+    out.resize((out.size() + 7) / 8 * 8);
+  }
+  return out;
+}
+
+/// Changes the publications with `change` between two sequence steps, so that a peer's read that
+/// overlapped it sees the sequence move and reads again.
+template <typename F>
+void ChangePublished(F change) {
+  CookieState& state = Cookie();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  OwnedCookie(state);
+  PublishedHeader& h = state.header;
+  h.seq.fetch_add(1, std::memory_order_acq_rel);
+  std::atomic_thread_fence(std::memory_order_release);
+  change(state.publications, state.next_id);
+  state.table = PublishedTable(state.publications);
+  h.table.store(reinterpret_cast<std::uintptr_t>(state.table.data()), std::memory_order_relaxed);
+  h.table_bytes.store(state.table.size(), std::memory_order_relaxed);
+  h.seq.fetch_add(1, std::memory_order_release);
+}
+
+/// Whether the records in `table` hold `range` in a region of `owner` (any owner when empty).
+/// Records cut short end the search: the table is this host's own format, never partial.
+bool TableHolds(std::span<const std::uint8_t> table, const MemoryRange& range,
+                std::string_view owner) {
+  for (std::size_t at = 0; at + kRecordHeader <= table.size();) {
+    std::uint64_t f[4];
+    std::memcpy(f, table.data() + at, sizeof(f));
+    const std::uint64_t start = f[0], size = f[1], kind = f[2], owner_len = f[3];
+    at += kRecordHeader;
+    if (owner_len > table.size() - at) return false;
+    const std::string_view theirs(reinterpret_cast<const char*>(table.data() + at), owner_len);
+    at += (owner_len + 7) / 8 * 8;
+    if (kind == static_cast<std::uint64_t>(range.kind) && range.address >= start &&
+        range.size <= size && range.address - start <= size - range.size &&
+        (owner.empty() || theirs == owner)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+/// Reads `size` bytes at `address` of process `pid` into `out`; false unless all of them came.
+bool ReadPeer(pid_t pid, std::uint64_t address, void* out, std::size_t size) {
+  iovec local{out, size};
+  iovec remote{reinterpret_cast<void*>(address), size};
+  return ::process_vm_readv(pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(size);
+}
+
 }  // namespace
+
+RegionPublication::RegionPublication(const MemoryRange& range, std::string_view owner) {
+  ChangePublished([&](std::vector<Publication>& publications, std::uint64_t& next_id) {
+    id_ = next_id++;
+    publications.push_back({id_, range, std::string(owner)});
+  });
+}
+
+RegionPublication::RegionPublication(RegionPublication&& other) noexcept
+    : id_(std::exchange(other.id_, 0)) {}
+
+RegionPublication& RegionPublication::operator=(RegionPublication&& other) noexcept {
+  if (this != &other) {
+    Withdraw();
+    id_ = std::exchange(other.id_, 0);
+  }
+  return *this;
+}
+
+RegionPublication::~RegionPublication() { Withdraw(); }
+
+void RegionPublication::Withdraw() {
+  if (id_ == 0) return;
+  ChangePublished([&](std::vector<Publication>& publications, std::uint64_t&) {
+    std::erase_if(publications, [&](const Publication& p) { return p.id == id_; });
+  });
+  id_ = 0;
+}
+
+Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
+                            std::string_view owner) {
+  const auto pid = static_cast<pid_t>(peer.pid);
+  const std::string who = "peer process " + std::to_string(peer.pid);
+  // A table that changes under every read (a peer registering in a loop) is not waited for.
+  constexpr int kAttempts = 64;
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    std::array<std::uint64_t, 6> head{};  // cookie (2 words), magic, seq, table bytes, table
+    static_assert(sizeof(head) == sizeof(PublishedHeader));
+    if (!ReadPeer(pid, peer.cookie_address, head.data(), sizeof(head)) ||
+        std::memcmp(head.data(), peer.cookie.data(), peer.cookie.size()) != 0) {
+      return TransportError("the peer process is gone (pid " + std::to_string(peer.pid) +
+                            ": its identity cookie no longer reads back)");
+    }
+    if (head[2] != kPublishedMagic) {
+      return IncompatibleError(who + " publishes no table of its registered regions (another "
+                               "moriio-native version): its ranges cannot be checked");
+    }
+    const std::uint64_t seq = head[3], bytes = head[4];
+    if (seq % 2 != 0) continue;  // changing now
+    if (bytes > kMaxPublishedBytes) {
+      return FailedPreconditionError(who + " publishes " + std::to_string(bytes) +
+                                     " bytes of registered regions, more than a peer reads (" +
+                                     std::to_string(kMaxPublishedBytes) + ")");
+    }
+    std::vector<std::uint8_t> table(bytes);
+    if (bytes != 0 && !ReadPeer(pid, head[5], table.data(), bytes)) {
+      continue;  // the table moved (freed) while it changed: the sequence says so
+    }
+    std::uint64_t seq_after = 0;
+    if (!ReadPeer(pid, peer.cookie_address + offsetof(PublishedHeader, seq), &seq_after,
+                  sizeof(seq_after))) {
+      return TransportError("the peer process is gone (pid " + std::to_string(peer.pid) +
+                            ": its table no longer reads back)");
+    }
+    if (seq_after != seq) continue;
+    if (TableHolds(table, range, owner)) return Status::OK();
+    return OutOfRangeError(who + " registered no region that holds it" +
+                           (owner.empty() ? std::string()
+                                          : " for engine '" + std::string(owner) + "'"));
+  }
+  return FailedPreconditionError(who + "'s table of registered regions changed under " +
+                                 std::to_string(kAttempts) + " reads in a row");
+}
 
 ProcessIdentity LocalProcessIdentity() {
   ProcessIdentity id;
@@ -75,18 +257,11 @@ ProcessIdentity LocalProcessIdentity() {
     id.pidns_dev = st.st_dev;
     id.pidns_ino = st.st_ino;
   }
-  CookieState& cookie = Cookie();
-  std::lock_guard<std::mutex> lock(cookie.mutex);
-  if (cookie.owner != ::getpid()) {
-    std::random_device rd;  // the system's random source (getrandom / /dev/urandom)
-    for (std::size_t i = 0; i < cookie.bytes.size(); i += 4) {
-      const std::uint32_t v = rd();
-      std::memcpy(cookie.bytes.data() + i, &v, 4);
-    }
-    cookie.owner = ::getpid();
-  }
-  id.cookie_address = reinterpret_cast<std::uintptr_t>(cookie.bytes.data());
-  id.cookie = cookie.bytes;
+  CookieState& state = Cookie();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  const PublishedHeader& header = OwnedCookie(state).header;
+  id.cookie_address = reinterpret_cast<std::uintptr_t>(&header);
+  id.cookie = header.cookie;
   return id;
 }
 
@@ -250,31 +425,59 @@ Result<WireKey> DecodeKey(std::span<const std::uint8_t> bytes) {
   return out;
 }
 
+namespace {
+
+/// A push request's header (its checksum still zero) and reply address; `count` goes in the run
+/// count field.
+std::vector<std::uint8_t> PushRequestHead(const PushId& id, std::uint64_t flags,
+                                          std::span<const std::uint8_t> reply_address,
+                                          std::uint64_t region_start, std::uint64_t region_size,
+                                          std::uint64_t count) {
+  std::vector<std::uint8_t> out;
+  for (char c : kPushMagic) out.push_back(static_cast<std::uint8_t>(c));
+  Put(out, id.nonce, 8);
+  Put(out, id.seq, 8);
+  Put(out, reply_address.size(), 4);
+  Put(out, count, 4);
+  Put(out, region_start, 8);
+  Put(out, region_size, 8);
+  Put(out, flags, 8);
+  Put(out, 0, 8);  // the checksum: SealPushRequest
+  out.insert(out.end(), reply_address.begin(), reply_address.end());
+  return out;
+}
+
+std::vector<std::uint8_t> SealPushRequest(std::vector<std::uint8_t> out) {
+  const std::span<const std::uint8_t> all(out);
+  const std::uint64_t sum = Checksum(all.first(kPushSumAt), all.subspan(kPushHeader));
+  for (int i = 0; i < 8; ++i) out[kPushSumAt + i] = static_cast<std::uint8_t>(sum >> (8 * i));
+  return out;
+}
+
+}  // namespace
+
 std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flags,
                                             std::span<const std::uint8_t> reply_address,
                                             std::uint64_t region_start, std::uint64_t region_size,
                                             std::span<const std::int64_t> offsets,
                                             std::span<const std::int64_t> sizes) {
-  std::vector<std::uint8_t> out;
-  out.reserve(kPushHeader + reply_address.size() + 16 * sizes.size());
-  for (char c : kPushMagic) out.push_back(static_cast<std::uint8_t>(c));
-  Put(out, id.nonce, 8);
-  Put(out, id.seq, 8);
-  Put(out, reply_address.size(), 4);
-  Put(out, sizes.size(), 4);
-  Put(out, region_start, 8);
-  Put(out, region_size, 8);
-  Put(out, flags, 8);
-  Put(out, 0, 8);  // the checksum, filled in below
-  out.insert(out.end(), reply_address.begin(), reply_address.end());
+  std::vector<std::uint8_t> out =
+      PushRequestHead(id, flags, reply_address, region_start, region_size, sizes.size());
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     Put(out, static_cast<std::uint64_t>(offsets[i]), 8);
     Put(out, static_cast<std::uint64_t>(sizes[i]), 8);
   }
-  const std::span<const std::uint8_t> all(out);
-  const std::uint64_t sum = Checksum(all.first(kPushSumAt), all.subspan(kPushHeader));
-  for (int i = 0; i < 8; ++i) out[kPushSumAt + i] = static_cast<std::uint8_t>(sum >> (8 * i));
-  return out;
+  return SealPushRequest(std::move(out));
+}
+
+std::vector<std::uint8_t> EncodeRegionCheck(const PushId& id, std::uint64_t flags,
+                                            std::span<const std::uint8_t> reply_address,
+                                            const MemoryRange& range, std::string_view owner) {
+  flags |= kPushFlagRegionCheck | (static_cast<std::uint64_t>(range.kind) << 8);
+  std::vector<std::uint8_t> out =
+      PushRequestHead(id, flags, reply_address, range.address, range.size, owner.size());
+  out.insert(out.end(), owner.begin(), owner.end());
+  return SealPushRequest(std::move(out));
 }
 
 Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes) {
@@ -309,7 +512,10 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
   out.flags = to->flags;
   out.reply_address = to->reply_address;
   const std::uint64_t address_len = to->reply_address.size();
-  const std::uint64_t runs = Get(bytes, 28, 4);
+  const bool check = (out.flags & kPushFlagRegionCheck) != 0;
+  // A region check carries the engine id it asks about where a push READ carries its runs.
+  const std::uint64_t owner_len = check ? Get(bytes, 28, 4) : 0;
+  const std::uint64_t runs = check ? 0 : Get(bytes, 28, 4);
   out.region_start = Get(bytes, 32, 8);
   out.region_size = Get(bytes, 40, 8);
   const std::string what = "push request " + std::to_string(out.id.seq);
@@ -318,12 +524,18 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
                                 " runs, more than a push request may (" +
                                 std::to_string(kMaxPushRuns) + ")");
   }
+  if (owner_len > kMaxOwnerBytes) {
+    return InvalidArgumentError(what + " names an engine id of " + std::to_string(owner_len) +
+                                " bytes, more than one may have (" +
+                                std::to_string(kMaxOwnerBytes) + ")");
+  }
   if (address_len == 0 || address_len > kMaxBlob ||
-      bytes.size() != kPushHeader + address_len + 16 * runs) {
+      bytes.size() != kPushHeader + address_len + 16 * runs + owner_len) {
     return InvalidArgumentError(what + " is " + std::to_string(bytes.size()) +
                                 " bytes but its header announces a " +
                                 std::to_string(address_len) + "-byte address and " +
-                                std::to_string(runs) + " runs (truncated or corrupted)");
+                                std::to_string(runs) + " runs or a " + std::to_string(owner_len) +
+                                "-byte engine id (truncated or corrupted)");
   }
   if (Checksum(bytes.first(kPushSumAt), bytes.subspan(kPushHeader)) !=
       Get(bytes, kPushSumAt, 8)) {
@@ -333,6 +545,10 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
     return InvalidArgumentError(what + ": region [" + std::to_string(out.region_start) + ", +" +
                                 std::to_string(out.region_size) + ") wraps around");
   }
+  if (check && ((out.flags >> 8) & 0xff) > static_cast<std::uint64_t>(MemoryKind::kRocm)) {
+    return InvalidArgumentError(what + " is a region check of unknown memory kind " +
+                                std::to_string((out.flags >> 8) & 0xff));
+  }
   out.offsets.resize(runs);
   out.sizes.resize(runs);
   std::size_t at = kPushHeader + address_len;
@@ -340,7 +556,13 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
     out.offsets[i] = Get(bytes, at, 8);
     out.sizes[i] = Get(bytes, at + 8, 8);
   }
+  out.owner.assign(reinterpret_cast<const char*>(bytes.data() + at), owner_len);
   return out;
+}
+
+MemoryKind PushRequestKind(const PushRequest& request) {
+  if ((request.flags & kPushFlagRegionCheck) == 0) return MemoryKind::kHost;
+  return static_cast<MemoryKind>((request.flags >> 8) & 0xff);
 }
 
 Status CheckPushRuns(const PushRequest& request) {

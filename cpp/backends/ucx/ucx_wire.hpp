@@ -19,6 +19,8 @@
 #include <initializer_list>
 #include <cstdint>
 #include <span>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "moriio_native/backend.hpp"
@@ -54,6 +56,44 @@ ProcessIdentity LocalProcessIdentity();
 /// checked with one 16-byte process_vm_readv. False (never an error) when anything differs or
 /// the read is refused. Thread-safe, does not block beyond that system call.
 bool VerifyProcessIdentity(const ProcessIdentity& peer);
+
+/// This process publishes, next to its identity cookie, the memory its UCX backends registered
+/// and the engine each registration serves: a same-host peer that moves bytes with
+/// process_vm_readv/writev reads it through the same pid and checks each remote range against it
+/// first (CheckPublishedRegion). A peer's metadata names the ranges its keys cover and the
+/// engine it is, but only the process itself can vouch for them: without this, metadata naming
+/// any address of a proven process would have it read or written there.
+/// Layout at the cookie address (native byte order, the peer runs on this host): 16-byte cookie,
+/// u64 magic "MNPUBRG2", u64 sequence (odd while the table changes), u64 table bytes, u64
+/// table address; the table is one record per region: u64 start, u64 size, u64 memory kind, u64
+/// owner length, the owner's bytes padded to 8.
+///
+/// A published range, for the life of this object (RAII): constructed publishes, destroyed (or
+/// assigned over) withdraws it. Thread-safe.
+class RegionPublication {
+ public:
+  RegionPublication() = default;
+  /// `owner`: the engine id the registering backend serves ("" for none).
+  RegionPublication(const MemoryRange& range, std::string_view owner);
+  RegionPublication(RegionPublication&& other) noexcept;
+  RegionPublication& operator=(RegionPublication&& other) noexcept;
+  RegionPublication(const RegionPublication&) = delete;
+  RegionPublication& operator=(const RegionPublication&) = delete;
+  ~RegionPublication();
+
+ private:
+  void Withdraw();
+  std::uint64_t id_ = 0;  // 0: publishes nothing
+};
+
+/// OK when `peer` (a process of this host, see VerifyProcessIdentity) publishes a registered
+/// region of `range.kind` that holds `range`, registered for engine `owner` (any engine when
+/// empty). Transport when its identity no longer reads back (it exited), Incompatible when it
+/// publishes no table (another version), OutOfRange when no published region holds the range,
+/// FailedPrecondition for a table that will not read consistently. Thread-safe; a few
+/// process_vm_readv calls.
+Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
+                            std::string_view owner);
 
 /// Address flag: the backend serves push READs ("Push READ" in ucx_backend.cpp).
 inline constexpr std::uint32_t kAddressFlagServesPush = 1;
@@ -111,6 +151,9 @@ struct PushRequest {
   std::uint64_t region_size = 0;
   std::vector<std::uint64_t> offsets;
   std::vector<std::uint64_t> sizes;
+  /// A region check: the engine id whose registration it asks about ("" for any). It travels
+  /// where a push READ's runs do, the run count field holding its length.
+  std::string owner;
 };
 
 /// The most runs one push request carries (16 MiB of runs): the target holds whole requests
@@ -129,17 +172,35 @@ struct PushReplyTo {
 /// to connect two workers whose endpoints differ in that, so the target's endpoint must match.
 inline constexpr std::uint64_t kPushFlagPeerErrorHandling = 1;
 
+/// Request flag: a region check. It carries no runs and asks only whether the target registered
+/// memory of the kind in bits 8-15 (MemoryKind) that holds [region_start, +region_size), for the
+/// engine the request names (PushRequest::owner, any when empty); the target answers done (0
+/// bytes sent) or failed with the reason. A peer's metadata names the
+/// ranges its keys are for, and nothing but the owner can vouch for them: UCX's own CMA and
+/// software RMA (tcp) take any address through a key, so an unchecked range would reach any of
+/// the owner's memory.
+inline constexpr std::uint64_t kPushFlagRegionCheck = 2;
+
+/// The memory kind a request asks about: host for a push READ, the kind it names for a region
+/// check (DecodePushRequest refused an unknown one).
+MemoryKind PushRequestKind(const PushRequest& request);
+
 std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flags,
                                             std::span<const std::uint8_t> reply_address,
                                             std::uint64_t region_start, std::uint64_t region_size,
                                             std::span<const std::int64_t> offsets,
                                             std::span<const std::int64_t> sizes);
+/// A region check (kPushFlagRegionCheck) of memory of `kind`, asking for engine `owner`.
+std::vector<std::uint8_t> EncodeRegionCheck(const PushId& id, std::uint64_t flags,
+                                            std::span<const std::uint8_t> reply_address,
+                                            const MemoryRange& range, std::string_view owner);
 /// InvalidArgument when `bytes` has no push header, or its reply address is cut short or does
 /// not decode (DecodeAddress, whose own checksum it has): then nobody can be answered. Checks
 /// nothing else (DecodePushRequest does).
 Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes);
 /// InvalidArgument naming what is wrong (size, magic, checksum, run count above kMaxPushRuns, a
-/// wrapping region). The runs are not checked: see CheckPushRuns.
+/// wrapping region, a region check that carries runs or names no memory kind). The runs are not
+/// checked: see CheckPushRuns.
 Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes);
 /// OutOfRange naming the run index for a run that is empty or does not lie inside the request's
 /// region (overflow included).

@@ -1,0 +1,131 @@
+// The UCX plugin's region checks on the wire and the table of registered regions a process
+// publishes (ucx_wire.hpp): what a reader sends, what a target accepts, what a same-host peer
+// reads through process_vm_readv.
+
+#include "ucx_wire.hpp"
+
+#include <unistd.h>
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mn = moriio_native;
+namespace ucx = moriio_native::detail::ucx;
+
+namespace {
+
+const mn::MemoryRange kRange{0x10000, 4096, mn::MemoryKind::kCuda, 0};
+
+std::vector<std::uint8_t> ReplyAddress() {
+  const std::vector<std::uint8_t> blob(40, 7);
+  return ucx::EncodeAddress(0x011600, ucx::LocalHostId(), ucx::LocalProcessIdentity(), blob);
+}
+
+/// A push request's checksum redone ("MNUCXPQ1" layout: the FNV-1a of the 56 header bytes before
+/// it and of everything after the 64-byte header), so that a test's altered field reaches the
+/// checks behind it.
+std::vector<std::uint8_t> Resealed(std::vector<std::uint8_t> bytes) {
+  constexpr std::size_t kSumAt = 56, kHeader = 64;
+  auto fnv = [](const std::uint8_t* p, std::size_t n, std::uint64_t h) {
+    for (std::size_t i = 0; i < n; ++i) {
+      h ^= p[i];
+      h *= 0x100000001b3ull;
+    }
+    return h;
+  };
+  std::uint64_t h = fnv(bytes.data(), kSumAt, 0xcbf29ce484222325ull);
+  h = fnv(bytes.data() + kHeader, bytes.size() - kHeader, h);
+  for (int i = 0; i < 8; ++i) bytes[kSumAt + i] = static_cast<std::uint8_t>(h >> (8 * i));
+  return bytes;
+}
+
+/// `bytes` with the u32 at `at` set to `value` (the checksum not redone: what a decoder must
+/// still catch by the sizes alone, before the checksum).
+std::vector<std::uint8_t> WithU32(std::vector<std::uint8_t> bytes, std::size_t at,
+                                  std::uint32_t value) {
+  for (int i = 0; i < 4; ++i) bytes[at + i] = static_cast<std::uint8_t>(value >> (8 * i));
+  return bytes;
+}
+
+TEST(UcxRegionCheck, RoundTripsItsRangeKindAndEngineAndCarriesNoRuns) {
+  const std::vector<std::uint8_t> reply = ReplyAddress();
+  const auto bytes = ucx::EncodeRegionCheck({11, 12}, ucx::kPushFlagPeerErrorHandling, reply,
+                                            kRange, "prefill-0");
+  auto request = ucx::DecodePushRequest(bytes);
+  ASSERT_TRUE(request.ok()) << request.status().ToString();
+  EXPECT_EQ(request->id, (ucx::PushId{11, 12}));
+  EXPECT_NE(request->flags & ucx::kPushFlagRegionCheck, 0u);
+  EXPECT_NE(request->flags & ucx::kPushFlagPeerErrorHandling, 0u);
+  EXPECT_EQ(ucx::PushRequestKind(*request), mn::MemoryKind::kCuda);
+  EXPECT_EQ(request->region_start, kRange.address);
+  EXPECT_EQ(request->region_size, kRange.size);
+  EXPECT_EQ(request->owner, "prefill-0");
+  EXPECT_TRUE(request->sizes.empty());
+  // A push READ names no engine and is about host memory.
+  const std::vector<std::int64_t> offsets{0}, sizes{64};
+  auto read = ucx::DecodePushRequest(
+      ucx::EncodePushRequest({1, 2}, 0, reply, 0x2000, 4096, offsets, sizes));
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->owner, "");
+  EXPECT_EQ(ucx::PushRequestKind(*read), mn::MemoryKind::kHost);
+}
+
+TEST(UcxRegionCheck, AMalformedCheckIsRefusedNamingWhatIsWrong) {
+  const std::vector<std::uint8_t> reply = ReplyAddress();
+  const auto check = ucx::EncodeRegionCheck({1, 1}, 0, reply, kRange, "e");
+  constexpr std::size_t kCountAt = 28, kFlagsAt = 48;
+  // An engine id longer than any engine has.
+  auto too_long = ucx::DecodePushRequest(WithU32(check, kCountAt, 1025));
+  ASSERT_FALSE(too_long.ok());
+  EXPECT_NE(too_long.status().message().find("engine id of 1025 bytes"), std::string::npos)
+      << too_long.status().ToString();
+  // A length that does not match the bytes that follow.
+  auto cut = ucx::DecodePushRequest(WithU32(check, kCountAt, 2));
+  ASSERT_FALSE(cut.ok());
+  EXPECT_NE(cut.status().message().find("2-byte engine id"), std::string::npos)
+      << cut.status().ToString();
+  // A memory kind past the known ones.
+  std::vector<std::uint8_t> unknown_kind = check;
+  unknown_kind[kFlagsAt + 1] = 9;
+  auto kind = ucx::DecodePushRequest(Resealed(unknown_kind));
+  ASSERT_FALSE(kind.ok());
+  EXPECT_NE(kind.status().message().find("unknown memory kind 9"), std::string::npos)
+      << kind.status().ToString();
+}
+
+// This process's table, read back through its own pid as a same-host peer reads it: a range is
+// held only inside a published region of its kind and, when an engine is asked for, that
+// engine's; a withdrawn region holds nothing.
+TEST(UcxPublishedRegions, HoldOnlyPublishedRangesOfTheirKindAndEngine) {
+  std::vector<std::uint8_t> memory(3 * 4096);
+  const auto base = reinterpret_cast<std::uintptr_t>(memory.data());
+  const mn::MemoryRange region{base + 4096, 4096, mn::MemoryKind::kHost, -1};
+  const ucx::ProcessIdentity self = ucx::LocalProcessIdentity();
+  const auto inside = mn::MemoryRange{base + 4096 + 64, 128, mn::MemoryKind::kHost, -1};
+  const auto before = mn::MemoryRange{base, 4096 + 64, mn::MemoryKind::kHost, -1};
+  auto as_cuda = inside;
+  as_cuda.kind = mn::MemoryKind::kCuda;
+  {
+    ucx::RegionPublication published(region, "decode-0");
+    EXPECT_TRUE(ucx::CheckPublishedRegion(self, inside, "").ok());
+    EXPECT_TRUE(ucx::CheckPublishedRegion(self, inside, "decode-0").ok());
+    EXPECT_TRUE(ucx::CheckPublishedRegion(self, region, "decode-0").ok());
+    const mn::Status other = ucx::CheckPublishedRegion(self, inside, "decode-1");
+    EXPECT_EQ(other.code(), mn::StatusCode::kOutOfRange) << other.ToString();
+    EXPECT_NE(other.message().find("for engine 'decode-1'"), std::string::npos);
+    EXPECT_EQ(ucx::CheckPublishedRegion(self, before, "").code(), mn::StatusCode::kOutOfRange);
+    EXPECT_EQ(ucx::CheckPublishedRegion(self, as_cuda, "").code(),
+              mn::StatusCode::kOutOfRange);
+  }
+  EXPECT_EQ(ucx::CheckPublishedRegion(self, inside, "").code(), mn::StatusCode::kOutOfRange)
+      << "a withdrawn region still holds ranges";
+  // A stranger's cookie at that address proves nothing: the process is "gone" for it.
+  ucx::ProcessIdentity stranger = self;
+  stranger.cookie[0] ^= 1;
+  EXPECT_EQ(ucx::CheckPublishedRegion(stranger, inside, "").code(), mn::StatusCode::kTransport);
+}
+
+}  // namespace
