@@ -196,7 +196,9 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 /// - DisconnectPeer drops the peer and its imported regions at once: Submit to them is refused
 ///   from then on, and every batch to that peer not yet finished by the transport completes
 ///   exactly once with an error (Aborted or Transport, naming the peer), possibly after
-///   DisconnectPeer returned. A batch the transport had already finished completes OK. A WRITE
+///   DisconnectPeer returned (UCX: once the transport ended what it had posted, at most a few
+///   seconds later for a peer that stopped answering; DisconnectPeer itself does not wait, and
+///   the local regions of those batches can be deregistered once they completed). A batch the transport had already finished completes OK. A WRITE
 ///   batch whose writes the transport could not confirm before the connection closed completes
 ///   through OnBatchUnconfirmed: it no longer uses the local memory, but the peer's may still
 ///   change (the backend contract that a completed batch writes no more holds only for

@@ -585,8 +585,9 @@ struct ChildSide {
   for (;;) ::pause();
 }
 
-/// "T|H|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, H = target that
-/// registers the second half of its region only, I = initiator (cma refused), R = reader.
+/// "T|H|A|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, H (heap) and A
+/// (allocated through UCX) = target that registers the second half of its region only, I =
+/// initiator (cma refused), R = reader.
 [[maybe_unused]] const int kChildDispatch = [] {
   const char* spec = std::getenv(kChildEnv);
   if (spec == nullptr) return 0;
@@ -611,6 +612,7 @@ struct ChildSide {
   if (parts[0] == "I") InitiatorMain(fd, options);
   if (parts[0] == "R") ReaderMain(fd, options);
   if (parts[0] == "H") ChildMain(fd, options, Mem::kHeap, kRegion / 2);
+  if (parts[0] == "A") ChildMain(fd, options, Mem::kAllocated, kRegion / 2);
   ChildMain(fd, options, static_cast<Mem>(std::atoi(parts[2].c_str())));
 }();
 
@@ -639,8 +641,8 @@ pid_t SpawnSelf(char role, Mem kind, const mn::BackendOptions& options, int* fd)
 /// The parent's view of one target process.
 class Target {
  public:
-  /// `role` 'H': heap memory whose first half the child does not register (the key covers the
-  /// second half; `range` is still the whole region).
+  /// `role` 'H' / 'A': heap / UCX-allocated memory whose first half the child does not register
+  /// (the key covers the second half; `range` is still the whole region).
   bool Start(const mn::BackendOptions& options, Mem kind, char role = 'T') {
     pid_ = SpawnSelf(role, kind, options, &fd_);
     if (pid_ < 0) return false;
@@ -1036,6 +1038,119 @@ TEST(UcxBackend, ForgedRegionOutsideTheTargetsRegistrationIsRefused) {
   }
 }
 
+// The direct copy path maps the peer's memory through UCX (ucp_rkey_ptr), and that mapping ends
+// where the owner's allocation does, not its registration (and a shared-memory key's not even
+// there): a key altered to claim the half of a UCX allocation the target never registered, or
+// twice the allocation, is refused too, nothing changes on either side. Before (review), both
+// batches of the first completed OK and changed the unregistered half, and a READ 1 MiB past
+// the allocation completed OK, reading this process's own memory beyond the mapping.
+TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  {
+    Target target;
+    ASSERT_TRUE(target.Start(options, Mem::kAllocated, 'A'));
+    target.key = ForgedKey(target.key, target.range);
+    Initiator us;
+    ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+    us.local->Write(Pattern(kRegion, 4242));
+    const std::vector<std::uint8_t> want_local = us.local->Read();
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 901, 64, 901)).ok());
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kWrite, 902, 64, 902)).ok());
+    for (std::uint64_t t : {901, 902}) {
+      const mn::Status st = us.sink->Wait(t);
+      EXPECT_FALSE(st.ok()) << "batch " << t << " moved bytes the target never registered";
+      EXPECT_NE(st.ToString().find("which no registered host region of this target holds"),
+                std::string::npos)
+          << st.ToString();
+    }
+    EXPECT_EQ(target.Dump(), Pattern(kRegion, kChildSeed)) << "the target's memory changed";
+    EXPECT_EQ(us.local->Read(), want_local) << "bytes were read into the local region";
+    us.Disconnect();
+    EXPECT_EQ(target.Stop(), 0);
+  }
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kAllocated));
+  target.range.size = 2 * kRegion;
+  target.key = ForgedKey(target.key, target.range);
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const std::vector<std::uint8_t> untouched = us.local->Read();
+  auto past = std::make_shared<mn::Batch>();
+  past->op = mn::TransferOp::kRead;
+  past->local_region = us.local_region;
+  past->peer = us.peer;
+  past->remote_region = us.remote_region;
+  past->token = 921;
+  past->local_offsets = {0};
+  past->remote_offsets = {static_cast<std::int64_t>(kRegion + (1u << 20))};
+  past->sizes = {4096};
+  ASSERT_TRUE(us.backend->Submit(past).ok());
+  const mn::Status st = us.sink->Wait(921);
+  EXPECT_FALSE(st.ok()) << "a READ past the target's allocation completed";
+  EXPECT_EQ(us.local->Read(), untouched);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// A push READ's target checks the range but not the engine: the region check before the first
+// one does, so a READ through metadata naming another engine than the target serves moves
+// nothing (before, review: the READ completed OK on the push path; the WRITE was refused).
+TEST(UcxBackend, PushReadThroughMetadataNamingAnotherEngineIsRefused) {
+  mn::BackendOptions options = TcpOptions();  // ucx_read_push=auto: READs go by push over tcp
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  ASSERT_TRUE(us.backend->ExpectPeerOwner(us.peer, "not-the-target").ok());
+  const std::vector<std::uint8_t> untouched = us.local->Read();
+  for (auto [op, token] : {std::pair{mn::TransferOp::kRead, 911}, {mn::TransferOp::kWrite, 912}}) {
+    ASSERT_TRUE(us.backend->Submit(us.NewBatch(op, token, 16, token)).ok());
+    const mn::Status st = us.sink->Wait(token);
+    EXPECT_FALSE(st.ok()) << "batch " << token << " moved bytes of another engine's region";
+    EXPECT_NE(st.ToString().find("asks about engine 'not-the-target'"), std::string::npos)
+        << st.ToString();
+  }
+  EXPECT_EQ(us.local->Read(), untouched);
+  EXPECT_EQ(target.Dump(), Pattern(kRegion, kChildSeed));
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// A same-host peer whose identity is unproven gets neither UCX's failure detection nor the
+// liveness watch: a region check to it that dies unanswered ends at the check's deadline, its
+// batches failed (nothing of them moved), instead of waiting until a DisconnectPeer (review:
+// both batches still pending 20 s after the peer died).
+TEST(UcxBackend, ARegionCheckToADeadUnprovenPeerEndsAtItsDeadline) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  target.address = Forged(target.address, 64, 8, Field(target.address, 64, 8) ^ 1);  // unproven
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  // Connected first (one READ), then the same range imported again: a region not confirmed yet,
+  // whose check goes over the live connection to a peer that no longer answers.
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(930, 16, us.remote_region));
+  auto fresh = us.backend->ImportRemoteRegion(us.peer, target.range, target.key);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  ASSERT_TRUE(target.Pause());
+  for (auto [op, token] : {std::pair{mn::TransferOp::kWrite, 931}, {mn::TransferOp::kRead, 932}}) {
+    auto batch = us.NewBatch(op, token, 16, token);
+    batch->remote_region = *fresh;
+    ASSERT_TRUE(us.backend->Submit(batch).ok());
+  }
+  target.Kill();
+  for (std::uint64_t t : {931, 932}) {
+    const mn::Status st = us.sink->Wait(t, std::chrono::seconds(30));
+    EXPECT_EQ(us.sink->Count(t), 1) << "batch " << t << " never completed: " << st.ToString();
+    EXPECT_FALSE(st.ok());
+    EXPECT_NE(st.ToString().find("no answer within"), std::string::npos) << st.ToString();
+  }
+  us.Disconnect();
+}
+
 // Batches submitted together to a region not yet confirmed share its one region check (the rest
 // wait for it) and then all move their bytes on the operation path, each counted there once.
 TEST(UcxBackend, BatchesToAFreshRegionWaitForItsCheckThenAllArrive) {
@@ -1405,9 +1520,10 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
   EXPECT_EQ(target.Stop(), 0);
 }
 
-// The target serves a push READ only from its own registered host memory: a reader whose key
-// claims more than the target registered (forged here: the key's checksum is no secret) gets
-// the batch failed with the target's reason, and nothing is read or written.
+// A push READ reads only the target's own registered host memory: a reader whose key claims
+// more than the target registered (forged here: the key's checksum is no secret) gets the batch
+// failed with the target's reason (from the region check before the first push READ of the
+// region), and nothing is read or written.
 TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   mn::BackendOptions options = TcpOptions();
   REQUIRE_UCX(options);
@@ -1436,8 +1552,9 @@ TEST(UcxBackend, PushReadOutsideTheTargetsRegistrationIsRefused) {
   EXPECT_EQ(st.code(), mn::StatusCode::kTransport) << st.ToString();
   EXPECT_NE(st.message().find("no registered host region of this target"), std::string::npos)
       << st.ToString();
-  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)],
-            before[static_cast<int>(Path::kPush)] + 1);
+  // Refused by the region check that precedes the first push READ of a region: the push READ
+  // never started (its target would refuse the range the same way).
+  EXPECT_EQ(PathCounters()[static_cast<int>(Path::kPush)], before[static_cast<int>(Path::kPush)]);
   EXPECT_EQ(us.local->Read(), untouched) << "a refused READ moved bytes";
   EXPECT_EQ(target.Dump(), Pattern(kRegion, kChildSeed));
   // The same endpoint still serves a READ of the region as the target registered it.

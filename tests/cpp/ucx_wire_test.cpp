@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
+#include <string_view>
 #include <string>
 #include <vector>
 
@@ -96,6 +98,13 @@ TEST(UcxRegionCheck, AMalformedCheckIsRefusedNamingWhatIsWrong) {
       << kind.status().ToString();
 }
 
+/// CheckPublishedRegion as a first check of `range` (nothing known about the table yet).
+mn::Status FirstCheck(const ucx::ProcessIdentity& peer, const mn::MemoryRange& range,
+                      std::string_view owner) {
+  std::uint64_t held_at = ucx::kNeverHeld;
+  return ucx::CheckPublishedRegion(peer, range, owner, held_at);
+}
+
 // This process's table, read back through its own pid as a same-host peer reads it: a range is
 // held only inside a published region of its kind and, when an engine is asked for, that
 // engine's; a withdrawn region holds nothing.
@@ -110,22 +119,46 @@ TEST(UcxPublishedRegions, HoldOnlyPublishedRangesOfTheirKindAndEngine) {
   as_cuda.kind = mn::MemoryKind::kCuda;
   {
     ucx::RegionPublication published(region, "decode-0");
-    EXPECT_TRUE(ucx::CheckPublishedRegion(self, inside, "").ok());
-    EXPECT_TRUE(ucx::CheckPublishedRegion(self, inside, "decode-0").ok());
-    EXPECT_TRUE(ucx::CheckPublishedRegion(self, region, "decode-0").ok());
-    const mn::Status other = ucx::CheckPublishedRegion(self, inside, "decode-1");
+    EXPECT_TRUE(FirstCheck(self, inside, "").ok());
+    EXPECT_TRUE(FirstCheck(self, inside, "decode-0").ok());
+    EXPECT_TRUE(FirstCheck(self, region, "decode-0").ok());
+    const mn::Status other = FirstCheck(self, inside, "decode-1");
     EXPECT_EQ(other.code(), mn::StatusCode::kOutOfRange) << other.ToString();
     EXPECT_NE(other.message().find("for engine 'decode-1'"), std::string::npos);
-    EXPECT_EQ(ucx::CheckPublishedRegion(self, before, "").code(), mn::StatusCode::kOutOfRange);
-    EXPECT_EQ(ucx::CheckPublishedRegion(self, as_cuda, "").code(),
-              mn::StatusCode::kOutOfRange);
+    EXPECT_EQ(FirstCheck(self, before, "").code(), mn::StatusCode::kOutOfRange);
+    EXPECT_EQ(FirstCheck(self, as_cuda, "").code(), mn::StatusCode::kOutOfRange);
   }
-  EXPECT_EQ(ucx::CheckPublishedRegion(self, inside, "").code(), mn::StatusCode::kOutOfRange)
+  EXPECT_EQ(FirstCheck(self, inside, "").code(), mn::StatusCode::kOutOfRange)
       << "a withdrawn region still holds ranges";
   // A stranger's cookie at that address proves nothing: the process is "gone" for it.
   ucx::ProcessIdentity stranger = self;
   stranger.cookie[0] ^= 1;
-  EXPECT_EQ(ucx::CheckPublishedRegion(stranger, inside, "").code(), mn::StatusCode::kTransport);
+  EXPECT_EQ(FirstCheck(stranger, inside, "").code(), mn::StatusCode::kTransport);
+}
+
+// A range found held is trusted again without reading the table only while the table has not
+// changed since: any change (another region published, this one withdrawn) reads it again.
+TEST(UcxPublishedRegions, ARangeHeldOnceIsReadAgainAfterTheTableChanged) {
+  std::vector<std::uint8_t> memory(2 * 4096);
+  const auto base = reinterpret_cast<std::uintptr_t>(memory.data());
+  const mn::MemoryRange region{base, 4096, mn::MemoryKind::kHost, -1};
+  const ucx::ProcessIdentity self = ucx::LocalProcessIdentity();
+  std::uint64_t held_at = ucx::kNeverHeld;
+  auto published = std::make_unique<ucx::RegionPublication>(region, "e");
+  ASSERT_TRUE(ucx::CheckPublishedRegion(self, region, "e", held_at).ok());
+  EXPECT_NE(held_at, ucx::kNeverHeld);
+  EXPECT_EQ(held_at % 2, 0u) << "a stable table has an even sequence";
+  const std::uint64_t first = held_at;
+  ASSERT_TRUE(ucx::CheckPublishedRegion(self, region, "e", held_at).ok());
+  EXPECT_EQ(held_at, first);
+  {
+    ucx::RegionPublication another({base + 4096, 4096, mn::MemoryKind::kHost, -1}, "e");
+    ASSERT_TRUE(ucx::CheckPublishedRegion(self, region, "e", held_at).ok());
+    EXPECT_NE(held_at, first) << "the change was not noticed";
+  }
+  published.reset();
+  const mn::Status gone = ucx::CheckPublishedRegion(self, region, "e", held_at);
+  EXPECT_EQ(gone.code(), mn::StatusCode::kOutOfRange) << gone.ToString();
 }
 
 }  // namespace

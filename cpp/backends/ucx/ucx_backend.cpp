@@ -67,6 +67,9 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 // How long teardown (destructor, a peer DisconnectPeer dropped) waits for operations already
 // posted to finish before it force-closes the endpoint, which cancels them.
 constexpr auto kDrainDeadline = std::chrono::seconds(5);
+// How long a region check waits for the owner's answer before its batch (and those parked
+// behind it) fail: a stopped or dead peer without failure detection never answers.
+constexpr auto kRegionCheckDeadline = std::chrono::seconds(5);
 // How long teardown then waits for UCX to report the operations the forced close cancelled.
 constexpr auto kCancelDeadline = std::chrono::seconds(1);
 // How often the progress thread checks that a same-host peer without UCX peer-failure detection
@@ -368,11 +371,14 @@ struct RemoteRegion {
   MemoryRange range;
   ucp_rkey_h rkey = nullptr;      // worker thread only after import
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
-  // Whether its owner confirmed that it registered `range` (kPushFlagRegionCheck). The CMA and
-  // UCX operation paths move bytes only of a confirmed range: on them nothing else bounds an
-  // address to what the owner registered (CMA, tcp's software RMA). Worker thread only.
+  // Whether its owner confirmed that it registered `range` for the engine the metadata names
+  // (kPushFlagRegionCheck). Every path but batched cma moves bytes only of a confirmed range
+  // (StartOnPath says why). Worker thread only.
   enum class Check : std::uint8_t { kUnchecked, kRunning, kConfirmed };
   Check check = Check::kUnchecked;
+  // Batched cma: the sequence of the peer's published table when this range was last found
+  // held there (CheckPublishedRegion). Worker thread only.
+  std::uint64_t published_seq = kNeverHeld;
   Status released;  // guarded by mutex_: why its rkey and mapping went while imported (not OK)
 };
 
@@ -451,6 +457,7 @@ struct ActiveBatch {
   // check (a push request of no runs, on Path::kPush), or waits for another batch's (parked).
   bool checking = false;
   bool parked = false;
+  std::chrono::steady_clock::time_point check_deadline;  // checking: fails when it passes
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
   // without peer-failure detection): kept only so their callbacks find it.
@@ -491,6 +498,17 @@ struct ActiveBatch {
 /// The flags every push request of `ab` carries: the reader endpoint's error handling mode.
 std::uint64_t PushFlags(const ActiveBatch& ab) {
   return ab.remote->peer->peer_mode ? kPushFlagPeerErrorHandling : 0;
+}
+
+/// What a push request of `ab` is, for errors: its push READ or its region check.
+std::string PushWhat(const ActiveBatch& ab) {
+  if (ab.checking) {
+    return "check that peer " + std::to_string(ab.batch->peer) + " registered remote region " +
+           std::to_string(ab.remote->id) + " " + RangeText(ab.remote->range) + " (batch " +
+           std::to_string(ab.batch->token) + ")";
+  }
+  return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
+         std::to_string(ab.batch->peer);
 }
 
 /// A target's own endpoint to a reader that asked for push READs, keyed by the reader's address.
@@ -617,9 +635,18 @@ class UcxBackend final : public Backend {
   // Whether the remote region of `ab` is confirmed; otherwise parks `ab` behind the check that
   // runs, starts one, or fails `ab` when the peer cannot answer checks.
   bool RegionConfirmed(ActiveBatch& ab);
-  // A region check that ended (answered, failed, stopped): the region's state follows it, and
-  // the check's batch and those parked behind it start on their paths or fail.
+  // The data path of `ab` (PathOf), chosen once its peer, regions and op are known.
+  Path PathOf(const ActiveBatch& ab) const;
+  // Region checks that ended (answered, failed, stopped) or passed kRegionCheckDeadline: the
+  // region's state follows each (ResolveRegionCheck: the batches parked behind it start on
+  // their paths or fail), and the check's own batch starts on its path, fails, or, with its
+  // request's send never ended (a dead peer), is abandoned.
   bool EndRegionChecks();
+  void ResolveRegionCheck(ActiveBatch& ab);
+  // Completes `it` (stopped, UCX still holding requests of it) and keeps it in abandoned_ for
+  // their callbacks; returns the batch after it.
+  std::list<ActiveBatch>::iterator Abandon(std::list<ActiveBatch>::iterator it,
+                                           std::vector<Completion>& done);
   bool IssueOps();
   void PostRun(ActiveBatch& ab);
   void PostFlush(ActiveBatch& ab);
@@ -755,7 +782,8 @@ class UcxBackend final : public Backend {
   // The engine this backend serves (SetOwner): its registrations are published and its region
   // checks answered as that engine's. Worker thread only.
   std::string engine_id_;
-  PushId next_push_id_;  // nonce drawn at Init; seq counts this backend's push READs
+  // Counts this backend's push requests; each draws its own nonce (NewPushId).
+  std::uint64_t next_push_seq_ = 0;
   std::unordered_map<std::uint64_t, ActiveBatch*> push_reads_;  // by seq, reader side
   std::deque<std::vector<std::uint8_t>> push_requests_;       // received, not yet started
   std::size_t push_held_bytes_ = 0;  // of push_requests_ and the jobs started from them
@@ -872,8 +900,6 @@ Status UcxBackend::Init() {
       hp.arg = this;
       serves_push_ &= api_->worker_set_am_recv_handler(worker_, &hp) == UCS_OK;
     }
-    std::random_device rd;
-    next_push_id_.nonce = (static_cast<std::uint64_t>(rd()) << 32) | rd();
   }
 
   ucp_address_t* addr = nullptr;
@@ -882,7 +908,8 @@ Status UcxBackend::Init() {
   if (st != UCS_OK) return TransportError("ucp_worker_get_address failed: " + UcsText(st));
   local_address_ = EncodeAddress(api_->version(), LocalHostId(), LocalProcessIdentity(),
                                  {reinterpret_cast<const std::uint8_t*>(addr), addr_len},
-                                 serves_push_ ? kAddressFlagServesPush : 0);
+                                 serves_push_ ? kAddressFlagServesPush | kAddressFlagAnswersRegionChecks
+                                              : 0);
   api_->worker_release_address(worker_, addr);
 
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -1111,7 +1138,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     // (UCX's cma issues one call per run), but only through a pid proven to be the peer's.
     if (proven && options_.direct_copy && cma_usable_) peer->cma_identity = wire.process;
     peer->push = ReadsByPush(peer->ep, wire);
-    peer->checks_regions = serves_push_ && (wire.flags & kAddressFlagServesPush) != 0;
+    peer->checks_regions = serves_push_ && (wire.flags & kAddressFlagAnswersRegionChecks) != 0;
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     peer->process = RemoteProcess::Of(wire);
     if (proven && !peer->peer_mode) peer->liveness_identity = wire.process;
@@ -1628,26 +1655,33 @@ bool UcxBackend::ActivateSubmitted() {
   return true;
 }
 
-void UcxBackend::StartOnPath(ActiveBatch& ab) {
+Path UcxBackend::PathOf(const ActiveBatch& ab) const {
   const PeerState& peer = *ab.remote->peer;
   const MemoryKind lk = ab.local->range.kind, rk = ab.remote->range.kind;
-  // The direct paths copy through UCX's own mappings (ucp_rkey_ptr), which end where the owner's
-  // registration does; a push READ is checked by its target; batched cma against the table the
-  // peer publishes (CmaCopy). UCX operations move a range only once its owner confirmed it.
-  if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) {
-    ab.path = Path::kHostCopy;
-  } else if (CopiesOnGpu(*ab.local, *ab.remote)) {
-    ab.path = Path::kCudaCopy;
+  if (ab.remote->direct != nullptr && lk == rk && lk == MemoryKind::kHost) return Path::kHostCopy;
+  if (CopiesOnGpu(*ab.local, *ab.remote)) return Path::kCudaCopy;
+  if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) return Path::kCma;
+  if (peer.push && lk == rk && lk == MemoryKind::kHost && ab.batch->op == TransferOp::kRead &&
+      ab.runs() != 0) {
+    return Path::kPush;
+  }
+  return Path::kOps;
+}
+
+void UcxBackend::StartOnPath(ActiveBatch& ab) {
+  const Path path = PathOf(ab);
+  // Batched cma checks the range against the table the peer publishes, before each batch
+  // (CmaCopy). Every other path moves a range only once its owner confirmed it: the direct
+  // copies go through UCX's mappings, which end where the owner's allocation does (and a
+  // shared-memory key's not even there), not its registration; a push READ's target checks the
+  // range but not the engine the metadata named; UCX operations check nothing over tcp.
+  if (path != Path::kCma && !RegionConfirmed(ab)) return;
+  ab.path = path;
+  if (path == Path::kCudaCopy) {
     StartCudaCopy(ab);
-  } else if (lk == rk && lk == MemoryKind::kHost && peer.cma_identity.pid != 0) {
-    ab.path = Path::kCma;  // checked against the peer's published regions (CmaCopy)
-  } else if (peer.push && lk == rk && lk == MemoryKind::kHost &&
-             ab.batch->op == TransferOp::kRead && ab.runs() != 0) {
-    ab.path = Path::kPush;
+  } else if (path == Path::kPush) {
     StartPush(ab);
-  } else {
-    if (!RegionConfirmed(ab)) return;
-    ab.path = Path::kOps;
+  } else if (path == Path::kOps) {
     ab.needs_flush = ab.batch->op == TransferOp::kWrite && ab.runs() != 0;
     // A batch of no runs reads nothing of its producer's: it ends at once, on every backend.
     ab.awaited_event = ab.runs() != 0 ? ab.batch->device_wait_event : 0;
@@ -1657,15 +1691,20 @@ void UcxBackend::StartOnPath(ActiveBatch& ab) {
 
 bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   RemoteRegion& region = *ab.remote;
-  // A batch of no runs touches nothing of the region.
-  if (ab.runs() == 0 || region.check == RemoteRegion::Check::kConfirmed) return true;
+  // A batch of no runs touches nothing of the region (cell and stamped batches carry theirs
+  // elsewhere: they are checked).
+  const Batch& b = *ab.batch;
+  if ((!b.cells && !b.stamps && ab.runs() == 0) ||
+      region.check == RemoteRegion::Check::kConfirmed) {
+    return true;
+  }
   if (!region.peer->checks_regions) {
     ab.Fail(FailedPreconditionError(
         "batch " + std::to_string(ab.batch->token) + ": peer " + std::to_string(ab.batch->peer) +
         " cannot confirm that it registered remote region " + std::to_string(region.id) + " " +
         RangeText(region.range) +
-        " (its UCX backend answers no region checks, or this one cannot receive active "
-        "messages), and this path would move bytes of it unchecked"));
+        " (its UCX backend answers no region checks: another release; or this one cannot "
+        "receive active messages), and no byte of it moves unchecked"));
     return false;
   }
   // Path::kPush waits for the target's answer and counts as waiting for the peer
@@ -1677,38 +1716,84 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   }
   region.check = RemoteRegion::Check::kRunning;
   ab.checking = true;
+  ab.check_deadline = Clock::now() + kRegionCheckDeadline;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
                                         region.range, region.peer->engine_id));
   return false;
 }
 
+void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
+  ForgetPushRead(ab);
+  ab.checking = false;
+  ab.push_done = false;
+  RemoteRegion& region = *ab.remote;
+  const bool confirmed = !ab.stop;
+  region.check = confirmed ? RemoteRegion::Check::kConfirmed : RemoteRegion::Check::kUnchecked;
+  for (auto& other : active_) {
+    if (!other.parked || other.remote != ab.remote) continue;
+    other.parked = false;
+    if (other.stop) continue;
+    if (confirmed) {
+      StartOnPath(other);
+    } else {
+      other.Fail(ab.error.WithContext("batch " + std::to_string(other.batch->token) +
+                                      " waited for batch " + std::to_string(ab.batch->token) +
+                                      "'s check of remote region " + std::to_string(region.id)));
+    }
+  }
+}
+
 bool UcxBackend::EndRegionChecks() {
   bool did = false;
-  for (auto& ab : active_) {
-    if (!ab.checking || ab.outstanding != 0 || !(ab.stop || ab.push_done)) continue;
-    did = true;
-    ForgetPushRead(ab);
-    ab.checking = false;
-    ab.push_done = false;
-    ab.push_request.clear();
-    RemoteRegion& region = *ab.remote;
-    const bool confirmed = !ab.stop;
-    region.check = confirmed ? RemoteRegion::Check::kConfirmed : RemoteRegion::Check::kUnchecked;
-    for (auto& other : active_) {
-      if (!other.parked || other.remote != ab.remote) continue;
-      other.parked = false;
-      if (other.stop) continue;
-      if (confirmed) {
-        StartOnPath(other);
-      } else {
-        other.Fail(ab.error.WithContext("batch " + std::to_string(other.batch->token) +
-                                        " waited for batch " + std::to_string(ab.batch->token) +
-                                        "'s check of remote region " + std::to_string(region.id)));
-      }
+  const auto now = Clock::now();
+  std::vector<Completion> done;
+  for (auto it = active_.begin(); it != active_.end();) {
+    ActiveBatch& ab = *it;
+    if (!ab.checking) {
+      ++it;
+      continue;
     }
-    if (confirmed) StartOnPath(ab);
+    const bool timed_out = !ab.stop && !ab.push_done && now >= ab.check_deadline;
+    if (timed_out) {
+      ab.Fail(TimeoutError(PushWhat(ab) + ": no answer within " +
+                           std::to_string(kRegionCheckDeadline.count()) +
+                           " s (the peer stopped answering, or died); nothing of the batch moved"));
+    }
+    if (!(ab.stop || ab.push_done) || (ab.outstanding != 0 && !timed_out)) {
+      ++it;
+      continue;
+    }
+    did = true;
+    ResolveRegionCheck(ab);
+    if (ab.outstanding != 0) {
+      // The request's send never ended, and UCX may never end it (a dead peer without failure
+      // detection): the batch, which moved nothing, completes now and stays allocated, its
+      // request bytes with it, for the send's callback.
+      it = Abandon(it, done);
+      continue;
+    }
+    ab.push_request.clear();
+    if (!ab.stop) StartOnPath(ab);
+    ++it;
   }
+  Deliver(done);
   return did;
+}
+
+std::list<ActiveBatch>::iterator UcxBackend::Abandon(std::list<ActiveBatch>::iterator it,
+                                                     std::vector<Completion>& done) {
+  ActiveBatch& ab = *it;
+  ab.abandoned = true;
+  ForgetPushRead(ab);
+  outstanding_ops_ -= ab.outstanding;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    ab.local->inflight--;
+  }
+  done.push_back({ab.batch->token, ab.error, ab.WritesUnconfirmed()});
+  auto next = std::next(it);
+  abandoned_.splice(abandoned_.end(), active_, it);
+  return next;
 }
 
 void UcxBackend::StartCudaCopy(ActiveBatch& ab) {
@@ -2059,7 +2144,8 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
   // exited (its pid free for reuse by a stranger) fails the batch instead of being written, and
   // with it the regions the peer registered: only a range inside one of them is touched.
   if (!ab.cma_checked) {
-    if (Status held = CheckPublishedRegion(peer, ab.remote->range, ab.remote->peer->engine_id);
+    if (Status held = CheckPublishedRegion(peer, ab.remote->range, ab.remote->peer->engine_id,
+                                           ab.remote->published_seq);
         !held.ok()) {
       fail("remote region " + std::to_string(ab.remote->id) + " " +
            RangeText(ab.remote->range) + ": " + held.message());
@@ -2155,19 +2241,8 @@ bool UcxBackend::CheckPeersAlive() {
       }
       ab.stop = true;
       if (ab.error.ok()) ab.error = peer->failure;
-      ab.abandoned = true;
-      ForgetPushRead(ab);
-      // Its batches fail with the peer: a later connection's batches check the region again.
-      if (ab.checking) ab.remote->check = RemoteRegion::Check::kUnchecked;
-      outstanding_ops_ -= ab.outstanding;
-      {
-        std::lock_guard<std::mutex> lock(mutex_);
-        ab.local->inflight--;
-      }
-      done.push_back({ab.batch->token, ab.error, ab.WritesUnconfirmed()});
-      auto next = std::next(it);
-      abandoned_.splice(abandoned_.end(), active_, it);
-      it = next;
+      if (ab.checking) ResolveRegionCheck(ab);  // the batches parked behind it fail with it
+      it = Abandon(it, done);
     }
   }
   for (auto& peer : dead) {
@@ -2247,16 +2322,6 @@ ucp_request_param_t EagerAmParams(ucp_send_nbx_callback_t cb, void* user_data) {
   return p;
 }
 
-std::string PushWhat(const ActiveBatch& ab) {
-  if (ab.checking) {
-    return "check that peer " + std::to_string(ab.batch->peer) + " registered remote region " +
-           std::to_string(ab.remote->id) + " " + RangeText(ab.remote->range) + " (batch " +
-           std::to_string(ab.batch->token) + ")";
-  }
-  return "push READ of batch " + std::to_string(ab.batch->token) + " from peer " +
-         std::to_string(ab.batch->peer);
-}
-
 std::span<const std::uint8_t> Bytes(const void* p, std::size_t n) {
   return {static_cast<const std::uint8_t*>(p), n};
 }
@@ -2312,7 +2377,11 @@ void UcxBackend::StartPush(ActiveBatch& ab) {
 }
 
 PushId UcxBackend::NewPushId(ActiveBatch& ab) {
-  ab.push_id = {next_push_id_.nonce, ++next_push_id_.seq};
+  // A nonce of the request's own: a peer that saw requests of this backend (sent to it) learns
+  // nothing of those sent to another target, so it cannot answer them (a forged "done" to a
+  // region check would confirm a range the real target never registered).
+  std::random_device rd;  // the system's random source (getrandom / /dev/urandom)
+  ab.push_id = {(static_cast<std::uint64_t>(rd()) << 32) | rd(), ++next_push_seq_};
   push_reads_[ab.push_id.seq] = &ab;
   return ab.push_id;
 }
@@ -2333,11 +2402,12 @@ void UcxBackend::SendPushRequest(ActiveBatch& ab, std::vector<std::uint8_t> requ
 }
 
 ActiveBatch* UcxBackend::PushRead(std::span<const std::uint8_t> header, std::size_t header_size) {
-  if (header.size() != header_size || PushHeaderField(header, 0) != next_push_id_.nonce) {
+  if (header.size() != header_size) return nullptr;
+  auto it = push_reads_.find(PushHeaderField(header, 1));
+  if (it == push_reads_.end() || it->second->stop ||
+      it->second->push_id.nonce != PushHeaderField(header, 0)) {
     return nullptr;
   }
-  auto it = push_reads_.find(PushHeaderField(header, 1));
-  if (it == push_reads_.end() || it->second->stop) return nullptr;
   return it->second;
 }
 

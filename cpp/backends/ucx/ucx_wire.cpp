@@ -1,5 +1,7 @@
 #include "ucx_wire.hpp"
 
+#include <pthread.h>
+#include <sched.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -58,9 +60,10 @@ std::uint64_t Checksum(std::span<const std::uint8_t> header_without_sum,
 }
 
 constexpr std::uint64_t kPublishedMagic = 0x3247524255504e4dull;  // "MNPUBRG2"
-// More than any process publishes (a few records per layer, each well under 2 KiB); a peer reads
-// at most this much, so a corrupted size cannot make it allocate without bound.
-constexpr std::uint64_t kMaxPublishedBytes = std::uint64_t{16} << 20;
+// More than any process publishes (a record per registered region: 32 bytes and the engine id,
+// a few per layer); a peer reads at most this much, so a hostile size cannot make it allocate
+// or copy much.
+constexpr std::uint64_t kMaxPublishedBytes = std::uint64_t{1} << 20;
 constexpr std::size_t kRecordHeader = 4 * 8;  // start, size, kind, owner length
 
 /// What a peer reads at the cookie address (see RegionPublication). The fields a peer reads
@@ -111,6 +114,10 @@ CookieState& OwnedCookie(CookieState& state) {
 
 CookieState& Cookie() {
   static CookieState state;
+  // A fork while another thread changes the table would leave the child's copy of the mutex
+  // locked for good: fork waits for the change to end.
+  [[maybe_unused]] static const int at_fork = ::pthread_atfork(
+      [] { state.mutex.lock(); }, [] { state.mutex.unlock(); }, [] { state.mutex.unlock(); });
   return state;
 }
 
@@ -205,12 +212,14 @@ void RegionPublication::Withdraw() {
 }
 
 Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
-                            std::string_view owner) {
+                            std::string_view owner, std::uint64_t& held_at) {
   const auto pid = static_cast<pid_t>(peer.pid);
   const std::string who = "peer process " + std::to_string(peer.pid);
-  // A table that changes under every read (a peer registering in a loop) is not waited for.
-  constexpr int kAttempts = 64;
+  // A table that changes under every read (a peer registering in a loop) is not waited for:
+  // this runs on a progress thread that serves every other peer too.
+  constexpr int kAttempts = 8;
   for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    if (attempt != 0) sched_yield();  // let the changing process finish its change
     std::array<std::uint64_t, 6> head{};  // cookie (2 words), magic, seq, table bytes, table
     static_assert(sizeof(head) == sizeof(PublishedHeader));
     if (!ReadPeer(pid, peer.cookie_address, head.data(), sizeof(head)) ||
@@ -224,6 +233,7 @@ Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& rang
     }
     const std::uint64_t seq = head[3], bytes = head[4];
     if (seq % 2 != 0) continue;  // changing now
+    if (seq == held_at) return Status::OK();  // unchanged since the range was found held
     if (bytes > kMaxPublishedBytes) {
       return FailedPreconditionError(who + " publishes " + std::to_string(bytes) +
                                      " bytes of registered regions, more than a peer reads (" +
@@ -240,7 +250,10 @@ Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& rang
                             ": its table no longer reads back)");
     }
     if (seq_after != seq) continue;
-    if (TableHolds(table, range, owner)) return Status::OK();
+    if (TableHolds(table, range, owner)) {
+      held_at = seq;
+      return Status::OK();
+    }
     return OutOfRangeError(who + " registered no region that holds it" +
                            (owner.empty() ? std::string()
                                           : " for engine '" + std::string(owner) + "'"));

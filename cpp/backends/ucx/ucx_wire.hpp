@@ -86,17 +86,26 @@ class RegionPublication {
   std::uint64_t id_ = 0;  // 0: publishes nothing
 };
 
+/// Sequence value no table has when stable (odd): `held_at` before a range was ever found held.
+inline constexpr std::uint64_t kNeverHeld = 1;
+
 /// OK when `peer` (a process of this host, see VerifyProcessIdentity) publishes a registered
 /// region of `range.kind` that holds `range`, registered for engine `owner` (any engine when
-/// empty). Transport when its identity no longer reads back (it exited), Incompatible when it
-/// publishes no table (another version), OutOfRange when no published region holds the range,
-/// FailedPrecondition for a table that will not read consistently. Thread-safe; a few
-/// process_vm_readv calls.
+/// empty). `held_at`: the table's sequence when this range was last found held (kNeverHeld at
+/// first); while the table has not changed since, only its header is read (one system call).
+/// Transport when its identity no longer reads back (it exited), Incompatible when it publishes
+/// no table (another version), OutOfRange when no published region holds the range,
+/// FailedPrecondition for a table that does not read consistently within a few attempts.
+/// Thread-safe for distinct `held_at`.
 Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
-                            std::string_view owner);
+                            std::string_view owner, std::uint64_t& held_at);
 
 /// Address flag: the backend serves push READs ("Push READ" in ucx_backend.cpp).
 inline constexpr std::uint32_t kAddressFlagServesPush = 1;
+/// Address flag: the backend answers region checks (kPushFlagRegionCheck). A release that
+/// serves push READs but predates region checks would misread one, so a reader asks only a
+/// peer that sets this.
+inline constexpr std::uint32_t kAddressFlagAnswersRegionChecks = 2;
 
 struct WireAddress {
   std::uint32_t ucx_version = 0;
@@ -129,8 +138,9 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes);
 std::vector<std::uint8_t> EncodeKey(const WireKey& key);
 Result<WireKey> DecodeKey(std::span<const std::uint8_t> bytes);
 
-/// Names one push READ: the reader's random per-backend nonce and its sequence number. The
-/// nonce keeps a stranger who cannot see the traffic from guessing an id the reader accepts.
+/// Names one push request (a READ or a region check): a random nonce the reader drew for it and
+/// the reader's sequence number. The nonce keeps anyone but the target the request went to
+/// (other targets of the same reader included) from forging an answer the reader accepts.
 struct PushId {
   std::uint64_t nonce = 0;
   std::uint64_t seq = 0;
