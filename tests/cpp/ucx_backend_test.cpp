@@ -35,6 +35,7 @@
 #include <set>
 #include <random>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
@@ -400,9 +401,10 @@ constexpr std::uint64_t kChildSeed = 77;
 constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
 
 /// Child: owns a target region, serves D(ump) / F(ill) / Q(uit). Never returns. It registers the
-/// region from byte `registered_from` on (0: all of it) and sends the key of that part.
+/// region from byte `registered_from` on (0: all of it) and sends the key of that part; with
+/// `second_allocation`, it then registers a small UCX allocation too and sends its key.
 [[noreturn]] void ChildMain(int fd, const mn::BackendOptions& options, Mem kind,
-                            std::size_t registered_from = 0) {
+                            std::size_t registered_from = 0, bool second_allocation = false) {
   auto fail = [&](const std::string& why) {
     std::fprintf(stderr, "ucx test child: %s\n", why.c_str());
     std::_Exit(3);
@@ -427,6 +429,14 @@ constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
   if (!addr.ok()) fail(addr.status().ToString());
   if (!Send(fd, *addr) || !Send(fd, reg->remote_key) || !Send(fd, U64(buf->range.address))) {
     fail("send");
+  }
+  std::unique_ptr<Memory> extra;  // before the backend's end: deregistered with it
+  if (second_allocation) {
+    extra = Memory::Make(*backend, kRegion / 8, Mem::kAllocated);
+    if (!extra) fail("allocation failed");
+    auto extra_reg = backend->RegisterMemory(extra->range);
+    if (!extra_reg.ok()) fail(extra_reg.status().ToString());
+    if (!Send(fd, extra_reg->remote_key)) fail("send");
   }
   std::vector<std::uint8_t> cmd;
   while (Recv(fd, cmd) && !cmd.empty()) {
@@ -585,9 +595,9 @@ struct ChildSide {
   for (;;) ::pause();
 }
 
-/// "T|H|A|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, H (heap) and A
-/// (allocated through UCX) = target that registers the second half of its region only, I =
-/// initiator (cma refused), R = reader.
+/// "T|H|A|K|I|R;fd;kind;key=value;key=value..." (values without ';'): T = target, H (heap) and A
+/// (allocated through UCX) = target that registers the second half of its region only, K =
+/// target with a second, UCX-allocated registration, I = initiator (cma refused), R = reader.
 [[maybe_unused]] const int kChildDispatch = [] {
   const char* spec = std::getenv(kChildEnv);
   if (spec == nullptr) return 0;
@@ -613,6 +623,7 @@ struct ChildSide {
   if (parts[0] == "R") ReaderMain(fd, options);
   if (parts[0] == "H") ChildMain(fd, options, Mem::kHeap, kRegion / 2);
   if (parts[0] == "A") ChildMain(fd, options, Mem::kAllocated, kRegion / 2);
+  if (parts[0] == "K") ChildMain(fd, options, Mem::kHeap, 0, true);
   ChildMain(fd, options, static_cast<Mem>(std::atoi(parts[2].c_str())));
 }();
 
@@ -642,12 +653,14 @@ pid_t SpawnSelf(char role, Mem kind, const mn::BackendOptions& options, int* fd)
 class Target {
  public:
   /// `role` 'H' / 'A': heap / UCX-allocated memory whose first half the child does not register
-  /// (the key covers the second half; `range` is still the whole region).
+  /// (the key covers the second half; `range` is still the whole region). 'K': a second,
+  /// UCX-allocated registration too (its key: `extra_key`).
   bool Start(const mn::BackendOptions& options, Mem kind, char role = 'T') {
     pid_ = SpawnSelf(role, kind, options, &fd_);
     if (pid_ < 0) return false;
     std::vector<std::uint8_t> base;
     if (!Recv(fd_, address) || !Recv(fd_, key) || !Recv(fd_, base)) return false;
+    if (role == 'K' && !Recv(fd_, extra_key)) return false;
     base_ = base;
     const bool cuda = kind == Mem::kCuda;
     range = {AsU64(base), kRegion, cuda ? mn::MemoryKind::kCuda : mn::MemoryKind::kHost,
@@ -706,7 +719,7 @@ class Target {
     }
   }
 
-  std::vector<std::uint8_t> address, key, base_;
+  std::vector<std::uint8_t> address, key, base_, extra_key;
   mn::MemoryRange range;
 
  private:
@@ -747,8 +760,10 @@ struct Initiator {
   std::uint64_t remote_region = 0;  // the target's whole region
 
   /// Creates the backend, registers `kRegion` bytes of `kind` memory, connects to `target` and
-  /// imports its region. Call inside ASSERT_NO_FATAL_FAILURE.
-  void Connect(const mn::BackendOptions& options, Mem kind, const Target& target) {
+  /// imports its region, as engine `engine_id`'s when given (ExpectPeerOwner). Call inside
+  /// ASSERT_NO_FATAL_FAILURE.
+  void Connect(const mn::BackendOptions& options, Mem kind, const Target& target,
+               std::string_view engine_id = {}) {
     backend = MakeBackend(options, sink);
     ASSERT_NE(backend, nullptr);
     local = Memory::Make(*backend, kRegion, kind);
@@ -759,6 +774,10 @@ struct Initiator {
     auto connected = backend->ConnectPeer(target.address);
     ASSERT_TRUE(connected.ok()) << connected.status().ToString();
     peer = *connected;
+    if (!engine_id.empty()) {
+      const mn::Status named = backend->ExpectPeerOwner(peer, engine_id);
+      ASSERT_TRUE(named.ok()) << named.ToString();
+    }
     auto remote = backend->ImportRemoteRegion(peer, target.range, target.key);
     ASSERT_TRUE(remote.ok()) << remote.status().ToString();
     remote_region = *remote;
@@ -1093,6 +1112,30 @@ TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
   EXPECT_EQ(target.Stop(), 0);
 }
 
+// A range is vouched for only with the key its owner packed for a registration holding it: the
+// key of the target's small UCX allocation claiming the range of its other (genuinely
+// registered) region would have the direct copy go through that allocation's mapping at the
+// other region's offset, which is this process's own memory (second review of the first fix:
+// the check confirmed the range and the READ copied from there).
+TEST(UcxBackend, ARangeWithTheKeyOfAnotherRegistrationIsRefused) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap, 'K'));
+  target.key = ForgedKey(target.extra_key, target.range);
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const std::vector<std::uint8_t> untouched = us.local->Read();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 941, 16, 941)).ok());
+  const mn::Status st = us.sink->Wait(941);
+  EXPECT_FALSE(st.ok()) << "a READ through another registration's key completed";
+  EXPECT_NE(st.ToString().find("with the key it was imported with"), std::string::npos)
+      << st.ToString();
+  EXPECT_EQ(us.local->Read(), untouched);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
 // A push READ's target checks the range but not the engine: the region check before the first
 // one does, so a READ through metadata naming another engine than the target serves moves
 // nothing (before, review: the READ completed OK on the push path; the WRITE was refused).
@@ -1102,8 +1145,10 @@ TEST(UcxBackend, PushReadThroughMetadataNamingAnotherEngineIsRefused) {
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
   Initiator us;
-  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  ASSERT_TRUE(us.backend->ExpectPeerOwner(us.peer, "not-the-target").ok());
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target, "not-the-target"));
+  // Named once its regions are imported, the peer is refused: the checks are per engine.
+  EXPECT_EQ(us.backend->ExpectPeerOwner(us.peer, "another").code(),
+            mn::StatusCode::kFailedPrecondition);
   const std::vector<std::uint8_t> untouched = us.local->Read();
   for (auto [op, token] : {std::pair{mn::TransferOp::kRead, 911}, {mn::TransferOp::kWrite, 912}}) {
     ASSERT_TRUE(us.backend->Submit(us.NewBatch(op, token, 16, token)).ok());

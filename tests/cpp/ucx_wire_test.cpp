@@ -54,8 +54,9 @@ std::vector<std::uint8_t> WithU32(std::vector<std::uint8_t> bytes, std::size_t a
 
 TEST(UcxRegionCheck, RoundTripsItsRangeKindAndEngineAndCarriesNoRuns) {
   const std::vector<std::uint8_t> reply = ReplyAddress();
+  const std::vector<std::uint8_t> key = {9, 8, 7, 6, 5};
   const auto bytes = ucx::EncodeRegionCheck({11, 12}, ucx::kPushFlagPeerErrorHandling, reply,
-                                            kRange, "prefill-0");
+                                            kRange, "prefill-0", key);
   auto request = ucx::DecodePushRequest(bytes);
   ASSERT_TRUE(request.ok()) << request.status().ToString();
   EXPECT_EQ(request->id, (ucx::PushId{11, 12}));
@@ -65,6 +66,7 @@ TEST(UcxRegionCheck, RoundTripsItsRangeKindAndEngineAndCarriesNoRuns) {
   EXPECT_EQ(request->region_start, kRange.address);
   EXPECT_EQ(request->region_size, kRange.size);
   EXPECT_EQ(request->owner, "prefill-0");
+  EXPECT_EQ(request->key, key);
   EXPECT_TRUE(request->sizes.empty());
   // A push READ names no engine and is about host memory.
   const std::vector<std::int64_t> offsets{0}, sizes{64};
@@ -77,17 +79,18 @@ TEST(UcxRegionCheck, RoundTripsItsRangeKindAndEngineAndCarriesNoRuns) {
 
 TEST(UcxRegionCheck, AMalformedCheckIsRefusedNamingWhatIsWrong) {
   const std::vector<std::uint8_t> reply = ReplyAddress();
-  const auto check = ucx::EncodeRegionCheck({1, 1}, 0, reply, kRange, "e");
+  const std::vector<std::uint8_t> key(16, 3);
+  const auto check = ucx::EncodeRegionCheck({1, 1}, 0, reply, kRange, "e", key);
   constexpr std::size_t kCountAt = 28, kFlagsAt = 48;
   // An engine id longer than any engine has.
   auto too_long = ucx::DecodePushRequest(WithU32(check, kCountAt, 1025));
   ASSERT_FALSE(too_long.ok());
   EXPECT_NE(too_long.status().message().find("engine id of 1025 bytes"), std::string::npos)
       << too_long.status().ToString();
-  // A length that does not match the bytes that follow.
-  auto cut = ucx::DecodePushRequest(WithU32(check, kCountAt, 2));
+  // An engine id longer than the bytes that follow (the key is the rest of the message).
+  auto cut = ucx::DecodePushRequest(WithU32(check, kCountAt, 1000));
   ASSERT_FALSE(cut.ok());
-  EXPECT_NE(cut.status().message().find("2-byte engine id"), std::string::npos)
+  EXPECT_NE(cut.status().message().find("1000-byte engine id"), std::string::npos)
       << cut.status().ToString();
   // A memory kind past the known ones.
   std::vector<std::uint8_t> unknown_kind = check;

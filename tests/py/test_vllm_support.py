@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from net_support import free_port
+from net_support import free_ports
 
 LAYERS_DENSE = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
 LLAMA_CONFIG = {
@@ -436,9 +436,11 @@ class Side:
 
         init_none_hash(sha256)
         self.hash_fn = sha256
-        # Ports given in ``extra`` are kept (an instance restarted under the same address).
-        self.handshake_port = int(self.extra.get("handshake_port") or free_port())
-        self.notify_port = int(self.extra.get("notify_port") or free_port())
+        # Ports given in ``extra`` are kept (an instance restarted under the same address). Each
+        # rank listens at base + rank: a block per kind, so that the two never overlap (single
+        # ports picked apart once gave 29953..29954 and 29952..29953 to a TP-2 instance).
+        self.handshake_port = int(self.extra.get("handshake_port") or free_ports(self.tp_size))
+        self.notify_port = int(self.extra.get("notify_port") or free_ports(self.tp_size))
         extra = {
             "mode": self.mode,
             "backend": "loopback",

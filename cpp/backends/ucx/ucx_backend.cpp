@@ -4,6 +4,7 @@
 #include <sched.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
@@ -312,6 +313,7 @@ struct LocalRegion {
   int inflight = 0;                   // batches using it; guarded by UcxBackend::mutex_
   bool deregistered = false;          // worker thread only: push jobs stop reading it
   RegionPublication published;        // for same-host peers' checks, until deregistered
+  std::vector<std::uint8_t> key;      // the UCX key packed for it (region checks compare it)
 };
 
 /// The process an endpoint reaches, as far as its address says: the host, and on it the pid in
@@ -370,6 +372,7 @@ struct RemoteRegion {
   std::shared_ptr<PeerState> peer;
   MemoryRange range;
   ucp_rkey_h rkey = nullptr;      // worker thread only after import
+  std::vector<std::uint8_t> key;  // the UCX key bytes it was imported with (region checks)
   std::uint8_t* direct = nullptr;  // ucp_rkey_ptr mapping of range.address, when available
   // Whether its owner confirmed that it registered `range` for the engine the metadata names
   // (kPushFlagRegionCheck). Every path but batched cma moves bytes only of a confirmed range
@@ -677,6 +680,7 @@ class UcxBackend final : public Backend {
   // The id of `ab`'s next push request (a READ or a region check), under which the answer finds
   // it; then the sending of that request (kept in `ab` while UCX may send from it).
   PushId NewPushId(ActiveBatch& ab);
+  std::uint64_t NextNonce();
   void SendPushRequest(ActiveBatch& ab, std::vector<std::uint8_t> request);
   ActiveBatch* PushRead(std::span<const std::uint8_t> header, std::size_t header_size);
   void ForgetPushRead(const ActiveBatch& ab);
@@ -782,8 +786,11 @@ class UcxBackend final : public Backend {
   // The engine this backend serves (SetOwner): its registrations are published and its region
   // checks answered as that engine's. Worker thread only.
   std::string engine_id_;
-  // Counts this backend's push requests; each draws its own nonce (NewPushId).
+  // Counts this backend's push requests; each draws its own nonce (NewPushId) from nonces_,
+  // filled from the system's random source when empty (NextNonce).
   std::uint64_t next_push_seq_ = 0;
+  std::array<std::uint64_t, 256> nonces_{};
+  std::size_t nonces_left_ = 0;
   std::unordered_map<std::uint64_t, ActiveBatch*> push_reads_;  // by seq, reader side
   std::deque<std::vector<std::uint8_t>> push_requests_;       // received, not yet started
   std::size_t push_held_bytes_ = 0;  // of push_requests_ and the jobs started from them
@@ -1047,6 +1054,7 @@ Result<RegisteredRegion> UcxBackend::RegisterMemory(const MemoryRange& range) {
     key.region_start = range.address;
     key.region_size = range.size;
     key.blob = {static_cast<const std::uint8_t*>(packed), packed_len};
+    region->key.assign(key.blob.begin(), key.blob.end());
     RegisteredRegion out;
     out.remote_key = EncodeKey(key);
     api_->rkey_buffer_release(packed);
@@ -1160,6 +1168,13 @@ Status UcxBackend::ExpectPeerOwner(std::uint64_t peer_id, std::string_view engin
     if (it == peers_.end() || it->second->closed.load()) {
       return NotFoundError("peer " + std::to_string(peer_id) + " is not connected");
     }
+    for (const auto& [rid, remote] : remotes_) {
+      if (remote->peer == it->second) {
+        // Its regions' checks (and cached table reads) were made for the engine named before.
+        return FailedPreconditionError("peer " + std::to_string(peer_id) +
+                                       " has imported regions: name its engine before importing");
+      }
+    }
     it->second->engine_id = engine_id;
     return Status::OK();
   });
@@ -1204,6 +1219,7 @@ Result<std::uint64_t> UcxBackend::ImportRemoteRegion(std::uint64_t peer_id,
     auto remote = std::make_shared<RemoteRegion>();
     remote->peer = peer;
     remote->range = range;
+    remote->key.assign(key.blob.begin(), key.blob.end());
     ucs_status_t st = api_->ep_rkey_unpack(peer->ep, key.blob.data(), &remote->rkey);
     if (st != UCS_OK) {
       return InvalidArgumentError("UCX rejected the remote key of peer " +
@@ -1718,7 +1734,7 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   ab.checking = true;
   ab.check_deadline = Clock::now() + kRegionCheckDeadline;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
-                                        region.range, region.peer->engine_id));
+                                        region.range, region.peer->engine_id, region.key));
   return false;
 }
 
@@ -1753,13 +1769,16 @@ bool UcxBackend::EndRegionChecks() {
       ++it;
       continue;
     }
-    const bool timed_out = !ab.stop && !ab.push_done && now >= ab.check_deadline;
-    if (timed_out) {
+    const bool past_deadline = now >= ab.check_deadline;
+    if (!ab.stop && !ab.push_done && past_deadline) {
       ab.Fail(TimeoutError(PushWhat(ab) + ": no answer within " +
                            std::to_string(kRegionCheckDeadline.count()) +
                            " s (the peer stopped answering, or died); nothing of the batch moved"));
     }
-    if (!(ab.stop || ab.push_done) || (ab.outstanding != 0 && !timed_out)) {
+    // A stopped check (timed out, disconnected, its peer failed) whose send UCX still holds at
+    // the deadline is abandoned below; an answered one waits for its send's callback.
+    const bool abandon = ab.stop && ab.outstanding != 0 && past_deadline;
+    if (!(ab.stop || ab.push_done) || (ab.outstanding != 0 && !abandon)) {
       ++it;
       continue;
     }
@@ -2380,10 +2399,32 @@ PushId UcxBackend::NewPushId(ActiveBatch& ab) {
   // A nonce of the request's own: a peer that saw requests of this backend (sent to it) learns
   // nothing of those sent to another target, so it cannot answer them (a forged "done" to a
   // region check would confirm a range the real target never registered).
-  std::random_device rd;  // the system's random source (getrandom / /dev/urandom)
-  ab.push_id = {(static_cast<std::uint64_t>(rd()) << 32) | rd(), ++next_push_seq_};
+  ab.push_id = {NextNonce(), ++next_push_seq_};
   push_reads_[ab.push_id.seq] = &ab;
   return ab.push_id;
+}
+
+std::uint64_t UcxBackend::NextNonce() {
+  if (nonces_left_ == 0) {
+    // One system call per kNonces requests, never an exception on the progress thread. getrandom
+    // blocks only before the kernel's pool is first ready, long before any engine runs; should
+    // it fail (ENOSYS: a kernel before 3.17), the clock keeps nonces distinct though guessable.
+    auto* bytes = reinterpret_cast<std::uint8_t*>(nonces_.data());
+    std::size_t got = 0;
+    while (got < sizeof(nonces_)) {
+      const ssize_t n = ::getrandom(bytes + got, sizeof(nonces_) - got, 0);
+      if (n > 0) {
+        got += static_cast<std::size_t>(n);
+      } else if (errno != EINTR) {
+        break;
+      }
+    }
+    for (std::size_t i = got / sizeof(std::uint64_t); i < nonces_.size(); ++i) {
+      nonces_[i] = static_cast<std::uint64_t>(Clock::now().time_since_epoch().count()) * (i + 1);
+    }
+    nonces_left_ = nonces_.size();
+  }
+  return nonces_[--nonces_left_];
 }
 
 void UcxBackend::SendPushRequest(ActiveBatch& ab, std::vector<std::uint8_t> request) {
@@ -2650,14 +2691,17 @@ void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
     return;
   }
   const std::uint64_t start = request->region_start, size = request->region_size;
-  // A push READ reads host memory; a region check asks about memory of the kind it names.
+  // A push READ reads host memory; a region check asks about memory of the kind it names, and
+  // about the key it was imported with: the registration must be the one that key was packed
+  // for (a key of another allocation maps other memory).
   const MemoryKind kind = PushRequestKind(*request);
+  const bool check = (request->flags & kPushFlagRegionCheck) != 0;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [id, r] : regions_) {
       const MemoryRange& have = r->range;
       if (have.kind == kind && start >= have.address && size <= have.size &&
-          start - have.address <= have.size - size) {
+          start - have.address <= have.size - size && (!check || r->key == request->key)) {
         job.region = r;
         break;
       }
@@ -2672,7 +2716,8 @@ void UcxBackend::StartPushJob(std::span<const std::uint8_t> message) {
   if (!job.region) {
     job.refusal = OutOfRangeError("push request " + std::to_string(job.id.seq) + " names " +
                                   RangeText({start, size, kind, -1}) + ", which no registered " +
-                                  KindName(kind) + " region of this target holds");
+                                  KindName(kind) + " region of this target holds" +
+                                  (check ? " with the key it was imported with" : ""));
     return;
   }
   if (Status runs = CheckPushRuns(*request); !runs.ok()) {

@@ -485,11 +485,13 @@ std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flag
 
 std::vector<std::uint8_t> EncodeRegionCheck(const PushId& id, std::uint64_t flags,
                                             std::span<const std::uint8_t> reply_address,
-                                            const MemoryRange& range, std::string_view owner) {
+                                            const MemoryRange& range, std::string_view owner,
+                                            std::span<const std::uint8_t> key) {
   flags |= kPushFlagRegionCheck | (static_cast<std::uint64_t>(range.kind) << 8);
   std::vector<std::uint8_t> out =
       PushRequestHead(id, flags, reply_address, range.address, range.size, owner.size());
   out.insert(out.end(), owner.begin(), owner.end());
+  out.insert(out.end(), key.begin(), key.end());
   return SealPushRequest(std::move(out));
 }
 
@@ -542,8 +544,10 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
                                 " bytes, more than one may have (" +
                                 std::to_string(kMaxOwnerBytes) + ")");
   }
-  if (address_len == 0 || address_len > kMaxBlob ||
-      bytes.size() != kPushHeader + address_len + 16 * runs + owner_len) {
+  // A region check's key is the rest of the message.
+  const std::uint64_t fixed = kPushHeader + address_len + 16 * runs + owner_len;
+  if (address_len == 0 || address_len > kMaxBlob || bytes.size() < fixed ||
+      (check ? bytes.size() - fixed > kMaxBlob : bytes.size() != fixed)) {
     return InvalidArgumentError(what + " is " + std::to_string(bytes.size()) +
                                 " bytes but its header announces a " +
                                 std::to_string(address_len) + "-byte address and " +
@@ -570,6 +574,7 @@ Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes) {
     out.sizes[i] = Get(bytes, at + 8, 8);
   }
   out.owner.assign(reinterpret_cast<const char*>(bytes.data() + at), owner_len);
+  out.key.assign(bytes.begin() + static_cast<std::ptrdiff_t>(at + owner_len), bytes.end());
   return out;
 }
 

@@ -164,6 +164,11 @@ struct PushRequest {
   /// A region check: the engine id whose registration it asks about ("" for any). It travels
   /// where a push READ's runs do, the run count field holding its length.
   std::string owner;
+  /// A region check: the UCX key bytes (WireKey::blob) the reader imported the range with; the
+  /// rest of the message after the engine id. The range is vouched for only together with the
+  /// key the owner packed for a registration holding it: a key of another allocation maps
+  /// other memory (UCX's mapping of it is offset arithmetic from that allocation's base).
+  std::vector<std::uint8_t> key;
 };
 
 /// The most runs one push request carries (16 MiB of runs): the target holds whole requests
@@ -184,8 +189,9 @@ inline constexpr std::uint64_t kPushFlagPeerErrorHandling = 1;
 
 /// Request flag: a region check. It carries no runs and asks only whether the target registered
 /// memory of the kind in bits 8-15 (MemoryKind) that holds [region_start, +region_size), for the
-/// engine the request names (PushRequest::owner, any when empty); the target answers done (0
-/// bytes sent) or failed with the reason. A peer's metadata names the
+/// engine the request names (PushRequest::owner, any when empty), and packed the key it carries
+/// (PushRequest::key) for that registration; the target answers done (0 bytes sent) or failed
+/// with the reason. A peer's metadata names the
 /// ranges its keys are for, and nothing but the owner can vouch for them: UCX's own CMA and
 /// software RMA (tcp) take any address through a key, so an unchecked range would reach any of
 /// the owner's memory.
@@ -200,10 +206,12 @@ std::vector<std::uint8_t> EncodePushRequest(const PushId& id, std::uint64_t flag
                                             std::uint64_t region_start, std::uint64_t region_size,
                                             std::span<const std::int64_t> offsets,
                                             std::span<const std::int64_t> sizes);
-/// A region check (kPushFlagRegionCheck) of memory of `kind`, asking for engine `owner`.
+/// A region check (kPushFlagRegionCheck) of `range` (and its memory kind) imported with UCX key
+/// bytes `key`, asking for engine `owner`.
 std::vector<std::uint8_t> EncodeRegionCheck(const PushId& id, std::uint64_t flags,
                                             std::span<const std::uint8_t> reply_address,
-                                            const MemoryRange& range, std::string_view owner);
+                                            const MemoryRange& range, std::string_view owner,
+                                            std::span<const std::uint8_t> key);
 /// InvalidArgument when `bytes` has no push header, or its reply address is cut short or does
 /// not decode (DecodeAddress, whose own checksum it has): then nobody can be answered. Checks
 /// nothing else (DecodePushRequest does).
