@@ -553,7 +553,15 @@ def plain_instance(
 # abort_timeout: a READ-mode decode reads only if its READ (up to transfer_timeout) ends 1 s
 # before the prefill's hold (its abort_timeout) does; at the default 120 s that left a request
 # 29 s to reach the decode's READ, less than one such TP-2 step.
-CONNECTOR_DEFAULTS: dict[str, Any] = {"transfer_timeout": 90.0, "abort_timeout": 300.0}
+# ping_interval: vllm-router 0.1.17 drops an instance about 5 s after its last registration ping
+# (its log: "Remove Decode ... expired"), and the connector's default interval (3 s, vLLM's own)
+# leaves one late ping on this loaded machine to do it: a request in that gap got "HTTP 503: No
+# eligible P/D pair" (CI, 2026-12-05). At 1 s, four pings in a row must be late.
+CONNECTOR_DEFAULTS: dict[str, Any] = {
+    "transfer_timeout": 90.0,
+    "abort_timeout": 300.0,
+    "ping_interval": 1.0,
+}
 
 
 def connector_config(extra_config: str) -> str:
