@@ -198,11 +198,11 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 ///   exactly once with an error (Aborted or Transport, naming the peer), possibly after
 ///   DisconnectPeer returned (UCX: once the transport ended what it had posted, at most a few
 ///   seconds later for a peer that stopped answering; DisconnectPeer itself does not wait, and
-///   the local regions of those batches can be deregistered once they completed). A batch the transport had already finished completes OK. A WRITE
-///   batch whose writes the transport could not confirm before the connection closed completes
-///   through OnBatchUnconfirmed: it no longer uses the local memory, but the peer's may still
-///   change (the backend contract that a completed batch writes no more holds only for
-///   OnBatchComplete).
+///   the local regions of those batches can be deregistered once they completed). A batch the
+///   transport had already finished completes OK. A WRITE batch whose writes the transport could
+///   not confirm before the connection closed completes through OnBatchUnconfirmed: it no longer
+///   uses the local memory, but the peer's may still change (the backend contract that a
+///   completed batch writes no more holds only for OnBatchComplete).
 /// - Cell batches (Batch::cells) are an optional capability, asked per region pair and geometry
 ///   with AcceptsCells before any is built; the engine plans runs wherever the answer is no
 ///   (loopback takes cells between host regions; UCX only on its CUDA IPC direct path with the

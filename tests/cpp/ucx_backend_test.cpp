@@ -816,6 +816,27 @@ struct Initiator {
     MakeRuns(*b, kRegion, runs, seed);
     return b;
   }
+
+  /// Submits `batches` together and checks that each completes once, failed, naming `reason`,
+  /// and that nothing moved: `target`'s region still holds its kChildSeed pattern and the local
+  /// region what it held before. Call inside ASSERT_NO_FATAL_FAILURE.
+  void ExpectRefusedAndNothingMoved(const std::vector<std::shared_ptr<mn::Batch>>& batches,
+                                    std::string_view reason, Target& target) const {
+    const std::vector<std::uint8_t> want_local = local->Read();
+    for (const auto& b : batches) ASSERT_TRUE(backend->Submit(b).ok());
+    for (const auto& b : batches) {
+      const mn::Status st = sink->Wait(b->token);
+      EXPECT_FALSE(st.ok()) << "batch " << b->token << " moved bytes it had no right to";
+      EXPECT_NE(st.ToString().find(reason), std::string::npos) << st.ToString();
+      EXPECT_EQ(sink->Count(b->token), 1);
+    }
+    const std::vector<std::uint8_t> got_remote = target.Dump();
+    ASSERT_EQ(got_remote.size(), kRegion);
+    EXPECT_EQ(FirstDiff(got_remote.data(), Pattern(kRegion, kChildSeed).data(), kRegion), -1)
+        << "the target's memory changed";
+    EXPECT_EQ(FirstDiff(local->Read().data(), want_local.data(), kRegion), -1)
+        << "bytes were read into the local region";
+  }
 };
 
 TEST_P(UcxTwoProcess, ReadAndWriteManyRunsMoveExactlyTheRunBytes) {
@@ -910,38 +931,16 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"cuda_ucx_ops", Mem::kCuda, Mem::kCuda, Path::kOps, {{"ucx_direct_copy", "off"}}}),
     [](const ::testing::TestParamInfo<Mode>& p) { return std::string(p.param.name); });
 
-/// FNV-1a as the address envelope uses it (ucx_wire.hpp), so a test can alter a field and still
-/// present a well-formed address.
-std::uint64_t Fnv1a(const std::uint8_t* p, std::size_t n, std::uint64_t h) {
-  for (std::size_t i = 0; i < n; ++i) {
-    h ^= p[i];
-    h *= 0x100000001b3ull;
-  }
-  return h;
-}
-
-/// `bytes`, an envelope with the FNV-1a of its header and blob at `sum_at` and its blob from
-/// `header` on, with `n` bytes at `at` replaced by `value` (little-endian) and the checksum redone.
-std::vector<std::uint8_t> Resealed(std::vector<std::uint8_t> bytes, std::size_t sum_at,
-                                   std::size_t header, std::size_t at, int n,
-                                   std::uint64_t value) {
-  for (int i = 0; i < n; ++i) bytes[at + i] = static_cast<std::uint8_t>(value >> (8 * i));
-  std::uint64_t h = Fnv1a(bytes.data(), sum_at, 0xcbf29ce484222325ull);
-  h = Fnv1a(bytes.data() + header, bytes.size() - header, h);
-  for (int i = 0; i < 8; ++i) bytes[sum_at + i] = static_cast<std::uint8_t>(h >> (8 * i));
-  return bytes;
-}
-
 /// An address ("MNUCXAD2" layout) with a field altered.
 std::vector<std::uint8_t> Forged(std::vector<std::uint8_t> address, std::size_t at, int n,
                                  std::uint64_t value) {
-  return Resealed(std::move(address), 80, 88, at, n, value);
+  return mn::testing_support::Resealed(std::move(address), 80, 88, at, n, value);
 }
 
 /// A remote key ("MNUCXRK1" layout: region start at 16, size at 24) claiming another region.
 std::vector<std::uint8_t> ForgedKey(std::vector<std::uint8_t> key, const mn::MemoryRange& claim) {
-  key = Resealed(std::move(key), 32, 40, 16, 8, claim.address);
-  return Resealed(std::move(key), 32, 40, 24, 8, claim.size);
+  key = mn::testing_support::Resealed(std::move(key), 32, 40, 16, 8, claim.address);
+  return mn::testing_support::Resealed(std::move(key), 32, 40, 24, 8, claim.size);
 }
 
 std::uint64_t Field(const std::vector<std::uint8_t>& address, std::size_t at, int n) {
@@ -1035,23 +1034,12 @@ TEST(UcxBackend, ForgedRegionOutsideTheTargetsRegistrationIsRefused) {
     Initiator us;
     ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
     us.local->Write(Pattern(kRegion, 1000 + token));
-    const std::vector<std::uint8_t> want_local = us.local->Read();
     // Submitted together: on the operation paths the WRITE waits for the READ's region check.
     const std::uint64_t read = token++, write = token++;
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, read, 64, read)).ok());
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kWrite, write, 64, write)).ok());
-    for (std::uint64_t t : {read, write}) {
-      const mn::Status st = us.sink->Wait(t);
-      EXPECT_FALSE(st.ok()) << "batch " << t << " moved bytes the target never registered";
-      EXPECT_NE(st.ToString().find(c.reason), std::string::npos) << st.ToString();
-      EXPECT_EQ(us.sink->Count(t), 1);
-    }
-    const std::vector<std::uint8_t> got_remote = target.Dump();
-    ASSERT_EQ(got_remote.size(), kRegion);
-    EXPECT_EQ(FirstDiff(got_remote.data(), Pattern(kRegion, kChildSeed).data(), kRegion), -1)
-        << "the target's memory changed";
-    EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1)
-        << "bytes were read into the local region";
+    ASSERT_NO_FATAL_FAILURE(us.ExpectRefusedAndNothingMoved(
+        {us.NewBatch(mn::TransferOp::kRead, read, 64, read),
+         us.NewBatch(mn::TransferOp::kWrite, write, 64, write)},
+        c.reason, target));
     us.Disconnect();
     EXPECT_EQ(target.Stop(), 0);
   }
@@ -1073,18 +1061,10 @@ TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
     Initiator us;
     ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
     us.local->Write(Pattern(kRegion, 4242));
-    const std::vector<std::uint8_t> want_local = us.local->Read();
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 901, 64, 901)).ok());
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kWrite, 902, 64, 902)).ok());
-    for (std::uint64_t t : {901, 902}) {
-      const mn::Status st = us.sink->Wait(t);
-      EXPECT_FALSE(st.ok()) << "batch " << t << " moved bytes the target never registered";
-      EXPECT_NE(st.ToString().find("which no registered host region of this target holds"),
-                std::string::npos)
-          << st.ToString();
-    }
-    EXPECT_EQ(target.Dump(), Pattern(kRegion, kChildSeed)) << "the target's memory changed";
-    EXPECT_EQ(us.local->Read(), want_local) << "bytes were read into the local region";
+    ASSERT_NO_FATAL_FAILURE(us.ExpectRefusedAndNothingMoved(
+        {us.NewBatch(mn::TransferOp::kRead, 901, 64, 901),
+         us.NewBatch(mn::TransferOp::kWrite, 902, 64, 902)},
+        "which no registered host region of this target holds", target));
     us.Disconnect();
     EXPECT_EQ(target.Stop(), 0);
   }
@@ -1095,16 +1075,11 @@ TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   const std::vector<std::uint8_t> untouched = us.local->Read();
-  auto past = std::make_shared<mn::Batch>();
-  past->op = mn::TransferOp::kRead;
-  past->local_region = us.local_region;
-  past->peer = us.peer;
-  past->remote_region = us.remote_region;
-  past->token = 921;
-  past->local_offsets = {0};
-  past->remote_offsets = {static_cast<std::int64_t>(kRegion + (1u << 20))};
-  past->sizes = {4096};
-  ASSERT_TRUE(us.backend->Submit(past).ok());
+  ASSERT_TRUE(us.backend
+                  ->Submit(mn::testing_support::MakeBatch(
+                      mn::TransferOp::kRead, us.local_region, us.peer, us.remote_region, {0},
+                      {static_cast<std::int64_t>(kRegion + (1u << 20))}, {4096}, 921))
+                  .ok());
   const mn::Status st = us.sink->Wait(921);
   EXPECT_FALSE(st.ok()) << "a READ past the target's allocation completed";
   EXPECT_EQ(us.local->Read(), untouched);
@@ -1125,13 +1100,9 @@ TEST(UcxBackend, ARangeWithTheKeyOfAnotherRegistrationIsRefused) {
   target.key = ForgedKey(target.extra_key, target.range);
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  const std::vector<std::uint8_t> untouched = us.local->Read();
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 941, 16, 941)).ok());
-  const mn::Status st = us.sink->Wait(941);
-  EXPECT_FALSE(st.ok()) << "a READ through another registration's key completed";
-  EXPECT_NE(st.ToString().find("with the key it was imported with"), std::string::npos)
-      << st.ToString();
-  EXPECT_EQ(us.local->Read(), untouched);
+  ASSERT_NO_FATAL_FAILURE(us.ExpectRefusedAndNothingMoved(
+      {us.NewBatch(mn::TransferOp::kRead, 941, 16, 941)}, "with the key it was imported with",
+      target));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }
@@ -1149,16 +1120,10 @@ TEST(UcxBackend, PushReadThroughMetadataNamingAnotherEngineIsRefused) {
   // Named once its regions are imported, the peer is refused: the checks are per engine.
   EXPECT_EQ(us.backend->ExpectPeerOwner(us.peer, "another").code(),
             mn::StatusCode::kFailedPrecondition);
-  const std::vector<std::uint8_t> untouched = us.local->Read();
   for (auto [op, token] : {std::pair{mn::TransferOp::kRead, 911}, {mn::TransferOp::kWrite, 912}}) {
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(op, token, 16, token)).ok());
-    const mn::Status st = us.sink->Wait(token);
-    EXPECT_FALSE(st.ok()) << "batch " << token << " moved bytes of another engine's region";
-    EXPECT_NE(st.ToString().find("asks about engine 'not-the-target'"), std::string::npos)
-        << st.ToString();
+    ASSERT_NO_FATAL_FAILURE(us.ExpectRefusedAndNothingMoved(
+        {us.NewBatch(op, token, 16, token)}, "asks about engine 'not-the-target'", target));
   }
-  EXPECT_EQ(us.local->Read(), untouched);
-  EXPECT_EQ(target.Dump(), Pattern(kRegion, kChildSeed));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }

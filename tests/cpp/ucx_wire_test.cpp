@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "backend_test_support.hpp"
+
 namespace mn = moriio_native;
 namespace ucx = moriio_native::detail::ucx;
 
@@ -24,24 +26,6 @@ const mn::MemoryRange kRange{0x10000, 4096, mn::MemoryKind::kCuda, 0};
 std::vector<std::uint8_t> ReplyAddress() {
   const std::vector<std::uint8_t> blob(40, 7);
   return ucx::EncodeAddress(0x011600, ucx::LocalHostId(), ucx::LocalProcessIdentity(), blob);
-}
-
-/// A push request's checksum redone ("MNUCXPQ1" layout: the FNV-1a of the 56 header bytes before
-/// it and of everything after the 64-byte header), so that a test's altered field reaches the
-/// checks behind it.
-std::vector<std::uint8_t> Resealed(std::vector<std::uint8_t> bytes) {
-  constexpr std::size_t kSumAt = 56, kHeader = 64;
-  auto fnv = [](const std::uint8_t* p, std::size_t n, std::uint64_t h) {
-    for (std::size_t i = 0; i < n; ++i) {
-      h ^= p[i];
-      h *= 0x100000001b3ull;
-    }
-    return h;
-  };
-  std::uint64_t h = fnv(bytes.data(), kSumAt, 0xcbf29ce484222325ull);
-  h = fnv(bytes.data() + kHeader, bytes.size() - kHeader, h);
-  for (int i = 0; i < 8; ++i) bytes[kSumAt + i] = static_cast<std::uint8_t>(h >> (8 * i));
-  return bytes;
 }
 
 /// `bytes` with the u32 at `at` set to `value` (the checksum not redone: what a decoder must
@@ -92,10 +76,10 @@ TEST(UcxRegionCheck, AMalformedCheckIsRefusedNamingWhatIsWrong) {
   ASSERT_FALSE(cut.ok());
   EXPECT_NE(cut.status().message().find("1000-byte engine id"), std::string::npos)
       << cut.status().ToString();
-  // A memory kind past the known ones.
-  std::vector<std::uint8_t> unknown_kind = check;
-  unknown_kind[kFlagsAt + 1] = 9;
-  auto kind = ucx::DecodePushRequest(Resealed(unknown_kind));
+  // A memory kind past the known ones (the checksum redone: "MNUCXPQ1" layout, the FNV-1a of
+  // the 56 header bytes before it and of everything after the 64-byte header).
+  auto kind = ucx::DecodePushRequest(
+      mn::testing_support::Resealed(check, 56, 64, kFlagsAt + 1, 1, 9));
   ASSERT_FALSE(kind.ok());
   EXPECT_NE(kind.status().message().find("unknown memory kind 9"), std::string::npos)
       << kind.status().ToString();

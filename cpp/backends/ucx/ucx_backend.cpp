@@ -100,8 +100,9 @@ constexpr auto kIdleLivenessInterval = std::chrono::seconds(1);
 // terminal state. The target never writes the reader's memory, so a stranger's request cannot
 // make it write anywhere; all it can read is memory the target registered (as a get could).
 // A request of no runs flagged kPushFlagRegionCheck asks only whether the target registered the
-// range (of the kind it names): a reader sends it before the first UCX operation on an imported
-// region (RegionConfirmed), since UCX's software RMA takes any address behind a valid key.
+// range (of the kind it names, for the engine it names, with the key it carries): a reader sends
+// it before the first batch on an imported region on every path but batched cma
+// (RegionConfirmed; StartOnPath says why).
 // All messages are eager: a rendezvous would make the receiving UCX fetch the payload with a get.
 constexpr unsigned kAmPushRequest = 0x6d01;
 constexpr unsigned kAmPushData = 0x6d02;
@@ -633,7 +634,7 @@ class UcxBackend final : public Backend {
   bool RunCommands();
   bool ActivateSubmitted();
   // Picks the batch's data path and starts it, or, when that path needs its remote region
-  // confirmed first, starts or joins the region check (StartRegionCheck).
+  // confirmed first, starts or joins the region check (RegionConfirmed).
   void StartOnPath(ActiveBatch& ab);
   // Whether the remote region of `ab` is confirmed; otherwise parks `ab` behind the check that
   // runs, starts one, or fails `ab` when the peer cannot answer checks.
@@ -2406,7 +2407,7 @@ PushId UcxBackend::NewPushId(ActiveBatch& ab) {
 
 std::uint64_t UcxBackend::NextNonce() {
   if (nonces_left_ == 0) {
-    // One system call per kNonces requests, never an exception on the progress thread. getrandom
+    // One system call per nonces_.size() requests, no exception on the progress thread. getrandom
     // blocks only before the kernel's pool is first ready, long before any engine runs; should
     // it fail (ENOSYS: a kernel before 3.17), the clock keeps nonces distinct though guessable.
     auto* bytes = reinterpret_cast<std::uint8_t*>(nonces_.data());

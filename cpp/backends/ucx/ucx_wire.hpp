@@ -191,10 +191,9 @@ inline constexpr std::uint64_t kPushFlagPeerErrorHandling = 1;
 /// memory of the kind in bits 8-15 (MemoryKind) that holds [region_start, +region_size), for the
 /// engine the request names (PushRequest::owner, any when empty), and packed the key it carries
 /// (PushRequest::key) for that registration; the target answers done (0 bytes sent) or failed
-/// with the reason. A peer's metadata names the
-/// ranges its keys are for, and nothing but the owner can vouch for them: UCX's own CMA and
-/// software RMA (tcp) take any address through a key, so an unchecked range would reach any of
-/// the owner's memory.
+/// with the reason. A peer's metadata names the ranges its keys are for, and nothing but the
+/// owner can vouch for them: UCX's software RMA (tcp) takes any address through a key, and its
+/// mappings (ucp_rkey_ptr) end where the key's allocation does, not the registration.
 inline constexpr std::uint64_t kPushFlagRegionCheck = 2;
 
 /// The memory kind a request asks about: host for a push READ, the kind it names for a region
@@ -217,8 +216,8 @@ std::vector<std::uint8_t> EncodeRegionCheck(const PushId& id, std::uint64_t flag
 /// nothing else (DecodePushRequest does).
 Result<PushReplyTo> DecodePushReplyTo(std::span<const std::uint8_t> bytes);
 /// InvalidArgument naming what is wrong (size, magic, checksum, run count above kMaxPushRuns, a
-/// wrapping region, a region check that carries runs or names no memory kind). The runs are not
-/// checked: see CheckPushRuns.
+/// wrapping region, a region check's engine id too long or its memory kind unknown). The runs
+/// are not checked: see CheckPushRuns.
 Result<PushRequest> DecodePushRequest(std::span<const std::uint8_t> bytes);
 /// OutOfRange naming the run index for a run that is empty or does not lie inside the request's
 /// region (overflow included).
