@@ -374,6 +374,8 @@ class _EventLog:
         self.quarantined_blocks = 0
         self.verified = 0
         self.verify_failures = 0
+        self.confirmed_reads = 0
+        self.confirm_failures = 0
 
     def record(self, *, ok: bool) -> None:
         self.failures += not ok
@@ -399,6 +401,12 @@ class _EventLog:
             self.verified += 1
         else:
             self.verify_failures += 1
+
+    def record_confirm(self, *, ok: bool) -> None:
+        if ok:
+            self.confirmed_reads += 1
+        else:
+            self.confirm_failures += 1
 
 
 def _core(

@@ -7,8 +7,9 @@ WRITE) at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP
 TP 1 in READ, prefill TP 1 -> decode TP 2 in WRITE, and both in both modes with
 ``MORIIO_E2E_ALL_TP=1``: the model's 2 KV heads split one per TP-2 rank, so a decode rank
 gathers heads from both prefill ranks or takes a head slice of the one), with
-HMAC on: the fixed greedy requests of prompts.py through examples/launch/proxy.py and through
-vllm-router must equal the plain instance's completions token for token, cold and warm and
+HMAC on (and ``confirm_reads`` in the READ setups with a TP-2 prefill: every READ confirmed
+with the prefill): the fixed greedy requests of prompts.py through examples/launch/proxy.py and
+through vllm-router must equal the plain instance's completions token for token, cold and warm and
 concurrently; the decode's metrics must show prompt tokens from external KV transfer; the
 connector's Prometheus series must be present and count a transfer per request and pair of
 ranks that share heads; with different TP sizes every rank that moves bytes must have logged
@@ -68,6 +69,12 @@ if os.environ.get("MORIIO_E2E_ALL_TP"):
     SETUPS += [("read", 1, 2), ("write", 2, 1)]
 
 
+def _confirms_reads(mode: str, prefill_tp: int) -> bool:
+    """READ setups with a TP-2 prefill run with ``confirm_reads`` on both instances (every READ
+    part confirmed with the prefill rank it read from); TP 1 keeps the default."""
+    return mode == "read" and prefill_tp == 2
+
+
 def _setup_id(mode: str, prefill_tp: int, decode_tp: int) -> str:
     return f"{mode}-{PDSettings(mode, 0, prefill_tp=prefill_tp, decode_tp=decode_tp).tag}"
 
@@ -92,6 +99,9 @@ def cluster(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         secret=secrets.token_hex(32),
+        extra_config=json.dumps({"confirm_reads": True})
+        if _confirms_reads(mode, prefill_tp)
+        else "",
     )
     with serving.stack() as st:
         router = serving.proxy_router(env, settings.ping_port)
@@ -166,6 +176,10 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     ):
         assert serving.metric_value(samples, hist + "_count") == transfers, hist
     assert serving.metric_value(samples, "vllm:moriio_native_quarantined_blocks_total") == 0
+    confirms = _confirms_reads(cluster.settings.mode, cluster.settings.tp_of("prefill"))
+    confirmed = serving.metric_value(samples, "vllm:moriio_native_confirmed_reads_total")
+    assert confirmed == (transfers if confirms else 0), f"{confirmed} READs confirmed"
+    assert serving.metric_value(samples, "vllm:moriio_native_confirm_failures_total") == 0
     # Both instances export the series (the other side's counters are simply lower), and neither
     # saw a transfer fail: a WRITE-mode decode that gave up waiting counts its failure itself.
     other = cluster.prefill if _connector_side(cluster) is cluster.decode else cluster.decode

@@ -961,7 +961,8 @@ def _ask_raw(dealer, request: dict) -> HandshakeRejected:
 def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
     fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
-    READ hold) or 4 (before write_aborted named its decode rank) gets the version error, with
+    READ hold), 4 (before write_aborted named its decode rank) or 5 (before confirm_reads and
+    hold checks) gets the version error, with
     its nonce, and so does a newer one whose request carries a key this version does not know
     (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
@@ -969,20 +970,20 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 5)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 6)"
         assert reply.nonce == v1["nonce"]
-        for older in (2, 3, 4):
+        for older in (2, 3, 4, 5):
             reply = _ask_raw(dealer, {**v1, "protocol_version": older})
-            assert reply.reason == f"protocol version {older} is not supported (this side speaks 5)"
-        v6 = {**v1, "protocol_version": 6, "field_of_version_6": [1, 2]}
-        reply = _ask_raw(dealer, v6)
-        assert reply.reason == "protocol version 6 is not supported (this side speaks 5)"
-        assert server.stats()["rejected"] == 5
+            assert reply.reason == f"protocol version {older} is not supported (this side speaks 6)"
+        v7 = {**v1, "protocol_version": 7, "field_of_version_7": [1, 2]}
+        reply = _ask_raw(dealer, v7)
+        assert reply.reason == "protocol version 7 is not supported (this side speaks 6)"
+        assert server.stats()["rejected"] == 6
 
 
-def test_protocol_version_is_5():
-    assert PROTOCOL_VERSION == 5
-    assert HandshakeRequest("d").protocol_version == 5
+def test_protocol_version_is_6():
+    assert PROTOCOL_VERSION == 6
+    assert HandshakeRequest("d").protocol_version == 6
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1045,7 +1046,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 5)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 6)")
 
 
 @pytest.mark.parametrize(

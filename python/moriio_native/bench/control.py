@@ -9,6 +9,9 @@ Two processes on 127.0.0.1 (the responder is a spawned child, so the two sides s
 * ``handshake``: :func:`fetch_metadata` against a :class:`HandshakeServer` whose provider
   returns ``--metadata-bytes`` of engine metadata (a new socket and connection each time, as a
   worker meets a new peer).
+* ``hold check``: :func:`fetch_checksums` of a ``hold_only`` :class:`ChecksumRequest` naming
+  ``--blocks`` block ids, answered by the same server (no checksums): the round trip
+  ``confirm_reads`` adds to every READ (a new connection each time, as the decode makes it).
 * ``raw zmq``: the baseline, measured in the same run: a DEALER sends a msgpack payload of the
   same size to a ROUTER in the child, which echoes it (no schema, no authentication, no queues).
 
@@ -38,9 +41,12 @@ from moriio_native.control.channel import (
     HandshakeServer,
     NotifyListener,
     NotifySender,
+    fetch_checksums,
     fetch_metadata,
 )
 from moriio_native.control.messages import (
+    ChecksumRequest,
+    ChecksumResponse,
     HandshakeRequest,
     HandshakeResponse,
     RemoteBlocks,
@@ -79,6 +85,11 @@ def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
     def provide(_request: HandshakeRequest) -> HandshakeResponse:
         return HandshakeResponse(engine_id="prefill", engine_metadata=metadata)
 
+    def hold_check(request: ChecksumRequest) -> ChecksumResponse:
+        if not request.hold_only:
+            raise RuntimeError("the benchmark asks for hold checks only")
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
     stop = threading.Event()
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.ROUTER)
@@ -92,7 +103,7 @@ def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
 
     with (
         NotifyListener(0, security, bind_host=LOCAL) as listener,
-        HandshakeServer(0, provide, security, bind_host=LOCAL) as server,
+        HandshakeServer(0, provide, security, bind_host=LOCAL, checksums=hold_check) as server,
         NotifySender(security) as sender,
     ):
         conn.send((listener.port, server.port, raw_port))
@@ -183,6 +194,25 @@ def _handshake_round_trips(
     return out
 
 
+def _hold_check_round_trips(
+    security: ControlSecurity, port: int, blocks: int, n: int
+) -> list[float]:
+    out = []
+    for i in range(n):
+        request = ChecksumRequest(
+            requester_engine_id="decode",
+            transfer_id=f"hold-{i}",
+            block_ids=tuple(range(1, blocks + 1)),
+            hold_only=True,
+        )
+        t = time.perf_counter()
+        answer = fetch_checksums(LOCAL, port, request, timeout=WAIT, security=security)
+        out.append((time.perf_counter() - t) * 1e6)
+        if answer.checksums:
+            raise RuntimeError("a hold check's answer carried checksums")
+    return out
+
+
 def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
     """One responder process; raw, notify and handshake round trips against it."""
     ctx = mp.get_context("spawn")
@@ -207,6 +237,8 @@ def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
             handshake = _handshake_round_trips(
                 security, handshake_port, args.metadata_bytes, args.handshakes
             )
+            _hold_check_round_trips(security, handshake_port, args.blocks, warm)
+            hold = _hold_check_round_trips(security, handshake_port, args.blocks, args.handshakes)
     finally:
         parent.send("stop")
         proc.join(timeout=10)
@@ -217,13 +249,14 @@ def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
         _percentiles(raw, raw_p50, "raw zmq echo", hmac),
         _percentiles(notify, raw_p50, "remote_blocks -> write_done", hmac),
         _percentiles(handshake, raw_p50, "handshake", hmac),
+        _percentiles(hold, raw_p50, "hold check", hmac),
     ]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--iterations", type=int, default=2000, help="notify round trips")
-    parser.add_argument("--handshakes", type=int, default=500)
+    parser.add_argument("--handshakes", type=int, default=500, help="handshakes, hold checks")
     parser.add_argument("--blocks", type=int, default=256, help="block ids per remote_blocks")
     parser.add_argument("--metadata-bytes", type=int, default=16384)
     parser.add_argument("--json", help="write the rows as JSON to this file")

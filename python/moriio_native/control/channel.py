@@ -955,9 +955,10 @@ class HandshakeServer(_RouterListener):
     before (a captured request replayed). When ``learn_peers`` is true, the source IP of each
     answered request is added to the allowlist, so this side may later notify that peer.
 
-    ``checksums`` (set where transfers are verified) answers :class:`ChecksumRequest` s the
-    same way, on a hub thread of this server's own (a checksum answer can take long); without
-    it they are rejected ("does not verify"), and requests larger than a handshake request are
+    ``checksums`` (set where transfers are verified or reads confirmed) answers
+    :class:`ChecksumRequest` s the same way, on a hub thread of this server's own (a checksum
+    answer can take long, a hold check waits for the send task); without it they are rejected
+    ("neither verifies nor confirms"), and requests larger than a handshake request are
     dropped.
     """
 
@@ -1004,9 +1005,10 @@ class HandshakeServer(_RouterListener):
         self, request: ChecksumRequest, peer: _Sender
     ) -> ChecksumResponse | HandshakeRejected:
         if self._checksums is None:
+            asked = "a hold check" if request.hold_only else "checksums"
             return HandshakeRejected(
-                f"checksums of transfer {request.transfer_id} asked, but this instance does not "
-                "verify transfers (verify is off here)",
+                f"{asked} of transfer {request.transfer_id} asked, but this instance neither "
+                "verifies transfers nor confirms reads (verify and confirm_reads are off here)",
                 request.nonce,
             )
         try:
@@ -1200,9 +1202,11 @@ def fetch_metadata(
     context: zmq.Context | None = None,
     max_response_bytes: int = MAX_HANDSHAKE_RESPONSE_BYTES,
     verify: bool = False,
+    confirm_reads: bool = False,
 ) -> HandshakeResponse:
     """Ask the handshake server at ``host:port`` for its metadata (``verify``: whether this
-    side checks transfers end to end; the server refuses a mismatch).
+    side checks transfers end to end, the server refuses a mismatch; ``confirm_reads``: whether
+    this side confirms its READs with hold checks, refused by a server that answers none).
 
     Checks the allowlist first (PeerNotAllowedError, no socket created). Then one request,
     waiting at most ``timeout`` seconds: TransferTimeoutError when no reply came (dead port,
@@ -1211,7 +1215,7 @@ def fetch_metadata(
     rejected the request (its reason included), IncompatiblePeerError for another protocol
     version. Blocks the calling thread; thread-safe (uses its own socket).
     """
-    request = HandshakeRequest(requester_engine_id, verify=verify)
+    request = HandshakeRequest(requester_engine_id, verify=verify, confirm_reads=confirm_reads)
     reply = _ask(
         host,
         port,

@@ -94,9 +94,11 @@ from .schema import (
 # request carries sent_ms (a server with a secret answers it only while fresh). 4: the
 # handshake response carries answered_ms, the kv_transfer_params remote_hold_until_ms (a decode
 # reads a prefill's blocks only while the prefill still holds them). 5: write_aborted carries
-# the decode rank it answers (decode_engine_id). A peer of another version is refused at the
-# handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 5
+# the decode rank it answers (decode_engine_id). 6: the handshake request carries
+# confirm_reads, the checksum request hold_only (a decode's READ confirmed by the prefill's
+# hold). A peer of another version is refused at the handshake by its version, before any
+# field of it is checked.
+PROTOCOL_VERSION = 6
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -370,6 +372,9 @@ class HandshakeRequest(_Message, frozen=True, tag="handshake_request"):
     verify: bool = False
     # When the requester made the request (ms since the Unix epoch): its freshness.
     sent_ms: EpochMs = msgspec.field(default_factory=now_ms)
+    # Whether the requester (a READ-mode decode) confirms each READ with a hold check
+    # (ChecksumRequest.hold_only): a server that does not answer them refuses it.
+    confirm_reads: bool = False
 
 
 KvGroupKind = Literal["full", "sliding", "mamba"]
@@ -469,7 +474,8 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     checksums of the prefill blocks it read, per layer, over the window's cells (``heads`` /
     ``tokens`` 0: to the end of the block). Sent before the decode's ``release``, so the blocks
     cannot have changed; the prefill answers only while it still holds them (freed, they may
-    hold another request's KV). Answered by :class:`ChecksumResponse` or
+    hold another request's KV). With ``hold_only`` (``confirm_reads``, verify off) it asks for
+    no checksums, only that hold. Answered by :class:`ChecksumResponse` or
     :class:`HandshakeRejected` echoing ``nonce``."""
 
     requester_engine_id: Id
@@ -483,6 +489,9 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     heads: WindowCount = 0
     token_begin: WindowStart = 0
     tokens: WindowCount = 0
+    # A hold check (confirm_reads): no checksums, answered (with none) only while the prefill
+    # still holds the transfer's blocks and ``block_ids`` are among those its answer named.
+    hold_only: bool = False
 
 
 @_tagged

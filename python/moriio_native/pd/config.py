@@ -49,6 +49,11 @@ class PdConfig:
     # Check every transfer end to end (block checksums on both sides, pd/verify.py); both
     # sides of a pair must agree.
     verify: bool = False
+    # READ: after each READ, ask the prefill rank whether it still holds the transfer's blocks
+    # and the READ's blocks are those its answer named, before the load counts (what verify's
+    # checksum request also proves). A decode that confirms needs its prefill to answer: the
+    # prefill refuses its handshake unless it confirms too.
+    confirm_reads: bool = False
     # This rank's KV-cache groups (vLLM's hybrid KV-cache manager; moriio_native.pd.groups);
     # empty: one group of every registered layer, moved with the classic (ungrouped) protocol.
     groups: tuple[KvGroup, ...] = ()
@@ -77,6 +82,12 @@ class PdConfig:
         for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
             if not getattr(self, name) > 0:
                 raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")
+
+    @property
+    def confirms_reads(self) -> bool:
+        """Whether this rank confirms its READs with a hold check of their own: a READ-mode
+        decode with ``confirm_reads`` and without ``verify`` (whose checksum request is one)."""
+        return self.confirm_reads and self.consumer and self.mode == "read" and not self.verify
 
     @property
     def transfer_mode(self) -> str:

@@ -32,7 +32,7 @@ from moriio_native.pd.peers import Peer, PeerDirectory, PeerKey
 
 if TYPE_CHECKING:
     from moriio_native.pd.tasks import RecvTask
-    from moriio_native.pd.verify import Verifier
+    from moriio_native.pd.verify import ReadConfirmer, Verifier
 
 logger = logging.getLogger("moriio_native.pd.context")
 
@@ -58,6 +58,7 @@ class StatsSink(Protocol):
     def record_peer_bound(self, *, evicted: bool) -> None: ...
     def record_quarantine(self, blocks: int) -> None: ...
     def record_verify(self, *, ok: bool) -> None: ...
+    def record_confirm(self, *, ok: bool) -> None: ...
 
 
 @dataclass
@@ -98,6 +99,8 @@ class Context:
     reports: Reports = field(default_factory=Reports)
     stop: threading.Event = field(default_factory=threading.Event)
     verifier: Verifier | None = None  # set when cfg.verify: the integrity check
+    # Set when cfg.confirm_reads without cfg.verify (whose checksum request confirms already).
+    confirmer: ReadConfirmer | None = None
     # (prefill TP, decode TP, total KV heads) -> the plan, most recently used last (_made_plan)
     plans: OrderedDict[tuple[int, int, int], TpPlan] = field(default_factory=OrderedDict)
     # (peer host, its TP size, we are the prefill) whose different-TP plan was logged

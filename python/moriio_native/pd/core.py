@@ -14,6 +14,7 @@ Threads (all named ``moriio-native-*``):
 * ``writer``: WRITE pushes, in order (waits on each layer's device event first);
 * ``verify`` (with ``verify`` on): block checksums computed and compared
   (:mod:`moriio_native.pd.verify`);
+* ``confirm`` (with ``confirm_reads`` on and ``verify`` off, decode): each READ's hold check;
 * ``handshake-N`` (4) and ``probe`` (1): the peer directory's executors.
 
 Every machine changes under one lock (the context's), which is never held across a network
@@ -63,7 +64,7 @@ from moriio_native.pd.peers import PeerDirectory
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.pusher import SEND_TASK_WAIT_S, WRITER_QUEUE, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
-from moriio_native.pd.verify import Checksummer, Verifier
+from moriio_native.pd.verify import Checksummer, ReadConfirmer, Verifier
 
 logger = logging.getLogger("moriio_native.pd.core")
 
@@ -108,6 +109,7 @@ class PdCore:
             on_handshake=lambda peer: self._on_handshake(),
             on_bound=self._on_peer_bound,
             verify=config.verify,
+            confirm_reads=config.confirms_reads,
         )
         self.ctx = Context(
             cfg=config,
@@ -121,6 +123,10 @@ class PdCore:
             assert checksums is not None
             self.ctx.verifier = Verifier(
                 checksums, security, config.engine_id, timeout=config.transfer_timeout
+            )
+        elif config.confirms_reads:
+            self.ctx.confirmer = ReadConfirmer(
+                security, config.engine_id, timeout=config.transfer_timeout
             )
         self.puller = Puller(self.ctx)
         self.pusher = Pusher(self.ctx, writer_queue)
@@ -173,13 +179,13 @@ class PdCore:
         any free port) and start the threads. The engine must be registered."""
         if self.server is not None:
             raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} started twice")
-        verifier = self.ctx.verifier
+        answers_checksums = self.cfg.verify or self.cfg.confirm_reads
         self.server = HandshakeServer(
             handshake_port,
             self._handshake_response,
             self._security,
             bind_host=self._bind_host,
-            checksums=self._checksum_response if verifier is not None else None,
+            checksums=self._checksum_response if answers_checksums else None,
         )
         self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
         if (
@@ -214,6 +220,12 @@ class PdCore:
                 f"{cfg.engine_id} {'does' if cfg.verify else 'does not'}; set the same 'verify' "
                 "on both instances"
             )
+        if request.confirm_reads and not cfg.confirm_reads:
+            raise IncompatiblePeerError(
+                f"{request.requester_engine_id} confirms its READs with the prefill, "
+                f"{cfg.engine_id} does not answer such checks; set 'confirm_reads' on this "
+                "instance too"
+            )
         return HandshakeResponse(
             engine_id=cfg.engine_id,
             engine_metadata=self._engine().local_metadata(),
@@ -232,18 +244,26 @@ class PdCore:
         """A decode's checksums of the blocks its READ took, only while this rank still holds
         them, before and after computing (freed blocks may hold another request's KV, and
         their checksums would match what a READ of them took), and only of blocks the
-        transfer's answer named."""
+        transfer's answer named. A hold check (``hold_only``) gets no checksums, only that."""
         verifier = self.ctx.verifier
-        assert verifier is not None
         tid = request.transfer_id
+        asked = "hold check" if request.hold_only else "checksums"
+        if verifier is None and not request.hold_only:
+            raise FailedPreconditionError(
+                f"checksums of transfer {tid} asked, but {self.cfg.engine_id} does not verify "
+                "transfers (verify is off here)"
+            )
         unheld = self.pusher.held_for_checksums(tid, request.block_ids, SEND_TASK_WAIT_S)
+        if unheld is None and request.hold_only:
+            return ChecksumResponse(transfer_id=tid, checksums={})
         if unheld is None:
+            assert verifier is not None
             response = verifier.answer(request)
             unheld = self.pusher.held_for_checksums(tid, (), 0.0)
             if unheld is None:
                 return response
             unheld += " while its checksums were computed"
-        raise FailedPreconditionError(f"checksums of transfer {tid}: {unheld}")
+        raise FailedPreconditionError(f"{asked} of transfer {tid}: {unheld}")
 
     def shutdown(self) -> None:
         """Stop the threads and close every socket. Idempotent."""
@@ -253,8 +273,9 @@ class PdCore:
         ctx.stop.set()
         for thread in self._threads:
             thread.join(timeout=5.0)
-        if ctx.verifier is not None:
-            ctx.verifier.shutdown()
+        for checker in (ctx.verifier, ctx.confirmer):
+            if checker is not None:
+                checker.shutdown()
         ctx.directory.close()
         for closer in (self.listener, self.server):
             if closer is not None:

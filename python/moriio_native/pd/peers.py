@@ -206,6 +206,7 @@ class PeerDirectory:
         on_bound: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         verify: bool = False,
+        confirm_reads: bool = False,
     ) -> None:
         if max_peers < 1:
             raise InvalidArgumentError(f"max_peers must be >= 1, got {max_peers}")
@@ -221,6 +222,7 @@ class PeerDirectory:
         self._requester = requester_engine_id
         self._timeout = timeout
         self._verify = verify
+        self._confirm_reads = confirm_reads
         self._retry_after = retry_after
         self._max_backoff = max(max_backoff, retry_after)
         self._on_handshake = on_handshake
@@ -437,6 +439,7 @@ class PeerDirectory:
             security=self._security,
             requester_engine_id=self._requester,
             verify=self._verify,
+            confirm_reads=self._confirm_reads,
         )
 
     def _check_replaced(

@@ -22,7 +22,9 @@ proven death, or after ``quarantine_timeout``.
 With ``verify`` on, a READ the engine completed, and a WRITE await whose ``write_done`` came,
 pass through VERIFYING: the two sides' block checksums are compared
 (:mod:`moriio_native.pd.verify`) and a mismatch ends the load FAILED (recomputed), before the
-prefill gets its release.
+prefill gets its release. With ``confirm_reads`` (and ``verify`` off) a completed READ passes
+through it too: the prefill confirms it still holds the blocks the READ took, else the load
+fails (a READ of freed blocks, or of another request's, took whatever they held).
 
 Every change of state goes through :meth:`Machine.advance` under the context lock; network
 calls (releases, announcements) are made after the lock is released.
@@ -83,7 +85,9 @@ PROBE_FAILURES_FOR_DEATH = 3
 class ReadState(Enum):
     CONNECTING = auto()  # handshake (background) before the engine READ
     READING = auto()  # the engine READ is posted
-    VERIFYING = auto()  # done in the engine; comparing the two sides' checksums (verify)
+    # done in the engine; comparing the two sides' checksums (verify) or waiting for the
+    # prefill's hold check (confirm_reads)
+    VERIFYING = auto()
     QUARANTINED = auto()  # ended with operations in flight: waiting for the drain
     DONE = auto()
     FAILED = auto()
@@ -95,9 +99,9 @@ class ReadEvent(Enum):
     FAILED = auto()  # refused before posting, or an engine event that ended drained
     UNDRAINED = auto()  # engine event that ended with operations in flight
     DRAINED = auto()  # the engine reports the quarantined READ drained
-    VERIFY = auto()  # engine event: done, and verify is on
-    VERIFIED = auto()  # both sides' checksums agree
-    MISMATCH = auto()  # they differ, or the prefill's could not be had
+    VERIFY = auto()  # engine event: done, and verify or confirm_reads is on
+    VERIFIED = auto()  # both sides' checksums agree, or the prefill confirmed its hold
+    MISMATCH = auto()  # they differ, or the prefill's answer could not be had
 
 
 READ_TRANSITIONS: dict[tuple[ReadState, ReadEvent], ReadState] = {
@@ -275,6 +279,13 @@ class _Await:
 
     def peers(self) -> dict[int, Peer]:
         return {r: p.peer for r, p in self.parts.items() if p.peer is not None}
+
+
+def _read_remote_ids(task: RecvTask) -> tuple[int, ...]:
+    """The prefill blocks a READ of ``task`` takes (every group's, without the null block)."""
+    if task.grouped is None:
+        return task.remote_block_ids
+    return tuple(sorted({b for ids in task.grouped.remote for b in ids if b != NULL_BLOCK}))
 
 
 def _announced_ids(waiting: _Await) -> Sequence[int] | None:
@@ -530,7 +541,7 @@ class Puller:
                 check_held_until(part.peer, read.task, time.monotonic())
             except FailedPreconditionError as exc:
                 done, outcome = False, str(exc)
-        if done and ctx.verifier is not None:
+        if done and (ctx.verifier is not None or ctx.confirmer is not None):
             self._verify_read(read, part, event)
             return True
         self._end_read_part(
@@ -563,14 +574,25 @@ class Puller:
         return True
 
     def _verify_read(self, read: _Read, part: _ReadPart, event: Any) -> None:
-        """A part's engine READ is done: compare both sides' checksums before it counts. Only
-        whole blocks are verified: verify is refused with different TP sizes (peers.py)."""
+        """A part's engine READ is done: compare both sides' checksums (verify), or have the
+        prefill confirm it still holds the blocks the READ took (confirm_reads), before it
+        counts. Only whole blocks are verified: verify is refused with different TP sizes
+        (peers.py)."""
         ctx = self._ctx
         task = read.task
         with ctx.lock:
             if part.machine.state is not ReadState.READING:
                 return
             part.machine.advance(ReadEvent.VERIFY)
+        if ctx.confirmer is not None:
+            assert part.peer is not None
+            ctx.confirmer.confirm(
+                task.transfer_id,
+                part.peer,
+                _read_remote_ids(task),
+                lambda why: self._read_confirmed(read, part, event, why),
+            )
+            return
         if part.verified_pairs is None:
             self._read_verified(
                 read,
@@ -595,6 +617,17 @@ class Puller:
         if why is None:
             self._end_read_part(
                 read, part, ReadEvent.VERIFIED, f"done, verified: {event.message}", event
+            )
+            return
+        logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)
+        self._end_read_part(read, part, ReadEvent.MISMATCH, why)
+
+    def _read_confirmed(self, read: _Read, part: _ReadPart, event: Any, why: str | None) -> None:
+        with self._ctx.lock:
+            self._ctx.stats.record_confirm(ok=why is None)
+        if why is None:
+            self._end_read_part(
+                read, part, ReadEvent.VERIFIED, f"done, confirmed: {event.message}", event
             )
             return
         logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)

@@ -205,15 +205,7 @@ class Verifier:
         )
 
     def _run(self, transfer_id: str, check: Callable[[], str | None], verdict: Verdict) -> None:
-        def task() -> None:
-            try:
-                outcome = check()
-            except Exception as exc:  # a check that cannot run fails the load, never passes it
-                logger.exception("transfer %s: the integrity check could not run", transfer_id)
-                outcome = f"integrity check of transfer {transfer_id} could not run: {exc}"
-            verdict(outcome)
-
-        self._pool.submit(task)
+        _submit_check(self._pool, f"integrity check of transfer {transfer_id}", check, verdict)
 
     # ---- prefill ------------------------------------------------------------------------------
 
@@ -255,6 +247,72 @@ class Verifier:
         self._pool.submit(task)
 
 
+class ReadConfirmer:
+    """Confirms a READ with its prefill rank (``confirm_reads`` without ``verify``): a
+    ``checksum_request`` with ``hold_only``, answered only while the prefill still holds the
+    transfer's blocks and the READ's blocks are among those its answer named. Without it a
+    READ of blocks the prefill freed (its answer handed to a second decode after the first
+    released it) or of another request's blocks (an answer changed on its way) loads whatever
+    they hold, unnoticed. One round trip per READ, on a thread of its own; thread-safe."""
+
+    def __init__(self, security: ControlSecurity, engine_id: str, *, timeout: float) -> None:
+        self._security = security
+        self._engine_id = engine_id
+        self._timeout = timeout
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-confirm")
+
+    def shutdown(self) -> None:
+        """As :meth:`Verifier.shutdown`."""
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def confirm(
+        self, transfer_id: str, peer: Peer, remote_ids: Sequence[int], verdict: Verdict
+    ) -> None:
+        """Ask ``peer`` whether it still holds ``transfer_id``'s blocks and ``remote_ids`` (the
+        blocks the READ took) are its answer's; ``verdict`` gets None, or why not."""
+
+        def confirm() -> str | None:
+            request = ChecksumRequest(
+                requester_engine_id=self._engine_id,
+                transfer_id=transfer_id,
+                block_ids=tuple(int(b) for b in remote_ids),
+                hold_only=True,
+            )
+            try:
+                fetch_checksums(
+                    peer.host,
+                    peer.key.handshake_port,
+                    request,
+                    timeout=self._timeout,
+                    security=self._security,
+                )
+            except MoriioError as exc:
+                return (
+                    f"the prefill {peer.response.engine_id} did not confirm the READ of "
+                    f"transfer {transfer_id}: {exc}"
+                )
+            return None
+
+        _submit_check(self._pool, f"confirmation of transfer {transfer_id}", confirm, verdict)
+
+
+def _submit_check(
+    pool: ThreadPoolExecutor, what: str, check: Callable[[], str | None], verdict: Verdict
+) -> None:
+    """Run ``check`` on ``pool`` and hand its outcome to ``verdict``; a check that cannot run
+    fails the load, never passes it."""
+
+    def task() -> None:
+        try:
+            outcome = check()
+        except Exception as exc:
+            logger.exception("%s could not run", what)
+            outcome = f"{what} could not run: {exc}"
+        verdict(outcome)
+
+    pool.submit(task)
+
+
 def _corrupt_setting() -> tuple[int, bool]:
     """The test hook's ``(count, unchecked)`` from ``CORRUPT_ENV`` (``<n>`` or
     ``<n>:unchecked``); ``(0, False)`` when unset."""
@@ -284,6 +342,7 @@ __all__ = [
     "CORRUPT_ENV",
     "MAX_NAMED_MISMATCHES",
     "Checksummer",
+    "ReadConfirmer",
     "Verdict",
     "Verifier",
     "whole_blocks_only",

@@ -63,6 +63,14 @@ key                   default      meaning
                                    mismatch fails the load (its blocks are recomputed). Both
                                    instances of a pair must agree. Costs a pass over the
                                    transferred bytes on each side (docs/benchmarks.md)
+``confirm_reads``     ``false``    READ: before a load counts, the decode asks the prefill (one
+                                   round trip on its handshake port) whether it still holds the
+                                   request's blocks and the READ took those its answer named; if
+                                   not (the answer handed to a second decode after the first
+                                   released it, or changed on its way) the load fails and is
+                                   recomputed. ``verify`` includes this check. A decode that sets
+                                   it needs a prefill that sets it too (else the handshake is
+                                   refused, naming the key)
 ``require_incarnation`` ``true``   READ: load only from the prefill processes the request names
                                    (``remote_incarnations`` of the prefill's answer, which the
                                    proxy must pass on); a request without them is recomputed.
@@ -165,6 +173,7 @@ _PLAIN_KEYS = (
     "quarantine_timeout",
     "read_loading",
     "verify",
+    "confirm_reads",
     "require_incarnation",
     "require_hold",
     "max_peers",
@@ -242,6 +251,7 @@ class ConnectorConfig(Schema, frozen=True):
     tp_size: Size = 1
     read_loading: ReadLoading = DEFAULT_READ_LOADING
     verify: bool = False
+    confirm_reads: bool = False
     require_incarnation: bool = True
     require_hold: bool = True
     max_peers: PeerCount = DEFAULT_MAX_PEERS

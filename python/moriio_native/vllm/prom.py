@@ -23,6 +23,8 @@ name                                                          type      what
 ``vllm:moriio_native_quarantined_blocks_total``               counter   blocks put in quarantine
 ``vllm:moriio_native_verified_transfers_total``               counter   checksums matched
 ``vllm:moriio_native_verify_failures_total``                  counter   checksums differed
+``vllm:moriio_native_confirmed_reads_total``                   counter   READ holds confirmed
+``vllm:moriio_native_confirm_failures_total``                  counter   READ holds unconfirmed
 ``vllm:moriio_native_open_transfers``                         gauge     transfers open now
 ============================================================ ========= ==========================
 
@@ -30,7 +32,8 @@ Transfers are counted where the bytes are moved: by the decode in READ mode (it 
 prefill in WRITE mode (it pushes). Quarantined blocks are counted by the decode, once per block
 and transfer, when a transfer into them ends while writes may still land (the stats key
 ``quarantined_blocks``). Integrity checks (``verify: true``) are counted by the decode, which
-compares the two sides' block checksums. Open transfers are those the instance's engines
+compares the two sides' block checksums, and so are READs confirmed with the prefill
+(``confirm_reads: true``). Open transfers are those the instance's engines
 hold right now (pending, or quarantined until no late write can land), summed over the TP
 ranks: 0 on an idle instance; a value that stays above 0 once no request is left is a leaked
 transfer.
@@ -150,6 +153,15 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
             "KV transfers whose block checksums differed or could not be compared (verify: "
             "true); the load failed and its blocks were recomputed.",
         )
+        self.confirmed_reads = counter(
+            "confirmed_reads",
+            "READs the prefill confirmed it still held the blocks of (confirm_reads: true).",
+        )
+        self.confirm_failures = counter(
+            "confirm_failures",
+            "READs the prefill did not confirm (confirm_reads: true); the load failed and its "
+            "blocks were recomputed.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         data = transfer_stats_data
@@ -169,6 +181,8 @@ class MoRIIONativePromMetrics(KVConnectorPromMetrics):
         self.quarantined[engine_idx].inc(data.get("quarantined_blocks", 0))
         self.verified[engine_idx].inc(data.get("verified", 0))
         self.verify_failures[engine_idx].inc(data.get("verify_failures", 0))
+        self.confirmed_reads[engine_idx].inc(data.get("confirmed_reads", 0))
+        self.confirm_failures[engine_idx].inc(data.get("confirm_failures", 0))
         ranks = data.get(OPEN_TRANSFERS)
         if ranks:
             latest = self._open_by_rank.setdefault(engine_idx, {})

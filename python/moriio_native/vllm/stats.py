@@ -27,6 +27,10 @@ key                 meaning
 ``verified``        transfers whose block checksums matched on both sides (``verify`` on)
 ``verify_failures`` transfers whose checksums differed, or could not be compared: the load
                     failed and its blocks were recomputed (counted in ``failures`` too)
+``confirmed_reads`` READs the prefill confirmed it still held the blocks of
+                    (``confirm_reads`` on, ``verify`` off)
+``confirm_failures`` READs it did not confirm (or whose confirmation could not be had): the
+                    load failed and its blocks were recomputed (counted in ``failures`` too)
 ``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
 ``open_transfers``  a gauge, per TP rank (``{"<rank>": n}``): transfers the rank's engine
                     holds open (pending or quarantined), sent when it changed since the
@@ -61,6 +65,8 @@ _COUNTERS = (
     "quarantined_blocks",
     "verified",
     "verify_failures",
+    "confirmed_reads",
+    "confirm_failures",
 )
 SAMPLES = "samples"
 OPEN_TRANSFERS = "open_transfers"
@@ -138,6 +144,10 @@ class MoRIIONativeStats(KVConnectorStats):
         """Count one integrity check: passed (``ok``) or failed."""
         self.data["verified" if ok else "verify_failures"] += 1
 
+    def record_confirm(self, *, ok: bool) -> None:
+        """Count one READ's hold check (``confirm_reads``): confirmed (``ok``) or not."""
+        self.data["confirmed_reads" if ok else "confirm_failures"] += 1
+
     def record_open_transfers(self, rank: int, count: int) -> None:
         """Set TP rank ``rank``'s gauge of open transfers (its engine's pending + quarantined)."""
         self.data[OPEN_TRANSFERS][str(rank)] = int(count)
@@ -162,6 +172,8 @@ class MoRIIONativeStats(KVConnectorStats):
             "Num failed transfers": d["failures"],
             "Num verified transfers": d["verified"],
             "Num verify failures": d["verify_failures"],
+            "Num confirmed reads": d["confirmed_reads"],
+            "Num confirm failures": d["confirm_failures"],
             "Total MB transferred": round(d["bytes"] / 2**20, 3),
             "Avg transfer time (ms)": round(1000.0 * secs / n, 3) if n else 0.0,
             "Avg throughput (GB/s)": round(d["bytes"] / secs / 1e9, 3) if secs > 0 else 0.0,

@@ -116,6 +116,7 @@ class WorkerSide:
                 whole_layers=whole,
                 total_kv_heads=total_kv_heads,
                 verify=config.verify,
+                confirm_reads=config.confirm_reads,
                 groups=groups,
                 require_incarnation=config.require_incarnation,
                 require_hold=config.require_hold,
