@@ -598,7 +598,9 @@ class _PrefillWorker:
         # The request finished: its blocks are held until the core reports them free, at most
         # abort_timeout from the step that hands the core its send task (after this stamp).
         hold_until = hold_until_ms(self._core.cfg.abort_timeout)
-        self._core.begin_step([], [SendTask(request_id, tid, block_ids=tuple(blocks))])
+        self._core.begin_step(
+            [], [SendTask(request_id, tid, block_ids=tuple(blocks), hold_until_ms=hold_until)]
+        )
         host, hs_port, notify_port = self._core.address()
         reply = ctl.KvTransferParams(
             transfer_id=tid,

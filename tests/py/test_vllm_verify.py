@@ -101,8 +101,21 @@ def verified_read(
 ) -> ReadRequest:
     """A verifying pair (the decode's ``d_extra`` added) and one request prefilled, held and
     handed to the decode, as vLLM and its proxy would."""
+    return held_read(sides, model_dir, seed, VERIFY, d_extra)
+
+
+def held_read(
+    sides: list[Side],
+    model_dir: str,
+    seed: int,
+    extra: dict[str, Any],
+    d_extra: dict[str, Any] | None = None,
+    **pair: Any,
+) -> ReadRequest:
+    """A READ pair with ``extra`` on both instances (the decode's ``d_extra`` added; ``pair``:
+    more Side settings of both) and one request prefilled, held and handed to the decode."""
     p, d = make_pair(
-        sides, model_dir, "read", p_extra=VERIFY, d_extra={**VERIFY, **(d_extra or {})}
+        sides, model_dir, "read", p_extra=extra, d_extra={**extra, **(d_extra or {})}, **pair
     )
     prompt = prompt_of(40, seed=seed)
     rid, tid = pd_request_id(p, d), transfer_id()
@@ -198,15 +211,19 @@ def test_a_second_decode_given_a_released_answer_fails_its_load(
     assert "no longer held" in caplog.text
 
 
+@pytest.mark.parametrize("checked", ["verify", "confirm_reads"])
 def test_an_answer_naming_another_requests_blocks_fails_its_load(
-    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
+    sides: list[Side], model_dir: str, checked: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """An answer changed on its way (a router mixing up two requests' answers): the decode's
     READ of request A takes the blocks of request B, held for B on the same prefill. Before:
     the prefill answered the checksum request over the blocks it named -- B's, the same bytes
-    the READ took -- so verify passed and A generated from B's KV. Now a prefill answers only
-    for the blocks its answer for that transfer named: the load fails and is recomputed."""
-    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    the READ took -- so verify passed and A generated from B's KV (without verify nothing
+    asked; with confirm_reads the hold check, seen failing with the decode's check taken out).
+    Now a prefill answers only for the blocks its answer for that transfer named: the load
+    fails and is recomputed."""
+    extra = {checked: True}
+    p, d = make_pair(sides, model_dir, "read", p_extra=extra, d_extra=extra)
     prompt_a, prompt_b = prompt_of(40, seed=59), prompt_of(40, seed=61)
     rid_a, tid_a = pd_request_id(p, d), transfer_id()
     rid_b, tid_b = pd_request_id(p, d), transfer_id()
@@ -220,7 +237,8 @@ def test_an_answer_naming_another_requests_blocks_fails_its_load(
     assert loaded.invalid_blocks == set(loaded.blocks[: -(-(len(prompt_a) - 1) // BLOCK_SIZE)])
     assert loaded.scheduled == {rid_a: len(prompt_a)}  # recomputed
     assert all(d.slot_matches(rid_a, range(len(prompt_a)), d.salt, prompt_a))
-    assert loaded.stats is not None and loaded.stats.data["verify_failures"] == 1
+    failures = "verify_failures" if checked == "verify" else "confirm_failures"
+    assert loaded.stats is not None and loaded.stats.data[failures] == 1
     assert "are not among the 3 its answer named" in caplog.text
 
 

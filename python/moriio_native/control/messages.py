@@ -492,6 +492,9 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     # A hold check (confirm_reads): no checksums, answered (with none) only while the prefill
     # still holds the transfer's blocks and ``block_ids`` are among those its answer named.
     hold_only: bool = False
+    # The hold the READ's answer stated (remote_hold_until_ms; 0: none): the prefill answers
+    # only while it holds the transfer under that answer, not a later one reusing the id.
+    hold_until_ms: EpochMs = 0
 
 
 @_tagged

@@ -179,7 +179,10 @@ class PdCore:
         any free port) and start the threads. The engine must be registered."""
         if self.server is not None:
             raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} started twice")
-        answers_checksums = self.cfg.verify or self.cfg.confirm_reads
+        # Hold checks come to a READ-mode prefill rank only (any other would refuse them).
+        cfg = self.cfg
+        answers_holds = cfg.confirm_reads and cfg.mode == "read" and cfg.producer
+        answers_checksums = cfg.verify or answers_holds
         self.server = HandshakeServer(
             handshake_port,
             self._handshake_response,
@@ -253,13 +256,14 @@ class PdCore:
                 f"checksums of transfer {tid} asked, but {self.cfg.engine_id} does not verify "
                 "transfers (verify is off here)"
             )
-        unheld = self.pusher.held_for_checksums(tid, request.block_ids, SEND_TASK_WAIT_S)
+        hold = request.hold_until_ms
+        unheld = self.pusher.held_for_checksums(tid, request.block_ids, SEND_TASK_WAIT_S, hold)
         if unheld is None and request.hold_only:
             return ChecksumResponse(transfer_id=tid, checksums={})
         if unheld is None:
             assert verifier is not None
             response = verifier.answer(request)
-            unheld = self.pusher.held_for_checksums(tid, (), 0.0)
+            unheld = self.pusher.held_for_checksums(tid, (), 0.0, hold)
             if unheld is None:
                 return response
             unheld += " while its checksums were computed"

@@ -590,16 +590,12 @@ class Puller:
                 task.transfer_id,
                 part.peer,
                 _read_remote_ids(task),
-                lambda why: self._read_confirmed(read, part, event, why),
+                task.remote_hold_until_ms or 0,
+                lambda why: self._read_checked(read, part, event, why, confirmed=True),
             )
             return
         if part.verified_pairs is None:
-            self._read_verified(
-                read,
-                part,
-                event,
-                whole_blocks_only("READ"),
-            )
+            self._read_checked(read, part, event, whole_blocks_only("READ"), confirmed=False)
             return
         assert ctx.verifier is not None and part.peer is not None
         local, remote = part.verified_pairs
@@ -608,26 +604,22 @@ class Puller:
             part.peer,
             local,
             remote,
-            lambda why: self._read_verified(read, part, event, why),
+            lambda why: self._read_checked(read, part, event, why, confirmed=False),
+            task.remote_hold_until_ms or 0,
         )
 
-    def _read_verified(self, read: _Read, part: _ReadPart, event: Any, why: str | None) -> None:
+    def _read_checked(
+        self, read: _Read, part: _ReadPart, event: Any, why: str | None, *, confirmed: bool
+    ) -> None:
+        """The prefill's side of a READ is in: its checksums compared (verify), or its hold
+        confirmed (confirm_reads); ``why`` None when they agree."""
         with self._ctx.lock:
-            self._ctx.stats.record_verify(ok=why is None)
+            record = self._ctx.stats.record_confirm if confirmed else self._ctx.stats.record_verify
+            record(ok=why is None)
         if why is None:
+            checked = "confirmed" if confirmed else "verified"
             self._end_read_part(
-                read, part, ReadEvent.VERIFIED, f"done, verified: {event.message}", event
-            )
-            return
-        logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)
-        self._end_read_part(read, part, ReadEvent.MISMATCH, why)
-
-    def _read_confirmed(self, read: _Read, part: _ReadPart, event: Any, why: str | None) -> None:
-        with self._ctx.lock:
-            self._ctx.stats.record_confirm(ok=why is None)
-        if why is None:
-            self._end_read_part(
-                read, part, ReadEvent.VERIFIED, f"done, confirmed: {event.message}", event
+                read, part, ReadEvent.VERIFIED, f"done, {checked}: {event.message}", event
             )
             return
         logger.error("request %s (transfer %s): %s", read.task.req_id, read.task.transfer_id, why)

@@ -1733,15 +1733,20 @@ class Pusher:
 
     # ---- READ holds (verify) -------------------------------------------------------------------
 
-    def held_for_checksums(self, tid: str, block_ids: Sequence[int], timeout: float) -> str | None:
-        """None while this rank holds the blocks of READ transfer ``tid`` for its decode and
-        ``block_ids`` are among those its answer named, else why not: a decode's checksums of a
-        READ are worth comparing only with blocks still held, since freed ones may already hold
-        another request's KV (and, read again, match what the READ took from them), and only
-        with the transfer's own (a READ of other blocks, through an answer changed on its way,
-        matches them too). A transfer not known yet is waited for up to ``timeout`` seconds
-        (the decode may ask before the step that hands us its send task). Called without the
-        context lock (the handshake server's checksum thread)."""
+    def held_for_checksums(
+        self, tid: str, block_ids: Sequence[int], timeout: float, hold_until_ms: int = 0
+    ) -> str | None:
+        """None while this rank holds the blocks of READ transfer ``tid`` for its decode under
+        the answer that stated ``hold_until_ms`` (0: the asker names none) and ``block_ids``
+        are among those that answer named, else why not: a decode's checksums of a READ (or
+        its hold check) are worth comparing only with blocks still held, since freed ones may
+        already hold another request's KV (and, read again, match what the READ took from
+        them); only under the answer the READ used (a later request reusing the transfer id
+        may hold the same blocks again, refilled); and only with the transfer's own blocks (a
+        READ of other blocks, through an answer changed on its way, matches them too). A
+        transfer not known yet is waited for up to ``timeout`` seconds (the decode may ask
+        before the step that hands us its send task). Called without the context lock (the
+        handshake server's checksum thread)."""
         if self._ctx.cfg.mode != "read":
             return "this prefill runs WRITE mode (its checksums go in write_done)"
         deadline = time.monotonic() + timeout
@@ -1755,6 +1760,12 @@ class Pusher:
                     return f"this rank holds no blocks of it (none within {timeout:g}s)"
                 self._holds_changed.wait(left)
             answered = self._sends[tid].answered
+            stated = self._sends[tid].task.hold_until_ms
+        if hold_until_ms and stated and hold_until_ms != stated:
+            return (
+                f"its blocks are held for another answer under that transfer id (stating a hold "
+                f"until {stated}, the READ's answer {hold_until_ms})"
+            )
         strangers = [b for b in block_ids if b not in answered]
         if strangers:
             return (

@@ -110,8 +110,11 @@ class SendTask:
     peer: ZmqAddress | None = None
     remote_tp_size: int = 0
     # READ: the blocks the prefill's answer names (of every group it moves): a decode's
-    # checksum request (verify) may name only these.
+    # checksum request (verify) or hold check (confirm_reads) may name only these ...
     block_ids: tuple[int, ...] = ()
+    # ... and the hold the answer stated (remote_hold_until_ms; 0: none), which such a request
+    # names too: a later request reusing the transfer id is another answer.
+    hold_until_ms: int = 0
 
     def __post_init__(self) -> None:
         _check_transfer_id(self)

@@ -50,6 +50,10 @@ CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 
 # Mismatched blocks named in one log line / failure reason (the rest are counted).
 MAX_NAMED_MISMATCHES = 8
+#: Hold checks (confirm_reads) in flight at once per rank, and the longest one waits for its
+#: answer: the prefill answers at once, or within SEND_TASK_WAIT_S when its send task is late.
+CONFIRM_THREADS = 8
+MAX_HOLD_CHECK_WAIT_S = 10.0
 
 #: Called with None when the transfer is intact, else with why it is not.
 Verdict = Callable[[str | None], None]
@@ -115,25 +119,17 @@ class Verifier:
         local_ids: Sequence[int],
         remote_ids: Sequence[int],
         verdict: Verdict,
+        hold_until_ms: int = 0,
     ) -> None:
-        """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``) with ours of
-        ``local_ids``; ``verdict`` gets the outcome (on the verify thread)."""
+        """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``, under the
+        answer that stated ``hold_until_ms``) with ours of ``local_ids``; ``verdict`` gets the
+        outcome (on the verify thread)."""
 
         def check() -> str | None:
-            request = ChecksumRequest(
-                requester_engine_id=self._engine_id,
-                transfer_id=transfer_id,
-                block_ids=tuple(int(b) for b in remote_ids),
-            )
+            request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
             ours = self._local.submit(self._ours, transfer_id, local_ids)
             try:
-                answer = fetch_checksums(
-                    peer.host,
-                    peer.key.handshake_port,
-                    request,
-                    timeout=self._timeout,
-                    security=self._security,
-                )
+                answer = _ask(peer, request, self._security, self._timeout)
             except MoriioError as exc:
                 return f"no checksums from the prefill {peer.response.engine_id}: {exc}"
             finally:
@@ -253,39 +249,36 @@ class ReadConfirmer:
     transfer's blocks and the READ's blocks are among those its answer named. Without it a
     READ of blocks the prefill freed (its answer handed to a second decode after the first
     released it) or of another request's blocks (an answer changed on its way) loads whatever
-    they hold, unnoticed. One round trip per READ, on a thread of its own; thread-safe."""
+    they hold, unnoticed. One round trip per READ, on a pool of :data:`CONFIRM_THREADS` threads
+    (a check waiting on a stalled prefill holds up no other prefill's), each waiting at most
+    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`; thread-safe."""
 
     def __init__(self, security: ControlSecurity, engine_id: str, *, timeout: float) -> None:
         self._security = security
         self._engine_id = engine_id
-        self._timeout = timeout
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-confirm")
+        self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
+        self._pool = ThreadPoolExecutor(CONFIRM_THREADS, thread_name_prefix="moriio-native-confirm")
 
     def shutdown(self) -> None:
         """As :meth:`Verifier.shutdown`."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def confirm(
-        self, transfer_id: str, peer: Peer, remote_ids: Sequence[int], verdict: Verdict
+        self,
+        transfer_id: str,
+        peer: Peer,
+        remote_ids: Sequence[int],
+        hold_until_ms: int,
+        verdict: Verdict,
     ) -> None:
-        """Ask ``peer`` whether it still holds ``transfer_id``'s blocks and ``remote_ids`` (the
-        blocks the READ took) are its answer's; ``verdict`` gets None, or why not."""
+        """Ask ``peer`` whether it still holds ``transfer_id``'s blocks under the answer that
+        stated ``hold_until_ms`` and ``remote_ids`` (the blocks the READ took) are that
+        answer's; ``verdict`` gets None, or why not."""
 
         def confirm() -> str | None:
-            request = ChecksumRequest(
-                requester_engine_id=self._engine_id,
-                transfer_id=transfer_id,
-                block_ids=tuple(int(b) for b in remote_ids),
-                hold_only=True,
-            )
+            request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
             try:
-                fetch_checksums(
-                    peer.host,
-                    peer.key.handshake_port,
-                    request,
-                    timeout=self._timeout,
-                    security=self._security,
-                )
+                _ask(peer, request.replace(hold_only=True), self._security, self._timeout)
             except MoriioError as exc:
                 return (
                     f"the prefill {peer.response.engine_id} did not confirm the READ of "
@@ -294,6 +287,28 @@ class ReadConfirmer:
             return None
 
         _submit_check(self._pool, f"confirmation of transfer {transfer_id}", confirm, verdict)
+
+
+def _checksum_request(
+    engine_id: str, transfer_id: str, remote_ids: Sequence[int], hold_until_ms: int
+) -> ChecksumRequest:
+    """A decode's request about the prefill blocks ``remote_ids`` its READ of ``transfer_id``
+    took, under the answer that stated ``hold_until_ms``."""
+    return ChecksumRequest(
+        requester_engine_id=engine_id,
+        transfer_id=transfer_id,
+        block_ids=tuple(int(b) for b in remote_ids),
+        hold_until_ms=hold_until_ms,
+    )
+
+
+def _ask(
+    peer: Peer, request: ChecksumRequest, security: ControlSecurity, timeout: float
+) -> ChecksumResponse:
+    """``request`` to ``peer``'s handshake port; raises as :func:`fetch_checksums`."""
+    return fetch_checksums(
+        peer.host, peer.key.handshake_port, request, timeout=timeout, security=security
+    )
 
 
 def _submit_check(
@@ -339,7 +354,9 @@ def whole_blocks_only(transfer: str) -> str:
 
 
 __all__ = [
+    "CONFIRM_THREADS",
     "CORRUPT_ENV",
+    "MAX_HOLD_CHECK_WAIT_S",
     "MAX_NAMED_MISMATCHES",
     "Checksummer",
     "ReadConfirmer",

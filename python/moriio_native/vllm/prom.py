@@ -23,8 +23,8 @@ name                                                          type      what
 ``vllm:moriio_native_quarantined_blocks_total``               counter   blocks put in quarantine
 ``vllm:moriio_native_verified_transfers_total``               counter   checksums matched
 ``vllm:moriio_native_verify_failures_total``                  counter   checksums differed
-``vllm:moriio_native_confirmed_reads_total``                   counter   READ holds confirmed
-``vllm:moriio_native_confirm_failures_total``                  counter   READ holds unconfirmed
+``vllm:moriio_native_confirmed_reads_total``                  counter   READ holds confirmed
+``vllm:moriio_native_confirm_failures_total``                 counter   READ holds unconfirmed
 ``vllm:moriio_native_open_transfers``                         gauge     transfers open now
 ============================================================ ========= ==========================
 

@@ -492,9 +492,17 @@ class SchedulerSide:
             return False, None
         selected = self.hybrid.select(block_ids)
         answered = tuple(b for group in selected for b in group)
-        self._send.append(SendTask(rid, params.transfer_id, block_ids=answered))
+        returned = self._returned_params(params, selected)
+        self._send.append(
+            SendTask(
+                rid,
+                params.transfer_id,
+                block_ids=answered,
+                hold_until_ms=returned.get(KEY_REMOTE_HOLD_UNTIL_MS, 0),
+            )
+        )
         self._held.add(rid)
-        return True, self._returned_params(params, selected)
+        return True, returned
 
     def _returned_params(
         self, params: KvTransferParams, selected: tuple[tuple[int, ...], ...]

@@ -1,0 +1,190 @@
+"""The decode's hold check (``confirm_reads``, :class:`moriio_native.pd.verify.ReadConfirmer`)
+against handshake servers on 127.0.0.1: what it sends, what its verdicts say, that a check
+waiting on a stalled prefill holds up no other prefill's, and which ranks confirm at all."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from moriio_native.control.addressing import ZmqAddress
+from moriio_native.control.channel import HandshakeServer
+from moriio_native.control.messages import ChecksumRequest, ChecksumResponse, HandshakeResponse
+from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
+from moriio_native.errors import FailedPreconditionError
+from moriio_native.pd.config import PdConfig
+from moriio_native.pd.groups import GroupedBlocks
+from moriio_native.pd.puller import _read_remote_ids
+from moriio_native.pd.tasks import RecvTask
+from moriio_native.pd.verify import CONFIRM_THREADS, ReadConfirmer
+
+LOCAL = "127.0.0.1"
+WAIT_S = 10.0
+
+
+def _security() -> ControlSecurity:
+    return ControlSecurity(MessageAuth(None), PeerAllowlist(["127.0.0.0/8"]))
+
+
+def _peer(port: int, engine_id: str = "prefill-0") -> Any:
+    """What the confirmer reads of a handshaken peer: its host, handshake port and engine id."""
+    return SimpleNamespace(
+        host=LOCAL,
+        key=SimpleNamespace(handshake_port=port),
+        response=SimpleNamespace(engine_id=engine_id),
+    )
+
+
+def _metadata(_request: Any) -> HandshakeResponse:
+    return HandshakeResponse("prefill-0", b"m", 0, 0, 1, 1, "READ")
+
+
+class Verdicts:
+    """Collects verdicts by name, with the time each came."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, tuple[float, str | None]] = {}
+        self._cond = threading.Condition()
+
+    def for_(self, name: str) -> Any:
+        def verdict(why: str | None) -> None:
+            with self._cond:
+                self.got[name] = (time.monotonic(), why)
+                self._cond.notify_all()
+
+        return verdict
+
+    def wait(self, *names: str) -> None:
+        with self._cond:
+            assert self._cond.wait_for(lambda: all(n in self.got for n in names), WAIT_S), self.got
+
+
+def _silent_port() -> socket.socket:
+    """A TCP port that accepts connections and never answers (a stopped prefill)."""
+    sock = socket.socket()
+    sock.bind((LOCAL, 0))
+    sock.listen(64)
+    return sock
+
+
+def test_a_hold_check_names_the_answer_and_passes_when_the_prefill_confirms() -> None:
+    asked: list[ChecksumRequest] = []
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        asked.append(request)
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
+    verdicts = Verdicts()
+    with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as server:
+        confirmer.confirm("t-1", _peer(server.port), (7, 3, 9), 1234, verdicts.for_("t-1"))
+        verdicts.wait("t-1")
+    confirmer.shutdown()
+    assert verdicts.got["t-1"][1] is None
+    (request,) = asked
+    assert request.hold_only and request.transfer_id == "t-1"
+    assert request.block_ids == (7, 3, 9) and request.hold_until_ms == 1234
+
+
+def test_a_refused_hold_check_fails_naming_the_prefill_the_transfer_and_the_reason() -> None:
+    def refuse(request: ChecksumRequest) -> ChecksumResponse:
+        raise FailedPreconditionError(
+            f"hold check of transfer {request.transfer_id}: its blocks are no longer held: released"
+        )
+
+    confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
+    verdicts = Verdicts()
+    with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=refuse) as server:
+        confirmer.confirm("t-2", _peer(server.port, "p-7"), (1,), 0, verdicts.for_("t-2"))
+        verdicts.wait("t-2")
+    confirmer.shutdown()
+    why = verdicts.got["t-2"][1]
+    assert why is not None
+    assert why.startswith("the prefill p-7 did not confirm the READ of transfer t-2: ")
+    assert "its blocks are no longer held: released" in why
+
+
+def test_a_server_that_answers_no_hold_checks_fails_the_check() -> None:
+    confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
+    verdicts = Verdicts()
+    with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL) as server:
+        confirmer.confirm("t-3", _peer(server.port), (1,), 0, verdicts.for_("t-3"))
+        verdicts.wait("t-3")
+    confirmer.shutdown()
+    why = verdicts.got["t-3"][1]
+    assert why is not None and "a hold check of transfer t-3 asked" in why
+    assert "confirm_reads are off here" in why
+
+
+def test_checks_waiting_on_a_stalled_prefill_hold_up_no_other_prefills() -> None:
+    """Three checks wait on a prefill that never answers; a check to a live prefill after them
+    still gets its answer at once (before: one thread, so it waited for all three), and the
+    stalled ones fail at the confirmer's timeout, each naming the transfer."""
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    timeout = 2.0
+    confirmer = ReadConfirmer(_security(), "decode-0", timeout=timeout)
+    verdicts = Verdicts()
+    stalled = [f"stalled-{i}" for i in range(3)]
+    assert len(stalled) < CONFIRM_THREADS
+    with (
+        HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as live,
+        _silent_port() as silent,
+    ):
+        start = time.monotonic()
+        for tid in stalled:
+            confirmer.confirm(tid, _peer(silent.getsockname()[1]), (1,), 0, verdicts.for_(tid))
+        confirmer.confirm("live", _peer(live.port), (1,), 0, verdicts.for_("live"))
+        verdicts.wait("live", *stalled)
+    confirmer.shutdown()
+    live_at, live_why = verdicts.got["live"]
+    assert live_why is None and live_at - start < timeout / 2
+    for tid in stalled:
+        at, why = verdicts.got[tid]
+        assert at - start >= timeout * 0.9
+        assert why is not None and f"did not confirm the READ of transfer {tid}" in why
+
+
+def _config(**kw: Any) -> PdConfig:
+    base: dict[str, Any] = {
+        "engine_id": "e",
+        "mode": "read",
+        "producer": False,
+        "consumer": True,
+        "host_ip": LOCAL,
+        "handshake_port": 1,
+        "notify_port": 2,
+    }
+    return PdConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize(
+    ("kw", "confirms"),
+    [
+        ({"confirm_reads": True}, True),
+        ({}, False),
+        ({"confirm_reads": True, "verify": True}, False),  # the checksum request confirms
+        ({"confirm_reads": True, "mode": "write"}, False),  # nothing to confirm
+        ({"confirm_reads": True, "producer": True, "consumer": False}, False),  # reads nothing
+    ],
+)
+def test_which_ranks_confirm_their_reads(kw: dict[str, Any], confirms: bool) -> None:
+    assert _config(**kw).confirms_reads is confirms
+
+
+def _task(**kw: Any) -> RecvTask:
+    return RecvTask("r", "t", ZmqAddress(LOCAL, 1, 2), "p", 0, 1, **kw)
+
+
+def test_a_hold_check_names_every_prefill_block_the_read_takes() -> None:
+    plain = _task(local_block_ids=(4, 5, 6), remote_block_ids=(9, 8, 7))
+    assert _read_remote_ids(plain) == (9, 8, 7)
+    grouped = GroupedBlocks(local=((1, 2), (3,)), remote=((5, 0), (6, 5)), start=0, end=32)
+    assert _read_remote_ids(_task(grouped=grouped)) == (5, 6)  # sorted, no null block
