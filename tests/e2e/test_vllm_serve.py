@@ -21,6 +21,7 @@ completion (the negative control: the decode really generates from the KV it rec
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import time
@@ -31,6 +32,8 @@ import prompts
 import pytest
 import serving
 from serving import START_TIMEOUT_S, Cluster, Completion, Env, Instance, PDSettings, Stack
+
+logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 60.0
@@ -244,6 +247,23 @@ def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
     assert usage == 0, f"the prefill still holds {usage:.2%} of its KV cache"
 
 
+def _run_via_router(
+    router: serving.Router, settings: PDSettings, batch: list[list[int]]
+) -> list[Completion]:
+    """``batch`` through vllm-router; once more after both instances registered again if the
+    router had dropped one meanwhile ("No eligible P/D pair": on the loaded 2-core machine an
+    instance's pings lapsed past vllm-router's ~5 s expiry). That answer comes from the router
+    alone, before any instance saw the request; any other error fails the test."""
+    try:
+        return _run_all(router.url, batch)
+    except serving.ServerError as exc:
+        if "No eligible P/D pair" not in str(exc):
+            raise
+        logger.warning("vllm-router dropped an instance (%s); waiting for it, then again", exc)
+    _wait_registered(router, settings)
+    return _run_all(router.url, batch)
+
+
 def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completion]]) -> None:
     router = serving.vllm_router(cluster.env, cluster.settings.ping_port)
     cluster.stack.stop(cluster.router.server)
@@ -253,7 +273,7 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     cluster.router = router
     _wait_registered(router, cluster.settings)
     before = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
-    got = _run_all(router.url, prompts.ROUTER)
+    got = _run_via_router(router, cluster.settings, prompts.ROUTER)
     _assert_identical(got, baseline["router"], f"{cluster.settings.mode} via vllm-router")
     # Fresh prompts: equal outputs alone would also come from a decode that recomputed every
     # request (e.g. a router that dropped a kv_transfer_params key the connector needs).

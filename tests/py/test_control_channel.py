@@ -25,6 +25,7 @@ from moriio_native.control.channel import (
     NotifyListener,
     NotifySender,
     ProxyPinger,
+    RequestSockets,
     fetch_checksums,
     fetch_metadata,
 )
@@ -506,6 +507,107 @@ def test_a_slow_checksum_answer_delays_no_notification():
         finally:
             answer.set()
         assert asked.result(WAIT).transfer_id == "t1"
+
+
+def _checksum_request(tid: str) -> ChecksumRequest:
+    return ChecksumRequest(requester_engine_id="d0", transfer_id=tid, block_ids=(1,))
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "curve"])
+def test_kept_request_sockets_ask_again_on_one_connection(secret):
+    """RequestSockets keeps its connection to a server: requests after the first make no new
+    socket (with a secret: no new CURVE exchange), and each gets its own answer."""
+    sec = security(secret)
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    counting = CountingContext()
+    sockets = RequestSockets(sec, context=counting)
+    try:
+        with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
+            for i in range(5):
+                reply = fetch_checksums(
+                    LOCAL,
+                    server.port,
+                    _checksum_request(f"t{i}"),
+                    timeout=WAIT,
+                    security=sec,
+                    sockets=sockets,
+                )
+                assert reply.transfer_id == f"t{i}"
+        assert counting.created.count(zmq.DEALER) == 1
+    finally:
+        sockets.close()
+
+
+def test_a_kept_socket_that_timed_out_is_dropped_so_its_late_reply_answers_nothing():
+    """The first request times out and its answer comes late: the connection it was on is
+    closed, so the next request (on a new connection) gets its own answer, never the stale
+    one (which would fail it as not answering our nonce)."""
+    sec = security()
+    release_first = threading.Event()
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        if request.transfer_id == "slow":
+            release_first.wait(WAIT)
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    counting = CountingContext()
+    sockets = RequestSockets(sec, context=counting)
+    try:
+        with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
+            with pytest.raises(TransferTimeoutError):
+                fetch_checksums(
+                    LOCAL,
+                    server.port,
+                    _checksum_request("slow"),
+                    timeout=0.3,
+                    security=sec,
+                    sockets=sockets,
+                )
+            release_first.set()
+            reply = fetch_checksums(
+                LOCAL,
+                server.port,
+                _checksum_request("next"),
+                timeout=WAIT,
+                security=sec,
+                sockets=sockets,
+            )
+            assert reply.transfer_id == "next"
+        assert counting.created.count(zmq.DEALER) == 2
+    finally:
+        sockets.close()
+
+
+def test_kept_request_sockets_keep_at_most_their_bound():
+    sec = security()
+    counting = CountingContext()
+    sockets = RequestSockets(sec, max_sockets=1, context=counting)
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    try:
+        with (
+            HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as a,
+            HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as b,
+        ):
+            for port in (a.port, b.port, a.port):  # a's connection went to make room for b's
+                fetch_checksums(
+                    LOCAL,
+                    port,
+                    _checksum_request("t"),
+                    timeout=WAIT,
+                    security=sec,
+                    sockets=sockets,
+                )
+        assert counting.created.count(zmq.DEALER) == 3
+    finally:
+        sockets.close()
+    with pytest.raises(InvalidArgumentError):
+        RequestSockets(sec, max_sockets=0)
 
 
 def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port(caplog):

@@ -11,7 +11,8 @@ Two processes on 127.0.0.1 (the responder is a spawned child, so the two sides s
   worker meets a new peer).
 * ``hold check``: :func:`fetch_checksums` of a ``hold_only`` :class:`ChecksumRequest` naming
   ``--blocks`` block ids, answered by the same server (no checksums): the round trip
-  ``confirm_reads`` adds to every READ (a new connection each time, as the decode makes it).
+  ``confirm_reads`` adds to every READ, on a kept connection (:class:`RequestSockets`), as the
+  decode's confirmer makes it.
 * ``raw zmq``: the baseline, measured in the same run: a DEALER sends a msgpack payload of the
   same size to a ROUTER in the child, which echoes it (no schema, no authentication, no queues).
 
@@ -41,6 +42,7 @@ from moriio_native.control.channel import (
     HandshakeServer,
     NotifyListener,
     NotifySender,
+    RequestSockets,
     fetch_checksums,
     fetch_metadata,
 )
@@ -198,18 +200,24 @@ def _hold_check_round_trips(
     security: ControlSecurity, port: int, blocks: int, n: int
 ) -> list[float]:
     out = []
-    for i in range(n):
-        request = ChecksumRequest(
-            requester_engine_id="decode",
-            transfer_id=f"hold-{i}",
-            block_ids=tuple(range(1, blocks + 1)),
-            hold_only=True,
-        )
-        t = time.perf_counter()
-        answer = fetch_checksums(LOCAL, port, request, timeout=WAIT, security=security)
-        out.append((time.perf_counter() - t) * 1e6)
-        if answer.checksums:
-            raise RuntimeError("a hold check's answer carried checksums")
+    sockets = RequestSockets(security)
+    try:
+        for i in range(n):
+            request = ChecksumRequest(
+                requester_engine_id="decode",
+                transfer_id=f"hold-{i}",
+                block_ids=tuple(range(1, blocks + 1)),
+                hold_only=True,
+            )
+            t = time.perf_counter()
+            answer = fetch_checksums(
+                LOCAL, port, request, timeout=WAIT, security=security, sockets=sockets
+            )
+            out.append((time.perf_counter() - t) * 1e6)
+            if answer.checksums:
+                raise RuntimeError("a hold check's answer carried checksums")
+    finally:
+        sockets.close()
     return out
 
 

@@ -1239,22 +1239,37 @@ def fetch_checksums(
     timeout: float,
     security: ControlSecurity,
     context: zmq.Context | None = None,
+    sockets: RequestSockets | None = None,
 ) -> ChecksumResponse:
     """Ask the handshake server at ``host:port`` (a prefill rank) for the checksums
-    ``request`` names. Errors as :func:`fetch_metadata`'s (FailedPreconditionError with the
-    peer's reason when it rejects, e.g. it does not verify); TransportError when the answer is
-    for another transfer. Blocks the calling thread at most ``timeout`` seconds."""
-    reply = _ask(
-        host,
-        port,
-        request,
-        (ChecksumResponse, HandshakeRejected),
-        what=f"checksums of transfer {request.transfer_id} from",
-        timeout=timeout,
-        security=security,
-        context=context,
-        max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
-    )
+    ``request`` names (on ``sockets``' kept connection when given, else on one of its own).
+    Errors as :func:`fetch_metadata`'s (FailedPreconditionError with the peer's reason when it
+    rejects, e.g. it does not verify); TransportError when the answer is for another transfer.
+    Blocks the calling thread at most ``timeout`` seconds."""
+    accept = (ChecksumResponse, HandshakeRejected)
+    what = f"checksums of transfer {request.transfer_id} from"
+    if sockets is not None:
+        reply = sockets.ask(
+            host,
+            port,
+            request,
+            accept,
+            what=what,
+            timeout=timeout,
+            max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
+        )
+    else:
+        reply = _ask(
+            host,
+            port,
+            request,
+            accept,
+            what=what,
+            timeout=timeout,
+            security=security,
+            context=context,
+            max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
+        )
     assert isinstance(reply, ChecksumResponse)
     if reply.transfer_id != request.transfer_id:
         raise TransportError(
@@ -1280,66 +1295,165 @@ def _ask(
     context: zmq.Context | None,
     max_response_bytes: int,
 ) -> _Reply:
-    """One request on the handshake channel and its reply (never a rejection: that raises)."""
+    """One request on the handshake channel, on a connection of its own, and its reply (never
+    a rejection: that raises)."""
     port = validate_port(port, what="handshake port")
     timeout = _check_seconds(timeout, "timeout")
     target = f"{host}:{port}"
     host = security.allowlist.require(host, purpose=f"{what} {target}")
+    dialed = _dial_asker(context, host, port, security, max_response_bytes, f"{what} {target}")
+    try:
+        return _exchange(
+            dialed, request, accept, f"{what} {target}", timeout, security, max_response_bytes
+        )
+    finally:
+        dialed.close(0)
+
+
+def _dial_asker(
+    context: zmq.Context | None,
+    host: str,
+    port: int,
+    security: ControlSecurity,
+    max_response_bytes: int,
+    what: str,
+) -> _Dialed:
+    """A DEALER to the handshake server at ``host:port`` (allowlisted already)."""
     ctx = context if context is not None else zmq.Context.instance()
     options = {zmq.LINGER: 0, zmq.IPV6: 1, zmq.MAXMSGSIZE: 2 * max_response_bytes + 4096}
     try:
-        dialed = _dial(ctx, zmq_endpoint(host, port), security.auth, options)
+        return _dial(ctx, zmq_endpoint(host, port), security.auth, options)
     except zmq.ZMQError as exc:
-        raise TransportError(f"{what} {target}: cannot connect: {exc}") from exc
+        raise TransportError(f"{what}: cannot connect: {exc}") from exc
+
+
+def _exchange(
+    dialed: _Dialed,
+    request: _Request,
+    accept: tuple[type[_Reply], ...],
+    what: str,
+    timeout: float,
+    security: ControlSecurity,
+    max_response_bytes: int,
+) -> _Reply:
+    """Send ``request`` on ``dialed`` (no reply of an earlier request outstanding on it) and
+    wait for its reply."""
     sock, watch = dialed.sock, dialed.watch
     try:
+        sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"{what}: cannot send: {exc}") from exc
+    deadline = time.monotonic() + timeout
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            failed = (
+                f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
+                if watch.failures
+                else ""
+            )
+            raise TransferTimeoutError(
+                f"{what}: no reply within {timeout:.3g}s "
+                "(is the peer running, the port right, and auth_secret the same on both "
+                f"sides?){failed}"
+            )
+        ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
+        if watch.monitor in ready and watch.read() and watch.mismatch:
+            raise AuthenticationError(f"{what}: {watch.reason}")
+        if sock not in ready:
+            continue
+        frames = sock.recv_multipart()
+        if len(frames) < 2 or frames[0] != b"":
+            raise TransportError(f"{what}: reply is not [b'', payload]")
+        payload = security.auth.open(frames[1:])
         try:
-            sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
-        except zmq.ZMQError as exc:
-            raise TransportError(f"{what} {target}: cannot send: {exc}") from exc
-        deadline = time.monotonic() + timeout
-        poller = zmq.Poller()
-        poller.register(sock, zmq.POLLIN)
-        poller.register(watch.monitor, zmq.POLLIN)
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                failed = (
-                    f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
-                    if watch.failures
-                    else ""
-                )
-                raise TransferTimeoutError(
-                    f"{what} {target}: no reply within {timeout:.3g}s "
-                    "(is the peer running, the port right, and auth_secret the same on both "
-                    f"sides?){failed}"
-                )
-            ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
-            if watch.monitor in ready and watch.read() and watch.mismatch:
-                raise AuthenticationError(f"{what} {target}: {watch.reason}")
-            if sock not in ready:
-                continue
-            frames = sock.recv_multipart()
-            if len(frames) < 2 or frames[0] != b"":
-                raise TransportError(f"{what} {target}: reply is not [b'', payload]")
-            payload = security.auth.open(frames[1:])
-            try:
-                reply = decode(payload, accept, max_bytes=max_response_bytes)
-            except ProtocolVersionError as exc:
-                raise IncompatiblePeerError(f"{what} {target}: {exc}") from exc
-            except InvalidMessageError as exc:
-                raise TransportError(f"{what} {target}: bad reply: {exc}") from exc
-            if reply.nonce != request.nonce:
-                raise AuthenticationError(
-                    f"{what} {target}: reply does not answer our request (nonce mismatch)"
-                )
-            if isinstance(reply, HandshakeRejected):
-                raise FailedPreconditionError(
-                    f"{what} {target} rejected by the peer: {reply.reason}"
-                )
-            return reply
-    finally:
-        dialed.close(0)
+            reply = decode(payload, accept, max_bytes=max_response_bytes)
+        except ProtocolVersionError as exc:
+            raise IncompatiblePeerError(f"{what}: {exc}") from exc
+        except InvalidMessageError as exc:
+            raise TransportError(f"{what}: bad reply: {exc}") from exc
+        if reply.nonce != request.nonce:
+            raise AuthenticationError(f"{what}: reply does not answer our request (nonce mismatch)")
+        if isinstance(reply, HandshakeRejected):
+            raise FailedPreconditionError(f"{what} rejected by the peer: {reply.reason}")
+        return reply
+
+
+class RequestSockets:
+    """Handshake-channel connections kept for one thread's repeated requests to the same
+    servers (a decode's hold checks): one per ``(host, port)``, at most ``max_sockets`` (the
+    least recently used is closed first), so a request costs a round trip, not a new
+    connection (and, with a secret, CURVE's key exchange). A connection whose exchange ended
+    in anything but a reply (or the peer's rejection) is closed, so a kept one never has a
+    reply outstanding. Not thread-safe: one instance per thread."""
+
+    def __init__(
+        self,
+        security: ControlSecurity,
+        *,
+        max_sockets: int = 64,
+        context: zmq.Context | None = None,
+    ) -> None:
+        if max_sockets < 1:
+            raise InvalidArgumentError(f"max_sockets must be >= 1, got {max_sockets}")
+        self._security = security
+        self._max_sockets = max_sockets
+        self._context = context
+        self._sockets: OrderedDict[tuple[str, int], _Dialed] = OrderedDict()
+
+    def ask(
+        self,
+        host: str,
+        port: int,
+        request: _Request,
+        accept: tuple[type[_Reply], ...],
+        *,
+        what: str,
+        timeout: float,
+        max_response_bytes: int,
+    ) -> _Reply:
+        """As :func:`_ask`, on the kept connection to ``host:port`` (made when missing)."""
+        port = validate_port(port, what="handshake port")
+        timeout = _check_seconds(timeout, "timeout")
+        target = f"{host}:{port}"
+        host = self._security.allowlist.require(host, purpose=f"{what} {target}")
+        key = (host, port)
+        dialed = self._sockets.pop(key, None)
+        if dialed is None:
+            dialed = _dial_asker(
+                self._context, host, port, self._security, max_response_bytes, f"{what} {target}"
+            )
+        try:
+            reply = _exchange(
+                dialed,
+                request,
+                accept,
+                f"{what} {target}",
+                timeout,
+                self._security,
+                max_response_bytes,
+            )
+        except FailedPreconditionError:  # the peer's rejection: its reply came, none is left
+            self._keep(key, dialed)
+            raise
+        except BaseException:
+            dialed.close(0)
+            raise
+        self._keep(key, dialed)
+        return reply
+
+    def _keep(self, key: tuple[str, int], dialed: _Dialed) -> None:
+        self._sockets[key] = dialed
+        while len(self._sockets) > self._max_sockets:
+            self._sockets.popitem(last=False)[1].close(0)
+
+    def close(self) -> None:
+        """Close every kept connection (from the owning thread, or once it stopped)."""
+        while self._sockets:
+            self._sockets.popitem()[1].close(0)
 
 
 class NotifySender(_ClosesOnExit):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from moriio_native.control.channel import fetch_checksums
+from moriio_native.control.channel import RequestSockets, fetch_checksums
 from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
@@ -251,17 +251,33 @@ class ReadConfirmer:
     released it) or of another request's blocks (an answer changed on its way) loads whatever
     they hold, unnoticed. One round trip per READ, on a pool of :data:`CONFIRM_THREADS` threads
     (a check waiting on a stalled prefill holds up no other prefill's), each waiting at most
-    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`; thread-safe."""
+    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`, each thread keeping its connections to
+    the prefill ranks it asked (a check is then a round trip, not a new connection and, with a
+    secret, a key exchange); thread-safe."""
 
     def __init__(self, security: ControlSecurity, engine_id: str, *, timeout: float) -> None:
         self._security = security
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
         self._pool = ThreadPoolExecutor(CONFIRM_THREADS, thread_name_prefix="moriio-native-confirm")
+        self._thread = threading.local()  # .sockets: that pool thread's kept connections
+        self._kept: list[RequestSockets] = []  # every pool thread's, closed at shutdown
+        self._kept_lock = threading.Lock()
 
     def shutdown(self) -> None:
-        """As :meth:`Verifier.shutdown`."""
+        """Drop queued checks; the running ones (each waits at most ``timeout``) finish on
+        their own, their verdicts meeting a stopped core, and once they did a background thread
+        closes the pool threads' kept connections (the caller never waits for it)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+        def close_kept() -> None:
+            self._pool.shutdown(wait=True)
+            with self._kept_lock:
+                kept, self._kept = self._kept, []
+            for sockets in kept:
+                sockets.close()
+
+        threading.Thread(target=close_kept, name="moriio-native-confirm-close", daemon=True).start()
 
     def confirm(
         self,
@@ -278,7 +294,13 @@ class ReadConfirmer:
         def confirm() -> str | None:
             request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
             try:
-                _ask(peer, request.replace(hold_only=True), self._security, self._timeout)
+                _ask(
+                    peer,
+                    request.replace(hold_only=True),
+                    self._security,
+                    self._timeout,
+                    self._sockets(),
+                )
             except MoriioError as exc:
                 return (
                     f"the prefill {peer.response.engine_id} did not confirm the READ of "
@@ -287,6 +309,15 @@ class ReadConfirmer:
             return None
 
         _submit_check(self._pool, f"confirmation of transfer {transfer_id}", confirm, verdict)
+
+    def _sockets(self) -> RequestSockets:
+        """The calling pool thread's kept connections (made on its first check)."""
+        sockets = getattr(self._thread, "sockets", None)
+        if sockets is None:
+            sockets = self._thread.sockets = RequestSockets(self._security)
+            with self._kept_lock:
+                self._kept.append(sockets)
+        return sockets
 
 
 def _checksum_request(
@@ -303,11 +334,21 @@ def _checksum_request(
 
 
 def _ask(
-    peer: Peer, request: ChecksumRequest, security: ControlSecurity, timeout: float
+    peer: Peer,
+    request: ChecksumRequest,
+    security: ControlSecurity,
+    timeout: float,
+    sockets: RequestSockets | None = None,
 ) -> ChecksumResponse:
-    """``request`` to ``peer``'s handshake port; raises as :func:`fetch_checksums`."""
+    """``request`` to ``peer``'s handshake port (on ``sockets``' kept connection when given);
+    raises as :func:`fetch_checksums`."""
     return fetch_checksums(
-        peer.host, peer.key.handshake_port, request, timeout=timeout, security=security
+        peer.host,
+        peer.key.handshake_port,
+        request,
+        timeout=timeout,
+        security=security,
+        sockets=sockets,
     )
 
 
