@@ -513,6 +513,13 @@ def _checksum_request(tid: str) -> ChecksumRequest:
     return ChecksumRequest(requester_engine_id="d0", transfer_id=tid, block_ids=(1,))
 
 
+def _fetch_kept(port, tid, sec, sockets, timeout=WAIT):
+    """``tid``'s checksums from the server at ``port``, on ``sockets``' kept connections."""
+    return fetch_checksums(
+        LOCAL, port, _checksum_request(tid), timeout=timeout, security=sec, sockets=sockets
+    )
+
+
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "curve"])
 def test_kept_request_sockets_ask_again_on_one_connection(secret):
     """RequestSockets keeps its connection to a server: requests after the first make no new
@@ -527,14 +534,7 @@ def test_kept_request_sockets_ask_again_on_one_connection(secret):
     try:
         with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
             for i in range(5):
-                reply = fetch_checksums(
-                    LOCAL,
-                    server.port,
-                    _checksum_request(f"t{i}"),
-                    timeout=WAIT,
-                    security=sec,
-                    sockets=sockets,
-                )
+                reply = _fetch_kept(server.port, f"t{i}", sec, sockets)
                 assert reply.transfer_id == f"t{i}"
         assert counting.created.count(zmq.DEALER) == 1
     finally:
@@ -558,56 +558,123 @@ def test_a_kept_socket_that_timed_out_is_dropped_so_its_late_reply_answers_nothi
     try:
         with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
             with pytest.raises(TransferTimeoutError):
-                fetch_checksums(
-                    LOCAL,
-                    server.port,
-                    _checksum_request("slow"),
-                    timeout=0.3,
-                    security=sec,
-                    sockets=sockets,
-                )
+                _fetch_kept(server.port, "slow", sec, sockets, timeout=0.3)
             release_first.set()
-            reply = fetch_checksums(
-                LOCAL,
-                server.port,
-                _checksum_request("next"),
-                timeout=WAIT,
-                security=sec,
-                sockets=sockets,
-            )
+            reply = _fetch_kept(server.port, "next", sec, sockets)
             assert reply.transfer_id == "next"
         assert counting.created.count(zmq.DEALER) == 2
     finally:
         sockets.close()
 
 
-def test_kept_request_sockets_keep_at_most_their_bound():
+def _echo_checksums(request: ChecksumRequest) -> ChecksumResponse:
+    return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+
+def test_kept_request_sockets_keep_at_most_their_bound_and_age():
     sec = security()
     counting = CountingContext()
-    sockets = RequestSockets(sec, max_sockets=1, context=counting)
+    sockets = RequestSockets(sec, max_idle=1, idle_s=0.3, context=counting)
 
-    def answer(request: ChecksumRequest) -> ChecksumResponse:
-        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+    def ask(port: int) -> None:
+        _fetch_kept(port, "t", sec, sockets)
 
     try:
         with (
-            HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as a,
-            HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as b,
+            HandshakeServer(
+                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
+            ) as a,
+            HandshakeServer(
+                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
+            ) as b,
         ):
             for port in (a.port, b.port, a.port):  # a's connection went to make room for b's
-                fetch_checksums(
-                    LOCAL,
-                    port,
-                    _checksum_request("t"),
-                    timeout=WAIT,
-                    security=sec,
-                    sockets=sockets,
-                )
-        assert counting.created.count(zmq.DEALER) == 3
+                ask(port)
+            assert counting.created.count(zmq.DEALER) == 3 and sockets.idle == 1
+            ask(a.port)  # a's, kept
+            assert counting.created.count(zmq.DEALER) == 3
+            time.sleep(0.5)  # past idle_s: closed, dialled again
+            ask(a.port)
+            assert counting.created.count(zmq.DEALER) == 4 and sockets.idle == 1
     finally:
         sockets.close()
+    assert sockets.idle == 0
     with pytest.raises(InvalidArgumentError):
-        RequestSockets(sec, max_sockets=0)
+        RequestSockets(sec, max_idle=0)
+
+
+def test_a_rejection_keeps_the_connection_it_came_on():
+    """The peer's rejection is a reply: nothing is outstanding on the connection, so it is
+    kept, and the next request on it gets its own answer."""
+    sec = security()
+
+    def reject_first(request: ChecksumRequest) -> ChecksumResponse:
+        if request.transfer_id == "refused":
+            raise FailedPreconditionError("its blocks are no longer held: released")
+        return _echo_checksums(request)
+
+    counting = CountingContext()
+    sockets = RequestSockets(sec, context=counting)
+    try:
+        with HandshakeServer(
+            0, provider_for(), sec, bind_host=LOCAL, checksums=reject_first
+        ) as server:
+            with pytest.raises(FailedPreconditionError, match="no longer held"):
+                _fetch_kept(server.port, "refused", sec, sockets)
+            reply = _fetch_kept(server.port, "next", sec, sockets)
+        assert reply.transfer_id == "next" and counting.created.count(zmq.DEALER) == 1
+    finally:
+        sockets.close()
+
+
+def test_kept_request_sockets_serve_threads_at_once_one_connection_each():
+    """Eight threads asking one server at once: each request on a connection of its own
+    (never two on one), every answer its own, and no more connections made than requests ran
+    at once."""
+    sec = security()
+    counting = CountingContext()
+    sockets = RequestSockets(sec, context=counting)
+    try:
+        with (
+            HandshakeServer(
+                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
+            ) as server,
+            ThreadPoolExecutor(8) as pool,
+        ):
+
+            def ask(i: int) -> str:
+                return _fetch_kept(server.port, f"t{i}", sec, sockets).transfer_id
+
+            assert list(pool.map(ask, range(200))) == [f"t{i}" for i in range(200)]
+        assert 1 <= counting.created.count(zmq.DEALER) <= 8
+    finally:
+        sockets.close()
+
+
+def test_a_kept_connection_to_a_server_replaced_by_one_without_the_secret_recovers():
+    """A kept connection carries no handshake watch (an idle one's monitor would fill unread):
+    when its server is replaced by one that cannot complete the handshake (here: no secret),
+    the next request on it gets no reply and the connection is closed; the one after dials
+    again, and its watch names the mismatch at once."""
+    sec = security(SECRET)
+    sockets = RequestSockets(sec)
+    port = free_port()
+    try:
+        with HandshakeServer(port, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums):
+            _fetch_kept(port, "t0", sec, sockets)
+        assert sockets.idle == 1
+        with HandshakeServer(
+            port, provider_for(), security(), bind_host=LOCAL, checksums=_echo_checksums
+        ):
+            with pytest.raises(TransferTimeoutError):
+                _fetch_kept(port, "t1", sec, sockets, timeout=1.0)
+            assert sockets.idle == 0
+            start = time.monotonic()
+            with pytest.raises(AuthenticationError, match="one side has an auth_secret"):
+                _fetch_kept(port, "t2", sec, sockets)
+            assert time.monotonic() - start < WAIT / 2
+    finally:
+        sockets.close()
 
 
 def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port(caplog):

@@ -84,10 +84,15 @@ def test_a_hold_check_names_the_answer_and_passes_when_the_prefill_confirms() ->
     with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as server:
         confirmer.confirm("t-1", _peer(server.port), (7, 3, 9), 1234, verdicts.for_("t-1"))
         verdicts.wait("t-1")
+        confirmer.confirm("t-2", _peer(server.port), (7,), 1234, verdicts.for_("t-2"))
+        verdicts.wait("t-2")
+        kept = confirmer._sockets
+        assert kept.idle == 1  # both checks on one connection, kept for the next
     confirmer.shutdown()
-    assert verdicts.got["t-1"][1] is None
-    (request,) = asked
-    assert request.hold_only and request.transfer_id == "t-1"
+    assert kept.idle == 0  # closed with the confirmer
+    assert verdicts.got["t-1"][1] is None and verdicts.got["t-2"][1] is None
+    request = asked[0]
+    assert len(asked) == 2 and request.hold_only and request.transfer_id == "t-1"
     assert request.block_ids == (7, 3, 9) and request.hold_until_ms == 1234
 
 

@@ -1297,17 +1297,32 @@ def _ask(
 ) -> _Reply:
     """One request on the handshake channel, on a connection of its own, and its reply (never
     a rejection: that raises)."""
-    port = validate_port(port, what="handshake port")
-    timeout = _check_seconds(timeout, "timeout")
-    target = f"{host}:{port}"
-    host = security.allowlist.require(host, purpose=f"{what} {target}")
+    host, port, timeout, target = _ask_target(host, port, timeout, security, what)
     dialed = _dial_asker(context, host, port, security, max_response_bytes, f"{what} {target}")
     try:
         return _exchange(
-            dialed, request, accept, f"{what} {target}", timeout, security, max_response_bytes
+            dialed.sock,
+            dialed.watch,
+            request,
+            accept,
+            f"{what} {target}",
+            timeout,
+            security,
+            max_response_bytes,
         )
     finally:
         dialed.close(0)
+
+
+def _ask_target(
+    host: str, port: int, timeout: float, security: ControlSecurity, what: str
+) -> tuple[str, int, float, str]:
+    """A request's checked ``(host, port, timeout, "host:port")``: the port and timeout
+    valid, the host allowlisted (PeerNotAllowedError before any socket exists)."""
+    port = validate_port(port, what="handshake port")
+    timeout = _check_seconds(timeout, "timeout")
+    target = f"{host}:{port}"
+    return security.allowlist.require(host, purpose=f"{what} {target}"), port, timeout, target
 
 
 def _dial_asker(
@@ -1328,7 +1343,8 @@ def _dial_asker(
 
 
 def _exchange(
-    dialed: _Dialed,
+    sock: zmq.Socket,
+    watch: _HandshakeWatch | None,
     request: _Request,
     accept: tuple[type[_Reply], ...],
     what: str,
@@ -1336,9 +1352,9 @@ def _exchange(
     security: ControlSecurity,
     max_response_bytes: int,
 ) -> _Reply:
-    """Send ``request`` on ``dialed`` (no reply of an earlier request outstanding on it) and
-    wait for its reply."""
-    sock, watch = dialed.sock, dialed.watch
+    """Send ``request`` on ``sock`` (no reply of an earlier request outstanding on it) and
+    wait for its reply, naming ``watch``'s handshake failures (None: a socket whose handshake
+    worked before and whose watch is gone; a failure then shows as no reply)."""
     try:
         sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
     except zmq.ZMQError as exc:
@@ -1346,13 +1362,14 @@ def _exchange(
     deadline = time.monotonic() + timeout
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    poller.register(watch.monitor, zmq.POLLIN)
+    if watch is not None:
+        poller.register(watch.monitor, zmq.POLLIN)
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             failed = (
                 f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
-                if watch.failures
+                if watch is not None and watch.failures
                 else ""
             )
             raise TransferTimeoutError(
@@ -1361,7 +1378,7 @@ def _exchange(
                 f"sides?){failed}"
             )
         ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
-        if watch.monitor in ready and watch.read() and watch.mismatch:
+        if watch is not None and watch.monitor in ready and watch.read() and watch.mismatch:
             raise AuthenticationError(f"{what}: {watch.reason}")
         if sock not in ready:
             continue
@@ -1382,27 +1399,49 @@ def _exchange(
         return reply
 
 
+@dataclass(frozen=True, slots=True)
+class _IdleSocket:
+    sock: zmq.Socket
+    since: float  # time.monotonic() when it was last given back
+
+
 class RequestSockets:
-    """Handshake-channel connections kept for one thread's repeated requests to the same
-    servers (a decode's hold checks): one per ``(host, port)``, at most ``max_sockets`` (the
-    least recently used is closed first), so a request costs a round trip, not a new
-    connection (and, with a secret, CURVE's key exchange). A connection whose exchange ended
-    in anything but a reply (or the peer's rejection) is closed, so a kept one never has a
-    reply outstanding. Not thread-safe: one instance per thread."""
+    """Handshake-channel connections kept for repeated requests to the same servers (a
+    decode's hold checks), shared by the threads that make them: a request takes an idle
+    connection to its ``(host, port)`` (or dials one) and gives it back after its reply, so it
+    costs a round trip, not a new connection (and, with a secret, CURVE's key exchange). At
+    most ``max_idle`` wait idle, each at most ``idle_s`` seconds (the oldest go first); a
+    connection is used by one request at a time. One whose exchange ended in anything but a
+    reply (or the peer's rejection) is closed, so a kept one never has a reply outstanding.
+    Once a connection's first reply came its handshake watch is dropped: nobody would read an
+    idle socket's monitor, and ZMQ's reconnection attempts to a peer gone or changed would
+    fill its queue and stall ZMQ's I/O thread (every socket of the context); a kept
+    connection that no longer works then shows as a request without a reply, which closes it.
+    Thread-safe."""
 
     def __init__(
         self,
         security: ControlSecurity,
         *,
-        max_sockets: int = 64,
+        max_idle: int = 16,
+        idle_s: float = 30.0,
         context: zmq.Context | None = None,
     ) -> None:
-        if max_sockets < 1:
-            raise InvalidArgumentError(f"max_sockets must be >= 1, got {max_sockets}")
+        if max_idle < 1:
+            raise InvalidArgumentError(f"max_idle must be >= 1, got {max_idle}")
         self._security = security
-        self._max_sockets = max_sockets
+        self._max_idle = max_idle
+        self._idle_s = _check_seconds(idle_s, "idle_s")
         self._context = context
-        self._sockets: OrderedDict[tuple[str, int], _Dialed] = OrderedDict()
+        self._lock = threading.Lock()
+        self._idle: OrderedDict[tuple[str, int], list[_IdleSocket]] = OrderedDict()
+        self._closed = False
+
+    @property
+    def idle(self) -> int:
+        """Connections waiting idle now."""
+        with self._lock:
+            return sum(len(kept) for kept in self._idle.values())
 
     def ask(
         self,
@@ -1415,20 +1454,19 @@ class RequestSockets:
         timeout: float,
         max_response_bytes: int,
     ) -> _Reply:
-        """As :func:`_ask`, on the kept connection to ``host:port`` (made when missing)."""
-        port = validate_port(port, what="handshake port")
-        timeout = _check_seconds(timeout, "timeout")
-        target = f"{host}:{port}"
-        host = self._security.allowlist.require(host, purpose=f"{what} {target}")
+        """As :func:`_ask`, on an idle connection to ``host:port`` when there is one."""
+        host, port, timeout, target = _ask_target(host, port, timeout, self._security, what)
         key = (host, port)
-        dialed = self._sockets.pop(key, None)
-        if dialed is None:
+        sock, watch = self._take(key), None
+        if sock is None:
             dialed = _dial_asker(
                 self._context, host, port, self._security, max_response_bytes, f"{what} {target}"
             )
+            sock, watch = dialed.sock, dialed.watch
         try:
             reply = _exchange(
-                dialed,
+                sock,
+                watch,
                 request,
                 accept,
                 f"{what} {target}",
@@ -1437,23 +1475,67 @@ class RequestSockets:
                 max_response_bytes,
             )
         except FailedPreconditionError:  # the peer's rejection: its reply came, none is left
-            self._keep(key, dialed)
+            self._give_back(key, sock, watch)
             raise
         except BaseException:
-            dialed.close(0)
+            if watch is not None:
+                watch.close()
+            sock.close(linger=0)
             raise
-        self._keep(key, dialed)
+        self._give_back(key, sock, watch)
         return reply
 
-    def _keep(self, key: tuple[str, int], dialed: _Dialed) -> None:
-        self._sockets[key] = dialed
-        while len(self._sockets) > self._max_sockets:
-            self._sockets.popitem(last=False)[1].close(0)
+    def _take(self, key: tuple[str, int]) -> zmq.Socket | None:
+        with self._lock:
+            self._expire(time.monotonic())
+            kept = self._idle.get(key)
+            if not kept:
+                return None
+            idle = kept.pop()
+            if not kept:
+                del self._idle[key]
+            return idle.sock
+
+    def _give_back(
+        self, key: tuple[str, int], sock: zmq.Socket, watch: _HandshakeWatch | None
+    ) -> None:
+        if watch is not None:
+            watch.close()
+        with self._lock:
+            if self._closed:
+                sock.close(linger=0)
+                return
+            now = time.monotonic()
+            self._idle.setdefault(key, []).append(_IdleSocket(sock, now))
+            self._idle.move_to_end(key)
+            self._expire(now)
+            while sum(len(kept) for kept in self._idle.values()) > self._max_idle:
+                self._close_oldest()
+
+    def _expire(self, now: float) -> None:
+        """Close the connections idle longer than ``idle_s`` (lock held)."""
+        for key in list(self._idle):
+            kept = self._idle[key]
+            while kept and now - kept[0].since > self._idle_s:
+                kept.pop(0).sock.close(linger=0)
+            if not kept:
+                del self._idle[key]
+
+    def _close_oldest(self) -> None:
+        """Close the least recently given back connection (lock held)."""
+        key = min(self._idle, key=lambda k: self._idle[k][0].since)
+        kept = self._idle[key]
+        kept.pop(0).sock.close(linger=0)
+        if not kept:
+            del self._idle[key]
 
     def close(self) -> None:
-        """Close every kept connection (from the owning thread, or once it stopped)."""
-        while self._sockets:
-            self._sockets.popitem()[1].close(0)
+        """Close every idle connection; those in use close when their request ends."""
+        with self._lock:
+            self._closed = True
+            while self._idle:
+                for idle in self._idle.popitem()[1]:
+                    idle.sock.close(linger=0)
 
 
 class NotifySender(_ClosesOnExit):

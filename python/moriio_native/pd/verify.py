@@ -251,33 +251,23 @@ class ReadConfirmer:
     released it) or of another request's blocks (an answer changed on its way) loads whatever
     they hold, unnoticed. One round trip per READ, on a pool of :data:`CONFIRM_THREADS` threads
     (a check waiting on a stalled prefill holds up no other prefill's), each waiting at most
-    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`, each thread keeping its connections to
-    the prefill ranks it asked (a check is then a round trip, not a new connection and, with a
-    secret, a key exchange); thread-safe."""
+    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`, on connections to the prefill ranks
+    kept between checks (:class:`RequestSockets`: a check is then a round trip, not a new
+    connection and, with a secret, a key exchange); thread-safe."""
 
     def __init__(self, security: ControlSecurity, engine_id: str, *, timeout: float) -> None:
         self._security = security
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
         self._pool = ThreadPoolExecutor(CONFIRM_THREADS, thread_name_prefix="moriio-native-confirm")
-        self._thread = threading.local()  # .sockets: that pool thread's kept connections
-        self._kept: list[RequestSockets] = []  # every pool thread's, closed at shutdown
-        self._kept_lock = threading.Lock()
+        self._sockets = RequestSockets(security)  # kept connections, shared by the threads
 
     def shutdown(self) -> None:
-        """Drop queued checks; the running ones (each waits at most ``timeout``) finish on
-        their own, their verdicts meeting a stopped core, and once they did a background thread
-        closes the pool threads' kept connections (the caller never waits for it)."""
+        """Drop queued checks and close the idle connections; the running checks (each waits
+        at most ``timeout``) finish on their own, closing theirs, their verdicts meeting a
+        stopped core."""
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-        def close_kept() -> None:
-            self._pool.shutdown(wait=True)
-            with self._kept_lock:
-                kept, self._kept = self._kept, []
-            for sockets in kept:
-                sockets.close()
-
-        threading.Thread(target=close_kept, name="moriio-native-confirm-close", daemon=True).start()
+        self._sockets.close()
 
     def confirm(
         self,
@@ -299,7 +289,7 @@ class ReadConfirmer:
                     request.replace(hold_only=True),
                     self._security,
                     self._timeout,
-                    self._sockets(),
+                    self._sockets,
                 )
             except MoriioError as exc:
                 return (
@@ -309,15 +299,6 @@ class ReadConfirmer:
             return None
 
         _submit_check(self._pool, f"confirmation of transfer {transfer_id}", confirm, verdict)
-
-    def _sockets(self) -> RequestSockets:
-        """The calling pool thread's kept connections (made on its first check)."""
-        sockets = getattr(self._thread, "sockets", None)
-        if sockets is None:
-            sockets = self._thread.sockets = RequestSockets(self._security)
-            with self._kept_lock:
-                self._kept.append(sockets)
-        return sockets
 
 
 def _checksum_request(
