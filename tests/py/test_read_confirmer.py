@@ -21,7 +21,7 @@ from moriio_native.pd.config import PdConfig
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.puller import _read_remote_ids
 from moriio_native.pd.tasks import RecvTask
-from moriio_native.pd.verify import CONFIRM_THREADS, ReadConfirmer
+from moriio_native.pd.verify import CHECK_THREADS, ReadConfirmer, Verifier
 
 LOCAL = "127.0.0.1"
 WAIT_S = 10.0
@@ -126,35 +126,60 @@ def test_a_server_that_answers_no_hold_checks_fails_the_check() -> None:
     assert "confirm_reads are off here" in why
 
 
-def test_checks_waiting_on_a_stalled_prefill_hold_up_no_other_prefills() -> None:
+class _NoChecksums:
+    """A rank with no layers: its checksums of any blocks are none (verify's compare of two
+    empty sets passes)."""
+
+    layers: tuple[str, ...] = ()
+
+    def compute(self, block_ids: Any, window: Any = None) -> dict[str, bytes]:
+        return {}
+
+
+def _check(checker: Any, tid: str, port: int, verdict: Any) -> None:
+    """One check of ``tid`` with the prefill at ``port``: a hold check, or verify's."""
+    if isinstance(checker, ReadConfirmer):
+        checker.confirm(tid, _peer(port), (1,), 0, verdict)
+    else:
+        checker.check_read(tid, _peer(port), (1,), (1,), verdict)
+
+
+@pytest.mark.parametrize("checker", ["confirm_reads", "verify"])
+def test_checks_waiting_on_a_stalled_prefill_hold_up_no_other_prefills(checker: str) -> None:
     """Three checks wait on a prefill that never answers; a check to a live prefill after them
-    still gets its answer at once (before: one thread, so it waited for all three), and the
-    stalled ones fail at the confirmer's timeout, each naming the transfer."""
+    still gets its answer at once (before: one thread each for hold checks and for verify's
+    checksum requests, so it waited for all three), and the stalled ones fail at the timeout,
+    each naming the transfer."""
 
     def answer(request: ChecksumRequest) -> ChecksumResponse:
         return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
 
     timeout = 2.0
-    confirmer = ReadConfirmer(_security(), "decode-0", timeout=timeout)
+    checks: Any = (
+        ReadConfirmer(_security(), "decode-0", timeout=timeout)
+        if checker == "confirm_reads"
+        else Verifier(_NoChecksums, _security(), "decode-0", timeout=timeout)
+    )
     verdicts = Verdicts()
     stalled = [f"stalled-{i}" for i in range(3)]
-    assert len(stalled) < CONFIRM_THREADS
+    assert len(stalled) < CHECK_THREADS
     with (
         HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as live,
         _silent_port() as silent,
     ):
         start = time.monotonic()
         for tid in stalled:
-            confirmer.confirm(tid, _peer(silent.getsockname()[1]), (1,), 0, verdicts.for_(tid))
-        confirmer.confirm("live", _peer(live.port), (1,), 0, verdicts.for_("live"))
+            _check(checks, tid, silent.getsockname()[1], verdicts.for_(tid))
+        _check(checks, "live", live.port, verdicts.for_("live"))
         verdicts.wait("live", *stalled)
-    confirmer.shutdown()
+    checks.shutdown()
     live_at, live_why = verdicts.got["live"]
     assert live_why is None and live_at - start < timeout / 2
+    named = "did not confirm the READ of" if checker == "confirm_reads" else "checksums of"
     for tid in stalled:
         at, why = verdicts.got[tid]
         assert at - start >= timeout * 0.9
-        assert why is not None and f"did not confirm the READ of transfer {tid}" in why
+        assert why is not None and f"{named} transfer {tid}" in why
 
 
 def _config(**kw: Any) -> PdConfig:

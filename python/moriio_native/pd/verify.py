@@ -22,9 +22,11 @@ load and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verif
 generates from the corrupted KV (the test's control: that corruption changes the completion).
 Set, it is logged as an error when the rank starts; it has no effect with ``verify`` off.
 
-Checking and computing run on one thread (``moriio-native-verify``; a READ's own checksums on
-a second, while the prefill computes its), never under the context lock; results come back
-through the callback, on the first. Thread-safe.
+Checking and computing run on a pool of :data:`CHECK_THREADS` threads (``moriio-native-verify``:
+a check waiting on a stalled prefill holds up no other; a READ's own checksums on one more
+thread, while the prefill computes its), never under the context lock, asking the prefill on
+connections kept between checks; results come back through the callback, on the pool's
+thread. Thread-safe.
 """
 
 from __future__ import annotations
@@ -50,9 +52,10 @@ CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 
 # Mismatched blocks named in one log line / failure reason (the rest are counted).
 MAX_NAMED_MISMATCHES = 8
-#: Hold checks (confirm_reads) in flight at once per rank, and the longest one waits for its
-#: answer: the prefill answers at once, or within SEND_TASK_WAIT_S when its send task is late.
-CONFIRM_THREADS = 8
+#: Checks with the prefill (verify's checksum requests, confirm_reads' hold checks) in flight
+#: at once per rank, and the longest a hold check waits for its answer: the prefill answers at
+#: once, or within SEND_TASK_WAIT_S when its send task is late.
+CHECK_THREADS = 8
 MAX_HOLD_CHECK_WAIT_S = 10.0
 
 #: Called with None when the transfer is intact, else with why it is not.
@@ -86,7 +89,10 @@ class Verifier:
         self._security = security
         self._engine_id = engine_id
         self._timeout = timeout
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify")
+        # Checks with the prefill run side by side: one waiting on a stalled prefill (up to
+        # ``timeout``) holds up no other prefill's.
+        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-verify")
+        self._sockets = RequestSockets(security)  # kept connections to the prefill ranks
         # Our side of a READ's check, computed while the prefill computes its own.
         self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
         self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
@@ -109,6 +115,7 @@ class Verifier:
         its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._local.shutdown(wait=False, cancel_futures=True)
+        self._sockets.close()
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -129,7 +136,7 @@ class Verifier:
             request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
             ours = self._local.submit(self._ours, transfer_id, local_ids)
             try:
-                answer = _ask(peer, request, self._security, self._timeout)
+                answer = _ask(peer, request, self._security, self._timeout, self._sockets)
             except MoriioError as exc:
                 return f"no checksums from the prefill {peer.response.engine_id}: {exc}"
             finally:
@@ -249,7 +256,7 @@ class ReadConfirmer:
     transfer's blocks and the READ's blocks are among those its answer named. Without it a
     READ of blocks the prefill freed (its answer handed to a second decode after the first
     released it) or of another request's blocks (an answer changed on its way) loads whatever
-    they hold, unnoticed. One round trip per READ, on a pool of :data:`CONFIRM_THREADS` threads
+    they hold, unnoticed. One round trip per READ, on a pool of :data:`CHECK_THREADS` threads
     (a check waiting on a stalled prefill holds up no other prefill's), each waiting at most
     ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`, on connections to the prefill ranks
     kept between checks (:class:`RequestSockets`: a check is then a round trip, not a new
@@ -259,7 +266,7 @@ class ReadConfirmer:
         self._security = security
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
-        self._pool = ThreadPoolExecutor(CONFIRM_THREADS, thread_name_prefix="moriio-native-confirm")
+        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-confirm")
         self._sockets = RequestSockets(security)  # kept connections, shared by the threads
 
     def shutdown(self) -> None:
@@ -376,7 +383,7 @@ def whole_blocks_only(transfer: str) -> str:
 
 
 __all__ = [
-    "CONFIRM_THREADS",
+    "CHECK_THREADS",
     "CORRUPT_ENV",
     "MAX_HOLD_CHECK_WAIT_S",
     "MAX_NAMED_MISMATCHES",
