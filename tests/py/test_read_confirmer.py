@@ -209,6 +209,20 @@ def test_which_ranks_confirm_their_reads(kw: dict[str, Any], confirms: bool) -> 
     assert _config(**kw).confirms_reads is confirms
 
 
+@pytest.mark.parametrize(
+    ("kw", "answers"),
+    [
+        ({"confirm_reads": True, "producer": True}, True),
+        ({"confirm_reads": True, "producer": True, "consumer": False}, True),
+        ({"producer": True}, False),
+        ({"confirm_reads": True}, False),  # a decode-only rank holds nothing to confirm
+        ({"confirm_reads": True, "producer": True, "mode": "write"}, False),
+    ],
+)
+def test_which_ranks_answer_hold_checks(kw: dict[str, Any], answers: bool) -> None:
+    assert _config(**kw).answers_hold_checks is answers
+
+
 def _task(**kw: Any) -> RecvTask:
     return RecvTask("r", "t", ZmqAddress(LOCAL, 1, 2), "p", 0, 1, **kw)
 

@@ -90,6 +90,12 @@ class PdConfig:
         return self.confirm_reads and self.consumer and self.mode == "read" and not self.verify
 
     @property
+    def answers_hold_checks(self) -> bool:
+        """Whether this rank answers decodes' hold checks: a READ-mode prefill rank with
+        ``confirm_reads`` (any other would refuse them)."""
+        return self.confirm_reads and self.mode == "read" and self.producer
+
+    @property
     def transfer_mode(self) -> str:
         """``READ``/``WRITE`` as the handshake (and vLLM's MoRIIO proxy protocol) spells it."""
         return self.mode.upper()

@@ -179,10 +179,7 @@ class PdCore:
         any free port) and start the threads. The engine must be registered."""
         if self.server is not None:
             raise FailedPreconditionError(f"protocol core {self.cfg.engine_id} started twice")
-        # Hold checks come to a READ-mode prefill rank only (any other would refuse them).
-        cfg = self.cfg
-        answers_holds = cfg.confirm_reads and cfg.mode == "read" and cfg.producer
-        answers_checksums = cfg.verify or answers_holds
+        answers_checksums = self.cfg.verify or self.cfg.answers_hold_checks
         self.server = HandshakeServer(
             handshake_port,
             self._handshake_response,

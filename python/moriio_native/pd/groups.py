@@ -60,7 +60,16 @@ class GroupedBlocks:
 
     def local_ids(self) -> tuple[int, ...]:
         """Every local non-null block id (what a failed load reports for recomputation)."""
-        return tuple(sorted({b for ids in self.local for b in ids if b != NULL_BLOCK}))
+        return _live_ids(self.local)
+
+    def remote_ids(self) -> tuple[int, ...]:
+        """Every remote non-null block id (the prefill blocks a READ of them takes)."""
+        return _live_ids(self.remote)
+
+
+def _live_ids(groups: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+    """Every non-null block id of ``groups``, sorted, once each."""
+    return tuple(sorted({b for ids in groups for b in ids if b != NULL_BLOCK}))
 
 
 @dataclass(frozen=True)

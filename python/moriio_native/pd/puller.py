@@ -283,9 +283,7 @@ class _Await:
 
 def _read_remote_ids(task: RecvTask) -> tuple[int, ...]:
     """The prefill blocks a READ of ``task`` takes (every group's, without the null block)."""
-    if task.grouped is None:
-        return task.remote_block_ids
-    return tuple(sorted({b for ids in task.grouped.remote for b in ids if b != NULL_BLOCK}))
+    return task.remote_block_ids if task.grouped is None else task.grouped.remote_ids()
 
 
 def _announced_ids(waiting: _Await) -> Sequence[int] | None:
