@@ -477,8 +477,9 @@ def test_a_listener_held_back_by_its_full_queue_holds_back_no_other():
 
 
 def test_a_slow_checksum_answer_delays_no_notification():
-    """A checksum answer reads the transfer's blocks (seconds for a long prompt on a host): a
-    server that gives them reads on a thread of its own, so notifications go on meanwhile."""
+    """A checksum answer reads the transfer's blocks (seconds for a long prompt on a host):
+    the server computes it on its answering pool, so the listeners that share its reading
+    thread (notifications) go on meanwhile."""
     sec = security()
     answer = threading.Event()
 
@@ -494,7 +495,6 @@ def test_a_slow_checksum_answer_delays_no_notification():
         NotifySender(sec) as sender,
         ThreadPoolExecutor(1) as pool,
     ):
-        assert server.reader is not listener.reader
         request = ChecksumRequest(requester_engine_id="d0", transfer_id="t1", block_ids=(1,))
         asked = pool.submit(
             fetch_checksums, LOCAL, server.port, request, timeout=WAIT, security=sec
@@ -507,6 +507,92 @@ def test_a_slow_checksum_answer_delays_no_notification():
         finally:
             answer.set()
         assert asked.result(WAIT).transfer_id == "t1"
+
+
+def test_a_waiting_checksum_answer_holds_up_no_handshake_and_no_other_check():
+    """A checksum answer may wait long (a hold check for a send task vLLM hands over late, up
+    to SEND_TASK_WAIT_S; checksums of a long prompt's blocks): the server answers handshakes
+    and other checks meanwhile. It once answered on its reading thread, so a handshake to a
+    prefill waited behind every such answer."""
+    sec = security()
+    release = threading.Event()
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        if request.transfer_id == "waits":
+            release.wait(WAIT)
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    with (
+        HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server,
+        ThreadPoolExecutor(1) as pool,
+    ):
+        waiting = pool.submit(_fetch_kept, server.port, "waits", sec, None)
+        wait_until(lambda: server.stats()["received"] == 1)
+        try:
+            reply = fetch_metadata(
+                LOCAL, server.port, timeout=WAIT / 2, security=sec, requester_engine_id="d0"
+            )
+            assert reply.engine_id == "prefill-0"
+            assert _fetch_kept(server.port, "other", sec, None, WAIT / 2).transfer_id == "other"
+            assert not waiting.done()
+        finally:
+            release.set()
+        assert waiting.result(WAIT).transfer_id == "waits"
+    assert server.stats()["answered"] == 3
+
+
+def test_an_answer_given_at_once_skips_the_pool_and_the_rest_go_to_it():
+    """``at_once`` answers what needs no wait (a prefill's hold check of a transfer it knows)
+    on the reading thread, saving the hop to the pool; what it leaves (None) the pool answers,
+    and what it refuses is refused."""
+    sec = security()
+    answered_on: dict[str, str] = {}
+
+    def record(request: ChecksumRequest) -> ChecksumResponse:
+        answered_on[request.transfer_id] = threading.current_thread().name
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    def at_once(request: ChecksumRequest) -> ChecksumResponse | None:
+        if request.transfer_id == "refused":
+            raise FailedPreconditionError("hold check of transfer refused: no longer held")
+        return None if request.transfer_id == "later" else record(request)
+
+    with HandshakeServer(
+        0, provider_for(), sec, bind_host=LOCAL, checksums=record, at_once=at_once
+    ) as server:
+        for tid in ("now", "later"):
+            assert _fetch_kept(server.port, tid, sec, None).transfer_id == tid
+        with pytest.raises(FailedPreconditionError, match="no longer held"):
+            _fetch_kept(server.port, "refused", sec, None)
+        assert answered_on["now"] == server.reader.name
+        assert answered_on["later"].startswith("moriio-native-checksum-answer")
+
+
+def test_checksum_requests_past_the_pending_bound_are_refused_at_once_by_name(monkeypatch):
+    """Checksum answers waiting at once are bounded (each holds a queue slot, most a thread):
+    past the bound a request is refused at once, naming the transfer and why, and the ones
+    waiting are answered when they can."""
+    monkeypatch.setattr(channel, "MAX_PENDING_CHECKSUM_ANSWERS", 2)
+    sec = security()
+    release = threading.Event()
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        release.wait(WAIT)
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    with (
+        HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server,
+        ThreadPoolExecutor(2) as pool,
+    ):
+        waiting = [pool.submit(_fetch_kept, server.port, t, sec, None) for t in ("w1", "w2")]
+        wait_until(lambda: server.stats()["received"] == 2)
+        try:
+            with pytest.raises(FailedPreconditionError, match=r"transfer t3 not answered: .*busy"):
+                _fetch_kept(server.port, "t3", sec, None, WAIT / 2)
+        finally:
+            release.set()
+        assert sorted(f.result(WAIT).transfer_id for f in waiting) == ["w1", "w2"]
+        assert server.stats()["rejected"] == 1
 
 
 def _checksum_request(tid: str) -> ChecksumRequest:
@@ -780,20 +866,23 @@ def test_a_terminated_context_stops_only_its_own_listener():
     doomed.close()
 
 
-def test_checksum_servers_leave_no_descriptors_behind():
-    """Each checksum server's own hub has a wake pipe: closed with the server."""
+def test_checksum_servers_leave_no_descriptors_or_threads_behind():
+    """A server that answered checksums leaves nothing behind once closed: its answering
+    pool's threads end, and a server of its own thread closes that hub's wake pipe."""
+    sec = security()
 
-    def open_and_close() -> None:
+    def open_ask_and_close() -> None:
         with HandshakeServer(
-            0, provider_for(), security(), bind_host=LOCAL, checksums=lambda _request: None
-        ):
-            pass
+            0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums, own_thread=True
+        ) as server:
+            assert _fetch_kept(server.port, "t", sec, None).transfer_id == "t"
 
-    open_and_close()  # ZMQ's own descriptors, opened once per context
-    before = len(os.listdir("/proc/self/fd"))
+    open_ask_and_close()  # ZMQ's own descriptors, opened once per context
+    fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
     for _ in range(10):
-        open_and_close()
-    assert len(os.listdir("/proc/self/fd")) <= before + 2
+        open_ask_and_close()
+    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    wait_until(lambda: threading.active_count() <= threads)
 
 
 def test_port_in_use_is_a_transport_error():

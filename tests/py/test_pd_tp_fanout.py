@@ -479,12 +479,22 @@ def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
     pusher.begin_step([], [SendTask("req-D", "tx-D")])
     assert pusher.held_for_checksums("tx-D", (), 5.0) == "its blocks are no longer held: released"
 
+    # Known (held, or its hold ended): answered without a wait, on the server's reading thread.
+    assert all(pusher.hold_known(t) for t in ("tx-A", "tx-B", "tx-C", "tx-D"))
+    assert not pusher.hold_known("tx-E")
     unknown = pusher.held_for_checksums("tx-E", (), 0.05)
     assert unknown == "this rank holds no blocks of it (none within 0.05s)"
     later = threading.Timer(0.2, pusher.begin_step, ([], [SendTask("req-E", "tx-E")]))
     later.start()
     assert pusher.held_for_checksums("tx-E", (), 30.0) is None  # answered once the task came
     later.join()
+    assert pusher.hold_known("tx-E")
+
+    # A stopping core ends the waits (they must not hold up the process's exit).
+    stopping = threading.Timer(0.2, lambda: (ctx.stop.set(), pusher.stop_hold_waits()))
+    stopping.start()
+    assert pusher.held_for_checksums("tx-F", (), 30.0) == "this rank is shutting down"
+    stopping.join()
 
     write, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
     assert "runs WRITE mode" in str(Pusher(write).held_for_checksums("tx-A", (), 0.0))

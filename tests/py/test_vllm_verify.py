@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from moriio_native.pd import core
 from moriio_native.pd.core import WAIT_SLICE_S
-from moriio_native.pd.pusher import SEND_TASK_WAIT_S
 from test_vllm_lifecycle import make_pair, model_dir, prompt_of, run_prefill, sides  # noqa: F401
 from test_vllm_support import (
     BLOCK_SIZE,
@@ -242,33 +242,52 @@ def test_an_answer_naming_another_requests_blocks_fails_its_load(
     assert "are not among the 3 its answer named" in caplog.text
 
 
-@pytest.mark.parametrize("send_task", ["comes", "never comes"])
+#: When the late send task comes: past the 1 s the prefill once waited for it, as the next step
+#: of a TP-2 prefill under CI load came (its hold check refused, the READ recomputed).
+LATE_SEND_TASK_S = 1.5
+CHECK_COUNTS = {
+    "verify": ("verified", "verify_failures", "checksums"),
+    "confirm_reads": ("confirmed_reads", "confirm_failures", "hold check"),
+}
+
+
+@pytest.mark.parametrize("checked", ["verify", "confirm_reads"])
+@pytest.mark.parametrize("send_task", ["comes late", "never comes"])
 def test_a_checksum_request_before_the_send_task_waits_for_it(
-    sides: list[Side], model_dir: str, send_task: str, caplog: pytest.LogCaptureFixture
+    sides: list[Side],
+    model_dir: str,
+    send_task: str,
+    checked: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The decode asks for checksums before the prefill's next step hands its worker the send
-    task (the blocks are held by then, but the worker does not know it yet): the prefill waits
-    for it (SEND_TASK_WAIT_S) and answers; when it does not come within the wait, the load fails
-    and is recomputed -- a checksum is never given for blocks not known to be held."""
-    p, d = make_pair(sides, model_dir, "read", p_extra=VERIFY, d_extra=VERIFY)
+    """The decode asks for checksums (or a hold check) before the prefill's next step hands
+    its worker the send task (the blocks are held by then, but the worker does not know it
+    yet): the prefill waits for it (SEND_TASK_WAIT_S) and answers; when it does not come
+    within the wait, the load fails and is recomputed -- a check never passes for blocks not
+    known to be held."""
+    if send_task == "never comes":
+        monkeypatch.setattr(core, "SEND_TASK_WAIT_S", 1.0)  # the refusal sooner than in 8 s
+    passed, failed, asked = CHECK_COUNTS[checked]
+    p, d = make_pair(sides, model_dir, "read", p_extra={checked: True}, d_extra={checked: True})
     prompt = prompt_of(40, seed=53)
     rid, tid = pd_request_id(p, d), transfer_id()
     returned = run_prefill(p, rid, prompt, tid)
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
-    stepper = threading.Timer(0.6 * SEND_TASK_WAIT_S, p.step)
-    if send_task == "comes":
+    stepper = threading.Timer(LATE_SEND_TASK_S, p.step)
+    if send_task == "comes late":
         stepper.start()
     with caplog.at_level(logging.WARNING, logger="moriio_native"):
         loaded = load(d, rid)
-    if send_task == "comes":
+    if send_task == "comes late":
         stepper.join()
     assert loaded.stats is not None
-    if send_task == "comes":
-        assert loaded.invalid_blocks == set() and loaded.stats.data["verified"] == 1
+    if send_task == "comes late":
+        assert loaded.invalid_blocks == set() and loaded.stats.data[passed] == 1
         assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
     else:
-        assert loaded.invalid_blocks and loaded.stats.data["verify_failures"] == 1
-        assert f"checksums of transfer {tid}: this rank holds no blocks of it" in caplog.text
+        assert loaded.invalid_blocks and loaded.stats.data[failed] == 1
+        assert f"{asked} of transfer {tid}: this rank holds no blocks of it" in caplog.text
         assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
     assert p.free_blocks() == p.initial_free

@@ -12,7 +12,9 @@ Two processes on 127.0.0.1 (the responder is a spawned child, so the two sides s
 * ``hold check``: :func:`fetch_checksums` of a ``hold_only`` :class:`ChecksumRequest` naming
   ``--blocks`` block ids, answered by the same server (no checksums): the round trip
   ``confirm_reads`` adds to every READ, on a kept connection (:class:`RequestSockets`), as the
-  decode's confirmer makes it.
+  decode's confirmer makes it. Answered on the server's reading thread, as a prefill answers
+  one for a transfer it knows; ``hold check, pooled``: answered on the server's answering pool
+  instead, as a prefill answers one that came before its send task (or a ``verify`` request).
 * ``raw zmq``: the baseline, measured in the same run: a DEALER sends a msgpack payload of the
   same size to a ROUTER in the child, which echoes it (no schema, no authentication, no queues).
 
@@ -92,6 +94,9 @@ def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
             raise RuntimeError("the benchmark asks for hold checks only")
         return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
 
+    def hold_check_at_once(request: ChecksumRequest) -> ChecksumResponse | None:
+        return None if request.transfer_id.startswith(POOLED) else hold_check(request)
+
     stop = threading.Event()
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.ROUTER)
@@ -105,7 +110,9 @@ def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
 
     with (
         NotifyListener(0, security, bind_host=LOCAL) as listener,
-        HandshakeServer(0, provide, security, bind_host=LOCAL, checksums=hold_check) as server,
+        HandshakeServer(
+            0, provide, security, bind_host=LOCAL, checksums=hold_check, at_once=hold_check_at_once
+        ) as server,
         NotifySender(security) as sender,
     ):
         conn.send((listener.port, server.port, raw_port))
@@ -125,6 +132,10 @@ def _responder(conn: Connection, hmac: bool, metadata_bytes: int) -> None:
         for t in threads:
             t.join(timeout=5)
     raw.close()
+
+
+#: The transfer-id prefix of hold checks the responder leaves to its server's answering pool.
+POOLED = "pooled-"
 
 
 def _percentiles(samples: list[float], raw_p50: float, exchange: str, hmac: bool) -> Row:
@@ -197,15 +208,17 @@ def _handshake_round_trips(
 
 
 def _hold_check_round_trips(
-    security: ControlSecurity, port: int, blocks: int, n: int
+    security: ControlSecurity, port: int, blocks: int, n: int, prefix: str = "hold-"
 ) -> list[float]:
+    """``n`` hold checks of transfers named ``prefix<i>`` (:data:`POOLED`: answered on the
+    server's answering pool)."""
     out = []
     sockets = RequestSockets(security)
     try:
         for i in range(n):
             request = ChecksumRequest(
                 requester_engine_id="decode",
-                transfer_id=f"hold-{i}",
+                transfer_id=f"{prefix}{i}",
                 block_ids=tuple(range(1, blocks + 1)),
                 hold_only=True,
             )
@@ -247,6 +260,9 @@ def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
             )
             _hold_check_round_trips(security, handshake_port, args.blocks, warm)
             hold = _hold_check_round_trips(security, handshake_port, args.blocks, args.handshakes)
+            pooled = _hold_check_round_trips(
+                security, handshake_port, args.blocks, args.handshakes, POOLED
+            )
     finally:
         parent.send("stop")
         proc.join(timeout=10)
@@ -258,6 +274,7 @@ def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:
         _percentiles(notify, raw_p50, "remote_blocks -> write_done", hmac),
         _percentiles(handshake, raw_p50, "handshake", hmac),
         _percentiles(hold, raw_p50, "hold check", hmac),
+        _percentiles(pooled, raw_p50, "hold check, pooled", hmac),
     ]
 
 

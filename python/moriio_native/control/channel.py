@@ -45,6 +45,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -427,10 +428,14 @@ class _ListenerHub:
                     self._start_thread()
 
     def _read_round(self) -> None:
-        """Poll the attached sockets whose listeners may read (neither paused after a flooded
-        burst nor held back by their consumers), read a burst from each that has messages, and
-        pause each of those that is flooded. While every listener with work pauses, wait for
-        the first pause to end (or for a command)."""
+        """Send the replies answered on other threads since the last round, poll the attached
+        sockets whose listeners may read (neither paused after a flooded burst nor held back
+        by their consumers), read a burst from each that has messages, and pause each of those
+        that is flooded. While every listener with work pauses, wait for the first pause to end
+        (or for a command or a reply: both wake the thread, and the round after sends it)."""
+        for listener in self._attached.values():
+            if not listener._detached:
+                listener._send_replies()
         now = time.monotonic()
         readable: list[zmq.Socket] = []
         resume = math.inf  # when the first paused listener reads again
@@ -652,6 +657,10 @@ class _RouterListener(_ClosesOnExit):
 
     def _burst_done(self) -> None:
         """Called after each burst (subclasses wake their consumers here)."""
+
+    def _send_replies(self) -> None:
+        """Send the replies answered on other threads (subclasses that answer so; on the hub's
+        thread, the socket's one user, at the start of each round)."""
 
     def _flooded(self) -> bool:
         """Whether this listener keeps dropping messages (its hub then pauses its reads;
@@ -934,6 +943,15 @@ class NotifyListener(_RouterListener):
 
 MetadataProvider = Callable[[HandshakeRequest], HandshakeResponse]
 ChecksumProvider = Callable[[ChecksumRequest], ChecksumResponse]
+#: An answer the reading thread may give without waiting, or None (HandshakeServer).
+QuickChecksumProvider = Callable[[ChecksumRequest], ChecksumResponse | None]
+
+#: Checksum requests a handshake server answers at once (a thread each: most wait for a send
+#: task, a few read blocks), and how many may wait (queued or answered) before more are
+#: rejected at once: the decodes of one prefill rank ask at most 8 each at a time (their
+#: CHECK_THREADS), so a burst past 256 is a flood, not load.
+CHECKSUM_ANSWER_THREADS = 16
+MAX_PENDING_CHECKSUM_ANSWERS = 256
 
 
 def _reason_text(exc: BaseException) -> str:
@@ -956,10 +974,16 @@ class HandshakeServer(_RouterListener):
     answered request is added to the allowlist, so this side may later notify that peer.
 
     ``checksums`` (set where transfers are verified or reads confirmed) answers
-    :class:`ChecksumRequest` s the same way, on a hub thread of this server's own (a checksum
-    answer can take long, a hold check waits for the send task); without it they are rejected
-    ("neither verifies nor confirms"), and requests larger than a handshake request are
-    dropped.
+    :class:`ChecksumRequest` s the same way, but on a pool of :data:`CHECKSUM_ANSWER_THREADS`
+    threads, whose replies the reading thread sends: an answer may read the transfer's blocks
+    (seconds for a long prompt on a host) or wait for a send task vLLM hands over late (up to
+    the provider's wait), and handshakes and other checks go on meanwhile. ``at_once``, when
+    given, is asked first on the reading thread and must not wait: its answer, or None to
+    leave the request to the pool (a hold check of a transfer known here is a lookup, and a
+    hop to the pool would cost it about a third more). Past
+    :data:`MAX_PENDING_CHECKSUM_ANSWERS` waiting at once, one is rejected at once ("busy").
+    Without ``checksums`` they are rejected ("neither verifies nor confirms"), and requests
+    larger than a handshake request are dropped.
     """
 
     _name = "handshake server"
@@ -975,14 +999,27 @@ class HandshakeServer(_RouterListener):
         learn_peers: bool = True,
         context: zmq.Context | None = None,
         checksums: ChecksumProvider | None = None,
+        at_once: QuickChecksumProvider | None = None,
         own_thread: bool = False,
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port) and has it read by the
-        process's listener thread, or by a thread of its own with ``checksums`` or
-        ``own_thread`` (as a server of another process would be: for tests and benchmarks that
-        stand in for other processes). Raises TransportError when the port cannot be bound."""
+        process's listener thread, or by a thread of its own with ``own_thread`` (as a server
+        of another process would be: for tests and benchmarks that stand in for other
+        processes). Raises TransportError when the port cannot be bound."""
         self._provider = provider
         self._checksums = checksums
+        self._at_once = at_once
+        # Checksum answers, computed on the pool and sent by the reading thread (the socket's
+        # one user), and how many are queued or being computed.
+        self._answering = (
+            None
+            if checksums is None
+            else ThreadPoolExecutor(
+                CHECKSUM_ANSWER_THREADS, thread_name_prefix="moriio-native-checksum-answer"
+            )
+        )
+        self._replies: deque[list[bytes]] = deque()
+        self._pending_answers = 0
         self._security = security
         self._learn_peers = learn_peers
         self._fresh_requests = FreshStamps("handshake or checksum request")
@@ -996,15 +1033,18 @@ class HandshakeServer(_RouterListener):
                 MAX_HANDSHAKE_REQUEST_BYTES if checksums is None else MAX_CHECKSUM_REQUEST_BYTES
             ),
             context=context,
-            # A checksum answer reads the transfer's blocks (seconds for a long prompt on a
-            # host): on a thread of its own, so that it delays no other listener's messages.
-            own_thread=own_thread or checksums is not None,
+            own_thread=own_thread,
         )
 
     def _answer(
-        self, request: ChecksumRequest, peer: _Sender
-    ) -> ChecksumResponse | HandshakeRejected:
-        if self._checksums is None:
+        self,
+        request: ChecksumRequest,
+        peer: _Sender,
+        provider: Callable[[ChecksumRequest], ChecksumResponse | None] | None,
+    ) -> ChecksumResponse | HandshakeRejected | None:
+        """``provider``'s answer to ``request`` (None when it leaves it to the pool), a
+        refusal when it raises or when nothing answers checksums here."""
+        if provider is None:
             asked = "a hold check" if request.hold_only else "checksums"
             return HandshakeRejected(
                 f"{asked} of transfer {request.transfer_id} asked, but this instance neither "
@@ -1012,13 +1052,89 @@ class HandshakeServer(_RouterListener):
                 request.nonce,
             )
         try:
-            return self._checksums(request).replace(nonce=request.nonce)
+            answer = provider(request)
+            return None if answer is None else answer.replace(nonce=request.nonce)
         except MoriioError as exc:
             self._rejections.warn("checksum request from %s rejected: %s", peer, exc)
             return HandshakeRejected(_reason_text(exc), request.nonce)
         except Exception:
             logger.exception("checksum provider failed for %s", peer)
             return HandshakeRejected("internal error on the serving side", request.nonce)
+
+    def _sealed_reply(
+        self, identity: bytes, answer: ChecksumResponse | HandshakeRejected
+    ) -> list[bytes]:
+        """The frames that send ``answer`` to ``identity``, counted (before it is sent, so a
+        requester that got the reply also sees it in stats())."""
+        self._count("answered" if isinstance(answer, ChecksumResponse) else "rejected")
+        return [identity, b"", *self._security.auth.seal(encode(answer))]
+
+    def _answer_later(
+        self, sock: zmq.Socket, identity: bytes, request: ChecksumRequest, peer: _Sender
+    ) -> None:
+        """Answer ``request`` at once when that needs no wait (``at_once``; a refusal when
+        nothing answers checksums here), else have the pool answer it (the reading thread
+        sends the reply), or refuse it when too many answers wait already."""
+        if self._answering is None:
+            answer = self._answer(request, peer, None)  # "neither verifies nor confirms"
+        elif self._at_once is not None:
+            answer = self._answer(request, peer, self._at_once)
+        else:
+            answer = None
+        if answer is None:
+            if self._to_pool(identity, request, peer):
+                return
+            asked = "hold check" if request.hold_only else "checksums"
+            answer = HandshakeRejected(
+                f"{asked} of transfer {request.transfer_id} not answered: this instance is "
+                f"busy ({MAX_PENDING_CHECKSUM_ANSWERS} checksum requests wait here already)",
+                request.nonce,
+            )
+            self._rejections.warn("checksum request from %s rejected: busy", peer)
+        sock.send_multipart(self._sealed_reply(identity, answer))
+
+    def _to_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> bool:
+        """Queue ``request`` for the answering pool; False when too many wait already (a
+        closing server's pool takes none: its requesters time out)."""
+        assert self._answering is not None
+        with self._state_lock:
+            if self._pending_answers >= MAX_PENDING_CHECKSUM_ANSWERS:
+                return False
+            self._pending_answers += 1
+        try:
+            self._answering.submit(self._answer_on_pool, identity, request, peer)
+        except RuntimeError:  # shut down: the server is closing
+            with self._state_lock:
+                self._pending_answers -= 1
+        return True
+
+    def _answer_on_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
+        """Answer ``request`` and queue the reply for the reading thread (woken for it)."""
+        try:
+            answer = self._answer(request, peer, self._checksums)
+            if answer is None:  # a provider typed to return its answer
+                answer = HandshakeRejected("internal error on the serving side", request.nonce)
+            self._replies.append(self._sealed_reply(identity, answer))
+        finally:
+            with self._state_lock:
+                self._pending_answers -= 1
+        self._hub.wake()
+
+    def _send_replies(self) -> None:
+        while self._replies:
+            frames = self._replies.popleft()
+            try:
+                # A ROUTER drops what it cannot route (a requester gone): never blocks.
+                self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                logger.debug("%s on port %d: reply not sent: %s", self._name, self._port, exc)
+
+    def close(self, timeout: float = 5.0) -> None:
+        """As :meth:`_RouterListener.close`; checksum answers not started are dropped (their
+        requesters time out), one being computed ends on its own and is not sent."""
+        super().close(timeout)
+        if self._answering is not None:
+            self._answering.shutdown(wait=False, cancel_futures=True)
 
     def _fresh(self, request: HandshakeRequest | ChecksumRequest, peer: _Sender) -> bool:
         """Whether a signed request is fresh: sent within the window of this side's clock, its
@@ -1052,9 +1168,7 @@ class HandshakeServer(_RouterListener):
         if request is None or not self._fresh(request, peer):
             return
         if isinstance(request, ChecksumRequest):
-            answer = self._answer(request, peer)
-            self._count("answered" if isinstance(answer, ChecksumResponse) else "rejected")
-            sock.send_multipart([identity, b"", *self._security.auth.seal(encode(answer))])
+            self._answer_later(sock, identity, request, peer)
             return
         reply: HandshakeResponse | HandshakeRejected
         try:
@@ -1768,6 +1882,7 @@ __all__ = [
     "NotifyListener",
     "NotifySender",
     "ProxyPinger",
+    "QuickChecksumProvider",
     "RateLimitedWarnings",
     "fetch_checksums",
     "fetch_metadata",

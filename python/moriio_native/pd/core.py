@@ -186,6 +186,7 @@ class PdCore:
             self._security,
             bind_host=self._bind_host,
             checksums=self._checksum_response if answers_checksums else None,
+            at_once=self._hold_check_at_once if answers_checksums else None,
         )
         self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
         if (
@@ -240,6 +241,14 @@ class PdCore:
             incarnation=self.ctx.incarnation,
         )
 
+    def _hold_check_at_once(self, request: ChecksumRequest) -> ChecksumResponse | None:
+        """A hold check's answer when it is a lookup (its transfer known here: held, or its
+        hold ended), on the server's reading thread; None leaves the request to the
+        answering pool (checksums read the blocks; a send task not come yet is waited for)."""
+        if not request.hold_only or not self.pusher.hold_known(request.transfer_id):
+            return None
+        return self._checksum_response(request)
+
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
         """A decode's checksums of the blocks its READ took, only while this rank still holds
         them, before and after computing (freed blocks may hold another request's KV, and
@@ -272,6 +281,7 @@ class PdCore:
         if ctx.stop.is_set():
             return
         ctx.stop.set()
+        self.pusher.stop_hold_waits()
         for thread in self._threads:
             thread.join(timeout=5.0)
         for checker in (ctx.verifier, ctx.confirmer):

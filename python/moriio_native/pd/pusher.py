@@ -101,10 +101,13 @@ MAX_EARLY_MESSAGES = 65536
 # for it waits for a hold that never comes before being refused (refused all the same).
 MAX_ENDED_HOLDS = 65536
 # How long a checksum request for a READ transfer not known yet waits for its send task: vLLM
-# hands it over in the step right after the request finished, but a decode may ask first. The
-# wait holds the handshake server's thread (handshakes wait behind it), so it is short; a hold
-# that comes later fails that load (recomputed), never passes it.
-SEND_TASK_WAIT_S = 1.0
+# hands it over in the first step that starts after the request finished, but a decode may ask
+# first, and that step may start only after a long forward of other requests (over a second
+# for a TP-2 prefill on a loaded host, seen in CI). The wait is on the handshake server's
+# answering pool (no handshake waits behind it) and shorter than the decode's for its answer
+# (MAX_HOLD_CHECK_WAIT_S, 10 s), so the decode hears why; a send task that comes later fails
+# that load (recomputed), never passes it.
+SEND_TASK_WAIT_S = 8.0
 # Decode ranks one request may have this rank write before a handshake confirmed the decode's
 # TP size: the request's remote_tp_size is the client's word (up to 65,536), and a job for each
 # rank it names cost the prefill that many jobs per request, each checked at every timeout pass
@@ -1746,7 +1749,7 @@ class Pusher:
         READ of other blocks, through an answer changed on its way, matches them too). A
         transfer not known yet is waited for up to ``timeout`` seconds (the decode may ask
         before the step that hands us its send task). Called without the context lock (the
-        handshake server's checksum thread)."""
+        handshake server's answering pool)."""
         if self._ctx.cfg.mode != "read":
             return "this prefill runs WRITE mode (its checksums go in write_done)"
         deadline = time.monotonic() + timeout
@@ -1755,6 +1758,8 @@ class Pusher:
                 ended = self._ended_holds.get(tid)
                 if ended is not None:
                     return f"its blocks are no longer held: {ended}"
+                if self._ctx.stop.is_set():
+                    return "this rank is shutting down"
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return f"this rank holds no blocks of it (none within {timeout:g}s)"
@@ -1773,6 +1778,18 @@ class Pusher:
                 f"{len(answered)} its answer named"
             )
         return None
+
+    def hold_known(self, tid: str) -> bool:
+        """Whether READ transfer ``tid`` is held here or its hold ended (remembered): then
+        :meth:`held_for_checksums` answers without waiting."""
+        with self._holds_changed:
+            return tid in self._sends or tid in self._ended_holds
+
+    def stop_hold_waits(self) -> None:
+        """End the waits of :meth:`held_for_checksums` now (the core is stopping: its threads
+        must not hold up the process's exit)."""
+        with self._holds_changed:
+            self._holds_changed.notify_all()
 
     def _end_hold(self, tid: str, why: str) -> None:
         """READ transfer ``tid`` holds no blocks any more (lock held)."""

@@ -7,8 +7,8 @@ transfer's two sides (:mod:`moriio_native.verify` computes them over logical cel
   ``release`` goes out only after this, so the prefill's blocks cannot change in between.
 * Decode, WRITE (:meth:`Verifier.check_write`): the checksums ``write_done`` carries are
   compared with ours once every write landed.
-* Prefill: :meth:`Verifier.answer` serves ``checksum_request`` (READ; on the handshake server
-  thread) and :meth:`Verifier.for_write_done` computes what ``write_done`` carries (WRITE).
+* Prefill: :meth:`Verifier.answer` serves ``checksum_request`` (READ; on the handshake server's
+  answering pool) and :meth:`Verifier.for_write_done` computes what ``write_done`` carries (WRITE).
 
 A mismatch, a missing answer or a peer that does not verify fails the load: its blocks are
 recomputed, the stats count a verify failure and the log names the transfer, layer and block.
@@ -54,7 +54,7 @@ CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 MAX_NAMED_MISMATCHES = 8
 #: Checks with the prefill (verify's checksum requests, confirm_reads' hold checks) in flight
 #: at once per rank, and the longest a hold check waits for its answer: the prefill answers at
-#: once, or within SEND_TASK_WAIT_S when its send task is late.
+#: once, or within SEND_TASK_WAIT_S (8 s) when its send task is late.
 CHECK_THREADS = 8
 MAX_HOLD_CHECK_WAIT_S = 10.0
 
@@ -213,8 +213,8 @@ class Verifier:
     # ---- prefill ------------------------------------------------------------------------------
 
     def answer(self, request: ChecksumRequest) -> ChecksumResponse:
-        """The checksums a decode asks for after its READ (handshake server thread). Raises
-        (-> handshake_rejected with the reason) for bad ids or windows."""
+        """The checksums a decode asks for after its READ (on the handshake server's answering
+        pool). Raises (-> handshake_rejected with the reason) for bad ids or windows."""
         window = CellWindow(
             request.head_begin,
             request.heads or None,
