@@ -627,6 +627,27 @@ def test_kept_request_sockets_ask_again_on_one_connection(secret):
         sockets.close()
 
 
+def test_idle_kept_connections_close_at_expire_idle_with_no_request_coming():
+    """Connections idle past ``idle_s`` were closed only when the next request came: with
+    none coming they stayed open. ``expire_idle`` closes them (the core calls it in its
+    timeout pass)."""
+    sec = security()
+    sockets = RequestSockets(sec, idle_s=0.2)
+    try:
+        with HandshakeServer(
+            0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
+        ) as server:
+            _fetch_kept(server.port, "t1", sec, sockets)
+            sockets.expire_idle()
+            assert sockets.idle == 1  # idle less than 0.2 s: kept
+            time.sleep(0.3)
+            assert sockets.idle == 1  # nothing closes it by itself
+            sockets.expire_idle()
+            assert sockets.idle == 0
+    finally:
+        sockets.close()
+
+
 def test_a_kept_socket_that_timed_out_is_dropped_so_its_late_reply_answers_nothing():
     """The first request times out and its answer comes late: the connection it was on is
     closed, so the next request (on a new connection) gets its own answer, never the stale

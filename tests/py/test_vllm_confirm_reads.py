@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from moriio_native.pd import verify
 from test_vllm_lifecycle import make_pair, model_dir, prompt_of, run_prefill, sides  # noqa: F401
 from test_vllm_support import BLOCK_SIZE, Side, decode_params, load, pd_request_id
 from test_vllm_verify import VERIFY, ReadRequest, _int_view, held_read
@@ -70,6 +71,23 @@ def test_a_confirmed_read_loads_and_releases(
     assert first.stats.data["confirmed_reads"] == 1 and first.stats.data["confirm_failures"] == 0
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release")
     assert p.free_blocks() == p.initial_free
+
+
+@pytest.mark.parametrize("checked", ["confirm_reads", "verify"])
+def test_a_kept_connection_to_the_prefill_closes_once_idle_with_no_check_coming(
+    sides: list[Side], model_dir: str, checked: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode keeps its connection to the prefill rank for the next check: with no next
+    check it was kept for ever (a descriptor and a ZMQ connection each). The core's timeout
+    pass closes it once idle past KEPT_IDLE_S."""
+    monkeypatch.setattr(verify, "KEPT_IDLE_S", 0.3)
+    r = held_read(sides, model_dir, 73, {checked: True})
+    assert load(r.d, r.rid).invalid_blocks == set()
+    ctx = r.d.worker.worker.core.ctx
+    checker = ctx.confirmer if checked == "confirm_reads" else ctx.verifier
+    kept = checker._sockets
+    assert kept.idle == 1
+    r.d.run_until(lambda _result: kept.idle == 0, max_wait=10.0, what="idle connection closed")
 
 
 def test_a_second_decode_given_a_released_answer_fails_its_load(

@@ -1524,7 +1524,8 @@ class RequestSockets:
     decode's hold checks), shared by the threads that make them: a request takes an idle
     connection to its ``(host, port)`` (or dials one) and gives it back after its reply, so it
     costs a round trip, not a new connection (and, with a secret, CURVE's key exchange). At
-    most ``max_idle`` wait idle, each at most ``idle_s`` seconds (the oldest go first); a
+    most ``max_idle`` wait idle, each at most ``idle_s`` seconds (closed at the next request
+    or :meth:`expire_idle`, which the owner calls periodically; the oldest go first); a
     connection is used by one request at a time. One whose exchange ended in anything but a
     reply (or the peer's rejection) is closed, so a kept one never has a reply outstanding.
     Once a connection's first reply came its handshake watch is dropped: nobody would read an
@@ -1598,6 +1599,13 @@ class RequestSockets:
             raise
         self._give_back(key, sock, watch)
         return reply
+
+    def expire_idle(self) -> None:
+        """Close the connections idle longer than ``idle_s`` now: with no request coming they
+        would stay open (a descriptor and a connection each to a prefill rank) until one
+        does."""
+        with self._lock:
+            self._expire(time.monotonic())
 
     def _take(self, key: tuple[str, int]) -> zmq.Socket | None:
         with self._lock:

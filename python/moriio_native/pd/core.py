@@ -336,6 +336,9 @@ class PdCore:
         self.puller.check_timeouts(now)
         self.pusher.check_timeouts(now)
         self.ctx.directory.expire()
+        for checker in (self.ctx.verifier, self.ctx.confirmer):
+            if checker is not None:
+                checker.expire_idle()
 
     # ---- threads ------------------------------------------------------------------------------
 

@@ -57,6 +57,9 @@ MAX_NAMED_MISMATCHES = 8
 #: once, or within SEND_TASK_WAIT_S (8 s) when its send task is late.
 CHECK_THREADS = 8
 MAX_HOLD_CHECK_WAIT_S = 10.0
+#: How long a connection to a prefill rank is kept idle for the next check (closed after, by
+#: the core's timeout pass if no check comes).
+KEPT_IDLE_S = 30.0
 
 #: Called with None when the transfer is intact, else with why it is not.
 Verdict = Callable[[str | None], None]
@@ -92,7 +95,8 @@ class Verifier:
         # Checks with the prefill run side by side: one waiting on a stalled prefill (up to
         # ``timeout``) holds up no other prefill's.
         self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-verify")
-        self._sockets = RequestSockets(security)  # kept connections to the prefill ranks
+        # Kept connections to the prefill ranks.
+        self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
         # Our side of a READ's check, computed while the prefill computes its own.
         self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
         self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
@@ -116,6 +120,10 @@ class Verifier:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._local.shutdown(wait=False, cancel_futures=True)
         self._sockets.close()
+
+    def expire_idle(self) -> None:
+        """Close the kept connections to prefill ranks idle too long (the core's timeout pass)."""
+        self._sockets.expire_idle()
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -267,7 +275,8 @@ class ReadConfirmer:
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
         self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-confirm")
-        self._sockets = RequestSockets(security)  # kept connections, shared by the threads
+        # Kept connections, shared by the threads.
+        self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
 
     def shutdown(self) -> None:
         """Drop queued checks and close the idle connections; the running checks (each waits
@@ -275,6 +284,10 @@ class ReadConfirmer:
         stopped core."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._sockets.close()
+
+    def expire_idle(self) -> None:
+        """Close the kept connections to prefill ranks idle too long (the core's timeout pass)."""
+        self._sockets.expire_idle()
 
     def confirm(
         self,
