@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import msgpack
 import pytest
@@ -478,8 +482,8 @@ def test_a_listener_held_back_by_its_full_queue_holds_back_no_other():
 
 def test_a_slow_checksum_answer_delays_no_notification():
     """A checksum answer reads the transfer's blocks (seconds for a long prompt on a host):
-    the server computes it on its answering pool, so the listeners that share its reading
-    thread (notifications) go on meanwhile."""
+    the server computes it on its answering pool, and reads on a thread of its own (its
+    at-once answers take the core's lock), so notifications go on meanwhile."""
     sec = security()
     answer = threading.Event()
 
@@ -495,6 +499,7 @@ def test_a_slow_checksum_answer_delays_no_notification():
         NotifySender(sec) as sender,
         ThreadPoolExecutor(1) as pool,
     ):
+        assert server.reader is not listener.reader
         request = ChecksumRequest(requester_engine_id="d0", transfer_id="t1", block_ids=(1,))
         asked = pool.submit(
             fetch_checksums, LOCAL, server.port, request, timeout=WAIT, security=sec
@@ -566,6 +571,90 @@ def test_an_answer_given_at_once_skips_the_pool_and_the_rest_go_to_it():
             _fetch_kept(server.port, "refused", sec, None)
         assert answered_on["now"] == server.reader.name
         assert answered_on["later"].startswith("moriio-native-checksum-answer")
+
+
+def test_requests_waiting_to_be_ready_hold_no_thread_and_go_when_told():
+    """A prefill's check that came before its transfer's send task waits for it (``when_ready``)
+    without holding a pool thread: more of them than the pool has threads wait at once, the
+    server answers others meanwhile, and each is answered once told it may go."""
+    sec = security()
+    waiting: dict[str, Any] = {}
+    ready = threading.Condition()
+
+    def when_ready(request: ChecksumRequest, go: Any) -> None:
+        if request.transfer_id.startswith("late"):
+            with ready:
+                waiting[request.transfer_id] = go
+                ready.notify_all()
+        else:
+            go()
+
+    many = 3 * channel.CHECKSUM_ANSWER_THREADS
+    late = [f"late-{i}" for i in range(many)]
+    with (
+        HandshakeServer(
+            0,
+            provider_for(),
+            sec,
+            bind_host=LOCAL,
+            checksums=_echo_checksums,
+            when_ready=when_ready,
+        ) as server,
+        ThreadPoolExecutor(many) as pool,
+    ):
+        asked = [pool.submit(_fetch_kept, server.port, tid, sec, None) for tid in late]
+        with ready:
+            assert ready.wait_for(lambda: len(waiting) == many, WAIT)
+        assert _fetch_kept(server.port, "known", sec, None, WAIT / 2).transfer_id == "known"
+        assert not any(f.done() for f in asked)
+        for tid in late:
+            waiting[tid]()
+        assert [f.result(WAIT).transfer_id for f in asked] == late
+
+
+def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_path):
+    """The answering pool's threads are daemons: a process whose answer never ends (a block
+    read stuck, a wait nothing ends) still exits when its main thread does. A
+    ThreadPoolExecutor's workers are joined at exit: the process hung."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading
+            from moriio_native.control.channel import HandshakeServer, fetch_checksums
+            from moriio_native.control.messages import ChecksumRequest, HandshakeResponse
+            from moriio_native.control.security import ControlSecurity, MessageAuth
+            from moriio_native.control.security import PeerAllowlist
+
+            sec = ControlSecurity(MessageAuth(None), PeerAllowlist(["127.0.0.0/8"]))
+            asked = threading.Event()
+
+            def stuck(request):
+                asked.set()
+                threading.Event().wait()
+
+            def metadata(request):
+                return HandshakeResponse("p", b"m", 0, 0, 1, 1, "READ")
+
+            server = HandshakeServer(0, metadata, sec, bind_host="127.0.0.1", checksums=stuck)
+            request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
+            threading.Thread(
+                target=fetch_checksums,
+                args=("127.0.0.1", server.port, request),
+                kwargs={"timeout": 60.0, "security": sec},
+                daemon=True,
+            ).start()
+            assert asked.wait(10)
+            print("exiting", flush=True)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
 
 
 def test_checksum_requests_past_the_pending_bound_are_refused_at_once_by_name(monkeypatch):
@@ -889,12 +978,12 @@ def test_a_terminated_context_stops_only_its_own_listener():
 
 def test_checksum_servers_leave_no_descriptors_or_threads_behind():
     """A server that answered checksums leaves nothing behind once closed: its answering
-    pool's threads end, and a server of its own thread closes that hub's wake pipe."""
+    pool's threads and its own reading thread end, and that hub's wake pipe is closed."""
     sec = security()
 
     def open_ask_and_close() -> None:
         with HandshakeServer(
-            0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums, own_thread=True
+            0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
         ) as server:
             assert _fetch_kept(server.port, "t", sec, None).transfer_id == "t"
 

@@ -40,7 +40,7 @@ from moriio_native.pd.core import PdCore
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.pd.peers import HANDSHAKE_THREADS, Handshake, Peer, PeerKey
 from moriio_native.pd.puller import AwaitState, Puller, ReadState
-from moriio_native.pd.pusher import JobState, Pusher
+from moriio_native.pd.pusher import SEND_TASK_WAIT_S, JobState, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 from test_pd_protocol import Directory, Sender, break_first_call, notify_core, quarantined_await
 from test_pd_protocol import context as protocol_context
@@ -460,44 +460,58 @@ def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
     ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
     pusher = Pusher(ctx)
     pusher.begin_step([], [SendTask("req-A", "tx-A", block_ids=(1, 2, 3))])
-    assert pusher.held_for_checksums("tx-A", (3, 1), 0.0) is None
+    assert pusher.held_for_checksums("tx-A", (3, 1)) is None
     # Only the blocks the answer named (an answer changed on its way names others).
-    assert pusher.held_for_checksums("tx-A", (2, 7, 9), 0.0) == (
+    assert pusher.held_for_checksums("tx-A", (2, 7, 9)) == (
         "blocks [7, 9] (2 in all) are not among the 3 its answer named"
     )
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=0))
-    assert pusher.held_for_checksums("tx-A", (), 0.0) is None  # decode rank 1 still reads
+    assert pusher.held_for_checksums("tx-A", ()) is None  # decode rank 1 still reads
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=1))
-    assert pusher.held_for_checksums("tx-A", (), 5.0) == "its blocks are no longer held: released"
+    assert pusher.held_for_checksums("tx-A", ()) == "its blocks are no longer held: released"
 
     pusher.begin_step([], [SendTask("req-B", "tx-B")])
     pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)
-    assert "no longer held: expired" in str(pusher.held_for_checksums("tx-B", (), 5.0))
+    assert "no longer held: expired" in str(pusher.held_for_checksums("tx-B", ()))
     pusher.begin_step([], [SendTask("req-C", "tx-C", aborted=True)])
-    assert pusher.held_for_checksums("tx-C", (), 5.0) == "its blocks are no longer held: aborted"
+    assert pusher.held_for_checksums("tx-C", ()) == "its blocks are no longer held: aborted"
     pusher.on_release(Release("tx-D", consumer_tp_size=1))
     pusher.begin_step([], [SendTask("req-D", "tx-D")])
-    assert pusher.held_for_checksums("tx-D", (), 5.0) == "its blocks are no longer held: released"
+    assert pusher.held_for_checksums("tx-D", ()) == "its blocks are no longer held: released"
 
     # Known (held, or its hold ended): answered without a wait, on the server's reading thread.
     assert all(pusher.hold_known(t) for t in ("tx-A", "tx-B", "tx-C", "tx-D"))
-    assert not pusher.hold_known("tx-E")
-    unknown = pusher.held_for_checksums("tx-E", (), 0.05)
-    assert unknown == "this rank holds no blocks of it (none within 0.05s)"
-    later = threading.Timer(0.2, pusher.begin_step, ([], [SendTask("req-E", "tx-E")]))
-    later.start()
-    assert pusher.held_for_checksums("tx-E", (), 30.0) is None  # answered once the task came
-    later.join()
-    assert pusher.hold_known("tx-E")
+    gone: list[str] = []
+    pusher.when_hold_known("tx-D", lambda: gone.append("tx-D"))
+    assert gone == ["tx-D"]  # known: at once
 
-    # A stopping core ends the waits (they must not hold up the process's exit).
-    stopping = threading.Timer(0.2, lambda: (ctx.stop.set(), pusher.stop_hold_waits()))
-    stopping.start()
-    assert pusher.held_for_checksums("tx-F", (), 30.0) == "this rank is shutting down"
-    stopping.join()
+    # Not known yet: refused as not come within the wait, so a request waits first, without a
+    # thread, until its send task comes, its hold ends, the wait is over or the core stops.
+    assert not pusher.hold_known("tx-E")
+    assert pusher.held_for_checksums("tx-E", ()) == (
+        f"this rank holds no blocks of it (none within {SEND_TASK_WAIT_S:g}s)"
+    )
+    for tid in ("tx-E", "tx-F", "tx-G", "tx-H"):
+        pusher.when_hold_known(tid, lambda tid=tid: gone.append(tid))
+    pusher.begin_step([], [SendTask("req-E", "tx-E")])
+    pusher.on_release(Release("tx-F", consumer_tp_size=1))  # early: the hold ends at its task
+    pusher.begin_step([], [SendTask("req-F", "tx-F")])
+    assert gone == ["tx-D", "tx-E", "tx-F"]
+    assert pusher.held_for_checksums("tx-E", ()) is None
+    pusher.check_timeouts(time.monotonic() + SEND_TASK_WAIT_S - 1)
+    assert gone == ["tx-D", "tx-E", "tx-F"]  # still within the wait
+    pusher.check_timeouts(time.monotonic() + SEND_TASK_WAIT_S + 1)
+    assert gone == ["tx-D", "tx-E", "tx-F", "tx-G", "tx-H"]
+    pusher.when_hold_known("tx-I", lambda: gone.append("tx-I"))
+    ctx.stop.set()
+    pusher.stop_hold_waits()
+    assert gone[-1] == "tx-I"
+    assert pusher.held_for_checksums("tx-I", ()) == "this rank is shutting down"
 
     write, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
-    assert "runs WRITE mode" in str(Pusher(write).held_for_checksums("tx-A", (), 0.0))
+    assert "runs WRITE mode" in str(Pusher(write).held_for_checksums("tx-A", ()))
+    Pusher(write).when_hold_known("tx-A", lambda: gone.append("write"))
+    assert gone[-1] == "write"  # nothing to wait for in WRITE mode
 
 
 def test_the_prefills_clock_is_bounded_by_its_handshake_alone() -> None:

@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from moriio_native.pd import core
+from moriio_native.pd import pusher
 from moriio_native.pd.core import WAIT_SLICE_S
 from test_vllm_lifecycle import make_pair, model_dir, prompt_of, run_prefill, sides  # noqa: F401
 from test_vllm_support import (
@@ -267,7 +267,7 @@ def test_a_checksum_request_before_the_send_task_waits_for_it(
     within the wait, the load fails and is recomputed -- a check never passes for blocks not
     known to be held."""
     if send_task == "never comes":
-        monkeypatch.setattr(core, "SEND_TASK_WAIT_S", 1.0)  # the refusal sooner than in 8 s
+        monkeypatch.setattr(pusher, "SEND_TASK_WAIT_S", 1.0)  # the refusal sooner than in 8 s
     passed, failed, asked = CHECK_COUNTS[checked]
     p, d = make_pair(sides, model_dir, "read", p_extra={checked: True}, d_extra={checked: True})
     prompt = prompt_of(40, seed=53)

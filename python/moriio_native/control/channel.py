@@ -36,16 +36,17 @@ Contents:
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import math
 import os
+import queue
 import select
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import TypeVar
@@ -505,7 +506,8 @@ class _ListenerHub:
         logger.debug("%s: poll failed: %s", self._name, exc)
 
 
-# The hub of every listener of the process but checksum-answering handshake servers.
+# The hub of every listener of the process but checksum-answering handshake servers (and
+# those made with own_thread).
 _SHARED_HUB = _ListenerHub("listeners")
 
 
@@ -608,7 +610,8 @@ class _RouterListener(_ClosesOnExit):
             return dict(self._stats)
 
     def _count(self, key: str) -> None:
-        """Count one outcome (on the listener thread; every ``dropped_*`` feeds the gauge)."""
+        """Count one outcome (on the listener thread, or a handshake server's answering pool;
+        every ``dropped_*`` feeds the gauge)."""
         with self._state_lock:
             self._stats[key] = self._stats.get(key, 0) + 1
         if key.startswith("dropped"):
@@ -944,14 +947,66 @@ class NotifyListener(_RouterListener):
 MetadataProvider = Callable[[HandshakeRequest], HandshakeResponse]
 ChecksumProvider = Callable[[ChecksumRequest], ChecksumResponse]
 #: An answer the reading thread may give without waiting, or None (HandshakeServer).
-QuickChecksumProvider = Callable[[ChecksumRequest], ChecksumResponse | None]
+ChecksumAtOnce = Callable[[ChecksumRequest], ChecksumResponse | None]
+#: Calls its second argument once the request is worth answering, on whichever thread learns
+#: it; never blocks (HandshakeServer).
+ChecksumReadiness = Callable[[ChecksumRequest, Callable[[], None]], None]
 
-#: Checksum requests a handshake server answers at once (a thread each: most wait for a send
-#: task, a few read blocks), and how many may wait (queued or answered) before more are
-#: rejected at once: the decodes of one prefill rank ask at most 8 each at a time (their
-#: CHECK_THREADS), so a burst past 256 is a flood, not load.
-CHECKSUM_ANSWER_THREADS = 16
+#: Threads that compute a handshake server's checksum answers (reading blocks; a hold check
+#: left to them is a lookup), and how many requests may wait or be answered at once before
+#: more are rejected: each decode rank has at most 16 checks in flight (8 for verify, 8 for
+#: confirm_reads: CHECK_THREADS each), so a burst past 256 is a flood, not load.
+CHECKSUM_ANSWER_THREADS = 4
 MAX_PENDING_CHECKSUM_ANSWERS = 256
+
+
+class _DaemonPool:
+    """Up to ``threads`` daemon threads, started as tasks come, that run the tasks submitted,
+    in order. Unlike a ThreadPoolExecutor's workers, nothing joins them when the process
+    exits (the executor's would run every queued task first). A task's exception is logged.
+    Thread-safe."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._size = threads
+        self._name = name
+        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._started = 0
+        self._closed = False
+
+    def submit(self, task: Callable[[], None]) -> bool:
+        """Queue ``task``; False (not queued) once closed. Never blocks."""
+        with self._lock:
+            if self._closed:
+                return False
+            self._tasks.put(task)
+            if self._started < self._size:
+                thread = threading.Thread(
+                    target=self._work, name=f"{self._name}-{self._started}", daemon=True
+                )
+                try:
+                    thread.start()
+                    self._started += 1
+                except RuntimeError:  # no thread to be had: those started take it
+                    if self._started == 0:
+                        logger.error("%s: no thread could be started for a task", self._name)
+            return True
+
+    def close(self) -> None:
+        """Drop the tasks not started; the threads end after their current one."""
+        with self._lock:
+            self._closed = True
+            for _ in range(self._started):
+                self._tasks.put(None)
+
+    def _work(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            if self._closed:
+                continue
+            try:
+                task()
+            except Exception:
+                logger.exception("%s: a task failed", self._name)
 
 
 def _reason_text(exc: BaseException) -> str:
@@ -975,15 +1030,17 @@ class HandshakeServer(_RouterListener):
 
     ``checksums`` (set where transfers are verified or reads confirmed) answers
     :class:`ChecksumRequest` s the same way, but on a pool of :data:`CHECKSUM_ANSWER_THREADS`
-    threads, whose replies the reading thread sends: an answer may read the transfer's blocks
-    (seconds for a long prompt on a host) or wait for a send task vLLM hands over late (up to
-    the provider's wait), and handshakes and other checks go on meanwhile. ``at_once``, when
-    given, is asked first on the reading thread and must not wait: its answer, or None to
-    leave the request to the pool (a hold check of a transfer known here is a lookup, and a
-    hop to the pool would cost it about a third more). Past
-    :data:`MAX_PENDING_CHECKSUM_ANSWERS` waiting at once, one is rejected at once ("busy").
-    Without ``checksums`` they are rejected ("neither verifies nor confirms"), and requests
-    larger than a handshake request are dropped.
+    daemon threads whose replies the reading thread sends (an answer may read the transfer's
+    blocks: seconds for a long prompt on a host; handshakes and other checks go on
+    meanwhile). ``at_once``, when given, is asked first on the reading thread and must not
+    wait: its answer, or None to leave the request to the pool (a hold check of a transfer
+    known here is a lookup, and the hop to the pool would cost it about half again).
+    ``when_ready``, when given, is told of each request left to the pool and calls back when
+    it is worth answering (a prefill's: once the transfer's send task came, or the wait for it
+    is over), without a thread waiting. Past :data:`MAX_PENDING_CHECKSUM_ANSWERS` waiting or
+    being answered at once, one is rejected at once ("busy"). Without ``checksums`` they are
+    rejected ("neither verifies nor confirms"), and requests larger than a handshake request
+    are dropped.
     """
 
     _name = "handshake server"
@@ -999,24 +1056,24 @@ class HandshakeServer(_RouterListener):
         learn_peers: bool = True,
         context: zmq.Context | None = None,
         checksums: ChecksumProvider | None = None,
-        at_once: QuickChecksumProvider | None = None,
+        at_once: ChecksumAtOnce | None = None,
+        when_ready: ChecksumReadiness | None = None,
         own_thread: bool = False,
     ) -> None:
         """Binds ``bind_host:port`` (``port=0``: any free port) and has it read by the
-        process's listener thread, or by a thread of its own with ``own_thread`` (as a server
-        of another process would be: for tests and benchmarks that stand in for other
-        processes). Raises TransportError when the port cannot be bound."""
+        process's listener thread, or by a thread of its own with ``checksums`` or
+        ``own_thread`` (as a server of another process would be: for tests and benchmarks that
+        stand in for other processes). Raises TransportError when the port cannot be bound."""
         self._provider = provider
         self._checksums = checksums
         self._at_once = at_once
+        self._when_ready = when_ready
         # Checksum answers, computed on the pool and sent by the reading thread (the socket's
-        # one user), and how many are queued or being computed.
+        # one user), and how many wait for their transfer, for the pool, or are being answered.
         self._answering = (
             None
             if checksums is None
-            else ThreadPoolExecutor(
-                CHECKSUM_ANSWER_THREADS, thread_name_prefix="moriio-native-checksum-answer"
-            )
+            else _DaemonPool(CHECKSUM_ANSWER_THREADS, "moriio-native-checksum-answer")
         )
         self._replies: deque[list[bytes]] = deque()
         self._pending_answers = 0
@@ -1033,14 +1090,16 @@ class HandshakeServer(_RouterListener):
                 MAX_HANDSHAKE_REQUEST_BYTES if checksums is None else MAX_CHECKSUM_REQUEST_BYTES
             ),
             context=context,
-            own_thread=own_thread,
+            # ``at_once`` takes its owner's lock (the core's), which its other threads may
+            # hold for a while: on a thread of its own, no other listener waits behind it.
+            own_thread=own_thread or checksums is not None,
         )
 
     def _answer(
         self,
         request: ChecksumRequest,
         peer: _Sender,
-        provider: Callable[[ChecksumRequest], ChecksumResponse | None] | None,
+        provider: ChecksumAtOnce | None,
     ) -> ChecksumResponse | HandshakeRejected | None:
         """``provider``'s answer to ``request`` (None when it leaves it to the pool), a
         refusal when it raises or when nothing answers checksums here."""
@@ -1073,8 +1132,8 @@ class HandshakeServer(_RouterListener):
         self, sock: zmq.Socket, identity: bytes, request: ChecksumRequest, peer: _Sender
     ) -> None:
         """Answer ``request`` at once when that needs no wait (``at_once``; a refusal when
-        nothing answers checksums here), else have the pool answer it (the reading thread
-        sends the reply), or refuse it when too many answers wait already."""
+        nothing answers checksums here), else have the pool answer it once ``when_ready``
+        says (the reading thread sends the reply), or refuse it when too many wait already."""
         if self._answering is None:
             answer = self._answer(request, peer, None)  # "neither verifies nor confirms"
         elif self._at_once is not None:
@@ -1082,7 +1141,12 @@ class HandshakeServer(_RouterListener):
         else:
             answer = None
         if answer is None:
-            if self._to_pool(identity, request, peer):
+            if self._take_pending_slot():
+                go = functools.partial(self._to_pool, identity, request, peer)
+                if self._when_ready is None:
+                    go()
+                else:
+                    self._when_ready(request, go)
                 return
             asked = "hold check" if request.hold_only else "checksums"
             answer = HandshakeRejected(
@@ -1093,20 +1157,27 @@ class HandshakeServer(_RouterListener):
             self._rejections.warn("checksum request from %s rejected: busy", peer)
         sock.send_multipart(self._sealed_reply(identity, answer))
 
-    def _to_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> bool:
-        """Queue ``request`` for the answering pool; False when too many wait already (a
-        closing server's pool takes none: its requesters time out)."""
-        assert self._answering is not None
+    def _take_pending_slot(self) -> bool:
+        """Count one more request waiting or being answered; False when the bound is reached."""
         with self._state_lock:
             if self._pending_answers >= MAX_PENDING_CHECKSUM_ANSWERS:
                 return False
             self._pending_answers += 1
-        try:
-            self._answering.submit(self._answer_on_pool, identity, request, peer)
-        except RuntimeError:  # shut down: the server is closing
-            with self._state_lock:
-                self._pending_answers -= 1
-        return True
+            return True
+
+    def _free_pending_slot(self) -> None:
+        with self._state_lock:
+            self._pending_answers -= 1
+
+    def _to_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
+        """Queue ``request``'s answer on the pool (never blocks: ``when_ready`` may call it
+        under its owner's lock). A closed server's pool takes none: its requester times out."""
+        assert self._answering is not None
+        queued = self._answering.submit(
+            functools.partial(self._answer_on_pool, identity, request, peer)
+        )
+        if not queued:
+            self._free_pending_slot()
 
     def _answer_on_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
         """Answer ``request`` and queue the reply for the reading thread (woken for it)."""
@@ -1116,8 +1187,7 @@ class HandshakeServer(_RouterListener):
                 answer = HandshakeRejected("internal error on the serving side", request.nonce)
             self._replies.append(self._sealed_reply(identity, answer))
         finally:
-            with self._state_lock:
-                self._pending_answers -= 1
+            self._free_pending_slot()
         self._hub.wake()
 
     def _send_replies(self) -> None:
@@ -1133,8 +1203,8 @@ class HandshakeServer(_RouterListener):
         """As :meth:`_RouterListener.close`; checksum answers not started are dropped (their
         requesters time out), one being computed ends on its own and is not sent."""
         super().close(timeout)
-        if self._answering is not None:
-            self._answering.shutdown(wait=False, cancel_futures=True)
+        if self._answering is not None and self._pid == os.getpid():
+            self._answering.close()
 
     def _fresh(self, request: HandshakeRequest | ChecksumRequest, peer: _Sender) -> bool:
         """Whether a signed request is fresh: sent within the window of this side's clock, its
@@ -1884,13 +1954,14 @@ class ProxyPinger:
 
 
 __all__ = [
+    "ChecksumAtOnce",
     "ChecksumProvider",
+    "ChecksumReadiness",
     "HandshakeServer",
     "MetadataProvider",
     "NotifyListener",
     "NotifySender",
     "ProxyPinger",
-    "QuickChecksumProvider",
     "RateLimitedWarnings",
     "fetch_checksums",
     "fetch_metadata",

@@ -62,7 +62,7 @@ from moriio_native.pd.config import PdConfig
 from moriio_native.pd.context import Context, Reports, StatsSink
 from moriio_native.pd.peers import PeerDirectory
 from moriio_native.pd.puller import Puller
-from moriio_native.pd.pusher import SEND_TASK_WAIT_S, WRITER_QUEUE, Pusher
+from moriio_native.pd.pusher import WRITER_QUEUE, Pusher
 from moriio_native.pd.tasks import RecvTask, SaveTask, SendTask
 from moriio_native.pd.verify import Checksummer, ReadConfirmer, Verifier
 
@@ -187,6 +187,7 @@ class PdCore:
             bind_host=self._bind_host,
             checksums=self._checksum_response if answers_checksums else None,
             at_once=self._hold_check_at_once if answers_checksums else None,
+            when_ready=self._when_checksums_ready if answers_checksums else None,
         )
         self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
         if (
@@ -249,6 +250,12 @@ class PdCore:
             return None
         return self._checksum_response(request)
 
+    def _when_checksums_ready(self, request: ChecksumRequest, go: Callable[[], None]) -> None:
+        """``go`` once ``request``'s transfer is known here (held, or its hold ended), or once
+        its send task has not come within SEND_TASK_WAIT_S of now (the decode may ask before
+        the step that hands it over)."""
+        self.pusher.when_hold_known(request.transfer_id, go)
+
     def _checksum_response(self, request: ChecksumRequest) -> ChecksumResponse:
         """A decode's checksums of the blocks its READ took, only while this rank still holds
         them, before and after computing (freed blocks may hold another request's KV, and
@@ -263,13 +270,13 @@ class PdCore:
                 "transfers (verify is off here)"
             )
         hold = request.hold_until_ms
-        unheld = self.pusher.held_for_checksums(tid, request.block_ids, SEND_TASK_WAIT_S, hold)
+        unheld = self.pusher.held_for_checksums(tid, request.block_ids, hold)
         if unheld is None and request.hold_only:
             return ChecksumResponse(transfer_id=tid, checksums={})
         if unheld is None:
             assert verifier is not None
             response = verifier.answer(request)
-            unheld = self.pusher.held_for_checksums(tid, (), 0.0, hold)
+            unheld = self.pusher.held_for_checksums(tid, (), hold)
             if unheld is None:
                 return response
             unheld += " while its checksums were computed"

@@ -103,10 +103,10 @@ MAX_ENDED_HOLDS = 65536
 # How long a checksum request for a READ transfer not known yet waits for its send task: vLLM
 # hands it over in the first step that starts after the request finished, but a decode may ask
 # first, and that step may start only after a long forward of other requests (over a second
-# for a TP-2 prefill on a loaded host, seen in CI). The wait is on the handshake server's
-# answering pool (no handshake waits behind it) and shorter than the decode's for its answer
-# (MAX_HOLD_CHECK_WAIT_S, 10 s), so the decode hears why; a send task that comes later fails
-# that load (recomputed), never passes it.
+# for a TP-2 prefill on a loaded host, seen in CI). Counted from the request's arrival and
+# waited without a thread (when_hold_known), shorter than the decode's wait for its answer
+# (MAX_HOLD_CHECK_WAIT_S, 10 s) by more than a timeout pass, so the decode hears why; a send
+# task that comes later fails that load (recomputed), never passes it.
 SEND_TASK_WAIT_S = 8.0
 # Decode ranks one request may have this rank write before a handshake confirmed the decode's
 # TP size: the request's remote_tp_size is the client's word (up to 65,536), and a job for each
@@ -752,7 +752,9 @@ class Pusher:
         self._sends: dict[str, _Send] = {}
         # Why each READ hold ended, oldest first (MAX_ENDED_HOLDS): see held_for_checksums.
         self._ended_holds: OrderedDict[str, str] = OrderedDict()
-        self._holds_changed = threading.Condition(ctx.lock)
+        # Checksum requests waiting for their transfer's hold to be known: by transfer id, each
+        # with its deadline and what to call then (when_hold_known).
+        self._hold_waiters: dict[str, list[tuple[float, Callable[[], None]]]] = {}
         self._jobs: dict[str, _Job] = {}  # by engine transfer id
         self._requests: dict[str, _Request] = {}  # once its save (or send) task came
         self._unwritten: set[str] = set()  # requests whose blocks no decode rank needs of us
@@ -945,7 +947,7 @@ class Pusher:
                 self._end_hold(tid, "aborted" if send.aborted else "released")
                 return
             self._sends[tid] = held
-            self._holds_changed.notify_all()
+            self._hold_known(tid)
             return
         if tid in self._unwritten:
             self._unwritten.discard(tid)
@@ -1737,7 +1739,7 @@ class Pusher:
     # ---- READ holds (verify) -------------------------------------------------------------------
 
     def held_for_checksums(
-        self, tid: str, block_ids: Sequence[int], timeout: float, hold_until_ms: int = 0
+        self, tid: str, block_ids: Sequence[int], hold_until_ms: int = 0
     ) -> str | None:
         """None while this rank holds the blocks of READ transfer ``tid`` for its decode under
         the answer that stated ``hold_until_ms`` (0: the asker names none) and ``block_ids``
@@ -1746,26 +1748,23 @@ class Pusher:
         already hold another request's KV (and, read again, match what the READ took from
         them); only under the answer the READ used (a later request reusing the transfer id
         may hold the same blocks again, refilled); and only with the transfer's own blocks (a
-        READ of other blocks, through an answer changed on its way, matches them too). A
-        transfer not known yet is waited for up to ``timeout`` seconds (the decode may ask
-        before the step that hands us its send task). Called without the context lock (the
-        handshake server's answering pool)."""
+        READ of other blocks, through an answer changed on its way, matches them too). Never
+        waits: a transfer not known yet is refused as not come within SEND_TASK_WAIT_S, so ask
+        once :meth:`when_hold_known` said so (the decode may ask before the step that hands us
+        its send task). Called without the context lock (the handshake server's threads)."""
         if self._ctx.cfg.mode != "read":
             return "this prefill runs WRITE mode (its checksums go in write_done)"
-        deadline = time.monotonic() + timeout
-        with self._holds_changed:
-            while tid not in self._sends:
+        with self._ctx.lock:
+            send = self._sends.get(tid)
+            if send is None:
                 ended = self._ended_holds.get(tid)
                 if ended is not None:
                     return f"its blocks are no longer held: {ended}"
                 if self._ctx.stop.is_set():
                     return "this rank is shutting down"
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return f"this rank holds no blocks of it (none within {timeout:g}s)"
-                self._holds_changed.wait(left)
-            answered = self._sends[tid].answered
-            stated = self._sends[tid].task.hold_until_ms
+                return f"this rank holds no blocks of it (none within {SEND_TASK_WAIT_S:g}s)"
+            answered = send.answered
+            stated = send.task.hold_until_ms
         if hold_until_ms and stated and hold_until_ms != stated:
             return (
                 f"its blocks are held for another answer under that transfer id (stating a hold "
@@ -1780,16 +1779,47 @@ class Pusher:
         return None
 
     def hold_known(self, tid: str) -> bool:
-        """Whether READ transfer ``tid`` is held here or its hold ended (remembered): then
-        :meth:`held_for_checksums` answers without waiting."""
-        with self._holds_changed:
+        """Whether READ transfer ``tid`` is held here or its hold ended (remembered), so that
+        :meth:`held_for_checksums` has its answer."""
+        with self._ctx.lock:
             return tid in self._sends or tid in self._ended_holds
 
+    def when_hold_known(self, tid: str, go: Callable[[], None]) -> None:
+        """Call ``go`` once READ transfer ``tid`` is held here or its hold ended, or once
+        SEND_TASK_WAIT_S passed without either (found by the timeout pass, every
+        TIMEOUT_CHECK_EVERY_S), or once the core stops: at once when already so. A request
+        waits so without a thread, from its arrival. ``go`` is called under the context lock,
+        on whichever thread learns it: it must not block nor take that lock (it queues the
+        answer)."""
+        ctx = self._ctx
+        with ctx.lock:
+            known = tid in self._sends or tid in self._ended_holds
+            if known or ctx.cfg.mode != "read" or ctx.stop.is_set():
+                go()  # (WRITE mode holds nothing to wait for: refused as such)
+                return
+            deadline = time.monotonic() + SEND_TASK_WAIT_S
+            self._hold_waiters.setdefault(tid, []).append((deadline, go))
+
     def stop_hold_waits(self) -> None:
-        """End the waits of :meth:`held_for_checksums` now (the core is stopping: its threads
-        must not hold up the process's exit)."""
-        with self._holds_changed:
-            self._holds_changed.notify_all()
+        """Let every request waiting in :meth:`when_hold_known` go now (the core is stopping:
+        they are refused as such)."""
+        with self._ctx.lock:
+            for tid in list(self._hold_waiters):
+                self._hold_known(tid)
+
+    def _expire_hold_waits(self, now: float) -> None:
+        """Let go the requests that waited SEND_TASK_WAIT_S for their transfer (lock held)."""
+        for tid, waiters in list(self._hold_waiters.items()):
+            for waiter in [w for w in waiters if w[0] <= now]:
+                waiters.remove(waiter)
+                waiter[1]()
+            if not waiters:
+                del self._hold_waiters[tid]
+
+    def _hold_known(self, tid: str) -> None:
+        """Let go the requests waiting for ``tid``'s hold (lock held)."""
+        for _, go in self._hold_waiters.pop(tid, ()):
+            go()
 
     def _end_hold(self, tid: str, why: str) -> None:
         """READ transfer ``tid`` holds no blocks any more (lock held)."""
@@ -1797,7 +1827,7 @@ class Pusher:
         self._ended_holds.move_to_end(tid)
         if len(self._ended_holds) > MAX_ENDED_HOLDS:
             self._ended_holds.popitem(last=False)
-        self._holds_changed.notify_all()
+        self._hold_known(tid)
 
     # ---- control messages (notify thread) -----------------------------------------------------
 
@@ -2030,6 +2060,7 @@ class Pusher:
         ctx = self._ctx
         abort_timeout = ctx.cfg.abort_timeout
         with ctx.lock:
+            self._expire_hold_waits(now)
             for tid, send in list(self._sends.items()):
                 if now > send.deadline:
                     send.machine.advance(SendEvent.EXPIRED)
