@@ -491,6 +491,7 @@ def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
     assert pusher.held_for_checksums("tx-E", ()) == (
         f"this rank holds no blocks of it (none within {SEND_TASK_WAIT_S:g}s)"
     )
+    asked = time.monotonic()
     for tid in ("tx-E", "tx-F", "tx-G", "tx-H"):
         pusher.when_hold_known(tid, lambda tid=tid: gone.append(tid))
     pusher.begin_step([], [SendTask("req-E", "tx-E")])
@@ -498,7 +499,7 @@ def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
     pusher.begin_step([], [SendTask("req-F", "tx-F")])
     assert gone == ["tx-D", "tx-E", "tx-F"]
     assert pusher.held_for_checksums("tx-E", ()) is None
-    pusher.check_timeouts(time.monotonic() + SEND_TASK_WAIT_S - 1)
+    pusher.check_timeouts(asked + SEND_TASK_WAIT_S - 0.5)
     assert gone == ["tx-D", "tx-E", "tx-F"]  # still within the wait
     pusher.check_timeouts(time.monotonic() + SEND_TASK_WAIT_S + 1)
     assert gone == ["tx-D", "tx-E", "tx-F", "tx-G", "tx-H"]

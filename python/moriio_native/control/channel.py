@@ -954,25 +954,34 @@ ChecksumReadiness = Callable[[ChecksumRequest, Callable[[], None]], None]
 
 #: Threads that compute a handshake server's checksum answers (reading blocks; a hold check
 #: left to them is a lookup), and how many requests may wait or be answered at once before
-#: more are rejected: each decode rank has at most 16 checks in flight (8 for verify, 8 for
-#: confirm_reads: CHECK_THREADS each), so a burst past 256 is a flood, not load.
+#: more are rejected: a decode rank has at most 8 checks in flight (CHECK_THREADS), so 256
+#: is 32 decode ranks' worth waiting at once on one prefill rank; past it the decodes' own
+#: timeouts (10 s, transfer_timeout) would fail them anyway, since 4 threads computing
+#: checksums of long prompts (about a second each on a host) would not reach them in time.
 CHECKSUM_ANSWER_THREADS = 4
 MAX_PENDING_CHECKSUM_ANSWERS = 256
 
 
 class _DaemonPool:
-    """Up to ``threads`` daemon threads, started as tasks come, that run the tasks submitted,
-    in order. Unlike a ThreadPoolExecutor's workers, nothing joins them when the process
-    exits (the executor's would run every queued task first). A task's exception is logged.
-    Thread-safe."""
+    """``threads`` daemon threads, started at once, that run the tasks submitted, in order.
+    Unlike a ThreadPoolExecutor's workers, nothing joins them when the process exits (the
+    executor's would run every queued task first), and a submit never starts a thread (it may
+    be called under a caller's lock). A task's exception is logged. Thread-safe."""
 
     def __init__(self, threads: int, name: str) -> None:
-        self._size = threads
+        """Raises RuntimeError when a thread cannot be started (those started then end)."""
         self._name = name
         self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._lock = threading.Lock()
-        self._started = 0
         self._closed = False
+        self._started = 0
+        try:
+            for i in range(threads):
+                threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
+                self._started += 1
+        except BaseException:
+            self.close()
+            raise
 
     def submit(self, task: Callable[[], None]) -> bool:
         """Queue ``task``; False (not queued) once closed. Never blocks."""
@@ -980,16 +989,6 @@ class _DaemonPool:
             if self._closed:
                 return False
             self._tasks.put(task)
-            if self._started < self._size:
-                thread = threading.Thread(
-                    target=self._work, name=f"{self._name}-{self._started}", daemon=True
-                )
-                try:
-                    thread.start()
-                    self._started += 1
-                except RuntimeError:  # no thread to be had: those started take it
-                    if self._started == 0:
-                        logger.error("%s: no thread could be started for a task", self._name)
             return True
 
     def close(self) -> None:
@@ -1133,7 +1132,7 @@ class HandshakeServer(_RouterListener):
     ) -> None:
         """Answer ``request`` at once when that needs no wait (``at_once``; a refusal when
         nothing answers checksums here), else have the pool answer it once ``when_ready``
-        says (the reading thread sends the reply), or refuse it when too many wait already."""
+        says (the reading thread sends the reply), or refuse it when that cannot be."""
         if self._answering is None:
             answer = self._answer(request, peer, None)  # "neither verifies nor confirms"
         elif self._at_once is not None:
@@ -1141,21 +1140,35 @@ class HandshakeServer(_RouterListener):
         else:
             answer = None
         if answer is None:
-            if self._take_pending_slot():
-                go = functools.partial(self._to_pool, identity, request, peer)
-                if self._when_ready is None:
-                    go()
-                else:
-                    self._when_ready(request, go)
+            answer = self._defer(identity, request, peer)
+            if answer is None:
                 return
+        sock.send_multipart(self._sealed_reply(identity, answer))
+
+    def _defer(
+        self, identity: bytes, request: ChecksumRequest, peer: _Sender
+    ) -> HandshakeRejected | None:
+        """Hand ``request`` to ``when_ready`` (or straight to the pool); None when done, else
+        the refusal to send: too many wait already, or ``when_ready`` failed."""
+        if not self._take_pending_slot():
             asked = "hold check" if request.hold_only else "checksums"
-            answer = HandshakeRejected(
+            self._rejections.warn("checksum request from %s rejected: busy", peer)
+            return HandshakeRejected(
                 f"{asked} of transfer {request.transfer_id} not answered: this instance is "
                 f"busy ({MAX_PENDING_CHECKSUM_ANSWERS} checksum requests wait here already)",
                 request.nonce,
             )
-            self._rejections.warn("checksum request from %s rejected: busy", peer)
-        sock.send_multipart(self._sealed_reply(identity, answer))
+        go = functools.partial(self._to_pool, identity, request, peer)
+        if self._when_ready is None:
+            go()
+            return None
+        try:
+            self._when_ready(request, go)
+        except Exception:  # it raised before taking go (it must not block nor fail after)
+            logger.exception("checksum request from %s: when_ready failed", peer)
+            self._free_pending_slot()
+            return HandshakeRejected("internal error on the serving side", request.nonce)
+        return None
 
     def _take_pending_slot(self) -> bool:
         """Count one more request waiting or being answered; False when the bound is reached."""
