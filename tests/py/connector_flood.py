@@ -638,7 +638,7 @@ def _directory(p: Side) -> dict[str, int]:
     directory = p.worker.worker.core.ctx.directory
     return {
         "inflight": len(directory._inflight),
-        "queued": directory._pool._work_queue.qsize(),
+        "queued": directory._pool.queued,
         "failures": len(directory._failures),
         "peers": len(directory),
         "engine_peers": len(p.worker.worker.core.ctx.engine().peers()),

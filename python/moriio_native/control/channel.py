@@ -41,7 +41,6 @@ import itertools
 import logging
 import math
 import os
-import queue
 import select
 import threading
 import time
@@ -62,6 +61,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
+from moriio_native.pools import DaemonPool
 
 from .addressing import validate_host, validate_port
 from .messages import (
@@ -962,52 +962,6 @@ CHECKSUM_ANSWER_THREADS = 4
 MAX_PENDING_CHECKSUM_ANSWERS = 256
 
 
-class _DaemonPool:
-    """``threads`` daemon threads, started at once, that run the tasks submitted, in order.
-    Unlike a ThreadPoolExecutor's workers, nothing joins them when the process exits (the
-    executor's would run every queued task first), and a submit never starts a thread (it may
-    be called under a caller's lock). A task's exception is logged. Thread-safe."""
-
-    def __init__(self, threads: int, name: str) -> None:
-        """Raises RuntimeError when a thread cannot be started (those started then end)."""
-        self._name = name
-        self._tasks: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._closed = False
-        self._started = 0
-        try:
-            for i in range(threads):
-                threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
-                self._started += 1
-        except BaseException:
-            self.close()
-            raise
-
-    def submit(self, task: Callable[[], None]) -> bool:
-        """Queue ``task``; False (not queued) once closed. Never blocks."""
-        with self._lock:
-            if self._closed:
-                return False
-            self._tasks.put(task)
-            return True
-
-    def close(self) -> None:
-        """Drop the tasks not started; the threads end after their current one."""
-        with self._lock:
-            self._closed = True
-            for _ in range(self._started):
-                self._tasks.put(None)
-
-    def _work(self) -> None:
-        while (task := self._tasks.get()) is not None:
-            if self._closed:
-                continue
-            try:
-                task()
-            except Exception:
-                logger.exception("%s: a task failed", self._name)
-
-
 def _reason_text(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     text = "".join(ch if ch.isprintable() else "?" for ch in text)
@@ -1029,17 +983,17 @@ class HandshakeServer(_RouterListener):
 
     ``checksums`` (set where transfers are verified or reads confirmed) answers
     :class:`ChecksumRequest` s the same way, but on a pool of :data:`CHECKSUM_ANSWER_THREADS`
-    daemon threads whose replies the reading thread sends (an answer may read the transfer's
-    blocks: seconds for a long prompt on a host; handshakes and other checks go on
-    meanwhile). ``at_once``, when given, is asked first on the reading thread and must not
-    wait: its answer, or None to leave the request to the pool (a hold check of a transfer
-    known here is a lookup, and the hop to the pool would cost it about half again).
-    ``when_ready``, when given, is told of each request left to the pool and calls back when
-    it is worth answering (a prefill's: once the transfer's send task came, or the wait for it
-    is over), without a thread waiting. Past :data:`MAX_PENDING_CHECKSUM_ANSWERS` waiting or
-    being answered at once, one is rejected at once ("busy"). Without ``checksums`` they are
-    rejected ("neither verifies nor confirms"), and requests larger than a handshake request
-    are dropped.
+    daemon threads (:class:`~moriio_native.pools.DaemonPool`) whose replies the reading thread
+    sends (an answer may read the transfer's blocks: seconds for a long prompt on a host;
+    handshakes and other checks go on meanwhile). ``at_once``, when given, is asked first on the
+    reading thread and must not wait: its answer, or None to leave the request to the pool (a
+    hold check of a transfer known here is a lookup, and the hop to the pool would cost it about
+    half again). ``when_ready``, when given, is told of each request left to the pool and calls
+    back when it is worth answering (a prefill's: once the transfer's send task came, or the
+    wait for it is over), without a thread waiting. Past :data:`MAX_PENDING_CHECKSUM_ANSWERS`
+    waiting or being answered at once, one is rejected at once ("busy"). Without ``checksums``
+    they are rejected ("neither verifies nor confirms"), and requests larger than a handshake
+    request are dropped.
     """
 
     _name = "handshake server"
@@ -1072,7 +1026,9 @@ class HandshakeServer(_RouterListener):
         self._answering = (
             None
             if checksums is None
-            else _DaemonPool(CHECKSUM_ANSWER_THREADS, "moriio-native-checksum-answer")
+            else DaemonPool(
+                CHECKSUM_ANSWER_THREADS, "moriio-native-checksum-answer", start_now=True
+            )
         )
         self._replies: deque[list[bytes]] = deque()
         self._pending_answers = 0
@@ -1186,10 +1142,9 @@ class HandshakeServer(_RouterListener):
         """Queue ``request``'s answer on the pool (never blocks: ``when_ready`` may call it
         under its owner's lock). A closed server's pool takes none: its requester times out."""
         assert self._answering is not None
-        queued = self._answering.submit(
-            functools.partial(self._answer_on_pool, identity, request, peer)
-        )
-        if not queued:
+        try:
+            self._answering.submit(self._answer_on_pool, identity, request, peer)
+        except RuntimeError:  # shut down: the server is closing
             self._free_pending_slot()
 
     def _answer_on_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
@@ -1199,6 +1154,8 @@ class HandshakeServer(_RouterListener):
             if answer is None:  # a provider typed to return its answer
                 answer = HandshakeRejected("internal error on the serving side", request.nonce)
             self._replies.append(self._sealed_reply(identity, answer))
+        except Exception:  # its requester times out; nobody reads the pool's futures
+            logger.exception("checksum answer for %s failed", peer)
         finally:
             self._free_pending_slot()
         self._hub.wake()
@@ -1217,7 +1174,7 @@ class HandshakeServer(_RouterListener):
         requesters time out), one being computed ends on its own and is not sent."""
         super().close(timeout)
         if self._answering is not None and self._pid == os.getpid():
-            self._answering.close()
+            self._answering.shutdown()
 
     def _fresh(self, request: HandshakeRequest | ChecksumRequest, peer: _Sender) -> bool:
         """Whether a signed request is fresh: sent within the window of this side's clock, its

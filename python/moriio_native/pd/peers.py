@@ -2,7 +2,7 @@
 
 :meth:`PeerDirectory.connect` never blocks its caller on the network: it returns a
 :class:`~concurrent.futures.Future` of the :class:`Peer`, completed at once from the cache
-(or from the failure cache), or later by a handshake on the directory's own small executor
+(or from the failure cache), or later by a handshake on the directory's own small pool
 (threads ``moriio-native-handshake-*``). What it guarantees:
 
 * one handshake at a time per peer address: concurrent callers share its future, so two
@@ -56,7 +56,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -71,6 +71,7 @@ from moriio_native.errors import (
     NotFoundError,
 )
 from moriio_native.pd.config import DEFAULT_MAX_PEERS
+from moriio_native.pools import DaemonPool
 
 logger = logging.getLogger("moriio_native.pd.peers")
 
@@ -233,10 +234,8 @@ class PeerDirectory:
         self._peers: OrderedDict[PeerKey, Handshake] = OrderedDict()  # least recently used first
         self._inflight: dict[PeerKey, Future[Handshake]] = {}
         self._failures: dict[PeerKey, _Failure] = {}
-        self._pool = ThreadPoolExecutor(
-            HANDSHAKE_THREADS, thread_name_prefix="moriio-native-handshake"
-        )
-        self._probe_pool = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-probe")
+        self._pool = DaemonPool(HANDSHAKE_THREADS, "moriio-native-handshake")
+        self._probe_pool = DaemonPool(1, "moriio-native-probe")
         self._closed = False
 
     # ---- lookups ------------------------------------------------------------------------------
@@ -387,8 +386,8 @@ class PeerDirectory:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._probe_pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+        self._probe_pool.shutdown()
 
     # ---- the handshake (pool thread) ----------------------------------------------------------
 

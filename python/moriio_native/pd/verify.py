@@ -35,7 +35,6 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from moriio_native.control.channel import RequestSockets, fetch_checksums
@@ -43,6 +42,7 @@ from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.peers import Peer
+from moriio_native.pools import DaemonPool
 from moriio_native.verify import WHOLE_BLOCK, CellWindow, LayerChecksums, compare
 
 logger = logging.getLogger("moriio_native.pd.verify")
@@ -94,11 +94,11 @@ class Verifier:
         self._timeout = timeout
         # Checks with the prefill run side by side: one waiting on a stalled prefill (up to
         # ``timeout``) holds up no other prefill's.
-        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-verify")
+        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-verify")
         # Kept connections to the prefill ranks.
         self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
         # Our side of a READ's check, computed while the prefill computes its own.
-        self._local = ThreadPoolExecutor(1, thread_name_prefix="moriio-native-verify-local")
+        self._local = DaemonPool(1, "moriio-native-verify-local")
         self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
         self._corrupt_lock = threading.Lock()
         if self._corrupt_left:
@@ -117,8 +117,8 @@ class Verifier:
     def shutdown(self) -> None:
         """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
         its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._local.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
+        self._local.shutdown()
         self._sockets.close()
 
     def expire_idle(self) -> None:
@@ -274,7 +274,7 @@ class ReadConfirmer:
         self._security = security
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
-        self._pool = ThreadPoolExecutor(CHECK_THREADS, thread_name_prefix="moriio-native-confirm")
+        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-confirm")
         # Kept connections, shared by the threads.
         self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
 
@@ -282,7 +282,7 @@ class ReadConfirmer:
         """Drop queued checks and close the idle connections; the running checks (each waits
         at most ``timeout``) finish on their own, closing theirs, their verdicts meeting a
         stopped core."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
         self._sockets.close()
 
     def expire_idle(self) -> None:
@@ -354,7 +354,7 @@ def _ask(
 
 
 def _submit_check(
-    pool: ThreadPoolExecutor, what: str, check: Callable[[], str | None], verdict: Verdict
+    pool: DaemonPool, what: str, check: Callable[[], str | None], verdict: Verdict
 ) -> None:
     """Run ``check`` on ``pool`` and hand its outcome to ``verdict``; a check that cannot run
     fails the load, never passes it."""

@@ -1,0 +1,95 @@
+"""DaemonPool: the executor subset the package uses, on threads that never hold up the exit."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+from concurrent.futures import CancelledError
+
+import pytest
+
+from moriio_native.pools import DaemonPool
+
+WAIT_S = 10.0
+
+
+def test_tasks_run_in_order_and_their_futures_get_results_and_errors() -> None:
+    pool = DaemonPool(1, "test-pool")
+    try:
+        ran: list[int] = []
+        futures = [pool.submit(ran.append, i) for i in range(5)]
+        failed = pool.submit(int, "not a number")
+        assert [f.result(WAIT_S) for f in futures] == [None] * 5
+        assert ran == [0, 1, 2, 3, 4]
+        with pytest.raises(ValueError, match="not a number"):
+            failed.result(WAIT_S)
+    finally:
+        pool.shutdown()
+
+
+def test_shutdown_cancels_what_is_queued_and_refuses_more() -> None:
+    pool = DaemonPool(1, "test-pool")
+    started, release = threading.Event(), threading.Event()
+    running = pool.submit(lambda: (started.set(), release.wait(WAIT_S))[1])
+    queued = pool.submit(lambda: "never")
+    assert started.wait(WAIT_S)
+    assert pool.queued == 1
+    pool.shutdown()
+    pool.shutdown()  # idempotent
+    with pytest.raises(CancelledError):
+        queued.result(WAIT_S)
+    assert pool.queued == 1  # the running thread's end-of-work marker
+    with pytest.raises(RuntimeError, match="test-pool: cannot take tasks after shutdown"):
+        pool.submit(lambda: None)
+    release.set()
+    assert running.result(WAIT_S) is True  # a running task finishes on its own
+
+
+def test_threads_start_as_tasks_come_or_all_at_once() -> None:
+    def pool_threads(name: str) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith(f"{name}-")]
+
+    lazy = DaemonPool(3, "test-lazy")
+    eager = DaemonPool(3, "test-eager", start_now=True)
+    try:
+        assert pool_threads("test-lazy") == []
+        assert len(pool_threads("test-eager")) == 3
+        assert all(t.daemon for t in pool_threads("test-eager"))
+        lazy.submit(lambda: None).result(WAIT_S)
+        assert len(pool_threads("test-lazy")) == 1
+    finally:
+        lazy.shutdown()
+        eager.shutdown()
+    for thread in pool_threads("test-lazy") + pool_threads("test-eager"):
+        thread.join(WAIT_S)
+        assert not thread.is_alive()
+
+
+def test_a_task_that_never_ends_does_not_hold_up_the_process_exit(tmp_path) -> None:
+    """A ThreadPoolExecutor's workers are joined at exit: a handshake or a check waiting on a
+    peer that stopped answering held the process that long (for ever here)."""
+    script = tmp_path / "exits.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import threading
+            from moriio_native.pools import DaemonPool
+
+            started = threading.Event()
+            pool = DaemonPool(2, "stuck")
+            pool.submit(lambda: (started.set(), threading.Event().wait()))
+            pool.submit(threading.Event().wait)  # queued behind nothing: the second thread
+            assert started.wait(10)
+            print("exiting", flush=True)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert "exiting" in done.stdout
