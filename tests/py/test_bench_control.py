@@ -16,7 +16,7 @@ def test_every_exchange_is_measured_with_and_without_hmac() -> None:
             "remote_blocks -> write_done",
             "handshake",
             "hold check",
-            "hold check, pooled",
+            "hold check, late",
         ]
         assert [r.samples for r in rows] == [20, 20, 5, 5, 5]
         assert all(r.hmac is hmac and 0 < r.p50_us <= r.p99_us <= r.max_us for r in rows)

@@ -546,31 +546,54 @@ def test_a_waiting_checksum_answer_holds_up_no_handshake_and_no_other_check():
     assert server.stats()["answered"] == 3
 
 
-def test_an_answer_given_at_once_skips_the_pool_and_the_rest_go_to_it():
+@pytest.mark.parametrize("deferred", [False, True], ids=["no-when-ready", "when-ready"])
+def test_an_answer_given_at_once_skips_the_pool_and_the_rest_go_to_it(deferred):
     """``at_once`` answers what needs no wait (a prefill's hold check of a transfer it knows)
     on the reading thread, saving the hop to the pool; what it leaves (None) the pool answers,
-    and what it refuses is refused."""
+    and what it refuses is refused. With ``when_ready``, a request it let go is asked of
+    ``at_once`` again on the reading thread (a hold check whose send task came meanwhile: no
+    hop to the pool either), and goes to the pool only if it still has no answer."""
     sec = security()
     answered_on: dict[str, str] = {}
+    asked_at_once: list[str] = []
 
     def record(request: ChecksumRequest) -> ChecksumResponse:
         answered_on[request.transfer_id] = threading.current_thread().name
         return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
 
     def at_once(request: ChecksumRequest) -> ChecksumResponse | None:
-        if request.transfer_id == "refused":
+        tid = request.transfer_id
+        first_ask = tid not in asked_at_once
+        asked_at_once.append(tid)
+        if tid == "refused":
             raise FailedPreconditionError("hold check of transfer refused: no longer held")
-        return None if request.transfer_id == "later" else record(request)
+        if tid == "later" or (tid == "known-late" and first_ask):
+            return None
+        return record(request)
+
+    def when_ready(_request: ChecksumRequest, go: Any) -> None:
+        go()  # its send task came at once
 
     with HandshakeServer(
-        0, provider_for(), sec, bind_host=LOCAL, checksums=record, at_once=at_once
+        0,
+        provider_for(),
+        sec,
+        bind_host=LOCAL,
+        checksums=record,
+        at_once=at_once,
+        when_ready=when_ready if deferred else None,
     ) as server:
-        for tid in ("now", "later"):
+        for tid in ("now", "later", "known-late"):
             assert _fetch_kept(server.port, tid, sec, None).transfer_id == tid
         with pytest.raises(FailedPreconditionError, match="no longer held"):
             _fetch_kept(server.port, "refused", sec, None)
         assert answered_on["now"] == server.reader.name
         assert answered_on["later"].startswith("moriio-native-checksum-answer")
+        if deferred:
+            assert answered_on["known-late"] == server.reader.name
+            assert asked_at_once.count("later") == asked_at_once.count("known-late") == 2
+        else:
+            assert answered_on["known-late"].startswith("moriio-native-checksum-answer")
 
 
 def test_requests_waiting_to_be_ready_hold_no_thread_and_go_when_told():

@@ -662,8 +662,9 @@ class _RouterListener(_ClosesOnExit):
         """Called after each burst (subclasses wake their consumers here)."""
 
     def _send_replies(self) -> None:
-        """Send the replies answered on other threads (subclasses that answer so; on the hub's
-        thread, the socket's one user, at the start of each round)."""
+        """Send the replies answered on other threads, and answer the requests that became
+        answerable since (subclasses that answer so; on the hub's thread, the socket's one
+        user, at the start of each round)."""
 
     def _flooded(self) -> bool:
         """Whether this listener keeps dropping messages (its hub then pauses its reads;
@@ -990,7 +991,8 @@ class HandshakeServer(_RouterListener):
     hold check of a transfer known here is a lookup, and the hop to the pool would cost it about
     half again). ``when_ready``, when given, is told of each request left to the pool and calls
     back when it is worth answering (a prefill's: once the transfer's send task came, or the
-    wait for it is over), without a thread waiting. Past :data:`MAX_PENDING_CHECKSUM_ANSWERS`
+    wait for it is over), without a thread waiting; ``at_once`` is then asked again on the
+    reading thread before the pool is. Past :data:`MAX_PENDING_CHECKSUM_ANSWERS`
     waiting or being answered at once, one is rejected at once ("busy"). Without ``checksums``
     they are rejected ("neither verifies nor confirms"), and requests larger than a handshake
     request are dropped.
@@ -1031,6 +1033,8 @@ class HandshakeServer(_RouterListener):
             )
         )
         self._replies: deque[list[bytes]] = deque()
+        # Requests ``when_ready`` let go, for the reading thread to ask ``at_once`` again.
+        self._answerable: deque[tuple[bytes, ChecksumRequest, _Sender]] = deque()
         self._pending_answers = 0
         self._security = security
         self._learn_peers = learn_peers
@@ -1114,12 +1118,13 @@ class HandshakeServer(_RouterListener):
                 f"busy ({MAX_PENDING_CHECKSUM_ANSWERS} checksum requests wait here already)",
                 request.nonce,
             )
-        go = functools.partial(self._to_pool, identity, request, peer)
         if self._when_ready is None:
-            go()
+            self._to_pool(identity, request, peer)
             return None
         try:
-            self._when_ready(request, go)
+            self._when_ready(
+                request, functools.partial(self._ready_to_answer, identity, request, peer)
+            )
         except Exception:  # it raised before taking go (it must not block nor fail after)
             logger.exception("checksum request from %s: when_ready failed", peer)
             self._free_pending_slot()
@@ -1137,6 +1142,17 @@ class HandshakeServer(_RouterListener):
     def _free_pending_slot(self) -> None:
         with self._state_lock:
             self._pending_answers -= 1
+
+    def _ready_to_answer(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
+        """``request`` is worth answering now (``when_ready``'s go). With ``at_once`` the
+        reading thread asks it again first (a hold check of a transfer known by now is a
+        lookup: no hop to the pool, and no queue behind checksums being computed), else the
+        pool answers. Never blocks: ``when_ready`` may call it under its owner's lock."""
+        if self._at_once is None:
+            self._to_pool(identity, request, peer)
+            return
+        self._answerable.append((identity, request, peer))
+        self._hub.wake()
 
     def _to_pool(self, identity: bytes, request: ChecksumRequest, peer: _Sender) -> None:
         """Queue ``request``'s answer on the pool (never blocks: ``when_ready`` may call it
@@ -1161,13 +1177,23 @@ class HandshakeServer(_RouterListener):
         self._hub.wake()
 
     def _send_replies(self) -> None:
+        while self._answerable:
+            identity, request, peer = self._answerable.popleft()
+            answer = self._answer(request, peer, self._at_once)
+            if answer is None:
+                self._to_pool(identity, request, peer)
+            else:
+                self._free_pending_slot()
+                self._send_reply(self._sealed_reply(identity, answer))
         while self._replies:
-            frames = self._replies.popleft()
-            try:
-                # A ROUTER drops what it cannot route (a requester gone): never blocks.
-                self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            except zmq.ZMQError as exc:
-                logger.debug("%s on port %d: reply not sent: %s", self._name, self._port, exc)
+            self._send_reply(self._replies.popleft())
+
+    def _send_reply(self, frames: list[bytes]) -> None:
+        try:
+            # A ROUTER drops what it cannot route (a requester gone): never blocks.
+            self._sock.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:
+            logger.debug("%s on port %d: reply not sent: %s", self._name, self._port, exc)
 
     def close(self, timeout: float = 5.0) -> None:
         """As :meth:`_RouterListener.close`; checksum answers not started are dropped (their
