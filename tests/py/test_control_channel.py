@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -62,6 +63,7 @@ from moriio_native.errors import (
     FailedPreconditionError,
     IncompatiblePeerError,
     InvalidArgumentError,
+    MoriioError,
     TransferTimeoutError,
     TransportError,
 )
@@ -678,6 +680,46 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
     )
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
+
+
+def test_a_request_cut_by_its_context_terminating_leaves_the_context_free_to_end():
+    """A request in flight when its ZMQ context is terminated (an exit handler ending the
+    shared context while a pool thread still asks a peer that never answers) fails, and
+    closes its socket and its handshake monitor: the monitor's close raised once the context
+    was terminated, the socket stayed open, and term() waited for ever."""
+    own = zmq.Context()
+    silent = socket.socket()
+    silent.bind((LOCAL, 0))
+    silent.listen(4)
+    failed: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            fetch_metadata(
+                LOCAL,
+                silent.getsockname()[1],
+                timeout=WAIT,
+                security=security(),
+                requester_engine_id="d0",
+                context=own,
+            )
+        except BaseException as exc:
+            failed.append(exc)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    try:
+        asking.start()
+        silent.settimeout(WAIT)
+        accepted, _ = silent.accept()  # the request is in flight: connected, never answered
+        terminating = threading.Thread(target=own.term, daemon=True)
+        terminating.start()
+        terminating.join(WAIT)
+        assert not terminating.is_alive(), "term() waits on a socket the request left open"
+        asking.join(WAIT)
+        assert failed and isinstance(failed[0], zmq.ContextTerminated | MoriioError)
+        accepted.close()
+    finally:
+        silent.close()
 
 
 def test_checksum_requests_past_the_pending_bound_are_refused_at_once_by_name(monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -93,3 +94,54 @@ def test_a_task_that_never_ends_does_not_hold_up_the_process_exit(tmp_path) -> N
     )
     assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
+
+
+def test_at_exit_the_running_task_of_a_computing_pool_finishes_and_the_queued_are_cancelled(
+    tmp_path,
+) -> None:
+    """A pool given ``exit_wait_s`` lets its running task finish at exit (a daemon thread still
+    inside native code that released the GIL when the interpreter finalizes can abort the
+    process: a checksum through torch did) and cancels what is queued behind it."""
+    out = tmp_path / "out.txt"
+    script = tmp_path / "exits.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import threading, time
+            from moriio_native.pools import DaemonPool
+
+            started = threading.Event()
+
+            def compute(text):
+                started.set()
+                time.sleep(0.5)
+                with open({str(out)!r}, "a") as f:
+                    f.write(text)
+
+            pool = DaemonPool(1, "computing", exit_wait_s=10.0)
+            pool.submit(compute, "running ")
+            pool.submit(compute, "queued ")
+            assert started.wait(10)
+            """
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    assert out.read_text() == "running "
+
+
+def test_an_unused_pool_is_collected_and_its_threads_end() -> None:
+    """The threads hold only what they share with the pool, not the pool: one dropped without
+    a shutdown (a test's, a tool's) is collected and its threads end."""
+    pool = DaemonPool(2, "test-dropped", start_now=True)
+    pool.submit(lambda: None).result(WAIT_S)
+    threads = [t for t in threading.enumerate() if t.name.startswith("test-dropped-")]
+    assert len(threads) == 2
+    del pool
+    gc.collect()
+    for thread in threads:
+        thread.join(WAIT_S)
+        assert not thread.is_alive()

@@ -61,7 +61,7 @@ from moriio_native.errors import (
     TransferTimeoutError,
     TransportError,
 )
-from moriio_native.pools import DaemonPool
+from moriio_native.pools import COMPUTING_EXIT_WAIT_S, DaemonPool
 
 from .addressing import validate_host, validate_port
 from .messages import (
@@ -1029,7 +1029,10 @@ class HandshakeServer(_RouterListener):
             None
             if checksums is None
             else DaemonPool(
-                CHECKSUM_ANSWER_THREADS, "moriio-native-checksum-answer", start_now=True
+                CHECKSUM_ANSWER_THREADS,
+                "moriio-native-checksum-answer",
+                start_now=True,
+                exit_wait_s=COMPUTING_EXIT_WAIT_S,
             )
         )
         self._replies: deque[list[bytes]] = deque()
@@ -1318,8 +1321,14 @@ class _HandshakeWatch:
         return failed
 
     def close(self) -> None:
-        self._sock.disable_monitor()
-        self.monitor.close(linger=0)
+        """Stop watching and close the monitor, also when the socket's context was terminated
+        (disable_monitor then fails): an open monitor would keep the context's term() waiting
+        for ever."""
+        try:
+            with contextlib.suppress(zmq.ZMQError):
+                self._sock.disable_monitor()
+        finally:
+            self.monitor.close(linger=0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1330,8 +1339,10 @@ class _Dialed:
     watch: _HandshakeWatch
 
     def close(self, linger_ms: int) -> None:
-        self.watch.close()
-        self.sock.close(linger=linger_ms)
+        try:
+            self.watch.close()
+        finally:
+            self.sock.close(linger=linger_ms)
 
 
 def _dial(

@@ -42,7 +42,7 @@ from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.peers import Peer
-from moriio_native.pools import DaemonPool
+from moriio_native.pools import COMPUTING_EXIT_WAIT_S, DaemonPool
 from moriio_native.verify import WHOLE_BLOCK, CellWindow, LayerChecksums, compare
 
 logger = logging.getLogger("moriio_native.pd.verify")
@@ -94,11 +94,13 @@ class Verifier:
         self._timeout = timeout
         # Checks with the prefill run side by side: one waiting on a stalled prefill (up to
         # ``timeout``) holds up no other prefill's.
-        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-verify")
+        self._pool = DaemonPool(
+            CHECK_THREADS, "moriio-native-verify", exit_wait_s=COMPUTING_EXIT_WAIT_S
+        )
         # Kept connections to the prefill ranks.
         self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
         # Our side of a READ's check, computed while the prefill computes its own.
-        self._local = DaemonPool(1, "moriio-native-verify-local")
+        self._local = DaemonPool(1, "moriio-native-verify-local", exit_wait_s=COMPUTING_EXIT_WAIT_S)
         self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
         self._corrupt_lock = threading.Lock()
         if self._corrupt_left:
