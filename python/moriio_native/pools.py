@@ -16,6 +16,7 @@ aborts the process. It offers the part of the executor's interface the package u
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import threading
 import time
@@ -95,7 +96,8 @@ def _settle_at_exit() -> None:
     """Cancel every pool's queued tasks, then wait (all pools at once) for their running ones,
     each pool at most its ``exit_wait_s``."""
     with _AT_EXIT_LOCK:
-        pools = list(_AT_EXIT.items())
+        # A forked child's copies of its parent's pools have no threads here to wait for.
+        pools = [(pool, wait_s) for pool, wait_s in _AT_EXIT.items() if pool._pid == os.getpid()]
     start = time.monotonic()
     for pool, _ in pools:
         pool.shutdown()
@@ -121,6 +123,7 @@ class DaemonPool:
         if threads < 1:
             raise ValueError(f"{name}: threads must be >= 1, got {threads}")
         self._size = threads
+        self._pid = os.getpid()
         self._workers = _Workers(name)
         # An unused pool's threads end with it (they hold only its _Workers).
         weakref.finalize(self, self._workers.shutdown)
