@@ -1,12 +1,34 @@
 """A child process a test drives through a Pipe: it sends one answer first (e.g. its metadata),
 then one per command; an exception it sends back is raised here. Spawned, so the child imports
-the test's module afresh (no state inherited from the test process)."""
+the test's module afresh (no state inherited from the test process). And :func:`run_exiting`:
+a script run to its end, for what happens when a process exits."""
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+#: How long a script run by :func:`run_exiting` may take to exit (a hang guard).
+EXIT_TIMEOUT_S = 30.0
+
+
+def run_exiting(path: Path, source: str) -> subprocess.CompletedProcess[str]:
+    """Write ``source`` (dedented) to ``path`` and run it with this interpreter and import
+    path; its result once it exited (rc 0 asserted, with its stderr), or TimeoutExpired (the
+    process killed) when it has not exited within EXIT_TIMEOUT_S."""
+    path.write_text(textwrap.dedent(source))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(
+        [sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S
+    )
+    assert done.returncode == 0, done.stderr
+    return done
 
 
 class PipeChild:

@@ -6,9 +6,6 @@ import contextlib
 import logging
 import os
 import socket
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -68,6 +65,7 @@ from moriio_native.errors import (
     TransportError,
 )
 from net_support import free_port, free_ports
+from process_support import run_exiting
 
 WAIT = 5.0  # upper bound for anything that should arrive; never reached when things work
 SECRET = "test-secret-0123456789"
@@ -641,10 +639,9 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
     """The answering pool's threads are daemons: a process whose answer never ends (a block
     read stuck, a wait nothing ends) still exits when its main thread does. A
     ThreadPoolExecutor's workers are joined at exit: the process hung."""
-    script = tmp_path / "exits.py"
-    script.write_text(
-        textwrap.dedent(
-            """
+    done = run_exiting(
+        tmp_path / "exits.py",
+        """
             import threading
             from moriio_native.control.channel import HandshakeServer, fetch_checksums
             from moriio_native.control.messages import ChecksumRequest, HandshakeResponse
@@ -671,14 +668,8 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
             ).start()
             assert asked.wait(10)
             print("exiting", flush=True)
-            """
-        )
+            """,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
 
 

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 from concurrent.futures import CancelledError
 
 import pytest
 
 from moriio_native.pools import DaemonPool
+from process_support import run_exiting
 
 WAIT_S = 10.0
 
@@ -72,10 +69,9 @@ def test_threads_start_as_tasks_come_or_all_at_once() -> None:
 def test_a_task_that_never_ends_does_not_hold_up_the_process_exit(tmp_path) -> None:
     """A ThreadPoolExecutor's workers are joined at exit: a handshake or a check waiting on a
     peer that stopped answering held the process that long (for ever here)."""
-    script = tmp_path / "exits.py"
-    script.write_text(
-        textwrap.dedent(
-            """
+    done = run_exiting(
+        tmp_path / "exits.py",
+        """
             import threading
             from moriio_native.pools import DaemonPool
 
@@ -85,14 +81,8 @@ def test_a_task_that_never_ends_does_not_hold_up_the_process_exit(tmp_path) -> N
             pool.submit(threading.Event().wait)  # queued behind nothing: the second thread
             assert started.wait(10)
             print("exiting", flush=True)
-            """
-        )
+            """,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
     assert "exiting" in done.stdout
 
 
@@ -103,10 +93,9 @@ def test_at_exit_the_running_task_of_a_computing_pool_finishes_and_the_queued_ar
     inside native code that released the GIL when the interpreter finalizes can abort the
     process: a checksum through torch did) and cancels what is queued behind it."""
     out = tmp_path / "out.txt"
-    script = tmp_path / "exits.py"
-    script.write_text(
-        textwrap.dedent(
-            f"""
+    run_exiting(
+        tmp_path / "exits.py",
+        f"""
             import threading, time
             from moriio_native.pools import DaemonPool
 
@@ -122,14 +111,8 @@ def test_at_exit_the_running_task_of_a_computing_pool_finishes_and_the_queued_ar
             pool.submit(compute, "running ")
             pool.submit(compute, "queued ")
             assert started.wait(10)
-            """
-        )
+            """,
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    done = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=30
-    )
-    assert done.returncode == 0, done.stderr
     assert out.read_text() == "running "
 
 
