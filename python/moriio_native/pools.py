@@ -44,7 +44,10 @@ class _Workers:
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)  # notified when a task ends
         self.started = 0
-        self.running = 0
+        # Tasks submitted and not ended: queued, taken by a thread, or running (counted from
+        # the submit, so that no moment between a thread's take and its run escapes the exit's
+        # wait).
+        self.outstanding = 0
         self.shut = False
 
     def shutdown(self) -> None:
@@ -60,30 +63,32 @@ class _Workers:
                     break
                 if task is not None:
                     task[0].cancel()
+                    self.outstanding -= 1
+            self.idle.notify_all()
             for _ in range(self.started):
                 self.tasks.put(None)
 
     def wait_running(self, deadline: float) -> None:
-        """Wait until no task runs, or ``deadline`` (monotonic) passes."""
+        """Wait until no task is outstanding (after :meth:`shutdown`: none runs), or
+        ``deadline`` (monotonic) passes."""
         with self.idle:
-            while self.running and (left := deadline - time.monotonic()) > 0:
+            while self.outstanding and (left := deadline - time.monotonic()) > 0:
                 self.idle.wait(left)
 
     def work(self) -> None:
         while (task := self.tasks.get()) is not None:
             future, fn, args = task
             del task  # an idle thread keeps nothing of its last task alive
-            if future.set_running_or_notify_cancel():
-                with self.lock:
-                    self.running += 1
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:
-                    future.set_exception(exc)
-                finally:
-                    with self.idle:
-                        self.running -= 1
-                        self.idle.notify_all()
+            try:
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(*args))
+                    except BaseException as exc:
+                        future.set_exception(exc)
+            finally:
+                with self.idle:
+                    self.outstanding -= 1
+                    self.idle.notify_all()
             del future, fn, args
 
 
@@ -105,7 +110,14 @@ def _settle_at_exit() -> None:
         pool._workers.wait_running(start + wait_s)
 
 
+def _after_fork_in_child() -> None:
+    """A thread of the parent may have held the lock at the fork: the child's is a new one."""
+    global _AT_EXIT_LOCK
+    _AT_EXIT_LOCK = threading.Lock()
+
+
 atexit.register(_settle_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class DaemonPool:
@@ -125,8 +137,10 @@ class DaemonPool:
         self._size = threads
         self._pid = os.getpid()
         self._workers = _Workers(name)
-        # An unused pool's threads end with it (they hold only its _Workers).
-        weakref.finalize(self, self._workers.shutdown)
+        # An unused pool's threads end with it (they hold only its _Workers). Not at exit:
+        # _settle_at_exit does it for this process's pools, and a forked child's copy of its
+        # parent's pool may have its lock held for ever (taken by a thread at the fork).
+        weakref.finalize(self, self._workers.shutdown).atexit = False
         if start_now:
             try:
                 with self._workers.lock:
@@ -158,6 +172,7 @@ class DaemonPool:
                     if workers.started == 0:
                         raise  # nothing would ever run it
             workers.tasks.put((future, fn, args))
+            workers.outstanding += 1
         return future
 
     def shutdown(self) -> None:

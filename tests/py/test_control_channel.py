@@ -637,12 +637,14 @@ def test_requests_waiting_to_be_ready_hold_no_thread_and_go_when_told():
 
 def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_path):
     """The answering pool's threads are daemons: a process whose answer never ends (a block
-    read stuck, a wait nothing ends) still exits when its main thread does. A
-    ThreadPoolExecutor's workers are joined at exit: the process hung."""
+    read stuck, a wait nothing ends) still exits, once the pool's exit wait is over (made
+    0.5 s here; 10 s by default, for a checksum being computed). A ThreadPoolExecutor's
+    workers are joined at exit: the process hung."""
     done = run_exiting(
         tmp_path / "exits.py",
         """
             import threading
+            from moriio_native.control import channel
             from moriio_native.control.channel import HandshakeServer, fetch_checksums
             from moriio_native.control.messages import ChecksumRequest, HandshakeResponse
             from moriio_native.control.security import ControlSecurity, MessageAuth
@@ -658,6 +660,7 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
             def metadata(request):
                 return HandshakeResponse("p", b"m", 0, 0, 1, 1, "READ")
 
+            channel.COMPUTING_EXIT_WAIT_S = 0.5
             server = HandshakeServer(0, metadata, sec, bind_host="127.0.0.1", checksums=stuck)
             request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
             threading.Thread(

@@ -103,7 +103,9 @@ def test_at_exit_the_running_task_of_a_computing_pool_finishes_and_the_queued_ar
 
             def compute(text):
                 started.set()
-                time.sleep(0.5)
+                while not pool._workers.shut:  # until the exit cancelled what is queued
+                    time.sleep(0.01)
+                time.sleep(0.2)  # then still computing: the exit waits for it
                 with open({str(out)!r}, "a") as f:
                     f.write(text)
 
@@ -128,3 +130,38 @@ def test_an_unused_pool_is_collected_and_its_threads_end() -> None:
     for thread in threads:
         thread.join(WAIT_S)
         assert not thread.is_alive()
+
+
+def test_a_forked_child_exits_though_its_parent_held_a_pools_locks_at_the_fork(tmp_path) -> None:
+    """A child forked while a thread of its parent held a pool's locks (a submit, the exit's
+    list of pools) inherits them held, with no thread to release them: its exit must touch
+    neither (it waited for ever on the pool's, through the collection hook)."""
+    run_exiting(
+        tmp_path / "forks.py",
+        """
+            import os, signal, sys, threading, time
+            from moriio_native import pools
+            from moriio_native.pools import DaemonPool
+
+            pool = DaemonPool(1, "forked", exit_wait_s=10.0)
+            held, release = threading.Event(), threading.Event()
+
+            def hold():
+                with pool._workers.lock, pools._AT_EXIT_LOCK:
+                    held.set()
+                    release.wait()
+
+            threading.Thread(target=hold, daemon=True).start()
+            assert held.wait(10)
+            child = os.fork()
+            if child == 0:
+                sys.exit(0)  # a normal exit: the atexit hooks run
+            release.set()
+            deadline = time.monotonic() + 10
+            while os.waitpid(child, os.WNOHANG) == (0, 0):
+                if time.monotonic() > deadline:
+                    os.kill(child, signal.SIGKILL)
+                    sys.exit("the child hung at exit")
+                time.sleep(0.05)
+            """,
+    )
