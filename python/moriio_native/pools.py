@@ -16,6 +16,7 @@ aborts the process. It offers the part of the executor's interface the package u
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
 import threading
@@ -26,6 +27,8 @@ from concurrent.futures import Future
 from typing import Any, TypeVar
 
 _T = TypeVar("_T")
+
+logger = logging.getLogger("moriio_native.pools")
 
 #: ``exit_wait_s`` for pools whose tasks compute checksums (a long prompt's blocks on a host
 #: take about a second): at exit, what they are computing is finished, not cut.
@@ -40,6 +43,7 @@ class _Workers:
 
     def __init__(self, name: str) -> None:
         self.name = name
+        self.pid = os.getpid()  # a forked child's copy has none of these threads
         self.tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)  # notified when a task ends
@@ -51,7 +55,12 @@ class _Workers:
         self.shut = False
 
     def shutdown(self) -> None:
-        """Take no more tasks, cancel those queued, and tell the threads to end. Idempotent."""
+        """Take no more tasks, cancel those queued, and tell the threads to end. Idempotent;
+        nothing in a forked child (its lock may be held for ever, taken by a thread of the
+        parent at the fork)."""
+        if self.pid != os.getpid():
+            return
+        cancelled = []
         with self.lock:
             if self.shut:
                 return
@@ -62,17 +71,19 @@ class _Workers:
                 except queue.Empty:
                     break
                 if task is not None:
-                    task[0].cancel()
+                    cancelled.append(task[0])
                     self.outstanding -= 1
             self.idle.notify_all()
             for _ in range(self.started):
                 self.tasks.put(None)
+        for future in cancelled:  # its callbacks may submit: not under the lock
+            future.cancel()
 
     def wait_running(self, deadline: float) -> None:
         """Wait until no task is outstanding (after :meth:`shutdown`: none runs), or
         ``deadline`` (monotonic) passes."""
         with self.idle:
-            while self.outstanding and (left := deadline - time.monotonic()) > 0:
+            while self.outstanding > 0 and (left := deadline - time.monotonic()) > 0:
                 self.idle.wait(left)
 
     def work(self) -> None:
@@ -81,15 +92,26 @@ class _Workers:
             del task  # an idle thread keeps nothing of its last task alive
             try:
                 if future.set_running_or_notify_cancel():
-                    try:
-                        future.set_result(fn(*args))
-                    except BaseException as exc:
-                        future.set_exception(exc)
+                    _run(future, fn, args)
             finally:
                 with self.idle:
                     self.outstanding -= 1
                     self.idle.notify_all()
             del future, fn, args
+
+
+def _run(future: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Run ``fn(*args)`` into ``future``. What its done callbacks raise past the future's own
+    guard (a BaseException) is logged: the thread must live on for the pool's next task."""
+    try:
+        try:
+            result = fn(*args)
+        except BaseException as exc:
+            future.set_exception(exc)
+        else:
+            future.set_result(result)
+    except BaseException:
+        logger.exception("a done callback of a pool task raised")
 
 
 # Pools to settle at exit, each with the longest its running tasks are waited for then.
@@ -102,7 +124,8 @@ def _settle_at_exit() -> None:
     each pool at most its ``exit_wait_s``."""
     with _AT_EXIT_LOCK:
         # A forked child's copies of its parent's pools have no threads here to wait for.
-        pools = [(pool, wait_s) for pool, wait_s in _AT_EXIT.items() if pool._pid == os.getpid()]
+        pid = os.getpid()
+        pools = [(pool, wait_s) for pool, wait_s in _AT_EXIT.items() if pool._workers.pid == pid]
     start = time.monotonic()
     for pool, _ in pools:
         pool.shutdown()
@@ -135,7 +158,6 @@ class DaemonPool:
         if threads < 1:
             raise ValueError(f"{name}: threads must be >= 1, got {threads}")
         self._size = threads
-        self._pid = os.getpid()
         self._workers = _Workers(name)
         # An unused pool's threads end with it (they hold only its _Workers). Not at exit:
         # _settle_at_exit does it for this process's pools, and a forked child's copy of its
@@ -162,6 +184,8 @@ class DaemonPool:
         once shut down (as an executor does), or when no thread runs and none can start."""
         future: Future[_T] = Future()
         workers = self._workers
+        if workers.pid != os.getpid():
+            raise RuntimeError(f"{workers.name}: a pool of the parent process (forked), not ours")
         with workers.lock:
             if workers.shut:
                 raise RuntimeError(f"{workers.name}: cannot take tasks after shutdown")
@@ -171,8 +195,8 @@ class DaemonPool:
                 except RuntimeError:
                     if workers.started == 0:
                         raise  # nothing would ever run it
-            workers.tasks.put((future, fn, args))
             workers.outstanding += 1
+            workers.tasks.put((future, fn, args))
         return future
 
     def shutdown(self) -> None:

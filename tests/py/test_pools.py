@@ -134,12 +134,14 @@ def test_an_unused_pool_is_collected_and_its_threads_end() -> None:
 
 def test_a_forked_child_exits_though_its_parent_held_a_pools_locks_at_the_fork(tmp_path) -> None:
     """A child forked while a thread of its parent held a pool's locks (a submit, the exit's
-    list of pools) inherits them held, with no thread to release them: its exit must touch
-    neither (it waited for ever on the pool's, through the collection hook)."""
+    list of pools) inherits them held, with no thread to release them: neither its exit nor
+    the collection of its copy of the pool may touch them (it waited for ever on the pool's),
+    and a task submitted there is refused (the pool's threads are the parent's: it would
+    never run)."""
     run_exiting(
         tmp_path / "forks.py",
         """
-            import os, signal, sys, threading, time
+            import gc, os, signal, sys, threading, time
             from moriio_native import pools
             from moriio_native.pools import DaemonPool
 
@@ -155,13 +157,44 @@ def test_a_forked_child_exits_though_its_parent_held_a_pools_locks_at_the_fork(t
             assert held.wait(10)
             child = os.fork()
             if child == 0:
+                try:
+                    pool.submit(print, "never runs: the pool's threads are the parent's")
+                    os._exit(3)
+                except RuntimeError:
+                    pass
+                del pool  # collected here: the parent's threads are not the child's to end
+                gc.collect()
                 sys.exit(0)  # a normal exit: the atexit hooks run
             release.set()
             deadline = time.monotonic() + 10
-            while os.waitpid(child, os.WNOHANG) == (0, 0):
+            while (ended := os.waitpid(child, os.WNOHANG)) == (0, 0):
                 if time.monotonic() > deadline:
                     os.kill(child, signal.SIGKILL)
-                    sys.exit("the child hung at exit")
+                    sys.exit("the child hung")
                 time.sleep(0.05)
+            assert os.waitstatus_to_exitcode(ended[1]) == 0, ended
             """,
     )
+
+
+def test_a_done_callback_that_submits_while_the_pool_shuts_down_does_not_deadlock() -> None:
+    """Cancelling a queued task runs its done callbacks: one that submits to the same pool
+    waited for ever on the lock the shutdown held (and so did the process's exit)."""
+    pool = DaemonPool(1, "test-callback")
+    release = threading.Event()
+    pool.submit(release.wait, WAIT_S)
+    refused: list[BaseException] = []
+
+    def submit_again(_future: object) -> None:
+        try:
+            pool.submit(lambda: None)
+        except RuntimeError as exc:
+            refused.append(exc)
+
+    pool.submit(lambda: None).add_done_callback(submit_again)
+    shutting = threading.Thread(target=pool.shutdown, daemon=True)
+    shutting.start()
+    shutting.join(WAIT_S)
+    release.set()
+    assert not shutting.is_alive(), "shutdown waits on its own lock"
+    assert refused and "after shutdown" in str(refused[0])
