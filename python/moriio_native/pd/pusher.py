@@ -1783,7 +1783,7 @@ class Pusher:
         """Whether READ transfer ``tid`` is held here or its hold ended (remembered), so that
         :meth:`held_for_checksums` has its answer."""
         with self._ctx.lock:
-            return tid in self._sends or tid in self._ended_holds
+            return self._knows_hold(tid)
 
     def when_hold_known(self, tid: str, go: Callable[[], None]) -> None:
         """Call ``go`` once READ transfer ``tid`` is held here or its hold ended, or once
@@ -1794,12 +1794,15 @@ class Pusher:
         answer)."""
         ctx = self._ctx
         with ctx.lock:
-            known = tid in self._sends or tid in self._ended_holds
-            if known or ctx.cfg.mode != "read" or ctx.stop.is_set():
+            if self._knows_hold(tid) or ctx.cfg.mode != "read" or ctx.stop.is_set():
                 go()  # (WRITE mode holds nothing to wait for: refused as such)
                 return
             deadline = time.monotonic() + SEND_TASK_WAIT_S
             self._hold_waiters.setdefault(tid, []).append((deadline, go))
+
+    def _knows_hold(self, tid: str) -> bool:
+        """Whether ``tid`` is held here or its hold ended (lock held)."""
+        return tid in self._sends or tid in self._ended_holds
 
     def stop_hold_waits(self) -> None:
         """Let every request waiting in :meth:`when_hold_known` go now (the core is stopping:
