@@ -1,7 +1,8 @@
 """A child process a test drives through a Pipe: it sends one answer first (e.g. its metadata),
 then one per command; an exception it sends back is raised here. Spawned, so the child imports
 the test's module afresh (no state inherited from the test process). And :func:`run_exiting`:
-a script run to its end, for what happens when a process exits."""
+a script run to its end, for what happens when a process exits; :func:`wait_for`: a condition
+another thread or process brings about, polled to a limit."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -62,3 +64,12 @@ class PipeChild:
             self.call("quit")
         self.proc.join(self.timeout)
         return self.proc.exitcode
+
+
+def wait_for(cond: Callable[[], bool], what: str, limit: float = 20.0) -> None:
+    """Poll ``cond`` until it holds; AssertionError naming ``what`` after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)

@@ -26,6 +26,7 @@ from moriio_native.errors import (
 from moriio_native.pd import peers as peers_module
 from moriio_native.pd.peers import CAPACITY_RETRY_S, PeerCapacityError, PeerDirectory, PeerKey
 from net_support import free_port
+from process_support import wait_for
 
 LOCAL = "127.0.0.1"
 
@@ -54,6 +55,7 @@ class Prefill:
         self.gate = threading.Event()
         self.gate.set()
         self.answered = 0
+        self.arrived = 0  # requests that reached the answer, held at the gate or not
         self.incarnation = new_incarnation()
         # Its own thread: a stand-in for another process, whose held answers hold no other's.
         self.server = HandshakeServer(
@@ -61,6 +63,7 @@ class Prefill:
         )
 
     def _answer(self, request: object) -> HandshakeResponse:
+        self.arrived += 1
         self.gate.wait(30)
         self.answered += 1
         return HandshakeResponse(
@@ -364,6 +367,42 @@ def test_connect_after_close_fails_without_dialling(made: list) -> None:
     peers.close()
     with pytest.raises(MoriioError, match="shut down"):
         peers.connect(PeerKey(LOCAL, free_port()), 1, accept).result(timeout=5)
+
+
+def test_close_ends_the_handshakes_and_probes_it_drops(made: list) -> None:
+    """Handshakes and probes still queued when the directory closes end at once, named as not
+    made; their callers' callbacks run. Before, their futures stayed pending for good."""
+    decode, _ = engine("decode", 1)
+    slow = []
+    for i in range(peers_module.HANDSHAKE_THREADS + 3):  # a connection, and two queued
+        prefill = Prefill(f"prefill{i}", free_port(), 2 + i)
+        made.append(prefill)
+        slow.append(prefill)
+    peers = directory(decode, made)
+    probed_peer = peers.connect(PeerKey(LOCAL, slow[0].server.port), 1, accept).result(timeout=30)
+    for prefill in slow:
+        prefill.gate.clear()
+    handshakes = [peers.connect(PeerKey(LOCAL, p.server.port), 1, accept) for p in slow[1:]]
+    probes = [peers.probe(probed_peer) for _ in range(2)]  # one runs, one is queued
+    called = threading.Event()
+    handshakes[-1].add_done_callback(lambda _: called.set())
+    running = handshakes[: peers_module.HANDSHAKE_THREADS]
+    wait_for(
+        lambda: slow[0].arrived == 2 and all(p.arrived for p in slow[1 : len(running) + 1]),
+        "the probe and the first handshakes held at their prefills' gates",
+    )
+    peers.close()
+    queued = handshakes[peers_module.HANDSHAKE_THREADS :]
+    assert queued and all(f.done() for f in queued)
+    for future in queued:
+        with pytest.raises(MoriioError, match=r"not handshaken.*shut down"):
+            future.result(timeout=0)
+    assert called.is_set()
+    assert probes[1].result(timeout=0).startswith("not probed")
+    for prefill in slow:
+        prefill.gate.set()
+    assert all(f.result(timeout=30).engine_peer.startswith("prefill") for f in running)
+    assert probes[0].result(timeout=30) == ""
 
 
 def prefills(made: list, names: list[str]) -> dict[str, PeerKey]:

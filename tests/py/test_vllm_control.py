@@ -30,6 +30,7 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.security import MessageAuth
 from moriio_native.pd import pusher as pusher_module
+from process_support import wait_for
 from test_vllm_support import (
     Side,
     decode_params,
@@ -77,14 +78,6 @@ def dealer() -> Iterator[Callable[..., None]]:
     yield send
     for sock in sockets.values():
         sock.close(linger=0)
-
-
-def wait_for(cond: Callable[[], bool], what: str, limit: float = 20.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.01)
 
 
 def listener_stats(side: Side) -> dict[str, int]:

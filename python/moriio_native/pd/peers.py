@@ -324,12 +324,18 @@ class PeerDirectory:
                 return _failed(MoriioError("the peer directory is shut down"))
             future = Future()
             self._inflight[key] = future
-        try:
-            self._pool.submit(self._handshake, key, validate, future)
-        except RuntimeError as exc:  # shut down meanwhile
+
+        def not_made(why: str) -> None:
             with self._lock:
                 self._inflight.pop(key, None)
-            future.set_exception(MoriioError(f"peer {key}: not handshaken ({exc})"))
+            future.set_exception(MoriioError(f"peer {key}: not handshaken ({why})"))
+
+        try:
+            task = self._pool.submit(self._handshake, key, validate, future)
+        except RuntimeError as exc:  # shut down meanwhile
+            not_made(str(exc))
+            return future
+        _when_dropped(task, lambda: not_made("the peer directory is shut down"))
         return future
 
     # ---- changes ------------------------------------------------------------------------------
@@ -378,9 +384,13 @@ class PeerDirectory:
                 future.set_result("")
 
         try:
-            self._probe_pool.submit(run)
+            task = self._probe_pool.submit(run)
         except RuntimeError as exc:
             future.set_result(f"not probed ({exc})")
+            return future
+        _when_dropped(
+            task, lambda: future.set_result("not probed (the peer directory is shut down)")
+        )
         return future
 
     def close(self) -> None:
@@ -651,6 +661,12 @@ def _for_caller(
 
     source.add_done_callback(check)
     return out
+
+
+def _when_dropped(task: Future[None], dropped: Callable[[], None]) -> None:
+    """Call ``dropped`` if the pool cancels ``task`` unrun (closed while it was queued): the
+    future the task would have completed is then completed by ``dropped``, never left pending."""
+    task.add_done_callback(lambda t: dropped() if t.cancelled() else None)
 
 
 def _done(handshake: Handshake) -> Future[Handshake]:
