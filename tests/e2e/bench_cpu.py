@@ -35,6 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="moriio-bench-"))
     env = serving.Env(workdir)
+    try:
+        return _serve_and_bench(args, env, workdir)
+    finally:
+        env.close()
+
+
+def _serve_and_bench(args: argparse.Namespace, env: serving.Env, workdir: Path) -> int:
     model = workdir / "model-a"
     subprocess.run([sys.executable, str(HERE / "make_model.py"), str(model)], check=True)
     settings = serving.PDSettings(

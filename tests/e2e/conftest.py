@@ -7,7 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import prompts
@@ -31,11 +31,13 @@ def pytest_runtest_makereport(
 
 
 @pytest.fixture(scope="session")
-def env(tmp_path_factory: pytest.TempPathFactory) -> Env:
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     workdir = os.environ.get("MORIIO_E2E_WORKDIR")
     path = Path(workdir) if workdir else tmp_path_factory.mktemp("e2e")
     path.mkdir(parents=True, exist_ok=True)
-    return Env(path)
+    made = Env(path)
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="session")

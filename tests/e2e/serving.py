@@ -17,9 +17,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -486,6 +488,10 @@ class Env:
 
     workdir: Path
     python: str = sys.executable
+    # Where vLLM puts its ZMQ ipc sockets (VLLM_RPC_BASE_PATH, /tmp by default), which every
+    # instance stopped or killed leaves behind: a short directory of the tier's own (a socket's
+    # path must fit 107 bytes), removed by close().
+    rpc_dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="moriio-e2e-rpc-")))
 
     @property
     def vllm_cmd(self) -> str:
@@ -494,9 +500,14 @@ class Env:
     def base_env(self) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("HOST_IP", "PYTHONPATH")}
         env.update(CPU_ENV)
+        env["VLLM_RPC_BASE_PATH"] = str(self.rpc_dir)
         # The venv's python3 and vllm first (the launch scripts call python3).
         env["PATH"] = f"{Path(self.python).parent}:{env.get('PATH', '')}"
         return env
+
+    def close(self) -> None:
+        """Remove what the instances left in ``rpc_dir`` (call once they are stopped)."""
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 @dataclass

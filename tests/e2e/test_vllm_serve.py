@@ -247,6 +247,13 @@ def test_prefill_holds_no_blocks_at_the_end(cluster: Cluster) -> None:
     assert usage == 0, f"the prefill still holds {usage:.2%} of its KV cache"
 
 
+def test_vllm_ipc_sockets_stay_in_the_tiers_directory(cluster: Cluster) -> None:
+    """The running instances' vLLM ZMQ ipc sockets are in the tier's own directory, which it
+    removes at the end, not in /tmp, where the killed ones piled up by the thousand."""
+    sockets = [p for p in cluster.env.rpc_dir.iterdir() if p.is_socket()]
+    assert sockets, f"no vLLM ipc socket in {cluster.env.rpc_dir} while two instances run"
+
+
 def _run_via_router(
     router: serving.Router, settings: PDSettings, batch: list[list[int]]
 ) -> list[Completion]:

@@ -42,6 +42,9 @@ PLAN_CACHE = 16
 # remote_tp_size is the client's word (up to 65,536): that plan's list took 2.3 MB and 1.4 s to
 # make, in vLLM's engine step. Past it the line gives the sizes alone.
 MAX_DESCRIBED_TP = 64
+#: Peers (host, TP size, side) whose plan was logged that are remembered, so that each is
+#: logged once; past it the oldest is forgotten (and logged again if it comes back).
+MAX_LOGGED_PLANS = 1024
 # What a READ leaves, past its own transfer_timeout, before the prefill may free the blocks: the
 # prefill's scheduler (which states the hold) and the worker that answered the handshake may sit
 # on two hosts whose clocks agree only to NTP's milliseconds, and the READ is posted a moment
@@ -103,8 +106,9 @@ class Context:
     confirmer: ReadConfirmer | None = None
     # (prefill TP, decode TP, total KV heads) -> the plan, most recently used last (_made_plan)
     plans: OrderedDict[tuple[int, int, int], TpPlan] = field(default_factory=OrderedDict)
-    # (peer host, its TP size, we are the prefill) whose different-TP plan was logged
-    logged_plans: set[tuple[str, int, bool]] = field(default_factory=set)
+    # (peer host, its TP size, we are the prefill) whose different-TP plan was logged, most
+    # recent last; at most MAX_LOGGED_PLANS (requests name the hosts: a bound, not a record)
+    logged_plans: OrderedDict[tuple[str, int, bool], None] = field(default_factory=OrderedDict)
     # This rank's incarnation (random, made when its core starts): in its handshake answers,
     # and in the announcements it makes (WRITE), so peers never take another process for it.
     incarnation: str = field(default_factory=new_incarnation)
@@ -168,8 +172,7 @@ class Context:
             raise IncompatiblePeerError(f"peer {host}: {exc}") from None
         if not plan.identity:
             with self.lock:
-                first = (host, remote_tp_size, prefill) not in self.logged_plans
-                self.logged_plans.add((host, remote_tp_size, prefill))
+                first = _remember(self.logged_plans, (host, remote_tp_size, prefill))
             if first:  # once per peer instance and size: what this rank moves, for operators
                 logger.info("peer %s: %s", host, self._described(plan, prefill=prefill))
         return plan
@@ -292,6 +295,16 @@ class Context:
             expect=self.rank_check(key, dp_rank, rank, tp_size),
             incarnation=incarnation,
         )
+
+
+def _remember(seen: OrderedDict[tuple[str, int, bool], None], key: tuple[str, int, bool]) -> bool:
+    """Whether ``key`` is new to ``seen``, which keeps the MAX_LOGGED_PLANS most recent."""
+    new = key not in seen
+    seen[key] = None
+    seen.move_to_end(key)
+    while len(seen) > MAX_LOGGED_PLANS:
+        seen.popitem(last=False)
+    return new
 
 
 def plan_grouped(cfg: PdConfig, peer: Peer, blocks: GroupedBlocks, dest: Side) -> list[Segment]:

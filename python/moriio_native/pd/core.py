@@ -340,12 +340,21 @@ class PdCore:
         return out
 
     def check_timeouts(self, now: float) -> None:
-        self.puller.check_timeouts(now)
-        self.pusher.check_timeouts(now)
-        self.ctx.directory.expire()
+        """One timeout pass. Each part runs whatever an earlier one raised (logged): the events
+        thread and vLLM's step (take_reports) call it, and neither may stop on a defect here."""
+        steps: list[tuple[str, Callable[[], None]]] = [
+            ("the decode's deadlines", lambda: self.puller.check_timeouts(now)),
+            ("the prefill's deadlines", lambda: self.pusher.check_timeouts(now)),
+            ("the peer directory's expiry", self.ctx.directory.expire),
+        ]
         for checker in (self.ctx.verifier, self.ctx.confirmer):
             if checker is not None:
-                checker.expire_idle()
+                steps.append((f"{type(checker).__name__}'s idle connections", checker.expire_idle))
+        for what, step in steps:
+            try:
+                step()
+            except Exception:
+                logger.exception("timeout pass: %s failed", what)
 
     # ---- threads ------------------------------------------------------------------------------
 

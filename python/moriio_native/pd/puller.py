@@ -610,7 +610,20 @@ class Puller:
         self, read: _Read, part: _ReadPart, event: Any, why: str | None, *, confirmed: bool
     ) -> None:
         """The prefill's side of a READ is in: its checksums compared (verify), or its hold
-        confirmed (confirm_reads); ``why`` None when they agree."""
+        confirmed (confirm_reads); ``why`` None when they agree. Runs on a checker's thread,
+        where nothing would end the load if it raised: an error ends it as one handling the
+        engine's event does (on_event_error: failed, recomputed)."""
+        try:
+            self._end_checked_read(read, part, event, why, confirmed=confirmed)
+        except Exception as exc:
+            logger.exception("transfer %s: error handling its check", event.transfer_id)
+            self.on_event_error(
+                event, f"internal error handling its check ({type(exc).__name__}: {exc})"
+            )
+
+    def _end_checked_read(
+        self, read: _Read, part: _ReadPart, event: Any, why: str | None, *, confirmed: bool
+    ) -> None:
         with self._ctx.lock:
             record = self._ctx.stats.record_confirm if confirmed else self._ctx.stats.record_verify
             record(ok=why is None)
@@ -875,7 +888,8 @@ class Puller:
             # The message may have left: the prefill could write. Quarantine as for an abort.
             self.give_up(task.transfer_id, f"the announcement failed ({exc})")
             return
-        self._end_await_part(waiting, part, AwaitEvent.UNREACHABLE)
+        if not self._end_await_part(waiting, part, AwaitEvent.UNREACHABLE):
+            return  # given up meanwhile: that released the prefill rank already
         # The prefill holds the blocks for our remote_blocks, which will not come.
         peers = {} if peer is None else {part.rank: peer}
         self._release_ranks(task, peers, waiting.plan, [part.rank])
@@ -925,17 +939,29 @@ class Puller:
         )
 
     def _write_verified(self, waiting: _Await, part: _AwaitPart, why: str | None) -> None:
+        """The integrity check of a written part is done (``why`` None: it agreed). Runs on the
+        verifier's thread, where nothing would end the load if it raised, and a part being
+        verified has no deadline (its writes ended): an error fails the part (recomputed)."""
         task = waiting.task
-        with self._ctx.lock:
-            self._ctx.stats.record_verify(ok=why is None)
-        if why is not None:
-            logger.error("request %s (transfer %s): %s", task.req_id, task.transfer_id, why)
-        self._end_await_part(
-            waiting,
-            part,
-            AwaitEvent.VERIFIED if why is None else AwaitEvent.MISMATCH,
-            why or "",
-        )
+        try:
+            with self._ctx.lock:
+                self._ctx.stats.record_verify(ok=why is None)
+            if why is not None:
+                logger.error("request %s (transfer %s): %s", task.req_id, task.transfer_id, why)
+            self._end_await_part(
+                waiting,
+                part,
+                AwaitEvent.VERIFIED if why is None else AwaitEvent.MISMATCH,
+                why or "",
+            )
+        except Exception as exc:
+            logger.exception("transfer %s: error handling its integrity check", task.transfer_id)
+            self._end_await_part(
+                waiting,
+                part,
+                AwaitEvent.MISMATCH,
+                f"internal error handling its integrity check ({type(exc).__name__}: {exc})",
+            )
 
     def give_up(self, tid: str, why: str) -> None:
         """Stop waiting for the prefill's writes. Announced parts are quarantined
@@ -1001,11 +1027,12 @@ class Puller:
 
     def _end_await_part(
         self, waiting: _Await, part: _AwaitPart, event: AwaitEvent, why: str = ""
-    ) -> None:
-        """A part's end; a failed one gives up the others, the last one reports the load."""
+    ) -> bool:
+        """A part's end; a failed one gives up the others, the last one reports the load.
+        False when ``event`` does not apply (the part ended, or moved on, before it)."""
         with self._ctx.lock:
             if not part.machine.allows(event):
-                return
+                return False
             part.machine.advance(event)
             failed = part.machine.state is not AwaitState.DONE
             done = not waiting.ended and all(
@@ -1014,10 +1041,11 @@ class Puller:
         why = why or f"WRITE ended by {event.name.lower()} of prefill rank {part.rank}"
         if failed and not done:
             self.give_up(waiting.task.transfer_id, why)
-            return
+            return True
         if done:
             ok = waiting.state() is AwaitState.DONE
             self._report_await(waiting, ok=ok, why=why)
+        return True
 
     def _report_await(self, waiting: _Await, ok: bool, why: str = "gave up") -> None:
         ctx = self._ctx

@@ -257,7 +257,10 @@ class Verifier:
                 return
             done(checksums, "")
 
-        self._pool.submit(task)
+        try:
+            self._pool.submit(task)
+        except RuntimeError as exc:  # the pool is shut down
+            done(None, f"checksums not computed: {exc}")
 
 
 class ReadConfirmer:
@@ -369,7 +372,10 @@ def _submit_check(
             outcome = f"{what} could not run: {exc}"
         verdict(outcome)
 
-    pool.submit(task)
+    try:
+        pool.submit(task)
+    except RuntimeError as exc:  # the pool is shut down
+        verdict(f"{what} could not run: {exc}")
 
 
 def _corrupt_setting() -> tuple[int, bool]:
