@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("vllm")
 
 from moriio_native.control.messages import now_ms
+from moriio_native.vllm import scheduler as scheduler_module
 from test_pd_protocol import break_first_call
 from test_vllm_support import (
     BLOCK_SIZE,
@@ -123,21 +124,33 @@ def test_read_prefill_then_decode(sides: list[Side], model_dir: str, loading: st
 
 @pytest.mark.parametrize("role", ["kv_consumer", "kv_producer"])
 def test_requests_with_invalid_params_leave_nothing_once_finished(
-    sides: list[Side], model_dir: str, role: str
+    sides: list[Side], model_dir: str, role: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Requests whose kv_transfer_params are invalid (no transfer_id) run as ordinary ones and
     leave nothing behind: every block back, and not their ids either. The scheduler side logs
     bad params once per request by remembering its id; request_finished forgot it first and
-    then parsed the params again, which remembered it for good (50 ids after 50 requests)."""
+    then parsed the params again, which remembered it for good (50 ids after 50 requests).
+    Each request's params are parsed once (vLLM asks about a waiting request every step, and
+    params may name up to 2^20 block ids: before, every hook parsed them again)."""
+    parsed: list[object] = []
+    parse = scheduler_module.parse_kv_transfer_params
+
+    def counted(raw: object) -> object:
+        parsed.append(raw)
+        return parse(raw)
+
+    monkeypatch.setattr(scheduler_module, "parse_kv_transfer_params", counted)
     side = Side("s", role, "read", model_dir)
     sides.append(side)
     initial = side.free_blocks()
     bad = {"do_remote_prefill": role == "kv_consumer", "do_remote_decode": role == "kv_producer"}
     for i in range(50):
-        side.add_request(f"bad-{i}", [i % 7 + 1] * 20, params=bad, max_tokens=1)
+        side.add_request(f"bad-{i}", [i % 7 + 1] * 20, params=dict(bad), max_tokens=1)
     side.run_until(lambda r: not side.scheduler.requests, what="every request finished")
     assert side.free_blocks() == initial
     assert side.connector.scheduler._invalid_logged == set()
+    assert len(parsed) == 50
+    assert side.connector.scheduler._parsed == {}
 
 
 def test_listeners_bind_only_the_instance_address(sides: list[Side], model_dir: str) -> None:

@@ -203,6 +203,9 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
         super().bind_kv_cache_manager(kv_cache_manager)
         self._sched().bind_kv_cache_manager(kv_cache_manager)
 
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:

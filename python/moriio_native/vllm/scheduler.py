@@ -124,6 +124,8 @@ class SchedulerSide:
         # P requests finished with delay_free whose blocks the workers have not released yet.
         self._held: set[str] = set()
         self._invalid_logged: set[str] = set()
+        # Live requests' parsed kv_transfer_params (None: invalid), by the dict they came in.
+        self._parsed: dict[str, tuple[Any, KvTransferParams | None]] = {}
         # Transfer ids of live requests: the first request naming one owns it (until it ends;
         # on the prefill, until its blocks are freed), and one that names a transfer id
         # another owns runs without KV transfer (_claim).
@@ -136,6 +138,7 @@ class SchedulerSide:
         # prefill's answers carry them, and a decode reads only from those processes.
         self._incarnations: tuple[str, ...] | None = None
         self._incarnations_missing_logged = False
+        self._max_tokens_logged = False  # a WRITE prefill request's max_tokens cut (once)
 
     def bind_kv_cache_manager(self, manager: KVCacheManager) -> None:
         self._kv_cache_manager = manager
@@ -148,18 +151,29 @@ class SchedulerSide:
         raw = request.kv_transfer_params
         if not raw:
             return None
-        try:
-            params = parse_kv_transfer_params(raw)
-        except InvalidArgumentError as exc:
-            if request.request_id not in self._invalid_logged:
-                self._invalid_logged.add(request.request_id)
-                logger.warning(
-                    "request %s: ignoring kv_transfer_params (%s); it runs without KV transfer",
-                    request.request_id,
-                    exc,
-                )
+        rid = request.request_id
+        cached = self._parsed.get(rid)
+        if cached is not None and cached[0] is raw:
+            params = cached[1]
+        else:
+            params = self._parse(rid, raw)
+            self._parsed[rid] = (raw, params)
+        if params is None:
             return None
-        return params if self._claim(request.request_id, params) else None
+        return params if self._claim(rid, params) else None
+
+    def _parse(self, rid: str, raw: Any) -> KvTransferParams | None:
+        """Request ``rid``'s params parsed (None, logged: invalid). Once per request: vLLM asks
+        about a waiting request every step, and its params may name up to 2^20 block ids."""
+        try:
+            return parse_kv_transfer_params(raw)
+        except InvalidArgumentError as exc:
+            logger.warning(
+                "request %s: ignoring kv_transfer_params (%s); it runs without KV transfer",
+                rid,
+                exc,
+            )
+            return None
 
     def _claim(self, rid: str, params: KvTransferParams) -> bool:
         """Whether request ``rid`` may use its transfer id: the first live request naming it
@@ -225,6 +239,26 @@ class SchedulerSide:
             remote_hold_until_ms=params.remote_hold_until_ms,
         )
 
+    def _release_if_answered(
+        self, request: Request, params: KvTransferParams, peer: ZmqAddress
+    ) -> None:
+        """Queue the release of a load that will not happen. In READ mode only for a request
+        that carries the prefill's answer: the prefill frees a transfer's blocks on its
+        release, even one that comes before its request finished, so a release for an id the
+        request holds no answer of (a client's own params naming another request's transfer)
+        would free that request's blocks before its genuine decode read them."""
+        if self.config.mode == "read" and (
+            params.remote_block_ids is None or params.remote_engine_id is None
+        ):
+            logger.info(
+                "request %s (transfer %s) carries no answer of the prefill "
+                "(remote_block_ids, remote_engine_id): no release sent",
+                request.request_id,
+                params.transfer_id,
+            )
+            return
+        self._recv.append(self._release_task(request, params, peer))
+
     def set_incarnations(self, ranks: Mapping[Any, object]) -> None:
         """The workers' incarnations (vLLM's ``set_xfer_handshake_metadata``, once every worker
         registered its caches), by the TP rank each worker states. Another set of ranks than
@@ -246,13 +280,40 @@ class SchedulerSide:
 
     # ---- vLLM hooks ---------------------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """A request vLLM admits, before its prefix-cache lookup: a prefill for a remote decode
+        is cut here (its prompt's backoff; in WRITE mode its output to one token), never once
+        vLLM measured its cache hit on the whole prompt."""
+        params = self._params(request)
+        if not self._is_remote_decode(params):
+            return
+        self._truncate_for_prefill(request)
+        if self.config.mode == "write":
+            self._one_token_for_write(request)
+
+    def _one_token_for_write(self, request: Request) -> None:
+        """WRITE: the prompt's blocks go to the workers at its last chunk (the SaveTask) and
+        are written when the decode announces; a request that ran on could be preempted
+        meanwhile, and vLLM would free those blocks to another request while they are written.
+        Its decode generates the output: the prefill's ends after its first token."""
+        if request.max_tokens is None or request.max_tokens <= 1:
+            return
+        if not self._max_tokens_logged:
+            self._max_tokens_logged = True
+            logger.warning(
+                "request %s asked a WRITE-mode prefill for %d tokens; a prefill for a remote "
+                "decode ends after its first token (its decode generates the rest); logged "
+                "once",
+                request.request_id,
+                request.max_tokens,
+            )
+        request.max_tokens = 1
+
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         params = self._params(request)
         rid = request.request_id
-        if self._is_remote_decode(params):
-            self._truncate_for_prefill(request)
         if not self._is_remote_prefill(params) or rid in self._planned:
             return 0, False
         assert params is not None
@@ -270,10 +331,15 @@ class SchedulerSide:
         rid = request.request_id
         if not backoff or rid in self._truncated or request.num_prompt_tokens <= backoff:
             return
-        if request.prompt_token_ids is None:
-            return
         self._truncated.add(rid)
-        del request.prompt_token_ids[-backoff:]
+        # Every per-position view of the prompt: token ids, embeddings (a prompt given as
+        # embeddings, or a mixed one, one row per position) and the mixed prompt's mask.
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-backoff:]
+        if request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-backoff]
+        if request.prompt_is_token_ids is not None:
+            request.prompt_is_token_ids = request.prompt_is_token_ids[:-backoff]
         del request._all_token_ids[-backoff:]
         request.num_prompt_tokens -= backoff
         request.max_tokens = 1
@@ -370,7 +436,7 @@ class SchedulerSide:
         local_tokens = self._local_tokens.pop(rid, None)
         if num_external_tokens <= 0:
             # Full local prefix hit (or nothing loadable): the prefill only needs its release.
-            self._recv.append(self._release_task(request, params, peer))
+            self._release_if_answered(request, params, peer)
             return
         self._recv.append(
             self._grouped_recv_task(
@@ -432,9 +498,10 @@ class SchedulerSide:
         try:
             return self._request_finished(request, block_ids)
         finally:
-            # Last: the parsing there logs bad params once per request by remembering its id,
-            # and claims its transfer id, which a request whose blocks stay held keeps.
+            # Last: the parsing there is kept per request (bad params logged once), and claims
+            # its transfer id, which a request whose blocks stay held keeps.
             self._invalid_logged.discard(rid)
+            self._parsed.pop(rid, None)
             if rid not in self._held:
                 self._release_claim(rid)
 
@@ -451,7 +518,7 @@ class SchedulerSide:
                 # Ended before it was ever scheduled: the prefill still holds its blocks.
                 peer = self._prefill_peer(request, params)
                 if peer is not None:
-                    self._recv.append(self._release_task(request, params, peer))
+                    self._release_if_answered(request, params, peer)
             elif self.config.mode == "write" and request.status in _ABORTED:
                 # Aborted while the prefill may be writing its blocks (vLLM keeps them until the
                 # workers report the load): the workers give up on the WRITE now.

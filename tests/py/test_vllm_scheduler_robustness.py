@@ -1,0 +1,202 @@
+"""The connector's scheduler half (vllm/scheduler.py) against what vLLM's Scheduler does to a
+request around it: a prefix-cache hit measured before the prefill's prompt is cut, a WRITE
+prefill request preempted after it handed its blocks over, a decode request naming a transfer
+it holds no answer of. Found by a review (2026-12-06), each test seen failing before its fix."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from hybrid_support import NUM_BLOCKS, hybrid_specs
+from test_vllm_support import (
+    Side,
+    decode_params,
+    load,
+    pd_request_id,
+    prefill_params,
+    transfer_id,
+    write_model_dir,
+)
+
+pytestmark = [pytest.mark.vllm]
+
+
+def _swa_prefill(model_dir: str, mode: str = "read", **kw) -> Side:
+    return Side(
+        "p",
+        "kv_producer",
+        mode,
+        model_dir,
+        num_blocks=NUM_BLOCKS,
+        specs=hybrid_specs(16, mamba=False),
+        block_size=16,
+        prefix_caching=True,
+        hybrid_kv_cache_manager=True,
+        **kw,
+    )
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_truncated_prefill_with_a_full_local_prefix_hit_does_not_crash_the_step(
+    tmp_path: Path, mode: str
+) -> None:
+    """Sliding-window group: the prefill leaves the prompt's last token to the decode. A prompt
+    of k*16+1 tokens whose first k*16 tokens are cached (a shared system prompt, a retried
+    request) is served. Before, the cut came in get_num_new_matched_tokens, after vLLM
+    measured the prefix hit on the whole prompt: nothing was left to compute and vLLM's
+    schedule() failed its assertion (num_new_tokens > 0), which ends EngineCore."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = _swa_prefill(model_dir, mode)
+    try:
+        prompt = [(i * 37) % 241 + 3 for i in range(66)]
+        rid1 = pd_request_id(p, p) + "-1"
+        # Computes 65 tokens: its first 4 blocks stay cached (the sliding window's tail too).
+        p.add_request(rid1, prompt, params=prefill_params(transfer_id()), max_tokens=1)
+        p.run_until(lambda r: rid1 in r.finished(), what="first prefill")
+        rid2 = pd_request_id(p, p) + "-2"
+        # 4 whole cached blocks + 1 token: vLLM's local hit is 64 = num_tokens - 1.
+        p.add_request(rid2, prompt[:65], params=prefill_params(transfer_id()), max_tokens=1)
+        # Must not raise out of vLLM's schedule() (an AssertionError there kills EngineCore).
+        p.run_until(lambda r: rid2 in r.finished(), what="second prefill")
+    finally:
+        p.shutdown()
+
+
+def test_a_prompt_given_as_embeddings_is_cut_like_one_of_token_ids(tmp_path: Path) -> None:
+    """Sliding-window group, a prefill request whose prompt is embeddings (no token ids): its
+    last position is left to the decode as for token ids, so the prefill computes N - 1
+    positions, the number the decode loads. Before, it was not cut: the prefill computed all N
+    while the decode loaded N - 1 and recomputed the last on top (a Mamba state would take
+    that token twice)."""
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+    from vllm.v1.request import Request
+
+    model_dir = write_model_dir(tmp_path / "model")
+    p = _swa_prefill(model_dir)
+    try:
+        rid = pd_request_id(p, p)
+        n = 40
+        request = Request(
+            request_id=rid,
+            prompt_token_ids=None,
+            prompt_embeds=torch.zeros(n, 8),
+            sampling_params=SamplingParams(
+                max_tokens=4,
+                ignore_eos=True,
+                extra_args={"kv_transfer_params": prefill_params(transfer_id())},
+            ),
+            pooling_params=None,
+            block_hasher=get_request_block_hasher(p.hash_block_size, p.hash_fn),
+        )
+        p.scheduler.add_request(request)
+        assert request.num_prompt_tokens == n - 1
+        assert len(request.prompt_embeds) == n - 1 and len(request.all_token_ids) == n - 1
+        assert request.max_tokens == 1
+        assert p.scheduler.schedule().num_scheduled_tokens[rid] == n - 1
+    finally:
+        p.shutdown()
+
+
+def _prompt_of(n: int, seed: int = 0) -> list[int]:
+    return [(seed * 31 + i * 13) % 251 + 1 for i in range(n)]
+
+
+def test_a_write_prefill_request_ends_after_its_first_token_keeping_the_blocks_it_handed_over(
+    tmp_path: Path,
+) -> None:
+    """WRITE prefill asked for 30 tokens: the SaveTask hands its prompt blocks to the workers
+    at the last prompt chunk, and the request ends with its first token, its blocks held for
+    the writes. Before, it ran on; vLLM preempted it and freed the blocks it had handed over
+    (the connector is not asked), another request wrote its KV into one, and the writes,
+    posted when the decode announced, carried that KV into the decode as this request's
+    (reported good)."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, num_blocks=9)
+    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    try:
+        p.add_request("other", _prompt_of(64, seed=3), max_tokens=100)  # 4 blocks, then 5
+        p.step()
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(48, seed=7)  # 3 blocks
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=30)
+        res = p.step()
+        assert res.scheduled[rid] == 48  # last prompt chunk: SaveTask
+        assert rid in res.finished()  # its first token ends it
+        # "other" runs on and needs more blocks than are free; the held ones are not among
+        # those it gets.
+        for _ in range(40):
+            p.step()
+        assert not p.reports["finished_sending"][rid]  # still held for the writes
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+        d.step()
+        for _ in range(2000):
+            p.step()
+            r = d.step()
+            if rid in r.scheduled or rid in r.transfer.finished_recving:
+                break
+        d.run_until(lambda r: rid in r.scheduled, what="decode resumes")
+        assert d.reports["failed_recving"][rid] == 0  # the load was reported good ...
+        matches = d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt)
+        wrong = [pos for pos, ok in enumerate(matches) if not ok]
+        assert wrong == [], f"positions loaded with another request's KV: {wrong}"  # ... and is
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("stray", [False, True])
+def test_a_read_decode_request_without_an_answer_releases_another_requests_prefill_blocks(
+    tmp_path: Path, stray: bool
+) -> None:
+    """READ: a decode request naming a prefill and a transfer id but carrying no answer
+    (no remote_block_ids: a client's own params) is computed locally and sends no release.
+    Before, it sent one: the prefill kept it as an early release and freed the blocks of the
+    live request owning that id the moment it finished, and that request's genuine decode
+    then READ blocks vLLM had handed to another request, loading its KV as its own. The
+    control (``stray`` False) runs without that request."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, num_blocks=8)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        # Another request naming the same transfer id reaches the decode, without an answer.
+        if stray:  # (False: the control, passes)
+            other = pd_request_id(p, d)
+            d.add_request(other, _prompt_of(20, seed=9), params=decode_params(tid), max_tokens=1)
+            d.step()
+        time.sleep(0.5)  # the release reaches the prefill
+        finished = p.step().finished()
+        answer = finished[rid].kv_transfer_params
+        # Nothing read the victim's blocks yet; the prefill must keep them (abort_timeout 30 s).
+        for _ in range(20):
+            p.step()
+            time.sleep(0.01)
+        freed_early = p.reports["finished_sending"][rid] == 1
+        if freed_early:
+            # Another prefill request takes the freed blocks (7 usable blocks, it needs 7).
+            p.add_request("other", _prompt_of(100, seed=11), max_tokens=1)
+            p.run_until(lambda r: "other" in r.finished(), what="other")
+        # The genuine decode leg: its READ is accepted and loads what the blocks hold now.
+        d.add_request(rid, prompt, params=decode_params(tid, answer), max_tokens=2)
+        loaded = load(d, rid)
+        wrong = [
+            pos
+            for pos, ok in enumerate(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+            if not ok
+        ]
+        assert not freed_early and wrong == [], (
+            f"prefill freed the blocks before any read: {freed_early}; load errors: "
+            f"{sorted(loaded.invalid_blocks)}; positions holding another request's KV: {wrong}"
+        )
+    finally:
+        p.shutdown()
+        d.shutdown()
