@@ -8,6 +8,7 @@ bytes that arrive (and those that must not be touched), and the blocks vLLM free
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import threading
@@ -21,7 +22,9 @@ import torch
 
 pytest.importorskip("vllm")
 
+import test_vllm_support as support_module
 from moriio_native.control.messages import now_ms
+from moriio_native.errors import FailedPreconditionError
 from moriio_native.vllm import scheduler as scheduler_module
 from test_pd_protocol import break_first_call
 from test_vllm_support import (
@@ -1485,3 +1488,115 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
     d.abort(f"running-{running}")
     d.step()
     assert d.free_blocks() == d.initial_free  # every block freed, none twice
+
+
+def _full_and_sliding_specs() -> dict[str, Any]:
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    kv = {"num_kv_heads": 2, "head_size": 16, "dtype": torch.float16}
+    return {
+        "model.layers.0.self_attn.attn": FullAttentionSpec(block_size=BLOCK_SIZE, **kv),
+        "model.layers.1.self_attn.attn": SlidingWindowSpec(
+            block_size=BLOCK_SIZE, sliding_window=32, **kv
+        ),
+    }
+
+
+@pytest.fixture
+def one_group_transferred(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's planned KV-cache config with its sliding-window group out of KV transfer
+    (``enable_kv_transfer`` off, as HiSparse's replica groups): two groups, one transferred."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    make = support_module.make_kv_cache_config
+
+    def planned(*args: Any, **kwargs: Any) -> Any:
+        config = make(*args, **kwargs)
+        config.kv_cache_groups = [
+            dataclasses.replace(g, enable_kv_transfer=False)
+            if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+            else g
+            for g in config.kv_cache_groups
+        ]
+        return config
+
+    monkeypatch.setattr(support_module, "make_kv_cache_config", planned)
+
+
+@pytest.mark.usefixtures("one_group_transferred")
+def test_a_failed_load_beside_a_group_without_transfer_is_recomputed(
+    sides: list[Side], model_dir: str
+) -> None:
+    """Two KV-cache groups in vLLM, one transferred: a failed READ is reported per request and
+    recomputed. Before, the worker counted only the transferred group and reported the failed
+    blocks too, and vLLM's _handle_invalid_blocks raised RuntimeError (block-level errors with
+    more than one group), ending the engine."""
+    kw: dict[str, Any] = dict(
+        specs=_full_and_sliding_specs(), hybrid_kv_cache_manager=True, prefix_caching=False
+    )
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, **kw)
+    sides.append(p)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, **kw)
+    sides.append(d)
+    assert len(d.kv_cache_config.kv_cache_groups) == 2
+    prompt = prompt_of(40, seed=9)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    returned = p.step().finished()[rid].kv_transfer_params
+    bad = dict(returned)  # a block id the prefill never had: the READ is refused, the load fails
+    bad["remote_block_ids"] = [p.num_blocks + 5, *returned["remote_block_ids"][1:]]
+    d.add_request(rid, prompt, params=decode_params(tid, bad), max_tokens=2)
+    first = load(d, rid)
+    assert first.scheduled == {rid: len(prompt)}  # the whole prompt recomputed
+
+
+@pytest.mark.usefixtures("one_group_transferred")
+def test_sync_loading_beside_a_group_without_transfer_is_refused(model_dir: str) -> None:
+    """read_loading 'sync' reports a failed load by its blocks alone, which vLLM takes with
+    one KV-cache group in all: with a second group, even one not transferred, the connector
+    refuses it at start (before: only several transferred groups were refused, and a failed
+    synchronous load then raised in vLLM)."""
+    kw: dict[str, Any] = dict(
+        specs=_full_and_sliding_specs(), hybrid_kv_cache_manager=True, prefix_caching=False
+    )
+    refused = r"'sync' with 2 KV-cache groups \(1 of them transferred\)"
+    with pytest.raises(FailedPreconditionError, match=refused):
+        Side("decode", "kv_consumer", "read", model_dir, extra={"read_loading": "sync"}, **kw)
+
+
+def test_a_write_request_reusing_an_ended_transfer_id_still_frees_the_prefills_blocks(
+    sides: list[Side], model_dir: str
+) -> None:
+    """R1 (transfer T) is written to decode d1 and ends; past the prefill's abort_timeout (its
+    records of R1 gone), R2 reuses T (a client's own params, or a router's retry) towards
+    another decode d2. The prefill's engine still remembers T as ended and refuses R2's first
+    write: the job fails at once (d2 is told write_failed and recomputes) and R2's blocks are
+    freed. Before, the refusal was ignored, the seal and the abort were no-ops for an ended
+    id, no engine event came, and the job waited in ABORTING for good, its blocks held."""
+    abort_s = 3.0
+    p, d1 = make_pair(sides, model_dir, "write", p_extra={"abort_timeout": abort_s})
+    d2 = Side("decode2", "kv_consumer", "write", model_dir, salt=4)
+    sides.append(d2)
+    tid = transfer_id()
+    prompt = prompt_of(45, seed=3)
+    rid = pd_request_id(p, d1)
+    d1.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d1.step()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="R1 written")
+    d1.run_until(lambda r: rid in r.finished(), what="d1 to finish")
+    assert p.free_blocks() == p.initial_free
+    end = time.monotonic() + abort_s + 1.5  # the prefill's records of R1 expire
+    while time.monotonic() < end:
+        p.step()
+        time.sleep(0.05)
+    other = prompt_of(45, seed=4)
+    rid2 = pd_request_id(p, d2)
+    d2.add_request(rid2, other, params=decode_params(tid), max_tokens=2)
+    d2.step()
+    p.add_request(rid2, other, params=prefill_params(tid), max_tokens=1)
+    assert rid2 in p.step().finished()
+    p.run_until(lambda r: rid2 in r.transfer.finished_sending, max_wait=abort_s, what="R2 freed")
+    assert p.free_blocks() == p.initial_free
+    failed = d2.run_until(lambda r: rid2 in r.transfer.failed_recving, what="d2 told")
+    assert failed[-1].transfer.failed_recving == {rid2}  # recomputed, not loaded

@@ -69,7 +69,6 @@ from .messages import (
     MAX_HANDSHAKE_REQUEST_BYTES,
     MAX_HANDSHAKE_RESPONSE_BYTES,
     MAX_NOTIFY_BYTES,
-    MAX_REASON_LEN,
     NOTIFY_TYPES,
     AbortWrite,
     ChecksumRequest,
@@ -85,6 +84,7 @@ from .messages import (
     decode,
     encode,
     now_ms,
+    reason_text,
 )
 from .security import (
     AuthenticationError,
@@ -964,9 +964,7 @@ MAX_PENDING_CHECKSUM_ANSWERS = 256
 
 
 def _reason_text(exc: BaseException) -> str:
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    text = "".join(ch if ch.isprintable() else "?" for ch in text)
-    return text[:MAX_REASON_LEN]
+    return reason_text(str(exc)) or type(exc).__name__
 
 
 class HandshakeServer(_RouterListener):

@@ -115,6 +115,17 @@ TRANSFER_MODES = ("READ", "WRITE")
 
 TransferMode = Literal["READ", "WRITE"]
 Reason = printable(0, MAX_REASON_LEN)
+
+
+def reason_text(text: str) -> str:
+    """``text`` as a message's reason may carry it: one line of printable characters (runs of
+    whitespace, line breaks included, made one space; any other unprintable one "?"), at most
+    MAX_REASON_LEN. Reasons are often an exception's text, which need be neither (a CUDA error
+    spans lines)."""
+    text = "".join(ch if ch.isprintable() else "?" for ch in " ".join(text.split()))
+    return text[:MAX_REASON_LEN]
+
+
 RejectReason = printable(1, MAX_REASON_LEN)
 RequestId = printable(0, MAX_REQUEST_ID_LEN)
 ProtocolVersion = Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
@@ -709,4 +720,5 @@ __all__ = [
     "hold_until_ms",
     "new_nonce",
     "now_ms",
+    "reason_text",
 ]

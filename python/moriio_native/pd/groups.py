@@ -302,16 +302,16 @@ def post_write_layer(
     peer: str,
     segments: Sequence[Segment],
     cuda_event: int = 0,
-) -> None:
+) -> bool:
     """Post one layer's WRITE of ``segments`` (the segments of the layer's group); its copy
-    waits for ``cuda_event`` when one is given (see ``Engine.write_layer``)."""
+    waits for ``cuda_event`` when one is given. Whether the engine took it (see
+    ``Engine.write_layer``)."""
     if len(segments) == 1 and segments[0].tokens is None:
         only = segments[0]
-        engine.write_layer(
+        return engine.write_layer(
             transfer_id, layer, peer, only.local_blocks, only.remote_blocks, cuda_event
         )
-        return
-    engine.write_layer(
+    return engine.write_layer(
         transfer_id,
         layer,
         peer,

@@ -64,6 +64,7 @@ from moriio_native.control.messages import (
     WriteFailed,
     decode,
     encode,
+    reason_text,
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.control.schema import PART_SEPARATOR
@@ -492,6 +493,7 @@ class _Job:
     pending: list[tuple[str, Any]] = field(default_factory=list)  # (layer, event | None)
     seen: set[str] = field(default_factory=set)
     submitted: int = 0
+    engine_took: bool = False  # the engine took one of its writes (False: nothing in it)
     forward_done: bool = False
     # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
     block_ids: WholeBlocks | None = None
@@ -1373,7 +1375,7 @@ class Pusher:
             ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
 
     def _write_failed(self, request: str, reason: str) -> WriteFailed:
-        return WriteFailed(request, writer_rank=self._rank, reason=reason[:1000] or "failed")
+        return WriteFailed(request, writer_rank=self._rank, reason=reason_text(reason) or "failed")
 
     def _send_final(self, job: _Job, message: NotifyMessage) -> None:
         """``job``'s final message (lock held), to its handshaken decode rank; without a
@@ -1826,12 +1828,15 @@ class Pusher:
             go()
 
     def _end_hold(self, tid: str, why: str) -> None:
-        """READ transfer ``tid`` holds no blocks any more (lock held)."""
+        """READ transfer ``tid`` holds no blocks any more (lock held). Its id is marked
+        terminal: a late release of it must not be kept as an early one of a later request
+        reusing the id (which it would free at once)."""
         self._ended_holds[tid] = why
         self._ended_holds.move_to_end(tid)
         if len(self._ended_holds) > MAX_ENDED_HOLDS:
             self._ended_holds.popitem(last=False)
         self._hold_known(tid)
+        self._ctx.mark_terminal(tid)
 
     # ---- control messages (notify thread) -----------------------------------------------------
 
@@ -1877,7 +1882,6 @@ class Pusher:
                         message.consumer_tp_size,
                     )
                 return
-        ctx.mark_terminal(tid)
 
     def on_remote_blocks(self, message: RemoteBlocks) -> None:
         """A decode rank's blocks for a job: the job goes on, or, when it ended already (also
@@ -1952,7 +1956,8 @@ class Pusher:
                 return  # one answer per transfer
             job.abort_requested = message
             if job.state in JOB_TERMINAL:
-                self._send_write_aborted(job)  # it ended drained already
+                if not job.undrained:  # it ended drained: nothing of it can land
+                    self._send_write_aborted(job)
                 return
             self._fail(job, "the decode aborted the transfer")
 
@@ -2071,9 +2076,6 @@ class Pusher:
                     del self._sends[tid]
                     ctx.reports.done_sending.add(send.task.req_id)
                     self._end_hold(tid, f"expired (no release within {abort_timeout:.0f}s)")
-                    # As when released: a late release of it must not be kept as an early one
-                    # of a later request reusing the id (which it would free at once).
-                    ctx.mark_terminal(tid)
                     logger.warning(
                         "request %s (transfer %s): no release within abort_timeout (%.0fs); "
                         "freeing",
@@ -2224,17 +2226,20 @@ class Pusher:
         ids: WholeBlocks,
         computed: list[str],
         waiting: dict[int, tuple[Any, list[str]]],
-    ) -> None:
+    ) -> bool | None:
         """Post a "writes" op (lock held): the computed layers in one call, then the layers
         still computing, one call per event with its handle (the event held until the job
-        drained)."""
+        drained). Whether the engine took any (None: there was none to post)."""
         local_ids, remote_ids = ids
         engine = self._ctx.engine()
+        taken = False
         if computed:
-            engine.write_layers(job.transfer_id, computed, peer.engine_peer, local_ids, remote_ids)
+            taken |= engine.write_layers(
+                job.transfer_id, computed, peer.engine_peer, local_ids, remote_ids
+            )
         for event, layers in waiting.values():
             job.device_events.append(event)
-            engine.write_layers(
+            taken |= engine.write_layers(
                 job.transfer_id,
                 layers,
                 peer.engine_peer,
@@ -2242,30 +2247,31 @@ class Pusher:
                 remote_ids,
                 int(event.cuda_event),
             )
+        return taken if computed or waiting else None
 
     def _post_layer(
         self, job: _Job, peer: Peer, layer: str, arg: tuple[Any, Any], handle: int
-    ) -> None:
+    ) -> bool:
         """Post a "write" op (lock held): one layer, its copy waiting in the engine for the
-        event of ``handle`` when not 0 (the event is then held until the job drained)."""
+        event of ``handle`` when not 0 (the event is then held until the job drained). Whether
+        the engine took it."""
         event, segments = arg
         engine = self._ctx.engine()
         if handle:
             job.device_events.append(event)
         if segments is not None:
-            engine.write_layer(
+            return engine.write_layer(
                 job.transfer_id, layer, peer.engine_peer, cuda_event=handle, segments=segments
             )
-        elif job.segments is not None:
-            post_write_layer(
+        if job.segments is not None:
+            return post_write_layer(
                 engine, job.transfer_id, layer, peer.engine_peer, job.segments[layer], handle
             )
-        else:
-            assert job.block_ids is not None
-            local_ids, remote_ids = job.block_ids
-            engine.write_layer(
-                job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids, handle
-            )
+        assert job.block_ids is not None
+        local_ids, remote_ids = job.block_ids
+        return engine.write_layer(
+            job.transfer_id, layer, peer.engine_peer, local_ids, remote_ids, handle
+        )
 
     def writer_loop(self) -> None:
         ctx = self._ctx
@@ -2288,17 +2294,45 @@ class Pusher:
                 with ctx.lock:
                     if job.state not in live:
                         continue
-                    if op == "writes":
-                        self._post_layers(job, peer, arg[0], *split)
-                    elif op == "write":
-                        self._post_layer(job, peer, layer, arg, handle)
-                    else:
+                    if op == "seal":
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
                         ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
+                        continue
+                    if op == "writes":
+                        taken = self._post_layers(job, peer, arg[0], *split)
+                    else:
+                        taken = self._post_layer(job, peer, layer, arg, handle)
+                    if taken:
+                        job.engine_took = True
+                    elif taken is False and not job.engine_took:
+                        self._end_spent(job)
             except Exception as exc:
-                with ctx.lock:
-                    self._fail(job, f"{op} {layer}: {exc}".strip())
+                self._fail_guarded(job, f"{op} {layer}: {exc}".strip())
+
+    def _fail_guarded(self, job: _Job, reason: str) -> None:
+        """_fail from the writer thread, which must outlive a defect there: it posts every
+        other job's writes."""
+        try:
+            with self._ctx.lock:
+                self._fail(job, reason)
+        except Exception:
+            logger.exception(
+                "transfer %s: the writer could not fail it (%s)", job.transfer_id, reason
+            )
+
+    def _end_spent(self, job: _Job) -> None:
+        """The engine refused ``job``'s first write (lock held): it already ended a transfer of
+        this id (it remembers the last ones, and drops their late calls), so nothing of this
+        job is in it and no event will come. The job fails now. Transfer ids must be fresh per
+        request; a reused one gets here."""
+        job.reason = (
+            f"the engine already ended a transfer {job.transfer_id}: transfer ids must be "
+            "fresh per request (a retry must draw a new one)"
+        )
+        logger.error("transfer %s: WRITE failed: %s", job.transfer_id, job.reason)
+        job.machine.advance(JobEvent.FAIL)
+        self._complete(job)
 
 
 __all__ = [

@@ -147,17 +147,16 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
         dp_rank = int(pc.data_parallel_rank)
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
-        # vLLM's KV-cache groups (several with the hybrid KV-cache manager on).
+        # vLLM's KV-cache groups that transfer (several with the hybrid KV-cache manager on);
+        # vLLM's own count includes those that do not (enable_kv_transfer off).
         hybrid = HybridLayout.from_kv_cache_config(kv_cache_config)
-        if (
-            len(hybrid.groups) > 1
-            and self.config.mode == "read"
-            and self.config.read_loading == "sync"
-        ):
+        vllm_groups = len(kv_cache_config.kv_cache_groups)
+        if vllm_groups > 1 and self.config.mode == "read" and self.config.read_loading == "sync":
             raise FailedPreconditionError(
-                f"read_loading 'sync' with {len(hybrid.groups)} KV-cache groups: vLLM takes "
-                "block-level load errors for one group only, so a failed synchronous READ "
-                "could not be recomputed; use read_loading 'async' (the default)"
+                f"read_loading 'sync' with {vllm_groups} KV-cache groups ({len(hybrid.groups)} "
+                "of them transferred): vLLM takes block-level load errors for one group only, "
+                "so a failed synchronous READ could not be recomputed; use read_loading "
+                "'async' (the default)"
             )
         if role == KVConnectorRole.SCHEDULER:
             groups = kv_cache_config.kv_cache_groups
@@ -172,6 +171,7 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
                 self.config,
                 layer_specs(kv_cache_config),
                 groups=hybrid.groups,
+                vllm_groups=vllm_groups,
                 dp_rank=dp_rank,
                 tp_rank=_tp_rank(vllm_config),
                 total_kv_heads=_total_kv_heads(vllm_config),

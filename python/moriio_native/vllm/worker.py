@@ -73,12 +73,16 @@ class WorkerSide:
         total_kv_heads: int = 0,
         context_parallel: bool = False,
         groups: tuple[KvGroup, ...] = (),
+        vllm_groups: int = 1,
     ) -> None:
         self.cfg = config
         self.dp_rank = dp_rank
         self.tp_rank = tp_rank
         self.engine_id = f"{config.engine_id}/dp{dp_rank}/tp{tp_rank}"
         self._groups = groups
+        # vLLM takes block-level load errors only with one KV-cache group in all, transfer or
+        # not (it raises otherwise): with more, failed loads are reported per request alone.
+        self._block_errors = vllm_groups <= 1
         self._specs = dict(specs)
         self._stats = MoRIIONativeStats()
         self._open_reported = 0  # the open-transfers gauge as last sent to vLLM
@@ -289,9 +293,7 @@ class WorkerSide:
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors = self._core.take_load_errors()
-        # vLLM takes block-level load errors for one KV-cache group only (it raises otherwise):
-        # with several, failed loads are reported per request (failed receiving) alone.
-        return errors if len(self._groups) <= 1 else set()
+        return errors if self._block_errors else set()
 
     def get_stats(self) -> MoRIIONativeStats | None:
         """This interval's counters, plus the open-transfers gauge when it changed; None when
