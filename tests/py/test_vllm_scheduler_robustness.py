@@ -1,7 +1,8 @@
 """The connector's scheduler half (vllm/scheduler.py) against what vLLM's Scheduler does to a
 request around it: a prefix-cache hit measured before the prefill's prompt is cut, a WRITE
-prefill request preempted after it handed its blocks over, a decode request naming a transfer
-it holds no answer of. Found by a review (2026-12-06), each test seen failing before its fix."""
+prefill request that would run on (and could be preempted) after it handed its blocks over, a
+decode request naming a transfer it holds no answer of, a prompt given as embeddings. Found by
+a review (2026-12-06), each test seen failing before its fix."""
 
 from __future__ import annotations
 
