@@ -144,3 +144,50 @@ def test_a_hold_released_before_its_send_task_drops_its_late_messages() -> None:
     assert terminal == []
     pusher.begin_step([], [SendTask("req-A", "tx-T")])
     assert ctx.reports.done_sending == {"req-A"} and terminal == ["tx-T"]
+
+
+def test_a_reused_id_failed_before_its_first_write_was_posted_still_ends() -> None:
+    """A WRITE job of a transfer id the engine remembers ended (a reused id) is failed before
+    the writer posted its first write (its decode aborted): nothing of it is in the engine, so
+    it completes at once and its request's blocks are freed. Before, it was aborted in the
+    engine, which answers an abort of an ended id with OK and no event, and waited in ABORTING
+    for good (a review of the _end_spent fix found this second way in)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = PortSender()  # type: ignore[assignment]
+    ended = {"tx-T"}  # the engine remembers an earlier transfer tx-T as ended
+
+    def write_layer(tid: str, *a: Any, **k: Any) -> bool:
+        engine.calls.append(("write_layer", tid))
+        return tid not in ended
+
+    def write_layers(tid: str, *a: Any, **k: Any) -> bool:
+        engine.calls.append(("write_layers", tid))
+        return tid not in ended
+
+    def abort(tid: str) -> None:  # real engine: OK (no event) for a terminal id
+        engine.calls.append(("abort", tid))
+
+    engine.write_layer = write_layer  # type: ignore[method-assign]
+    engine.write_layers = write_layers  # type: ignore[method-assign]
+    engine.abort = abort  # type: ignore[method-assign]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-2", "tx-T", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-T", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    for layer in DENSE:
+        pusher.layer_saved(layer, None)
+    pusher.feed_writer()
+    assert pusher.job_states() == {"tx-T": JobState.WRITING}
+    # The request ends (blocks handed to the workers) and its decode gives up before the writer
+    # ran: _fail with submitted > 0 -> engine.abort (OK for the ended id) -> ABORTING.
+    pusher.begin_step([], [SendTask("req-2", "tx-T")])
+    pusher.on_abort_write(
+        AbortWrite("tx-T", "d:8000/dp0/tp0", DECODE.host, DECODE.handshake_port, DECODE.notify_port)
+    )
+    run_writer(ctx, pusher)
+    far = 1e12
+    pusher.check_timeouts(far)  # long past abort_timeout and quarantine_timeout
+    pusher.check_timeouts(far + 1e6)
+    states = pusher.job_states()
+    assert states.get("tx-T") in (None, JobState.FAILED), (states, engine.calls)
+    assert "req-2" in ctx.reports.done_sending, "the request's blocks are never freed"

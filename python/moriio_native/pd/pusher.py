@@ -494,6 +494,7 @@ class _Job:
     seen: set[str] = field(default_factory=set)
     submitted: int = 0
     engine_took: bool = False  # the engine took one of its writes (False: nothing in it)
+    seal_posted: bool = False  # its seal went to the engine (the writer; lock held)
     forward_done: bool = False
     # (local, remote) block ids, int64 arrays: every layer's write passes them as they are.
     block_ids: WholeBlocks | None = None
@@ -1316,16 +1317,17 @@ class Pusher:
             self.feed_writer()
 
     def _fail(self, job: _Job, reason: str) -> None:
-        """End a job as failed (lock held): with writes in the engine it is aborted there and
-        its terminal event completes it; otherwise it completes now."""
+        """End a job as failed (lock held): with a write or its seal in the engine it is
+        aborted there and its terminal event completes it; otherwise it completes now (the
+        writer posts nothing of a job no longer live). Never an abort for nothing posted: the
+        engine answers one for an id it remembers ended with OK and no event, so a job of a
+        reused id would wait for it for good."""
         state = job.state
         if state in JOB_TERMINAL or state in (JobState.ABORTING, JobState.DRAINING):
             return
         job.reason = reason
         logger.warning("transfer %s: WRITE failed: %s", job.transfer_id, reason)
-        if state in (JobState.WRITING, JobState.SEALED) and (
-            job.submitted or state is JobState.SEALED
-        ):
+        if state in (JobState.WRITING, JobState.SEALED) and (job.engine_took or job.seal_posted):
             try:
                 self._ctx.engine().abort(job.transfer_id)
                 job.machine.advance(JobEvent.ABORT)
@@ -2297,6 +2299,7 @@ class Pusher:
                     if op == "seal":
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
+                        job.seal_posted = True
                         ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
                         continue
                     if op == "writes":
