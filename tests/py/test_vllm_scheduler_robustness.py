@@ -201,3 +201,44 @@ def test_a_read_decode_request_without_an_answer_releases_another_requests_prefi
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_write_prefill_request_preempted_after_its_save_drops_its_write(tmp_path: Path) -> None:
+    """WRITE prefill: vLLM preempts a request after its SaveTask handed the prompt's blocks to
+    the workers (with async scheduling a request is still running then, its one token not yet
+    processed; here it is made to run on) and frees those blocks to another request. The
+    workers drop its WRITE: the decode is told write_failed and recomputes, never loading the
+    other request's KV, and the prefill recomputes the request without handing it over again.
+    Before, the SaveTask stood: the writes carried the other request's KV, reported good."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, num_blocks=9)
+    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    try:
+        p.add_request("other", _prompt_of(64, seed=3), max_tokens=100)  # 4 blocks, then 5
+        p.step()
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(48, seed=7)  # 3 blocks
+        request = p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=30)
+        request.max_tokens = 30  # running on after its last prompt chunk, as async allows
+        assert p.step().scheduled[rid] == 48  # last prompt chunk: SaveTask
+        p.run_until(lambda r: rid in (r.output.preempted_req_ids or set()), what="preemption")
+        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+        d.step()
+        for _ in range(2000):
+            p.step()
+            r = d.step()
+            if rid in r.scheduled or rid in r.transfer.finished_recving:
+                break
+        d.run_until(lambda r: rid in r.scheduled, what="decode resumes")
+        assert d.reports["failed_recving"][rid] == 1  # told write_failed: recomputed
+        matches = d.slot_matches(rid, range(len(prompt) - 1), d.salt, prompt)
+        assert all(matches), "the decode holds KV it did not compute itself"
+        for left in ("other", rid):  # both would run on for many tokens: ended here
+            p.abort(left)
+        p.run_until(lambda r: not p.scheduler.requests, what="prefill drains")
+        assert p.free_blocks() == p.initial_free
+        assert not p.reports["finished_sending"][rid]  # vLLM freed them: nothing to report
+        assert p.connector.scheduler._dropped == set() and p.connector.scheduler._saved == {}
+    finally:
+        p.shutdown()
+        d.shutdown()

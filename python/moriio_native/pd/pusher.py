@@ -939,6 +939,10 @@ class Pusher:
         released = _Releases()
         for early in self._early_releases.pop(tid):
             self._record_release(released, early)
+        if send.preempted:
+            if ctx.cfg.mode == "write":
+                self._drop_preempted(send)
+            return
         if send.unsaved:
             if ctx.cfg.mode == "write":
                 self._end_unsaved(send)
@@ -1014,6 +1018,23 @@ class Pusher:
         if send.transfer_id in self._requests:  # every job had failed already (at planning)
             self._request_ended(request)
 
+    def _drop_preempted(self, send: SendTask) -> None:
+        """vLLM preempted a saved request and freed its blocks (lock held): every job of it
+        fails (posted writes aborted in the engine; each decode rank told write_failed once
+        they stopped, or when it announces); nothing is reported, vLLM holds no block of it."""
+        tid = send.transfer_id
+        self._unwritten.discard(tid)
+        request = self._requests.get(tid)
+        if request is None:
+            return
+        request.send = send
+        for job in request.jobs:
+            job.send = send
+        for job in request.jobs:  # the last one to fail ends the request
+            self._fail(job, "vLLM preempted the request and freed its blocks; it recomputes it")
+        if tid in self._requests:  # every job had ended already
+            self._request_ended(request)
+
     def _request_ended(self, request: _Request) -> bool:
         """Once every job of a finished request is terminal: its blocks are free, late
         messages for it are dropped (lock held). Whether it ended."""
@@ -1029,7 +1050,7 @@ class Pusher:
                 request.unconfirmed,
                 request.plan.decode_tp,
             )
-        if not send.unsaved:  # vLLM freed an unsaved request's blocks already
+        if not (send.unsaved or send.preempted):  # (vLLM freed those blocks already)
             self._ctx.reports.done_sending.add(send.req_id)
         self._ctx.mark_terminal(send.transfer_id)
         self._requests.pop(send.transfer_id, None)

@@ -107,6 +107,10 @@ class SendTask:
     # and vLLM freed its blocks (the core reports nothing). ``peer`` and ``remote_tp_size``: its
     # decode (as in SaveTask), whose ranks that announced blocks are told write_failed.
     unsaved: bool = False
+    # WRITE: vLLM preempted it after its SaveTask and freed the blocks that task named (it will
+    # recompute it): its writes stop, its decode is told write_failed, and the core reports
+    # nothing (vLLM holds no blocks of it). No other send task of it follows.
+    preempted: bool = False
     peer: ZmqAddress | None = None
     remote_tp_size: int = 0
     # READ: the blocks the prefill's answer names (of every group it moves): a decode's

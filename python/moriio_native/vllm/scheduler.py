@@ -119,8 +119,11 @@ class SchedulerSide:
         self._planned: set[str] = set()
         # P (WRITE) requests not yet at their last prompt chunk.
         self._to_save: dict[str, tuple[Request, KvTransferParams]] = {}
-        # P (WRITE) requests whose blocks went to the workers.
-        self._saved: set[str] = set()
+        # P (WRITE) requests whose blocks went to the workers, with their params.
+        self._saved: dict[str, KvTransferParams] = {}
+        # P (WRITE) requests vLLM preempted after that (it freed those blocks): their save was
+        # dropped, and they run on, recomputed, without transfer.
+        self._dropped: set[str] = set()
         # P requests finished with delay_free whose blocks the workers have not released yet.
         self._held: set[str] = set()
         self._invalid_logged: set[str] = set()
@@ -423,7 +426,7 @@ class SchedulerSide:
         rid = request.request_id
         if self._is_remote_decode(params):
             assert params is not None
-            if self.config.mode == "write" and rid not in self._saved:
+            if self.config.mode == "write" and rid not in self._saved and rid not in self._dropped:
                 self._to_save[rid] = (request, params)
             return
         if not self._is_remote_prefill(params) or rid in self._planned:
@@ -445,6 +448,7 @@ class SchedulerSide:
         )
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> MoRIIONativeMetadata:
+        self._drop_preempted_saves(scheduler_output.preempted_req_ids or set())
         meta = MoRIIONativeMetadata(recv=self._recv, send=self._send)
         self._recv, self._send = [], []
         scheduled = scheduler_output.num_scheduled_tokens
@@ -454,8 +458,25 @@ class SchedulerSide:
                 continue
             del self._to_save[rid]
             meta.save.append(self._save_task(request, params, scheduler_output))
-            self._saved.add(rid)
+            self._saved[rid] = params
         return meta
+
+    def _drop_preempted_saves(self, preempted: set[str]) -> None:
+        """WRITE: requests vLLM preempted after their blocks went to the workers. vLLM freed
+        those blocks (it does not ask the connector; with async scheduling a request can be
+        preempted after its last prompt chunk, before its one token is processed) and will
+        recompute the request: the workers stop its writes and tell its decode write_failed
+        (it recomputes too), before this step's forward reuses the blocks."""
+        for rid in preempted & self._saved.keys():
+            params = self._saved.pop(rid)
+            self._dropped.add(rid)
+            logger.warning(
+                "request %s (transfer %s) was preempted after its prompt's blocks went to the "
+                "workers; its WRITE is dropped (its decode recomputes)",
+                rid,
+                params.transfer_id,
+            )
+            self._send.append(SendTask(rid, params.transfer_id, aborted=True, preempted=True))
 
     def _save_task(
         self, request: Request, params: KvTransferParams, scheduler_output: SchedulerOutput
@@ -535,6 +556,9 @@ class SchedulerSide:
         self._to_save.pop(rid, None)
         aborted = request.status in _ABORTED
         if self.config.mode == "write":
+            if rid in self._dropped:
+                self._dropped.discard(rid)  # its workers' part ended when it was dropped
+                return False, None
             if rid not in self._saved:
                 # Nothing was handed to the workers and nothing is in flight (its blocks are
                 # freed now); they only tell the decode ranks that announce its blocks.
@@ -549,7 +573,7 @@ class SchedulerSide:
                     )
                 )
                 return False, None
-            self._saved.discard(rid)
+            del self._saved[rid]
             self._send.append(SendTask(rid, params.transfer_id, aborted=aborted))
             self._held.add(rid)
             if aborted:
