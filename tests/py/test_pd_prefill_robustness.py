@@ -9,6 +9,8 @@ import threading
 import time
 from typing import Any
 
+import pytest
+
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks, WriteFailed
 from moriio_native.errors import NotFoundError
 from moriio_native.pd.pusher import JobState, Pusher
@@ -191,3 +193,37 @@ def test_a_reused_id_failed_before_its_first_write_was_posted_still_ends() -> No
     states = pusher.job_states()
     assert states.get("tx-T") in (None, JobState.FAILED), (states, engine.calls)
     assert "req-2" in ctx.reports.done_sending, "the request's blocks are never freed"
+
+
+@pytest.mark.parametrize("hook", ["handle_preemptions", "begin_step"])
+def test_a_dropped_job_draining_after_its_abort_still_tells_the_decode(hook: str) -> None:
+    """A WRITE job sealed (its writes in the engine) when vLLM preempted its request: the drop
+    aborts it, and the engine ends it with writes still in flight (DRAINING). The next
+    timeout passes wait for the drain, then the decode gets its write_failed; nothing is
+    reported to vLLM. Before, the dropped request had no deadline (0), so the first pass gave
+    the job up undrained and the decode was never told (a review of the drop found it). The
+    drop comes through vLLM's handle_preemptions, or through begin_step where a runner calls
+    none, and a second delivery changes nothing."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-p", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks("tx-p", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    pusher.forward_done(DENSE, LayerEvent(0x1000))
+    run_writer(ctx, pusher)
+    assert pusher.job_states()["tx-p"] is JobState.SEALED
+    drop = SendTask("req-1", "tx-p", aborted=True, preempted=True)
+    if hook == "handle_preemptions":
+        pusher.drop_preempted([drop])
+    pusher.begin_step([], [drop])
+    assert [c for c in engine.calls if c[0] == "abort"] == [("abort", "tx-p")]
+    assert pusher.job_states()["tx-p"] is JobState.ABORTING
+    pusher.on_event(event("tx-p", "aborted", drained=False), drained=False)
+    assert pusher.job_states()["tx-p"] is JobState.DRAINING
+    pusher.check_timeouts(time.monotonic())  # the very next step's pass
+    assert pusher.job_states()["tx-p"] is JobState.DRAINING
+    assert pusher.on_drained("tx-p") == "done"
+    assert final_messages(sender) == [(8100, "write_failed", "tx-p", 0)]
+    assert not ctx.reports.done_sending

@@ -355,8 +355,11 @@ class RankWorker:
 
         w = self.connector
         # vLLM's executors hand the metadata to worker processes pickled: so do we, so every
-        # connector test proves it survives the trip.
-        w.bind_connector_metadata(pickle.loads(pickle.dumps(work.metadata)))
+        # connector test proves it survives the trip. Its model runner calls
+        # handle_preemptions first, before the step's GPU work, then binds it.
+        metadata = pickle.loads(pickle.dumps(work.metadata))
+        w.handle_preemptions(metadata)
+        w.bind_connector_metadata(metadata)
         sync = work.has_sync_kv_loads
         if sync:
             w.start_load_kv(None)

@@ -305,6 +305,11 @@ class PdCore:
 
     # ---- the caller's hooks (never wait on the network) ---------------------------------------
 
+    def drop_preempted(self, sends: Sequence[SendTask]) -> None:
+        """The preempted requests among this step's send tasks: their writes stop now, before
+        the step's GPU work may overwrite their blocks (vLLM's handle_preemptions)."""
+        self.pusher.drop_preempted(list(sends))
+
     def begin_step(self, saves: Sequence[SaveTask], sends: Sequence[SendTask]) -> None:
         """This step's prefill work: prompt blocks handed over, requests finished."""
         self.pusher.begin_step(list(saves), list(sends))

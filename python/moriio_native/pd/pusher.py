@@ -941,7 +941,7 @@ class Pusher:
             self._record_release(released, early)
         if send.preempted:
             if ctx.cfg.mode == "write":
-                self._drop_preempted(send)
+                self._drop_preempted(send, deadline)
             return
         if send.unsaved:
             if ctx.cfg.mode == "write":
@@ -1018,18 +1018,32 @@ class Pusher:
         if send.transfer_id in self._requests:  # every job had failed already (at planning)
             self._request_ended(request)
 
-    def _drop_preempted(self, send: SendTask) -> None:
+    def drop_preempted(self, sends: Sequence[SendTask]) -> None:
+        """vLLM's ``handle_preemptions``, called before the step's GPU work may overwrite the
+        blocks of requests it preempted: the preempted send tasks among ``sends`` take effect
+        now (their ``begin_step`` later finds them done)."""
+        if self._ctx.cfg.mode != "write":
+            return
+        deadline = time.monotonic() + self._ctx.cfg.abort_timeout
+        with self._ctx.lock:
+            for send in sends:
+                if send.preempted:
+                    self._drop_preempted(send, deadline)
+
+    def _drop_preempted(self, send: SendTask, deadline: float) -> None:
         """vLLM preempted a saved request and freed its blocks (lock held): every job of it
         fails (posted writes aborted in the engine; each decode rank told write_failed once
-        they stopped, or when it announces); nothing is reported, vLLM holds no block of it."""
+        they stopped, or when it announces); nothing is reported, vLLM holds no block of it.
+        ``deadline``: as a finished request's, from which a job still draining is given up
+        (quarantine_timeout past it). Idempotent."""
         tid = send.transfer_id
         self._unwritten.discard(tid)
         request = self._requests.get(tid)
-        if request is None:
-            return
-        request.send = send
+        if request is None or request.send is not None:
+            return  # ended, or dropped already
+        request.send, request.deadline = send, deadline
         for job in request.jobs:
-            job.send = send
+            job.send, job.deadline = send, deadline
         for job in request.jobs:  # the last one to fail ends the request
             self._fail(job, "vLLM preempted the request and freed its blocks; it recomputes it")
         if tid in self._requests:  # every job had ended already

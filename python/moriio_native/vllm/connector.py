@@ -63,6 +63,15 @@ logger = logging.getLogger("moriio_native.vllm")
 use_vllm_logging()
 
 
+def _ours(metadata: KVConnectorMetadata) -> MoRIIONativeMetadata:
+    if not isinstance(metadata, MoRIIONativeMetadata):
+        raise FailedPreconditionError(
+            f"expected MoRIIONativeMetadata, got {type(metadata).__name__} "
+            "(are the scheduler and the workers running the same connector?)"
+        )
+    return metadata
+
+
 def _tp_rank(vllm_config: VllmConfig) -> int:
     try:
         from vllm.distributed.parallel_state import (
@@ -253,14 +262,12 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().handshake_metadata()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        self._work().handle_preemptions(_ours(kv_connector_metadata))
+
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        if not isinstance(connector_metadata, MoRIIONativeMetadata):
-            raise FailedPreconditionError(
-                f"expected MoRIIONativeMetadata, got {type(connector_metadata).__name__} "
-                "(are the scheduler and the workers running the same connector?)"
-            )
-        self._work().bind_metadata(connector_metadata)
+        self._work().bind_metadata(_ours(connector_metadata))
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().start_load_kv()

@@ -257,6 +257,12 @@ class WorkerSide:
 
     # ---- per-step hooks -----------------------------------------------------------------------
 
+    def handle_preemptions(self, meta: MoRIIONativeMetadata) -> None:
+        """vLLM calls this before the step's GPU work (which may zero or copy into blocks it
+        freed); bind_metadata comes after it. WRITE requests it preempted after their save stop
+        writing here."""
+        self._core.drop_preempted(meta.send)
+
     def bind_metadata(self, meta: MoRIIONativeMetadata) -> None:
         """Take in one step's metadata (once per step). Prefill tasks take effect at once
         (saves happen during the forward); decode loads start in :meth:`start_load_kv`."""
