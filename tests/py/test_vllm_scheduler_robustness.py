@@ -109,6 +109,29 @@ def _prompt_of(n: int, seed: int = 0) -> list[int]:
     return [(seed * 31 + i * 13) % 251 + 1 for i in range(n)]
 
 
+def _tight_write_pair(tmp_path: Path) -> tuple[Side, Side]:
+    """A WRITE prefill of 9 blocks, one request ("other", 4 blocks then 5) already running on
+    it, and its decode."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, num_blocks=9)
+    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    p.add_request("other", _prompt_of(64, seed=3), max_tokens=100)
+    p.step()
+    return p, d
+
+
+def _decode_until_it_runs(p: Side, d: Side, rid: str, prompt: list[int], tid: str) -> None:
+    """The decode leg of ``rid``: both sides step until its load ended and it runs."""
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    d.step()
+    for _ in range(2000):
+        p.step()
+        r = d.step()
+        if rid in r.scheduled or rid in r.transfer.finished_recving:
+            break
+    d.run_until(lambda r: rid in r.scheduled, what="decode resumes")
+
+
 def test_a_write_prefill_request_ends_after_its_first_token_keeping_the_blocks_it_handed_over(
     tmp_path: Path,
 ) -> None:
@@ -118,12 +141,8 @@ def test_a_write_prefill_request_ends_after_its_first_token_keeping_the_blocks_i
     (the connector is not asked), another request wrote its KV into one, and the writes,
     posted when the decode announced, carried that KV into the decode as this request's
     (reported good)."""
-    model_dir = write_model_dir(tmp_path / "model")
-    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, num_blocks=9)
-    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    p, d = _tight_write_pair(tmp_path)
     try:
-        p.add_request("other", _prompt_of(64, seed=3), max_tokens=100)  # 4 blocks, then 5
-        p.step()
         rid, tid = pd_request_id(p, d), transfer_id()
         prompt = _prompt_of(48, seed=7)  # 3 blocks
         p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=30)
@@ -135,14 +154,7 @@ def test_a_write_prefill_request_ends_after_its_first_token_keeping_the_blocks_i
         for _ in range(40):
             p.step()
         assert not p.reports["finished_sending"][rid]  # still held for the writes
-        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
-        d.step()
-        for _ in range(2000):
-            p.step()
-            r = d.step()
-            if rid in r.scheduled or rid in r.transfer.finished_recving:
-                break
-        d.run_until(lambda r: rid in r.scheduled, what="decode resumes")
+        _decode_until_it_runs(p, d, rid, prompt, tid)
         assert d.reports["failed_recving"][rid] == 0  # the load was reported good ...
         matches = d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt)
         wrong = [pos for pos, ok in enumerate(matches) if not ok]
@@ -210,26 +222,15 @@ def test_a_write_prefill_request_preempted_after_its_save_drops_its_write(tmp_pa
     workers drop its WRITE: the decode is told write_failed and recomputes, never loading the
     other request's KV, and the prefill recomputes the request without handing it over again.
     Before, the SaveTask stood: the writes carried the other request's KV, reported good."""
-    model_dir = write_model_dir(tmp_path / "model")
-    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, num_blocks=9)
-    d = Side("decode", "kv_consumer", "write", model_dir, salt=2)
+    p, d = _tight_write_pair(tmp_path)
     try:
-        p.add_request("other", _prompt_of(64, seed=3), max_tokens=100)  # 4 blocks, then 5
-        p.step()
         rid, tid = pd_request_id(p, d), transfer_id()
         prompt = _prompt_of(48, seed=7)  # 3 blocks
         request = p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=30)
         request.max_tokens = 30  # running on after its last prompt chunk, as async allows
         assert p.step().scheduled[rid] == 48  # last prompt chunk: SaveTask
         p.run_until(lambda r: rid in (r.output.preempted_req_ids or set()), what="preemption")
-        d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
-        d.step()
-        for _ in range(2000):
-            p.step()
-            r = d.step()
-            if rid in r.scheduled or rid in r.transfer.finished_recving:
-                break
-        d.run_until(lambda r: rid in r.scheduled, what="decode resumes")
+        _decode_until_it_runs(p, d, rid, prompt, tid)
         assert d.reports["failed_recving"][rid] == 1  # told write_failed: recomputed
         matches = d.slot_matches(rid, range(len(prompt) - 1), d.salt, prompt)
         assert all(matches), "the decode holds KV it did not compute itself"
