@@ -1010,13 +1010,9 @@ class Pusher:
         request = self._requests.get(send.transfer_id)
         if request is None:
             return
-        request.send = send
-        for job in jobs:
-            job.send = send
-        for job in jobs:  # the last one to fail ends the request
-            self._fail(job, "the request ended at the prefill before its prompt was computed")
-        if send.transfer_id in self._requests:  # every job had failed already (at planning)
-            self._request_ended(request)
+        self._fail_request(
+            request, jobs, send, "the request ended at the prefill before its prompt was computed"
+        )
 
     def drop_preempted(self, sends: Sequence[SendTask]) -> None:
         """vLLM's ``handle_preemptions``, called before the step's GPU work may overwrite the
@@ -1041,12 +1037,28 @@ class Pusher:
         request = self._requests.get(tid)
         if request is None or request.send is not None:
             return  # ended, or dropped already
-        request.send, request.deadline = send, deadline
+        request.deadline = deadline
         for job in request.jobs:
-            job.send, job.deadline = send, deadline
-        for job in request.jobs:  # the last one to fail ends the request
-            self._fail(job, "vLLM preempted the request and freed its blocks; it recomputes it")
-        if tid in self._requests:  # every job had ended already
+            job.deadline = deadline
+        self._fail_request(
+            request,
+            request.jobs,
+            send,
+            "vLLM preempted the request and freed its blocks; it recomputes it",
+        )
+
+    def _fail_request(
+        self, request: _Request, jobs: list[_Job], send: SendTask, reason: str
+    ) -> None:
+        """``request`` ends under ``send`` with every one of ``jobs`` failed for ``reason``
+        (lock held): the last job to fail ends it, or it ends here when each had ended
+        already."""
+        request.send = send
+        for job in jobs:
+            job.send = send
+        for job in jobs:
+            self._fail(job, reason)
+        if send.transfer_id in self._requests:
             self._request_ended(request)
 
     def _request_ended(self, request: _Request) -> bool:
