@@ -18,13 +18,13 @@ from moriio_native.pd.tasks import SaveTask, SendTask
 from test_pd_tp_fanout import (
     DECODE,
     DENSE,
-    LayerEvent,
     PortSender,
     answer_handshakes,
     context,
     event,
     final_messages,
     run_writer,
+    sealed_write,
 )
 
 
@@ -106,18 +106,7 @@ def test_an_abort_of_a_job_given_up_undrained_is_not_answered_while_a_sibling_li
     write_aborted: its writes may still land, and the answer would end that decode's
     quarantine. Before, a terminal job still among the jobs was answered as one that ended
     drained."""
-    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.sender = sender = PortSender()  # type: ignore[assignment]
-    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
-    pusher = Pusher(ctx)
-    pusher.begin_step([SaveTask("req-1", "tx-s", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
-    for rank in (0, 1):
-        pusher.on_remote_blocks(
-            RemoteBlocks("tx-s", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
-        )
-    answer_handshakes(directory, DECODE, 2, "WRITE")
-    pusher.forward_done(DENSE, LayerEvent(0x1000))
-    run_writer(ctx, pusher)
+    ctx, sender, _, pusher = sealed_write("tx-s", decode_tp=2)
     assert pusher.job_states() == {"tx-s": JobState.SEALED, "tx-s#d1": JobState.SEALED}
     pusher.begin_step([], [SendTask("req-1", "tx-s")])
     pusher.on_event(event("tx-s", "failed", drained=False), drained=False)
@@ -204,15 +193,7 @@ def test_a_dropped_job_draining_after_its_abort_still_tells_the_decode(hook: str
     the job up undrained and the decode was never told (a review of the drop found it). The
     drop comes through vLLM's handle_preemptions, or through begin_step where a runner calls
     none, and a second delivery changes nothing."""
-    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.sender = sender = PortSender()  # type: ignore[assignment]
-    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
-    pusher = Pusher(ctx)
-    pusher.begin_step([SaveTask("req-1", "tx-p", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
-    pusher.on_remote_blocks(RemoteBlocks("tx-p", ((20, 21, 22),), "d:8000/dp0/tp0"))
-    answer_handshakes(directory, DECODE, 1, "WRITE")
-    pusher.forward_done(DENSE, LayerEvent(0x1000))
-    run_writer(ctx, pusher)
+    ctx, sender, engine, pusher = sealed_write("tx-p")
     assert pusher.job_states()["tx-p"] is JobState.SEALED
     drop = SendTask("req-1", "tx-p", aborted=True, preempted=True)
     if hook == "handle_preemptions":

@@ -843,15 +843,7 @@ def test_a_write_never_reported_drained_ends_after_the_quarantine_telling_nothin
     held for good -- but it tells the decode nothing, then or on a later abort_write: any final
     message would end the decode's quarantine (the second review found write_failed, and
     write_aborted for an abort_write, sent at the give-up), and its writes may still land."""
-    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
-    ctx.sender = sender = PortSender()  # type: ignore[assignment]
-    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
-    pusher = Pusher(ctx)
-    pusher.begin_step([SaveTask("req-1", "tx-q", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
-    pusher.on_remote_blocks(RemoteBlocks("tx-q", ((20, 21, 22),), "d:8000/dp0/tp0"))
-    answer_handshakes(directory, DECODE, 1, "WRITE")
-    pusher.forward_done(DENSE, LayerEvent(0x1000))
-    run_writer(ctx, pusher)
+    ctx, sender, _, pusher = sealed_write("tx-q")
     assert pusher.job_states()["tx-q"] is JobState.SEALED  # its writes are in the engine
     pusher.begin_step([], [SendTask("req-1", "tx-q")])
     pusher.on_event(event("tx-q", "failed", drained=False), drained=False)
@@ -870,6 +862,26 @@ def test_a_write_never_reported_drained_ends_after_the_quarantine_telling_nothin
     if not abort_first:
         pusher.on_abort_write(abort)
     assert final_messages(sender) == []
+
+
+def sealed_write(tid: str, decode_tp: int = 1) -> tuple[Context, PortSender, Engine, Pusher]:
+    """A WRITE prefill rank (TP 1) with request req-1 (transfer ``tid``) sealed in its engine
+    for each of ``decode_tp`` decode ranks: announced, handshaken, every layer posted behind a
+    CUDA event the engine waits for, the seal posted. (ctx, its sender, engine, pusher)."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
+    pusher = Pusher(ctx)
+    save = SaveTask("req-1", tid, (1, 2, 3), 3, DECODE, remote_tp_size=decode_tp)
+    pusher.begin_step([save], [])
+    for rank in range(decode_tp):
+        pusher.on_remote_blocks(
+            RemoteBlocks(tid, ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    answer_handshakes(directory, DECODE, decode_tp, "WRITE")
+    pusher.forward_done(DENSE, LayerEvent(0x1000))
+    run_writer(ctx, pusher)
+    return ctx, sender, engine, pusher
 
 
 def final_messages(sender: PortSender) -> list[tuple[int, str, str, int]]:
