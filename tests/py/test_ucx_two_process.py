@@ -10,6 +10,8 @@ indexing says it must be; the source backing must be unchanged.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
@@ -327,6 +329,51 @@ def test_a_same_host_peer_that_dies_idle_is_failed_and_its_endpoint_closed(
         event = engine.wait(["req-idle-1"], timeout=TIMEOUT)["req-idle-1"]
         assert event.state == "failed", event
         assert "exited" in event.message, event
+    finally:
+        child.stop()
+
+
+def _write_and_wait(
+    engine: mn.Engine, tid: str, names: list[str], local: list[int], remote: list[int]
+) -> None:
+    assert engine.write_layers(tid, names, "decode-child", local, remote) is True
+    engine.seal(tid, "decode-child", expected_writes=len(names))
+    event = engine.wait([tid], timeout=TIMEOUT)[tid]
+    assert event.state == "done", event.message
+
+
+# UCX detects the peer's failure itself (PEER mode) and moves bytes over TCP only, as between
+# two hosts: nothing but the connection tells this process that the peer is gone.
+PEER_MODE_TCP = {"ucx_tls": "tcp", "ucx_error_handling": "peer", "ucx_direct_copy": "off"}
+
+
+def test_a_write_to_a_same_host_peer_killed_mid_write_ends_drained() -> None:
+    """A WRITE posted to a decode process that no longer answers (stopped), which is then
+    killed: its puts were never confirmed, so on another host they might still land. On this
+    host the decode's process is proven gone (its identity no longer reads back), so nothing of
+    them can land in memory anyone owns: the WRITE fails drained and the prefill may reuse its
+    blocks at once. Before, it ended unconfirmed (destination quarantined, never drained), and
+    the connector kept the prefill's blocks for abort_timeout plus quarantine_timeout (12 s in
+    the fault harness, 5 minutes by default)."""
+    child = Child("decode", PEER_MODE_TCP)
+    try:
+        prefill = _caches("prefill")
+        engine = mn.Engine("prefill-0", "ucx", PEER_MODE_TCP)
+        engine.register_kv_caches(prefill.registrations())
+        engine.add_peer(child.metadata)
+        names = [shape.name for shape in prefill.shapes]
+        local, remote = list(range(12)), list(range(12))
+        _write_and_wait(engine, "req-connects", names, local, remote)  # the connection is up
+        os.kill(child.proc.pid, signal.SIGSTOP)
+        assert engine.write_layers("req-killed", names, "decode-child", local, remote) is True
+        engine.seal("req-killed", "decode-child", expected_writes=len(names))
+        assert engine.poll_events(timeout=0.5) == [], "the WRITE ended before its peer died"
+        child.proc.kill()
+        child.proc.join(TIMEOUT)
+        event = engine.wait(["req-killed"], timeout=TIMEOUT)["req-killed"]
+        assert event.state == "failed", event
+        assert event.drained, event.message
+        assert engine.quarantined_transfers == 0
     finally:
         child.stop()
 

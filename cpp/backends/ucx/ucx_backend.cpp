@@ -348,15 +348,16 @@ struct PeerState {
   ucp_ep_h ep = nullptr;           // worker thread only
   std::atomic<bool> closed{false};  // DisconnectPeer started: no new batches
   bool failed = false;              // worker thread only
-  bool exited = false;  // worker thread only: its process is proven gone (FailExitedPeer)
+  bool exited = false;  // worker thread only: its process is proven gone (ProvenExited)
   bool failure_reported = false;    // worker thread only
   Status failure;                   // worker thread only
   // Set when ConnectPeer proved the peer is a process of this host and pid namespace (see
   // ProcessIdentity): host memory then moves by batched process_vm_readv/writev.
   ProcessIdentity cma_identity;  // pid 0: not proven
-  // Set when the endpoint has no UCX peer-failure detection (same host) and the peer's identity
-  // was proven: the progress thread then detects the peer's death itself (CheckPeersAlive).
-  ProcessIdentity liveness_identity;  // pid 0: not watched
+  // Set when ConnectPeer proved the peer a process of this host: its exit can then be proven
+  // (ProvenExited). Without UCX peer-failure detection on its endpoint (peer_mode false) the
+  // progress thread also watches for it (CheckPeersAlive, ReleaseDeadIdlePeers).
+  ProcessIdentity identity;  // pid 0: not proven
   // READs of host memory from this peer take the push path (ConnectPeer decides, once).
   bool push = false;
   // Its backend answers region checks (it serves push requests) and this one can hear them.
@@ -478,13 +479,6 @@ struct ActiveBatch {
   std::vector<std::uint8_t> push_request;
 
   std::size_t runs() const { return batch->sizes.size(); }
-  /// A WRITE whose puts were posted but never confirmed by its flush (a put's own completion
-  /// only frees our buffer): unless the peer's process is proven gone, bytes of it may still
-  /// land there, since closing our endpoint cancels only our side (data already in the peer's
-  /// socket buffer or on the wire is applied when it gets there).
-  bool WritesUnconfirmed() const {
-    return puts_posted && !flush_confirmed && !remote->peer->exited;
-  }
   bool Finished() const {
     if (outstanding != 0 || cuda_op != nullptr) return false;
     if (stop) return true;
@@ -662,6 +656,16 @@ class UcxBackend final : public Backend {
   // Whether CUDA event `event` (of a region on `device`) completed; worker thread only.
   static Result<bool> QueryDeviceEvent(std::uint64_t event, int device);
   bool CheckPeersAlive();
+  // A WRITE batch whose puts were posted but never confirmed by its flush (a put's own
+  // completion only frees our buffer): unless the peer's process is proven gone, bytes of it
+  // may still land there, since closing our endpoint cancels only our side (data already in the
+  // peer's socket buffer or on the wire is applied when it gets there).
+  bool WritesUnconfirmed(const ActiveBatch& ab);
+  // Whether `peer`'s process is proven gone: known already, or a proven same-host identity that
+  // no longer reads back (one system call, made only for unconfirmed writes). With UCX's
+  // peer-failure detection a killed peer's connection reset fails its batches before any check
+  // of ours would run; its memory was torn down before its sockets closed.
+  bool ProvenExited(PeerState& peer);
   // Marks `peer`, a same-host peer whose process is gone, failed (reported to the engine by
   // HandlePeerFailures); `circumstance` ends the failure's text.
   void FailExitedPeer(PeerState& peer, std::string_view circumstance);
@@ -1150,7 +1154,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     peer->checks_regions = serves_push_ && (wire.flags & kAddressFlagAnswersRegionChecks) != 0;
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     peer->process = RemoteProcess::Of(wire);
-    if (proven && !peer->peer_mode) peer->liveness_identity = wire.process;
+    if (proven) peer->identity = wire.process;
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
     peers_.emplace(peer->id, peer);
@@ -1810,7 +1814,7 @@ std::list<ActiveBatch>::iterator UcxBackend::Abandon(std::list<ActiveBatch>::ite
     std::lock_guard<std::mutex> lock(mutex_);
     ab.local->inflight--;
   }
-  done.push_back({ab.batch->token, ab.error, ab.WritesUnconfirmed()});
+  done.push_back({ab.batch->token, ab.error, WritesUnconfirmed(ab)});
   auto next = std::next(it);
   abandoned_.splice(abandoned_.end(), active_, it);
   return next;
@@ -2232,7 +2236,7 @@ bool UcxBackend::CheckPeersAlive() {
     const std::shared_ptr<PeerState>& peer = ab.remote->peer;
     // A push READ waits for the target's messages, with no UCX request of its own in flight.
     const bool waiting = ab.outstanding != 0 || (ab.path == Path::kPush && !ab.stop);
-    if (!waiting || peer->liveness_identity.pid == 0 || peer->ep == nullptr ||
+    if (!waiting || peer->peer_mode || peer->identity.pid == 0 || peer->ep == nullptr ||
         std::find(dead.begin(), dead.end(), peer) != dead.end()) {
       continue;
     }
@@ -2241,7 +2245,7 @@ bool UcxBackend::CheckPeersAlive() {
       dead.push_back(peer);
       continue;
     }
-    if (VerifyProcessIdentity(peer->liveness_identity)) continue;
+    if (VerifyProcessIdentity(peer->identity)) continue;
     FailExitedPeer(*peer, " with UCX operations in flight to it");
     dead.push_back(peer);
   }
@@ -2276,11 +2280,22 @@ bool UcxBackend::CheckPeersAlive() {
   return !dead.empty();
 }
 
+bool UcxBackend::WritesUnconfirmed(const ActiveBatch& ab) {
+  return ab.puts_posted && !ab.flush_confirmed && !ProvenExited(*ab.remote->peer);
+}
+
+bool UcxBackend::ProvenExited(PeerState& peer) {
+  if (!peer.exited && peer.identity.pid != 0 && !VerifyProcessIdentity(peer.identity)) {
+    peer.exited = true;
+  }
+  return peer.exited;
+}
+
 void UcxBackend::FailExitedPeer(PeerState& peer, std::string_view circumstance) {
   peer.failed = true;
   peer.exited = true;
   peer.failure = TransportError("peer " + std::to_string(peer.id) + " (pid " +
-                                std::to_string(peer.liveness_identity.pid) +
+                                std::to_string(peer.identity.pid) +
                                 " on this host) exited" + std::string(circumstance));
   failed_peers_.push_back(peer.id);
 }
@@ -2294,14 +2309,14 @@ bool UcxBackend::ReleaseDeadIdlePeers() {
     std::lock_guard<std::mutex> lock(mutex_);
     for (const auto& [id, peer] : peers_) {
       if (peer->ep != nullptr && !peer->closed.load() && !peer->failed &&
-          peer->liveness_identity.pid != 0) {
+          !peer->peer_mode && peer->identity.pid != 0) {
         watched.push_back(peer);
       }
     }
   }
   bool did = false;
   for (const auto& peer : watched) {
-    if (HasBatches(*peer) || VerifyProcessIdentity(peer->liveness_identity)) continue;
+    if (HasBatches(*peer) || VerifyProcessIdentity(peer->identity)) continue;
     FailExitedPeer(*peer, "");
     {
       // Nothing is in flight to it, and nothing starts (ActivateSubmitted fails its batches):
@@ -2842,7 +2857,7 @@ bool UcxBackend::FinishBatches() {
       it->local->inflight--;
     }
     ForgetPushRead(*it);
-    done.push_back({it->batch->token, std::move(it->error), it->WritesUnconfirmed()});
+    done.push_back({it->batch->token, std::move(it->error), WritesUnconfirmed(*it)});
     finished.push_back(std::move(it->batch));
     it = active_.erase(it);
   }
@@ -3035,7 +3050,7 @@ void UcxBackend::Shutdown() {
       ab.local->inflight--;
     }
     Status st = ab.error.ok() ? AbortedError("the ucx backend was destroyed") : ab.error;
-    stuck_done.push_back({ab.batch->token, std::move(st), ab.WritesUnconfirmed()});
+    stuck_done.push_back({ab.batch->token, std::move(st), WritesUnconfirmed(ab)});
   }
   stuck.splice(stuck.end(), active_);
   stuck.splice(stuck.end(), abandoned_);
