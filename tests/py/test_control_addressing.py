@@ -149,7 +149,29 @@ def test_kv_transfer_params_key_names():
         "remote_dp_size",
         "remote_incarnations",
         "remote_hold_until_ms",
+        "remote_answer_tag",
     )
+
+
+def test_an_answers_tagged_bytes_do_not_depend_on_how_a_proxy_serialised_it():
+    """remote_answer_tag covers the validated values: one group flat or nested, ids as ints,
+    other keys (the address, which the proxy fills in from its registry) left out; any
+    covered field changed changes the bytes."""
+    base = {"transfer_id": "tx-1", "remote_engine_id": "10.0.0.1:6301", "remote_hold_until_ms": 7}
+    flat = parse_kv_transfer_params({**base, "remote_block_ids": [4, 5, 6]})
+    nested = parse_kv_transfer_params(
+        {**base, "remote_block_ids": [[4, 5, 6]], "remote_host": "10.0.0.2", "tp_size": "2"}
+    )
+    assert flat.answer_bytes() == nested.answer_bytes()
+    for changed in (
+        {"remote_block_ids": [4, 5, 7]},
+        {"transfer_id": "tx-2"},
+        {"remote_engine_id": "10.0.0.1:6302"},
+        {"remote_hold_until_ms": 8},
+        {"remote_incarnations": ["0123456789abcdef"]},
+    ):
+        other = parse_kv_transfer_params({**base, "remote_block_ids": [4, 5, 6], **changed})
+        assert other.answer_bytes() != flat.answer_bytes(), changed
 
 
 def test_prefill_response_params_parse():

@@ -41,6 +41,21 @@ def test_forged_tag_is_refused():
         auth.open([b"payloaD", tag])
 
 
+def test_an_answer_tag_matches_only_its_answer_under_its_secret():
+    """Prefill answers are tagged in their own domain: a control message's tag of the same
+    bytes is not an answer's tag, nor is another secret's, another answer's or none."""
+    auth = MessageAuth(SECRET)
+    tag = auth.tag_answer(b"answer")
+    assert len(tag) == 64 and tag == tag.lower()
+    assert auth.answer_tag_matches(b"answer", tag)
+    assert not auth.answer_tag_matches(b"answeR", tag)
+    assert not auth.answer_tag_matches(b"answer", None)
+    assert not auth.answer_tag_matches(
+        b"answer", MessageAuth("another-secret-of-16+").tag_answer(b"answer")
+    )
+    assert not auth.answer_tag_matches(b"answer", auth.seal(b"answer")[1].hex())
+
+
 def test_missing_tag_is_refused_when_a_secret_is_set():
     with pytest.raises(AuthenticationError, match="2 frames"):
         MessageAuth(SECRET).open([b"payload"])

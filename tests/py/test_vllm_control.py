@@ -21,6 +21,7 @@ import zmq
 
 pytest.importorskip("vllm")
 
+from moriio_native.control.addressing import parse_kv_transfer_params
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     Release,
@@ -178,7 +179,16 @@ def test_forged_or_missing_hmac_is_dropped(
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="authenticated release")
 
 
-def test_handshake_with_the_wrong_secret_fails_closed(sides: list[Side], model_dir: str) -> None:
+@pytest.mark.parametrize("answer", ["as the prefill tagged it", "tagged with the decode's secret"])
+def test_handshake_with_the_wrong_secret_fails_closed(
+    sides: list[Side], model_dir: str, answer: str
+) -> None:
+    """A decode with another secret than its prefill: it does not act on the prefill's answer
+    (its tag is of another secret), so it never dials the prefill and computes the request
+    locally. The same answer tagged with the decode's own secret (by a party that holds it)
+    gets as far as the handshake, which ZMQ's CURVE refuses: nothing of it is read, and the
+    load fails (vLLM recomputes)."""
+    other_secret = "another secret of 32 bytes!!!!!"
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra={"auth_secret": SECRET})
     sides.append(p)
     d = Side(
@@ -187,17 +197,22 @@ def test_handshake_with_the_wrong_secret_fails_closed(sides: list[Side], model_d
         "read",
         model_dir,
         salt=2,
-        extra={"auth_secret": "another secret of 32 bytes!!!!!", "transfer_timeout": 1},
+        extra={"auth_secret": other_secret, "transfer_timeout": 1},
     )
     sides.append(d)
     rid, tid = pd_request_id(p, d), transfer_id()
     prompt = list(range(3, 40))
     p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-    returned = p.step().finished()[rid].kv_transfer_params
+    returned = dict(p.step().finished()[rid].kv_transfer_params)
+    retagged = answer != "as the prefill tagged it"
+    if retagged:
+        canonical = parse_kv_transfer_params(decode_params(tid, returned)).answer_bytes()
+        returned["remote_answer_tag"] = MessageAuth(other_secret).tag_answer(canonical)
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=1)
     first = load(d, rid)
-    assert first.invalid_blocks  # nothing was loaded: vLLM recomputes
-    # The decode's connection failed ZMQ's CURVE handshake: the server read nothing of it.
+    # Retagged: nothing was loaded (vLLM recomputes); else nothing was tried.
+    assert bool(first.invalid_blocks) is retagged
+    # The decode's connection, if any, failed ZMQ's CURVE handshake: the server read nothing.
     assert server_stats(p)["received"] == 0 and server_stats(p)["answered"] == 0
     assert first.scheduled == {rid: len(prompt)}
 

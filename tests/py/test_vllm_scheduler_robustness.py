@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 
 from hybrid_support import NUM_BLOCKS, hybrid_specs
+from moriio_native.control.addressing import parse_kv_transfer_params
+from moriio_native.control.security import MessageAuth
 from test_vllm_support import (
     Side,
     decode_params,
@@ -210,6 +213,67 @@ def test_a_read_decode_request_without_an_answer_releases_another_requests_prefi
             f"prefill freed the blocks before any read: {freed_early}; load errors: "
             f"{sorted(loaded.invalid_blocks)}; positions holding another request's KV: {wrong}"
         )
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+SECRET = "the-answers-test-secret-0123"
+
+
+def _answer_as(kind: str, tid: str, answers: dict[str, Any], victim: str, rid: str) -> dict:
+    """The prefill's answer for ``rid`` as it reaches the decode: ``genuine``, or forged."""
+    returned = dict(answers[rid])
+    if kind == "unsigned":
+        del returned["remote_answer_tag"]
+    elif kind == "another request's blocks":
+        returned["remote_block_ids"] = answers[victim]["remote_block_ids"]
+    elif kind == "another secret":
+        answer = parse_kv_transfer_params(decode_params(tid, returned)).answer_bytes()
+        returned["remote_answer_tag"] = MessageAuth("another-secret-0123456789").tag_answer(answer)
+    return returned
+
+
+@pytest.mark.parametrize(
+    "kind", ["genuine", "unsigned", "another request's blocks", "another secret"]
+)
+def test_with_a_secret_the_decode_acts_only_on_answers_its_prefill_signed(
+    tmp_path: Path, kind: str
+) -> None:
+    """READ with auth_secret set: the prefill's answer reaches the decode through the proxy, on
+    the same HTTP path as any client's request, so anyone who can send the decode a request can
+    write one. A client that saw another request's answer could name that request's blocks and
+    have the decode read them, loading another user's KV as its own. The decode now acts only
+    on an answer whose tag its prefill made with the secret; any other runs without KV transfer
+    (computed locally, no READ, no release). ``genuine``: the control, loaded."""
+    model_dir = write_model_dir(tmp_path / "model")
+    extra = {"auth_secret": SECRET}
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra=extra)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        victim = pd_request_id(p, d)
+        prompt = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.add_request(victim, _prompt_of(40, seed=6), params=prefill_params(transfer_id()))
+        answers: dict[str, Any] = {}
+
+        def both_answered(result: Any) -> bool:
+            answers.update({r: out.kv_transfer_params for r, out in result.finished().items()})
+            return rid in answers and victim in answers
+
+        p.run_until(both_answered, what="both prefill answers")
+        returned = _answer_as(kind, tid, answers, victim, rid)
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+        loaded = load(d, rid)
+        if kind == "genuine":
+            assert loaded.scheduled[rid] == 1, "the genuine answer was not loaded"
+            assert all(d.slot_matches(rid, range(len(prompt) - 1), p.salt, prompt))
+        else:
+            assert loaded.scheduled[rid] == len(prompt), (
+                f"the decode acted on a forged answer: {loaded.scheduled[rid]} of "
+                f"{len(prompt)} tokens computed, the rest loaded"
+            )
     finally:
         p.shutdown()
         d.shutdown()

@@ -89,6 +89,10 @@ KEY_REMOTE_INCARNATIONS = "remote_incarnations"
 #: prefill's clock (ms since the Unix epoch). The decode reads only if its READ ends before then
 #: (docs/protocol.md section 5).
 KEY_REMOTE_HOLD_UNTIL_MS = "remote_hold_until_ms"
+#: This project's own key: the prefill's tag of its answer, with ``auth_secret`` set (hex
+#: HMAC-SHA256 of :meth:`KvTransferParams.answer_bytes`); a decode with the secret acts only on
+#: answers it matches (docs/protocol.md section 5).
+KEY_REMOTE_ANSWER_TAG = "remote_answer_tag"
 #: Older name of ``remote_tp_size``; vLLM's prefill side still returns it. Read, never written.
 KEY_LEGACY_TP_SIZE = "tp_size"
 
@@ -106,6 +110,7 @@ KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
     KEY_REMOTE_DP_SIZE,
     KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_HOLD_UNTIL_MS,
+    KEY_REMOTE_ANSWER_TAG,
 )
 # Integer keys vLLM may pass as decimal strings (its kv_connector_extra_config ports).
 _DECIMAL_KEYS = (
@@ -439,6 +444,24 @@ class KvTransferParams(Schema, frozen=True):
     # Until when the prefill holds the blocks for a READ (its clock, ms since the Unix epoch;
     # None: not stated).
     remote_hold_until_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    # The prefill's tag of its answer (None: not stated; see answer_bytes).
+    remote_answer_tag: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+
+    def answer_bytes(self) -> bytes:
+        """What ``remote_answer_tag`` covers: the fields of the prefill's answer a proxy
+        passes on (transfer id, block ids, engine id, incarnations, hold), canonically encoded
+        from the validated values, so a proxy that re-serialises the JSON changes nothing. The
+        address comes from the proxy's own registry, not the answer; the decode's handshake
+        there must prove the engine id and incarnations named here."""
+        return msgspec.json.encode(
+            (
+                self.transfer_id,
+                None if self.remote_block_ids is None else tuple(self.remote_block_ids),
+                self.remote_engine_id,
+                self.remote_incarnations,
+                self.remote_hold_until_ms,
+            )
+        )
 
     def _check(self) -> None:
         if self.do_remote_prefill and self.do_remote_decode:
@@ -514,6 +537,8 @@ class KvTransferParams(Schema, frozen=True):
             out[KEY_REMOTE_INCARNATIONS] = list(self.remote_incarnations)
         if self.remote_hold_until_ms is not None:
             out[KEY_REMOTE_HOLD_UNTIL_MS] = self.remote_hold_until_ms
+        if self.remote_answer_tag is not None:
+            out[KEY_REMOTE_ANSWER_TAG] = self.remote_answer_tag
         return out
 
 
@@ -550,6 +575,7 @@ __all__ = [
     "KEY_DO_REMOTE_DECODE",
     "KEY_DO_REMOTE_PREFILL",
     "KEY_LEGACY_TP_SIZE",
+    "KEY_REMOTE_ANSWER_TAG",
     "KEY_REMOTE_BLOCK_IDS",
     "KEY_REMOTE_DP_RANK",
     "KEY_REMOTE_DP_SIZE",

@@ -26,6 +26,14 @@ handshake command it never finishes (ZMQ reads one up to the socket's MAXMSGSIZE
 the listener's handshake limit (``listener_handshake_timeout``, 2 s by default). The traffic is
 encrypted too. Without a secret the connections are plain ZMQ, as in vLLM's MoRIIO connector.
 
+Prefill answers (same secret). A READ-mode prefill's answer -- the ``kv_transfer_params`` the
+proxy carries to the decode: transfer id, block ids, engine id -- passes through the client-facing
+HTTP path, where anyone who can send a request could write one of their own. With a secret the
+prefill tags it (``remote_answer_tag``: hex ``HMAC-SHA256(secret,
+b"moriio-native/answer/v1\0" + the answer's canonical bytes)``), and a decode with the secret
+acts only on answers whose tag matches: a forged one would have it read another request's blocks
+or release them.
+
 Proxy registrations (optional, same secret). vLLM's router knows no secret, so a registration
 ping is one frame unless the sender is told to sign it (``proxy_auth: true``). A signed ping is
 three frames: ``payload``, a 24-byte stamp (8-byte big-endian milliseconds since the Unix epoch, 16
@@ -55,8 +63,9 @@ Contents:
 * :data:`ENV_AUTH_SECRET`, :data:`MIN_SECRET_BYTES`
 * :class:`AuthenticationError`, :class:`PeerNotAllowedError`
 * :class:`MessageAuth` -- ``seal(payload) -> frames``, ``open(frames) -> payload``,
-  ``seal_registration``, ``secure_listener(socket)`` and ``secure_dialer(socket)`` (CURVE with
-  the secret's keys, before bind or connect); immutable, safe from any thread.
+  ``tag_answer`` / ``answer_tag_matches`` (prefill answers), ``seal_registration``,
+  ``secure_listener(socket)`` and ``secure_dialer(socket)`` (CURVE with the secret's keys,
+  before bind or connect); immutable, safe from any thread.
 * :class:`TransportKeys` -- the CURVE key pairs a secret derives.
 * :class:`FreshStamps` -- each stamp once, within a window of the clock; thread-safe. Used by
   :class:`RegistrationVerifier` and, for signed handshake requests, by the handshake server.
@@ -112,6 +121,7 @@ TAG_BYTES = 32
 STAMP_BYTES = 24
 _MAC_DOMAIN = b"moriio-native/control/v1\x00"
 _REGISTRATION_DOMAIN = b"moriio-native/registration/v1\x00"
+_ANSWER_DOMAIN = b"moriio-native/answer/v1\x00"
 _CURVE_SERVER_DOMAIN = b"moriio-native/curve-server/v1\x00"
 _CURVE_CLIENT_DOMAIN = b"moriio-native/curve-client/v1\x00"
 
@@ -254,6 +264,16 @@ class MessageAuth:
         if not hmac.compare_digest(self._tag(stamp + payload, _REGISTRATION_DOMAIN), tag):
             raise AuthenticationError("registration tag does not match (wrong secret or forged)")
         return payload, stamp
+
+    def tag_answer(self, answer: bytes) -> str:
+        """The hex tag of a prefill's answer (``answer``: its canonical bytes); needs a
+        secret."""
+        return self._tag(answer, _ANSWER_DOMAIN).hex()
+
+    def answer_tag_matches(self, answer: bytes, tag: str | None) -> bool:
+        """Whether ``tag`` is this secret's tag of ``answer`` (False when it is missing);
+        compared in constant time. Needs a secret."""
+        return tag is not None and hmac.compare_digest(self.tag_answer(answer), tag)
 
     def seal(self, payload: bytes) -> list[bytes]:
         """The frames to send for ``payload``: ``[payload]`` or ``[payload, tag]``."""

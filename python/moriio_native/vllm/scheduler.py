@@ -28,6 +28,13 @@ WRITE (P pushes each layer into D's blocks; D waits asynchronously)
 With a sliding-window or Mamba group, P computes all but the prompt's last token and D loads
 exactly those (see :mod:`moriio_native.vllm.hybrid`).
 
+Signed answers: with ``auth_secret`` set, P tags its answer (``remote_answer_tag``) and D acts
+only on an answer whose tag matches. The answer reaches D through the proxy, on the same HTTP
+path as any client's request, so without the check anyone who can send D a request could name
+block ids and a transfer id of their choosing: D would read another request's KV, or release its
+blocks. A request with an answer that does not match runs without KV transfer, as one with
+invalid params does.
+
 Prefix hits: a full hit (nothing to load) becomes a notify-only task that makes P release.
 Aborts: a D request that ends before it was scheduled also sends P a release; a P request
 aborted while its writes are in flight is aborted in the engine and freed once reported.
@@ -48,6 +55,7 @@ from moriio_native.control.addressing import (
     KEY_DO_REMOTE_DECODE,
     KEY_DO_REMOTE_PREFILL,
     KEY_LEGACY_TP_SIZE,
+    KEY_REMOTE_ANSWER_TAG,
     KEY_REMOTE_BLOCK_IDS,
     KEY_REMOTE_DP_RANK,
     KEY_REMOTE_DP_SIZE,
@@ -64,6 +72,7 @@ from moriio_native.control.addressing import (
     parse_kv_transfer_params,
 )
 from moriio_native.control.messages import hold_until_ms
+from moriio_native.control.security import MessageAuth
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.groups import GroupedBlocks
 from moriio_native.vllm.config import ConnectorConfig
@@ -106,6 +115,7 @@ class SchedulerSide:
         hybrid: HybridLayout,
     ) -> None:
         self.config = config
+        self._auth = MessageAuth(config.auth_secret)  # tags and checks prefill answers
         self.block_size = block_size
         self.dp_rank = dp_rank
         # vLLM's KV-cache groups: tasks carry positional per-group ids (pd.groups).
@@ -169,7 +179,7 @@ class SchedulerSide:
         """Request ``rid``'s params parsed (None, logged: invalid). Once per request: vLLM asks
         about a waiting request every step, and its params may name up to 2^20 block ids."""
         try:
-            return parse_kv_transfer_params(raw)
+            params = parse_kv_transfer_params(raw)
         except InvalidArgumentError as exc:
             logger.warning(
                 "request %s: ignoring kv_transfer_params (%s); it runs without KV transfer",
@@ -177,6 +187,26 @@ class SchedulerSide:
                 exc,
             )
             return None
+        return params if self._answer_trusted(rid, params) else None
+
+    def _answer_trusted(self, rid: str, params: KvTransferParams) -> bool:
+        """Whether D may act on the prefill answer ``params`` carries (its block ids): always
+        without a secret; with one, only when the answer's tag is the secret's (logged
+        otherwise: the request runs without KV transfer)."""
+        if not self._auth.enabled or params.remote_block_ids is None:
+            return True
+        if self._auth.answer_tag_matches(params.answer_bytes(), params.remote_answer_tag):
+            return True
+        logger.warning(
+            "request %s (transfer %s): its prefill answer is %s (auth_secret is set here: a "
+            "forged answer, one from a prefill with another secret or an older version, or a "
+            "proxy that drops %s); it runs without KV transfer",
+            rid,
+            params.transfer_id,
+            "not signed" if params.remote_answer_tag is None else "signed with another secret",
+            KEY_REMOTE_ANSWER_TAG,
+        )
+        return False
 
     def _claim(self, rid: str, params: KvTransferParams) -> bool:
         """Whether request ``rid`` may use its transfer id: the first live request naming it
@@ -632,6 +662,9 @@ class SchedulerSide:
                 "this prefill's KV and recompute",
                 cfg.engine_id,
             )
+        if self._auth.enabled:
+            answer = parse_kv_transfer_params(out).answer_bytes()
+            out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
 
     def update_connector_output(self, finished_sending: set[str] | None) -> None:
