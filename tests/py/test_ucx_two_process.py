@@ -343,8 +343,15 @@ def _write_and_wait(
 
 
 # UCX detects the peer's failure itself (PEER mode) and moves bytes over TCP only, as between
-# two hosts: nothing but the connection tells this process that the peer is gone.
-PEER_MODE_TCP = {"ucx_tls": "tcp", "ucx_error_handling": "peer", "ucx_direct_copy": "off"}
+# two hosts: nothing but the connection tells this process that the peer is gone. TCP has no
+# zero-copy put: UCX emulates it, which the backend allows only when asked on machines with a
+# CUDA driver.
+PEER_MODE_TCP = {
+    "ucx_tls": "tcp",
+    "ucx_error_handling": "peer",
+    "ucx_direct_copy": "off",
+    "ucx_config": "PROTO_EMULATION_ENABLE=y",
+}
 
 
 def test_a_write_to_a_same_host_peer_killed_mid_write_ends_drained() -> None:
