@@ -9,10 +9,17 @@ decode would have freed and reused on that word. A put's own completion only fre
 buffer, and closing the endpoint cancels only our side: what is in the peer's socket buffer is
 applied when the peer gets to it. Now such a batch completes as unconfirmed: its transfer ends
 quarantined and is never reported drained.
+
+Only a peer whose process is proven gone ends such a WRITE drained (nothing of it can land in
+memory anyone owns). A second review (2026-12-06) found that a live peer whose memory this
+process may no longer read (it made itself non-dumpable) was taken for dead: any refused read
+of its identity counted as its exit.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import multiprocessing
 import os
 import signal
@@ -49,28 +56,38 @@ def _layers(buf: np.ndarray) -> list[mn.LayerRegistration]:
     return [mn.LayerRegistration("L", view, spec, allocation=(buf.ctypes.data, buf.nbytes))]
 
 
-def _decode_main(conn: Connection) -> None:
-    engine = mn.Engine("decode", "ucx", OPTIONS)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+PR_SET_DUMPABLE = 4
+
+
+def _decode_main(conn: Connection, options: dict[str, str]) -> None:
+    engine = mn.Engine("decode", "ucx", options)
     buf = _aligned(BLOCKS * BLOCK)
     buf[:] = UNTOUCHED
     conn.send((os.getpid(), engine.register_kv_caches(_layers(buf))))
-    while conn.recv() == "dump":
-        conn.send(bytes(buf))
+    while (command := conn.recv()) != "quit":
+        if command == "dump":
+            conn.send(bytes(buf))
+        elif command == "no-dump":  # its memory no longer readable by a process without
+            conn.send(_LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0))  # CAP_SYS_PTRACE
 
 
 @contextmanager
-def stopped_decode(transfer_timeout: float) -> Iterator[tuple[mn.Engine, int, Connection]]:
+def stopped_decode(
+    transfer_timeout: float, options: dict[str, str] = OPTIONS, non_dumpable: bool = False
+) -> Iterator[tuple[mn.Engine, int, Connection]]:
     """A prefill engine connected to a decode process that is then stopped (SIGSTOP); the
-    decode is resumed and ended on the way out, whatever happened."""
+    decode is resumed and ended on the way out, whatever happened. ``non_dumpable``: before
+    the stop, the decode makes itself non-dumpable (after the connect proved its identity)."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    child = ctx.Process(target=_decode_main, args=(theirs,), daemon=True)
+    child = ctx.Process(target=_decode_main, args=(theirs, options), daemon=True)
     child.start()
     stopped = False
     try:
         assert ours.poll(60), "the decode process did not start"
         pid, metadata = ours.recv()
-        engine = mn.Engine("prefill", "ucx", OPTIONS, transfer_timeout=transfer_timeout)
+        engine = mn.Engine("prefill", "ucx", options, transfer_timeout=transfer_timeout)
         source = _aligned(BLOCKS * BLOCK)
         source[:] = SOURCE
         engine.register_kv_caches(_layers(source))
@@ -86,6 +103,9 @@ def stopped_decode(transfer_timeout: float) -> Iterator[tuple[mn.Engine, int, Co
             "warm-up": "done",
             "warm-up-write": "done",
         }
+        if non_dumpable:
+            ours.send("no-dump")
+            assert ours.recv() == 0
         os.kill(pid, signal.SIGSTOP)
         stopped = True
         wait_stopped(pid)
@@ -148,5 +168,87 @@ def test_a_timed_out_write_to_a_stopped_peer_is_never_reported_drained() -> None
             engine.poll_events(timeout=0.05)
             drained += [notice.transfer_id for notice in engine.poll_drained()]
         assert "w" not in drained
+        landed = landed_after_resume(pid, conn)
+    assert landed == len(WRITTEN) * BLOCK
+
+
+CAP_SYS_PTRACE = 19
+_CAP_VERSION_3 = 0x20080522
+
+
+class _CapHeader(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+    _fields_ = [
+        ("effective", ctypes.c_uint32),
+        ("permitted", ctypes.c_uint32),
+        ("inheritable", ctypes.c_uint32),
+    ]
+
+
+def _set_ptrace_capability(on: bool) -> None:
+    """This thread's effective CAP_SYS_PTRACE on or off (threads it starts inherit it)."""
+    header, data = _CapHeader(_CAP_VERSION_3, 0), (_CapData * 2)()
+    assert _LIBC.capget(ctypes.byref(header), data) == 0, ctypes.get_errno()
+    word, bit = divmod(CAP_SYS_PTRACE, 32)
+    if on:
+        data[word].effective |= data[word].permitted & (1 << bit)
+    else:
+        data[word].effective &= ~(1 << bit) & 0xFFFFFFFF
+    assert _LIBC.capset(ctypes.byref(header), data) == 0, ctypes.get_errno()
+
+
+@contextmanager
+def without_ptrace_capability() -> Iterator[None]:
+    """Engines made inside run without CAP_SYS_PTRACE (as in a default container): a
+    non-dumpable process's memory is then refused to them."""
+    _set_ptrace_capability(False)
+    try:
+        yield
+    finally:
+        _set_ptrace_capability(True)
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+def _read_errno(pid: int) -> int:
+    """The errno of a 1-byte process_vm_readv of ``pid`` (EFAULT, address 8: permitted)."""
+    buf = ctypes.create_string_buffer(1)
+    local, remote = _Iovec(ctypes.addressof(buf), 1), _Iovec(8, 1)
+    _LIBC.process_vm_readv.restype = ctypes.c_ssize_t
+    n = _LIBC.process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+    return 0 if n >= 0 else ctypes.get_errno()
+
+
+@pytest.mark.parametrize("error_handling", ["peer", "none"])
+def test_a_live_peer_whose_memory_may_no_longer_be_read_is_not_taken_for_dead(
+    error_handling: str,
+) -> None:
+    """The decode makes itself non-dumpable after the connect, and the prefill holds no
+    CAP_SYS_PTRACE: every read of the decode's identity is refused (EPERM), which proves
+    nothing about its death. A WRITE to it (stopped, alive), then the peer removed: the WRITE
+    ends quarantined, and its bytes do land once the decode resumes. Before, a refused read
+    counted as the peer's exit: in PEER mode the WRITE ended drained (its blocks free for
+    reuse) and without it the liveness check failed the live peer ("exited with UCX
+    operations in flight to it"). Without PEER mode UCX never ends the puts to a stopped peer,
+    so there the WRITE ends at its deadline (a short one here), quarantined all the same."""
+    options = {**OPTIONS, "ucx_error_handling": error_handling}
+    deadline = 30.0 if error_handling == "peer" else 2.0
+    with (
+        without_ptrace_capability(),
+        stopped_decode(deadline, options, non_dumpable=True) as (engine, pid, conn),
+    ):
+        assert _read_errno(pid) == errno.EPERM, "the decode's memory is still readable"
+        assert engine.write_layer("w", "L", "decode", WRITTEN, WRITTEN)
+        engine.seal("w", "decode", expected_writes=1)
+        time.sleep(1.5)  # the puts are in the decode's socket buffer; a liveness check ran
+        engine.remove_peer("decode")
+        event = engine.wait(["w"], 30)["w"]
+        assert event.state in ("failed", "timed_out") and not event.drained, event
+        assert "exited" not in event.message, event
         landed = landed_after_resume(pid, conn)
     assert landed == len(WRITTEN) * BLOCK

@@ -197,6 +197,25 @@ def test_config_secret_from_environment(monkeypatch: pytest.MonkeyPatch) -> None
     assert "s" * 32 not in repr(ConnectorConfig.from_extra_config({}, role="kv_both"))
 
 
+def test_a_secret_turns_confirm_reads_on_unless_the_config_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signed answer proves its prefill, not its freshness: replayed after its decode
+    released the blocks, only the hold check refuses it. So with a secret (from the config or
+    the environment) confirm_reads is on by default; an explicit value stands."""
+    monkeypatch.delenv("MORIIO_NATIVE_AUTH_SECRET", raising=False)
+
+    def confirm(extra: dict) -> bool:
+        return ConnectorConfig.from_extra_config(extra, role="kv_consumer").confirm_reads
+
+    assert confirm({}) is False
+    assert confirm({"auth_secret": "s" * 32}) is True
+    assert confirm({"auth_secret": "s" * 32, "confirm_reads": "false"}) is False
+    assert confirm({"auth_secret": "s" * 32, "confirm_reads": False}) is False
+    monkeypatch.setenv("MORIIO_NATIVE_AUTH_SECRET", "s" * 32)
+    assert confirm({}) is True
+
+
 @pytest.mark.parametrize(
     ("extra", "needle"),
     [

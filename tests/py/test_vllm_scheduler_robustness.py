@@ -279,6 +279,69 @@ def test_with_a_secret_the_decode_acts_only_on_answers_its_prefill_signed(
         d.shutdown()
 
 
+def _load_stepping_both(p: Side, d: Side, rid: str) -> tuple[int, list[int]]:
+    """Step both sides until ``rid`` is scheduled on ``d`` after its load ended (a failed load
+    is recomputed in a later step): the tokens then scheduled, and its blocks."""
+    deadline = time.monotonic() + 60
+    while True:
+        p.step()
+        result = d.step()
+        if rid in result.scheduled and not result.invalid_blocks:
+            return result.scheduled[rid], d.block_ids(rid)
+        assert time.monotonic() < deadline, f"{rid} was never scheduled"
+        time.sleep(0.002)
+
+
+def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
+    tmp_path: Path,
+) -> None:
+    """READ, auth_secret set on every instance, nothing else configured. A client's request A
+    runs as it should (decode D1 reads, releases; the prefill frees A's blocks), then a
+    victim's request V is computed into those blocks. The client sends A's genuine, correctly
+    signed answer to a second decode D2 with a prompt of its own: the tag matches, so only the
+    hold check (confirm_reads) can refuse the READ, and a secret now turns it on by default.
+    Before (a review, 2026-12-06), D2 read A's block ids, V's KV, and computed the client's
+    request on another user's keys and values."""
+    model_dir = write_model_dir(tmp_path / "model")
+    extra: dict[str, Any] = {"auth_secret": SECRET}
+    # 3 usable blocks (and vLLM's null block): V must take the blocks A freed.
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, num_blocks=4, extra=extra)
+    d1 = Side("decode1", "kv_consumer", "read", model_dir, salt=2, extra=extra)
+    d2 = Side("decode2", "kv_consumer", "read", model_dir, salt=3, extra=extra)
+    try:
+        rid, tid = pd_request_id(p, d1), transfer_id()
+        prompt_a = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt_a, params=prefill_params(tid), max_tokens=1)
+        answered = p.run_until(lambda r: rid in r.finished(), what="A answered")[-1]
+        answer_a = dict(answered.finished()[rid].kv_transfer_params)
+        d1.add_request(rid, prompt_a, params=decode_params(tid, answer_a), max_tokens=2)
+        assert _load_stepping_both(p, d1, rid)[0] == 1  # genuine: 39 of 40 tokens loaded
+        deadline = time.monotonic() + 30
+        while not p.reports["finished_sending"][rid]:  # D1 releases, the prefill frees them
+            assert time.monotonic() < deadline, "the prefill never freed A's blocks"
+            d1.step()
+            p.step()
+        victim = pd_request_id(p, d1)
+        prompt_v = _prompt_of(40, seed=9)
+        p.add_request(victim, prompt_v, params=prefill_params(transfer_id()), max_tokens=1)
+        answered = p.run_until(lambda r: victim in r.finished(), what="V answered")[-1]
+        blocks_v = answered.finished()[victim].kv_transfer_params["remote_block_ids"]
+        assert sorted(answer_a["remote_block_ids"]) == sorted(blocks_v)  # V took A's blocks
+        replay = pd_request_id(p, d2)
+        prompt_b = _prompt_of(40, seed=13)
+        d2.add_request(replay, prompt_b, params=decode_params(tid, answer_a), max_tokens=2)
+        scheduled, _ = _load_stepping_both(p, d2, replay)
+        assert scheduled == len(prompt_b), (
+            f"D2 acted on a replayed answer: {len(prompt_b) - scheduled} of {len(prompt_b)} "
+            "tokens loaded from blocks the prefill gave to another request"
+        )
+        assert all(d2.slot_matches(replay, range(len(prompt_b) - 1), d2.salt, prompt_b))
+    finally:
+        p.shutdown()
+        d1.shutdown()
+        d2.shutdown()
+
+
 def test_a_write_prefill_request_preempted_after_its_save_drops_its_write(tmp_path: Path) -> None:
     """WRITE prefill: vLLM preempts a request after its SaveTask handed the prompt's blocks to
     the workers (with async scheduling a request is still running then, its one token not yet

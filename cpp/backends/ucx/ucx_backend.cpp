@@ -662,7 +662,8 @@ class UcxBackend final : public Backend {
   // peer's socket buffer or on the wire is applied when it gets there).
   bool WritesUnconfirmed(const ActiveBatch& ab);
   // Whether `peer`'s process is proven gone: known already, or a proven same-host identity that
-  // no longer reads back (one system call, made only for unconfirmed writes). With UCX's
+  // reads as gone (ProbeProcessIdentity: one system call, made only for unconfirmed writes; a
+  // refused read proves nothing, and the question is asked again next time). With UCX's
   // peer-failure detection a killed peer's connection reset fails its batches before any check
   // of ours would run; its memory was torn down before its sockets closed.
   bool ProvenExited(PeerState& peer);
@@ -2245,7 +2246,7 @@ bool UcxBackend::CheckPeersAlive() {
       dead.push_back(peer);
       continue;
     }
-    if (VerifyProcessIdentity(peer->identity)) continue;
+    if (ProbeProcessIdentity(peer->identity) != ProcessPresence::kGone) continue;
     FailExitedPeer(*peer, " with UCX operations in flight to it");
     dead.push_back(peer);
   }
@@ -2285,7 +2286,8 @@ bool UcxBackend::WritesUnconfirmed(const ActiveBatch& ab) {
 }
 
 bool UcxBackend::ProvenExited(PeerState& peer) {
-  if (!peer.exited && peer.identity.pid != 0 && !VerifyProcessIdentity(peer.identity)) {
+  if (!peer.exited && peer.identity.pid != 0 &&
+      ProbeProcessIdentity(peer.identity) == ProcessPresence::kGone) {
     peer.exited = true;
   }
   return peer.exited;
@@ -2316,7 +2318,9 @@ bool UcxBackend::ReleaseDeadIdlePeers() {
   }
   bool did = false;
   for (const auto& peer : watched) {
-    if (HasBatches(*peer) || VerifyProcessIdentity(peer->identity)) continue;
+    if (HasBatches(*peer) || ProbeProcessIdentity(peer->identity) != ProcessPresence::kGone) {
+      continue;
+    }
     FailExitedPeer(*peer, "");
     {
       // Nothing is in flight to it, and nothing starts (ActivateSubmitted fails its batches):

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cctype>
 #include <cstddef>
 #include <cstring>
@@ -278,19 +279,24 @@ ProcessIdentity LocalProcessIdentity() {
   return id;
 }
 
-bool VerifyProcessIdentity(const ProcessIdentity& peer) {
+ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer) {
   struct stat self{};
-  // Without a namespace id (no procfs) equal pids prove nothing: refuse.
   if (peer.pid == 0 || ::stat("/proc/self/ns/pid", &self) != 0 || peer.pidns_ino != self.st_ino ||
       peer.pidns_dev != self.st_dev) {
-    return false;
+    return ProcessPresence::kUnknown;
   }
   std::array<std::uint8_t, 16> got{};
   iovec local{got.data(), got.size()};
   iovec remote{reinterpret_cast<void*>(peer.cookie_address), got.size()};
-  return ::process_vm_readv(static_cast<pid_t>(peer.pid), &local, 1, &remote, 1, 0) ==
-             static_cast<ssize_t>(got.size()) &&
-         got == peer.cookie;
+  const ssize_t n = ::process_vm_readv(static_cast<pid_t>(peer.pid), &local, 1, &remote, 1, 0);
+  if (n == static_cast<ssize_t>(got.size())) {
+    return got == peer.cookie ? ProcessPresence::kAlive : ProcessPresence::kGone;
+  }
+  return n < 0 && errno == ESRCH ? ProcessPresence::kGone : ProcessPresence::kUnknown;
+}
+
+bool VerifyProcessIdentity(const ProcessIdentity& peer) {
+  return ProbeProcessIdentity(peer) == ProcessPresence::kAlive;
 }
 
 HostId LocalHostId() {

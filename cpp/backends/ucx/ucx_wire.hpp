@@ -57,6 +57,20 @@ ProcessIdentity LocalProcessIdentity();
 /// the read is refused. Thread-safe, does not block beyond that system call.
 bool VerifyProcessIdentity(const ProcessIdentity& peer);
 
+/// What a read of a proven peer's identity says about its process.
+enum class ProcessPresence {
+  kAlive,    ///< the cookie reads back: the same process, alive
+  kGone,     ///< no such process any more (ESRCH: exited, its memory torn down), or another
+             ///< image behind the pid (the cookie differs: the pid was reused, or it exec'd)
+  kUnknown,  ///< the read was refused (EPERM: the peer became non-dumpable or changed its
+             ///< credentials, a tighter ptrace policy) or failed otherwise: maybe alive
+};
+
+/// ProcessPresence of `peer`, an identity VerifyProcessIdentity proved before (one 16-byte
+/// process_vm_readv). Only kGone proves an exit: a live peer whose memory this process may no
+/// longer read is kUnknown, never kGone. Thread-safe.
+ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer);
+
 /// This process publishes, next to its identity cookie, the memory its UCX backends registered
 /// and the engine each registration serves: a same-host peer that moves bytes with
 /// process_vm_readv/writev reads it through the same pid and checks each remote range against it

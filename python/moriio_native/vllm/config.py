@@ -63,7 +63,8 @@ key                   default      meaning
                                    mismatch fails the load (its blocks are recomputed). Both
                                    instances of a pair must agree. Costs a pass over the
                                    transferred bytes on each side (docs/benchmarks.md)
-``confirm_reads``     ``false``    READ: before a load counts, the decode asks the prefill (one
+``confirm_reads``     ``false``    (``true`` with ``auth_secret``) READ: before a load counts, the
+                                   decode asks the prefill (one
                                    round trip on its handshake port) whether it still holds the
                                    request's blocks and the READ took those its answer named; if
                                    not (the answer handed to a second decode after the first
@@ -376,6 +377,11 @@ class ConnectorConfig(Schema, frozen=True):
             secret = os.environ.get(ENV_AUTH_SECRET) or None
         if secret is not None:
             raw["auth_secret"] = secret
+            # A signed answer is still a bearer token: replayed after its decode released the
+            # blocks (to another decode, or the same one), its READ would load whatever the
+            # prefill put there since. The hold check is what refuses it, so a secret turns it
+            # on unless the key says otherwise (both sides share the secret, so both turn it on).
+            raw.setdefault("confirm_reads", True)
         options = get("engine_options") or {}
         if not isinstance(options, Mapping):
             raise InvalidArgumentError(
