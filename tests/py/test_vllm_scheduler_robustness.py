@@ -279,19 +279,6 @@ def test_with_a_secret_the_decode_acts_only_on_answers_its_prefill_signed(
         d.shutdown()
 
 
-def _load_stepping_both(p: Side, d: Side, rid: str) -> tuple[int, list[int]]:
-    """Step both sides until ``rid`` is scheduled on ``d`` after its load ended (a failed load
-    is recomputed in a later step): the tokens then scheduled, and its blocks."""
-    deadline = time.monotonic() + 60
-    while True:
-        p.step()
-        result = d.step()
-        if rid in result.scheduled and not result.invalid_blocks:
-            return result.scheduled[rid], d.block_ids(rid)
-        assert time.monotonic() < deadline, f"{rid} was never scheduled"
-        time.sleep(0.002)
-
-
 def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
     tmp_path: Path,
 ) -> None:
@@ -315,7 +302,8 @@ def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
         answered = p.run_until(lambda r: rid in r.finished(), what="A answered")[-1]
         answer_a = dict(answered.finished()[rid].kv_transfer_params)
         d1.add_request(rid, prompt_a, params=decode_params(tid, answer_a), max_tokens=2)
-        assert _load_stepping_both(p, d1, rid)[0] == 1  # genuine: 39 of 40 tokens loaded
+        # Genuine: 39 of 40 tokens loaded (the prefill steps too: it answers the hold check).
+        assert load(d1, rid, before_forward=p.step).scheduled[rid] == 1
         deadline = time.monotonic() + 30
         while not p.reports["finished_sending"][rid]:  # D1 releases, the prefill frees them
             assert time.monotonic() < deadline, "the prefill never freed A's blocks"
@@ -330,7 +318,7 @@ def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
         replay = pd_request_id(p, d2)
         prompt_b = _prompt_of(40, seed=13)
         d2.add_request(replay, prompt_b, params=decode_params(tid, answer_a), max_tokens=2)
-        scheduled, _ = _load_stepping_both(p, d2, replay)
+        scheduled = load(d2, replay, before_forward=p.step).scheduled[replay]
         assert scheduled == len(prompt_b), (
             f"D2 acted on a replayed answer: {len(prompt_b) - scheduled} of {len(prompt_b)} "
             "tokens loaded from blocks the prefill gave to another request"
