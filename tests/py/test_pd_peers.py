@@ -217,6 +217,68 @@ def test_failed_handshake_is_cached_with_backoff(made: list) -> None:
     assert peers.connect(key, 1, accept).result(timeout=30).engine_peer == "prefill"
 
 
+def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backoff(
+    made: list,
+) -> None:
+    """A prefill killed and restarted under its address: the handshakes made while it was down
+    built up a backoff (5 s doubling), and the first requests its new process computed failed
+    at once from that memory (recomputed) although the docs promised the first request after a
+    restart is loaded. A request naming an incarnation no failed attempt was made for is
+    evidence of a new instance: it is handshaken at once. One that fails is remembered for that
+    incarnation too, backed off from ``retry_after`` again."""
+    decode, _ = engine("decode", 1)
+    clock = Clock()
+    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
+    peers._timeout = 0.3  # nothing listens there while the prefill is down
+    key = PeerKey(LOCAL, free_port())
+    died = new_incarnation()
+    for _ in range(3):  # 5 s, 10 s, then a 20 s backoff
+        with pytest.raises(TransferTimeoutError):
+            peers.connect(key, 1, accept, incarnation=died).result(timeout=30)
+        clock.now += 15.1
+    clock.now -= 15.1
+    remembered = peers.connect(key, 1, accept, incarnation=died)
+    assert remembered.done() and isinstance(remembered.exception(), TransferTimeoutError)
+    assert peers.connect(key, 1, accept).done()  # naming none: no evidence, fails at once
+    restarted = Prefill("prefill", key.handshake_port, 2)
+    made.append(restarted)
+    peer = peers.connect(key, 1, accept, incarnation=restarted.incarnation).result(timeout=30)
+    assert peer.response.incarnation == restarted.incarnation
+    assert restarted.answered == 1
+    assert peers.connect(key, 1, accept).result(timeout=0).handshake is peer.handshake
+
+
+def test_a_new_incarnations_failed_attempt_backs_off_from_the_start(made: list) -> None:
+    """Evidence is tried once: a caller naming an incarnation whose attempt failed fails at once
+    within its backoff, which starts again from ``retry_after`` (not the old instance's 20 s);
+    another new incarnation is tried again."""
+    decode, _ = engine("decode", 1)
+    clock = Clock()
+    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
+    peers._timeout = 0.3
+    key = PeerKey(LOCAL, free_port())
+    for _ in range(3):
+        with pytest.raises(TransferTimeoutError):
+            peers.connect(key, 1, accept).result(timeout=30)
+        clock.now += 15.1
+    clock.now -= 15.1
+    claimed = new_incarnation()
+    first = peers.connect(key, 1, accept, incarnation=claimed)
+    with pytest.raises(TransferTimeoutError):
+        first.result(timeout=30)
+    again = peers.connect(key, 1, accept, incarnation=claimed)
+    assert again.done() and again.exception() is first.exception()
+    other = peers.connect(key, 1, accept, incarnation=new_incarnation())
+    with pytest.raises(TransferTimeoutError):
+        other.result(timeout=30)
+    assert other.exception() is not first.exception()
+    clock.now += 5.1  # the new instance's backoff (5 s) passed, the old one's 20 s did not
+    retried = peers.connect(key, 1, accept, incarnation=claimed)
+    assert retried is not again
+    with pytest.raises(TransferTimeoutError):
+        retried.result(timeout=30)
+
+
 def test_a_refused_handshake_leaves_no_peer(made: list) -> None:
     decode, _ = engine("decode", 1)
     port = free_port()

@@ -14,7 +14,12 @@
   misdirect only its own replies, never another request's;
 * a failed handshake is remembered per address for a while (exponential backoff from
   ``retry_after`` up to ``max_backoff``): requests naming a dead peer fail fast instead of each
-  waiting ``timeout`` again; :meth:`expire` drops entries past their time;
+  waiting ``timeout`` again; :meth:`expire` drops entries past their time. The memory is of the
+  instances asked for: a caller naming an incarnation that no failed attempt at the address was
+  made for (a request computed by a prefill that restarted there since) is fresh evidence of a
+  live instance, and gets a new attempt at once (shared, and backed off from ``retry_after``
+  again when it fails), so the first request after a restart is not failed by the backoff its
+  predecessor's death built up;
 * a peer that restarted under the same address (same engine id, new metadata) replaces the old
   connection through the engine's explicit ``add_peer(..., replace=True)``: the old instance's
   transfers end (failed), the new one is reachable. An engine id that is already connected at
@@ -170,11 +175,23 @@ class PeerCapacityError(FailedPreconditionError):
     """A handshake refused because ``max_peers`` peers are connected and none may go."""
 
 
+# The incarnations one remembered failure keeps (the most recent): an older one named again gets
+# one more attempt, nothing worse; bounds what callers naming ever new ones can make it hold.
+MAX_FAILED_INCARNATIONS = 8
+
+
 @dataclass
 class _Failure:
     until: float
     error: MoriioError
     attempts: int
+    # The incarnations the failed attempts were made for ("" for callers that named none).
+    incarnations: tuple[str, ...] = ()
+
+    def covers(self, incarnation: str) -> bool:
+        """Whether a caller naming ``incarnation`` is answered by this failure: it names none,
+        or one a failed attempt was made for (else it is evidence of an instance never tried)."""
+        return not incarnation or incarnation in self.incarnations
 
 
 class _EngineLike(Protocol):
@@ -315,7 +332,11 @@ class PeerDirectory:
                 self._peers.move_to_end(key)
                 return _done(peer)
             failure = self._failures.get(key)
-            if failure is not None and self._clock() < failure.until:
+            if (
+                failure is not None
+                and self._clock() < failure.until
+                and failure.covers(incarnation)
+            ):
                 return _failed(failure.error)
             future = self._inflight.get(key)
             if future is not None:
@@ -331,7 +352,7 @@ class PeerDirectory:
             future.set_exception(MoriioError(f"peer {key}: not handshaken ({why})"))
 
         try:
-            task = self._pool.submit(self._handshake, key, validate, future)
+            task = self._pool.submit(self._handshake, key, validate, future, incarnation)
         except RuntimeError as exc:  # shut down meanwhile
             not_made(str(exc))
             return future
@@ -401,20 +422,18 @@ class PeerDirectory:
 
     # ---- the handshake (pool thread) ----------------------------------------------------------
 
-    def _handshake(self, key: PeerKey, validate: Validator, future: Future[Handshake]) -> None:
+    def _handshake(
+        self, key: PeerKey, validate: Validator, future: Future[Handshake], incarnation: str
+    ) -> None:
         try:
             peer = self._connect(key, validate)
         except BaseException as exc:
             error = exc if isinstance(exc, MoriioError) else MoriioError(f"peer {key}: {exc}")
             with self._lock:
                 self._inflight.pop(key, None)
-                previous = self._failures.get(key)
-                attempts = previous.attempts + 1 if previous is not None else 1
-                delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
-                if isinstance(error, PeerCapacityError):
-                    # Nothing is wrong with that peer: room may free any moment.
-                    attempts, delay = 0, min(CAPACITY_RETRY_S, self._retry_after)
-                self._failures[key] = _Failure(self._clock() + delay, error, attempts)
+                failure = self._failure_after(self._failures.get(key), error, incarnation)
+                self._failures[key] = failure
+            delay = failure.until - self._clock()
             logger.warning("handshake with %s failed (%s); retrying after %.0fs", key, error, delay)
             future.set_exception(error)
             return
@@ -438,6 +457,25 @@ class PeerDirectory:
                 self._pinned[peer.engine_peer] -= 1
                 if not self._pinned[peer.engine_peer]:
                     del self._pinned[peer.engine_peer]
+
+    def _failure_after(
+        self, previous: _Failure | None, error: MoriioError, incarnation: str
+    ) -> _Failure:
+        """What is remembered once an attempt made for ``incarnation`` failed with ``error``
+        (the key's ``previous`` failure, if any): the backoff doubles with each failure in a
+        row of the same instances, and starts again from ``retry_after`` for an attempt made
+        for an incarnation the previous ones were not (a new instance: the old one's deaths
+        say nothing of it)."""
+        known = previous.incarnations if previous is not None else ()
+        repeated = previous is not None and previous.covers(incarnation)
+        attempts = previous.attempts + 1 if repeated and previous is not None else 1
+        delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
+        if isinstance(error, PeerCapacityError):
+            # Nothing is wrong with that peer: room may free any moment.
+            attempts, delay = 0, min(CAPACITY_RETRY_S, self._retry_after)
+        if incarnation and incarnation not in known:
+            known = (*known, incarnation)[-MAX_FAILED_INCARNATIONS:]
+        return _Failure(self._clock() + delay, error, attempts, known)
 
     def _fetch(self, key: PeerKey) -> HandshakeResponse:
         """One handshake with ``key`` under this directory's timeout and security (any thread)."""
