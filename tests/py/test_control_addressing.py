@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import pickle
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from moriio_native.control.addressing import (
     KV_TRANSFER_PARAM_KEYS,
     BlockIdGroups,
     KvTransferParams,
     ZmqAddress,
+    answer_bytes,
+    block_ids_to_wire,
     format_request_id,
     parse_kv_transfer_params,
     parse_request_id,
@@ -172,6 +177,34 @@ def test_an_answers_tagged_bytes_do_not_depend_on_how_a_proxy_serialised_it():
     ):
         other = parse_kv_transfer_params({**base, "remote_block_ids": [4, 5, 6], **changed})
         assert other.answer_bytes() != flat.answer_bytes(), changed
+
+
+_GROUPS = st.lists(st.lists(st.integers(0, 2**31 - 1), max_size=6), max_size=4)
+_INCARNATIONS = st.none() | st.lists(
+    st.text("0123456789abcdef", min_size=16, max_size=16), min_size=1, max_size=3
+)
+
+
+@given(groups=_GROUPS, incarnations=_INCARNATIONS, hold=st.none() | st.integers(0, 2**62))
+def test_the_prefills_answer_bytes_are_the_ones_a_decode_parses(
+    groups: list[list[int]], incarnations: list[str] | None, hold: int | None
+) -> None:
+    """The prefill encodes what it tags from its own values (no re-parse of its answer); a
+    decode encodes what it parsed from the JSON a proxy forwarded: the same bytes for any
+    groups (none, one flat, several, empty ones), incarnations and hold."""
+    selected = tuple(tuple(g) for g in groups)
+    wire: dict[str, object] = {
+        "transfer_id": "tx-1",
+        "remote_engine_id": "10.0.0.1:6301",
+        "remote_block_ids": block_ids_to_wire(selected),
+    }
+    if incarnations is not None:
+        wire["remote_incarnations"] = incarnations
+    if hold is not None:
+        wire["remote_hold_until_ms"] = hold
+    parsed = parse_kv_transfer_params(json.loads(json.dumps(wire)))
+    sent = answer_bytes("tx-1", selected, "10.0.0.1:6301", incarnations, hold)
+    assert parsed.answer_bytes() == sent
 
 
 def test_prefill_response_params_parse():

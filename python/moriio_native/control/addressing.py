@@ -255,6 +255,32 @@ def block_ids_to_wire(groups: Sequence[Sequence[int]]) -> list[int] | list[list[
     return [list(g) for g in groups]
 
 
+def answer_bytes(
+    transfer_id: str,
+    block_id_groups: Sequence[Sequence[int]] | None,
+    engine_id: str | None,
+    incarnations: Sequence[str] | None,
+    hold_until_ms: int | None,
+) -> bytes:
+    """What ``remote_answer_tag`` covers: the fields of the prefill's answer a proxy passes on
+    (transfer id, block ids per group, engine id, incarnations, hold), canonically encoded, so
+    a proxy that re-serialises the JSON changes nothing. The prefill encodes the values it
+    sends, a decode the ones it parsed: no groups encode as the one empty group that their
+    wire form (:func:`block_ids_to_wire`) reads back as. The address comes from the proxy's own
+    registry, not the answer; the decode's handshake there must prove the engine id and
+    incarnations named here."""
+    groups = None if block_id_groups is None else (tuple(block_id_groups) or ((),))
+    return msgspec.json.encode(
+        (
+            transfer_id,
+            groups,
+            engine_id,
+            None if incarnations is None else tuple(incarnations),
+            hold_until_ms,
+        )
+    )
+
+
 class ZmqAddress:
     """Where one instance's control plane listens: ``host:{ip},handshake:{port},notify:{port}``.
 
@@ -448,19 +474,14 @@ class KvTransferParams(Schema, frozen=True):
     remote_answer_tag: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
     def answer_bytes(self) -> bytes:
-        """What ``remote_answer_tag`` covers: the fields of the prefill's answer a proxy
-        passes on (transfer id, block ids, engine id, incarnations, hold), canonically encoded
-        from the validated values, so a proxy that re-serialises the JSON changes nothing. The
-        address comes from the proxy's own registry, not the answer; the decode's handshake
-        there must prove the engine id and incarnations named here."""
-        return msgspec.json.encode(
-            (
-                self.transfer_id,
-                None if self.remote_block_ids is None else tuple(self.remote_block_ids),
-                self.remote_engine_id,
-                self.remote_incarnations,
-                self.remote_hold_until_ms,
-            )
+        """What ``remote_answer_tag`` covers (see :func:`answer_bytes`), from the validated
+        values."""
+        return answer_bytes(
+            self.transfer_id,
+            self.remote_block_ids,
+            self.remote_engine_id,
+            self.remote_incarnations,
+            self.remote_hold_until_ms,
         )
 
     def _check(self) -> None:
@@ -593,6 +614,7 @@ __all__ = [
     "KvTransferParams",
     "RequestAddresses",
     "ZmqAddress",
+    "answer_bytes",
     "block_ids_to_wire",
     "format_request_id",
     "parse_kv_transfer_params",

@@ -69,6 +69,7 @@ from moriio_native.control.addressing import (
     KEY_TRANSFER_ID,
     KvTransferParams,
     ZmqAddress,
+    answer_bytes,
     parse_kv_transfer_params,
 )
 from moriio_native.control.messages import hold_until_ms
@@ -663,7 +664,13 @@ class SchedulerSide:
                 cfg.engine_id,
             )
         if self._auth.enabled:
-            answer = parse_kv_transfer_params(out).answer_bytes()
+            answer = answer_bytes(
+                params.transfer_id,
+                selected,
+                cfg.engine_id,
+                self._incarnations,
+                out.get(KEY_REMOTE_HOLD_UNTIL_MS),
+            )
             out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
 
