@@ -1388,29 +1388,29 @@ def _ask_raw(dealer, request: dict) -> HandshakeRejected:
 def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
     fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
-    READ hold), 4 (before write_aborted named its decode rank) or 5 (before confirm_reads and
-    hold checks) gets the version error, with
-    its nonce, and so does a newer one whose request carries a key this version does not know
-    (its keys are not checked at all)."""
+    READ hold), 4 (before write_aborted named its decode rank), 5 (before confirm_reads and
+    hold checks) or 6 (before remote_blocks named the prefill incarnation) gets the version
+    error, with its nonce, and so does a newer one whose request carries a key this version
+    does not know (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
         dealer = raw_dealer(server.port)
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 6)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 7)"
         assert reply.nonce == v1["nonce"]
-        for older in (2, 3, 4, 5):
+        for older in (2, 3, 4, 5, 6):
             reply = _ask_raw(dealer, {**v1, "protocol_version": older})
-            assert reply.reason == f"protocol version {older} is not supported (this side speaks 6)"
-        v7 = {**v1, "protocol_version": 7, "field_of_version_7": [1, 2]}
-        reply = _ask_raw(dealer, v7)
-        assert reply.reason == "protocol version 7 is not supported (this side speaks 6)"
-        assert server.stats()["rejected"] == 6
+            assert reply.reason == f"protocol version {older} is not supported (this side speaks 7)"
+        v8 = {**v1, "protocol_version": 8, "field_of_version_8": [1, 2]}
+        reply = _ask_raw(dealer, v8)
+        assert reply.reason == "protocol version 8 is not supported (this side speaks 7)"
+        assert server.stats()["rejected"] == 7
 
 
-def test_protocol_version_is_6():
-    assert PROTOCOL_VERSION == 6
-    assert HandshakeRequest("d").protocol_version == 6
+def test_protocol_version_is_7():
+    assert PROTOCOL_VERSION == 7
+    assert HandshakeRequest("d").protocol_version == 7
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1473,7 +1473,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 6)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 7)")
 
 
 @pytest.mark.parametrize(

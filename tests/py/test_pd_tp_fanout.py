@@ -73,6 +73,9 @@ class Engine:
     def remove_peer(self, peer: str) -> None:
         self.calls.append(("remove_peer", peer))
 
+    def proven_no_writes_from(self, peer: str) -> bool:
+        return False  # a peer of another host: its exit is never proven
+
     def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
         handle = a[2] if len(a) > 2 else k.get("cuda_event", 0)
         self.calls.append(("write_layer", tid, layer, peer, k.get("segments"), handle))
@@ -105,6 +108,7 @@ def context(
         whole_layers=WHOLE,
         total_kv_heads=heads,
     )
+    ctx.incarnation = incarnation(tp_rank)  # what its rank's handshake answers (peer_at)
     return ctx, directory, sender, engine
 
 
@@ -908,7 +912,6 @@ def test_a_decode_rank_that_cannot_be_handshaken_is_told_write_failed(unreachabl
     decodes = []
     for rank in (0, 1):  # each decode rank handshakes the prefill and announces its blocks
         dctx, ddirectory, dsender, _ = context("write", producer=False, tp_rank=rank, tp_size=2)
-        dctx.incarnation = incarnation(rank)
         puller = Puller(dctx)
         puller.start(RecvTask("req-1", "tx-1", PREFILL, "p:7000", 0, 1, (4, 5), report_done=True))
         answer_handshakes(ddirectory, PREFILL, 1, "WRITE")

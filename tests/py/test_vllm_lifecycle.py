@@ -792,19 +792,31 @@ def write_request(p: Side, d: Side, seed: int) -> bool:
     return loaded
 
 
-@pytest.mark.parametrize("which", ["prefill", "decode"])
-def test_write_after_an_unnoticed_restart_is_loaded(
-    sides: list[Side], model_dir: str, which: str
+def test_write_after_an_unnoticed_decode_restart_is_loaded(
+    sides: list[Side], model_dir: str
 ) -> None:
-    """WRITE: the first request after a restart under the same address that neither side
-    noticed (each caches the other's handshake) is loaded, on both sides' restarts."""
+    """WRITE: the first request after a decode restart under the same address that neither
+    side noticed (each caches the other's handshake) is loaded: the prefill handshakes the
+    decode again when remote_blocks names another decode incarnation."""
     p, d = make_pair(sides, model_dir, "write")
     assert write_request(p, d, seed=51)
-    if which == "prefill":
-        p = restart(sides, p, model_dir, salt=3)
-    else:
-        d = restart(sides, d, model_dir, salt=4)
-    assert write_request(p, d, seed=52), f"the first request after the {which} restarted"
+    d = restart(sides, d, model_dir, salt=4)
+    assert write_request(p, d, seed=52), "the first request after the decode restarted"
+    assert write_request(p, d, seed=53)
+
+
+def test_write_after_an_unnoticed_prefill_restart_is_refused_once_then_loaded(
+    sides: list[Side], model_dir: str
+) -> None:
+    """WRITE: the decode's cached handshake names the prefill process before the restart, and
+    so does its remote_blocks: the new process writes nothing (only the process the decode
+    handshook may write for an announcement, so that its death ends the writes) and answers
+    write_failed; the decode recomputes that request, with its own bytes in every slot, and
+    forgets the handshake, so the next request is loaded from the new process."""
+    p, d = make_pair(sides, model_dir, "write")
+    assert write_request(p, d, seed=51)
+    p = restart(sides, p, model_dir, salt=3)
+    assert not write_request(p, d, seed=52), "the first request after the prefill restarted"
     assert write_request(p, d, seed=53)
 
 

@@ -96,9 +96,11 @@ from .schema import (
 # reads a prefill's blocks only while the prefill still holds them). 5: write_aborted carries
 # the decode rank it answers (decode_engine_id). 6: the handshake request carries
 # confirm_reads, the checksum request hold_only (a decode's READ confirmed by the prefill's
-# hold). A peer of another version is refused at the handshake by its version, before any
-# field of it is checked.
-PROTOCOL_VERSION = 6
+# hold). 7: remote_blocks carries the prefill incarnation the decode handshook (a prefill of
+# another incarnation writes nothing: the decode may take that process's death as the end of
+# the announcement's writes). A peer of another version is refused at the handshake by its
+# version, before any field of it is checked.
+PROTOCOL_VERSION = 7
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -220,6 +222,11 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     # The announcing decode rank's incarnation ("": a decode that predates them): P writes only
     # into that process, never into another one restarted under the same address since.
     decode_incarnation: IncarnationOrEmpty = ""
+    # The incarnation of the prefill rank the decode handshook before announcing ("": not
+    # stated): only that process writes, never another one restarted under the address since
+    # (which a stale handshake or a message queued across the restart could reach), so that
+    # the decode may take that process's proven death as the end of the announcement's writes.
+    prefill_incarnation: IncarnationOrEmpty = ""
 
     @property
     def dedup_key(self) -> tuple[str, ...]:

@@ -1341,6 +1341,16 @@ class Pusher:
                     f"{peer.response.incarnation or '(none stated)'}, remote_blocks came from "
                     f"incarnation {announced}: the decode restarted since; not writing"
                 )
+            addressed = job.remote.prefill_incarnation
+            if addressed and addressed != ctx.incarnation:
+                with ctx.lock:
+                    job.peer = peer  # it answers there: tell it we failed
+                raise FailedPreconditionError(
+                    f"remote_blocks was addressed to prefill incarnation {addressed}, this "
+                    f"process is {ctx.incarnation}: the decode handshook this rank before it "
+                    "restarted (and takes that process's death as the end of these writes); "
+                    "not writing"
+                )
             segments = None
             if job.save is not None and job.save.groups:
                 with ctx.lock:
