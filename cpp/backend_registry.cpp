@@ -33,8 +33,6 @@ bool Backend::AcceptsDeviceWaits(std::uint64_t, std::uint64_t) const { return fa
 
 void Backend::ExpectSubmits() {}
 
-bool Backend::PeerProvenExited(std::uint64_t) const { return false; }
-
 void Backend::SetOwner(std::string_view) {}
 
 Status Backend::ExpectPeerOwner(std::uint64_t, std::string_view) { return Status::OK(); }

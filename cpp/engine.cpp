@@ -740,19 +740,6 @@ Result<bool> Engine::WaitsForDeviceEvents(std::string_view peer) const {
   return p->device_waits;
 }
 
-Result<bool> Engine::ProvenNoWritesFrom(std::string_view peer) const {
-  const Impl& d = *impl_;
-  MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const Peer> p, d.FindPeer(peer));
-  {
-    std::lock_guard lock(d.mu);
-    const bool host_only = std::all_of(d.regions.begin(), d.regions.end(), [](const auto& r) {
-      return r.range.kind == MemoryKind::kHost;
-    });
-    if (!host_only) return false;
-  }
-  return d.backend->PeerProvenExited(p->handle);
-}
-
 Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
     std::span<const LayerRegistration> layers) {
   Impl& d = *impl_;

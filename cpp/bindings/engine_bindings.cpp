@@ -183,10 +183,6 @@ void BindEngine(py::module_& m) {
            [](const Engine& e, const std::string& peer) {
              return Unwrap(e.WaitsForDeviceEvents(peer));
            })
-      .def("proven_no_writes_from",
-           [](const Engine& e, const std::string& peer) {
-             return Unwrap(e.ProvenNoWritesFrom(peer));
-           })
       .def("read",
            [](Engine& e, const std::string& tid, const std::string& peer, const py::object& local,
               const py::object& remote, const std::vector<std::string>& layers) {

@@ -271,13 +271,6 @@ class Backend {
   /// overlaps the planning instead of delaying the first batch. Moves nothing and changes no
   /// state a caller can see; thread-safe, non-blocking. Default: does nothing.
   virtual void ExpectSubmits();
-  /// Whether `peer`'s process is proven to have exited entirely: none of its threads runs any
-  /// more and it holds no file, so no store or system call of it (shared memory, a
-  /// process_vm_writev) can land anywhere. Only a backend that proved at ConnectPeer which
-  /// process of this host the peer is can tell; false for an unknown peer, a peer of another
-  /// host, and whenever it is not proven (a zombie not yet reaped, its pid reused). Thread-safe,
-  /// non-blocking (at most one system call). Default: false.
-  virtual bool PeerProvenExited(std::uint64_t peer) const;
 
   /// Allocates `size` bytes the transport reaches fastest (e.g. shared memory that same-host
   /// peers map directly), page aligned. The memory stays valid until Free or the backend's

@@ -251,16 +251,6 @@ class Engine {
   /// Thread-safe, non-blocking; the answer stays the same while the peer stays added.
   Result<bool> WaitsForDeviceEvents(std::string_view peer) const;
 
-  /// Whether nothing `peer` started can land in this engine's memory any more because its
-  /// process is gone: the backend proves that process exited entirely (UCX: a process of this
-  /// host whose identity it proved at connect, no longer existing: every thread stopped, every
-  /// file closed) and every layer this engine registered is host memory. Device memory answers
-  /// false: a copy the dead process queued on a GPU is not proven stopped by its exit. False
-  /// whenever it is not proven (another host, another backend); NotFound for an unknown peer.
-  /// What lets a WRITE target free blocks a dead writer held, without waiting for its
-  /// quarantine. Thread-safe, non-blocking (at most one system call).
-  Result<bool> ProvenNoWritesFrom(std::string_view peer) const;
-
   /// WRITE: the caller schedules exactly `expected_writes` distinct layers of this transfer to
   /// `peer` -- before or after this call (a seal may overtake its writes); the transfer is done
   /// once all of them completed. `expected_writes == 0` is the explicit "nothing to send" (a

@@ -317,15 +317,6 @@ class Engine:
         otherwise (host memory, loopback). NotFoundError for an unknown peer."""
         return self._engine.waits_for_device_events(peer)
 
-    def proven_no_writes_from(self, peer: str) -> bool:
-        """Whether nothing ``peer`` started can land in this engine's memory any more because
-        its process is gone: the backend proves it exited entirely (UCX: a process of this host
-        whose identity it proved when connecting, no longer existing) and every registered layer
-        is host memory (device memory answers False: a copy the dead process queued on a GPU is
-        not proven stopped). False whenever it is not proven; NotFoundError for an unknown
-        peer. At most one system call; never blocks."""
-        return self._engine.proven_no_writes_from(peer)
-
     def read(
         self,
         transfer_id: str,

@@ -4,8 +4,6 @@
 
 #include "ucx_wire.hpp"
 
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
@@ -148,37 +146,6 @@ TEST(UcxPublishedRegions, ARangeHeldOnceIsReadAgainAfterTheTableChanged) {
   published.reset();
   const mn::Status gone = ucx::CheckPublishedRegion(self, region, "e", held_at);
   EXPECT_EQ(gone.code(), mn::StatusCode::kOutOfRange) << gone.ToString();
-}
-
-TEST(UcxProcessReaped, OnlyAProcessThatNoLongerExistsAtAllIsProvenExited) {
-  const ucx::ProcessIdentity self = ucx::LocalProcessIdentity();
-  EXPECT_FALSE(ucx::ProcessReaped(self));
-  ucx::ProcessIdentity unknown = self;
-  unknown.pid = 0;
-  EXPECT_FALSE(ucx::ProcessReaped(unknown));
-
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::pause();
-    ::_exit(0);
-  }
-  ucx::ProcessIdentity peer = self;
-  peer.pid = static_cast<std::uint32_t>(child);
-  EXPECT_FALSE(ucx::ProcessReaped(peer));  // alive
-  ASSERT_EQ(::kill(child, SIGKILL), 0);
-  // Dead but not reaped: its memory is gone (ProbeProcessIdentity reads it as gone), yet as a
-  // zombie it still exists, so it is not proven exited.
-  siginfo_t info{};
-  ASSERT_EQ(::waitid(P_PID, static_cast<id_t>(child), &info, WEXITED | WNOWAIT), 0);
-  EXPECT_EQ(ucx::ProbeProcessIdentity(peer), ucx::ProcessPresence::kGone);
-  EXPECT_FALSE(ucx::ProcessReaped(peer));
-  ASSERT_EQ(::waitpid(child, nullptr, 0), child);
-  EXPECT_TRUE(ucx::ProcessReaped(peer));
-
-  ucx::ProcessIdentity elsewhere = peer;  // the same pid in another pid namespace: not ours
-  elsewhere.pidns_ino += 1;
-  EXPECT_FALSE(ucx::ProcessReaped(elsewhere));
 }
 
 }  // namespace

@@ -165,7 +165,6 @@ class _Track:
     canaried: set[int] = field(default_factory=set)  # free blocks given the canary last
     touched_since: set[int] = field(default_factory=set)  # held by a request since then
     failure_at: float | None = None  # CLOCK_MONOTONIC (shared by processes) of a load failure
-    quarantined_blocks: int = 0  # the connector's count (its stats), since the last consume leg
 
 
 _TRACKS: dict[str, _Track] = {}
@@ -176,8 +175,6 @@ def _step(side: Side, **hooks: Any) -> Any:
     start = time.monotonic()
     result = side.step(**hooks)
     track.step_times.append(time.monotonic() - start)
-    if result.stats is not None:
-        track.quarantined_blocks += int(result.stats.data.get("quarantined_blocks", 0))
     for rid in side.scheduler.requests:
         track.touched_since.update(side.block_ids(rid))
     return result
@@ -211,11 +208,10 @@ def leg_consume(
     steps. Reports ``posted`` once the first start_load_kv ran. Returns how its KV arrived:
     ``loaded`` (the prefill's bytes in every loaded slot), ``recomputed`` (the decode's own
     bytes in every slot, after a reported load error or failed receive), ``aborted`` or
-    ``mixed`` (a violation); and the blocks the decode quarantined meanwhile."""
+    ``mixed`` (a violation)."""
     side = ctx.sides[name]
     track = _TRACKS[name]
     track.failure_at = None
-    track.quarantined_blocks = 0
     side.add_request(rid, prompt, params=params, max_tokens=2)
     posted = False
 
@@ -268,7 +264,6 @@ def leg_consume(
     report_posted()
     _fill_canaries(side)
     out["failure_at"] = track.failure_at
-    out["quarantined_blocks"] = track.quarantined_blocks
     out["done_at"] = time.monotonic()
     return out
 

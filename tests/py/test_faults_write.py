@@ -99,38 +99,6 @@ def test_prefill_killed_before_its_writes_is_recomputed_then_restarted(pair: fs.
         fs.finish(pair, row)
 
 
-def test_a_prefill_proven_gone_ends_the_announced_load_without_a_quarantine(
-    pair: fs.Pair,
-) -> None:
-    """kill -9 of the prefill (reaped) after the decode announced its blocks: no write_done
-    will come. The decode used to wait abort_timeout, quarantine the blocks and probe the dead
-    prefill three times (about 20 s in the fault table) before recomputing. A process of this
-    host proven gone (its identity proven when connecting, now no longer existing) can write
-    nothing more into host memory, so the load fails at once: recomputed, nothing quarantined,
-    no byte landing after (the audit's canaries)."""
-    with fs.recorded("WRITE, kill -9 prefill after the announcement (proven gone)") as row:
-        for _ in range(fs.rounds(1)):
-            fs.write_transfer(pair, row)  # cached handshakes with the process about to die
-
-            def kill() -> None:
-                pair.p.proc.kill()
-                row.faults += 1
-
-            out = fs.write_transfer(
-                pair, row, expect=("recomputed",), between=kill, run_prefill=False
-            )
-            row.check(
-                out["quarantined_blocks"] == 0,
-                f"{out['rid']}: the decode quarantined {out['quarantined_blocks']} blocks "
-                "for a prefill proven gone",
-            )
-            pair.restart("prefill")
-            after = fs.write_transfer(pair, row)
-            fs.audit(pair, row, [after["rid"]], recv=[out["rid"], after["rid"]], wait=GIVE_UP_S)
-            row.rounds += 1
-        fs.finish(pair, row)
-
-
 @fs.full_tier
 def test_prefill_killed_right_after_its_forward(pair: fs.Pair) -> None:
     with fs.recorded("WRITE, kill -9 prefill right after its forward (writes in flight)") as row:

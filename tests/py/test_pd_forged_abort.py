@@ -63,9 +63,6 @@ class Engine:
     def waits_for_device_events(self, peer: str) -> bool:
         return False
 
-    def proven_no_writes_from(self, peer: str) -> bool:
-        return False
-
 
 class Sender:
     def __init__(self) -> None:

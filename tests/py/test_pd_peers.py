@@ -224,8 +224,7 @@ def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backof
     built up a backoff (5 s doubling), and the first requests its new process computed failed
     at once from that memory (recomputed) although the docs promised the first request after a
     restart is loaded. A request naming an incarnation no failed attempt was made for is
-    evidence of a new instance: it is handshaken at once. One that fails is remembered for that
-    incarnation too, backed off from ``retry_after`` again."""
+    evidence of a new instance: it is handshaken at once."""
     decode, _ = engine("decode", 1)
     clock = Clock()
     peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
@@ -248,16 +247,18 @@ def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backof
     assert peers.connect(key, 1, accept).result(timeout=0).handshake is peer.handshake
 
 
-def test_a_new_incarnations_failed_attempt_backs_off_from_the_start(made: list) -> None:
-    """Evidence is tried once: a caller naming an incarnation whose attempt failed fails at once
-    within its backoff, which starts again from ``retry_after`` (not the old instance's 20 s);
-    another new incarnation is tried again."""
+def test_a_new_incarnations_failed_attempt_never_shortens_the_backoff(made: list) -> None:
+    """Evidence buys one attempt: a caller naming an incarnation whose attempt failed fails at
+    once, and so does a caller naming none, until the backoff the dead instance built up (20 s
+    here) ends; the failed attempt never shortened it (found by a review: it had restarted the
+    doubling from 5 s for every caller, so anyone naming ever new incarnations without a
+    secret kept a dead peer's backoff short). Another new incarnation is tried once."""
     decode, _ = engine("decode", 1)
     clock = Clock()
     peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
     peers._timeout = 0.3
     key = PeerKey(LOCAL, free_port())
-    for _ in range(3):
+    for _ in range(3):  # 5 s, 10 s, then a 20 s backoff
         with pytest.raises(TransferTimeoutError):
             peers.connect(key, 1, accept).result(timeout=30)
         clock.now += 15.1
@@ -272,9 +273,13 @@ def test_a_new_incarnations_failed_attempt_backs_off_from_the_start(made: list) 
     with pytest.raises(TransferTimeoutError):
         other.result(timeout=30)
     assert other.exception() is not first.exception()
-    clock.now += 5.1  # the new instance's backoff (5 s) passed, the old one's 20 s did not
-    retried = peers.connect(key, 1, accept, incarnation=claimed)
-    assert retried is not again
+    clock.now += 5.1
+    for named in ("", claimed):  # 5 s on: the 20 s backoff still holds them
+        held = peers.connect(key, 1, accept, incarnation=named)
+        assert held.done() and held.exception() is other.exception()
+    clock.now += 15.0  # past the 20 s: tried again
+    retried = peers.connect(key, 1, accept)
+    assert retried is not held
     with pytest.raises(TransferTimeoutError):
         retried.result(timeout=30)
 

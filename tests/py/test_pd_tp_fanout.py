@@ -73,9 +73,6 @@ class Engine:
     def remove_peer(self, peer: str) -> None:
         self.calls.append(("remove_peer", peer))
 
-    def proven_no_writes_from(self, peer: str) -> bool:
-        return False  # a peer of another host: its exit is never proven
-
     def write_layer(self, tid: str, layer: str, peer: str, *a: Any, **k: Any) -> bool:
         handle = a[2] if len(a) > 2 else k.get("cuda_event", 0)
         self.calls.append(("write_layer", tid, layer, peer, k.get("segments"), handle))

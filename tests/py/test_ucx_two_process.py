@@ -385,36 +385,6 @@ def test_a_write_to_a_same_host_peer_killed_mid_write_ends_drained() -> None:
         child.stop()
 
 
-def _proof_while_the_peer_dies(engine: mn.Engine, child: Child) -> list[bool]:
-    """``engine.proven_no_writes_from`` of ``child`` (added to ``engine``) while it lives, once
-    killed but not reaped (a zombie), and once reaped."""
-    answers = [engine.proven_no_writes_from(child.engine_id)]
-    child.proc.kill()
-    os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOWAIT)  # dead, still a zombie
-    answers.append(engine.proven_no_writes_from(child.engine_id))
-    child.proc.join(TIMEOUT)
-    answers.append(engine.proven_no_writes_from(child.engine_id))
-    return answers
-
-
-def test_a_writer_is_proven_gone_only_once_no_process_of_it_exists() -> None:
-    """What lets a WRITE target free blocks its dead writer was given: with host-memory caches,
-    a same-host peer is proven unable to write only once no process of its pid exists (killed
-    and reaped); alive, or a zombie (its memory gone, but it exists), it is not. An unknown
-    peer is an error naming it."""
-    child = Child("prefill", PEER_MODE_TCP)
-    try:
-        decode = _caches("decode")
-        engine = mn.Engine("decode-0", "ucx", PEER_MODE_TCP)
-        engine.register_kv_caches(decode.registrations())
-        engine.add_peer(child.metadata)
-        assert _proof_while_the_peer_dies(engine, child) == [False, False, True]
-        with pytest.raises(mn.NotFoundError, match="nobody"):
-            engine.proven_no_writes_from("nobody")
-    finally:
-        child.stop()
-
-
 def test_both_sides_on_backend_allocated_memory_read_and_write() -> None:
     """Backings allocated by UCX (shared memory): the peer maps them and copies with memcpy."""
     child = Child("prefill", {}, allocate=True)
@@ -506,22 +476,6 @@ def test_mixed_layouts_in_gpu_memory_read_and_write(stamps: str) -> None:
         np.testing.assert_array_equal(prefill_child.backing(), expected_remote)
     finally:
         assert prefill_child.stop() == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _cuda_available(), reason="needs torch with a CUDA GPU")
-def test_with_gpu_caches_a_dead_writer_is_never_proven_unable_to_write() -> None:
-    """With caches in GPU memory the answer stays False even once the peer was reaped: a copy
-    its process queued on a GPU into this memory is not proven stopped by its exit."""
-    child = Child("prefill", PEER_MODE_TCP)
-    try:
-        gpu = GpuMirror(_caches("decode"))
-        engine = mn.Engine("decode-0", "ucx", PEER_MODE_TCP)
-        engine.register_kv_caches(gpu.registrations())
-        engine.add_peer(child.metadata)
-        assert _proof_while_the_peer_dies(engine, child) == [False, False, False]
-    finally:
-        child.stop()
 
 
 @pytest.fixture()

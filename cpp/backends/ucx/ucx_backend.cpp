@@ -583,7 +583,6 @@ class UcxBackend final : public Backend {
   bool AcceptsDeviceWaits(std::uint64_t local_region,
                           std::uint64_t remote_region) const override;
   void ExpectSubmits() override;
-  bool PeerProvenExited(std::uint64_t peer) const override;
   Result<MemoryRange> Allocate(std::uint64_t size, MemoryKind kind, int device) override;
   Status Free(const MemoryRange& range) override;
 
@@ -1425,17 +1424,6 @@ bool UcxBackend::AcceptsDeviceWaits(std::uint64_t local_region,
   auto l = regions_.find(local_region);
   auto r = remotes_.find(remote_region);
   return l != regions_.end() && r != remotes_.end() && TakesDeviceWaits(*l->second);
-}
-
-bool UcxBackend::PeerProvenExited(std::uint64_t peer) const {
-  ProcessIdentity identity;  // set before the peer is published, never changed after
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    auto it = peers_.find(peer);
-    if (it == peers_.end()) return false;
-    identity = it->second->identity;
-  }
-  return ProcessReaped(identity);
 }
 
 Result<MemoryRange> UcxBackend::Allocate(std::uint64_t size, MemoryKind kind, int device) {

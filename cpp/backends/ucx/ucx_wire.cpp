@@ -2,7 +2,6 @@
 
 #include <pthread.h>
 #include <sched.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -294,15 +293,6 @@ ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer) {
     return got == peer.cookie ? ProcessPresence::kAlive : ProcessPresence::kGone;
   }
   return n < 0 && errno == ESRCH ? ProcessPresence::kGone : ProcessPresence::kUnknown;
-}
-
-bool ProcessReaped(const ProcessIdentity& peer) {
-  struct stat self{};
-  if (peer.pid == 0 || ::stat("/proc/self/ns/pid", &self) != 0 || peer.pidns_ino != self.st_ino ||
-      peer.pidns_dev != self.st_dev) {
-    return false;
-  }
-  return ::kill(static_cast<pid_t>(peer.pid), 0) != 0 && errno == ESRCH;
 }
 
 bool VerifyProcessIdentity(const ProcessIdentity& peer) {

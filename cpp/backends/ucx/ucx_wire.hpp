@@ -71,15 +71,6 @@ enum class ProcessPresence {
 /// longer read is kUnknown, never kGone. Thread-safe.
 ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer);
 
-/// Whether the process `peer` names (an identity VerifyProcessIdentity proved before) has
-/// exited entirely and been reaped: no process of its pid exists in this pid namespace any
-/// more (one kill(pid, 0) answering ESRCH). Stronger than ProbeProcessIdentity's kGone, which a
-/// process reads as the moment its memory is torn down: a thread-group leader that exited
-/// before its other threads, or a zombie, still exists here, so only a process none of whose
-/// threads runs and whose files are closed counts. A reused pid reads as not exited: never a
-/// false proof, at worst none. Thread-safe.
-bool ProcessReaped(const ProcessIdentity& peer);
-
 /// This process publishes, next to its identity cookie, the memory its UCX backends registered
 /// and the engine each registration serves: a same-host peer that moves bytes with
 /// process_vm_readv/writev reads it through the same pid and checks each remote range against it

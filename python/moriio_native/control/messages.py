@@ -97,8 +97,7 @@ from .schema import (
 # the decode rank it answers (decode_engine_id). 6: the handshake request carries
 # confirm_reads, the checksum request hold_only (a decode's READ confirmed by the prefill's
 # hold). 7: remote_blocks carries the prefill incarnation the decode handshook (a prefill of
-# another incarnation writes nothing: the decode may take that process's death as the end of
-# the announcement's writes). A peer of another version is refused at the handshake by its
+# another incarnation writes nothing). A peer of another version is refused at the handshake by its
 # version, before any field of it is checked.
 PROTOCOL_VERSION = 7
 
@@ -225,7 +224,8 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     # The incarnation of the prefill rank the decode handshook before announcing ("": not
     # stated): only that process writes, never another one restarted under the address since
     # (which a stale handshake or a message queued across the restart could reach), so that
-    # the decode may take that process's proven death as the end of the announcement's writes.
+    # the decode's view of its writer (its probes: another incarnation answering there means
+    # the writer died) is the process that writes.
     prefill_incarnation: IncarnationOrEmpty = ""
 
     @property

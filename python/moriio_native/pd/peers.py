@@ -17,9 +17,10 @@
   waiting ``timeout`` again; :meth:`expire` drops entries past their time. The memory is of the
   instances asked for: a caller naming an incarnation that no failed attempt at the address was
   made for (a request computed by a prefill that restarted there since) is fresh evidence of a
-  live instance, and gets a new attempt at once (shared, and backed off from ``retry_after``
-  again when it fails), so the first request after a restart is not failed by the backoff its
-  predecessor's death built up;
+  live instance, and gets a new attempt at once (shared; when it fails too, that incarnation is
+  remembered and the backoff stands as it was: evidence buys one attempt, never a shorter wait
+  for the callers the backoff holds), so the first request after a restart is not failed by
+  the backoff its predecessor's death built up;
 * a peer that restarted under the same address (same engine id, new metadata) replaces the old
   connection through the engine's explicit ``add_peer(..., replace=True)``: the old instance's
   transfers end (failed), the new one is reachable. An engine id that is already connected at
@@ -463,19 +464,23 @@ class PeerDirectory:
     ) -> _Failure:
         """What is remembered once an attempt made for ``incarnation`` failed with ``error``
         (the key's ``previous`` failure, if any): the backoff doubles with each failure in a
-        row of the same instances, and starts again from ``retry_after`` for an attempt made
-        for an incarnation the previous ones were not (a new instance: the old one's deaths
-        say nothing of it)."""
+        row. An attempt made on fresh evidence (an incarnation ``previous`` does not cover)
+        adds its incarnation and leaves the backoff as it was, at least ``retry_after`` from
+        now: one record serves every caller of the address, and anyone who can name ever new
+        incarnations must not shorten the wait of the callers it holds."""
+        now = self._clock()
         known = previous.incarnations if previous is not None else ()
-        repeated = previous is not None and previous.covers(incarnation)
-        attempts = previous.attempts + 1 if repeated and previous is not None else 1
-        delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
-        if isinstance(error, PeerCapacityError):
-            # Nothing is wrong with that peer: room may free any moment.
-            attempts, delay = 0, min(CAPACITY_RETRY_S, self._retry_after)
         if incarnation and incarnation not in known:
             known = (*known, incarnation)[-MAX_FAILED_INCARNATIONS:]
-        return _Failure(self._clock() + delay, error, attempts, known)
+        if isinstance(error, PeerCapacityError):
+            # Nothing is wrong with that peer: room may free any moment.
+            return _Failure(now + min(CAPACITY_RETRY_S, self._retry_after), error, 0, known)
+        if previous is not None and not previous.covers(incarnation):
+            until = max(previous.until, now + self._retry_after)
+            return _Failure(until, error, previous.attempts, known)
+        attempts = previous.attempts + 1 if previous is not None else 1
+        delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
+        return _Failure(now + delay, error, attempts, known)
 
     def _fetch(self, key: PeerKey) -> HandshakeResponse:
         """One handshake with ``key`` under this directory's timeout and security (any thread)."""

@@ -17,10 +17,7 @@ WRITE await part (:class:`AwaitState`): the prefill rank is handshaken, then tol
 (``remote_blocks``); its ``write_done`` / ``write_failed`` ends the part. Giving up (abort, or
 ``abort_timeout``) after the announcement quarantines the part: ``abort_write`` asks the
 prefill rank to stop, and the part ends on its ``write_aborted`` (or any final message), on its
-proven death, or after ``quarantine_timeout``. A prefill whose process the engine proves gone
-(a process of this host that no longer exists, and host memory here:
-``Engine.proven_no_writes_from``) ends an announced or quarantined part at once, failed: none
-of its writes can land any more, and no ``write_done`` will come.
+proven death, or after ``quarantine_timeout``.
 
 With ``verify`` on, a READ the engine completed, and a WRITE await whose ``write_done`` came,
 pass through VERIFYING: the two sides' block checksums are compared
@@ -48,8 +45,8 @@ from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks, now_ms
 from moriio_native.control.ports import rank_port
 from moriio_native.control.schema import PART_SEPARATOR
-from moriio_native.engine import BlockSegment, Engine
-from moriio_native.errors import FailedPreconditionError, MoriioError, NotFoundError
+from moriio_native.engine import BlockSegment
+from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.context import (
     Context,
     check_engine,
@@ -152,9 +149,6 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.ANNOUNCED, AwaitEvent.GIVE_UP): AwaitState.QUARANTINED,
-    # The prefill's process is proven gone (Engine.proven_no_writes_from): its write_done
-    # will never come, and none of its writes can land any more.
-    (AwaitState.ANNOUNCED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
@@ -170,15 +164,6 @@ AWAIT_TERMINAL = frozenset({AwaitState.DONE, AwaitState.FAILED})
 
 
 S = TypeVar("S", ReadState, AwaitState)
-
-
-def _proven_gone(engine: Engine, peer: str) -> bool:
-    """Engine.proven_no_writes_from, False for a peer the engine no longer has (removed or
-    replaced meanwhile: unproven)."""
-    try:
-        return engine.proven_no_writes_from(peer)
-    except NotFoundError:
-        return False
 
 
 def _overall(states: list[S], live: tuple[S, ...], done: S, failed: S) -> S:
@@ -1086,9 +1071,7 @@ class Puller:
         ctx.mark_terminal(task.transfer_id)
 
     def check_timeouts(self, now: float) -> None:
-        """End parts whose writer is proven gone; give up awaits past abort_timeout; free or
-        probe quarantined parts."""
-        self._end_parts_of_exited_writers()
+        """Give up awaits past abort_timeout; free or probe quarantined parts."""
         ctx = self._ctx
         expired: list[str] = []
         gone: list[tuple[_Await, _AwaitPart]] = []
@@ -1128,50 +1111,6 @@ class Puller:
             with ctx.lock:
                 part.probe = future
             future.add_done_callback(lambda f, w=waiting, p=part: self._probed(w, p, f))
-
-    def _end_parts_of_exited_writers(self) -> None:
-        """Announced and quarantined parts whose prefill process the engine proves gone end
-        now (failed, recomputed) instead of after abort_timeout and the probes. Only parts
-        whose announcement named that process's incarnation: no other process writes for it
-        (a prefill restarted under the address refuses it), so the process's death ends its
-        writes. Asked once per engine peer, outside the lock, and only of the connection the
-        part announced to: a peer replaced since is the probes' to judge."""
-        ctx = self._ctx
-        directory = ctx.directory
-        with ctx.lock:
-            writing = [
-                (waiting, part)
-                for waiting in self._awaits.values()
-                for part in waiting.parts.values()
-                if part.peer is not None
-                and part.peer.response.incarnation
-                and part.machine.state in (AwaitState.ANNOUNCED, AwaitState.QUARANTINED)
-            ]
-        if not writing:
-            return
-        engine = ctx.engine()
-        verdicts: dict[str, bool] = {}
-        for waiting, part in writing:
-            peer = part.peer
-            assert peer is not None
-            if directory.cached(peer.key) is not peer.handshake:
-                continue
-            if peer.engine_peer not in verdicts:
-                verdicts[peer.engine_peer] = _proven_gone(engine, peer.engine_peer)
-            if not verdicts[peer.engine_peer]:
-                continue
-            why = (
-                f"prefill rank {part.rank} ({peer.response.engine_id} at {peer.key}) exited: "
-                "none of its writes can land any more"
-            )
-            if self._end_await_part(waiting, part, AwaitEvent.WRITER_GONE, why):
-                logger.warning(
-                    "request %s (transfer %s): %s; its %d blocks are free again",
-                    waiting.task.req_id,
-                    waiting.task.transfer_id,
-                    why,
-                    len(waiting.task.local_block_ids),
-                )
 
     def _probed(self, waiting: _Await, part: _AwaitPart, future: Future[str]) -> None:
         """A quarantined part's prefill rank answered a probe (or did not): another instance

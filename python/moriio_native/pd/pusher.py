@@ -1348,8 +1348,7 @@ class Pusher:
                 raise FailedPreconditionError(
                     f"remote_blocks was addressed to prefill incarnation {addressed}, this "
                     f"process is {ctx.incarnation}: the decode handshook this rank before it "
-                    "restarted (and takes that process's death as the end of these writes); "
-                    "not writing"
+                    "restarted (and judges its writer by that process); not writing"
                 )
             segments = None
             if job.save is not None and job.save.groups:
