@@ -97,8 +97,8 @@ from .schema import (
 # the decode rank it answers (decode_engine_id). 6: the handshake request carries
 # confirm_reads, the checksum request hold_only (a decode's READ confirmed by the prefill's
 # hold). 7: remote_blocks carries the prefill incarnation the decode handshook (a prefill of
-# another incarnation writes nothing). A peer of another version is refused at the handshake by its
-# version, before any field of it is checked.
+# another incarnation writes nothing), write_failed the writer's incarnation. A peer of another
+# version is refused at the handshake by its version, before any field of it is checked.
 PROTOCOL_VERSION = 7
 
 MAX_NOTIFY_BYTES = 8 << 20
@@ -263,6 +263,10 @@ class WriteFailed(_Message, frozen=True, tag="write_failed"):
     transfer_id: TransferId
     writer_rank: Rank = 0
     reason: Reason = ""
+    # The failing writer's incarnation ("": not stated). Another one than D's handshake of the
+    # rank names means the rank restarted since D's handshake (it refused an announcement
+    # addressed to its predecessor): D handshakes it again for the next request.
+    writer_incarnation: IncarnationOrEmpty = ""
 
     @property
     def dedup_key(self) -> tuple[str, ...]:

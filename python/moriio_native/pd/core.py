@@ -464,6 +464,9 @@ class PdCore:
                 ok=isinstance(message, WriteDone),
                 writer_rank=message.writer_rank,
                 checksums=message.checksums if isinstance(message, WriteDone) else None,
+                writer_incarnation=(
+                    message.writer_incarnation if isinstance(message, WriteFailed) else ""
+                ),
             )
             return
         if not cfg.producer:

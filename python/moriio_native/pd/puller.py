@@ -901,11 +901,15 @@ class Puller:
         ok: bool,
         writer_rank: int = 0,
         checksums: dict[str, bytes] | None = None,
+        writer_incarnation: str = "",
     ) -> None:
         """write_done (``ok``, with the prefill's ``checksums`` when it verifies), write_failed
         or write_aborted from prefill rank ``writer_rank``: each is sent only once none of its
         writes can land any more, so each also ends a quarantine. With verify on, a write_done
-        is checked first (VERIFYING)."""
+        is checked first (VERIFYING). A write_failed from another ``writer_incarnation`` than
+        the part's handshake names (the rank restarted since, and refused an announcement
+        addressed to its predecessor) drops that handshake: the next request handshakes the
+        rank again."""
         ctx = self._ctx
         with ctx.lock:
             waiting = self._awaits.get(tid)
@@ -918,6 +922,9 @@ class Puller:
                 writer_rank,
             )
             return
+        restarted = part.peer is not None and part.peer.response.incarnation != writer_incarnation
+        if writer_incarnation and restarted:
+            ctx.directory.forget(part.peer)
         if not ok or ctx.verifier is None:
             self._end_await_part(
                 waiting, part, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED
@@ -1030,10 +1037,7 @@ class Puller:
         self, waiting: _Await, part: _AwaitPart, event: AwaitEvent, why: str = ""
     ) -> bool:
         """A part's end; a failed one gives up the others, the last one reports the load.
-        False when ``event`` does not apply (the part ended, or moved on, before it). A failed
-        part's handshake is forgotten: the prefill may have restarted since it was made (then
-        it refuses announcements addressed to its predecessor), so the next request handshakes
-        it again."""
+        False when ``event`` does not apply (the part ended, or moved on, before it)."""
         with self._ctx.lock:
             if not part.machine.allows(event):
                 return False
@@ -1042,8 +1046,6 @@ class Puller:
             done = not waiting.ended and all(
                 p.machine.state in AWAIT_TERMINAL for p in waiting.parts.values()
             )
-        if failed:
-            self._ctx.directory.forget(part.peer)
         why = why or f"WRITE ended by {event.name.lower()} of prefill rank {part.rank}"
         if failed and not done:
             self.give_up(waiting.task.transfer_id, why)
@@ -1104,6 +1106,8 @@ class Puller:
                 part.rank,
                 ctx.cfg.quarantine_timeout,
             )
+            # Given up on as dead: a prefill restarted since refuses what names its predecessor.
+            ctx.directory.forget(part.peer)
             self._end_await_part(waiting, part, AwaitEvent.WRITER_GONE)
         for waiting, part in to_probe:
             assert part.peer is not None
@@ -1133,6 +1137,7 @@ class Puller:
             part.peer.response.engine_id,
             dead if restarted else f"{dead}, {failures} probes in a row",
         )
+        self._ctx.directory.forget(part.peer)
         self._end_await_part(waiting, part, AwaitEvent.WRITER_GONE)
 
     # ---- shared -------------------------------------------------------------------------------

@@ -1433,7 +1433,12 @@ class Pusher:
             ctx.stats.record(ok=False)  # (a request aborted before any write is no transfer)
 
     def _write_failed(self, request: str, reason: str) -> WriteFailed:
-        return WriteFailed(request, writer_rank=self._rank, reason=reason_text(reason) or "failed")
+        return WriteFailed(
+            request,
+            writer_rank=self._rank,
+            reason=reason_text(reason) or "failed",
+            writer_incarnation=self._ctx.incarnation,
+        )
 
     def _send_final(self, job: _Job, message: NotifyMessage) -> None:
         """``job``'s final message (lock held), to its handshaken decode rank; without a
