@@ -217,6 +217,17 @@ def test_failed_handshake_is_cached_with_backoff(made: list) -> None:
     assert peers.connect(key, 1, accept).result(timeout=30).engine_peer == "prefill"
 
 
+def _fail_three_times(
+    peers: PeerDirectory, clock: Clock, key: PeerKey, incarnation: str = ""
+) -> None:
+    """Three failed handshakes with ``key`` (nothing listens there), each past the backoff of
+    the one before: the address backs off 20 s from now."""
+    for wait in (15.1, 15.1, 0.0):  # 5 s, 10 s, then a 20 s backoff
+        with pytest.raises(TransferTimeoutError):
+            peers.connect(key, 1, accept, incarnation=incarnation).result(timeout=30)
+        clock.now += wait
+
+
 def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backoff(
     made: list,
 ) -> None:
@@ -231,11 +242,7 @@ def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backof
     peers._timeout = 0.3  # nothing listens there while the prefill is down
     key = PeerKey(LOCAL, free_port())
     died = new_incarnation()
-    for _ in range(3):  # 5 s, 10 s, then a 20 s backoff
-        with pytest.raises(TransferTimeoutError):
-            peers.connect(key, 1, accept, incarnation=died).result(timeout=30)
-        clock.now += 15.1
-    clock.now -= 15.1
+    _fail_three_times(peers, clock, key, died)
     remembered = peers.connect(key, 1, accept, incarnation=died)
     assert remembered.done() and isinstance(remembered.exception(), TransferTimeoutError)
     assert peers.connect(key, 1, accept).done()  # naming none: no evidence, fails at once
@@ -258,11 +265,7 @@ def test_a_new_incarnations_failed_attempt_never_shortens_the_backoff(made: list
     peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
     peers._timeout = 0.3
     key = PeerKey(LOCAL, free_port())
-    for _ in range(3):  # 5 s, 10 s, then a 20 s backoff
-        with pytest.raises(TransferTimeoutError):
-            peers.connect(key, 1, accept).result(timeout=30)
-        clock.now += 15.1
-    clock.now -= 15.1
+    _fail_three_times(peers, clock, key)
     claimed = new_incarnation()
     first = peers.connect(key, 1, accept, incarnation=claimed)
     with pytest.raises(TransferTimeoutError):

@@ -922,9 +922,9 @@ class Puller:
                 writer_rank,
             )
             return
-        restarted = part.peer is not None and part.peer.response.incarnation != writer_incarnation
-        if writer_incarnation and restarted:
-            ctx.directory.forget(part.peer)
+        peer = part.peer
+        if peer is not None and writer_incarnation not in ("", peer.response.incarnation):
+            ctx.directory.forget(peer)
         if not ok or ctx.verifier is None:
             self._end_await_part(
                 waiting, part, AwaitEvent.WRITE_DONE if ok else AwaitEvent.WRITE_FAILED
