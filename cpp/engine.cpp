@@ -726,6 +726,11 @@ Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
   impl->tracker = std::make_shared<detail::TransferTracker>(config.transfer_timeout,
                                                             config.terminal_history);
   impl->sink = std::make_shared<Sink>(impl->tracker);
+  // The UCX backend's region check fails its batches at its own deadline: not before the
+  // transfer's (a peer frozen for seconds on a loaded host answers late, not never). Other
+  // backends ignore the key.
+  config.options.try_emplace("ucx_region_check_timeout_ms",
+                             std::to_string(config.transfer_timeout.count()));
   MORIIO_ASSIGN_OR_RETURN(impl->backend, CreateBackend(config.backend, config.options, impl->sink));
   impl->backend->SetOwner(config.engine_id);
   impl->config = std::move(config);

@@ -35,6 +35,7 @@
 #include <set>
 #include <random>
 #include <string>
+#include <thread>
 #include <string_view>
 #include <type_traits>
 #include <vector>
@@ -1192,6 +1193,35 @@ TEST(UcxBackend, BatchesToAFreshRegionWaitForItsCheckThenAllArrive) {
   EXPECT_EQ(target.Stop(), 0);
 }
 
+// A region check waits ucx_region_check_timeout_ms for its answer (the engine sets it to its
+// transfer_timeout): a target frozen longer than the 5 s the check used to give it answers once
+// it runs again, and the batch moves its bytes. Under `vllm serve` at TP 2 on a loaded 2-core
+// machine, a restarted prefill's first WRITEs failed so ("no answer within 5 s"), each request
+// recomputed although its transfer_timeout was 30 s.
+TEST(UcxBackend, ARegionCheckAnsweredLateWithinItsTimeoutLetsTheBatchMove) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_read_push"] = "off";  // gets: the operation path, which checks the region first
+  options["ucx_region_check_timeout_ms"] = "60000";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  std::vector<std::uint8_t> want_local = us.local->Read();
+  std::vector<std::uint8_t> remote = Pattern(kRegion, kChildSeed);
+  auto batch = us.NewBatch(mn::TransferOp::kRead, 240, 50, 240);
+  Apply(*batch, want_local, remote);
+  ASSERT_TRUE(target.Pause());
+  ASSERT_TRUE(us.backend->Submit(batch).ok());
+  std::this_thread::sleep_for(std::chrono::seconds(7));
+  target.Resume();
+  const mn::Status st = us.sink->Wait(240);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
 // Disconnecting a peer that stopped answering, with operations posted to it, leaves the backend
 // serving its other peers while those operations drain: a READ from a healthy peer submitted
 // after DisconnectPeer returned completes while the stalled peer's batch still waits (before,
@@ -1932,6 +1962,16 @@ TEST(UcxBackend, BadOptionsAreRefused) {
   options = BaseOptions();
   options["ucx_config"] = "no equals sign";
   EXPECT_EQ(plugin->probe(options).code(), mn::StatusCode::kInvalidArgument);
+  for (const char* ms : {"0", "-5", "31536000001", "5s", ""}) {
+    SCOPED_TRACE(ms);
+    options = BaseOptions();
+    options["ucx_region_check_timeout_ms"] = ms;
+    st = plugin->probe(options);
+    EXPECT_EQ(st.code(), mn::StatusCode::kInvalidArgument);
+    EXPECT_NE(st.message().find("ucx_region_check_timeout_ms='" + std::string(ms) + "'"),
+              std::string::npos)
+        << st.ToString();
+  }
   for (const char* queue : {"0", "-1", "1048577", "12x", "", "lots"}) {
     SCOPED_TRACE(queue);
     options = BaseOptions();

@@ -14,6 +14,10 @@ Only a peer whose process is proven gone ends such a WRITE drained (nothing of i
 memory anyone owns). A second review (2026-12-06) found that a live peer whose memory this
 process may no longer read (it made itself non-dumpable) was taken for dead: any refused read
 of its identity counted as its exit.
+
+The same stopped peer shows how long the region check before a region's first put waits for its
+answer: the engine's transfer_timeout, not a fixed 5 s (under `vllm serve` at TP 2 on a loaded
+2-core machine a restarted prefill's first WRITEs failed so, ahead of their 30 s deadline).
 """
 
 from __future__ import annotations
@@ -74,11 +78,16 @@ def _decode_main(conn: Connection, options: dict[str, str]) -> None:
 
 @contextmanager
 def stopped_decode(
-    transfer_timeout: float, options: dict[str, str] = OPTIONS, non_dumpable: bool = False
+    transfer_timeout: float,
+    options: dict[str, str] = OPTIONS,
+    non_dumpable: bool = False,
+    warm_up: bool = True,
 ) -> Iterator[tuple[mn.Engine, int, Connection]]:
     """A prefill engine connected to a decode process that is then stopped (SIGSTOP); the
     decode is resumed and ended on the way out, whatever happened. ``non_dumpable``: before
-    the stop, the decode makes itself non-dumpable (after the connect proved its identity)."""
+    the stop, the decode makes itself non-dumpable (after the connect proved its identity).
+    ``warm_up`` false: nothing moved before the stop, so the decode's region is not confirmed
+    yet and the first put waits for its region check."""
     ctx = multiprocessing.get_context("spawn")
     ours, theirs = ctx.Pipe()
     child = ctx.Process(target=_decode_main, args=(theirs, options), daemon=True)
@@ -92,17 +101,8 @@ def stopped_decode(
         source[:] = SOURCE
         engine.register_kv_caches(_layers(source))
         engine.add_peer(metadata)
-        # The connection is up before the stop, and the decode's region confirmed (a region
-        # check precedes the first put: with the decode stopped it would never be answered,
-        # and no put would be posted). Block 0 is not among those the tests write.
-        engine.read("warm-up", "decode", [0], [0])
-        engine.write_layer("warm-up-write", "L", "decode", [0], [0])
-        engine.seal("warm-up-write", "decode", expected_writes=1)
-        warm = engine.wait(["warm-up", "warm-up-write"], 30)
-        assert {tid: event.state for tid, event in warm.items()} == {
-            "warm-up": "done",
-            "warm-up-write": "done",
-        }
+        if warm_up:
+            _warm_up(engine)
         if non_dumpable:
             ours.send("no-dump")
             assert ours.recv() == 0
@@ -117,6 +117,20 @@ def stopped_decode(
         child.join(10)
         if child.is_alive():
             child.kill()
+
+
+def _warm_up(engine: mn.Engine) -> None:
+    """The connection up and the decode's region confirmed (a region check precedes the first
+    put: with the decode stopped it is answered only once it runs again, and no put is posted
+    meanwhile). Block 0 is not among those the tests write."""
+    engine.read("warm-up", "decode", [0], [0])
+    engine.write_layer("warm-up-write", "L", "decode", [0], [0])
+    engine.seal("warm-up-write", "decode", expected_writes=1)
+    warm = engine.wait(["warm-up", "warm-up-write"], 30)
+    assert {tid: event.state for tid, event in warm.items()} == {
+        "warm-up": "done",
+        "warm-up-write": "done",
+    }
 
 
 def wait_stopped(pid: int) -> None:
@@ -168,6 +182,18 @@ def test_a_timed_out_write_to_a_stopped_peer_is_never_reported_drained() -> None
             engine.poll_events(timeout=0.05)
             drained += [notice.transfer_id for notice in engine.poll_drained()]
         assert "w" not in drained
+        landed = landed_after_resume(pid, conn)
+    assert landed == len(WRITTEN) * BLOCK
+
+
+def test_a_region_check_answered_after_5_s_lets_the_first_write_land() -> None:
+    with stopped_decode(transfer_timeout=30.0, warm_up=False) as (engine, pid, conn):
+        engine.write_layer("w", "L", "decode", WRITTEN, WRITTEN)
+        engine.seal("w", "decode", expected_writes=1)
+        time.sleep(7.0)  # past the 5 s a region check used to wait, within transfer_timeout
+        os.kill(pid, signal.SIGCONT)
+        event = engine.wait(["w"], 30)["w"]
+        assert event.state == "done", event
         landed = landed_after_resume(pid, conn)
     assert landed == len(WRITTEN) * BLOCK
 

@@ -68,9 +68,6 @@ constexpr auto kSpinBeforeSleep = std::chrono::microseconds(50);
 // How long teardown (destructor, a peer DisconnectPeer dropped) waits for operations already
 // posted to finish before it force-closes the endpoint, which cancels them.
 constexpr auto kDrainDeadline = std::chrono::seconds(5);
-// How long a region check waits for the owner's answer before its batch (and those parked
-// behind it) fail: a stopped or dead peer without failure detection never answers.
-constexpr auto kRegionCheckDeadline = std::chrono::seconds(5);
 // How long teardown then waits for UCX to report the operations the forced close cancelled.
 constexpr auto kCancelDeadline = std::chrono::seconds(1);
 // How often the progress thread checks that a same-host peer without UCX peer-failure detection
@@ -635,7 +632,7 @@ class UcxBackend final : public Backend {
   bool RegionConfirmed(ActiveBatch& ab);
   // The data path of `ab` (PathOf), chosen once its peer, regions and op are known.
   Path PathOf(const ActiveBatch& ab) const;
-  // Region checks that ended (answered, failed, stopped) or passed kRegionCheckDeadline: the
+  // Region checks that ended (answered, failed, stopped) or passed their deadline: the
   // region's state follows each (ResolveRegionCheck: the batches parked behind it start on
   // their paths or fail), and the check's own batch starts on its path, fails, or, with its
   // request's send never ended (a dead peer), is abandoned.
@@ -1738,7 +1735,9 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   }
   region.check = RemoteRegion::Check::kRunning;
   ab.checking = true;
-  ab.check_deadline = Clock::now() + kRegionCheckDeadline;
+  // A stopped or dead peer without failure detection never answers: past this the check fails
+  // its batch (and those parked behind it).
+  ab.check_deadline = Clock::now() + options_.region_check_timeout;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
                                         region.range, region.peer->engine_id, region.key));
   return false;
@@ -1778,8 +1777,9 @@ bool UcxBackend::EndRegionChecks() {
     const bool past_deadline = now >= ab.check_deadline;
     if (!ab.stop && !ab.push_done && past_deadline) {
       ab.Fail(TimeoutError(PushWhat(ab) + ": no answer within " +
-                           std::to_string(kRegionCheckDeadline.count()) +
-                           " s (the peer stopped answering, or died); nothing of the batch moved"));
+                           std::to_string(options_.region_check_timeout.count()) +
+                           " ms (ucx_region_check_timeout_ms; the peer stopped answering, or "
+                           "died); nothing of the batch moved"));
     }
     // A stopped check (timed out, disconnected, its peer failed) whose send UCX still holds at
     // the deadline is abandoned below; an answered one waits for its send's callback.

@@ -2,6 +2,7 @@
 
 #include <cctype>
 #include <cstddef>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -27,6 +28,24 @@ bool ValidName(std::string_view name) {
     if (!(std::isupper(c) || std::isdigit(c) || c == '_')) return false;
   }
   return true;
+}
+
+/// `text` (trimmed) as a whole number from `min` to `max`; nullopt for anything else (a sign,
+/// trailing characters, out of range).
+std::optional<unsigned long long> WholeNumber(std::string_view text, unsigned long long min,
+                                              unsigned long long max) {
+  const std::string trimmed = Trim(text);
+  std::size_t used = 0;
+  unsigned long long n = 0;
+  try {
+    n = std::stoull(trimmed, &used);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+  if (trimmed.empty() || used != trimmed.size() || trimmed[0] == '-' || n < min || n > max) {
+    return std::nullopt;
+  }
+  return n;
 }
 
 }  // namespace
@@ -92,19 +111,22 @@ Result<UcxOptions> ParseUcxOptions(const BackendOptions& options) {
     }
   }
   if (const auto* v = Find(options, "ucx_push_queue")) {
-    const std::string text = Trim(*v);
-    std::size_t used = 0;
-    unsigned long long n = 0;
-    try {
-      n = std::stoull(text, &used);
-    } catch (const std::exception&) {
-      used = 0;
-    }
-    if (text.empty() || used != text.size() || text[0] == '-' || n < 1 || n > (1u << 20)) {
+    const auto n = WholeNumber(*v, 1, 1u << 20);
+    if (!n) {
       return InvalidArgumentError("option ucx_push_queue='" + *v +
                                   "' is not valid: use a whole number from 1 to 1048576");
     }
-    out.push_queue = static_cast<std::size_t>(n);
+    out.push_queue = static_cast<std::size_t>(*n);
+  }
+  if (const auto* v = Find(options, "ucx_region_check_timeout_ms")) {
+    constexpr unsigned long long kYearMs = 365ULL * 24 * 3600 * 1000;
+    const auto ms = WholeNumber(*v, 1, kYearMs);
+    if (!ms) {
+      return InvalidArgumentError("option ucx_region_check_timeout_ms='" + *v +
+                                  "' is not valid: use a whole number of milliseconds from 1 "
+                                  "to 31536000000 (a year)");
+    }
+    out.region_check_timeout = std::chrono::milliseconds(*ms);
   }
   if (const auto* v = Find(options, "ucx_config")) {
     std::string_view rest = *v;

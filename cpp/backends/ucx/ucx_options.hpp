@@ -46,6 +46,12 @@
 ///                     run's offsets, instead of the engine planning one entry per run (measured
 ///                     faster for 4 KiB to 72 KiB runs, READ and WRITE: docs/benchmarks.md).
 ///                     "off": runs only (the path before; for comparisons).
+///   ucx_region_check_timeout_ms
+///                     How long a region check (docs/backends-ucx.md) waits for the region's
+///                     owner to answer before it fails its batches (default 5000, 1 ms to a
+///                     year). The engine sets it to its transfer_timeout when the key is not
+///                     given, so no check fails a batch before the transfer's own deadline (a
+///                     peer frozen for seconds on a loaded host answers late, not never).
 ///   ucx_config        Extra UCX settings, "NAME=VALUE;NAME=VALUE" (NAME with or without the UCX_
 ///                     prefix), applied with ucp_config_modify after the environment is read.
 ///
@@ -56,6 +62,7 @@
 /// Other keys: CreateBackend refuses unknown ucx_* keys and ignores other backends' keys (see
 /// BackendOptions); ParseUcxOptions itself reads only the keys above.
 
+#include <chrono>
 #include <cstddef>
 #include <string>
 #include <utility>
@@ -67,12 +74,10 @@
 namespace moriio_native::detail::ucx {
 
 /// The keys above, for BackendPlugin::options (nullptr-terminated).
-inline constexpr const char* kUcxOptionKeys[] = {"ucx_library_path",   "ucx_tls",
-                                                 "ucx_net_devices",    "progress_mode",
-                                                 "ucx_direct_copy",    "ucx_error_handling",
-                                                 "ucx_read_push",      "ucx_push_queue",
-                                                 "ucx_stamps",         "ucx_config",
-                                                 nullptr};
+inline constexpr const char* kUcxOptionKeys[] = {
+    "ucx_library_path", "ucx_tls", "ucx_net_devices", "progress_mode", "ucx_direct_copy",
+    "ucx_error_handling", "ucx_read_push", "ucx_push_queue", "ucx_stamps",
+    "ucx_region_check_timeout_ms", "ucx_config", nullptr};
 
 enum class ProgressMode { kThread, kBusy };
 enum class ErrorHandling { kAuto, kPeer, kNone };
@@ -89,6 +94,7 @@ struct UcxOptions {
   ReadPush read_push = ReadPush::kAuto;
   std::size_t push_queue = 4096;
   bool stamps = true;
+  std::chrono::milliseconds region_check_timeout{5000};
   /// NAME (without UCX_) -> VALUE, in the order given.
   std::vector<std::pair<std::string, std::string>> config;
 };
