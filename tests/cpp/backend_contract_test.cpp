@@ -651,7 +651,8 @@ TEST(BackendOptionsSharing, UcxListsEveryKeyItParses) {
   if (!keys.ok()) GTEST_SKIP() << keys.status().ToString();
   for (const char* k : {"ucx_library_path", "ucx_tls", "ucx_net_devices", "progress_mode",
                         "ucx_direct_copy", "ucx_error_handling", "ucx_read_push",
-                        "ucx_stamps", "ucx_config"}) {
+                        "ucx_push_queue", "ucx_stamps", "ucx_region_check_timeout_ms",
+                        "ucx_config"}) {
     EXPECT_TRUE(std::ranges::binary_search(*keys, std::string(k))) << k;
   }
 }

@@ -226,9 +226,12 @@ def _signal_pids(pids: list[int], signum: int) -> None:
 # ---- one round ---------------------------------------------------------------------------------
 
 
-def _check_after(f: Faulty, row: Row, index: int, fault_at: float) -> None:
+def _check_after(
+    f: Faulty, row: Row, index: int, fault_at: float, *, restarted: bool = False
+) -> None:
     """The invariants once a fault is over: both instances clean within the bound, the next two
-    requests equal the plain instance's and loaded their KV, resources sampled."""
+    requests equal the plain instance's and loaded their KV, resources sampled. ``restarted``:
+    the prefill was restarted (only then may the first request be refused, in WRITE mode)."""
     for inst in (f.prefill, f.decode):
         bound = f.deadlines.clean_bound_s
         took = _wait_until(lambda inst=inst: not _held(_gauges(inst)), bound, 0.5)
@@ -241,7 +244,9 @@ def _check_after(f: Faulty, row: Row, index: int, fault_at: float) -> None:
     _, after = prompts.fault_round(index)
     want = f.baseline[3 * index + 1 : 3 * index + 3]
     for n, (prompt, expected) in enumerate(zip(after, want, strict=True)):
-        _check_loaded(f, row, f"round {index}: request {n} after the fault", prompt, expected, n)
+        may_be_refused = restarted and f.mode == "WRITE" and n == 0
+        what = f"round {index}: request {n} after the fault"
+        _check_loaded(f, row, what, prompt, expected, may_be_refused=may_be_refused)
     for inst, who in ((f.prefill, "prefill"), (f.decode, "decode")):
         inst.server.check_alive()
         f.samples[who].append(serving.group_resources(inst.server.pid))
@@ -263,12 +268,18 @@ BINDING_REFUSAL = "was addressed to prefill incarnation"
 
 
 def _check_loaded(
-    f: Faulty, row: Row, what: str, prompt: list[int], expected: Completion, n: int
+    f: Faulty,
+    row: Row,
+    what: str,
+    prompt: list[int],
+    expected: Completion,
+    *,
+    may_be_refused: bool,
 ) -> None:
     """``prompt``, sent alone, equals ``expected`` and its KV was loaded from the prefill: the
-    decode's external-KV prompt tokens grew and it logged no recovery. Only in WRITE mode may
-    the first request after a restart be refused (BINDING_REFUSAL): the decode then handshakes
-    the new process for the next one."""
+    decode's external-KV prompt tokens grew and it logged no recovery. ``may_be_refused``: the
+    first request after a restart in WRITE mode, which the new prefill may refuse
+    (BINDING_REFUSAL); the decode then handshakes the new process for the next one."""
     log = f.decode.server.log_path
     log_from = log.stat().st_size
     counted_before = _gauges(f.decode)["external_kv_tokens"]
@@ -281,7 +292,7 @@ def _check_loaded(
     recovered = any(RECOMPUTED in line for line in logged)
     if counted and not recovered:
         return
-    refused = f.mode == "WRITE" and n == 0 and any(BINDING_REFUSAL in line for line in logged)
+    refused = may_be_refused and any(BINDING_REFUSAL in line for line in logged)
     why = [line for line in logged if " WARNING " in line or " ERROR " in line][:3]
     row.check(
         refused,
@@ -486,5 +497,5 @@ def test_prefill_killed_mid_request(faulty: Faulty) -> None:
             f.prefill.wait_ready(START_TIMEOUT_S)
             serving.wait_registered(f.router, REGISTER_TIMEOUT_S, tp=f.settings.tp, since=restarted)
             row.rounds += 1
-            _check_after(f, row, index, fault_at)
+            _check_after(f, row, index, fault_at, restarted=True)
             logger.info("round %d: the client got %s", index, answer)

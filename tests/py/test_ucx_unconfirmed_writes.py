@@ -198,6 +198,26 @@ def test_a_region_check_answered_after_5_s_lets_the_first_write_land() -> None:
     assert landed == len(WRITTEN) * BLOCK
 
 
+def test_a_write_waiting_behind_an_unanswered_check_gets_its_own_timeout() -> None:
+    """A WRITE that waits behind the region check another one started 4 s before it: that check
+    times out at its 8 s (a review found every batch parked behind it failed with it, this one
+    4 s before its own deadline), and this one checks again and lands once the decode runs."""
+    with stopped_decode(transfer_timeout=8.0, warm_up=False) as (engine, pid, conn):
+        started = time.monotonic()
+        engine.write_layer("first", "L", "decode", [1], [1])
+        engine.seal("first", "decode", expected_writes=1)
+        time.sleep(4.0)
+        engine.write_layer("w", "L", "decode", WRITTEN[1:], WRITTEN[1:])
+        engine.seal("w", "decode", expected_writes=1)
+        time.sleep(max(0.0, started + 9.0 - time.monotonic()))  # the first check has timed out
+        os.kill(pid, signal.SIGCONT)
+        events = engine.wait(["first", "w"], 30)
+        assert events["first"].state != "done", events["first"]
+        assert events["w"].state == "done", events["w"]
+        landed = landed_after_resume(pid, conn)
+    assert landed == len(WRITTEN[1:]) * BLOCK  # nothing of the first moved
+
+
 CAP_SYS_PTRACE = 19
 _CAP_VERSION_3 = 0x20080522
 

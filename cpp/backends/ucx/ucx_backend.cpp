@@ -460,6 +460,10 @@ struct ActiveBatch {
   bool checking = false;
   bool parked = false;
   std::chrono::steady_clock::time_point check_deadline;  // checking: fails when it passes
+  // When it started waiting for its region's check, its own or another batch's (the epoch: not
+  // yet). Its wait ends ucx_region_check_timeout_ms after this, whichever batch checks: one
+  // parked behind a check that got no answer in time checks again itself until then.
+  std::chrono::steady_clock::time_point region_wait_since{};
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
   // without peer-failure detection): kept only so their callbacks find it.
@@ -1729,6 +1733,7 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   // Path::kPush waits for the target's answer and counts as waiting for the peer
   // (CheckPeersAlive); the batch's own path replaces it once the check ended.
   ab.path = Path::kPush;
+  if (ab.region_wait_since == Clock::time_point{}) ab.region_wait_since = Clock::now();
   if (region.check == RemoteRegion::Check::kRunning) {
     ab.parked = true;
     return false;
@@ -1736,8 +1741,8 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   region.check = RemoteRegion::Check::kRunning;
   ab.checking = true;
   // A stopped or dead peer without failure detection never answers: past this the check fails
-  // its batch (and those parked behind it).
-  ab.check_deadline = Clock::now() + options_.region_check_timeout;
+  // its batch (and those parked behind it whose own wait is over).
+  ab.check_deadline = ab.region_wait_since + options_.region_check_timeout;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
                                         region.range, region.peer->engine_id, region.key));
   return false;
@@ -1750,11 +1755,18 @@ void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
   RemoteRegion& region = *ab.remote;
   const bool confirmed = !ab.stop;
   region.check = confirmed ? RemoteRegion::Check::kConfirmed : RemoteRegion::Check::kUnchecked;
+  // A check that got no answer in time says nothing of the region, and a batch that parked
+  // behind it later than it started has time of its own left: such batches check again (the
+  // first to start becomes the new checker, the others park behind it).
+  const bool unanswered = !confirmed && ab.error.code() == StatusCode::kTimeout;
+  const auto now = Clock::now();
   for (auto& other : active_) {
     if (!other.parked || other.remote != ab.remote) continue;
     other.parked = false;
     if (other.stop) continue;
-    if (confirmed) {
+    const bool time_left =
+        unanswered && now < other.region_wait_since + options_.region_check_timeout;
+    if (confirmed || time_left) {
       StartOnPath(other);
     } else {
       other.Fail(ab.error.WithContext("batch " + std::to_string(other.batch->token) +

@@ -42,7 +42,8 @@ std::optional<unsigned long long> WholeNumber(std::string_view text, unsigned lo
   } catch (const std::exception&) {
     return std::nullopt;
   }
-  if (trimmed.empty() || used != trimmed.size() || trimmed[0] == '-' || n < min || n > max) {
+  const bool signed_text = !trimmed.empty() && (trimmed[0] == '-' || trimmed[0] == '+');
+  if (trimmed.empty() || used != trimmed.size() || signed_text || n < min || n > max) {
     return std::nullopt;
   }
   return n;
