@@ -116,6 +116,11 @@ if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _on_sigterm)
 
 
+def is_problem(line: str) -> bool:
+    """Whether a log line is a warning, an error or a traceback's start."""
+    return any(mark in line for mark in (" WARNING ", " ERROR ", "Traceback", "WARN ", "ERROR "))
+
+
 @dataclass
 class Server:
     """One process we started; ``stop`` ends it and its children."""
@@ -169,8 +174,17 @@ class Server:
             text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
-        marks = (" WARNING ", " ERROR ", "Traceback", "WARN ", "ERROR ")
-        return "\n".join([line for line in text if any(m in line for m in marks)][-lines:])
+        return "\n".join([line for line in text if is_problem(line)][-lines:])
+
+    def log_size(self) -> int:
+        """The bytes its log holds now: a mark for :meth:`log_since`."""
+        return self.log_path.stat().st_size
+
+    def log_since(self, mark: int) -> str:
+        """What its log gained after ``mark`` (a :meth:`log_size`)."""
+        with self.log_path.open("rb") as log:
+            log.seek(mark)
+            return log.read().decode(errors="replace")
 
     def check_alive(self) -> None:
         if not self.alive():

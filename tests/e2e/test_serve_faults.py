@@ -232,8 +232,8 @@ def _check_after(
     """The invariants once a fault is over: both instances clean within the bound, the next two
     requests equal the plain instance's and loaded their KV, resources sampled. ``restarted``:
     the prefill was restarted (only then may the first request be refused, in WRITE mode)."""
+    bound = f.deadlines.clean_bound_s
     for inst in (f.prefill, f.decode):
-        bound = f.deadlines.clean_bound_s
         took = _wait_until(lambda inst=inst: not _held(_gauges(inst)), bound, 0.5)
         row.check(
             took is not None,
@@ -280,20 +280,17 @@ def _check_loaded(
     decode's external-KV prompt tokens grew and it logged no recovery. ``may_be_refused``: the
     first request after a restart in WRITE mode, which the new prefill may refuse
     (BINDING_REFUSAL); the decode then handshakes the new process for the next one."""
-    log = f.decode.server.log_path
-    log_from = log.stat().st_size
+    log_from = f.decode.server.log_size()
     counted_before = _gauges(f.decode)["external_kv_tokens"]
     (got,) = serving.run_all(f.router.url, [prompt], prompts.MAX_TOKENS)
     row.check(got.key() == expected.key(), f"{what}: {got} differs from the baseline {expected}")
     counted = _gauges(f.decode)["external_kv_tokens"] > counted_before
-    with log.open("rb") as lines:
-        lines.seek(log_from)
-        logged = lines.read().decode(errors="replace").splitlines()
+    logged = f.decode.server.log_since(log_from).splitlines()
     recovered = any(RECOMPUTED in line for line in logged)
     if counted and not recovered:
         return
     refused = may_be_refused and any(BINDING_REFUSAL in line for line in logged)
-    why = [line for line in logged if " WARNING " in line or " ERROR " in line][:3]
+    why = [line for line in logged if serving.is_problem(line)][:3]
     row.check(
         refused,
         f"{what}: not loaded from the prefill (external KV tokens counted: {counted}, a "

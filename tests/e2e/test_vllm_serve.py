@@ -286,7 +286,7 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     _wait_registered(router, cluster.settings)
     before = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
     failed_before = _failed_transfers(cluster)
-    decode_log_from = cluster.decode.server.log_path.stat().st_size
+    decode_log_from = cluster.decode.server.log_size()
     got = _run_via_router(router, cluster.settings, prompts.ROUTER)
     _assert_identical(got, baseline["router"], f"{cluster.settings.mode} via vllm-router")
     # Fresh prompts: equal outputs alone would also come from a decode that recomputed every
@@ -311,10 +311,7 @@ def _failed_transfers(cluster: Cluster) -> float:
 def _unanswered_hold_checks(decode: Instance, log_from: int) -> int:
     """READs the decode failed since byte ``log_from`` of its log because a hold check got no
     answer in time (none in WRITE mode: nothing is checked so)."""
-    with decode.server.log_path.open("rb") as log:
-        log.seek(log_from)
-        text = log.read().decode(errors="replace")
-    return len(HOLD_CHECK_UNANSWERED.findall(text))
+    return len(HOLD_CHECK_UNANSWERED.findall(decode.server.log_since(log_from)))
 
 
 def test_negative_control_prefill_with_other_weights(

@@ -459,10 +459,10 @@ struct ActiveBatch {
   // check (a push request of no runs, on Path::kPush), or waits for another batch's (parked).
   bool checking = false;
   bool parked = false;
-  std::chrono::steady_clock::time_point check_deadline;  // checking: fails when it passes
   // When it started waiting for its region's check, its own or another batch's (the epoch: not
-  // yet). Its wait ends ucx_region_check_timeout_ms after this, whichever batch checks: one
-  // parked behind a check that got no answer in time checks again itself until then.
+  // yet). Its wait ends ucx_region_check_timeout_ms after this (RegionWaitEnd), whichever batch
+  // checks: its own check fails then, and one parked behind a check that got no answer in
+  // time checks again itself until then.
   std::chrono::steady_clock::time_point region_wait_since{};
   bool stop = false;  // post nothing more (error, disconnect, shutdown)
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
@@ -636,6 +636,11 @@ class UcxBackend final : public Backend {
   bool RegionConfirmed(ActiveBatch& ab);
   // The data path of `ab` (PathOf), chosen once its peer, regions and op are known.
   Path PathOf(const ActiveBatch& ab) const;
+  // When the wait of `ab` for its region's check ends (a stopped or dead peer without failure
+  // detection never answers).
+  Clock::time_point RegionWaitEnd(const ActiveBatch& ab) const {
+    return ab.region_wait_since + options_.region_check_timeout;
+  }
   // Region checks that ended (answered, failed, stopped) or passed their deadline: the
   // region's state follows each (ResolveRegionCheck: the batches parked behind it start on
   // their paths or fail), and the check's own batch starts on its path, fails, or, with its
@@ -1740,9 +1745,6 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   }
   region.check = RemoteRegion::Check::kRunning;
   ab.checking = true;
-  // A stopped or dead peer without failure detection never answers: past this the check fails
-  // its batch (and those parked behind it whose own wait is over).
-  ab.check_deadline = ab.region_wait_since + options_.region_check_timeout;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
                                         region.range, region.peer->engine_id, region.key));
   return false;
@@ -1765,7 +1767,7 @@ void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
     other.parked = false;
     if (other.stop) continue;
     const bool time_left =
-        unanswered && now < other.region_wait_since + options_.region_check_timeout;
+        unanswered && now < RegionWaitEnd(other);
     if (confirmed || time_left) {
       StartOnPath(other);
     } else {
@@ -1786,7 +1788,7 @@ bool UcxBackend::EndRegionChecks() {
       ++it;
       continue;
     }
-    const bool past_deadline = now >= ab.check_deadline;
+    const bool past_deadline = now >= RegionWaitEnd(ab);
     if (!ab.stop && !ab.push_done && past_deadline) {
       ab.Fail(TimeoutError(PushWhat(ab) + ": no answer within " +
                            std::to_string(options_.region_check_timeout.count()) +
