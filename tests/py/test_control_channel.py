@@ -1389,7 +1389,8 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
     fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
     READ hold), 4 (before write_aborted named its decode rank), 5 (before confirm_reads and
-    hold checks) or 6 (before remote_blocks named the prefill incarnation) gets the version
+    hold checks), 6 (before remote_blocks named the prefill incarnation) or 7 (before
+    misaddressed) gets the version
     error, with its nonce, and so does a newer one whose request carries a key this version
     does not know (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
@@ -1397,20 +1398,20 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 7)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 8)"
         assert reply.nonce == v1["nonce"]
-        for older in (2, 3, 4, 5, 6):
+        for older in (2, 3, 4, 5, 6, 7):
             reply = _ask_raw(dealer, {**v1, "protocol_version": older})
-            assert reply.reason == f"protocol version {older} is not supported (this side speaks 7)"
-        v8 = {**v1, "protocol_version": 8, "field_of_version_8": [1, 2]}
-        reply = _ask_raw(dealer, v8)
-        assert reply.reason == "protocol version 8 is not supported (this side speaks 7)"
-        assert server.stats()["rejected"] == 7
+            assert reply.reason == f"protocol version {older} is not supported (this side speaks 8)"
+        v9 = {**v1, "protocol_version": 9, "field_of_version_9": [1, 2]}
+        reply = _ask_raw(dealer, v9)
+        assert reply.reason == "protocol version 9 is not supported (this side speaks 8)"
+        assert server.stats()["rejected"] == 8
 
 
-def test_protocol_version_is_7():
-    assert PROTOCOL_VERSION == 7
-    assert HandshakeRequest("d").protocol_version == 7
+def test_protocol_version_is_8():
+    assert PROTOCOL_VERSION == 8
+    assert HandshakeRequest("d").protocol_version == 8
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1473,7 +1474,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 7)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 8)")
 
 
 @pytest.mark.parametrize(

@@ -27,6 +27,7 @@ from moriio_native.control.messages import (
     AbortWrite,
     HandshakeResponse,
     InvalidMessageError,
+    Misaddressed,
     Release,
     RemoteBlocks,
     WriteAborted,
@@ -161,6 +162,21 @@ def test_stray_write_results_log_a_burst_not_a_line_each(
     for i in range(FLOOD):
         puller.on_write_result(f"stray-{i}", ok=i % 2 == 0)
     assert len(_lines(caplog, "ignoring a write result")) == BURST
+
+
+def test_stray_misaddressed_messages_log_a_burst_and_change_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """misaddressed of transfers the decode never announced (stray, or forged without a
+    secret): a burst of lines, no await, no handshake, nothing reported."""
+    caplog.set_level(logging.WARNING, logger="moriio_native.pd")
+    ctx, directory, sender = context("write", producer=False)
+    puller = Puller(ctx)
+    for i in range(FLOOD):
+        puller.on_misaddressed(Misaddressed(f"stray-{i}", "ab" * 16, "cd" * 16, writer_rank=i % 4))
+    assert len(_lines(caplog, "ignoring misaddressed")) == BURST
+    assert not directory.pending and not sender.sent and not puller.await_states()
+    assert not ctx.reports.failed_recving
 
 
 def test_write_mode_messages_to_a_read_mode_prefill_log_a_burst(

@@ -19,6 +19,7 @@ from moriio_native.control.messages import (
     HandshakeRequest,
     HandshakeResponse,
     InvalidMessageError,
+    Misaddressed,
     ProtocolVersionError,
     ProxyRegistration,
     Release,
@@ -39,6 +40,7 @@ SAMPLES = [
     RemoteBlocks("tx-3", ((),), "d0"),
     WriteDone("tx-1", writer_rank=3, num_writers=4),
     WriteFailed("tx-1", writer_rank=0, reason="RDMA transfer timed out"),
+    Misaddressed("tx-1", "ab" * 16, "0123456789abcdef", writer_rank=1),
     Release("tx-1", consumer_tp_size=4, consumer_tp_rank=2),
     AbortWrite("tx-1", "d0/dp1/tp0", "10.0.0.2", 7301, 7401, decode_dp_rank=1),
     WriteAborted("tx-1", "d:8000/dp0/tp0", writer_rank=2),
@@ -243,6 +245,19 @@ def test_constructors_refuse_invalid_messages():
         ProxyRegistration("P", "no-port", ZmqAddress("1.2.3.4", 1, 2), 1, 1, "READ")
     with pytest.raises(InvalidArgumentError, match="type"):
         ProxyRegistration("X", "1.2.3.4:80", ZmqAddress("1.2.3.4", 1, 2), 1, 1, "READ")
+
+
+def test_misaddressed_names_two_different_incarnations():
+    """A process answering misaddressed is not the one the announcement named: the same
+    incarnation twice, or none, is refused when built and when decoded."""
+    with pytest.raises(InvalidMessageError, match="addressed_incarnation"):
+        Misaddressed("tx-1", "ab" * 16, "ab" * 16)
+    with pytest.raises(InvalidMessageError, match="writer_incarnation"):
+        Misaddressed("tx-1", "", "ab" * 16)
+    body = msgpack.unpackb(encode(Misaddressed("tx-1", "ab" * 16, "cd" * 16)))
+    body["addressed_incarnation"] = "ab" * 16
+    with pytest.raises(InvalidMessageError, match="addressed_incarnation"):
+        decode(_packed(body), NOTIFY_TYPES, max_bytes=1024)
 
 
 def test_abort_write_checks_the_decode_address_and_ids():

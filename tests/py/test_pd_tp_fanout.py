@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
 
+import msgspec
 import pytest
 
 from moriio_native.control.addressing import ZmqAddress, parse_kv_transfer_params
@@ -21,6 +22,7 @@ from moriio_native.control.messages import (
     HandshakeResponse,
     InvalidMessageError,
     KvGroup,
+    Misaddressed,
     Release,
     RemoteBlocks,
     WriteAborted,
@@ -1059,6 +1061,167 @@ def test_a_decode_that_restarted_since_announcing_gets_no_write_failed() -> None
     assert not final_messages(sender) and not engine.calls
     pusher.begin_step([], [SendTask("req-3", "tx-3")])
     assert ctx.reports.done_sending == {"req-3"}
+
+
+# The incarnation of a process restarted at prefill rank 0's address after the decode's
+# handshake (the test's ranks answer as incarnation(rank)).
+PREDECESSOR = "ab" * 16
+
+
+def misaddressed_job(tid: str) -> tuple[Context, Directory, PortSender, Engine, Pusher]:
+    """A WRITE prefill rank (TP 1, incarnation(0)) whose job of request req-1 (transfer
+    ``tid``) got remote_blocks addressed to PREDECESSOR and was handshaken with the decode."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", tid, (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(
+        RemoteBlocks(tid, ((20, 21),), "d:8000/dp0/tp0", prefill_incarnation=PREDECESSOR)
+    )
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    return ctx, directory, sender, engine, pusher
+
+
+def test_an_announcement_addressed_to_a_predecessor_is_asked_for_again_then_written() -> None:
+    """Before: the restarted prefill failed the job (write_failed) and the decode recomputed
+    the request. Now it writes nothing, keeps the job and answers misaddressed at the decode
+    rank's notify port; the announcement addressed to it is written."""
+    ctx, directory, sender, engine, pusher = misaddressed_job("tx-1")
+    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
+    assert pusher.job_states() == {"tx-1": JobState.PENDING}
+    assert not engine.calls and not final_messages(sender)
+    port, asked = sender.ports[-1]
+    assert port == DECODE.notify_port and isinstance(asked, Misaddressed)
+    assert (asked.transfer_id, asked.writer_rank) == ("tx-1", 0)
+    assert (asked.writer_incarnation, asked.addressed_incarnation) == (incarnation(0), PREDECESSOR)
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-1", ((20, 21),), "d:8000/dp0/tp0", prefill_incarnation=incarnation(0))
+    )
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    assert pusher.job_states() == {"tx-1": JobState.WRITING}
+    pusher.forward_done(DENSE, LayerEvent(0x1000))
+    run_writer(ctx, pusher)
+    posts = [c[:3] for c in engine.calls if c[0] in ("write_layers", "seal")]
+    assert posts == [("write_layers", "tx-1", DENSE), ("seal", "tx-1", "d:8000/dp0/tp0")]
+
+
+def test_a_second_misaddressed_announcement_fails_the_job() -> None:
+    """One request is announced again at most once: a second announcement addressed to
+    another process than this one ends the job failed, nothing written, write_failed told."""
+    _, directory, sender, engine, pusher = misaddressed_job("tx-1")
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-1", ((20, 21),), "d:8000/dp0/tp0", prefill_incarnation="cd" * 16)
+    )
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    assert pusher.job_states() == {"tx-1": JobState.FAILED}
+    assert not engine.calls
+    assert final_messages(sender) == [(DECODE.notify_port, "write_failed", "tx-1", 0)]
+    assert sum(isinstance(m, Misaddressed) for m in sender.sent) == 1
+
+
+class IncarnationDirectory(Directory):
+    """Records the incarnation each handshake was asked for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[str] = []
+        self.forgotten: list[Peer | None] = []
+
+    def connect(self, key: PeerKey, notify_port: int, validate: Any, **kw: Any) -> Future[Peer]:
+        self.asked.append(kw.get("incarnation", ""))
+        return self.answer(key)
+
+    def forget(self, peer: Peer | None) -> None:
+        self.forgotten.append(peer)
+
+
+def announced_await(tid: str) -> tuple[Context, IncarnationDirectory, Sender, Puller]:
+    """A WRITE decode rank (TP 1) whose await of req-1 (transfer ``tid``, blocks 4 and 5)
+    announced to prefill rank 0, handshaken as incarnation(0)."""
+    ctx, _, sender, _ = context("write", producer=False, tp_rank=0, tp_size=1)
+    ctx.directory = directory = IncarnationDirectory()  # type: ignore[assignment]
+    puller = Puller(ctx)
+    puller.start(RecvTask("req-1", tid, PREFILL, "p:7000", 0, 1, (4, 5), report_done=True))
+    answer_handshakes(directory, PREFILL, 1, "WRITE")
+    assert puller.await_states() == {tid: AwaitState.ANNOUNCED}
+    return ctx, directory, sender, puller
+
+
+def answer_as(directory: Directory, new_incarnation: str) -> None:
+    """Complete the pending handshake of prefill rank 0 as a process of ``new_incarnation``."""
+    key, future = directory.pending.pop(0)
+    peer = peer_at(key, PREFILL, 0, 1, "WRITE")
+    response = msgspec.structs.replace(peer.response, incarnation=new_incarnation)
+    handshake = Handshake(key, peer.engine_peer, response, asked_at=time.monotonic())
+    future.set_result(Peer(handshake, peer.notify_port))
+
+
+def announcements(sender: Sender) -> list[str]:
+    """The prefill incarnation each remote_blocks sent was addressed to, in order."""
+    return [m.prefill_incarnation for m in sender.sent if isinstance(m, RemoteBlocks)]
+
+
+def test_a_misaddressed_answer_makes_the_decode_announce_to_the_new_process_once() -> None:
+    """The decode forgets the stale handshake, handshakes the rank naming the incarnation
+    that answered, announces the same blocks to it, and loads what it writes; a second
+    misaddressed (the rank restarted again) fails the load instead of a third announcement."""
+    ctx, directory, sender, puller = announced_await("tx-1")
+    new = "ef" * 16
+    puller.on_misaddressed(Misaddressed("tx-1", new, incarnation(0)))
+    assert puller.await_states() == {"tx-1": AwaitState.CONNECTING}
+    assert directory.asked == ["", new]
+    assert [p.response.incarnation for p in directory.forgotten if p] == [incarnation(0)]
+    answer_as(directory, new)
+    assert announcements(sender) == [incarnation(0), new]
+    blocks = [m.block_ids for m in sender.sent if isinstance(m, RemoteBlocks)]
+    assert blocks[0] == blocks[1] == ((4, 5),)
+    assert puller.await_states() == {"tx-1": AwaitState.ANNOUNCED}
+    puller.on_misaddressed(Misaddressed("tx-1", "12" * 16, new))
+    assert announcements(sender) == [incarnation(0), new]
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_a_misaddressed_answer_then_written_loads_the_request() -> None:
+    ctx, directory, _, puller = announced_await("tx-1")
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    answer_as(directory, "ef" * 16)
+    puller.on_write_result("tx-1", ok=True, writer_rank=0)
+    assert ctx.reports.done_recving == {"req-1"} and not ctx.reports.failed_recving
+
+
+def test_announcing_again_to_yet_another_process_fails_and_releases_it() -> None:
+    """The handshake after misaddressed answers as neither process (the rank restarted once
+    more): nothing is announced to it, the load fails and the rank is released."""
+    ctx, directory, sender, puller = announced_await("tx-1")
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    answer_as(directory, "34" * 16)
+    assert announcements(sender) == [incarnation(0)]
+    assert isinstance(sender.sent[-1], Release)
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_a_misaddressed_not_naming_our_announcement_is_ignored() -> None:
+    """Only the incarnation we announced to can have refused it: a message naming another one
+    (stray, or forged without a secret) ends nothing and announces nothing."""
+    ctx, directory, sender, puller = announced_await("tx-1")
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, "56" * 16))
+    puller.on_misaddressed(Misaddressed("tx-9", "ef" * 16, incarnation(0)))
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0), writer_rank=3))
+    assert puller.await_states() == {"tx-1": AwaitState.ANNOUNCED}
+    assert directory.asked == [""] and len(sender.sent) == 1
+    assert not ctx.reports.failed_recving
+
+
+def test_a_misaddressed_answer_to_a_quarantined_await_ends_the_quarantine() -> None:
+    """We gave up after announcing and quarantined the blocks; the answer says the process
+    there wrote nothing, and nothing will be announced to it: the blocks are free."""
+    ctx, _, sender, puller = announced_await("tx-1")
+    puller.give_up("tx-1", "test gave up")
+    assert puller.await_states() == {"tx-1": AwaitState.QUARANTINED}
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    assert puller.await_states() == {}
+    assert announcements(sender) == [incarnation(0)]
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
 
 
 def end_request_before_announcement(

@@ -805,18 +805,21 @@ def test_write_after_an_unnoticed_decode_restart_is_loaded(
     assert write_request(p, d, seed=53)
 
 
-def test_write_after_an_unnoticed_prefill_restart_is_refused_once_then_loaded(
-    sides: list[Side], model_dir: str
+def test_write_after_an_unnoticed_prefill_restart_is_announced_again_and_loaded(
+    sides: list[Side], model_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """WRITE: the decode's cached handshake names the prefill process before the restart, and
-    so does its remote_blocks: the new process writes nothing (only the process the decode
-    handshook may write for an announcement, so that its death ends the writes) and answers
-    write_failed; the decode recomputes that request, with its own bytes in every slot, and
-    forgets the handshake, so the next request is loaded from the new process."""
+    so does its remote_blocks: the new process writes nothing for it (only the process the
+    decode handshook may write for an announcement, so that its death ends the writes) and
+    answers misaddressed, keeping the job; the decode handshakes the new process and announces
+    its blocks to it, which writes them. Before: that request was recomputed."""
     p, d = make_pair(sides, model_dir, "write")
     assert write_request(p, d, seed=51)
     p = restart(sides, p, model_dir, salt=3)
-    assert not write_request(p, d, seed=52), "the first request after the prefill restarted"
+    with caplog.at_level(logging.WARNING, logger="moriio_native.pd"):
+        assert write_request(p, d, seed=52), "the first request after the prefill restarted"
+    assert "asking the decode to announce its blocks again" in caplog.text
+    assert "announcing the blocks to the new process" in caplog.text
     assert write_request(p, d, seed=53)
 
 

@@ -20,6 +20,9 @@ type                  direction  fields (wire name)
                                  ``decode_tp_rank``
 ``write_done``        P -> D     ``transfer_id``, ``writer_rank``, ``num_writers``
 ``write_failed``      P -> D     ``transfer_id``, ``writer_rank``, ``reason``
+``misaddressed``      P -> D     ``transfer_id``, ``writer_rank``, ``writer_incarnation``,
+                      (WRITE)    ``addressed_incarnation``: P restarted since D's handshake,
+                                 wrote nothing and waits for the blocks announced again
 ``release``           D -> P     ``transfer_id``, ``consumer_tp_size``, ``consumer_tp_rank``
                       (READ)
 ``abort_write``       D -> P     ``transfer_id``, ``decode_engine_id``, ``decode_host``,
@@ -46,8 +49,8 @@ Contents (all values immutable; functions pure and thread-safe):
 
 * :class:`InvalidMessageError`
 * notify messages :class:`RemoteBlocks`, :class:`WriteDone`, :class:`WriteFailed`,
-  :class:`Release`, :class:`AbortWrite`, :class:`WriteAborted` (union :data:`NotifyMessage`,
-  tuple :data:`NOTIFY_TYPES`)
+  :class:`Misaddressed`, :class:`Release`, :class:`AbortWrite`, :class:`WriteAborted` (union
+  :data:`NotifyMessage`, tuple :data:`NOTIFY_TYPES`)
 * :class:`HandshakeRequest`, :class:`HandshakeResponse`, :class:`HandshakeRejected`
 * :class:`ChecksumRequest`, :class:`ChecksumResponse` (``verify``: the prefill's block checksums
   after a READ, on the handshake channel)
@@ -75,6 +78,7 @@ from .schema import (
     MAX_REQUEST_ID_LEN,
     BlockId,
     Id,
+    Incarnation,
     IncarnationOrEmpty,
     NestedTooDeeplyError,
     Port,
@@ -97,9 +101,12 @@ from .schema import (
 # the decode rank it answers (decode_engine_id). 6: the handshake request carries
 # confirm_reads, the checksum request hold_only (a decode's READ confirmed by the prefill's
 # hold). 7: remote_blocks carries the prefill incarnation the decode handshook (a prefill of
-# another incarnation writes nothing), write_failed the writer's incarnation. A peer of another
-# version is refused at the handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 7
+# another incarnation writes nothing), write_failed the writer's incarnation. 8: misaddressed
+# (such a prefill keeps the job and asks for the blocks announced to it), remote_blocks'
+# deduplication key names the prefill incarnation (the announcement to the new process is not a
+# copy of the first). A peer of another version is refused at the handshake by its version,
+# before any field of it is checked.
+PROTOCOL_VERSION = 8
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -231,8 +238,9 @@ class RemoteBlocks(_Message, frozen=True, tag="remote_blocks"):
     @property
     def dedup_key(self) -> tuple[str, ...]:
         """Equal for copies of the same notification (one allocation per decode rank and
-        transfer)."""
-        return (self.TYPE, self.transfer_id, self.decode_engine_id)
+        transfer, announced to one prefill incarnation: after a :class:`Misaddressed` the same
+        blocks go to the process that answered it)."""
+        return (self.TYPE, self.transfer_id, self.decode_engine_id, self.prefill_incarnation)
 
 
 @_tagged
@@ -267,6 +275,32 @@ class WriteFailed(_Message, frozen=True, tag="write_failed"):
     # rank names means the rank restarted since D's handshake (it refused an announcement
     # addressed to its predecessor): D handshakes it again for the next request.
     writer_incarnation: IncarnationOrEmpty = ""
+
+    @property
+    def dedup_key(self) -> tuple[str, ...]:
+        return (self.TYPE, self.transfer_id, str(self.writer_rank))
+
+
+@_tagged
+class Misaddressed(_Message, frozen=True, tag="misaddressed"):
+    """P -> D (WRITE mode): writer ``writer_rank`` got ``remote_blocks`` of ``transfer_id``
+    addressed to ``addressed_incarnation``, a predecessor of this process at the rank's address
+    (D's handshake of the rank was cached across a restart). It wrote nothing and keeps the job
+    for the same blocks announced to ``writer_incarnation``: D handshakes the rank again and, when
+    it answers with that incarnation, announces them once more (once per transfer; otherwise D
+    fails the load, which is recomputed)."""
+
+    transfer_id: TransferId
+    writer_incarnation: Incarnation
+    addressed_incarnation: Incarnation
+    writer_rank: Rank = 0
+
+    def _check(self) -> None:
+        if self.writer_incarnation == self.addressed_incarnation:
+            raise ValueError(
+                "'writer_incarnation' equals 'addressed_incarnation': the announcement reached "
+                "the process it was addressed to"
+            )
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
@@ -351,11 +385,14 @@ class WriteAborted(_Message, frozen=True, tag="write_aborted"):
         return (self.TYPE, self.transfer_id, str(self.writer_rank), self.decode_engine_id)
 
 
-NotifyMessage = RemoteBlocks | WriteDone | WriteFailed | Release | AbortWrite | WriteAborted
+NotifyMessage = (
+    RemoteBlocks | WriteDone | WriteFailed | Misaddressed | Release | AbortWrite | WriteAborted
+)
 NOTIFY_TYPES: tuple[type[NotifyMessage], ...] = (
     RemoteBlocks,
     WriteDone,
     WriteFailed,
+    Misaddressed,
     Release,
     AbortWrite,
     WriteAborted,
@@ -718,6 +755,7 @@ __all__ = [
     "HandshakeResponse",
     "InvalidMessageError",
     "KvGroup",
+    "Misaddressed",
     "NotifyMessage",
     "ProtocolVersionError",
     "ProxyRegistration",

@@ -44,6 +44,7 @@ from moriio_native.control.messages import (
     ChecksumResponse,
     HandshakeRequest,
     HandshakeResponse,
+    Misaddressed,
     NotifyMessage,
     Release,
     RemoteBlocks,
@@ -436,7 +437,7 @@ class PdCore:
     def _on_message(self, message: NotifyMessage) -> None:
         cfg = self.cfg
         tid = message.transfer_id
-        if isinstance(message, (WriteDone, WriteFailed, WriteAborted)):
+        if isinstance(message, (WriteDone, WriteFailed, WriteAborted, Misaddressed)):
             if not cfg.consumer:
                 self._stray.warn(
                     "ignoring %s for transfer %s: this instance is not a consumer",
@@ -454,6 +455,9 @@ class PdCore:
                     message.decode_engine_id,
                     cfg.engine_id,
                 )
+                return
+            if isinstance(message, Misaddressed):
+                self.puller.on_misaddressed(message)
                 return
             if isinstance(message, WriteFailed):
                 self._stray.warn(

@@ -42,7 +42,13 @@ from enum import Enum, auto
 from typing import Any, TypeVar
 
 from moriio_native.control.channel import RateLimitedWarnings
-from moriio_native.control.messages import AbortWrite, Release, RemoteBlocks, now_ms
+from moriio_native.control.messages import (
+    AbortWrite,
+    Misaddressed,
+    Release,
+    RemoteBlocks,
+    now_ms,
+)
 from moriio_native.control.ports import rank_port
 from moriio_native.control.schema import PART_SEPARATOR
 from moriio_native.engine import BlockSegment
@@ -135,6 +141,9 @@ class AwaitEvent(Enum):
     UNREACHABLE = auto()  # the announcement could not be made
     WRITER_GONE = auto()  # the prefill died, or quarantine_timeout passed
     VERIFY = auto()  # write_done came and verify is on
+    # misaddressed: the prefill rank restarted since our handshake and wrote nothing; handshake
+    # the new process and announce to it
+    READDRESS = auto()
     VERIFIED = auto()  # its checksums agree with ours
     MISMATCH = auto()  # they differ, or it carried none
 
@@ -149,6 +158,7 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.ANNOUNCED, AwaitEvent.GIVE_UP): AwaitState.QUARANTINED,
+    (AwaitState.ANNOUNCED, AwaitEvent.READDRESS): AwaitState.CONNECTING,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
@@ -254,6 +264,9 @@ class _AwaitPart:
     next_probe: float = 0.0
     failed_probes: int = 0
     probe: Future[str] | None = field(default=None, repr=False)
+    # The incarnation a misaddressed answer named: announced to once more, only to it ("": not
+    # yet; at most once per part).
+    readdressed: str = ""
 
 
 @dataclass
@@ -298,6 +311,17 @@ def _announced_ids(waiting: _Await) -> Sequence[int] | None:
     if len(task.grouped.local) != 1:
         return None
     return [b for b in task.grouped.local[0] if b != NULL_BLOCK]
+
+
+def _check_readdressed(peer: Peer, task: RecvTask, expect: str) -> None:
+    """A part announced again after a misaddressed answer goes only to the process that asked
+    for it (``expect``; "": not announced again): any other one never had the request's KV."""
+    if expect and peer.response.incarnation != expect:
+        raise FailedPreconditionError(
+            f"transfer {task.transfer_id}: prefill {peer.response.engine_id} at {peer.key} is "
+            f"incarnation {peer.response.incarnation or '(none stated)'}, the blocks were asked "
+            f"for again by incarnation {expect}: the prefill restarted once more; not announcing"
+        )
 
 
 def part_transfer_id(transfer_id: str, rank: int, parts: int) -> str:
@@ -831,6 +855,7 @@ class Puller:
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
+            _check_readdressed(peer, task, part.readdressed)
             block_ids: tuple[tuple[int, ...], ...] = (task.local_block_ids,)
             num_tokens = 0
             if task.grouped is not None:
@@ -945,6 +970,69 @@ class Puller:
         ctx.verifier.check_write(
             tid, checksums, local, lambda why: self._write_verified(waiting, part, why)
         )
+
+    def on_misaddressed(self, message: Misaddressed) -> None:
+        """Our announcement reached a successor of the prefill process we handshook (our cached
+        handshake predates its restart): it wrote nothing. An announced part handshakes the new
+        process and announces its blocks to it, once; a part that did so already, or gave up
+        meanwhile (quarantined), fails: nothing of it landed or will. A message that does not
+        name the incarnation we announced to is not about our announcement and is ignored."""
+        ctx = self._ctx
+        tid, rank = message.transfer_id, message.writer_rank
+        with ctx.lock:
+            waiting = self._awaits.get(tid)
+            part = None if waiting is None else waiting.parts.get(rank)
+            old = None if part is None else part.peer
+            state = None if part is None else part.machine.state
+            ours = old is not None and old.response.incarnation == message.addressed_incarnation
+            again = (
+                ours
+                and state is AwaitState.ANNOUNCED
+                and part is not None
+                and not part.readdressed
+                and waiting is not None
+                and waiting.plan is not None
+            )
+            if again:
+                assert part is not None
+                part.machine.advance(AwaitEvent.READDRESS)
+                part.peer = None
+                part.readdressed = message.writer_incarnation
+        if waiting is None or part is None or not ours:
+            self._stray_results.warn(
+                "transfer %s: ignoring misaddressed from prefill rank %d: no announcement of "
+                "ours went to its incarnation %s",
+                tid,
+                rank,
+                message.addressed_incarnation,
+            )
+            return
+        ctx.directory.forget(old)  # that process is gone: its address serves another one
+        if not again:
+            self._end_await_part(
+                waiting,
+                part,
+                AwaitEvent.WRITE_FAILED,
+                f"prefill rank {rank} restarted since our handshake (now incarnation "
+                f"{message.writer_incarnation}) and wrote nothing",
+            )
+            return
+        assert waiting.plan is not None
+        logger.warning(
+            "request %s (transfer %s): prefill rank %d restarted since our handshake "
+            "(incarnation %s, now %s) and wrote nothing; announcing the blocks to the new process",
+            waiting.task.req_id,
+            tid,
+            rank,
+            message.addressed_incarnation,
+            message.writer_incarnation,
+        )
+        try:
+            future = self._connect(waiting.task, waiting.plan, rank, message.writer_incarnation)
+        except MoriioError as exc:
+            self._announce_failed(waiting, part, exc)
+            return
+        future.add_done_callback(lambda f: self._announce(waiting, part, f))
 
     def _write_verified(self, waiting: _Await, part: _AwaitPart, why: str | None) -> None:
         """The integrity check of a written part is done (``why`` None: it agreed). Runs on the

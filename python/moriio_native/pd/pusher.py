@@ -56,6 +56,7 @@ from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     MAX_NOTIFY_BYTES,
     AbortWrite,
+    Misaddressed,
     NotifyMessage,
     Release,
     RemoteBlocks,
@@ -276,6 +277,9 @@ class JobState(Enum):
 class JobEvent(Enum):
     READY = auto()  # save task and remote_blocks both known, blocks paired
     CONNECTED = auto()  # the decode rank is handshaken
+    # remote_blocks named a predecessor of this process: nothing written, the announcement is
+    # asked for again (misaddressed)
+    MISADDRESSED = auto()
     SEAL = auto()  # the forward ended: seal with the writes queued
     FAIL = auto()  # failure with nothing in the engine
     ABORT = auto()  # failure with writes in the engine (engine.abort called)
@@ -291,6 +295,7 @@ _IN_ENGINE = (JobState.WRITING, JobState.SEALED, JobState.ABORTING)
 JOB_TRANSITIONS: dict[tuple[JobState, JobEvent], JobState] = {
     (JobState.PENDING, JobEvent.READY): JobState.CONNECTING,
     (JobState.CONNECTING, JobEvent.CONNECTED): JobState.WRITING,
+    (JobState.CONNECTING, JobEvent.MISADDRESSED): JobState.PENDING,
     (JobState.WRITING, JobEvent.SEAL): JobState.SEALED,
     **{(s, JobEvent.FAIL): JobState.FAILED for s in (JobState.PENDING, JobState.CONNECTING)},
     **{(s, JobEvent.FAIL): JobState.FAILED for s in (JobState.WRITING, JobState.SEALED)},
@@ -508,6 +513,9 @@ class _Job:
     # The decode process that announced the blocks restarted since: nobody waits for a final
     # message (the one at its address never knew the transfer).
     announcer_gone: bool = False
+    # An announcement addressed to a predecessor of this process was answered misaddressed:
+    # the next one that is not addressed to this process fails the job.
+    misaddressed: bool = False
     abort_requested: AbortWrite | None = None  # the decode gave up: answer once drained
     # Ended without the engine confirming its writes stopped (given up at the quarantine): no
     # message may tell the decode its blocks are free; it frees them at its quarantine_timeout.
@@ -1344,6 +1352,8 @@ class Pusher:
             addressed = job.remote.prefill_incarnation
             if addressed and addressed != ctx.incarnation:
                 with ctx.lock:
+                    if self._ask_announcement_again(job, peer, addressed):
+                        return
                     job.peer = peer  # it answers there: tell it we failed
                 raise FailedPreconditionError(
                     f"remote_blocks was addressed to prefill incarnation {addressed}, this "
@@ -1371,6 +1381,39 @@ class Pusher:
             self._confirm_decode_tp(job, peer)
         if feed:
             self.feed_writer()
+
+    def _ask_announcement_again(self, job: _Job, peer: Peer, addressed: str) -> bool:
+        """``job``'s announcement from ``peer`` was addressed to incarnation ``addressed`` of
+        this rank, a predecessor (lock held). The first time, nothing was written: the job waits
+        for the blocks again and the decode is told ``misaddressed``, so it can handshake this
+        process and announce them to it within the request (False: not the first time, or the
+        job moved on meanwhile; the caller fails it)."""
+        if job.misaddressed or job.state is not JobState.CONNECTING:
+            return False
+        assert job.remote is not None
+        job.misaddressed = True
+        job.remote = None
+        job.machine.advance(JobEvent.MISADDRESSED)
+        logger.warning(
+            "transfer %s: remote_blocks from decode %s was addressed to prefill incarnation %s, "
+            "this process is %s (the decode's handshake predates this process); nothing "
+            "written, asking the decode to announce its blocks again",
+            job.transfer_id,
+            peer.response.engine_id,
+            addressed,
+            self._ctx.incarnation,
+        )
+        self._send(
+            peer.host,
+            peer.notify_port,
+            Misaddressed(
+                job.request,
+                writer_incarnation=self._ctx.incarnation,
+                addressed_incarnation=addressed,
+                writer_rank=self._rank,
+            ),
+        )
+        return True
 
     def _fail(self, job: _Job, reason: str) -> None:
         """End a job as failed (lock held): with a write or its seal in the engine it is
