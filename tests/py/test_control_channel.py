@@ -39,6 +39,7 @@ from moriio_native.control.messages import (
     HandshakeRejected,
     HandshakeRequest,
     HandshakeResponse,
+    Misaddressed,
     ProxyRegistration,
     Release,
     RemoteBlocks,
@@ -274,6 +275,27 @@ def test_duplicates_are_delivered_once_but_fan_in_is_kept():
             Release("marker"),
         ]
         assert listener.stats()["dropped_duplicate"] == 3
+
+
+def test_an_announcement_again_and_each_misaddressed_answer_are_not_copies():
+    """After misaddressed the decode announces the same blocks to the new prefill process, and
+    a process restarted once more answers that one misaddressed too: each is delivered (before,
+    the second announcement was dropped as a copy of the first), and copies of each are not."""
+    old, new, newer = "ab" * 16, "cd" * 16, "ef" * 16
+    first = RemoteBlocks("tx-1", ((1,),), "d", prefill_incarnation=old)
+    again = RemoteBlocks("tx-1", ((1,),), "d", prefill_incarnation=new)
+    answered, answered_again = Misaddressed("tx-1", new, old), Misaddressed("tx-1", newer, new)
+    sec = security()
+    with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
+        for message in (first, again, again, answered, answered_again, answered, Release("m")):
+            sender.send(LOCAL, listener.port, message)
+        got = []
+        while not got or got[-1] != Release("m"):
+            message = listener.get(WAIT)
+            assert message is not None
+            got.append(message)
+        assert got == [first, again, answered, answered_again, Release("m")]
+        assert listener.stats()["dropped_duplicate"] == 2
 
 
 def test_messages_of_terminal_transfers_are_not_delivered():

@@ -79,6 +79,21 @@ def test_prefill_sigstop_past_the_deadline_quarantines_then_recomputes(pair: fs.
         fs.finish(pair, row)
 
 
+def test_first_write_after_an_unnoticed_prefill_restart_is_loaded(pair: fs.Pair) -> None:
+    """Before: the decode's cached handshake outlived the prefill it named, so its announcement
+    of the first request after a restart under the same address named the dead process; the
+    new one refused it and the request was recomputed. Now the new process answers
+    misaddressed and the decode announces the same blocks to it, which writes them."""
+    with fs.recorded("WRITE, first request after an unnoticed prefill restart") as row:
+        fs.write_transfer(pair, row)
+        pair.restart("prefill")
+        row.faults += 1
+        out = fs.write_transfer(pair, row)
+        fs.audit(pair, row, [out["rid"]])
+        row.rounds += 1
+        fs.finish(pair, row)
+
+
 @fs.full_tier
 def test_prefill_killed_before_its_writes_is_recomputed_then_restarted(pair: fs.Pair) -> None:
     with fs.recorded("WRITE, kill -9 prefill before its writes; restart, same address") as row:

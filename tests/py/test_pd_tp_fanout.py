@@ -1105,6 +1105,41 @@ def test_an_announcement_addressed_to_a_predecessor_is_asked_for_again_then_writ
     assert posts == [("write_layers", "tx-1", DENSE), ("seal", "tx-1", "d:8000/dp0/tp0")]
 
 
+def test_a_job_that_ended_during_its_handshake_asks_for_no_announcement(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The request ended (aborted) while the decode rank was being handshaken: when the
+    handshake shows the announcement was addressed to a predecessor, the job stays ended, and
+    no misaddressed asks for an announcement nobody would write."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2), 2, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-1", ((20, 21),), "d:8000/dp0/tp0", prefill_incarnation=PREDECESSOR)
+    )
+    pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=True)])
+    with caplog.at_level(logging.ERROR, logger="moriio_native.pd.pusher"):
+        answer_handshakes(directory, DECODE, 1, "WRITE")
+    assert not any(isinstance(m, Misaddressed) for m in sender.sent)
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and all("was addressed to prefill incarnation" in e for e in errors), errors
+    assert ctx.reports.done_sending == {"req-1"} and not engine.calls
+
+
+def test_a_job_that_ends_while_waiting_again_answers_the_announcement_write_failed() -> None:
+    """misaddressed went out, then the request ended before the decode announced again: the
+    announcement that comes later is told write_failed at once, nothing written."""
+    ctx, _, sender, engine, pusher = misaddressed_job("tx-1")
+    pusher.begin_step([], [SendTask("req-1", "tx-1", aborted=True)])
+    assert ctx.reports.done_sending == {"req-1"} and not final_messages(sender)
+    pusher.on_remote_blocks(
+        RemoteBlocks("tx-1", ((20, 21),), "d:8000/dp0/tp0", prefill_incarnation=incarnation(0))
+    )
+    assert final_messages(sender) == [(DECODE.notify_port, "write_failed", "tx-1", 0)]
+    assert not engine.calls
+
+
 def test_a_second_misaddressed_announcement_fails_the_job() -> None:
     """One request is announced again at most once: a second announcement addressed to
     another process than this one ends the job failed, nothing written, write_failed told."""
@@ -1179,6 +1214,8 @@ def test_a_misaddressed_answer_makes_the_decode_announce_to_the_new_process_once
     puller.on_misaddressed(Misaddressed("tx-1", "12" * 16, new))
     assert announcements(sender) == [incarnation(0), new]
     assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+    # That process kept its job for an announcement that will not come: it is released.
+    assert isinstance(sender.sent[-1], Release)
 
 
 def test_a_misaddressed_answer_then_written_loads_the_request() -> None:
@@ -1197,6 +1234,40 @@ def test_announcing_again_to_yet_another_process_fails_and_releases_it() -> None
     answer_as(directory, "34" * 16)
     assert announcements(sender) == [incarnation(0)]
     assert isinstance(sender.sent[-1], Release)
+    assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_a_give_up_while_announcing_again_announces_nothing_and_releases() -> None:
+    """The request is aborted (or its abort_timeout passes) while the decode handshakes the new
+    process: the part fails at once (nothing was announced to it), the rank is released, and
+    the handshake's late answer announces nothing."""
+    ctx, directory, sender, puller = announced_await("tx-1")
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    puller.give_up("tx-1", "request aborted")
+    assert ctx.reports.failed_recving == {"req-1"} and isinstance(sender.sent[-1], Release)
+    answer_as(directory, "ef" * 16)
+    assert announcements(sender) == [incarnation(0)]
+
+
+def test_a_give_up_before_the_new_handshake_starts_makes_none() -> None:
+    ctx, directory, _, puller = announced_await("tx-1")
+    forget = directory.forget
+
+    def forget_then_give_up(peer: Peer | None) -> None:  # a give_up on another thread, here
+        forget(peer)
+        puller.give_up("tx-1", "request aborted")
+
+    directory.forget = forget_then_give_up  # type: ignore[method-assign]
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    assert ctx.reports.failed_recving == {"req-1"} and directory.asked == [""]
+
+
+def test_a_failed_handshake_of_the_new_process_fails_the_load_and_releases_it() -> None:
+    ctx, directory, sender, puller = announced_await("tx-1")
+    puller.on_misaddressed(Misaddressed("tx-1", "ef" * 16, incarnation(0)))
+    _, future = directory.pending.pop(0)
+    future.set_exception(TransportError("handshake timed out"))
+    assert announcements(sender) == [incarnation(0)] and isinstance(sender.sent[-1], Release)
     assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
 
 

@@ -287,7 +287,7 @@ class Misaddressed(_Message, frozen=True, tag="misaddressed"):
     addressed to ``addressed_incarnation``, a predecessor of this process at the rank's address
     (D's handshake of the rank was cached across a restart). It wrote nothing and keeps the job
     for the same blocks announced to ``writer_incarnation``: D handshakes the rank again and, when
-    it answers with that incarnation, announces them once more (once per transfer; otherwise D
+    it answers with that incarnation, announces them once more (once per pair of ranks; otherwise D
     fails the load, which is recomputed)."""
 
     transfer_id: TransferId
@@ -304,7 +304,9 @@ class Misaddressed(_Message, frozen=True, tag="misaddressed"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        return (self.TYPE, self.transfer_id, str(self.writer_rank))
+        # With the incarnation it answers: a process restarted again at the rank answers the
+        # second announcement, and its answer is not a copy of the first one's.
+        return (self.TYPE, self.transfer_id, str(self.writer_rank), self.addressed_incarnation)
 
 
 @_tagged

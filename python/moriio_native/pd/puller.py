@@ -136,7 +136,9 @@ class AwaitState(Enum):
 class AwaitEvent(Enum):
     ANNOUNCED = auto()
     WRITE_DONE = auto()
-    WRITE_FAILED = auto()  # write_failed or write_aborted: none of its writes lands any more
+    # write_failed, write_aborted, or a misaddressed we do not announce again: none of its
+    # writes lands any more
+    WRITE_FAILED = auto()
     GIVE_UP = auto()  # abort or abort_timeout
     UNREACHABLE = auto()  # the announcement could not be made
     WRITER_GONE = auto()  # the prefill died, or quarantine_timeout passed
@@ -171,6 +173,9 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.VERIFYING, AwaitEvent.MISMATCH): AwaitState.FAILED,
 }
 AWAIT_TERMINAL = frozenset({AwaitState.DONE, AwaitState.FAILED})
+# Where a misaddressed answer applies: the prefill may have our announcement (ANNOUNCED), or we
+# gave up after announcing and wait for its writes to stop (QUARANTINED).
+_MISADDRESSABLE = frozenset({AwaitState.ANNOUNCED, AwaitState.QUARANTINED})
 
 
 S = TypeVar("S", ReadState, AwaitState)
@@ -974,61 +979,67 @@ class Puller:
     def on_misaddressed(self, message: Misaddressed) -> None:
         """Our announcement reached a successor of the prefill process we handshook (our cached
         handshake predates its restart): it wrote nothing. An announced part handshakes the new
-        process and announces its blocks to it, once; a part that did so already, or gave up
-        meanwhile (quarantined), fails: nothing of it landed or will. A message that does not
-        name the incarnation we announced to is not about our announcement and is ignored."""
+        process and announces its blocks to it, once. A part that did so already fails and
+        releases the rank (the process that answered now keeps its job for an announcement we
+        will not make); a quarantined one (we gave up meanwhile, abort_write went out) fails:
+        nothing of it landed or will. A message that does not name the incarnation we announced
+        to, or comes in any other state, is not about a live announcement and is ignored."""
         ctx = self._ctx
         tid, rank = message.transfer_id, message.writer_rank
         with ctx.lock:
             waiting = self._awaits.get(tid)
             part = None if waiting is None else waiting.parts.get(rank)
             old = None if part is None else part.peer
-            state = None if part is None else part.machine.state
-            ours = old is not None and old.response.incarnation == message.addressed_incarnation
-            again = (
-                ours
-                and state is AwaitState.ANNOUNCED
-                and part is not None
-                and not part.readdressed
-                and waiting is not None
-                and waiting.plan is not None
-            )
-            if again:
+            state = None
+            if old is not None and old.response.incarnation == message.addressed_incarnation:
                 assert part is not None
+                state = part.machine.state
+            again = state is AwaitState.ANNOUNCED and part is not None and not part.readdressed
+            if again and part is not None:
                 part.machine.advance(AwaitEvent.READDRESS)
                 part.peer = None
                 part.readdressed = message.writer_incarnation
-        if waiting is None or part is None or not ours:
+        if waiting is None or part is None or state not in _MISADDRESSABLE:
             self._stray_results.warn(
-                "transfer %s: ignoring misaddressed from prefill rank %d: no announcement of "
-                "ours went to its incarnation %s",
+                "transfer %s: ignoring misaddressed from prefill rank %d: no live announcement "
+                "of ours went to its incarnation %s",
                 tid,
                 rank,
                 message.addressed_incarnation,
             )
             return
         ctx.directory.forget(old)  # that process is gone: its address serves another one
-        if not again:
-            self._end_await_part(
-                waiting,
-                part,
-                AwaitEvent.WRITE_FAILED,
-                f"prefill rank {rank} restarted since our handshake (now incarnation "
-                f"{message.writer_incarnation}) and wrote nothing",
-            )
+        if again:
+            self._readdress(waiting, part, message)
             return
-        assert waiting.plan is not None
+        why = (
+            f"prefill rank {rank} restarted again (now incarnation "
+            f"{message.writer_incarnation}) and wrote nothing"
+        )
+        ended = self._end_await_part(waiting, part, AwaitEvent.WRITE_FAILED, why)
+        if ended and state is AwaitState.ANNOUNCED and old is not None:
+            self._release_ranks(waiting.task, {rank: old}, waiting.plan, [rank])
+
+    def _readdress(self, waiting: _Await, part: _AwaitPart, message: Misaddressed) -> None:
+        """Handshake the process that answered misaddressed (``part`` back in CONNECTING) and
+        announce the part's blocks to it; :meth:`_announce` checks that it answers as the
+        incarnation the message named."""
+        task, plan = waiting.task, waiting.plan
+        assert plan is not None  # an announced part was planned
+        with self._ctx.lock:
+            if part.machine.state is not AwaitState.CONNECTING:
+                return  # given up meanwhile, which released the rank
         logger.warning(
             "request %s (transfer %s): prefill rank %d restarted since our handshake "
             "(incarnation %s, now %s) and wrote nothing; announcing the blocks to the new process",
-            waiting.task.req_id,
-            tid,
-            rank,
+            task.req_id,
+            task.transfer_id,
+            part.rank,
             message.addressed_incarnation,
             message.writer_incarnation,
         )
         try:
-            future = self._connect(waiting.task, waiting.plan, rank, message.writer_incarnation)
+            future = self._connect(task, plan, part.rank, message.writer_incarnation)
         except MoriioError as exc:
             self._announce_failed(waiting, part, exc)
             return
