@@ -246,33 +246,41 @@ def test_plain_listener_drops_tagged_messages(raw_dealer):
         assert listener.stats()["dropped_auth"] == 1
 
 
+def delivered(listener: NotifyListener, sender: NotifySender, messages: list[Any]) -> list[Any]:
+    """Send ``messages``, then a marker: what ``listener`` delivered before the marker."""
+    marker = Release("marker")
+    for message in (*messages, marker):
+        sender.send(LOCAL, listener.port, message)
+    got = []
+    while (message := listener.get(WAIT)) != marker:
+        assert message is not None
+        got.append(message)
+    return got
+
+
 def test_duplicates_are_delivered_once_but_fan_in_is_kept():
     sec = security()
     with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
-        for message in (
-            Release("tx-1", 2, 0),
-            Release("tx-1", 2, 0),  # duplicate
-            Release("tx-1", 2, 1),  # second consumer rank: a distinct ack
-            RemoteBlocks("tx-2", ((1,),), "d"),
-            RemoteBlocks("tx-2", ((1,),), "d"),  # duplicate
-            WriteDone("tx-3", 0, 2),
-            WriteDone("tx-3", 1, 2),
-            WriteDone("tx-3", 1, 2),  # duplicate
-            Release("marker"),
-        ):
-            sender.send(LOCAL, listener.port, message)
-        got = []
-        while not got or got[-1] != Release("marker"):
-            message = listener.get(WAIT)
-            assert message is not None
-            got.append(message)
+        got = delivered(
+            listener,
+            sender,
+            [
+                Release("tx-1", 2, 0),
+                Release("tx-1", 2, 0),  # duplicate
+                Release("tx-1", 2, 1),  # second consumer rank: a distinct ack
+                RemoteBlocks("tx-2", ((1,),), "d"),
+                RemoteBlocks("tx-2", ((1,),), "d"),  # duplicate
+                WriteDone("tx-3", 0, 2),
+                WriteDone("tx-3", 1, 2),
+                WriteDone("tx-3", 1, 2),  # duplicate
+            ],
+        )
         assert got == [
             Release("tx-1", 2, 0),
             Release("tx-1", 2, 1),
             RemoteBlocks("tx-2", ((1,),), "d"),
             WriteDone("tx-3", 0, 2),
             WriteDone("tx-3", 1, 2),
-            Release("marker"),
         ]
         assert listener.stats()["dropped_duplicate"] == 3
 
@@ -287,14 +295,8 @@ def test_an_announcement_again_and_each_misaddressed_answer_are_not_copies():
     answered, answered_again = Misaddressed("tx-1", new, old), Misaddressed("tx-1", newer, new)
     sec = security()
     with NotifyListener(0, sec, bind_host=LOCAL) as listener, NotifySender(sec) as sender:
-        for message in (first, again, again, answered, answered_again, answered, Release("m")):
-            sender.send(LOCAL, listener.port, message)
-        got = []
-        while not got or got[-1] != Release("m"):
-            message = listener.get(WAIT)
-            assert message is not None
-            got.append(message)
-        assert got == [first, again, answered, answered_again, Release("m")]
+        sent = [first, again, again, answered, answered_again, answered]
+        assert delivered(listener, sender, sent) == [first, again, answered, answered_again]
         assert listener.stats()["dropped_duplicate"] == 2
 
 

@@ -1182,10 +1182,12 @@ def announced_await(tid: str) -> tuple[Context, IncarnationDirectory, Sender, Pu
     return ctx, directory, sender, puller
 
 
-def answer_as(directory: Directory, new_incarnation: str) -> None:
-    """Complete the pending handshake of prefill rank 0 as a process of ``new_incarnation``."""
+def answer_as(directory: Directory, new_incarnation: str, rank: int = 0, tp: int = 1) -> None:
+    """Complete the first pending handshake, of prefill rank ``rank`` of ``tp``, as a process
+    of ``new_incarnation``."""
     key, future = directory.pending.pop(0)
-    peer = peer_at(key, PREFILL, 0, 1, "WRITE")
+    assert key.handshake_port == PREFILL.handshake_port + rank
+    peer = peer_at(key, PREFILL, rank, tp, "WRITE")
     response = msgspec.structs.replace(peer.response, incarnation=new_incarnation)
     handshake = Handshake(key, peer.engine_peer, response, asked_at=time.monotonic())
     future.set_result(Peer(handshake, peer.notify_port))
@@ -1269,6 +1271,69 @@ def test_a_failed_handshake_of_the_new_process_fails_the_load_and_releases_it() 
     future.set_exception(TransportError("handshake timed out"))
     assert announcements(sender) == [incarnation(0)] and isinstance(sender.sent[-1], Release)
     assert ctx.reports.failed_recving == {"req-1"} and ctx.reports.invalid_blocks == {4, 5}
+
+
+def test_one_restarted_writer_of_two_is_announced_again_and_alone_released() -> None:
+    """Decode TP 1 over prefill TP 2, rank 1 restarted: only its part is announced again, at
+    its own port, while rank 0 writes as usual; when rank 1 restarted once more, only it is
+    released and the load fails (recomputed)."""
+    ctx, _, _, _ = context("write", producer=False, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    ctx.directory = directory = IncarnationDirectory()  # type: ignore[assignment]
+    puller = Puller(ctx)
+    puller.start(RecvTask("req-1", "tx-1", PREFILL, "p:7000", 0, 2, (4, 5), report_done=True))
+    answer_handshakes(directory, PREFILL, 2, "WRITE")
+    new = "ef" * 16
+    puller.on_misaddressed(Misaddressed("tx-1", new, incarnation(1), writer_rank=1))
+    puller.on_write_result("tx-1", ok=True, writer_rank=0)
+    answer_as(directory, new, rank=1, tp=2)
+    announced = [
+        (port - PREFILL.notify_port, m.prefill_incarnation)
+        for port, m in sender.ports
+        if isinstance(m, RemoteBlocks)
+    ]
+    assert announced == [(0, incarnation(0)), (1, incarnation(1)), (1, new)]
+    puller.on_misaddressed(Misaddressed("tx-1", "12" * 16, new, writer_rank=1))
+    released = [port - PREFILL.notify_port for port, m in sender.ports if isinstance(m, Release)]
+    assert released == [1] and ctx.reports.failed_recving == {"req-1"}
+
+
+def test_each_of_two_decode_ranks_is_asked_again_and_the_one_announced_written() -> None:
+    """Prefill TP 1 writing decode TP 2, both announcements addressed to a predecessor: each
+    job answers misaddressed at its own rank; rank 1 then releases (its job alone fails) and
+    rank 0 announces again, which is written and told write_done."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, remote_tp_size=2)], [])
+
+    def announce(rank: int, addressed: str) -> None:
+        blocks = RemoteBlocks(
+            "tx-1",
+            ((20, 21, 22),),
+            f"d:8000/dp0/tp{rank}",
+            decode_tp_rank=rank,
+            prefill_incarnation=addressed,
+        )
+        pusher.on_remote_blocks(blocks)
+
+    announce(0, PREDECESSOR)
+    announce(1, PREDECESSOR)
+    answer_handshakes(directory, DECODE, 2, "WRITE")
+    asked = [port - DECODE.notify_port for port, m in sender.ports if isinstance(m, Misaddressed)]
+    assert asked == [0, 1]
+    assert pusher.job_states() == {"tx-1": JobState.PENDING, "tx-1#d1": JobState.PENDING}
+    pusher.forward_done([*DENSE, *WHOLE], LayerEvent(0x1000))
+    pusher.on_release(Release("tx-1", consumer_tp_size=2, consumer_tp_rank=1))
+    assert pusher.job_states()["tx-1#d1"] is JobState.FAILED
+    announce(0, incarnation(0))
+    answer_handshakes(directory, DECODE, 2, "WRITE")
+    pusher.feed_writer()  # what a handshake completed on its own thread does
+    run_writer(ctx, pusher)
+    assert [c[1] for c in engine.calls if c[0] == "seal"] == ["tx-1"]
+    pusher.on_event(event("tx-1"), drained=True)
+    assert final_messages(sender) == [(DECODE.notify_port, "write_done", "tx-1", 0)]
 
 
 def test_a_misaddressed_not_naming_our_announcement_is_ignored() -> None:

@@ -981,9 +981,11 @@ class Puller:
         handshake predates its restart): it wrote nothing. An announced part handshakes the new
         process and announces its blocks to it, once. A part that did so already fails and
         releases the rank (the process that answered now keeps its job for an announcement we
-        will not make); a quarantined one (we gave up meanwhile, abort_write went out) fails:
-        nothing of it landed or will. A message that does not name the incarnation we announced
-        to, or comes in any other state, is not about a live announcement and is ignored."""
+        will not make; a give_up racing this may have sent it abort_write too, which it
+        acknowledges, and the release then finds nothing); a quarantined one (we gave up
+        meanwhile, abort_write went out) fails: nothing of it landed or will. A message that
+        does not name the incarnation we announced to, or comes in any other state, is not
+        about a live announcement and is ignored."""
         ctx = self._ctx
         tid, rank = message.transfer_id, message.writer_rank
         with ctx.lock:
