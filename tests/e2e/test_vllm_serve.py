@@ -38,9 +38,10 @@ REGISTER_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 60.0
 # The decode's line for a READ whose hold check got no answer in time (10 s): failed and
 # recomputed, the completion unchanged. On this 2-core machine a TP-2 pair's ten processes can
-# starve a prefill rank's answering thread that long (seen once in CI, in the same minutes as
-# vllm-router expiring both instances for pings that lapsed past its ~5 s): the one failure a
-# healthy run may show. Every other reason still fails the test.
+# starve a prefill rank's answering thread that long (seen twice in CI: once in the same
+# minutes as vllm-router expiring both instances for pings that lapsed past its ~5 s, once both
+# decode ranks of read-tp2 in one second): the one failure a healthy run may show, here and in
+# the connector's series. Every other reason still fails the test.
 HOLD_CHECK_UNANSWERED = re.compile(
     r"READ failed \(the prefill \S+ did not confirm the READ of transfer \S+: "
     r"checksums of transfer \S+ from \S+: no reply within"
@@ -173,7 +174,14 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
             break
         time.sleep(2.0)
     assert transfers >= expected, f"{transfers} transfers counted, expected >= {expected}"
-    assert serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total") == 0
+    # The one failure a healthy run may show (HOLD_CHECK_UNANSWERED), as many as the decode
+    # logged since it started; each is a failed transfer and a failed confirmation.
+    unanswered = _unanswered_hold_checks(cluster.decode, 0)
+    failed = serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total")
+    assert failed == unanswered, (
+        f"{failed} transfers failed, {unanswered} of them for a hold check without answer; "
+        f"see {cluster.decode.server.log_path}"
+    )
     assert (serving.metric_value(samples, "vllm:moriio_native_transferred_bytes_total") or 0) > 0
     assert (serving.metric_value(samples, "vllm:moriio_native_handshakes_total") or 0) >= 1
     for hist in (
@@ -187,7 +195,8 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     confirms = _confirms_reads(cluster.settings.mode)
     confirmed = serving.metric_value(samples, "vllm:moriio_native_confirmed_reads_total")
     assert confirmed == (transfers if confirms else 0), f"{confirmed} READs confirmed"
-    assert serving.metric_value(samples, "vllm:moriio_native_confirm_failures_total") == 0
+    unconfirmed = serving.metric_value(samples, "vllm:moriio_native_confirm_failures_total")
+    assert unconfirmed == unanswered, f"{unconfirmed} READs not confirmed"
     # Both instances export the series (the other side's counters are simply lower), and neither
     # saw a transfer fail: a WRITE-mode decode that gave up waiting counts its failure itself.
     other = cluster.prefill if _connector_side(cluster) is cluster.decode else cluster.decode
