@@ -287,6 +287,145 @@ def test_a_new_incarnations_failed_attempt_never_shortens_the_backoff(made: list
         retried.result(timeout=30)
 
 
+def backed_off(made: list) -> tuple[PeerDirectory, Clock, PeerKey]:
+    """A directory whose handshakes with an address where nothing listens failed three times:
+    requests naming it fail at once for 20 s from the fake clock's now (attempts time out in
+    0.3 s)."""
+    decode, _ = engine("decode", 1)
+    clock = Clock()
+    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
+    peers._timeout = 0.3
+    key = PeerKey(LOCAL, free_port())
+    _fail_three_times(peers, clock, key)
+    return peers, clock, key
+
+
+def silent_prefill(made: list, key: PeerKey) -> Prefill:
+    """A prefill at ``key`` that holds every answer (past the 0.3 s timeout) until released."""
+    silent = Prefill("prefill", key.handshake_port, 2)
+    made.append(silent)
+    silent.gate.clear()
+    return silent
+
+
+def attempt_timed_out(silent: Prefill, peers: PeerDirectory, key: PeerKey, n: int) -> None:
+    """Wait for ``silent``'s ``n``-th handshake request and for it to time out at ``peers``,
+    then let the held answer go (freeing its server for the next)."""
+    wait_for(lambda: silent.arrived == n, f"attempt {n}")
+    wait_for(lambda: key not in peers._inflight, f"attempt {n} to time out")
+    silent.gate.set()
+    silent.gate.clear()
+
+
+def test_a_peer_back_is_reached_in_the_background_before_its_backoff_ends(made: list) -> None:
+    """Before: a WRITE-mode decode's announcements name no prefill incarnation, so once the
+    handshakes made while a prefill was down built up a backoff (5 s doubling to 60 s), every
+    request for its address failed at once until the backoff ended, though the prefill was back
+    (up to a minute of recomputed requests). A request that asks for it (recover) still fails
+    at once, but starts an attempt in the background; its success serves the next request."""
+    peers, clock, key = backed_off(made)
+    peers._timeout = 5.0  # the answer below must not miss it on a loaded machine
+    restarted = Prefill("prefill", key.handshake_port, 2)
+    made.append(restarted)
+    clock.now += 5.1
+    plain = peers.connect(key, 1, accept)
+    assert plain.done() and key not in peers._inflight  # no evidence, no attempt
+    asked = peers.connect(key, 1, accept, recover=True)
+    assert asked.done() and isinstance(asked.exception(), TransferTimeoutError)
+    wait_for(lambda: peers.cached(key) is not None, "the background handshake")
+    peer = peers.connect(key, 1, accept).result(timeout=0)
+    assert peer.response.incarnation == restarted.incarnation and restarted.answered == 1
+
+
+def test_background_attempts_are_spaced_and_never_lengthen_the_backoff(made: list) -> None:
+    """A peer that still does not answer: one background attempt, the next only retry_after
+    after it ended, however many requests ask; its failure leaves the remembered backoff as it
+    was (neither doubled nor renewed): a caller that asks for none is tried when the 20 s end,
+    and that failure doubles from the three before (40 s), as before the change."""
+    peers, clock, key = backed_off(made)
+    silent = silent_prefill(made, key)
+    assert peers.connect(key, 1, accept, recover=True).done()
+    assert key not in peers._inflight  # within retry_after of the last failure: none yet
+    clock.now += 5.1
+    first = peers.connect(key, 1, accept, recover=True)
+    wait_for(lambda: silent.arrived == 1, "the background attempt")
+    clock.now += 5.0  # the attempt lasted retry_after
+    attempt_timed_out(silent, peers, key, 1)
+    again = peers.connect(key, 1, accept, recover=True)
+    assert again.done() and again.exception() is not first.exception()  # the attempt's error
+    assert key not in peers._inflight  # the next one only retry_after after this one ended
+    clock.now += 9.8  # 19.9 s into the 20 s backoff: a caller asking for no attempt is held
+    held = peers.connect(key, 1, accept)
+    assert held.done() and held.exception() is again.exception()
+    clock.now += 0.2  # past the 20 s: tried again, as before the background attempts
+    tried = peers.connect(key, 1, accept)
+    attempt_timed_out(silent, peers, key, 2)
+    assert isinstance(tried.exception(timeout=30), TransferTimeoutError)
+    assert peers._failures[key].attempts == 4  # 40 s: the background attempt did not count
+
+
+def test_a_backoff_that_ends_during_a_background_attempt_counts_it(made: list) -> None:
+    """Found by a review: the 20 s ended while a background attempt ran (the usual case with
+    a 30 s handshake timeout) and a caller joined it; its failure kept the ended backoff, so
+    the next caller started yet another attempt at once. It is the attempt at the backoff's
+    end: doubled, callers fail at once again."""
+    peers, clock, key = backed_off(made)
+    silent = silent_prefill(made, key)
+    clock.now += 5.1
+    assert peers.connect(key, 1, accept, recover=True).done()
+    wait_for(lambda: silent.arrived == 1, "the background attempt")
+    clock.now += 15.0  # 20.1 s: the backoff ended while the attempt runs
+    joined = peers.connect(key, 1, accept)
+    attempt_timed_out(silent, peers, key, 1)
+    assert isinstance(joined.exception(timeout=30), TransferTimeoutError)
+    after = peers.connect(key, 1, accept)
+    assert after.done() and after.exception() is joined.exception()
+    assert peers._failures[key].attempts == 4
+
+
+def test_one_background_attempt_at_a_time_for_the_directory(made: list) -> None:
+    """Two addresses held by their backoffs: the second one's request starts no attempt while
+    the first one's runs, and does once it ended; the first gets its next retry_after later."""
+    peers, clock, a = backed_off(made)
+    b = PeerKey(LOCAL, free_port())
+    clock.now -= 30.2  # b's three failures at the same fake times as a's
+    _fail_three_times(peers, clock, b)
+    silent = silent_prefill(made, a)
+    clock.now += 5.1
+    peers.connect(a, 1, accept, recover=True)
+    assert a in peers._inflight
+    peers.connect(b, 1, accept, recover=True)
+    assert b not in peers._inflight
+    attempt_timed_out(silent, peers, a, 1)
+    peers.connect(b, 1, accept, recover=True)
+    assert b in peers._inflight
+    wait_for(lambda: b not in peers._inflight, "b's attempt to time out")
+    clock.now += 5.1
+    peers.connect(a, 1, accept, recover=True)
+    assert a in peers._inflight
+    attempt_timed_out(silent, peers, a, 2)
+
+
+def test_a_background_attempt_never_run_or_broken_leaves_nothing_behind(made: list) -> None:
+    """One the pool never runs (shut down) and one whose handshake raises an error of no
+    kind we know each end: nothing in flight, the next may start, the error remembered as
+    ours."""
+    peers, clock, key = backed_off(made)
+    clock.now += 5.1
+
+    def broken(key: PeerKey, validate: object) -> None:
+        raise ValueError("broken")
+
+    peers._connect = broken  # type: ignore[method-assign,assignment]
+    peers.connect(key, 1, accept, recover=True)
+    wait_for(lambda: key not in peers._inflight, "the attempt")
+    assert not peers._recovering and isinstance(peers._failures[key].error, MoriioError)
+    clock.now += 5.1
+    peers._recovery_pool.shutdown()
+    assert peers.connect(key, 1, accept, recover=True).done()
+    assert not peers._recovering and key not in peers._inflight
+
+
 def test_a_refused_handshake_leaves_no_peer(made: list) -> None:
     decode, _ = engine("decode", 1)
     port = free_port()

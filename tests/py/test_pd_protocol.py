@@ -50,6 +50,7 @@ class Directory:
         *,
         expect: Any = None,
         incarnation: str = "",
+        recover: bool = False,
     ) -> Future[Peer]:
         return self.answer(key)
 

@@ -1155,15 +1155,18 @@ def test_a_second_misaddressed_announcement_fails_the_job() -> None:
 
 
 class IncarnationDirectory(Directory):
-    """Records the incarnation each handshake was asked for."""
+    """Records the incarnation each handshake was asked for, and whether it asked to be
+    retried in the background after a remembered failure (recover)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.asked: list[str] = []
+        self.recover: list[bool] = []
         self.forgotten: list[Peer | None] = []
 
     def connect(self, key: PeerKey, notify_port: int, validate: Any, **kw: Any) -> Future[Peer]:
         self.asked.append(kw.get("incarnation", ""))
+        self.recover.append(kw.get("recover", False))
         return self.answer(key)
 
     def forget(self, peer: Peer | None) -> None:
@@ -1207,6 +1210,7 @@ def test_a_misaddressed_answer_makes_the_decode_announce_to_the_new_process_once
     puller.on_misaddressed(Misaddressed("tx-1", new, incarnation(0)))
     assert puller.await_states() == {"tx-1": AwaitState.CONNECTING}
     assert directory.asked == ["", new]
+    assert directory.recover == [True, True]  # requests: a remembered failure is retried
     assert [p.response.incarnation for p in directory.forgotten if p] == [incarnation(0)]
     answer_as(directory, new)
     assert announcements(sender) == [incarnation(0), new]

@@ -281,9 +281,11 @@ class Context:
         rank: int,
         *,
         incarnation: str = "",
+        recover: bool = False,
     ) -> Future[Peer]:
         """A future of peer rank ``rank`` of an instance of ``tp_size`` ranks (see
-        :class:`PeerDirectory`; ``incarnation``: never a cached handshake of another one);
+        :class:`PeerDirectory`; ``incarnation``: never a cached handshake of another one;
+        ``recover``: a remembered failure that answers this caller retries in the background);
         never waits on the network."""
         host = validate_host(host)
         key = PeerKey(host, rank_port(base_handshake_port, dp_rank, rank, tp_size))
@@ -294,6 +296,7 @@ class Context:
             self.peer_check(key),
             expect=self.rank_check(key, dp_rank, rank, tp_size),
             incarnation=incarnation,
+            recover=recover,
         )
 
 

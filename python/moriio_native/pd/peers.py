@@ -21,6 +21,17 @@
   remembered and the backoff stands as it was: evidence buys one attempt, never a shorter wait
   for the callers the backoff holds), so the first request after a restart is not failed by
   the backoff its predecessor's death built up;
+* a caller with no such evidence that asks for it (``connect(..., recover=True)``: a request,
+  as a WRITE-mode decode's announcement, which names no prefill incarnation) fails at once
+  too, but while such callers keep naming the address, one more attempt is made in the
+  background, ``retry_after`` after the last one ended: on a thread of its own, one at a time
+  for the whole directory (another address's turn may come first), so it makes no request
+  wait and takes no thread from the handshakes requests wait for. Its failure leaves the
+  backoff as it was (one that ended meanwhile counts it as the attempt at its end, doubled as
+  any other), and callers that joined it (one naming a new incarnation shares it) are not
+  remembered by it: such a caller may get one attempt of its own after it. Its success ends
+  the failure, so a peer back after a restart is usually reached a few seconds after the next
+  request, not only when a backoff built up while it was down (up to ``max_backoff``) ends;
 * a peer that restarted under the same address (same engine id, new metadata) replaces the old
   connection through the engine's explicit ``add_peer(..., replace=True)``: the old instance's
   transfers end (failed), the new one is reachable. An engine id that is already connected at
@@ -56,6 +67,7 @@ handshakes; ``in_use`` is called under ``_admit`` only, never under the first).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -188,6 +200,8 @@ class _Failure:
     attempts: int
     # The incarnations the failed attempts were made for ("" for callers that named none).
     incarnations: tuple[str, ...] = ()
+    # When a background attempt may start, for a caller that asks for one (recover=True).
+    recover_at: float = 0.0
 
     def covers(self, incarnation: str) -> bool:
         """Whether a caller naming ``incarnation`` is answered by this failure: it names none,
@@ -254,6 +268,10 @@ class PeerDirectory:
         self._failures: dict[PeerKey, _Failure] = {}
         self._pool = DaemonPool(HANDSHAKE_THREADS, "moriio-native-handshake")
         self._probe_pool = DaemonPool(1, "moriio-native-probe")
+        # The background attempts at addresses a remembered failure holds (recover=True), one
+        # at a time for the directory (_recovering).
+        self._recovery_pool = DaemonPool(1, "moriio-native-recover")
+        self._recovering = False
         self._closed = False
 
     # ---- lookups ------------------------------------------------------------------------------
@@ -296,6 +314,7 @@ class PeerDirectory:
         *,
         expect: Validator | None = None,
         incarnation: str = "",
+        recover: bool = False,
     ) -> Future[Peer]:
         """The peer at ``key`` as this caller reaches it (its messages go to ``notify_port``,
         this caller's own word: never another caller's): its handshake cached, failed recently
@@ -307,58 +326,96 @@ class PeerDirectory:
         fails this caller only and is remembered nowhere, so that a caller misinformed about
         who answers at ``key`` cannot fail the others. With ``incarnation``, a cached handshake
         that names another one is stale (the peer restarted since): it is dropped and the peer
-        handshaken again. Never blocks on the network."""
-        return _for_caller(self._connect_shared(key, validate, incarnation), notify_port, expect)
+        handshaken again. ``recover``: when a remembered failure answers this caller, another
+        attempt may start in the background (module docstring). Never blocks on the network."""
+        shared = self._connect_shared(key, validate, incarnation, recover)
+        return _for_caller(shared, notify_port, expect)
 
     def _connect_shared(
-        self, key: PeerKey, validate: Validator, incarnation: str
+        self, key: PeerKey, validate: Validator, incarnation: str, recover: bool
     ) -> Future[Handshake]:
         with self._lock:
-            peer = self._peers.get(key)
-            if peer is not None and time.monotonic() - peer.asked_at > HANDSHAKE_MAX_AGE_S:
-                del self._peers[key]  # too old to bound its clock: handshaken again
-                peer = None
-            if peer is not None and incarnation and peer.response.incarnation != incarnation:
-                logger.info(
-                    "cached handshake of %s at %s names incarnation %s, a request names %s: "
-                    "handshaking again",
-                    peer.response.engine_id,
-                    key,
-                    peer.response.incarnation or "(none)",
-                    incarnation,
-                )
-                del self._peers[key]
-                peer = None
-            if peer is not None:
-                self._peers.move_to_end(key)
-                return _done(peer)
-            failure = self._failures.get(key)
-            if (
-                failure is not None
-                and self._clock() < failure.until
-                and failure.covers(incarnation)
-            ):
-                return _failed(failure.error)
-            future = self._inflight.get(key)
-            if future is not None:
-                return future
-            if self._closed:
-                return _failed(MoriioError("the peer directory is shut down"))
-            future = Future()
-            self._inflight[key] = future
+            answer, attempt, recovery = self._lookup(key, incarnation, recover)
+        if recovery is not None:
+            self._submit(self._recovery_pool, key, validate, recovery, "", recovery=True)
+        if attempt is not None:
+            self._submit(self._pool, key, validate, attempt, incarnation)
+        return answer
+
+    def _lookup(
+        self, key: PeerKey, incarnation: str, recover: bool
+    ) -> tuple[Future[Handshake], Future[Handshake] | None, Future[Handshake] | None]:
+        """The caller's answer for ``key`` (lock held): its cached handshake, its remembered
+        failure, the attempt in flight, or a new attempt; with the attempt the caller must start
+        (None: none) and the background attempt it must start (recover; None: none)."""
+        peer = self._peers.get(key)
+        if peer is not None and time.monotonic() - peer.asked_at > HANDSHAKE_MAX_AGE_S:
+            del self._peers[key]  # too old to bound its clock: handshaken again
+            peer = None
+        if peer is not None and incarnation and peer.response.incarnation != incarnation:
+            logger.info(
+                "cached handshake of %s at %s names incarnation %s, a request names %s: "
+                "handshaking again",
+                peer.response.engine_id,
+                key,
+                peer.response.incarnation or "(none)",
+                incarnation,
+            )
+            del self._peers[key]
+            peer = None
+        if peer is not None:
+            self._peers.move_to_end(key)
+            return _done(peer), None, None
+        failure = self._failures.get(key)
+        if failure is not None and self._clock() < failure.until and failure.covers(incarnation):
+            recovery = self._claim_recovery(key, failure) if recover else None
+            return _failed(failure.error), None, recovery
+        future = self._inflight.get(key)
+        if future is not None:
+            return future, None, None
+        if self._closed:
+            return _failed(MoriioError("the peer directory is shut down")), None, None
+        future = Future()
+        self._inflight[key] = future
+        return future, future, None
+
+    def _claim_recovery(self, key: PeerKey, failure: _Failure) -> Future[Handshake] | None:
+        """A background attempt at ``key``, which ``failure`` holds (lock held), when none runs
+        anywhere, none is in flight at ``key`` and its time came: its future (None: not now)."""
+        now = self._clock()
+        if self._recovering or self._closed or key in self._inflight or now < failure.recover_at:
+            return None
+        failure.recover_at = now + self._retry_after
+        self._recovering = True
+        future: Future[Handshake] = Future()
+        self._inflight[key] = future
+        return future
+
+    def _submit(
+        self,
+        pool: DaemonPool,
+        key: PeerKey,
+        validate: Validator,
+        future: Future[Handshake],
+        incarnation: str,
+        *,
+        recovery: bool = False,
+    ) -> None:
+        """Run the attempt of ``future`` (in flight at ``key``) on ``pool``; one the pool never
+        runs (shut down) fails, never left pending."""
 
         def not_made(why: str) -> None:
             with self._lock:
                 self._inflight.pop(key, None)
+                self._recovering = self._recovering and not recovery
             future.set_exception(MoriioError(f"peer {key}: not handshaken ({why})"))
 
         try:
-            task = self._pool.submit(self._handshake, key, validate, future, incarnation)
+            task = pool.submit(self._handshake, key, validate, future, incarnation, recovery)
         except RuntimeError as exc:  # shut down meanwhile
             not_made(str(exc))
-            return future
+            return
         _when_dropped(task, lambda: not_made("the peer directory is shut down"))
-        return future
 
     # ---- changes ------------------------------------------------------------------------------
 
@@ -420,27 +477,56 @@ class PeerDirectory:
             self._closed = True
         self._pool.shutdown()
         self._probe_pool.shutdown()
+        self._recovery_pool.shutdown()
 
     # ---- the handshake (pool thread) ----------------------------------------------------------
 
     def _handshake(
-        self, key: PeerKey, validate: Validator, future: Future[Handshake], incarnation: str
+        self,
+        key: PeerKey,
+        validate: Validator,
+        future: Future[Handshake],
+        incarnation: str,
+        recovery: bool = False,
     ) -> None:
+        """One attempt at ``key`` for ``future``'s callers (``recovery``: in the background,
+        for none: its failure keeps the remembered one's backoff)."""
         try:
             peer = self._connect(key, validate)
         except BaseException as exc:
             error = exc if isinstance(exc, MoriioError) else MoriioError(f"peer {key}: {exc}")
             with self._lock:
                 self._inflight.pop(key, None)
-                failure = self._failure_after(self._failures.get(key), error, incarnation)
+                self._recovering = self._recovering and not recovery
+                previous = self._failures.get(key)
+                now = self._clock()
+                if recovery and previous is not None and now < previous.until:
+                    # Within the backoff: it stands; the next one retry_after from this end.
+                    recover_at = now + self._retry_after
+                    failure = dataclasses.replace(previous, error=error, recover_at=recover_at)
+                else:  # the backoff ended meanwhile: the attempt at its end, as any other
+                    failure = self._failure_after(previous, error, incarnation)
                 self._failures[key] = failure
-            delay = failure.until - self._clock()
-            logger.warning("handshake with %s failed (%s); retrying after %.0fs", key, error, delay)
+            delay = max(0.0, failure.until - now)
+            if recovery:
+                logger.info(
+                    "background handshake with %s failed (%s); requests fail at once for %.0fs "
+                    "more, tried again in the background at most every %.0fs meanwhile",
+                    key,
+                    error,
+                    delay,
+                    self._retry_after,
+                )
+            else:
+                logger.warning(
+                    "handshake with %s failed (%s); retrying after %.0fs", key, error, delay
+                )
             future.set_exception(error)
             return
         try:
             with self._lock:
                 self._inflight.pop(key, None)
+                self._recovering = self._recovering and not recovery
                 self._failures.pop(key, None)
                 for other in [
                     k
@@ -469,18 +555,20 @@ class PeerDirectory:
         now: one record serves every caller of the address, and anyone who can name ever new
         incarnations must not shorten the wait of the callers it holds."""
         now = self._clock()
+        recover_at = now + self._retry_after
         known = previous.incarnations if previous is not None else ()
         if incarnation and incarnation not in known:
             known = (*known, incarnation)[-MAX_FAILED_INCARNATIONS:]
         if isinstance(error, PeerCapacityError):
             # Nothing is wrong with that peer: room may free any moment.
-            return _Failure(now + min(CAPACITY_RETRY_S, self._retry_after), error, 0, known)
+            until = now + min(CAPACITY_RETRY_S, self._retry_after)
+            return _Failure(until, error, 0, known, recover_at)
         if previous is not None and not previous.covers(incarnation):
             until = max(previous.until, now + self._retry_after)
-            return _Failure(until, error, previous.attempts, known)
+            return _Failure(until, error, previous.attempts, known, recover_at)
         attempts = previous.attempts + 1 if previous is not None else 1
         delay = min(self._retry_after * 2 ** (attempts - 1), self._max_backoff)
-        return _Failure(now + delay, error, attempts, known)
+        return _Failure(now + delay, error, attempts, known, recover_at)
 
     def _fetch(self, key: PeerKey) -> HandshakeResponse:
         """One handshake with ``key`` under this directory's timeout and security (any thread)."""

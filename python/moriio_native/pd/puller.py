@@ -385,7 +385,9 @@ class Puller:
         self, task: RecvTask, plan: TpPlan, rank: int, incarnation: str = ""
     ) -> Future[Peer]:
         """Prefill rank ``rank`` of the task's instance, never a cached handshake of another
-        ``incarnation`` than the one given (raises before any network on a bad address)."""
+        ``incarnation`` than the one given (raises before any network on a bad address). A
+        request: when a remembered failure of the rank answers it, the rank is tried again in the
+        background (a WRITE announcement names no incarnation that could buy an attempt)."""
         peer = task.peer
         return self._ctx.connect_rank(
             peer.host,
@@ -395,6 +397,7 @@ class Puller:
             plan.prefill_tp,
             rank,
             incarnation=incarnation,
+            recover=True,
         )
 
     def _start_read(self, task: RecvTask) -> None:
