@@ -228,6 +228,19 @@ def _fail_three_times(
         clock.now += wait
 
 
+def backed_off(made: list) -> tuple[PeerDirectory, Clock, PeerKey]:
+    """A directory whose handshakes with an address where nothing listens failed three times:
+    requests naming it fail at once for 20 s from the fake clock's now (attempts time out in
+    0.3 s)."""
+    decode, _ = engine("decode", 1)
+    clock = Clock()
+    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
+    peers._timeout = 0.3
+    key = PeerKey(LOCAL, free_port())
+    _fail_three_times(peers, clock, key)
+    return peers, clock, key
+
+
 def test_a_request_naming_a_new_incarnation_is_not_failed_by_the_old_ones_backoff(
     made: list,
 ) -> None:
@@ -260,12 +273,7 @@ def test_a_new_incarnations_failed_attempt_never_shortens_the_backoff(made: list
     here) ends; the failed attempt never shortened it (found by a review: it had restarted the
     doubling from 5 s for every caller, so anyone naming ever new incarnations without a
     secret kept a dead peer's backoff short). Another new incarnation is tried once."""
-    decode, _ = engine("decode", 1)
-    clock = Clock()
-    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
-    peers._timeout = 0.3
-    key = PeerKey(LOCAL, free_port())
-    _fail_three_times(peers, clock, key)
+    peers, clock, key = backed_off(made)
     claimed = new_incarnation()
     first = peers.connect(key, 1, accept, incarnation=claimed)
     with pytest.raises(TransferTimeoutError):
@@ -285,19 +293,6 @@ def test_a_new_incarnations_failed_attempt_never_shortens_the_backoff(made: list
     assert retried is not held
     with pytest.raises(TransferTimeoutError):
         retried.result(timeout=30)
-
-
-def backed_off(made: list) -> tuple[PeerDirectory, Clock, PeerKey]:
-    """A directory whose handshakes with an address where nothing listens failed three times:
-    requests naming it fail at once for 20 s from the fake clock's now (attempts time out in
-    0.3 s)."""
-    decode, _ = engine("decode", 1)
-    clock = Clock()
-    peers = directory(decode, made, retry_after=5.0, max_backoff=60.0, clock=clock)
-    peers._timeout = 0.3
-    key = PeerKey(LOCAL, free_port())
-    _fail_three_times(peers, clock, key)
-    return peers, clock, key
 
 
 def silent_prefill(made: list, key: PeerKey) -> Prefill:
