@@ -406,8 +406,7 @@ class PeerDirectory:
 
         def not_made(why: str) -> None:
             with self._lock:
-                self._inflight.pop(key, None)
-                self._recovering = self._recovering and not recovery
+                self._attempt_ended(key, recovery)
             future.set_exception(MoriioError(f"peer {key}: not handshaken ({why})"))
 
         try:
@@ -416,6 +415,13 @@ class PeerDirectory:
             not_made(str(exc))
             return
         _when_dropped(task, lambda: not_made("the peer directory is shut down"))
+
+    def _attempt_ended(self, key: PeerKey, recovery: bool) -> None:
+        """The attempt in flight at ``key`` ended, made, failed or never run (lock held): later
+        callers find none to share, and a background one frees the directory's slot."""
+        self._inflight.pop(key, None)
+        if recovery:
+            self._recovering = False
 
     # ---- changes ------------------------------------------------------------------------------
 
@@ -496,8 +502,7 @@ class PeerDirectory:
         except BaseException as exc:
             error = exc if isinstance(exc, MoriioError) else MoriioError(f"peer {key}: {exc}")
             with self._lock:
-                self._inflight.pop(key, None)
-                self._recovering = self._recovering and not recovery
+                self._attempt_ended(key, recovery)
                 previous = self._failures.get(key)
                 now = self._clock()
                 if recovery and previous is not None and now < previous.until:
@@ -525,8 +530,7 @@ class PeerDirectory:
             return
         try:
             with self._lock:
-                self._inflight.pop(key, None)
-                self._recovering = self._recovering and not recovery
+                self._attempt_ended(key, recovery)
                 self._failures.pop(key, None)
                 for other in [
                     k
