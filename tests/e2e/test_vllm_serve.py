@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -36,16 +35,6 @@ logger = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 90.0
 DRAIN_TIMEOUT_S = 60.0
-# The decode's line for a READ whose hold check got no answer in time (10 s): failed and
-# recomputed, the completion unchanged. On this 2-core machine a TP-2 pair's ten processes can
-# starve a prefill rank's answering thread that long (seen twice in CI: once in the same
-# minutes as vllm-router expiring both instances for pings that lapsed past its ~5 s, once both
-# decode ranks of read-tp2 in one second): the one failure a healthy run may show, here and in
-# the connector's series. Every other reason still fails the test.
-HOLD_CHECK_UNANSWERED = re.compile(
-    r"READ failed \(the prefill \S+ did not confirm the READ of transfer \S+: "
-    r"checksums of transfer \S+ from \S+: no reply within"
-)
 
 
 def _run_all(url: str, batch: list[list[int]], workers: int = 1) -> list[Completion]:
@@ -174,14 +163,8 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
             break
         time.sleep(2.0)
     assert transfers >= expected, f"{transfers} transfers counted, expected >= {expected}"
-    # The one failure a healthy run may show (HOLD_CHECK_UNANSWERED), as many as the decode
-    # logged since it started; each is a failed transfer and a failed confirmation.
-    unanswered = _unanswered_hold_checks(cluster.decode, 0)
     failed = serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total")
-    assert failed == unanswered, (
-        f"{failed} transfers failed, {unanswered} of them for a hold check without answer; "
-        f"see {cluster.decode.server.log_path}"
-    )
+    assert not failed, f"{failed} transfers failed; see {cluster.decode.server.log_path}"
     assert (serving.metric_value(samples, "vllm:moriio_native_transferred_bytes_total") or 0) > 0
     assert (serving.metric_value(samples, "vllm:moriio_native_handshakes_total") or 0) >= 1
     for hist in (
@@ -196,7 +179,7 @@ def test_connector_prometheus_series(cluster: Cluster) -> None:
     confirmed = serving.metric_value(samples, "vllm:moriio_native_confirmed_reads_total")
     assert confirmed == (transfers if confirms else 0), f"{confirmed} READs confirmed"
     unconfirmed = serving.metric_value(samples, "vllm:moriio_native_confirm_failures_total")
-    assert unconfirmed == unanswered, f"{unconfirmed} READs not confirmed"
+    assert not unconfirmed, f"{unconfirmed} READs not confirmed"
     # Both instances export the series (the other side's counters are simply lower), and neither
     # saw a transfer fail: a WRITE-mode decode that gave up waiting counts its failure itself.
     other = cluster.prefill if _connector_side(cluster) is cluster.decode else cluster.decode
@@ -295,7 +278,6 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     _wait_registered(router, cluster.settings)
     before = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url))
     failed_before = _failed_transfers(cluster)
-    decode_log_from = cluster.decode.server.log_size()
     got = _run_via_router(router, cluster.settings, prompts.ROUTER)
     _assert_identical(got, baseline["router"], f"{cluster.settings.mode} via vllm-router")
     # Fresh prompts: equal outputs alone would also come from a decode that recomputed every
@@ -303,24 +285,14 @@ def test_through_vllm_router(cluster: Cluster, baseline: dict[str, list[Completi
     loaded = serving.external_kv_tokens(serving.metric_samples(cluster.decode.url)) - before
     assert loaded > 0, f"{cluster.settings.mode} via vllm-router: no prompt token was loaded"
     failed = _failed_transfers(cluster) - failed_before
-    unanswered = _unanswered_hold_checks(cluster.decode, decode_log_from)
-    if unanswered:
-        logger.warning("%d READs failed for a hold check without answer (recomputed)", unanswered)
-    assert failed == unanswered, (
-        f"{failed} transfers failed via vllm-router, {unanswered} of them for a hold check "
-        f"without answer; see {cluster.decode.server.log_path}"
+    assert not failed, (
+        f"{failed} transfers failed via vllm-router; see {cluster.decode.server.log_path}"
     )
 
 
 def _failed_transfers(cluster: Cluster) -> float:
     samples = serving.metric_samples(_connector_side(cluster).url)
     return serving.metric_value(samples, "vllm:moriio_native_failed_transfers_total") or 0
-
-
-def _unanswered_hold_checks(decode: Instance, log_from: int) -> int:
-    """READs the decode failed since byte ``log_from`` of its log because a hold check got no
-    answer in time (none in WRITE mode: nothing is checked so)."""
-    return len(HOLD_CHECK_UNANSWERED.findall(decode.server.log_since(log_from)))
 
 
 def test_negative_control_prefill_with_other_weights(

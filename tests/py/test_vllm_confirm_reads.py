@@ -84,8 +84,7 @@ def test_a_kept_connection_to_the_prefill_closes_once_idle_with_no_check_coming(
     r = held_read(sides, model_dir, 73, {checked: True})
     assert load(r.d, r.rid).invalid_blocks == set()
     ctx = r.d.worker.worker.core.ctx
-    checker = ctx.confirmer if checked == "confirm_reads" else ctx.verifier
-    kept = checker._sockets
+    kept = ctx.confirmer._requests if checked == "confirm_reads" else ctx.verifier._sockets
     assert kept.idle == 1
     r.d.run_until(lambda _result: kept.idle == 0, max_wait=10.0, what="idle connection closed")
 

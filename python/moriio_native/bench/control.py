@@ -9,13 +9,14 @@ Two processes on 127.0.0.1 (the responder is a spawned child, so the two sides s
 * ``handshake``: :func:`fetch_metadata` against a :class:`HandshakeServer` whose provider
   returns ``--metadata-bytes`` of engine metadata (a new socket and connection each time, as a
   worker meets a new peer).
-* ``hold check``: :func:`fetch_checksums` of a ``hold_only`` :class:`ChecksumRequest` naming
+* ``hold check``: :func:`ask_checksums` of a ``hold_only`` :class:`ChecksumRequest` naming
   ``--blocks`` block ids, answered by the same server (no checksums): the round trip
-  ``confirm_reads`` adds to every READ, on a kept connection (:class:`RequestSockets`), as the
-  decode's confirmer makes it. Answered on the server's reading thread, as a prefill answers
-  one for a transfer it knows; ``hold check, late``: one that came before its transfer's send
-  task, as a prefill handles it (left to ``when_ready``, let go -- here at once: the wait itself
-  is not timed -- and answered on the reading thread's next round).
+  ``confirm_reads`` adds to every READ, on the connection kept to the server and waited for by
+  a :class:`PolledRequests` thread, as the decode's confirmer makes it (timed to the
+  callback). Answered on the server's reading thread, as a prefill answers one for a transfer
+  it knows; ``hold check, late``: one that came before its transfer's send task, as a prefill
+  handles it (left to ``when_ready``, let go -- here at once: the wait itself is not timed --
+  and answered on the reading thread's next round).
 * ``raw zmq``: the baseline, measured in the same run: a DEALER sends a msgpack payload of the
   same size to a ROUTER in the child, which echoes it (no schema, no authentication, no queues).
 
@@ -46,8 +47,8 @@ from moriio_native.control.channel import (
     HandshakeServer,
     NotifyListener,
     NotifySender,
-    RequestSockets,
-    fetch_checksums,
+    PolledRequests,
+    ask_checksums,
     fetch_metadata,
 )
 from moriio_native.control.messages import (
@@ -59,6 +60,7 @@ from moriio_native.control.messages import (
     WriteDone,
 )
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
+from moriio_native.errors import MoriioError
 
 logger = logging.getLogger("moriio_native.bench.control")
 
@@ -229,26 +231,45 @@ def _hold_check_round_trips(
 ) -> list[float]:
     """``n`` hold checks of transfers named ``prefix<i>`` (:data:`LATE`: each before its send
     task)."""
-    out = []
-    sockets = RequestSockets(security)
+    requests = PolledRequests(security, "bench-hold-checks")
     try:
-        for i in range(n):
-            request = ChecksumRequest(
-                requester_engine_id="decode",
-                transfer_id=f"{prefix}{i}",
-                block_ids=tuple(range(1, blocks + 1)),
-                hold_only=True,
+        return [
+            _hold_check(
+                requests,
+                port,
+                ChecksumRequest(
+                    requester_engine_id="decode",
+                    transfer_id=f"{prefix}{i}",
+                    block_ids=tuple(range(1, blocks + 1)),
+                    hold_only=True,
+                ),
             )
-            t = time.perf_counter()
-            answer = fetch_checksums(
-                LOCAL, port, request, timeout=WAIT, security=security, sockets=sockets
-            )
-            out.append((time.perf_counter() - t) * 1e6)
-            if answer.checksums:
-                raise RuntimeError("a hold check's answer carried checksums")
+            for i in range(n)
+        ]
     finally:
-        sockets.close()
-    return out
+        requests.close()
+
+
+def _hold_check(requests: PolledRequests, port: int, request: ChecksumRequest) -> float:
+    """One hold check's microseconds from the ask to its callback (where a decode's verdict
+    runs); raises unless it was answered, with no checksums."""
+    answered: list[tuple[float, ChecksumResponse | MoriioError]] = []
+    came = threading.Event()
+
+    def done(outcome: ChecksumResponse | MoriioError) -> None:
+        answered.append((time.perf_counter(), outcome))
+        came.set()
+
+    start = time.perf_counter()
+    ask_checksums(requests, LOCAL, port, request, timeout=WAIT, done=done)
+    if not came.wait(2 * WAIT):
+        raise RuntimeError(f"hold check {request.transfer_id}: no callback")
+    at, answer = answered[0]
+    if isinstance(answer, MoriioError):
+        raise answer
+    if answer.checksums:
+        raise RuntimeError("a hold check's answer carried checksums")
+    return (at - start) * 1e6
 
 
 def measure(hmac: bool, args: argparse.Namespace) -> list[Row]:

@@ -26,6 +26,9 @@ Contents:
   provider runs on the hub's thread. ``close``/``stats`` are thread-safe.
 * :func:`fetch_metadata` -- the handshake client: allowlist check, one request, bounded wait.
   Blocks the calling thread at most ``timeout`` seconds (in 100 ms slices, so Ctrl-C works).
+* :class:`PolledRequests` -- requests to handshake servers (a decode's hold checks, through
+  :func:`ask_checksums`) that one thread waits for, several outstanding on one kept connection
+  per server, each answered through a callback by its deadline.
 * :class:`NotifySender` -- sends notify messages; allowlist check before any socket; an LRU of
   DEALER sockets (one per peer endpoint). Thread-safe (one lock); never blocks on the network.
 * :class:`ProxyPinger` -- a thread that sends a :class:`~.messages.ProxyRegistration` to the
@@ -1436,7 +1439,7 @@ def fetch_checksums(
     rejects, e.g. it does not verify); TransportError when the answer is for another transfer.
     Blocks the calling thread at most ``timeout`` seconds."""
     accept = (ChecksumResponse, HandshakeRejected)
-    what = f"checksums of transfer {request.transfer_id} from"
+    what = _checksums_what(request)
     if sockets is not None:
         reply = sockets.ask(
             host,
@@ -1459,6 +1462,49 @@ def fetch_checksums(
             context=context,
             max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
         )
+    return _checksums_answer(reply, request, host, port)
+
+
+def ask_checksums(
+    requests: PolledRequests,
+    host: str,
+    port: int,
+    request: ChecksumRequest,
+    *,
+    timeout: float,
+    done: Callable[[ChecksumResponse | MoriioError], None],
+) -> None:
+    """:func:`fetch_checksums` waited for by ``requests``' thread: ``done`` gets the answer or
+    the error (the same errors) within ``timeout`` seconds. Raises at once, calling nothing, as
+    :meth:`PolledRequests.ask` does."""
+
+    def answered(outcome: _Reply | MoriioError) -> None:
+        if not isinstance(outcome, MoriioError):
+            try:
+                outcome = _checksums_answer(outcome, request, host, port)
+            except TransportError as exc:
+                outcome = exc
+        done(outcome)
+
+    requests.ask(
+        host,
+        port,
+        request,
+        (ChecksumResponse, HandshakeRejected),
+        what=_checksums_what(request),
+        timeout=timeout,
+        done=answered,
+    )
+
+
+def _checksums_what(request: ChecksumRequest) -> str:
+    return f"checksums of transfer {request.transfer_id} from"
+
+
+def _checksums_answer(
+    reply: _Reply, request: ChecksumRequest, host: str, port: int
+) -> ChecksumResponse:
+    """``reply`` to ``request``: a ChecksumResponse for its transfer, else TransportError."""
     assert isinstance(reply, ChecksumResponse)
     if reply.transfer_id != request.transfer_id:
         raise TransportError(
@@ -1544,10 +1590,7 @@ def _exchange(
     """Send ``request`` on ``sock`` (no reply of an earlier request outstanding on it) and
     wait for its reply, naming ``watch``'s handshake failures (None: a socket whose handshake
     worked before and whose watch is gone; a failure then shows as no reply)."""
-    try:
-        sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
-    except zmq.ZMQError as exc:
-        raise TransportError(f"{what}: cannot send: {exc}") from exc
+    _send_request(sock, request, what, security)
     deadline = time.monotonic() + timeout
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
@@ -1556,36 +1599,66 @@ def _exchange(
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            failed = (
-                f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
-                if watch is not None and watch.failures
-                else ""
-            )
-            raise TransferTimeoutError(
-                f"{what}: no reply within {timeout:.3g}s "
-                "(is the peer running, the port right, and auth_secret the same on both "
-                f"sides?){failed}"
-            )
+            raise _no_reply(what, timeout, watch)
         ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
         if watch is not None and watch.monitor in ready and watch.read() and watch.mismatch:
             raise AuthenticationError(f"{what}: {watch.reason}")
         if sock not in ready:
             continue
-        frames = sock.recv_multipart()
-        if len(frames) < 2 or frames[0] != b"":
-            raise TransportError(f"{what}: reply is not [b'', payload]")
-        payload = security.auth.open(frames[1:])
-        try:
-            reply = decode(payload, accept, max_bytes=max_response_bytes)
-        except ProtocolVersionError as exc:
-            raise IncompatiblePeerError(f"{what}: {exc}") from exc
-        except InvalidMessageError as exc:
-            raise TransportError(f"{what}: bad reply: {exc}") from exc
+        reply = _open_reply(sock.recv_multipart(), accept, what, security, max_response_bytes)
         if reply.nonce != request.nonce:
             raise AuthenticationError(f"{what}: reply does not answer our request (nonce mismatch)")
-        if isinstance(reply, HandshakeRejected):
-            raise FailedPreconditionError(f"{what} rejected by the peer: {reply.reason}")
-        return reply
+        return _unless_rejected(reply, what)
+
+
+def _send_request(
+    sock: zmq.Socket, request: _Request, what: str, security: ControlSecurity
+) -> None:
+    """``request``, sealed, onto ``sock`` without waiting (TransportError when ZMQ refuses)."""
+    try:
+        sock.send_multipart(security.auth.seal(encode(request)), flags=zmq.NOBLOCK)
+    except zmq.ZMQError as exc:
+        raise TransportError(f"{what}: cannot send: {exc}") from exc
+
+
+def _no_reply(what: str, timeout: float, watch: _HandshakeWatch | None) -> TransferTimeoutError:
+    """The error of a request not answered within ``timeout``, with what ``watch`` saw."""
+    failed = (
+        f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
+        if watch is not None and watch.failures
+        else ""
+    )
+    return TransferTimeoutError(
+        f"{what}: no reply within {timeout:.3g}s "
+        "(is the peer running, the port right, and auth_secret the same on both "
+        f"sides?){failed}"
+    )
+
+
+def _open_reply(
+    frames: list[bytes],
+    accept: tuple[type[_Reply], ...],
+    what: str,
+    security: ControlSecurity,
+    max_response_bytes: int,
+) -> _Reply:
+    """The reply in a DEALER's ``frames``, authenticated and decoded (its nonce unchecked)."""
+    if len(frames) < 2 or frames[0] != b"":
+        raise TransportError(f"{what}: reply is not [b'', payload]")
+    payload = security.auth.open(frames[1:])
+    try:
+        return decode(payload, accept, max_bytes=max_response_bytes)
+    except ProtocolVersionError as exc:
+        raise IncompatiblePeerError(f"{what}: {exc}") from exc
+    except InvalidMessageError as exc:
+        raise TransportError(f"{what}: bad reply: {exc}") from exc
+
+
+def _unless_rejected(reply: _Reply, what: str) -> _Reply:
+    """``reply``, or FailedPreconditionError with the peer's reason when it is a rejection."""
+    if isinstance(reply, HandshakeRejected):
+        raise FailedPreconditionError(f"{what} rejected by the peer: {reply.reason}")
+    return reply
 
 
 @dataclass(frozen=True, slots=True)
@@ -1733,6 +1806,380 @@ class RequestSockets:
             while self._idle:
                 for idle in self._idle.popitem()[1]:
                     idle.sock.close(linger=0)
+
+
+#: How long :meth:`PolledRequests.close` waits for its thread to end the requests in flight.
+_POLLED_CLOSE_WAIT_S = 5.0
+
+#: The replies a :class:`PolledRequests` reads before it knows whose they are.
+_REPLY_TYPES = (HandshakeResponse, ChecksumResponse, HandshakeRejected)
+#: A :class:`PolledRequests` request's callback: it gets the reply, or why there is none.
+RequestDone = Callable[["_Reply | MoriioError"], None]
+
+
+@dataclass(eq=False, slots=True)
+class _Waiting:
+    """A request sent (or about to be) and waiting for its reply."""
+
+    host: str
+    port: int
+    request: _Request
+    accept: tuple[type[_Reply], ...]
+    what: str  # "<what> host:port", the start of every error it gets
+    timeout: float
+    deadline: float  # time.monotonic()
+    done: RequestDone
+
+
+@dataclass(eq=False, slots=True)
+class _Connection:
+    """A connection to one server, its requests outstanding by nonce. A retired one takes no
+    new requests (one of its requests went unanswered, or ZMQ gave it up): it closes once the
+    others have ended."""
+
+    key: tuple[str, int]
+    sock: zmq.Socket
+    watch: _HandshakeWatch | None  # until its first reply (as RequestSockets' connections)
+    waiting: dict[bytes, _Waiting]
+    retired: bool = False
+    idle_since: float | None = None  # time.monotonic() since when nothing is outstanding
+
+
+_Finished = list[tuple[_Waiting, "_Reply | MoriioError"]]
+
+
+class PolledRequests:
+    """Requests to handshake servers (a decode's hold checks) that one thread, named ``name``,
+    waits for, however many are outstanding: each goes on the one connection kept to its
+    server (requests outstanding side by side on it, each reply matched to its request by
+    nonce), and its ``done`` callback gets the reply, or the error, by its deadline. A server
+    that never answers therefore holds up no other server's requests, and keeps no thread.
+
+    A request unanswered by its deadline fails with TransferTimeoutError and retires its
+    connection: the next request to that server dials a new one (a connection that no longer
+    works shows only so), and the retired one closes once its other requests have ended. A
+    reply that cannot be read (not authenticated, malformed, another protocol version with no
+    nonce to tell whose) fails every request outstanding on its connection, which closes. A
+    connection with nothing outstanding is kept ``idle_s`` seconds for the next request (at
+    most ``max_idle`` kept, the least recently used closed first).
+
+    Callbacks run on the thread, one at a time, after its state is updated: they must not
+    block (they may call :meth:`ask`). :meth:`close` ends every request still waiting with an
+    error. Thread-safe."""
+
+    def __init__(
+        self,
+        security: ControlSecurity,
+        name: str,
+        *,
+        idle_s: float = 30.0,
+        max_idle: int = 16,
+        max_response_bytes: int = MAX_HANDSHAKE_RESPONSE_BYTES,
+        context: zmq.Context | None = None,
+    ) -> None:
+        """Starts the thread (RuntimeError when it cannot start)."""
+        if max_idle < 1:
+            raise InvalidArgumentError(f"max_idle must be >= 1, got {max_idle}")
+        self._security = security
+        self._idle_s = _check_seconds(idle_s, "idle_s")
+        self._max_idle = max_idle
+        self._max_response_bytes = max_response_bytes
+        self._context = context
+        self._lock = threading.Lock()
+        self._incoming: deque[_Waiting] = deque()  # asked, not yet taken by the thread
+        self._closed = False
+        self._idle_now = 0
+        self._pid = os.getpid()  # a forked child has the object but not the thread
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        # The thread's own: the connection new requests to a server go on, and the retired.
+        self._current: dict[tuple[str, int], _Connection] = {}
+        self._retired: list[_Connection] = []
+        self._poller = zmq.Poller()
+        self._poller.register(self._wake_read, zmq.POLLIN)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        try:
+            self._thread.start()
+        except BaseException:
+            self._close_wake_pipe()
+            raise
+
+    @property
+    def idle(self) -> int:
+        """Connections kept with nothing outstanding on them (as of the thread's last turn)."""
+        return self._idle_now
+
+    def ask(
+        self,
+        host: str,
+        port: int,
+        request: _Request,
+        accept: tuple[type[_Reply], ...],
+        *,
+        what: str,
+        timeout: float,
+        done: RequestDone,
+    ) -> None:
+        """Send ``request`` to the handshake server at ``host:port``; ``done`` gets its reply
+        (one of ``accept``) or, ``timeout`` seconds from now at the latest, the error (as
+        :func:`fetch_metadata`'s: FailedPreconditionError with the server's reason when it
+        rejects). Raises at once, calling nothing, when the host is not allowlisted, the port
+        or timeout is invalid, or this is closed (or was made by the process this one forked
+        from: its thread is not here)."""
+        host, port, timeout, target = _ask_target(host, port, timeout, self._security, what)
+        waiting = _Waiting(
+            host,
+            port,
+            request,
+            accept,
+            f"{what} {target}",
+            timeout,
+            time.monotonic() + timeout,
+            done,
+        )
+        if os.getpid() != self._pid:
+            raise FailedPreconditionError(f"{waiting.what}: a requester of the parent process")
+        with self._lock:
+            if self._closed:
+                raise FailedPreconditionError(f"{waiting.what}: the requester is closed")
+            self._incoming.append(waiting)
+            self._wake()
+
+    def close(self) -> None:
+        """End every request still waiting (its ``done`` gets FailedPreconditionError), close
+        the connections and stop the thread, waiting for that up to a few seconds unless
+        called from a callback. Idempotent."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._wake()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(_POLLED_CLOSE_WAIT_S)
+
+    def _wake(self) -> None:
+        """Wake the thread (lock held: the thread closes the pipe under it, once closed, so
+        this never writes to a descriptor number reused meanwhile)."""
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is pending anyway
+            os.write(self._wake_write, b"w")
+
+    # ---- the thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._turn():
+                pass
+        except Exception:
+            logger.exception("%s stopped on an internal error", self._thread.name)
+        finally:
+            self._stop_all()
+
+    def _turn(self) -> bool:
+        """One wait and what it brought; False once closed."""
+        ready = dict(self._poller.poll(self._wait_ms(time.monotonic())))
+        with self._lock:
+            if self._closed:
+                return False
+            with contextlib.suppress(BlockingIOError):
+                while os.read(self._wake_read, 4096):
+                    pass
+            incoming = list(self._incoming)
+            self._incoming.clear()
+        finished: _Finished = []
+        for waiting in incoming:
+            self._send(waiting, finished)
+        for conn in self._connections():
+            if conn.watch is not None and conn.watch.monitor in ready and not conn.sock.closed:
+                self._read_watch(conn, finished)
+            if conn.sock in ready:
+                self._read_replies(conn, finished)
+        now = time.monotonic()
+        self._end_late(now, finished)
+        self._settle(now)
+        for waiting, outcome in finished:
+            self._call(waiting, outcome)
+        return True
+
+    def _wait_ms(self, now: float) -> int:
+        """Until the next deadline or idle expiry (-1: none, wait for a wake-up)."""
+        times = [w.deadline for conn in self._connections() for w in conn.waiting.values()]
+        times += [c.idle_since + self._idle_s for c in self._current.values() if c.idle_since]
+        if not times:
+            return -1
+        return max(1, math.ceil((min(times) - now) * 1000))
+
+    def _connections(self) -> list[_Connection]:
+        return [*self._current.values(), *self._retired]
+
+    def _send(self, waiting: _Waiting, finished: _Finished) -> None:
+        """``waiting``'s request onto its server's connection (dialled when there is none)."""
+        key = (waiting.host, waiting.port)
+        conn = self._current.get(key)
+        try:
+            if conn is None:
+                conn = self._dial(key, waiting.what)
+            _send_request(conn.sock, waiting.request, waiting.what, self._security)
+        except MoriioError as exc:
+            finished.append((waiting, exc))
+            return
+        conn.waiting[waiting.request.nonce] = waiting
+
+    def _dial(self, key: tuple[str, int], what: str) -> _Connection:
+        dialed = _dial_asker(
+            self._context, key[0], key[1], self._security, self._max_response_bytes, what
+        )
+        conn = _Connection(key, dialed.sock, dialed.watch, {})
+        self._poller.register(conn.sock, zmq.POLLIN)
+        self._poller.register(dialed.watch.monitor, zmq.POLLIN)
+        self._current[key] = conn
+        return conn
+
+    def _read_watch(self, conn: _Connection, finished: _Finished) -> None:
+        """What ZMQ's handshakes on ``conn`` reported: a secret on one side only ends its
+        requests at once; a connection ZMQ gave up on takes no more."""
+        watch = conn.watch
+        assert watch is not None
+        if not watch.read():
+            return
+        if watch.mismatch:
+            self._drop(conn, AuthenticationError, watch.reason, finished)
+        elif watch.ended:
+            self._retire(conn)
+
+    def _read_replies(self, conn: _Connection, finished: _Finished) -> None:
+        while not conn.sock.closed:
+            try:
+                frames = conn.sock.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._take_reply(conn, frames, finished)
+
+    def _take_reply(self, conn: _Connection, frames: list[bytes], finished: _Finished) -> None:
+        try:
+            reply = _open_reply(
+                frames,
+                _REPLY_TYPES,
+                "a reply on its connection",
+                self._security,
+                self._max_response_bytes,
+            )
+        except IncompatiblePeerError as exc:
+            # Another protocol version: its error names the request's nonce when it could.
+            nonce = getattr(exc.__cause__, "nonce", b"")
+            waiting = conn.waiting.pop(nonce, None) if nonce else None
+            if waiting is None:
+                self._drop(conn, IncompatiblePeerError, str(exc), finished)
+            else:
+                finished.append((waiting, IncompatiblePeerError(f"{waiting.what}: {exc}")))
+            return
+        except MoriioError as exc:
+            self._drop(conn, type(exc), str(exc), finished)
+            return
+        waiting = conn.waiting.pop(reply.nonce, None)
+        if waiting is None:  # a request that ended already (its deadline passed meanwhile)
+            logger.debug("a reply from %s:%d answers no request waiting; dropped", *conn.key)
+            return
+        if conn.watch is not None:  # it works: nobody needs its handshakes any more
+            self._poller.unregister(conn.watch.monitor)
+            conn.watch.close()
+            conn.watch = None
+        finished.append((waiting, self._answer(waiting, reply)))
+
+    @staticmethod
+    def _answer(waiting: _Waiting, reply: _Reply) -> _Reply | MoriioError:
+        try:
+            _unless_rejected(reply, waiting.what)
+        except FailedPreconditionError as exc:
+            return exc
+        if not isinstance(reply, waiting.accept):
+            return TransportError(
+                f"{waiting.what}: answered with a {type(reply).__name__}, not what was asked"
+            )
+        return reply
+
+    def _end_late(self, now: float, finished: _Finished) -> None:
+        """End the requests past their deadline, retiring their connections."""
+        for conn in self._connections():
+            late = [nonce for nonce, w in conn.waiting.items() if w.deadline <= now]
+            for nonce in late:
+                waiting = conn.waiting.pop(nonce)
+                finished.append((waiting, _no_reply(waiting.what, waiting.timeout, conn.watch)))
+            if late:
+                self._retire(conn)
+
+    def _settle(self, now: float) -> None:
+        """Close the retired connections with nothing left outstanding, and the kept ones idle
+        past ``idle_s`` or beyond ``max_idle``; the others idle from now when their last
+        request just ended."""
+        for conn in [c for c in self._retired if not c.waiting]:
+            self._close(conn)
+        for conn in self._current.values():
+            if conn.waiting:
+                conn.idle_since = None
+            elif conn.idle_since is None:
+                conn.idle_since = now
+        idle = sorted(
+            (c for c in self._current.values() if c.idle_since is not None),
+            key=lambda c: c.idle_since or 0.0,
+        )
+        for kept, conn in enumerate(reversed(idle)):
+            assert conn.idle_since is not None
+            if kept >= self._max_idle or now - conn.idle_since >= self._idle_s:
+                self._close(conn)
+        self._idle_now = sum(1 for c in self._current.values() if c.idle_since is not None)
+
+    def _retire(self, conn: _Connection) -> None:
+        if not conn.retired:
+            conn.retired = True
+            del self._current[conn.key]
+            self._retired.append(conn)
+
+    def _drop(
+        self, conn: _Connection, error: type[MoriioError], reason: str, finished: _Finished
+    ) -> None:
+        """End every request outstanding on ``conn`` with ``error`` and close it."""
+        for waiting in conn.waiting.values():
+            finished.append((waiting, error(f"{waiting.what}: {reason}")))
+        conn.waiting.clear()
+        self._close(conn)
+
+    def _close(self, conn: _Connection) -> None:
+        if conn.retired:
+            self._retired.remove(conn)
+        else:
+            del self._current[conn.key]
+        self._poller.unregister(conn.sock)
+        if conn.watch is not None:
+            self._poller.unregister(conn.watch.monitor)
+            conn.watch.close()
+        conn.sock.close(linger=0)
+
+    def _call(self, waiting: _Waiting, outcome: _Reply | MoriioError) -> None:
+        try:
+            waiting.done(outcome)
+        except Exception:
+            logger.exception("%s: its callback failed", waiting.what)
+
+    def _stop_all(self) -> None:
+        """Closed (or the thread failing): end every request with an error, close all."""
+        with self._lock:
+            self._closed = True
+            unsent = [*self._incoming]
+            self._incoming.clear()
+            self._close_wake_pipe()
+        finished: _Finished = [
+            (w, FailedPreconditionError(f"{w.what}: closed before it was sent")) for w in unsent
+        ]
+        for conn in self._connections():
+            self._drop(conn, FailedPreconditionError, "closed before the reply came", finished)
+        self._idle_now = 0
+        for waiting, outcome in finished:
+            self._call(waiting, outcome)
+
+    def _close_wake_pipe(self) -> None:
+        for fd in (self._wake_read, self._wake_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 class NotifySender(_ClosesOnExit):
@@ -1966,8 +2413,12 @@ __all__ = [
     "MetadataProvider",
     "NotifyListener",
     "NotifySender",
+    "PolledRequests",
     "ProxyPinger",
     "RateLimitedWarnings",
+    "RequestDone",
+    "RequestSockets",
+    "ask_checksums",
     "fetch_checksums",
     "fetch_metadata",
     "zmq_endpoint",

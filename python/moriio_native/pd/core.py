@@ -353,9 +353,8 @@ class PdCore:
             ("the prefill's deadlines", lambda: self.pusher.check_timeouts(now)),
             ("the peer directory's expiry", self.ctx.directory.expire),
         ]
-        for checker in (self.ctx.verifier, self.ctx.confirmer):
-            if checker is not None:
-                steps.append((f"{type(checker).__name__}'s idle connections", checker.expire_idle))
+        if self.ctx.verifier is not None:  # the confirmer's thread closes its own
+            steps.append(("the verifier's idle connections", self.ctx.verifier.expire_idle))
         for what, step in steps:
             try:
                 step()

@@ -106,10 +106,10 @@ MAX_ENDED_HOLDS = 65536
 # hands it over in the first step that starts after the request finished, but a decode may ask
 # first, and that step may start only after a long forward of other requests (over a second
 # for a TP-2 prefill on a loaded host, seen in CI). Counted from the request's arrival and
-# waited without a thread (when_hold_known), shorter than the decode's wait for its answer
-# (MAX_HOLD_CHECK_WAIT_S, 10 s, or transfer_timeout when less) by more than a timeout pass, so
-# the decode hears why (with transfer_timeout under about 8.5 s it times out first); a send
-# task that comes later fails that load (recomputed), never passes it.
+# waited without a thread (when_hold_known), shorter than the decode's wait for its answer (its
+# transfer_timeout, 30 s by default) by more than a timeout pass, so the decode hears why (with
+# transfer_timeout under about 8.5 s it times out first); a send task that comes later fails
+# that load (recomputed), never passes it.
 SEND_TASK_WAIT_S = 8.0
 # Decode ranks one request may have this rank write before a handshake confirmed the decode's
 # TP size: the request's remote_tp_size is the client's word (up to 65,536), and a job for each

@@ -37,7 +37,12 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from moriio_native.control.channel import RequestSockets, fetch_checksums
+from moriio_native.control.channel import (
+    PolledRequests,
+    RequestSockets,
+    ask_checksums,
+    fetch_checksums,
+)
 from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
@@ -52,11 +57,8 @@ CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 
 # Mismatched blocks named in one log line / failure reason (the rest are counted).
 MAX_NAMED_MISMATCHES = 8
-#: Checks with the prefill (verify's checksum requests, confirm_reads' hold checks) in flight
-#: at once per rank, and the longest a hold check waits for its answer: the prefill answers at
-#: once, or within SEND_TASK_WAIT_S (8 s) when its send task is late.
+#: verify's checksum requests in flight at once per rank (each on a thread of its own).
 CHECK_THREADS = 8
-MAX_HOLD_CHECK_WAIT_S = 10.0
 #: How long a connection to a prefill rank is kept idle for the next check (closed after, by
 #: the core's timeout pass if no check comes).
 KEPT_IDLE_S = 30.0
@@ -269,32 +271,22 @@ class ReadConfirmer:
     transfer's blocks and the READ's blocks are among those its answer named. Without it a
     READ of blocks the prefill freed (its answer handed to a second decode after the first
     released it) or of another request's blocks (an answer changed on its way) loads whatever
-    they hold, unnoticed. One round trip per READ, on a pool of :data:`CHECK_THREADS` threads
-    (a check waiting on a stalled prefill holds up no other prefill's), each waiting at most
-    ``timeout`` capped at :data:`MAX_HOLD_CHECK_WAIT_S`, on connections to the prefill ranks
-    kept between checks (:class:`RequestSockets`: a check is then a round trip, not a new
-    connection and, with a secret, a key exchange); thread-safe."""
+    they hold, unnoticed. One round trip per READ, waited for by one thread however many are
+    outstanding (:class:`PolledRequests`: a stalled prefill holds up no other prefill's checks
+    and keeps no thread), each check at most ``timeout`` (the decode's transfer_timeout) from
+    when the READ completed, on one connection kept to each prefill rank (a check is then a
+    round trip, not a new connection and, with a secret, a key exchange); thread-safe."""
 
     def __init__(self, security: ControlSecurity, engine_id: str, *, timeout: float) -> None:
-        self._security = security
         self._engine_id = engine_id
-        self._timeout = min(timeout, MAX_HOLD_CHECK_WAIT_S)
-        # Started at once: every READ is checked, so a pool started as checks come grew over
-        # the first rounds of load (what an operator watching threads takes for a leak).
-        self._pool = DaemonPool(CHECK_THREADS, "moriio-native-confirm", start_now=True)
-        # Kept connections, shared by the threads.
-        self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
+        self._timeout = timeout
+        # Started at once: its one thread is there from the first READ on.
+        self._requests = PolledRequests(security, "moriio-native-confirm", idle_s=KEPT_IDLE_S)
 
     def shutdown(self) -> None:
-        """Drop queued checks and close the idle connections; the running checks (each waits
-        at most ``timeout``) finish on their own, closing theirs, their verdicts meeting a
-        stopped core."""
-        self._pool.shutdown()
-        self._sockets.close()
-
-    def expire_idle(self) -> None:
-        """Close the kept connections to prefill ranks idle too long (the core's timeout pass)."""
-        self._sockets.expire_idle()
+        """Close the connections; the checks still waiting fail (their verdicts meet a
+        stopped core)."""
+        self._requests.close()
 
     def confirm(
         self,
@@ -306,26 +298,28 @@ class ReadConfirmer:
     ) -> None:
         """Ask ``peer`` whether it still holds ``transfer_id``'s blocks under the answer that
         stated ``hold_until_ms`` and ``remote_ids`` (the blocks the READ took) are that
-        answer's; ``verdict`` gets None, or why not."""
+        answer's; ``verdict`` gets None, or why not (on the confirmer's thread, or on this
+        one when the check cannot be asked)."""
+        not_confirmed = (
+            f"the prefill {peer.response.engine_id} did not confirm the READ of transfer "
+            f"{transfer_id}"
+        )
 
-        def confirm() -> str | None:
-            request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
-            try:
-                _ask(
-                    peer,
-                    request.replace(hold_only=True),
-                    self._security,
-                    self._timeout,
-                    self._sockets,
-                )
-            except MoriioError as exc:
-                return (
-                    f"the prefill {peer.response.engine_id} did not confirm the READ of "
-                    f"transfer {transfer_id}: {exc}"
-                )
-            return None
+        def answered(outcome: ChecksumResponse | MoriioError) -> None:
+            verdict(f"{not_confirmed}: {outcome}" if isinstance(outcome, MoriioError) else None)
 
-        _submit_check(self._pool, f"confirmation of transfer {transfer_id}", confirm, verdict)
+        request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
+        try:
+            ask_checksums(
+                self._requests,
+                peer.host,
+                peer.key.handshake_port,
+                request.replace(hold_only=True),
+                timeout=self._timeout,
+                done=answered,
+            )
+        except MoriioError as exc:
+            verdict(f"{not_confirmed}: {exc}")
 
 
 def _checksum_request(
@@ -408,7 +402,6 @@ def whole_blocks_only(transfer: str) -> str:
 __all__ = [
     "CHECK_THREADS",
     "CORRUPT_ENV",
-    "MAX_HOLD_CHECK_WAIT_S",
     "MAX_NAMED_MISMATCHES",
     "Checksummer",
     "ReadConfirmer",
