@@ -26,9 +26,9 @@ from moriio_native.control.channel import (
     HandshakeServer,
     NotifyListener,
     NotifySender,
+    PolledRequests,
     ProxyPinger,
-    RequestSockets,
-    fetch_checksums,
+    ask_checksums,
     fetch_metadata,
 )
 from moriio_native.control.messages import (
@@ -524,10 +524,7 @@ def test_a_slow_checksum_answer_delays_no_notification():
         ThreadPoolExecutor(1) as pool,
     ):
         assert server.reader is not listener.reader
-        request = ChecksumRequest(requester_engine_id="d0", transfer_id="t1", block_ids=(1,))
-        asked = pool.submit(
-            fetch_checksums, LOCAL, server.port, request, timeout=WAIT, security=sec
-        )
+        asked = pool.submit(_fetch, server.port, "t1", sec)
         wait_until(lambda: server.stats()["received"] == 1)
         sender.send(LOCAL, listener.port, Release("t2"))
         try:
@@ -555,14 +552,14 @@ def test_a_waiting_checksum_answer_holds_up_no_handshake_and_no_other_check():
         HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server,
         ThreadPoolExecutor(1) as pool,
     ):
-        waiting = pool.submit(_fetch_kept, server.port, "waits", sec, None)
+        waiting = pool.submit(_fetch, server.port, "waits", sec)
         wait_until(lambda: server.stats()["received"] == 1)
         try:
             reply = fetch_metadata(
                 LOCAL, server.port, timeout=WAIT / 2, security=sec, requester_engine_id="d0"
             )
             assert reply.engine_id == "prefill-0"
-            assert _fetch_kept(server.port, "other", sec, None, WAIT / 2).transfer_id == "other"
+            assert _fetch(server.port, "other", sec, WAIT / 2).transfer_id == "other"
             assert not waiting.done()
         finally:
             release.set()
@@ -608,9 +605,9 @@ def test_an_answer_given_at_once_skips_the_pool_and_the_rest_go_to_it(deferred):
         when_ready=when_ready if deferred else None,
     ) as server:
         for tid in ("now", "later", "known-late"):
-            assert _fetch_kept(server.port, tid, sec, None).transfer_id == tid
+            assert _fetch(server.port, tid, sec).transfer_id == tid
         with pytest.raises(FailedPreconditionError, match="no longer held"):
-            _fetch_kept(server.port, "refused", sec, None)
+            _fetch(server.port, "refused", sec)
         assert answered_on["now"] == server.reader.name
         assert answered_on["later"].startswith("moriio-native-checksum-answer")
         if deferred:
@@ -649,10 +646,10 @@ def test_requests_waiting_to_be_ready_hold_no_thread_and_go_when_told():
         ) as server,
         ThreadPoolExecutor(many) as pool,
     ):
-        asked = [pool.submit(_fetch_kept, server.port, tid, sec, None) for tid in late]
+        asked = [pool.submit(_fetch, server.port, tid, sec) for tid in late]
         with ready:
             assert ready.wait_for(lambda: len(waiting) == many, WAIT)
-        assert _fetch_kept(server.port, "known", sec, None, WAIT / 2).transfer_id == "known"
+        assert _fetch(server.port, "known", sec, WAIT / 2).transfer_id == "known"
         assert not any(f.done() for f in asked)
         for tid in late:
             waiting[tid]()
@@ -669,7 +666,8 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
         """
             import threading
             from moriio_native.control import channel
-            from moriio_native.control.channel import HandshakeServer, fetch_checksums
+            from moriio_native.control.channel import HandshakeServer, PolledRequests
+            from moriio_native.control.channel import ask_checksums
             from moriio_native.control.messages import ChecksumRequest, HandshakeResponse
             from moriio_native.control.security import ControlSecurity, MessageAuth
             from moriio_native.control.security import PeerAllowlist
@@ -687,12 +685,10 @@ def test_a_checksum_answer_never_ending_does_not_hold_up_the_process_exit(tmp_pa
             channel.COMPUTING_EXIT_WAIT_S = 0.5
             server = HandshakeServer(0, metadata, sec, bind_host="127.0.0.1", checksums=stuck)
             request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
-            threading.Thread(
-                target=fetch_checksums,
-                args=("127.0.0.1", server.port, request),
-                kwargs={"timeout": 60.0, "security": sec},
-                daemon=True,
-            ).start()
+            requests = PolledRequests(sec, "asker")
+            ask_checksums(
+                requests, "127.0.0.1", server.port, request, timeout=60.0, done=print
+            )
             assert asked.wait(10)
             print("exiting", flush=True)
             """,
@@ -756,11 +752,11 @@ def test_checksum_requests_past_the_pending_bound_are_refused_at_once_by_name(mo
         HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server,
         ThreadPoolExecutor(2) as pool,
     ):
-        waiting = [pool.submit(_fetch_kept, server.port, t, sec, None) for t in ("w1", "w2")]
+        waiting = [pool.submit(_fetch, server.port, t, sec) for t in ("w1", "w2")]
         wait_until(lambda: server.stats()["received"] == 2)
         try:
             with pytest.raises(FailedPreconditionError, match=r"transfer t3 not answered: .*busy"):
-                _fetch_kept(server.port, "t3", sec, None, WAIT / 2)
+                _fetch(server.port, "t3", sec, WAIT / 2)
         finally:
             release.set()
         assert sorted(f.result(WAIT).transfer_id for f in waiting) == ["w1", "w2"]
@@ -771,189 +767,28 @@ def _checksum_request(tid: str) -> ChecksumRequest:
     return ChecksumRequest(requester_engine_id="d0", transfer_id=tid, block_ids=(1,))
 
 
-def _fetch_kept(port, tid, sec, sockets, timeout=WAIT):
-    """``tid``'s checksums from the server at ``port``, on ``sockets``' kept connections."""
-    return fetch_checksums(
-        LOCAL, port, _checksum_request(tid), timeout=timeout, security=sec, sockets=sockets
-    )
-
-
-@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "curve"])
-def test_kept_request_sockets_ask_again_on_one_connection(secret):
-    """RequestSockets keeps its connection to a server: requests after the first make no new
-    socket (with a secret: no new CURVE exchange), and each gets its own answer."""
-    sec = security(secret)
-
-    def answer(request: ChecksumRequest) -> ChecksumResponse:
-        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
-
-    counting = CountingContext()
-    sockets = RequestSockets(sec, context=counting)
-    try:
-        with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
-            for i in range(5):
-                reply = _fetch_kept(server.port, f"t{i}", sec, sockets)
-                assert reply.transfer_id == f"t{i}"
-        assert counting.created.count(zmq.DEALER) == 1
-    finally:
-        sockets.close()
-
-
-def test_idle_kept_connections_close_at_expire_idle_with_no_request_coming():
-    """Connections idle past ``idle_s`` were closed only when the next request came: with
-    none coming they stayed open. ``expire_idle`` closes them (the core calls it in its
-    timeout pass)."""
-    sec = security()
-    sockets = RequestSockets(sec, idle_s=0.2)
-    try:
-        with HandshakeServer(
-            0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
-        ) as server:
-            _fetch_kept(server.port, "t1", sec, sockets)
-            sockets.expire_idle()
-            assert sockets.idle == 1  # idle less than 0.2 s: kept
-            time.sleep(0.3)
-            assert sockets.idle == 1  # nothing closes it by itself
-            sockets.expire_idle()
-            assert sockets.idle == 0
-    finally:
-        sockets.close()
-
-
-def test_a_kept_socket_that_timed_out_is_dropped_so_its_late_reply_answers_nothing():
-    """The first request times out and its answer comes late: the connection it was on is
-    closed, so the next request (on a new connection) gets its own answer, never the stale
-    one (which would fail it as not answering our nonce)."""
-    sec = security()
-    release_first = threading.Event()
-
-    def answer(request: ChecksumRequest) -> ChecksumResponse:
-        if request.transfer_id == "slow":
-            release_first.wait(WAIT)
-        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
-
-    counting = CountingContext()
-    sockets = RequestSockets(sec, context=counting)
-    try:
-        with HandshakeServer(0, provider_for(), sec, bind_host=LOCAL, checksums=answer) as server:
-            with pytest.raises(TransferTimeoutError):
-                _fetch_kept(server.port, "slow", sec, sockets, timeout=0.3)
-            release_first.set()
-            reply = _fetch_kept(server.port, "next", sec, sockets)
-            assert reply.transfer_id == "next"
-        assert counting.created.count(zmq.DEALER) == 2
-    finally:
-        sockets.close()
-
-
 def _echo_checksums(request: ChecksumRequest) -> ChecksumResponse:
     return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
 
 
-def test_kept_request_sockets_keep_at_most_their_bound_and_age():
-    sec = security()
-    counting = CountingContext()
-    sockets = RequestSockets(sec, max_idle=1, idle_s=0.3, context=counting)
+def _fetch(port, tid, sec, timeout=WAIT):
+    """``tid``'s checksums from the server at ``port``, waited for here; raises the error."""
+    requests = PolledRequests(sec, "test-checksums")
+    outcome = []
+    came = threading.Event()
 
-    def ask(port: int) -> None:
-        _fetch_kept(port, "t", sec, sockets)
+    def done(got):
+        outcome.append(got)
+        came.set()
 
     try:
-        with (
-            HandshakeServer(
-                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
-            ) as a,
-            HandshakeServer(
-                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
-            ) as b,
-        ):
-            for port in (a.port, b.port, a.port):  # a's connection went to make room for b's
-                ask(port)
-            assert counting.created.count(zmq.DEALER) == 3 and sockets.idle == 1
-            ask(a.port)  # a's, kept
-            assert counting.created.count(zmq.DEALER) == 3
-            time.sleep(0.5)  # past idle_s: closed, dialled again
-            ask(a.port)
-            assert counting.created.count(zmq.DEALER) == 4 and sockets.idle == 1
+        ask_checksums(requests, LOCAL, port, _checksum_request(tid), timeout=timeout, done=done)
+        assert came.wait(timeout + WAIT)
     finally:
-        sockets.close()
-    assert sockets.idle == 0
-    with pytest.raises(InvalidArgumentError):
-        RequestSockets(sec, max_idle=0)
-
-
-def test_a_rejection_keeps_the_connection_it_came_on():
-    """The peer's rejection is a reply: nothing is outstanding on the connection, so it is
-    kept, and the next request on it gets its own answer."""
-    sec = security()
-
-    def reject_first(request: ChecksumRequest) -> ChecksumResponse:
-        if request.transfer_id == "refused":
-            raise FailedPreconditionError("its blocks are no longer held: released")
-        return _echo_checksums(request)
-
-    counting = CountingContext()
-    sockets = RequestSockets(sec, context=counting)
-    try:
-        with HandshakeServer(
-            0, provider_for(), sec, bind_host=LOCAL, checksums=reject_first
-        ) as server:
-            with pytest.raises(FailedPreconditionError, match="no longer held"):
-                _fetch_kept(server.port, "refused", sec, sockets)
-            reply = _fetch_kept(server.port, "next", sec, sockets)
-        assert reply.transfer_id == "next" and counting.created.count(zmq.DEALER) == 1
-    finally:
-        sockets.close()
-
-
-def test_kept_request_sockets_serve_threads_at_once_one_connection_each():
-    """Eight threads asking one server at once: each request on a connection of its own
-    (never two on one), every answer its own, and no more connections made than requests ran
-    at once."""
-    sec = security()
-    counting = CountingContext()
-    sockets = RequestSockets(sec, context=counting)
-    try:
-        with (
-            HandshakeServer(
-                0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
-            ) as server,
-            ThreadPoolExecutor(8) as pool,
-        ):
-
-            def ask(i: int) -> str:
-                return _fetch_kept(server.port, f"t{i}", sec, sockets).transfer_id
-
-            assert list(pool.map(ask, range(200))) == [f"t{i}" for i in range(200)]
-        assert 1 <= counting.created.count(zmq.DEALER) <= 8
-    finally:
-        sockets.close()
-
-
-def test_a_kept_connection_to_a_server_replaced_by_one_without_the_secret_recovers():
-    """A kept connection carries no handshake watch (an idle one's monitor would fill unread):
-    when its server is replaced by one that cannot complete the handshake (here: no secret),
-    the next request on it gets no reply and the connection is closed; the one after dials
-    again, and its watch names the mismatch at once."""
-    sec = security(SECRET)
-    sockets = RequestSockets(sec)
-    port = free_port()
-    try:
-        with HandshakeServer(port, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums):
-            _fetch_kept(port, "t0", sec, sockets)
-        assert sockets.idle == 1
-        with HandshakeServer(
-            port, provider_for(), security(), bind_host=LOCAL, checksums=_echo_checksums
-        ):
-            with pytest.raises(TransferTimeoutError):
-                _fetch_kept(port, "t1", sec, sockets, timeout=1.0)
-            assert sockets.idle == 0
-            start = time.monotonic()
-            with pytest.raises(AuthenticationError, match="one side has an auth_secret"):
-                _fetch_kept(port, "t2", sec, sockets)
-            assert time.monotonic() - start < WAIT / 2
-    finally:
-        sockets.close()
+        requests.close()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def test_a_listener_closed_by_a_handler_on_the_hubs_thread_frees_its_port(caplog):
@@ -1068,7 +903,7 @@ def test_checksum_servers_leave_no_descriptors_or_threads_behind():
         with HandshakeServer(
             0, provider_for(), sec, bind_host=LOCAL, checksums=_echo_checksums
         ) as server:
-            assert _fetch_kept(server.port, "t", sec, None).transfer_id == "t"
+            assert _fetch(server.port, "t", sec).transfer_id == "t"
 
     open_ask_and_close()  # ZMQ's own descriptors, opened once per context
     fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
@@ -1256,9 +1091,12 @@ def test_a_notify_sender_dials_again_once_a_misconfigured_peer_is_fixed(caplog):
     says why, within the log's rate limit)."""
     caplog.set_level(logging.WARNING, logger="moriio_native.control")
     wrong, port = _router(None)
+    failed = wrong.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL)
     with NotifySender(security(SECRET)) as sender:
         sender.send(LOCAL, port, Release("tx-1"))
-        time.sleep(1.0)  # the mismatch happened
+        assert failed.poll(int(WAIT * 1000)), "the mismatch never happened"
+        wrong.disable_monitor()
+        failed.close(linger=0)
         wrong.close(linger=0)
         time.sleep(0.2)
         with NotifyListener(port, security(SECRET), bind_host=LOCAL) as listener:

@@ -6,16 +6,23 @@ idle connections, a secret on one side only, and the requester's own end."""
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
 import pytest
 import zmq
 
-from moriio_native.control.channel import SECRET_MISMATCH, PolledRequests, ask_checksums
+from moriio_native.control.channel import (
+    SECRET_MISMATCH,
+    HandshakeServer,
+    PolledRequests,
+    ask_checksums,
+)
 from moriio_native.control.messages import (
     ChecksumRequest,
     ChecksumResponse,
@@ -33,10 +40,12 @@ from moriio_native.control.security import (
 from moriio_native.errors import (
     FailedPreconditionError,
     IncompatiblePeerError,
+    InvalidArgumentError,
     MoriioError,
     TransferTimeoutError,
     TransportError,
 )
+from net_support import free_port
 
 LOCAL = "127.0.0.1"
 WAIT_S = 5.0  # upper bound for anything that should arrive; never reached when things work
@@ -281,3 +290,234 @@ def test_a_failing_callback_stops_nothing_and_close_from_a_callback_returns(
     assert closed.wait(WAIT_S)
     with pytest.raises(FailedPreconditionError, match="the requester is closed"):
         _ask(requests, server.port, "after", outcomes)
+
+
+class CountingContext:
+    """A zmq context wrapper that records every socket created through it."""
+
+    def __init__(self) -> None:
+        self.created: list[int] = []
+
+    def socket(self, socket_type: int) -> zmq.Socket:
+        self.created.append(socket_type)
+        return zmq.Context.instance().socket(socket_type)
+
+
+def _echo(request: ChecksumRequest) -> ChecksumResponse:
+    return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+
+def _metadata(_request: Any) -> HandshakeResponse:
+    return HandshakeResponse("prefill-0", b"m", 0, 0, 1, 1, "READ")
+
+
+def _answer_server(
+    port: int = 0, secret: str | None = None, checksums: Any = _echo
+) -> HandshakeServer:
+    return HandshakeServer(port, _metadata, _security(secret), bind_host=LOCAL, checksums=checksums)
+
+
+@pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "curve"])
+def test_requests_one_after_another_go_on_one_connection(secret: str | None) -> None:
+    """The connection to a server is kept: requests after the first make no new socket (with a
+    secret: no new CURVE key exchange), and each gets its own answer."""
+    counting = CountingContext()
+    requests = PolledRequests(_security(secret), "test-polled", context=counting)
+    try:
+        with _answer_server(secret=secret) as server:
+            for i in range(5):
+                outcomes = Outcomes()
+                _ask(requests, server.port, f"t{i}", outcomes)
+                outcomes.wait(f"t{i}")
+                got = outcomes.got[f"t{i}"]
+                assert isinstance(got, ChecksumResponse) and got.transfer_id == f"t{i}"
+        assert counting.created.count(zmq.DEALER) == 1
+    finally:
+        requests.close()
+
+
+def test_many_threads_asking_at_once_share_one_connection() -> None:
+    """200 requests from 8 threads at once: all on one connection, each its own answer."""
+    counting = CountingContext()
+    requests = PolledRequests(_security(), "test-polled", context=counting)
+    outcomes = Outcomes()
+    tids = [f"t{i}" for i in range(200)]
+    try:
+        with _answer_server() as server, ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda tid: _ask(requests, server.port, tid, outcomes), tids))
+            outcomes.wait(*tids)
+        for tid in tids:
+            got = outcomes.got[tid]
+            assert isinstance(got, ChecksumResponse) and got.transfer_id == tid
+        assert counting.created.count(zmq.DEALER) == 1
+    finally:
+        requests.close()
+
+
+def test_a_rejection_keeps_the_connection_it_came_on() -> None:
+    """The server's rejection is its reply: the request fails with its reason, and the next
+    request goes on the same connection."""
+
+    def reject_first(request: ChecksumRequest) -> ChecksumResponse:
+        if request.transfer_id == "refused":
+            raise FailedPreconditionError("its blocks are no longer held: released")
+        return _echo(request)
+
+    counting = CountingContext()
+    requests = PolledRequests(_security(), "test-polled", context=counting)
+    outcomes = Outcomes()
+    try:
+        with _answer_server(checksums=reject_first) as server:
+            _ask(requests, server.port, "refused", outcomes)
+            outcomes.wait("refused")
+            _ask(requests, server.port, "next", outcomes)
+            outcomes.wait("next")
+        refused = outcomes.got["refused"]
+        assert isinstance(refused, FailedPreconditionError)
+        assert "rejected by the peer: its blocks are no longer held: released" in str(refused)
+        assert isinstance(outcomes.got["next"], ChecksumResponse)
+        assert counting.created.count(zmq.DEALER) == 1
+    finally:
+        requests.close()
+
+
+@pytest.mark.parametrize(
+    ("ours", "theirs"), [(SECRET, None), (None, SECRET)], ids=["lost-secret", "gained-secret"]
+)
+def test_a_server_restarted_with_another_secret_setting_is_named_at_once_on_the_kept_one(
+    ours: str | None, theirs: str | None
+) -> None:
+    """A prefill restarted under the same port without the secret, or with one this side
+    lacks: the request on the connection kept from before fails at once naming the mismatch
+    (ZMQ's reconnection fails its handshake, which the kept connection's watch reports; a
+    send ZMQ refuses retires the connection), not after its whole wait; the next request
+    dials anew and is named the same."""
+    port = free_port()
+    requests = PolledRequests(_security(ours), "test-polled")
+    outcomes = Outcomes()
+    try:
+        with _answer_server(port, ours):
+            _ask(requests, port, "t0", outcomes)
+            outcomes.wait("t0")
+        assert isinstance(outcomes.got["t0"], ChecksumResponse)
+        assert requests.idle == 1
+        with _answer_server(port, theirs):
+            start = time.monotonic()
+            for tid in ("t1", "t2", "t3"):
+                _ask(requests, port, tid, outcomes, timeout=30.0)
+                outcomes.wait(tid)
+                time.sleep(0.2)
+            assert time.monotonic() - start < WAIT_S
+            for tid in ("t2", "t3"):  # t1 may meet the connection before ZMQ tried it again
+                got = outcomes.got[tid]
+                assert isinstance(got, AuthenticationError) and SECRET_MISMATCH in str(got), got
+    finally:
+        requests.close()
+
+
+def test_a_terminated_context_ends_the_requests_and_lets_term_return() -> None:
+    """The process ends the ZMQ context the requester uses while a request waits on a peer
+    that never answers: the request fails, its socket and monitor are closed, so term()
+    returns (an open socket would keep it waiting for ever)."""
+    own = zmq.Context()
+    silent = socket.socket()
+    silent.bind((LOCAL, 0))
+    silent.listen(4)
+    requests = PolledRequests(_security(), "test-polled", context=own)
+    outcomes = Outcomes()
+    try:
+        _ask(requests, silent.getsockname()[1], "t", outcomes, timeout=60.0)
+        silent.settimeout(WAIT_S)
+        accepted, _ = silent.accept()  # connected, never answered
+        terminating = threading.Thread(target=own.term, daemon=True)
+        terminating.start()
+        terminating.join(WAIT_S)
+        assert not terminating.is_alive(), "term() waits on a socket left open"
+        outcomes.wait("t")
+        assert isinstance(outcomes.got["t"], FailedPreconditionError)
+        accepted.close()
+    finally:
+        silent.close()
+        requests.close()
+
+
+def test_at_most_max_outstanding_requests_wait_on_a_server_and_the_rest_take_turns(
+    server: Server,
+) -> None:
+    """With two outstanding on the server, the third and fourth wait for their turn (the
+    server sees nothing of them) and go as answers free room, oldest first; one whose deadline
+    comes before its turn fails unsent, naming why."""
+    requests = PolledRequests(_security(), "test-polled", max_outstanding=2)
+    outcomes = Outcomes()
+    try:
+        for tid in ("a", "b", "c"):
+            _ask(requests, server.port, tid, outcomes)
+        _ask(requests, server.port, "short", outcomes, timeout=0.3)
+        first, second = server.take(), server.take()
+        assert [r.transfer_id for _, r in (first, second)] == ["a", "b"]
+        outcomes.wait("short")
+        got = outcomes.got["short"]
+        assert isinstance(got, TransferTimeoutError)
+        assert "not sent, 2 earlier requests to it still unanswered" in str(got)
+        assert not server.sock.poll(200), "a third request went out while two were outstanding"
+        server.answer(*first)
+        identity, third = server.take()
+        assert third.transfer_id == "c"
+        server.answer(*second)
+        server.answer(identity, third)
+        outcomes.wait("a", "b", "c")
+        assert all(isinstance(outcomes.got[t], ChecksumResponse) for t in ("a", "b", "c"))
+    finally:
+        requests.close()
+
+
+def test_a_request_that_fails_inside_the_thread_still_ends_and_the_others_go_on(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A defect while sending one request (here: dialling its server raises) ends that request
+    with an error at once; the thread lives on and serves the next. Before, the thread stopped
+    and the request taken from the queue never got its callback, not even at close: a READ
+    waiting for its check would have waited for ever."""
+    broken = Server()
+    dial = PolledRequests._dial
+
+    def dial_or_break(self: PolledRequests, key: tuple[str, int], what: str) -> Any:
+        if key[1] == broken.port:
+            raise ValueError("a defect, injected")
+        return dial(self, key, what)
+
+    monkeypatch.setattr(PolledRequests, "_dial", dial_or_break)
+    requests = PolledRequests(_security(), "test-polled")
+    outcomes = Outcomes()
+    try:
+        _ask(requests, broken.port, "broken", outcomes)
+        outcomes.wait("broken")
+        got = outcomes.got["broken"]
+        assert isinstance(got, TransportError) and "a defect, injected" in str(got)
+        _ask(requests, server.port, "next", outcomes)
+        server.answer(*server.take())
+        outcomes.wait("next")
+        assert isinstance(outcomes.got["next"], ChecksumResponse)
+    finally:
+        requests.close()
+        broken.close()
+
+
+def test_a_request_reusing_an_outstanding_nonce_ends_at_once_and_the_first_still_does(
+    server: Server, requests: PolledRequests
+) -> None:
+    """Two requests with one nonce to one server: the second ends at once (its reply could not
+    be told from the first's); the first still gets its own. Before, the second replaced the
+    first, whose callback was never called."""
+    outcomes = Outcomes()
+    request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
+    for name in ("first", "second"):
+        ask_checksums(
+            requests, LOCAL, server.port, request, timeout=WAIT_S, done=outcomes.done(name)
+        )
+    outcomes.wait("second")
+    second = outcomes.got["second"]
+    assert isinstance(second, InvalidArgumentError) and "nonce is outstanding" in str(second)
+    server.answer(*server.take())
+    outcomes.wait("first")
+    assert isinstance(outcomes.got["first"], ChecksumResponse)

@@ -78,13 +78,13 @@ def test_a_kept_connection_to_the_prefill_closes_once_idle_with_no_check_coming(
     sides: list[Side], model_dir: str, checked: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A decode keeps its connection to the prefill rank for the next check: with no next
-    check it was kept for ever (a descriptor and a ZMQ connection each). The core's timeout
-    pass closes it once idle past KEPT_IDLE_S."""
+    check it was kept for ever (a descriptor and a ZMQ connection each). The thread that waits
+    for the checks closes it once idle past KEPT_IDLE_S."""
     monkeypatch.setattr(verify, "KEPT_IDLE_S", 0.3)
     r = held_read(sides, model_dir, 73, {checked: True})
     assert load(r.d, r.rid).invalid_blocks == set()
     ctx = r.d.worker.worker.core.ctx
-    kept = ctx.confirmer._requests if checked == "confirm_reads" else ctx.verifier._sockets
+    kept = (ctx.confirmer if checked == "confirm_reads" else ctx.verifier)._requests
     assert kept.idle == 1
     r.d.run_until(lambda _result: kept.idle == 0, max_wait=10.0, what="idle connection closed")
 

@@ -958,10 +958,11 @@ ChecksumReadiness = Callable[[ChecksumRequest, Callable[[], None]], None]
 
 #: Threads that compute a handshake server's checksum answers (reading blocks; a hold check
 #: left to them is a lookup), and how many requests may wait or be answered at once before
-#: more are rejected: a decode rank has at most 8 checks in flight (CHECK_THREADS), so 256
-#: is 32 decode ranks' worth waiting at once on one prefill rank; past it the decodes' own
-#: timeouts (10 s, transfer_timeout) would fail them anyway, since 4 threads computing
-#: checksums of long prompts (about a second each on a host) would not reach them in time.
+#: more are rejected: a decode rank has at most 8 checks outstanding on one prefill rank
+#: (MAX_OUTSTANDING_PER_SERVER), so 256 is 32 decode ranks' worth waiting at once on it; past
+#: it the decodes' own timeouts (transfer_timeout) would fail them anyway, since 4 threads
+#: computing checksums of long prompts (about a second each on a host) would not reach them in
+#: time.
 CHECKSUM_ANSWER_THREADS = 4
 MAX_PENDING_CHECKSUM_ANSWERS = 256
 
@@ -1423,48 +1424,6 @@ def fetch_metadata(
     return reply
 
 
-def fetch_checksums(
-    host: str,
-    port: int,
-    request: ChecksumRequest,
-    *,
-    timeout: float,
-    security: ControlSecurity,
-    context: zmq.Context | None = None,
-    sockets: RequestSockets | None = None,
-) -> ChecksumResponse:
-    """Ask the handshake server at ``host:port`` (a prefill rank) for the checksums
-    ``request`` names (on ``sockets``' kept connection when given, else on one of its own).
-    Errors as :func:`fetch_metadata`'s (FailedPreconditionError with the peer's reason when it
-    rejects, e.g. it does not verify); TransportError when the answer is for another transfer.
-    Blocks the calling thread at most ``timeout`` seconds."""
-    accept = (ChecksumResponse, HandshakeRejected)
-    what = _checksums_what(request)
-    if sockets is not None:
-        reply = sockets.ask(
-            host,
-            port,
-            request,
-            accept,
-            what=what,
-            timeout=timeout,
-            max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
-        )
-    else:
-        reply = _ask(
-            host,
-            port,
-            request,
-            accept,
-            what=what,
-            timeout=timeout,
-            security=security,
-            context=context,
-            max_response_bytes=MAX_HANDSHAKE_RESPONSE_BYTES,
-        )
-    return _checksums_answer(reply, request, host, port)
-
-
 def ask_checksums(
     requests: PolledRequests,
     host: str,
@@ -1474,9 +1433,11 @@ def ask_checksums(
     timeout: float,
     done: Callable[[ChecksumResponse | MoriioError], None],
 ) -> None:
-    """:func:`fetch_checksums` waited for by ``requests``' thread: ``done`` gets the answer or
-    the error (the same errors) within ``timeout`` seconds. Raises at once, calling nothing, as
-    :meth:`PolledRequests.ask` does."""
+    """Ask the handshake server at ``host:port`` (a prefill rank) for the checksums ``request``
+    names, waited for by ``requests``' thread: ``done`` gets the answer, or within ``timeout``
+    seconds the error (as :func:`fetch_metadata`'s: FailedPreconditionError with the peer's
+    reason when it rejects, e.g. it does not verify; TransportError when the answer is for
+    another transfer). Raises at once, calling nothing, as :meth:`PolledRequests.ask` does."""
 
     def answered(outcome: _Reply | MoriioError) -> None:
         if not isinstance(outcome, MoriioError):
@@ -1661,153 +1622,11 @@ def _unless_rejected(reply: _Reply, what: str) -> _Reply:
     return reply
 
 
-@dataclass(frozen=True, slots=True)
-class _IdleSocket:
-    sock: zmq.Socket
-    since: float  # time.monotonic() when it was last given back
-
-
-class RequestSockets:
-    """Handshake-channel connections kept for repeated requests to the same servers (a
-    decode's hold checks), shared by the threads that make them: a request takes an idle
-    connection to its ``(host, port)`` (or dials one) and gives it back after its reply, so it
-    costs a round trip, not a new connection (and, with a secret, CURVE's key exchange). At
-    most ``max_idle`` wait idle, each at most ``idle_s`` seconds (closed at the next request
-    or :meth:`expire_idle`, which the owner calls periodically; the oldest go first); a
-    connection is used by one request at a time. One whose exchange ended in anything but a
-    reply (or the peer's rejection) is closed, so a kept one never has a reply outstanding.
-    Once a connection's first reply came its handshake watch is dropped: nobody would read an
-    idle socket's monitor, and ZMQ's reconnection attempts to a peer gone or changed would
-    fill its queue and stall ZMQ's I/O thread (every socket of the context); a kept
-    connection that no longer works then shows as a request without a reply, which closes it.
-    Thread-safe."""
-
-    def __init__(
-        self,
-        security: ControlSecurity,
-        *,
-        max_idle: int = 16,
-        idle_s: float = 30.0,
-        context: zmq.Context | None = None,
-    ) -> None:
-        if max_idle < 1:
-            raise InvalidArgumentError(f"max_idle must be >= 1, got {max_idle}")
-        self._security = security
-        self._max_idle = max_idle
-        self._idle_s = _check_seconds(idle_s, "idle_s")
-        self._context = context
-        self._lock = threading.Lock()
-        self._idle: OrderedDict[tuple[str, int], list[_IdleSocket]] = OrderedDict()
-        self._closed = False
-
-    @property
-    def idle(self) -> int:
-        """Connections waiting idle now."""
-        with self._lock:
-            return sum(len(kept) for kept in self._idle.values())
-
-    def ask(
-        self,
-        host: str,
-        port: int,
-        request: _Request,
-        accept: tuple[type[_Reply], ...],
-        *,
-        what: str,
-        timeout: float,
-        max_response_bytes: int,
-    ) -> _Reply:
-        """As :func:`_ask`, on an idle connection to ``host:port`` when there is one."""
-        host, port, timeout, target = _ask_target(host, port, timeout, self._security, what)
-        key = (host, port)
-        sock, watch = self._take(key), None
-        if sock is None:
-            dialed = _dial_asker(
-                self._context, host, port, self._security, max_response_bytes, f"{what} {target}"
-            )
-            sock, watch = dialed.sock, dialed.watch
-        try:
-            reply = _exchange(
-                sock,
-                watch,
-                request,
-                accept,
-                f"{what} {target}",
-                timeout,
-                self._security,
-                max_response_bytes,
-            )
-        except FailedPreconditionError:  # the peer's rejection: its reply came, none is left
-            self._give_back(key, sock, watch)
-            raise
-        except BaseException:
-            if watch is not None:
-                watch.close()
-            sock.close(linger=0)
-            raise
-        self._give_back(key, sock, watch)
-        return reply
-
-    def expire_idle(self) -> None:
-        """Close the connections idle longer than ``idle_s`` now: with no request coming they
-        would stay open (a descriptor and a connection each to a prefill rank) until one
-        does."""
-        with self._lock:
-            self._expire(time.monotonic())
-
-    def _take(self, key: tuple[str, int]) -> zmq.Socket | None:
-        with self._lock:
-            self._expire(time.monotonic())
-            kept = self._idle.get(key)
-            if not kept:
-                return None
-            idle = kept.pop()
-            if not kept:
-                del self._idle[key]
-            return idle.sock
-
-    def _give_back(
-        self, key: tuple[str, int], sock: zmq.Socket, watch: _HandshakeWatch | None
-    ) -> None:
-        if watch is not None:
-            watch.close()
-        with self._lock:
-            if self._closed:
-                sock.close(linger=0)
-                return
-            now = time.monotonic()
-            self._idle.setdefault(key, []).append(_IdleSocket(sock, now))
-            self._idle.move_to_end(key)
-            self._expire(now)
-            while sum(len(kept) for kept in self._idle.values()) > self._max_idle:
-                self._close_oldest()
-
-    def _expire(self, now: float) -> None:
-        """Close the connections idle longer than ``idle_s`` (lock held)."""
-        for key in list(self._idle):
-            kept = self._idle[key]
-            while kept and now - kept[0].since > self._idle_s:
-                kept.pop(0).sock.close(linger=0)
-            if not kept:
-                del self._idle[key]
-
-    def _close_oldest(self) -> None:
-        """Close the least recently given back connection (lock held)."""
-        key = min(self._idle, key=lambda k: self._idle[k][0].since)
-        kept = self._idle[key]
-        kept.pop(0).sock.close(linger=0)
-        if not kept:
-            del self._idle[key]
-
-    def close(self) -> None:
-        """Close every idle connection; those in use close when their request ends."""
-        with self._lock:
-            self._closed = True
-            while self._idle:
-                for idle in self._idle.popitem()[1]:
-                    idle.sock.close(linger=0)
-
-
+#: Requests a :class:`PolledRequests` has outstanding at once on one server (the others wait
+#: for their turn, their deadlines running): a decode rank's checks then wait on a prefill rank
+#: as many at a time as when 8 threads each made one, so the prefill's bound on the checks it
+#: keeps waiting (MAX_PENDING_CHECKSUM_ANSWERS) holds for as many decode ranks as before.
+MAX_OUTSTANDING_PER_SERVER = 8
 #: How long :meth:`PolledRequests.close` waits for its thread to end the requests in flight.
 _POLLED_CLOSE_WAIT_S = 5.0
 
@@ -1839,7 +1658,9 @@ class _Connection:
 
     key: tuple[str, int]
     sock: zmq.Socket
-    watch: _HandshakeWatch | None  # until its first reply (as RequestSockets' connections)
+    # Read on every turn it reports, for the connection's life: a server replaced by one with
+    # another secret (or none) is named at once, not after a request's whole wait.
+    watch: _HandshakeWatch
     waiting: dict[bytes, _Waiting]
     retired: bool = False
     idle_since: float | None = None  # time.monotonic() since when nothing is outstanding
@@ -1848,20 +1669,31 @@ class _Connection:
 _Finished = list[tuple[_Waiting, "_Reply | MoriioError"]]
 
 
+def _not_sent(waiting: _Waiting, outstanding: int) -> TransferTimeoutError:
+    """The error of a request whose deadline came before its turn to be sent."""
+    return TransferTimeoutError(
+        f"{waiting.what}: no reply within {waiting.timeout:.3g}s: not sent, {outstanding} "
+        "earlier requests to it still unanswered (is the peer running?)"
+    )
+
+
 class PolledRequests:
     """Requests to handshake servers (a decode's hold checks) that one thread, named ``name``,
-    waits for, however many are outstanding: each goes on the one connection kept to its
-    server (requests outstanding side by side on it, each reply matched to its request by
-    nonce), and its ``done`` callback gets the reply, or the error, by its deadline. A server
-    that never answers therefore holds up no other server's requests, and keeps no thread.
+    waits for, however many are asked: each goes on the one connection kept to its server (up
+    to ``max_outstanding`` side by side on it, each reply matched to its request by nonce; the
+    others wait for their turn, oldest first), and its ``done`` callback gets the reply, or the
+    error, by its deadline (counted from the ask, turn included). A server that never answers
+    therefore holds up no other server's requests, and keeps no thread.
 
-    A request unanswered by its deadline fails with TransferTimeoutError and retires its
-    connection: the next request to that server dials a new one (a connection that no longer
-    works shows only so), and the retired one closes once its other requests have ended. A
-    reply that cannot be read (not authenticated, malformed, another protocol version with no
-    nonce to tell whose) fails every request outstanding on its connection, which closes. A
-    connection with nothing outstanding is kept ``idle_s`` seconds for the next request (at
-    most ``max_idle`` kept, the least recently used closed first).
+    A secret on one side only (ZMQ's handshake fails for that reason) fails the requests on
+    the connection at once and closes it. A request unanswered by its deadline fails with
+    TransferTimeoutError and retires its connection: the next request to that server dials a
+    new one (a connection that no longer works shows only so), and the retired one closes once
+    its other requests have ended. A reply that cannot be read (not authenticated, malformed,
+    another protocol version with no nonce to tell whose) fails every request outstanding on
+    its connection, which closes. A connection with nothing outstanding is kept ``idle_s``
+    seconds for the next request (at most ``max_idle`` kept, the least recently used closed
+    first).
 
     Callbacks run on the thread, one at a time, after its state is updated: they must not
     block (they may call :meth:`ask`). :meth:`close` ends every request still waiting with an
@@ -1874,15 +1706,19 @@ class PolledRequests:
         *,
         idle_s: float = 30.0,
         max_idle: int = 16,
+        max_outstanding: int = MAX_OUTSTANDING_PER_SERVER,
         max_response_bytes: int = MAX_HANDSHAKE_RESPONSE_BYTES,
         context: zmq.Context | None = None,
     ) -> None:
         """Starts the thread (RuntimeError when it cannot start)."""
-        if max_idle < 1:
-            raise InvalidArgumentError(f"max_idle must be >= 1, got {max_idle}")
+        if max_idle < 1 or max_outstanding < 1:
+            raise InvalidArgumentError(
+                f"max_idle and max_outstanding must be >= 1, got {max_idle}, {max_outstanding}"
+            )
         self._security = security
         self._idle_s = _check_seconds(idle_s, "idle_s")
         self._max_idle = max_idle
+        self._max_outstanding = max_outstanding
         self._max_response_bytes = max_response_bytes
         self._context = context
         self._lock = threading.Lock()
@@ -1893,9 +1729,13 @@ class PolledRequests:
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
-        # The thread's own: the connection new requests to a server go on, and the retired.
+        # The thread's own: the requests waiting for their turn to be sent, per server; the
+        # connection new requests to a server go on; the retired ones.
+        self._queued: dict[tuple[str, int], deque[_Waiting]] = {}
         self._current: dict[tuple[str, int], _Connection] = {}
         self._retired: list[_Connection] = []
+        # Outcomes of this turn, called at its end (or by _stop_all if the turn fails).
+        self._finished: _Finished = []
         self._poller = zmq.Poller()
         self._poller.register(self._wake_read, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -1969,6 +1809,8 @@ class PolledRequests:
         try:
             while self._turn():
                 pass
+        except zmq.ContextTerminated:  # the process ending its ZMQ context: nothing is wrong
+            logger.info("%s stopped: its ZMQ context was terminated", self._thread.name)
         except Exception:
             logger.exception("%s stopped on an internal error", self._thread.name)
         finally:
@@ -1985,17 +1827,19 @@ class PolledRequests:
                     pass
             incoming = list(self._incoming)
             self._incoming.clear()
-        finished: _Finished = []
         for waiting in incoming:
-            self._send(waiting, finished)
+            self._queued.setdefault((waiting.host, waiting.port), deque()).append(waiting)
+        finished = self._finished
         for conn in self._connections():
-            if conn.watch is not None and conn.watch.monitor in ready and not conn.sock.closed:
+            if conn.watch.monitor in ready and not conn.sock.closed:
                 self._read_watch(conn, finished)
             if conn.sock in ready:
                 self._read_replies(conn, finished)
         now = time.monotonic()
         self._end_late(now, finished)
+        self._send_queued(finished)
         self._settle(now)
+        self._finished = []
         for waiting, outcome in finished:
             self._call(waiting, outcome)
         return True
@@ -2003,6 +1847,7 @@ class PolledRequests:
     def _wait_ms(self, now: float) -> int:
         """Until the next deadline or idle expiry (-1: none, wait for a wake-up)."""
         times = [w.deadline for conn in self._connections() for w in conn.waiting.values()]
+        times += [w.deadline for queue in self._queued.values() for w in queue]
         times += [c.idle_since + self._idle_s for c in self._current.values() if c.idle_since]
         if not times:
             return -1
@@ -2011,18 +1856,48 @@ class PolledRequests:
     def _connections(self) -> list[_Connection]:
         return [*self._current.values(), *self._retired]
 
-    def _send(self, waiting: _Waiting, finished: _Finished) -> None:
-        """``waiting``'s request onto its server's connection (dialled when there is none)."""
-        key = (waiting.host, waiting.port)
+    def _send_queued(self, finished: _Finished) -> None:
+        """Send each server's queued requests, oldest first, while fewer than
+        ``max_outstanding`` of its requests are outstanding."""
+        for key, queue in list(self._queued.items()):
+            room = self._max_outstanding - self._outstanding(key)
+            while queue and room > 0:
+                self._send(key, queue.popleft(), finished)
+                room -= 1
+            if not queue:
+                del self._queued[key]
+
+    def _outstanding(self, key: tuple[str, int]) -> int:
+        """Requests sent to ``key``'s server and not ended, on any of its connections."""
+        return sum(len(c.waiting) for c in self._connections() if c.key == key)
+
+    def _send(self, key: tuple[str, int], waiting: _Waiting, finished: _Finished) -> None:
+        """``waiting``'s request onto its server's connection (dialled when there is none); a
+        request it cannot send ends at once, and so does one whose nonce another request to
+        that server still waits on (its reply could not be told from the other's)."""
+        nonce = waiting.request.nonce
+        if any(nonce in c.waiting for c in self._connections() if c.key == key):
+            finished.append(
+                (waiting, InvalidArgumentError(f"{waiting.what}: its nonce is outstanding already"))
+            )
+            return
         conn = self._current.get(key)
         try:
             if conn is None:
                 conn = self._dial(key, waiting.what)
-            _send_request(conn.sock, waiting.request, waiting.what, self._security)
+            try:
+                _send_request(conn.sock, waiting.request, waiting.what, self._security)
+            except MoriioError:
+                self._retire(conn)  # ZMQ gave it up, or it is full: the next one dials anew
+                raise
         except MoriioError as exc:
             finished.append((waiting, exc))
             return
-        conn.waiting[waiting.request.nonce] = waiting
+        except Exception as exc:  # a defect: this request fails, the others go on
+            logger.exception("%s: could not be sent", waiting.what)
+            finished.append((waiting, TransportError(f"{waiting.what}: cannot send: {exc}")))
+            return
+        conn.waiting[nonce] = waiting
 
     def _dial(self, key: tuple[str, int], what: str) -> _Connection:
         dialed = _dial_asker(
@@ -2038,7 +1913,6 @@ class PolledRequests:
         """What ZMQ's handshakes on ``conn`` reported: a secret on one side only ends its
         requests at once; a connection ZMQ gave up on takes no more."""
         watch = conn.watch
-        assert watch is not None
         if not watch.read():
             return
         if watch.mismatch:
@@ -2079,10 +1953,6 @@ class PolledRequests:
         if waiting is None:  # a request that ended already (its deadline passed meanwhile)
             logger.debug("a reply from %s:%d answers no request waiting; dropped", *conn.key)
             return
-        if conn.watch is not None:  # it works: nobody needs its handshakes any more
-            self._poller.unregister(conn.watch.monitor)
-            conn.watch.close()
-            conn.watch = None
         finished.append((waiting, self._answer(waiting, reply)))
 
     @staticmethod
@@ -2098,7 +1968,12 @@ class PolledRequests:
         return reply
 
     def _end_late(self, now: float, finished: _Finished) -> None:
-        """End the requests past their deadline, retiring their connections."""
+        """End the requests past their deadline, retiring the connections they were sent on."""
+        for key, queue in self._queued.items():
+            late = [w for w in queue if w.deadline <= now]
+            for waiting in late:
+                queue.remove(waiting)
+                finished.append((waiting, _not_sent(waiting, self._outstanding(key))))
         for conn in self._connections():
             late = [nonce for nonce, w in conn.waiting.items() if w.deadline <= now]
             for nonce in late:
@@ -2149,9 +2024,8 @@ class PolledRequests:
         else:
             del self._current[conn.key]
         self._poller.unregister(conn.sock)
-        if conn.watch is not None:
-            self._poller.unregister(conn.watch.monitor)
-            conn.watch.close()
+        self._poller.unregister(conn.watch.monitor)
+        conn.watch.close()
         conn.sock.close(linger=0)
 
     def _call(self, waiting: _Waiting, outcome: _Reply | MoriioError) -> None:
@@ -2164,10 +2038,12 @@ class PolledRequests:
         """Closed (or the thread failing): end every request with an error, close all."""
         with self._lock:
             self._closed = True
-            unsent = [*self._incoming]
+            unsent = [*self._incoming, *(w for queue in self._queued.values() for w in queue)]
             self._incoming.clear()
+            self._queued.clear()
             self._close_wake_pipe()
-        finished: _Finished = [
+        finished, self._finished = self._finished, []
+        finished += [
             (w, FailedPreconditionError(f"{w.what}: closed before it was sent")) for w in unsent
         ]
         for conn in self._connections():
@@ -2417,9 +2293,7 @@ __all__ = [
     "ProxyPinger",
     "RateLimitedWarnings",
     "RequestDone",
-    "RequestSockets",
     "ask_checksums",
-    "fetch_checksums",
     "fetch_metadata",
     "zmq_endpoint",
 ]

@@ -353,8 +353,6 @@ class PdCore:
             ("the prefill's deadlines", lambda: self.pusher.check_timeouts(now)),
             ("the peer directory's expiry", self.ctx.directory.expire),
         ]
-        if self.ctx.verifier is not None:  # the confirmer's thread closes its own
-            steps.append(("the verifier's idle connections", self.ctx.verifier.expire_idle))
         for what, step in steps:
             try:
                 step()

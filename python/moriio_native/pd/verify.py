@@ -22,11 +22,14 @@ load and the request recomputed under ``vllm serve`` (tests/e2e/test_serve_verif
 generates from the corrupted KV (the test's control: that corruption changes the completion).
 Set, it is logged as an error when the rank starts; it has no effect with ``verify`` off.
 
-Checking and computing run on a pool of :data:`CHECK_THREADS` threads (``moriio-native-verify``:
-a check waiting on a stalled prefill holds up no other; a READ's own checksums on one more
-thread, while the prefill computes its), never under the context lock, asking the prefill on
-connections kept between checks; results come back through the callback, on the pool's
-thread. Thread-safe.
+The prefill's answers to a READ's checks (verify's checksums, confirm_reads' hold checks) are
+waited for by one thread per checker (``moriio-native-verify-ask``, ``moriio-native-confirm``:
+:class:`~moriio_native.control.channel.PolledRequests`, one connection kept to each prefill
+rank), so checks waiting on a stalled prefill hold up no other prefill's and keep no thread; a
+READ's own checksums are computed on one more thread (``moriio-native-verify-local``) while the
+prefill computes its, and a WRITE's on a pool of :data:`CHECK_THREADS` (``moriio-native-verify``),
+never under the context lock; verdicts come back through the callback, on those threads.
+Thread-safe.
 """
 
 from __future__ import annotations
@@ -37,12 +40,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from moriio_native.control.channel import (
-    PolledRequests,
-    RequestSockets,
-    ask_checksums,
-    fetch_checksums,
-)
+from moriio_native.control.channel import PolledRequests, ask_checksums
 from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
@@ -57,10 +55,10 @@ CORRUPT_ENV = "MORIIO_NATIVE_TEST_ONLY_CORRUPT_RECEIVED_KV"
 
 # Mismatched blocks named in one log line / failure reason (the rest are counted).
 MAX_NAMED_MISMATCHES = 8
-#: verify's checksum requests in flight at once per rank (each on a thread of its own).
+#: verify's checks of received WRITEs computed at once per rank.
 CHECK_THREADS = 8
-#: How long a connection to a prefill rank is kept idle for the next check (closed after, by
-#: the core's timeout pass if no check comes).
+#: How long a connection to a prefill rank is kept idle for the next check (closed after by
+#: the thread that waits for the checks, if no check comes).
 KEPT_IDLE_S = 30.0
 
 #: Called with None when the transfer is intact, else with why it is not.
@@ -94,13 +92,14 @@ class Verifier:
         self._security = security
         self._engine_id = engine_id
         self._timeout = timeout
-        # Checks with the prefill run side by side: one waiting on a stalled prefill (up to
-        # ``timeout``) holds up no other prefill's.
+        # The checks of received WRITEs (our checksums of the blocks written and the compare):
+        # several at once.
         self._pool = DaemonPool(
             CHECK_THREADS, "moriio-native-verify", exit_wait_s=COMPUTING_EXIT_WAIT_S
         )
-        # Kept connections to the prefill ranks.
-        self._sockets = RequestSockets(security, idle_s=KEPT_IDLE_S)
+        # The prefill's checksums of our READs, all waited for by one thread on one connection
+        # kept to each prefill rank: a stalled prefill holds up no other prefill's checks.
+        self._requests = PolledRequests(security, "moriio-native-verify-ask", idle_s=KEPT_IDLE_S)
         # Our side of a READ's check, computed while the prefill computes its own.
         self._local = DaemonPool(1, "moriio-native-verify-local", exit_wait_s=COMPUTING_EXIT_WAIT_S)
         self._corrupt_left, self._corrupt_unchecked = _corrupt_setting()
@@ -119,15 +118,12 @@ class Verifier:
             )
 
     def shutdown(self) -> None:
-        """Drop queued checks; one running (a fetch waits at most ``timeout``) finishes on
-        its own, and its verdict then meets a stopped core (its sends are refused, logged)."""
+        """End the checks waiting for the prefill (failed), then drop the queued ones; one
+        computing finishes on its own, and its verdict then meets a stopped core (its sends are
+        refused, logged)."""
+        self._requests.close()
         self._pool.shutdown()
         self._local.shutdown()
-        self._sockets.close()
-
-    def expire_idle(self) -> None:
-        """Close the kept connections to prefill ranks idle too long (the core's timeout pass)."""
-        self._sockets.expire_idle()
 
     # ---- decode -------------------------------------------------------------------------------
 
@@ -141,21 +137,29 @@ class Verifier:
         hold_until_ms: int = 0,
     ) -> None:
         """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``, under the
-        answer that stated ``hold_until_ms``) with ours of ``local_ids``; ``verdict`` gets the
-        outcome (on the verify thread)."""
-
-        def check() -> str | None:
-            request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
+        answer that stated ``hold_until_ms``) with ours of ``local_ids``, computed meanwhile;
+        ``verdict`` gets the outcome (on the thread that computes ours)."""
+        what = f"integrity check of transfer {transfer_id}"
+        try:
             ours = self._local.submit(self._ours, transfer_id, local_ids)
-            try:
-                answer = _ask(peer, request, self._security, self._timeout, self._sockets)
-            except MoriioError as exc:
-                return f"no checksums from the prefill {peer.response.engine_id}: {exc}"
-            finally:
-                computed = ours.result()
-            return self._compare(transfer_id, answer.checksums, local_ids, remote_ids, computed)
+        except RuntimeError as exc:  # shut down
+            verdict(f"{what} could not run: {exc}")
+            return
 
-        self._run(transfer_id, check, verdict)
+        def answered(outcome: ChecksumResponse | MoriioError) -> None:
+            # Compared on our checksums' thread, behind their computation (one thread: FIFO).
+            def compare() -> str | None:
+                if isinstance(outcome, MoriioError):
+                    return f"no checksums from the prefill {peer.response.engine_id}: {outcome}"
+                computed = ours.result()
+                return self._compare(
+                    transfer_id, outcome.checksums, local_ids, remote_ids, computed
+                )
+
+            _submit_check(self._local, what, compare, verdict)
+
+        request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
+        _ask_prefill(self._requests, peer, request, self._timeout, answered)
 
     def check_write(
         self,
@@ -309,17 +313,7 @@ class ReadConfirmer:
             verdict(f"{not_confirmed}: {outcome}" if isinstance(outcome, MoriioError) else None)
 
         request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
-        try:
-            ask_checksums(
-                self._requests,
-                peer.host,
-                peer.key.handshake_port,
-                request.replace(hold_only=True),
-                timeout=self._timeout,
-                done=answered,
-            )
-        except MoriioError as exc:
-            verdict(f"{not_confirmed}: {exc}")
+        _ask_prefill(self._requests, peer, request.replace(hold_only=True), self._timeout, answered)
 
 
 def _checksum_request(
@@ -335,23 +329,21 @@ def _checksum_request(
     )
 
 
-def _ask(
+def _ask_prefill(
+    requests: PolledRequests,
     peer: Peer,
     request: ChecksumRequest,
-    security: ControlSecurity,
     timeout: float,
-    sockets: RequestSockets | None = None,
-) -> ChecksumResponse:
-    """``request`` to ``peer``'s handshake port (on ``sockets``' kept connection when given);
-    raises as :func:`fetch_checksums`."""
-    return fetch_checksums(
-        peer.host,
-        peer.key.handshake_port,
-        request,
-        timeout=timeout,
-        security=security,
-        sockets=sockets,
-    )
+    answered: Callable[[ChecksumResponse | MoriioError], None],
+) -> None:
+    """``request`` to ``peer``'s handshake port, waited for by ``requests``' thread;
+    ``answered`` gets the answer or the error (on this thread when it cannot be asked)."""
+    try:
+        ask_checksums(
+            requests, peer.host, peer.key.handshake_port, request, timeout=timeout, done=answered
+        )
+    except MoriioError as exc:
+        answered(exc)
 
 
 def _submit_check(
