@@ -23,6 +23,10 @@ Run as a command for the full soak (docs/reliability.md)::
     PYTHONPATH=build/dev/python python3 tests/py/connector_soak.py --transfers 10000 \\
         --in-flight 64 --json soak-connector.json
 
+``--check confirm_reads`` (or ``verify``) turns that check on on both sides: every READ is then
+confirmed with the prefill before its load counts, and the soak also requires that every one
+was, none failing.
+
 tests/py/test_connector_soak.py runs a short one in the default pytest.
 """
 
@@ -62,6 +66,12 @@ MAX_BLOCKS = 8  # blocks per request, at most
 # Deadlines far above a transfer's time here: the soak measures, the fault tests time out.
 # abort_timeout: the prefill holds every request from its computation to the decode's release.
 DEADLINES = {"transfer_timeout": 60.0, "abort_timeout": 7200.0, "quarantine_timeout": 120.0}
+#: Per ``--check``: the connector's counts of READs its check passed and failed.
+CHECKS = {
+    "confirm_reads": ("confirmed_reads", "confirm_failures"),
+    "verify": ("verified", "verify_failures"),
+}
+CHECK_COUNTS = tuple(key for keys in CHECKS.values() for key in keys)
 
 
 @dataclass(frozen=True)
@@ -177,6 +187,8 @@ class DecodeResult:
     max_in_flight: int = 0
     min_full_window: int = 1 << 30  # the fewest outstanding while requests waited to start
     mean_in_flight: float = 0.0
+    # The connector's counts of the READs' checks with the prefill (CHECK_COUNTS), summed.
+    prefill_checks: dict[str, int] = field(default_factory=dict)
 
 
 def leg_decode(
@@ -227,6 +239,10 @@ def leg_decode(
             window_sum += held
             window_steps += 1
             result = side.step()
+            if result.stats is not None:
+                for key in CHECK_COUNTS:
+                    count = result.stats.data.get(key, 0)
+                    out.prefill_checks[key] = out.prefill_checks.get(key, 0) + count
             if result.invalid_blocks or result.transfer.failed_recving:
                 out.load_failures.append(
                     f"failed {sorted(result.transfer.failed_recving)}, "
@@ -273,12 +289,18 @@ def _percentile(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))] if s else 0.0
 
 
-def violations(n: int, prefill: dict[str, Any], decode: dict[str, Any]) -> list[str]:
+def violations(
+    n: int, prefill: dict[str, Any], decode: dict[str, Any], check: str = "none"
+) -> list[str]:
     """Every invariant of the module docstring that failed, as a sentence."""
     bad = []
     res = decode["result"]
     if res["done"] != n:
         bad.append(f"decode: {res['done']} of {n} requests done")
+    if check != "none":
+        passed, failed = (res["prefill_checks"].get(k, 0) for k in CHECKS[check])
+        if passed != n or failed:
+            bad.append(f"decode: {check}: {passed} of {n} READs checked, {failed} failed")
     if res["verify_failures"]:
         bad.append(f"decode: bytes differ in {res['verify_failures']}")
     if res["load_failures"]:
@@ -307,9 +329,16 @@ def violations(n: int, prefill: dict[str, Any], decode: dict[str, Any]) -> list[
 
 
 def run(
-    model_dir: str, transfers: int, in_flight: int, verify_every: int, max_s: float
+    model_dir: str,
+    transfers: int,
+    in_flight: int,
+    verify_every: int,
+    max_s: float,
+    check: str = "none",
 ) -> dict[str, Any]:
-    """One soak; the figures and the violations (empty when every invariant held)."""
+    """One soak; the figures and the violations (empty when every invariant held). ``check``:
+    "confirm_reads" or "verify" on both sides (every READ checked with the prefill), or
+    "none"."""
     num_blocks = 2 * in_flight * MAX_BLOCKS + 4 * MAX_BLOCKS
     sizes = {
         # The prefill holds every request's blocks until the decode released them.
@@ -325,7 +354,8 @@ def run(
     try:
         ports = {}
         for role, name in (("kv_producer", "prefill"), ("kv_consumer", "decode")):
-            args = (name, role, "read", DEADLINES, sizes[role])
+            checked = {check: True} if check != "none" else {}
+            args = (name, role, "read", {**DEADLINES, **checked}, sizes[role])
             procs[role].submit("run", f"{LEGS}:leg_make", args)
         for role in procs:
             ports[role] = procs[role].result("run", "make", timeout=300.0)
@@ -359,7 +389,9 @@ def run(
         "max_ms": round(1000 * max(lat, default=0.0), 1),
         "verified": res["verified"],
         "num_blocks": num_blocks,
-        "violations": violations(transfers, p, d),
+        "check": check,
+        "checked": res["prefill_checks"].get(CHECKS[check][0], 0) if check != "none" else 0,
+        "violations": violations(transfers, p, d, check),
     }
 
 
@@ -370,11 +402,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-every", type=int, default=50)
     parser.add_argument("--max-seconds", type=float, default=3600.0)
     parser.add_argument("--json", type=Path, default=None, help="write the figures here too")
+    parser.add_argument(
+        "--check",
+        choices=["none", *CHECKS],
+        default="none",
+        help="every READ checked with the prefill (set on both sides)",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     with tempfile.TemporaryDirectory(prefix="connector-soak-") as tmp:
         model = write_model_dir(Path(tmp) / "model")
-        figures = run(model, args.transfers, args.in_flight, args.verify_every, args.max_seconds)
+        figures = run(
+            model, args.transfers, args.in_flight, args.verify_every, args.max_seconds, args.check
+        )
     line = json.dumps(figures)
     if args.json is not None:
         args.json.write_text(line + "\n")

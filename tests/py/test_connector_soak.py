@@ -19,10 +19,17 @@ pytestmark = [pytest.mark.ucx, pytest.mark.vllm]
 MAX_S = 600.0  # hang guard, not a performance bound
 
 
-def test_short_connector_soak_has_no_violation(tmp_path: Path) -> None:
+@pytest.mark.parametrize("check", ["none", "confirm_reads", "verify"])
+def test_short_connector_soak_has_no_violation(tmp_path: Path, check: str) -> None:
+    """With ``confirm_reads`` or ``verify`` every READ is also checked with the prefill, 64
+    outstanding at a time on one connection's thread (the checks' PolledRequests): every one
+    must pass."""
     model = write_model_dir(tmp_path / "model")
-    figures = connector_soak.run(model, transfers=300, in_flight=64, verify_every=10, max_s=MAX_S)
+    figures = connector_soak.run(
+        model, transfers=300, in_flight=64, verify_every=10, max_s=MAX_S, check=check
+    )
     assert figures["violations"] == [], figures
+    assert figures["checked"] == (0 if check == "none" else 300), figures
     # 64 outstanding whenever requests were left to start, and the sampled ones byte-verified.
     assert figures["max_in_flight"] == 64 and figures["min_full_window"] == 64, figures
     assert figures["verified"] == 30, figures
@@ -59,3 +66,9 @@ def test_the_audit_names_each_broken_invariant() -> None:
         "reference counts != 0: {3: -1}",
     ):
         assert expected in text, found
+    confirmed = {"confirmed_reads": 1, "confirm_failures": 1}
+    checked = {**decode, "result": {**result, "prefill_checks": confirmed}}
+    found = connector_soak.violations(2, clean, checked, "confirm_reads")
+    assert found == ["decode: confirm_reads: 1 of 2 READs checked, 1 failed"], found
+    all_confirmed = {**decode, "result": {**result, "prefill_checks": {"confirmed_reads": 2}}}
+    assert connector_soak.violations(2, clean, all_confirmed, "confirm_reads") == []
