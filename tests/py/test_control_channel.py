@@ -909,7 +909,9 @@ def test_checksum_servers_leave_no_descriptors_or_threads_behind():
     fds, threads = len(os.listdir("/proc/self/fd")), threading.active_count()
     for _ in range(10):
         open_ask_and_close()
-    assert len(os.listdir("/proc/self/fd")) <= fds + 2
+    # ZMQ's I/O thread closes a closed socket's connection after close() returned: a loaded
+    # machine (CI) saw the last round's still open when counted at once.
+    wait_until(lambda: len(os.listdir("/proc/self/fd")) <= fds + 2)
     wait_until(lambda: threading.active_count() <= threads)
 
 
