@@ -308,3 +308,63 @@ def test_a_hold_check_names_every_prefill_block_the_read_takes() -> None:
     assert _read_remote_ids(plain) == (9, 8, 7)
     grouped = GroupedBlocks(local=((1, 2), (3,)), remote=((5, 0), (6, 5)), start=0, end=32)
     assert _read_remote_ids(_task(grouped=grouped)) == (5, 6)  # sorted, no null block
+
+
+class _SlowChecksums:
+    """A rank whose checksums take ``seconds`` each (block 99's take ``long_s``: a long prompt)."""
+
+    layers: tuple[str, ...] = ()
+
+    def __init__(self, seconds: float, long_s: float = 0.0) -> None:
+        self.seconds, self.long_s = seconds, long_s
+
+    def compute(self, block_ids: Any, window: Any = None) -> dict[str, bytes]:
+        time.sleep(self.long_s if 99 in block_ids else self.seconds)
+        return {}
+
+
+def test_verifys_verdicts_come_as_each_reads_own_checksums_are_done() -> None:
+    """Four READs at once, our checksums 0.4 s each, the prefill answering at once: each
+    verdict comes as soon as its own checksums are done. Before (a review found it), each
+    compare queued behind every computation submitted before the answer came, so all four
+    verdicts came at the end, and with them each READ's release."""
+    slow = _SlowChecksums(0.4)
+    checks = Verifier(lambda: slow, _security(), "decode-0", timeout=30.0)
+    verdicts = Verdicts()
+
+    def answer(request: ChecksumRequest) -> ChecksumResponse:
+        return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
+
+    tids = [f"r{i}" for i in range(4)]
+    with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as live:
+        start = time.monotonic()
+        for tid in tids:
+            checks.check_read(tid, _peer(live.port), (1,), (1,), verdicts.for_(tid))
+        verdicts.wait(*tids)
+    checks.shutdown()
+    assert all(verdicts.got[tid][1] is None for tid in tids), verdicts.got
+    first, last = verdicts.got[tids[0]][0] - start, verdicts.got[tids[-1]][0] - start
+    assert last >= 4 * 0.4 * 0.9
+    assert first < last - 0.6, (first, last)  # not all at the end
+
+
+def test_every_read_verify_checks_gets_a_verdict_when_the_verifier_shuts_down() -> None:
+    """Checks waiting on a silent prefill, one of them with its own checksums still computing
+    (a long prompt) and one queued behind it: the verifier shuts down, and every one gets a
+    verdict (failed). Before, the checks whose compare was queued on the computing thread were
+    cancelled with it and never got one."""
+    slow = _SlowChecksums(0.0, long_s=2.0)
+    checks = Verifier(lambda: slow, _security(), "decode-0", timeout=30.0)
+    verdicts = Verdicts()
+    with _silent_port() as silent:
+        port = silent.getsockname()[1]
+        for tid in ("w0", "w1"):
+            checks.check_read(tid, _peer(port), (1,), (1,), verdicts.for_(tid))
+        checks.check_read("long", _peer(port), (99,), (99,), verdicts.for_("long"))
+        checks.check_read("queued", _peer(port), (1,), (1,), verdicts.for_("queued"))
+        time.sleep(0.3)  # the long prompt's checksums computing, "queued" behind them
+        checks.shutdown()
+        verdicts.wait("w0", "w1", "long", "queued", within=WAIT_S)
+    for tid in ("w0", "w1", "long", "queued"):
+        why = verdicts.got[tid][1]
+        assert why is not None and f"transfer {tid}" in why, (tid, why)

@@ -1282,6 +1282,14 @@ HANDSHAKE_CLOSED = (
     "accepts only its allowed_peers, or the handshake took longer than its "
     "listener_handshake_timeout, 2 s unless set: an overloaded host or a slow link)"
 )
+HANDSHAKE_PROTOCOL_ERROR = (
+    "ZMQ's handshake failed with a protocol error (the peer is not a ZMQ socket of this "
+    "kind, or its security settings differ); ZMQ does not retry such a connection"
+)
+#: A watch's events that also tell when an established connection ended (PolledRequests).
+_CONNECTION_EVENTS = (
+    _HANDSHAKE_FAILED_EVENTS | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+)
 
 
 class _HandshakeWatch:
@@ -1303,12 +1311,23 @@ class _HandshakeWatch:
         self.mismatch = False  # a failure that can only be a secret on one side
         self.ended = False  # a protocol failure: ZMQ will not reconnect this socket
         self.reason = ""
+        # Watched with _CONNECTION_EVENTS: connections that ended after their handshake
+        # succeeded (whatever was sent on one and not answered is lost with it).
+        self.dropped = 0
+        self._established = False
 
     def read(self) -> bool:
         """Take what the monitor reported (never blocks); whether there was a failure."""
         failed = False
         while self.monitor.poll(0):
             event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._established = True
+                continue
+            if event["event"] == zmq.EVENT_DISCONNECTED:
+                self.dropped += self._established
+                self._established = False
+                continue
             failed = True
             self.failures += 1
             self.ended = self.ended or event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -1318,6 +1337,8 @@ class _HandshakeWatch:
             ):
                 self.mismatch = True
                 self.reason = SECRET_MISMATCH
+            elif event["event"] == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and not self.mismatch:
+                self.reason = HANDSHAKE_PROTOCOL_ERROR
             elif not self.mismatch:
                 self.reason = HANDSHAKE_CLOSED
         return failed
@@ -1528,12 +1549,14 @@ def _dial_asker(
     security: ControlSecurity,
     max_response_bytes: int,
     what: str,
+    events: int = _HANDSHAKE_FAILED_EVENTS,
 ) -> _Dialed:
-    """A DEALER to the handshake server at ``host:port`` (allowlisted already)."""
+    """A DEALER to the handshake server at ``host:port`` (allowlisted already), its ``events``
+    watched."""
     ctx = context if context is not None else zmq.Context.instance()
     options = {zmq.LINGER: 0, zmq.IPV6: 1, zmq.MAXMSGSIZE: 2 * max_response_bytes + 4096}
     try:
-        return _dial(ctx, zmq_endpoint(host, port), security.auth, options)
+        return _dial(ctx, zmq_endpoint(host, port), security.auth, options, events)
     except zmq.ZMQError as exc:
         raise TransportError(f"{what}: cannot connect: {exc}") from exc
 
@@ -1830,11 +1853,11 @@ class PolledRequests:
         for waiting in incoming:
             self._queued.setdefault((waiting.host, waiting.port), deque()).append(waiting)
         finished = self._finished
-        for conn in self._connections():
-            if conn.watch.monitor in ready and not conn.sock.closed:
-                self._read_watch(conn, finished)
+        for conn in self._connections():  # replies first: one that came is never lost
             if conn.sock in ready:
                 self._read_replies(conn, finished)
+            if conn.watch.monitor in ready and not conn.sock.closed:
+                self._read_watch(conn, finished)
         now = time.monotonic()
         self._end_late(now, finished)
         self._send_queued(finished)
@@ -1901,7 +1924,13 @@ class PolledRequests:
 
     def _dial(self, key: tuple[str, int], what: str) -> _Connection:
         dialed = _dial_asker(
-            self._context, key[0], key[1], self._security, self._max_response_bytes, what
+            self._context,
+            key[0],
+            key[1],
+            self._security,
+            self._max_response_bytes,
+            what,
+            _CONNECTION_EVENTS,
         )
         conn = _Connection(key, dialed.sock, dialed.watch, {})
         self._poller.register(conn.sock, zmq.POLLIN)
@@ -1910,15 +1939,30 @@ class PolledRequests:
         return conn
 
     def _read_watch(self, conn: _Connection, finished: _Finished) -> None:
-        """What ZMQ's handshakes on ``conn`` reported: a secret on one side only ends its
-        requests at once; a connection ZMQ gave up on takes no more."""
+        """What ZMQ reported of ``conn`` (after its replies were read): a secret on one side
+        only, or a protocol failure (ZMQ will not reconnect), ends its requests at once and
+        closes it; an established connection that dropped (the server restarted, the link
+        went) loses the requests sent on it, which end at once too, while ZMQ dials again for
+        the next ones."""
         watch = conn.watch
-        if not watch.read():
-            return
+        dropped = watch.dropped
+        watch.read()
         if watch.mismatch:
             self._drop(conn, AuthenticationError, watch.reason, finished)
         elif watch.ended:
-            self._retire(conn)
+            self._drop(conn, TransportError, watch.reason, finished)
+        elif watch.dropped > dropped:
+            self._read_replies(conn, finished)  # a reply that came before the drop counts
+            for waiting in conn.waiting.values():  # its reply would go to the old connection
+                finished.append(
+                    (
+                        waiting,
+                        TransportError(
+                            f"{waiting.what}: the connection dropped before the reply came"
+                        ),
+                    )
+                )
+            conn.waiting.clear()
 
     def _read_replies(self, conn: _Connection, finished: _Finished) -> None:
         while not conn.sock.closed:

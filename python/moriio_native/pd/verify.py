@@ -38,6 +38,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import CancelledError, Future
 from typing import Protocol
 
 from moriio_native.control.channel import PolledRequests, ask_checksums
@@ -138,7 +139,8 @@ class Verifier:
     ) -> None:
         """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``, under the
         answer that stated ``hold_until_ms``) with ours of ``local_ids``, computed meanwhile;
-        ``verdict`` gets the outcome (on the thread that computes ours)."""
+        ``verdict`` gets the outcome, once, on whichever thread finished last (ours, or the one
+        that waits for the prefill), also when the check is cut short at shutdown."""
         what = f"integrity check of transfer {transfer_id}"
         try:
             ours = self._local.submit(self._ours, transfer_id, local_ids)
@@ -147,19 +149,43 @@ class Verifier:
             return
 
         def answered(outcome: ChecksumResponse | MoriioError) -> None:
-            # Compared on our checksums' thread, behind their computation (one thread: FIFO).
-            def compare() -> str | None:
-                if isinstance(outcome, MoriioError):
-                    return f"no checksums from the prefill {peer.response.engine_id}: {outcome}"
-                computed = ours.result()
-                return self._compare(
-                    transfer_id, outcome.checksums, local_ids, remote_ids, computed
-                )
+            # Compared once our checksums are done: at once when they are (on the requests'
+            # thread: a pass over two small dicts), else on their thread right after them; one
+            # cancelled at shutdown still gets its verdict.
+            def compare(done: Future[dict[str, bytes]]) -> None:
+                try:
+                    why = self._read_verdict(
+                        transfer_id, peer, outcome, done, local_ids, remote_ids
+                    )
+                except Exception as exc:
+                    logger.exception("%s could not run", what)
+                    why = f"{what} could not run: {exc}"
+                verdict(why)
 
-            _submit_check(self._local, what, compare, verdict)
+            ours.add_done_callback(compare)
 
         request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
         _ask_prefill(self._requests, peer, request, self._timeout, answered)
+
+    def _read_verdict(
+        self,
+        transfer_id: str,
+        peer: Peer,
+        theirs: ChecksumResponse | MoriioError,
+        ours: Future[dict[str, bytes]],
+        local_ids: Sequence[int],
+        remote_ids: Sequence[int],
+    ) -> str | None:
+        """A READ's verdict from the prefill's answer and our computation (done)."""
+        try:
+            computed = ours.result()
+        except Exception as exc:  # cancelled at shutdown, or our checksums could not be made
+            if not isinstance(exc, CancelledError):
+                logger.error("transfer %s: our checksums were not computed: %s", transfer_id, exc)
+            return f"integrity check of transfer {transfer_id} could not run: {exc!r}"
+        if isinstance(theirs, MoriioError):
+            return f"no checksums from the prefill {peer.response.engine_id}: {theirs}"
+        return self._compare(transfer_id, theirs.checksums, local_ids, remote_ids, computed)
 
     def check_write(
         self,
