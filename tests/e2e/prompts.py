@@ -58,3 +58,7 @@ ROUTER = prompt_set(15)
 # Sent straight to each instance once it is healthy (serving.Instance.wait_ready), never through
 # a router, so it moves no KV; its own seed keeps it out of the prefixes of the sets above.
 WARM_UP = _ids(random.Random(99), 40)
+# Sent once through the fault tier's router before its rounds: the pair's first transfer (UCX's
+# connection over TCP, the first region check, on a 2-core machine still busy with the instances'
+# start) is then not a round's. Its own seed keeps it out of every round's prefixes.
+PD_WARM_UP = _ids(random.Random(98), 40)

@@ -158,6 +158,10 @@ def faulty(
         router, prefill, decode = serving.start_proxy_pd(
             env, st, models[0], settings, f"faults-{mode}-tp{tp}", REGISTER_TIMEOUT_S
         )
+        # Not checked: with TP 1's 5 s deadline the pair's first transfer timed out in a CI run
+        # (both modes, round 0's first request after the fault; loaded when run again), the
+        # cold start and not the fault. Every round's requests are still checked.
+        serving.run_all(router.url, [prompts.PD_WARM_UP], prompts.MAX_TOKENS)
         yield Faulty(env, st, settings, prefill, decode, router, baseline["faults"])
 
 
