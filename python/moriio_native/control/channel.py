@@ -1563,7 +1563,7 @@ def _dial_asker(
 
 def _exchange(
     sock: zmq.Socket,
-    watch: _HandshakeWatch | None,
+    watch: _HandshakeWatch,
     request: _Request,
     accept: tuple[type[_Reply], ...],
     what: str,
@@ -1571,21 +1571,19 @@ def _exchange(
     security: ControlSecurity,
     max_response_bytes: int,
 ) -> _Reply:
-    """Send ``request`` on ``sock`` (no reply of an earlier request outstanding on it) and
-    wait for its reply, naming ``watch``'s handshake failures (None: a socket whose handshake
-    worked before and whose watch is gone; a failure then shows as no reply)."""
+    """Send ``request`` on ``sock`` (a new connection) and wait for its reply, naming
+    ``watch``'s handshake failures."""
     _send_request(sock, request, what, security)
     deadline = time.monotonic() + timeout
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
-    if watch is not None:
-        poller.register(watch.monitor, zmq.POLLIN)
+    poller.register(watch.monitor, zmq.POLLIN)
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise _no_reply(what, timeout, watch)
         ready = dict(poller.poll(max(1, int(min(remaining, _POLL_MS / 1000) * 1000))))
-        if watch is not None and watch.monitor in ready and watch.read() and watch.mismatch:
+        if watch.monitor in ready and watch.read() and watch.mismatch:
             raise AuthenticationError(f"{what}: {watch.reason}")
         if sock not in ready:
             continue
@@ -1605,12 +1603,10 @@ def _send_request(
         raise TransportError(f"{what}: cannot send: {exc}") from exc
 
 
-def _no_reply(what: str, timeout: float, watch: _HandshakeWatch | None) -> TransferTimeoutError:
+def _no_reply(what: str, timeout: float, watch: _HandshakeWatch) -> TransferTimeoutError:
     """The error of a request not answered within ``timeout``, with what ``watch`` saw."""
     failed = (
-        f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}"
-        if watch is not None and watch.failures
-        else ""
+        f"; ZMQ's handshake failed {watch.failures} times: {watch.reason}" if watch.failures else ""
     )
     return TransferTimeoutError(
         f"{what}: no reply within {timeout:.3g}s "
