@@ -32,9 +32,7 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.security import (
     AuthenticationError,
-    ControlSecurity,
     MessageAuth,
-    PeerAllowlist,
     PeerNotAllowedError,
 )
 from moriio_native.errors import (
@@ -46,14 +44,15 @@ from moriio_native.errors import (
     TransportError,
 )
 from net_support import free_port
-
-LOCAL = "127.0.0.1"
-WAIT_S = 5.0  # upper bound for anything that should arrive; never reached when things work
-SECRET = "test-secret-0123456789"
-
-
-def _security(secret: str | None = None) -> ControlSecurity:
-    return ControlSecurity(MessageAuth(secret), PeerAllowlist(["127.0.0.0/8"]))
+from test_control_channel import (
+    LOCAL,
+    SECRET,
+    WAIT,
+    CountingContext,
+    _echo_checksums,
+    provider_for,
+    security,
+)
 
 
 class Server:
@@ -69,7 +68,7 @@ class Server:
 
     def take(self) -> tuple[bytes, ChecksumRequest]:
         """The next request and the identity of the connection it came on."""
-        assert self.sock.poll(int(WAIT_S * 1000)), "no request came"
+        assert self.sock.poll(int(WAIT * 1000)), "no request came"
         identity, *frames = self.sock.recv_multipart()
         request = decode(self._auth.open(frames), (ChecksumRequest,), max_bytes=1 << 16)
         assert isinstance(request, ChecksumRequest)
@@ -104,7 +103,7 @@ class Outcomes:
 
     def wait(self, *tids: str) -> None:
         with self._cond:
-            assert self._cond.wait_for(lambda: all(t in self.got for t in tids), WAIT_S), self.got
+            assert self._cond.wait_for(lambda: all(t in self.got for t in tids), WAIT), self.got
 
 
 @pytest.fixture
@@ -116,13 +115,13 @@ def server() -> Iterator[Server]:
 
 @pytest.fixture
 def requests() -> Iterator[PolledRequests]:
-    r = PolledRequests(_security(), "test-polled")
+    r = PolledRequests(security(), "test-polled")
     yield r
     r.close()
 
 
 def _ask(
-    requests: PolledRequests, port: int, tid: str, outcomes: Outcomes, timeout: float = WAIT_S
+    requests: PolledRequests, port: int, tid: str, outcomes: Outcomes, timeout: float = WAIT
 ) -> None:
     request = ChecksumRequest(requester_engine_id="d", transfer_id=tid, block_ids=(1,))
     ask_checksums(requests, LOCAL, port, request, timeout=timeout, done=outcomes.done(tid))
@@ -201,7 +200,7 @@ def test_a_request_unanswered_in_time_retires_its_connection_which_serves_the_ot
     outcomes.wait("short")
     got = outcomes.got["short"]
     assert isinstance(got, TransferTimeoutError) and "no reply within 0.3s" in str(got)
-    assert 0.25 <= time.monotonic() - start < WAIT_S
+    assert 0.25 <= time.monotonic() - start < WAIT
     _ask(requests, server.port, "next", outcomes)
     second, following = server.take()
     assert second != first
@@ -217,7 +216,7 @@ def test_an_idle_connection_closes_by_itself_and_at_most_max_idle_are_kept(
     server: Server,
 ) -> None:
     other = Server()
-    requests = PolledRequests(_security(), "test-polled", idle_s=0.5, max_idle=1)
+    requests = PolledRequests(security(), "test-polled", idle_s=0.5, max_idle=1)
     try:
         outcomes = Outcomes()
         for tid, srv in (("a", server), ("b", other)):
@@ -226,7 +225,7 @@ def test_an_idle_connection_closes_by_itself_and_at_most_max_idle_are_kept(
             srv.answer(server_identity, request)
             outcomes.wait(tid)
         assert requests.idle == 1  # a's went to keep b's
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + WAIT
         while requests.idle and time.monotonic() < deadline:
             time.sleep(0.05)
         assert requests.idle == 0  # nobody called anything: its thread closed it
@@ -237,7 +236,7 @@ def test_an_idle_connection_closes_by_itself_and_at_most_max_idle_are_kept(
 
 def test_a_secret_on_one_side_only_fails_at_once_naming_it() -> None:
     server = Server(SECRET)
-    requests = PolledRequests(_security(), "test-polled")
+    requests = PolledRequests(security(), "test-polled")
     try:
         outcomes = Outcomes()
         start = time.monotonic()
@@ -245,7 +244,7 @@ def test_a_secret_on_one_side_only_fails_at_once_naming_it() -> None:
         outcomes.wait("t")
         got = outcomes.got["t"]
         assert isinstance(got, AuthenticationError) and SECRET_MISMATCH in str(got)
-        assert time.monotonic() - start < WAIT_S
+        assert time.monotonic() - start < WAIT
     finally:
         requests.close()
         server.close()
@@ -271,7 +270,7 @@ def test_a_failing_callback_stops_nothing_and_close_from_a_callback_returns(
         raise RuntimeError("a callback's bug")
 
     request = ChecksumRequest(requester_engine_id="d", transfer_id="bad", block_ids=(1,))
-    ask_checksums(requests, LOCAL, server.port, request, timeout=WAIT_S, done=fails)
+    ask_checksums(requests, LOCAL, server.port, request, timeout=WAIT, done=fails)
     server.answer(*server.take())
     _ask(requests, server.port, "good", outcomes)
     server.answer(*server.take())
@@ -285,36 +284,19 @@ def test_a_failing_callback_stops_nothing_and_close_from_a_callback_returns(
         closed.set()
 
     request = ChecksumRequest(requester_engine_id="d", transfer_id="last", block_ids=(1,))
-    ask_checksums(requests, LOCAL, server.port, request, timeout=WAIT_S, done=close_here)
+    ask_checksums(requests, LOCAL, server.port, request, timeout=WAIT, done=close_here)
     server.answer(*server.take())
-    assert closed.wait(WAIT_S)
+    assert closed.wait(WAIT)
     with pytest.raises(FailedPreconditionError, match="the requester is closed"):
         _ask(requests, server.port, "after", outcomes)
 
 
-class CountingContext:
-    """A zmq context wrapper that records every socket created through it."""
-
-    def __init__(self) -> None:
-        self.created: list[int] = []
-
-    def socket(self, socket_type: int) -> zmq.Socket:
-        self.created.append(socket_type)
-        return zmq.Context.instance().socket(socket_type)
-
-
-def _echo(request: ChecksumRequest) -> ChecksumResponse:
-    return ChecksumResponse(transfer_id=request.transfer_id, checksums={})
-
-
-def _metadata(_request: Any) -> HandshakeResponse:
-    return HandshakeResponse("prefill-0", b"m", 0, 0, 1, 1, "READ")
-
-
 def _answer_server(
-    port: int = 0, secret: str | None = None, checksums: Any = _echo
+    port: int = 0, secret: str | None = None, checksums: Any = _echo_checksums
 ) -> HandshakeServer:
-    return HandshakeServer(port, _metadata, _security(secret), bind_host=LOCAL, checksums=checksums)
+    return HandshakeServer(
+        port, provider_for(), security(secret), bind_host=LOCAL, checksums=checksums
+    )
 
 
 @pytest.mark.parametrize("secret", [None, SECRET], ids=["plain", "curve"])
@@ -322,7 +304,7 @@ def test_requests_one_after_another_go_on_one_connection(secret: str | None) -> 
     """The connection to a server is kept: requests after the first make no new socket (with a
     secret: no new CURVE key exchange), and each gets its own answer."""
     counting = CountingContext()
-    requests = PolledRequests(_security(secret), "test-polled", context=counting)
+    requests = PolledRequests(security(secret), "test-polled", context=counting)
     try:
         with _answer_server(secret=secret) as server:
             for i in range(5):
@@ -339,7 +321,7 @@ def test_requests_one_after_another_go_on_one_connection(secret: str | None) -> 
 def test_many_threads_asking_at_once_share_one_connection() -> None:
     """200 requests from 8 threads at once: all on one connection, each its own answer."""
     counting = CountingContext()
-    requests = PolledRequests(_security(), "test-polled", context=counting)
+    requests = PolledRequests(security(), "test-polled", context=counting)
     outcomes = Outcomes()
     tids = [f"t{i}" for i in range(200)]
     try:
@@ -361,10 +343,10 @@ def test_a_rejection_keeps_the_connection_it_came_on() -> None:
     def reject_first(request: ChecksumRequest) -> ChecksumResponse:
         if request.transfer_id == "refused":
             raise FailedPreconditionError("its blocks are no longer held: released")
-        return _echo(request)
+        return _echo_checksums(request)
 
     counting = CountingContext()
-    requests = PolledRequests(_security(), "test-polled", context=counting)
+    requests = PolledRequests(security(), "test-polled", context=counting)
     outcomes = Outcomes()
     try:
         with _answer_server(checksums=reject_first) as server:
@@ -393,7 +375,7 @@ def test_a_server_restarted_with_another_secret_setting_is_named_at_once_on_the_
     send ZMQ refuses retires the connection), not after its whole wait; the next request
     dials anew and is named the same."""
     port = free_port()
-    requests = PolledRequests(_security(ours), "test-polled")
+    requests = PolledRequests(security(ours), "test-polled")
     outcomes = Outcomes()
     try:
         with _answer_server(port, ours):
@@ -407,7 +389,7 @@ def test_a_server_restarted_with_another_secret_setting_is_named_at_once_on_the_
                 _ask(requests, port, tid, outcomes, timeout=30.0)
                 outcomes.wait(tid)
                 time.sleep(0.2)
-            assert time.monotonic() - start < WAIT_S
+            assert time.monotonic() - start < WAIT
             for tid in ("t2", "t3"):  # t1 may meet the connection before ZMQ tried it again
                 got = outcomes.got[tid]
                 assert isinstance(got, AuthenticationError) and SECRET_MISMATCH in str(got), got
@@ -423,15 +405,15 @@ def test_a_terminated_context_ends_the_requests_and_lets_term_return() -> None:
     silent = socket.socket()
     silent.bind((LOCAL, 0))
     silent.listen(4)
-    requests = PolledRequests(_security(), "test-polled", context=own)
+    requests = PolledRequests(security(), "test-polled", context=own)
     outcomes = Outcomes()
     try:
         _ask(requests, silent.getsockname()[1], "t", outcomes, timeout=60.0)
-        silent.settimeout(WAIT_S)
+        silent.settimeout(WAIT)
         accepted, _ = silent.accept()  # connected, never answered
         terminating = threading.Thread(target=own.term, daemon=True)
         terminating.start()
-        terminating.join(WAIT_S)
+        terminating.join(WAIT)
         assert not terminating.is_alive(), "term() waits on a socket left open"
         outcomes.wait("t")
         assert isinstance(outcomes.got["t"], FailedPreconditionError)
@@ -447,7 +429,7 @@ def test_at_most_max_outstanding_requests_wait_on_a_server_and_the_rest_take_tur
     """With two outstanding on the server, the third and fourth wait for their turn (the
     server sees nothing of them) and go as answers free room, oldest first; one whose deadline
     comes before its turn fails unsent, naming why."""
-    requests = PolledRequests(_security(), "test-polled", max_outstanding=2)
+    requests = PolledRequests(security(), "test-polled", max_outstanding=2)
     outcomes = Outcomes()
     try:
         for tid in ("a", "b", "c"):
@@ -487,7 +469,7 @@ def test_a_request_that_fails_inside_the_thread_still_ends_and_the_others_go_on(
         return dial(self, key, what)
 
     monkeypatch.setattr(PolledRequests, "_dial", dial_or_break)
-    requests = PolledRequests(_security(), "test-polled")
+    requests = PolledRequests(security(), "test-polled")
     outcomes = Outcomes()
     try:
         _ask(requests, broken.port, "broken", outcomes)
@@ -512,9 +494,7 @@ def test_a_request_reusing_an_outstanding_nonce_ends_at_once_and_the_first_still
     outcomes = Outcomes()
     request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
     for name in ("first", "second"):
-        ask_checksums(
-            requests, LOCAL, server.port, request, timeout=WAIT_S, done=outcomes.done(name)
-        )
+        ask_checksums(requests, LOCAL, server.port, request, timeout=WAIT, done=outcomes.done(name))
     outcomes.wait("second")
     second = outcomes.got["second"]
     assert isinstance(second, InvalidArgumentError) and "nonce is outstanding" in str(second)
@@ -525,7 +505,7 @@ def test_a_request_reusing_an_outstanding_nonce_ends_at_once_and_the_first_still
 
 def _rebound(port: int) -> Server:
     """A bare ROUTER on ``port`` again (a server restarted under its address)."""
-    deadline = time.monotonic() + WAIT_S
+    deadline = time.monotonic() + WAIT
     while True:
         try:
             server = Server.__new__(Server)
@@ -596,13 +576,13 @@ def test_a_connection_zmq_gave_up_on_ends_its_requests_at_once_naming_why() -> N
             conn.sendall(_NULL_GREETING + _UNEXPECTED_COMMAND)
 
     threading.Thread(target=protocol_breaker, daemon=True).start()
-    requests = PolledRequests(_security(), "test-polled")
+    requests = PolledRequests(security(), "test-polled")
     outcomes = Outcomes()
     try:
         start = time.monotonic()
         _ask(requests, listening.getsockname()[1], "t", outcomes, timeout=30.0)
         outcomes.wait("t")
-        assert time.monotonic() - start < WAIT_S
+        assert time.monotonic() - start < WAIT
         got = outcomes.got["t"]
         assert isinstance(got, TransportError) and "failed with a protocol error" in str(got)
     finally:
