@@ -4,14 +4,22 @@
 
 #include "ucx_wire.hpp"
 
+#include <signal.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
 
+#include <cerrno>
+#include <chrono>
 #include <cstdint>
+#include <fstream>
 #include <memory>
 #include <string_view>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "backend_test_support.hpp"
@@ -146,6 +154,90 @@ TEST(UcxPublishedRegions, ARangeHeldOnceIsReadAgainAfterTheTableChanged) {
   published.reset();
   const mn::Status gone = ucx::CheckPublishedRegion(self, region, "e", held_at);
   EXPECT_EQ(gone.code(), mn::StatusCode::kOutOfRange) << gone.ToString();
+}
+
+/// A child process whose main thread ended (as after pthread_exit) while a second thread keeps it
+/// running, as a C or C++ runtime may do; its identity comes back through a pipe. The kernel
+/// keeps the ended main thread as a zombie until the last thread exits.
+class ProcessWithoutMainThread {
+ public:
+  ProcessWithoutMainThread() {
+    int fds[2];
+    if (::pipe(fds) != 0) return;
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::close(fds[0]);
+      const ucx::ProcessIdentity identity = ucx::LocalProcessIdentity();
+      std::thread([] {
+        for (;;) ::pause();
+      }).detach();
+      if (::write(fds[1], &identity, sizeof(identity)) != sizeof(identity)) std::_Exit(1);
+      // The exit system call ends only the calling thread (exit_group ends them all), with no
+      // unwinding through the test framework's frames as pthread_exit would do.
+      ::syscall(SYS_exit, 0);
+    }
+    ::close(fds[1]);
+    if (pid_ > 0 && ::read(fds[0], &identity_, sizeof(identity_)) != sizeof(identity_)) {
+      identity_.pid = 0;
+    }
+    ::close(fds[0]);
+  }
+  ProcessWithoutMainThread(const ProcessWithoutMainThread&) = delete;
+  ProcessWithoutMainThread& operator=(const ProcessWithoutMainThread&) = delete;
+  ~ProcessWithoutMainThread() { Kill(); }
+
+  const ucx::ProcessIdentity& identity() const { return identity_; }
+
+  /// True once the main thread is a zombie (state Z in /proc/<pid>/stat), within 10 s.
+  bool WaitForMainThreadToEnd() const {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::ifstream stat("/proc/" + std::to_string(pid_) + "/stat");
+      std::string line;
+      std::getline(stat, line);
+      const std::size_t after_name = line.rfind(") ");
+      if (after_name != std::string::npos && line.size() > after_name + 2 &&
+          line[after_name + 2] == 'Z') {
+        return true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return false;
+  }
+
+  void Kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    ::waitpid(pid_, nullptr, 0);
+    pid_ = -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  ucx::ProcessIdentity identity_{};
+};
+
+// process_vm_readv through the pid fails with ESRCH once the process's main thread ended, as
+// it does for a process that exited; its other threads still run in the same memory, where
+// queued transfers may still land. Such a peer is alive, not gone.
+TEST(UcxProcessIdentity, AProcessWhoseMainThreadEndedWhileOthersRunIsAlive) {
+  ProcessWithoutMainThread child;
+  const ucx::ProcessIdentity& peer = child.identity();
+  ASSERT_NE(peer.pid, 0u);
+  ASSERT_TRUE(child.WaitForMainThreadToEnd());
+  std::uint8_t byte = 0;
+  iovec local{&byte, 1};
+  iovec remote{reinterpret_cast<void*>(peer.cookie_address), 1};
+  ASSERT_EQ(::process_vm_readv(static_cast<pid_t>(peer.pid), &local, 1, &remote, 1, 0), -1);
+  ASSERT_EQ(errno, ESRCH) << "the case under test: the pid alone reads as an exited process";
+  EXPECT_EQ(ucx::ProbeProcessIdentity(peer), ucx::ProcessPresence::kAlive);
+  EXPECT_TRUE(ucx::VerifyProcessIdentity(peer));
+  ucx::ProcessIdentity stranger = peer;
+  stranger.cookie[0] ^= 1;
+  EXPECT_EQ(ucx::ProbeProcessIdentity(stranger), ucx::ProcessPresence::kGone)
+      << "another cookie behind a live thread is another image";
+  child.Kill();
+  EXPECT_EQ(ucx::ProbeProcessIdentity(peer), ucx::ProcessPresence::kGone);
 }
 
 }  // namespace

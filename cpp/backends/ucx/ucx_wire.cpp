@@ -1,5 +1,6 @@
 #include "ucx_wire.hpp"
 
+#include <dirent.h>
 #include <pthread.h>
 #include <sched.h>
 #include <sys/stat.h>
@@ -10,8 +11,10 @@
 #include <cerrno>
 #include <cctype>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -182,6 +185,54 @@ bool ReadPeer(pid_t pid, std::uint64_t address, void* out, std::size_t size) {
   return ::process_vm_readv(pid, &local, 1, &remote, 1, 0) == static_cast<ssize_t>(size);
 }
 
+/// What one 16-byte read of a peer's cookie through one thread id found.
+enum class CookieRead {
+  kCookie,        ///< the peer's cookie: its memory, alive
+  kOtherCookie,   ///< other bytes: another image behind the id
+  kNoSuchThread,  ///< ESRCH: no such thread, or one whose process's memory is gone
+  kRefused,       ///< EPERM or another failure: proves nothing
+};
+
+/// Reads `peer`'s cookie through thread id `tid` (any thread's id names its process's memory).
+CookieRead ReadCookieThrough(pid_t tid, const ProcessIdentity& peer) {
+  std::array<std::uint8_t, 16> got{};
+  iovec local{got.data(), got.size()};
+  iovec remote{reinterpret_cast<void*>(peer.cookie_address), got.size()};
+  const ssize_t n = ::process_vm_readv(tid, &local, 1, &remote, 1, 0);
+  if (n == static_cast<ssize_t>(got.size())) {
+    return got == peer.cookie ? CookieRead::kCookie : CookieRead::kOtherCookie;
+  }
+  return n < 0 && errno == ESRCH ? CookieRead::kNoSuchThread : CookieRead::kRefused;
+}
+
+/// The pid of a process whose main thread ended (pthread_exit) while its other threads run
+/// answers ESRCH like an exited process's, though its memory is alive and transfers to it may
+/// still land. Its other threads, listed in /proc/<pid>/task until the last one exits, reach
+/// that memory: the process is gone only when none of them does.
+ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer) {
+  const std::unique_ptr<DIR, int (*)(DIR*)> tasks(
+      ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str()), ::closedir);
+  if (!tasks) return errno == ENOENT ? ProcessPresence::kGone : ProcessPresence::kUnknown;
+  ProcessPresence presence = ProcessPresence::kGone;
+  while (const dirent* entry = ::readdir(tasks.get())) {
+    char* end = nullptr;
+    const long tid = std::strtol(entry->d_name, &end, 10);
+    if (end == entry->d_name || *end != '\0' || tid <= 0 || tid == pid) continue;
+    switch (ReadCookieThrough(static_cast<pid_t>(tid), peer)) {
+      case CookieRead::kCookie:
+        return ProcessPresence::kAlive;
+      case CookieRead::kOtherCookie:
+        return ProcessPresence::kGone;
+      case CookieRead::kRefused:
+        presence = ProcessPresence::kUnknown;  // proves nothing; another thread may still
+        break;
+      case CookieRead::kNoSuchThread:
+        break;  // that thread exited meanwhile
+    }
+  }
+  return presence;
+}
+
 }  // namespace
 
 RegionPublication::RegionPublication(const MemoryRange& range, std::string_view owner) {
@@ -226,7 +277,8 @@ Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& rang
     if (!ReadPeer(pid, peer.cookie_address, head.data(), sizeof(head)) ||
         std::memcmp(head.data(), peer.cookie.data(), peer.cookie.size()) != 0) {
       return TransportError("the peer process is gone (pid " + std::to_string(peer.pid) +
-                            ": its identity cookie no longer reads back)");
+                            ": its identity cookie no longer reads back through it, as also "
+                            "after its main thread ended while other threads run)");
     }
     if (head[2] != kPublishedMagic) {
       return IncompatibleError(who + " publishes no table of its registered regions (another "
@@ -285,14 +337,18 @@ ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer) {
       peer.pidns_dev != self.st_dev) {
     return ProcessPresence::kUnknown;
   }
-  std::array<std::uint8_t, 16> got{};
-  iovec local{got.data(), got.size()};
-  iovec remote{reinterpret_cast<void*>(peer.cookie_address), got.size()};
-  const ssize_t n = ::process_vm_readv(static_cast<pid_t>(peer.pid), &local, 1, &remote, 1, 0);
-  if (n == static_cast<ssize_t>(got.size())) {
-    return got == peer.cookie ? ProcessPresence::kAlive : ProcessPresence::kGone;
+  const auto pid = static_cast<pid_t>(peer.pid);
+  switch (ReadCookieThrough(pid, peer)) {
+    case CookieRead::kCookie:
+      return ProcessPresence::kAlive;
+    case CookieRead::kOtherCookie:
+      return ProcessPresence::kGone;
+    case CookieRead::kNoSuchThread:
+      return ProbeThroughOtherThreads(pid, peer);
+    case CookieRead::kRefused:
+      break;
   }
-  return n < 0 && errno == ESRCH ? ProcessPresence::kGone : ProcessPresence::kUnknown;
+  return ProcessPresence::kUnknown;
 }
 
 bool VerifyProcessIdentity(const ProcessIdentity& peer) {

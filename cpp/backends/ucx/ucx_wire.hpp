@@ -60,15 +60,18 @@ bool VerifyProcessIdentity(const ProcessIdentity& peer);
 /// What a read of a proven peer's identity says about its process.
 enum class ProcessPresence {
   kAlive,    ///< the cookie reads back: the same process, alive
-  kGone,     ///< no such process any more (ESRCH: exited, its memory torn down), or another
-             ///< image behind the pid (the cookie differs: the pid was reused, or it exec'd)
+  kGone,     ///< no such process any more (ESRCH through the pid and through every thread
+             ///< still listed for it: exited, its memory torn down), or another image behind
+             ///< the pid (the cookie differs: the pid was reused, or it exec'd)
   kUnknown,  ///< the read was refused (EPERM: the peer became non-dumpable or changed its
              ///< credentials, a tighter ptrace policy) or failed otherwise: maybe alive
 };
 
 /// ProcessPresence of `peer`, an identity VerifyProcessIdentity proved before (one 16-byte
-/// process_vm_readv). Only kGone proves an exit: a live peer whose memory this process may no
-/// longer read is kUnknown, never kGone. Thread-safe.
+/// process_vm_readv; when the pid answers ESRCH, one more per thread the process still has,
+/// since the pid of a process whose main thread ended answers so while its other threads run).
+/// Only kGone proves an exit: a live peer whose memory this process may no longer read is
+/// kUnknown, never kGone. Thread-safe.
 ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer);
 
 /// This process publishes, next to its identity cookie, the memory its UCX backends registered
