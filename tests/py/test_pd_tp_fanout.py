@@ -34,7 +34,7 @@ from moriio_native.control.messages import (
 )
 from moriio_native.control.ports import rank_port
 from moriio_native.control.security import ControlSecurity, MessageAuth, PeerAllowlist
-from moriio_native.errors import InvalidArgumentError, TransportError
+from moriio_native.errors import FailedPreconditionError, InvalidArgumentError, TransportError
 from moriio_native.pd import puller as puller_module
 from moriio_native.pd import pusher as pusher_module
 from moriio_native.pd.context import HOLD_MARGIN_S, Context
@@ -777,6 +777,49 @@ def test_layers_computed_before_the_decode_blocks_arrive_go_in_one_engine_call(
         assert pusher._jobs["tx-7"].device_events == []
     waits = [saved.host_waits, after_forward.host_waits]
     assert waits == ([0, 0] if device_waits else [1, 2])  # per layer, as before
+
+
+def test_a_writes_op_failing_after_the_engine_took_its_first_call_waits_for_those_writes() -> None:
+    """A "writes" op posts the layers already computed in one call, then those still computing
+    in one call per event. When the engine takes the first call (its batches in flight) and
+    the next one raises (here the engine refuses the event, as it does for a layer it cannot
+    order by one), the job has writes in the engine: it is aborted there, and the decode is
+    told, and the prefill's blocks freed, only at the transfer's terminal event, after those
+    writes drained. Before, the job counted as having nothing in the engine: write_failed went
+    at once while the first call's batches could still land in the decode's blocks."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    engine.waits_for_device_events = lambda peer: True  # type: ignore[attr-defined]
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    write_layers = engine.write_layers
+
+    def refusing_the_event(tid: str, layers: list[str], peer: str, *args: Any) -> bool:
+        taken = write_layers(tid, layers, peer, *args)
+        if len(args) > 2 and args[2]:
+            raise FailedPreconditionError(f"transfer '{tid}': not in GPU memory")
+        return taken
+
+    engine.write_layers = refusing_the_event  # type: ignore[method-assign]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-7", (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.layer_saved("attn.0", LayerEvent(0x1000))
+    after_forward = LayerEvent(0x2000)
+    after_forward.completed = False
+    pusher.forward_done([*DENSE, *WHOLE], after_forward)
+    pusher.on_remote_blocks(RemoteBlocks("tx-7", ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    pusher.feed_writer()
+    run_writer(ctx, pusher)
+    posted = [c[2] for c in engine.calls if c[0] == "write_layers"]
+    assert posted == [("attn.0",), ("attn.1", "mla")]
+    assert ("abort", "tx-7") in engine.calls
+    assert pusher.job_states()["tx-7"] is JobState.ABORTING
+    pusher.begin_step([], [SendTask("req-1", "tx-7")])
+    told = [m for _, m in sender.ports if isinstance(m, WriteFailed)]
+    assert not told and not ctx.reports.done_sending  # the first call's writes may still land
+    pusher.on_event(event("tx-7", "aborted"), drained=True)
+    told = [m for _, m in sender.ports if isinstance(m, WriteFailed)]
+    assert [m.transfer_id for m in told] == ["tx-7"] and "not in GPU memory" in told[0].reason
+    assert ctx.reports.done_sending == {"req-1"}
 
 
 @pytest.mark.parametrize("device_waits", [True, False])

@@ -2335,17 +2335,20 @@ class Pusher:
     ) -> bool | None:
         """Post a "writes" op (lock held): the computed layers in one call, then the layers
         still computing, one call per event with its handle (the event held until the job
-        drained). Whether the engine took any (None: there was none to post)."""
+        drained). Whether the engine took any (None: there was none to post). The job records
+        each call the engine took as it is taken: a later call that raises must find the job
+        with writes in the engine, so that it is aborted there and waits for their end."""
         local_ids, remote_ids = ids
         engine = self._ctx.engine()
         taken = False
         if computed:
-            taken |= engine.write_layers(
+            taken = engine.write_layers(
                 job.transfer_id, computed, peer.engine_peer, local_ids, remote_ids
             )
+            job.engine_took |= taken
         for event, layers in waiting.values():
             job.device_events.append(event)
-            taken |= engine.write_layers(
+            took = engine.write_layers(
                 job.transfer_id,
                 layers,
                 peer.engine_peer,
@@ -2353,6 +2356,8 @@ class Pusher:
                 remote_ids,
                 int(event.cuda_event),
             )
+            job.engine_took |= took
+            taken |= took
         return taken if computed or waiting else None
 
     def _post_layer(
