@@ -154,6 +154,7 @@ def test_kv_transfer_params_key_names():
         "remote_dp_size",
         "remote_incarnations",
         "remote_hold_until_ms",
+        "remote_num_tokens",
         "remote_answer_tag",
     )
 
@@ -174,6 +175,7 @@ def test_an_answers_tagged_bytes_do_not_depend_on_how_a_proxy_serialised_it():
         {"remote_engine_id": "10.0.0.1:6302"},
         {"remote_hold_until_ms": 8},
         {"remote_incarnations": ["0123456789abcdef"]},
+        {"remote_num_tokens": 40},
     ):
         other = parse_kv_transfer_params({**base, "remote_block_ids": [4, 5, 6], **changed})
         assert other.answer_bytes() != flat.answer_bytes(), changed
@@ -185,13 +187,21 @@ _INCARNATIONS = st.none() | st.lists(
 )
 
 
-@given(groups=_GROUPS, incarnations=_INCARNATIONS, hold=st.none() | st.integers(0, 2**62))
+@given(
+    groups=_GROUPS,
+    incarnations=_INCARNATIONS,
+    hold=st.none() | st.integers(0, 2**62),
+    num_tokens=st.none() | st.integers(0, 2**31 - 1),
+)
 def test_the_prefills_answer_bytes_are_the_ones_a_decode_parses(
-    groups: list[list[int]], incarnations: list[str] | None, hold: int | None
+    groups: list[list[int]],
+    incarnations: list[str] | None,
+    hold: int | None,
+    num_tokens: int | None,
 ) -> None:
     """The prefill encodes what it tags from its own values (no re-parse of its answer); a
     decode encodes what it parsed from the JSON a proxy forwarded: the same bytes for any
-    groups (none, one flat, several, empty ones), incarnations and hold."""
+    groups (none, one flat, several, empty ones), incarnations, hold and token count."""
     selected = tuple(tuple(g) for g in groups)
     wire: dict[str, object] = {
         "transfer_id": "tx-1",
@@ -202,8 +212,10 @@ def test_the_prefills_answer_bytes_are_the_ones_a_decode_parses(
         wire["remote_incarnations"] = incarnations
     if hold is not None:
         wire["remote_hold_until_ms"] = hold
+    if num_tokens is not None:
+        wire["remote_num_tokens"] = num_tokens
     parsed = parse_kv_transfer_params(json.loads(json.dumps(wire)))
-    sent = answer_bytes("tx-1", selected, "10.0.0.1:6301", incarnations, hold)
+    sent = answer_bytes("tx-1", selected, "10.0.0.1:6301", incarnations, hold, num_tokens)
     assert parsed.answer_bytes() == sent
 
 

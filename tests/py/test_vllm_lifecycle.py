@@ -1468,6 +1468,7 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
             "remote_block_ids": list(range(n_load)),
             "transfer_id": tid,
             "remote_incarnations": ["ab" * 16],
+            "remote_num_tokens": len(prompt),
         }
         running = 0
         d.add_request("running-0", prompt_of(20, seed=22), max_tokens=64)

@@ -358,3 +358,106 @@ def test_a_write_prefill_request_preempted_after_its_save_drops_its_write(tmp_pa
     finally:
         p.shutdown()
         d.shutdown()
+
+
+@pytest.mark.parametrize("loading,signed", [("async", False), ("sync", False), ("async", True)])
+def test_a_read_needing_more_tokens_than_the_prefill_computed_is_computed_locally(
+    tmp_path: Path, loading: str, signed: bool
+) -> None:
+    """The prefill computed a prompt of 40 tokens (3 blocks, the last one holding 8); the
+    decode's request has those 40 and 6 more (a client's own params, a tokenizer that differs
+    between the instances). The answer's 3 blocks cover positions up to 47, so before (a
+    review, 2026-12-07) the decode read them and reported 45 tokens loaded: positions 40..44
+    held whatever the prefill's block held there (another request's KV), taken as computed,
+    with a secret and the hold check too. The answer now states the tokens the prefill
+    computed (remote_num_tokens, under its tag), and a request needing more is computed
+    locally; its answer's blocks are released."""
+    model_dir = write_model_dir(tmp_path / "model")
+    extra: dict[str, Any] = {"auth_secret": SECRET} if signed else {}
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
+    d = Side(
+        "decode",
+        "kv_consumer",
+        "read",
+        model_dir,
+        salt=2,
+        extra={**extra, "read_loading": loading},
+    )
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
+        returned = dict(answered.finished()[rid].kv_transfer_params)
+        assert returned["remote_num_tokens"] == len(prompt)
+        longer = prompt + _prompt_of(6, seed=6)
+        d.add_request(rid, longer, params=decode_params(tid, returned), max_tokens=2)
+        scheduled = load(d, rid, before_forward=p.step).scheduled[rid]
+        assert scheduled == len(longer), (
+            f"{len(longer) - scheduled} tokens taken as loaded, the prefill computed "
+            f"{len(prompt)} of the decode's {len(longer)}"
+        )
+        assert all(d.slot_matches(rid, range(len(longer)), d.salt, longer))
+        deadline = time.monotonic() + 30
+        while not p.reports["finished_sending"][rid]:  # the decode's release frees them
+            assert time.monotonic() < deadline, "the prefill never freed the answer's blocks"
+            d.step()
+            p.step()
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_read_of_a_longer_prompt_leaves_no_uncomputed_position_in_the_prefix_cache(
+    tmp_path: Path,
+) -> None:
+    """As above with 9 more tokens: before, the load covered 48 positions, 3 whole blocks,
+    and vLLM cached the last one (positions 32..47) under the decode's token hashes though
+    40..47 held bytes the prefill never computed, so a later ordinary request with the same
+    prompt, no KV transfer at all, took them from the prefix cache. Every position such a
+    request takes from the cache now holds the KV computed for its token."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
+        returned = dict(answered.finished()[rid].kv_transfer_params)
+        longer = prompt + _prompt_of(9, seed=6)
+        d.add_request(rid, longer, params=decode_params(tid, returned), max_tokens=2)
+        load(d, rid)
+        d.run_until(lambda r: rid in r.finished(), what="the decode request to finish")
+        plain = "plain-after"
+        d.add_request(plain, longer, max_tokens=2)
+        hit = len(longer) - d.step().scheduled[plain]
+        assert hit > 0, "the decode's own blocks of the prompt were not cached"
+        ours = d.slot_matches(plain, range(hit), d.salt, longer)
+        theirs = d.slot_matches(plain, range(hit), p.salt, longer)
+        wrong = [pos for pos in range(hit) if not (ours[pos] or theirs[pos])]
+        assert not wrong, f"positions {wrong} came from the prefix cache holding no one's KV"
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_an_answer_stating_no_token_count_is_computed_locally(tmp_path: Path) -> None:
+    """An answer without remote_num_tokens (a prefill of another connector version, a proxy
+    that drops the key): the decode cannot tell which positions the prefill computed, so it
+    loads none, and says why."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt = _prompt_of(40, seed=5)
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
+        returned = dict(answered.finished()[rid].kv_transfer_params)
+        del returned["remote_num_tokens"]
+        d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+        assert load(d, rid).scheduled[rid] == len(prompt)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -782,6 +782,7 @@ PROXY_FORWARDS = (
     "transfer_id",
     "remote_incarnations",
     "remote_hold_until_ms",
+    "remote_num_tokens",
     "remote_answer_tag",
 )
 

@@ -30,7 +30,7 @@ Prefill answers (same secret). A READ-mode prefill's answer -- the ``kv_transfer
 proxy carries to the decode: transfer id, block ids, engine id -- passes through the client-facing
 HTTP path, where anyone who can send a request could write one of their own. With a secret the
 prefill tags it (``remote_answer_tag``: hex ``HMAC-SHA256(secret,
-b"moriio-native/answer/v1\0" + the answer's canonical bytes)``), and a decode with the secret
+b"moriio-native/answer/v2\0" + the answer's canonical bytes)``), and a decode with the secret
 acts only on answers whose tag matches: a forged one would have it read another request's blocks
 or release them.
 
@@ -121,7 +121,7 @@ TAG_BYTES = 32
 STAMP_BYTES = 24
 _MAC_DOMAIN = b"moriio-native/control/v1\x00"
 _REGISTRATION_DOMAIN = b"moriio-native/registration/v1\x00"
-_ANSWER_DOMAIN = b"moriio-native/answer/v1\x00"
+_ANSWER_DOMAIN = b"moriio-native/answer/v2\x00"
 _CURVE_SERVER_DOMAIN = b"moriio-native/curve-server/v1\x00"
 _CURVE_CLIENT_DOMAIN = b"moriio-native/curve-client/v1\x00"
 

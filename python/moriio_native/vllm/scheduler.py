@@ -65,6 +65,7 @@ from moriio_native.control.addressing import (
     KEY_REMOTE_HOST,
     KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_NOTIFY_PORT,
+    KEY_REMOTE_NUM_TOKENS,
     KEY_REMOTE_TP_SIZE,
     KEY_TRANSFER_ID,
     KvTransferParams,
@@ -102,6 +103,12 @@ _ABORTED = (
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _computed_prompt_tokens(request: Request) -> int:
+    """The prompt tokens whose KV a finished prefill request holds: all of its prompt (as its
+    backoff left it), never more than it computed."""
+    return min(request.num_computed_tokens, request.num_prompt_tokens)
 
 
 class SchedulerSide:
@@ -411,10 +418,37 @@ class SchedulerSide:
                     len(remote),
                 )
             return 0, False
+        if self.config.mode == "read" and not self._within_the_prefills_tokens(request, params):
+            return 0, False
         self._local_tokens[rid] = num_computed_tokens
         count = max(self._grouped_end(request) - num_computed_tokens, 0)
         async_load = self.config.mode == "write" or self.config.read_loading == "async"
         return count, count > 0 and async_load
+
+    def _within_the_prefills_tokens(self, request: Request, params: KvTransferParams) -> bool:
+        """READ: whether every position this request would load is one the prefill computed
+        (its answer's ``remote_num_tokens``). A longer prompt here than the prefill's (a
+        client's own params, another tokenization) would have the last answered block's
+        positions past the prefill's end, whatever they held, loaded as computed, and kept in
+        the prefix cache; such a request, or an answer that states no count, is computed
+        locally (its genuine answer's blocks released)."""
+        end, computed = self._grouped_end(request), params.remote_num_tokens
+        if computed is not None and end <= computed:
+            return True
+        rid = request.request_id
+        if rid not in self._invalid_logged:
+            self._invalid_logged.add(rid)
+            why = (
+                f"the prefill's answer states no {KEY_REMOTE_NUM_TOKENS} (run the same "
+                "connector version on both instances; the proxy must pass the key on)"
+                if computed is None
+                else f"its prompt needs the KV of {end} tokens, the prefill computed {computed} "
+                "(not the prompt the prefill answered)"
+            )
+            logger.warning(
+                "request %s (transfer %s): %s; computing locally", rid, params.transfer_id, why
+            )
+        return False
 
     def _grouped_recv_task(
         self,
@@ -609,12 +643,14 @@ class SchedulerSide:
             self._held.add(rid)
             if aborted:
                 return True, None
-            return True, self._returned_params(params, self.hybrid.select(block_ids))
+            return True, self._returned_params(
+                params, self.hybrid.select(block_ids), _computed_prompt_tokens(request)
+            )
         if aborted or not any(block_ids):
             return False, None
         selected = self.hybrid.select(block_ids)
         answered = tuple(b for group in selected for b in group)
-        returned = self._returned_params(params, selected)
+        returned = self._returned_params(params, selected, _computed_prompt_tokens(request))
         self._send.append(
             SendTask(
                 rid,
@@ -627,11 +663,12 @@ class SchedulerSide:
         return True, returned
 
     def _returned_params(
-        self, params: KvTransferParams, selected: tuple[tuple[int, ...], ...]
+        self, params: KvTransferParams, selected: tuple[tuple[int, ...], ...], num_tokens: int
     ) -> dict[str, Any]:
         """What the proxy forwards to the decode instance (vLLM MoRIIO key names): the
         block ids of the transfer groups (``selected``: HybridGroups.select's) flat for one
-        group, one list per transfer group otherwise."""
+        group, one list per transfer group otherwise, and ``num_tokens``, the prompt tokens
+        whose KV they hold."""
         cfg = self.config
         remote_ids: list[Any] = [list(g) for g in selected]
         if len(remote_ids) == 1:
@@ -649,6 +686,7 @@ class SchedulerSide:
             KEY_REMOTE_TP_SIZE: cfg.tp_size,
             KEY_LEGACY_TP_SIZE: cfg.tp_size,
             KEY_TRANSFER_ID: params.transfer_id,
+            KEY_REMOTE_NUM_TOKENS: num_tokens,
         }
         if cfg.mode == "read":
             # The decode reads only if its READ ends before this.
@@ -670,6 +708,7 @@ class SchedulerSide:
                 cfg.engine_id,
                 self._incarnations,
                 out.get(KEY_REMOTE_HOLD_UNTIL_MS),
+                num_tokens,
             )
             out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
