@@ -1466,6 +1466,93 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
   us.backend.reset();
 }
 
+/// A Sink that also tells which batches completed unconfirmed (bytes of them may still land).
+class UnconfirmedSink : public Sink {
+ public:
+  void OnBatchUnconfirmed(std::uint64_t token, mn::Status status) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      unconfirmed_.insert(token);
+    }
+    OnBatchComplete(token, std::move(status));
+  }
+  bool Unconfirmed(std::uint64_t token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return unconfirmed_.count(token) != 0;
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::uint64_t> unconfirmed_;
+};
+
+/// READs by gets over tcp (`ucx_read_push=off`) from a same-host peer proven at connect: no
+/// PEER mode, so the progress thread watches the peer, and its death ends the batch with the
+/// gets still held by UCX. Replies the peer queued before it died may still sit in this side's
+/// socket buffer, and UCX stores them into the batch's local memory when it reads them: the
+/// batch must end unconfirmed (its destination quarantined), never as completed. Before (a
+/// review, 2026-12-07) it completed, and up to 627,132 bytes were seen landing after it.
+TEST(UcxBackend, AReadEndedWithGetsInFlightToAKilledPeerIsUnconfirmed) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_read_push"] = "off";
+  options["ucx_error_handling"] = "auto";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  auto sink = std::make_shared<UnconfirmedSink>();
+  us.sink = sink;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 70, 50, 70)).ok());
+  ASSERT_TRUE(sink->Wait(70).ok()) << sink->StatusOf(70).ToString();
+  EXPECT_FALSE(sink->Unconfirmed(70)) << "a READ that finished is confirmed";
+  ASSERT_TRUE(target.Pause());  // the gets stay unanswered: UCX holds them when it dies
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 71, 500, 71)).ok());
+  target.Kill();
+  const mn::Status st = sink->Wait(71, std::chrono::seconds(60));
+  EXPECT_FALSE(st.ok()) << st.ToString();
+  EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
+  EXPECT_TRUE(sink->Unconfirmed(71)) << "ended as completed while UCX still held its gets: "
+                                     << st.ToString();
+  EXPECT_EQ(sink->Count(71), 1);
+  us.backend.reset();
+}
+
+/// DisconnectPeer of a peer that stopped answering releases its endpoint at the drain deadline
+/// (a close by flush, which does not end while the peer does not answer). Without PEER mode
+/// only the peer's death can then end the batches still in flight to it, and the progress
+/// thread must keep watching it. Before (a review, 2026-12-07) it stopped watching a peer
+/// whose endpoint was released, and the batch never completed.
+TEST(UcxBackend, ABatchToADisconnectedStalledPeerEndsWhenThePeerDies) {
+  mn::BackendOptions options = TcpOptions();
+  options["ucx_read_push"] = "off";
+  options["ucx_error_handling"] = "auto";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 80, 50, 80)).ok());
+  ASSERT_TRUE(us.sink->Wait(80).ok()) << us.sink->StatusOf(80).ToString();
+  ASSERT_TRUE(target.Pause());
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 81, 500, 81)).ok());
+  // A second for the progress thread to post the gets (a batch not started when its peer is
+  // disconnected ends at once, aborted).
+  EXPECT_EQ(us.sink->Wait(81, std::chrono::seconds(1)).code(), mn::StatusCode::kTimeout)
+      << "a READ from a stopped process cannot have ended";
+  ASSERT_TRUE(us.backend->DisconnectPeer(us.peer).ok());
+  // Past the drain deadline (5 s): the endpoint is released with the gets still held.
+  std::this_thread::sleep_for(std::chrono::seconds(6));
+  EXPECT_EQ(us.sink->Count(81), 0) << "a READ from a stopped process cannot have ended: "
+                                   << us.sink->StatusOf(81).ToString();
+  target.Kill();
+  const mn::Status st = us.sink->Wait(81, std::chrono::seconds(30));
+  EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
+  EXPECT_FALSE(st.ok()) << st.ToString();
+  EXPECT_EQ(us.sink->Count(81), 1);
+  us.backend.reset();
+}
+
 // A push READ whose target dies while it waits (stopped, the target sends nothing): the batch
 // fails, once, with a transport error, in the error handling modes `auto` selects on one host
 // (the progress thread watches the peer) and for another host (UCX's peer-failure detection).

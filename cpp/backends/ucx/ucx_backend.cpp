@@ -667,6 +667,11 @@ class UcxBackend final : public Backend {
   // may still land there, since closing our endpoint cancels only our side (data already in the
   // peer's socket buffer or on the wire is applied when it gets there).
   bool WritesUnconfirmed(const ActiveBatch& ab);
+  // A READ batch over UCX operations whose gets UCX still holds when we give up on them (their
+  // peer died without UCX's peer-failure detection): replies the peer sent before it died may
+  // be queued on this side (a socket buffer, a shared-memory FIFO), and UCX stores them into
+  // the local memory when it reads them, whatever became of the peer.
+  static bool ReadsMayStillLand(const ActiveBatch& ab);
   // Whether `peer`'s process is proven gone: known already, or a proven same-host identity that
   // reads as gone (ProbeProcessIdentity: one system call, made only for unconfirmed writes; a
   // refused read proves nothing, and the question is asked again next time). With UCX's
@@ -1829,7 +1834,7 @@ std::list<ActiveBatch>::iterator UcxBackend::Abandon(std::list<ActiveBatch>::ite
     std::lock_guard<std::mutex> lock(mutex_);
     ab.local->inflight--;
   }
-  done.push_back({ab.batch->token, ab.error, WritesUnconfirmed(ab)});
+  done.push_back({ab.batch->token, ab.error, WritesUnconfirmed(ab) || ReadsMayStillLand(ab)});
   auto next = std::next(it);
   abandoned_.splice(abandoned_.end(), active_, it);
   return next;
@@ -2251,7 +2256,10 @@ bool UcxBackend::CheckPeersAlive() {
     const std::shared_ptr<PeerState>& peer = ab.remote->peer;
     // A push READ waits for the target's messages, with no UCX request of its own in flight.
     const bool waiting = ab.outstanding != 0 || (ab.path == Path::kPush && !ab.stop);
-    if (!waiting || peer->peer_mode || peer->identity.pid == 0 || peer->ep == nullptr ||
+    // A peer whose endpoint DisconnectPeer released at its drain deadline is watched too: the
+    // close by flush that released it never ends while the peer does not answer, so only its
+    // death ends the batches still in flight to it.
+    if (!waiting || peer->peer_mode || peer->identity.pid == 0 ||
         std::find(dead.begin(), dead.end(), peer) != dead.end()) {
       continue;
     }
@@ -2267,8 +2275,10 @@ bool UcxBackend::CheckPeersAlive() {
   // Without PEER mode UCX never ends operations to a dead peer, not even on a forced close (it
   // tracks requests per endpoint only in PEER mode): close the endpoint so nothing more goes to
   // it, then complete its batches with the cause and keep them, abandoned, for the callbacks UCX
-  // may still make. Nothing can land in their local memory any more: the peer is gone. The rkeys
-  // go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
+  // may still make. Nothing more lands at the peer: its memory is gone. A READ whose gets UCX
+  // still holds may still have its local memory written by replies the peer queued before it
+  // died, so it completes unconfirmed (ReadsMayStillLand): its destination stays quarantined.
+  // The rkeys go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
   std::vector<Completion> done;
   for (auto& peer : dead) {
     ReleaseEndpoint(*peer);
@@ -2297,6 +2307,10 @@ bool UcxBackend::CheckPeersAlive() {
 
 bool UcxBackend::WritesUnconfirmed(const ActiveBatch& ab) {
   return ab.puts_posted && !ab.flush_confirmed && !ProvenExited(*ab.remote->peer);
+}
+
+bool UcxBackend::ReadsMayStillLand(const ActiveBatch& ab) {
+  return ab.batch->op == TransferOp::kRead && ab.path == Path::kOps && ab.outstanding != 0;
 }
 
 bool UcxBackend::ProvenExited(PeerState& peer) {
