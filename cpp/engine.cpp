@@ -701,16 +701,28 @@ class CallMarks {
   CallMarks& operator=(const CallMarks&) = delete;
 };
 
+// The layers placed in registration region `region`, for an error message: "layer 'a'", or
+// "the 32 layers 'a' .. 'z'" (the first and last in the caller's order).
+std::string LayersOfRegion(std::span<const LayerRegistration> layers,
+                           const std::vector<LocalLayer>& local, std::uint32_t region) {
+  std::vector<std::size_t> members;
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    if (local[i].region == region) members.push_back(i);
+  }
+  if (members.size() == 1) return "layer '" + layers[members.front()].name + "'";
+  return "the " + std::to_string(members.size()) + " layers '" + layers[members.front()].name +
+         "' .. '" + layers[members.back()].name + "'";
+}
+
 }  // namespace
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() = default;
 
 Result<std::unique_ptr<Engine>> Engine::Create(EngineConfig config) {
-  if (config.engine_id.empty() || config.engine_id.size() > detail::kMaxNameBytes) {
-    return InvalidArgumentError("engine_id must be 1.." + std::to_string(detail::kMaxNameBytes) +
-                                " bytes");
-  }
+  // Checked as every peer's metadata decoder will: an id no peer accepts fails here, not at
+  // each peer's AddPeer.
+  MORIIO_RETURN_IF_ERROR(detail::CheckName(config.engine_id, "engine_id"));
   if (config.transfer_timeout.count() <= 0 || config.transfer_timeout > std::chrono::hours(24 * 365)) {
     return InvalidArgumentError("transfer_timeout must be positive and at most a year");
   }
@@ -774,6 +786,8 @@ Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
   };
   std::map<AllocKey, std::vector<std::size_t>> by_allocation;
   for (const LayerRegistration& l : layers) {
+    MORIIO_RETURN_IF_ERROR(
+        detail::CheckName(l.name, "layer " + std::to_string(local.size()) + " name"));
     if (!index.emplace(l.name, local.size()).second) {
       return InvalidArgumentError("layer '" + l.name + "' is listed twice");
     }
@@ -819,7 +833,9 @@ Result<std::vector<std::uint8_t>> Engine::RegisterKvCaches(
     Result<RegisteredRegion> reg = d.backend->RegisterMemory(regions[i].range);
     if (!reg.ok()) {
       for (std::size_t k = 0; k < i; ++k) (void)d.backend->DeregisterMemory(regions[k].handle);
-      return reg.status().WithContext("registering memory region " + std::to_string(i));
+      return reg.status().WithContext(
+          "registering the memory of " +
+          LayersOfRegion(layers, local, static_cast<std::uint32_t>(i)));
     }
     regions[i].handle = reg->handle;
     regions[i].key = std::move(reg->remote_key);

@@ -82,17 +82,9 @@ std::size_t FirstInvalidUtf8(std::string_view s) {
   return std::string_view::npos;
 }
 
-// Names become Python str (peer ids, layer names, error messages): text that is not UTF-8 is
-// refused here, before anything is connected, and never quoted back.
 Result<std::string> BoundedStr(const mp::Value& v, const std::string& what) {
   MORIIO_ASSIGN_OR_RETURN(std::string s, mp::AsStr(v, what));
-  if (s.empty() || s.size() > kMaxNameBytes) {
-    return InvalidArgumentError(what + " must be 1.." + std::to_string(kMaxNameBytes) + " bytes");
-  }
-  if (const std::size_t bad = FirstInvalidUtf8(s); bad != std::string_view::npos) {
-    return InvalidArgumentError(what + " is not valid UTF-8 (byte " + std::to_string(bad) +
-                                " of " + std::to_string(s.size()) + ")");
-  }
+  MORIIO_RETURN_IF_ERROR(CheckName(s, what));
   return s;
 }
 
@@ -167,6 +159,19 @@ Result<LayerRecord> DecodeLayer(const mp::Value& v, std::size_t i,
 }
 
 }  // namespace
+
+// Names become Python str (peer ids, layer names, error messages): text that is not UTF-8 is
+// refused before anything is connected, and never quoted back.
+Status CheckName(std::string_view name, const std::string& what) {
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    return InvalidArgumentError(what + " must be 1.." + std::to_string(kMaxNameBytes) + " bytes");
+  }
+  if (const std::size_t bad = FirstInvalidUtf8(name); bad != std::string_view::npos) {
+    return InvalidArgumentError(what + " is not valid UTF-8 (byte " + std::to_string(bad) +
+                                " of " + std::to_string(name.size()) + ")");
+  }
+  return Status::OK();
+}
 
 std::vector<std::uint8_t> EncodeMetadata(const EngineMetadata& meta) {
   mp::Writer w;

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "moriio_native/backend.hpp"
@@ -20,6 +21,11 @@ inline constexpr std::size_t kMaxMetadataBytes = std::size_t{64} << 20;
 inline constexpr std::size_t kMaxRegions = 4096;
 inline constexpr std::size_t kMaxLayers = 65536;
 inline constexpr std::size_t kMaxKeyBytes = std::size_t{1} << 20;
+
+/// Whether `name` (an engine id, a backend or layer name: `what` says which) is one a peer's
+/// metadata decoder accepts: 1..kMaxNameBytes bytes of well-formed UTF-8. InvalidArgument naming
+/// `what` and the first bad byte otherwise.
+Status CheckName(std::string_view name, const std::string& what);
 
 struct RegionRecord {
   MemoryRange range;

@@ -280,9 +280,9 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
                 # decode reads only from them. remote_hold_until_ms: until when they hold its
                 # blocks; the decode reads only before then. remote_answer_tag: with
                 # auth_secret set, the prefill's tag of its answer, without which the decode
-                # does not act on it. remote_num_tokens: the prompt tokens the prefill
-                # computed; the decode loads no position past them (docs/protocol.md,
-                # section 5).
+                # does not act on it. remote_num_tokens, remote_prompt_digest: the
+                # prompt positions the prefill computed and their digest; the decode loads
+                # them only for the same prompt (docs/protocol.md, section 5).
                 for key in (
                     "remote_engine_id",
                     "remote_block_ids",
@@ -290,6 +290,7 @@ def make_app(registry: Registry, timeout_s: float = 600.0) -> FastAPI:
                     "remote_incarnations",
                     "remote_hold_until_ms",
                     "remote_num_tokens",
+                    "remote_prompt_digest",
                     "remote_answer_tag",
                 ):
                     d_params[key] = returned.get(key)

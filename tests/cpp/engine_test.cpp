@@ -1517,6 +1517,22 @@ TEST(EngineConfigCheck, PageSizeIsAPowerOfTwoOfAtLeastOnePage) {
   }
 }
 
+// An engine id every peer's metadata decoder refuses (not UTF-8, empty, too long) is refused
+// when the engine is made, naming the byte, not at each peer's AddPeer after registration.
+TEST(EngineConfigCheck, AnEngineIdNoPeerCouldReadIsRefused) {
+  for (const std::string& id :
+       {std::string(), std::string("prefill-\xc3"), std::string(1025, 'p')}) {
+    SCOPED_TRACE("engine_id of " + std::to_string(id.size()) + " bytes");
+    EngineConfig config;
+    config.engine_id = id;
+    Result<std::unique_ptr<Engine>> engine = Engine::Create(std::move(config));
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find("engine_id"), std::string::npos)
+        << engine.status().message();
+  }
+}
+
 // ---- registration ---------------------------------------------------------------------------
 
 TEST(EngineRegistration, RegisterTwiceIsFailedPreconditionAndKeepsTheFirstMetadata) {
@@ -1585,6 +1601,13 @@ TEST(EngineRegistration, InvalidLayersRegisterNothing) {
     regs[0].allocation.address = 0;
     cases.push_back({"null data pointer", regs});
   }
+  // Names every peer's metadata decoder refuses: registered, they would fail only at each
+  // peer's AddPeer (a review, 2026-12-07).
+  for (const std::string& name : {std::string(), std::string("layer\xff"), std::string(1025, 'x')}) {
+    auto regs = good;
+    regs[1].name = name;
+    cases.push_back({"a layer name no peer could read", regs});
+  }
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     Result<std::vector<std::uint8_t>> r = side.engine->RegisterKvCaches(c.regs);
@@ -1599,6 +1622,26 @@ TEST(EngineRegistration, InvalidLayersRegisterNothing) {
   // Nothing was registered by the failures: the good registration still works.
   Result<std::vector<std::uint8_t>> ok = side.engine->RegisterKvCaches(good);
   ASSERT_TRUE(ok.ok()) << ok.status().ToString();
+}
+
+// A backend that refuses one allocation's memory is reported with the layers placed there,
+// not the engine's internal region index, which the API never shows (a review, 2026-12-07:
+// "registering memory region 1").
+TEST(EngineRegistration, ABackendRefusalNamesTheLayersOfTheRefusedMemory) {
+  Side side;
+  Place(side, PrefillLayers(), 1);
+  side.engine = MakeEngine("P");
+  ASSERT_NE(side.engine, nullptr);
+  std::vector<LayerRegistration> regs = side.Registrations();
+  LayerRegistration& last = regs.back();
+  last.allocation = {last.geometry.data_ptr,
+                     static_cast<std::uint64_t>(side.layers.back().SpanBytes()),
+                     MemoryKind::kCuda, 0};  // the loopback backend registers host memory only
+  Result<std::vector<std::uint8_t>> r = side.engine->RegisterKvCaches(regs);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("layer '" + last.name + "'"), std::string::npos)
+      << r.status().ToString();
+  EXPECT_EQ(side.engine->LocalMetadata().status().code(), StatusCode::kFailedPrecondition);
 }
 
 // ---- peers ----------------------------------------------------------------------------------

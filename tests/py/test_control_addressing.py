@@ -155,6 +155,7 @@ def test_kv_transfer_params_key_names():
         "remote_incarnations",
         "remote_hold_until_ms",
         "remote_num_tokens",
+        "remote_prompt_digest",
         "remote_answer_tag",
     )
 
@@ -176,6 +177,7 @@ def test_an_answers_tagged_bytes_do_not_depend_on_how_a_proxy_serialised_it():
         {"remote_hold_until_ms": 8},
         {"remote_incarnations": ["0123456789abcdef"]},
         {"remote_num_tokens": 40},
+        {"remote_prompt_digest": "ab" * 32},
     ):
         other = parse_kv_transfer_params({**base, "remote_block_ids": [4, 5, 6], **changed})
         assert other.answer_bytes() != flat.answer_bytes(), changed
@@ -192,16 +194,19 @@ _INCARNATIONS = st.none() | st.lists(
     incarnations=_INCARNATIONS,
     hold=st.none() | st.integers(0, 2**62),
     num_tokens=st.none() | st.integers(0, 2**31 - 1),
+    digest=st.none() | st.text("0123456789abcdef", min_size=64, max_size=64),
 )
 def test_the_prefills_answer_bytes_are_the_ones_a_decode_parses(
     groups: list[list[int]],
     incarnations: list[str] | None,
     hold: int | None,
     num_tokens: int | None,
+    digest: str | None,
 ) -> None:
     """The prefill encodes what it tags from its own values (no re-parse of its answer); a
     decode encodes what it parsed from the JSON a proxy forwarded: the same bytes for any
-    groups (none, one flat, several, empty ones), incarnations, hold and token count."""
+    groups (none, one flat, several, empty ones), incarnations, hold, token count and
+    digest."""
     selected = tuple(tuple(g) for g in groups)
     wire: dict[str, object] = {
         "transfer_id": "tx-1",
@@ -214,8 +219,10 @@ def test_the_prefills_answer_bytes_are_the_ones_a_decode_parses(
         wire["remote_hold_until_ms"] = hold
     if num_tokens is not None:
         wire["remote_num_tokens"] = num_tokens
+    if digest is not None:
+        wire["remote_prompt_digest"] = digest
     parsed = parse_kv_transfer_params(json.loads(json.dumps(wire)))
-    sent = answer_bytes("tx-1", selected, "10.0.0.1:6301", incarnations, hold, num_tokens)
+    sent = answer_bytes("tx-1", selected, "10.0.0.1:6301", incarnations, hold, num_tokens, digest)
     assert parsed.answer_bytes() == sent
 
 

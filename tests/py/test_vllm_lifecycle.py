@@ -737,12 +737,11 @@ def test_a_decode_request_reusing_the_id_of_an_aborted_load_still_running_is_rec
     d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
     d.step()  # the READ starts; each batch takes 1.5 s
     d.abort(rid)
-    again = pd_request_id(p, d)
-    other = prompt_of(40, seed=22)
-    d.add_request(again, other, params=decode_params(tid, returned), max_tokens=2)
+    again = pd_request_id(p, d)  # the same prompt: its answer is for it (remote_prompt_digest)
+    d.add_request(again, prompt, params=decode_params(tid, returned), max_tokens=2)
     second = load(d, again)
     assert second.invalid_blocks  # its load failed at once: recomputed
-    assert all(d.slot_matches(again, range(len(other)), d.salt, other))
+    assert all(d.slot_matches(again, range(len(prompt)), d.salt, prompt))
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release of the aborted READ")
     d.run_until(lambda r: not d.scheduler.requests, what="decode to finish")
     d.run_until(lambda r: d.free_blocks() == d.initial_free, what="the aborted load's blocks")
@@ -1451,7 +1450,9 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
     import socket
 
     from moriio_native.control.addressing import ZmqAddress, format_request_id
+    from moriio_native.vllm.prompt_digest import prompt_digest
     from net_support import free_port
+    from test_prompt_digest import as_request
 
     d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra={"transfer_timeout": 3})
     sides.append(d)
@@ -1469,6 +1470,7 @@ def test_read_from_a_prefill_that_never_answers_costs_only_its_own_request(
             "transfer_id": tid,
             "remote_incarnations": ["ab" * 16],
             "remote_num_tokens": len(prompt),
+            "remote_prompt_digest": prompt_digest(as_request(rid, prompt), len(prompt)),
         }
         running = 0
         d.add_request("running-0", prompt_of(20, seed=22), max_tokens=64)

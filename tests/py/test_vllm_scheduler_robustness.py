@@ -287,6 +287,8 @@ def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
     victim's request V is computed into those blocks. The client sends A's genuine, correctly
     signed answer to a second decode D2 with a prompt of its own: the tag matches, so only the
     hold check (confirm_reads) can refuse the READ, and a secret now turns it on by default.
+    (The client resends A's own prompt: with another prompt the answer's prompt digest would
+    refuse it first.)
     Before (a review, 2026-12-06), D2 read A's block ids, V's KV, and computed the client's
     request on another user's keys and values."""
     model_dir = write_model_dir(tmp_path / "model")
@@ -316,7 +318,7 @@ def test_with_a_secret_a_signed_answer_replayed_after_its_release_is_refused(
         blocks_v = answered.finished()[victim].kv_transfer_params["remote_block_ids"]
         assert sorted(answer_a["remote_block_ids"]) == sorted(blocks_v)  # V took A's blocks
         replay = pd_request_id(p, d2)
-        prompt_b = _prompt_of(40, seed=13)
+        prompt_b = prompt_a  # the same request again: the answer's prompt digest matches
         d2.add_request(replay, prompt_b, params=decode_params(tid, answer_a), max_tokens=2)
         scheduled = load(d2, replay, before_forward=p.step).scheduled[replay]
         assert scheduled == len(prompt_b), (
@@ -442,10 +444,11 @@ def test_a_read_of_a_longer_prompt_leaves_no_uncomputed_position_in_the_prefix_c
         d.shutdown()
 
 
-def test_an_answer_stating_no_token_count_is_computed_locally(tmp_path: Path) -> None:
-    """An answer without remote_num_tokens (a prefill of another connector version, a proxy
-    that drops the key): the decode cannot tell which positions the prefill computed, so it
-    loads none, and says why."""
+@pytest.mark.parametrize("key", ["remote_num_tokens", "remote_prompt_digest"])
+def test_an_answer_without_its_prompt_keys_is_computed_locally(tmp_path: Path, key: str) -> None:
+    """An answer without the prompt positions the prefill computed, or their digest (a prefill
+    of another connector version, a proxy that drops the key): the decode cannot tell whether
+    the answer is for its prompt, so it loads nothing, and says why."""
     model_dir = write_model_dir(tmp_path / "model")
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
     d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
@@ -455,9 +458,46 @@ def test_an_answer_stating_no_token_count_is_computed_locally(tmp_path: Path) ->
         p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
         answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
         returned = dict(answered.finished()[rid].kv_transfer_params)
-        del returned["remote_num_tokens"]
+        del returned[key]
         d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
         assert load(d, rid).scheduled[rid] == len(prompt)
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_genuine_answer_paired_with_another_prompt_of_its_length_is_computed_locally(
+    tmp_path: Path, signed: bool
+) -> None:
+    """A client that can send requests to the decode directly pairs its own genuine answer
+    (prompt A, signed when the instances have a secret, its blocks still held) with another
+    prompt B of the same length. Before (2026-12-07), the decode loaded A's KV as B's, and
+    cached B's blocks holding it: a later ordinary request with prompt B, from anyone, took
+    A's keys and values from the prefix cache. The answer's prompt digest now differs from
+    B's: B is computed locally, and its cached blocks hold B's own KV."""
+    model_dir = write_model_dir(tmp_path / "model")
+    extra: dict[str, Any] = {"auth_secret": SECRET} if signed else {}
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra=extra)
+    try:
+        rid, tid = pd_request_id(p, d), transfer_id()
+        prompt_a = _prompt_of(48, seed=5)
+        p.add_request(rid, prompt_a, params=prefill_params(tid), max_tokens=1)
+        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
+        returned = dict(answered.finished()[rid].kv_transfer_params)
+        prompt_b = _prompt_of(48, seed=9)
+        d.add_request(rid, prompt_b, params=decode_params(tid, returned), max_tokens=2)
+        scheduled = load(d, rid, before_forward=p.step).scheduled[rid]
+        assert scheduled == len(prompt_b), (
+            f"{len(prompt_b) - scheduled} positions of prompt B loaded from prompt A's blocks"
+        )
+        d.run_until(lambda r: rid in r.finished(), what="the decode request to finish")
+        plain = "plain-after"
+        d.add_request(plain, prompt_b, max_tokens=2)
+        hit = len(prompt_b) - d.step().scheduled[plain]
+        assert hit > 0, "the decode's own blocks of prompt B were not cached"
+        assert all(d.slot_matches(plain, range(hit), d.salt, prompt_b))
     finally:
         p.shutdown()
         d.shutdown()

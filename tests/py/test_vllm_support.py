@@ -783,6 +783,7 @@ PROXY_FORWARDS = (
     "remote_incarnations",
     "remote_hold_until_ms",
     "remote_num_tokens",
+    "remote_prompt_digest",
     "remote_answer_tag",
 )
 

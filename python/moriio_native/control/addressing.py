@@ -96,6 +96,10 @@ KEY_REMOTE_ANSWER_TAG = "remote_answer_tag"
 #: The prompt tokens whose KV the prefill's answered blocks hold (vLLM's NIXL connector's name).
 #: A READ decode loads no position at or past it (docs/protocol.md section 5).
 KEY_REMOTE_NUM_TOKENS = "remote_num_tokens"
+#: This project's own key: a digest of the prompt positions the prefill computed (token ids,
+#: multimodal items, cache salt, LoRA); a READ decode loads them only for a prompt of the same
+#: digest over those positions (docs/protocol.md section 5).
+KEY_REMOTE_PROMPT_DIGEST = "remote_prompt_digest"
 #: Older name of ``remote_tp_size``; vLLM's prefill side still returns it. Read, never written.
 KEY_LEGACY_TP_SIZE = "tp_size"
 
@@ -114,6 +118,7 @@ KV_TRANSFER_PARAM_KEYS: tuple[str, ...] = (
     KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_HOLD_UNTIL_MS,
     KEY_REMOTE_NUM_TOKENS,
+    KEY_REMOTE_PROMPT_DIGEST,
     KEY_REMOTE_ANSWER_TAG,
 )
 # Integer keys vLLM may pass as decimal strings (its kv_connector_extra_config ports).
@@ -266,10 +271,11 @@ def answer_bytes(
     incarnations: Sequence[str] | None,
     hold_until_ms: int | None,
     num_tokens: int | None,
+    prompt_digest: str | None,
 ) -> bytes:
     """What ``remote_answer_tag`` covers: the fields of the prefill's answer a proxy passes on
-    (transfer id, block ids per group, engine id, incarnations, hold, tokens computed),
-    canonically encoded, so
+    (transfer id, block ids per group, engine id, incarnations, hold, tokens computed and their
+    digest), canonically encoded, so
     a proxy that re-serialises the JSON changes nothing. The prefill encodes the values it
     sends, a decode the ones it parsed: no groups encode as the one empty group that their
     wire form (:func:`block_ids_to_wire`) reads back as. The address comes from the proxy's own
@@ -284,6 +290,7 @@ def answer_bytes(
             None if incarnations is None else tuple(incarnations),
             hold_until_ms,
             num_tokens,
+            prompt_digest,
         )
     )
 
@@ -479,6 +486,8 @@ class KvTransferParams(Schema, frozen=True):
     remote_hold_until_ms: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     # The prompt tokens whose KV the prefill's answered blocks hold (None: not stated).
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
+    # The digest of the prompt positions the prefill computed (None: not stated).
+    remote_prompt_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
     # The prefill's tag of its answer (None: not stated; see answer_bytes).
     remote_answer_tag: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
 
@@ -492,6 +501,7 @@ class KvTransferParams(Schema, frozen=True):
             self.remote_incarnations,
             self.remote_hold_until_ms,
             self.remote_num_tokens,
+            self.remote_prompt_digest,
         )
 
     def _check(self) -> None:

@@ -66,6 +66,7 @@ from moriio_native.control.addressing import (
     KEY_REMOTE_INCARNATIONS,
     KEY_REMOTE_NOTIFY_PORT,
     KEY_REMOTE_NUM_TOKENS,
+    KEY_REMOTE_PROMPT_DIGEST,
     KEY_REMOTE_TP_SIZE,
     KEY_TRANSFER_ID,
     KvTransferParams,
@@ -86,6 +87,7 @@ from moriio_native.vllm.metadata import (
     SaveTask,
     SendTask,
 )
+from moriio_native.vllm.prompt_digest import prompt_digest
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -145,6 +147,8 @@ class SchedulerSide:
         # P requests finished with delay_free whose blocks the workers have not released yet.
         self._held: set[str] = set()
         self._invalid_logged: set[str] = set()
+        # D (READ) requests' verdict on whether their prefill's answer is for their prompt.
+        self._prompt_verdicts: dict[str, bool] = {}
         # Live requests' parsed kv_transfer_params (None: invalid), by the dict they came in.
         self._parsed: dict[str, tuple[Any, KvTransferParams | None]] = {}
         # Transfer ids of live requests: the first request naming one owns it (until it ends;
@@ -418,37 +422,55 @@ class SchedulerSide:
                     len(remote),
                 )
             return 0, False
-        if self.config.mode == "read" and not self._within_the_prefills_tokens(request, params):
+        if self.config.mode == "read" and not self._answer_is_for_this_prompt(request, params):
             return 0, False
         self._local_tokens[rid] = num_computed_tokens
         count = max(self._grouped_end(request) - num_computed_tokens, 0)
         async_load = self.config.mode == "write" or self.config.read_loading == "async"
         return count, count > 0 and async_load
 
-    def _within_the_prefills_tokens(self, request: Request, params: KvTransferParams) -> bool:
-        """READ: whether every position this request would load is one the prefill computed
-        (its answer's ``remote_num_tokens``). A longer prompt here than the prefill's (a
-        client's own params, another tokenization) would have the last answered block's
-        positions past the prefill's end, whatever they held, loaded as computed, and kept in
-        the prefix cache; such a request, or an answer that states no count, is computed
-        locally (its genuine answer's blocks released)."""
-        end, computed = self._grouped_end(request), params.remote_num_tokens
-        if computed is not None and end <= computed:
-            return True
+    def _answer_is_for_this_prompt(self, request: Request, params: KvTransferParams) -> bool:
+        """READ: whether the prefill's answer is for this request's prompt over every position
+        the request would load: the positions the prefill computed (``remote_num_tokens``)
+        reach the load's end, and their digest (``remote_prompt_digest``) is this prompt's
+        over the same positions. Another prompt here than the prefill's (a client's own
+        params pairing a genuine answer with its own prompt, instances that tokenize
+        differently) would have positions loaded as computed that hold another prompt's KV, or
+        none, and kept in the prefix cache under this prompt's tokens; such a request, or an
+        answer without those keys, is computed locally (its answer's blocks released). Decided
+        once per request: vLLM asks about a waiting request every step."""
         rid = request.request_id
-        if rid not in self._invalid_logged:
-            self._invalid_logged.add(rid)
-            why = (
-                f"the prefill's answer states no {KEY_REMOTE_NUM_TOKENS} (run the same "
-                "connector version on both instances; the proxy must pass the key on)"
-                if computed is None
-                else f"its prompt needs the KV of {end} tokens, the prefill computed {computed} "
+        verdict = self._prompt_verdicts.get(rid)
+        if verdict is None:
+            why = self._prompt_mismatch(request, params)
+            verdict = self._prompt_verdicts[rid] = not why
+            if why:
+                logger.warning(
+                    "request %s (transfer %s): %s; computing locally", rid, params.transfer_id, why
+                )
+        return verdict
+
+    def _prompt_mismatch(self, request: Request, params: KvTransferParams) -> str:
+        """Why the answer ``params`` is not for this request's prompt ("": it is)."""
+        computed, digest = params.remote_num_tokens, params.remote_prompt_digest
+        if computed is None or digest is None:
+            return (
+                f"the prefill's answer states no {KEY_REMOTE_NUM_TOKENS} or "
+                f"{KEY_REMOTE_PROMPT_DIGEST} (run the same connector version on both "
+                "instances; the proxy must pass both keys on)"
+            )
+        end = self._grouped_end(request)
+        if end > computed:
+            return (
+                f"its prompt needs the KV of {end} tokens, the prefill computed {computed} "
                 "(not the prompt the prefill answered)"
             )
-            logger.warning(
-                "request %s (transfer %s): %s; computing locally", rid, params.transfer_id, why
+        if computed > request.num_prompt_tokens or prompt_digest(request, computed) != digest:
+            return (
+                f"its prompt's first {computed} positions are not the ones the prefill "
+                "computed (another prompt, tokenizer, multimodal input, cache salt or LoRA)"
             )
-        return False
+        return ""
 
     def _grouped_recv_task(
         self,
@@ -588,6 +610,7 @@ class SchedulerSide:
             # its transfer id, which a request whose blocks stay held keeps.
             self._invalid_logged.discard(rid)
             self._parsed.pop(rid, None)
+            self._prompt_verdicts.pop(rid, None)
             if rid not in self._held:
                 self._release_claim(rid)
 
@@ -643,14 +666,12 @@ class SchedulerSide:
             self._held.add(rid)
             if aborted:
                 return True, None
-            return True, self._returned_params(
-                params, self.hybrid.select(block_ids), _computed_prompt_tokens(request)
-            )
+            return True, self._returned_params(request, params, self.hybrid.select(block_ids))
         if aborted or not any(block_ids):
             return False, None
         selected = self.hybrid.select(block_ids)
         answered = tuple(b for group in selected for b in group)
-        returned = self._returned_params(params, selected, _computed_prompt_tokens(request))
+        returned = self._returned_params(request, params, selected)
         self._send.append(
             SendTask(
                 rid,
@@ -663,13 +684,15 @@ class SchedulerSide:
         return True, returned
 
     def _returned_params(
-        self, params: KvTransferParams, selected: tuple[tuple[int, ...], ...], num_tokens: int
+        self, request: Request, params: KvTransferParams, selected: tuple[tuple[int, ...], ...]
     ) -> dict[str, Any]:
         """What the proxy forwards to the decode instance (vLLM MoRIIO key names): the
         block ids of the transfer groups (``selected``: HybridGroups.select's) flat for one
-        group, one list per transfer group otherwise, and ``num_tokens``, the prompt tokens
-        whose KV they hold."""
+        group, one list per transfer group otherwise, the prompt tokens whose KV they hold and
+        those tokens' digest."""
         cfg = self.config
+        num_tokens = _computed_prompt_tokens(request)
+        digest = prompt_digest(request, num_tokens)
         remote_ids: list[Any] = [list(g) for g in selected]
         if len(remote_ids) == 1:
             remote_ids = remote_ids[0]
@@ -687,6 +710,7 @@ class SchedulerSide:
             KEY_LEGACY_TP_SIZE: cfg.tp_size,
             KEY_TRANSFER_ID: params.transfer_id,
             KEY_REMOTE_NUM_TOKENS: num_tokens,
+            KEY_REMOTE_PROMPT_DIGEST: digest,
         }
         if cfg.mode == "read":
             # The decode reads only if its READ ends before this.
@@ -709,6 +733,7 @@ class SchedulerSide:
                 self._incarnations,
                 out.get(KEY_REMOTE_HOLD_UNTIL_MS),
                 num_tokens,
+                digest,
             )
             out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
