@@ -1190,6 +1190,12 @@ Result<bool> Engine::Impl::WriteSegments(
   const CallMarks marks;
   MORIIO_RETURN_IF_ERROR(CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
+  // A repeat of a scheduled write does nothing, whatever its arguments: answered before they
+  // are checked, so that one the checks would refuse does not fail the transfer it repeats.
+  const std::string layer_name(layer);
+  if (tracker->RepeatsScheduledWrites(transfer_id, std::span<const std::string>(&layer_name, 1))) {
+    return false;
+  }
   const std::string ctx = "transfer '" + std::string(transfer_id) + "' layer '" +
                           std::string(layer) + "'";
   auto refuse = [&](const Status& why) { return RefuseWrite(transfer_id, peer_id, why, ctx); };
@@ -1254,6 +1260,7 @@ Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const s
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   if (names.empty()) return InvalidArgumentError(ctx + ": write_layers names no layers");
+  if (d.tracker->RepeatsScheduledWrites(transfer_id, names)) return false;  // as WriteSegments
   auto refuse = [&](const Status& why, const std::string& context) {
     return d.RefuseWrite(transfer_id, peer_id, why, context);
   };

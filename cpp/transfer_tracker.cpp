@@ -69,6 +69,16 @@ Result<bool> TransferTracker::BeginWrites(std::string_view id_view,
   return BeginWritesLocked(id, layers, peer);
 }
 
+bool TransferTracker::RepeatsScheduledWrites(std::string_view id,
+                                             std::span<const std::string> layers) const {
+  std::lock_guard lock(mu_);
+  auto it = pending_.find(std::string(id));
+  if (it == pending_.end() || it->second.kind != TransferKind::kWrite) return false;
+  const Transfer& t = it->second;
+  if (!t.failure.empty() || t.aborted || t.timed_out) return false;
+  return std::ranges::all_of(layers, [&](const std::string& l) { return t.layers.count(l) > 0; });
+}
+
 Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
                                                 std::span<const std::string> layers,
                                                 std::string_view peer) {

@@ -76,6 +76,11 @@ class TransferTracker {
   /// before (which is the caller's, an ambiguous retry), or they are more than its seal expects.
   Result<bool> BeginWrites(std::string_view id, std::span<const std::string> layers,
                            std::string_view peer);
+  /// WRITE: whether `id` is a live WRITE (pending, not failed, aborted or timed out) that
+  /// scheduled every one of `layers` before: a write of them repeats it and does nothing. Lets
+  /// a caller answer such a call before checking its arguments, so that a repeated write
+  /// never fails the live transfer it repeats. Read-only.
+  bool RepeatsScheduledWrites(std::string_view id, std::span<const std::string> layers) const;
   /// WRITE: releases BeginWrites' hold; the transfer ends now if it can. Unknown ids: ignored.
   /// Allocates nothing (a caller's destructor may call it).
   void EndWrites(const std::string& id);

@@ -15,6 +15,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <cstdlib>
 #include <cstring>
 #include <initializer_list>
@@ -1253,6 +1254,40 @@ TEST_F(EnginePair, UnknownPeerOrLayerIsNotFoundAndCreatesNothing) {
   ASSERT_TRUE(d_.engine->Read("x", "P", ids, ids).ok());
   Events events(d_.engine.get());
   EXPECT_EQ(events.Wait("x").state, TransferState::kDone);
+}
+
+// WriteLayer and WriteLayers do nothing (return false) for a layer scheduled before, whatever
+// the repeat carries: a repeat with arguments the checks would refuse (a CUDA event the peer
+// cannot honour, a block id out of range) failed the live transfer it repeated, which then
+// ended failed instead of done (a review, 2026-12-07).
+TEST_F(EnginePair, ARepeatOfScheduledWritesDoesNothingWhateverItCarries) {
+  Build({{"loopback_delay_ms", "300"}}, {});  // the first write is still in flight
+  const std::vector<std::int64_t> ids = {0}, into = {1}, out_of_range = {1 << 30};
+  Result<bool> first = p_.engine->WriteLayer("rep", "attn.0", "D", ids, into);
+  ASSERT_TRUE(first.ok() && *first) << first.status().ToString();
+  struct Repeat {
+    const char* what;
+    std::function<Result<bool>()> call;
+  };
+  const std::vector<std::string> names = {"attn.0"};
+  const std::vector<Repeat> repeats = {
+      {"WriteLayer with a CUDA event the loopback peer cannot honour",
+       [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", ids, into, 0x1234); }},
+      {"WriteLayer with a remote block id out of range",
+       [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", ids, out_of_range); }},
+      {"WriteLayers with a remote block id out of range",
+       [&] { return p_.engine->WriteLayers("rep", names, "D", ids, out_of_range); }},
+  };
+  for (const Repeat& r : repeats) {
+    SCOPED_TRACE(r.what);
+    Result<bool> again = r.call();
+    ASSERT_TRUE(again.ok()) << again.status().ToString();
+    EXPECT_FALSE(*again);
+  }
+  ASSERT_TRUE(p_.engine->Seal("rep", "D", 1).ok());
+  Events events(p_.engine.get());
+  const TransferEvent ev = events.Wait("rep");
+  EXPECT_EQ(ev.state, TransferState::kDone) << ev.message;
 }
 
 TEST_F(EnginePair, BadBlockIdsFailTheCallAndCreateNoTransfer) {

@@ -29,6 +29,7 @@ from moriio_native.vllm import scheduler as scheduler_module
 from test_pd_protocol import break_first_call
 from test_vllm_support import (
     BLOCK_SIZE,
+    LAYERS_DENSE,
     Side,
     backing_of,
     decode_params,
@@ -1200,6 +1201,111 @@ def test_read_split_heads_across_tp_sizes_is_recomputed(sides: list[Side], model
     assert first.scheduled == {rid: len(prompt)}  # computed locally, nothing guessed
     # Both prefill ranks are released all the same.
     p.run_until(lambda r: rid in r.transfer.finished_sending, what="release after refusal")
+    assert p.free_blocks() == p.initial_free
+
+
+def _head_slot_specs(num_kv_heads: int) -> dict[str, Any]:
+    """Dense layers whose page keeps each head's K and V in separate head slots (vLLM 0.33's
+    FlashInfer NVFP4 page: ``num_head_slots = 2 * num_kv_heads``, K of head h in slot h, V in
+    slot H + h), with fp16 content so the fake forward fills it."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    return {
+        name: FullAttentionSpec(
+            block_size=BLOCK_SIZE,
+            num_kv_heads=num_kv_heads,
+            head_size=16,
+            dtype=torch.float16,
+            num_head_slots=2 * num_kv_heads,
+            state_content_bytes=16 * 2,
+        )
+        for name in LAYERS_DENSE
+    }
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_pages_with_a_slot_per_k_and_v_head_across_tp_sizes_are_recomputed(
+    sides: list[Side], model_dir: str, mode: str
+) -> None:
+    """A page that keeps each head's K and V in separate slots holds vLLM's share of the KV
+    heads per rank, but a head range is not one range of its slots: a decode rank's head
+    window, applied to the slot axis, took its heads' K slots and never their V slots. Before
+    (a review, 2026-12-07) a prefill TP 1 -> decode TP 2 READ was reported loaded with every V
+    cell of both decode ranks never written. Such pages are now refused across TP sizes
+    (recomputed), as pages of unknown head ranges are."""
+    p = Side("prefill", "kv_producer", mode, model_dir, salt=1, specs=_head_slot_specs(2))
+    sides.append(p)
+    d = Side("decode", "kv_consumer", mode, model_dir, salt=2, specs=_head_slot_specs(1), tp_size=2)
+    sides.append(d)
+    prompt = prompt_of(40, seed=12)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    if mode == "read":
+        returned = run_prefill(p, rid, prompt, tid, remote_tp_size=2)
+        d.add_request(rid, prompt, params=decode_params(tid, returned, remote_tp_size=1))
+        first = load(d, rid)
+    else:
+        p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size=2), max_tokens=1)
+        assert rid in p.step().finished()
+        d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=1), max_tokens=2)
+        first = load(d, rid, before_forward=p.step)
+    assert first.scheduled == {rid: len(prompt)}, "loaded from pages moved by the wrong slots"
+    deadline = time.monotonic() + 30
+    while p.free_blocks() != p.initial_free:
+        assert time.monotonic() < deadline, f"the prefill's blocks were never freed ({mode})"
+        d.step()
+        p.step()
+
+
+def test_a_write_across_tp_and_block_sizes_fails_its_job_not_the_forward(
+    sides: list[Side], model_dir: str
+) -> None:
+    """Prefill TP 1 with 16-token blocks, decode TP 2 with 32-token blocks, WRITE: neither the
+    handshake nor the TP plan refuses the pair, and a layer's write cannot be planned (the
+    head windows of the TP change meet the token windows of the block-size change) only when
+    the prefill stages it, inside the worker's save_kv_layer hook. Before (a review,
+    2026-12-07) that FailedPreconditionError went up into vLLM's forward, which would end the
+    engine. Now the job fails, the decode recomputes, and the prefill's blocks are freed."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    def dense(heads: int, block_size: int) -> dict[str, Any]:
+        return {
+            name: FullAttentionSpec(
+                block_size=block_size, num_kv_heads=heads, head_size=16, dtype=torch.float16
+            )
+            for name in LAYERS_DENSE
+        }
+
+    p = Side("prefill", "kv_producer", "write", model_dir, salt=1, specs=dense(2, 16))
+    sides.append(p)
+    d = Side(
+        "decode",
+        "kv_consumer",
+        "write",
+        model_dir,
+        salt=2,
+        specs=dense(1, 32),
+        tp_size=2,
+        block_size=32,
+    )
+    sides.append(d)
+    for seed in (1, 2):  # the second request finds the handshake cached
+        prompt = prompt_of(40, seed=seed)
+        rid, tid = pd_request_id(p, d), transfer_id()
+        d.add_request(rid, prompt, params=decode_params(tid, remote_tp_size=1), max_tokens=2)
+        assert rid not in d.step().scheduled  # it announces its blocks to the prefill
+        p.add_request(rid, prompt, params=prefill_params(tid, remote_tp_size=2), max_tokens=1)
+        deadline = time.monotonic() + 30
+        while True:  # the prefill's steps run its forward: nothing may raise from them
+            p.step()
+            scheduled = d.step().scheduled
+            if rid in scheduled:
+                break
+            assert time.monotonic() < deadline, "the decode never went on"
+        assert scheduled[rid] == len(prompt), "loaded from writes that were refused"
+        while rid not in p.reports["finished_sending"]:
+            assert time.monotonic() < deadline, "the prefill never freed the request's blocks"
+            d.step()
+            p.step()
     assert p.free_blocks() == p.initial_free
 
 

@@ -501,3 +501,73 @@ def test_a_genuine_answer_paired_with_another_prompt_of_its_length_is_computed_l
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def _mamba_side(model_dir: str, name: str, role: str, mode: str, salt: int) -> Side:
+    """Full attention + Mamba (hybrid_support's model without its sliding-window layers)."""
+    from hybrid_support import SWA_LAYERS
+
+    specs = {k: v for k, v in hybrid_specs(16).items() if k not in SWA_LAYERS}
+    return Side(
+        name,
+        role,
+        mode,
+        model_dir,
+        num_blocks=40,
+        salt=salt,
+        specs=specs,
+        block_size=16,
+        prefix_caching=False,
+        hybrid_kv_cache_manager=True,
+    )
+
+
+def test_a_read_taking_fewer_tokens_than_a_mamba_state_holds_is_computed_locally(
+    tmp_path: Path,
+) -> None:
+    """The prefill computed 89 tokens (a prompt of 90, its last left to the decode); the
+    decode's request carries that answer with the first 89 tokens as its prompt: the same
+    tokens, so the prompt digest over them matches, but the decode takes 88 as computed while
+    the Mamba state holds all 89, and would compute token 88 again on top of it. Before (a
+    review, 2026-12-07) it loaded; a Mamba state now needs the decode to take exactly the
+    prefill's tokens as computed."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = _mamba_side(model_dir, "p", "kv_producer", "read", 1)
+    d = _mamba_side(model_dir, "d", "kv_consumer", "read", 2)
+    try:
+        prompt = _prompt_of(90, seed=3)
+        rid, tid = pd_request_id(p, d), transfer_id()
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        returned = p.step().finished()[rid].kv_transfer_params
+        assert returned["remote_num_tokens"] == 89
+        short = prompt[:89]
+        d.add_request(rid, short, params=decode_params(tid, returned), max_tokens=2)
+        scheduled = load(d, rid).scheduled[rid]
+        assert scheduled == len(short), (
+            f"{len(short) - scheduled} tokens taken as computed on a Mamba state of 89"
+        )
+    finally:
+        p.shutdown()
+        d.shutdown()
+
+
+def test_a_write_of_a_mamba_state_for_fewer_tokens_than_it_holds_fails(tmp_path: Path) -> None:
+    """WRITE: the decode's prompt is the prefill's first 60 tokens, so it announces 59 tokens
+    to load; the prefill computed 89 and its Mamba state holds all of them. Before (a review,
+    2026-12-07) the state was written and the decode told write_done, to resume at token 59 on
+    the state of 89; the prefill now fails such a write (the decode recomputes)."""
+    model_dir = write_model_dir(tmp_path / "model")
+    p = _mamba_side(model_dir, "p", "kv_producer", "write", 1)
+    d = _mamba_side(model_dir, "d", "kv_consumer", "write", 2)
+    try:
+        prompt = _prompt_of(90, seed=3)
+        rid, tid = pd_request_id(p, d), transfer_id()
+        d.add_request(rid, prompt[:60], params=decode_params(tid), max_tokens=2)
+        d.step()  # announces its blocks
+        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+        p.run_until(lambda r: rid in r.transfer.finished_sending, what="the prefill's end")
+        ended = d.run_until(lambda r: rid in r.transfer.finished_recving, what="the load's end")
+        assert rid in ended[-1].transfer.failed_recving, "a Mamba state of 89 tokens loaded for 59"
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -1191,7 +1191,14 @@ class Pusher:
             return
         if state is not JobState.WRITING:
             return
-        self._stage_writes(job)
+        try:
+            self._stage_writes(job)
+        except MoriioError as exc:
+            # A layer's write cannot be planned for this decode rank (windows of a TP change
+            # that meet those of a block-size change): the job fails here, never raising into
+            # the hook that called (vLLM's forward, a handshake's completion).
+            self._fail(job, f"its writes cannot be planned: {exc}")
+            return
         job.pending = []
         if job.forward_done:
             job.machine.advance(JobEvent.SEAL)
@@ -1257,6 +1264,15 @@ class Pusher:
         if needed > computed:
             self._fail(
                 job, f"the decode needs the KV of {needed} tokens, the prompt computed {computed}"
+            )
+            return
+        if needed != computed and any(g.kind == "mamba" for g in self._ctx.cfg.groups):
+            # A Mamba state is the running state after every token computed: the decode would
+            # compute its tokens from `needed` on a state that already holds them.
+            self._fail(
+                job,
+                f"the decode takes {needed} tokens as computed, but a Mamba state holds "
+                f"exactly the {computed} the prompt computed here",
             )
             return
         job.machine.advance(JobEvent.READY)

@@ -465,6 +465,13 @@ class SchedulerSide:
                 f"its prompt needs the KV of {end} tokens, the prefill computed {computed} "
                 "(not the prompt the prefill answered)"
             )
+        if end != computed and any(g.kind == "mamba" for g in self.hybrid.groups):
+            # A Mamba state is the running state after every token the prefill computed: this
+            # request would compute its tokens from `end` on a state that already holds them.
+            return (
+                f"it takes {end} tokens as computed, but the prefill's Mamba state holds "
+                f"exactly its {computed}"
+            )
         if computed > request.num_prompt_tokens or prompt_digest(request, computed) != digest:
             return (
                 f"its prompt's first {computed} positions are not the ones the prefill "

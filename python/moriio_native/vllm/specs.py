@@ -274,8 +274,10 @@ def checked_total_kv_heads(
     specs: Mapping[str, Any], split: Sequence[str], total_kv_heads: int, tp_size: int
 ) -> int:
     """``total_kv_heads`` when every split layer holds the share of them vLLM gives one rank
-    of ``tp_size`` (``max(1, total // tp)``), else 0 (logged): then different TP sizes are
-    refused, since the head ranges of the ranks are not known."""
+    of ``tp_size`` (``max(1, total // tp)``), one head slot per KV head, else 0 (logged): then
+    different TP sizes are refused, since the head ranges of the ranks are not known, or, for
+    a page that keeps each head's K and V in separate slots (NVFP4's, ``num_head_slots``),
+    a head range is not one range of slots."""
     from moriio_native.pd.heads import heads_per_rank
 
     if not split or total_kv_heads < 1:
@@ -284,6 +286,16 @@ def checked_total_kv_heads(
     for name in split:
         spec = specs[name]
         heads = int(getattr(spec, "num_kv_heads", 0) or 0)
+        slots = int(getattr(spec, "num_heads", heads) or heads)
+        if slots != heads:
+            logger.warning(
+                "layer %s keeps its %d KV heads in %d head slots: transfers between different "
+                "TP sizes are refused",
+                name,
+                heads,
+                slots,
+            )
+            return 0
         if heads != want:
             logger.warning(
                 "layer %s holds %d KV heads, not the %d of %d over TP %d: transfers between "
