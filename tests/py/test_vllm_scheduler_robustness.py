@@ -362,6 +362,15 @@ def test_a_write_prefill_request_preempted_after_its_save_drops_its_write(tmp_pa
         d.shutdown()
 
 
+def _answered(p: Side, d: Side, prompt: list[int]) -> tuple[str, str, dict[str, Any]]:
+    """A READ request's prefill leg on ``p`` for decode ``d``: its request id, transfer id and
+    the prefill's answer."""
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
+    return rid, tid, dict(answered.finished()[rid].kv_transfer_params)
+
+
 @pytest.mark.parametrize("loading,signed", [("async", False), ("sync", False), ("async", True)])
 def test_a_read_needing_more_tokens_than_the_prefill_computed_is_computed_locally(
     tmp_path: Path, loading: str, signed: bool
@@ -386,11 +395,8 @@ def test_a_read_needing_more_tokens_than_the_prefill_computed_is_computed_locall
         extra={**extra, "read_loading": loading},
     )
     try:
-        rid, tid = pd_request_id(p, d), transfer_id()
         prompt = _prompt_of(40, seed=5)
-        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
-        returned = dict(answered.finished()[rid].kv_transfer_params)
+        rid, tid, returned = _answered(p, d, prompt)
         assert returned["remote_num_tokens"] == len(prompt)
         longer = prompt + _prompt_of(6, seed=6)
         d.add_request(rid, longer, params=decode_params(tid, returned), max_tokens=2)
@@ -422,11 +428,8 @@ def test_a_read_of_a_longer_prompt_leaves_no_uncomputed_position_in_the_prefix_c
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
     d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
     try:
-        rid, tid = pd_request_id(p, d), transfer_id()
         prompt = _prompt_of(40, seed=5)
-        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
-        returned = dict(answered.finished()[rid].kv_transfer_params)
+        rid, tid, returned = _answered(p, d, prompt)
         longer = prompt + _prompt_of(9, seed=6)
         d.add_request(rid, longer, params=decode_params(tid, returned), max_tokens=2)
         load(d, rid)
@@ -453,11 +456,8 @@ def test_an_answer_without_its_prompt_keys_is_computed_locally(tmp_path: Path, k
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
     d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
     try:
-        rid, tid = pd_request_id(p, d), transfer_id()
         prompt = _prompt_of(40, seed=5)
-        p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
-        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
-        returned = dict(answered.finished()[rid].kv_transfer_params)
+        rid, tid, returned = _answered(p, d, prompt)
         del returned[key]
         d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
         assert load(d, rid).scheduled[rid] == len(prompt)
@@ -481,11 +481,8 @@ def test_a_genuine_answer_paired_with_another_prompt_of_its_length_is_computed_l
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1, extra=extra)
     d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra=extra)
     try:
-        rid, tid = pd_request_id(p, d), transfer_id()
         prompt_a = _prompt_of(48, seed=5)
-        p.add_request(rid, prompt_a, params=prefill_params(tid), max_tokens=1)
-        answered = p.run_until(lambda r: rid in r.finished(), what="the prefill's answer")[-1]
-        returned = dict(answered.finished()[rid].kv_transfer_params)
+        rid, tid, returned = _answered(p, d, prompt_a)
         prompt_b = _prompt_of(48, seed=9)
         d.add_request(rid, prompt_b, params=decode_params(tid, returned), max_tokens=2)
         scheduled = load(d, rid, before_forward=p.step).scheduled[rid]
