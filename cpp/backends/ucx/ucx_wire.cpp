@@ -17,6 +17,7 @@
 #include <memory>
 #include <mutex>
 #include <random>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -208,29 +209,42 @@ CookieRead ReadCookieThrough(pid_t tid, const ProcessIdentity& peer) {
 /// The pid of a process whose main thread ended (pthread_exit) while its other threads run
 /// answers ESRCH like an exited process's, though its memory is alive and transfers to it may
 /// still land. Its other threads, listed in /proc/<pid>/task until the last one exits, reach
-/// that memory: the process is gone only when none of them does.
+/// that memory. The process is gone only when a listing names no thread not tried before:
+/// a thread may start another and exit between a listing and its read, and an exited
+/// thread's id may already name another process (another cookie), which proves nothing.
+/// Threads that keep coming for kMaxListings listings leave the answer unknown, never gone.
 ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer) {
-  const std::unique_ptr<DIR, int (*)(DIR*)> tasks(
-      ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str()), ::closedir);
-  if (!tasks) return errno == ENOENT ? ProcessPresence::kGone : ProcessPresence::kUnknown;
-  ProcessPresence presence = ProcessPresence::kGone;
-  while (const dirent* entry = ::readdir(tasks.get())) {
-    char* end = nullptr;
-    const long tid = std::strtol(entry->d_name, &end, 10);
-    if (end == entry->d_name || *end != '\0' || tid <= 0 || tid == pid) continue;
-    switch (ReadCookieThrough(static_cast<pid_t>(tid), peer)) {
-      case CookieRead::kCookie:
-        return ProcessPresence::kAlive;
-      case CookieRead::kOtherCookie:
-        return ProcessPresence::kGone;
-      case CookieRead::kRefused:
-        presence = ProcessPresence::kUnknown;  // proves nothing; another thread may still
-        break;
-      case CookieRead::kNoSuchThread:
-        break;  // that thread exited meanwhile
+  constexpr int kMaxListings = 8;
+  std::set<long> tried;
+  bool refused = false;  // a read refused (EPERM): that thread may live
+  for (int listing = 0; listing < kMaxListings; ++listing) {
+    const std::unique_ptr<DIR, int (*)(DIR*)> tasks(
+        ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str()), ::closedir);
+    if (!tasks) {
+      if (errno != ENOENT) return ProcessPresence::kUnknown;
+      return refused ? ProcessPresence::kUnknown : ProcessPresence::kGone;
     }
+    bool fresh = false;
+    while (const dirent* entry = ::readdir(tasks.get())) {
+      char* end = nullptr;
+      const long tid = std::strtol(entry->d_name, &end, 10);
+      if (end == entry->d_name || *end != '\0' || tid <= 0 || tid == pid) continue;
+      if (!tried.insert(tid).second) continue;
+      fresh = true;
+      switch (ReadCookieThrough(static_cast<pid_t>(tid), peer)) {
+        case CookieRead::kCookie:
+          return ProcessPresence::kAlive;
+        case CookieRead::kRefused:
+          refused = true;
+          break;
+        case CookieRead::kOtherCookie:  // the thread exited and its id names another process
+        case CookieRead::kNoSuchThread:  // the thread exited
+          break;
+      }
+    }
+    if (!fresh) return refused ? ProcessPresence::kUnknown : ProcessPresence::kGone;
   }
-  return presence;
+  return ProcessPresence::kUnknown;
 }
 
 }  // namespace

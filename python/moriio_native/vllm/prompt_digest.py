@@ -8,10 +8,13 @@ another's, and keep it in its prefix cache under the other prompt's tokens. The 
 :func:`prompt_digest` over the tokens it computed (``remote_prompt_digest``, under the answer's
 tag), and the decode compares it with its own over the same positions.
 
-What decides a position's KV and is the same on both instances goes in: the token id (-1 for a
-position given as an embedding; the embedding values are not covered), the multimodal items
-starting before the end (position, length, modality and vLLM's content identifier), the prefix
-cache salt and the LoRA adapter's name.
+What decides a position's KV goes in: the token id (-1 for a position given as an embedding;
+the embedding values are not covered), the multimodal items starting before the end (position,
+length, modality and vLLM's identifier of the item), the prefix cache salt and the LoRA
+adapter's name. vLLM derives an item's identifier from its content, the served model's name
+and the hasher (``mm_hasher_algorithm``): instances that serve the model under different names
+(a local path on one, a hub id on the other) give every multimodal prompt different digests,
+and such requests are then computed locally, never loaded from another item's KV.
 """
 
 from __future__ import annotations
