@@ -130,11 +130,9 @@ class CompletionSink {
   /// Instead of OnBatchComplete: a WRITE batch the transport ended without confirming that its
   /// writes completed at the peer (its connection was closed with them in flight: a peer that
   /// stopped answering, at DisconnectPeer or destruction), so bytes of it may still land there
-  /// later, while the peer is not proven dead; or a READ batch the backend ended while the
-  /// transport still held operations of it whose data may already be on this side (UCX's gets
-  /// from a peer that died without peer-failure detection), so its local memory may still be
-  /// written. The backend posts nothing more for the batch. By default, completed as
-  /// OnBatchComplete would (for sinks that do not track where bytes may land).
+  /// later, while the peer is not proven dead. The backend is done with the batch's memory. By
+  /// default, completed as OnBatchComplete would (for sinks that do not track the peer's
+  /// memory).
   virtual void OnBatchUnconfirmed(std::uint64_t token, Status status) {
     OnBatchComplete(token, std::move(status));
   }
@@ -203,9 +201,8 @@ inline constexpr std::string_view kSharedBackendOptionKeys[] = {
 ///   the local regions of those batches can be deregistered once they completed). A batch the
 ///   transport had already finished completes OK. A WRITE batch whose writes the transport could
 ///   not confirm before the connection closed completes through OnBatchUnconfirmed: it no longer
-///   uses the local memory, but the peer's may still change; so does a READ batch ended while
-///   its data may still reach the local memory (the backend contract that a completed batch
-///   writes no more holds only for OnBatchComplete).
+///   uses the local memory, but the peer's may still change (the backend contract that a
+///   completed batch writes no more holds only for OnBatchComplete).
 /// - Cell batches (Batch::cells) are an optional capability, asked per region pair and geometry
 ///   with AcceptsCells before any is built; the engine plans runs wherever the answer is no
 ///   (loopback takes cells between host regions; UCX only on its CUDA IPC direct path with the

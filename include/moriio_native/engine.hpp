@@ -92,9 +92,7 @@ struct TransferEvent {
   /// change -- until Engine::PollDrained reports this id. Also false, and then never reported
   /// by PollDrained, when the transport could not confirm a WRITE batch's writes before its
   /// connection closed (CompletionSink::OnBatchUnconfirmed): the peer's blocks may change at
-  /// any time, so they stay quarantined until the caller's own bound; likewise a READ's local
-  /// blocks when a batch ended with data of it that may still arrive (UCX's gets from a
-  /// same-host peer that died without peer-failure detection, ucx_read_push=off).
+  /// any time, so they stay quarantined until the caller's own bound.
   bool drained = true;
 };
 

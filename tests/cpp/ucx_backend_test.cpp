@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -1466,33 +1467,28 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
   us.backend.reset();
 }
 
-/// A Sink that also tells which batches completed unconfirmed (bytes of them may still land).
-class UnconfirmedSink : public Sink {
+/// A Sink whose caller takes the local region back at every completion (refills it with a
+/// mark): a byte that differs from the mark once every batch completed landed after its
+/// batch's completion.
+class ReusingSink : public Sink {
  public:
-  void OnBatchUnconfirmed(std::uint64_t token, mn::Status status) override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      unconfirmed_.insert(token);
-    }
-    OnBatchComplete(token, std::move(status));
+  static constexpr std::uint8_t kMark = 0xEE;
+  void OnBatchComplete(std::uint64_t token, mn::Status status) override {
+    if (std::uint8_t* p = region.load()) std::memset(p, kMark, size);
+    Sink::OnBatchComplete(token, std::move(status));
   }
-  bool Unconfirmed(std::uint64_t token) {
-    std::lock_guard<std::mutex> lock(mu_);
-    return unconfirmed_.count(token) != 0;
-  }
-
- private:
-  std::mutex mu_;
-  std::set<std::uint64_t> unconfirmed_;
+  std::atomic<std::uint8_t*> region{nullptr};
+  std::size_t size = 0;
 };
 
 /// READs by gets over tcp (`ucx_read_push=off`) from a same-host peer proven at connect: no
-/// PEER mode, so the progress thread watches the peer, and its death ends the batch with the
-/// gets still held by UCX. Replies the peer queued before it died may still sit in this side's
-/// socket buffer, and UCX stores them into the batch's local memory when it reads them: the
-/// batch must end unconfirmed (its destination quarantined), never as completed. Before (a
-/// review, 2026-12-07) it completed, and up to 627,132 bytes were seen landing after it.
-TEST(UcxBackend, AReadEndedWithGetsInFlightToAKilledPeerIsUnconfirmed) {
+/// PEER mode, so the progress thread watches the peer. The peer dies while this process is
+/// stopped (a loaded host), with replies to our gets queued in the sockets; when this process
+/// runs again, UCX still holds the gets and stores those replies into the local memory as it
+/// reads them. A batch must not complete before that: its caller reuses the memory at once.
+/// Before (a review, 2026-12-07) the batches completed at the first check that found the peer
+/// dead, and 570,076 and 627,132 bytes landed after every batch had completed.
+TEST(UcxBackend, AReadFromAPeerThatDiedLandsNoByteAfterItsCompletion) {
   mn::BackendOptions options = TcpOptions();
   options["ucx_read_push"] = "off";
   options["ucx_error_handling"] = "auto";
@@ -1500,21 +1496,65 @@ TEST(UcxBackend, AReadEndedWithGetsInFlightToAKilledPeerIsUnconfirmed) {
   Target target;
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
   Initiator us;
-  auto sink = std::make_shared<UnconfirmedSink>();
+  auto sink = std::make_shared<ReusingSink>();
   us.sink = sink;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 70, 50, 70)).ok());
-  ASSERT_TRUE(sink->Wait(70).ok()) << sink->StatusOf(70).ToString();
-  EXPECT_FALSE(sink->Unconfirmed(70)) << "a READ that finished is confirmed";
-  ASSERT_TRUE(target.Pause());  // the gets stay unanswered: UCX holds them when it dies
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 71, 500, 71)).ok());
-  target.Kill();
-  const mn::Status st = sink->Wait(71, std::chrono::seconds(60));
-  EXPECT_FALSE(st.ok()) << st.ToString();
-  EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
-  EXPECT_TRUE(sink->Unconfirmed(71)) << "ended as completed while UCX still held its gets: "
-                                     << st.ToString();
-  EXPECT_EQ(sink->Count(71), 1);
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 1, 50, 1)).ok());
+  ASSERT_TRUE(sink->Wait(1).ok()) << sink->StatusOf(1).ToString();
+  auto* local = reinterpret_cast<std::uint8_t*>(us.local->range.address);
+  std::memset(local, ReusingSink::kMark, kRegion);
+  sink->size = kRegion;
+  sink->region.store(local);
+  // A helper kills the target while this process is stopped, then lets this process go on.
+  int go[2];
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t self = ::getpid();
+  const pid_t helper = ::fork();
+  ASSERT_GE(helper, 0);
+  if (helper == 0) {
+    char c = 0;
+    if (::read(go[0], &c, 1) != 1) ::_exit(1);
+    ::usleep(300 * 1000);  // the target goes on queueing replies to the stopped reader
+    target.Kill();
+    ::usleep(300 * 1000);
+    ::kill(self, SIGCONT);
+    ::_exit(0);
+  }
+  constexpr int kBatches = 16;  // each reads the whole region, a run per MiB
+  for (int i = 0; i < kBatches; ++i) {
+    auto b = std::make_shared<mn::Batch>();
+    b->op = mn::TransferOp::kRead;
+    b->local_region = us.local_region;
+    b->peer = us.peer;
+    b->remote_region = us.remote_region;
+    b->token = 100 + static_cast<std::uint64_t>(i);
+    for (std::size_t at = 0; at < kRegion; at += 1u << 20) {
+      b->local_offsets.push_back(static_cast<std::int64_t>(at));
+      b->remote_offsets.push_back(static_cast<std::int64_t>(at));
+      b->sizes.push_back(1 << 20);
+    }
+    ASSERT_TRUE(us.backend->Submit(b).ok());
+  }
+  // Stopped once the first replies land: the target keeps sending into the sockets.
+  const auto started = std::chrono::steady_clock::now();
+  while (reinterpret_cast<volatile std::uint8_t*>(local)[0] == ReusingSink::kMark &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(10)) {
+  }
+  ASSERT_EQ(::write(go[1], "g", 1), 1);
+  ::raise(SIGSTOP);
+  ::waitpid(helper, nullptr, 0);
+  int failed = 0;
+  for (int i = 0; i < kBatches; ++i) {
+    const mn::Status st = sink->Wait(100 + static_cast<std::uint64_t>(i), std::chrono::seconds(30));
+    EXPECT_NE(st.code(), mn::StatusCode::kTimeout) << st.ToString();
+    failed += !st.ok();
+  }
+  ASSERT_GT(failed, 0) << "every READ completed before the target died: nothing was tested";
+  std::this_thread::sleep_for(std::chrono::seconds(2));  // the progress thread goes on
+  std::size_t landed = 0;
+  for (std::size_t i = 0; i < kRegion; ++i) landed += local[i] != ReusingSink::kMark;
+  EXPECT_EQ(landed, 0u) << "bytes landed in the local region after every READ completed";
+  sink->region.store(nullptr);
   us.backend.reset();
 }
 
@@ -1522,7 +1562,7 @@ TEST(UcxBackend, AReadEndedWithGetsInFlightToAKilledPeerIsUnconfirmed) {
 /// (a close by flush, which does not end while the peer does not answer). Without PEER mode
 /// only the peer's death can then end the batches still in flight to it, and the progress
 /// thread must keep watching it. Before (a review, 2026-12-07) it stopped watching a peer
-/// whose endpoint was released, and the batch never completed.
+/// whose endpoint was released, and the READ never completed.
 TEST(UcxBackend, ABatchToADisconnectedStalledPeerEndsWhenThePeerDies) {
   mn::BackendOptions options = TcpOptions();
   options["ucx_read_push"] = "off";

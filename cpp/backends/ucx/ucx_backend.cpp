@@ -73,6 +73,10 @@ constexpr auto kCancelDeadline = std::chrono::seconds(1);
 // How often the progress thread checks that a same-host peer without UCX peer-failure detection
 // still exists while operations to it are in flight (one process_vm_readv per such peer).
 constexpr auto kLivenessInterval = std::chrono::milliseconds(100);
+// Liveness checks (kLivenessInterval apart, the progress thread running between them) after a
+// same-host peer's death before a READ whose gets UCX still holds completes: time for the
+// progress thread to store the replies the peer queued before it died (CheckPeersAlive).
+constexpr int kLandingGracePasses = 10;
 // How often it checks the same-host peers nothing is in flight to: one that died still holds
 // its shared-memory segments and the GPU memory its endpoint mapped (CUDA IPC) in this process
 // until its endpoint closes, and a restarted peer on the same GPU would find that memory taken.
@@ -468,6 +472,8 @@ struct ActiveBatch {
   // Completed to the sink while UCX still holds `outstanding` requests of it (a dead peer
   // without peer-failure detection): kept only so their callbacks find it.
   bool abandoned = false;
+  // Liveness checks that found its peer dead while UCX held gets of it (CheckPeersAlive).
+  int checks_since_death = 0;
   Status error;
   // Path::kPush: the id the target's messages carry, the stream offset where each run starts,
   // the stream's length, the bytes copied in so far, whether the target said done, and the
@@ -667,10 +673,10 @@ class UcxBackend final : public Backend {
   // may still land there, since closing our endpoint cancels only our side (data already in the
   // peer's socket buffer or on the wire is applied when it gets there).
   bool WritesUnconfirmed(const ActiveBatch& ab);
-  // A READ batch over UCX operations whose gets UCX still holds when we give up on them (their
-  // peer died without UCX's peer-failure detection): replies the peer sent before it died may
-  // be queued on this side (a socket buffer, a shared-memory FIFO), and UCX stores them into
-  // the local memory when it reads them, whatever became of the peer.
+  // A READ batch over UCX operations whose gets UCX still holds (their peer died without UCX's
+  // peer-failure detection): replies the peer sent before it died may be queued on this side
+  // (a socket buffer, a shared-memory FIFO), and UCX stores them into the local memory when it
+  // reads them, whatever became of the peer (see CheckPeersAlive).
   static bool ReadsMayStillLand(const ActiveBatch& ab);
   // Whether `peer`'s process is proven gone: known already, or a proven same-host identity that
   // reads as gone (ProbeProcessIdentity: one system call, made only for unconfirmed writes; a
@@ -1834,7 +1840,7 @@ std::list<ActiveBatch>::iterator UcxBackend::Abandon(std::list<ActiveBatch>::ite
     std::lock_guard<std::mutex> lock(mutex_);
     ab.local->inflight--;
   }
-  done.push_back({ab.batch->token, ab.error, WritesUnconfirmed(ab) || ReadsMayStillLand(ab)});
+  done.push_back({ab.batch->token, ab.error, WritesUnconfirmed(ab)});
   auto next = std::next(it);
   abandoned_.splice(abandoned_.end(), active_, it);
   return next;
@@ -2256,18 +2262,20 @@ bool UcxBackend::CheckPeersAlive() {
     const std::shared_ptr<PeerState>& peer = ab.remote->peer;
     // A push READ waits for the target's messages, with no UCX request of its own in flight.
     const bool waiting = ab.outstanding != 0 || (ab.path == Path::kPush && !ab.stop);
-    // A peer whose endpoint DisconnectPeer released at its drain deadline is watched too: the
-    // close by flush that released it never ends while the peer does not answer, so only its
-    // death ends the batches still in flight to it.
     if (!waiting || peer->peer_mode || peer->identity.pid == 0 ||
         std::find(dead.begin(), dead.end(), peer) != dead.end()) {
       continue;
     }
-    // A connection error UCX reported (OnPeerError) ends nothing either without PEER mode.
+    // A connection error UCX reported (OnPeerError) ends nothing either without PEER mode. A
+    // peer found dead before stays dead: its READs that wait out kLandingGracePasses are
+    // counted on each check.
     if (peer->failed) {
       dead.push_back(peer);
       continue;
     }
+    // A peer whose endpoint DisconnectPeer released at its drain deadline is watched too: the
+    // close by flush that released it does not end while the peer does not answer, so only its
+    // death ends the batches still in flight to it.
     if (ProbeProcessIdentity(peer->identity) != ProcessPresence::kGone) continue;
     FailExitedPeer(*peer, " with UCX operations in flight to it");
     dead.push_back(peer);
@@ -2276,9 +2284,11 @@ bool UcxBackend::CheckPeersAlive() {
   // tracks requests per endpoint only in PEER mode): close the endpoint so nothing more goes to
   // it, then complete its batches with the cause and keep them, abandoned, for the callbacks UCX
   // may still make. Nothing more lands at the peer: its memory is gone. A READ whose gets UCX
-  // still holds may still have its local memory written by replies the peer queued before it
-  // died, so it completes unconfirmed (ReadsMayStillLand): its destination stays quarantined.
-  // The rkeys go later with DisconnectPeer, after the endpoint, as after a drain that timed out.
+  // still holds is completed only kLandingGracePasses checks later (ReadsMayStillLand): the
+  // replies the dead peer queued before it died are on this host (a socket buffer, a
+  // shared-memory FIFO), nothing adds to them any more, and the progress thread, which runs
+  // between those checks, stores them into the local memory meanwhile. The rkeys go later
+  // with DisconnectPeer, after the endpoint, as after a drain that timed out.
   std::vector<Completion> done;
   for (auto& peer : dead) {
     ReleaseEndpoint(*peer);
@@ -2291,6 +2301,10 @@ bool UcxBackend::CheckPeersAlive() {
       ab.stop = true;
       if (ab.error.ok()) ab.error = peer->failure;
       if (ab.checking) ResolveRegionCheck(ab);  // the batches parked behind it fail with it
+      if (ReadsMayStillLand(ab) && ++ab.checks_since_death < kLandingGracePasses) {
+        ++it;
+        continue;
+      }
       it = Abandon(it, done);
     }
   }
