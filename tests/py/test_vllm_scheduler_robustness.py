@@ -447,20 +447,31 @@ def test_a_read_of_a_longer_prompt_leaves_no_uncomputed_position_in_the_prefix_c
         d.shutdown()
 
 
+@pytest.mark.parametrize("required", [True, False])
 @pytest.mark.parametrize("key", ["remote_num_tokens", "remote_prompt_digest"])
-def test_an_answer_without_its_prompt_keys_is_computed_locally(tmp_path: Path, key: str) -> None:
+def test_an_answer_without_its_prompt_keys_is_computed_locally(
+    tmp_path: Path, key: str, required: bool
+) -> None:
     """An answer without the prompt positions the prefill computed, or their digest (a prefill
     of another connector version, a proxy that drops the key): the decode cannot tell whether
-    the answer is for its prompt, so it loads nothing, and says why."""
+    the answer is for its prompt, so it loads nothing, and says why; unless the decode sets
+    ``require_prompt_match`` off (for a proxy that drops the keys), which loads it unchecked."""
     model_dir = write_model_dir(tmp_path / "model")
     p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
-    d = Side("decode", "kv_consumer", "read", model_dir, salt=2)
+    d = Side(
+        "decode",
+        "kv_consumer",
+        "read",
+        model_dir,
+        salt=2,
+        extra={"require_prompt_match": required},
+    )
     try:
         prompt = _prompt_of(40, seed=5)
         rid, tid, returned = _answered(p, d, prompt)
         del returned[key]
         d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
-        assert load(d, rid).scheduled[rid] == len(prompt)
+        assert load(d, rid).scheduled[rid] == (len(prompt) if required else 1)
     finally:
         p.shutdown()
         d.shutdown()

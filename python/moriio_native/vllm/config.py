@@ -83,6 +83,13 @@ key                   default      meaning
                                    proxy must pass on); a request without it is recomputed.
                                    ``false``: such a request is read whenever it comes (the
                                    prefill may have freed the blocks by then)
+``require_prompt_match`` ``true`` READ: load only for the prompt the prefill answered for
+                                   (``remote_num_tokens`` and ``remote_prompt_digest`` of its
+                                   answer, which the proxy must pass on); an answer without
+                                   them is recomputed. ``false``: such an answer is read
+                                   without the check (a longer or other prompt than the
+                                   prefill's may then load KV that is not its own); for a proxy
+                                   that drops the keys. Answers that state them are checked
 ``max_peers``         ``1024``     peers one rank keeps connected (and addresses it caches) at
                                    most: before one more connects, the least recently used
                                    that no request is using (no transfer pending or
@@ -177,6 +184,7 @@ _PLAIN_KEYS = (
     "confirm_reads",
     "require_incarnation",
     "require_hold",
+    "require_prompt_match",
     "max_peers",
     "accept_only_allowed_peers",
     CONFIG_LISTENER_HANDSHAKE_TIMEOUT,
@@ -255,6 +263,7 @@ class ConnectorConfig(Schema, frozen=True):
     confirm_reads: bool = False
     require_incarnation: bool = True
     require_hold: bool = True
+    require_prompt_match: bool = True
     max_peers: PeerCount = DEFAULT_MAX_PEERS
 
     def _check(self) -> None:

@@ -454,10 +454,13 @@ class SchedulerSide:
         """Why the answer ``params`` is not for this request's prompt ("": it is)."""
         computed, digest = params.remote_num_tokens, params.remote_prompt_digest
         if computed is None or digest is None:
+            if not self.config.require_prompt_match:
+                return ""  # the operator's choice: a proxy that drops the keys
             return (
                 f"the prefill's answer states no {KEY_REMOTE_NUM_TOKENS} or "
                 f"{KEY_REMOTE_PROMPT_DIGEST} (run the same connector version on both "
-                "instances; the proxy must pass both keys on)"
+                "instances; the proxy must pass both keys on, or set 'require_prompt_match': "
+                "false to read such answers unchecked)"
             )
         end = self._grouped_end(request)
         if end > computed:
