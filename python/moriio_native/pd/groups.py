@@ -325,6 +325,13 @@ def group_of_layer(groups: Sequence[KvGroup]) -> dict[str, int]:
     return {name: i for i, g in enumerate(groups) for name in g.layers}
 
 
+def holds_running_state(groups: Sequence[KvGroup]) -> bool:
+    """Whether one of ``groups`` is a Mamba state: the running state after every token the
+    prefill computed, so a load must take exactly those tokens as computed, never fewer (the
+    decode would compute the rest again on top of a state that already holds them)."""
+    return any(g.kind == "mamba" for g in groups)
+
+
 __all__ = [
     "NULL_BLOCK",
     "GroupedBlocks",
@@ -333,6 +340,7 @@ __all__ = [
     "describe_group",
     "engine_segments",
     "group_of_layer",
+    "holds_running_state",
     "plan_segments",
     "post_read",
     "post_write_layer",

@@ -86,6 +86,7 @@ from moriio_native.pd.groups import (
     Segment,
     engine_segments,
     group_of_layer,
+    holds_running_state,
     post_write_layer,
 )
 from moriio_native.pd.heads import TpPlan, write_segments
@@ -1266,9 +1267,7 @@ class Pusher:
                 job, f"the decode needs the KV of {needed} tokens, the prompt computed {computed}"
             )
             return
-        if needed != computed and any(g.kind == "mamba" for g in self._ctx.cfg.groups):
-            # A Mamba state is the running state after every token computed: the decode would
-            # compute its tokens from `needed` on a state that already holds them.
+        if needed != computed and holds_running_state(self._ctx.cfg.groups):
             self._fail(
                 job,
                 f"the decode takes {needed} tokens as computed, but a Mamba state holds "

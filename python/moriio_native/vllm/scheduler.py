@@ -77,7 +77,7 @@ from moriio_native.control.addressing import (
 from moriio_native.control.messages import hold_until_ms
 from moriio_native.control.security import MessageAuth
 from moriio_native.errors import InvalidArgumentError
-from moriio_native.pd.groups import GroupedBlocks
+from moriio_native.pd.groups import GroupedBlocks, holds_running_state
 from moriio_native.vllm.config import ConnectorConfig
 from moriio_native.vllm.hybrid import HybridLayout
 from moriio_native.vllm.metadata import (
@@ -468,9 +468,7 @@ class SchedulerSide:
                 f"its prompt needs the KV of {end} tokens, the prefill computed {computed} "
                 "(not the prompt the prefill answered)"
             )
-        if end != computed and any(g.kind == "mamba" for g in self.hybrid.groups):
-            # A Mamba state is the running state after every token the prefill computed: this
-            # request would compute its tokens from `end` on a state that already holds them.
+        if end != computed and holds_running_state(self.hybrid.groups):
             return (
                 f"it takes {end} tokens as computed, but the prefill's Mamba state holds "
                 f"exactly its {computed}"
@@ -698,11 +696,9 @@ class SchedulerSide:
     ) -> dict[str, Any]:
         """What the proxy forwards to the decode instance (vLLM MoRIIO key names): the
         block ids of the transfer groups (``selected``: HybridGroups.select's) flat for one
-        group, one list per transfer group otherwise, the prompt tokens whose KV they hold and
-        those tokens' digest."""
+        group, one list per transfer group otherwise; in READ mode also the prompt tokens whose
+        KV they hold and those tokens' digest, which the decode checks its prompt against."""
         cfg = self.config
-        num_tokens = _computed_prompt_tokens(request)
-        digest = prompt_digest(request, num_tokens)
         remote_ids: list[Any] = [list(g) for g in selected]
         if len(remote_ids) == 1:
             remote_ids = remote_ids[0]
@@ -719,12 +715,13 @@ class SchedulerSide:
             KEY_REMOTE_TP_SIZE: cfg.tp_size,
             KEY_LEGACY_TP_SIZE: cfg.tp_size,
             KEY_TRANSFER_ID: params.transfer_id,
-            KEY_REMOTE_NUM_TOKENS: num_tokens,
-            KEY_REMOTE_PROMPT_DIGEST: digest,
         }
         if cfg.mode == "read":
-            # The decode reads only if its READ ends before this.
+            # The decode reads only if its READ ends before this, and only for this prompt.
             out[KEY_REMOTE_HOLD_UNTIL_MS] = hold_until_ms(cfg.abort_timeout)
+            num_tokens = _computed_prompt_tokens(request)
+            out[KEY_REMOTE_NUM_TOKENS] = num_tokens
+            out[KEY_REMOTE_PROMPT_DIGEST] = prompt_digest(request, num_tokens)
         if self._incarnations is not None:
             out[KEY_REMOTE_INCARNATIONS] = list(self._incarnations)
         elif not self._incarnations_missing_logged:
@@ -742,8 +739,8 @@ class SchedulerSide:
                 cfg.engine_id,
                 self._incarnations,
                 out.get(KEY_REMOTE_HOLD_UNTIL_MS),
-                num_tokens,
-                digest,
+                out.get(KEY_REMOTE_NUM_TOKENS),
+                out.get(KEY_REMOTE_PROMPT_DIGEST),
             )
             out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
