@@ -1309,8 +1309,8 @@ Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const s
   return true;
 }
 
-Status Engine::Seal(std::string_view transfer_id, std::string_view peer,
-                    std::int64_t expected_writes) {
+Result<bool> Engine::Seal(std::string_view transfer_id, std::string_view peer,
+                          std::int64_t expected_writes) {
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   if (peer.empty()) {
     return InvalidArgumentError("transfer '" + std::string(transfer_id) +

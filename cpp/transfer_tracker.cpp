@@ -145,8 +145,8 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
   return std::optional<std::uint64_t>(token);
 }
 
-Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
-                             std::int64_t expected_writes, bool peer_connected) {
+Result<bool> TransferTracker::Seal(std::string_view id_view, std::string_view peer,
+                                   std::int64_t expected_writes, bool peer_connected) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
   MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
@@ -154,7 +154,7 @@ Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
     return InvalidArgumentError("transfer '" + id + "': expected_writes must be >= 0, got " +
                                 std::to_string(expected_writes));
   }
-  if (terminal_.count(id) || quarantined_.count(id)) return Status::OK();  // a late seal
+  if (terminal_.count(id) || quarantined_.count(id)) return false;  // a late seal, or a reused id
   auto it = pending_.find(id);
   if (it != pending_.end()) {
     Transfer& t = it->second;
@@ -173,7 +173,7 @@ Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
                          "' and no write of it was made; nothing started");
   }
   Transfer& t = it != pending_.end() ? it->second : CreateLocked(id, TransferKind::kWrite, peer);
-  if (t.expected) return Status::OK();  // the same seal again
+  if (t.expected) return true;  // the same seal again
   const auto scheduled = static_cast<std::int64_t>(t.layers.size());
   if (scheduled > expected_writes) {
     Status refused = InvalidArgumentError(
@@ -185,7 +185,7 @@ Status TransferTracker::Seal(std::string_view id_view, std::string_view peer,
   t.expected = expected_writes;
   if (scheduled == expected_writes) t.open = false;
   MaybeFinishLocked(id, t);
-  return Status::OK();
+  return true;
 }
 
 Status TransferTracker::FailWrite(std::string_view id_view, std::string_view peer,

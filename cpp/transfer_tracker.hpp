@@ -89,11 +89,13 @@ class TransferTracker {
   /// and completes an unwritten transfer at once. Creates the transfer when none exists.
   /// InvalidArgument (no change) for a READ id, another peer, a negative count or a second seal
   /// with a different count; InvalidArgument that fails the transfer when more layers were
-  /// scheduled already. Terminal WRITE ids: ignored (a late seal). `peer_connected` false: a
-  /// seal that would create the transfer is NotFound instead (nothing could ever write it, and
-  /// with 0 writes it would be reported done to a peer that does not exist).
-  Status Seal(std::string_view id, std::string_view peer, std::int64_t expected_writes,
-              bool peer_connected = true);
+  /// scheduled already. True when the seal belongs to a live transfer (it made, sealed or
+  /// re-sealed it); false for a terminal WRITE id (a late seal, or a reused id): ignored, no
+  /// event follows from it. `peer_connected` false: a seal that would create the transfer is
+  /// NotFound instead (nothing could ever write it, and with 0 writes it would be reported
+  /// done to a peer that does not exist).
+  Result<bool> Seal(std::string_view id, std::string_view peer, std::int64_t expected_writes,
+                    bool peer_connected = true);
   /// WRITE: a write of this transfer was refused (`why`): the transfer fails (creating it when
   /// none exists), so a seal can no longer make it done. InvalidArgument (no change) when `id`
   /// is a READ; ignored for terminal WRITE ids.

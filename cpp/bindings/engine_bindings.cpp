@@ -243,7 +243,7 @@ void BindEngine(py::module_& m) {
       .def(
           "seal",
           [](Engine& e, const std::string& tid, const std::string& peer,
-             std::int64_t expected_writes) { ThrowIfError(e.Seal(tid, peer, expected_writes)); },
+             std::int64_t expected_writes) { return Unwrap(e.Seal(tid, peer, expected_writes)); },
           py::arg("transfer_id"), py::arg("peer"), py::arg("expected_writes"))
       .def(
           "poll_drained",

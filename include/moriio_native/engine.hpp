@@ -258,9 +258,12 @@ class Engine {
   /// scheduled yet. InvalidArgument naming the id, with no change, for a READ id, an empty or
   /// other peer, a negative count, a count above the registered layers (each layer is written
   /// once, so it could never be reached) or a second seal with another count; InvalidArgument
-  /// that also fails the transfer when more layers than `expected_writes` were scheduled. A
-  /// seal of a terminal WRITE is ignored. Never blocks.
-  Status Seal(std::string_view transfer_id, std::string_view peer, std::int64_t expected_writes);
+  /// that also fails the transfer when more layers than `expected_writes` were scheduled.
+  /// True when the seal belongs to a live transfer; false when the engine remembers the WRITE
+  /// as ended (a late seal, or an id reused): the seal is ignored and no event follows from it,
+  /// so a caller that scheduled nothing of it must not wait for one. Never blocks.
+  Result<bool> Seal(std::string_view transfer_id, std::string_view peer,
+                    std::int64_t expected_writes);
 
   /// Ends a pending transfer as aborted (its event follows once in-flight batches drained).
   Status Abort(std::string_view transfer_id);

@@ -412,14 +412,16 @@ class Engine:
             transfer_id, list(layers), peer, local_blocks, remote_blocks, cuda_event
         )
 
-    def seal(self, transfer_id: str, peer: str, *, expected_writes: int) -> None:
+    def seal(self, transfer_id: str, peer: str, *, expected_writes: int) -> bool:
         """This WRITE transfer consists of exactly ``expected_writes`` distinct layers, scheduled
         before or after this call; it is ``done`` once all of them completed.
 
         ``expected_writes=0`` says "nothing to send" (a full prefix hit): the transfer is done at
         once. InvalidArgumentError for a READ id, another peer or a second seal with another
-        count; more layers than ``expected_writes`` fail the transfer."""
-        self._engine.seal(transfer_id, peer, int(expected_writes))
+        count; more layers than ``expected_writes`` fail the transfer. False when the engine
+        remembers the transfer as ended (a late seal, or a reused id): ignored, and no event
+        follows from it."""
+        return self._engine.seal(transfer_id, peer, int(expected_writes))
 
     def abort(self, transfer_id: str) -> None:
         self._engine.abort(transfer_id)

@@ -1247,7 +1247,7 @@ TEST_F(EnginePair, UnknownPeerOrLayerIsNotFoundAndCreatesNothing) {
   Events p_events(p_.engine.get());
   EXPECT_EQ(p_events.Wait("x").state, TransferState::kFailed);
   EXPECT_EQ(p_events.Wait("y").state, TransferState::kFailed);
-  EXPECT_TRUE(p_.engine->Seal("y", "D", 1).ok());  // late: ignored
+  EXPECT_FALSE(p_.engine->Seal("y", "D", 1).value());  // late: ignored, and says so
   p_events.Poll(20ms);
   EXPECT_EQ(p_events.Count("y"), 1u);
   // The id was not used up by the failed calls.
@@ -1371,11 +1371,11 @@ TEST_F(EnginePair, WriteLayerAndSealOnAReadIdAreInvalidArgument) {
   EXPECT_NE(w.status().message().find("'rd'"), std::string::npos) << w.status().ToString();
   w = d_.engine->WriteLayer("rd", "attn.0", "P", ids, std::vector<std::int64_t>{999});
   EXPECT_EQ(w.status().code(), StatusCode::kInvalidArgument) << "a bad write must not fail a READ";
-  Status st = d_.engine->Seal("rd", "P", 0);
+  Status st = d_.engine->Seal("rd", "P", 0).status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
   Events events(d_.engine.get());
   EXPECT_EQ(events.Wait("rd").state, TransferState::kDone);
-  EXPECT_EQ(d_.engine->Seal("rd", "P", 0).code(), StatusCode::kInvalidArgument);  // ended READ
+  EXPECT_EQ(d_.engine->Seal("rd", "P", 0).status().code(), StatusCode::kInvalidArgument);  // ended READ
   events.Poll(20ms);
   EXPECT_EQ(events.Count("rd"), 1u);
 }
@@ -1418,8 +1418,8 @@ TEST_F(EnginePair, EmptyTransferIdIsRejected) {
   EXPECT_EQ(d_.engine->Read("", "P", ids, ids).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p_.engine->WriteLayer("", "attn.0", "D", ids, ids).status().code(),
             StatusCode::kInvalidArgument);
-  EXPECT_EQ(p_.engine->Seal("", "D", 0).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(p_.engine->Seal("no-peer", "", 0).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->Seal("", "D", 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(p_.engine->Seal("no-peer", "", 0).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(p_.engine->PendingTransfers(), 0u);
   EXPECT_EQ(d_.engine->PendingTransfers(), 0u);
 }
@@ -1429,7 +1429,7 @@ TEST_F(EnginePair, SealNamingAnUnknownPeerStartsNothing) {
   // done at once, with more it waited for its deadline.
   for (std::int64_t writes : {0, 2}) {
     const std::string id = "ghost-" + std::to_string(writes);
-    Status st = p_.engine->Seal(id, "nobody", writes);
+    Status st = p_.engine->Seal(id, "nobody", writes).status();
     EXPECT_EQ(st.code(), StatusCode::kNotFound) << st.ToString();
     EXPECT_NE(st.message().find("unknown peer 'nobody'"), std::string::npos) << st.ToString();
     EXPECT_NE(st.message().find(id), std::string::npos) << st.ToString();
@@ -1448,7 +1448,7 @@ TEST_F(EnginePair, SealNamingAnUnknownPeerStartsNothing) {
 // never be met: before, it was accepted and the WRITE could only end timed out (a review found
 // it), its peer waiting out the whole timeout. Now it is refused and starts nothing.
 TEST_F(EnginePair, SealForMoreWritesThanLayersIsRefusedAndStartsNothing) {
-  Status st = p_.engine->Seal("too-many", "D", 1000);
+  Status st = p_.engine->Seal("too-many", "D", 1000).status();
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.ToString();
   EXPECT_NE(st.message().find("too-many"), std::string::npos) << st.ToString();
   EXPECT_NE(st.message().find("layers are registered"), std::string::npos) << st.ToString();

@@ -183,7 +183,9 @@ TEST(TransferTrackerWrite, SealWithNothingScheduledIsDoneAtOnce) {
   EXPECT_EQ(t.pending(), 0u);
   // A late write for it must not start the transfer anew.
   EXPECT_FALSE(t.ScheduleWrite("empty", "l0", "decode-3", 1, 1).value().has_value());
-  EXPECT_TRUE(t.Seal("empty", "decode-3", 0).ok());
+  // Nor may a late seal; it says it was ignored, so a caller that scheduled nothing of this
+  // id (a reused one) knows no event will come.
+  EXPECT_FALSE(t.Seal("empty", "decode-3", 0).value());
   ExpectNoEvent(t, "late schedule/seal after done");
   EXPECT_EQ(t.pending(), 0u);
 }
@@ -309,7 +311,7 @@ TEST(TransferTrackerWrite, WriteCallsOnAReadIdAreInvalidArgumentAndChangeNothing
     EXPECT_NE(st.message().find("'rd' is a READ"), std::string::npos) << what << ": " << st.ToString();
   };
   expect_refused(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).status(), "ScheduleWrite");
-  expect_refused(t.Seal("rd", "prefill-0", 0), "Seal");
+  expect_refused(t.Seal("rd", "prefill-0", 0).status(), "Seal");
   expect_refused(t.FailWrite("rd", "prefill-0", OutOfRangeError("bad id")), "FailWrite");
   ExpectNoEvent(t, "write calls on an open READ");
   t.CloseRead("rd");
@@ -318,7 +320,7 @@ TEST(TransferTrackerWrite, WriteCallsOnAReadIdAreInvalidArgumentAndChangeNothing
   EXPECT_EQ(e.state, TransferState::kDone);
   EXPECT_EQ(e.batches, 0);
   expect_refused(t.ScheduleWrite("rd", "l0", "prefill-0", 1, 1).status(), "ScheduleWrite, ended");
-  expect_refused(t.Seal("rd", "prefill-0", 0), "Seal, ended");
+  expect_refused(t.Seal("rd", "prefill-0", 0).status(), "Seal, ended");
   ExpectNoEvent(t, "write calls on an ended READ");
 }
 
@@ -337,7 +339,7 @@ TEST(TransferTrackerWrite, ARefusedLayerFailsTheTransferBeforeAndAfterTheSeal) {
   // A refusal before anything was scheduled creates the transfer, failed at once.
   ASSERT_TRUE(t.FailWrite("first", "decode-0", NotFoundError("unknown layer 'x'")).ok());
   EXPECT_EQ(OnlyEvent(t).state, TransferState::kFailed);
-  EXPECT_TRUE(t.Seal("first", "decode-0", 1).ok());  // late: ignored
+  EXPECT_FALSE(t.Seal("first", "decode-0", 1).value());  // late: ignored
   ExpectNoEvent(t, "seal after the refusal ended it");
 }
 
@@ -347,9 +349,9 @@ TEST(TransferTrackerWrite, ASealOvertakingItsWritesWaitsForThem) {
   TransferTracker t(kLongTimeout, 16);
   ASSERT_TRUE(t.Seal("req", "decode-0", 2).ok());
   ExpectNoEvent(t, "sealed for two writes, none scheduled");
-  EXPECT_TRUE(t.Seal("req", "decode-0", 2).ok());  // the same seal again
-  EXPECT_EQ(t.Seal("req", "decode-0", 3).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(t.Seal("req", "decode-9", 2).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(t.Seal("req", "decode-0", 2).value());  // the same seal again
+  EXPECT_EQ(t.Seal("req", "decode-0", 3).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("req", "decode-9", 2).status().code(), StatusCode::kInvalidArgument);
   const std::uint64_t l0 = Schedule(t, "req", "l0");
   t.OnBatchComplete(l0, Status::OK());
   ExpectNoEvent(t, "one of two sealed writes done");
@@ -371,8 +373,8 @@ TEST(TransferTrackerWrite, ASealOvertakingItsWritesWaitsForThem) {
   // Sealing for fewer writes than were scheduled fails the transfer.
   const std::uint64_t m0 = Schedule(t, "more", "l0");
   Schedule(t, "more", "l1");
-  EXPECT_EQ(t.Seal("more", "decode-0", 1).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(t.Seal("neg", "decode-0", -1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("more", "decode-0", 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("neg", "decode-0", -1).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.pending(), 1u);  // "neg" was not created
   t.OnBatchComplete(m0, Status::OK());
   ExpectNoEvent(t, "failed, one write in flight");

@@ -66,7 +66,15 @@ def test_a_flood_neither_fails_genuine_requests_nor_grows_memory(
     for name in ("prefill-handshake", "decode-handshake"):
         dropped = counts[name]["dropped_malformed"] + counts[name]["dropped_auth"]
         assert (dropped > 0) == (kind == "mixed" and not secret)
-    assert counts[memory]["held"] == (0 if secret else bound)
+    # A genuine round's own release (READ) or announcement (WRITE) reaches the prefill before
+    # its task does, so it is kept in the same memory, evicting a flood record when full, and
+    # taken out when the task comes: a round that ends after the flood's last message leaves
+    # one place free (rounds run one at a time).
+    held = counts[memory]["held"]
+    if secret:
+        assert held == 0
+    else:
+        assert bound - 1 <= held <= bound
     # Every port's flood at least filled the memories (a valid one floods the 2 notify ports).
     if not secret:
         assert res.flood_messages > (4 if kind == "mixed" else 2) * bound

@@ -85,8 +85,9 @@ class Engine:
         self.calls.append(("write_layers", tid, tuple(layers), peer, handle))
         return True
 
-    def seal(self, tid: str, peer: str, *, expected_writes: int) -> None:
+    def seal(self, tid: str, peer: str, *, expected_writes: int) -> bool:
         self.calls.append(("seal", tid, peer, expected_writes))
+        return True
 
 
 def context(
@@ -820,6 +821,35 @@ def test_a_writes_op_failing_after_the_engine_took_its_first_call_waits_for_thos
     told = [m for _, m in sender.ports if isinstance(m, WriteFailed)]
     assert [m.transfer_id for m in told] == ["tx-7"] and "not in GPU memory" in told[0].reason
     assert ctx.reports.done_sending == {"req-1"}
+
+
+def test_a_job_with_nothing_to_post_whose_seal_the_engine_ignores_ends() -> None:
+    """A job whose writes were all empty goes to the engine with its seal alone. When the
+    engine remembers the transfer id as ended (a reused id), it ignores the seal and no event
+    ever comes: the job fails at once, its decode is told and its blocks are freed, as for a
+    first write the engine refuses. Before, the seal's answer was not looked at and the job
+    waited in SEALED for good."""
+    ctx, directory, _, engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    ended = "tx-8"
+    seal = engine.seal
+
+    def remembering_it_ended(tid: str, peer: str, *, expected_writes: int) -> bool:
+        return seal(tid, peer, expected_writes=expected_writes) and tid != ended
+
+    engine.seal = remembering_it_ended  # type: ignore[method-assign]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", ended, (1, 2, 3), 3, DECODE, remote_tp_size=1)], [])
+    pusher.on_remote_blocks(RemoteBlocks(ended, ((20, 21, 22),), "d:8000/dp0/tp0"))
+    answer_handshakes(directory, DECODE, 1, "WRITE")
+    pusher.forward_done([], LayerEvent(0x1000))  # no layer of this job to write
+    run_writer(ctx, pusher)
+    assert [c for c in engine.calls if c[0] != "seal"] == []
+    assert pusher.job_states()[ended] is JobState.FAILED
+    assert final_messages(sender) == [(DECODE.notify_port, "write_failed", ended, 0)]
+    pusher.begin_step([], [SendTask("req-1", ended)])
+    assert ctx.reports.done_sending == {"req-1"}
+    assert ended not in pusher.job_states()
 
 
 @pytest.mark.parametrize("device_waits", [True, False])

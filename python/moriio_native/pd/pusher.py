@@ -2424,7 +2424,11 @@ class Pusher:
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
                         job.seal_posted = True
-                        ctx.engine().seal(job.transfer_id, peer.engine_peer, expected_writes=arg)
+                        sealed = ctx.engine().seal(
+                            job.transfer_id, peer.engine_peer, expected_writes=arg
+                        )
+                        if not sealed and not job.engine_took:
+                            self._end_spent(job)
                         continue
                     if op == "writes":
                         taken = self._post_layers(job, peer, arg[0], *split)
@@ -2449,10 +2453,11 @@ class Pusher:
             )
 
     def _end_spent(self, job: _Job) -> None:
-        """The engine refused ``job``'s first write (lock held): it already ended a transfer of
-        this id (it remembers the last ones, and drops their late calls), so nothing of this
-        job is in it and no event will come. The job fails now. Transfer ids must be fresh per
-        request; a reused one gets here."""
+        """The engine refused ``job``'s first write, or ignored the seal of a job with nothing
+        to post (lock held): it already ended a transfer of this id (it remembers the last
+        ones, and drops their late calls), so nothing of this job is in it and no event will
+        come. The job fails now. Transfer ids must be fresh per request; a reused one gets
+        here."""
         job.reason = (
             f"the engine already ended a transfer {job.transfer_id}: transfer ids must be "
             "fresh per request (a retry must draw a new one)"
