@@ -6,10 +6,12 @@ It speaks the protocol vLLM's MoRIIO proxy and vllm-router use, so either can re
   ``{"type": "P"|"D", "http_address", "zmq_address", "dp_size", "tp_size", "transfer_mode"}``
   to this proxy's ZMQ ROUTER port (``--discovery-host``:``--discovery-port``, default
   ``--host``:36367); every ping is schema-checked and a bad one is dropped (logged at most 20
-  lines per 10 s). With a secret (``--auth-secret-env``, default
-  ``$MORIIO_NATIVE_AUTH_SECRET``) only pings signed with it are believed (HMAC-SHA256, fresh
-  stamp, each stamp once: see ``moriio_native.control.security``); the instances need the same
-  ``auth_secret`` and ``proxy_auth: true``;
+  lines per 10 s). With a secret (``$MORIIO_NATIVE_AUTH_SECRET``, or the variable
+  ``--auth-secret-env`` names, which must then be set) only pings signed with it are believed
+  (HMAC-SHA256, fresh stamp, each stamp once: see ``moriio_native.control.security``); the
+  instances need the same ``auth_secret`` and ``proxy_auth: true``. An instance silent for
+  ``FORGET_AFTER_S`` is forgotten, and at most ``MAX_INSTANCES`` are held (pings of new
+  addresses past it are dropped): pings at ever new addresses cannot grow the proxy;
 * per request: the request id embeds both instances' control addresses
   (``___prefill_addr_{P}___decode_addr_{D}_{uuid}``), a fresh ``transfer_id`` goes to both legs;
   the prefill leg runs with ``max_tokens=1``; in READ mode the decode leg waits for the prefill's
@@ -40,6 +42,7 @@ import os
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -71,7 +74,9 @@ from moriio_native.errors import InvalidArgumentError
 
 logger = logging.getLogger("moriio_native.proxy")
 
-STALE_AFTER_S = 30.0
+STALE_AFTER_S = 30.0  # an instance silent this long gets no requests
+FORGET_AFTER_S = 600.0  # ... and this long is forgotten (/instances shows it stale until then)
+MAX_INSTANCES = 1024
 
 
 @dataclass
@@ -81,33 +86,60 @@ class Instance:
 
     @property
     def url(self) -> str:
-        return f"http://{self.registration.http_address}"
+        host, port = self.registration.http_address.rsplit(":", 1)
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"  # an IPv6 address, as instances register it (unbracketed)
+        return f"http://{host}:{port}"
 
 
 class Registry:
-    """Instances that pinged recently. Thread-safe (one lock)."""
+    """Instances that pinged recently, at most MAX_INSTANCES. Thread-safe (one lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._instances: dict[str, Instance] = {}
+        self._instances: OrderedDict[str, Instance] = OrderedDict()  # least recently pinged first
         self._mode: str | None = None
         self._rr = itertools.count()
+        # Without a secret anyone who reaches the port can ping: no log line per ping.
+        self._other_mode = RateLimitedWarnings(logger, "registrations of another mode")
+        self._full = RateLimitedWarnings(logger, "registrations past MAX_INSTANCES")
+        self._new = RateLimitedWarnings(logger, "new registrations", level=logging.INFO)
 
     def update(self, reg: ProxyRegistration) -> None:
+        now = time.monotonic()
         with self._lock:
-            if self._mode is None:
-                self._mode = reg.transfer_mode
-            elif reg.transfer_mode != self._mode:
-                logger.warning(
-                    "ignoring %s: it runs %s mode, the other instances %s",
-                    reg.http_address,
-                    reg.transfer_mode,
-                    self._mode,
-                )
-                return
-            if reg.http_address not in self._instances:
-                logger.info("registered %s instance %s", reg.role, reg.http_address)
-            self._instances[reg.http_address] = Instance(reg, time.monotonic())
+            self._forget_silent(now)
+            mode = self._mode = self._mode or reg.transfer_mode
+            known = self._instances.pop(reg.http_address, None)
+            full = known is None and len(self._instances) >= MAX_INSTANCES
+            if reg.transfer_mode == mode and not full:
+                self._instances[reg.http_address] = Instance(reg, now)
+        if reg.transfer_mode != mode:
+            self._other_mode.warn(
+                "ignoring %s: it runs %s mode, the other instances %s",
+                reg.http_address,
+                reg.transfer_mode,
+                mode,
+            )
+        elif full:
+            self._full.warn(
+                "ignoring %s: %d instances registered, the most this proxy holds",
+                reg.http_address,
+                MAX_INSTANCES,
+            )
+        elif known is None:
+            self._new.warn("registered %s instance %s", reg.role, reg.http_address)
+
+    def _forget_silent(self, now: float) -> None:
+        """Forget instances silent for FORGET_AFTER_S (lock held); with none left, the next
+        one sets the mode again."""
+        while self._instances:
+            oldest = next(iter(self._instances.values()))
+            if now - oldest.last_seen < FORGET_AFTER_S:
+                break
+            self._instances.popitem(last=False)
+        if not self._instances:
+            self._mode = None
 
     def pick(self) -> tuple[Instance, Instance, str] | None:
         """A (prefill, decode) pair, round robin among live instances, and the mode."""
@@ -350,8 +382,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--discovery-port", type=int, default=36367, help="registration port")
     parser.add_argument(
         "--auth-secret-env",
-        default=ENV_AUTH_SECRET,
-        help="environment variable holding the shared secret registrations must be signed with",
+        default=None,
+        help="environment variable holding the shared secret registrations must be signed "
+        f"with; when given it must be set (default: ${ENV_AUTH_SECRET}, if set)",
     )
     parser.add_argument(
         "--handshake-timeout",
@@ -367,19 +400,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--handshake-timeout: {exc}")
     if args.discovery_host is None:
         args.discovery_host = args.host
+    # Authentication asked for by name must not quietly fall back to believing every ping.
+    if args.auth_secret_env is not None and not os.environ.get(args.auth_secret_env):
+        parser.error(f"--auth-secret-env: ${args.auth_secret_env} is not set (or empty)")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    verifier = RegistrationVerifier(MessageAuth(os.environ.get(args.auth_secret_env) or None))
+    secret_env = args.auth_secret_env or ENV_AUTH_SECRET
+    verifier = RegistrationVerifier(MessageAuth(os.environ.get(secret_env) or None))
     if not verifier.enabled and args.discovery_host in ("0.0.0.0", "*", "::"):
         logger.warning(
             "registrations on every interface are believed unsigned: anyone who reaches port "
             "%d can route requests; set $%s on the proxy and the instances",
             args.discovery_port,
-            args.auth_secret_env,
+            secret_env,
         )
     registry = Registry()
     stop = threading.Event()

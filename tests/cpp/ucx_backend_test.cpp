@@ -806,6 +806,14 @@ struct Initiator {
     EXPECT_EQ(FirstDiff(local->Read().data(), want_local.data(), kRegion), -1);
   }
 
+  /// One READ of `runs` runs (batch and seed `token`), waited for: UCX connects lazily, so a
+  /// test that stops its target mid-transfer reads once first, or the stalled batch would fail
+  /// at its connection instead.
+  void ReadOnce(std::uint64_t token, std::size_t runs) const {
+    ASSERT_TRUE(backend->Submit(NewBatch(mn::TransferOp::kRead, token, runs, token)).ok());
+    ASSERT_TRUE(sink->Wait(token).ok()) << sink->StatusOf(token).ToString();
+  }
+
   /// A batch between the two regions with `runs` runs placed by MakeRuns from `seed`.
   std::shared_ptr<mn::Batch> NewBatch(mn::TransferOp op, std::uint64_t token, std::size_t runs,
                                       std::uint64_t seed) const {
@@ -1453,8 +1461,7 @@ TEST(UcxBackend, PeerKilledMidReadOverTcpOnOneHostFailsTheBatch) {
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
   // One READ first: UCX connects lazily, and a connection that was never made fails by itself.
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 60, 50, 60)).ok());
-  ASSERT_TRUE(us.sink->Wait(60).ok()) << us.sink->StatusOf(60).ToString();
+  ASSERT_NO_FATAL_FAILURE(us.ReadOnce(60, 50));
   // Stopped, the target cannot answer the gets (TCP gets are served by the target): the READ is
   // in flight when the target dies.
   ASSERT_TRUE(target.Pause());
@@ -1572,8 +1579,7 @@ TEST(UcxBackend, ABatchToADisconnectedStalledPeerEndsWhenThePeerDies) {
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 80, 50, 80)).ok());
-  ASSERT_TRUE(us.sink->Wait(80).ok()) << us.sink->StatusOf(80).ToString();
+  ASSERT_NO_FATAL_FAILURE(us.ReadOnce(80, 50));
   ASSERT_TRUE(target.Pause());
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 81, 500, 81)).ok());
   // A second for the progress thread to post the gets (a batch not started when its peer is
@@ -1606,8 +1612,7 @@ TEST(UcxBackend, TargetKilledMidPushReadFailsTheBatch) {
     ASSERT_TRUE(target.Start(options, Mem::kHeap));
     Initiator us;
     ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-    ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 70, 50, 70)).ok());
-    ASSERT_TRUE(us.sink->Wait(70).ok()) << us.sink->StatusOf(70).ToString();
+    ASSERT_NO_FATAL_FAILURE(us.ReadOnce(70, 50));
     ASSERT_TRUE(target.Pause());
     const auto before = PathCounters();
     const std::vector<std::uint8_t> untouched = Pattern(kRegion, 71);
@@ -1654,8 +1659,7 @@ TEST(UcxBackend, PushReadDisconnectedMidwayLandsNothingAfterItsCompletion) {
     }
     return b;
   };
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 90, 10, 90)).ok());
-  ASSERT_TRUE(us.sink->Wait(90).ok()) << us.sink->StatusOf(90).ToString();
+  ASSERT_NO_FATAL_FAILURE(us.ReadOnce(90, 10));
   const std::vector<std::uint8_t> untouched = Pattern(kRegion, 91);
   us.local->Write(untouched);
   ASSERT_TRUE(target.Pause());
@@ -1744,8 +1748,7 @@ TEST(UcxBackend, PushReadsBeyondTheTargetsQueueAreRefusedAtOnce) {
   ASSERT_TRUE(target.Start(options, Mem::kHeap));
   Initiator us;
   ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 110, 10, 110)).ok());
-  ASSERT_TRUE(us.sink->Wait(110).ok()) << us.sink->StatusOf(110).ToString();
+  ASSERT_NO_FATAL_FAILURE(us.ReadOnce(110, 10));
   const auto before = PathCounters();
   ASSERT_TRUE(target.Pause());
   ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 111, 50, 111)).ok());

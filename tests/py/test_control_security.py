@@ -10,6 +10,7 @@ from moriio_native.control.security import (
     ENV_AUTH_SECRET,
     AuthenticationError,
     ControlSecurity,
+    FreshStamps,
     MessageAuth,
     PeerAllowlist,
     PeerNotAllowedError,
@@ -291,9 +292,10 @@ def test_accepting_only_allowed_peers_filters_on_their_networks_in_the_listeners
         assert any(ipaddress.ip_address(address) in f for f in filters) == admitted
         assert any_ipv6.check(address) == admitted
     assert all(any(ipaddress.ip_address(a) in f for f in filters) for a in ("::1", "2001:db8::7"))
+    # An IPv4-mapped network (how an IPv6 listener shows IPv4 peers) stands for its IPv4 one.
     only_mapped = PeerAllowlist(["::ffff:10.0.0.0/104"], accept_only=True)
-    with pytest.raises(InvalidArgumentError, match=r"only IPv4-mapped IPv6 networks"):
-        only_mapped.accept_filters(ipv6=True)
+    assert only_mapped.accept_filters(ipv6=True) == ("::ffff:10.0.0.0/104",)
+    assert only_mapped.accept_filters(ipv6=False) == ("10.0.0.0/8",)
     only_ipv6 = PeerAllowlist(["2001:db8::/64"], accept_only=True)
     assert only_ipv6.accept_filters(ipv6=True) == ("2001:db8::/64",)
     with pytest.raises(InvalidArgumentError, match=r"accept_only_allowed_peers.*only IPv6"):
@@ -314,3 +316,39 @@ def test_accepting_only_allowed_peers_refuses_what_it_cannot_filter_on(config, n
     with pytest.raises(InvalidArgumentError, match=named) as err:
         ControlSecurity.from_config(config)
     assert "accept_only_allowed_peers" in str(err.value)
+
+
+def test_fresh_stamps_refuse_only_when_that_many_unexpired_stamps_are_held():
+    """A stamp sent ahead of this clock (within the window: accepted) expires last; arriving
+    first, it sat at the head of the memory, which forgot expired stamps from its head only,
+    so stamps behind it stayed counted after they expired and fresh ones were refused while
+    one unexpired stamp of 2 was held. (Found by a review, 2026-12-07.)"""
+    now = [1000.0]
+    stamps = FreshStamps("test", window_s=1.0, max_stamps=2, clock=lambda: now[0])
+    stamps.accept(1_000_900, b"ahead")  # sent 0.9 s ahead of this clock: kept until 1001.9
+    stamps.accept(1_000_000, b"first")  # kept until 1001.0
+    now[0] = 1001.5
+    stamps.accept(1_001_500, b"fresh")
+    with pytest.raises(AuthenticationError, match="more than 2"):
+        stamps.accept(1_001_500, b"one too many")  # "ahead" and "fresh" unexpired
+    with pytest.raises(AuthenticationError, match="replayed"):
+        stamps.accept(1_000_900, b"ahead")
+
+
+def test_an_ipv4_mapped_allowlist_entry_stands_for_its_ipv4_address():
+    """ "::ffff:10.0.0.5" (how an IPv6 listener shows the IPv4 peer 10.0.0.5) was accepted and
+    allowed nothing: check() judges such hosts by the IPv4 networks. (Found by a review,
+    2026-12-07.)"""
+    allowlist = PeerAllowlist(["::ffff:10.0.0.5", "::ffff:192.168.0.0/120"])
+    for host in ("10.0.0.5", "::ffff:10.0.0.5", "192.168.0.9", "::ffff:192.168.0.9"):
+        assert allowlist.check(host), host
+    assert not allowlist.check("10.0.0.6") and not allowlist.check("192.168.1.9")
+
+
+def test_star_allows_host_names_too():
+    """ "*" allows everything, as documented: host names too, not only every address.
+    (Found by a review, 2026-12-07.)"""
+    allowlist = PeerAllowlist(["*"])
+    assert allowlist.check("10.0.0.1") and allowlist.check("::1")
+    assert allowlist.check("prefill-0.example.com")
+    assert not PeerAllowlist(["10.0.0.0/8"]).check("prefill-0.example.com")

@@ -5,6 +5,7 @@ and a peer restarted under the same address replaces the old connection."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -511,6 +512,67 @@ def test_an_address_cannot_take_over_another_address_peer(made: list) -> None:
     with pytest.raises(IncompatiblePeerError, match="still answering at"):
         peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
     assert peers.cached(PeerKey(LOCAL, port_a)) is not None
+
+
+def test_two_addresses_handshaken_at_once_cannot_both_claim_one_engine(made: list) -> None:
+    """Addresses A and B both answer as engine "prefill", with other memory. B's handshake
+    comes while A's connection is being made (not cached yet): B must be checked against A
+    once A is connected, and refused while A still answers. Before, the check for another
+    address ran before connections were serialized and saw cached handshakes only: B replaced
+    A's connection, and a READ through A's handshake took B's bytes. (Found by a review,
+    2026-12-07.)"""
+    decode, decode_caches = engine("decode", 1)
+    first_add = threading.Event()
+
+    class SlowFirstAdd:
+        """The decode engine, whose first add_peer takes a while (a real backend's
+        connection setup): the other handshake meanwhile passes its checks."""
+
+        def add_peer(self, *args: object, **kwargs: object) -> str:
+            if not first_add.is_set():
+                first_add.set()
+                time.sleep(1.0)
+            return decode.add_peer(*args, **kwargs)  # type: ignore[arg-type]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(decode, name)
+
+    slow = SlowFirstAdd()
+    port_a, port_b = free_port(), free_port()
+    genuine = Prefill("prefill", port_a, 2)
+    made.append(genuine)
+    made.append(Prefill("prefill", port_b, 3))  # claims the same engine id, other memory
+    peers = PeerDirectory(lambda: slow, security(), "decode/dp0/tp0", timeout=5.0)  # type: ignore[arg-type,return-value]
+    made.append(peers)
+    via_a = peers.connect(PeerKey(LOCAL, port_a), 1, accept)
+    assert first_add.wait(10)  # A is being connected
+    via_b = peers.connect(PeerKey(LOCAL, port_b), 1, accept)
+    peer_a = via_a.result(timeout=30)
+    with pytest.raises(IncompatiblePeerError, match="still answering at"):
+        via_b.result(timeout=30)
+    expected = kc.expected_after_copy(decode_caches, genuine.caches, [0, 1], [2, 3])
+    decode.read("via-a", peer_a.engine_peer, [0, 1], [2, 3])
+    assert decode.wait(["via-a"], timeout=30)["via-a"].state == "done"
+    assert np.array_equal(decode_caches.backing, expected)
+
+
+def test_a_forgotten_handshake_does_not_let_another_address_take_the_engine(made: list) -> None:
+    """After ``forget`` (a decode's failed READ) the engine peer stays connected to A's
+    memory: another address answering as the same engine id with other memory is refused
+    while A still answers. Before, only cached handshakes were checked: B replaced the
+    connection, and from then on A was the one refused. (Found by a review, 2026-12-07.)"""
+    decode, _ = engine("decode", 1)
+    port_a, port_b = free_port(), free_port()
+    made.append(Prefill("prefill", port_a, 2))
+    made.append(Prefill("prefill", port_b, 3))  # the same engine id, other memory
+    peers = directory(decode, made)
+    peer_a = peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
+    peers.forget(peer_a)
+    assert decode.peers() == ["prefill"]  # still connected to A's memory
+    with pytest.raises(IncompatiblePeerError, match="still answering at"):
+        peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
+    again = peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
+    assert again.response.engine_metadata == peer_a.response.engine_metadata
 
 
 def test_an_engine_restarted_at_another_address_replaces_the_dead_one(made: list) -> None:

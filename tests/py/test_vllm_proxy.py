@@ -354,9 +354,9 @@ def _wait_until(predicate: Any, what: str) -> None:
         time.sleep(0.02)
 
 
-def _registration(http_port: int) -> ProxyRegistration:
+def _registration(http_port: int, mode: str = "READ") -> ProxyRegistration:
     return ProxyRegistration(
-        "P", f"127.0.0.1:{http_port}", ZmqAddress("127.0.0.1", 6301, 61005), 1, 1, "READ"
+        "P", f"127.0.0.1:{http_port}", ZmqAddress("127.0.0.1", 6301, 61005), 1, 1, mode
     )
 
 
@@ -540,3 +540,102 @@ def test_connector_with_proxy_auth_registers_with_a_proxy_holding_the_secret(
     finally:
         side.shutdown()
         discovery.close()
+
+
+def test_pings_of_another_mode_or_new_addresses_log_a_few_lines_only(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Pings of the other transfer mode, and pings at ever new addresses, pass the schema: each
+    logged a line of its own (a WARNING, an INFO), so a stranger's valid pings flooded the log.
+    (Found by a review, 2026-12-07.)"""
+    flood = 300
+    proxy = load_proxy()
+    discovery = Discovery(proxy, None)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 2000)
+    sock.connect(f"tcp://127.0.0.1:{discovery.port}")
+    other = [_registration(20000 + i, "WRITE") for i in range(flood)]
+    new = [_registration(30000 + i) for i in range(flood)]
+    try:
+        with caplog.at_level(logging.INFO, logger="moriio_native.proxy"):
+            for reg in [_registration(8001), *other, *new]:
+                sock.send(encode(reg))
+            _wait_until(lambda: len(discovery.addresses()) == flood + 1, "registrations")
+    finally:
+        sock.close()
+        discovery.close()
+    lines = [r for r in caplog.records if r.name == "moriio_native.proxy"]
+    assert 0 < len(lines) < flood // 5  # a few windows' bursts at most
+
+
+def test_silent_instances_are_forgotten_and_the_registry_is_bounded(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The registry kept every address that ever pinged: anyone reaching the port (no secret)
+    grew the proxy, and every routed request's walk, without bound. Now an instance silent for
+    FORGET_AFTER_S is forgotten (then the mode is free again), and past MAX_INSTANCES new
+    addresses are dropped while those held keep pinging. (Found by a review, 2026-12-07.)"""
+    proxy = load_proxy()
+    monkeypatch.setattr(proxy, "FORGET_AFTER_S", 0.5)
+    monkeypatch.setattr(proxy, "MAX_INSTANCES", 3)
+    registry = proxy.Registry()
+    for port in (8001, 8002, 8003, 8004):
+        registry.update(_registration(port))
+    held = {e["http_address"] for e in registry.snapshot()}
+    assert held == {"127.0.0.1:8001", "127.0.0.1:8002", "127.0.0.1:8003"}
+    time.sleep(0.3)
+    registry.update(_registration(8001))  # still pinging
+    time.sleep(0.3)  # the other two silent for 0.6 s
+    registry.update(_registration(8005, "WRITE"))  # the old mode's instance is still held
+    assert {e["http_address"] for e in registry.snapshot()} == {"127.0.0.1:8001"}
+    time.sleep(0.6)
+    registry.update(_registration(8005, "WRITE"))  # every READ instance forgotten
+    assert {e["http_address"] for e in registry.snapshot()} == {"127.0.0.1:8005"}
+
+
+def test_an_instance_registered_at_an_ipv6_address_is_reached_there() -> None:
+    """Instances register ``http_address`` as host:port with an IPv6 host unbracketed; the
+    proxy's URL for it was not a URL. (Found by a review, 2026-12-07.)"""
+    proxy = load_proxy()
+    reg = ProxyRegistration("P", "fd00::5:8100", ZmqAddress("fd00::5", 6301, 61005), 1, 1, "READ")
+    assert proxy.Instance(reg, 0.0).url == "http://[fd00::5]:8100"
+    assert proxy.Instance(_registration(8001), 0.0).url == "http://127.0.0.1:8001"
+
+
+def test_a_secret_variable_named_but_unset_stops_the_proxy_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--auth-secret-env NAME with $NAME unset or empty ran the proxy without a secret,
+    believing every unsigned ping: authentication asked for by name failed open. (Found by a
+    review, 2026-12-07.)"""
+    proxy = load_proxy()
+    monkeypatch.delenv("PROXY_TEST_UNSET_SECRET", raising=False)
+    monkeypatch.setenv("PROXY_TEST_EMPTY_SECRET", "")
+    for name in ("PROXY_TEST_UNSET_SECRET", "PROXY_TEST_EMPTY_SECRET"):
+        with pytest.raises(SystemExit):
+            proxy.parse_args(["--auth-secret-env", name])
+        assert f"${name} is not set" in capsys.readouterr().err
+    monkeypatch.delenv("MORIIO_NATIVE_AUTH_SECRET", raising=False)
+    assert proxy.parse_args([]).auth_secret_env is None  # unsigned by default, as before
+
+
+def test_the_connector_refuses_a_proxy_outside_allowed_peers(tmp_path: Path) -> None:
+    """The registration pings dial proxy_ip as any peer is dialled; the connector's pinger was
+    built without the allowlist and registered with a proxy outside allowed_peers. Now the
+    worker refuses such a config before it starts anything. (Found by a review, 2026-12-07.)"""
+    from moriio_native.control.security import PeerNotAllowedError
+    from test_vllm_support import Side, write_model_dir
+
+    with pytest.raises(PeerNotAllowedError, match=r"proxy registration to 127\.0\.0\.1"):
+        Side(
+            "prefill",
+            "kv_producer",
+            "write",
+            write_model_dir(tmp_path),
+            extra={
+                "allowed_peers": ["10.9.9.0/24"],
+                "proxy_ip": "127.0.0.1",
+                "proxy_ping_port": free_port(),
+                "http_port": free_port(),
+            },
+        )

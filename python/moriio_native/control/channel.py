@@ -174,11 +174,19 @@ class RateLimitedWarnings:
     count is logged (one line) with the first warning of a later window. Thread-safe."""
 
     def __init__(
-        self, log: logging.Logger, what: str, *, burst: int = 20, window_s: float = 10.0
+        self,
+        log: logging.Logger,
+        what: str,
+        *,
+        burst: int = 20,
+        window_s: float = 10.0,
+        level: int = logging.WARNING,
     ) -> None:
+        """``level``: the lines' level (an INFO line a stranger can cause is limited too)."""
         if burst < 1 or not window_s > 0:
             raise InvalidArgumentError("a warning rate limit needs burst >= 1 and window_s > 0")
         self._log = log
+        self._level = level
         self._what = what
         self._burst = burst
         self._window_s = window_s
@@ -202,8 +210,9 @@ class RateLimitedWarnings:
         return now - self._window_start >= self._window_s
 
     def warn(self, msg: str, *args: object, exc_info: BaseException | None = None) -> None:
-        """``log.warning(msg, *args)`` unless this window's burst is spent (then counted);
-        ``exc_info``: an exception whose traceback the line carries (an unexpected error)."""
+        """``log.warning(msg, *args)`` (at the limit's level) unless this window's burst is
+        spent (then counted); ``exc_info``: an exception whose traceback the line carries (an
+        unexpected error)."""
         now = time.monotonic()
         with self._lock:
             suppressed, span = 0, 0.0
@@ -217,7 +226,8 @@ class RateLimitedWarnings:
                 self._suppressed += 1
         # Logged outside the lock: a handler may be slow.
         if suppressed:
-            self._log.warning(
+            self._log.log(
+                self._level,
                 "%s: %d more like this in the last %.0f s were not logged",
                 self._what,
                 suppressed,
@@ -226,7 +236,7 @@ class RateLimitedWarnings:
             )
         if logged:
             # The caller's line, not this one.
-            self._log.warning(msg, *args, exc_info=exc_info, stacklevel=2)
+            self._log.log(self._level, msg, *args, exc_info=exc_info, stacklevel=2)
 
 
 class _DropLog:

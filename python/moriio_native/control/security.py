@@ -352,6 +352,10 @@ class FreshStamps:
             if stamp in self._seen:
                 raise AuthenticationError(f"{self._what} replayed (its stamp was used before)")
             if len(self._seen) >= self._max_stamps:
+                # Stamps expire in the order of their send times, not of their arrival: one
+                # sent ahead of this clock, at the head, hides expired ones behind it.
+                self._seen = OrderedDict((s, u) for s, u in self._seen.items() if u >= now_ms)
+            if len(self._seen) >= self._max_stamps:
                 raise AuthenticationError(
                     f"more than {self._max_stamps} {self._what}s within the window; refused"
                 )
@@ -440,7 +444,7 @@ class PeerAllowlist:
                 everyone = True
                 continue
             try:
-                networks.append(ipaddress.ip_network(text, strict=False))
+                networks.append(_unmapped(ipaddress.ip_network(text, strict=False)))
                 continue
             except ValueError:
                 pass
@@ -453,6 +457,7 @@ class PeerAllowlist:
                 ) from exc
         self._networks: tuple[IpNetwork, ...] = tuple(networks)
         self._names = frozenset(names)
+        self._everyone = everyone  # "*": host names too
         if accept_only:
             _check_accept_filters(networks, names, everyone)
         self._accept_only = accept_only
@@ -497,15 +502,10 @@ class PeerAllowlist:
             )
         else:
             filters = tuple(str(network) for network in self._networks if network.version == 4)
-        if not filters:
-            held = (
-                "only IPv4-mapped IPv6 networks, which hold no peer (write them as IPv4)"
-                if ipv6
-                else "only IPv6 networks, and this listener is on an IPv4 address"
-            )
+        if not filters:  # only IPv6 networks, on an IPv4 listener (an IPv6 one takes both)
             raise InvalidArgumentError(
-                f"{CONFIG_ACCEPT_ONLY_ALLOWED}: {CONFIG_ALLOWED_PEERS} holds {held}: no peer "
-                "could connect to it"
+                f"{CONFIG_ACCEPT_ONLY_ALLOWED}: {CONFIG_ALLOWED_PEERS} holds only IPv6 networks, "
+                "and this listener is on an IPv4 address: no peer could connect to it"
             )
         return filters
 
@@ -531,7 +531,7 @@ class PeerAllowlist:
             return False
         ip = _ip_or_none(normalized)
         if ip is None:
-            return normalized in self._names
+            return self._everyone or normalized in self._names
         if any(ip.version == net.version and ip in net for net in self._networks):
             return True
         with self._lock:
@@ -589,15 +589,24 @@ def _mapped(network: ipaddress.IPv4Network) -> str:
 _IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 
 
+def _unmapped(network: IpNetwork) -> IpNetwork:
+    """``network`` as IPv4 when it lies in the IPv4-mapped range (``::ffff:10.0.0.5``, how an
+    IPv6 listener shows an IPv4 peer): :meth:`PeerAllowlist.check` judges such a peer by the
+    IPv4 networks, so it would match no entry otherwise."""
+    if isinstance(network, ipaddress.IPv6Network) and network.subnet_of(_IPV4_MAPPED):
+        mapped = network.network_address.ipv4_mapped
+        assert mapped is not None  # inside the mapped range
+        return ipaddress.IPv4Network((mapped, network.prefixlen - 96))
+    return network
+
+
 def _ipv6_listener_filters(network: IpNetwork) -> list[str]:
     """The accept filters that stand for ``network`` on an IPv6 listener: an IPv4 network
-    mapped; an IPv6 network less the IPv4-mapped range, since :meth:`PeerAllowlist.check`
-    judges an IPv4-mapped peer by the IPv4 networks alone (a network inside that range holds
-    no peer at all)."""
+    mapped; an IPv6 network (never inside the IPv4-mapped range: :func:`_unmapped`) less that
+    range, since :meth:`PeerAllowlist.check` judges an IPv4-mapped peer by the IPv4 networks
+    alone."""
     if isinstance(network, ipaddress.IPv4Network):
         return [_mapped(network)]
-    if network.subnet_of(_IPV4_MAPPED):
-        return []
     if network.supernet_of(_IPV4_MAPPED):
         return [str(part) for part in network.address_exclude(_IPV4_MAPPED)]
     return [str(network)]

@@ -104,6 +104,10 @@ CAPACITY_RETRY_S = 1.0
 # The least recently used cached addresses one admission tries to evict, at most: past them
 # it is refused (bounds its cost when nearly every peer is busy).
 MAX_EVICTION_TRIES = 64
+# Rival addresses one admission checks (a handshake each) before it connects an engine id that
+# another address connected with other metadata: past them it is refused (a race that keeps
+# bringing new rivals).
+MAX_RIVAL_CHECKS = 4
 # How much faster a peer's clock may run than ours (a quartz clock without NTP: up to 100 ppm):
 # what Handshake.clock_at_most adds for each second since the handshake.
 CLOCK_RATE_TOLERANCE = 1e-4
@@ -264,6 +268,9 @@ class PeerDirectory:
         self._lock = threading.Lock()
         self._admit = threading.Lock()
         self._peers: OrderedDict[PeerKey, Handshake] = OrderedDict()  # least recently used first
+        # The handshake that last connected each engine peer, kept while the engine has it
+        # connected (at most one per connected peer), cached or not.
+        self._connected_by: dict[str, Handshake] = {}
         self._inflight: dict[PeerKey, Future[Handshake]] = {}
         self._failures: dict[PeerKey, _Failure] = {}
         self._pool = DaemonPool(HANDSHAKE_THREADS, "moriio-native-handshake")
@@ -611,41 +618,70 @@ class PeerDirectory:
         # The same engine may be reachable under several addresses (host names, a forwarder):
         # with the same metadata it is one connection. Other metadata under an engine id that is
         # connected at another address replaces that connection only once the instance there
-        # proved gone or restarted too.
+        # proved gone or restarted too. That proof is a handshake, made outside _admit; the
+        # rival is looked up again under _admit, where connections are made, so a rival that
+        # appeared meanwhile (an address being connected at the same time) is checked too.
+        checked: list[Handshake] = []
+        for _ in range(MAX_RIVAL_CHECKS):
+            with self._admit:
+                engine = self._engine()
+                rival = self._rival(engine, key, response)
+                if rival is None or any(rival is c for c in checked):
+                    return self._admit_connection(engine, key, response, asked_at)
+            self._check_replaced(key, rival, response)
+            checked.append(rival)
+        raise IncompatiblePeerError(
+            f"peer at {key} answers as engine {response.engine_id!r}, which other addresses kept "
+            f"connecting with other metadata ({MAX_RIVAL_CHECKS} checks); refusing it for now"
+        )
+
+    def _rival(
+        self, engine: _EngineLike, key: PeerKey, response: HandshakeResponse
+    ) -> Handshake | None:
+        """The handshake at another address that connected ``response``'s engine id with other
+        metadata and may still hold that connection (under _admit): a cached one, or the last
+        one that connected the engine peer while it stays connected, though its address was
+        forgotten (after a failed READ) or evicted."""
+        engine_id, metadata = response.engine_id, response.engine_metadata
         with self._lock:
-            elsewhere = next(
-                (
-                    p
-                    for k, p in self._peers.items()
-                    if p.response.engine_id == response.engine_id
-                    and k != key
-                    and p.response.engine_metadata != response.engine_metadata
-                ),
-                None,
+            candidates = [p for p in self._peers.values() if p.response.engine_id == engine_id]
+            last = self._connected_by.get(engine_id)
+        if last is not None and engine_id in engine.peers():
+            candidates.append(last)
+        return next(
+            (p for p in candidates if p.key != key and p.response.engine_metadata != metadata),
+            None,
+        )
+
+    def _admit_connection(
+        self, engine: _EngineLike, key: PeerKey, response: HandshakeResponse, asked_at: float
+    ) -> Handshake:
+        """Connect ``response``'s engine for ``key`` and cache the handshake (under _admit)."""
+        self._make_room(engine, key, response.engine_id)
+        # Same engine id with new metadata: that peer restarted under this address (the
+        # handshake we just made proved who answers here), or another address proved the
+        # instance it connected gone. The engine swaps the connection -- only when the
+        # metadata names the engine the handshake answered as (refused before anything changes
+        # otherwise: an answer cannot take another's connection).
+        try:
+            engine_peer = engine.add_peer(
+                response.engine_metadata, replace=True, expected_engine_id=response.engine_id
             )
-        if elsewhere is not None:
-            self._check_replaced(key, elsewhere, response)
-        with self._admit:
-            engine = self._engine()
-            self._make_room(engine, key, response.engine_id)
-            # Same engine id with new metadata: that peer restarted under this address (the
-            # handshake we just made proved who answers here). The engine swaps the connection
-            # -- only when the metadata names the engine the handshake answered as (refused
-            # before anything changes otherwise: an answer cannot take another's connection).
-            try:
-                engine_peer = engine.add_peer(
-                    response.engine_metadata, replace=True, expected_engine_id=response.engine_id
-                )
-            except MoriioError as exc:
-                raise type(exc)(f"peer at {key}: {exc}") from None
-            peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
-            with self._lock:
-                # Cached (as most recently used) before _admit is released, so that the next
-                # admission counts it, and pinned until _handshake handed it to its callers.
-                self._peers[key] = peer
-                self._peers.move_to_end(key)
-                self._pinned[engine_peer] += 1
-            return peer
+        except MoriioError as exc:
+            raise type(exc)(f"peer at {key}: {exc}") from None
+        peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
+        connected = set(engine.peers())
+        with self._lock:
+            # Cached (as most recently used) before _admit is released, so that the next
+            # admission counts it, and pinned until _handshake handed it to its callers.
+            self._peers[key] = peer
+            self._peers.move_to_end(key)
+            self._pinned[engine_peer] += 1
+            # Who connected each engine peer, for as long as it stays connected (_rival).
+            for gone in [e for e in self._connected_by if e not in connected]:
+                del self._connected_by[gone]
+            self._connected_by[response.engine_id] = peer
+        return peer
 
     # ---- the bound (pool thread, under _admit) ------------------------------------------------
 

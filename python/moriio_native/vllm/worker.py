@@ -96,6 +96,13 @@ class WorkerSide:
         total_kv_heads = checked_total_kv_heads(self._specs, split, total_kv_heads, config.tp_size)
         # One security context for every channel of this rank: the core's and the pinger's.
         self._security = ControlSecurity.from_config(config.control_config())
+        if config.proxy_ip is not None:
+            # The registration pings dial the proxy as any peer is dialled: refused here,
+            # before anything started, when allowed_peers does not cover it.
+            self._security.allowlist.require(
+                config.proxy_ip,
+                purpose=f"proxy registration to {config.proxy_ip}:{config.proxy_ping_port}",
+            )
         self._core = PdCore(
             PdConfig(
                 engine_id=self.engine_id,
@@ -253,6 +260,7 @@ class WorkerSide:
             registration,
             interval=cfg.ping_interval,
             auth=self._security.auth if cfg.proxy_auth else None,
+            allowlist=self._security.allowlist,
         ).start()
 
     # ---- per-step hooks -----------------------------------------------------------------------
