@@ -82,6 +82,24 @@ std::size_t FirstInvalidUtf8(std::string_view s) {
   return std::string_view::npos;
 }
 
+/// The first byte of a character in `s` (valid UTF-8) that the control plane never carries in
+/// a name: a C0 or C1 control, DEL, U+2028/U+2029, or a bidirectional control (U+202A..U+202E,
+/// U+2066..U+2069); names end up in logs, and these would let a peer forge log lines. npos
+/// when there is none.
+std::size_t FirstUnprintable(std::string_view s) {
+  const auto at = [&](std::size_t i) { return static_cast<unsigned char>(s[i]); };
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    const unsigned char b0 = at(i);
+    if (b0 < 0x20 || b0 == 0x7F) return i;
+    if (b0 == 0xC2 && at(i + 1) <= 0x9F) return i;  // U+0080..U+009F
+    if (b0 == 0xE2 && ((at(i + 1) == 0x80 && at(i + 2) >= 0xA8 && at(i + 2) <= 0xAE) ||
+                       (at(i + 1) == 0x81 && at(i + 2) >= 0xA6 && at(i + 2) <= 0xA9))) {
+      return i;
+    }
+  }
+  return std::string_view::npos;
+}
+
 Result<std::string> BoundedStr(const mp::Value& v, const std::string& what) {
   MORIIO_ASSIGN_OR_RETURN(std::string s, mp::AsStr(v, what));
   MORIIO_RETURN_IF_ERROR(CheckName(s, what));
@@ -169,6 +187,11 @@ Status CheckName(std::string_view name, const std::string& what) {
   if (const std::size_t bad = FirstInvalidUtf8(name); bad != std::string_view::npos) {
     return InvalidArgumentError(what + " is not valid UTF-8 (byte " + std::to_string(bad) +
                                 " of " + std::to_string(name.size()) + ")");
+  }
+  if (const std::size_t bad = FirstUnprintable(name); bad != std::string_view::npos) {
+    return InvalidArgumentError(what + " holds a control, line-separator or bidirectional "
+                                "character (byte " + std::to_string(bad) + " of " +
+                                std::to_string(name.size()) + ")");
   }
   return Status::OK();
 }

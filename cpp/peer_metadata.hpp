@@ -23,8 +23,9 @@ inline constexpr std::size_t kMaxLayers = 65536;
 inline constexpr std::size_t kMaxKeyBytes = std::size_t{1} << 20;
 
 /// Whether `name` (an engine id, a backend or layer name: `what` says which) is one a peer's
-/// metadata decoder accepts: 1..kMaxNameBytes bytes of well-formed UTF-8. InvalidArgument naming
-/// `what` and the first bad byte otherwise.
+/// metadata decoder accepts: 1..kMaxNameBytes bytes of well-formed UTF-8 without control,
+/// line-separator or bidirectional characters. InvalidArgument naming `what` and the first bad
+/// byte otherwise.
 Status CheckName(std::string_view name, const std::string& what);
 
 struct RegionRecord {

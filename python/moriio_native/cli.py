@@ -422,6 +422,14 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             "pip install 'moriio-native[bench]' (or matplotlib)"
         )
         return 3
+    if args.plot:
+        target = os.path.dirname(os.path.abspath(args.plot))
+        if not os.path.isdir(target) or not os.access(target, os.W_OK):
+            console.print(
+                f"[red]bench could not run:[/red] --plot {args.plot}: {target} is not a "
+                "writable directory"
+            )
+            return 3
     try:
         doc = run_bench(args, console)
     except (MoriioError, ImportError) as exc:
@@ -430,7 +438,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         try:
             write_plot(doc, args.plot)
-        except (ImportError, ValueError) as exc:
+        except (ImportError, ValueError, OSError) as exc:
             console.print(f"[red]no plot:[/red] {exc}")
             return 3
         doc["plot"] = args.plot

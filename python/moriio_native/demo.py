@@ -133,6 +133,10 @@ class DemoConfig:
                 f"demo: num_blocks ({num_blocks}) must exceed blocks_per_request "
                 f"({self.blocks_per_request}) so some blocks stay untouched"
             )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise InvalidArgumentError(
+                f"demo: seed must be a non-negative integer, got {self.seed!r}"
+            )
         if not self.timeout > 0:
             raise InvalidArgumentError(f"demo: timeout must be positive, got {self.timeout!r}")
         if self.inject_fault not in (None, "dst", "outside"):

@@ -164,6 +164,12 @@ class LayerRegistration:
         return base, size
 
     def _native(self) -> Any:
+        flags = getattr(self.tensor, "flags", None)
+        if isinstance(self.tensor, np.ndarray) and flags is not None and not flags.writeable:
+            raise InvalidArgumentError(
+                f"layer {self.name!r}: the array is read-only (numpy writeable=False); peers "
+                "write into registered memory"
+            )
         base, size = self._allocation()
         return _native._LayerRegistration(
             self.name,
@@ -196,12 +202,32 @@ class BlockSegment:
 
     def _native(self) -> tuple[list[str], Any, Any, Any, Any]:
         return (
-            list(self.layers or []),
+            _layer_names(self.layers, "segment"),
             self.local_blocks,
             self.remote_blocks,
             self.local_window._native(),
             self.remote_window._native(),
         )
+
+
+def _refuse_text(layers: object, what: str) -> None:
+    """A string given for a sequence of layer names would be read character by character."""
+    if isinstance(layers, (str, bytes)):
+        raise InvalidArgumentError(
+            f"{what}: layers must be a sequence of layer names, got the string {layers!r}"
+        )
+
+
+def _layer_names(layers: Sequence[str] | None, what: str) -> list[str]:
+    """``layers`` as a list; None (every layer) as []. An empty sequence is refused: it would
+    be taken as every layer."""
+    if layers is None:
+        return []
+    _refuse_text(layers, what)
+    names = list(layers)
+    if not names:
+        raise InvalidArgumentError(f"{what}: layers is empty (None means every layer)")
+    return names
 
 
 def _native_segments(segments: Sequence[BlockSegment]) -> list[Any]:
@@ -230,6 +256,8 @@ class Engine:
         terminal_history: int = 65536,
         page_size: int = 4096,
     ) -> None:
+        if int(terminal_history) < 0:
+            raise InvalidArgumentError(f"terminal_history must be >= 0, got {terminal_history}")
         self._engine = _native._Engine(
             engine_id,
             backend,
@@ -326,7 +354,8 @@ class Engine:
         layers: Sequence[str] | None = None,
     ) -> None:
         """Pull ``remote_blocks`` of every layer (or ``layers``) into ``local_blocks``."""
-        self._engine.read(transfer_id, peer, local_blocks, remote_blocks, list(layers or []))
+        names = _layer_names(layers, f"read {transfer_id!r}")
+        self._engine.read(transfer_id, peer, local_blocks, remote_blocks, names)
 
     def read_segments(self, transfer_id: str, peer: str, segments: Sequence[BlockSegment]) -> None:
         """Pull every segment (its layers x block pairs x windows) as ONE transfer.
@@ -408,6 +437,7 @@ class Engine:
 
         ``cuda_event``: one event recorded after the work that produces every one of
         ``layers``; each of their copies waits for it (see ``write_layer``)."""
+        _refuse_text(layers, f"write_layers {transfer_id!r}")
         return self._engine.write_layers(
             transfer_id, list(layers), peer, local_blocks, remote_blocks, cuda_event
         )
@@ -421,6 +451,11 @@ class Engine:
         count; more layers than ``expected_writes`` fail the transfer. False when the engine
         remembers the transfer as ended (a late seal, or a reused id): ignored, and no event
         follows from it."""
+        if isinstance(expected_writes, bool) or not isinstance(expected_writes, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"transfer {transfer_id!r}: expected_writes must be an integer, got "
+                f"{expected_writes!r}"
+            )
         return self._engine.seal(transfer_id, peer, int(expected_writes))
 
     def abort(self, transfer_id: str) -> None:
@@ -428,6 +463,8 @@ class Engine:
 
     def poll_events(self, max_events: int = 1024, timeout: float = 0.0) -> list[TransferEvent]:
         """Terminal events, oldest first, waiting up to ``timeout`` seconds for the first."""
+        if max_events < 0:
+            raise InvalidArgumentError(f"poll_events: max_events must be >= 0, got {max_events}")
         return self._engine.poll_events(int(max_events), float(timeout))
 
     def poll_drained(self, max_transfers: int = 1024) -> list[DrainedTransfer]:
@@ -453,6 +490,10 @@ class Engine:
                 f"wait: timeout must be a number of seconds, got {timeout!r}"
             )
         deadline = time.monotonic() + timeout
+        if isinstance(transfer_ids, (str, bytes)):
+            raise InvalidArgumentError(
+                f"wait: transfer_ids must be a sequence of ids, got the string {transfer_ids!r}"
+            )
         seen: dict[str, TransferEvent] = {}
         wanted = set(transfer_ids)
         while True:

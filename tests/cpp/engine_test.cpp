@@ -1552,11 +1552,13 @@ TEST(EngineConfigCheck, PageSizeIsAPowerOfTwoOfAtLeastOnePage) {
   }
 }
 
-// An engine id every peer's metadata decoder refuses (not UTF-8, empty, too long) is refused
-// when the engine is made, naming the byte, not at each peer's AddPeer after registration.
+// An engine id every peer's metadata decoder refuses (not UTF-8, empty, too long, a control
+// character) is refused when the engine is made, naming the byte, not at each peer's AddPeer
+// after registration.
 TEST(EngineConfigCheck, AnEngineIdNoPeerCouldReadIsRefused) {
   for (const std::string& id :
-       {std::string(), std::string("prefill-\xc3"), std::string(1025, 'p')}) {
+       {std::string(), std::string("prefill-\xc3"), std::string(1025, 'p'),
+        std::string("prefill\n[INFO] forged")}) {
     SCOPED_TRACE("engine_id of " + std::to_string(id.size()) + " bytes");
     EngineConfig config;
     config.engine_id = id;

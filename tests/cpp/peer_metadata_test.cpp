@@ -410,6 +410,35 @@ TEST_F(BadMetadata, NonUtf8StringsAreRejected) {
   EXPECT_EQ(decoded->engine_id, "d\xc3\xa9" "code-\xe5\xb1\x82-\xf0\x9f\x98\x80-\xf4\x8f\xbf\xbf");
 }
 
+// Names end up in logs: a control character, a line separator or a bidirectional control
+// would let a peer forge log lines, as the control plane's schema says for its ids. Each is
+// refused in every name field; the printable neighbours of each range decode.
+TEST_F(BadMetadata, NamesWithControlOrBidirectionalCharactersAreRejected) {
+  const std::vector<std::string> bad = {
+      std::string("a\nb"),          std::string("a\x1b[31mred"), std::string("del\x7f"),
+      std::string("c1\xc2\x85"),    std::string("ls\xe2\x80\xa8"), std::string("ps\xe2\x80\xa9"),
+      std::string("rlo\xe2\x80\xae"), std::string("lri\xe2\x81\xa6"), std::string("pdi\xe2\x81\xa9"),
+      std::string(1, '\0'),
+  };
+  for (const std::string& s : bad) {
+    SCOPED_TRACE(::testing::PrintToString(s));
+    mp::Value id = Tree();
+    At(id, "engine_id") = Str(s);
+    ExpectRejected(id, StatusCode::kInvalidArgument, "engine_id holds a control");
+    mp::Value name = Tree();
+    At(Layer(name, 0), "name") = Str(s);
+    ExpectRejected(name, StatusCode::kInvalidArgument, "name holds a control");
+  }
+  for (const std::string& s : {std::string("nbsp\xc2\xa0"), std::string("dash\xe2\x80\x94"),
+                               std::string("wj\xe2\x81\xa0"), std::string("tilde~")}) {
+    SCOPED_TRACE(::testing::PrintToString(s));
+    mp::Value good = Tree();
+    At(good, "engine_id") = Str(s);
+    Result<detail::EngineMetadata> decoded = detail::DecodeMetadata(mp::Encode(good));
+    EXPECT_TRUE(decoded.ok()) << decoded.status().ToString();
+  }
+}
+
 TEST_F(BadMetadata, RegionIndexOutOfRangeIsRejected) {
   for (std::uint64_t region : {std::uint64_t{1}, std::uint64_t{4096}, kU64Max}) {
     SCOPED_TRACE("region " + std::to_string(region));

@@ -253,10 +253,15 @@ def test_config_rejects_bad_values_naming_the_key(extra: dict, needle: str) -> N
         ConnectorConfig.from_extra_config(extra, role="kv_producer", tp_size=2)
 
 
-def test_config_warns_about_unknown_keys(caplog: pytest.LogCaptureFixture) -> None:
+def test_config_warns_about_unknown_keys_and_refuses_near_misses(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     with caplog.at_level(logging.WARNING, logger="moriio_native.vllm.config"):
+        ConnectorConfig.from_extra_config({"some_other_tools_key": 1}, role="kv_producer")
+    assert "some_other_tools_key" in caplog.text
+    # A typo of a known key would leave that key at its default without a word.
+    with pytest.raises(InvalidArgumentError, match="did you mean 'handshake_port'"):
         ConnectorConfig.from_extra_config({"handshake_prot": 1}, role="kv_producer")
-    assert "handshake_prot" in caplog.text
 
 
 # ---- spec mapping -----------------------------------------------------------------------------
@@ -490,7 +495,9 @@ def test_launch_recipe_config_is_accepted_by_vllm_and_the_connector(
 
 def test_config_proxy_auth_is_off_unless_asked() -> None:
     assert not ConnectorConfig.from_extra_config({}, role="kv_producer").proxy_auth
-    on = ConnectorConfig.from_extra_config({"proxy_auth": "true"}, role="kv_producer")
+    on = ConnectorConfig.from_extra_config(
+        {"proxy_auth": "true", "auth_secret": "0123456789abcdef-shared"}, role="kv_producer"
+    )
     assert on.proxy_auth
     with pytest.raises(InvalidArgumentError, match="proxy_auth"):
         ConnectorConfig.from_extra_config({"proxy_auth": "maybe"}, role="kv_producer")

@@ -443,11 +443,10 @@ class PeerAllowlist:
                 networks += [ipaddress.ip_network("0.0.0.0/0"), ipaddress.ip_network("::/0")]
                 everyone = True
                 continue
-            try:
-                networks.append(_unmapped(ipaddress.ip_network(text, strict=False)))
+            network = _network_or_none(text)
+            if network is not None:
+                networks.append(_unmapped(network))
                 continue
-            except ValueError:
-                pass
             try:
                 names.add(validate_host(text, what=f"{CONFIG_ALLOWED_PEERS} entry"))
             except InvalidArgumentError as exc:
@@ -587,6 +586,25 @@ def _mapped(network: ipaddress.IPv4Network) -> str:
 
 # Where an IPv6 listener sees its IPv4 peers.
 _IPV4_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
+
+
+def _network_or_none(text: str) -> IpNetwork | None:
+    """``text`` as a network (an address alone: its own /32 or /128), None when it is none (a
+    host name). InvalidArgumentError for a CIDR with host bits set ("10.1.2.3/8"): read as its
+    network it would allow far more than the one host it names, so which was meant is asked."""
+    try:
+        return ipaddress.ip_network(text)
+    except ValueError:
+        pass
+    try:
+        widened = ipaddress.ip_network(text, strict=False)
+    except ValueError:
+        return None
+    host = text.split("/", 1)[0]  # only a prefix length can set host bits
+    raise InvalidArgumentError(
+        f"{CONFIG_ALLOWED_PEERS} entry {text!r} has host bits set: write the network "
+        f"({widened}) or the host alone ({host})"
+    )
 
 
 def _unmapped(network: IpNetwork) -> IpNetwork:

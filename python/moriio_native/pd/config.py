@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from moriio_native.control.addressing import validate_host
 from moriio_native.control.messages import KvGroup
 from moriio_native.errors import InvalidArgumentError
 
@@ -74,6 +75,20 @@ class PdConfig:
             raise InvalidArgumentError(
                 f"rank dp{self.dp_rank}/tp{self.tp_rank} outside dp_size {self.dp_size} / "
                 f"tp_size {self.tp_size}"
+            )
+        for name in ("handshake_port", "notify_port"):
+            port = getattr(self, name)
+            # 0: a port the system picks (each listener reports the one it bound).
+            if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+                raise InvalidArgumentError(f"{name} must be 0..65535, got {port!r}")
+        if not self.engine_id:
+            raise InvalidArgumentError("engine_id must not be empty")
+        validate_host(self.host_ip, what="host_ip")
+        both = sorted(set(self.split_layers) & set(self.whole_layers))
+        if both:
+            raise InvalidArgumentError(
+                f"split_layers and whole_layers both name {both[:4]}: a layer is split by "
+                "heads or held whole, not both"
             )
         if self.max_peers < 1:
             raise InvalidArgumentError(f"max_peers must be >= 1, got {self.max_peers}")

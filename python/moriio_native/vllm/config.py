@@ -112,6 +112,8 @@ Contents: :class:`ConnectorConfig` (immutable; ``from_extra_config``) and the co
 
 from __future__ import annotations
 
+import difflib
+import ipaddress
 import logging
 import os
 import socket
@@ -142,6 +144,8 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 Backend = Literal["auto", "ucx", "mori", "loopback"]
 #: A positive, finite number of seconds (at most ~30 years).
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+#: What the engine takes as transfer_timeout: positive, at most a year.
+TransferSeconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
 PeerCount = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 HandshakeSeconds = Annotated[
     float, msgspec.Meta(ge=MIN_LISTENER_HANDSHAKE_TIMEOUT, le=MAX_LISTENER_HANDSHAKE_TIMEOUT)
@@ -248,7 +252,7 @@ class ConnectorConfig(Schema, frozen=True):
     http_port: Port | None = None
     ping_interval: Seconds = DEFAULT_PING_INTERVAL
     proxy_auth: bool = False
-    transfer_timeout: Seconds = DEFAULT_TRANSFER_TIMEOUT
+    transfer_timeout: TransferSeconds = DEFAULT_TRANSFER_TIMEOUT
     abort_timeout: Seconds = DEFAULT_ABORT_TIMEOUT
     quarantine_timeout: Seconds = DEFAULT_QUARANTINE_TIMEOUT
     allowed_peers: tuple[str, ...] = ()
@@ -270,9 +274,23 @@ class ConnectorConfig(Schema, frozen=True):
         for key in ("host_ip", "bind_host", "proxy_ip"):
             value = getattr(self, key)
             if value is not None and not (key == "bind_host" and value == "*"):
-                msgspec.structs.force_setattr(
-                    self, key, validate_host(value, what=f"{_WHAT}.{key}")
-                )
+                value = validate_host(value, what=f"{_WHAT}.{key}")
+                msgspec.structs.force_setattr(self, key, value)
+                if key != "bind_host":
+                    try:
+                        ip = ipaddress.ip_address(value)
+                    except ValueError:
+                        continue
+                    if ip.is_unspecified or ip.is_multicast:
+                        raise ValueError(
+                            f"{_WHAT}.{key} {value!r} is not an address a peer can dial (to "
+                            "listen on every interface, set bind_host '*')"
+                        )
+        if self.proxy_auth and self.auth_secret is None:
+            raise ValueError(
+                f"{_WHAT}.proxy_auth signs registration pings with auth_secret, and none is "
+                f"set (nor ${ENV_AUTH_SECRET})"
+            )
         if self.proxy_ip is not None and self.http_port is None:
             raise ValueError(
                 f"{_WHAT}.http_port is required with proxy_ip (the proxy forwards requests to "
@@ -349,6 +367,16 @@ class ConnectorConfig(Schema, frozen=True):
             and not k.startswith(BACKEND_OPTION_PREFIXES)
         )
         if unknown:
+            # A near miss of a known key is a typo whose key would silently stay at its default
+            # (auth_secert: no authentication): refused. Others may be meant for another tool.
+            known = sorted(_KNOWN_KEYS | BACKEND_OPTION_KEYS)
+            typos = {k: difflib.get_close_matches(k, known, n=1, cutoff=0.8) for k in unknown}
+            typos = {k: m[0] for k, m in typos.items() if m}
+            if typos:
+                raise InvalidArgumentError(
+                    f"unknown {_WHAT} keys: "
+                    + ", ".join(f"{k!r} (did you mean {m!r}?)" for k, m in sorted(typos.items()))
+                )
             logger.warning("ignoring unknown %s keys: %s", _WHAT, ", ".join(unknown))
         legacy = sorted(k for k in extra if k in _IGNORED_LEGACY_KEYS)
         if legacy:
@@ -362,11 +390,21 @@ class ConnectorConfig(Schema, frozen=True):
         raw.update({k: get(k) for k in _PLAIN_KEYS if get(k) is not None})
         if isinstance(raw.get("mode"), str):
             raw["mode"] = raw["mode"].strip().lower()
-        elif get("read_mode") is not None:
+        if get("read_mode") is not None:
             raw["read_mode"] = get("read_mode")
         if isinstance(raw.get("backend"), str):
             raw["backend"] = raw["backend"].strip().lower()
         abort = get("abort_timeout") if get("abort_timeout") is not None else get("defer_timeout")
+        if get("abort_timeout") is not None and get("defer_timeout") is not None:
+            try:
+                same = float(get("abort_timeout")) == float(get("defer_timeout"))
+            except (TypeError, ValueError):
+                same = False
+            if not same:
+                raise InvalidArgumentError(
+                    f"{_WHAT}: abort_timeout {get('abort_timeout')!r} and its legacy name "
+                    f"defer_timeout {get('defer_timeout')!r} disagree; set abort_timeout only"
+                )
         if abort is not None:
             raw["abort_timeout"] = abort
         host = get("host_ip")
@@ -382,6 +420,11 @@ class ConnectorConfig(Schema, frozen=True):
         if allowed is not None:
             raw["allowed_peers"] = allowed
         secret = get("auth_secret")
+        if secret is not None and not isinstance(secret, str):
+            raise InvalidArgumentError(
+                f"{_WHAT}.auth_secret must be a string, got {type(secret).__name__} (value not "
+                "shown)"
+            )
         if secret is None:
             secret = os.environ.get(ENV_AUTH_SECRET) or None
         if secret is not None:
@@ -401,13 +444,31 @@ class ConnectorConfig(Schema, frozen=True):
             for k, v in extra.items()
             if k.startswith(BACKEND_OPTION_PREFIXES) or k in BACKEND_OPTION_KEYS
         }
+        for key, value in {**options, **passed}.items():
+            if value is None or isinstance(value, (Mapping, list, tuple, set)):
+                raise InvalidArgumentError(
+                    f"{_WHAT}: backend option {key!r} must be a string or number, got "
+                    f"{type(value).__name__}"
+                )
+        for key in options.keys() & passed.keys():
+            if str(options[key]) != str(passed[key]):
+                raise InvalidArgumentError(
+                    f"{_WHAT}: backend option {key!r} is set twice, {passed[key]!r} and "
+                    f"engine_options {options[key]!r}; set it once"
+                )
         raw["engine_options"] = {str(k): str(v) for k, v in {**options, **passed}.items()}
         if "read_mode" in raw:
             read = raw.pop("read_mode")
             try:
-                raw["mode"] = "read" if convert(read, bool, strict=False) else "write"
+                legacy = "read" if convert(read, bool, strict=False) else "write"
             except msgspec.ValidationError as exc:
                 raise InvalidArgumentError(explain(f"{_WHAT}.read_mode", exc, read)) from None
+            if "mode" in raw and raw["mode"] != legacy:
+                raise InvalidArgumentError(
+                    f"{_WHAT}: mode {raw['mode']!r} and legacy read_mode {read!r} disagree; "
+                    "set mode only"
+                )
+            raw["mode"] = legacy
         try:
             return convert(raw, cls, strict=False)  # type: ignore[no-any-return]
         except msgspec.ValidationError as exc:
