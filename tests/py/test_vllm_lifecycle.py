@@ -1724,3 +1724,39 @@ def test_a_write_request_reusing_an_ended_transfer_id_still_frees_the_prefills_b
     assert p.free_blocks() == p.initial_free
     failed = d2.run_until(lambda r: rid2 in r.transfer.failed_recving, what="d2 told")
     assert failed[-1].transfer.failed_recving == {rid2}  # recomputed, not loaded
+
+
+def test_a_failed_sync_read_aborted_before_its_recompute_leaves_no_garbage_in_the_prefix_cache(
+    sides: list[Side], model_dir: str
+) -> None:
+    """read_loading 'sync': vLLM caches a synchronously loaded request's full blocks in its
+    prefix cache when it schedules it. The READ fails (its blocks reported as load errors);
+    with kv_load_failure_policy 'recompute' vLLM leaves them cached, trusting the request to
+    recompute them in its next step, and the client aborts it first. Before, a later request
+    with the same prompt and no KV transfer took the failed READ's blocks from the prefix
+    cache: 32 positions holding no one's KV taken as computed. Now the connector evicts a
+    failed load's blocks from the prefix cache when they are reported. (Found by a review,
+    2026-12-07.)"""
+    p = Side("prefill", "kv_producer", "read", model_dir, salt=1)
+    sides.append(p)
+    d = Side("decode", "kv_consumer", "read", model_dir, salt=2, extra={"read_loading": "sync"})
+    sides.append(d)
+    prompt = [(5 * 31 + i * 13) % 251 + 1 for i in range(40)]
+    rid, tid = pd_request_id(p, d), transfer_id()
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    finished = p.step().finished()
+    assert rid in finished
+    answer = dict(finished[rid].kv_transfer_params)
+    # A block id the prefill never had: the engine refuses the READ before moving anything.
+    answer["remote_block_ids"] = [p.num_blocks + 5, *answer["remote_block_ids"][1:]]
+    d.add_request(rid, prompt, params=decode_params(tid, answer), max_tokens=2)
+    first = d.step()
+    assert first.scheduled == {rid: 1}  # 39 tokens loaded synchronously ...
+    assert first.invalid_blocks  # ... and reported failed: vLLM is to recompute them
+    d.abort(rid)  # before the step that would have recomputed them
+    d.step()
+    again = "plain-" + transfer_id()
+    d.add_request(again, prompt, max_tokens=2)  # the same prompt, no KV transfer
+    cached = len(prompt) - d.step().scheduled[again]  # positions from the prefix cache
+    held = d.slot_matches(again, range(cached), d.salt, prompt)
+    assert [pos for pos, ok in enumerate(held) if not ok] == []

@@ -239,7 +239,9 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched().request_finished(request, block_ids)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().update_connector_output(connector_output.finished_sending)
+        self._sched().update_connector_output(
+            connector_output.finished_sending, connector_output.invalid_block_ids
+        )
 
     def set_xfer_handshake_metadata(
         self, metadata: dict[int, KVConnectorHandshakeMetadata]

@@ -745,8 +745,18 @@ class SchedulerSide:
             out[KEY_REMOTE_ANSWER_TAG] = self._auth.tag_answer(answer)
         return out
 
-    def update_connector_output(self, finished_sending: set[str] | None) -> None:
-        """The workers released these requests' blocks (vLLM frees them now)."""
+    def update_connector_output(
+        self, finished_sending: set[str] | None, invalid_block_ids: set[int] | None
+    ) -> None:
+        """The workers released ``finished_sending``'s blocks (vLLM frees them now), and
+        failed to load ``invalid_block_ids``. A synchronous load's blocks entered vLLM's prefix
+        cache when it was scheduled, and vLLM's recompute policy leaves a failed one's there,
+        trusting the request to recompute them: an abort or a preemption first would leave
+        them cached holding no one's KV. They leave the prefix cache now (the request still
+        recomputes into them; an async load's are not cached yet, and stay as they are)."""
+        if invalid_block_ids:
+            assert self._kv_cache_manager is not None, "the KV cache manager is not bound"
+            self._kv_cache_manager.evict_blocks(set(invalid_block_ids))
         if finished_sending:
             self._held.difference_update(finished_sending)
             for rid in finished_sending:
