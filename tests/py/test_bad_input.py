@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 import moriio_native as mn
-from moriio_native import kvcache as kc
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.vllm.config import ConnectorConfig
 
@@ -21,21 +20,6 @@ def _no_env_secret(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def _cfg(extra: dict, role: str = "kv_consumer", **kw) -> ConnectorConfig:
     return ConnectorConfig.from_extra_config(extra, role=role, **kw)
-
-
-@pytest.fixture()
-def pair() -> tuple[kc.KvCacheSet, kc.KvCacheSet, mn.Engine, mn.Engine]:
-    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=12)
-    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=20)
-    kc.fill_random(prefill, seed=1)
-    kc.fill_random(decode, seed=2)
-    ep = mn.Engine("prefill-0", "loopback")
-    ed = mn.Engine("decode-0", "loopback")
-    meta_p = ep.register_kv_caches(prefill.registrations())
-    meta_d = ed.register_kv_caches(decode.registrations())
-    assert ed.add_peer(meta_p) == "prefill-0"
-    assert ep.add_peer(meta_d) == "decode-0"
-    return prefill, decode, ep, ed
 
 
 # ---- connector configuration ---------------------------------------------------------------------

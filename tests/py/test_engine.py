@@ -17,21 +17,6 @@ from moriio_native import kvcache as kc
 from moriio_native.vllm.config import BACKEND_OPTION_KEYS
 
 
-@pytest.fixture()
-def pair() -> tuple[kc.KvCacheSet, kc.KvCacheSet, mn.Engine, mn.Engine]:
-    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=12)
-    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=20)
-    kc.fill_random(prefill, seed=1)
-    kc.fill_random(decode, seed=2)
-    ep = mn.Engine("prefill-0", "loopback")
-    ed = mn.Engine("decode-0", "loopback")
-    meta_p = ep.register_kv_caches(prefill.registrations())
-    meta_d = ed.register_kv_caches(decode.registrations())
-    assert ed.add_peer(meta_p) == "prefill-0"
-    assert ep.add_peer(meta_d) == "decode-0"
-    return prefill, decode, ep, ed
-
-
 def test_mixed_model_has_every_generation() -> None:
     shapes = kc.mixed_model("prefill") + kc.mixed_model("decode")
     generations = {s.generation for s in shapes}
