@@ -55,10 +55,21 @@ class CellWindow:
     tokens: int | None = None
 
     def _native(self) -> tuple[int, int | None, int, int | None]:
-        def count(v: int | None) -> int | None:
-            return None if v is None else int(v)
+        def whole(name: str) -> int:
+            # A float or a bool is refused, never truncated: 1.5 heads in would move heads 1..
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+                raise InvalidArgumentError(
+                    f"{self!r}: {name} must be an integer, got {type(value).__name__} {value!r}"
+                )
+            if not -(2**63) <= value < 2**63:  # the engine's window fields (int64)
+                raise InvalidArgumentError(f"{self!r}: {name} {value} is out of range")
+            return int(value)
 
-        return (int(self.head_begin), count(self.heads), int(self.token_begin), count(self.tokens))
+        def count(name: str) -> int | None:
+            return None if getattr(self, name) is None else whole(name)
+
+        return (whole("head_begin"), count("heads"), whole("token_begin"), count("tokens"))
 
 
 WHOLE_BLOCK = CellWindow()

@@ -1253,8 +1253,8 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     """A peer of protocol version 1 (the release before the incarnation and tokens_per_state
     fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
     READ hold), 4 (before write_aborted named its decode rank), 5 (before confirm_reads and
-    hold checks), 6 (before remote_blocks named the prefill incarnation) or 7 (before
-    misaddressed) gets the version
+    hold checks), 6 (before remote_blocks named the prefill incarnation), 7 (before
+    misaddressed) or 8 (before checksum requests stated the answer's block order) gets the version
     error, with its nonce, and so does a newer one whose request carries a key this version
     does not know (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
@@ -1262,20 +1262,20 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 8)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 9)"
         assert reply.nonce == v1["nonce"]
-        for older in (2, 3, 4, 5, 6, 7):
+        for older in (2, 3, 4, 5, 6, 7, 8):
             reply = _ask_raw(dealer, {**v1, "protocol_version": older})
-            assert reply.reason == f"protocol version {older} is not supported (this side speaks 8)"
-        v9 = {**v1, "protocol_version": 9, "field_of_version_9": [1, 2]}
-        reply = _ask_raw(dealer, v9)
-        assert reply.reason == "protocol version 9 is not supported (this side speaks 8)"
-        assert server.stats()["rejected"] == 8
+            assert reply.reason == f"protocol version {older} is not supported (this side speaks 9)"
+        v10 = {**v1, "protocol_version": 10, "field_of_version_10": [1, 2]}
+        reply = _ask_raw(dealer, v10)
+        assert reply.reason == "protocol version 10 is not supported (this side speaks 9)"
+        assert server.stats()["rejected"] == 9
 
 
-def test_protocol_version_is_8():
-    assert PROTOCOL_VERSION == 8
-    assert HandshakeRequest("d").protocol_version == 8
+def test_protocol_version_is_9():
+    assert PROTOCOL_VERSION == 9
+    assert HandshakeRequest("d").protocol_version == 9
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1338,7 +1338,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 8)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 9)")
 
 
 @pytest.mark.parametrize(

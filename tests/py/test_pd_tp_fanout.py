@@ -463,16 +463,25 @@ def test_checksums_are_answered_only_while_the_read_hold_lasts() -> None:
     only for blocks the transfer's answer named."""
     ctx, _, _, _ = context("read", producer=True, tp_rank=0, tp_size=1)
     pusher = Pusher(ctx)
-    pusher.begin_step([], [SendTask("req-A", "tx-A", block_ids=(1, 2, 3))])
-    assert pusher.held_for_checksums("tx-A", (3, 1)) is None
-    # Only the blocks the answer named (an answer changed on its way names others).
-    assert pusher.held_for_checksums("tx-A", (2, 7, 9)) == (
+    answer = (1, 2, 3)
+    pusher.begin_step([], [SendTask("req-A", "tx-A", block_ids=answer)])
+    assert pusher.held_for_checksums("tx-A", (3, 1), 0, answer) is None
+    # Only the blocks the answer named (an answer changed on its way names others) ...
+    assert pusher.held_for_checksums("tx-A", (2, 7, 9), 0, answer) == (
         "blocks [7, 9] (2 in all) are not among the 3 its answer named"
     )
+    # ... and only under the answer as given: the decode loads block i of the prompt from its
+    # i-th block, so the same blocks in another order put every position's KV elsewhere.
+    for used in ((3, 2, 1), (2, 1, 3), ()):
+        assert "or these in another order" in str(
+            pusher.held_for_checksums("tx-A", (3, 1), 0, used)
+        )
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=0))
-    assert pusher.held_for_checksums("tx-A", ()) is None  # decode rank 1 still reads
+    assert pusher.held_for_checksums("tx-A", (), 0, answer) is None  # decode rank 1 still reads
     pusher.on_release(Release("tx-A", consumer_tp_size=2, consumer_tp_rank=1))
-    assert pusher.held_for_checksums("tx-A", ()) == "its blocks are no longer held: released"
+    assert pusher.held_for_checksums("tx-A", (), 0, answer) == (
+        "its blocks are no longer held: released"
+    )
 
     pusher.begin_step([], [SendTask("req-B", "tx-B")])
     pusher.check_timeouts(time.monotonic() + ctx.cfg.abort_timeout + 1)

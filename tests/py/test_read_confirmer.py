@@ -83,7 +83,9 @@ def test_a_hold_check_names_the_answer_and_passes_when_the_prefill_confirms() ->
     confirmer = ReadConfirmer(_security(), "decode-0", timeout=5.0)
     verdicts = Verdicts()
     with HandshakeServer(0, _metadata, _security(), bind_host=LOCAL, checksums=answer) as server:
-        confirmer.confirm("t-1", _peer(server.port), (7, 3, 9), 1234, verdicts.for_("t-1"))
+        confirmer.confirm(
+            "t-1", _peer(server.port), (7, 3, 9), 1234, verdicts.for_("t-1"), (9, 7, 3, 5)
+        )
         verdicts.wait("t-1")
         confirmer.confirm("t-2", _peer(server.port), (7,), 1234, verdicts.for_("t-2"))
         verdicts.wait("t-2")
@@ -95,6 +97,7 @@ def test_a_hold_check_names_the_answer_and_passes_when_the_prefill_confirms() ->
     request = asked[0]
     assert len(asked) == 2 and request.hold_only and request.transfer_id == "t-1"
     assert request.block_ids == (7, 3, 9) and request.hold_until_ms == 1234
+    assert request.answer_ids == (9, 7, 3, 5)  # the answer as the READ used it, in order
 
 
 def test_a_refused_hold_check_fails_naming_the_prefill_the_transfer_and_the_reason() -> None:

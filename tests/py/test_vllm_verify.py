@@ -385,3 +385,58 @@ def test_sides_that_disagree_on_verify_are_refused_clearly(
             assert d.step().scheduled == {rid: len(prompt)}
     assert "set the same 'verify' on both instances" in caplog.text
     assert all(d.slot_matches(rid, range(len(prompt)), d.salt, prompt))
+
+
+@pytest.mark.parametrize("rearranged", ["swapped", "rotated"])
+@pytest.mark.parametrize("checked", ["verify", "confirm_reads"])
+def test_an_answer_with_its_own_blocks_reordered_fails_its_load(
+    sides: list[Side], model_dir: str, checked: str, rearranged: str
+) -> None:
+    """An answer changed on its way (a proxy that sorts the ids) that names the transfer's own
+    blocks in another order: the READ puts the prefill's block j where block i belongs. The
+    prefill's check tested only that each block the READ took was among those it answered
+    (a set), and verify's checksums are per block over the READ's own pairing: both passed,
+    and the decode's slots held other positions' KV (39 of 39 seen, 2026-12-07 review). The
+    decode now states the answer as it used it, and the prefill answers only for its own."""
+    extra = {checked: True}
+    p, d = make_pair(sides, model_dir, "read", p_extra=extra, d_extra=extra)
+    prompt = prompt_of(40, seed=67)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    answer = run_prefill(p, rid, prompt, tid)
+    p.step()  # held from here
+    ids = list(answer["remote_block_ids"])
+    ids = [ids[1], ids[0], *ids[2:]] if rearranged == "swapped" else [*ids[1:], ids[0]]
+    d.add_request(rid, prompt, params=decode_params(tid, {**answer, "remote_block_ids": ids}))
+    loaded = load(d, rid)
+    assert loaded.invalid_blocks == set(loaded.blocks[: -(-(len(prompt) - 1) // BLOCK_SIZE)])
+    failed = "verify_failures" if checked == "verify" else "confirm_failures"
+    assert loaded.stats is not None and loaded.stats.data[failed] == 1
+
+
+def test_a_write_into_reordered_decode_blocks_fails_verify(
+    sides: list[Side], model_dir: str
+) -> None:
+    """WRITE: an announcement reordered on its way (the prefill writes its block 0 into the
+    decode's block 1 and back) fails the check: the decode compares in its own announced
+    order (checked by the 2026-12-07 review beside the READ case above)."""
+    prompt = prompt_of(45, seed=73)
+    p, d = make_pair(sides, model_dir, "write", p_extra=VERIFY, d_extra=VERIFY)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    d.add_request(rid, prompt, params=decode_params(tid), max_tokens=2)
+    assert d.step().scheduled == {}
+    pushing = p.worker.worker._core.pusher
+    original = pushing.on_remote_blocks
+
+    def reordered(message: Any) -> None:
+        first = list(message.block_ids[0])
+        i, j = [k for k, b in enumerate(first) if b != 0][:2]
+        first[i], first[j] = first[j], first[i]
+        original(message.replace(block_ids=(tuple(first), *message.block_ids[1:])))
+
+    pushing.on_remote_blocks = reordered
+    p.add_request(rid, prompt, params=prefill_params(tid), max_tokens=1)
+    assert rid in p.step().finished()
+    p.run_until(lambda r: rid in r.transfer.finished_sending, what="writes done")
+    got = d.run_until(lambda r: rid in r.scheduled, what="decode to resume")
+    assert sum(r.stats.data.get("verify_failures", 0) for r in got if r.stats) == 1
+    assert got[-1].scheduled == {rid: len(prompt)}  # recomputed

@@ -104,9 +104,10 @@ from .schema import (
 # another incarnation writes nothing), write_failed the writer's incarnation. 8: misaddressed
 # (such a prefill keeps the job and asks for the blocks announced to it), remote_blocks'
 # deduplication key names the prefill incarnation (the announcement to the new process is not a
-# copy of the first). A peer of another version is refused at the handshake by its version,
-# before any field of it is checked.
-PROTOCOL_VERSION = 8
+# copy of the first). 9: the checksum request states the answer's block ids as the READ used
+# them (answer_ids), refused unless they are the prefill's own in its order. A peer of another
+# version is refused at the handshake by its version, before any field of it is checked.
+PROTOCOL_VERSION = 9
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
@@ -556,6 +557,9 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     # The hold the READ's answer stated (remote_hold_until_ms; 0: none): the prefill answers
     # only while it holds the transfer under that answer, not a later one reusing the id.
     hold_until_ms: EpochMs = 0
+    # The answer's block ids as the READ used them (every group's, flat, in the answer's
+    # order): the prefill answers only when they are exactly its answer's (empty: refused).
+    answer_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)] = ()
 
 
 @_tagged

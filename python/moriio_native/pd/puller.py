@@ -299,6 +299,13 @@ class _Await:
         return {r: p.peer for r, p in self.parts.items() if p.peer is not None}
 
 
+def _answer_ids(task: RecvTask) -> tuple[int, ...]:
+    """The answer's block ids as this READ used them: every group's, flat, in order."""
+    if task.grouped is None:
+        return tuple(task.remote_block_ids)
+    return tuple(b for ids in task.grouped.remote for b in ids)
+
+
 def _read_remote_ids(task: RecvTask) -> tuple[int, ...]:
     """The prefill blocks a READ of ``task`` takes (every group's, without the null block)."""
     return task.remote_block_ids if task.grouped is None else task.grouped.remote_ids()
@@ -622,6 +629,7 @@ class Puller:
                 _read_remote_ids(task),
                 task.remote_hold_until_ms or 0,
                 lambda why: self._read_checked(read, part, event, why, confirmed=True),
+                _answer_ids(task),
             )
             return
         if part.verified_pairs is None:
@@ -636,6 +644,7 @@ class Puller:
             remote,
             lambda why: self._read_checked(read, part, event, why, confirmed=False),
             task.remote_hold_until_ms or 0,
+            _answer_ids(task),
         )
 
     def _read_checked(

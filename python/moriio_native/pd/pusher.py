@@ -1863,7 +1863,11 @@ class Pusher:
     # ---- READ holds (verify) -------------------------------------------------------------------
 
     def held_for_checksums(
-        self, tid: str, block_ids: Sequence[int], hold_until_ms: int = 0
+        self,
+        tid: str,
+        block_ids: Sequence[int],
+        hold_until_ms: int = 0,
+        answer_ids: Sequence[int] = (),
     ) -> str | None:
         """None while this rank holds the blocks of READ transfer ``tid`` for its decode under
         the answer that stated ``hold_until_ms`` (0: the asker names none) and ``block_ids``
@@ -1889,6 +1893,7 @@ class Pusher:
                 return f"this rank holds no blocks of it (none within {SEND_TASK_WAIT_S:g}s)"
             answered = send.answered
             stated = send.task.hold_until_ms
+            given = tuple(send.task.block_ids)
         if hold_until_ms and stated and hold_until_ms != stated:
             return (
                 f"its blocks are held for another answer under that transfer id (stating a hold "
@@ -1899,6 +1904,14 @@ class Pusher:
             return (
                 f"blocks {strangers[:8]} ({len(strangers)} in all) are not among the "
                 f"{len(answered)} its answer named"
+            )
+        if tuple(answer_ids) != given:
+            # The decode loads block i of the prompt from the answer's i-th block: an answer
+            # reordered on its way names only blocks held here, and each block's checksum
+            # matches, while every position holds another's KV.
+            return (
+                "the READ used an answer naming other blocks than the one this rank gave, or "
+                "these in another order, or stated none"
             )
         return None
 

@@ -136,6 +136,7 @@ class Verifier:
         remote_ids: Sequence[int],
         verdict: Verdict,
         hold_until_ms: int = 0,
+        answer_ids: Sequence[int] = (),
     ) -> None:
         """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``, under the
         answer that stated ``hold_until_ms``) with ours of ``local_ids``, computed meanwhile;
@@ -164,7 +165,9 @@ class Verifier:
 
             ours.add_done_callback(compare)
 
-        request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
+        request = _checksum_request(
+            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids
+        )
         _ask_prefill(self._requests, peer, request, self._timeout, answered)
 
     def _read_verdict(
@@ -325,6 +328,7 @@ class ReadConfirmer:
         remote_ids: Sequence[int],
         hold_until_ms: int,
         verdict: Verdict,
+        answer_ids: Sequence[int] = (),
     ) -> None:
         """Ask ``peer`` whether it still holds ``transfer_id``'s blocks under the answer that
         stated ``hold_until_ms`` and ``remote_ids`` (the blocks the READ took) are that
@@ -338,12 +342,18 @@ class ReadConfirmer:
         def answered(outcome: ChecksumResponse | MoriioError) -> None:
             verdict(f"{not_confirmed}: {outcome}" if isinstance(outcome, MoriioError) else None)
 
-        request = _checksum_request(self._engine_id, transfer_id, remote_ids, hold_until_ms)
+        request = _checksum_request(
+            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids
+        )
         _ask_prefill(self._requests, peer, request.replace(hold_only=True), self._timeout, answered)
 
 
 def _checksum_request(
-    engine_id: str, transfer_id: str, remote_ids: Sequence[int], hold_until_ms: int
+    engine_id: str,
+    transfer_id: str,
+    remote_ids: Sequence[int],
+    hold_until_ms: int,
+    answer_ids: Sequence[int] = (),
 ) -> ChecksumRequest:
     """A decode's request about the prefill blocks ``remote_ids`` its READ of ``transfer_id``
     took, under the answer that stated ``hold_until_ms``."""
@@ -352,6 +362,7 @@ def _checksum_request(
         transfer_id=transfer_id,
         block_ids=tuple(int(b) for b in remote_ids),
         hold_until_ms=hold_until_ms,
+        answer_ids=tuple(int(b) for b in answer_ids),
     )
 
 
