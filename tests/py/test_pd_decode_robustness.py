@@ -56,7 +56,9 @@ class PoolChecks:
     def __init__(self) -> None:
         self.pool = DaemonPool(2, "review-checks")
 
-    def confirm(self, tid: str, peer: Any, ids: Any, hold: int, verdict: Any) -> None:
+    def confirm(
+        self, tid: str, peer: Any, ids: Any, hold: int, verdict: Any, answer_ids: Any
+    ) -> None:
         _submit_check(self.pool, f"confirmation of transfer {tid}", lambda: None, verdict)
 
     def check_write(self, tid: str, checksums: Any, local: Any, verdict: Any) -> None:

@@ -2326,3 +2326,157 @@ def test_a_write_whose_drain_notice_came_first_still_ends_after_an_event_error(
     assert "tx-9" not in pusher._jobs or pusher._jobs["tx-9"].state is JobState.FAILED
     assert [m for _, m in sender.ports if isinstance(m, WriteFailed)]
     assert ctx.reports.done_sending == {"req-1"}
+
+
+def test_writes_staged_when_a_handshake_ends_on_the_thread_that_asked_for_it_are_fed() -> None:
+    """Prefill TP 1 -> decode TP 32 (MAX_UNCONFIRMED_JOBS = 16): decode ranks 0 and 16 both
+    announced, the forward ended. A handshake pool thread completes rank 0's handshake: its
+    callback (_connected -> _confirm_decode_tp) makes rank 16's job, which asks for rank 16's
+    handshake FROM THAT POOL THREAD (Pusher._connect records it as ``caller``). The same pool
+    thread then runs rank 16's handshake (the next task it takes): _connected gets
+    ``feed = get_ident() != caller`` == False, so rank 16's writes and seal stay in
+    ``_staged`` -- nobody feeds them to the writer (the prefill may have no more steps or
+    messages). The job then sat in WRITING until abort_timeout failed it (found by a review,
+    2026-12-07; seen failing)."""
+    decode_tp = 32
+    ctx, directory, _, _engine = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.begin_step([SaveTask("req-1", "tx-1", (1, 2, 3), 3, DECODE, decode_tp)], [])
+    for rank in (0, 16):
+        pusher.on_remote_blocks(
+            RemoteBlocks("tx-1", ((20, 21, 22),), f"d:8000/dp0/tp{rank}", decode_tp_rank=rank)
+        )
+    pusher.forward_done([*DENSE, *WHOLE], None)  # the step is over: no hook feeds any more
+
+    # One handshake pool thread completes the pending handshakes in turn (rank 0's, whose
+    # callback asks for rank 16's from this thread, then rank 16's).
+    ranks: list[int] = []
+    pool_thread = threading.Thread(
+        target=lambda: ranks.extend(answer_handshakes(directory, DECODE, decode_tp, "WRITE"))
+    )
+    pool_thread.start()
+    pool_thread.join(5)
+    assert not pool_thread.is_alive()
+    assert ranks == [0, 16], ranks
+    states = pusher.job_states()
+    assert states["tx-1"] is JobState.SEALED and states["tx-1#d16"] is JobState.SEALED
+
+    # What the writer thread can see: the queue. Nothing else calls feed_writer now.
+    queued = []
+    while not pusher._writer_q.empty():
+        queued.append(pusher._writer_q.get_nowait())
+    queued_jobs = sorted({job.transfer_id for _, job, _, _ in queued})
+    stranded = [(op, job.transfer_id) for op, job, _, _ in pusher._staged]
+    assert queued_jobs == ["tx-1", "tx-1#d16"] and not stranded, (
+        f"writer queue holds ops of {queued_jobs}; staged but never fed: {stranded}"
+    )
+
+
+def test_a_write_check_queued_at_verifier_shutdown_still_gets_its_verdict() -> None:
+    """Verifier.check_write / for_write_done queue their work on a DaemonPool of CHECK_THREADS
+    threads. Verifier.shutdown (PdCore.shutdown) cancels the queued tasks: the task that would
+    call ``verdict`` / ``done`` never runs, and nothing else calls it (no _when_dropped as
+    PeerDirectory uses, no done-callback as check_read uses: "one cancelled at shutdown still
+    gets its verdict"). The decode's WRITE part stays VERIFYING and the prefill's job stays
+    CHECKSUMMING for good: neither reached a terminal state (found by a review, 2026-12-07;
+    seen failing)."""
+    from moriio_native.control.security import ControlSecurity
+    from moriio_native.pd import verify as verify_module
+
+    busy = threading.Event()
+    release = threading.Event()
+    started = []
+
+    class SlowSums:
+        layers = ("attn.0",)
+
+        def compute(self, block_ids: Any, window: Any = None) -> dict[str, bytes]:
+            started.append(block_ids)
+            busy.set()
+            release.wait(10)
+            return {"attn.0": b"x" * 8}
+
+    security = ControlSecurity.from_config({"allowed_peers": ["127.0.0.1/32"]})
+    verifier = verify_module.Verifier(lambda: SlowSums(), security, "d:1/dp0/tp0", timeout=5.0)
+    verdicts: dict[str, object] = {}
+    sums_done: dict[str, object] = {}
+    try:
+        # Occupy every check thread, then queue one more of each kind behind them.
+        for i in range(verify_module.CHECK_THREADS):
+            verifier.check_write(f"busy-{i}", {"attn.0": b"x" * 8}, [i], lambda why: None)
+        verifier.check_write(
+            "queued-check", {"attn.0": b"x" * 8}, [99], lambda why: verdicts.update(q=why)
+        )
+        verifier.for_write_done(
+            "queued-sums", [98], lambda sums, why: sums_done.update(q=(sums, why))
+        )
+        deadline = time.monotonic() + 5
+        while len(started) < verify_module.CHECK_THREADS and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(started) == verify_module.CHECK_THREADS
+        verifier.shutdown()
+    finally:
+        release.set()
+    deadline = time.monotonic() + 3
+    while (not verdicts or not sums_done) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "q" in verdicts, "check_write queued at shutdown: its verdict never came"
+    assert "q" in sums_done, "for_write_done queued at shutdown: its done never came"
+
+
+def test_a_part_posted_while_its_sibling_failed_is_aborted() -> None:
+    """Decode TP 1 reading from prefill TP 2: two parts. Part 1's handshake is done and its
+    pool thread is inside the engine's post (Puller._post_read -> _post_part: it passed the
+    ``read.failing`` check, its state is still CONNECTING). Meanwhile part 0's handshake fails:
+    _stop_other_parts marks the load failing and aborts the parts it finds READING -- not
+    part 1 (still CONNECTING). Part 1's post then returns and advances it to READING; nothing
+    looks at ``read.failing`` again, so part 1's READ is never aborted: the failed load's report
+    (and the prefill's release) waits for part 1's READ to end on its own -- a stalled prefill
+    holds it up to the engine's transfer_timeout. Docstring of _stop_other_parts: "the other
+    parts posted are aborted ... and those not posted yet will not be" (found by a review,
+    2026-12-07; seen failing)."""
+    in_post = threading.Event()
+    go_on = threading.Event()
+
+    class SlowPartOne(Engine):
+        def _maybe_wait(self, tid: str) -> None:
+            if tid.endswith("p1"):
+                in_post.set()
+                go_on.wait(5)
+
+        def read(self, tid: str, peer: str, local: Any, remote: Any) -> None:
+            self._maybe_wait(tid)
+            super().read(tid, peer, local, remote)
+
+        def read_segments(self, tid: str, peer: str, segments: Any) -> None:
+            self._maybe_wait(tid)
+            super().read_segments(tid, peer, segments)
+
+    ctx, directory, _, _ = context("read", producer=False, tp_rank=0, tp_size=1)
+    engine = SlowPartOne()
+    ctx.engine = lambda: engine  # type: ignore[assignment]
+    puller = Puller(ctx)
+    puller.start(read_task("tx-2", 2))
+    pending = {k.handshake_port - PREFILL.handshake_port: f for k, f in directory.pending}
+    keys = {k.handshake_port - PREFILL.handshake_port: k for k, _ in directory.pending}
+    assert sorted(pending) == [0, 1]
+
+    # Part 1's handshake completes on a pool thread, which then posts its READ (held there).
+    pool_thread = threading.Thread(
+        target=lambda: pending[1].set_result(peer_at(keys[1], PREFILL, 1, 2, "READ"))
+    )
+    pool_thread.start()
+    try:
+        assert in_post.wait(5)
+        pending[0].set_exception(TransportError("prefill rank 0 unreachable"))  # part 0 fails
+    finally:
+        go_on.set()
+    pool_thread.join(5)
+    assert not pool_thread.is_alive()
+    posted = [c for c in engine.calls if c[0] in ("read", "read_segments")]
+    assert [c[1] for c in posted] == ["tx-2#p1"], engine.calls
+    aborted = [c[1] for c in engine.calls if c[0] == "abort"]
+    assert aborted == ["tx-2#p1"], (
+        f"part 1's READ was posted after its sibling failed and never aborted: {engine.calls}"
+    )

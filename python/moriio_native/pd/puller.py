@@ -482,6 +482,12 @@ class Puller:
         with self._ctx.lock:
             if part.machine.state is ReadState.CONNECTING:
                 part.machine.advance(ReadEvent.POSTED)
+            # Another part failed while this one was being posted: _stop_other_parts found it
+            # CONNECTING and left it, so it is aborted here (exactly one of the two sees it).
+            stop = read.failing and part.machine.state is ReadState.READING
+        if stop:
+            self._abort_part(part)
+            return
         self._check_posted_within_hold(read, part, peer)
 
     def _check_posted_within_hold(self, read: _Read, part: _ReadPart, peer: Peer) -> None:
@@ -733,10 +739,14 @@ class Puller:
             read.failing = True
             posted = [p for p in read.parts if p.machine.state is ReadState.READING]
         for other in posted:
-            try:
-                self._ctx.engine().abort(other.engine_tid)
-            except MoriioError as exc:
-                logger.debug("transfer %s: not aborted (%s)", other.engine_tid, exc)
+            self._abort_part(other)
+
+    def _abort_part(self, part: _ReadPart) -> None:
+        """Abort a posted part in the engine (its event ends it)."""
+        try:
+            self._ctx.engine().abort(part.engine_tid)
+        except MoriioError as exc:
+            logger.debug("transfer %s: not aborted (%s)", part.engine_tid, exc)
 
     def _end_read_part(
         self,

@@ -1327,11 +1327,16 @@ class Pusher:
         # A handshaken peer's future is done already, and the callback then runs here, under
         # the caller's lock: the caller feeds the writer once it released it (feeding under the
         # lock would take the feed lock after the context lock, which a step's feed takes the
-        # other way round). Only a handshake completed on its own thread feeds.
+        # other way round). Every other run feeds, even on this same thread later: a handshake
+        # pool thread that asked for this one (held-back ranks confirmed) may complete it next.
         caller = threading.get_ident()
+        adding = [True]  # while add_done_callback runs: a callback now is under our lock
         future.add_done_callback(
-            lambda f: self._connected(job, f, feed=threading.get_ident() != caller)
+            lambda f: self._connected(
+                job, f, feed=not (adding[0] and threading.get_ident() == caller)
+            )
         )
+        adding[0] = False
 
     def _connected(self, job: _Job, future: Future[Peer], *, feed: bool) -> None:
         assert job.remote is not None

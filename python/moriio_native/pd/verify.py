@@ -293,9 +293,13 @@ class Verifier:
             done(checksums, "")
 
         try:
-            self._pool.submit(task)
+            queued = self._pool.submit(task)
         except RuntimeError as exc:  # the pool is shut down
             done(None, f"checksums not computed: {exc}")
+            return
+        queued.add_done_callback(
+            lambda f: done(None, "checksums not computed: shut down") if f.cancelled() else None
+        )
 
 
 class ReadConfirmer:
@@ -398,9 +402,13 @@ def _submit_check(
         verdict(outcome)
 
     try:
-        pool.submit(task)
+        queued = pool.submit(task)
     except RuntimeError as exc:  # the pool is shut down
         verdict(f"{what} could not run: {exc}")
+        return
+    queued.add_done_callback(
+        lambda f: verdict(f"{what} could not run: shut down") if f.cancelled() else None
+    )
 
 
 def _corrupt_setting() -> tuple[int, bool]:
