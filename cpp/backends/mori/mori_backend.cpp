@@ -127,8 +127,10 @@ Result<MoriOptions> ParseMoriOptions(const BackendOptions& options) {
   MORIIO_RETURN_IF_ERROR(ParseInteger<std::uint64_t>(
       options, "mori_max_run_bytes", 4096, (std::uint64_t{1} << 32) - 4096, &o.max_run_bytes));
   // Accepted (and checked) for old configurations, but ignored: a posted batch completes only
-  // when MoRI reports it terminal, since only then can none of its writes land any more. A
-  // batch MoRI never finishes leaves its transfer to the engine, which quarantines it.
+  // when MoRI reports it terminal. A success proves none of its writes can land any more; a
+  // failure does not (MoRI reports the first error while the batch's other work requests may
+  // still run), so a failed WRITE completes unconfirmed. A batch MoRI never finishes leaves its
+  // transfer to the engine, which quarantines it.
   std::chrono::milliseconds ignored_transfer_timeout{0};
   MORIIO_RETURN_IF_ERROR(
       ParseMilliseconds(options, "mori_transfer_timeout_ms", &ignored_transfer_timeout));
@@ -254,14 +256,19 @@ class MoriBackend final : public Backend {
     poster_.join();  // finishes a post in progress; never starts another
     reaper_.join();  // returns once nothing is posted or the drain deadline passed
     std::vector<Delivery> left;
+    std::set<std::uint64_t> unconfirmed;  // WRITEs MoRI never confirmed
     {
       std::lock_guard lock(mu_);
       for (auto& w : queue_) {
+        ReleaseLocked(*w);
         left.emplace_back(w->token, AbortedError("the MoRI backend was destroyed before batch " +
                                                  std::to_string(w->token) + " was posted"));
       }
       queue_.clear();
       for (auto& w : in_flight_) {
+        ReleaseLocked(*w);
+        ReleaseSessionLocked(w->session);
+        if (w->op == TransferOp::kWrite) unconfirmed.insert(w->token);
         left.emplace_back(
             w->token,
             AbortedError("the MoRI backend was destroyed while " + Describe(*w) +
@@ -277,7 +284,13 @@ class MoriBackend final : public Backend {
     // their memory at once, and only a stopped engine guarantees no NIC/GPU still writes there.
     // Statuses are freed only after that, since MoRI holds raw pointers to them until then.
     api_.reset();
-    for (auto& [token, status] : left) sink_->OnBatchComplete(token, std::move(status));
+    for (auto& [token, status] : left) {
+      if (unconfirmed.count(token)) {
+        sink_->OnBatchUnconfirmed(token, std::move(status));
+      } else {
+        sink_->OnBatchComplete(token, std::move(status));
+      }
+    }
     graveyard_.clear();
     idle_statuses_.clear();
   }
@@ -403,6 +416,7 @@ class MoriBackend final : public Backend {
         }
       }
     }
+    if (!api_) return Status::OK();  // from a completion ~MoriBackend reports: MoRI is gone
     for (std::uint64_t s : sessions) api_->DestroySession(s);
     if (release) return api_->DeregisterMemory(*release);
     return Status::OK();
@@ -521,7 +535,10 @@ class MoriBackend final : public Backend {
       // Posted: MoRI may still be moving their bytes, so they end when MoRI says so (or at
       // their deadline), reported as aborted.
       for (auto& w : in_flight_) {
-        if (w->peer == peer) w->peer_disconnected = true;
+        if (w->peer == peer &&
+            w->status->Code() != static_cast<std::uint32_t>(MoriCode::kSuccess)) {
+          w->peer_disconnected = true;
+        }
       }
       for (auto s = sessions_.begin(); s != sessions_.end();) {
         if (remotes.count(s->first.second)) {
@@ -858,6 +875,7 @@ class MoriBackend final : public Backend {
     while (true) {
       while (auto failure = api_->PopPeerFailure()) HandlePeerFailure(*failure);
       std::vector<Delivery> done;
+      std::set<std::uint64_t> unconfirmed;  // failed WRITEs: other WRs of them may still land
       std::vector<Delivery> peer_events;
       std::vector<std::uint64_t> destroy;
       MoriTransferStatus* oldest = nullptr;
@@ -868,8 +886,8 @@ class MoriBackend final : public Backend {
         for (auto it = in_flight_.begin(); it != in_flight_.end();) {
           Work& w = **it;
           const std::uint32_t code = w.status->Code();
-          // Only MoRI's terminal status proves that none of the batch's writes can land any
-          // more (the engine's no-late-write contract): no deadline ends a posted batch here.
+          // Only MoRI's terminal status ends a posted batch (no deadline does here); only a
+          // successful one proves that none of its writes can land any more (below).
           if (!IsTerminalCode(code)) {
             ++it;
             continue;
@@ -887,6 +905,10 @@ class MoriBackend final : public Backend {
           } else {
             graveyard_.push_back(std::move(w.status));  // later CQEs may still update it
           }
+          // MoRI fails a batch at its first error while its other work requests (other QPs,
+          // earlier post batches) may still write at the peer: not confirmed, not drained.
+          const bool failed = code != static_cast<std::uint32_t>(MoriCode::kSuccess);
+          if (w.op == TransferOp::kWrite && failed) unconfirmed.insert(w.token);
           ReleaseLocked(w);
           ReleaseSessionLocked(w.session);
           done.emplace_back(w.token, std::move(status));
@@ -898,7 +920,7 @@ class MoriBackend final : public Backend {
         destroy.swap(sessions_to_destroy_);
         if (stopping_ && poster_stopped_ && (in_flight_.empty() || now >= drain_deadline_)) {
           exit = true;
-        } else if (done.empty() && peer_events.empty() && destroy.empty()) {
+        } else if (done.empty() && peer_events.empty() && (destroy.empty() || destroy_retry_)) {
           if (in_flight_.empty()) {
             reap_cv_.wait_for(lock, kIdleWait);
           } else {
@@ -907,14 +929,22 @@ class MoriBackend final : public Backend {
         }
       }
       for (auto& [peer, status] : peer_events) sink_->OnPeerFailure(peer, std::move(status));
-      for (auto& [token, status] : done) sink_->OnBatchComplete(token, std::move(status));
+      for (auto& [token, status] : done) {
+        if (unconfirmed.count(token)) {
+          sink_->OnBatchUnconfirmed(token, std::move(status));
+        } else {
+          sink_->OnBatchComplete(token, std::move(status));
+        }
+      }
       if (!destroy.empty()) {
         // Not worth blocking completions behind a slow post: retry on a later pass instead.
         std::unique_lock api_lock(api_mu_, std::try_to_lock);
         if (api_lock.owns_lock()) {
           for (std::uint64_t s : destroy) api_->DestroySession(s);
+          destroy_retry_ = false;
         } else {
           std::lock_guard lock(mu_);
+          destroy_retry_ = true;
           sessions_to_destroy_.insert(sessions_to_destroy_.end(), destroy.begin(), destroy.end());
         }
       }
@@ -946,6 +976,7 @@ class MoriBackend final : public Backend {
   std::map<SessionKey, SessionEntry> sessions_;
   std::map<std::uint64_t, std::int64_t> retired_sessions_;  // session -> batches still posted
   std::vector<std::uint64_t> sessions_to_destroy_;
+  bool destroy_retry_ = false;  // the last DestroySession attempt found api_mu_ held
   std::deque<std::unique_ptr<Work>> queue_;     // submitted, not yet posted
   std::list<std::unique_ptr<Work>> in_flight_;  // posted, oldest first
   // Statuses MoRI may still write to (failed, timed out, rejected): freed after api_ is gone.
