@@ -213,7 +213,27 @@ inline std::vector<std::string> Split(const std::string& s, char sep) {
   return out;
 }
 
-class FakeMoriApi final : public mb::MoriApi {
+/// `n` bytes of host memory on a page boundary, filled with a pattern of `seed` (the fake's
+/// engines register whole pages, as MoRI's RDMA path does).
+struct PageAlignedBuffer {
+  PageAlignedBuffer(const PageAlignedBuffer&) = delete;
+  PageAlignedBuffer& operator=(const PageAlignedBuffer&) = delete;
+  explicit PageAlignedBuffer(std::size_t n, std::uint8_t seed) : storage(n + 4096) {
+    auto base = reinterpret_cast<std::uintptr_t>(storage.data());
+    data = reinterpret_cast<std::uint8_t*>((base + 4095) & ~std::uintptr_t{4095});
+    size = n;
+    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<std::uint8_t>(seed + i * 7 + i / 251);
+  }
+  std::uint64_t addr() const { return reinterpret_cast<std::uint64_t>(data); }
+  MemoryRange range(std::uint64_t off, std::uint64_t len) const {
+    return {addr() + off, len, MemoryKind::kHost, -1};
+  }
+  std::vector<std::uint8_t> storage;
+  std::uint8_t* data = nullptr;
+  std::size_t size = 0;
+};
+
+class FakeMoriApi : public mb::MoriApi {
  public:
   FakeMoriApi(std::shared_ptr<World> world, std::string key)
       : world_(std::move(world)), key_(std::move(key)) {}

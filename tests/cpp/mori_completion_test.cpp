@@ -75,7 +75,7 @@ class Sink final : public CompletionSink {
 
 // FakeMoriApi (final) behind a forwarding layer: counts PopPeerFailure calls (one per reaper pass)
 // and can hold CreateSession (MoRI connects QPs there: seconds on a slow network).
-class HookedApi final : public mb::MoriApi {
+class HookedApi final : public FakeMoriApi {
  public:
   struct Hooks {
     std::mutex mu;
@@ -85,26 +85,8 @@ class HookedApi final : public mb::MoriApi {
     std::atomic<std::int64_t> pop_calls{0};
   };
   HookedApi(std::shared_ptr<World> world, std::shared_ptr<Hooks> hooks)
-      : inner_(std::move(world), "A"), hooks_(std::move(hooks)) {}
+      : FakeMoriApi(std::move(world), "A"), hooks_(std::move(hooks)) {}
 
-  const std::string& engine_key() const override { return inner_.engine_key(); }
-  Result<std::vector<std::uint8_t>> EngineDesc() override { return inner_.EngineDesc(); }
-  Result<mb::MoriMemory> RegisterMemory(const MemoryRange& r) override {
-    return inner_.RegisterMemory(r);
-  }
-  Status DeregisterMemory(std::uint32_t id) override { return inner_.DeregisterMemory(id); }
-  Result<std::string> EngineKeyOf(std::span<const std::uint8_t> d) override {
-    return inner_.EngineKeyOf(d);
-  }
-  Status RegisterRemoteEngine(std::span<const std::uint8_t> d) override {
-    return inner_.RegisterRemoteEngine(d);
-  }
-  Status DeregisterRemoteEngine(const std::string& k) override {
-    return inner_.DeregisterRemoteEngine(k);
-  }
-  Result<mb::MoriMemory> ParseMemoryDesc(std::span<const std::uint8_t> d) override {
-    return inner_.ParseMemoryDesc(d);
-  }
   Result<std::uint64_t> CreateSession(std::uint32_t local_id, const mb::MoriMemory& r) override {
     {
       std::unique_lock lock(hooks_->mu);
@@ -113,41 +95,18 @@ class HookedApi final : public mb::MoriApi {
       hooks_->cv.wait(lock, [&] { return !hooks_->hold_create_session; });
       hooks_->in_create_session = false;
     }
-    return inner_.CreateSession(local_id, r);
-  }
-  void DestroySession(std::uint64_t s) override { inner_.DestroySession(s); }
-  std::unique_ptr<mb::MoriTransferStatus> NewStatus() override { return inner_.NewStatus(); }
-  Status PostBatch(std::uint64_t s, TransferOp op, const std::vector<std::size_t>& lo,
-                   const std::vector<std::size_t>& ro, const std::vector<std::size_t>& sz,
-                   mb::MoriTransferStatus* st) override {
-    return inner_.PostBatch(s, op, lo, ro, sz, st);
+    return FakeMoriApi::CreateSession(local_id, r);
   }
   std::optional<mb::MoriPeerFailure> PopPeerFailure() override {
     ++hooks_->pop_calls;
-    return inner_.PopPeerFailure();
+    return FakeMoriApi::PopPeerFailure();
   }
-  Result<bool> EventCompleted(std::uint64_t e) override { return inner_.EventCompleted(e); }
 
  private:
-  FakeMoriApi inner_;
   std::shared_ptr<Hooks> hooks_;
 };
 
 // ---- fixture -----------------------------------------------------------------------------------
-
-struct Buffer {
-  explicit Buffer(std::size_t n, std::uint8_t seed) : storage(n + 4096) {
-    auto base = reinterpret_cast<std::uintptr_t>(storage.data());
-    data = reinterpret_cast<std::uint8_t*>((base + 4095) & ~std::uintptr_t{4095});
-    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<std::uint8_t>(seed + i * 7);
-  }
-  std::uint64_t addr() const { return reinterpret_cast<std::uint64_t>(data); }
-  MemoryRange range(std::uint64_t off, std::uint64_t len) const {
-    return {addr() + off, len, MemoryKind::kHost, -1};
-  }
-  std::vector<std::uint8_t> storage;
-  std::uint8_t* data = nullptr;
-};
 
 class MoriCompletion : public ::testing::Test {
  protected:
@@ -193,8 +152,8 @@ class MoriCompletion : public ::testing::Test {
   std::shared_ptr<HookedApi::Hooks> hooks_;
   std::shared_ptr<Sink> sink_;
   std::unique_ptr<Backend> backend_;
-  Buffer local_buf_{kSize, 11};
-  Buffer peer_buf_{kSize, 99};
+  PageAlignedBuffer local_buf_{kSize, 11};
+  PageAlignedBuffer peer_buf_{kSize, 99};
 };
 
 // ---- a failed MoRI WRITE is reported as confirmed ------------------------------------------

@@ -91,25 +91,6 @@ class Sink final : public CompletionSink {
 
 // ---- fixture -----------------------------------------------------------------------------------
 
-// A page-aligned host buffer with a recognisable pattern.
-struct Buffer {
-  Buffer(const Buffer&) = delete;
-  Buffer& operator=(const Buffer&) = delete;
-  explicit Buffer(std::size_t n, std::uint8_t seed) : storage(n + 4096) {
-    auto base = reinterpret_cast<std::uintptr_t>(storage.data());
-    data = reinterpret_cast<std::uint8_t*>((base + 4095) & ~std::uintptr_t{4095});
-    size = n;
-    for (std::size_t i = 0; i < n; ++i) data[i] = static_cast<std::uint8_t>(seed + i * 7 + i / 251);
-  }
-  std::uint64_t addr() const { return reinterpret_cast<std::uint64_t>(data); }
-  MemoryRange range(std::uint64_t off, std::uint64_t len) const {
-    return {addr() + off, len, MemoryKind::kHost, -1};
-  }
-  std::vector<std::uint8_t> storage;
-  std::uint8_t* data = nullptr;
-  std::size_t size = 0;
-};
-
 class MoriMappingTest : public ::testing::Test {
  protected:
   static constexpr std::size_t kSize = 64 * 1024;
@@ -204,8 +185,8 @@ class MoriMappingTest : public ::testing::Test {
   std::shared_ptr<World> world_;
   std::shared_ptr<Sink> sink_;
   std::unique_ptr<Backend> backend_;
-  Buffer local_buf_{kSize, 11};
-  Buffer peer_buf_{kSize, 99};
+  PageAlignedBuffer local_buf_{kSize, 11};
+  PageAlignedBuffer peer_buf_{kSize, 99};
 };
 
 // ---- options and codes
