@@ -156,7 +156,7 @@ class MoriCompletion : public ::testing::Test {
   PageAlignedBuffer peer_buf_{kSize, 99};
 };
 
-// ---- a failed MoRI WRITE is reported as confirmed ------------------------------------------
+// ---- a failed MoRI WRITE completes unconfirmed (was: confirmed) -------------------------------
 // MoRI sets a failure code on the FIRST error CQE of a batch (rdma/backend_impl.cpp
 // ProcessOneCqe: statusPtr->Update(ERR_RDMA_OP); meta->status = nullptr) or when posting stops
 // part-way (rdma/common.cpp RdmaBatchReadWrite returns ERR_RDMA_OP after earlier post batches
@@ -180,7 +180,7 @@ TEST_F(MoriCompletion, FailedWriteIsReportedThroughOnBatchUnconfirmed) {
       << "a failed MoRI WRITE may still land at the peer, but was reported via OnBatchComplete";
 }
 
-// ---- a WRITE still in flight at destruction is reported as confirmed ------------------------
+// ---- a WRITE in flight at destruction completes unconfirmed (was: confirmed) -----------------
 // backend.hpp: a WRITE whose writes were not confirmed when the connection closed "at
 // DisconnectPeer or destruction" completes through OnBatchUnconfirmed. ~MoriBackend reports a
 // WRITE that MoRI never finished (drain timeout passed) with OnBatchComplete(Aborted).
@@ -201,7 +201,7 @@ TEST_F(MoriCompletion, WriteInFlightAtDestructionIsReportedThroughOnBatchUnconfi
       << "an unfinished WRITE at destruction was reported via OnBatchComplete";
 }
 
-// ---- DisconnectPeer reports a batch MoRI had already finished as Aborted -----------------
+// ---- a batch MoRI finished before DisconnectPeer completes OK (was: aborted) -----------------
 // backend.hpp (DisconnectPeer): "A batch the transport had already finished completes OK." The
 // reaper is held inside an earlier completion; meanwhile MoRI finishes batch 5 (SUCCESS) and the
 // peer is disconnected afterwards: batch 5 is reported Aborted.
@@ -293,7 +293,7 @@ TEST_F(MoriCompletion, DeregisterFromADestructorCompletionIsSafeOnceMoriIsGone) 
       << "DeregisterMemory from a completion reported by ~MoriBackend crashed";
 }
 
-// ---- the reaper spins while a finished session waits for api_mu_ ---------------------------
+// ---- the reaper waits while a finished session waits for api_mu_ (was: spun) -----------------
 // ReapLoop: when DestroySession cannot take api_mu_ (try_lock) the session goes back to
 // sessions_to_destroy_, and because `destroy` was non-empty the loop neither waits on reap_cv_
 // nor on a status: it runs again at once, for as long as api_mu_ is held -- CreateSession of an
