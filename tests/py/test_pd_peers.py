@@ -575,6 +575,26 @@ def test_a_forgotten_handshake_does_not_let_another_address_take_the_engine(made
     assert again.response.engine_metadata == peer_a.response.engine_metadata
 
 
+def test_every_rival_address_is_checked_not_only_the_first(made: list) -> None:
+    """The instance answers at A and, through a second server of the same answers (a forwarder
+    gone later), at A2; both connected the engine id with the same metadata. A2 goes away, and
+    B claims the engine id with other memory: A2, proved gone, must not end the check while A
+    still answers. Before, only the first rival was checked, and B's connection replaced the
+    live one. (Found by a review of the fix above, 2026-12-07.)"""
+    decode, _ = engine("decode", 1)
+    port_a, port_a2, port_b = free_port(), free_port(), free_port()
+    genuine = Prefill("prefill", port_a, 2)
+    made.append(genuine)
+    alias = HandshakeServer(port_a2, genuine._answer, security(), bind_host=LOCAL, own_thread=True)
+    peers = directory(decode, made)
+    peers.connect(PeerKey(LOCAL, port_a2), 1, accept).result(timeout=30)
+    peers.connect(PeerKey(LOCAL, port_a), 1, accept).result(timeout=30)
+    alias.close()
+    made.append(Prefill("prefill", port_b, 3))  # the same engine id, other memory
+    with pytest.raises(IncompatiblePeerError, match="still answering at"):
+        peers.connect(PeerKey(LOCAL, port_b), 1, accept).result(timeout=30)
+
+
 def test_an_engine_restarted_at_another_address_replaces_the_dead_one(made: list) -> None:
     """The instance at the first address is gone; the same engine id answers elsewhere with
     new metadata: a restart, so the new connection replaces the stale one, whose cached

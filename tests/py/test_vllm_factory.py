@@ -262,6 +262,11 @@ def test_config_warns_about_unknown_keys_and_refuses_near_misses(
     # A typo of a known key would leave that key at its default without a word.
     with pytest.raises(InvalidArgumentError, match="did you mean 'handshake_port'"):
         ConnectorConfig.from_extra_config({"handshake_prot": 1}, role="kv_producer")
+    # Keys of vLLM's other connectors near ours (a carried-over config) are only logged.
+    foreign = {"proxy_port": "10001", "backends": ["UCX"], "local_ping_port": 7777}
+    with caplog.at_level(logging.WARNING, logger="moriio_native.vllm.config"):
+        ConnectorConfig.from_extra_config(foreign, role="kv_producer")
+    assert "proxy_port" in caplog.text and "backends" in caplog.text
 
 
 # ---- spec mapping -----------------------------------------------------------------------------

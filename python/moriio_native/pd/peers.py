@@ -625,8 +625,8 @@ class PeerDirectory:
         for _ in range(MAX_RIVAL_CHECKS):
             with self._admit:
                 engine = self._engine()
-                rival = self._rival(engine, key, response)
-                if rival is None or any(rival is c for c in checked):
+                rival = self._rival(engine, key, response, checked)
+                if rival is None:
                     return self._admit_connection(engine, key, response, asked_at)
             self._check_replaced(key, rival, response)
             checked.append(rival)
@@ -636,12 +636,18 @@ class PeerDirectory:
         )
 
     def _rival(
-        self, engine: _EngineLike, key: PeerKey, response: HandshakeResponse
+        self,
+        engine: _EngineLike,
+        key: PeerKey,
+        response: HandshakeResponse,
+        checked: list[Handshake],
     ) -> Handshake | None:
-        """The handshake at another address that connected ``response``'s engine id with other
-        metadata and may still hold that connection (under _admit): a cached one, or the last
-        one that connected the engine peer while it stays connected, though its address was
-        forgotten (after a failed READ) or evicted."""
+        """A handshake at another address, not among ``checked``, that connected
+        ``response``'s engine id with other metadata and may still hold that connection (under
+        _admit): a cached one, or the last one that connected the engine peer while it stays
+        connected, though its address was forgotten (after a failed READ) or evicted. Every
+        such rival is checked, not only the first: one proved gone may stand before another
+        address of the instance that still answers."""
         engine_id, metadata = response.engine_id, response.engine_metadata
         with self._lock:
             candidates = [p for p in self._peers.values() if p.response.engine_id == engine_id]
@@ -649,7 +655,13 @@ class PeerDirectory:
         if last is not None and engine_id in engine.peers():
             candidates.append(last)
         return next(
-            (p for p in candidates if p.key != key and p.response.engine_metadata != metadata),
+            (
+                p
+                for p in candidates
+                if p.key != key
+                and p.response.engine_metadata != metadata
+                and not any(p is c for c in checked)
+            ),
             None,
         )
 

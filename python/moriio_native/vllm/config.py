@@ -210,6 +210,10 @@ _KNOWN_KEYS = frozenset(
 # Keys of vLLM's MoRIIO connector that have no meaning here; accepted so configurations can be
 # switched over unchanged, and logged once.
 _IGNORED_LEGACY_KEYS = frozenset({"recv_abort_timeout"})
+# Keys of vLLM's other KV connectors (P2pNccl's proxy_port and send_type, Nixl's backends, an
+# early MoRIIO connector's local_ping_port) that a carried-over config may hold: ignored with a
+# warning as any unknown key, never refused as a near miss of one of ours.
+_OTHER_CONNECTORS_KEYS = frozenset({"proxy_port", "local_ping_port", "backends", "send_type"})
 _WHAT = "kv_connector_extra_config"
 
 
@@ -370,7 +374,11 @@ class ConnectorConfig(Schema, frozen=True):
             # A near miss of a known key is a typo whose key would silently stay at its default
             # (auth_secert: no authentication): refused. Others may be meant for another tool.
             known = sorted(_KNOWN_KEYS | BACKEND_OPTION_KEYS)
-            typos = {k: difflib.get_close_matches(k, known, n=1, cutoff=0.8) for k in unknown}
+            typos = {
+                k: difflib.get_close_matches(k, known, n=1, cutoff=0.8)
+                for k in unknown
+                if k not in _OTHER_CONNECTORS_KEYS
+            }
             typos = {k: m[0] for k, m in typos.items() if m}
             if typos:
                 raise InvalidArgumentError(
