@@ -214,4 +214,11 @@ class DaemonPool:
         workers.started += 1
 
 
-__all__ = ["COMPUTING_EXIT_WAIT_S", "DaemonPool"]
+def when_cancelled(task: Future[Any], dropped: Callable[[], None]) -> None:
+    """Call ``dropped`` if the pool cancels ``task`` unrun (shut down while it was queued):
+    whatever the task would have completed or answered is then completed by ``dropped``, never
+    left pending."""
+    task.add_done_callback(lambda t: dropped() if t.cancelled() else None)
+
+
+__all__ = ["COMPUTING_EXIT_WAIT_S", "DaemonPool", "when_cancelled"]

@@ -284,13 +284,7 @@ class MoriBackend final : public Backend {
     // their memory at once, and only a stopped engine guarantees no NIC/GPU still writes there.
     // Statuses are freed only after that, since MoRI holds raw pointers to them until then.
     api_.reset();
-    for (auto& [token, status] : left) {
-      if (unconfirmed.count(token)) {
-        sink_->OnBatchUnconfirmed(token, std::move(status));
-      } else {
-        sink_->OnBatchComplete(token, std::move(status));
-      }
-    }
+    Report(left, unconfirmed);
     graveyard_.clear();
     idle_statuses_.clear();
   }
@@ -678,6 +672,18 @@ class MoriBackend final : public Backend {
            ")";
   }
 
+  // Hands `done` to the sink (no lock held): the batches in `unconfirmed` (WRITEs whose
+  // writes MoRI did not confirm stopped) through OnBatchUnconfirmed, the rest as complete.
+  void Report(std::vector<Delivery>& done, const std::set<std::uint64_t>& unconfirmed) {
+    for (auto& [token, status] : done) {
+      if (unconfirmed.count(token)) {
+        sink_->OnBatchUnconfirmed(token, std::move(status));
+      } else {
+        sink_->OnBatchComplete(token, std::move(status));
+      }
+    }
+  }
+
   // Drops the counts a batch holds. Caller holds mu_.
   void ReleaseLocked(const Work& w) {
     auto it = locals_.find(w.local_region);
@@ -899,7 +905,8 @@ class MoriBackend final : public Backend {
           } else {
             status = MoriCodeToStatus(code, w.status->Message(), Describe(w));
           }
-          if (code == static_cast<std::uint32_t>(MoriCode::kSuccess)) {
+          const bool succeeded = code == static_cast<std::uint32_t>(MoriCode::kSuccess);
+          if (succeeded) {
             // MoRI may still be notifying through it: reuse it, never free it while MoRI runs.
             idle_statuses_.push_back(std::move(w.status));
           } else {
@@ -907,8 +914,7 @@ class MoriBackend final : public Backend {
           }
           // MoRI fails a batch at its first error while its other work requests (other QPs,
           // earlier post batches) may still write at the peer: not confirmed, not drained.
-          const bool failed = code != static_cast<std::uint32_t>(MoriCode::kSuccess);
-          if (w.op == TransferOp::kWrite && failed) unconfirmed.insert(w.token);
+          if (w.op == TransferOp::kWrite && !succeeded) unconfirmed.insert(w.token);
           ReleaseLocked(w);
           ReleaseSessionLocked(w.session);
           done.emplace_back(w.token, std::move(status));
@@ -929,13 +935,7 @@ class MoriBackend final : public Backend {
         }
       }
       for (auto& [peer, status] : peer_events) sink_->OnPeerFailure(peer, std::move(status));
-      for (auto& [token, status] : done) {
-        if (unconfirmed.count(token)) {
-          sink_->OnBatchUnconfirmed(token, std::move(status));
-        } else {
-          sink_->OnBatchComplete(token, std::move(status));
-        }
-      }
+      Report(done, unconfirmed);
       if (!destroy.empty()) {
         // Not worth blocking completions behind a slow post: retry on a later pass instead.
         std::unique_lock api_lock(api_mu_, std::try_to_lock);

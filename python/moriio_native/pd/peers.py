@@ -89,7 +89,7 @@ from moriio_native.errors import (
     NotFoundError,
 )
 from moriio_native.pd.config import DEFAULT_MAX_PEERS
-from moriio_native.pools import DaemonPool
+from moriio_native.pools import DaemonPool, when_cancelled
 
 logger = logging.getLogger("moriio_native.pd.peers")
 
@@ -421,7 +421,7 @@ class PeerDirectory:
         except RuntimeError as exc:  # shut down meanwhile
             not_made(str(exc))
             return
-        _when_dropped(task, lambda: not_made("the peer directory is shut down"))
+        when_cancelled(task, lambda: not_made("the peer directory is shut down"))
 
     def _attempt_ended(self, key: PeerKey, recovery: bool) -> None:
         """The attempt in flight at ``key`` ended, made, failed or never run (lock held): later
@@ -480,7 +480,7 @@ class PeerDirectory:
         except RuntimeError as exc:
             future.set_result(f"not probed ({exc})")
             return future
-        _when_dropped(
+        when_cancelled(
             task, lambda: future.set_result("not probed (the peer directory is shut down)")
         )
         return future
@@ -844,12 +844,6 @@ def _for_caller(
 
     source.add_done_callback(check)
     return out
-
-
-def _when_dropped(task: Future[None], dropped: Callable[[], None]) -> None:
-    """Call ``dropped`` if the pool cancels ``task`` unrun (closed while it was queued): the
-    future the task would have completed is then completed by ``dropped``, never left pending."""
-    task.add_done_callback(lambda t: dropped() if t.cancelled() else None)
 
 
 def _done(handshake: Handshake) -> Future[Handshake]:

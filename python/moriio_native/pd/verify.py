@@ -46,7 +46,7 @@ from moriio_native.control.messages import ChecksumRequest, ChecksumResponse
 from moriio_native.control.security import ControlSecurity
 from moriio_native.errors import FailedPreconditionError, MoriioError
 from moriio_native.pd.peers import Peer
-from moriio_native.pools import COMPUTING_EXIT_WAIT_S, DaemonPool
+from moriio_native.pools import COMPUTING_EXIT_WAIT_S, DaemonPool, when_cancelled
 from moriio_native.verify import WHOLE_BLOCK, CellWindow, LayerChecksums, compare
 
 logger = logging.getLogger("moriio_native.pd.verify")
@@ -297,9 +297,7 @@ class Verifier:
         except RuntimeError as exc:  # the pool is shut down
             done(None, f"checksums not computed: {exc}")
             return
-        queued.add_done_callback(
-            lambda f: done(None, "checksums not computed: shut down") if f.cancelled() else None
-        )
+        when_cancelled(queued, lambda: done(None, "checksums not computed: shut down"))
 
 
 class ReadConfirmer:
@@ -357,10 +355,10 @@ def _checksum_request(
     transfer_id: str,
     remote_ids: Sequence[int],
     hold_until_ms: int,
-    answer_ids: Sequence[int] = (),
+    answer_ids: Sequence[int],
 ) -> ChecksumRequest:
     """A decode's request about the prefill blocks ``remote_ids`` its READ of ``transfer_id``
-    took, under the answer that stated ``hold_until_ms``."""
+    took, under the answer that stated ``hold_until_ms`` and named ``answer_ids`` (in order)."""
     return ChecksumRequest(
         requester_engine_id=engine_id,
         transfer_id=transfer_id,
@@ -406,9 +404,7 @@ def _submit_check(
     except RuntimeError as exc:  # the pool is shut down
         verdict(f"{what} could not run: {exc}")
         return
-    queued.add_done_callback(
-        lambda f: verdict(f"{what} could not run: shut down") if f.cancelled() else None
-    )
+    when_cancelled(queued, lambda: verdict(f"{what} could not run: shut down"))
 
 
 def _corrupt_setting() -> tuple[int, bool]:
