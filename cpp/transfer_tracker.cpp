@@ -40,9 +40,15 @@ void TransferTracker::CloseRead(std::string_view id_view) {
 }
 
 Status TransferTracker::CheckNotReadLocked(const std::string& id) const {
-  auto it = pending_.find(id);
-  const bool read = it != pending_.end() ? it->second.kind == TransferKind::kRead
-                                         : terminal_.count(id) && terminal_.at(id) == TransferKind::kRead;
+  // Pending, recently terminal, or quarantined (which may outlive its terminal record).
+  bool read = false;
+  if (auto it = pending_.find(id); it != pending_.end()) {
+    read = it->second.kind == TransferKind::kRead;
+  } else if (auto t = terminal_.find(id); t != terminal_.end()) {
+    read = t->second == TransferKind::kRead;
+  } else if (auto q = quarantined_.find(id); q != quarantined_.end()) {
+    read = q->second.kind == TransferKind::kRead;
+  }
   if (read) return InvalidArgumentError("transfer '" + id + "' is a READ, not a WRITE");
   return Status::OK();
 }
@@ -297,7 +303,8 @@ void TransferTracker::FailPeer(std::string_view peer, const Status& status) {
 Status TransferTracker::Abort(std::string_view id_view) {
   std::string id(id_view);
   std::lock_guard lock(mu_);
-  if (terminal_.count(id)) return Status::OK();
+  // Ended: a no-op, also for a quarantined one whose terminal record was forgotten.
+  if (terminal_.count(id) || quarantined_.count(id)) return Status::OK();
   auto it = pending_.find(id);
   if (it == pending_.end()) return NotFoundError("no transfer '" + id + "'");
   it->second.aborted = true;

@@ -31,6 +31,28 @@ AxisOrder ParseAxisOrder(const std::string& order) {
       "(heads before tokens), got '" + order + "'"));
 }
 
+// A CacheSpec count: pybind11 would take a bool as 0 or 1 (bool is an int to Python), which
+// block ids and windows refuse; so does this, naming the field.
+std::int64_t SpecInt(const py::handle& value, const char* field) {
+  auto refuse = [&](const char* what) {
+    return StatusError(InvalidArgumentError(std::string("CacheSpec.") + field + " must be " +
+                                            what + ", got " + py::repr(value).cast<std::string>()));
+  };
+  // Any integer type (numpy's too, through __index__), never a bool.
+  if (py::isinstance<py::bool_>(value) || !PyIndex_Check(value.ptr())) throw refuse("an integer");
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) throw refuse("an integer that fits 64 bits");
+  return v;
+}
+
+std::optional<std::int64_t> OptionalSpecInt(const py::handle& value, const char* field) {
+  if (value.is_none()) return std::nullopt;
+  return SpecInt(value, field);
+}
+
 // A view of one of the plan's arrays that keeps the plan object alive.
 py::array_t<std::int64_t> PlanArray(const py::object& owner, const std::vector<std::int64_t>& v) {
   return py::array_t<std::int64_t>({static_cast<py::ssize_t>(v.size())}, {sizeof(std::int64_t)},
@@ -95,12 +117,16 @@ std::size_t HashLayout(const LayerLayout& l) {
 
 void BindLayout(py::module_& m) {
   py::class_<CacheSpec>(m, "CacheSpec", "Logical description of one layer's KV cache.")
-      .def(py::init([](const std::string& kind, std::int64_t block_size,
-                       std::optional<std::int64_t> num_kv_heads, std::optional<std::int64_t> head_size,
-                       std::int64_t dtype_bytes, std::optional<std::int64_t> head_size_v,
+      .def(py::init([](const std::string& kind, const py::object& block_size,
+                       const py::object& num_kv_heads, const py::object& head_size,
+                       const py::object& dtype_bytes, const py::object& head_size_v,
                        const std::string& axis_order) {
-             CacheSpec s{ParseKind(kind), block_size,  num_kv_heads,
-                         head_size,       dtype_bytes, head_size_v,
+             CacheSpec s{ParseKind(kind),
+                         SpecInt(block_size, "block_size"),
+                         OptionalSpecInt(num_kv_heads, "num_kv_heads"),
+                         OptionalSpecInt(head_size, "head_size"),
+                         SpecInt(dtype_bytes, "dtype_bytes"),
+                         OptionalSpecInt(head_size_v, "head_size_v"),
                          ParseAxisOrder(axis_order)};
              ThrowIfError(s.Validate());
              return s;

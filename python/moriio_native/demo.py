@@ -576,6 +576,13 @@ class _PrefillWorker:
         request_id = message["request_id"]
         params = ctl.parse_kv_transfer_params(message["kv_transfer_params"])
         count = int(message["num_blocks"])
+        # The previous request's release travels over ZMQ, this message over the pipe: give
+        # it up to the timeout to free its blocks before refusing for want of blocks.
+        deadline = time.monotonic() + self._spec.timeout
+        while count > len(self._free) and self._requests and time.monotonic() < deadline:
+            self._collect()
+            if count > len(self._free):
+                time.sleep(_IDLE_POLL_S)
         if count > len(self._free) or request_id in self._requests:
             self._send(
                 {
@@ -863,7 +870,10 @@ def run_demo(
         worker.start()
         if isinstance(worker, BaseProcess):
             child_conn.close()  # the child holds its own copy; EOF then means it is gone
-        decode = _Decode(cfg, backend, secret)
+        try:
+            decode = _Decode(cfg, backend, secret)
+        except MemoryError as exc:  # as the prefill worker's setup reports its own
+            raise DemoError(f"decode setup: {type(exc).__name__}: {exc}") from exc
         # Building and registering a large cache takes a while on a small machine.
         ready = router.recv("ready message", timeout=max(cfg.timeout, 120.0))
         if ready.get("type") != "ready":

@@ -241,6 +241,33 @@ def _native_segments(segments: Sequence[BlockSegment]) -> list[Any]:
     return out
 
 
+def _seconds(value: object, what: str) -> float:
+    """``value`` as float seconds; InvalidArgumentError naming ``what`` when it is none."""
+    try:
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgumentError(
+            f"{what} must be a number of seconds, got {value!r:.80}"
+        ) from None
+
+
+def _check_count(value: object, what: str) -> None:
+    """A count: a non-negative integer (never a bool or a float, which int() would truncate)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
+        raise InvalidArgumentError(f"{what} must be an integer >= 0, got {value!r}")
+
+
+def _check_cuda_event(value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not (0 <= value < 2**64)
+    ):
+        raise InvalidArgumentError(
+            f"cuda_event must be 0 or an event handle (an integer in [0, 2**64)), got {value!r}"
+        )
+
+
 class Engine:
     """A transfer engine on one backend ("loopback", "ucx" or "mori").
 
@@ -258,11 +285,16 @@ class Engine:
     ) -> None:
         if int(terminal_history) < 0:
             raise InvalidArgumentError(f"terminal_history must be >= 0, got {terminal_history}")
+        timeout_s = _seconds(transfer_timeout, "transfer_timeout")
+        if 0 < timeout_s < 0.001:
+            raise InvalidArgumentError(
+                f"transfer_timeout must be at least one millisecond, got {transfer_timeout!r} s"
+            )
         self._engine = _native._Engine(
             engine_id,
             backend,
             _backend_options(backend, options),
-            float(transfer_timeout),
+            timeout_s,
             int(terminal_history),
             int(page_size),
         )
@@ -294,14 +326,18 @@ class Engine:
         """
         address, size = self._engine.allocate_backing(int(nbytes), "host", -1)
         buffer = (ctypes.c_uint8 * size).from_address(address)
-        buffer._owner = self  # type: ignore[attr-defined]  # the memory dies with the engine
+        # The native engine, not this wrapper: the wrapper keeps the registered arrays (views of
+        # this buffer), and a cycle through a ctypes buffer is one the garbage collector cannot
+        # see, so the engine would never be freed.
+        buffer._owner = self._engine  # type: ignore[attr-defined]  # the memory dies with it
         return np.frombuffer(buffer, dtype=np.uint8)
 
     def register_kv_caches(self, layers: Sequence[LayerRegistration]) -> bytes:
         """Register every layer (once) and return the metadata peers need. The engine keeps the
         layers' tensors alive: their memory stays registered and reachable by peers."""
+        layers = tuple(layers)  # kept below: an iterator would be consumed by the native call
         metadata = self._engine.register_kv_caches([layer._native() for layer in layers])
-        self._registered = tuple(layers)
+        self._registered = layers
         return metadata
 
     def local_metadata(self) -> bytes:
@@ -404,6 +440,7 @@ class Engine:
                     f"write_layer {transfer_id!r} layer {layer!r}: pass segments or "
                     "local_blocks/remote_blocks, not both"
                 )
+            _check_cuda_event(cuda_event)
             return self._engine.write_layer_segments(
                 transfer_id, layer, peer, _native_segments(segments), cuda_event
             )
@@ -412,6 +449,7 @@ class Engine:
                 f"write_layer {transfer_id!r} layer {layer!r}: local_blocks and remote_blocks "
                 "(or segments) are required"
             )
+        _check_cuda_event(cuda_event)
         return self._engine.write_layer(
             transfer_id, layer, peer, local_blocks, remote_blocks, cuda_event
         )
@@ -438,6 +476,7 @@ class Engine:
         ``cuda_event``: one event recorded after the work that produces every one of
         ``layers``; each of their copies waits for it (see ``write_layer``)."""
         _refuse_text(layers, f"write_layers {transfer_id!r}")
+        _check_cuda_event(cuda_event)
         return self._engine.write_layers(
             transfer_id, list(layers), peer, local_blocks, remote_blocks, cuda_event
         )
@@ -463,14 +502,14 @@ class Engine:
 
     def poll_events(self, max_events: int = 1024, timeout: float = 0.0) -> list[TransferEvent]:
         """Terminal events, oldest first, waiting up to ``timeout`` seconds for the first."""
-        if max_events < 0:
-            raise InvalidArgumentError(f"poll_events: max_events must be >= 0, got {max_events}")
-        return self._engine.poll_events(int(max_events), float(timeout))
+        _check_count(max_events, "poll_events: max_events")
+        return self._engine.poll_events(int(max_events), _seconds(timeout, "poll_events: timeout"))
 
     def poll_drained(self, max_transfers: int = 1024) -> list[DrainedTransfer]:
         """Quarantined transfers (their event had ``drained=False``) whose operations have all
         completed since the last call; each is reported exactly once. Only then may their
         destination blocks be reused. Never blocks."""
+        _check_count(max_transfers, "poll_drained: max_transfers")
         return self._engine.poll_drained(int(max_transfers))
 
     def wait(self, transfer_ids: Sequence[str], timeout: float) -> dict[str, TransferEvent]:
@@ -485,6 +524,7 @@ class Engine:
         import math
         import time
 
+        timeout = _seconds(timeout, "wait: timeout")
         if math.isnan(timeout):
             raise InvalidArgumentError(
                 f"wait: timeout must be a number of seconds, got {timeout!r}"

@@ -115,7 +115,21 @@ def describe_layer(
     return _native._describe_layer(name, geometry_of(tensor_or_geometry), spec, kv_plane_axis)
 
 
+_WHOLE = WHOLE_BLOCK._native()
+
+
 @functools.lru_cache(maxsize=_TEMPLATE_CACHE_SIZE)
+def _cached_template(
+    local: LayerLayout,
+    remote: LayerLayout,
+    local_window: tuple[int, int | None, int, int | None],
+    remote_window: tuple[int, int | None, int, int | None],
+) -> BlockTemplate:
+    if local_window == _WHOLE and remote_window == _WHOLE:
+        return BlockTemplate(local, remote)
+    return BlockTemplate(local, remote, local_window, remote_window)
+
+
 def block_template(
     local: LayerLayout,
     remote: LayerLayout,
@@ -131,9 +145,13 @@ def block_template(
     Whole windows need the same logical content on both sides (IncompatiblePeerError naming both
     layouts otherwise). Windows may pair layers of other head counts or block sizes when kind,
     dtype and bytes per head and token agree and the windows hold as many heads and tokens."""
-    if local_window == WHOLE_BLOCK and remote_window == WHOLE_BLOCK:
-        return BlockTemplate(local, remote)
-    return BlockTemplate(local, remote, local_window._native(), remote_window._native())
+    # Checked before the cache is consulted: a window equal to a cached one (True == 1,
+    # 0.0 == 0, same hash) must be refused as it would be on a miss.
+    return _cached_template(local, remote, local_window._native(), remote_window._native())
+
+
+block_template.cache_info = _cached_template.cache_info  # type: ignore[attr-defined]
+block_template.cache_clear = _cached_template.cache_clear  # type: ignore[attr-defined]
 
 
 def plan_block_copies(

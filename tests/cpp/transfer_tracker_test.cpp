@@ -1146,5 +1146,32 @@ TEST(TransferTrackerStress, ExactlyOneTerminalEventPerTransfer) {
   }
 }
 
+// Review E: a quarantined transfer can outlive its terminal record (terminal_history); the
+// tracker still holds it (it refuses the id for a new READ), so Abort is the no-op it is for an
+// ended transfer, not NotFound, and WRITE calls on the READ's id are InvalidArgument, not a
+// silent "ended" answer.
+TEST(TransferTrackerQuarantine, AQuarantinedReadOutlivingItsTerminalRecordIsStillKnown) {
+  TransferTracker t(10ms, /*terminal_history=*/1);
+  ASSERT_TRUE(t.BeginRead("a", "P").ok());
+  Result<std::uint64_t> token = t.AddBatch("a", 64, 1);
+  ASSERT_TRUE(token.ok());
+  t.CloseRead("a");
+  const auto start = TransferTracker::Clock::now();
+  t.ExpireDeadlines(start + 20ms);           // timed out, its batch still in flight
+  t.ExpireDeadlines(start + std::chrono::hours(1));  // ended: quarantined
+  ASSERT_EQ(t.quarantined(), 1u);
+  ASSERT_TRUE(t.Seal("b", "P", 0).ok());  // ends at once and pushes 'a' out of the history
+  ASSERT_FALSE(t.IsTerminal("a"));
+  EXPECT_EQ(t.BeginRead("a", "P").code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(t.Abort("a").ok()) << t.Abort("a").ToString();
+  EXPECT_EQ(t.ScheduleWrite("a", "l0", "P", 64, 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.Seal("a", "P", 1).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.FailWrite("a", "P", AbortedError("x")).code(), StatusCode::kInvalidArgument);
+  t.OnBatchComplete(*token, Status::OK());
+  const std::vector<DrainedTransfer> drained = t.DrainQuarantine(10);
+  ASSERT_EQ(drained.size(), 1u);
+  EXPECT_EQ(drained.front().transfer_id, "a");
+}
+
 }  // namespace
 }  // namespace moriio_native::detail

@@ -3,6 +3,7 @@
 // owns the target memory (host, UCX-allocated shared memory, or CUDA device memory) and answers
 // commands; the parent drives READ and WRITE batches and checks every byte of both regions.
 
+#include <algorithm>
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <linux/audit.h>
@@ -130,6 +131,14 @@ class Sink : public mn::CompletionSink {
   mn::Status StatusOf(std::uint64_t token) {
     std::lock_guard<std::mutex> lock(mu_);
     return status_[token];
+  }
+  /// Waits (hang guard) until the backend reported `peer` failed.
+  bool WaitPeerFailure(std::uint64_t peer, std::chrono::seconds limit = std::chrono::seconds(60)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] {
+      return std::any_of(peer_failures_.begin(), peer_failures_.end(),
+                         [&](const auto& failure) { return failure.first == peer; });
+    });
   }
 
  private:
@@ -2037,6 +2046,31 @@ TEST_F(UcxLocal, AnEndpointStaysOpenWhileAnotherPeerIsTheSameProcess) {
   ASSERT_TRUE(backend_->DisconnectPeer(*second).ok());
   EXPECT_FALSE(backend_->ImportRemoteRegion(*second, buf_->range, reg_.remote_key).ok());
   EXPECT_EQ(SharedMemoryMappings(), before);
+}
+
+// A disconnected peer's endpoint that stays open (another peer reaches the same process) may
+// still fail, and UCX then calls its error handler with the argument it was created with. That
+// argument was the disconnected peer's state, freed once its drain ended (ASan: heap-use-after-
+// free in OnPeerError when the other process's worker closed); it now lives until the endpoint
+// is closed. Over TCP, so that the other worker's end is seen as the endpoints' failure.
+TEST(UcxKeptEndpoint, AKeptEndpointFailingLaterFindsItsHandlerArgumentAlive) {
+  const mn::BackendOptions options = TcpOptions();
+  REQUIRE_UCX(options);
+  auto sink = std::make_shared<Sink>();
+  std::unique_ptr<mn::Backend> backend = MakeBackend(options, sink);
+  std::unique_ptr<mn::Backend> other = MakeBackend(options, std::make_shared<Sink>());
+  ASSERT_NE(backend, nullptr);
+  ASSERT_NE(other, nullptr);
+  auto address = other->LocalAddress();
+  ASSERT_TRUE(address.ok());
+  auto first = backend->ConnectPeer(*address);
+  auto second = backend->ConnectPeer(*address);
+  ASSERT_TRUE(first.ok() && second.ok());
+  ASSERT_TRUE(backend->DisconnectPeer(*first).ok());  // its endpoint kept open: second reaches
+  other.reset();  // that worker closes: both endpoints fail, the kept one's handler runs too
+  EXPECT_TRUE(sink->WaitPeerFailure(*second));
+  ASSERT_TRUE(backend->DisconnectPeer(*second).ok());
+  backend.reset();
 }
 
 TEST_F(UcxLocal, AllocationLifecycle) {

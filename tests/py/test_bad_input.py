@@ -304,3 +304,23 @@ def test_bench_plot_to_an_unwritable_path_is_a_setup_error_not_exit_1(capsys) ->
     assert code == 3
     captured = capsys.readouterr()
     assert "nonexistent-dir-review-f" in captured.out + captured.err
+
+
+@pytest.mark.parametrize("field", ["block_size", "num_kv_heads", "head_size", "dtype_bytes"])
+@pytest.mark.parametrize("value", [True, 16.0])
+def test_a_cache_spec_count_that_is_no_integer_is_refused_by_name(
+    field: str, value: object
+) -> None:
+    """Seen failing (a review of the layout mapping, 2026-12-07): pybind11 took True as 1 where
+    block ids and windows refuse bools."""
+    kwargs: dict[str, object] = {
+        "kind": "kv",
+        "block_size": 16,
+        "num_kv_heads": 2,
+        "head_size": 4,
+        "dtype_bytes": 2,
+        field: value,
+    }
+    with pytest.raises(mn.InvalidArgumentError, match=f"CacheSpec.{field} must be an integer"):
+        mn.CacheSpec(**kwargs)  # type: ignore[arg-type]
+    assert mn.CacheSpec(**{**kwargs, field: np.int64(2)}).block_size in (2, 16)

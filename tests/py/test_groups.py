@@ -24,15 +24,17 @@ MAMBA = ("l2.mamba",)
 
 
 def full(bs: int, layers: tuple[str, ...] = FULL) -> KvGroup:
-    return KvGroup(kind="full", block_size=bs, layers=layers)
+    return KvGroup(kind="full", block_size=bs, layers=layers, element_types=("float16",))
 
 
 def sliding(bs: int, window: int) -> KvGroup:
-    return KvGroup(kind="sliding", block_size=bs, layers=SWA, sliding_window=window)
+    return KvGroup(
+        kind="sliding", block_size=bs, layers=SWA, element_types=("float16",), sliding_window=window
+    )
 
 
 def mamba(bs: int = 1024) -> KvGroup:
-    return KvGroup(kind="mamba", block_size=bs, layers=MAMBA)
+    return KvGroup(kind="mamba", block_size=bs, layers=MAMBA, element_types=("float16",))
 
 
 def token_map(
@@ -222,9 +224,11 @@ def test_group_wire_form_round_trips_and_is_checked() -> None:
     back = decode(encode_message(response), (HandshakeResponse,), max_bytes=1 << 20)
     assert back.kv_groups == groups
     with pytest.raises(InvalidMessageError, match="sliding_window"):
-        KvGroup(kind="full", block_size=16, layers=FULL, sliding_window=8)
+        KvGroup(
+            kind="full", block_size=16, layers=FULL, element_types=("float16",), sliding_window=8
+        )
     with pytest.raises(InvalidMessageError, match="layers"):
-        KvGroup(kind="full", block_size=16, layers=())
+        KvGroup(kind="full", block_size=16, layers=(), element_types=("float16",))
 
 
 def test_hybrid_layout_reads_vllm_per_group_lists() -> None:
@@ -254,7 +258,13 @@ def test_hybrid_layout_reads_vllm_per_group_lists() -> None:
 
 
 def compressed(bs: int, tokens_per_state: tuple[int, int] = (4, 1)) -> KvGroup:
-    return KvGroup(kind="full", block_size=bs, layers=FULL, tokens_per_state=tokens_per_state)
+    return KvGroup(
+        kind="full",
+        block_size=bs,
+        layers=FULL,
+        element_types=("float16",),
+        tokens_per_state=tokens_per_state,
+    )
 
 
 @pytest.mark.parametrize("tokens_per_state", [(4, 1), (1, 2)])
@@ -303,9 +313,21 @@ def test_tokens_per_state_wire_form() -> None:
     back = decode(encode_message(response), (HandshakeResponse,), max_bytes=1 << 20)
     assert back.kv_groups == groups and back.kv_groups[0].compressed
     with pytest.raises(InvalidMessageError, match="tokens_per_state"):
-        KvGroup(kind="mamba", block_size=16, layers=MAMBA, tokens_per_state=(4, 1))
+        KvGroup(
+            kind="mamba",
+            block_size=16,
+            layers=MAMBA,
+            element_types=("float16",),
+            tokens_per_state=(4, 1),
+        )
     with pytest.raises(InvalidMessageError, match="tokens_per_state"):
-        KvGroup(kind="full", block_size=16, layers=FULL, tokens_per_state=(0, 1))
+        KvGroup(
+            kind="full",
+            block_size=16,
+            layers=FULL,
+            element_types=("float16",),
+            tokens_per_state=(0, 1),
+        )
 
 
 def test_kv_groups_carry_vllms_tokens_per_state() -> None:
@@ -340,10 +362,15 @@ def test_kv_groups_carry_vllms_tokens_per_state() -> None:
         ),
     ]
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
-    assert kv_groups(config) == (
+    assert kv_groups(config, "auto") == (
         compressed(64),
         KvGroup(
-            kind="sliding", block_size=64, layers=SWA, sliding_window=24, tokens_per_state=(1, 2)
+            kind="sliding",
+            block_size=64,
+            layers=SWA,
+            element_types=("float16",),
+            sliding_window=24,
+            tokens_per_state=(1, 2),
         ),
         mamba(),
     )

@@ -65,3 +65,13 @@ def test_remove_of_a_wire_not_waiting_changes_nothing() -> None:
     acks.remove(b"a")
     acks.remove(b"a")
     assert len(acks) == 0 and acks.take_naming(RANK_1) == []
+
+
+def test_take_due_gives_up_the_expired_behind_one_that_waits_for_budget() -> None:
+    """Expired acknowledgements are taken whatever the budget, also those due after one that
+    has to wait for it."""
+    acks = WaitingAcks(8)
+    acks.put(b"a", RANK_2, "tx-a", 40.0, 5.0)
+    acks.put(b"old", RANK_1, "tx-old", 0.0, 6.0)  # expired at 50, due after a
+    assert acks.take_due(50.0, 30.0, free=0) == [DueAck(b"old", 0.0, True)]
+    assert acks.take_due(50.0, 30.0, free=1) == [DueAck(b"a", 40.0, False)]

@@ -1996,8 +1996,14 @@ def run_writer(ctx: Context, pusher: Pusher) -> None:
 
 
 GROUPS = (
-    KvGroup(kind="full", block_size=16, layers=("attn.0",)),
-    KvGroup(kind="sliding", block_size=16, layers=("attn.1",), sliding_window=32),
+    KvGroup(kind="full", block_size=16, layers=("attn.0",), element_types=("bfloat16",)),
+    KvGroup(
+        kind="sliding",
+        block_size=16,
+        layers=("attn.1",),
+        element_types=("bfloat16",),
+        sliding_window=32,
+    ),
 )
 
 

@@ -92,3 +92,38 @@ def test_non_integer_window_is_refused_by_write_layer_and_block_template() -> No
     layout = describe_layer("attn", vd, spec, "separated")
     with pytest.raises(mn.InvalidArgumentError):
         plan_block_copies(layout, layout, [0], [1], local_window=window, remote_window=window)
+
+
+def _planning_layout() -> mn.LayerLayout:
+    spec = mn.CacheSpec(
+        kind="kv", block_size=4, num_kv_heads=4, head_size=2, dtype_bytes=1, axis_order="nhd"
+    )
+    return mn.describe_layer("attn", np.zeros((2, 3, 4, 4, 2), np.uint8), spec, "separated")
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        mn.CellWindow(head_begin=False),
+        mn.CellWindow(token_begin=0.0),  # type: ignore[arg-type]
+        mn.CellWindow(head_begin=0.0),  # type: ignore[arg-type]
+    ],
+    ids=["bool-equal-to-whole", "float-equal-to-whole", "float-head-begin"],
+)
+def test_a_non_integer_window_equal_to_the_whole_block_is_refused(window: mn.CellWindow) -> None:
+    """Seen failing (a review of the layout paths, 2026-12-07): a window equal to the whole
+    block took its shortcut before its fields were checked."""
+    layout = _planning_layout()
+    with pytest.raises(mn.InvalidArgumentError, match="must be an integer"):
+        mn.plan_block_copies(layout, layout, [0], [1], local_window=window, remote_window=window)
+
+
+def test_a_non_integer_window_is_refused_after_its_integer_twin_was_planned() -> None:
+    """Seen failing: ``CellWindow(head_begin=True, heads=2.0)`` equals (and hashes as) the
+    integer window, so once that one was planned the template cache answered for it."""
+    layout = _planning_layout()
+    good = mn.CellWindow(head_begin=1, heads=2)
+    mn.plan_block_copies(layout, layout, [0], [1], local_window=good, remote_window=good)
+    bad = mn.CellWindow(head_begin=True, heads=2.0)  # type: ignore[arg-type]
+    with pytest.raises(mn.InvalidArgumentError, match="must be an integer"):
+        mn.plan_block_copies(layout, layout, [0], [1], local_window=bad, remote_window=bad)

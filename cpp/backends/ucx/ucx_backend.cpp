@@ -341,9 +341,12 @@ struct KeptEndpoint {
   ucp_ep_h ep = nullptr;
   bool peer_mode = false;
   RemoteProcess process;
+  // The PeerState or PushReader that ep's error handler was created with (its argument): UCX
+  // may call that handler for as long as ep is open, so its argument lives until ep is closed.
+  std::shared_ptr<const void> handler_arg;
 };
 
-struct PeerState {
+struct PeerState : std::enable_shared_from_this<PeerState> {
   std::uint64_t id = 0;
   UcxBackend* owner = nullptr;
   ucp_ep_h ep = nullptr;           // worker thread only
@@ -518,7 +521,7 @@ std::string PushWhat(const ActiveBatch& ab) {
 
 /// A target's own endpoint to a reader that asked for push READs, keyed by the reader's address.
 /// Worker thread only.
-struct PushReader {
+struct PushReader : std::enable_shared_from_this<PushReader> {
   UcxBackend* owner = nullptr;
   ucp_ep_h ep = nullptr;
   bool failed = false;     // UCX reported the endpoint failed: send nothing more, close it
@@ -737,7 +740,8 @@ class UcxBackend final : public Backend {
   template <typename Holder>
   void ReleaseEndpoint(Holder& holder) {
     if (holder.ep == nullptr) return;
-    released_.push_back({std::exchange(holder.ep, nullptr), holder.peer_mode, holder.process});
+    released_.push_back({std::exchange(holder.ep, nullptr), holder.peer_mode, holder.process,
+                         holder.shared_from_this()});
   }
   // Closes each released endpoint unless another open endpoint of this backend reaches the same
   // process, in which case it stays open (kept_open_) until the last of them is closed.
@@ -2141,6 +2145,23 @@ bool UcxBackend::DirectHostCopies() {
   for (auto& ab : active_) {
     if (ab.path != Path::kHostCopy || ab.stop || ab.next_run == ab.runs()) continue;
     const Batch& b = *ab.batch;
+    // The mapping outlives the owner's registration (and its engine: the shared memory stays
+    // while mapped here), so, as on batched cma, the owner's published regions must still hold
+    // the range, read before each batch when the peer's identity was proven.
+    const PeerState& peer = *ab.remote->peer;
+    if (!ab.cma_checked && peer.identity.pid != 0 && cma_usable_) {
+      if (Status held = CheckPublishedRegion(peer.identity, ab.remote->range, peer.engine_id,
+                                             ab.remote->published_seq);
+          !held.ok()) {
+        ab.Fail(TransportError("direct copy of batch " + std::to_string(b.token) + " with peer " +
+                               std::to_string(b.peer) + ": remote region " +
+                               std::to_string(ab.remote->id) + " " +
+                               RangeText(ab.remote->range) + ": " + held.message()));
+        did = true;
+        continue;
+      }
+      ab.cma_checked = true;
+    }
     auto* local = reinterpret_cast<std::uint8_t*>(ab.local->range.address);
     std::uint8_t* remote = ab.remote->direct;
     const bool write = b.op == TransferOp::kWrite;
@@ -2972,9 +2993,9 @@ bool UcxBackend::ReachesProcess(const RemoteProcess& process) const {
   for (const DrainingPeer& d : draining_) {
     if (d.peer->ep != nullptr && d.peer->process.Same(process)) return true;
   }
-  for (const auto& [address, reader] : push_readers_) {
-    if (reader->ep != nullptr && reader->process.Same(process)) return true;
-  }
+  // Not a push reader's endpoint: it maps nothing of the process (push READs move host memory
+  // by active messages), and it stays open for as long as its reader lives, so a peer endpoint
+  // it kept open would stay open for good, one more per add and remove of that peer.
   return false;
 }
 

@@ -643,7 +643,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     out = json.dumps(results, indent=2) if args.json else format_table(results)
     sys.stdout.write(out + "\n")
-    return 0
+    # As ``moriio-native bench``: 1 when the planners' runs disagree (column "same runs").
+    same = all(r["matches_python"] and r["matches_vllm"] in (True, None) for r in results)
+    return 0 if same else 1
 
 
 if __name__ == "__main__":

@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
+    for name in ("transfers", "in_flight", "max_blocks", "verify_every", "prefill_blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
+    if not args.timeout > 0:
+        parser.error("--timeout must be positive")
     if args.in_flight * args.max_blocks > args.decode_blocks:
         parser.error("--decode-blocks must hold --in-flight requests of --max-blocks blocks")
     if args.max_blocks > args.prefill_blocks:

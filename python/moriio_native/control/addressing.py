@@ -578,6 +578,10 @@ class KvTransferParams(Schema, frozen=True):
             out[KEY_REMOTE_INCARNATIONS] = list(self.remote_incarnations)
         if self.remote_hold_until_ms is not None:
             out[KEY_REMOTE_HOLD_UNTIL_MS] = self.remote_hold_until_ms
+        if self.remote_num_tokens is not None:
+            out[KEY_REMOTE_NUM_TOKENS] = self.remote_num_tokens
+        if self.remote_prompt_digest is not None:
+            out[KEY_REMOTE_PROMPT_DIGEST] = self.remote_prompt_digest
         if self.remote_answer_tag is not None:
             out[KEY_REMOTE_ANSWER_TAG] = self.remote_answer_tag
         return out

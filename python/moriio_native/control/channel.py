@@ -124,6 +124,8 @@ _WAKE_EVERY = 32
 # rounds within 1.06-1.08x (p50) of a quiet instance's under a 6,000/s flood of every port,
 # against 1.16-1.20x with 2 ms, for more CPU per flood message (docs/reliability.md, Flood).
 _FLOOD_PAUSE_S = 0.0005
+# select.select() refuses descriptors from FD_SETSIZE on (Linux: 1024).
+_SELECT_FD_LIMIT = 1024
 # Flooded: at least _FLOOD_DROPS messages dropped in the current or the previous window of
 # _FLOOD_WINDOW_S (a stray bad message now and then does not make a listener pause).
 _FLOOD_DROPS = 8
@@ -136,6 +138,11 @@ _FLOOD_WINDOW_S = 0.1
 # Decoded, a message takes up to about 12 times its bytes (a block id of 3 bytes is an int of
 # 28 and a pointer), so the queue holds at most about 300 MB.
 MAX_PENDING_NOTIFY_BYTES = 16 << 20
+# Messages ZMQ itself takes off one connection into a notify listener's socket before it stops
+# reading that connection (its receive high-water mark; ZMQ's default is 1000). While the
+# listener holds back (its queue at a bound) those wait in the process's memory, each up to
+# MAXMSGSIZE: with the default, 1000 x 16 MiB per sender, whatever max_pending_bytes says.
+_NOTIFY_RCVHWM = 8
 
 
 def zmq_endpoint(host: str, port: int) -> str:
@@ -497,8 +504,16 @@ class _ListenerHub:
     def _pause(self, seconds: float) -> None:
         """Wait ``seconds`` with the GIL released, or until the wake pipe has a command (a
         close is not held up by a pause). ``select`` on the pipe alone: it costs a pause about
-        what a sleep does (a ZMQ poll that times out costs twice that)."""
-        woken, _, _ = select.select([self._wake_read], [], [], seconds)
+        what a sleep does (a ZMQ poll that times out costs twice that). ``select`` only below
+        FD_SETSIZE: the pipe of a hub made in a process that holds 1024 descriptors is past
+        it, which select() refuses (ValueError every pause); ``poll`` takes any descriptor, in
+        whole milliseconds."""
+        if self._wake_read < _SELECT_FD_LIMIT:
+            woken = bool(select.select([self._wake_read], [], [], seconds)[0])
+        else:
+            waiter = select.poll()
+            waiter.register(self._wake_read, select.POLLIN)
+            woken = bool(waiter.poll(max(1, math.ceil(seconds * 1000))))
         if woken:
             self._drain_wake_pipe()
 
@@ -529,6 +544,8 @@ class _RouterListener(_ClosesOnExit):
 
     _name = "router"
     _extra_stats: tuple[str, ...] = ()
+    # The socket's receive high-water mark (None: ZMQ's default).
+    _rcvhwm: int | None = None
     _security: ControlSecurity  # set by each subclass before it attaches to its hub
 
     def __init__(
@@ -562,6 +579,8 @@ class _RouterListener(_ClosesOnExit):
             # Transport-level cap: ZMQ disconnects a peer that sends more. The application
             # check below is tighter, so ordinary oversize messages are logged, not silent.
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
+            if self._rcvhwm is not None:
+                sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
             self._security.limit_handshakes(sock)
             ipv6 = ":" in host
             if ipv6:  # before the accept filters: ZMQ parses each in the socket's family
@@ -777,6 +796,7 @@ class NotifyListener(_RouterListener):
 
     _name = "notify listener"
     _extra_stats = ("delivered", "dropped_duplicate", "dropped_late")
+    _rcvhwm = _NOTIFY_RCVHWM
 
     def __init__(
         self,
@@ -1656,6 +1676,8 @@ def _unless_rejected(reply: _Reply, what: str) -> _Reply:
 #: as many at a time as when 8 threads each made one, so the prefill's bound on the checks it
 #: keeps waiting (MAX_PENDING_CHECKSUM_ANSWERS) holds for as many decode ranks as before.
 MAX_OUTSTANDING_PER_SERVER = 8
+#: The longest :class:`PolledRequests`' thread waits in one poll (it then looks again).
+_POLLED_WAIT_CAP_MS = 60_000
 #: How long :meth:`PolledRequests.close` waits for its thread to end the requests in flight.
 _POLLED_CLOSE_WAIT_S = 5.0
 
@@ -1880,7 +1902,9 @@ class PolledRequests:
         times += [c.idle_since + self._idle_s for c in self._current.values() if c.idle_since]
         if not times:
             return -1
-        return max(1, math.ceil((min(times) - now) * 1000))
+        # Capped: a deadline weeks away (transfer_timeout may be up to a year) is beyond the
+        # int zmq's poll takes (OverflowError past 2**31 ms would end the thread).
+        return max(1, min(_POLLED_WAIT_CAP_MS, math.ceil((min(times) - now) * 1000)))
 
     def _connections(self) -> list[_Connection]:
         return [*self._current.values(), *self._retired]
@@ -2170,7 +2194,13 @@ class NotifySender(_ClosesOnExit):
                 dialed.close(0)
                 dialed = None
             if dialed is None:
-                dialed = self._open(host, port)
+                try:
+                    dialed = self._open(host, port)
+                except zmq.ZMQError as exc:  # a socket limit, a terminated context
+                    raise TransportError(
+                        f"{message.TYPE} of transfer {message.transfer_id} to {target}: "
+                        f"cannot open a socket: {exc}"
+                    ) from exc
                 self._sockets[key] = dialed
                 while len(self._sockets) > self._max_peers:
                     _, old = self._sockets.popitem(last=False)
@@ -2271,8 +2301,28 @@ class ProxyPinger:
         # (Signed pings go to a proxy with the secret: CURVE then, as the instances' sockets.)
         return _dial(self._context, self._endpoint, self._auth, options)
 
+    def _dial_until_stopped(self) -> _Dialed | None:
+        """A dialled socket, trying again every ``_PROXY_REDIAL_S`` while ZMQ refuses one (its
+        context's socket limit, say: the thread must not end on it); None once stopped."""
+        warned = -math.inf
+        while not self._stop.is_set():
+            try:
+                return self._dial()
+            except zmq.ZMQError as exc:
+                if time.monotonic() - warned >= _PROXY_HANDSHAKE_WARN_EVERY_S:
+                    warned = time.monotonic()
+                    logger.warning(
+                        "proxy registration to %s: cannot open a socket (%s); trying again",
+                        self._endpoint,
+                        exc,
+                    )
+                self._stop.wait(_PROXY_REDIAL_S)
+        return None
+
     def _run(self) -> None:
-        dialed = self._dial()
+        dialed = self._dial_until_stopped()
+        if dialed is None:
+            return
         try:
             next_ping = time.monotonic()
             warned = -math.inf
@@ -2294,7 +2344,10 @@ class ProxyPinger:
                     # ZMQ gave the connection up for good (a protocol failure): dial again, so
                     # that a proxy restarted with the matching configuration is found.
                     dialed.close(0)
-                    dialed = self._dial()
+                    redialled = self._dial_until_stopped()
+                    if redialled is None:
+                        return  # stopped (the finally closes the closed one again: harmless)
+                    dialed = redialled
                     continue
                 # In slices: the handshake failures are read as they come, whatever the interval.
                 self._stop.wait(min(1.0, max(0.0, next_ping - time.monotonic())))

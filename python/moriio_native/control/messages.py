@@ -106,16 +106,19 @@ from .schema import (
 # deduplication key names the prefill incarnation (the announcement to the new process is not a
 # copy of the first). 9: the checksum request states the answer's block ids as the READ used
 # them (answer_ids), refused unless they are the prefill's own in its order. A peer of another
-# version is refused at the handshake by its version, before any field of it is checked.
-PROTOCOL_VERSION = 9
+# version is refused at the handshake by its version, before any field of it is checked. 10:
+# the handshake's KV-cache groups state their layers' element types (element_types): layers of
+# one element size but another type (bfloat16 and float16, fp8_e4m3 and fp8_e5m2) no longer pair.
+PROTOCOL_VERSION = 10
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
 MAX_HANDSHAKE_RESPONSE_BYTES = 64 << 20
 MAX_PING_BYTES = 4 << 10
-# A checksum request carries the block ids the decode read (at most MAX_BLOCK_IDS): it may be
-# larger than a handshake request, and is accepted only by instances that verify.
-MAX_CHECKSUM_REQUEST_BYTES = 8 << 20
+# A checksum request carries the block ids the decode read and the answer's (answer_ids), each
+# at most MAX_BLOCK_IDS of up to 5 bytes of msgpack: about 10 MiB at the schema's bounds. It may
+# be larger than a handshake request, and is accepted only by instances that verify.
+MAX_CHECKSUM_REQUEST_BYTES = 12 << 20
 # Layers one checksum message may name.
 MAX_CHECKSUM_LAYERS = 4096
 MAX_REASON_LEN = 1024
@@ -451,7 +454,10 @@ class KvGroup(Schema, frozen=True):
     state of an attention block covers, as a fraction ``(numerator, denominator)``: ``(1, 1)``
     for one K/V cell per token (and for mamba groups), ``(4, 1)`` when four tokens are
     compressed into one state, ``(1, 2)`` for two states per token (vLLM's
-    ``AttentionSpec.tokens_per_state``)."""
+    ``AttentionSpec.tokens_per_state``). ``element_types`` names what the layers' bytes are
+    (``bfloat16``, ``fp8_e4m3``, a Mamba state's ``float16+float32``): one name for every
+    layer, or one per layer in ``layers``' order; two layers pair only with the same name, since
+    equal element sizes say nothing about the number format."""
 
     WHAT: ClassVar[str] = "KV-cache group"
     ERROR: ClassVar[type[Exception]] = InvalidMessageError
@@ -459,6 +465,9 @@ class KvGroup(Schema, frozen=True):
     kind: KvGroupKind
     block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 24)]
     layers: Annotated[tuple[Id, ...], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUP_LAYERS)]
+    element_types: Annotated[
+        tuple[Id, ...], msgspec.Meta(min_length=1, max_length=MAX_KV_GROUP_LAYERS)
+    ]
     sliding_window: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
     tokens_per_state: tuple[
         Annotated[int, msgspec.Meta(ge=1, le=1 << 24)],
@@ -471,11 +480,20 @@ class KvGroup(Schema, frozen=True):
                 f"'sliding_window' = {self.sliding_window} does not fit kind {self.kind!r} "
                 "(a window > 0 for sliding groups only)"
             )
+        if len(self.element_types) not in (1, len(self.layers)):
+            raise ValueError(
+                f"'element_types' names {len(self.element_types)} types for "
+                f"{len(self.layers)} layers (one for all of them, or one per layer)"
+            )
         if self.kind == "mamba" and self.tokens_per_state != (1, 1):
             raise ValueError(
                 f"'tokens_per_state' = {self.tokens_per_state} does not fit a mamba group "
                 "(its state has no token axis: (1, 1))"
             )
+
+    def element_type(self, index: int) -> str:
+        """The element type of the group's ``index``-th layer."""
+        return self.element_types[0 if len(self.element_types) == 1 else index]
 
     @property
     def compressed(self) -> bool:

@@ -70,7 +70,7 @@ class WaitingAcks:
             expired = now - since > abort_timeout
             if not expired:
                 if free <= 0:
-                    break
+                    continue  # expired ones due later are still given up
                 free -= 1
             taken.append(DueAck(wire, since, expired))
         for ack in taken:

@@ -111,10 +111,19 @@ def describe_group(index: int, group: KvGroup) -> str:
     )
 
 
+def _element_type_difference(ours: KvGroup, theirs: KvGroup) -> str | None:
+    """The first layer (the groups hold the same layers) whose element types differ, told."""
+    for i, layer in enumerate(ours.layers):
+        mine, its = ours.element_type(i), theirs.element_type(i)
+        if mine != its:
+            return f"layer {layer} holds {its} elements there, {mine} here"
+    return None
+
+
 def check_groups(local: Sequence[KvGroup], remote: Sequence[KvGroup], peer: str) -> None:
     """Raise IncompatiblePeerError when ``peer``'s groups cannot pair with ours: another
-    number of groups, another kind, other layers, window or tokens per stored state in a
-    group, attention block sizes that do not divide one another (mamba state has no token
+    number of groups, another kind, other layers, element types, window or tokens per stored
+    state in a group, attention block sizes that do not divide one another (mamba state has no token
     axis: its slots pair one to one whatever the block size), or different block sizes in a
     group whose stored states cover other than one token each (compressed or expanded states:
     a token window of such a block is no whole range of its states, so only whole blocks of
@@ -133,6 +142,12 @@ def check_groups(local: Sequence[KvGroup], remote: Sequence[KvGroup], peer: str)
             differ = sorted(set(ours.layers) ^ set(theirs.layers))[:4]
             detail = f"layers {differ} are in one side only" if differ else "another order"
             raise IncompatiblePeerError(f"{what}: its layers differ ({detail})")
+        differing = _element_type_difference(ours, theirs)
+        if differing is not None:
+            raise IncompatiblePeerError(
+                f"{what}: {differing} (the same element size can be another number format; run "
+                "both instances with the same --dtype and --kv-cache-dtype)"
+            )
         if ours.sliding_window != theirs.sliding_window:
             raise IncompatiblePeerError(f"{what}: our window is {ours.sliding_window} tokens")
         if ours.tokens_per_state != theirs.tokens_per_state:

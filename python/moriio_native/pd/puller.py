@@ -81,6 +81,10 @@ MAX_RELEASED_ANSWERS = 65_536
 # With no handshake of the prefill to bound its clock, how far behind this rank's clock it is
 # taken to be when such an answer's hold ends.
 RELEASED_CLOCK_SLACK_S = 60.0
+# WRITE awaits this rank ended, kept at most this many (the oldest go first): the notify
+# listener drops every later message of their transfer ids (mark_terminal, as many), so an await
+# reusing one would never hear its prefill's write_done / write_failed / write_aborted.
+MAX_ENDED_AWAITS = 65_536
 # A quarantined WRITE's prefill is re-handshaken this often ...
 PROBE_WRITER_EVERY_S = 5.0
 # ... and taken as dead only after this many consecutive failed probes (one missed handshake
@@ -154,8 +158,10 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.CONNECTING, AwaitEvent.ANNOUNCED): AwaitState.ANNOUNCED,
     (AwaitState.CONNECTING, AwaitEvent.GIVE_UP): AwaitState.FAILED,
     (AwaitState.CONNECTING, AwaitEvent.UNREACHABLE): AwaitState.FAILED,
-    # A final message may overtake our announcement's own bookkeeping (sent, answered at once).
-    (AwaitState.CONNECTING, AwaitEvent.WRITE_DONE): AwaitState.DONE,
+    # No write_done can answer a part still CONNECTING (_announce moves it to ANNOUNCED before
+    # remote_blocks leaves; after a misaddressed answer the new process wrote nothing): one
+    # that comes is not about our blocks and is ignored. A write_failed ends it: the process
+    # that answered misaddressed fails the job it keeps for our blocks.
     (AwaitState.CONNECTING, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
@@ -167,7 +173,7 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     # write_done with verify on: every write landed, so nothing is left to quarantine.
     **{
         (s, AwaitEvent.VERIFY): AwaitState.VERIFYING
-        for s in (AwaitState.CONNECTING, AwaitState.ANNOUNCED, AwaitState.QUARANTINED)
+        for s in (AwaitState.ANNOUNCED, AwaitState.QUARANTINED)
     },
     (AwaitState.VERIFYING, AwaitEvent.VERIFIED): AwaitState.DONE,
     (AwaitState.VERIFYING, AwaitEvent.MISMATCH): AwaitState.FAILED,
@@ -215,6 +221,7 @@ class _Read:
     sync: bool = False  # waited for in the caller's load hook (not reported as finished)
     failing: bool = False  # a part failed: the others are stopped, the load will fail
     ended: bool = False
+    quarantine_counted: bool = False  # its blocks are in the stats' quarantined_blocks (once)
 
     def state(self) -> ReadState:
         return _overall(
@@ -281,6 +288,7 @@ class _Await:
     parts: dict[int, _AwaitPart] = field(default_factory=dict)
     plan: TpPlan | None = None
     ended: bool = False
+    quarantine_counted: bool = False  # its blocks are in the stats' quarantined_blocks (once)
 
     def state(self) -> AwaitState:
         return _overall(
@@ -358,6 +366,7 @@ class Puller:
         self._drained_early: set[str] = set()
         self._step_reads: list[str] = []
         self._released = _ReleasedAnswers()
+        self._ended_awaits: OrderedDict[str, None] = OrderedDict()
 
     # ---- entry points (any thread) ------------------------------------------------------------
 
@@ -572,7 +581,9 @@ class Puller:
             if not drained:
                 part.machine.advance(ReadEvent.UNDRAINED)
                 part.message = f"{event.state}: {event.message}"
-                ctx.stats.record_quarantine(len(read.task.local_block_ids))
+                if not read.quarantine_counted:  # once per block, whatever its parts
+                    read.quarantine_counted = True
+                    ctx.stats.record_quarantine(len(read.task.local_block_ids))
         if not drained:
             self._quarantine_read(read, part, event)
             self._stop_other_parts(read)
@@ -850,10 +861,14 @@ class Puller:
         waiting = _Await(task, time.monotonic() + ctx.cfg.abort_timeout)
         with ctx.lock:
             duplicate = task.transfer_id in self._awaits
-            if not duplicate:
+            reused = not duplicate and task.transfer_id in self._ended_awaits
+            if not duplicate and not reused:
                 self._awaits[task.transfer_id] = waiting
         if duplicate:
             self._refuse_duplicate(task, "WRITE")
+            return
+        if reused:
+            self._refuse_reused_write(task)
             return
         try:
             waiting.plan = plan = self._plan(task)
@@ -1110,7 +1125,9 @@ class Puller:
                     now = time.monotonic()
                     part.quarantined = now
                     part.next_probe = now + PROBE_WRITER_EVERY_S
-                    ctx.stats.record_quarantine(len(waiting.task.local_block_ids))
+                    if not waiting.quarantine_counted:  # once per block, whatever its parts
+                        waiting.quarantine_counted = True
+                        ctx.stats.record_quarantine(len(waiting.task.local_block_ids))
                     quarantined.append(part)
                 else:
                     ended.append(part)
@@ -1185,6 +1202,11 @@ class Puller:
             if waiting.ended or self._awaits.pop(task.transfer_id, None) is None:
                 return
             waiting.ended = True
+            # The listener drops this id's messages from now on (mark_terminal below).
+            self._ended_awaits[task.transfer_id] = None
+            self._ended_awaits.move_to_end(task.transfer_id)
+            while len(self._ended_awaits) > MAX_ENDED_AWAITS:
+                self._ended_awaits.popitem(last=False)
             ctx.reports.done_recving.add(task.req_id)
             if not ok:
                 # Both signals: failed_recving (request level) and the blocks (for callers
@@ -1277,6 +1299,24 @@ class Puller:
             task.req_id,
             task.transfer_id,
             what,
+        )
+        self._report_load_failed(task)
+
+    def _refuse_reused_write(self, task: RecvTask) -> None:
+        """A WRITE load of a transfer id a WRITE await of this rank ended with already (a
+        retried request, a client's own params): the notify listener drops every message of
+        that id now, so none of the prefill's answers (write_done, write_failed, write_aborted)
+        would reach this load, which would wait abort_timeout and then its quarantine for
+        nothing. Refused at once (its blocks recomputed). No release goes out, as for a
+        duplicate: the prefill keys its jobs by transfer id and decode rank alone, so a release
+        could end another decode's job of the same id; a prefill job of this one that waits for
+        our blocks ends at its own deadline."""
+        logger.error(
+            "request %s (transfer %s): this rank ended a WRITE of that transfer id already; "
+            "transfer ids must be fresh per request (the prefill's answers to a second one "
+            "cannot be told from the first's); its blocks are recomputed",
+            task.req_id,
+            task.transfer_id,
         )
         self._report_load_failed(task)
 

@@ -217,6 +217,34 @@ _OTHER_CONNECTORS_KEYS = frozenset({"proxy_port", "local_ping_port", "backends",
 _WHAT = "kv_connector_extra_config"
 
 
+def _short_secret(secret: str) -> str:
+    """The refusal of a secret shorter than MIN_SECRET_BYTES (troubleshooting.md quotes it)."""
+    return (
+        f"{_WHAT}.auth_secret is {len(secret.encode())} bytes; use at least "
+        f"{MIN_SECRET_BYTES} random bytes"
+    )
+
+
+def _near_miss(key: str, known: list[str]) -> str | None:
+    """The known key ``key`` is a typo of, if any: the same but for case, blanks or ``-`` for
+    ``_``; two neighbouring letters swapped (``mdoe``: short keys are too short for a ratio);
+    or close by difflib's ratio."""
+    norm = key.strip().lower().replace("-", "_")
+    if norm in known:
+        return norm
+    for k in known:
+        if len(k) == len(norm):
+            diff = [i for i in range(len(k)) if k[i] != norm[i]]
+            if (
+                len(diff) == 2
+                and diff[1] == diff[0] + 1
+                and sorted(k[diff[0] : diff[1] + 1]) == sorted(norm[diff[0] : diff[1] + 1])
+            ):
+                return k
+    match = difflib.get_close_matches(norm, known, n=1, cutoff=0.8)
+    return match[0] if match else None
+
+
 def local_ip() -> str:
     """This host's outward-facing IP (no packet is sent), or 127.0.0.1 when there is none."""
     for family, probe in (
@@ -301,7 +329,7 @@ class ConnectorConfig(Schema, frozen=True):
                 "it): set it to this instance's `vllm serve --port`"
             )
         if self.auth_secret is not None and len(self.auth_secret.encode()) < MIN_SECRET_BYTES:
-            raise ValueError(f"{_WHAT}.auth_secret must be at least {MIN_SECRET_BYTES} bytes")
+            raise ValueError(_short_secret(self.auth_secret))
         # Both raise InvalidArgumentError naming the bad value.
         PeerAllowlist(
             self.allowed_peers, accept_only=self.accept_only_allowed_peers
@@ -374,12 +402,8 @@ class ConnectorConfig(Schema, frozen=True):
             # A near miss of a known key is a typo whose key would silently stay at its default
             # (auth_secert: no authentication): refused. Others may be meant for another tool.
             known = sorted(_KNOWN_KEYS | BACKEND_OPTION_KEYS)
-            typos = {
-                k: difflib.get_close_matches(k, known, n=1, cutoff=0.8)
-                for k in unknown
-                if k not in _OTHER_CONNECTORS_KEYS
-            }
-            typos = {k: m[0] for k, m in typos.items() if m}
+            typos = {k: _near_miss(k, known) for k in unknown if k not in _OTHER_CONNECTORS_KEYS}
+            typos = {k: m for k, m in typos.items() if m}
             if typos:
                 raise InvalidArgumentError(
                     f"unknown {_WHAT} keys: "
@@ -436,6 +460,8 @@ class ConnectorConfig(Schema, frozen=True):
         if secret is None:
             secret = os.environ.get(ENV_AUTH_SECRET) or None
         if secret is not None:
+            if len(secret.encode()) < MIN_SECRET_BYTES:  # before the checks that dump raw
+                raise InvalidArgumentError(_short_secret(secret))
             raw["auth_secret"] = secret
             # A signed answer is still a bearer token: replayed after its decode released the
             # blocks (to another decode, or the same one), its READ would load whatever the

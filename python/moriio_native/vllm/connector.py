@@ -158,7 +158,9 @@ class MoRIIONativeConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker: WorkerSide | None = None
         # vLLM's KV-cache groups that transfer (several with the hybrid KV-cache manager on);
         # vLLM's own count includes those that do not (enable_kv_transfer off).
-        hybrid = HybridLayout.from_kv_cache_config(kv_cache_config)
+        hybrid = HybridLayout.from_kv_cache_config(
+            kv_cache_config, str(vllm_config.cache_config.cache_dtype)
+        )
         vllm_groups = len(kv_cache_config.kv_cache_groups)
         if vllm_groups > 1 and self.config.mode == "read" and self.config.read_loading == "sync":
             raise FailedPreconditionError(

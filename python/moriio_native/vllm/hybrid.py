@@ -42,18 +42,29 @@ class HybridLayout:
     spec_blocks: tuple[int, ...]  # Mamba groups: trailing speculative scratch slots
 
     @classmethod
-    def from_kv_cache_config(cls, kv_cache_config: Any) -> HybridLayout:
-        from vllm.v1.kv_cache_interface import MambaSpec
+    def from_kv_cache_config(cls, kv_cache_config: Any, cache_dtype: str) -> HybridLayout:
+        """The transfer groups of ``kv_cache_config``; ``cache_dtype`` is vLLM's
+        ``--kv-cache-dtype`` (``cache_config.cache_dtype``)."""
+        from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+
+        def unwrapped(group: Any) -> Any:
+            # A uniform-type group of Mamba layers (vLLM buckets mixed page sizes so) holds
+            # MambaSpecs of one num_speculative_blocks (is_uniform_with_collection), as
+            # kv_groups reads it.
+            spec = group.kv_cache_spec
+            if isinstance(spec, UniformTypeKVCacheSpecs):
+                return spec.kv_cache_specs[group.layer_names[0]]
+            return spec
 
         all_groups = kv_cache_config.kv_cache_groups
         ids = tuple(i for i, g in enumerate(all_groups) if getattr(g, "enable_kv_transfer", True))
         spec_blocks = tuple(
-            int(getattr(all_groups[i].kv_cache_spec, "num_speculative_blocks", 0))
-            if isinstance(all_groups[i].kv_cache_spec, MambaSpec)
+            int(getattr(unwrapped(all_groups[i]), "num_speculative_blocks", 0))
+            if isinstance(unwrapped(all_groups[i]), MambaSpec)
             else 0
             for i in ids
         )
-        return cls(kv_groups(kv_cache_config), ids, len(all_groups), spec_blocks)
+        return cls(kv_groups(kv_cache_config, cache_dtype), ids, len(all_groups), spec_blocks)
 
     def prefill_backoff(self) -> int:
         """Prompt tokens the prefill leaves to the decode (see the module docstring)."""

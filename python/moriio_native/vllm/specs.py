@@ -191,7 +191,12 @@ def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
     if isinstance(spec, MambaSpec):
         return "mamba", 0
     if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)):
-        return "sliding", int(spec.sliding_window)
+        # The tokens a load must cover: the attention window plus the tail vLLM's sliding
+        # manager keeps below it for multi-module MTP re-prefill (extra_retained_tokens), as
+        # vLLM's own offloading connector widens it ("restores all allocated history").
+        return "sliding", int(spec.sliding_window) + int(
+            getattr(spec, "extra_retained_tokens", 0) or 0
+        )
     if type(spec) in (FullAttentionSpec, MLAAttentionSpec):
         return "full", 0
     raise UnsupportedSpecError(
@@ -205,24 +210,66 @@ def _tokens_per_state(spec: Any, layers: Sequence[str]) -> tuple[int, int]:
     Mamba state, which has no token axis."""
     from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
 
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = spec.kv_cache_specs[layers[0]]
-    if isinstance(spec, MambaSpec):
+    per_layer = (
+        [(name, spec.kv_cache_specs[name]) for name in layers]
+        if isinstance(spec, UniformTypeKVCacheSpecs)
+        else [(layers[0], spec)]
+    )
+    if isinstance(per_layer[0][1], MambaSpec):
         return (1, 1)
-    ratio = Fraction(spec.tokens_per_state)
-    if ratio <= 0:
-        raise UnsupportedSpecError(
-            f"layer {layers[0]}: {type(spec).__name__} stores {spec.tokens_per_state} tokens "
-            "per state, which MoRIIONativeConnector cannot map onto block positions"
-        )
-    return (ratio.numerator, ratio.denominator)
+    # A uniform group may mix ratios (DeepSeek V4.1: compress ratios 1 and 2 in one group):
+    # the group is compressed when any layer is, so that check_groups keeps both sides' blocks
+    # whole (a token window of a compressed layer's block is no range of its states). The
+    # first compressed layer's ratio stands for the group (the same layers on both sides).
+    chosen = Fraction(1)
+    for name, layer_spec in per_layer:
+        ratio = Fraction(layer_spec.tokens_per_state)
+        if ratio <= 0:
+            raise UnsupportedSpecError(
+                f"layer {name}: {type(layer_spec).__name__} stores "
+                f"{layer_spec.tokens_per_state} tokens per state, which MoRIIONativeConnector "
+                "cannot map onto block positions"
+            )
+        if chosen == 1 and ratio != 1:
+            chosen = ratio
+    return (chosen.numerator, chosen.denominator)
 
 
-def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _element_type(spec: Any, cache_dtype: str) -> str:
+    """What one layer's stored bytes are: a quantized layer's ``--kv-cache-dtype`` (every fp8
+    format is a uint8 tensor to vLLM, so its dtype cannot tell e4m3 from e5m2), else the spec's
+    dtype; a Mamba state's dtypes joined by ``+``."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if isinstance(spec, MambaSpec):
+        return "+".join(_dtype_name(d) for d in spec.dtypes)
+    quant = getattr(spec, "kv_quant_mode", None)
+    if quant is None or int(quant) == 0:  # KVQuantMode.NONE: the tensor's dtype is the type
+        return _dtype_name(spec.dtype)
+    return cache_dtype if cache_dtype != "auto" else f"{_dtype_name(spec.dtype)}:quant{int(quant)}"
+
+
+def _element_types(spec: Any, layers: Sequence[str], cache_dtype: str) -> tuple[str, ...]:
+    """The group's layers' element types: one name when they agree, else one per layer."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        names = tuple(_element_type(spec.kv_cache_specs[n], cache_dtype) for n in layers)
+    else:
+        names = (_element_type(spec, cache_dtype),)
+    return names[:1] if len(set(names)) == 1 else names
+
+
+def kv_groups(kv_cache_config: Any, cache_dtype: str) -> tuple[KvGroup, ...]:
     """The KV-cache groups that take part in KV transfer, in vLLM's order (the order of the
-    per-group block ids): kind, block size in tokens, window, layers and tokens per stored
-    state. Raises UnsupportedSpecError naming the layer for groups without a transfer
-    mapping."""
+    per-group block ids): kind, block size in tokens, window, layers, their element types
+    (``cache_dtype``: vLLM's ``--kv-cache-dtype``, which names what quantized layers hold)
+    and tokens per stored state. Raises UnsupportedSpecError naming the layer for groups
+    without a transfer mapping."""
     out = []
     for group in kv_cache_config.kv_cache_groups:
         if not getattr(group, "enable_kv_transfer", True):
@@ -234,6 +281,7 @@ def kv_groups(kv_cache_config: Any) -> tuple[KvGroup, ...]:
                 kind=kind,  # type: ignore[arg-type]
                 block_size=int(group.kv_cache_spec.block_size),
                 layers=layers,
+                element_types=_element_types(group.kv_cache_spec, layers, cache_dtype),
                 sliding_window=window,
                 tokens_per_state=_tokens_per_state(group.kv_cache_spec, layers),
             )

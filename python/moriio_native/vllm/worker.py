@@ -315,7 +315,9 @@ class WorkerSide:
         with self._core.lock:
             if self._engine is not None:
                 open_now = self._engine.pending_transfers + self._engine.quarantined_transfers
-                if open_now != self._open_reported:
+                # Sent while any is open too, not only on a change: vLLM's log line sums the
+                # ranks of one interval's payloads, and a rank left out would count 0.
+                if open_now != self._open_reported or open_now:
                     self._stats.record_open_transfers(self.tp_rank, open_now)
                     self._open_reported = open_now
             if self._stats.is_empty():
