@@ -268,6 +268,35 @@ def _check_cuda_event(value: object) -> None:
         )
 
 
+class _Keeper:
+    """What keeps an engine's registered memory valid while the native engine serves it: the
+    native engine, and the registered layers whose memory the engine did not allocate itself.
+    The arrays of :meth:`Engine.allocate_host_backing` point here, not at the Engine: numpy
+    does not show the garbage collector an array's base, so a cycle from those arrays back to
+    views of them (the Engine keeps every registered layer) would never be collected, and memory
+    inside the engine's own allocations lives as long as the native engine anyway."""
+
+    def __init__(self, native: Any) -> None:
+        self.native = native
+        self.allocations: list[tuple[int, int]] = []
+        self.foreign: tuple[LayerRegistration, ...] = ()
+
+    def __del__(self) -> None:
+        # The engine first, then the memory it served: an engine never outlives that memory.
+        self.native = None
+
+    def outside_allocations(
+        self, layers: Sequence[LayerRegistration]
+    ) -> tuple[LayerRegistration, ...]:
+        """The layers whose allocation lies in none of the engine's own."""
+
+        def inside(layer: LayerRegistration) -> bool:
+            base, size = layer._allocation()
+            return any(start <= base and base + size <= start + n for start, n in self.allocations)
+
+        return tuple(layer for layer in layers if not inside(layer))
+
+
 class Engine:
     """A transfer engine on one backend ("loopback", "ucx" or "mori").
 
@@ -298,6 +327,8 @@ class Engine:
             int(terminal_history),
             int(page_size),
         )
+        self._keeper = _Keeper(self._engine)
+        self._registered: tuple[LayerRegistration, ...] = ()
         logger.debug("engine %s on backend %s created", engine_id, backend)
 
     @property
@@ -321,15 +352,14 @@ class Engine:
         """A ``numpy.uint8`` array of ``nbytes`` allocated by the backend for a KV backing.
 
         With UCX this is shared memory that a peer on the same host maps and copies with plain
-        memcpy (the fastest host path). The array keeps this engine alive; the memory lives until
-        the engine is destroyed. FailedPreconditionError when the backend cannot allocate.
+        memcpy (the fastest host path). The array keeps the native engine alive, and with it every
+        registered layer outside the engine's own allocations; the memory lives until the engine
+        is destroyed. FailedPreconditionError when the backend cannot allocate.
         """
         address, size = self._engine.allocate_backing(int(nbytes), "host", -1)
         buffer = (ctypes.c_uint8 * size).from_address(address)
-        # The native engine, not this wrapper: the wrapper keeps the registered arrays (views of
-        # this buffer), and a cycle through a ctypes buffer is one the garbage collector cannot
-        # see, so the engine would never be freed.
-        buffer._owner = self._engine  # type: ignore[attr-defined]  # the memory dies with it
+        buffer._owner = self._keeper  # type: ignore[attr-defined]  # the memory dies with it
+        self._keeper.allocations.append((address, size))
         return np.frombuffer(buffer, dtype=np.uint8)
 
     def register_kv_caches(self, layers: Sequence[LayerRegistration]) -> bytes:
@@ -338,6 +368,7 @@ class Engine:
         layers = tuple(layers)  # kept below: an iterator would be consumed by the native call
         metadata = self._engine.register_kv_caches([layer._native() for layer in layers])
         self._registered = layers
+        self._keeper.foreign = self._keeper.outside_allocations(layers)
         return metadata
 
     def local_metadata(self) -> bytes:

@@ -293,3 +293,15 @@ def test_a_short_secret_is_refused_with_the_words_troubleshooting_quotes() -> No
         ConnectorConfig.from_extra_config({"auth_secret": "short"}, role="kv_consumer")
     assert "auth_secret is 5 bytes; use at least 16 random bytes" in str(exc.value)
     assert "short" not in str(exc.value)
+
+
+@pytest.mark.parametrize("key", ["UCX_TLS", "Ucx_Tls", "ucx-tls"])
+def test_a_backend_option_in_another_spelling_is_refused_naming_the_key(key: str) -> None:
+    """UCX_TLS (spelled as UCX's own environment variable) was neither passed to the backend
+    nor refused, so ucx_tls stayed at its default (seen failing with the first version of the
+    near-miss check)."""
+    from moriio_native.errors import InvalidArgumentError
+    from moriio_native.vllm.config import ConnectorConfig
+
+    with pytest.raises(InvalidArgumentError, match="did you mean 'ucx_tls'"):
+        ConnectorConfig.from_extra_config({key: "tcp"}, role="kv_consumer")

@@ -215,3 +215,35 @@ def test_an_engine_on_memory_it_allocated_is_freed_once_dropped() -> None:
     del engine, buf
     gc.collect()
     assert dropped() is None, "an engine registered on memory it allocated was never freed"
+
+
+def test_registered_memory_of_another_owner_lives_as_long_as_the_engine_serves_it() -> None:
+    """An engine registered on its own allocated memory and on a caller's array: once the
+    engine object and the caller's array are dropped while the allocated array lives on, the
+    native engine still serves both registrations, so the caller's memory must live too. Seen
+    failing with the first fix of the cycle above (the allocated arrays kept the native engine
+    alone, and the caller's memory was freed under its registration)."""
+    import gc
+    import weakref
+
+    engine = mn.Engine("owner", "ucx", {})
+    buf = engine.allocate_host_backing(BLOCKS * BLOCK)
+    other = _aligned(BLOCKS * BLOCK)
+    (own,) = _layers(buf)
+    theirs = mn.LayerRegistration(
+        "M", other.reshape(own.tensor.shape), own.spec, allocation=(other.ctypes.data, other.nbytes)
+    )
+    layers = [own, theirs]
+    engine.register_kv_caches(layers)
+    owner = other
+    while isinstance(owner.base, np.ndarray):
+        owner = owner.base
+    freed = weakref.ref(owner)
+    keeper = weakref.ref(engine._keeper)
+    del engine, other, owner, layers, own, theirs
+    gc.collect()
+    assert keeper() is not None and keeper().native is not None  # the engine still serves
+    assert freed() is not None, "registered memory freed while its engine still serves it"
+    del buf
+    gc.collect()
+    assert keeper() is None and freed() is None  # all of it goes once the last array does

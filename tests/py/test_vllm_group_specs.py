@@ -63,6 +63,14 @@ def test_fp8_formats_are_told_apart_by_the_kv_cache_dtype() -> None:
         check_groups(e4m3, e5m2, "prefill-0")
 
 
+def test_fp8_and_its_alias_fp8_e4m3_pair() -> None:
+    """vLLM's "fp8" is fp8_e4m3 (a checkpoint's fp8 KV cache resolves to "fp8_e4m3"): a decode
+    given --kv-cache-dtype fp8 pairs with a prefill that resolved it so. Seen failing with the
+    first version of the element types (refused at the handshake)."""
+    e4m3 = kv_groups(_attention(torch.uint8, quant=1), "fp8_e4m3")
+    check_groups(kv_groups(_attention(torch.uint8, quant=1), "fp8"), e4m3, "prefill-0")
+
+
 def test_a_group_of_mixed_types_names_each_layer() -> None:
     """Layers left unquantized (--kv-cache-dtype-skip-layers) beside fp8 ones: the group's
     types are listed per layer, and the layer that differs is named."""

@@ -206,43 +206,66 @@ CookieRead ReadCookieThrough(pid_t tid, const ProcessIdentity& peer) {
   return n < 0 && errno == ESRCH ? CookieRead::kNoSuchThread : CookieRead::kRefused;
 }
 
+/// The threads of `pid`'s thread group that have not been released, its main thread
+/// included while the group runs (its `Threads:` line: one counter, read at once); 0 when the
+/// process is gone (reaped), -1 when it cannot be read.
+int ThreadCount(pid_t pid) {
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  if (!status) return errno == ENOENT ? 0 : -1;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("Threads:", 0) == 0) return std::atoi(line.c_str() + 8);
+  }
+  return -1;
+}
+
 /// The pid of a process whose main thread ended (pthread_exit) while its other threads run
 /// answers ESRCH like an exited process's, though its memory is alive and transfers to it may
 /// still land. Its other threads, listed in /proc/<pid>/task until the last one exits, reach
-/// that memory. The process is gone only when a listing names no thread not tried before:
-/// a thread may start another and exit between a listing and its read, and an exited
-/// thread's id may already name another process (another cookie), which proves nothing.
-/// Threads that keep coming for kMaxListings listings leave the answer unknown, never gone.
+/// that memory. A listing proves little: the kernel walks a changing thread list by position,
+/// so a listing may miss a thread started meanwhile, or every one, and name threads that have
+/// exited; an exited thread's id may even name another process (another cookie). So the
+/// process is taken as gone only when its own count says no thread but the main one is left
+/// (a zombie) or it was reaped, and as another image only when a thread still listed under
+/// it reads another cookie twice. Threads that keep coming for kMaxListings listings leave the
+/// answer unknown, never gone.
 ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer) {
   constexpr int kMaxListings = 8;
   std::set<long> tried;
-  bool refused = false;  // a read refused (EPERM): that thread may live
+  std::set<long> other_cookie;  // tried threads that read another cookie
+  bool refused = false;         // a read refused (EPERM): that thread may live
   for (int listing = 0; listing < kMaxListings; ++listing) {
-    const std::unique_ptr<DIR, int (*)(DIR*)> tasks(
-        ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str()), ::closedir);
-    if (!tasks) {
-      if (errno != ENOENT) return ProcessPresence::kUnknown;
+    const int threads = ThreadCount(pid);
+    if (threads == 0 || threads == 1) {
       return refused ? ProcessPresence::kUnknown : ProcessPresence::kGone;
     }
-    bool fresh = false;
+    if (threads < 0) return ProcessPresence::kUnknown;
+    const std::unique_ptr<DIR, int (*)(DIR*)> tasks(
+        ::opendir(("/proc/" + std::to_string(pid) + "/task").c_str()), ::closedir);
+    if (!tasks) return ProcessPresence::kUnknown;  // reaped since: the next probe says so
     while (const dirent* entry = ::readdir(tasks.get())) {
       char* end = nullptr;
       const long tid = std::strtol(entry->d_name, &end, 10);
       if (end == entry->d_name || *end != '\0' || tid <= 0 || tid == pid) continue;
-      if (!tried.insert(tid).second) continue;
-      fresh = true;
+      const bool again = !tried.insert(tid).second;
+      if (again && other_cookie.count(tid) == 0) continue;
       switch (ReadCookieThrough(static_cast<pid_t>(tid), peer)) {
         case CookieRead::kCookie:
           return ProcessPresence::kAlive;
         case CookieRead::kRefused:
           refused = true;
           break;
-        case CookieRead::kOtherCookie:  // the thread exited and its id names another process
+        case CookieRead::kOtherCookie:
+          // Listed under the pid after it read another cookie: a thread of this process
+          // whose memory holds other bytes, another image.
+          if (again) return ProcessPresence::kGone;
+          other_cookie.insert(tid);  // the thread may have exited and its id moved on
+          break;
         case CookieRead::kNoSuchThread:  // the thread exited
+          other_cookie.erase(tid);
           break;
       }
     }
-    if (!fresh) return refused ? ProcessPresence::kUnknown : ProcessPresence::kGone;
+    ::sched_yield();  // let threads that exited leave the list and new ones join it
   }
   return ProcessPresence::kUnknown;
 }

@@ -230,7 +230,7 @@ def _near_miss(key: str, known: list[str]) -> str | None:
     ``_``; two neighbouring letters swapped (``mdoe``: short keys are too short for a ratio);
     or close by difflib's ratio."""
     norm = key.strip().lower().replace("-", "_")
-    if norm in known:
+    if norm in known or norm.startswith(BACKEND_OPTION_PREFIXES):  # UCX_TLS: ucx_tls
         return norm
     for k in known:
         if len(k) == len(norm):

@@ -235,6 +235,9 @@ def _tokens_per_state(spec: Any, layers: Sequence[str]) -> tuple[int, int]:
     return (chosen.numerator, chosen.denominator)
 
 
+_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}
+
+
 def _dtype_name(dtype: Any) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -250,7 +253,10 @@ def _element_type(spec: Any, cache_dtype: str) -> str:
     quant = getattr(spec, "kv_quant_mode", None)
     if quant is None or int(quant) == 0:  # KVQuantMode.NONE: the tensor's dtype is the type
         return _dtype_name(spec.dtype)
-    return cache_dtype if cache_dtype != "auto" else f"{_dtype_name(spec.dtype)}:quant{int(quant)}"
+    if cache_dtype == "auto":
+        return f"{_dtype_name(spec.dtype)}:quant{int(quant)}"
+    # vLLM's "fp8" is fp8_e4m3 (a checkpoint's fp8 KV cache resolves to "fp8_e4m3"): one name.
+    return _CACHE_DTYPE_ALIASES.get(cache_dtype, cache_dtype)
 
 
 def _element_types(spec: Any, layers: Sequence[str], cache_dtype: str) -> tuple[str, ...]:

@@ -33,8 +33,8 @@ key                 meaning
                     load failed and its blocks were recomputed (counted in ``failures`` too)
 ``samples``         per completed transfer ``[seconds, bytes, runs]`` (for histograms)
 ``open_transfers``  a gauge, per TP rank (``{"<rank>": n}``): transfers the rank's engine
-                    holds open (pending or quarantined), sent when it changed since the
-                    rank's last payload; 0 once every transfer ended
+                    holds open (pending or quarantined), sent in every payload while any
+                    is open and once more when the count changes to 0
 =================== ===============================================================
 
 The counters are summed by ``aggregate``; ``samples`` are concatenated, so the Prometheus
