@@ -335,6 +335,8 @@ class Mismatch:
     def __str__(self) -> str:
         if self.local_block is None:
             return f"layer '{self.layer}': {self.why}"
+        if self.remote_block is None:  # a WRITE: write_done names no prefill block ids
+            return f"layer '{self.layer}' block {self.local_block}: {self.why}"
         return (
             f"layer '{self.layer}' block {self.local_block} (remote block {self.remote_block}): "
             f"{self.why}"
@@ -345,11 +347,14 @@ def compare(
     local: Mapping[str, bytes],
     remote: Mapping[str, bytes],
     local_ids: Sequence[int],
-    remote_ids: Sequence[int],
+    remote_ids: Sequence[int] | None,
 ) -> list[Mismatch]:
     """Every difference between our values (``local``, over ``local_ids``) and the peer's
-    (``remote``, over ``remote_ids``, paired by position); empty when the transfer is intact.
-    Every layer of ``local`` must be in ``remote`` with one value per block."""
+    (``remote``, over ``remote_ids``, paired by position; None: the peer's ids are not known,
+    one value per block of ours); empty when the transfer is intact. Every layer of ``local``
+    must be in ``remote`` with one value per block."""
+    known = remote_ids is not None
+    remote_ids = remote_ids if remote_ids is not None else local_ids
     out: list[Mismatch] = []
     for layer, ours in local.items():
         theirs = remote.get(layer)
@@ -373,7 +378,7 @@ def compare(
                 Mismatch(
                     layer,
                     int(local_ids[i]),
-                    int(remote_ids[i]),
+                    int(remote_ids[i]) if known else None,
                     f"checksum {int(a[i]):#018x} here, {int(b[i]):#018x} at the peer",
                 )
             )

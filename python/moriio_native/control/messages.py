@@ -108,7 +108,8 @@ from .schema import (
 # them (answer_ids), refused unless they are the prefill's own in its order. A peer of another
 # version is refused at the handshake by its version, before any field of it is checked. 10:
 # the handshake's KV-cache groups state their layers' element types (element_types): layers of
-# one element size but another type (bfloat16 and float16, fp8_e4m3 and fp8_e5m2) no longer pair.
+# one element size but another type (bfloat16 and float16, fp8_e4m3 and fp8_e5m2) no longer pair;
+# the checksum request states how many ids each group's list holds (answer_sizes).
 PROTOCOL_VERSION = 10
 
 MAX_NOTIFY_BYTES = 8 << 20
@@ -578,6 +579,13 @@ class ChecksumRequest(_Message, frozen=True, tag="checksum_request"):
     # The answer's block ids as the READ used them (every group's, flat, in the answer's
     # order): the prefill answers only when they are exactly its answer's (empty: refused).
     answer_ids: Annotated[tuple[BlockId, ...], msgspec.Meta(max_length=MAX_BLOCK_IDS)] = ()
+    # How many of ``answer_ids`` each KV-cache group's list holds, in order (empty: the answer
+    # has no groups): the flat ids alone do not say where a group's list ends, and an answer
+    # whose ids moved between groups (same flat order) loads another position's KV.
+    answer_sizes: Annotated[
+        tuple[Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_IDS)], ...],
+        msgspec.Meta(max_length=MAX_KV_GROUPS),
+    ] = ()
 
 
 @_tagged

@@ -271,13 +271,16 @@ class PdCore:
                 "transfers (verify is off here)"
             )
         hold = request.hold_until_ms
-        unheld = self.pusher.held_for_checksums(tid, request.block_ids, hold, request.answer_ids)
+        sizes = request.answer_sizes
+        unheld = self.pusher.held_for_checksums(
+            tid, request.block_ids, hold, request.answer_ids, sizes
+        )
         if unheld is None and request.hold_only:
             return ChecksumResponse(transfer_id=tid, checksums={})
         if unheld is None:
             assert verifier is not None
             response = verifier.answer(request)
-            unheld = self.pusher.held_for_checksums(tid, (), hold, request.answer_ids)
+            unheld = self.pusher.held_for_checksums(tid, (), hold, request.answer_ids, sizes)
             if unheld is None:
                 return response
             unheld += " while its checksums were computed"

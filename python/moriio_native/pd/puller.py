@@ -44,6 +44,7 @@ from typing import Any, TypeVar
 from moriio_native.control.channel import RateLimitedWarnings
 from moriio_native.control.messages import (
     AbortWrite,
+    KvGroup,
     Misaddressed,
     Release,
     RemoteBlocks,
@@ -314,15 +315,22 @@ def _answer_ids(task: RecvTask) -> tuple[int, ...]:
     return tuple(b for ids in task.grouped.remote for b in ids)
 
 
+def _answer_sizes(task: RecvTask) -> tuple[int, ...]:
+    """How many of :func:`_answer_ids` each group's list holds (empty: ungrouped)."""
+    return () if task.grouped is None else tuple(len(ids) for ids in task.grouped.remote)
+
+
 def _read_remote_ids(task: RecvTask) -> tuple[int, ...]:
     """The prefill blocks a READ of ``task`` takes (every group's, without the null block)."""
     return task.remote_block_ids if task.grouped is None else task.grouped.remote_ids()
 
 
-def _announced_ids(waiting: _Await) -> Sequence[int] | None:
+def _announced_ids(waiting: _Await, groups: Sequence[KvGroup] = ()) -> Sequence[int] | None:
     """The blocks a whole-block check of a WRITE covers, in the order announced (the
     writer's checksums come in that order); None when more than one prefill rank writes or
-    the request has several KV-cache groups."""
+    the request has several KV-cache groups. A sliding-window group (``groups``: ours) is
+    written only from the block of the first token the window needs (pd/groups.py's
+    _attention_segments): the blocks announced before it are not written, nor checksummed."""
     task = waiting.task
     if len(waiting.parts) != 1:
         return None
@@ -330,7 +338,11 @@ def _announced_ids(waiting: _Await) -> Sequence[int] | None:
         return task.local_block_ids
     if len(task.grouped.local) != 1:
         return None
-    return [b for b in task.grouped.local[0] if b != NULL_BLOCK]
+    first = 0
+    if len(groups) == 1 and groups[0].kind == "sliding":
+        bs, grouped = groups[0].block_size, task.grouped
+        first = max(grouped.start, grouped.end - groups[0].sliding_window + 1) // bs
+    return [b for i, b in enumerate(task.grouped.local[0]) if b != NULL_BLOCK and i >= first]
 
 
 def _check_readdressed(peer: Peer, task: RecvTask, expect: str) -> None:
@@ -647,6 +659,7 @@ class Puller:
                 task.remote_hold_until_ms or 0,
                 lambda why: self._read_checked(read, part, event, why, confirmed=True),
                 _answer_ids(task),
+                _answer_sizes(task),
             )
             return
         if part.verified_pairs is None:
@@ -662,6 +675,7 @@ class Puller:
             lambda why: self._read_checked(read, part, event, why, confirmed=False),
             task.remote_hold_until_ms or 0,
             _answer_ids(task),
+            _answer_sizes(task),
         )
 
     def _read_checked(
@@ -1001,7 +1015,7 @@ class Puller:
             if not part.machine.allows(AwaitEvent.VERIFY):
                 return
             part.machine.advance(AwaitEvent.VERIFY)
-        local = _announced_ids(waiting)
+        local = _announced_ids(waiting, ctx.cfg.groups)
         if local is None:
             self._write_verified(
                 waiting,

@@ -803,12 +803,16 @@ class Pusher:
             self._step_jobs = []
             self._step_requests = []
             for save in saves:
-                for job in self._plan_jobs(save):
-                    self._step_jobs.append(job)
-                    self._advance(job)
+                jobs = self._plan_jobs(save)
+                # Listed before any job advances: one that connects at once (its decode rank
+                # handshaken already) may confirm the decode's TP size here, and the jobs that
+                # makes must be the step's too (_confirm_decode_tp), or they get no layer.
                 request = self._requests.get(save.transfer_id)
                 if request is not None and request.unconfirmed:
                     self._step_requests.append(request)
+                for job in jobs:
+                    self._step_jobs.append(job)
+                    self._advance(job)
             for send in sends:
                 self._on_send_task(send, now)
         self.feed_writer()
@@ -983,7 +987,9 @@ class Pusher:
         for job in jobs:
             if send.aborted:
                 self._fail(job, "the request was aborted")
-            elif job.decode_rank in released.ranks:
+            elif job.decode_rank in released.ranks and (
+                released.consumer_tp_size == self._decode_tp(job)
+            ):
                 # The decode gave up before we had the request (its release came first).
                 job.released = True
                 self._fail(job, "the decode released the transfer")
@@ -1873,6 +1879,7 @@ class Pusher:
         block_ids: Sequence[int],
         hold_until_ms: int = 0,
         answer_ids: Sequence[int] = (),
+        answer_sizes: Sequence[int] = (),
     ) -> str | None:
         """None while this rank holds the blocks of READ transfer ``tid`` for its decode under
         the answer that stated ``hold_until_ms`` (0: the asker names none) and ``block_ids``
@@ -1899,6 +1906,7 @@ class Pusher:
             answered = send.answered
             stated = send.task.hold_until_ms
             given = tuple(send.task.block_ids)
+            sizes = tuple(send.task.group_sizes)
         if hold_until_ms and stated and hold_until_ms != stated:
             return (
                 f"its blocks are held for another answer under that transfer id (stating a hold "
@@ -1917,6 +1925,13 @@ class Pusher:
             return (
                 "the READ used an answer naming other blocks than the one this rank gave, or "
                 "these in another order, or stated none"
+            )
+        if sizes and tuple(answer_sizes) != sizes:
+            # The same ids in the same flat order, split into groups otherwise: a group's
+            # position i then loads another group's (or another position's) block.
+            return (
+                f"the READ used an answer whose KV-cache groups hold {list(answer_sizes)} of its "
+                f"blocks, this rank's answer {list(sizes)}"
             )
         return None
 
@@ -1996,6 +2011,18 @@ class Pusher:
                 ctx.reports.done_sending.add(send.task.req_id)
                 self._end_hold(tid, "released")
             elif job is not None:
+                if message.consumer_tp_size != self._decode_tp(job):
+                    # Not the rank this job writes (READ counts releases the same way): it
+                    # must not end a live job whose decode rank then hears nothing.
+                    self._other_size.warn(
+                        "ignoring a release of transfer %s by decode rank %d of TP size %d: "
+                        "the request's decode TP size is %d",
+                        tid,
+                        message.consumer_tp_rank,
+                        message.consumer_tp_size,
+                        self._decode_tp(job),
+                    )
+                    return
                 job.released = True
                 self._fail(job, "the decode released the transfer")
                 return

@@ -119,6 +119,8 @@ class SendTask:
     # ... and the hold the answer stated (remote_hold_until_ms; 0: none), which such a request
     # names too: a later request reusing the transfer id is another answer.
     hold_until_ms: int = 0
+    # ... and how many of ``block_ids`` each KV-cache group's list holds (empty: not stated).
+    group_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_transfer_id(self)

@@ -137,6 +137,7 @@ class Verifier:
         verdict: Verdict,
         hold_until_ms: int = 0,
         answer_ids: Sequence[int] = (),
+        answer_sizes: Sequence[int] = (),
     ) -> None:
         """Compare the prefill's checksums of ``remote_ids`` (asked from ``peer``, under the
         answer that stated ``hold_until_ms``) with ours of ``local_ids``, computed meanwhile;
@@ -166,7 +167,7 @@ class Verifier:
             ours.add_done_callback(compare)
 
         request = _checksum_request(
-            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids
+            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids, answer_sizes
         )
         _ask_prefill(self._requests, peer, request, self._timeout, answered)
 
@@ -207,7 +208,7 @@ class Verifier:
                     "verify the same on both instances)"
                 )
             ours = self._ours(transfer_id, local_ids)
-            return self._compare(transfer_id, checksums, local_ids, local_ids, ours)
+            return self._compare(transfer_id, checksums, local_ids, None, ours)
 
         self._run(transfer_id, check, verdict)
 
@@ -240,7 +241,7 @@ class Verifier:
         transfer_id: str,
         theirs: dict[str, bytes],
         local_ids: Sequence[int],
-        remote_ids: Sequence[int],
+        remote_ids: Sequence[int] | None,
         ours: dict[str, bytes],
     ) -> str | None:
         mismatches = compare(ours, theirs, local_ids, remote_ids)
@@ -331,6 +332,7 @@ class ReadConfirmer:
         hold_until_ms: int,
         verdict: Verdict,
         answer_ids: Sequence[int] = (),
+        answer_sizes: Sequence[int] = (),
     ) -> None:
         """Ask ``peer`` whether it still holds ``transfer_id``'s blocks under the answer that
         stated ``hold_until_ms`` and ``remote_ids`` (the blocks the READ took) are that
@@ -345,7 +347,7 @@ class ReadConfirmer:
             verdict(f"{not_confirmed}: {outcome}" if isinstance(outcome, MoriioError) else None)
 
         request = _checksum_request(
-            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids
+            self._engine_id, transfer_id, remote_ids, hold_until_ms, answer_ids, answer_sizes
         )
         _ask_prefill(self._requests, peer, request.replace(hold_only=True), self._timeout, answered)
 
@@ -356,6 +358,7 @@ def _checksum_request(
     remote_ids: Sequence[int],
     hold_until_ms: int,
     answer_ids: Sequence[int],
+    answer_sizes: Sequence[int] = (),
 ) -> ChecksumRequest:
     """A decode's request about the prefill blocks ``remote_ids`` its READ of ``transfer_id``
     took, under the answer that stated ``hold_until_ms`` and named ``answer_ids`` (in order)."""
@@ -365,6 +368,7 @@ def _checksum_request(
         block_ids=tuple(int(b) for b in remote_ids),
         hold_until_ms=hold_until_ms,
         answer_ids=tuple(int(b) for b in answer_ids),
+        answer_sizes=tuple(int(n) for n in answer_sizes),
     )
 
 

@@ -686,6 +686,7 @@ class SchedulerSide:
                 params.transfer_id,
                 block_ids=answered,
                 hold_until_ms=returned.get(KEY_REMOTE_HOLD_UNTIL_MS, 0),
+                group_sizes=tuple(len(group) for group in selected),
             )
         )
         self._held.add(rid)
