@@ -210,7 +210,7 @@ marked_timelines() {  # label: gpu_bench --timeline of 4 KiB runs and llama3-8b,
   done 2>&1 | tee "$out/$1.log"
 }
 every_gpu_test() {  # this tree's GPU tests: kernels, cells, verify's checksums, UCX two processes
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rs tests/py/test_cudacopy.py tests/py/test_cudacopy_edges.py \
     tests/py/test_cell_geometry.py tests/py/test_cell_transfer.py tests/py/test_verify.py \
     tests/py/test_ucx_two_process.py 2>&1 | tail -8 | tee "$out/checks.log"
   echo "elapsed ${SECONDS} s"

@@ -33,6 +33,7 @@
 // (docs/benchmarks.md, session 19; what each part bought is there too).
 
 #include <cuda_runtime.h>
+#include <dlfcn.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -484,22 +485,48 @@ bool Prepare(const moriio_cudacopy_checksum_layer& l, std::uint32_t index, SumLa
   return true;
 }
 
-/// Makes `device` current for its lifetime and the caller's device current again after.
+/// The driver's current-context calls (the plugin links no libcuda: the runtime loads it).
+struct ContextCalls {
+  int (*get)(void**) = nullptr;
+  int (*set)(void*) = nullptr;
+};
+
+const ContextCalls& Contexts() {
+  static const ContextCalls calls = [] {
+    ContextCalls c;
+    void* lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);  // kept loaded
+    if (lib == nullptr) return c;
+    c.get = reinterpret_cast<int (*)(void**)>(dlsym(lib, "cuCtxGetCurrent"));
+    c.set = reinterpret_cast<int (*)(void*)>(dlsym(lib, "cuCtxSetCurrent"));
+    if (c.get == nullptr || c.set == nullptr) c = ContextCalls{};
+    return c;
+  }();
+  return calls;
+}
+
+/// Makes `device` current for its lifetime and the caller's CUDA context current again after --
+/// the very context, none included: a thread that had none (a verify pool thread) must not be
+/// left with one, and restoring "device 0" (what cudaGetDevice says for such a thread) would
+/// create device 0's primary context (cudaSetDevice initialises it, CUDA >= 12) in a process
+/// that works on another GPU.
 class DeviceScope {
  public:
   explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+    // Before the driver's first use (cuInit) the thread has no context either: none to restore.
+    saved_ = Contexts().set != nullptr;
+    if (saved_ && Contexts().get(&previous_) != 0) previous_ = nullptr;
     status_ = cudaSetDevice(device);
   }
   ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
+    if (saved_) Contexts().set(previous_);
   }
   DeviceScope(const DeviceScope&) = delete;
   DeviceScope& operator=(const DeviceScope&) = delete;
   cudaError_t status() const { return status_; }
 
  private:
-  int previous_ = -1;
+  void* previous_ = nullptr;
+  bool saved_ = false;
   cudaError_t status_ = cudaSuccess;
 };
 
@@ -631,6 +658,7 @@ int ChecksumBlocks(int device, std::uint64_t stream, const moriio_cudacopy_check
     const std::uint64_t across = std::clamp<std::uint64_t>(
         (static_cast<std::uint64_t>(buffers->resident) * 2 + num_layers - 1) / num_layers, 1,
         most_units);
+    (void)cudaGetLastError();  // an earlier call's error is not this launch's (see Enqueue)
     ChecksumKernel<<<dim3(static_cast<unsigned>(across), num_layers), kThreads, 0, s>>>(
         d_layers, d_ids, num_ids, d_out);
     e = cudaGetLastError();

@@ -810,7 +810,13 @@ int Enqueue(Queue* q, const Slot& slot, std::uint64_t wait_event, Launch launch,
   // The copy of a layer waits on the device for the compute that produces it (per-layer WRITE
   // overlapped with the forward pass); the op's event then covers both.
   if (wait_event != 0) e = cudaStreamWaitEvent(stream, reinterpret_cast<cudaEvent_t>(wait_event), 0);
-  if (e == cudaSuccess) e = launch(stream);
+  // The launch is checked with cudaGetLastError(), which also returns an error an earlier call
+  // on this thread left behind (a failed create_queue, a refused event): clear it first, so a
+  // launch that happened is never reported as failed. A sticky error shows again below.
+  if (e == cudaSuccess) {
+    (void)cudaGetLastError();
+    e = launch(stream);
+  }
   if (e == cudaSuccess) e = cudaEventRecord(ev, stream);
   if (e != cudaSuccess) {
     // The kernel may still read the table: wait before the slot can be reused.

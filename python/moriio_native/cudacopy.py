@@ -187,7 +187,9 @@ def default_plugin_path() -> str:
 
     with open("/proc/self/maps") as maps:
         for line in maps:
-            path = line.split()[-1]
+            # The path is everything after the first five fields (it may hold spaces).
+            fields = line.rstrip("\n").split(maxsplit=5)
+            path = fields[5] if len(fields) == 6 else ""
             if path.endswith("/libmoriio_native.so"):
                 return os.path.join(os.path.dirname(path), "libmoriio_native_cudacopy.so")
     raise FileNotFoundError("libmoriio_native.so is not loaded; pass the plugin's path")
@@ -199,9 +201,15 @@ class Plugin:
 
     def __init__(self, path: str) -> None:
         self._lib = ctypes.CDLL(path)
-        entry = self._lib.moriio_native_cudacopy_api
+        try:
+            entry = self._lib.moriio_native_cudacopy_api
+        except AttributeError:
+            raise CudaCopyError(f"{path}: no moriio_native_cudacopy_api (not the plugin)") from None
         entry.restype = ctypes.POINTER(_Api)
-        self.api: Any = entry().contents
+        api = entry()
+        if not api:
+            raise CudaCopyError(f"{path}: moriio_native_cudacopy_api returned no table")
+        self.api: Any = api.contents
         if self.api.abi_version != ABI_VERSION:
             raise CudaCopyError(
                 f"{path}: ABI version {self.api.abi_version}, this binding speaks {ABI_VERSION}"
