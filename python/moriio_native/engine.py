@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
@@ -268,22 +269,20 @@ def _check_cuda_event(value: object) -> None:
         )
 
 
+def _keep(_tensors: tuple[object, ...]) -> None:
+    """weakref.finalize's callback for a native engine: its argument, the registered tensors,
+    lives until the native engine is gone, and is dropped after it."""
+
+
 class _Keeper:
-    """What keeps an engine's registered memory valid while the native engine serves it: the
-    native engine, and the registered layers whose memory the engine did not allocate itself.
-    The arrays of :meth:`Engine.allocate_host_backing` point here, not at the Engine: numpy
-    does not show the garbage collector an array's base, so a cycle from those arrays back to
-    views of them (the Engine keeps every registered layer) would never be collected, and memory
-    inside the engine's own allocations lives as long as the native engine anyway."""
+    """What the arrays of :meth:`Engine.allocate_host_backing` keep alive: the native engine
+    that owns their memory, not the Engine. The Engine keeps every registered layer, views of
+    those arrays among them, and numpy does not show the garbage collector an array's base, so
+    a cycle through the Engine would never be collected."""
 
     def __init__(self, native: Any) -> None:
         self.native = native
         self.allocations: list[tuple[int, int]] = []
-        self.foreign: tuple[LayerRegistration, ...] = ()
-
-    def __del__(self) -> None:
-        # The engine first, then the memory it served: an engine never outlives that memory.
-        self.native = None
 
     def outside_allocations(
         self, layers: Sequence[LayerRegistration]
@@ -368,7 +367,15 @@ class Engine:
         layers = tuple(layers)  # kept below: an iterator would be consumed by the native call
         metadata = self._engine.register_kv_caches([layer._native() for layer in layers])
         self._registered = layers
-        self._keeper.foreign = self._keeper.outside_allocations(layers)
+        # The memory the engine did not allocate lives as long as the native engine serves it,
+        # and goes only after it: tied to the native object, whose weak references pybind11
+        # clears after its destructor ran. (Not through this Engine, whose attributes a
+        # collection of cyclic garbage may clear in any order; not the engine's own memory,
+        # which it keeps itself and which would keep it alive for good.)
+        foreign = self._keeper.outside_allocations(layers)
+        weakref.finalize(
+            self._engine, _keep, tuple(layer.tensor for layer in foreign)
+        ).atexit = False
         return metadata
 
     def local_metadata(self) -> bytes:

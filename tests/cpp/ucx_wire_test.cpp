@@ -270,4 +270,23 @@ TEST(UcxProcessIdentity, AProcessWhoseThreadsComeAndGoIsNeverTakenForGone) {
   EXPECT_EQ(ucx::ProbeProcessIdentity(peer), ucx::ProcessPresence::kGone);
 }
 
+// A pid that names another live process, where the peer's cookie address is not even mapped
+// (address randomisation makes that the rule for a process that got the pid again):
+// process_vm_readv answers EFAULT, which was taken as "refused, proves nothing", so the probe
+// said unknown for as long as that process lived and a liveness watch never fired (found by a
+// review of the day's fixes). Nothing at the cookie's address is another image: gone.
+TEST(UcxProcessIdentity, APidWhoseProcessHasNothingAtTheCookieAddressIsGone) {
+  const pid_t child = ::fork();
+  if (child == 0) {
+    for (;;) ::pause();
+  }
+  ASSERT_GT(child, 0);
+  ucx::ProcessIdentity peer = ucx::LocalProcessIdentity();
+  peer.pid = static_cast<std::uint32_t>(child);
+  peer.cookie_address = 0x1000;  // the page after NULL: never mapped
+  EXPECT_EQ(ucx::ProbeProcessIdentity(peer), ucx::ProcessPresence::kGone);
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+}
+
 }  // namespace

@@ -1254,8 +1254,9 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
     fields), 2 (before the request's sent_ms), 3 (before the response's answered_ms and the
     READ hold), 4 (before write_aborted named its decode rank), 5 (before confirm_reads and
     hold checks), 6 (before remote_blocks named the prefill incarnation), 7 (before
-    misaddressed), 8 (before checksum requests stated the answer's block order) or 9 (before
-    KV-cache groups named their element types) gets the version
+    misaddressed), 8 (before checksum requests stated the answer's block order), 9 (before
+    KV-cache groups named their element types) or 10 (before checksum requests stated each
+    group's count of answer ids) gets the version
     error, with its nonce, and so does a newer one whose request carries a key this version
     does not know (its keys are not checked at all)."""
     with HandshakeServer(0, provider_for(), security(), bind_host=LOCAL) as server:
@@ -1263,22 +1264,22 @@ def test_a_request_of_an_older_version_is_refused_by_its_version(raw_dealer):
         v1 = msgpack.unpackb(encode(HandshakeRequest("d", protocol_version=1)))
         del v1["sent_ms"]
         reply = _ask_raw(dealer, v1)
-        assert reply.reason == "protocol version 1 is not supported (this side speaks 10)"
+        assert reply.reason == "protocol version 1 is not supported (this side speaks 11)"
         assert reply.nonce == v1["nonce"]
-        for older in (2, 3, 4, 5, 6, 7, 8, 9):
+        for older in (2, 3, 4, 5, 6, 7, 8, 9, 10):
             reply = _ask_raw(dealer, {**v1, "protocol_version": older})
             assert (
-                reply.reason == f"protocol version {older} is not supported (this side speaks 10)"
+                reply.reason == f"protocol version {older} is not supported (this side speaks 11)"
             )
-        v11 = {**v1, "protocol_version": 11, "field_of_version_11": [1, 2]}
-        reply = _ask_raw(dealer, v11)
-        assert reply.reason == "protocol version 11 is not supported (this side speaks 10)"
-        assert server.stats()["rejected"] == 10
+        v12 = {**v1, "protocol_version": 12, "field_of_version_12": [1, 2]}
+        reply = _ask_raw(dealer, v12)
+        assert reply.reason == "protocol version 12 is not supported (this side speaks 11)"
+        assert server.stats()["rejected"] == 11
 
 
-def test_protocol_version_is_10():
-    assert PROTOCOL_VERSION == 10
-    assert HandshakeRequest("d").protocol_version == 10
+def test_protocol_version_is_11():
+    assert PROTOCOL_VERSION == 11
+    assert HandshakeRequest("d").protocol_version == 11
 
 
 def _fake_server_reply(make_reply, secret=None):
@@ -1341,7 +1342,7 @@ def test_a_version_1_reply_is_refused_by_its_version():
 
     with pytest.raises(IncompatiblePeerError) as caught:
         _fake_server_reply(version_1)
-    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 10)")
+    assert str(caught.value).endswith("protocol version 1 is not supported (this side speaks 11)")
 
 
 @pytest.mark.parametrize(

@@ -123,3 +123,32 @@ def test_a_sub_millisecond_transfer_timeout_is_not_called_non_positive() -> None
     timeout 'must be positive'. It should name the real limit (whole milliseconds)."""
     with pytest.raises(mn.InvalidArgumentError, match="millisecond"):
         mn.Engine("x", "loopback", transfer_timeout=0.0004)
+
+
+def test_registered_memory_outlives_an_engine_collected_as_cyclic_garbage() -> None:
+    """An Engine in a reference cycle (a callback that holds it) is freed by the garbage
+    collector, which clears objects in its own order: a layer made before the engine could be
+    cleared, its memory freed, while the native engine still served it (seen failing, a review
+    of the day's fixes). Registered memory now goes only after the native engine."""
+    page, blocks, bs, hs = 4096, 64, 16, 64
+    spec = mn.CacheSpec(kind="mla", block_size=bs, head_size=hs, dtype_bytes=1)
+    raw = np.zeros(blocks * bs * hs + page, dtype=np.uint8)
+    start = (-raw.ctypes.data) % page
+    mem = raw[start : start + blocks * bs * hs]
+    del raw
+    base = mem.base
+    layer = mn.LayerRegistration(
+        "L", mem.reshape(blocks, bs, hs), spec, allocation=(mem.ctypes.data, mem.nbytes)
+    )
+    del mem
+    gc.collect()  # the layer (made first, as a connector makes its KV caches) is the older
+    engine = mn.Engine("cyc", "loopback", {})
+    engine.register_kv_caches([layer])
+    native = weakref.ref(engine._engine)
+    seen: list[bool] = []
+    weakref.finalize(base, lambda: seen.append(native() is not None))
+    engine.cycle = engine  # type: ignore[attr-defined]  # e.g. a callback of the connector's that holds the engine
+    del engine, layer, base
+    gc.collect()
+    assert seen, "the registered memory was never freed"
+    assert seen == [False], "the caller's registered memory was freed while the native engine lived"

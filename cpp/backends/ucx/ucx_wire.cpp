@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cerrno>
 #include <cctype>
 #include <cstddef>
@@ -20,6 +21,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 namespace moriio_native::detail::ucx {
@@ -189,7 +191,7 @@ bool ReadPeer(pid_t pid, std::uint64_t address, void* out, std::size_t size) {
 /// What one 16-byte read of a peer's cookie through one thread id found.
 enum class CookieRead {
   kCookie,        ///< the peer's cookie: its memory, alive
-  kOtherCookie,   ///< other bytes: another image behind the id
+  kOtherCookie,   ///< other bytes, or nothing mapped there: another image behind the id
   kNoSuchThread,  ///< ESRCH: no such thread, or one whose process's memory is gone
   kRefused,       ///< EPERM or another failure: proves nothing
 };
@@ -203,7 +205,11 @@ CookieRead ReadCookieThrough(pid_t tid, const ProcessIdentity& peer) {
   if (n == static_cast<ssize_t>(got.size())) {
     return got == peer.cookie ? CookieRead::kCookie : CookieRead::kOtherCookie;
   }
-  return n < 0 && errno == ESRCH ? CookieRead::kNoSuchThread : CookieRead::kRefused;
+  if (n < 0 && errno == ESRCH) return CookieRead::kNoSuchThread;
+  // Nothing mapped at the cookie's address: not the peer's image (its cookie lives as long as
+  // it does), as other bytes there would say.
+  if (n < 0 && errno == EFAULT) return CookieRead::kOtherCookie;
+  return CookieRead::kRefused;
 }
 
 /// The threads of `pid`'s thread group that have not been released, its main thread
@@ -229,7 +235,7 @@ int ThreadCount(pid_t pid) {
 /// it reads another cookie twice. Threads that keep coming for kMaxListings listings leave the
 /// answer unknown, never gone.
 ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer) {
-  constexpr int kMaxListings = 8;
+  constexpr int kMaxListings = 50;  // a millisecond apart (below)
   std::set<long> tried;
   std::set<long> other_cookie;  // tried threads that read another cookie
   bool refused = false;         // a read refused (EPERM): that thread may live
@@ -265,7 +271,12 @@ ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer)
           break;
       }
     }
-    ::sched_yield();  // let threads that exited leave the list and new ones join it
+    // Let threads that exited leave the list and new ones join it. A process being killed
+    // takes milliseconds to release its threads (tens on a loaded host): the listings span
+    // about 50 ms, so a peer whose connection failed as it died is proven gone, not left
+    // unknown. Only peers whose pid answers ESRCH come here: dying ones, and the rare one whose
+    // main thread ended.
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
   }
   return ProcessPresence::kUnknown;
 }

@@ -108,9 +108,9 @@ from .schema import (
 # them (answer_ids), refused unless they are the prefill's own in its order. A peer of another
 # version is refused at the handshake by its version, before any field of it is checked. 10:
 # the handshake's KV-cache groups state their layers' element types (element_types): layers of
-# one element size but another type (bfloat16 and float16, fp8_e4m3 and fp8_e5m2) no longer pair;
-# the checksum request states how many ids each group's list holds (answer_sizes).
-PROTOCOL_VERSION = 10
+# one element size but another type (bfloat16 and float16, fp8_e4m3 and fp8_e5m2) no longer pair.
+# 11: the checksum request states how many ids each group's list holds (answer_sizes).
+PROTOCOL_VERSION = 11
 
 MAX_NOTIFY_BYTES = 8 << 20
 MAX_HANDSHAKE_REQUEST_BYTES = 4 << 10
