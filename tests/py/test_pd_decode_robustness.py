@@ -57,7 +57,14 @@ class PoolChecks:
         self.pool = DaemonPool(2, "review-checks")
 
     def confirm(
-        self, tid: str, peer: Any, ids: Any, hold: int, verdict: Any, answer_ids: Any
+        self,
+        tid: str,
+        peer: Any,
+        ids: Any,
+        hold: int,
+        verdict: Any,
+        answer_ids: Any,
+        answer_sizes: Any,
     ) -> None:
         _submit_check(self.pool, f"confirmation of transfer {tid}", lambda: None, verdict)
 
