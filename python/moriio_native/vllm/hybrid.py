@@ -25,7 +25,7 @@ from typing import Any
 
 from moriio_native.control.messages import KvGroup
 from moriio_native.pd.groups import NULL_BLOCK
-from moriio_native.vllm.specs import kv_groups
+from moriio_native.vllm.specs import group_layer_specs, kv_groups
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -45,25 +45,17 @@ class HybridLayout:
     def from_kv_cache_config(cls, kv_cache_config: Any, cache_dtype: str) -> HybridLayout:
         """The transfer groups of ``kv_cache_config``; ``cache_dtype`` is vLLM's
         ``--kv-cache-dtype`` (``cache_config.cache_dtype``)."""
-        from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+        from vllm.v1.kv_cache_interface import MambaSpec
 
-        def unwrapped(group: Any) -> Any:
+        def scratch_slots(group: Any) -> int:
             # A uniform-type group of Mamba layers (vLLM buckets mixed page sizes so) holds
-            # MambaSpecs of one num_speculative_blocks (is_uniform_with_collection), as
-            # kv_groups reads it.
-            spec = group.kv_cache_spec
-            if isinstance(spec, UniformTypeKVCacheSpecs):
-                return spec.kv_cache_specs[group.layer_names[0]]
-            return spec
+            # MambaSpecs of one num_speculative_blocks (is_uniform_with_collection).
+            spec = group_layer_specs(group.kv_cache_spec, group.layer_names)[0][1]
+            return int(spec.num_speculative_blocks) if isinstance(spec, MambaSpec) else 0
 
         all_groups = kv_cache_config.kv_cache_groups
         ids = tuple(i for i, g in enumerate(all_groups) if getattr(g, "enable_kv_transfer", True))
-        spec_blocks = tuple(
-            int(getattr(unwrapped(all_groups[i]), "num_speculative_blocks", 0))
-            if isinstance(unwrapped(all_groups[i]), MambaSpec)
-            else 0
-            for i in ids
-        )
+        spec_blocks = tuple(scratch_slots(all_groups[i]) for i in ids)
         return cls(kv_groups(kv_cache_config, cache_dtype), ids, len(all_groups), spec_blocks)
 
     def prefill_backoff(self) -> int:

@@ -176,6 +176,16 @@ def _mamba_cache_spec(layer_name: str, spec: Any) -> CacheSpec:
     )
 
 
+def group_layer_specs(spec: Any, layers: Sequence[str]) -> list[tuple[str, Any]]:
+    """A KV-cache group's layers with their specs: a uniform-type group's own spec for each
+    layer, else the group's one spec for its first layer (it stands for them all)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return [(name, spec.kv_cache_specs[name]) for name in layers]
+    return [(layers[0], spec)]
+
+
 def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
@@ -183,11 +193,9 @@ def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
         MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
-        UniformTypeKVCacheSpecs,
     )
 
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = spec.kv_cache_specs[layers[0]]
+    spec = group_layer_specs(spec, layers)[0][1]
     if isinstance(spec, MambaSpec):
         return "mamba", 0
     if isinstance(spec, (SlidingWindowSpec, SlidingWindowMLASpec)):
@@ -208,13 +216,9 @@ def _group_kind(spec: Any, layers: Sequence[str]) -> tuple[str, int]:
 def _tokens_per_state(spec: Any, layers: Sequence[str]) -> tuple[int, int]:
     """An attention group's ``tokens_per_state`` as (numerator, denominator); (1, 1) for
     Mamba state, which has no token axis."""
-    from vllm.v1.kv_cache_interface import MambaSpec, UniformTypeKVCacheSpecs
+    from vllm.v1.kv_cache_interface import MambaSpec
 
-    per_layer = (
-        [(name, spec.kv_cache_specs[name]) for name in layers]
-        if isinstance(spec, UniformTypeKVCacheSpecs)
-        else [(layers[0], spec)]
-    )
+    per_layer = group_layer_specs(spec, layers)
     if isinstance(per_layer[0][1], MambaSpec):
         return (1, 1)
     # A uniform group may mix ratios (DeepSeek V4.1: compress ratios 1 and 2 in one group):
@@ -261,12 +265,7 @@ def _element_type(spec: Any, cache_dtype: str) -> str:
 
 def _element_types(spec: Any, layers: Sequence[str], cache_dtype: str) -> tuple[str, ...]:
     """The group's layers' element types: one name when they agree, else one per layer."""
-    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
-
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        names = tuple(_element_type(spec.kv_cache_specs[n], cache_dtype) for n in layers)
-    else:
-        names = (_element_type(spec, cache_dtype),)
+    names = tuple(_element_type(one, cache_dtype) for _, one in group_layer_specs(spec, layers))
     return names[:1] if len(set(names)) == 1 else names
 
 
