@@ -409,6 +409,7 @@ std::array<std::uint64_t, 5> PathCounters() {
 
 constexpr std::size_t kRegion = 8u << 20;
 constexpr std::uint64_t kChildSeed = 77;
+constexpr std::uint64_t kRemadeSeed = 78;  // the pattern a target's backend made again holds
 constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
 
 /// Child: owns a target region, serves D(ump) / F(ill) / Q(uit). Never returns. It registers the
@@ -431,14 +432,18 @@ constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
   buf = Memory::Make(*backend, kRegion, kind);
   if (!buf) fail("allocation failed");
   buf->Write(Pattern(kRegion, kChildSeed));
-  mn::MemoryRange registered = buf->range;
-  registered.address += registered_from;
-  registered.size -= registered_from;
-  auto reg = backend->RegisterMemory(registered);
-  if (!reg.ok()) fail(reg.status().ToString());
+  auto register_buf = [&] {
+    mn::MemoryRange registered = buf->range;
+    registered.address += registered_from;
+    registered.size -= registered_from;
+    auto reg = backend->RegisterMemory(registered);
+    if (!reg.ok()) fail(reg.status().ToString());
+    return *reg;
+  };
+  mn::RegisteredRegion reg = register_buf();
   auto addr = backend->LocalAddress();
   if (!addr.ok()) fail(addr.status().ToString());
-  if (!Send(fd, *addr) || !Send(fd, reg->remote_key) || !Send(fd, U64(buf->range.address))) {
+  if (!Send(fd, *addr) || !Send(fd, reg.remote_key) || !Send(fd, U64(buf->range.address))) {
     fail("send");
   }
   std::unique_ptr<Memory> extra;  // before the backend's end: deregistered with it
@@ -456,11 +461,25 @@ constexpr const char* kChildEnv = "MORIIO_UCX_TEST_CHILD";
     } else if (cmd[0] == 'F') {
       buf->Write(Pattern(kRegion, kChildSeed));
       if (!Send(fd, {1})) fail("send");
+    } else if (cmd[0] == 'M') {
+      // The backend made again in this living process, its memory registered anew: the same
+      // heap bytes, or a new UCX allocation; either now holds kRemadeSeed's pattern.
+      if (!backend->DeregisterMemory(reg.handle).ok()) fail("deregister");
+      if (kind == Mem::kAllocated) buf.reset();
+      backend.reset();
+      created = plugin->create(options, sink);
+      if (!created.ok()) fail(created.status().ToString());
+      backend = std::move(created).value();
+      if (kind == Mem::kAllocated) buf = Memory::Make(*backend, kRegion, kind);
+      if (!buf) fail("allocation failed");
+      buf->Write(Pattern(kRegion, kRemadeSeed));
+      reg = register_buf();
+      if (!Send(fd, {1})) fail("send");
     } else if (cmd[0] == 'Q') {
       break;
     }
   }
-  mn::Status st = backend->DeregisterMemory(reg->handle);
+  mn::Status st = backend->DeregisterMemory(reg.handle);
   if (!st.ok()) fail(st.ToString());
   backend.reset();
   buf.reset();
@@ -687,6 +706,13 @@ class Target {
     std::vector<std::uint8_t> ack;
     Send(fd_, {'F'});
     Recv(fd_, ack);
+  }
+  /// Destroys the child's backend and makes another (same options, no engine id either time),
+  /// registering its memory again: the same heap bytes or a new UCX allocation, holding
+  /// kRemadeSeed's pattern. `address`, `key` and `range` stay the first backend's.
+  bool Remake() {
+    std::vector<std::uint8_t> ack;
+    return Send(fd_, {'M'}) && Recv(fd_, ack);
   }
   void Kill() {
     if (pid_ > 0) ::kill(pid_, SIGKILL);
@@ -950,10 +976,10 @@ INSTANTIATE_TEST_SUITE_P(
         Mode{"cuda_ucx_ops", Mem::kCuda, Mem::kCuda, Path::kOps, {{"ucx_direct_copy", "off"}}}),
     [](const ::testing::TestParamInfo<Mode>& p) { return std::string(p.param.name); });
 
-/// An address ("MNUCXAD2" layout) with a field altered.
+/// An address ("MNUCXAD3" layout: checksum at 88, blob at 96) with a field altered.
 std::vector<std::uint8_t> Forged(std::vector<std::uint8_t> address, std::size_t at, int n,
                                  std::uint64_t value) {
-  return mn::testing_support::Resealed(std::move(address), 80, 88, at, n, value);
+  return mn::testing_support::Resealed(std::move(address), 88, 96, at, n, value);
 }
 
 /// A remote key ("MNUCXRK1" layout: region start at 16, size at 24) claiming another region.
@@ -1102,6 +1128,66 @@ TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
   const mn::Status st = us.sink->Wait(921);
   EXPECT_FALSE(st.ok()) << "a READ past the target's allocation completed";
   EXPECT_EQ(us.local->Read(), untouched);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+/// Checks that a READ through the first backend's address and key of a target whose backend was
+/// made again since fails and moves nothing into the local region.
+void ExpectReadOfTheFirstBackendFails(const Initiator& us, std::uint64_t token) {
+  const std::vector<std::uint8_t> before = us.local->Read();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, token, 16, token)).ok());
+  const mn::Status st = us.sink->Wait(token);
+  EXPECT_FALSE(st.ok()) << "a READ through a destroyed backend's metadata ended done";
+  EXPECT_EQ(us.sink->Count(token), 1);
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), before.data(), kRegion), -1)
+      << "bytes of the backend made again were read";
+}
+
+// A backend destroyed and made again in a living process, registering the same memory (vLLM's
+// connector never does; an embedding runtime may): a peer still holding the first backend's
+// metadata must not read the second one's bytes as the first one's. Batched cma checks the
+// owner's published table before each batch; before (review), it asked only for the engine id,
+// and this READ ended done with kRemadeSeed's bytes.
+TEST(UcxBackend, AReadThroughADestroyedBackendsMetadataFailsOnCma) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const auto before = PathCounters();
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(961, 16, us.remote_region));
+  ASSERT_EQ(PathCounters()[static_cast<int>(Path::kCma)], before[static_cast<int>(Path::kCma)] + 1)
+      << "the READ took another path than batched cma";
+  ASSERT_TRUE(target.Remake());
+  ASSERT_NO_FATAL_FAILURE(ExpectReadOfTheFirstBackendFails(us, 962));
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+// The same on the direct-copy path (UCX's mapping of the owner's allocation, which outlives the
+// allocation's owner) with a peer whose identity this process cannot prove, so cannot read its
+// published table: such a batch asks the owner to confirm its region itself, each time. Before
+// (review), only the region's first batch asked, and this READ ended done with the destroyed
+// backend's bytes.
+TEST(UcxBackend, AnUnprovenPeersDirectCopyChecksItsRegionBeforeEachBatch) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_region_check_timeout_ms"] = "1000";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kAllocated));
+  target.address = Forged(target.address, 64, 8, Field(target.address, 64, 8) ^ 1);  // cookie
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const auto before = PathCounters();
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(971, 16, us.remote_region));
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(972, 16, us.remote_region));
+  ASSERT_EQ(PathCounters()[static_cast<int>(Path::kHostCopy)],
+            before[static_cast<int>(Path::kHostCopy)] + 2)
+      << "the READs took another path than the direct copy";
+  ASSERT_TRUE(target.Remake());
+  ASSERT_NO_FATAL_FAILURE(ExpectReadOfTheFirstBackendFails(us, 973));
   us.Disconnect();
   EXPECT_EQ(target.Stop(), 0);
 }

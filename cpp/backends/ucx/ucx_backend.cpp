@@ -366,9 +366,10 @@ struct PeerState : std::enable_shared_from_this<PeerState> {
   bool push = false;
   // Its backend answers region checks (it serves push requests) and this one can hear them.
   bool checks_regions = false;
-  // The engine id its metadata claims (ExpectPeerOwner): its ranges are checked as that
-  // engine's ("" before: as anyone's). Worker thread only.
-  std::string engine_id;
+  // Who its regions must be registered by: the backend instance its address names (ConnectPeer)
+  // and the engine id its metadata claims (ExpectPeerOwner; "" before: any engine). Worker
+  // thread only.
+  RegionOwner registrant;
   bool peer_mode = false;  // ep has UCX peer-failure detection (push requests say so)
   RemoteProcess process;   // what ep reaches
 };
@@ -466,6 +467,9 @@ struct ActiveBatch {
   // check (a push request of no runs, on Path::kPush), or waits for another batch's (parked).
   bool checking = false;
   bool parked = false;
+  // Its own check, or the one it parked behind, confirmed its region: its path may start even
+  // where each batch needs a check of its own (ChecksEachBatch).
+  bool region_confirmed = false;
   // When it started waiting for its region's check, its own or another batch's (the epoch: not
   // yet). Its wait ends ucx_region_check_timeout_ms after this (RegionWaitEnd), whichever batch
   // checks: its own check fails then, and one parked behind a check that got no answer in
@@ -643,6 +647,14 @@ class UcxBackend final : public Backend {
   // Whether the remote region of `ab` is confirmed; otherwise parks `ab` behind the check that
   // runs, starts one, or fails `ab` when the peer cannot answer checks.
   bool RegionConfirmed(ActiveBatch& ab);
+  // Whether this process can read the table of regions `peer` published (its identity proven,
+  // process_vm_readv usable), and so check a range there before each batch.
+  bool ReadsPublishedRegions(const PeerState& peer) const;
+  // Whether `ab` needs its own region check, not just the first batch's on its region: a direct
+  // host copy through UCX's mapping of the owner's allocation, which outlives the owner's
+  // registration, its engine and its backend, to a peer whose published table this process
+  // cannot read (DirectHostCopies reads it before each batch where it can).
+  bool ChecksEachBatch(const ActiveBatch& ab) const;
   // The data path of `ab` (PathOf), chosen once its peer, regions and op are known.
   Path PathOf(const ActiveBatch& ab) const;
   // When the wait of `ab` for its region's check ends (a stopped or dead peer without failure
@@ -813,6 +825,9 @@ class UcxBackend final : public Backend {
   // The engine this backend serves (SetOwner): its registrations are published and its region
   // checks answered as that engine's. Worker thread only.
   std::string engine_id_;
+  // Drawn at random in Init and carried in our address: our published registrations are this
+  // backend's, never those of a backend made before or after it in this process (RegionOwner).
+  std::uint64_t instance_ = 0;
   // Counts this backend's push requests; each draws its own nonce (NewPushId) from nonces_,
   // filled from the system's random source when empty (NextNonce).
   std::uint64_t next_push_seq_ = 0;
@@ -940,7 +955,8 @@ Status UcxBackend::Init() {
   std::size_t addr_len = 0;
   st = api_->worker_get_address(worker_, &addr, &addr_len);
   if (st != UCS_OK) return TransportError("ucp_worker_get_address failed: " + UcsText(st));
-  local_address_ = EncodeAddress(api_->version(), LocalHostId(), LocalProcessIdentity(),
+  while (instance_ == 0) instance_ = NextNonce();
+  local_address_ = EncodeAddress(api_->version(), LocalHostId(), LocalProcessIdentity(), instance_,
                                  {reinterpret_cast<const std::uint8_t*>(addr), addr_len},
                                  serves_push_ ? kAddressFlagServesPush | kAddressFlagAnswersRegionChecks
                                               : 0);
@@ -1086,7 +1102,7 @@ Result<RegisteredRegion> UcxBackend::RegisterMemory(const MemoryRange& range) {
     out.remote_key = EncodeKey(key);
     api_->rkey_buffer_release(packed);
 
-    region->published = RegionPublication(range, engine_id_);
+    region->published = RegionPublication(range, {instance_, engine_id_});
     std::lock_guard<std::mutex> lock(mutex_);
     region->id = next_id_++;
     out.handle = region->id;
@@ -1176,6 +1192,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     peer->checks_regions = serves_push_ && (wire.flags & kAddressFlagAnswersRegionChecks) != 0;
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     peer->process = RemoteProcess::Of(wire);
+    peer->registrant.instance = wire.instance;
     if (proven) peer->identity = wire.process;
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -1202,7 +1219,7 @@ Status UcxBackend::ExpectPeerOwner(std::uint64_t peer_id, std::string_view engin
                                        " has imported regions: name its engine before importing");
       }
     }
-    it->second->engine_id = engine_id;
+    it->second->registrant.engine = engine_id;
     return Status::OK();
   });
 }
@@ -1717,7 +1734,9 @@ void UcxBackend::StartOnPath(ActiveBatch& ab) {
   // (CmaCopy). Every other path moves a range only once its owner confirmed it: the direct
   // copies go through UCX's mappings, which end where the owner's allocation does (and a
   // shared-memory key's not even there), not its registration; a push READ's target checks the
-  // range but not the engine the metadata named; UCX operations check nothing over tcp.
+  // range but not the engine the metadata named; UCX operations check nothing over tcp. A direct
+  // host copy also checks before each batch: in the owner's published table where this process
+  // reads it (DirectHostCopies), else by a check of its own (ChecksEachBatch).
   if (path != Path::kCma && !RegionConfirmed(ab)) return;
   ab.path = path;
   if (path == Path::kCudaCopy) {
@@ -1737,8 +1756,8 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   // A batch of no runs touches nothing of the region (cell and stamped batches carry theirs
   // elsewhere: they are checked).
   const Batch& b = *ab.batch;
-  if ((!b.cells && !b.stamps && ab.runs() == 0) ||
-      region.check == RemoteRegion::Check::kConfirmed) {
+  if ((!b.cells && !b.stamps && ab.runs() == 0) || ab.region_confirmed ||
+      (region.check == RemoteRegion::Check::kConfirmed && !ChecksEachBatch(ab))) {
     return true;
   }
   if (!region.peer->checks_regions) {
@@ -1761,8 +1780,16 @@ bool UcxBackend::RegionConfirmed(ActiveBatch& ab) {
   region.check = RemoteRegion::Check::kRunning;
   ab.checking = true;
   SendPushRequest(ab, EncodeRegionCheck(NewPushId(ab), PushFlags(ab), local_address_,
-                                        region.range, region.peer->engine_id, region.key));
+                                        region.range, region.peer->registrant.engine, region.key));
   return false;
+}
+
+bool UcxBackend::ReadsPublishedRegions(const PeerState& peer) const {
+  return peer.identity.pid != 0 && cma_usable_;
+}
+
+bool UcxBackend::ChecksEachBatch(const ActiveBatch& ab) const {
+  return PathOf(ab) == Path::kHostCopy && !ReadsPublishedRegions(*ab.remote->peer);
 }
 
 void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
@@ -1772,6 +1799,7 @@ void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
   RemoteRegion& region = *ab.remote;
   const bool confirmed = !ab.stop;
   region.check = confirmed ? RemoteRegion::Check::kConfirmed : RemoteRegion::Check::kUnchecked;
+  ab.region_confirmed = confirmed;
   // A check that got no answer in time says nothing of the region, and a batch that parked
   // behind it later than it started has time of its own left: such batches check again (the
   // first to start becomes the new checker, the others park behind it).
@@ -1784,6 +1812,7 @@ void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
     const bool time_left =
         unanswered && now < RegionWaitEnd(other);
     if (confirmed || time_left) {
+      other.region_confirmed = confirmed;
       StartOnPath(other);
     } else {
       other.Fail(ab.error.WithContext("batch " + std::to_string(other.batch->token) +
@@ -2149,8 +2178,8 @@ bool UcxBackend::DirectHostCopies() {
     // while mapped here), so, as on batched cma, the owner's published regions must still hold
     // the range, read before each batch when the peer's identity was proven.
     const PeerState& peer = *ab.remote->peer;
-    if (!ab.cma_checked && peer.identity.pid != 0 && cma_usable_) {
-      if (Status held = CheckPublishedRegion(peer.identity, ab.remote->range, peer.engine_id,
+    if (!ab.cma_checked && ReadsPublishedRegions(peer)) {
+      if (Status held = CheckPublishedRegion(peer.identity, ab.remote->range, peer.registrant,
                                              ab.remote->published_seq);
           !held.ok()) {
         ab.Fail(TransportError("direct copy of batch " + std::to_string(b.token) + " with peer " +
@@ -2215,7 +2244,7 @@ void UcxBackend::CmaCopy(ActiveBatch& ab, std::uint64_t& budget) {
   // exited (its pid free for reuse by a stranger) fails the batch instead of being written, and
   // with it the regions the peer registered: only a range inside one of them is touched.
   if (!ab.cma_checked) {
-    if (Status held = CheckPublishedRegion(peer, ab.remote->range, ab.remote->peer->engine_id,
+    if (Status held = CheckPublishedRegion(peer, ab.remote->range, ab.remote->peer->registrant,
                                            ab.remote->published_seq);
         !held.ok()) {
       fail("remote region " + std::to_string(ab.remote->id) + " " +

@@ -7,6 +7,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cerrno>
@@ -27,14 +28,15 @@
 namespace moriio_native::detail::ucx {
 namespace {
 
-constexpr std::string_view kAddressMagic = "MNUCXAD2";
-constexpr std::string_view kAddressMagicV1 = "MNUCXAD1";
+constexpr std::string_view kAddressMagic = "MNUCXAD3";
+// Earlier formats, refused by name: 1 had no process identity, 2 no backend instance.
+constexpr std::array<std::string_view, 2> kOlderAddressMagics = {"MNUCXAD1", "MNUCXAD2"};
 constexpr std::string_view kKeyMagic = "MNUCXRK1";
 constexpr std::string_view kPushMagic = "MNUCXPQ1";
 constexpr std::size_t kPushHeader = 8 + 8 + 8 + 4 + 4 + 8 + 8 + 8 + 8;
 constexpr std::size_t kPushSumAt = kPushHeader - 8;
 constexpr std::size_t kIdentityBytes = 4 + 4 + 8 + 8 + 8 + 16;
-constexpr std::size_t kAddressHeader = 8 + 4 + 4 + 16 + kIdentityBytes + 8;
+constexpr std::size_t kAddressHeader = 8 + 4 + 4 + 16 + kIdentityBytes + 8 + 8;
 constexpr std::size_t kAddressSumAt = kAddressHeader - 8;
 constexpr std::size_t kKeyHeader = 8 + 1 + 1 + 2 + 4 + 8 + 8 + 8;
 // A UCX worker address is ~70-300 bytes and an rkey well under a kilobyte; anything far bigger
@@ -66,12 +68,12 @@ std::uint64_t Checksum(std::span<const std::uint8_t> header_without_sum,
   return Fnv1a(blob, Fnv1a(header_without_sum));
 }
 
-constexpr std::uint64_t kPublishedMagic = 0x3247524255504e4dull;  // "MNPUBRG2"
-// More than any process publishes (a record per registered region: 32 bytes and the engine id,
+constexpr std::uint64_t kPublishedMagic = 0x3347524255504e4dull;  // "MNPUBRG3"
+// More than any process publishes (a record per registered region: 40 bytes and the engine id,
 // a few per layer); a peer reads at most this much, so a hostile size cannot make it allocate
 // or copy much.
 constexpr std::uint64_t kMaxPublishedBytes = std::uint64_t{1} << 20;
-constexpr std::size_t kRecordHeader = 4 * 8;  // start, size, kind, owner length
+constexpr std::size_t kRecordHeader = 5 * 8;  // start, size, kind, instance, owner length
 
 /// What a peer reads at the cookie address (see RegionPublication). The fields a peer reads
 /// while this process may change them are atomics, written in seqlock order.
@@ -87,7 +89,7 @@ static_assert(sizeof(PublishedHeader) == 48 && offsetof(PublishedHeader, seq) ==
 struct Publication {
   std::uint64_t id = 0;
   MemoryRange range;
-  std::string owner;
+  RegionOwner owner;
 };
 
 /// The cookie and the published regions in static storage (their address stays valid for the
@@ -128,16 +130,19 @@ CookieState& Cookie() {
   return state;
 }
 
-/// The records of `publications`: per region u64 start, u64 size, u64 memory kind, u64 owner
-/// length, the owner's bytes padded to 8 (native byte order: only this host reads them).
+/// The records of `publications`: per region u64 start, u64 size, u64 memory kind, u64 backend
+/// instance, u64 engine id length, the engine id's bytes padded to 8 (native byte order: only
+/// this host reads them).
 std::vector<std::uint8_t> PublishedTable(const std::vector<Publication>& publications) {
   std::vector<std::uint8_t> out;
   for (const Publication& p : publications) {
     const std::uint64_t fields[] = {p.range.address, p.range.size,
-                                    static_cast<std::uint64_t>(p.range.kind), p.owner.size()};
+                                    static_cast<std::uint64_t>(p.range.kind), p.owner.instance,
+                                    p.owner.engine.size()};
+    static_assert(sizeof(fields) == kRecordHeader);
     const auto* raw = reinterpret_cast<const std::uint8_t*>(fields);
     out.insert(out.end(), raw, raw + sizeof(fields));
-    out.insert(out.end(), p.owner.begin(), p.owner.end());
+    out.insert(out.end(), p.owner.engine.begin(), p.owner.engine.end());
     out.resize((out.size() + 7) / 8 * 8);
   }
   return out;
@@ -160,21 +165,24 @@ void ChangePublished(F change) {
   h.seq.fetch_add(1, std::memory_order_release);
 }
 
-/// Whether the records in `table` hold `range` in a region of `owner` (any owner when empty).
-/// Records cut short end the search: the table is this host's own format, never partial.
+/// Whether the records in `table` hold `range` in a region `owner` registered: its backend
+/// instance, and its engine unless that is empty (any engine). Records cut short end the search:
+/// the table is this host's own format, never partial.
 bool TableHolds(std::span<const std::uint8_t> table, const MemoryRange& range,
-                std::string_view owner) {
+                const RegionOwner& owner) {
   for (std::size_t at = 0; at + kRecordHeader <= table.size();) {
-    std::uint64_t f[4];
+    std::uint64_t f[5];
+    static_assert(sizeof(f) == kRecordHeader);
     std::memcpy(f, table.data() + at, sizeof(f));
-    const std::uint64_t start = f[0], size = f[1], kind = f[2], owner_len = f[3];
+    const std::uint64_t start = f[0], size = f[1], kind = f[2], instance = f[3],
+                        engine_len = f[4];
     at += kRecordHeader;
-    if (owner_len > table.size() - at) return false;
-    const std::string_view theirs(reinterpret_cast<const char*>(table.data() + at), owner_len);
-    at += (owner_len + 7) / 8 * 8;
+    if (engine_len > table.size() - at) return false;
+    const std::string_view engine(reinterpret_cast<const char*>(table.data() + at), engine_len);
+    at += (engine_len + 7) / 8 * 8;
     if (kind == static_cast<std::uint64_t>(range.kind) && range.address >= start &&
         range.size <= size && range.address - start <= size - range.size &&
-        (owner.empty() || theirs == owner)) {
+        instance == owner.instance && (owner.engine.empty() || engine == owner.engine)) {
       return true;
     }
   }
@@ -283,10 +291,10 @@ ProcessPresence ProbeThroughOtherThreads(pid_t pid, const ProcessIdentity& peer)
 
 }  // namespace
 
-RegionPublication::RegionPublication(const MemoryRange& range, std::string_view owner) {
+RegionPublication::RegionPublication(const MemoryRange& range, RegionOwner owner) {
   ChangePublished([&](std::vector<Publication>& publications, std::uint64_t& next_id) {
     id_ = next_id++;
-    publications.push_back({id_, range, std::string(owner)});
+    publications.push_back({id_, range, std::move(owner)});
   });
 }
 
@@ -312,7 +320,7 @@ void RegionPublication::Withdraw() {
 }
 
 Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
-                            std::string_view owner, std::uint64_t& held_at) {
+                            const RegionOwner& owner, std::uint64_t& held_at) {
   const auto pid = static_cast<pid_t>(peer.pid);
   const std::string who = "peer process " + std::to_string(peer.pid);
   // A table that changes under every read (a peer registering in a loop) is not waited for:
@@ -355,9 +363,11 @@ Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& rang
       held_at = seq;
       return Status::OK();
     }
-    return OutOfRangeError(who + " registered no region that holds it" +
-                           (owner.empty() ? std::string()
-                                          : " for engine '" + std::string(owner) + "'"));
+    return OutOfRangeError(
+        who + " registered no region that holds it" +
+        (owner.engine.empty() ? std::string() : " for engine '" + owner.engine + "'") +
+        " through the backend its address names (instance " + std::to_string(owner.instance) +
+        "; a backend made again since registers as another)");
   }
   return FailedPreconditionError(who + "'s table of registered regions changed under " +
                                  std::to_string(kAttempts) + " reads in a row");
@@ -438,7 +448,7 @@ HostId LocalHostId() {
 }
 
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
-                                        const ProcessIdentity& process,
+                                        const ProcessIdentity& process, std::uint64_t instance,
                                         std::span<const std::uint8_t> blob,
                                         std::uint32_t flags) {
   std::vector<std::uint8_t> out;
@@ -453,6 +463,7 @@ std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId&
   Put(out, process.pidns_ino, 8);
   Put(out, process.cookie_address, 8);
   for (std::uint8_t b : process.cookie) out.push_back(b);
+  Put(out, instance, 8);
   Put(out, Checksum(out, blob), 8);
   out.insert(out.end(), blob.begin(), blob.end());
   return out;
@@ -464,10 +475,13 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes) {
                                 " bytes, shorter than its " + std::to_string(kAddressHeader) +
                                 "-byte header");
   }
-  if (std::memcmp(bytes.data(), kAddressMagicV1.data(), kAddressMagicV1.size()) == 0) {
-    return InvalidArgumentError(
-        "UCX peer address is in format 1 (an older moriio-native); both sides need the same "
-        "moriio-native version");
+  for (std::size_t format = 0; format < kOlderAddressMagics.size(); ++format) {
+    const std::string_view magic = kOlderAddressMagics[format];
+    if (std::memcmp(bytes.data(), magic.data(), magic.size()) == 0) {
+      return InvalidArgumentError("UCX peer address is in format " + std::to_string(format + 1) +
+                                  " (an older moriio-native); both sides need the same "
+                                  "moriio-native version");
+    }
   }
   if (std::memcmp(bytes.data(), kAddressMagic.data(), kAddressMagic.size()) != 0) {
     return InvalidArgumentError(
@@ -489,6 +503,7 @@ Result<WireAddress> DecodeAddress(std::span<const std::uint8_t> bytes) {
   out.process.pidns_ino = Get(bytes, 48, 8);
   out.process.cookie_address = Get(bytes, 56, 8);
   std::memcpy(out.process.cookie.data(), bytes.data() + 64, out.process.cookie.size());
+  out.instance = Get(bytes, 80, 8);
   out.blob = bytes.subspan(kAddressHeader);
   if (Checksum(bytes.first(kAddressSumAt), out.blob) != Get(bytes, kAddressSumAt, 8)) {
     return InvalidArgumentError("UCX peer address checksum mismatch (corrupted in transit)");

@@ -6,11 +6,11 @@
 /// truncated or corrupted blob would crash inside UCX instead of failing with an error.
 ///
 /// Layout (little-endian, fixed header then the UCX bytes):
-///   address: magic "MNUCXAD2", u32 UCX version, u32 blob length, 16-byte host id, then the
+///   address: magic "MNUCXAD3", u32 UCX version, u32 blob length, 16-byte host id, then the
 ///            process identity (u32 pid, u32 flags, u64 pid-namespace device, u64 pid-namespace
-///            inode, u64 cookie address, 16-byte cookie), u64 FNV-1a of everything before it and
-///            of the blob, blob. (Format 1, "MNUCXAD1", had no process identity. The flags word
-///            was zero before the push READ existed; decoders that predate it ignore it.)
+///            inode, u64 cookie address, 16-byte cookie), u64 backend instance, u64 FNV-1a of
+///            everything before it and of the blob, blob. (Format 1, "MNUCXAD1", had no process
+///            identity, format 2 no backend instance.)
 ///   key:     magic "MNUCXRK1", u8 memory kind, u8 flags, u16 zero, u32 blob length, u64 region
 ///            start, u64 region size, u64 FNV-1a (as above), blob.
 
@@ -81,17 +81,26 @@ ProcessPresence ProbeProcessIdentity(const ProcessIdentity& peer);
 /// engine it is, but only the process itself can vouch for them: without this, metadata naming
 /// any address of a proven process would have it read or written there.
 /// Layout at the cookie address (native byte order, the peer runs on this host): 16-byte cookie,
-/// u64 magic "MNPUBRG2", u64 sequence (odd while the table changes), u64 table bytes, u64
+/// u64 magic "MNPUBRG3", u64 sequence (odd while the table changes), u64 table bytes, u64
 /// table address; the table is one record per region: u64 start, u64 size, u64 memory kind, u64
-/// owner length, the owner's bytes padded to 8.
+/// backend instance, u64 engine id length, the engine id's bytes padded to 8.
 ///
+/// The backend instance is why a range held by an engine destroyed and made again under the same
+/// id in a living process (its new memory at the old address) is not taken for the old one's: a
+/// peer checks against the instance in the address it connected to, and every backend draws its
+/// own.
+struct RegionOwner {
+  std::uint64_t instance = 0;  ///< the registering backend's, drawn at random when it starts
+  std::string engine;          ///< the engine id it serves ("" for none; in checks: any)
+};
+
+
 /// A published range, for the life of this object (RAII): constructed publishes, destroyed (or
 /// assigned over) withdraws it. Thread-safe.
 class RegionPublication {
  public:
   RegionPublication() = default;
-  /// `owner`: the engine id the registering backend serves ("" for none).
-  RegionPublication(const MemoryRange& range, std::string_view owner);
+  RegionPublication(const MemoryRange& range, RegionOwner owner);
   RegionPublication(RegionPublication&& other) noexcept;
   RegionPublication& operator=(RegionPublication&& other) noexcept;
   RegionPublication(const RegionPublication&) = delete;
@@ -107,15 +116,15 @@ class RegionPublication {
 inline constexpr std::uint64_t kNeverHeld = 1;
 
 /// OK when `peer` (a process of this host, see VerifyProcessIdentity) publishes a registered
-/// region of `range.kind` that holds `range`, registered for engine `owner` (any engine when
-/// empty). `held_at`: the table's sequence when this range was last found held (kNeverHeld at
+/// region of `range.kind` that holds `range`, registered by `owner` (its backend instance, and
+/// its engine unless empty). `held_at`: the table's sequence when this range was last found held (kNeverHeld at
 /// first); while the table has not changed since, only its header is read (one system call).
 /// Transport when its identity no longer reads back (it exited), Incompatible when it publishes
 /// no table (another version), OutOfRange when no published region holds the range,
 /// FailedPrecondition for a table that does not read consistently within a few attempts.
 /// Thread-safe for distinct `held_at`.
 Status CheckPublishedRegion(const ProcessIdentity& peer, const MemoryRange& range,
-                            std::string_view owner, std::uint64_t& held_at);
+                            const RegionOwner& owner, std::uint64_t& held_at);
 
 /// Address flag: the backend serves push READs ("Push READ" in ucx_backend.cpp).
 inline constexpr std::uint32_t kAddressFlagServesPush = 1;
@@ -129,6 +138,7 @@ struct WireAddress {
   std::uint32_t flags = 0;  ///< kAddressFlag*
   HostId host{};
   ProcessIdentity process;
+  std::uint64_t instance = 0;  ///< the backend's (RegionOwner::instance)
   std::span<const std::uint8_t> blob;  ///< points into the decoded buffer
 };
 
@@ -145,7 +155,7 @@ struct WireKey {
 
 /// Pure functions: thread-safe, never block.
 std::vector<std::uint8_t> EncodeAddress(std::uint32_t ucx_version, const HostId& host,
-                                        const ProcessIdentity& process,
+                                        const ProcessIdentity& process, std::uint64_t instance,
                                         std::span<const std::uint8_t> blob,
                                         std::uint32_t flags = 0);
 /// InvalidArgument saying what is wrong (size, magic, checksum) for anything not produced by
