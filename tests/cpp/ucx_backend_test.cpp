@@ -1132,16 +1132,33 @@ TEST(UcxBackend, ForgedRangeOnTheDirectCopyPathIsRefused) {
   EXPECT_EQ(target.Stop(), 0);
 }
 
-/// Checks that a READ through the first backend's address and key of a target whose backend was
-/// made again since fails and moves nothing into the local region.
-void ExpectReadOfTheFirstBackendFails(const Initiator& us, std::uint64_t token) {
-  const std::vector<std::uint8_t> before = us.local->Read();
-  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, token, 16, token)).ok());
-  const mn::Status st = us.sink->Wait(token);
+/// Reads from a target on `path` (with `target_memory` behind it, its cookie forged when
+/// `unproven`: this process then cannot read its published table), has the target make its
+/// backend again, and checks that a READ through the first backend's address and key then fails
+/// and moves nothing into the local region. Call inside ASSERT_NO_FATAL_FAILURE.
+void ExpectReadThroughARemadeBackendsMetadataFails(const mn::BackendOptions& options,
+                                                   Mem target_memory, Path path, bool unproven) {
+  Target target;
+  ASSERT_TRUE(target.Start(options, target_memory));
+  if (unproven) target.address = Forged(target.address, 64, 8, Field(target.address, 64, 8) ^ 1);
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const auto before = PathCounters();
+  // Two READs: a check made once per region would pass the second as well as the first.
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(961, 16, us.remote_region));
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(962, 16, us.remote_region));
+  const int p = static_cast<int>(path);
+  ASSERT_EQ(PathCounters()[p], before[p] + 2) << "the READs took another path";
+  ASSERT_TRUE(target.Remake());
+  const std::vector<std::uint8_t> untouched = us.local->Read();
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kRead, 963, 16, 963)).ok());
+  const mn::Status st = us.sink->Wait(963);
   EXPECT_FALSE(st.ok()) << "a READ through a destroyed backend's metadata ended done";
-  EXPECT_EQ(us.sink->Count(token), 1);
-  EXPECT_EQ(FirstDiff(us.local->Read().data(), before.data(), kRegion), -1)
+  EXPECT_EQ(us.sink->Count(963), 1);
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), untouched.data(), kRegion), -1)
       << "bytes of the backend made again were read";
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
 }
 
 // A backend destroyed and made again in a living process, registering the same memory (vLLM's
@@ -1152,18 +1169,7 @@ void ExpectReadOfTheFirstBackendFails(const Initiator& us, std::uint64_t token) 
 TEST(UcxBackend, AReadThroughADestroyedBackendsMetadataFailsOnCma) {
   mn::BackendOptions options = BaseOptions();
   REQUIRE_UCX(options);
-  Target target;
-  ASSERT_TRUE(target.Start(options, Mem::kHeap));
-  Initiator us;
-  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  const auto before = PathCounters();
-  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(961, 16, us.remote_region));
-  ASSERT_EQ(PathCounters()[static_cast<int>(Path::kCma)], before[static_cast<int>(Path::kCma)] + 1)
-      << "the READ took another path than batched cma";
-  ASSERT_TRUE(target.Remake());
-  ASSERT_NO_FATAL_FAILURE(ExpectReadOfTheFirstBackendFails(us, 962));
-  us.Disconnect();
-  EXPECT_EQ(target.Stop(), 0);
+  ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kHeap, Path::kCma, false);
 }
 
 // The same on the direct-copy path (UCX's mapping of the owner's allocation, which outlives the
@@ -1175,21 +1181,7 @@ TEST(UcxBackend, AnUnprovenPeersDirectCopyChecksItsRegionBeforeEachBatch) {
   mn::BackendOptions options = BaseOptions();
   options["ucx_region_check_timeout_ms"] = "1000";
   REQUIRE_UCX(options);
-  Target target;
-  ASSERT_TRUE(target.Start(options, Mem::kAllocated));
-  target.address = Forged(target.address, 64, 8, Field(target.address, 64, 8) ^ 1);  // cookie
-  Initiator us;
-  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
-  const auto before = PathCounters();
-  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(971, 16, us.remote_region));
-  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(972, 16, us.remote_region));
-  ASSERT_EQ(PathCounters()[static_cast<int>(Path::kHostCopy)],
-            before[static_cast<int>(Path::kHostCopy)] + 2)
-      << "the READs took another path than the direct copy";
-  ASSERT_TRUE(target.Remake());
-  ASSERT_NO_FATAL_FAILURE(ExpectReadOfTheFirstBackendFails(us, 973));
-  us.Disconnect();
-  EXPECT_EQ(target.Stop(), 0);
+  ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kAllocated, Path::kHostCopy, true);
 }
 
 // A range is vouched for only with the key its owner packed for a registration holding it: the
