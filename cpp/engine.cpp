@@ -31,6 +31,62 @@ std::string_view TransferStateName(TransferState state) {
 
 namespace {
 
+/// A digest of one write's arguments (its peer, blocks and windows), by which the tracker tells
+/// a repeat of a layer's write from another write of the same layer (TransferTracker::
+/// BeginWrites): the repeat does nothing, the other write fails the transfer rather than being
+/// dropped while its blocks stay unwritten. Not a security measure: a caller's own arguments.
+class WriteDigest {
+ public:
+  WriteDigest& Add(std::uint64_t v) {
+    h_ = (h_ ^ v) * 0x100000001b3ull;
+    h_ ^= h_ >> 29;
+    return *this;
+  }
+  WriteDigest& Add(std::string_view s) {
+    Add(std::uint64_t{s.size()});
+    for (char c : s) Add(std::uint64_t{static_cast<unsigned char>(c)});
+    return *this;
+  }
+  WriteDigest& Add(std::span<const std::int64_t> ids) {
+    Add(std::uint64_t{ids.size()});
+    for (std::int64_t id : ids) Add(static_cast<std::uint64_t>(id));
+    return *this;
+  }
+  WriteDigest& Add(const CellWindow& w) {
+    return Add(static_cast<std::uint64_t>(w.head_begin))
+        .Add(static_cast<std::uint64_t>(w.heads.value_or(-1)))
+        .Add(static_cast<std::uint64_t>(w.token_begin))
+        .Add(static_cast<std::uint64_t>(w.tokens.value_or(-1)));
+  }
+  std::uint64_t value() const { return h_; }
+
+ private:
+  std::uint64_t h_ = 0xcbf29ce484222325ull;
+};
+
+/// The WriteDigest of a write of `segments` to `peer`.
+std::uint64_t DigestOfWrite(std::string_view peer, std::span<const BlockSegment> segments) {
+  WriteDigest d;
+  d.Add(peer).Add(std::uint64_t{segments.size()});
+  for (const BlockSegment& s : segments) {
+    d.Add(s.local_blocks).Add(s.remote_blocks).Add(s.local_window).Add(s.remote_window);
+  }
+  return d.value();
+}
+
+/// The WriteDigest of a write of whole blocks to `peer`: that of one segment of them.
+std::uint64_t DigestOfWrite(std::string_view peer, std::span<const std::int64_t> local,
+                            std::span<const std::int64_t> remote) {
+  return WriteDigest()
+      .Add(peer)
+      .Add(std::uint64_t{1})
+      .Add(local)
+      .Add(remote)
+      .Add(CellWindow{})
+      .Add(CellWindow{})
+      .value();
+}
+
 using detail::BatchShape;
 using detail::EngineMetadata;
 using detail::LayerRecord;
@@ -659,9 +715,10 @@ struct Engine::Impl {
 
   // Both WriteLayers: the checks every write makes, `plan` (the layer's segments, checked),
   // then one batch for them. Every refusal but a READ id fails the transfer.
+  // `what`: the WriteDigest of the call's peer, blocks and windows.
   Result<bool> WriteSegments(
       std::string_view transfer_id, std::string_view layer, std::string_view peer_id,
-      std::uint64_t cuda_event,
+      std::uint64_t cuda_event, std::uint64_t what,
       const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan);
 
   // Submits prepared batches of one transfer, each waiting for `cuda_event` (0: none); a batch
@@ -1140,6 +1197,7 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
   Impl& d = *impl_;
   return d.WriteSegments(
       transfer_id, layer, peer_id, cuda_event,
+      DigestOfWrite(peer_id, local_blocks, remote_blocks),
       [&](const Peer& peer, std::size_t i) -> Result<std::vector<PlannedSegment>> {
         MORIIO_ASSIGN_OR_RETURN(std::shared_ptr<const BlockPairs> pairs,
                                 d.write_pairs.Get(local_blocks, remote_blocks));
@@ -1157,7 +1215,7 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
                                 std::uint64_t cuda_event) {
   Impl& d = *impl_;
   return d.WriteSegments(
-      transfer_id, layer, peer_id, cuda_event,
+      transfer_id, layer, peer_id, cuda_event, DigestOfWrite(peer_id, segments),
       [&](const Peer& peer, std::size_t i) -> Result<std::vector<PlannedSegment>> {
         std::vector<PlannedSegment> planned;
         planned.reserve(segments.size());
@@ -1185,17 +1243,21 @@ Result<bool> Engine::WriteLayer(std::string_view transfer_id, std::string_view l
 
 Result<bool> Engine::Impl::WriteSegments(
     std::string_view transfer_id, std::string_view layer, std::string_view peer_id,
-    std::uint64_t cuda_event,
+    std::uint64_t cuda_event, std::uint64_t what,
     const std::function<Result<std::vector<PlannedSegment>>(const Peer&, std::size_t)>& plan) {
   const CallMarks marks;
   MORIIO_RETURN_IF_ERROR(CheckRegistered());
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
-  // A repeat of a scheduled write does nothing, whatever its arguments: answered before they
-  // are checked, so that one the checks would refuse does not fail the transfer it repeats.
+  // A repeat of a scheduled write (the same peer, blocks and windows) does nothing, whatever
+  // else it carries: answered before the checks, so that one they would refuse (a CUDA event
+  // the peer cannot honour) does not fail the transfer it repeats. Another write of a scheduled
+  // layer is refused, changing nothing: its blocks would never be written.
   const std::string layer_name(layer);
-  if (tracker->RepeatsScheduledWrites(transfer_id, std::span<const std::string>(&layer_name, 1))) {
-    return false;
-  }
+  MORIIO_ASSIGN_OR_RETURN(
+      bool repeat,
+      tracker->RepeatsScheduledWrites(transfer_id, std::span<const std::string>(&layer_name, 1),
+                                      what));
+  if (repeat) return false;
   const std::string ctx = "transfer '" + std::string(transfer_id) + "' layer '" +
                           std::string(layer) + "'";
   auto refuse = [&](const Status& why) { return RefuseWrite(transfer_id, peer_id, why, ctx); };
@@ -1237,7 +1299,8 @@ Result<bool> Engine::Impl::WriteSegments(
   MORIIO_ASSIGN_OR_RETURN(
       std::optional<std::uint64_t> token,
       tracker->ScheduleWrite(transfer_id, layer, (*peer)->id, bytes, runs,
-                             runs == 0 ? BatchShape::kRuns : ShapeOf(*pieces.front().batch)));
+                             runs == 0 ? BatchShape::kRuns : ShapeOf(*pieces.front().batch),
+                             what));
   if (!token) return false;
   if (runs == 0) {
     tracker->OnBatchComplete(*token, Status::OK());  // nothing to move for this layer
@@ -1260,7 +1323,9 @@ Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const s
   if (transfer_id.empty()) return InvalidArgumentError("transfer_id must not be empty");
   const std::string ctx = "transfer '" + std::string(transfer_id) + "'";
   if (names.empty()) return InvalidArgumentError(ctx + ": write_layers names no layers");
-  if (d.tracker->RepeatsScheduledWrites(transfer_id, names)) return false;  // as WriteSegments
+  const std::uint64_t what = DigestOfWrite(peer_id, local_blocks, remote_blocks);
+  MORIIO_ASSIGN_OR_RETURN(bool repeat, d.tracker->RepeatsScheduledWrites(transfer_id, names, what));
+  if (repeat) return false;  // as WriteSegments
   auto refuse = [&](const Status& why, const std::string& context) {
     return d.RefuseWrite(transfer_id, peer_id, why, context);
   };
@@ -1285,7 +1350,7 @@ Result<bool> Engine::WriteLayers(std::string_view transfer_id, std::span<const s
   }
   trace::Record(trace::Mark::kLayersPlanned);
   const std::string id(transfer_id);  // made before the hold: releasing it allocates nothing
-  MORIIO_ASSIGN_OR_RETURN(bool began, d.tracker->BeginWrites(id, names, (*peer)->id));
+  MORIIO_ASSIGN_OR_RETURN(bool began, d.tracker->BeginWrites(id, names, (*peer)->id, what));
   if (!began) return false;
   // The transfer cannot end while its batches are still being added; released on every exit.
   struct WriteHold {

@@ -961,13 +961,31 @@ Status AppendBlockOffsets(const BlockTemplate& tmpl, const BlockPairs& pairs,
   MORIIO_RETURN_IF_ERROR(CheckBlockIds(tmpl, pairs));
   const std::span<const std::int64_t> local = pairs.local_sorted();
   const std::span<const std::int64_t> remote = pairs.remote_by_local();
-  out->local.reserve(out->local.size() + local.size());
-  out->remote.reserve(out->remote.size() + local.size());
+  const std::size_t had = out->local.size();
+  out->local.reserve(had + local.size());
+  out->remote.reserve(had + local.size());
+  // The ids are inside the layers, but the shifts are the caller's (a Python argument): an
+  // offset past int64 is refused, never wrapped, and nothing of this call is kept.
+  auto offset = [](std::int64_t shift, std::int64_t origin, std::int64_t id, std::int64_t stride,
+                   std::int64_t* at) {
+    return CheckedMul(id, stride, at) && CheckedAdd(*at, origin, at) &&
+           CheckedAdd(*at, shift, at);
+  };
   for (std::size_t i = 0; i < local.size(); ++i) {
-    out->local.push_back(local_shift + tmpl.local_cell_origin() +
-                         local[i] * tmpl.local_block_stride());
-    out->remote.push_back(remote_shift + tmpl.remote_cell_origin() +
-                          remote[i] * tmpl.remote_block_stride());
+    std::int64_t l = 0, r = 0;
+    if (!offset(local_shift, tmpl.local_cell_origin(), local[i], tmpl.local_block_stride(), &l) ||
+        !offset(remote_shift, tmpl.remote_cell_origin(), remote[i], tmpl.remote_block_stride(),
+                &r)) {
+      out->local.resize(had);
+      out->remote.resize(had);
+      return OutOfRangeError("layer '" + tmpl.local_name() + "': local block " +
+                             std::to_string(local[i]) + " / remote block " +
+                             std::to_string(remote[i]) + " shifted by " +
+                             std::to_string(local_shift) + " / " + std::to_string(remote_shift) +
+                             " bytes lies past int64");
+    }
+    out->local.push_back(l);
+    out->remote.push_back(r);
   }
   return Status::OK();
 }

@@ -61,7 +61,7 @@ void TransferTracker::FailLocked(const std::string& id, Transfer& t, std::string
 
 Result<bool> TransferTracker::BeginWrites(std::string_view id_view,
                                           std::span<const std::string> layers,
-                                          std::string_view peer) {
+                                          std::string_view peer, std::uint64_t what) {
   std::string id(id_view);
   if (layers.empty()) return InvalidArgumentError("transfer '" + id + "': a write names no layers");
   std::unordered_set<std::string_view> named;
@@ -72,22 +72,32 @@ Result<bool> TransferTracker::BeginWrites(std::string_view id_view,
     }
   }
   std::lock_guard lock(mu_);
-  return BeginWritesLocked(id, layers, peer);
+  return BeginWritesLocked(id, layers, peer, what);
 }
 
-bool TransferTracker::RepeatsScheduledWrites(std::string_view id,
-                                             std::span<const std::string> layers) const {
+Result<bool> TransferTracker::RepeatsScheduledWrites(std::string_view id,
+                                                     std::span<const std::string> layers,
+                                                     std::uint64_t what) const {
   std::lock_guard lock(mu_);
   auto it = pending_.find(std::string(id));
   if (it == pending_.end() || it->second.kind != TransferKind::kWrite) return false;
   const Transfer& t = it->second;
   if (!t.failure.empty() || t.aborted || t.timed_out) return false;
-  return std::ranges::all_of(layers, [&](const std::string& l) { return t.layers.count(l) > 0; });
+  if (!std::ranges::all_of(layers, [&](const std::string& l) { return t.layers.count(l) > 0; })) {
+    return false;
+  }
+  const auto other = std::ranges::find_if(
+      layers, [&](const std::string& l) { return t.layers.at(l) != what; });
+  if (other == layers.end()) return true;
+  return InvalidArgumentError(
+      "transfer '" + std::string(id) + "': layer '" + *other +
+      "' was scheduled before with other blocks, windows or peer; a layer is written once per "
+      "transfer, and this write was not made (the transfer goes on with the first)");
 }
 
 Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
                                                 std::span<const std::string> layers,
-                                                std::string_view peer) {
+                                                std::string_view peer, std::uint64_t what) {
   MORIIO_RETURN_IF_ERROR(CheckNotReadLocked(id));
   if (terminal_.count(id) || quarantined_.count(id)) return false;
   auto it = pending_.find(id);
@@ -95,12 +105,20 @@ Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
   if (!t.failure.empty() || t.aborted || t.timed_out) return false;
   auto scheduled = [&](const std::string& l) { return t.layers.count(l) > 0; };
   const auto repeated = static_cast<std::size_t>(std::ranges::count_if(layers, scheduled));
-  if (repeated == layers.size()) return false;  // the same write again
+  auto by_other_write = [&](const std::string& l) { return t.layers.at(l) != what; };
+  const bool same_write =
+      repeated == layers.size() && std::ranges::none_of(layers, by_other_write);
+  if (same_write && t.peer == peer) return false;  // the same write again
   Status refused;
   const std::size_t after = t.layers.size() + layers.size();
   if (t.peer != peer) {
     refused = InvalidArgumentError("transfer '" + id + "' writes to peer '" + t.peer + "', not '" +
                                    std::string(peer) + "'");
+  } else if (repeated == layers.size()) {
+    refused = InvalidArgumentError(
+        "transfer '" + id + "': layer '" + *std::ranges::find_if(layers, by_other_write) +
+        "' was scheduled before with other blocks or windows: a layer is written once per "
+        "transfer (two writes of it at once)");
   } else if (repeated > 0) {
     refused = InvalidArgumentError(
         "transfer '" + id + "': layer '" + *std::ranges::find_if(layers, scheduled) +
@@ -116,7 +134,7 @@ Result<bool> TransferTracker::BeginWritesLocked(const std::string& id,
     FailLocked(id, t, refused.ToString());
     return refused;
   }
-  t.layers.insert(layers.begin(), layers.end());
+  for (const std::string& layer : layers) t.layers.emplace(layer, what);
   ++t.writers;
   if (t.expected && static_cast<std::int64_t>(t.layers.size()) == *t.expected) t.open = false;
   return true;
@@ -139,11 +157,12 @@ Result<std::optional<std::uint64_t>> TransferTracker::ScheduleWrite(std::string_
                                                                     std::string_view peer,
                                                                     std::int64_t bytes,
                                                                     std::int64_t runs,
-                                                                    BatchShape shape) {
+                                                                    BatchShape shape,
+                                                                    std::uint64_t what) {
   std::string id(id_view);
   const std::string name(layer);
   std::lock_guard lock(mu_);
-  MORIIO_ASSIGN_OR_RETURN(bool began, BeginWritesLocked(id, std::span(&name, 1), peer));
+  MORIIO_ASSIGN_OR_RETURN(bool began, BeginWritesLocked(id, std::span(&name, 1), peer, what));
   if (!began) return std::optional<std::uint64_t>();
   Transfer& t = pending_.at(id);
   const std::uint64_t token = AddBatchLocked(id, t, bytes, runs, shape);

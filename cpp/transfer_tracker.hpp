@@ -61,26 +61,36 @@ class TransferTracker {
   /// how the batch goes to the backend.
   /// InvalidArgument (nothing recorded) when `id` is a READ; InvalidArgument that also fails the
   /// transfer when it writes to another peer or this layer is one more than its seal expects.
+  /// `what`: a digest of the write's arguments (its blocks and windows); a repeat of a layer
+  /// with another digest fails the transfer, as below.
   Result<std::optional<std::uint64_t>> ScheduleWrite(std::string_view id, std::string_view layer,
                                                      std::string_view peer, std::int64_t bytes,
                                                      std::int64_t runs,
-                                                     BatchShape shape = BatchShape::kRuns);
+                                                     BatchShape shape = BatchShape::kRuns,
+                                                     std::uint64_t what = 0);
   /// WRITE: atomically records that the distinct `layers` of `id` are scheduled (creating the
   /// transfer) and holds it open for their batches: AddBatch adds them, EndWrites releases the
   /// hold; the transfer cannot end while held (past its deadline it ends timed out when the
-  /// hold is released; the deadline's quarantine waits for that). Returns false,
-  /// recording nothing, when every one of `layers` was scheduled before or the transfer is
-  /// failed, aborted, timed out or terminal. InvalidArgument (nothing recorded) when `id` is a
-  /// READ or `layers` is empty or names a layer twice; InvalidArgument that also fails the
-  /// transfer when it writes to another peer, some but not all of `layers` were scheduled
-  /// before (which is the caller's, an ambiguous retry), or they are more than its seal expects.
+  /// hold is released; the deadline's quarantine waits for that). `what`: a digest of the
+  /// write's arguments (its blocks and windows: the peer is checked apart). Returns false,
+  /// recording nothing, when every one of `layers` was scheduled before by a write of the same
+  /// digest or the transfer is failed, aborted, timed out or terminal. InvalidArgument (nothing
+  /// recorded) when `id` is a READ or `layers` is empty or names a layer twice; InvalidArgument
+  /// that also fails the transfer when it writes to another peer, some but not all of `layers`
+  /// were scheduled before, or all of them but by a write of other arguments (both the
+  /// caller's: an ambiguous retry, whose blocks would otherwise never be written), or they are
+  /// more than its seal expects.
   Result<bool> BeginWrites(std::string_view id, std::span<const std::string> layers,
-                           std::string_view peer);
+                           std::string_view peer, std::uint64_t what = 0);
   /// WRITE: whether `id` is a live WRITE (pending, not failed, aborted or timed out) that
-  /// scheduled every one of `layers` before: a write of them repeats it and does nothing. Lets
-  /// a caller answer such a call before checking its arguments, so that a repeated write
-  /// never fails the live transfer it repeats. Read-only.
-  bool RepeatsScheduledWrites(std::string_view id, std::span<const std::string> layers) const;
+  /// scheduled every one of `layers` before, each by a write of digest `what`: a write of them
+  /// repeats it and does nothing. Lets a caller answer such a call before checking its
+  /// arguments, so that a repeated write never fails the live transfer it repeats.
+  /// InvalidArgument when every one of `layers` was scheduled but one by a write of another
+  /// digest: that write's blocks would never be written (a layer is written once per transfer).
+  /// Read-only: the transfer goes on with what was scheduled.
+  Result<bool> RepeatsScheduledWrites(std::string_view id, std::span<const std::string> layers,
+                                      std::uint64_t what = 0) const;
   /// WRITE: releases BeginWrites' hold; the transfer ends now if it can. Unknown ids: ignored.
   /// Allocates nothing (a caller's destructor may call it).
   void EndWrites(const std::string& id);
@@ -171,7 +181,8 @@ class TransferTracker {
     std::int64_t cell_batches = 0;
     std::int64_t bytes = 0;
     std::int64_t runs = 0;
-    std::unordered_set<std::string> layers;  // WRITE: scheduled layers
+    // WRITE: scheduled layers, each with the digest of the write that scheduled it.
+    std::unordered_map<std::string, std::uint64_t> layers;
     std::optional<std::int64_t> expected;     // WRITE: the sealed number of layers
     bool unconfirmed = false;  // a batch's writes may still land: never drained
   };
@@ -190,7 +201,7 @@ class TransferTracker {
   Status CheckNotReadLocked(const std::string& id) const;
   // BeginWrites under mu_, the layers checked distinct and non-empty.
   Result<bool> BeginWritesLocked(const std::string& id, std::span<const std::string> layers,
-                                 std::string_view peer);
+                                 std::string_view peer, std::uint64_t what);
   // EndWrites under mu_, for a pending `t`.
   void EndWritesLocked(const std::string& id, Transfer& t);
   void FailLocked(const std::string& id, Transfer& t, std::string why);

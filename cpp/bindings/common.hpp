@@ -67,12 +67,62 @@ inline StatusError IdOutOfRange(const char* what, const std::string& id, std::si
                                      " is out of range (block ids are below 2^63)"));
 }
 
-/// A CellWindow as Python passes it: (head_begin, heads or None, token_begin, tokens or None).
-using WindowTuple = std::tuple<std::int64_t, std::optional<std::int64_t>, std::int64_t,
-                               std::optional<std::int64_t>>;
+/// An integer argument: any integer type (numpy's too, through __index__), never a bool, which
+/// pybind11's integer casters take as 0 or 1 (bool is an int to Python), nor one past int64;
+/// InvalidArgument naming `what` otherwise. Call with the GIL held.
+inline std::int64_t StrictInt(const pybind11::handle& value, const std::string& what) {
+  namespace py = pybind11;
+  auto refuse = [&](const char* expected) {
+    return StatusError(InvalidArgumentError(what + " must be " + expected + ", got " +
+                                            py::repr(value).cast<std::string>()));
+  };
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) throw refuse("an integer");
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (!index) throw py::error_already_set();
+  int overflow = 0;
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) throw refuse("an integer that fits 64 bits");
+  return v;
+}
 
-inline CellWindow ToCellWindow(const WindowTuple& w) {
-  return CellWindow{std::get<0>(w), std::get<1>(w), std::get<2>(w), std::get<3>(w)};
+/// StrictInt, or nothing for None.
+inline std::optional<std::int64_t> OptionalStrictInt(const pybind11::handle& value,
+                                                     const std::string& what) {
+  if (value.is_none()) return std::nullopt;
+  return StrictInt(value, what);
+}
+
+/// StrictInt of every item of a sequence (a list, a tuple, a 1-D array), named `what`[i].
+inline std::vector<std::int64_t> StrictInts(const pybind11::handle& values,
+                                            const std::string& what) {
+  namespace py = pybind11;
+  if (!PySequence_Check(values.ptr()) || PyUnicode_Check(values.ptr()) ||
+      PyBytes_Check(values.ptr())) {
+    throw StatusError(InvalidArgumentError(what + " must be a sequence of integers, got " +
+                                           py::repr(values).cast<std::string>()));
+  }
+  const auto items = py::reinterpret_borrow<py::sequence>(values);
+  std::vector<std::int64_t> out;
+  out.reserve(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    out.push_back(StrictInt(items[i], what + "[" + std::to_string(i) + "]"));
+  }
+  return out;
+}
+
+/// A CellWindow as Python passes it: (head_begin, heads or None, token_begin, tokens or None),
+/// each field a StrictInt; `what` names the window in errors.
+inline CellWindow ToCellWindow(const pybind11::handle& window, const std::string& what) {
+  namespace py = pybind11;
+  if (!PyTuple_Check(window.ptr()) || PyTuple_GET_SIZE(window.ptr()) != 4) {
+    throw StatusError(InvalidArgumentError(
+        what + " must be a tuple (head_begin, heads or None, token_begin, tokens or None), got " +
+        py::repr(window).cast<std::string>()));
+  }
+  const auto t = py::reinterpret_borrow<py::tuple>(window);
+  return CellWindow{StrictInt(t[0], what + ".head_begin"), OptionalStrictInt(t[1], what + ".heads"),
+                    StrictInt(t[2], what + ".token_begin"),
+                    OptionalStrictInt(t[3], what + ".tokens")};
 }
 
 /// Block ids from any 1-D integer sequence or array, copied (the ids validated are the ids

@@ -40,8 +40,8 @@ std::vector<BlockSegment> ToSegments(const py::list& segments) {
     seg.layers = t[0].cast<std::vector<std::string>>();
     seg.local_blocks = BlockIds(t[1], "local_blocks");
     seg.remote_blocks = BlockIds(t[2], "remote_blocks");
-    seg.local_window = ToCellWindow(t[3].cast<WindowTuple>());
-    seg.remote_window = ToCellWindow(t[4].cast<WindowTuple>());
+    seg.local_window = ToCellWindow(t[3], "local_window");
+    seg.remote_window = ToCellWindow(t[4], "remote_window");
     out.push_back(std::move(seg));
   }
   return out;

@@ -31,26 +31,13 @@ AxisOrder ParseAxisOrder(const std::string& order) {
       "(heads before tokens), got '" + order + "'"));
 }
 
-// A CacheSpec count: pybind11 would take a bool as 0 or 1 (bool is an int to Python), which
-// block ids and windows refuse; so does this, naming the field.
+// A CacheSpec count (StrictInt: a bool is refused, naming the field).
 std::int64_t SpecInt(const py::handle& value, const char* field) {
-  auto refuse = [&](const char* what) {
-    return StatusError(InvalidArgumentError(std::string("CacheSpec.") + field + " must be " +
-                                            what + ", got " + py::repr(value).cast<std::string>()));
-  };
-  // Any integer type (numpy's too, through __index__), never a bool.
-  if (py::isinstance<py::bool_>(value) || !PyIndex_Check(value.ptr())) throw refuse("an integer");
-  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
-  if (!index) throw py::error_already_set();
-  int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
-  if (overflow != 0) throw refuse("an integer that fits 64 bits");
-  return v;
+  return StrictInt(value, std::string("CacheSpec.") + field);
 }
 
 std::optional<std::int64_t> OptionalSpecInt(const py::handle& value, const char* field) {
-  if (value.is_none()) return std::nullopt;
-  return SpecInt(value, field);
+  return OptionalStrictInt(value, std::string("CacheSpec.") + field);
 }
 
 // A view of one of the plan's arrays that keeps the plan object alive.
@@ -154,9 +141,17 @@ void BindLayout(py::module_& m) {
       });
 
   py::class_<TensorGeometry>(m, "TensorGeometry", "Shape and strides (in elements) of a tensor.")
-      .def(py::init([](std::vector<std::int64_t> shape, std::vector<std::int64_t> strides,
-                       std::int64_t element_size, std::uint64_t data_ptr) {
-             return TensorGeometry{std::move(shape), std::move(strides), element_size, data_ptr};
+      .def(py::init([](const py::object& shape, const py::object& strides,
+                       const py::object& element_size, const py::object& data_ptr) {
+             const std::int64_t ptr = StrictInt(data_ptr, "TensorGeometry.data_ptr");
+             if (ptr < 0) {
+               throw StatusError(InvalidArgumentError("TensorGeometry.data_ptr must be >= 0, got " +
+                                                      std::to_string(ptr)));
+             }
+             return TensorGeometry{StrictInts(shape, "TensorGeometry.shape"),
+                                   StrictInts(strides, "TensorGeometry.strides"),
+                                   StrictInt(element_size, "TensorGeometry.element_size"),
+                                   static_cast<std::uint64_t>(ptr)};
            }),
            py::arg("shape"), py::arg("strides"), py::arg("element_size"), py::arg("data_ptr") = 0)
       .def_readonly("shape", &TensorGeometry::shape)
@@ -232,9 +227,10 @@ void BindLayout(py::module_& m) {
            }),
            py::arg("local"), py::arg("remote"))
       .def(py::init([](const LayerLayout& local, const LayerLayout& remote,
-                       const WindowTuple& local_window, const WindowTuple& remote_window) {
-             return Unwrap(BlockTemplate::Build(local, ToCellWindow(local_window), remote,
-                                                ToCellWindow(remote_window)));
+                       const py::object& local_window, const py::object& remote_window) {
+             return Unwrap(BlockTemplate::Build(local, ToCellWindow(local_window, "local_window"),
+                                                remote,
+                                                ToCellWindow(remote_window, "remote_window")));
            }),
            py::arg("local"), py::arg("remote"), py::arg("local_window"), py::arg("remote_window"),
            "The runs that copy the cells of local_window of a local block to those of "

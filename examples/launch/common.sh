@@ -14,8 +14,10 @@ VLLM_HOST_IP=${VLLM_HOST_IP:-127.0.0.1}
 PROXY_IP=${PROXY_IP:-127.0.0.1}
 PROXY_PING_PORT=${PROXY_PING_PORT:-36367}
 # Hosts this instance may dial (CIDRs or IPs, comma separated). The decode must cover its
-# prefill instances; a prefill learns its decodes from their handshakes.
-ALLOWED_PEERS=${ALLOWED_PEERS:-127.0.0.1/32}
+# prefill instances; a prefill learns its decodes from their handshakes. The default covers the
+# proxy on 127.0.0.1 and instances on this host, which advertise (and are dialled at)
+# VLLM_HOST_IP, not 127.0.0.1.
+ALLOWED_PEERS=${ALLOWED_PEERS:-127.0.0.1,$VLLM_HOST_IP}
 # Optional: the same secret on every instance tags every control message (HMAC-SHA256).
 #   export MORIIO_NATIVE_AUTH_SECRET=$(openssl rand -hex 32)
 # PROXY_AUTH=1 signs the registration pings too: for examples/launch/proxy.py holding the same

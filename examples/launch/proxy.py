@@ -109,6 +109,17 @@ class Registry:
         now = time.monotonic()
         with self._lock:
             self._forget_silent(now)
+            if self._mode is not None and reg.transfer_mode != self._mode:
+                live = any(
+                    now - i.last_seen < STALE_AFTER_S
+                    for key, i in self._instances.items()
+                    if key != reg.http_address
+                )
+                if not live:
+                    # Every instance of the old mode stopped pinging: the deployment switched
+                    # mode; the stale ones would hold the proxy to it for FORGET_AFTER_S.
+                    self._instances.clear()
+                    self._mode = None
             mode = self._mode = self._mode or reg.transfer_mode
             known = self._instances.pop(reg.http_address, None)
             full = known is None and len(self._instances) >= MAX_INSTANCES
@@ -163,18 +174,10 @@ class Registry:
             ]
 
 
-def discovery_loop(
-    registry: Registry,
-    host: str,
-    port: int,
-    stop: threading.Event,
-    verifier: RegistrationVerifier | None = None,
-    handshake_ms: int = DEFAULT_LISTENER_HANDSHAKE_MS,
-) -> None:
-    """Receive registration pings on ``host:port`` until ``stop``; a ping that fails
-    ``verifier`` (when given: signed, fresh, first use) or the schema is logged and dropped. A
-    connection that has not finished ZMQ's handshake within ``handshake_ms`` is closed."""
-    verifier = verifier if verifier is not None else RegistrationVerifier(MessageAuth(None))
+def bind_discovery(
+    host: str, port: int, verifier: RegistrationVerifier, handshake_ms: int
+) -> zmq.Socket:
+    """The registration listener on ``host:port``, bound (zmq.ZMQError when it cannot be)."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 2 * MAX_PING_BYTES)
@@ -183,7 +186,30 @@ def discovery_loop(
     if ":" in host:
         sock.setsockopt(zmq.IPV6, 1)
     shown = "*" if host in ("0.0.0.0", "*") else f"[{host}]" if ":" in host else host
-    sock.bind(f"tcp://{shown}:{port}")
+    try:
+        sock.bind(f"tcp://{shown}:{port}")
+    except zmq.ZMQError:
+        sock.close(linger=0)
+        raise
+    return sock
+
+
+def discovery_loop(
+    registry: Registry,
+    host: str,
+    port: int,
+    stop: threading.Event,
+    verifier: RegistrationVerifier | None = None,
+    handshake_ms: int = DEFAULT_LISTENER_HANDSHAKE_MS,
+    sock: zmq.Socket | None = None,
+) -> None:
+    """Receive registration pings on ``host:port`` (or on ``sock``, bound by
+    :func:`bind_discovery`) until ``stop``; a ping that fails ``verifier`` (when given: signed,
+    fresh, first use) or the schema is logged and dropped. A connection that has not finished
+    ZMQ's handshake within ``handshake_ms`` is closed."""
+    verifier = verifier if verifier is not None else RegistrationVerifier(MessageAuth(None))
+    if sock is None:
+        sock = bind_discovery(host, port, verifier, handshake_ms)
     # A stranger may send garbage in a loop: drops are logged at most 20 lines per 10 s, as the
     # instances' listeners log theirs. A bug one ping reaches must not end registration for
     # every instance: it is logged the same way, with its traceback.
@@ -420,6 +446,15 @@ def main(argv: list[str] | None = None) -> None:
         )
     registry = Registry()
     stop = threading.Event()
+    # Bound here, not in the thread: a port it cannot bind must stop the proxy, not leave it
+    # answering every request 503 with no way for an instance to register.
+    try:
+        sock = bind_discovery(args.discovery_host, args.discovery_port, verifier, args.handshake_ms)
+    except zmq.ZMQError as exc:
+        raise SystemExit(
+            f"proxy: cannot bind the registration port {args.discovery_host}:"
+            f"{args.discovery_port}: {exc}"
+        ) from None
     thread = threading.Thread(
         target=discovery_loop,
         args=(
@@ -429,6 +464,7 @@ def main(argv: list[str] | None = None) -> None:
             stop,
             verifier,
             args.handshake_ms,
+            sock,
         ),
         daemon=True,
     )

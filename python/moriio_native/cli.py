@@ -22,6 +22,11 @@ from typing import Any
 logger = logging.getLogger("moriio_native.cli")
 
 BENCH_SCHEMA = "moriio-native-bench/1"
+# Largest --mib the transfer benchmark takes (1 TiB per transfer): beyond it numpy cannot even
+# describe the buffers, and a setup failure must not read as "bytes disagree" (exit 1).
+_MAX_BENCH_MIB = 1 << 20
+# argparse's own exit status for a bad option; the demo documents 3 for every failed start.
+_USAGE_ERROR = 2
 
 
 def cmake_dir() -> str:
@@ -219,6 +224,12 @@ def run_bench(args: argparse.Namespace, console: Any = None) -> dict[str, Any]:
             transfer.QUICK_RUN_SIZES if args.quick else transfer.DEFAULT_RUN_SIZES
         )
         mib = args.mib if args.mib is not None else (1 if args.quick else 32)
+        if not 1 <= mib <= _MAX_BENCH_MIB:
+            from moriio_native.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(
+                f"--mib must be 1..{_MAX_BENCH_MIB} (MiB per transfer), got {mib}"
+            )
         repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
         if console is not None:
             console.print(
@@ -432,8 +443,8 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return 3
     try:
         doc = run_bench(args, console)
-    except (MoriioError, ImportError) as exc:
-        console.print(f"[red]bench could not run:[/red] {exc}")
+    except (MoriioError, ImportError, MemoryError) as exc:
+        console.print(f"[red]bench could not run:[/red] {type(exc).__name__}: {exc}")
         return 3
     if args.plot:
         try:
@@ -496,7 +507,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:
+        # `demo` documents exit 3 for a demo that could not start, a bad option included.
+        command = next((a for a in argv if not a.startswith("-")), None)
+        if exc.code == _USAGE_ERROR and command == "demo":
+            return 3
+        raise
     args.argv = argv  # recorded in benchmark output as the exact command
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     return int(args.func(args))

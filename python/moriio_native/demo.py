@@ -137,8 +137,11 @@ class DemoConfig:
             raise InvalidArgumentError(
                 f"demo: seed must be a non-negative integer, got {self.seed!r}"
             )
-        if not self.timeout > 0:
-            raise InvalidArgumentError(f"demo: timeout must be positive, got {self.timeout!r}")
+        # What the engines take as transfer_timeout: checked here, before any worker starts.
+        if not 0.001 <= self.timeout <= 365 * 86400:
+            raise InvalidArgumentError(
+                f"demo: timeout must be 0.001 s to a year (365 days), got {self.timeout!r}"
+            )
         if self.inject_fault not in (None, "dst", "outside"):
             raise InvalidArgumentError(f"demo: unknown fault {self.inject_fault!r}")
         return dataclasses.replace(self, num_blocks=num_blocks)

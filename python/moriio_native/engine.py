@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,7 +28,13 @@ import numpy as np
 from moriio_native import _native
 from moriio_native._native import CacheSpec, DrainedTransfer, TransferEvent
 from moriio_native.errors import InvalidArgumentError
-from moriio_native.layout import WHOLE_BLOCK, BlockIds, CellWindow, KvPlaneAxis, geometry_of
+from moriio_native.layout import (
+    WHOLE_BLOCK,
+    BlockIds,
+    CellWindow,
+    KvPlaneAxis,
+    _layer_geometry,
+)
 
 logger = logging.getLogger("moriio_native.engine")
 
@@ -164,7 +171,25 @@ class LayerRegistration:
                 )
         return base, size
 
+    def _check_memory_kind(self) -> None:
+        """A tensor whose own device contradicts ``memory`` is refused: a GPU tensor registered
+        as host memory would be copied with host memcpy (loopback) or mapped as host memory."""
+        if isinstance(self.tensor, np.ndarray):
+            device_type = "cpu"
+        else:
+            device_type = getattr(getattr(self.tensor, "device", None), "type", None)
+        if not isinstance(device_type, str):
+            return  # a TensorGeometry or a duck-typed tensor: the caller names the memory
+        on_host = device_type == "cpu"
+        if on_host != (self.memory in ("host", "cpu")):
+            raise InvalidArgumentError(
+                f"layer {self.name!r}: the tensor is on device {device_type!r} but memory is "
+                f"{self.memory!r} (pass memory='cuda' or 'rocm' and device= for a GPU tensor, "
+                "'host' for host memory)"
+            )
+
     def _native(self) -> Any:
+        self._check_memory_kind()
         flags = getattr(self.tensor, "flags", None)
         if isinstance(self.tensor, np.ndarray) and flags is not None and not flags.writeable:
             raise InvalidArgumentError(
@@ -174,7 +199,7 @@ class LayerRegistration:
         base, size = self._allocation()
         return _native._LayerRegistration(
             self.name,
-            geometry_of(self.tensor),
+            _layer_geometry(self.name, self.tensor),
             self.spec,
             self.kv_plane_axis,
             int(base),
@@ -252,10 +277,15 @@ def _seconds(value: object, what: str) -> float:
         ) from None
 
 
-def _check_count(value: object, what: str) -> None:
-    """A count: a non-negative integer (never a bool or a float, which int() would truncate)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 0:
-        raise InvalidArgumentError(f"{what} must be an integer >= 0, got {value!r}")
+def _check_count(value: object, what: str, limit: int = 2**64) -> None:
+    """A count: a non-negative integer below ``limit`` (the native field's range; never a bool
+    or a float, which int() would truncate)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, np.integer))
+        or not 0 <= value < limit
+    ):
+        raise InvalidArgumentError(f"{what} must be an integer in [0, {limit}), got {value!r:.80}")
 
 
 def _check_cuda_event(value: object) -> None:
@@ -311,8 +341,8 @@ class Engine:
         terminal_history: int = 65536,
         page_size: int = 4096,
     ) -> None:
-        if int(terminal_history) < 0:
-            raise InvalidArgumentError(f"terminal_history must be >= 0, got {terminal_history}")
+        _check_count(terminal_history, "terminal_history")
+        _check_count(page_size, "page_size")
         timeout_s = _seconds(transfer_timeout, "transfer_timeout")
         if 0 < timeout_s < 0.001:
             raise InvalidArgumentError(
@@ -328,6 +358,10 @@ class Engine:
         )
         self._keeper = _Keeper(self._engine)
         self._registered: tuple[LayerRegistration, ...] = ()
+        # Events wait() took and could not return (it was interrupted): delivered first by the
+        # next poll_events, never dropped.
+        self._undelivered: list[TransferEvent] = []
+        self._undelivered_lock = threading.Lock()
         logger.debug("engine %s on backend %s created", engine_id, backend)
 
     @property
@@ -355,6 +389,7 @@ class Engine:
         registered layer outside the engine's own allocations; the memory lives until the engine
         is destroyed. FailedPreconditionError when the backend cannot allocate.
         """
+        _check_count(nbytes, "allocate_host_backing: nbytes")
         address, size = self._engine.allocate_backing(int(nbytes), "host", -1)
         buffer = (ctypes.c_uint8 * size).from_address(address)
         buffer._owner = self._keeper  # type: ignore[attr-defined]  # the memory dies with it
@@ -533,6 +568,10 @@ class Engine:
                 f"transfer {transfer_id!r}: expected_writes must be an integer, got "
                 f"{expected_writes!r}"
             )
+        if not -(2**63) <= expected_writes < 2**63:  # the native count (negatives named there)
+            raise InvalidArgumentError(
+                f"transfer {transfer_id!r}: expected_writes {expected_writes} is out of range"
+            )
         return self._engine.seal(transfer_id, peer, int(expected_writes))
 
     def abort(self, transfer_id: str) -> None:
@@ -541,7 +580,15 @@ class Engine:
     def poll_events(self, max_events: int = 1024, timeout: float = 0.0) -> list[TransferEvent]:
         """Terminal events, oldest first, waiting up to ``timeout`` seconds for the first."""
         _check_count(max_events, "poll_events: max_events")
-        return self._engine.poll_events(int(max_events), _seconds(timeout, "poll_events: timeout"))
+        wait_s = _seconds(timeout, "poll_events: timeout")
+        if self._undelivered and max_events:
+            with self._undelivered_lock:
+                kept = self._undelivered[: int(max_events)]
+                del self._undelivered[: len(kept)]
+            if kept:
+                more = int(max_events) - len(kept)
+                return kept + (self._engine.poll_events(more, 0.0) if more else [])
+        return self._engine.poll_events(int(max_events), wait_s)
 
     def poll_drained(self, max_transfers: int = 1024) -> list[DrainedTransfer]:
         """Quarantined transfers (their event had ``drained=False``) whose operations have all
@@ -574,12 +621,19 @@ class Engine:
             )
         seen: dict[str, TransferEvent] = {}
         wanted = set(transfer_ids)
-        while True:
-            left = deadline - time.monotonic()
-            for event in self.poll_events(timeout=min(max(left, 0.0), 0.1)):
-                seen[event.transfer_id] = event
-            if wanted.issubset(seen) or left <= 0:
-                return seen
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                for event in self.poll_events(timeout=min(max(left, 0.0), 0.1)):
+                    seen[event.transfer_id] = event
+                if wanted.issubset(seen) or left <= 0:
+                    return seen
+        except BaseException:
+            # Interrupted (Ctrl-C): the events taken are each delivered once -- by the next
+            # poll_events, not dropped with this call.
+            with self._undelivered_lock:
+                self._undelivered[:0] = list(seen.values())
+            raise
 
 
 __all__ = [

@@ -103,6 +103,14 @@ def geometry_of(tensor_or_geometry: Any) -> TensorGeometry:
         ) from exc
 
 
+def _layer_geometry(name: str, tensor_or_geometry: Any) -> TensorGeometry:
+    """:func:`geometry_of` with the layer named in its error."""
+    try:
+        return geometry_of(tensor_or_geometry)
+    except TypeError as exc:
+        raise TypeError(f"layer {name!r}: {exc}") from None
+
+
 def describe_layer(
     name: str, tensor_or_geometry: Any, spec: CacheSpec, kv_plane_axis: KvPlaneAxis = "auto"
 ) -> LayerLayout:
@@ -112,7 +120,9 @@ def describe_layer(
     spec (or its ``axis_order``), or when the shape is ambiguous ("Ambiguous ...": pass
     ``axis_order`` in the spec, or ``kv_plane_axis``).
     """
-    return _native._describe_layer(name, geometry_of(tensor_or_geometry), spec, kv_plane_axis)
+    return _native._describe_layer(
+        name, _layer_geometry(name, tensor_or_geometry), spec, kv_plane_axis
+    )
 
 
 _WHOLE = WHOLE_BLOCK._native()

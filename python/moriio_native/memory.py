@@ -14,6 +14,11 @@ DEFAULT_PAGE_SIZE = 4096
 
 def _padded_size(nbytes: int, page_size: int, what: str) -> int:
     """``nbytes`` rounded up to whole pages, after checking both arguments."""
+    for name, value in (("nbytes", nbytes), ("page_size", page_size)):
+        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"{what}: {name} must be an integer, got {type(value).__name__} {value!r}"
+            )
     if nbytes <= 0:
         raise InvalidArgumentError(f"{what}: nbytes must be positive, got {nbytes}")
     if page_size <= 0 or page_size & (page_size - 1):

@@ -61,6 +61,15 @@ class CellWindow:
     def resolve(self, layout: LayerLayout) -> tuple[int, int, int, int]:
         """``(head_begin, heads, token_begin, tokens)`` for ``layout``; InvalidArgumentError
         naming the layer when the window is empty or reaches past the block."""
+        for name in ("head_begin", "heads", "token_begin", "tokens"):
+            value = getattr(self, name)
+            if value is None and name in ("heads", "tokens"):
+                continue
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+                raise InvalidArgumentError(
+                    f"layer '{layout.name}': checksum window {name} must be an integer, got "
+                    f"{type(value).__name__} {value!r}"
+                )
         heads = layout.num_heads - self.head_begin if self.heads is None else self.heads
         tokens = layout.block_size - self.token_begin if self.tokens is None else self.tokens
         for axis, begin, count, size in (
@@ -84,6 +93,7 @@ def checksum_host(
     """One uint64 per block id: the native core over ``buffer`` (C-contiguous, the layer's bytes
     from its base, at least ``layout.span_bytes`` long). OutOfRangeError naming the layer and
     the id for a bad block id."""
+    window.resolve(layout)  # its fields checked by name (pybind11 takes True as 1)
     return _native.checksum_blocks(
         layout,
         buffer,
@@ -133,8 +143,22 @@ def _check_held(layout: LayerLayout, tensor: Any) -> None:
         )
 
 
+def _integer_ids(block_ids: Sequence[int]) -> list[int]:
+    """The ids as ints; InvalidArgumentError for a bool or a non-integer (never truncated, as
+    checksum_host refuses them)."""
+    ids = []
+    for position, block in enumerate(block_ids):
+        if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)):
+            raise InvalidArgumentError(
+                f"block_ids must be integers, got {type(block).__name__} {block!r} at position "
+                f"{position}"
+            )
+        ids.append(int(block))
+    return ids
+
+
 def _check_ids(layout: LayerLayout, block_ids: Sequence[int]) -> list[int]:
-    ids = [int(b) for b in block_ids]
+    ids = _integer_ids(block_ids)
     for position, block in enumerate(ids):
         if not 0 <= block < layout.num_blocks:
             from moriio_native.errors import OutOfRangeError
@@ -443,7 +467,7 @@ class LayerChecksums:
     ) -> dict[str, bytes]:
         """Every layer's values for ``block_ids`` (wire form, :func:`pack`). Blocking; raises
         OutOfRangeError / InvalidArgumentError naming the layer for bad ids or windows."""
-        ids = np.asarray(list(block_ids), dtype=np.int64)
+        ids = np.asarray(_integer_ids(list(block_ids)), dtype=np.int64)
         values: dict[str, np.ndarray] = {}
         for group, layers in enumerate(self._on_cuda):
             described = self._cuda_layers(group, window)

@@ -1256,11 +1256,13 @@ TEST_F(EnginePair, UnknownPeerOrLayerIsNotFoundAndCreatesNothing) {
   EXPECT_EQ(events.Wait("x").state, TransferState::kDone);
 }
 
-// WriteLayer and WriteLayers do nothing (return false) for a layer scheduled before, whatever
-// the repeat carries: a repeat with arguments the checks would refuse (a CUDA event the peer
-// cannot honour, a block id out of range) failed the live transfer it repeated, which then
-// ended failed instead of done (a review, 2026-12-07).
-TEST_F(EnginePair, ARepeatOfScheduledWritesDoesNothingWhateverItCarries) {
+// WriteLayer and WriteLayers do nothing (return false) for a layer scheduled before with the
+// same peer and blocks, whatever else the repeat carries: a CUDA event the peer cannot honour
+// failed the live transfer it repeated, which then ended failed instead of done (a review,
+// 2026-12-07). A write of the layer with other blocks is refused and changes nothing: before (a
+// second review that day), it returned false like a repeat, and the transfer ended done
+// without ever writing its blocks.
+TEST_F(EnginePair, ARepeatOfScheduledWritesDoesNothingAndAnotherWriteOfTheLayerIsRefused) {
   Build({{"loopback_delay_ms", "300"}}, {});  // the first write is still in flight
   const std::vector<std::int64_t> ids = {0}, into = {1}, out_of_range = {1 << 30};
   Result<bool> first = p_.engine->WriteLayer("rep", "attn.0", "D", ids, into);
@@ -1273,16 +1275,30 @@ TEST_F(EnginePair, ARepeatOfScheduledWritesDoesNothingWhateverItCarries) {
   const std::vector<Repeat> repeats = {
       {"WriteLayer with a CUDA event the loopback peer cannot honour",
        [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", ids, into, 0x1234); }},
-      {"WriteLayer with a remote block id out of range",
-       [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", ids, out_of_range); }},
-      {"WriteLayers with a remote block id out of range",
-       [&] { return p_.engine->WriteLayers("rep", names, "D", ids, out_of_range); }},
+      {"WriteLayers of the same blocks",
+       [&] { return p_.engine->WriteLayers("rep", names, "D", ids, into); }},
   };
   for (const Repeat& r : repeats) {
     SCOPED_TRACE(r.what);
     Result<bool> again = r.call();
     ASSERT_TRUE(again.ok()) << again.status().ToString();
     EXPECT_FALSE(*again);
+  }
+  const std::vector<Repeat> others = {
+      {"WriteLayer with a remote block id out of range",
+       [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", ids, out_of_range); }},
+      {"WriteLayers with a remote block id out of range",
+       [&] { return p_.engine->WriteLayers("rep", names, "D", ids, out_of_range); }},
+      {"WriteLayer of other blocks", [&] { return p_.engine->WriteLayer("rep", "attn.0", "D", into, ids); }},
+  };
+  for (const Repeat& r : others) {
+    SCOPED_TRACE(r.what);
+    Result<bool> other = r.call();
+    ASSERT_FALSE(other.ok());
+    EXPECT_EQ(other.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(other.status().message().find("scheduled before with other blocks"),
+              std::string::npos)
+        << other.status().ToString();
   }
   ASSERT_TRUE(p_.engine->Seal("rep", "D", 1).ok());
   Events events(p_.engine.get());

@@ -157,6 +157,44 @@ TEST(MoriCodec, PeerFailureReasonsHaveNames) {
   EXPECT_EQ(codec::ReasonName(static_cast<mio::PeerFailureReason>(77)), "REASON_77");
 }
 
+
+// ---- review B (2026-12-07): descriptors with missing fields -----------------------------------
+// msgpack-c's MSGPACK_DEFINE conversion stops at the end of a shorter array and leaves the
+// remaining members as they were; Unpack converts into a default-initialised T, and
+// EngineDesc::port and MemoryDesc::loc have no initialiser. So a peer address of just a key, or a
+// remote key without its location, decodes with an indeterminate port / location (valgrind:
+// "Conditional jump or move depends on uninitialised value(s)" in DecodeEngineKey /
+// ToMoriMemory): accepted or refused by whatever was on the stack, never as "truncated".
+// `Poison` fills the stack below the caller with a value that makes the garbage valid.
+[[gnu::noinline]] void Poison(std::uint32_t value) {
+  volatile std::uint32_t junk[4096];
+  for (auto& j : junk) j = value;
+}
+
+TEST(MoriCodec, PeerAddressWithoutHostAndPortIsRefusedAsTruncated) {
+  const auto blob = PackArray(std::string("decode@node2:7:1:99"));  // key only
+  Poison(0);
+  auto key = codec::DecodeEngineKey(blob);
+  ASSERT_FALSE(key.ok()) << "an EngineDesc of only a key (no host, no port) was accepted as '"
+                         << *key << "'";
+  EXPECT_EQ(key.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(key.status().message().find("advertises port"), std::string::npos)
+      << "refused for a port it never sent: " << key.status().message();
+}
+
+TEST(MoriCodec, RemoteKeyWithoutLocationIsRefusedAsTruncated) {
+  // engineKey, id, deviceId, deviceBusId, data, size: no loc (MoRI 1.2.0 already sent 9 fields).
+  const auto blob = PackArray(std::string("prefill@node1:42:0:1"), std::uint32_t{5}, -1,
+                              std::string(""), std::uint64_t{0x10000}, std::uint64_t{8192});
+  Poison(static_cast<std::uint32_t>(mio::MemoryLocationType::CPU));
+  auto m = codec::DecodeMemory(blob);
+  ASSERT_FALSE(m.ok()) << "a MemoryDesc without its location was accepted as "
+                       << (m->kind == MemoryKind::kHost ? "host" : "GPU") << " memory";
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(m.status().message().find("unknown location"), std::string::npos)
+      << "refused for a location it never sent: " << m.status().message();
+}
+
 }  // namespace
 
 #else

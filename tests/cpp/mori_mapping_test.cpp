@@ -139,12 +139,13 @@ class MoriMappingTest : public ::testing::Test {
   }
 
   // A backend with LinkWholeBuffers' regions (`host`), and `gpu`: the same with its local region
-  // registered again as ROCm memory (the fake moves host bytes all the same), the regions of
+  // in gpu_buf_ registered as ROCm memory (the fake moves host bytes all the same; not local_buf_
+  // again: MoRI keys registrations by start address, whatever their kind), the regions of
   // batches that may wait for a HIP event.
   void MakeWithGpuRegion(Link* host, Link* gpu) {
     Make();
     ASSERT_NO_FATAL_FAILURE(LinkWholeBuffers(host));
-    MemoryRange range = local_buf_.range(0, kSize);
+    MemoryRange range = gpu_buf_.range(0, kSize);
     range.kind = MemoryKind::kRocm;
     range.device = 0;
     auto local = backend_->RegisterMemory(range);
@@ -187,6 +188,7 @@ class MoriMappingTest : public ::testing::Test {
   std::unique_ptr<Backend> backend_;
   PageAlignedBuffer local_buf_{kSize, 11};
   PageAlignedBuffer peer_buf_{kSize, 99};
+  PageAlignedBuffer gpu_buf_{kSize, 55};
 };
 
 // ---- options and codes
@@ -795,7 +797,7 @@ TEST_F(MoriMappingTest, BatchWaitingForItsEventIsPostedOnceItCompletedHoldingUpN
   for (std::uint64_t i = 1; i < kWaiting; ++i) ASSERT_TRUE(sink_->Await(30 + i).ok());
   EXPECT_FALSE(sink_->Completed(30)) << "posted before its event completed";
   ASSERT_TRUE(backend_->Submit(WriteWaitingFor(gpu, 0xE1, 0, 20)).ok());
-  local_buf_.data[0] = 0xAB;  // the producer's work, finished before its event completes
+  gpu_buf_.data[0] = 0xAB;  // the producer's work, finished before its event completes
   {
     std::lock_guard lock(world_->mu);
     world_->pending_events.clear();

@@ -315,6 +315,7 @@ class MoriBackend final : public Backend {
 
   Result<std::vector<std::uint8_t>> LocalAddress() override {
     std::lock_guard api_lock(api_mu_);
+    if (!api_) return GoneError();
     return api_->EngineDesc();
   }
 
@@ -341,6 +342,7 @@ class MoriBackend final : public Backend {
                                   " needs a device ordinal, got " + std::to_string(range.device));
     }
     std::lock_guard api_lock(api_mu_);
+    if (!api_) return GoneError();
     {
       std::lock_guard lock(mu_);
       for (auto& [id, reg] : registrations_) {
@@ -352,13 +354,18 @@ class MoriBackend final : public Backend {
           locals_[handle] = LocalRegion{range, id, range.address - m.data, 0};
           return RegisteredRegion{handle, m.desc};
         }
-        if (m.data == range.address) {
-          return FailedPreconditionError(
-              "a MoRI registration starting at " + Hex(m.data) + " (" + std::to_string(m.size) +
-              " bytes) exists and does not cover the " + std::to_string(range.size) +
-              " bytes asked for; MoRI keys registrations by start address, so deregister it "
-              "first");
-        }
+      }
+      // Whatever its kind or device: MoRI keys its NIC registrations by start address alone.
+      for (const auto& [id, reg] : registrations_) {
+        const MoriMemory& m = reg.mem;
+        if (m.data != range.address) continue;
+        return FailedPreconditionError(
+            "a MoRI registration starting at " + Hex(m.data) + " (" + std::to_string(m.size) +
+            " bytes of " + std::string(KindName(m.kind)) + " memory, device " +
+            std::to_string(m.device) + ") exists and does not cover the " +
+            std::to_string(range.size) + " bytes of " + std::string(KindName(range.kind)) +
+            " memory, device " + std::to_string(range.device) +
+            " asked for; MoRI keys registrations by start address, so deregister it first");
       }
     }
     MORIIO_ASSIGN_OR_RETURN(MoriMemory mem, api_->RegisterMemory(range));
@@ -419,6 +426,7 @@ class MoriBackend final : public Backend {
   Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) override {
     if (address.empty()) return InvalidArgumentError("empty MoRI peer address");
     std::lock_guard api_lock(api_mu_);
+    if (!api_) return GoneError();
     MORIIO_ASSIGN_OR_RETURN(std::string key, api_->EngineKeyOf(address));
     if (key == api_->engine_key()) {
       return InvalidArgumentError("MoRI peer address names this backend's own engine '" + key +
@@ -443,6 +451,7 @@ class MoriBackend final : public Backend {
   Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                            std::span<const std::uint8_t> remote_key) override {
     std::lock_guard api_lock(api_mu_);
+    if (!api_) return GoneError();
     std::string peer_key;
     {
       std::lock_guard lock(mu_);
@@ -526,8 +535,8 @@ class MoriBackend final : public Backend {
           ++w;
         }
       }
-      // Posted: MoRI may still be moving their bytes, so they end when MoRI says so (or at
-      // their deadline), reported as aborted.
+      // Posted: MoRI may still be moving their bytes, so they end when MoRI says so (there is
+      // no deadline), reported as aborted.
       for (auto& w : in_flight_) {
         if (w->peer == peer &&
             w->status->Code() != static_cast<std::uint32_t>(MoriCode::kSuccess)) {
@@ -548,6 +557,7 @@ class MoriBackend final : public Backend {
       }
     }
     reap_cv_.notify_all();
+    if (!api_) return Status::OK();  // from a completion ~MoriBackend reports: MoRI is gone
     for (std::uint64_t s : destroy) api_->DestroySession(s);
     return api_->DeregisterRemoteEngine(key);
   }
@@ -605,6 +615,12 @@ class MoriBackend final : public Backend {
   }
 
  private:
+  // What a call that needs MoRI answers once ~MoriBackend destroyed it (a sink calling back from
+  // a completion the destructor reports).
+  static Status GoneError() {
+    return AbortedError("the MoRI backend is shutting down (MoRI-IO already stopped)");
+  }
+
   // Copies what Submit needs about the batch's regions; errors name what is wrong.
   Status FindLocked(const Batch& b, LocalRegion* local, RemoteRegion* remote,
                     std::string* peer_key) const {

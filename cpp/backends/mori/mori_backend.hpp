@@ -78,8 +78,9 @@ Status MoriCodeToStatus(std::uint32_t code, const std::string& mori_message,
 /// the sink may call back into the backend — but must not destroy it.
 ///
 /// A posted batch completes when MoRI's status is terminal (SUCCESS -> OK, failure ->
-/// Transport), at its deadline (Timeout), after DisconnectPeer once MoRI is done with it
-/// (Aborted), or at destruction after the drain timeout (Aborted, reported after MoRI stopped).
+/// Transport), after DisconnectPeer once MoRI is done with it (Aborted), or at destruction after
+/// the drain timeout (Aborted, reported after MoRI stopped); no deadline ends it (see
+/// mori_transfer_timeout_ms in ParseMoriOptions).
 /// No status is freed before `api` is destroyed: those that reached SUCCESS are reused for later
 /// batches (so their number is bounded by the peak number of posted batches), the others are
 /// retired until then.

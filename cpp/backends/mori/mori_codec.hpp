@@ -63,8 +63,19 @@ std::vector<std::uint8_t> Pack(const T& value) {
   return {p, p + buffer.size()};
 }
 
+/// How many leading fields of T's msgpack array a peer must send: those without a default
+/// (msgpack-c leaves the members past a short array untouched, and EngineDesc::port and
+/// MemoryDesc::loc have no initialiser). Later fields keep their defaults (older MoRI sent fewer).
+template <typename T>
+inline constexpr std::uint32_t kRequiredFields = 0;
+template <>
+inline constexpr std::uint32_t kRequiredFields<mio::EngineDesc> = 5;  // key .. port
+template <>
+inline constexpr std::uint32_t kRequiredFields<mio::MemoryDesc> = 7;  // engineKey .. loc
+
 /// Decodes exactly one msgpack object of type T from `bytes`; InvalidArgument naming `what` on
-/// malformed input, trailing bytes, or containers/strings beyond descriptor sizes. Pure.
+/// malformed input, trailing bytes, missing required fields, or containers/strings beyond
+/// descriptor sizes. Pure.
 template <typename T>
 Result<T> Unpack(std::span<const std::uint8_t> bytes, std::string_view what) {
   try {
@@ -80,7 +91,17 @@ Result<T> Unpack(std::span<const std::uint8_t> bytes, std::string_view what) {
       return InvalidArgumentError("malformed MoRI " + std::string(what) + ": " +
                                   std::to_string(bytes.size() - offset) + " trailing bytes");
     }
-    return handle.get().as<T>();
+    const msgpack::object& object = handle.get();
+    if constexpr (kRequiredFields<T> > 0) {
+      if (object.type == msgpack::type::ARRAY && object.via.array.size < kRequiredFields<T>) {
+        return InvalidArgumentError("malformed MoRI " + std::string(what) + ": " +
+                                    std::to_string(object.via.array.size) + " fields, at least " +
+                                    std::to_string(kRequiredFields<T>) + " needed");
+      }
+    }
+    T value{};  // value-initialised: no member is left indeterminate
+    object.convert(value);
+    return value;
   } catch (...) {
     return InvalidArgumentError("malformed MoRI " + std::string(what) + " (" +
                                 std::to_string(bytes.size()) +

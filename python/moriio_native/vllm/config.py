@@ -316,7 +316,8 @@ class ConnectorConfig(Schema, frozen=True):
                     if ip.is_unspecified or ip.is_multicast:
                         raise ValueError(
                             f"{_WHAT}.{key} {value!r} is not an address a peer can dial (to "
-                            "listen on every interface, set bind_host '*')"
+                            "listen on every interface, set bind_host '*' (IPv4) or '::' "
+                            "(IPv6 too))"
                         )
         if self.proxy_auth and self.auth_secret is None:
             raise ValueError(

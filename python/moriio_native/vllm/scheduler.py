@@ -236,10 +236,14 @@ class SchedulerSide:
         self._duplicates.add(rid)
         logger.warning(
             "request %s: transfer %s belongs to live request %s; this request runs without KV "
-            "transfer",
+            "transfer%s",
             rid,
             params.transfer_id,
             owner,
+            " (its prefill is this instance, which holds that request's blocks until "
+            "abort_timeout: have the proxy pick another instance for the decode leg)"
+            if params.remote_engine_id == self.config.engine_id
+            else "",
         )
         return False
 

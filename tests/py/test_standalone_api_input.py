@@ -1,0 +1,280 @@
+"""The standalone Python API (engine.py, layout.py, memory.py, verify.py and the bindings they
+call) given bad input: each test is one defect found by a review of that API (2026-12-07),
+seen failing before its fix. Loopback only, no GPU, no network."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import moriio_native as mn
+from moriio_native import kvcache as kc
+from moriio_native import verify
+from moriio_native.layout import block_template, describe_layer
+
+SPEC = mn.CacheSpec(block_size=4, num_kv_heads=2, head_size=8, dtype_bytes=2)
+
+
+# --- 1. A tensor on a GPU registered as host memory -------------------------------------------
+
+
+class _CudaClaimingTensor:
+    """What the facade reads of a torch CUDA tensor (``is_cuda``, ``device``, shape, strides,
+    storage), over host memory so the test runs anywhere: the facade never asks."""
+
+    def __init__(self, inner: torch.Tensor) -> None:
+        self._inner = inner
+        self.shape = inner.shape
+        self.is_cuda = True
+        self.device = torch.device("cuda", 0)
+
+    def stride(self):  # type: ignore[no-untyped-def]
+        return self._inner.stride()
+
+    def element_size(self) -> int:
+        return self._inner.element_size()
+
+    def data_ptr(self) -> int:
+        return self._inner.data_ptr()
+
+    def untyped_storage(self):  # type: ignore[no-untyped-def]
+        return self._inner.untyped_storage()
+
+
+def test_a_gpu_tensor_registered_with_the_default_host_memory_is_refused() -> None:
+    """LayerRegistration.memory defaults to "host" and nothing compares it with the torch
+    tensor's device: a CUDA tensor registered without memory="cuda" is registered as host
+    memory (the loopback backend then memcpys device pointers on the host; UCX maps them as
+    host memory). The facade holds the tensor and must refuse the contradiction, naming the
+    layer, before anything is registered."""
+    tensor = _CudaClaimingTensor(torch.zeros(2, 10, 4, 2, 8, dtype=torch.int16))
+    engine = mn.Engine("d", "loopback")
+    with pytest.raises(mn.InvalidArgumentError, match=r"model\.layers\.0"):
+        engine.register_kv_caches([mn.LayerRegistration("model.layers.0", tensor, SPEC)])
+
+
+# --- 2. Engine numbers truncated, or refused by pybind11 rather than by name ------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"terminal_history": 1.9},  # int() -> 1
+        {"terminal_history": True},  # -> 1
+        {"terminal_history": "7"},  # int("7")
+        {"page_size": 4096.9},  # int() -> 4096
+    ],
+)
+def test_engine_counts_that_are_no_integer_are_refused_not_truncated(kwargs: dict) -> None:
+    with pytest.raises(mn.InvalidArgumentError, match=next(iter(kwargs))):
+        mn.Engine("x", "loopback", **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"page_size": -1}, "page_size"),
+        ({"terminal_history": 2**70}, "terminal_history"),
+    ],
+)
+def test_engine_counts_out_of_range_are_refused_by_name(kwargs: dict, name: str) -> None:
+    """Not pybind11's "incompatible constructor arguments" TypeError listing its signature."""
+    with pytest.raises(mn.InvalidArgumentError, match=name):
+        mn.Engine("x", "loopback", **kwargs)
+
+
+def test_seal_and_poll_counts_past_64_bits_are_refused_by_name() -> None:
+    engine = mn.Engine("x", "loopback")
+    with pytest.raises(mn.InvalidArgumentError, match="expected_writes"):
+        engine.seal("t", "nobody", expected_writes=2**63)
+    with pytest.raises(mn.InvalidArgumentError, match="max_events"):
+        engine.poll_events(max_events=2**64)
+    with pytest.raises(mn.InvalidArgumentError, match="nbytes"):
+        engine.allocate_host_backing(-1)
+
+
+# --- 3. A bad tensor is refused without naming the layer --------------------------------------
+
+
+def test_a_tensor_that_is_none_is_refused_naming_the_layer() -> None:
+    """geometry_of raises a bare TypeError ("expected a TensorGeometry ..., got list" or
+    "numpy array strides must be whole elements") with no layer name: registering 60 layers,
+    the caller cannot tell which one was wrong."""
+    engine = mn.Engine("x", "loopback")
+    with pytest.raises((TypeError, mn.InvalidArgumentError), match=r"model\.layers\.7"):
+        engine.register_kv_caches(
+            [mn.LayerRegistration("model.layers.7", [0] * 10, SPEC, allocation=(4096, 4096))]
+        )
+    odd = np.lib.stride_tricks.as_strided(
+        np.zeros(10000, np.int16), (2, 10, 4, 2, 8), (1281, 128, 32, 16, 2)
+    )
+    with pytest.raises((TypeError, mn.InvalidArgumentError), match=r"model\.layers\.3"):
+        describe_layer("model.layers.3", odd, SPEC)
+
+
+# --- 4. verify: block ids truncated ------------------------------------------------------------
+
+
+def test_verify_refuses_fractional_and_bool_block_ids_as_checksum_host_does() -> None:
+    """checksum_host refuses 1.5 ("block_ids must be integers"); LayerChecksums.compute and
+    checksum_torch truncate it to block 1 (and take True as block 1), answering a checksum
+    of a block nobody asked for."""
+    cache = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    kc.fill_random(cache, seed=3)
+    checksums = verify.LayerChecksums.for_registrations(cache.registrations())
+    with pytest.raises(mn.InvalidArgumentError):
+        checksums.compute([1.9])
+    with pytest.raises(mn.InvalidArgumentError):
+        checksums.compute([True])
+    reg = cache.registrations()[0]
+    tensor = torch.from_numpy(np.ascontiguousarray(cache.views[reg.name]))
+    layout = describe_layer(reg.name, tensor, reg.spec)
+    with pytest.raises(mn.InvalidArgumentError):
+        verify.checksum_torch(layout, tensor, [1.5])
+
+
+@pytest.mark.parametrize(
+    "window",
+    [
+        verify.CellWindow(head_begin=True, heads=True),  # taken as heads [1, 2)
+        verify.CellWindow(heads=1.0),  # resolve() passes it; pybind11's TypeError follows
+    ],
+)
+def test_verify_windows_refuse_bools_and_floats_as_layout_windows_do(window) -> None:
+    """layout.CellWindow refuses True and 1.0 by name (an earlier fix); verify.CellWindow, the
+    window of the checksums, resolves them as they come."""
+    cache = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    reg = cache.registrations()[0]
+    array = np.ascontiguousarray(cache.views[reg.name])
+    layout = describe_layer(reg.name, array, reg.spec)
+    with pytest.raises(mn.InvalidArgumentError, match="head"):
+        verify.checksum_host(layout, array.view(np.uint8).reshape(-1), [0], window)
+
+
+# --- 5. BlockTemplate.block_offsets overflows int64 --------------------------------------------
+
+
+def test_block_offsets_that_overflow_int64_are_refused_not_wrapped() -> None:
+    """local_shift + origin + id * block_stride is computed in int64 without a check: a shift
+    near 2**63 answers a NEGATIVE offset (signed overflow, undefined behaviour in C++)."""
+    a = describe_layer("L", np.zeros((2, 10, 4, 2, 8), np.int16), SPEC)
+    b = describe_layer("L", np.zeros((10, 2, 2, 4, 8), np.int16), SPEC, "interleaved")
+    tmpl = block_template(a, b)
+    with pytest.raises(mn.OutOfRangeError, match=r"layer 'L'.*past int64"):
+        tmpl.block_offsets(mn.BlockPairs([0, 9], [2, 3]), 2**63 - 1, 0)
+
+
+# --- 6. wait() interrupted drops the events it had taken ---------------------------------------
+
+
+def test_events_wait_took_are_not_lost_when_it_is_interrupted() -> None:
+    """wait() takes every event that arrives (each is delivered once) and keeps those of other
+    transfers in a local dict it returns at the end. Interrupted (Ctrl-C: poll_events raises
+    KeyboardInterrupt between its slices), the dict is dropped: those transfers' only terminal
+    event is delivered to nobody, and a caller polling for them waits for ever."""
+    import _thread
+
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
+    ep = mn.Engine("p", "loopback")
+    ed = mn.Engine("d", "loopback")
+    ep.register_kv_caches(prefill.registrations())
+    ed.register_kv_caches(decode.registrations())
+    ep.add_peer(ed.local_metadata())
+    assert ep.seal("other", "d", expected_writes=0) is True  # done at once: its event is queued
+
+    real_poll = ep.poll_events
+    calls = []
+
+    def poll_then_ctrl_c(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:  # Ctrl-C while wait() waits for "mine"
+            _thread.interrupt_main()
+        return real_poll(*args, **kwargs)
+
+    ep.poll_events = poll_then_ctrl_c  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        ep.wait(["mine"], timeout=5)
+    del ep.poll_events
+    events = {e.transfer_id: e for e in ep.poll_events(timeout=0.5)}
+    assert "other" in events, "the terminal event of 'other' was taken by wait() and lost"
+
+
+# --- 7. A second write_layer of a layer with OTHER blocks is dropped silently --------------------
+
+
+def test_a_layer_written_again_with_other_blocks_is_not_dropped_silently() -> None:
+    """write_layer is idempotent per (transfer, layer) so a retry is harmless -- but it compared
+    the layer only, not what it moves: a second call for the same layer with OTHER block ids
+    answered False like a repeat, moved nothing, and the transfer still ended ``done`` after the
+    seal, with the decode's blocks of the second call never written. Now the same call again is
+    a repeat, and another write of the layer is refused, changing nothing."""
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
+    kc.fill_random(prefill, seed=1)
+    kc.fill_random(decode, seed=2)
+    ep = mn.Engine("p", "loopback")
+    ed = mn.Engine("d", "loopback")
+    ep.register_kv_caches(prefill.registrations())
+    ed.register_kv_caches(decode.registrations())
+    ep.add_peer(ed.local_metadata())
+    assert ep.write_layer("t", "dense.0", "d", [0], [0]) is True
+    assert ep.write_layer("t", "dense.0", "d", [0], [0]) is False  # a repeat: nothing more
+    with pytest.raises(mn.InvalidArgumentError, match=r"'dense\.0' was scheduled before with"):
+        ep.write_layer("t", "dense.0", "d", [1], [1])
+    # Refused, changing nothing: the transfer ends with the first write, which landed.
+    ep.seal("t", "d", expected_writes=1)
+    assert ep.wait(["t"], timeout=5)["t"].state == "done"
+    assert kc.blocks_match(decode, prefill, [0], [0], layers=["dense.0"])
+    assert not kc.blocks_match(decode, prefill, [1], [1], layers=["dense.0"])
+
+
+def test_a_layer_written_again_to_another_peer_is_refused() -> None:
+    """The same blocks of a scheduled layer to another peer are another write, not a repeat:
+    refused, the transfer going on with the first."""
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
+    ep = mn.Engine("p", "loopback")
+    ed = mn.Engine("d", "loopback")
+    ed2 = mn.Engine("d2", "loopback")
+    ep.register_kv_caches(prefill.registrations())
+    ed.register_kv_caches(decode.registrations())
+    ed2.register_kv_caches(decode.registrations())
+    ep.add_peer(ed.local_metadata())
+    ep.add_peer(ed2.local_metadata())
+    assert ep.write_layer("t", "dense.0", "d", [0], [0]) is True
+    with pytest.raises(mn.InvalidArgumentError, match="scheduled before with other"):
+        ep.write_layer("t", "dense.0", "d2", [0], [0])
+    ep.seal("t", "d", expected_writes=1)
+    assert ep.wait(["t"], timeout=5)["t"].state == "done"
+
+
+# --- 8. memory.allocate_*_backing: no integer check --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "name"),
+    [
+        ((True,), "nbytes"),  # one page for True
+        ((1.5,), "nbytes"),  # numpy's "expected a sequence of integers ... got '8192.0'"
+        ((4096, 4096.0), "page_size"),  # "unsupported operand type(s) for &"
+    ],
+)
+def test_allocate_host_backing_refuses_non_integers_by_name(args: tuple, name: str) -> None:
+    with pytest.raises(mn.InvalidArgumentError, match=name):
+        mn.allocate_host_backing(*args)
+
+
+# --- 9. Public native constructors take True as 1 -------------------------------------------------
+
+
+def test_public_native_constructors_refuse_bools_as_cache_spec_does() -> None:
+    """CacheSpec refuses True by name (an earlier fix), and CellWindow does; but mn.BlockTemplate
+    (exported) takes a window tuple straight to pybind11, whose int64 caster takes True as 1
+    (heads [1, 2) here), and so does TensorGeometry's element_size."""
+    a = describe_layer("L", np.zeros((2, 10, 4, 2, 8), np.int16), SPEC)
+    with pytest.raises(mn.InvalidArgumentError):
+        mn.BlockTemplate(a, a, (True, 1, 0, None), (0, 1, 0, None))
+    with pytest.raises((mn.InvalidArgumentError, TypeError)):
+        mn.TensorGeometry([2, 10, 4, 2, 8], [640, 64, 16, 8, 1], True, 1)
