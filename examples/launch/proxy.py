@@ -432,22 +432,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    secret_env = args.auth_secret_env or ENV_AUTH_SECRET
-    verifier = RegistrationVerifier(MessageAuth(os.environ.get(secret_env) or None))
-    if not verifier.enabled and args.discovery_host in ("0.0.0.0", "*", "::"):
-        logger.warning(
-            "registrations on every interface are believed unsigned: anyone who reaches port "
-            "%d can route requests; set $%s on the proxy and the instances",
-            args.discovery_port,
-            secret_env,
-        )
-    registry = Registry()
-    stop = threading.Event()
-    # Bound here, not in the thread: a port it cannot bind must stop the proxy, not leave it
-    # answering every request 503 with no way for an instance to register.
+def start_discovery(
+    args: argparse.Namespace,
+    registry: Registry,
+    stop: threading.Event,
+    verifier: RegistrationVerifier,
+) -> threading.Thread:
+    """The registration listener of ``args`` bound here, before its thread starts: a port it
+    cannot bind stops the proxy (SystemExit naming it), rather than leaving it answering every
+    request 503 with no way for an instance to register."""
     try:
         sock = bind_discovery(args.discovery_host, args.discovery_port, verifier, args.handshake_ms)
     except zmq.ZMQError as exc:
@@ -469,6 +462,24 @@ def main(argv: list[str] | None = None) -> None:
         daemon=True,
     )
     thread.start()
+    return thread
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    secret_env = args.auth_secret_env or ENV_AUTH_SECRET
+    verifier = RegistrationVerifier(MessageAuth(os.environ.get(secret_env) or None))
+    if not verifier.enabled and args.discovery_host in ("0.0.0.0", "*", "::"):
+        logger.warning(
+            "registrations on every interface are believed unsigned: anyone who reaches port "
+            "%d can route requests; set $%s on the proxy and the instances",
+            args.discovery_port,
+            secret_env,
+        )
+    registry = Registry()
+    stop = threading.Event()
+    thread = start_discovery(args, registry, stop, verifier)
     try:
         uvicorn.run(make_app(registry), host=args.host, port=args.port, log_level="warning")
     finally:

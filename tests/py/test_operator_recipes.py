@@ -150,19 +150,7 @@ def test_launch_recipe_with_the_optional_secret_registers_with_the_proxy(
     )
     registry = proxy.Registry()
     stop = threading.Event()
-    loop = threading.Thread(
-        target=proxy.discovery_loop,
-        args=(
-            registry,
-            args.discovery_host,
-            args.discovery_port,
-            stop,
-            verifier,
-            args.handshake_ms,
-        ),
-        daemon=True,
-    )
-    loop.start()
+    loop = proxy.start_discovery(args, registry, stop, verifier)
     pinger = None
     try:
         # Step 2: prefill.sh with the recipe's defaults (PROXY_AUTH is not mentioned).

@@ -204,27 +204,21 @@ def test_events_wait_took_are_not_lost_when_it_is_interrupted() -> None:
 # --- 7. A second write_layer of a layer with OTHER blocks is dropped silently --------------------
 
 
-def test_a_layer_written_again_with_other_blocks_is_not_dropped_silently() -> None:
+def test_a_layer_written_again_with_other_blocks_is_not_dropped_silently(
+    pair: tuple[kc.KvCacheSet, kc.KvCacheSet, mn.Engine, mn.Engine],
+) -> None:
     """write_layer is idempotent per (transfer, layer) so a retry is harmless -- but it compared
     the layer only, not what it moves: a second call for the same layer with OTHER block ids
     answered False like a repeat, moved nothing, and the transfer still ended ``done`` after the
     seal, with the decode's blocks of the second call never written. Now the same call again is
     a repeat, and another write of the layer is refused, changing nothing."""
-    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
-    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
-    kc.fill_random(prefill, seed=1)
-    kc.fill_random(decode, seed=2)
-    ep = mn.Engine("p", "loopback")
-    ed = mn.Engine("d", "loopback")
-    ep.register_kv_caches(prefill.registrations())
-    ed.register_kv_caches(decode.registrations())
-    ep.add_peer(ed.local_metadata())
-    assert ep.write_layer("t", "dense.0", "d", [0], [0]) is True
-    assert ep.write_layer("t", "dense.0", "d", [0], [0]) is False  # a repeat: nothing more
+    prefill, decode, ep, _ = pair
+    assert ep.write_layer("t", "dense.0", "decode-0", [0], [0]) is True
+    assert ep.write_layer("t", "dense.0", "decode-0", [0], [0]) is False  # a repeat
     with pytest.raises(mn.InvalidArgumentError, match=r"'dense\.0' was scheduled before with"):
-        ep.write_layer("t", "dense.0", "d", [1], [1])
+        ep.write_layer("t", "dense.0", "decode-0", [1], [1])
     # Refused, changing nothing: the transfer ends with the first write, which landed.
-    ep.seal("t", "d", expected_writes=1)
+    ep.seal("t", "decode-0", expected_writes=1)
     assert ep.wait(["t"], timeout=5)["t"].state == "done"
     assert kc.blocks_match(decode, prefill, [0], [0], layers=["dense.0"])
     assert not kc.blocks_match(decode, prefill, [1], [1], layers=["dense.0"])
