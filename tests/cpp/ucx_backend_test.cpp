@@ -1184,6 +1184,117 @@ TEST(UcxBackend, AnUnprovenPeersDirectCopyChecksItsRegionBeforeEachBatch) {
   ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kAllocated, Path::kHostCopy, true);
 }
 
+// The same READ with ucx_direct_copy=off: host memory of a same-host peer then
+// moves by UCX operations (Path::kOps), which over UCX's own cma transport are one-sided
+// process_vm_readv/writev into the owner's living process, needing nothing of the destroyed
+// worker. Before (a review of the fix above), the region was checked once (its first batch) and
+// never again, and this READ ended done with the remade backend's bytes.
+TEST(UcxBackend, AReadThroughADestroyedBackendsMetadataFailsOnUcxOps) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_direct_copy"] = "off";
+  options["ucx_region_check_timeout_ms"] = "1000";
+  REQUIRE_UCX(options);
+  ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kHeap, Path::kOps, false);
+}
+
+// The same with UCX-allocated target memory (freed with the first backend): UCX
+// operations through its shared-memory or cma lanes need nothing of the destroyed worker either.
+TEST(UcxBackend, AReadThroughADestroyedBackendsAllocationFailsOnUcxOps) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_direct_copy"] = "off";
+  options["ucx_region_check_timeout_ms"] = "1000";
+  REQUIRE_UCX(options);
+  ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kAllocated, Path::kOps, false);
+}
+
+// The same with a peer whose identity this process cannot prove (forged
+// cookie): UCX operations still go one-sided through UCX's cma, and nothing but a region check
+// of each batch's own can tell the backend behind the metadata is gone.
+TEST(UcxBackend, AnUnprovenPeersUcxOpsCheckTheirRegionBeforeEachBatch) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_direct_copy"] = "off";
+  options["ucx_region_check_timeout_ms"] = "1000";
+  REQUIRE_UCX(options);
+  ExpectReadThroughARemadeBackendsMetadataFails(options, Mem::kHeap, Path::kOps, true);
+}
+
+// Per-batch checks under concurrency: rounds of 16 READs at once to one region of
+// an unproven peer, each round after the last confirmed it (so each batch needs a check of its
+// own: the first checks, the rest park behind it). Every batch arrives, on its own path.
+void ExpectConcurrentReadsOfAnUnprovenPeerArrive(const mn::BackendOptions& options, Mem mem,
+                                                 Path path) {
+  Target target;
+  ASSERT_TRUE(target.Start(options, mem));
+  target.address = Forged(target.address, 64, 8, Field(target.address, 64, 8) ^ 1);
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  std::vector<std::uint8_t> want_local = us.local->Read();
+  const std::vector<std::uint8_t> remote = Pattern(kRegion, kChildSeed);
+  const auto before = PathCounters();
+  constexpr std::uint64_t kBatches = 16, kRounds = 3;
+  for (std::uint64_t round = 0; round < kRounds; ++round) {
+    const std::uint64_t first = 300 + round * kBatches;
+    for (std::uint64_t token = first; token < first + kBatches; ++token) {
+      auto batch = us.NewBatch(mn::TransferOp::kRead, token, 20, token);
+      std::vector<std::uint8_t> unused = remote;
+      Apply(*batch, want_local, unused);
+      ASSERT_TRUE(us.backend->Submit(batch).ok());
+    }
+    for (std::uint64_t token = first; token < first + kBatches; ++token) {
+      const mn::Status st = us.sink->Wait(token);
+      EXPECT_TRUE(st.ok()) << "batch " << token << ": " << st.ToString();
+      EXPECT_EQ(us.sink->Count(token), 1);
+    }
+  }
+  const int p = static_cast<int>(path);
+  EXPECT_EQ(PathCounters()[p], before[p] + kBatches * kRounds);
+  EXPECT_EQ(FirstDiff(us.local->Read().data(), want_local.data(), kRegion), -1);
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
+TEST(UcxBackend, ConcurrentDirectCopiesOfAnUnprovenPeerEachCheckAndArrive) {
+  mn::BackendOptions options = BaseOptions();
+  REQUIRE_UCX(options);
+  ExpectConcurrentReadsOfAnUnprovenPeerArrive(options, Mem::kAllocated, Path::kHostCopy);
+}
+
+TEST(UcxBackend, ConcurrentUcxOpsOfAnUnprovenPeerEachCheckAndArrive) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_direct_copy"] = "off";
+  REQUIRE_UCX(options);
+  ExpectConcurrentReadsOfAnUnprovenPeerArrive(options, Mem::kHeap, Path::kOps);
+}
+
+// The WRITE twin: before, it landed in the memory the remade backend registered (its new
+// owner's bytes overwritten) and ended done.
+TEST(UcxBackend, AWriteThroughADestroyedBackendsMetadataFailsOnUcxOps) {
+  mn::BackendOptions options = BaseOptions();
+  options["ucx_direct_copy"] = "off";
+  options["ucx_region_check_timeout_ms"] = "1000";
+  REQUIRE_UCX(options);
+  Target target;
+  ASSERT_TRUE(target.Start(options, Mem::kHeap));
+  Initiator us;
+  ASSERT_NO_FATAL_FAILURE(us.Connect(options, Mem::kHeap, target));
+  const auto before = PathCounters();
+  ASSERT_NO_FATAL_FAILURE(us.ExpectReadServed(971, 16, us.remote_region));
+  const int p = static_cast<int>(Path::kOps);
+  ASSERT_EQ(PathCounters()[p], before[p] + 1) << "the READ took another path";
+  ASSERT_TRUE(target.Remake());
+  us.local->Write(Pattern(kRegion, 4343));
+  ASSERT_TRUE(us.backend->Submit(us.NewBatch(mn::TransferOp::kWrite, 972, 16, 972)).ok());
+  const mn::Status st = us.sink->Wait(972);
+  EXPECT_FALSE(st.ok()) << "a WRITE through a destroyed backend's metadata ended done";
+  EXPECT_EQ(us.sink->Count(972), 1);
+  const std::vector<std::uint8_t> got = target.Dump();
+  ASSERT_EQ(got.size(), kRegion);
+  EXPECT_EQ(FirstDiff(got.data(), Pattern(kRegion, kRemadeSeed).data(), kRegion), -1)
+      << "the WRITE overwrote memory the backend made again registered";
+  us.Disconnect();
+  EXPECT_EQ(target.Stop(), 0);
+}
+
 // A range is vouched for only with the key its owner packed for a registration holding it: the
 // key of the target's small UCX allocation claiming the range of its other (genuinely
 // registered) region would have the direct copy go through that allocation's mapping at the

@@ -372,6 +372,7 @@ struct PeerState : std::enable_shared_from_this<PeerState> {
   RegionOwner registrant;
   bool peer_mode = false;  // ep has UCX peer-failure detection (push requests say so)
   RemoteProcess process;   // what ep reaches
+  bool same_host = false;  // its address names this host (ConnectPeer)
 };
 
 struct RemoteRegion {
@@ -655,6 +656,8 @@ class UcxBackend final : public Backend {
   // registration, its engine and its backend, to a peer whose published table this process
   // cannot read (DirectHostCopies reads it before each batch where it can).
   bool ChecksEachBatch(const ActiveBatch& ab) const;
+  // Whether `path` moves bytes of `ab`'s remote region without the owner's worker taking part.
+  bool OneSided(const ActiveBatch& ab, Path path) const;
   // The data path of `ab` (PathOf), chosen once its peer, regions and op are known.
   Path PathOf(const ActiveBatch& ab) const;
   // When the wait of `ab` for its region's check ends (a stopped or dead peer without failure
@@ -1193,6 +1196,7 @@ Result<std::uint64_t> UcxBackend::ConnectPeer(std::span<const std::uint8_t> addr
     peer->peer_mode = ep.err_mode == UCP_ERR_HANDLING_MODE_PEER;
     peer->process = RemoteProcess::Of(wire);
     peer->registrant.instance = wire.instance;
+    peer->same_host = same_host;
     if (proven) peer->identity = wire.process;
     std::lock_guard<std::mutex> lock(mutex_);
     peer->id = next_id_++;
@@ -1738,6 +1742,21 @@ void UcxBackend::StartOnPath(ActiveBatch& ab) {
   // host copy also checks before each batch: in the owner's published table where this process
   // reads it (DirectHostCopies), else by a check of its own (ChecksEachBatch).
   if (path != Path::kCma && !RegionConfirmed(ab)) return;
+  if ((path == Path::kOps || path == Path::kCudaCopy) && OneSided(ab, path) &&
+      ReadsPublishedRegions(*ab.remote->peer) &&
+      (ab.batch->cells || ab.batch->stamps || ab.runs() != 0)) {
+    const PeerState& peer = *ab.remote->peer;
+    if (Status held = CheckPublishedRegion(peer.identity, ab.remote->range, peer.registrant,
+                                           ab.remote->published_seq);
+        !held.ok()) {
+      ab.path = path;
+      ab.Fail(TransportError("batch " + std::to_string(ab.batch->token) + " with peer " +
+                             std::to_string(ab.batch->peer) + ": remote region " +
+                             std::to_string(ab.remote->id) + " " + RangeText(ab.remote->range) +
+                             ": " + held.message()));
+      return;
+    }
+  }
   ab.path = path;
   if (path == Path::kCudaCopy) {
     StartCudaCopy(ab);
@@ -1788,8 +1807,16 @@ bool UcxBackend::ReadsPublishedRegions(const PeerState& peer) const {
   return peer.identity.pid != 0 && cma_usable_;
 }
 
+bool UcxBackend::OneSided(const ActiveBatch& ab, Path path) const {
+  // The direct copies go through mappings of the owner's allocation; UCX operations on this
+  // host (its cma, shared memory, cuda_ipc) are one-sided too: none needs the owner's worker,
+  // so none fails when the backend behind the metadata is gone.
+  return path == Path::kHostCopy || path == Path::kCudaCopy ||
+         (path == Path::kOps && ab.remote->peer->same_host && !network_only_);
+}
+
 bool UcxBackend::ChecksEachBatch(const ActiveBatch& ab) const {
-  return PathOf(ab) == Path::kHostCopy && !ReadsPublishedRegions(*ab.remote->peer);
+  return OneSided(ab, PathOf(ab)) && !ReadsPublishedRegions(*ab.remote->peer);
 }
 
 void UcxBackend::ResolveRegionCheck(ActiveBatch& ab) {
