@@ -53,10 +53,14 @@ class WriteDigest {
     return *this;
   }
   WriteDigest& Add(const CellWindow& w) {
+    // Whether each optional field is set, then its value: None (the whole block) must not
+    // digest as some value a caller can pass (-1 would make a bad window a "repeat").
     return Add(static_cast<std::uint64_t>(w.head_begin))
-        .Add(static_cast<std::uint64_t>(w.heads.value_or(-1)))
+        .Add(std::uint64_t{w.heads.has_value()})
+        .Add(static_cast<std::uint64_t>(w.heads.value_or(0)))
         .Add(static_cast<std::uint64_t>(w.token_begin))
-        .Add(static_cast<std::uint64_t>(w.tokens.value_or(-1)));
+        .Add(std::uint64_t{w.tokens.has_value()})
+        .Add(static_cast<std::uint64_t>(w.tokens.value_or(0)));
   }
   std::uint64_t value() const { return h_; }
 

@@ -78,10 +78,33 @@ inline std::int64_t StrictInt(const pybind11::handle& value, const std::string& 
   };
   if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) throw refuse("an integer");
   const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
-  if (!index) throw py::error_already_set();
+  if (!index) {
+    // Every numpy array has __index__, which refuses all but integer scalars (TypeError):
+    // refused here by name, as any other non-integer.
+    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+    PyErr_Clear();
+    throw refuse("an integer");
+  }
   int overflow = 0;
   const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
   if (overflow != 0) throw refuse("an integer that fits 64 bits");
+  return v;
+}
+
+/// An unsigned 64-bit argument (an address): StrictInt's rules over [0, 2^64).
+inline std::uint64_t StrictUint64(const pybind11::handle& value, const std::string& what) {
+  namespace py = pybind11;
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
+    throw StatusError(InvalidArgumentError(what + " must be an integer, got " +
+                                           py::repr(value).cast<std::string>()));
+  }
+  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  const unsigned long long v = index ? PyLong_AsUnsignedLongLong(index.ptr()) : 0;
+  if (!index || (v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
+    PyErr_Clear();
+    throw StatusError(InvalidArgumentError(what + " must be an integer in [0, 2^64), got " +
+                                           py::repr(value).cast<std::string>()));
+  }
   return v;
 }
 
@@ -146,7 +169,14 @@ inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const cha
             " at position " + std::to_string(i)));
       }
       py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
-      if (!index) throw py::error_already_set();
+      if (!index) {
+        // A numpy array's __index__ refuses all but integer scalars (TypeError): by name.
+        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+        PyErr_Clear();
+        throw StatusError(InvalidArgumentError(std::string(what) + " must be integers, got " +
+                                               Py_TYPE(item.ptr())->tp_name + " at position " +
+                                               std::to_string(i)));
+      }
       int overflow = 0;
       const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
       if (overflow != 0) {

@@ -51,6 +51,26 @@ py::bytes ToBytes(const std::vector<std::uint8_t>& v) {
   return py::bytes(reinterpret_cast<const char*>(v.data()), v.size());
 }
 
+// Terminal events, waiting up to `timeout_s` for the first in short slices with the GIL
+// released, checking for Ctrl-C between them (only while none was taken). NaN or negative: no
+// wait; longer than a day: a day (no float->int overflow).
+std::vector<TransferEvent> PollEventsWaiting(Engine& e, std::size_t max_events, double timeout_s) {
+  if (max_events == 0) return {};
+  const double wait_s = timeout_s > 0 ? std::min(timeout_s, 86400.0) : 0.0;
+  const auto until = std::chrono::steady_clock::now() +
+                     std::chrono::microseconds(static_cast<std::int64_t>(wait_s * 1e6));
+  while (true) {
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        until - std::chrono::steady_clock::now());
+    std::vector<TransferEvent> events = WithoutGil([&] {
+      return e.PollEvents(max_events, std::clamp(left, std::chrono::milliseconds(0),
+                                                 std::chrono::milliseconds(100)));
+    });
+    if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
+    if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+  }
+}
+
 }  // namespace
 
 void BindEngine(py::module_& m) {
@@ -250,26 +270,17 @@ void BindEngine(py::module_& m) {
           [](Engine& e, std::size_t max_transfers) { return e.PollDrained(max_transfers); },
           py::arg("max_transfers"))
       .def("abort", [](Engine& e, const std::string& tid) { ThrowIfError(e.Abort(tid)); })
-      .def("poll_events",
-           [](Engine& e, std::size_t max_events, double timeout_s) {
-             if (max_events == 0) return std::vector<TransferEvent>{};
-             // NaN or negative: no wait; longer than a day: a day (no float->int overflow).
-             const double wait_s = timeout_s > 0 ? std::min(timeout_s, 86400.0) : 0.0;
-             // Wait in short slices with the GIL released, checking for Ctrl-C between them.
-             const auto until = std::chrono::steady_clock::now() +
-                                std::chrono::microseconds(static_cast<std::int64_t>(wait_s * 1e6));
-             while (true) {
-               const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-                   until - std::chrono::steady_clock::now());
-               const std::vector<TransferEvent> events = WithoutGil([&] {
-                 return e.PollEvents(max_events, std::clamp(left, std::chrono::milliseconds(0),
-                                                            std::chrono::milliseconds(100)));
-               });
-               if (!events.empty() || std::chrono::steady_clock::now() >= until) return events;
-               if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-             }
-           },
-           py::arg("max_events"), py::arg("timeout"))
+      .def("poll_events", &PollEventsWaiting, py::arg("max_events"), py::arg("timeout"))
+      .def(
+          "poll_events_into",
+          [](Engine& e, py::list out, std::size_t max_events, double timeout_s) {
+            // Appended here, before the call returns: a Ctrl-C that Python raises as it returns
+            // finds the events in the caller's list, not only in a return value it drops.
+            std::vector<TransferEvent> events = PollEventsWaiting(e, max_events, timeout_s);
+            for (TransferEvent& event : events) out.append(py::cast(std::move(event)));
+            return events.size();
+          },
+          py::arg("out"), py::arg("max_events"), py::arg("timeout"))
       .def("allocate_backing",
            [](Engine& e, std::uint64_t size, const std::string& memory, int device) {
              const MemoryKind kind = ParseMemory(memory);

@@ -143,15 +143,10 @@ void BindLayout(py::module_& m) {
   py::class_<TensorGeometry>(m, "TensorGeometry", "Shape and strides (in elements) of a tensor.")
       .def(py::init([](const py::object& shape, const py::object& strides,
                        const py::object& element_size, const py::object& data_ptr) {
-             const std::int64_t ptr = StrictInt(data_ptr, "TensorGeometry.data_ptr");
-             if (ptr < 0) {
-               throw StatusError(InvalidArgumentError("TensorGeometry.data_ptr must be >= 0, got " +
-                                                      std::to_string(ptr)));
-             }
+             const std::uint64_t ptr = StrictUint64(data_ptr, "TensorGeometry.data_ptr");
              return TensorGeometry{StrictInts(shape, "TensorGeometry.shape"),
                                    StrictInts(strides, "TensorGeometry.strides"),
-                                   StrictInt(element_size, "TensorGeometry.element_size"),
-                                   static_cast<std::uint64_t>(ptr)};
+                                   StrictInt(element_size, "TensorGeometry.element_size"), ptr};
            }),
            py::arg("shape"), py::arg("strides"), py::arg("element_size"), py::arg("data_ptr") = 0)
       .def_readonly("shape", &TensorGeometry::shape)

@@ -91,6 +91,10 @@ class DemoError(MoriioError, RuntimeError):
     """The demo could not run (a worker failed to start, a peer stopped answering)."""
 
 
+# The longest --timeout: what multiprocessing Connection.poll takes (INT_MAX ms, 24.8 days).
+_MAX_DEMO_TIMEOUT_S = 2_000_000.0
+
+
 @dataclass(frozen=True)
 class DemoConfig:
     """What to run. ``num_blocks`` (per side) defaults to 4 x ``blocks_per_request``;
@@ -138,9 +142,11 @@ class DemoConfig:
                 f"demo: seed must be a non-negative integer, got {self.seed!r}"
             )
         # What the engines take as transfer_timeout: checked here, before any worker starts.
-        if not 0.001 <= self.timeout <= 365 * 86400:
+        # ... and what its pipe waits take: Connection.poll refuses past INT_MAX milliseconds.
+        if not 0.001 <= self.timeout <= _MAX_DEMO_TIMEOUT_S:
             raise InvalidArgumentError(
-                f"demo: timeout must be 0.001 s to a year (365 days), got {self.timeout!r}"
+                f"demo: timeout must be 0.001 s to {_MAX_DEMO_TIMEOUT_S:.0f} s (24 days), got "
+                f"{self.timeout!r}"
             )
         if self.inject_fault not in (None, "dst", "outside"):
             raise InvalidArgumentError(f"demo: unknown fault {self.inject_fault!r}")

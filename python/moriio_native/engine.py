@@ -587,7 +587,8 @@ class Engine:
                 del self._undelivered[: len(kept)]
             if kept:
                 more = int(max_events) - len(kept)
-                return kept + (self._engine.poll_events(more, 0.0) if more else [])
+                self._engine.poll_events_into(kept, more, 0.0)
+                return kept
         return self._engine.poll_events(int(max_events), wait_s)
 
     def poll_drained(self, max_transfers: int = 1024) -> list[DrainedTransfer]:
@@ -621,19 +622,39 @@ class Engine:
             )
         seen: dict[str, TransferEvent] = {}
         wanted = set(transfer_ids)
+        # Each event taken is in ``taken`` (the native poll appends it there before returning)
+        # until it is in ``seen``: a Ctrl-C wherever it comes finds it in one of them.
+        taken: list[TransferEvent] = []
         try:
+            taken.extend(self._take_undelivered())
             while True:
                 left = deadline - time.monotonic()
-                for event in self.poll_events(timeout=min(max(left, 0.0), 0.1)):
+                self._engine.poll_events_into(taken, 1024, min(max(left, 0.0), 0.1))
+                for event in taken:
                     seen[event.transfer_id] = event
+                taken.clear()
                 if wanted.issubset(seen) or left <= 0:
                     return seen
         except BaseException:
             # Interrupted (Ctrl-C): the events taken are each delivered once -- by the next
             # poll_events, not dropped with this call.
-            with self._undelivered_lock:
-                self._undelivered[:0] = list(seen.values())
+            for event in taken:
+                seen[event.transfer_id] = event
+            self._give_back(list(seen.values()))
             raise
+
+    def _take_undelivered(self) -> list[TransferEvent]:
+        """The events an interrupted ``wait`` took, oldest first, now the caller's."""
+        with self._undelivered_lock:
+            taken, self._undelivered = self._undelivered, []
+        return taken
+
+    def _give_back(self, events: list[TransferEvent]) -> None:
+        """Keeps ``events`` (taken by an interrupted ``wait``) for the next poll, before any
+        kept already; one object kept twice (an interrupt between taking and keeping) once."""
+        with self._undelivered_lock:
+            kept = {id(event) for event in self._undelivered}
+            self._undelivered[:0] = [event for event in events if id(event) not in kept]
 
 
 __all__ = [

@@ -436,3 +436,14 @@ def test_bind_host_of_every_ipv6_interface_serves_ipv4_and_ipv6_peers(accept_onl
     finally:
         listener.close()
     assert reached == {"127.0.0.1": True, "::1": True}, reached
+
+
+def test_demo_timeout_the_check_accepts_is_one_the_demo_can_wait() -> None:
+    """The first fix checked --timeout up front as "0.001 s to a year", but the demo waits on
+    its pipe with Connection.poll(timeout), which raises OverflowError past INT_MAX milliseconds
+    (24.8 days): ``demo --timeout 3000000`` passed the check, started the prefill worker, then
+    died in _Router.recv with a traceback instead of being refused naming the option."""
+    from moriio_native import cli
+
+    rc = cli.main(["demo", "--timeout", "3000000", "--backend", "loopback"])
+    assert rc == 3

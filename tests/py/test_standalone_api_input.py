@@ -4,6 +4,8 @@ seen failing before its fix. Loopback only, no GPU, no network."""
 
 from __future__ import annotations
 
+import signal
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,46 @@ from moriio_native import verify
 from moriio_native.layout import block_template, describe_layer
 
 SPEC = mn.CacheSpec(block_size=4, num_kv_heads=2, head_size=8, dtype_bytes=2)
+
+
+def _pair() -> tuple[mn.Engine, mn.Engine]:
+    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
+    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
+    ep = mn.Engine("p", "loopback")
+    ed = mn.Engine("d", "loopback")
+    ep.register_kv_caches(prefill.registrations())
+    ed.register_kv_caches(decode.registrations())
+    ep.add_peer(ed.local_metadata())
+    ep._test_keep = (prefill, decode, ed)  # type: ignore[attr-defined]
+    return ep, ed
+
+
+class _CtrlC:
+    """The native engine as wait() sees it when Ctrl-C comes: SIGINT delivered as native poll
+    call number ``on_call`` returns (the handler only sets a flag, as in real life, and Python
+    raises KeyboardInterrupt at its next check), or, with ``on_call`` None, as the first call
+    that took events returns (the native poll checks for signals only while it took none, so
+    Ctrl-C and an event in one 100 ms slice come back together)."""
+
+    def __init__(self, native: object, on_call: int | None = None) -> None:
+        self._native = native
+        self._on_call = on_call
+        self._calls = 0
+        self.fired = False
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._native, name)
+
+    def poll_events_into(self, out: list, max_events: int, timeout: float) -> int:
+        self._calls += 1
+        if self._calls == self._on_call:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        taken = self._native.poll_events_into(out, max_events, timeout)
+        if self._on_call is None and taken and not self.fired:
+            self.fired = True
+            signal.raise_signal(signal.SIGINT)
+        return taken
 
 
 # --- 1. A tensor on a GPU registered as host memory -------------------------------------------
@@ -170,33 +212,15 @@ def test_block_offsets_that_overflow_int64_are_refused_not_wrapped() -> None:
 
 def test_events_wait_took_are_not_lost_when_it_is_interrupted() -> None:
     """wait() takes every event that arrives (each is delivered once) and keeps those of other
-    transfers in a local dict it returns at the end. Interrupted (Ctrl-C: poll_events raises
-    KeyboardInterrupt between its slices), the dict is dropped: those transfers' only terminal
-    event is delivered to nobody, and a caller polling for them waits for ever."""
-    import _thread
-
-    prefill = kc.build_caches(kc.mixed_model("prefill"), num_blocks=4)
-    decode = kc.build_caches(kc.mixed_model("decode"), num_blocks=4)
-    ep = mn.Engine("p", "loopback")
-    ed = mn.Engine("d", "loopback")
-    ep.register_kv_caches(prefill.registrations())
-    ed.register_kv_caches(decode.registrations())
-    ep.add_peer(ed.local_metadata())
+    transfers in a local dict it returns at the end. Interrupted (Ctrl-C while it waits for the
+    next slice), the dict was dropped: those transfers' only terminal event was delivered to
+    nobody, and a caller polling for them waited for ever."""
+    ep, _ = _pair()
     assert ep.seal("other", "d", expected_writes=0) is True  # done at once: its event is queued
-
-    real_poll = ep.poll_events
-    calls = []
-
-    def poll_then_ctrl_c(*args, **kwargs):  # type: ignore[no-untyped-def]
-        calls.append(1)
-        if len(calls) == 2:  # Ctrl-C while wait() waits for "mine"
-            _thread.interrupt_main()
-        return real_poll(*args, **kwargs)
-
-    ep.poll_events = poll_then_ctrl_c  # type: ignore[method-assign]
+    ep._engine = _CtrlC(ep._engine, on_call=2)  # type: ignore[assignment]
     with pytest.raises(KeyboardInterrupt):
         ep.wait(["mine"], timeout=5)
-    del ep.poll_events
+    assert ep._engine.fired
     events = {e.transfer_id: e for e in ep.poll_events(timeout=0.5)}
     assert "other" in events, "the terminal event of 'other' was taken by wait() and lost"
 
@@ -272,3 +296,63 @@ def test_public_native_constructors_refuse_bools_as_cache_spec_does() -> None:
         mn.BlockTemplate(a, a, (True, 1, 0, None), (0, 1, 0, None))
     with pytest.raises((mn.InvalidArgumentError, TypeError)):
         mn.TensorGeometry([2, 10, 4, 2, 8], [640, 64, 16, 8, 1], True, 1)
+
+
+# --- reviews of the fixes above ------------------------------------------------------------
+
+
+def test_events_the_native_poll_returned_as_ctrl_c_came_are_not_lost() -> None:
+    """The first fix kept the events wait() stored in ``seen`` when it is interrupted, but not
+    the ones the native poll returned in the very call the interrupt lands after: that list was
+    dropped by the KeyboardInterrupt before wait() iterated it (a review of the fix). The native
+    poll now appends them to wait()'s own list before it returns."""
+    ep, _ = _pair()
+    assert ep.seal("other", "d", expected_writes=0) is True  # done at once: its event is queued
+    ep._engine = _CtrlC(ep._engine)  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        ep.wait(["mine"], timeout=5)
+    assert ep._engine.fired
+    events = {e.transfer_id: e for e in ep.poll_events(timeout=0.5)}
+    assert "other" in events, "the terminal event of 'other' was taken by wait() and lost"
+
+
+def test_a_bad_window_is_not_taken_for_a_repeat_of_a_whole_block_write() -> None:
+    """WriteDigest added a window's ``heads``/``tokens`` as ``value_or(-1)``: None (the whole
+    block) and -1 digested alike (a review of the fix). A write of a scheduled layer with the
+    invalid window heads=-1, tokens=-1 was then answered as a repeat -- False, no error --
+    before the window was checked."""
+    ep, _ = _pair()
+    assert ep.write_layer("t", "dense.0", "d", segments=[mn.BlockSegment([0], [0])]) is True
+    bad = mn.BlockSegment([0], [0], local_window=mn.CellWindow(heads=-1, tokens=-1))
+    with pytest.raises(mn.InvalidArgumentError):
+        ep.write_layer("t", "dense.0", "d", segments=[bad])
+
+
+@pytest.mark.parametrize(
+    "element_size",
+    [np.array(2.0), np.array([2]), np.zeros((1, 1), np.int64)],
+    ids=["0-d float array", "1-element array", "2-d array"],
+)
+def test_strict_int_refuses_arrays_by_name_not_with_numpy_type_error(element_size) -> None:
+    """StrictInt promises InvalidArgument naming the argument for anything that is no integer,
+    but every numpy array passed its PyIndex_Check (ndarray has __index__) and
+    PyNumber_Index's own TypeError ("only integer scalar arrays can be converted to a scalar
+    index") escapes, naming nothing; the same in shapes, strides and windows."""
+    with pytest.raises(mn.InvalidArgumentError, match=r"TensorGeometry\.element_size"):
+        mn.TensorGeometry([2, 10, 4, 2, 8], [640, 64, 16, 8, 1], element_size, 0)
+
+
+def test_tensor_geometry_data_ptr_keeps_its_uint64_range() -> None:
+    """data_ptr was a uint64 (pybind11's caster); StrictInt reads it as int64, so an address
+    with bit 63 set (a tagged pointer) is refused as not fitting 64 bits -- which it does."""
+    g = mn.TensorGeometry([2, 10, 4, 2, 8], [640, 64, 16, 8, 1], 2, 2**63 + 4096)
+    assert g.data_ptr == 2**63 + 4096
+
+
+def test_block_ids_holding_an_array_are_refused_by_name() -> None:
+    """The same numpy TypeError escaped from block ids given as a list holding an array."""
+    ep, _ = _pair()
+    with pytest.raises(
+        mn.InvalidArgumentError, match=r"must be integers, got .*ndarray.* at position 1"
+    ):
+        ep.write_layer("t", "dense.0", "d", [0, np.array([1, 2])], [0, 1])
