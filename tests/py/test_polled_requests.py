@@ -6,6 +6,7 @@ idle connections, a secret on one side only, and the requester's own end."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import threading
 import time
@@ -18,9 +19,13 @@ import pytest
 import zmq
 
 from moriio_native.control.channel import (
+    _CONNECTION_EVENTS,
     SECRET_MISMATCH,
     HandshakeServer,
     PolledRequests,
+    _dial_asker,
+    _named_by_handshake,
+    _send_request,
     ask_checksums,
 )
 from moriio_native.control.messages import (
@@ -558,16 +563,15 @@ _NULL_GREETING = b"\xff" + b"\0" * 8 + b"\x7f\x03\x00" + b"NULL".ljust(20, b"\0"
 _UNEXPECTED_COMMAND = b"\x04\x06\x05HELLO"
 
 
-def test_a_connection_zmq_gave_up_on_ends_its_requests_at_once_naming_why() -> None:
-    """A peer whose handshake fails on the protocol (not a secret on one side): ZMQ will never
-    send nor answer on that connection, so its request ends at once, named so. Before (a
-    review found it), it waited its whole deadline and then blamed a peer that closed the
-    connection."""
+@contextlib.contextmanager
+def protocol_breaker() -> Iterator[int]:
+    """A TCP listener on 127.0.0.1 that answers every connection with a ZMQ greeting and then a
+    command ZMQ's handshake refuses (a protocol error); yields its port."""
     listening = socket.socket()
     listening.bind((LOCAL, 0))
     listening.listen(8)
 
-    def protocol_breaker() -> None:
+    def serve() -> None:
         while True:
             try:
                 conn, _ = listening.accept()
@@ -575,16 +579,50 @@ def test_a_connection_zmq_gave_up_on_ends_its_requests_at_once_naming_why() -> N
                 return
             conn.sendall(_NULL_GREETING + _UNEXPECTED_COMMAND)
 
-    threading.Thread(target=protocol_breaker, daemon=True).start()
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield listening.getsockname()[1]
+    finally:
+        listening.close()
+
+
+def test_a_connection_zmq_gave_up_on_ends_its_requests_at_once_naming_why() -> None:
+    """A peer whose handshake fails on the protocol (not a secret on one side): ZMQ will never
+    send nor answer on that connection, so its request ends at once, named so. Before (a
+    review found it), it waited its whole deadline and then blamed a peer that closed the
+    connection."""
     requests = PolledRequests(security(), "test-polled")
     outcomes = Outcomes()
     try:
-        start = time.monotonic()
-        _ask(requests, listening.getsockname()[1], "t", outcomes, timeout=30.0)
-        outcomes.wait("t")
-        assert time.monotonic() - start < WAIT
-        got = outcomes.got["t"]
-        assert isinstance(got, TransportError) and "failed with a protocol error" in str(got)
+        with protocol_breaker() as port:
+            start = time.monotonic()
+            _ask(requests, port, "t", outcomes, timeout=30.0)
+            outcomes.wait("t")
+            assert time.monotonic() - start < WAIT
+            got = outcomes.got["t"]
+            assert isinstance(got, TransportError) and "failed with a protocol error" in str(got)
     finally:
         requests.close()
-        listening.close()
+
+
+def test_a_send_after_the_handshake_failed_is_named_by_the_failure() -> None:
+    """The same failure reached before the request is sent (a loaded host: the connection
+    failed between its dial and the send): ZMQ then refuses the send (no connection left), and
+    the request ended "cannot send: Resource temporarily unavailable", naming nothing (seen
+    once in a clean-clone CI). The refusal is now named by the connection's failure."""
+    with protocol_breaker() as port:
+        dialed = _dial_asker(None, LOCAL, port, security(), 1 << 20, "t", _CONNECTION_EVENTS)
+        try:
+            deadline = time.monotonic() + WAIT
+            while dialed.sock.poll(0, zmq.POLLOUT) == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # connecting: the send would be queued
+            while dialed.sock.poll(0, zmq.POLLOUT) != 0 and time.monotonic() < deadline:
+                time.sleep(0.01)  # connected, its handshake not failed yet
+            request = ChecksumRequest(requester_engine_id="d", transfer_id="t", block_ids=(1,))
+            with pytest.raises(TransportError) as refused:
+                _send_request(dialed.sock, request, "t", security())
+            named = _named_by_handshake(refused.value, dialed.watch, "t")
+            assert isinstance(named, TransportError)
+            assert "failed with a protocol error" in str(named), named
+        finally:
+            dialed.close(0)

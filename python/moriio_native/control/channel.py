@@ -1633,6 +1633,23 @@ def _send_request(
         raise TransportError(f"{what}: cannot send: {exc}") from exc
 
 
+# How long a send ZMQ refused waits for its connection's handshake failure to be reported: ZMQ's
+# I/O thread reports it before it drops the connection the send then finds gone.
+_HANDSHAKE_REPORT_MS = 50
+
+
+def _named_by_handshake(exc: MoriioError, watch: _HandshakeWatch, what: str) -> MoriioError:
+    """A send ZMQ refused (no connection left: its handshake failed), named by that failure
+    when the connection's monitor reports one; else ``exc`` as it is."""
+    watch.monitor.poll(_HANDSHAKE_REPORT_MS)
+    watch.read()
+    if not watch.reason:
+        return exc
+    if watch.mismatch:
+        return AuthenticationError(f"{what}: {watch.reason}")
+    return TransportError(f"{what}: {watch.reason}")
+
+
 def _no_reply(what: str, timeout: float, watch: _HandshakeWatch) -> TransferTimeoutError:
     """The error of a request not answered within ``timeout``, with what ``watch`` saw."""
     failed = (
@@ -1940,9 +1957,9 @@ class PolledRequests:
                 conn = self._dial(key, waiting.what)
             try:
                 _send_request(conn.sock, waiting.request, waiting.what, self._security)
-            except MoriioError:
+            except MoriioError as exc:
                 self._retire(conn)  # ZMQ gave it up, or it is full: the next one dials anew
-                raise
+                raise _named_by_handshake(exc, conn.watch, waiting.what) from exc
         except MoriioError as exc:
             finished.append((waiting, exc))
             return
