@@ -5,6 +5,7 @@ seen failing before its fix. Loopback only, no GPU, no network."""
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -28,6 +29,17 @@ def _pair() -> tuple[mn.Engine, mn.Engine]:
     ep.add_peer(ed.local_metadata())
     ep._test_keep = (prefill, decode, ed)  # type: ignore[attr-defined]
     return ep, ed
+
+
+@pytest.fixture()
+def ctrl_c_raises() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test: a pytest-xdist worker
+    ignores SIGINT."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class _CtrlC:
@@ -210,7 +222,7 @@ def test_block_offsets_that_overflow_int64_are_refused_not_wrapped() -> None:
 # --- 6. wait() interrupted drops the events it had taken ---------------------------------------
 
 
-def test_events_wait_took_are_not_lost_when_it_is_interrupted() -> None:
+def test_events_wait_took_are_not_lost_when_it_is_interrupted(ctrl_c_raises: None) -> None:
     """wait() takes every event that arrives (each is delivered once) and keeps those of other
     transfers in a local dict it returns at the end. Interrupted (Ctrl-C while it waits for the
     next slice), the dict was dropped: those transfers' only terminal event was delivered to
@@ -301,7 +313,7 @@ def test_public_native_constructors_refuse_bools_as_cache_spec_does() -> None:
 # --- reviews of the fixes above ------------------------------------------------------------
 
 
-def test_events_the_native_poll_returned_as_ctrl_c_came_are_not_lost() -> None:
+def test_events_the_native_poll_returned_as_ctrl_c_came_are_not_lost(ctrl_c_raises: None) -> None:
     """The first fix kept the events wait() stored in ``seen`` when it is interrupted, but not
     the ones the native poll returned in the very call the interrupt lands after: that list was
     dropped by the KeyboardInterrupt before wait() iterated it (a review of the fix). The native
