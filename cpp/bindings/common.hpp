@@ -67,26 +67,31 @@ inline StatusError IdOutOfRange(const char* what, const std::string& id, std::si
                                      " is out of range (block ids are below 2^63)"));
 }
 
-/// An integer argument: any integer type (numpy's too, through __index__), never a bool, which
-/// pybind11's integer casters take as 0 or 1 (bool is an int to Python), nor one past int64;
-/// InvalidArgument naming `what` otherwise. Call with the GIL held.
+/// `value` as a Python int, through __index__ (any integer type, numpy's too); None for a bool,
+/// which pybind11's integer casters take as 0 or 1 (bool is an int to Python), and for anything
+/// else that is not an integer (a numpy array's __index__ refuses all but integer scalars with
+/// a TypeError). Errors other than that TypeError propagate. Call with the GIL held.
+inline std::optional<pybind11::object> IntegerIndex(const pybind11::handle& value) {
+  namespace py = pybind11;
+  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) return std::nullopt;
+  auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
+  if (index) return index;
+  if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
+  PyErr_Clear();
+  return std::nullopt;
+}
+
+/// An integer argument (IntegerIndex) that fits int64; InvalidArgument naming `what` otherwise.
 inline std::int64_t StrictInt(const pybind11::handle& value, const std::string& what) {
   namespace py = pybind11;
   auto refuse = [&](const char* expected) {
     return StatusError(InvalidArgumentError(what + " must be " + expected + ", got " +
                                             py::repr(value).cast<std::string>()));
   };
-  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) throw refuse("an integer");
-  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
-  if (!index) {
-    // Every numpy array has __index__, which refuses all but integer scalars (TypeError):
-    // refused here by name, as any other non-integer.
-    if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
-    PyErr_Clear();
-    throw refuse("an integer");
-  }
+  const std::optional<py::object> index = IntegerIndex(value);
+  if (!index) throw refuse("an integer");
   int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  const long long v = PyLong_AsLongLongAndOverflow(index->ptr(), &overflow);
   if (overflow != 0) throw refuse("an integer that fits 64 bits");
   return v;
 }
@@ -94,13 +99,13 @@ inline std::int64_t StrictInt(const pybind11::handle& value, const std::string& 
 /// An unsigned 64-bit argument (an address): StrictInt's rules over [0, 2^64).
 inline std::uint64_t StrictUint64(const pybind11::handle& value, const std::string& what) {
   namespace py = pybind11;
-  if (PyBool_Check(value.ptr()) || !PyIndex_Check(value.ptr())) {
+  const std::optional<py::object> index = IntegerIndex(value);
+  if (!index) {
     throw StatusError(InvalidArgumentError(what + " must be an integer, got " +
                                            py::repr(value).cast<std::string>()));
   }
-  const auto index = py::reinterpret_steal<py::object>(PyNumber_Index(value.ptr()));
-  const unsigned long long v = index ? PyLong_AsUnsignedLongLong(index.ptr()) : 0;
-  if (!index || (v == static_cast<unsigned long long>(-1) && PyErr_Occurred())) {
+  const unsigned long long v = PyLong_AsUnsignedLongLong(index->ptr());
+  if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
     PyErr_Clear();
     throw StatusError(InvalidArgumentError(what + " must be an integer in [0, 2^64), got " +
                                            py::repr(value).cast<std::string>()));
@@ -163,24 +168,16 @@ inline std::vector<std::int64_t> BlockIds(const pybind11::handle& ids, const cha
     out.reserve(static_cast<std::size_t>(PySequence_Fast_GET_SIZE(ids.ptr())));
     for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(ids.ptr()); ++i) {
       const auto item = py::reinterpret_borrow<py::object>(PySequence_Fast_GET_ITEM(ids.ptr(), i));
-      if (PyBool_Check(item.ptr()) || !PyIndex_Check(item.ptr())) {
+      const std::optional<py::object> index = IntegerIndex(item);
+      if (!index) {
         throw StatusError(InvalidArgumentError(
             std::string(what) + " must be integers, got " + Py_TYPE(item.ptr())->tp_name +
             " at position " + std::to_string(i)));
       }
-      py::object index = py::reinterpret_steal<py::object>(PyNumber_Index(item.ptr()));
-      if (!index) {
-        // A numpy array's __index__ refuses all but integer scalars (TypeError): by name.
-        if (!PyErr_ExceptionMatches(PyExc_TypeError)) throw py::error_already_set();
-        PyErr_Clear();
-        throw StatusError(InvalidArgumentError(std::string(what) + " must be integers, got " +
-                                               Py_TYPE(item.ptr())->tp_name + " at position " +
-                                               std::to_string(i)));
-      }
       int overflow = 0;
-      const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+      const long long v = PyLong_AsLongLongAndOverflow(index->ptr(), &overflow);
       if (overflow != 0) {
-        throw IdOutOfRange(what, py::str(index).cast<std::string>(), static_cast<std::size_t>(i));
+        throw IdOutOfRange(what, py::str(*index).cast<std::string>(), static_cast<std::size_t>(i));
       }
       if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
       out.push_back(v);
