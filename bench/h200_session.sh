@@ -92,6 +92,10 @@
 #                                         # llama3-8b 256 blocks: default, progress_mode=busy and
 #                                         # UCX_CUDA_IPC_MAX_POLL=1024, two rounds
 #   bash bench/h200_session.sh gpu-tests      # one call: build with UCX, every GPU test
+#   bash bench/h200_session.sh batch-check    # one call: this tree against base
+#                                         # (.variants/base-src.tar, the tree before each CUDA
+#                                         # copy batch checked the peer's region), both with UCX;
+#                                         # gpu_bench llama3-8b and 4 KiB runs, alternating
 #   bash bench/h200_session.sh checksum-variants  # after checks: the checksum kernel, the one
 #                                         # before it (.variants/prev_checksum.cu) and -D
 #                                         # variants (8-byte loads, no cell table, 4 passes,
@@ -761,6 +765,21 @@ stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
   done 2>&1 | tee "$out/e2e.log"
   cp "$variants/g32.so" "$build/lib/libmoriio_native_cudacopy.so"
   echo "elapsed ${SECONDS} s"
+  ;;
+batch-check)  # issue 14: what checking the peer's region before each CUDA copy batch costs
+  base_build=/tmp/moriio-base-build
+  build_tree_and_base .variants/base-src.tar $base_build
+  n=0
+  for p in "--preset llama3-8b --requests 5" \
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+    n=$((n + 1))
+    for v in tree base tree base; do
+      [ "$SECONDS" -gt 470 ] && break 2
+      echo "== $v: $p"
+      bench_variant "$v" $base_build 90 $p --pre none --pre prime --json "$out/e2e_${v}_$n.json"
+      echo "elapsed ${SECONDS} s"
+    done
+  done 2>&1 | tee "$out/e2e.log"
   ;;
 hostcut)  # issue 18: the block ids' check and sort cut: this tree against base, in one call
   base_build=/tmp/moriio-base-build

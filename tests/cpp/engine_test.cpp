@@ -1306,6 +1306,40 @@ TEST_F(EnginePair, ARepeatOfScheduledWritesDoesNothingAndAnotherWriteOfTheLayerI
   EXPECT_EQ(ev.state, TransferState::kDone) << ev.message;
 }
 
+// The ids' digest runs in four lanes: lists that differ in one id past the first lane, or in
+// their split between local and remote, are other writes; whole blocks and one whole-block
+// segment of them are the same write.
+TEST_F(EnginePair, AWriteIsTheSameOnlyWhenEveryIdIs) {
+  Build({{"loopback_delay_ms", "300"}}, {});  // the first write is still in flight
+  const std::vector<std::int64_t> local = {0, 1, 2, 3, 4}, remote = {4, 3, 2, 1, 0};
+  Result<bool> first = p_.engine->WriteLayer("ids", "attn.0", "D", local, remote);
+  ASSERT_TRUE(first.ok() && *first) << first.status().ToString();
+  const std::vector<BlockSegment> one_segment = {{{}, local, remote, {}, {}}};
+  Result<bool> same = p_.engine->WriteLayer("ids", "attn.0", "D", one_segment);
+  ASSERT_TRUE(same.ok()) << same.status().ToString();
+  EXPECT_FALSE(*same) << "one whole-block segment of the same ids is a repeat";
+  const std::vector<std::int64_t> last_differs = {4, 3, 2, 1, 5};
+  const std::vector<std::int64_t> local_part = {0, 1, 2, 3}, remote_more = {4, 4, 3, 2, 1, 0};
+  const std::vector<std::pair<const char*, std::function<Result<bool>()>>> others = {
+      {"the fifth remote id differs",
+       [&] { return p_.engine->WriteLayer("ids", "attn.0", "D", local, last_differs); }},
+      {"the same ids split otherwise between local and remote",
+       [&] { return p_.engine->WriteLayer("ids", "attn.0", "D", local_part, remote_more); }},
+  };
+  for (const auto& [what, call] : others) {
+    SCOPED_TRACE(what);
+    Result<bool> other = call();
+    ASSERT_FALSE(other.ok());
+    EXPECT_NE(other.status().message().find("scheduled before with other blocks"),
+              std::string::npos)
+        << other.status().ToString();
+  }
+  ASSERT_TRUE(p_.engine->Seal("ids", "D", 1).ok());
+  Events events(p_.engine.get());
+  const TransferEvent ev = events.Wait("ids");
+  EXPECT_EQ(ev.state, TransferState::kDone) << ev.message;
+}
+
 TEST_F(EnginePair, BadBlockIdsFailTheCallAndCreateNoTransfer) {
   const auto p_before = p_.buffer->Snapshot();
   const auto d_before = d_.buffer->Snapshot();
