@@ -28,6 +28,7 @@ import numpy as np
 from moriio_native import _native
 from moriio_native._native import CacheSpec, DrainedTransfer, TransferEvent
 from moriio_native.errors import InvalidArgumentError
+from moriio_native.integers import is_integer
 from moriio_native.layout import (
     WHOLE_BLOCK,
     BlockIds,
@@ -280,20 +281,12 @@ def _seconds(value: object, what: str) -> float:
 def _check_count(value: object, what: str, limit: int = 2**64) -> None:
     """A count: a non-negative integer below ``limit`` (the native field's range; never a bool
     or a float, which int() would truncate)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or not 0 <= value < limit
-    ):
+    if not is_integer(value) or not 0 <= value < limit:
         raise InvalidArgumentError(f"{what} must be an integer in [0, {limit}), got {value!r:.80}")
 
 
 def _check_cuda_event(value: object) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or not (0 <= value < 2**64)
-    ):
+    if not is_integer(value) or not 0 <= value < 2**64:
         raise InvalidArgumentError(
             f"cuda_event must be 0 or an event handle (an integer in [0, 2**64)), got {value!r}"
         )
@@ -563,7 +556,7 @@ class Engine:
         count; more layers than ``expected_writes`` fail the transfer. False when the engine
         remembers the transfer as ended (a late seal, or a reused id): ignored, and no event
         follows from it."""
-        if isinstance(expected_writes, bool) or not isinstance(expected_writes, (int, np.integer)):
+        if not is_integer(expected_writes):
             raise InvalidArgumentError(
                 f"transfer {transfer_id!r}: expected_writes must be an integer, got "
                 f"{expected_writes!r}"

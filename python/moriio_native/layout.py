@@ -24,6 +24,7 @@ from moriio_native._native import (
     TensorGeometry,
 )
 from moriio_native.errors import InvalidArgumentError
+from moriio_native.integers import is_integer
 
 KvPlaneAxis = Literal["auto", "separated", "interleaved"]
 # CacheSpec.axis_order: the order in which the tensor's SHAPE lists a block's tokens (N) and the
@@ -58,7 +59,7 @@ class CellWindow:
         def whole(name: str) -> int:
             # A float or a bool is refused, never truncated: 1.5 heads in would move heads 1..
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            if not is_integer(value):
                 raise InvalidArgumentError(
                     f"{self!r}: {name} must be an integer, got {type(value).__name__} {value!r}"
                 )

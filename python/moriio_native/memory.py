@@ -8,6 +8,7 @@ import numpy as np
 
 from moriio_native._native import RegistrationPlan, plan_registration
 from moriio_native.errors import InvalidArgumentError
+from moriio_native.integers import is_integer
 
 DEFAULT_PAGE_SIZE = 4096
 
@@ -15,7 +16,7 @@ DEFAULT_PAGE_SIZE = 4096
 def _padded_size(nbytes: int, page_size: int, what: str) -> int:
     """``nbytes`` rounded up to whole pages, after checking both arguments."""
     for name, value in (("nbytes", nbytes), ("page_size", page_size)):
-        if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        if not is_integer(value):
             raise InvalidArgumentError(
                 f"{what}: {name} must be an integer, got {type(value).__name__} {value!r}"
             )

@@ -33,6 +33,7 @@ import numpy as np
 
 from moriio_native import _native
 from moriio_native.errors import FailedPreconditionError, InvalidArgumentError
+from moriio_native.integers import is_integer
 from moriio_native.layout import LayerLayout, describe_layer, geometry_of
 
 _MASK64 = (1 << 64) - 1
@@ -65,7 +66,7 @@ class CellWindow:
             value = getattr(self, name)
             if value is None and name in ("heads", "tokens"):
                 continue
-            if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+            if not is_integer(value):
                 raise InvalidArgumentError(
                     f"layer '{layout.name}': checksum window {name} must be an integer, got "
                     f"{type(value).__name__} {value!r}"
@@ -148,7 +149,7 @@ def _integer_ids(block_ids: Sequence[int]) -> list[int]:
     checksum_host refuses them)."""
     ids = []
     for position, block in enumerate(block_ids):
-        if isinstance(block, (bool, np.bool_)) or not isinstance(block, (int, np.integer)):
+        if not is_integer(block):
             raise InvalidArgumentError(
                 f"block_ids must be integers, got {type(block).__name__} {block!r} at position "
                 f"{position}"
