@@ -410,10 +410,16 @@ class _EarlyReleases(_OldestFirst[_EarlyRelease]):
     def _bounds() -> tuple[int, int]:
         return MAX_EARLY_MESSAGES, MAX_EARLY_RELEASE_BYTES
 
-    def record(self, release: Release) -> bool:
+    @staticmethod
+    def _key(tid: str, size: int | None) -> str:
+        """READ (``size`` None): one record per transfer, the first release's TP size; WRITE:
+        one per transfer and TP size (the request's size picks one at its send task)."""
+        return tid if size is None else f"{tid}\x00{size}"
+
+    def record(self, release: Release, *, per_size: bool = False) -> bool:
         """Keeps ``release``'s rank for its transfer; False (nothing kept) when an earlier
-        release of the transfer named another decode TP size."""
-        tid = release.transfer_id
+        release of the transfer named another decode TP size (READ: ``per_size`` off)."""
+        tid = self._key(release.transfer_id, release.consumer_tp_size if per_size else None)
         record = self._records.get(tid)
         if record is None:
             size = release.consumer_tp_size
@@ -426,10 +432,10 @@ class _EarlyReleases(_OldestFirst[_EarlyRelease]):
         self._put(tid, record)
         return True
 
-    def pop(self, tid: str) -> list[Release]:
-        """The releases of ``tid`` kept so far (one per rank, the first's TP size), forgotten
-        here."""
-        record = self._take(tid)
+    def pop(self, tid: str, size: int | None = None) -> list[Release]:
+        """The releases of ``tid`` kept so far (one per rank, the first's TP size; ``size``:
+        those of that decode TP size, kept per size), forgotten here."""
+        record = self._take(self._key(tid, size))
         if record is None:
             return []
         _, size, ranks = record
@@ -621,14 +627,19 @@ class _HeldBack:
 # An orphan job: one a decode rank's remote_blocks or abort_write made for a request whose save
 # (or send) task has not come, kept until that task continues it as a _Job: (first seen,
 # monotonic seconds; the request's transfer id; the decode rank; the block ids its announcement
-# holds; the announcement and the abort_write as their wire bytes, None until they came; whether
-# the decode released it; why it failed, "" while it waits for its save task). A PENDING job
+# holds; the announcement and the abort_write as their wire bytes, None until they came; its
+# release: _UNRELEASED, the decode TP size the release named (the request's save task ignores
+# one of another size, as a made job does), _NEEDS_NOTHING for an announcement of no blocks, or
+# _SIZES_DISAGREE when releases named two sizes (one may be the decode's: never written);
+# why it failed, "" while it waits for its save task). A PENDING job
 # without a save task can only fail (the decode released or aborted it, or needs no blocks), so
 # this is all of its state. Numbers, strings and bytes on purpose, as _EarlyRelease: CPython's
 # cyclic garbage collector tracks none of them and stops tracking the tuple the first time it
 # sees it, so a flood that fills the orphans adds nothing to the collector's work (a _Job with
 # its machine, lists, set, dict and message did: 20,579 tracked objects for 4,096 orphans).
-_Orphan = tuple[float, str, int, int, bytes | None, bytes | None, bool, str]
+_Orphan = tuple[float, str, int, int, bytes | None, bytes | None, int, str]
+_RELEASED = "the decode released the transfer"
+_UNRELEASED, _NEEDS_NOTHING, _SIZES_DISAGREE = 0, -1, -2
 # The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole); _SEEN,
 # first seen, is the first field of an _EarlyRelease too.
 _SEEN, _REQUEST, _RANK, _IDS, _REASON = 0, 1, 2, 3, 7
@@ -639,7 +650,7 @@ def _new_orphan(
     *,
     ids: int = 0,
     announced: bytes | None = None,
-    released: bool = False,
+    released: int = _UNRELEASED,
     reason: str = "",
 ) -> _Orphan:
     """The orphan ``message`` makes of a job not known yet (by default waiting and holding
@@ -676,12 +687,18 @@ class _Orphans(_OldestFirst[_Orphan]):
         the oldest are dropped, ``orphan`` too when its announcement alone passes them."""
         self._put(jid, orphan)
 
-    def pop(self, jid: str) -> _Job | None:
-        """``jid``'s orphan as a job, for its save or send task to continue; forgotten here."""
+    def pop(self, jid: str, decode_tp: int | None = None) -> _Job | None:
+        """``jid``'s orphan as a job, for its save or send task to continue; forgotten here.
+        A release of another decode TP size than ``decode_tp`` (the request's) is not its
+        rank's: ignored, as for a made job."""
         orphan = self._take(jid)
         if orphan is None:
             return None
         _, request, rank, _, announced, aborted, released, reason = orphan
+        if released > 0 and decode_tp is not None and released != decode_tp:
+            released = 0
+            if reason == _RELEASED and aborted is None:
+                reason = ""
         state = JobState.FAILED if reason else JobState.PENDING
         return _Job(
             jid,
@@ -690,7 +707,7 @@ class _Orphans(_OldestFirst[_Orphan]):
             rank,
             remote=_load(RemoteBlocks, announced),
             reason=reason,
-            released=released,
+            released=bool(released),
             abort_requested=_load(AbortWrite, aborted),
         )
 
@@ -799,6 +816,14 @@ class Pusher:
 
     def begin_step(self, saves: list[SaveTask], sends: list[SendTask]) -> None:
         now = time.monotonic()
+        if saves and self._ctx.cfg.mode != "write":
+            logger.warning(
+                "ignoring save tasks of transfers %s: this instance runs %s mode (save tasks "
+                "are WRITE mode's)",
+                [save.transfer_id for save in saves[:8]],
+                self._ctx.cfg.mode.upper(),
+            )
+            saves = []
         with self._ctx.lock:
             self._step_jobs = []
             self._step_requests = []
@@ -890,7 +915,7 @@ class Pusher:
     def _add_job(self, request: _Request, tid: str, rank: int) -> _Job:
         """The job of ``request`` (transfer ``tid``) for decode rank ``rank``, made one of its
         jobs (lock held)."""
-        job = self._job(tid, rank)
+        job = self._job(tid, rank, request.plan.decode_tp if request.plan is not None else None)
         job.save, job.plan = request.save, request.plan
         request.add(job)
         return job
@@ -929,13 +954,13 @@ class Pusher:
         for new in jobs:
             self._advance(new)
 
-    def _job(self, tid: str, decode_rank: int) -> _Job:
+    def _job(self, tid: str, decode_rank: int, decode_tp: int | None = None) -> _Job:
         """The job of request ``tid`` for ``decode_rank`` (lock held), the scheduler's task at
         hand: the orphan the decode rank's messages made, continued, or a new one."""
         jid = job_transfer_id(tid, decode_rank, self._ctx.cfg.tp_rank)
         job = self._jobs.get(jid)
         if job is None:
-            job = self._orphans.pop(jid) or _Job(
+            job = self._orphans.pop(jid, decode_tp) or _Job(
                 jid,
                 Machine("WRITE", jid, JOB_TRANSITIONS, JobState.PENDING),
                 request=tid,
@@ -950,7 +975,12 @@ class Pusher:
         tid = send.transfer_id
         deadline = now + ctx.cfg.abort_timeout
         released = _Releases()
-        for early in self._early_releases.pop(tid):
+        size = None
+        if ctx.cfg.mode == "write":  # the request's decode TP size picks its releases
+            known = self._requests.get(tid)
+            plan = known.plan if known is not None else None
+            size = plan.decode_tp if plan is not None else (send.remote_tp_size or ctx.cfg.tp_size)
+        for early in self._early_releases.pop(tid, size):
             self._record_release(released, early)
         if send.preempted:
             if ctx.cfg.mode == "write":
@@ -958,7 +988,9 @@ class Pusher:
             return
         if send.unsaved:
             if ctx.cfg.mode == "write":
-                self._end_unsaved(send)
+                self._end_unsaved(
+                    send, "the request ended at the prefill before its prompt was computed"
+                )
             return
         if ctx.cfg.mode == "read":
             machine = Machine("READ-hold", tid, SEND_TRANSITIONS, SendState.HELD)
@@ -976,8 +1008,10 @@ class Pusher:
             return
         request = self._requests.get(tid)
         if request is None:  # no save task: the request ended before its last prompt chunk
-            request = self._requests[tid] = _Request([])
-            request.add(self._job(tid, ctx.cfg.tp_rank))
+            self._end_unsaved(
+                send, "the request finished before its prompt's blocks were handed over"
+            )
+            return
         request.send, request.deadline = send, deadline
         jobs = request.jobs
         for job in jobs:
@@ -1008,26 +1042,27 @@ class Pusher:
         jid = job_transfer_id(tid, rank, self._rank)
         if jid in self._jobs or self._rank not in plan.sources(rank):
             return False
-        waiting: _Orphan = (time.monotonic(), tid, rank, 0, None, None, False, "")
-        self._orphan_released(jid, self._orphans.get(jid) or waiting)
+        waiting: _Orphan = (time.monotonic(), tid, rank, 0, None, None, _UNRELEASED, "")
+        self._orphan_released(jid, self._orphans.get(jid) or waiting, size)
         return True
 
-    def _end_unsaved(self, send: SendTask) -> None:
-        """A request that ended before its prompt was computed (lock held): its jobs, one per
-        decode rank the plan has us write (announcements that came first included), end
-        failed with nothing written; the ranks that announced are told write_failed now, the
-        others when they announce (their ended records). Nothing is reported: vLLM holds no
-        blocks of it."""
+    def _end_unsaved(self, send: SendTask, reason: str) -> None:
+        """A request none of whose blocks were handed to us (lock held): it ended before its
+        prompt was computed (``send.unsaved``), or finished with no save task. Its jobs, one
+        per decode rank the plan has us write (announcements that came first included), end
+        failed for ``reason`` with nothing written; the ranks that announced are told
+        write_failed now, the others when they announce (their ended records). Blocks vLLM
+        still holds for it (a send task not ``unsaved``) are reported free at once."""
         # What its save task would have said: the decode it names, and no blocks computed.
         save = SaveTask(send.req_id, send.transfer_id, (), 0, send.peer, send.remote_tp_size)
         jobs = self._plan_jobs(save)
         self._unwritten.discard(send.transfer_id)
         request = self._requests.get(send.transfer_id)
-        if request is None:
+        if request is None:  # no decode rank needs this rank's heads
+            if not send.unsaved:
+                self._ctx.reports.done_sending.add(send.req_id)
             return
-        self._fail_request(
-            request, jobs, send, "the request ended at the prefill before its prompt was computed"
-        )
+        self._fail_request(request, jobs, send, reason)
 
     def drop_preempted(self, sends: Sequence[SendTask]) -> None:
         """vLLM's ``handle_preemptions``, called before the step's GPU work may overwrite the
@@ -1154,7 +1189,7 @@ class Pusher:
                 held.acked.first(rank)
                 continue
             announcement = _load(RemoteBlocks, announced)
-            if announcement is not None and not released:
+            if announcement is not None and released >= 0 and released != plan.decode_tp:
                 self._tell_held_back(held, announcement)
 
     def _tell_held_back(self, held: _HeldBack, message: RemoteBlocks) -> None:
@@ -2027,7 +2062,19 @@ class Pusher:
                 self._fail(job, "the decode released the transfer")
                 return
             elif orphan is not None:
-                self._orphan_released(jid, orphan)
+                request = self._requests.get(tid)
+                plan = request.plan if request is not None else None
+                if plan is not None and message.consumer_tp_size != plan.decode_tp:
+                    self._other_size.warn(
+                        "ignoring a release of transfer %s by decode rank %d of TP size %d: "
+                        "the request's decode TP size is %d",
+                        tid,
+                        message.consumer_tp_rank,
+                        message.consumer_tp_size,
+                        plan.decode_tp,
+                    )
+                    return
+                self._orphan_released(jid, orphan, message.consumer_tp_size)
                 return
             elif self._release_unconfirmed(tid, message.consumer_tp_size, message.consumer_tp_rank):
                 return
@@ -2039,7 +2086,7 @@ class Pusher:
                 )
                 return
             else:
-                if not self._early_releases.record(message):
+                if not self._early_releases.record(message, per_size=ctx.cfg.mode == "write"):
                     self._other_size.warn(
                         "ignoring a release of transfer %s by decode rank %d of TP size %d: an "
                         "earlier one named another TP size",
@@ -2153,17 +2200,25 @@ class Pusher:
         if reason:
             self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
         orphan = _new_orphan(
-            message, ids=ids, announced=encode(message), released=not ids, reason=reason
+            message,
+            ids=ids,
+            announced=encode(message),
+            released=_UNRELEASED if ids else _NEEDS_NOTHING,
+            reason=reason,
         )
         self._orphans.keep(jid, orphan)
 
-    def _orphan_released(self, jid: str, orphan: _Orphan) -> None:
+    def _orphan_released(self, jid: str, orphan: _Orphan, size: int) -> None:
         """A release: the orphan fails, with no final message owed."""
-        created, request, rank, ids, announced, aborted, _, reason = orphan
+        created, request, rank, ids, announced, aborted, released, reason = orphan
         if not reason:
-            reason = "the decode released the transfer"
+            reason = _RELEASED
             self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
-        self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, True, reason))
+        if released == _UNRELEASED:
+            released = size
+        elif released > 0 and released != size:
+            released = _SIZES_DISAGREE
+        self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, released, reason))
 
     def _orphan_aborted(self, jid: str, message: AbortWrite) -> None:
         """abort_write: the orphan fails (nothing of it was written), and the abort is
