@@ -1,6 +1,7 @@
-"""Review revA (2026-12-07) of the prefill side (pd/pusher.py): defects each test shows on the
-tip's code (each fails there). Scripted directory, sender and engine as in test_pd_tp_fanout.py
-(no network, no vLLM)."""
+"""The prefill side (pd/pusher.py) against releases and tasks out of the usual order: releases
+naming another decode TP size, a send task without a save task, save tasks in READ mode. Each
+test failed before its fix (review of 2026-12-07). Scripted directory, sender and engine as in
+test_pd_tp_fanout.py (no network, no vLLM)."""
 
 from __future__ import annotations
 
