@@ -190,7 +190,12 @@ class PdCore:
             at_once=self._hold_check_at_once if answers_checksums else None,
             when_ready=self._when_checksums_ready if answers_checksums else None,
         )
-        self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
+        try:
+            self.listener = NotifyListener(notify_port, self._security, bind_host=self._bind_host)
+        except BaseException:
+            self.server.close()  # a refused start leaves nothing bound
+            self.server = None
+            raise
         if (
             self.cfg.tp_size == 1
             and self.cfg.dp_size == 1

@@ -211,6 +211,7 @@ class _ReadPart:
     # The block pairs a whole-block check covers (verify), when the READ moves exactly them.
     verified_pairs: tuple[Sequence[int], Sequence[int]] | None = None
     groups: int = 1  # the KV-cache groups the READ moves (stats)
+    posting: bool = False  # its READ is being posted (past the check of read.failing)
 
 
 @dataclass
@@ -386,7 +387,10 @@ class Puller:
         """Begin ``task``: never waits on the network."""
         cfg = self._ctx.cfg
         if task.aborted:
-            self.give_up(task.transfer_id, "the request was aborted")
+            if cfg.mode == "read":
+                self.abandon_read(task.transfer_id, "the request was aborted")
+            else:
+                self.give_up(task.transfer_id, "the request was aborted")
         elif task.error:
             self._fail_unplanned(task)
         elif task.notify_only:
@@ -494,6 +498,7 @@ class Puller:
             with self._ctx.lock:
                 if read.failing:
                     raise FailedPreconditionError("another source rank of the load failed")
+                part.posting = True
             assert read.plan is not None
             self._post_part(read, part, peer)
         except Exception as exc:  # any failure: recompute locally, free the prefill
@@ -754,6 +759,24 @@ class Puller:
             message,
         )
         self._end_read_part(read, part, ReadEvent.FAILED, message)
+
+    def abandon_read(self, tid: str, why: str) -> None:
+        """The request of READ ``tid`` ended: parts whose READ is not being posted end now
+        (nothing of them can land), posted parts are aborted in the engine (their events end
+        them; one being posted is aborted by _post_read, which sees read.failing)."""
+        with self._ctx.lock:
+            read = self._reads.get(tid)
+            if read is None or read.ended:
+                return
+            read.failing = True
+            idle = [
+                p for p in read.parts if p.machine.state is ReadState.CONNECTING and not p.posting
+            ]
+            posted = [p for p in read.parts if p.machine.state is ReadState.READING]
+        for part in posted:
+            self._abort_part(part)
+        for part in idle:
+            self._end_read_part(read, part, ReadEvent.FAILED, f"not started: {why}")
 
     def _stop_other_parts(self, read: _Read) -> None:
         """A part failed: the load fails, so the other parts posted are aborted (their events

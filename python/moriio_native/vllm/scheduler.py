@@ -640,7 +640,7 @@ class SchedulerSide:
                 peer = self._prefill_peer(request, params)
                 if peer is not None:
                     self._release_if_answered(request, params, peer)
-            elif self.config.mode == "write" and request.status in _ABORTED:
+            elif request.status in _ABORTED:
                 # Aborted while the prefill may be writing its blocks (vLLM keeps them until the
                 # workers report the load): the workers give up on the WRITE now.
                 peer = self._prefill_peer(request, params)

@@ -183,6 +183,13 @@ class WorkerSide:
         if self._engine is not None:
             raise FailedPreconditionError("register_kv_caches was called twice")
         names = [n for n in kv_caches if n in self._specs]
+        absent = [n for n in self._specs if n not in kv_caches]
+        if absent:
+            raise InvalidArgumentError(
+                f"register_kv_caches: no cache for layer(s) {', '.join(absent[:4])} of the "
+                "KV-transfer groups (vLLM's KV-cache config names them); a transfer would "
+                "end done without moving them"
+            )
         skipped = [n for n in kv_caches if n not in self._specs]
         if skipped:
             logger.info(
@@ -225,10 +232,15 @@ class WorkerSide:
         self._layers = names
         self._gpu = any(r.memory != "host" for r in regs)
         ports = self.cfg.ports
-        self._core.start(
-            ports.handshake_port(self.dp_rank, self.tp_rank),
-            ports.notify_port(self.dp_rank, self.tp_rank),
-        )
+        try:
+            self._core.start(
+                ports.handshake_port(self.dp_rank, self.tp_rank),
+                ports.notify_port(self.dp_rank, self.tp_rank),
+            )
+        except BaseException:
+            # Refused: nothing changed (a later call may register again).
+            self._engine, self._layers, self._gpu, self._checksums = None, [], False, None
+            raise
         if self.cfg.proxy_ip is not None and self.dp_rank == 0 and self.tp_rank == 0:
             self._start_pinger()
         assert self._server is not None and self._listener is not None
