@@ -132,3 +132,39 @@ def test_releases_of_two_tp_sizes_before_the_save_task_leave_the_job_unwritten()
             pusher.on_release(Release("tw", consumer_tp_size=size, consumer_tp_rank=1))
         pusher.begin_step([SaveTask("req-3", "tw", (4, 5, 6), 3, DECODE, remote_tp_size=2)], [])
         assert pusher.job_states()["tw#d1"] is JobState.FAILED, (sizes, pusher.job_states())
+
+
+def test_two_releases_of_other_tp_sizes_do_not_end_an_announced_job() -> None:
+    """Before the save task, decode rank 1 announces, then releases naming rank 1 of TP sizes 4
+    and 8 come: neither is the request's (2), so neither is rank 1's, and its job goes on."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(RemoteBlocks("tv", ((20, 21, 22),), "d:8000/dp0/tp1", decode_tp_rank=1))
+    pusher.on_release(Release("tv", consumer_tp_size=4, consumer_tp_rank=1))
+    pusher.on_release(Release("tv", consumer_tp_size=8, consumer_tp_rank=1))
+    pusher.begin_step([SaveTask("req-1", "tv", (4, 5, 6), 3, DECODE, remote_tp_size=2)], [])
+    assert pusher.job_states()["tv#d1"] is not JobState.FAILED, (
+        pusher.job_states(),
+        final_messages(sender),
+    )
+
+
+def test_two_releases_of_other_tp_sizes_do_not_silence_a_held_back_rank() -> None:
+    """Prefill TP 1 -> decode TP 32 (32 KV heads): 16 jobs are made at the save task, the other
+    16 ranks wait for a handshake to confirm TP 32. Held-back rank 20 announced before the save
+    task, and releases naming it of TP sizes 64 and 128 (neither the request's) came. When the
+    request ends unconfirmed (aborted), rank 20 is owed write_failed like every held-back rank
+    that announced."""
+    ctx, _, _, _ = context("write", producer=True, tp_rank=0, tp_size=1, heads=32)
+    ctx.sender = sender = PortSender()  # type: ignore[assignment]
+    pusher = Pusher(ctx)
+    pusher.on_remote_blocks(
+        RemoteBlocks("tu", ((20, 21, 22),), "d:8000/dp0/tp20", decode_tp_rank=20)
+    )
+    pusher.on_release(Release("tu", consumer_tp_size=64, consumer_tp_rank=20))
+    pusher.on_release(Release("tu", consumer_tp_size=128, consumer_tp_rank=20))
+    pusher.begin_step([SaveTask("req-1", "tu", (4, 5, 6), 3, DECODE, remote_tp_size=32)], [])
+    pusher.begin_step([], [SendTask("req-1", "tu", aborted=True)])
+    told = [m for _, m in sender.ports if isinstance(m, WriteFailed)]
+    assert told, (pusher.job_states(), final_messages(sender))

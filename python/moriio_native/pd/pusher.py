@@ -627,19 +627,39 @@ class _HeldBack:
 # An orphan job: one a decode rank's remote_blocks or abort_write made for a request whose save
 # (or send) task has not come, kept until that task continues it as a _Job: (first seen,
 # monotonic seconds; the request's transfer id; the decode rank; the block ids its announcement
-# holds; the announcement and the abort_write as their wire bytes, None until they came; its
-# release: _UNRELEASED, the decode TP size the release named (the request's save task ignores
-# one of another size, as a made job does), _NEEDS_NOTHING for an announcement of no blocks, or
-# _SIZES_DISAGREE when releases named two sizes (one may be the decode's: never written);
-# why it failed, "" while it waits for its save task). A PENDING job
-# without a save task can only fail (the decode released or aborted it, or needs no blocks), so
-# this is all of its state. Numbers, strings and bytes on purpose, as _EarlyRelease: CPython's
-# cyclic garbage collector tracks none of them and stops tracking the tuple the first time it
-# sees it, so a flood that fills the orphans adds nothing to the collector's work (a _Job with
-# its machine, lists, set, dict and message did: 20,579 tracked objects for 4,096 orphans).
-_Orphan = tuple[float, str, int, int, bytes | None, bytes | None, int, str]
+# holds; the announcement and the abort_write as their wire bytes, None until they came; the
+# decode TP sizes its releases named, one character each (_released_sizes), or _NEEDS_NOTHING
+# for an announcement of no blocks; why it failed, "" while it waits for its save task). A
+# release of another size than the request's is not the rank's, as for a made job
+# (_released_for). A PENDING job without a save task can only fail (the decode released or
+# aborted it, or needs no blocks), so this is all of its state. Numbers, strings and bytes on
+# purpose, as _EarlyRelease: CPython's cyclic garbage collector tracks none of them and stops
+# tracking the tuple the first time it sees it, so a flood that fills the orphans adds nothing
+# to the collector's work (a _Job with its machine, lists, set, dict and message did: 20,579
+# tracked objects for 4,096 orphans).
+_Orphan = tuple[float, str, int, int, bytes | None, bytes | None, str, str]
 _RELEASED = "the decode released the transfer"
-_UNRELEASED, _NEEDS_NOTHING, _SIZES_DISAGREE = 0, -1, -2
+# An orphan's releases as a string, not a tuple of sizes: a str is never tracked by the garbage
+# collector, while an orphan holding a tuple stayed tracked after a collection.
+_UNRELEASED = ""
+_NEEDS_NOTHING = "\0"  # no TP size is 0: released whatever the request's size
+MAX_ORPHAN_RELEASE_SIZES = 8  # more distinct sizes: taken as released, conservatively
+
+
+def _released_sizes(released: str, size: int) -> str:
+    """``released`` with a release naming decode TP ``size`` added."""
+    if chr(size) in released:
+        return released
+    if len(released) >= MAX_ORPHAN_RELEASE_SIZES:
+        return _NEEDS_NOTHING
+    return released + chr(size)
+
+
+def _released_for(released: str, decode_tp: int) -> bool:
+    """Whether an orphan's releases end its job in a request of decode TP size ``decode_tp``."""
+    return _NEEDS_NOTHING in released or chr(decode_tp) in released
+
+
 # The fields an _Orphan's bookkeeping reads by position (the rest are unpacked whole); _SEEN,
 # first seen, is the first field of an _EarlyRelease too.
 _SEEN, _REQUEST, _RANK, _IDS, _REASON = 0, 1, 2, 3, 7
@@ -650,7 +670,7 @@ def _new_orphan(
     *,
     ids: int = 0,
     announced: bytes | None = None,
-    released: int = _UNRELEASED,
+    released: str = _UNRELEASED,
     reason: str = "",
 ) -> _Orphan:
     """The orphan ``message`` makes of a job not known yet (by default waiting and holding
@@ -695,8 +715,8 @@ class _Orphans(_OldestFirst[_Orphan]):
         if orphan is None:
             return None
         _, request, rank, _, announced, aborted, released, reason = orphan
-        if released > 0 and decode_tp is not None and released != decode_tp:
-            released = 0
+        if released and decode_tp is not None and not _released_for(released, decode_tp):
+            released = _UNRELEASED
             if reason == _RELEASED and aborted is None:
                 reason = ""
         state = JobState.FAILED if reason else JobState.PENDING
@@ -1189,7 +1209,7 @@ class Pusher:
                 held.acked.first(rank)
                 continue
             announcement = _load(RemoteBlocks, announced)
-            if announcement is not None and released >= 0 and released != plan.decode_tp:
+            if announcement is not None and not _released_for(released, plan.decode_tp):
                 self._tell_held_back(held, announcement)
 
     def _tell_held_back(self, held: _HeldBack, message: RemoteBlocks) -> None:
@@ -2214,10 +2234,7 @@ class Pusher:
         if not reason:
             reason = _RELEASED
             self._orphan_failed.warn("transfer %s: WRITE failed: %s", jid, reason)
-        if released == _UNRELEASED:
-            released = size
-        elif released > 0 and released != size:
-            released = _SIZES_DISAGREE
+        released = _released_sizes(released, size)
         self._orphans.keep(jid, (created, request, rank, ids, announced, aborted, released, reason))
 
     def _orphan_aborted(self, jid: str, message: AbortWrite) -> None:
