@@ -167,6 +167,8 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.ANNOUNCED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.ANNOUNCED, AwaitEvent.GIVE_UP): AwaitState.QUARANTINED,
+    # The sender refused remote_blocks before queuing it: the prefill cannot write.
+    (AwaitState.ANNOUNCED, AwaitEvent.UNREACHABLE): AwaitState.FAILED,
     (AwaitState.ANNOUNCED, AwaitEvent.READDRESS): AwaitState.CONNECTING,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
@@ -762,8 +764,9 @@ class Puller:
 
     def abandon_read(self, tid: str, why: str) -> None:
         """The request of READ ``tid`` ended: parts whose READ is not being posted end now
-        (nothing of them can land), posted parts are aborted in the engine (their events end
-        them; one being posted is aborted by _post_read, which sees read.failing)."""
+        (nothing of them can land), as do parts being checked (drained already); posted parts
+        are aborted in the engine (their events end them; one being posted is aborted by
+        _post_read, which sees read.failing)."""
         with self._ctx.lock:
             read = self._reads.get(tid)
             if read is None or read.ended:
@@ -773,10 +776,13 @@ class Puller:
                 p for p in read.parts if p.machine.state is ReadState.CONNECTING and not p.posting
             ]
             posted = [p for p in read.parts if p.machine.state is ReadState.READING]
+            checking = [p for p in read.parts if p.machine.state is ReadState.VERIFYING]
         for part in posted:
             self._abort_part(part)
         for part in idle:
             self._end_read_part(read, part, ReadEvent.FAILED, f"not started: {why}")
+        for part in checking:  # drained: its check's verdict no longer counts
+            self._end_read_part(read, part, ReadEvent.MISMATCH, f"not checked: {why}")
 
     def _stop_other_parts(self, read: _Read) -> None:
         """A part failed: the load fails, so the other parts posted are aborted (their events
@@ -786,8 +792,14 @@ class Puller:
                 return
             read.failing = True
             posted = [p for p in read.parts if p.machine.state is ReadState.READING]
+            # Done in the engine and drained, waiting for a check whose verdict no longer counts.
+            checking = [p for p in read.parts if p.machine.state is ReadState.VERIFYING]
         for other in posted:
             self._abort_part(other)
+        for other in checking:
+            self._end_read_part(
+                read, other, ReadEvent.MISMATCH, "not checked: another source rank failed"
+            )
 
     def _abort_part(self, part: _ReadPart) -> None:
         """Abort a posted part in the engine (its event ends it)."""
@@ -941,26 +953,31 @@ class Puller:
                 # Refused here, before the prefill knows our blocks, when the groups differ.
                 check_groups(ctx.cfg.groups, peer.response.kv_groups, peer.response.engine_id)
                 block_ids, num_tokens = task.grouped.local, task.grouped.end
+            announcement = RemoteBlocks(
+                transfer_id=task.transfer_id,
+                block_ids=block_ids,
+                decode_engine_id=ctx.cfg.engine_id,
+                decode_dp_rank=ctx.cfg.dp_rank,
+                req_id=task.req_id,
+                decode_tp_rank=ctx.cfg.tp_rank,
+                num_tokens=num_tokens,
+                decode_incarnation=ctx.incarnation,
+                prefill_incarnation=peer.response.incarnation,
+            )
             with ctx.lock:
                 if part.machine.state is not AwaitState.CONNECTING:
                     return  # given up before the prefill had our blocks (and released)
                 part.machine.advance(AwaitEvent.ANNOUNCED)
                 part.peer = peer  # from now on the prefill may write into the blocks
-            ctx.sender.send(
-                peer.host,
-                peer.notify_port,
-                RemoteBlocks(
-                    transfer_id=task.transfer_id,
-                    block_ids=block_ids,
-                    decode_engine_id=ctx.cfg.engine_id,
-                    decode_dp_rank=ctx.cfg.dp_rank,
-                    req_id=task.req_id,
-                    decode_tp_rank=ctx.cfg.tp_rank,
-                    num_tokens=num_tokens,
-                    decode_incarnation=ctx.incarnation,
-                    prefill_incarnation=peer.response.incarnation,
-                ),
-            )
+        except Exception as exc:
+            self._announce_failed(waiting, part, exc, peer)
+            return
+        try:
+            ctx.sender.send(peer.host, peer.notify_port, announcement)
+        except MoriioError as exc:
+            # The sender refuses before queuing anything (queue full, allowlist, closed): the
+            # prefill never had our blocks, so there is nothing to quarantine.
+            self._announce_failed(waiting, part, exc, peer, unsent=True)
         except Exception as exc:
             self._announce_failed(waiting, part, exc, peer)
 
@@ -970,9 +987,11 @@ class Puller:
         part: _AwaitPart | None,
         exc: Exception,
         peer: Peer | None = None,
+        unsent: bool = False,
     ) -> None:
         """The announcement to ``part`` (None: to any, there is no plan) failed: the load
-        fails, the other parts are given up."""
+        fails, the other parts are given up. ``unsent``: the sender refused the announcement
+        before queuing it, so a part already ANNOUNCED ends without a quarantine."""
         task = waiting.task
         logger.error(
             "request %s (transfer %s): cannot announce blocks to %s%s: %s; computing locally",
@@ -989,7 +1008,7 @@ class Puller:
             return
         with self._ctx.lock:
             state = part.machine.state
-        if state is AwaitState.ANNOUNCED:
+        if state is AwaitState.ANNOUNCED and not unsent:
             # The message may have left: the prefill could write. Quarantine as for an abort.
             self.give_up(task.transfer_id, f"the announcement failed ({exc})")
             return
@@ -1373,17 +1392,27 @@ class Puller:
 
     def _fail_unplanned(self, task: RecvTask) -> None:
         """A load the planner could not pair: its blocks are recomputed, the prefill freed."""
-        self._report_load_failed(task)
+        logger.error(
+            "request %s (transfer %s): load not started: %s; its %d blocks are recomputed",
+            task.req_id,
+            task.transfer_id,
+            task.error,
+            len(task.local_block_ids),
+        )
+        self._report_load_failed(task, f"not planned: {task.error}")
         self.send_release(task, {})
 
-    def _report_load_failed(self, task: RecvTask) -> None:
-        """The task's blocks are load errors (recomputed), and the load ended failed."""
+    def _report_load_failed(self, task: RecvTask, why: str = "") -> None:
+        """The task's blocks are load errors (recomputed), and the load ended failed (``why``,
+        when given, is the failure reason reported for it)."""
         ctx = self._ctx
         with ctx.lock:
             ctx.reports.invalid_blocks.update(task.local_block_ids)
             if task.report_done:
                 ctx.reports.done_recving.add(task.req_id)
                 ctx.reports.failed_recving.add(task.req_id)
+                if why:
+                    ctx.reports.failures[task.req_id] = why
             ctx.stats.record(ok=False)
 
     def _remember_released(self, task: RecvTask, confirmed: Peer | None) -> None:
