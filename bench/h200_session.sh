@@ -95,7 +95,8 @@
 #   bash bench/h200_session.sh batch-check    # one call: this tree against base
 #                                         # (.variants/base-src.tar, the tree before each CUDA
 #                                         # copy batch checked the peer's region), both with UCX;
-#                                         # gpu_bench llama3-8b and 4 KiB runs, alternating
+#                                         # gpu_bench llama3-8b and 4 KiB runs (SMALL_RUNS_ONLY=1:
+#                                         # those alone), alternating
 #   bash bench/h200_session.sh checksum-variants  # after checks: the checksum kernel, the one
 #                                         # before it (.variants/prev_checksum.cu) and -D
 #                                         # variants (8-byte loads, no cell table, 4 passes,
@@ -769,9 +770,11 @@ stamp-groups)  # issue 18: the stamp kernel's pieces per warp (at most 32, 8, 1)
 batch-check)  # issue 14: what checking the peer's region before each CUDA copy batch costs
   base_build=/tmp/moriio-base-build
   build_tree_and_base .variants/base-src.tar $base_build
+  presets=("--preset llama3-8b --requests 5"
+    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3")
+  [ -n "${SMALL_RUNS_ONLY:-}" ] && presets=("${presets[1]}")  # 4 KiB runs alone
   n=0
-  for p in "--preset llama3-8b --requests 5" \
-    "--preset llama3-8b-tp8 --layout separated --blocks 4096 --num-blocks 8192 --requests 3"; do
+  for p in "${presets[@]}"; do
     n=$((n + 1))
     for v in tree base tree base; do
       [ "$SECONDS" -gt 470 ] && break 2
