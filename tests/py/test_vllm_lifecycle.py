@@ -1760,3 +1760,44 @@ def test_a_failed_sync_read_aborted_before_its_recompute_leaves_no_garbage_in_th
     cached = len(prompt) - d.step().scheduled[again]  # positions from the prefix cache
     held = d.slot_matches(again, range(cached), d.salt, prompt)
     assert [pos for pos, ok in enumerate(held) if not ok] == []
+
+
+def steps_until_freed(side: Side, within: float) -> float:
+    """Step ``side`` until every block is free again; the seconds it took (inf: not within)."""
+    start = time.monotonic()
+    while time.monotonic() - start < within:
+        side.step()
+        if side.free_blocks() == side.initial_free:
+            return time.monotonic() - start
+        time.sleep(0.01)
+    return float("inf")
+
+
+def test_read_aborted_while_its_prefill_cannot_be_reached_frees_its_blocks_promptly(
+    sides: list[Side], model_dir: str
+) -> None:
+    """An async READ whose prefill does not answer (gone, frozen) is still handshaking: no
+    engine operation of it was posted, so nothing can land in its blocks. The client aborts
+    the request; its decode blocks should be back at once, not after transfer_timeout."""
+    p, d = make_pair(
+        sides, model_dir, "read", d_extra={"transfer_timeout": 60, "abort_timeout": 120}
+    )
+    prompt = prompt_of(40, seed=3)
+    rid, tid = pd_request_id(p, d), transfer_id()
+    returned = run_prefill(p, rid, prompt, tid)
+    p.shutdown()  # the prefill is gone: its handshake never answers
+    sides.remove(p)
+    d.add_request(rid, prompt, params=decode_params(tid, returned), max_tokens=2)
+    d.step()
+    held = d.initial_free - d.free_blocks()
+    assert held > 0, "the READ should be in flight (WAITING_FOR_REMOTE_KVS)"
+    states = d.worker.worker.core.puller.read_states()
+    assert {str(s) for s in states.values()} == {str(states[tid])} and "CONNECTING" in str(
+        states[tid]
+    ), states  # nothing of it was posted to the engine: nothing can land
+    d.abort(rid)
+    took = steps_until_freed(d, within=5.0)
+    assert took < 5.0, (
+        f"{held} blocks of an aborted READ that never posted anything (state "
+        f"{states[tid]}) are still held 5 s after the abort (until transfer_timeout, 60 s)"
+    )

@@ -17,7 +17,11 @@ from test_vllm_support import RankSpec, dense_specs, make_kv_cache_config, write
 pytestmark = pytest.mark.vllm
 
 
-def _worker_connector(tmp_path: Path):  # type: ignore[no-untyped-def]
+def _worker_connector(  # type: ignore[no-untyped-def]
+    tmp_path: Path, handshake_port: int | None = None, notify_port: int | None = None
+):
+    """A decode worker-side connector over a dense two-layer model and its CPU caches, on the
+    given ports (free ones by default), not registered yet."""
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.worker.utils import allocate_kv_cache
@@ -26,8 +30,8 @@ def _worker_connector(tmp_path: Path):  # type: ignore[no-untyped-def]
         "mode": "read",
         "backend": "loopback",
         "host_ip": "127.0.0.1",
-        "handshake_port": free_ports(1),
-        "notify_port": free_ports(1),
+        "handshake_port": free_ports(1) if handshake_port is None else handshake_port,
+        "notify_port": free_ports(1) if notify_port is None else notify_port,
         "allowed_peers": ["127.0.0.1/32"],
     }
     model_dir = write_model_dir(tmp_path / "model")
@@ -132,44 +136,6 @@ def test_a_layer_left_out_of_registration_is_not_reported_loaded(
             side.shutdown()
 
 
-def _worker_with_ports(tmp_path: Path, handshake_port: int, notify_port: int):  # type: ignore[no-untyped-def]
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.worker.utils import allocate_kv_cache
-
-    extra = {
-        "mode": "read",
-        "backend": "loopback",
-        "host_ip": "127.0.0.1",
-        "handshake_port": handshake_port,
-        "notify_port": notify_port,
-        "allowed_peers": ["127.0.0.1/32"],
-    }
-    model_dir = write_model_dir(tmp_path / "model3")
-    spec = RankSpec(
-        "d",
-        "kv_consumer",
-        "read",
-        model_dir,
-        dense_specs(),
-        64,
-        "LBNHC",
-        extra,
-        "moriio_native.vllm",
-        256,
-        "recompute",
-        1,
-        1,
-    )
-    config = spec.vllm_config(0)
-    kv_cache_config = make_kv_cache_config(config, spec.specs, 64, "LBNHC")
-    connector = KVConnectorFactory.create_connector(config, KVConnectorRole.WORKER, kv_cache_config)
-    caches = allocate_kv_cache(
-        kv_cache_config, torch.device("cpu"), config.cache_config.get_resolved_kv_cache_layout()
-    )
-    return connector, caches
-
-
 def _listening(port: int):  # type: ignore[no-untyped-def]
     import socket
 
@@ -196,7 +162,7 @@ def test_a_registration_refused_for_a_busy_port_changes_nothing(tmp_path: Path) 
     'register_kv_caches was called twice'."""
     handshake_port, notify_port = free_ports(1), free_ports(1)
     busy = _listening(notify_port)
-    connector, caches = _worker_with_ports(tmp_path, handshake_port, notify_port)
+    connector, caches = _worker_connector(tmp_path, handshake_port, notify_port)
     try:
         with pytest.raises(Exception, match=str(notify_port)):
             connector.register_kv_caches(caches)

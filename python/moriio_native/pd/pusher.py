@@ -2066,17 +2066,9 @@ class Pusher:
                 ctx.reports.done_sending.add(send.task.req_id)
                 self._end_hold(tid, "released")
             elif job is not None:
-                if message.consumer_tp_size != self._decode_tp(job):
-                    # Not the rank this job writes (READ counts releases the same way): it
-                    # must not end a live job whose decode rank then hears nothing.
-                    self._other_size.warn(
-                        "ignoring a release of transfer %s by decode rank %d of TP size %d: "
-                        "the request's decode TP size is %d",
-                        tid,
-                        message.consumer_tp_rank,
-                        message.consumer_tp_size,
-                        self._decode_tp(job),
-                    )
+                # Not the rank this job writes (READ counts releases the same way): it must not
+                # end a live job whose decode rank then hears nothing.
+                if self._of_another_size(message, self._decode_tp(job)):
                     return
                 job.released = True
                 self._fail(job, "the decode released the transfer")
@@ -2084,15 +2076,7 @@ class Pusher:
             elif orphan is not None:
                 request = self._requests.get(tid)
                 plan = request.plan if request is not None else None
-                if plan is not None and message.consumer_tp_size != plan.decode_tp:
-                    self._other_size.warn(
-                        "ignoring a release of transfer %s by decode rank %d of TP size %d: "
-                        "the request's decode TP size is %d",
-                        tid,
-                        message.consumer_tp_rank,
-                        message.consumer_tp_size,
-                        plan.decode_tp,
-                    )
+                if plan is not None and self._of_another_size(message, plan.decode_tp):
                     return
                 self._orphan_released(jid, orphan, message.consumer_tp_size)
                 return
@@ -2227,6 +2211,21 @@ class Pusher:
             reason=reason,
         )
         self._orphans.keep(jid, orphan)
+
+    def _of_another_size(self, message: Release, decode_tp: int) -> bool:
+        """Whether ``message`` names another decode TP size than the request's
+        ``decode_tp`` (logged, rate limited): not the release of the rank it names."""
+        if message.consumer_tp_size == decode_tp:
+            return False
+        self._other_size.warn(
+            "ignoring a release of transfer %s by decode rank %d of TP size %d: the request's "
+            "decode TP size is %d",
+            message.transfer_id,
+            message.consumer_tp_rank,
+            message.consumer_tp_size,
+            decode_tp,
+        )
+        return True
 
     def _orphan_released(self, jid: str, orphan: _Orphan, size: int) -> None:
         """A release: the orphan fails, with no final message owed."""
