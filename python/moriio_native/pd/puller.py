@@ -173,6 +173,8 @@ AWAIT_TRANSITIONS: dict[tuple[AwaitState, AwaitEvent], AwaitState] = {
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_DONE): AwaitState.DONE,
     (AwaitState.QUARANTINED, AwaitEvent.WRITE_FAILED): AwaitState.FAILED,
     (AwaitState.QUARANTINED, AwaitEvent.WRITER_GONE): AwaitState.FAILED,
+    # Given up while remote_blocks was being sent, which the sender then refused: never sent.
+    (AwaitState.QUARANTINED, AwaitEvent.UNREACHABLE): AwaitState.FAILED,
     # write_done with verify on: every write landed, so nothing is left to quarantine.
     **{
         (s, AwaitEvent.VERIFY): AwaitState.VERIFYING
@@ -614,7 +616,15 @@ class Puller:
                 check_held_until(part.peer, read.task, time.monotonic())
             except FailedPreconditionError as exc:
                 done, outcome = False, str(exc)
-        if done and (ctx.verifier is not None or ctx.confirmer is not None):
+        checked = ctx.verifier is not None or ctx.confirmer is not None
+        with ctx.lock:
+            failing = read.failing
+        if done and checked and failing:  # drained, and its check's verdict could not count
+            self._end_read_part(
+                read, part, ReadEvent.FAILED, "not checked: the load failed", peer_failed=False
+            )
+            return True
+        if done and checked:
             self._verify_read(read, part, event)
             return True
         self._end_read_part(
@@ -704,8 +714,17 @@ class Puller:
         self, read: _Read, part: _ReadPart, event: Any, why: str | None, *, confirmed: bool
     ) -> None:
         with self._ctx.lock:
-            record = self._ctx.stats.record_confirm if confirmed else self._ctx.stats.record_verify
-            record(ok=why is None)
+            late = part.machine.state is not ReadState.VERIFYING
+            if not late:
+                stats = self._ctx.stats
+                (stats.record_confirm if confirmed else stats.record_verify)(ok=why is None)
+        if late:  # ended unchecked (the load failed or was aborted): the verdict is moot
+            logger.info(
+                "transfer %s: check verdict after its part ended: %s",
+                part.engine_tid,
+                why or "agreed",
+            )
+            return
         if why is None:
             checked = "confirmed" if confirmed else "verified"
             self._end_read_part(
@@ -782,7 +801,9 @@ class Puller:
         for part in idle:
             self._end_read_part(read, part, ReadEvent.FAILED, f"not started: {why}")
         for part in checking:  # drained: its check's verdict no longer counts
-            self._end_read_part(read, part, ReadEvent.MISMATCH, f"not checked: {why}")
+            self._end_read_part(
+                read, part, ReadEvent.MISMATCH, f"not checked: {why}", peer_failed=False
+            )
 
     def _stop_other_parts(self, read: _Read) -> None:
         """A part failed: the load fails, so the other parts posted are aborted (their events
@@ -798,7 +819,11 @@ class Puller:
             self._abort_part(other)
         for other in checking:
             self._end_read_part(
-                read, other, ReadEvent.MISMATCH, "not checked: another source rank failed"
+                read,
+                other,
+                ReadEvent.MISMATCH,
+                "not checked: another source rank failed",
+                peer_failed=False,
             )
 
     def _abort_part(self, part: _ReadPart) -> None:
@@ -815,8 +840,10 @@ class Puller:
         event: ReadEvent,
         message: str,
         engine_event: Any = None,
+        peer_failed: bool = True,
     ) -> None:
-        """A part's terminal state, once; the load's end once every part is terminal."""
+        """A part's terminal state, once; the load's end once every part is terminal.
+        ``peer_failed`` False: ended for the load's sake, its prefill did nothing wrong."""
         ctx = self._ctx
         with ctx.lock:
             if part.machine.state in READ_TERMINAL:
@@ -830,7 +857,8 @@ class Puller:
         if not ok:
             # The next request handshakes again: a prefill that restarted under the same
             # address is reached at its new transport address instead of failing forever.
-            ctx.directory.forget(part.peer)
+            if peer_failed:
+                ctx.directory.forget(part.peer)
             self._stop_other_parts(read)
         if last:
             self._finish_read(read, "; ".join(p.message for p in read.parts if p.message))
