@@ -10,21 +10,10 @@ from typing import Any
 
 from moriio_native.control.messages import Release
 from moriio_native.pd.puller import Puller
+from test_pd_decode_failures import HeldConfirmer
 from test_pd_tp_fanout import PREFILL as FANOUT_PREFILL
 from test_pd_tp_fanout import answer_handshakes, event, read_task
 from test_pd_tp_fanout import context as fanout_context
-
-
-class HeldConfirmer:
-    """confirm_reads' checker whose prefill has not answered yet (verdicts held)."""
-
-    def __init__(self) -> None:
-        self.pending: list[Any] = []
-
-    def confirm(
-        self, transfer_id: str, peer: Any, ids: Any, hold: int, verdict: Any, *a: Any
-    ) -> None:
-        self.pending.append(verdict)
 
 
 class CountingStats:
