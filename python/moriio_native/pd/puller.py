@@ -616,16 +616,15 @@ class Puller:
                 check_held_until(part.peer, read.task, time.monotonic())
             except FailedPreconditionError as exc:
                 done, outcome = False, str(exc)
-        checked = ctx.verifier is not None or ctx.confirmer is not None
-        with ctx.lock:
-            failing = read.failing
-        if done and checked and failing:  # drained, and its check's verdict could not count
-            self._end_read_part(
-                read, part, ReadEvent.FAILED, "not checked: the load failed", peer_failed=False
-            )
-            return True
-        if done and checked:
-            self._verify_read(read, part, event)
+        if done and (ctx.verifier is not None or ctx.confirmer is not None):
+            with ctx.lock:
+                failing = read.failing
+            if failing:  # drained, and its check's verdict could not count
+                self._end_read_part(
+                    read, part, ReadEvent.FAILED, "not checked: the load failed", peer_failed=False
+                )
+            else:
+                self._verify_read(read, part, event)
             return True
         self._end_read_part(
             read, part, ReadEvent.DONE if done else ReadEvent.FAILED, outcome, event
@@ -782,49 +781,40 @@ class Puller:
         self._end_read_part(read, part, ReadEvent.FAILED, message)
 
     def abandon_read(self, tid: str, why: str) -> None:
-        """The request of READ ``tid`` ended: parts whose READ is not being posted end now
-        (nothing of them can land), as do parts being checked (drained already); posted parts
-        are aborted in the engine (their events end them; one being posted is aborted by
-        _post_read, which sees read.failing)."""
+        """The request of READ ``tid`` ended: its load fails, and parts whose READ is not being
+        posted end now too (nothing of them can land)."""
         with self._ctx.lock:
             read = self._reads.get(tid)
             if read is None or read.ended:
                 return
-            read.failing = True
-            idle = [
-                p for p in read.parts if p.machine.state is ReadState.CONNECTING and not p.posting
-            ]
-            posted = [p for p in read.parts if p.machine.state is ReadState.READING]
-            checking = [p for p in read.parts if p.machine.state is ReadState.VERIFYING]
-        for part in posted:
-            self._abort_part(part)
-        for part in idle:
-            self._end_read_part(read, part, ReadEvent.FAILED, f"not started: {why}")
-        for part in checking:  # drained: its check's verdict no longer counts
-            self._end_read_part(
-                read, part, ReadEvent.MISMATCH, f"not checked: {why}", peer_failed=False
-            )
+        self._stop_parts(read, f"not checked: {why}", not_started=f"not started: {why}")
 
     def _stop_other_parts(self, read: _Read) -> None:
-        """A part failed: the load fails, so the other parts posted are aborted (their events
-        end them) and those not posted yet will not be."""
+        """A part failed: the load fails; parts not posted yet will not be (_post_read sees
+        read.failing)."""
+        self._stop_parts(read, "not checked: another source rank failed")
+
+    def _stop_parts(self, read: _Read, unchecked: str, not_started: str | None = None) -> None:
+        """The load fails: its posted parts are aborted in the engine (their events end them)
+        and parts being checked end now, ``unchecked`` (drained: the verdict no longer counts);
+        with ``not_started``, parts whose READ is not being posted end now too (one being
+        posted is aborted by _post_read, which sees read.failing). Without it, once a load."""
         with self._ctx.lock:
-            if read.failing:
+            if read.failing and not_started is None:
                 return
             read.failing = True
             posted = [p for p in read.parts if p.machine.state is ReadState.READING]
-            # Done in the engine and drained, waiting for a check whose verdict no longer counts.
             checking = [p for p in read.parts if p.machine.state is ReadState.VERIFYING]
-        for other in posted:
-            self._abort_part(other)
-        for other in checking:
-            self._end_read_part(
-                read,
-                other,
-                ReadEvent.MISMATCH,
-                "not checked: another source rank failed",
-                peer_failed=False,
-            )
+            idle = [
+                p for p in read.parts if p.machine.state is ReadState.CONNECTING and not p.posting
+            ]
+        for part in posted:
+            self._abort_part(part)
+        if not_started is not None:
+            for part in idle:
+                self._end_read_part(read, part, ReadEvent.FAILED, not_started)
+        for part in checking:
+            self._end_read_part(read, part, ReadEvent.MISMATCH, unchecked, peer_failed=False)
 
     def _abort_part(self, part: _ReadPart) -> None:
         """Abort a posted part in the engine (its event ends it)."""
