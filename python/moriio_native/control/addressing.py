@@ -47,6 +47,7 @@ import msgspec
 from moriio_native.errors import InvalidArgumentError
 
 from .schema import (
+    HEX64,
     MAX_BLOCK_IDS,
     MAX_HOST_LEN,
     MAX_ID_LEN,
@@ -487,9 +488,9 @@ class KvTransferParams(Schema, frozen=True):
     # The prompt tokens whose KV the prefill's answered blocks hold (None: not stated).
     remote_num_tokens: Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)] | None = None
     # The digest of the prompt positions the prefill computed (None: not stated).
-    remote_prompt_digest: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    remote_prompt_digest: Annotated[str, msgspec.Meta(pattern=HEX64)] | None = None
     # The prefill's tag of its answer (None: not stated; see answer_bytes).
-    remote_answer_tag: Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")] | None = None
+    remote_answer_tag: Annotated[str, msgspec.Meta(pattern=HEX64)] | None = None
 
     def answer_bytes(self) -> bytes:
         """What ``remote_answer_tag`` covers (see :func:`answer_bytes`), from the validated

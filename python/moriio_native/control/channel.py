@@ -546,6 +546,8 @@ class _RouterListener(_ClosesOnExit):
     _extra_stats: tuple[str, ...] = ()
     # The socket's receive high-water mark (None: ZMQ's default).
     _rcvhwm: int | None = None
+    # The socket's send high-water mark per connection (None: ZMQ's default, 1000).
+    _sndhwm: int | None = None
     _security: ControlSecurity  # set by each subclass before it attaches to its hub
 
     def __init__(
@@ -581,6 +583,8 @@ class _RouterListener(_ClosesOnExit):
             sock.setsockopt(zmq.MAXMSGSIZE, 2 * max_message_bytes + 4096)
             if self._rcvhwm is not None:
                 sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            if self._sndhwm is not None:
+                sock.setsockopt(zmq.SNDHWM, self._sndhwm)
             self._security.limit_handshakes(sock)
             ipv6 = ":" in host
             if ipv6:  # before the accept filters: ZMQ parses each in the socket's family
@@ -986,6 +990,12 @@ ChecksumAtOnce = Callable[[ChecksumRequest], ChecksumResponse | None]
 #: it; never blocks (HandshakeServer).
 ChecksumReadiness = Callable[[ChecksumRequest, Callable[[], None]], None]
 
+#: Requests a :class:`PolledRequests` has outstanding at once on one server (the others wait
+#: for their turn, their deadlines running): a decode rank's checks then wait on a prefill rank
+#: as many at a time as when 8 threads each made one, so the prefill's bound on the checks it
+#: keeps waiting (MAX_PENDING_CHECKSUM_ANSWERS) holds for as many decode ranks as before.
+MAX_OUTSTANDING_PER_SERVER = 8
+
 #: Threads that compute a handshake server's checksum answers (reading blocks; a hold check
 #: left to them is a lookup), and how many requests may wait or be answered at once before
 #: more are rejected: a decode rank has at most 8 checks outstanding on one prefill rank
@@ -1032,6 +1042,11 @@ class HandshakeServer(_RouterListener):
 
     _name = "handshake server"
     _extra_stats = ("answered", "rejected")
+    # Replies queued for one requester that does not read them: a requester has at most
+    # MAX_OUTSTANDING_PER_SERVER requests outstanding, so more are a peer that stops reading;
+    # past the mark the ROUTER drops them (never blocks) instead of holding up to 1000 replies
+    # of engine metadata each.
+    _sndhwm = 2 * MAX_OUTSTANDING_PER_SERVER
 
     def __init__(
         self,
@@ -1688,11 +1703,6 @@ def _unless_rejected(reply: _Reply, what: str) -> _Reply:
     return reply
 
 
-#: Requests a :class:`PolledRequests` has outstanding at once on one server (the others wait
-#: for their turn, their deadlines running): a decode rank's checks then wait on a prefill rank
-#: as many at a time as when 8 threads each made one, so the prefill's bound on the checks it
-#: keeps waiting (MAX_PENDING_CHECKSUM_ANSWERS) holds for as many decode ranks as before.
-MAX_OUTSTANDING_PER_SERVER = 8
 #: The longest :class:`PolledRequests`' thread waits in one poll (it then looks again).
 _POLLED_WAIT_CAP_MS = 60_000
 #: How long :meth:`PolledRequests.close` waits for its thread to end the requests in flight.

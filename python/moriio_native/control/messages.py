@@ -331,7 +331,14 @@ class Release(_Message, frozen=True, tag="release"):
 
     @property
     def dedup_key(self) -> tuple[str, ...]:
-        return (self.TYPE, self.transfer_id, str(self.consumer_tp_rank))
+        # With the TP size it names: the prefill counts only releases of the request's decode
+        # TP size, so one naming another size must not take the genuine one's place here.
+        return (
+            self.TYPE,
+            self.transfer_id,
+            str(self.consumer_tp_rank),
+            str(self.consumer_tp_size),
+        )
 
 
 @_tagged

@@ -74,6 +74,8 @@ BlockId = Annotated[int, msgspec.Meta(ge=0, le=MAX_BLOCK_ID)]
 # answers now. Equal means the same process, so the same bytes under the request's block ids.
 INCARNATION_BYTES = 16
 _INCARNATION = "^[0-9a-f]{16,64}$"
+#: 64 lower-case hex characters (a SHA-256 digest or HMAC tag, as .hex() writes it).
+HEX64 = "^[0-9a-f]{64}$"
 _INCARNATION_OR_EMPTY = "^(?:[0-9a-f]{16,64})?$"
 Incarnation = Annotated[str, msgspec.Meta(pattern=_INCARNATION)]
 #: An incarnation, or "" where a peer states none (it predates them).
@@ -235,6 +237,7 @@ _PATTERN_MEANS = {
     ),
     _INCARNATION: "expected 16..64 lower-case hex characters (an incarnation)",
     _INCARNATION_OR_EMPTY: "expected 16..64 lower-case hex characters (an incarnation) or ''",
+    HEX64: "expected 64 lower-case hex characters",
 }
 
 _NOTHING = object()
