@@ -500,9 +500,17 @@ class Puller:
             check_hold(peer, task, self._ctx.cfg, time.monotonic())
             part.peer = peer
             with self._ctx.lock:
-                if read.failing:
-                    raise FailedPreconditionError("another source rank of the load failed")
-                part.posting = True
+                failing = read.failing
+                part.posting = not failing
+            if failing:  # the prefill answered well: its handshake stays cached
+                self._end_read_part(
+                    read,
+                    part,
+                    ReadEvent.FAILED,
+                    "not started: another source rank of the load failed",
+                    peer_failed=False,
+                )
+                return
             assert read.plan is not None
             self._post_part(read, part, peer)
         except Exception as exc:  # any failure: recompute locally, free the prefill
@@ -617,17 +625,19 @@ class Puller:
             except FailedPreconditionError as exc:
                 done, outcome = False, str(exc)
         if done and (ctx.verifier is not None or ctx.confirmer is not None):
-            with ctx.lock:
-                failing = read.failing
-            if failing:  # drained, and its check's verdict could not count
-                self._end_read_part(
-                    read, part, ReadEvent.FAILED, "not checked: the load failed", peer_failed=False
-                )
-            else:
-                self._verify_read(read, part, event)
+            self._verify_read(read, part, event)
             return True
+        with ctx.lock:
+            # Aborted by us for the load's sake (a sibling failed, the request ended): the
+            # prefill did nothing wrong, its handshake stays cached.
+            stopped = read.failing and event.state == "aborted"
         self._end_read_part(
-            read, part, ReadEvent.DONE if done else ReadEvent.FAILED, outcome, event
+            read,
+            part,
+            ReadEvent.DONE if done else ReadEvent.FAILED,
+            outcome,
+            event,
+            peer_failed=not stopped,
         )
         return True
 
@@ -665,7 +675,16 @@ class Puller:
         with ctx.lock:
             if part.machine.state is not ReadState.READING:
                 return
-            part.machine.advance(ReadEvent.VERIFY)
+            # Read in the lock section that moves it to VERIFYING: _stop_parts sets failing and
+            # collects the VERIFYING parts in one section, so one of the two ends it unchecked.
+            failing = read.failing
+            if not failing:
+                part.machine.advance(ReadEvent.VERIFY)
+        if failing:  # drained, and its check's verdict could not count
+            self._end_read_part(
+                read, part, ReadEvent.FAILED, "not checked: the load failed", peer_failed=False
+            )
+            return
         if ctx.confirmer is not None:
             assert part.peer is not None
             ctx.confirmer.confirm(
@@ -812,7 +831,7 @@ class Puller:
             self._abort_part(part)
         if not_started is not None:
             for part in idle:
-                self._end_read_part(read, part, ReadEvent.FAILED, not_started)
+                self._end_read_part(read, part, ReadEvent.FAILED, not_started, peer_failed=False)
         for part in checking:
             self._end_read_part(read, part, ReadEvent.MISMATCH, unchecked, peer_failed=False)
 
@@ -1026,8 +1045,9 @@ class Puller:
             return
         with self._ctx.lock:
             state = part.machine.state
-        if state is AwaitState.ANNOUNCED and not unsent:
-            # The message may have left: the prefill could write. Quarantine as for an abort.
+        if state in (AwaitState.ANNOUNCED, AwaitState.QUARANTINED) and not unsent:
+            # The message may have left: the prefill could write. Quarantine as for an abort
+            # (one a give_up that raced the send made already is kept).
             self.give_up(task.transfer_id, f"the announcement failed ({exc})")
             return
         if not self._end_await_part(waiting, part, AwaitEvent.UNREACHABLE):
