@@ -3,9 +3,11 @@ vLLM): the review findings on the old worker, each pinned down."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from types import SimpleNamespace
 from typing import Any
@@ -53,6 +55,11 @@ class Directory:
         recover: bool = False,
     ) -> Future[Peer]:
         return self.answer(key)
+
+    @contextlib.contextmanager
+    def posting(self, peer: Peer) -> Iterator[None]:
+        """No connection is ever replaced here: every post goes ahead."""
+        yield
 
     def answer(self, key: PeerKey) -> Future[Peer]:
         """The handshake of ``key``: pending until the test completes it."""

@@ -92,6 +92,12 @@ class PdConfig:
             )
         if self.max_peers < 1:
             raise InvalidArgumentError(f"max_peers must be >= 1, got {self.max_peers}")
+        if self.verify and len(self.groups) > 1:
+            kinds = ", ".join(f"{g.kind} (block size {g.block_size})" for g in self.groups)
+            raise InvalidArgumentError(
+                f"verify compares whole blocks of one KV-cache group; this model has "
+                f"{len(self.groups)} ({kinds}): turn verify off"
+            )
         if self.total_kv_heads < 0:
             raise InvalidArgumentError(f"total_kv_heads must be >= 0, got {self.total_kv_heads}")
         for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):

@@ -67,13 +67,14 @@ handshakes; ``in_use`` is called under ``_admit`` only, never under the first).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
@@ -442,6 +443,27 @@ class PeerDirectory:
             if self._peers.get(handshake.key) is handshake:
                 del self._peers[handshake.key]
 
+    @contextlib.contextmanager
+    def posting(self, peer: Peer | Handshake) -> Iterator[None]:
+        """Post a transfer to ``peer``'s engine peer inside this block: no connection is made
+        or replaced meanwhile (_admit), and FailedPreconditionError when the engine's
+        connection of that engine id is another instance's by now (the engine knows a peer by
+        its engine id alone: a transfer posted with a replaced instance's handshake would move
+        the new process's bytes)."""
+        handshake = peer.handshake if isinstance(peer, Peer) else peer
+        with self._admit:
+            with self._lock:
+                last = self._connected_by.get(handshake.response.engine_id)
+            if last is not None and (
+                last.response.engine_metadata != handshake.response.engine_metadata
+            ):
+                raise FailedPreconditionError(
+                    f"peer {handshake.response.engine_id} at {handshake.key} was replaced by "
+                    f"another instance (incarnation {last.response.incarnation or '(none)'}) "
+                    "since this handshake; not posting"
+                )
+            yield
+
     def expire(self) -> None:
         """Drop failure entries past their time (their backoff is forgotten too)."""
         now = self._clock()
@@ -669,7 +691,7 @@ class PeerDirectory:
         self, engine: _EngineLike, key: PeerKey, response: HandshakeResponse, asked_at: float
     ) -> Handshake:
         """Connect ``response``'s engine for ``key`` and cache the handshake (under _admit)."""
-        self._make_room(engine, key, response.engine_id)
+        before = set(engine.peers())
         # Same engine id with new metadata: that peer restarted under this address (the
         # handshake we just made proved who answers here), or another address proved the
         # instance it connected gone. The engine swaps the connection -- only when the
@@ -681,6 +703,13 @@ class PeerDirectory:
             )
         except MoriioError as exc:
             raise type(exc)(f"peer at {key}: {exc}") from None
+        # Room is made only for an answer the engine accepted: a refused one evicts nothing.
+        try:
+            self._make_room(engine, key, response.engine_id)
+        except PeerCapacityError:
+            if engine_peer not in before:
+                _remove_idle(engine, engine_peer)
+            raise
         peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
         connected = set(engine.peers())
         with self._lock:

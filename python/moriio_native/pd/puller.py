@@ -493,6 +493,7 @@ class Puller:
         """A part's handshake ended (a pool thread, or the caller's when cached): post its
         READ, unless another part failed meanwhile."""
         task = read.task
+        peer: Peer | None = None
         try:
             peer = future.result()
             check_engine(peer, task.remote_engine_id)
@@ -512,9 +513,12 @@ class Puller:
                 )
                 return
             assert read.plan is not None
-            self._post_part(read, part, peer)
+            with self._ctx.directory.posting(peer):
+                self._post_part(read, part, peer)
         except Exception as exc:  # any failure: recompute locally, free the prefill
-            self._ctx.directory.forget(part.peer)
+            # The handshake the checks refused too (part.peer is set once they pass): one naming
+            # another engine than the request's is stale (its prefill restarted as a new engine).
+            self._ctx.directory.forget(peer)
             self._part_failed(read, part, f"not started: {exc}")
             return
         with self._ctx.lock:
