@@ -36,6 +36,7 @@ void Backend::ExpectSubmits() {}
 void Backend::SetOwner(std::string_view) {}
 
 Status Backend::ExpectPeerOwner(std::uint64_t, std::string_view) { return Status::OK(); }
+bool Backend::PeerFailed(std::uint64_t) { return false; }
 
 Status CheckBatchRuns(const Batch& b, std::uint64_t local_size, std::uint64_t remote_size) {
   if (b.cells) {

@@ -984,18 +984,24 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   if (meta.engine_id == d.config.engine_id) {
     return InvalidArgumentError("peer metadata carries this engine's own id '" + meta.engine_id + "'");
   }
+  // The same metadata again whose connection the transport reported broken: connected anew,
+  // as a replacement (its transfers fail anyway); else every later transfer to a peer that
+  // lives on would fail until something removed it.
+  std::shared_ptr<const Peer> broken;
   {
     std::lock_guard lock(d.mu);
     if (auto it = d.peers.find(meta.engine_id); it != d.peers.end()) {
       if (std::equal(it->second->metadata.begin(), it->second->metadata.end(), metadata.begin(),
                      metadata.end())) {
-        return meta.engine_id;  // the same handshake again
-      }
-      if (!replace) {
+        broken = it->second;
+      } else if (!replace) {
         return AlreadyExistsError("peer '" + meta.engine_id +
                                   "' is connected with different metadata; remove it first");
       }
     }
+  }
+  if (broken != nullptr && !d.backend->PeerFailed(broken->handle)) {
+    return meta.engine_id;  // the same handshake again
   }
   // Every one of our layers needs a peer layer of the same name whose cells pair with ours.
   auto peer = std::make_shared<Peer>();
@@ -1060,12 +1066,13 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
   {
     std::lock_guard lock(d.mu);
     auto it = d.peers.find(peer->id);
-    if (it != d.peers.end() && it->second->metadata == peer->metadata) {
-      // Another thread added this very peer meanwhile: the same handshake.
+    const bool reconnects = it != d.peers.end() && it->second == broken;
+    if (it != d.peers.end() && !reconnects && it->second->metadata == peer->metadata) {
+      // Another thread added (or reconnected) this very peer meanwhile: the same handshake.
       (void)d.backend->DisconnectPeer(peer->handle);
       return peer->id;
     }
-    if (it != d.peers.end() && !replace) {
+    if (it != d.peers.end() && !reconnects && !replace) {
       (void)d.backend->DisconnectPeer(peer->handle);
       return AlreadyExistsError("peer '" + peer->id +
                                 "' was added concurrently with other metadata");
@@ -1079,7 +1086,9 @@ Result<std::string> Engine::ConnectPeer(std::span<const std::uint8_t> metadata, 
     // The old instance's transfers end (aborted) before the new one is reachable under the
     // same id, so none of them can be mistaken for a transfer to the new instance.
     d.sink->UnmapPeer(old->handle);
-    d.tracker->FailPeer(old->id, AbortedError("peer replaced by a new instance"));
+    d.tracker->FailPeer(old->id, AbortedError(old == broken
+                                                  ? "peer reconnected: its connection had failed"
+                                                  : "peer replaced by a new instance"));
     (void)d.backend->DisconnectPeer(old->handle);
   }
   std::lock_guard lock(d.mu);

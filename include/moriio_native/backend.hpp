@@ -240,6 +240,11 @@ class Backend {
   /// behind the address vouched for them as that engine's, so metadata naming one engine and
   /// another's address reaches nothing. NotFound for an unknown peer. Default: OK, no check.
   virtual Status ExpectPeerOwner(std::uint64_t peer, std::string_view engine_id);
+  /// Whether the transport reported the connection to a peer broken, so that every batch to it
+  /// fails from then on: the engine then reconnects such a peer when the same metadata is handed
+  /// to it again (a handshake after the failure), instead of keeping the broken connection.
+  /// False for an unknown peer. Default: false (a backend whose connections never break).
+  virtual bool PeerFailed(std::uint64_t peer);
   /// Makes a peer's region addressable; `range` is where it lives in the peer's address space.
   virtual Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                                    std::span<const std::uint8_t> remote_key) = 0;

@@ -1911,6 +1911,25 @@ TEST(EnginePeers, ReplacementByMetadataOfAnotherEngineThanExpectedChangesNothing
   ASSERT_TRUE(same.ok()) << same.status().ToString();
 }
 
+TEST(EnginePeers, TheSameMetadataAgainReconnectsAPeerWhoseConnectionFailed) {
+  // The same metadata handed again (a handshake after a failed transfer) was taken for the
+  // same handshake while the backend reported the connection broken: every later transfer to
+  // the peer failed, and the caller was told it was connected. It reconnects now (here the
+  // peer's loopback instance is gone, so the reconnection fails, naming why).
+  Side p, d;
+  EnginesFirst guard({&p, &d});
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(p, "P", PrefillLayers(), 1));
+  ASSERT_NO_FATAL_FAILURE(SetUpSide(d, "D", DecodeLayers(), 2));
+  ASSERT_TRUE(p.engine->AddPeer(d.metadata).ok());
+  EXPECT_TRUE(p.engine->AddPeer(d.metadata).ok()) << "a healthy peer's metadata again: as before";
+  d.engine.reset();  // its backend instance goes with it
+  Result<std::string> again = p.engine->ReplacePeer(d.metadata, "D");
+  ASSERT_EQ(again.status().code(), StatusCode::kTransport) << again.status().ToString();
+  EXPECT_NE(again.status().message().find("is gone"), std::string::npos)
+      << again.status().ToString();
+  EXPECT_EQ(p.engine->Peers(), std::vector<std::string>{"D"}) << "a failed reconnection keeps it";
+}
+
 TEST(EnginePeers, FailedReplacementKeepsTheOldPeer) {
   Side p, d;
   EnginesFirst guard({&p, &d});

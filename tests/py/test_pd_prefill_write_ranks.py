@@ -86,6 +86,9 @@ def test_held_back_ranks_confirmed_during_the_save_step_get_its_layers_and_seal(
         def find_engine(self, engine_id: str) -> None:
             return None
 
+        def check_current(self, peer: Any) -> None:
+            """Never replaced here."""
+
     ctx.directory = Cached()  # type: ignore[assignment]
     ctx.sender = PortSender()  # type: ignore[assignment]
     pusher = Pusher(ctx)

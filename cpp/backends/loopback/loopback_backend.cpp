@@ -228,6 +228,18 @@ class LoopbackBackend final : public Backend {
     return peer;
   }
 
+  // The peer's backend instance was destroyed: nothing of it is reachable any more.
+  bool PeerFailed(std::uint64_t peer) override {
+    std::uint64_t instance = 0;
+    {
+      std::lock_guard lock(mu_);
+      auto it = peers_.find(peer);
+      if (it == peers_.end()) return false;
+      instance = it->second;
+    }
+    return !Directory::Get().IsLive(instance);
+  }
+
   Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                            std::span<const std::uint8_t> key) override {
     const std::string_view text(reinterpret_cast<const char*>(key.data()), key.size());

@@ -588,6 +588,7 @@ class UcxBackend final : public Backend {
   Result<std::uint64_t> ConnectPeer(std::span<const std::uint8_t> address) override;
   void SetOwner(std::string_view engine_id) override;
   Status ExpectPeerOwner(std::uint64_t peer, std::string_view engine_id) override;
+  bool PeerFailed(std::uint64_t peer) override;
   Result<std::uint64_t> ImportRemoteRegion(std::uint64_t peer, const MemoryRange& range,
                                            std::span<const std::uint8_t> remote_key) override;
   Status DisconnectPeer(std::uint64_t peer) override;
@@ -1226,6 +1227,15 @@ Status UcxBackend::ExpectPeerOwner(std::uint64_t peer_id, std::string_view engin
     it->second->registrant.engine = engine_id;
     return Status::OK();
   });
+}
+
+bool UcxBackend::PeerFailed(std::uint64_t peer_id) {
+  Result<bool> failed = OnWorker([&]() -> Result<bool> {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto it = peers_.find(peer_id);
+    return it != peers_.end() && it->second->failed;
+  });
+  return failed.ok() && *failed;
 }
 
 Result<std::uint64_t> UcxBackend::ImportRemoteRegion(std::uint64_t peer_id,

@@ -107,6 +107,8 @@ class PdCore:
             timeout=config.transfer_timeout,
             max_peers=config.max_peers,
             in_use=self._peers_in_use,
+            # The WRITE side posts under the context lock after check_current.
+            replacing=lambda: self.ctx.lock,
             on_handshake=lambda peer: self._on_handshake(),
             on_bound=self._on_peer_bound,
             verify=config.verify,

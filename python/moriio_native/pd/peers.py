@@ -76,6 +76,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -240,6 +241,7 @@ class PeerDirectory:
         max_backoff: float = DEFAULT_MAX_BACKOFF_S,
         max_peers: int = DEFAULT_MAX_PEERS,
         in_use: Callable[[], set[str]] = set,
+        replacing: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
         on_handshake: Callable[[Handshake], None] | None = None,
         on_bound: Callable[[bool], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -251,6 +253,10 @@ class PeerDirectory:
         self._engine = engine
         self._max_peers = max_peers
         self._in_use = in_use  # engine peers the caller's jobs hold (never evicted)
+        # Held while an engine id's connection is swapped for another instance's and recorded:
+        # a caller that posts under it after check_current never posts with the old one's
+        # handshake to the new instance (under _admit, as in_use).
+        self._replacing = replacing
         # Engine peers connected and not yet handed to their callers (a count per engine peer:
         # two addresses of one engine may be admitted at once).
         self._pinned: Counter[str] = Counter()
@@ -443,25 +449,30 @@ class PeerDirectory:
             if self._peers.get(handshake.key) is handshake:
                 del self._peers[handshake.key]
 
+    def check_current(self, peer: Peer | Handshake) -> None:
+        """FailedPreconditionError when the engine's connection of ``peer``'s engine id is
+        another instance's by now: the engine knows a peer by its engine id alone, so a
+        transfer posted with a replaced instance's handshake would move the new process's
+        bytes. Called where posts are made atomic with replacements: under _admit
+        (:meth:`posting`) or under the caller's ``replacing`` guard."""
+        handshake = peer.handshake if isinstance(peer, Peer) else peer
+        with self._lock:
+            last = self._connected_by.get(handshake.response.engine_id)
+        if last is None or last is handshake:
+            return
+        if last.response.engine_metadata != handshake.response.engine_metadata:
+            raise FailedPreconditionError(
+                f"peer {handshake.response.engine_id} at {handshake.key} was replaced by "
+                f"another instance (incarnation {last.response.incarnation or '(none)'}) "
+                "since this handshake; not posting"
+            )
+
     @contextlib.contextmanager
     def posting(self, peer: Peer | Handshake) -> Iterator[None]:
         """Post a transfer to ``peer``'s engine peer inside this block: no connection is made
-        or replaced meanwhile (_admit), and FailedPreconditionError when the engine's
-        connection of that engine id is another instance's by now (the engine knows a peer by
-        its engine id alone: a transfer posted with a replaced instance's handshake would move
-        the new process's bytes)."""
-        handshake = peer.handshake if isinstance(peer, Peer) else peer
+        or replaced meanwhile (_admit), and :meth:`check_current` first."""
         with self._admit:
-            with self._lock:
-                last = self._connected_by.get(handshake.response.engine_id)
-            if last is not None and (
-                last.response.engine_metadata != handshake.response.engine_metadata
-            ):
-                raise FailedPreconditionError(
-                    f"peer {handshake.response.engine_id} at {handshake.key} was replaced by "
-                    f"another instance (incarnation {last.response.incarnation or '(none)'}) "
-                    "since this handshake; not posting"
-                )
+            self.check_current(peer)
             yield
 
     def expire(self) -> None:
@@ -697,20 +708,27 @@ class PeerDirectory:
         # instance it connected gone. The engine swaps the connection -- only when the
         # metadata names the engine the handshake answered as (refused before anything changes
         # otherwise: an answer cannot take another's connection).
-        try:
-            engine_peer = engine.add_peer(
-                response.engine_metadata, replace=True, expected_engine_id=response.engine_id
-            )
-        except MoriioError as exc:
-            raise type(exc)(f"peer at {key}: {exc}") from None
+        guard = self._replacing() if response.engine_id in before else contextlib.nullcontext()
+        with guard:
+            try:
+                engine_peer = engine.add_peer(
+                    response.engine_metadata, replace=True, expected_engine_id=response.engine_id
+                )
+            except MoriioError as exc:
+                raise type(exc)(f"peer at {key}: {exc}") from None
+            peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
+            with self._lock:
+                # Who connected each engine peer, for as long as it stays connected (_rival,
+                # check_current).
+                self._connected_by[response.engine_id] = peer
         # Room is made only for an answer the engine accepted: a refused one evicts nothing.
         try:
             self._make_room(engine, key, response.engine_id)
         except PeerCapacityError:
-            if engine_peer not in before:
-                _remove_idle(engine, engine_peer)
+            if engine_peer not in before and _remove_idle(engine, engine_peer):
+                with self._lock:
+                    self._connected_by.pop(response.engine_id, None)
             raise
-        peer = Handshake(key=key, engine_peer=engine_peer, response=response, asked_at=asked_at)
         connected = set(engine.peers())
         with self._lock:
             # Cached (as most recently used) before _admit is released, so that the next
@@ -718,10 +736,8 @@ class PeerDirectory:
             self._peers[key] = peer
             self._peers.move_to_end(key)
             self._pinned[engine_peer] += 1
-            # Who connected each engine peer, for as long as it stays connected (_rival).
             for gone in [e for e in self._connected_by if e not in connected]:
                 del self._connected_by[gone]
-            self._connected_by[response.engine_id] = peer
         return peer
 
     # ---- the bound (pool thread, under _admit) ------------------------------------------------

@@ -2536,6 +2536,9 @@ class Pusher:
                 with ctx.lock:
                     if job.state not in live:
                         continue
+                    # The decode's engine id may be connected to another instance by now (a
+                    # restart under a fixed engine id): its blocks of these ids are not ours.
+                    ctx.directory.check_current(peer)
                     if op == "seal":
                         # The seal carries the number of layers queued for the job, so it
                         # cannot end the transfer before every one of them was written.
