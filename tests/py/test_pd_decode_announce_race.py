@@ -8,8 +8,7 @@ from typing import Any
 
 from moriio_native.control.messages import RemoteBlocks
 from moriio_native.pd.puller import AwaitState, Puller
-from moriio_native.pd.tasks import RecvTask
-from test_pd_protocol import PREFILL, context, peer
+from test_pd_decode_refused_announce import announce_through
 
 
 class RacingBrokenSender:
@@ -39,17 +38,8 @@ def test_an_announcement_that_may_have_left_keeps_a_raced_quarantine() -> None:
     transition from QUARANTINED to FAILED. Before it, the event did not apply and the
     quarantine held. Now the blocks are reported to vLLM (reused) while the prefill may still
     write into them: DESIGN 3.7's guarantee broken."""
-    ctx, directory, _ = context("write", producer=False)
     sender = RacingBrokenSender()
-    ctx.sender = sender  # type: ignore[assignment]
-    puller = Puller(ctx)
-    sender.puller = puller
-    task = RecvTask(
-        "req-1", "tx-1", PREFILL, "p:7000", 0, 1, local_block_ids=(4, 5), report_done=True
-    )
-    puller.start(task)
-    key, future = directory.pending.pop()
-    future.set_result(peer(key))
+    ctx, puller = announce_through(sender)
     assert any(isinstance(m, RemoteBlocks) for m in sender.sent)
     states = puller.await_states()
     assert states == {"tx-1": AwaitState.QUARANTINED}, (

@@ -9,6 +9,7 @@ from typing import Any
 
 from moriio_native.control.messages import AbortWrite, RemoteBlocks
 from moriio_native.errors import TransportError
+from moriio_native.pd.context import Context
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.tasks import RecvTask
 from test_pd_protocol import PREFILL, context, peer
@@ -30,17 +31,11 @@ class RacingRefusingSender:
         raise TransportError(f"{type(message).__name__}: send queue full (test)")
 
 
-def test_a_refused_announcement_racing_an_abort_does_not_strand_the_blocks() -> None:
-    """give_up ran between _announce's advance to ANNOUNCED and sender.send: the part went
-    QUARANTINED and abort_write was sent (refused too: the same full queue). Then remote_blocks
-    is refused: it never left, so the prefill cannot write -- the case 5b802cf ends FAILED at
-    once. But _announce_failed(unsent=True) only ends a part still ANNOUNCED; (QUARANTINED,
-    UNREACHABLE) is no transition, so the part stays quarantined, its blocks held (unreported
-    to vLLM) until quarantine_timeout, the prefill (alive, answering probes) never having
-    heard of the job."""
+def announce_through(sender: Any) -> tuple[Context, Puller]:
+    """A WRITE-mode decode announcing request req-1 (transfer tx-1) through ``sender``, whose
+    ``puller`` is set to the decode's, the prefill handshaken."""
     ctx, directory, _ = context("write", producer=False)
-    sender = RacingRefusingSender()
-    ctx.sender = sender  # type: ignore[assignment]
+    ctx.sender = sender
     puller = Puller(ctx)
     sender.puller = puller
     task = RecvTask(
@@ -49,6 +44,19 @@ def test_a_refused_announcement_racing_an_abort_does_not_strand_the_blocks() -> 
     puller.start(task)
     key, future = directory.pending.pop()
     future.set_result(peer(key))
+    return ctx, puller
+
+
+def test_a_refused_announcement_racing_an_abort_does_not_strand_the_blocks() -> None:
+    """give_up ran between _announce's advance to ANNOUNCED and sender.send: the part went
+    QUARANTINED and abort_write was sent (refused too: the same full queue). Then remote_blocks
+    is refused: it never left, so the prefill cannot write -- the case 5b802cf ends FAILED at
+    once. But _announce_failed(unsent=True) only ends a part still ANNOUNCED; (QUARANTINED,
+    UNREACHABLE) is no transition, so the part stays quarantined, its blocks held (unreported
+    to vLLM) until quarantine_timeout, the prefill (alive, answering probes) never having
+    heard of the job."""
+    sender = RacingRefusingSender()
+    ctx, puller = announce_through(sender)
     assert any(isinstance(m, AbortWrite) for m in sender.refused)  # the race happened
     assert any(isinstance(m, RemoteBlocks) for m in sender.refused)
     states = puller.await_states()

@@ -11,7 +11,6 @@ checks and its post."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -24,10 +23,12 @@ from moriio_native.control.messages import HandshakeResponse
 from moriio_native.control.schema import new_incarnation
 from moriio_native.control.security import ControlSecurity
 from moriio_native.pd import puller as puller_module
+from moriio_native.pd.context import Context
 from moriio_native.pd.peers import PeerDirectory, PeerKey
 from moriio_native.pd.puller import Puller
 from moriio_native.pd.tasks import RecvTask
 from net_support import free_port
+from test_pd_decode_robustness import wait_for
 from test_pd_protocol import context as protocol_context
 
 LOCAL = "127.0.0.1"
@@ -65,13 +66,25 @@ class _Prefill:
         self.server.close()
 
 
-def _wait(predicate: Any, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
+def decode_with_a_directory(
+    puller_engine: Any = None, **settings: Any
+) -> tuple[mn.Engine, kc.KvCacheSet, Context, Puller]:
+    """A decode rank's loopback engine and caches, its protocol context with a real
+    PeerDirectory connecting that engine, and a Puller; the puller posts to ``puller_engine``
+    (default: the same engine)."""
+    caches = kc.build_caches(kc.mixed_model("decode"), num_blocks=8)
+    kc.fill_random(caches, seed=9)
+    engine = mn.Engine("d:1/dp0/tp0", "loopback")
+    engine.register_kv_caches(caches.registrations())
+    posts_to = engine if puller_engine is None else puller_engine
+    ctx, _, _ = protocol_context("read", producer=False, engine=posts_to, **settings)
+    ctx.directory = PeerDirectory(
+        lambda: engine,  # type: ignore[arg-type,return-value]
+        _security(),
+        "d:1/dp0/tp0",
+        timeout=5.0,
+    )
+    return engine, caches, ctx, Puller(ctx)
 
 
 def test_a_read_posted_after_its_prefill_was_replaced_does_not_load_the_new_instances_bytes(
@@ -80,19 +93,8 @@ def test_a_read_posted_after_its_prefill_was_replaced_does_not_load_the_new_inst
     hs, notify = free_port(), free_port()
     address = ZmqAddress(LOCAL, hs, notify)
     key = PeerKey(LOCAL, hs)
-    decode_caches = kc.build_caches(kc.mixed_model("decode"), num_blocks=8)
-    kc.fill_random(decode_caches, seed=9)
-    decode_engine = mn.Engine("d:1/dp0/tp0", "loopback")
-    decode_engine.register_kv_caches(decode_caches.registrations())
-    ctx, _, _ = protocol_context("read", producer=False, engine=decode_engine, require_hold=False)
-    directory = PeerDirectory(
-        lambda: decode_engine,
-        _security(),
-        "d:1/dp0/tp0",
-        timeout=5.0,  # type: ignore[arg-type,return-value]
-    )
-    ctx.directory = directory
-    puller = Puller(ctx)
+    decode_engine, decode_caches, ctx, puller = decode_with_a_directory(require_hold=False)
+    directory = ctx.directory
     old = _Prefill(hs, 1)
     new: _Prefill | None = None
     try:
@@ -141,7 +143,7 @@ def test_a_read_posted_after_its_prefill_was_replaced_does_not_load_the_new_inst
                 puller.on_event(e)
             return "req-old" in ctx.reports.done_recving
 
-        _wait(ended)
+        wait_for(ended, 10.0)
         assert "req-old" in ctx.reports.done_recving, (events, puller.read_states())
         loaded = "req-old" not in ctx.reports.failed_recving
         from_new = kc.blocks_match(decode_caches, new.caches, local, remote)

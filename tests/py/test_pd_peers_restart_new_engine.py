@@ -5,27 +5,16 @@ scripted)."""
 
 from __future__ import annotations
 
-import time
-from typing import Any
-
 import moriio_native as mn
 from moriio_native import kvcache as kc
 from moriio_native.control.addressing import ZmqAddress
 from moriio_native.control.channel import HandshakeServer
 from moriio_native.control.messages import HandshakeResponse
-from moriio_native.control.security import ControlSecurity
-from moriio_native.pd.peers import PeerDirectory
-from moriio_native.pd.puller import Puller
 from moriio_native.pd.tasks import RecvTask
 from net_support import free_port
-from test_pd_protocol import context as protocol_context
+from test_pd_decode_robustness import wait_for
+from test_pd_peers_replaced_post import LOCAL, _security, decode_with_a_directory
 from test_pd_tp_fanout import Engine as ScriptedEngine
-
-LOCAL = "127.0.0.1"
-
-
-def _security() -> ControlSecurity:
-    return ControlSecurity.from_config({"allowed_peers": [f"{LOCAL}/32"]})
 
 
 class _Prefill:
@@ -56,15 +45,6 @@ def _task(req: str, prefill: ZmqAddress, engine: str) -> RecvTask:
     return RecvTask(req, f"tx-{req}", prefill, engine, 0, 1, (1, 2), (3, 4), report_done=True)
 
 
-def _wait(predicate: Any, seconds: float = 10.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return predicate()
-
-
 def test_a_prefill_restarted_as_a_new_engine_is_reached_by_the_next_request() -> None:
     """Request 1 reads from engine p:A at 127.0.0.1:H (handshake cached). The prefill
     restarts there as engine p:B. Request 2 names p:B: the cached handshake still names p:A,
@@ -74,33 +54,25 @@ def test_a_prefill_restarted_as_a_new_engine_is_reached_by_the_next_request() ->
     for HANDSHAKE_MAX_AGE_S (10 minutes): every request to the restarted prefill recomputed."""
     hs, notify = free_port(), free_port()
     address = ZmqAddress(LOCAL, hs, notify)
-    decode_caches = kc.build_caches(kc.mixed_model("decode"), num_blocks=8)
-    decode_engine = mn.Engine("d:1/dp0/tp0", "loopback")
-    decode_engine.register_kv_caches(decode_caches.registrations())
     scripted = ScriptedEngine()
-    ctx, _, _ = protocol_context(
-        "read", producer=False, engine=scripted, require_incarnation=False, require_hold=False
+    _, _, ctx, puller = decode_with_a_directory(
+        scripted, require_incarnation=False, require_hold=False
     )
-    directory = PeerDirectory(
-        lambda: decode_engine,
-        _security(),
-        "d:1/dp0/tp0",
-        timeout=5.0,  # type: ignore[arg-type,return-value]
-    )
-    ctx.directory = directory
-    puller = Puller(ctx)
+    directory = ctx.directory
     first = _Prefill("p:A/dp0/tp0", hs, 1)
     second = None
     try:
         puller.start(_task("req-1", address, "p:A"))
-        assert _wait(lambda: ("read", "tx-req-1", "p:A/dp0/tp0") in scripted.calls), ctx.reports
+        assert wait_for(lambda: ("read", "tx-req-1", "p:A/dp0/tp0") in scripted.calls, 10.0), (
+            ctx.reports
+        )
         first.close()
         second = _Prefill("p:B/dp0/tp0", hs, 2)  # restarted under the same address
         puller.start(_task("req-2", address, "p:B"))
-        assert _wait(lambda: "req-2" in ctx.reports.done_recving)
+        assert wait_for(lambda: "req-2" in ctx.reports.done_recving, 10.0)
         assert "req-2" in ctx.reports.failed_recving  # the stale cache: recomputed once
         puller.start(_task("req-3", address, "p:B"))
-        _wait(
+        wait_for(
             lambda: (
                 "req-3" in ctx.reports.done_recving
                 or any(c[:2] == ("read", "tx-req-3") for c in scripted.calls)
