@@ -253,9 +253,9 @@ class PeerDirectory:
         self._engine = engine
         self._max_peers = max_peers
         self._in_use = in_use  # engine peers the caller's jobs hold (never evicted)
-        # Held while an engine id's connection is swapped for another instance's and recorded:
-        # a caller that posts under it after check_current never posts with the old one's
-        # handshake to the new instance (under _admit, as in_use).
+        # Held while an engine peer is connected (or swapped for another instance) and recorded:
+        # a caller that posts under it after check_current never posts with an old instance's
+        # handshake to a new one (under _admit, as in_use).
         self._replacing = replacing
         # Engine peers connected and not yet handed to their callers (a count per engine peer:
         # two addresses of one engine may be admitted at once).
@@ -708,8 +708,9 @@ class PeerDirectory:
         # instance it connected gone. The engine swaps the connection -- only when the
         # metadata names the engine the handshake answered as (refused before anything changes
         # otherwise: an answer cannot take another's connection).
-        guard = self._replacing() if response.engine_id in before else contextlib.nullcontext()
-        with guard:
+        # Always under the guard: an engine id dropped from the engine (remove_peer) while a
+        # job still holds its handshake is a replacement for that job too.
+        with self._replacing():
             try:
                 engine_peer = engine.add_peer(
                     response.engine_metadata, replace=True, expected_engine_id=response.engine_id

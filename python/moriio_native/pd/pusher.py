@@ -1820,6 +1820,10 @@ class Pusher:
                 return job is not None
             if job.state is JobState.DRAINING:
                 return True
+            if event.state not in ("done", "aborted"):
+                # The connection may be what failed (UCX: the endpoint errored): the next job
+                # handshakes the decode again, and the engine reconnects the same metadata.
+                self._ctx.directory.forget(job.peer)
             if not drained:
                 # Writes may still land in the decode's blocks (and read ours): nothing is
                 # reported, nothing freed, until the engine says they drained.
@@ -2558,6 +2562,8 @@ class Pusher:
                     elif taken is False and not job.engine_took:
                         self._end_spent(job)
             except Exception as exc:
+                if isinstance(exc, TransportError):  # the connection failed: handshake again
+                    ctx.directory.forget(peer)
                 self._fail_guarded(job, f"{op} {layer}: {exc}".strip())
 
     def _fail_guarded(self, job: _Job, reason: str) -> None:
