@@ -420,6 +420,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "closed (the instances' listener_handshake_timeout)",
     )
     args = parser.parse_args(argv)
+    for option, port in (("--port", args.port), ("--discovery-port", args.discovery_port)):
+        if not 1 <= port <= 65535:
+            parser.error(f"{option} must be 1..65535, got {port}")
     try:
         args.handshake_ms = listener_handshake_ms(args.handshake_timeout)
     except InvalidArgumentError as exc:

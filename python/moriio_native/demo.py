@@ -93,6 +93,8 @@ class DemoError(MoriioError, RuntimeError):
 
 # The longest --timeout: what multiprocessing Connection.poll takes (INT_MAX ms, 24.8 days).
 _MAX_DEMO_TIMEOUT_S = 2_000_000.0
+# The most blocks per side: a block id is at most 2^31 - 1 (control.schema.MAX_BLOCK_ID).
+_MAX_DEMO_BLOCKS = 2**31
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,11 @@ class DemoConfig:
             raise InvalidArgumentError(
                 f"demo: num_blocks ({num_blocks}) must exceed blocks_per_request "
                 f"({self.blocks_per_request}) so some blocks stay untouched"
+            )
+        if num_blocks > _MAX_DEMO_BLOCKS:
+            raise InvalidArgumentError(
+                f"demo: num_blocks must be at most {_MAX_DEMO_BLOCKS} (block ids are 31-bit), "
+                f"got {num_blocks}"
             )
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise InvalidArgumentError(

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import os
 import re
+import reprlib
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -245,7 +246,10 @@ _NOTHING = object()
 
 def describe(value: Any) -> str:
     """``repr(value)``, cut to 80 characters."""
-    text = repr(value)
+    try:
+        text = repr(value)
+    except RecursionError:  # nested deeper than the stack left allows: a bounded repr
+        text = reprlib.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

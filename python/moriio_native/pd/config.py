@@ -12,6 +12,28 @@ from moriio_native.errors import InvalidArgumentError
 Mode = Literal["read", "write"]
 # Peers one rank keeps connected (and peer addresses it caches) at most (pd/peers.py).
 DEFAULT_MAX_PEERS = 1024
+# The longest timeout (a year: what the engine takes as transfer_timeout).
+MAX_TIMEOUT_S = 365 * 86400
+_BOOLS = (
+    "producer",
+    "consumer",
+    "sync_read",
+    "context_parallel",
+    "verify",
+    "confirm_reads",
+    "require_incarnation",
+    "require_hold",
+)
+_INTS = (
+    "handshake_port",
+    "notify_port",
+    "dp_rank",
+    "tp_rank",
+    "dp_size",
+    "tp_size",
+    "total_kv_heads",
+    "max_peers",
+)
 
 
 @dataclass(frozen=True)
@@ -71,6 +93,23 @@ class PdConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("read", "write"):
             raise InvalidArgumentError(f"mode must be 'read' or 'write', got {self.mode!r}")
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgumentError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        for name in _INTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+        for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not 0 < value <= MAX_TIMEOUT_S
+            ):
+                raise InvalidArgumentError(
+                    f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {value!r}"
+                )
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:
             raise InvalidArgumentError(
                 f"rank dp{self.dp_rank}/tp{self.tp_rank} outside dp_size {self.dp_size} / "
@@ -100,9 +139,6 @@ class PdConfig:
             )
         if self.total_kv_heads < 0:
             raise InvalidArgumentError(f"total_kv_heads must be >= 0, got {self.total_kv_heads}")
-        for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
-            if not getattr(self, name) > 0:
-                raise InvalidArgumentError(f"{name} must be > 0, got {getattr(self, name)!r}")
 
     @property
     def confirms_reads(self) -> bool:

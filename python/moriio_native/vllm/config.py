@@ -144,9 +144,12 @@ Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 Backend = Literal["auto", "ucx", "mori", "loopback"]
 #: A positive, finite number of seconds (at most ~30 years).
 Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
-#: What the engine takes as transfer_timeout: positive, at most a year.
-TransferSeconds = Annotated[float, msgspec.Meta(gt=0, le=365 * 86400)]
+#: What the engine takes as transfer_timeout: at least a millisecond, at most a year.
+TransferSeconds = Annotated[float, msgspec.Meta(ge=0.001, le=365 * 86400)]
 PeerCount = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+#: Seconds between registration pings: not a busy loop (tests ping every 0.05 s), and well
+#: inside the example proxy's staleness bound (30 s), so one lost ping keeps the instance routed.
+PingSeconds = Annotated[float, msgspec.Meta(ge=0.01, le=15.0)]
 HandshakeSeconds = Annotated[
     float, msgspec.Meta(ge=MIN_LISTENER_HANDSHAKE_TIMEOUT, le=MAX_LISTENER_HANDSHAKE_TIMEOUT)
 ]
@@ -282,7 +285,7 @@ class ConnectorConfig(Schema, frozen=True):
     proxy_ip: HostText | None = None
     proxy_ping_port: Port = DEFAULT_PROXY_PING_PORT
     http_port: Port | None = None
-    ping_interval: Seconds = DEFAULT_PING_INTERVAL
+    ping_interval: PingSeconds = DEFAULT_PING_INTERVAL
     proxy_auth: bool = False
     transfer_timeout: TransferSeconds = DEFAULT_TRANSFER_TIMEOUT
     abort_timeout: Seconds = DEFAULT_ABORT_TIMEOUT
@@ -505,9 +508,42 @@ class ConnectorConfig(Schema, frozen=True):
                 )
             raw["mode"] = legacy
         try:
-            return convert(raw, cls, strict=False)  # type: ignore[no-any-return]
+            config: ConnectorConfig = convert(raw, cls, strict=False)
         except msgspec.ValidationError as exc:
             raise InvalidArgumentError(explain(_WHAT, exc, raw)) from None
+        config._warn_timeouts()
+        return config
+
+    def _warn_timeouts(self) -> None:
+        """The timeouts' documented relations (docs/configuration.md), checked against this
+        instance's own values (its peer's usually match): logged, since a peer may differ."""
+        if (
+            self.mode == "read"
+            and self.is_producer
+            and not (self.abort_timeout > self.transfer_timeout + 1.0)
+        ):
+            logger.warning(
+                "%s: abort_timeout %g s is not above transfer_timeout %g s + 1 s: this READ "
+                "prefill holds a request's blocks abort_timeout after its answer, and a decode "
+                "with this transfer_timeout reads only when its READ can end within the hold, so "
+                "every READ would be recomputed",
+                _WHAT,
+                self.abort_timeout,
+                self.transfer_timeout,
+            )
+        if (
+            self.mode == "write"
+            and self.is_consumer
+            and self.transfer_timeout >= self.abort_timeout
+        ):
+            logger.warning(
+                "%s: transfer_timeout %g s is not below abort_timeout %g s: this WRITE decode "
+                "gives up on a request's KV after abort_timeout, so a prefill forward longer than "
+                "that is recomputed whatever transfer_timeout allows",
+                _WHAT,
+                self.transfer_timeout,
+                self.abort_timeout,
+            )
 
 
 __all__ = [
