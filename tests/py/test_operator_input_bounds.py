@@ -268,3 +268,25 @@ def test_sub_millisecond_transfer_timeout_refused_at_parse() -> None:
         ConnectorConfig.from_extra_config(
             {"transfer_timeout": 0.0004, "host_ip": "127.0.0.1"}, role="kv_producer"
         )
+
+
+def test_pd_config_takes_the_longest_timeouts_the_connector_config_takes() -> None:
+    """A value the connector's config accepts must not be refused later by PdConfig (the
+    worker builds one from it after vLLM loaded the model): the longest of each timeout."""
+    longest = ConnectorConfig.from_extra_config(
+        {"transfer_timeout": 365 * 86400, "abort_timeout": 1e9, "quarantine_timeout": 1e9},
+        role="kv_consumer",
+    )
+    config = PdConfig(
+        engine_id="d:1/dp0/tp0",
+        mode="read",
+        producer=False,
+        consumer=True,
+        host_ip="127.0.0.1",
+        handshake_port=0,
+        notify_port=0,
+        transfer_timeout=longest.transfer_timeout,
+        abort_timeout=longest.abort_timeout,
+        quarantine_timeout=longest.quarantine_timeout,
+    )
+    assert config.quarantine_timeout == 1e9

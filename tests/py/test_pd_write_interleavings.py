@@ -127,7 +127,7 @@ def trial(
         "write", producer=True, tp_rank=my_rank, tp_size=my_tp, heads=max(8, decode_tp)
     )
     consumers = list(ctx.tp_plan("d", decode_tp, prefill=True).consumers(my_rank))
-    ctx.cfg = dataclasses.replace(ctx.cfg, quarantine_timeout=1e12)
+    ctx.cfg = dataclasses.replace(ctx.cfg, quarantine_timeout=1e9)
     from concurrent.futures import Future
 
     cached: set[Any] = set()

@@ -12,8 +12,11 @@ from moriio_native.errors import InvalidArgumentError
 Mode = Literal["read", "write"]
 # Peers one rank keeps connected (and peer addresses it caches) at most (pd/peers.py).
 DEFAULT_MAX_PEERS = 1024
-# The longest timeout (a year: what the engine takes as transfer_timeout).
-MAX_TIMEOUT_S = 365 * 86400
+# The longest transfer_timeout: a year, what the engine takes.
+MAX_TRANSFER_TIMEOUT_S = 365 * 86400
+# The longest abort_timeout and quarantine_timeout (about 31 years: "never", finite so that a
+# hold's end in milliseconds stays an integer a message carries).
+MAX_HOLD_TIMEOUT_S = 1e9
 _BOOLS = (
     "producer",
     "consumer",
@@ -100,15 +103,19 @@ class PdConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-        for name in ("transfer_timeout", "abort_timeout", "quarantine_timeout"):
+        for name, most in (
+            ("transfer_timeout", MAX_TRANSFER_TIMEOUT_S),
+            ("abort_timeout", MAX_HOLD_TIMEOUT_S),
+            ("quarantine_timeout", MAX_HOLD_TIMEOUT_S),
+        ):
             value = getattr(self, name)
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or not 0 < value <= MAX_TIMEOUT_S
+                or not 0 < value <= most
             ):
                 raise InvalidArgumentError(
-                    f"{name} must be a number of seconds in (0, {MAX_TIMEOUT_S}], got {value!r}"
+                    f"{name} must be a number of seconds in (0, {most:g}], got {value!r}"
                 )
         if not 0 <= self.tp_rank < self.tp_size or not 0 <= self.dp_rank < self.dp_size:
             raise InvalidArgumentError(

@@ -136,16 +136,18 @@ from moriio_native.control.security import (
 )
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.config import DEFAULT_MAX_PEERS as DEFAULT_PD_MAX_PEERS
+from moriio_native.pd.config import MAX_HOLD_TIMEOUT_S, MAX_TRANSFER_TIMEOUT_S
 
 logger = logging.getLogger("moriio_native.vllm.config")
 
 Mode = Literal["read", "write"]
 Role = Literal["kv_producer", "kv_consumer", "kv_both"]
 Backend = Literal["auto", "ucx", "mori", "loopback"]
-#: A positive, finite number of seconds (at most ~30 years).
-Seconds = Annotated[float, msgspec.Meta(gt=0, le=1e9)]
+#: A positive, finite number of seconds (at most ~30 years: PdConfig's abort and quarantine
+#: bound).
+Seconds = Annotated[float, msgspec.Meta(gt=0, le=MAX_HOLD_TIMEOUT_S)]
 #: What the engine takes as transfer_timeout: at least a millisecond, at most a year.
-TransferSeconds = Annotated[float, msgspec.Meta(ge=0.001, le=365 * 86400)]
+TransferSeconds = Annotated[float, msgspec.Meta(ge=0.001, le=MAX_TRANSFER_TIMEOUT_S)]
 PeerCount = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
 #: Seconds between registration pings: not a busy loop (tests ping every 0.05 s), and well
 #: inside the example proxy's staleness bound (30 s), so one lost ping keeps the instance routed.
