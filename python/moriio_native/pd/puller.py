@@ -631,10 +631,12 @@ class Puller:
         if done and (ctx.verifier is not None or ctx.confirmer is not None):
             self._verify_read(read, part, event)
             return True
-        with ctx.lock:
-            # Aborted by us for the load's sake (a sibling failed, the request ended): the
-            # prefill did nothing wrong, its handshake stays cached.
-            stopped = read.failing and event.state == "aborted"
+        # Aborted by us for the load's sake (a sibling failed, the request ended): the prefill
+        # did nothing wrong, its handshake stays cached. The lock only for an aborted event.
+        stopped = False
+        if event.state == "aborted":
+            with ctx.lock:
+                stopped = read.failing
         self._end_read_part(
             read,
             part,
