@@ -12,6 +12,11 @@ from moriio_native.errors import InvalidArgumentError
 Mode = Literal["read", "write"]
 # Peers one rank keeps connected (and peer addresses it caches) at most (pd/peers.py).
 DEFAULT_MAX_PEERS = 1024
+# What a READ leaves, past its own transfer_timeout, before the prefill may free the blocks: the
+# prefill's scheduler (which states the hold) and the worker that answered the handshake may sit
+# on two hosts whose clocks agree only to NTP's milliseconds, and the READ is posted a moment
+# after the check.
+HOLD_MARGIN_S = 1.0
 # The longest transfer_timeout: a year, what the engine takes.
 MAX_TRANSFER_TIMEOUT_S = 365 * 86400
 # The longest abort_timeout and quarantine_timeout (about 31 years: "never", finite so that a

@@ -18,7 +18,7 @@ from moriio_native.control.ports import rank_port
 from moriio_native.control.schema import new_incarnation
 from moriio_native.engine import Engine
 from moriio_native.errors import FailedPreconditionError, IncompatiblePeerError
-from moriio_native.pd.config import PdConfig
+from moriio_native.pd.config import HOLD_MARGIN_S, PdConfig
 from moriio_native.pd.groups import (
     GroupedBlocks,
     Segment,
@@ -45,11 +45,6 @@ MAX_DESCRIBED_TP = 64
 #: Peers (host, TP size, side) whose plan was logged that are remembered, so that each is
 #: logged once; past it the oldest is forgotten (and logged again if it comes back).
 MAX_LOGGED_PLANS = 1024
-# What a READ leaves, past its own transfer_timeout, before the prefill may free the blocks: the
-# prefill's scheduler (which states the hold) and the worker that answered the handshake may sit
-# on two hosts whose clocks agree only to NTP's milliseconds, and the READ is posted a moment
-# after the check.
-HOLD_MARGIN_S = 1.0
 
 
 class StatsSink(Protocol):

@@ -136,7 +136,7 @@ from moriio_native.control.security import (
 )
 from moriio_native.errors import InvalidArgumentError
 from moriio_native.pd.config import DEFAULT_MAX_PEERS as DEFAULT_PD_MAX_PEERS
-from moriio_native.pd.config import MAX_HOLD_TIMEOUT_S, MAX_TRANSFER_TIMEOUT_S
+from moriio_native.pd.config import HOLD_MARGIN_S, MAX_HOLD_TIMEOUT_S, MAX_TRANSFER_TIMEOUT_S
 
 logger = logging.getLogger("moriio_native.vllm.config")
 
@@ -522,16 +522,17 @@ class ConnectorConfig(Schema, frozen=True):
         if (
             self.mode == "read"
             and self.is_producer
-            and not (self.abort_timeout > self.transfer_timeout + 1.0)
+            and not (self.abort_timeout > self.transfer_timeout + HOLD_MARGIN_S)
         ):
             logger.warning(
-                "%s: abort_timeout %g s is not above transfer_timeout %g s + 1 s: this READ "
+                "%s: abort_timeout %g s is not above transfer_timeout %g s + %g s: this READ "
                 "prefill holds a request's blocks abort_timeout after its answer, and a decode "
                 "with this transfer_timeout reads only when its READ can end within the hold, so "
                 "every READ would be recomputed",
                 _WHAT,
                 self.abort_timeout,
                 self.transfer_timeout,
+                HOLD_MARGIN_S,
             )
         if (
             self.mode == "write"
